@@ -1,0 +1,85 @@
+"""flodl_shm: CPU-averaged data-parallel PyTorch training over shared memory.
+
+Ranks on one host exchange model frames through shared-memory rings and reduce
+them to a weighted consensus Σ(wᵣ·Tᵣ)/Σwᵣ with numba kernels; a relay per host
+bridges to a controller over authenticated TCP for multi-host cohorts. See
+README.md for the quick start and DESIGN notes.
+
+The public API is re-exported here lazily: ``import flodl_shm`` is cheap and
+pulls in torch or numba only when a name that needs them is first used.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    # errors
+    "FrameError": "flodl_shm.errors",
+    "SchemaMismatchError": "flodl_shm.errors",
+    "CheckpointError": "flodl_shm.errors",
+    "RankFailed": "flodl_shm.errors",
+    "ReduceStall": "flodl_shm.errors",
+    "CohortAborted": "flodl_shm.errors",
+    # frames
+    "DTYPE_F32": "flodl_shm.frame",
+    "DTYPE_BF16": "flodl_shm.frame",
+    "RoundKind": "flodl_shm.frame",
+    "TensorPayload": "flodl_shm.frame",
+    "RoundFrame": "flodl_shm.frame",
+    "tensors_to_round_frame": "flodl_shm.frame",
+    "round_frame_to_tensors": "flodl_shm.frame",
+    # launch and collectives
+    "spawn": "flodl_shm.spawn",
+    "RankContext": "flodl_shm.spawn",
+    "Comm": "flodl_shm.comm",
+    "ClusterController": "flodl_shm.controller",
+    # realized work and dead ranks
+    "gamma_mass": "flodl_shm.realized_work",
+    "mover_mass": "flodl_shm.realized_work",
+    "sumcount_reduce": "flodl_shm.realized_work",
+    "DeadRanks": "flodl_shm.dead_ranks",
+    # staging and RAM
+    "pinned_decode_affordable": "flodl_shm.staging",
+    "DECODE_SLOT_PARAMS": "flodl_shm.staging",
+    "DECODE_SLOT_BUFFERS": "flodl_shm.staging",
+    # checkpoints
+    "CheckpointForge": "flodl_shm.checkpoint.forge",
+    "load_consensus_checkpoint": "flodl_shm.checkpoint.forge",
+    "load_outer_momentum": "flodl_shm.checkpoint.forge",
+    "LoadReport": "flodl_shm.checkpoint.fdl",
+    "ModelSchema": "flodl_shm.checkpoint.meta",
+    "CheckpointMeta": "flodl_shm.checkpoint.meta",
+    "SaveReason": "flodl_shm.checkpoint.meta",
+    "ElCheState": "flodl_shm.checkpoint.meta",
+    "CoverageBlock": "flodl_shm.checkpoint.meta",
+    "EpochCoverage": "flodl_shm.checkpoint.meta",
+    "RankDeathRecord": "flodl_shm.checkpoint.meta",
+    "CheckpointBundle": "flodl_shm.checkpoint.meta",
+    "CHECKPOINT_META_SCHEMA_VERSION": "flodl_shm.checkpoint.meta",
+    "RANK_DEATH_RECORD_SCHEMA_VERSION": "flodl_shm.checkpoint.meta",
+    # training runtime
+    "ElChe": "flodl_shm.el_che",
+    "Phase": "flodl_shm.el_che",
+    "TrendGuard": "flodl_shm.convergence",
+    "OuterAvg": "flodl_shm.outer",
+    "OuterNesterov": "flodl_shm.outer",
+    "ChunkPool": "flodl_shm.coverage",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flodl_shm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

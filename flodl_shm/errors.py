@@ -1,0 +1,91 @@
+"""The exceptions flodl_shm raises, in one place.
+
+Each says what was wrong, the value and the limit involved, and how to fix it.
+"""
+from __future__ import annotations
+
+
+class FrameError(ValueError):
+    """A frame or its wire encoding is malformed, inconsistent or unauthenticated.
+
+    The only error the frame and wire layers raise for bad input.
+    """
+
+
+class SchemaMismatchError(FrameError):
+    """Ranks contributed frames of different schemas (tensor count, shapes, dtypes
+    or kind) to the same collective round. Raised on every rank of the round."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is corrupt, truncated, or incompatible with the model."""
+
+
+class ReduceStall(TimeoutError):
+    """A collective round did not complete within its deadline while the missing
+    peers were still alive.
+
+    Attributes:
+        round: the round number that stalled.
+        missing: the ranks that had not arrived (or finished their part).
+        timeout: the deadline in seconds.
+    """
+
+    def __init__(self, message: str, *, round: int = -1, missing: tuple[int, ...] = (),
+                 timeout: float | None = None) -> None:
+        super().__init__(message)
+        self.round = round
+        self.missing = tuple(missing)
+        self.timeout = timeout
+
+    def __reduce__(self):
+        return (_rebuild_reduce_stall, (str(self), self.round, self.missing, self.timeout))
+
+
+def _rebuild_reduce_stall(message, round, missing, timeout):
+    return ReduceStall(message, round=round, missing=missing, timeout=timeout)
+
+
+class CohortAborted(RuntimeError):
+    """The cohort was torn down while this rank waited (a peer failed beyond
+    ``max_failures``, the launcher was interrupted, or the launcher died)."""
+
+
+class RankFailed(RuntimeError):
+    """A rank of a ``spawn`` failed: it raised, or it was killed by a signal.
+
+    Attributes:
+        rank: the global rank that failed.
+        exc_type: the exception's type name (``None`` when killed by a signal).
+        traceback: the remote traceback text ("" when killed by a signal).
+        signal: the signal name (e.g. ``"SIGKILL"``) or ``None``.
+        exitcode: the process exit code when known.
+    """
+
+    def __init__(self, rank: int, exc_type: str | None = None, traceback: str = "",
+                 signal: str | None = None, exitcode: int | None = None,
+                 message: str | None = None) -> None:
+        self.rank = rank
+        self.exc_type = exc_type
+        self.traceback = traceback
+        self.signal = signal
+        self.exitcode = exitcode
+        if message is None:
+            if signal is not None:
+                message = (f"rank {rank} was killed by signal {signal}"
+                           f" (exit code {exitcode}); no Python traceback is available")
+            elif exc_type is not None:
+                message = f"rank {rank} raised {exc_type}"
+            else:
+                message = f"rank {rank} exited with code {exitcode} without a result"
+            if exc_type is None and signal is None:
+                message += " (exc_type=None, signal=None)"
+            else:
+                message += f" (exc_type={exc_type}, signal={signal})"
+            if traceback:
+                message += "\n\n--- remote traceback of rank %d ---\n%s" % (rank, traceback.rstrip())
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (RankFailed, (self.rank, self.exc_type, self.traceback, self.signal,
+                             self.exitcode, str(self)))

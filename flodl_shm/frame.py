@@ -1,0 +1,309 @@
+"""Round frames: the unit every collective exchanges.
+
+A ``RoundFrame`` is an ordered list of ``TensorPayload`` (a wire dtype tag, a shape
+and the raw little-endian element bytes) plus the sender's realized-work ``weight``
+and the round's ``kind``. It mirrors flodl 0.7.0's RoundFrame (``notes/flodl-spec.md``
+§1.4); ``flodl_shm.wire`` gives its byte layout on a stream.
+
+Wire dtypes: ``DTYPE_F32`` (tag 0, 4-byte elements) and ``DTYPE_BF16`` (tag 1,
+2-byte elements). Tensors cross this boundary as:
+
+- f32 tensor -> f32 payload: the bytes, copied once;
+- f32 tensor -> bf16 payload: round-to-nearest-even, bit-identical to torch's cast
+  for every non-NaN value (a NaN becomes a quiet NaN keeping its sign);
+- bf16 tensor -> bf16 payload: the bits verbatim (no second rounding);
+- bf16 tensor -> f32 payload: upcast exactly (a bf16-staged tensor on an f32 wire
+  keeps the cohort's frame schema instead of desyncing it);
+- any other dtype: ``FrameError`` naming it and the supported ones.
+
+Decoding always returns float32 CPU tensors.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from . import kernels
+from .errors import FrameError
+
+DTYPE_F32 = 0
+DTYPE_BF16 = 1
+
+_ELEM_SIZE = {DTYPE_F32: 4, DTYPE_BF16: 2}
+_DTYPE_NAME = {DTYPE_F32: "f32", DTYPE_BF16: "bf16"}
+
+#: Bound on a frame's tensor count (a hostile count is refused before any parsing).
+MAX_ROUND_FRAME_TENSORS = 65536
+#: Bound on a tensor's rank (the wire stores ndim in one byte).
+MAX_NDIM = 255
+_U32_MAX = 0xFFFFFFFF
+
+
+class RoundKind(enum.IntEnum):
+    """What a round carries. ``MODEL`` rounds are realized-work averages (params or
+    buffers; fed to the checkpoint forge and the outer optimizer). ``CONTROL`` rounds
+    are plain sums (count gathers, broadcasts), always on an f32 wire."""
+
+    MODEL = 0
+    CONTROL = 1
+
+    @classmethod
+    def from_wire(cls, byte: int) -> "RoundKind":
+        try:
+            return cls(byte)
+        except ValueError:
+            raise FrameError(f"unknown RoundKind wire byte {byte} (0 = Model, 1 = Control)") from None
+
+
+def elem_size(dtype: int) -> int:
+    """Bytes per element of a wire dtype tag; ``FrameError`` for an unknown tag."""
+    try:
+        return _ELEM_SIZE[dtype]
+    except (KeyError, TypeError):
+        raise FrameError(f"unsupported wire dtype tag {dtype!r} (0 = f32, 1 = bf16)") from None
+
+
+def dtype_name(dtype: int) -> str:
+    return _DTYPE_NAME.get(dtype, f"tag{dtype}")
+
+
+def _as_bytes_view(data) -> memoryview:
+    mv = data if isinstance(data, memoryview) else memoryview(data)
+    if mv.ndim != 1 or mv.format != "B":
+        if not mv.c_contiguous:
+            raise FrameError("payload data must be a contiguous buffer")
+        mv = mv.cast("B")
+    return mv
+
+
+@dataclass(eq=False)
+class TensorPayload:
+    """One tensor on the wire: dtype tag, shape, raw little-endian element bytes.
+
+    ``data`` accepts any contiguous buffer (bytes, bytearray, numpy array,
+    memoryview) and is held as a flat ``memoryview`` of unsigned bytes, without
+    copying. Equality compares dtype, shape and bytes.
+    """
+
+    dtype: int
+    shape: tuple[int, ...]
+    data: memoryview = field(repr=False)
+
+    def __post_init__(self) -> None:
+        try:
+            shape = tuple(int(d) for d in self.shape)
+        except TypeError:
+            raise FrameError(f"payload shape must be a sequence of ints, got {self.shape!r}") from None
+        for d, n in enumerate(shape):
+            if n < 0 or n > _U32_MAX:
+                raise FrameError(f"payload dim[{d}] = {n} doesn't fit in u32 (0 ..= {_U32_MAX})")
+        if len(shape) > MAX_NDIM:
+            raise FrameError(f"payload has {len(shape)} dims; the wire allows at most {MAX_NDIM}")
+        self.shape = shape
+        self.data = _as_bytes_view(self.data)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def expected_nbytes(self) -> int:
+        """numel × element size of the declared dtype (FrameError on an unknown tag)."""
+        return self.numel * elem_size(self.dtype)
+
+    def check(self, index: int = 0) -> None:
+        """Raise ``FrameError`` unless the byte count matches shape and dtype."""
+        want = self.expected_nbytes()
+        if self.nbytes != want:
+            raise FrameError(
+                f"tensor[{index}]: payload holds {self.nbytes} bytes but shape "
+                f"{list(self.shape)} has numel {self.numel} x {elem_size(self.dtype)} bytes "
+                f"({dtype_name(self.dtype)}) = expected {want} bytes"
+            )
+
+    def as_array(self, index: int = 0) -> np.ndarray:
+        """The payload as a flat numpy view: float32 for f32, uint16 bits for bf16."""
+        self.check(index)
+        np_dtype = np.float32 if self.dtype == DTYPE_F32 else np.uint16
+        return np.frombuffer(self.data, dtype=np_dtype)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorPayload):
+            return NotImplemented
+        return self.dtype == other.dtype and self.shape == other.shape and self.data == other.data
+
+
+@dataclass(eq=False)
+class RoundFrame:
+    """An ordered list of tensor payloads with the sender's realized-work mass.
+
+    Rank -> reducer: ``weight`` is this contribution's mass wᵣ and the tensors carry
+    wᵣ·Tᵣ. Reducer -> rank: ``weight`` is the accepted mass Σwᵣ and the tensors the
+    consensus Σ(wᵣ·Tᵣ)/Σwᵣ; 0.0 means nothing was realized (keep local state).
+    """
+
+    tensors: list[TensorPayload] = field(default_factory=list)
+    weight: float = 1.0
+    kind: RoundKind = RoundKind.MODEL
+
+    def __post_init__(self) -> None:
+        self.tensors = list(self.tensors)
+        self.kind = RoundKind.from_wire(int(self.kind))
+        self.weight = float(self.weight)
+
+    def payload_nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RoundFrame):
+            return NotImplemented
+        return (self.kind == other.kind and self.weight == other.weight
+                and self.tensors == other.tensors)
+
+
+# --- tensors <-> frames -----------------------------------------------------------
+
+_SCRATCH_ELEMS = 4096
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def torch_dtype_name(dt) -> str:
+    """torch dtype -> flodl's capitalised name: torch.float64 -> "Float64"."""
+    names = {
+        "float64": "Float64", "float32": "Float32", "float16": "Float16 (Half)",
+        "bfloat16": "BFloat16", "int64": "Int64", "int32": "Int32", "int16": "Int16",
+        "int8": "Int8", "uint8": "UInt8", "bool": "Bool", "complex64": "ComplexFloat",
+        "complex128": "ComplexDouble",
+    }
+    short = str(dt).replace("torch.", "")
+    return names.get(short, short)
+
+
+def check_tensor_dtype(t, index: int):
+    """FrameError unless ``t`` is a float32 or bfloat16 tensor."""
+    torch = _torch()
+    if not isinstance(t, torch.Tensor):
+        raise FrameError(f"tensor[{index}] is a {type(t).__name__}, not a torch.Tensor")
+    if t.dtype not in (torch.float32, torch.bfloat16):
+        raise FrameError(
+            f"tensor[{index}] dtype {torch_dtype_name(t.dtype)} ({t.dtype}) not supported "
+            f"(only Float32 / BFloat16 tensors can be averaged); cast it with .float() first"
+        )
+
+
+def tensor_to_payload(t, dtype: int, index: int = 0, scale: float = 1.0) -> TensorPayload:
+    """Encode one float32/bfloat16 tensor as a payload of wire dtype ``dtype``.
+
+    ``scale`` (f32) is fused into the conversion: the result is bit-identical to
+    encoding ``t.mul(scale)``.
+    """
+    torch = _torch()
+    check_tensor_dtype(t, index)
+    elem_size(dtype)
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    shape = tuple(t.shape)
+    n = t.numel()
+    if t.dtype == torch.float32:
+        src = t.reshape(-1).numpy()
+        if dtype == DTYPE_F32:
+            out = np.empty(n, np.float32)
+            if scale == 1.0:
+                np.copyto(out, src)
+            else:
+                kernels.f32_scaled_copy(src, out, scale)
+        else:
+            out = np.empty(n, np.uint16)
+            if scale == 1.0:
+                kernels.f32_to_bf16(src, out)
+            else:
+                kernels.f32_to_bf16_scaled(src, out, scale, np.empty(_SCRATCH_ELEMS, np.float32))
+    else:  # bfloat16
+        bits = t.reshape(-1).view(torch.int16).numpy().view(np.uint16)
+        if dtype == DTYPE_BF16:
+            out = np.empty(n, np.uint16)
+            if scale == 1.0:
+                np.copyto(out, bits)
+            else:
+                kernels.bf16_scaled_copy(bits, out, scale, np.empty(_SCRATCH_ELEMS, np.float32))
+        else:
+            out = np.empty(n, np.float32)
+            kernels.bf16_to_f32(bits, out)
+            if scale != 1.0:
+                kernels.f32_scaled_copy(out, out, scale)
+    return TensorPayload(dtype, shape, out)
+
+
+def tensors_to_round_frame(tensors: Sequence, dtype: int = DTYPE_F32) -> RoundFrame:
+    """Encode tensors into a ``MODEL`` frame of weight 1.0 on wire dtype ``dtype``."""
+    return RoundFrame([tensor_to_payload(t, dtype, i) for i, t in enumerate(tensors)], 1.0,
+                      RoundKind.MODEL)
+
+
+def payload_to_tensor(p: TensorPayload, index: int = 0, out=None):
+    """Decode one payload into a float32 tensor of its shape.
+
+    With ``out`` (a contiguous float32 tensor of the payload's numel) the decode
+    lands there (bf16 upcasts straight into it); otherwise a fresh tensor is made
+    with exactly one copy of the bytes.
+    """
+    torch = _torch()
+    src = p.as_array(index)
+    if out is None:
+        out = torch.empty(p.shape, dtype=torch.float32)
+    elif out.dtype != torch.float32 or out.numel() != p.numel or not out.is_contiguous():
+        raise FrameError(
+            f"tensor[{index}]: decode destination must be a contiguous float32 tensor of "
+            f"numel {p.numel}, got {out.dtype} numel {out.numel()}"
+        )
+    dst = out.view(-1).numpy()
+    if p.dtype == DTYPE_F32:
+        np.copyto(dst, src)
+    else:
+        kernels.bf16_to_f32(src, dst)
+    return out.view(p.shape) if tuple(out.shape) != p.shape else out
+
+
+def round_frame_to_tensors(frame: RoundFrame) -> list:
+    """Decode every payload to a float32 CPU tensor (bf16 upcast exactly)."""
+    return [payload_to_tensor(p, i) for i, p in enumerate(frame.tensors)]
+
+
+def check_frame(frame: RoundFrame) -> None:
+    """FrameError unless the frame is well-formed (count, kind, weight, byte counts)."""
+    if len(frame.tensors) > MAX_ROUND_FRAME_TENSORS:
+        raise FrameError(
+            f"frame carries {len(frame.tensors)} tensors; at most {MAX_ROUND_FRAME_TENSORS} "
+            f"fit one frame"
+        )
+    if not math.isfinite(frame.weight) or frame.weight < 0.0:
+        raise FrameError(
+            f"frame weight {frame.weight} is not a finite non-negative realized-work mass"
+        )
+    RoundKind.from_wire(int(frame.kind))
+    for i, p in enumerate(frame.tensors):
+        p.check(i)
+
+
+def schema_of(frame: RoundFrame) -> tuple:
+    """(kind, ((dtype, shape), ...)): what every contribution to a round must share."""
+    return (int(frame.kind), tuple((p.dtype, p.shape) for p in frame.tensors))
+
+
+def iter_payload_arrays(frame: RoundFrame) -> Iterable[np.ndarray]:
+    for i, p in enumerate(frame.tensors):
+        yield p.as_array(i)
