@@ -1,0 +1,83 @@
+"""Realized work: the mass algebra behind every consensus (flodl 0.7.0, spec §4).
+
+A *mass* is the scalar weight that travels atomically with a contribution. The
+algebra has exactly three moves:
+
+1. **Pre-scale at the source.** A rank multiplies its tensors by its mass and
+   ships the mass in the same frame.
+2. **Sum through folds.** Tensors and masses are summed element-wise at any
+   depth (rank -> host partial -> controller); folds are associative.
+3. **Divide once at the root.** The root divides by the summed mass of exactly
+   the accepted contributions.
+
+The law: *the sum and its divisor come from the same accepted contributions.*
+Work that was never accepted (a dead rank, a lost frame) enters neither, so a
+death shrinks the divisor instead of dragging the consensus toward zero.
+
+Parameters are weighted by :func:`gamma_mass` of the rank's optimizer steps
+since the last sync; buffers (BatchNorm running statistics and the like) are
+weighted by :func:`mover_mass`, so every rank that moved counts equally and an
+idle rank is excluded by zero mass - never by leaving the collective: every
+rank still joins every round.
+"""
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("flodl_shm")
+
+__all__ = ["gamma_mass", "is_realized", "mover_mass"]  # + "sumcount_reduce" (lead)
+
+
+def gamma_mass(n: int, gamma: float) -> float:
+    """The parameters mass of a rank that took ``n`` optimizer steps: ``n**gamma``.
+
+    Contract:
+      * ``n <= 0`` gives ``0.0`` for *any* ``gamma``. This is the idle guard: a
+        raw power would give ``0**0 == 1`` (an idle rank voting at ``gamma=0``)
+        and ``0**(gamma<0) == inf`` (the whole cohort turning into NaN).
+      * ``gamma == 1.0`` gives ``float(n)`` exactly - the default and fast path.
+      * otherwise ``float(n) ** gamma``. ``gamma = 0`` is an unweighted average
+        over the ranks that moved; ``gamma = -1`` makes every step count equally
+        across ranks regardless of how many each took.
+
+    Args:
+        n: optimizer steps since the last sync (negative counts are treated as
+            idle, not as an error, so a clock-skewed counter cannot poison the
+            round).
+        gamma: the work exponent.
+    """
+    if n <= 0:
+        return 0.0
+    if gamma == 1.0:
+        return float(n)
+    return float(n) ** gamma
+
+
+def mover_mass(n: int) -> float:
+    """The buffers mass: ``1.0`` if the rank moved (``n > 0``), else ``0.0``.
+
+    Buffers are not optimizer state, so they are not work-weighted: every rank
+    that stepped contributes equally, and an idle rank contributes nothing.
+    """
+    return 1.0 if n > 0 else 0.0
+
+
+def is_realized(mass: float) -> bool:
+    """Whether a round with accepted mass ``mass`` realized any work (``mass > 0``).
+
+    A round that realized nothing carries a meaningless zero sum: receivers keep
+    their local state, the outer optimizer must not step, and the checkpoint
+    forge skips it. NaN is not realized.
+    """
+    return mass > 0.0
+
+
+# ---------------------------------------------------------------------------
+# sumcount_reduce(comm, tensors, weight, slot)
+#
+# RESERVED: written by the lead against the collective layer (Comm). It is the
+# rank-side consumer of the algebra above: pre-scale by `weight`, reduce through
+# the Comm, keep local state when the accepted mass is not realized. Do not
+# implement it here.
+# ---------------------------------------------------------------------------
