@@ -1,0 +1,628 @@
+"""Checkpoint metadata: the model schema, the ``.meta.json`` sidecar, death records
+and the bundle's path helpers (flodl 0.7.0 ``checkpoint_meta.rs``, spec §7.4).
+
+A checkpoint *bundle* is a set of files sharing one stem::
+
+    <stem>.fdl               consensus model (params p{i}, averaged buffers b{j})
+    <stem>.outer.fdl         outer-optimizer momentum (only for stateful outer optimizers)
+    <stem>.optim             optimizer state (written by the training runtime)
+    <stem>.meta.json         CheckpointMeta: where the run was (the bundle's commit marker)
+    <stem>.config.json       architecture sidecar, when the model has one
+    <stem>.rank<N>.death.json  RankDeathRecord of a rank that died on its own
+
+Every helper here applies Rust's ``PathBuf::set_extension`` to the stem: one
+existing extension is dropped first, so ``ckpt.fdl`` and ``ckpt`` name the same
+bundle.
+
+The JSON layout is flodl's (serde field names, snake_case enum names, ``null``
+for absent optionals, 2-space pretty printing), so Rust flodl and flodl_shm read
+each other's sidecars.
+
+``CHECKPOINT_META_SCHEMA_VERSION`` history:
+
+- 1: epoch, global_step, sync_round, world_size_at_save, save_reason
+- 2: optional ``elche_state`` (v1 files parse with it ``None``)
+- 3: ``elche_state.trend_history`` (v2 files parse with it ``None``)
+- 4: optional ``coverage`` (v3 files parse with it ``None``)
+
+A file whose version is newer than this one is refused loudly rather than
+half-understood.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from ..el_che import Phase
+from ..errors import CheckpointError
+from ._atomic import atomic_write_bytes
+
+#: Version stamped into every ``.meta.json`` this build writes; newer files are refused.
+CHECKPOINT_META_SCHEMA_VERSION = 4
+#: Version stamped into every ``.rank<N>.death.json``.
+RANK_DEATH_RECORD_SCHEMA_VERSION = 1
+
+_U64_MAX = (1 << 64) - 1
+
+
+# --- path helpers ---------------------------------------------------------------
+
+
+def set_extension(path: "str | os.PathLike[str]", ext: str) -> Path:
+    """Rust ``PathBuf::set_extension``: drop one existing extension, append ``.ext``.
+
+    ``a/ckpt`` -> ``a/ckpt.ext``; ``a/ckpt.fdl`` -> ``a/ckpt.ext``;
+    ``a/ckpt.tar.gz`` -> ``a/ckpt.tar.ext``; a leading dot is not an extension
+    (``.ckpt`` -> ``.ckpt.ext``); ``ext == ""`` only drops the extension.
+
+    Raises ``ValueError`` when the path has no file name (``""``, ``"."``, ``"/"``).
+    """
+    p = Path(os.fspath(path))
+    name = p.name
+    if not name or name in (".", ".."):
+        raise ValueError(
+            f"checkpoint stem {os.fspath(path)!r} has no file name; pass a stem such as "
+            f"'runs/job/ckpt' (the bundle files are named after it)"
+        )
+    dot = name.rfind(".")
+    stem = name[:dot] if dot > 0 else name
+    return p.with_name(f"{stem}.{ext}" if ext else stem)
+
+
+class CheckpointBundle:
+    """Paths of the files of one checkpoint bundle, derived from a stem.
+
+    Every method accepts ``str`` or ``os.PathLike`` and returns a ``pathlib.Path``;
+    one existing extension on the stem is dropped first (``set_extension``), so
+    ``"ckpt.fdl"`` and ``"ckpt"`` give the same bundle.
+    """
+
+    @staticmethod
+    def model_path(stem: "str | os.PathLike[str]") -> Path:
+        """Consensus model: ``<stem>.fdl``."""
+        return set_extension(stem, "fdl")
+
+    @staticmethod
+    def optim_path(stem: "str | os.PathLike[str]") -> Path:
+        """Optimizer state: ``<stem>.optim``."""
+        return set_extension(stem, "optim")
+
+    @staticmethod
+    def meta_path(stem: "str | os.PathLike[str]") -> Path:
+        """Metadata sidecar: ``<stem>.meta.json`` (same as ``CheckpointMeta.sidecar_path``)."""
+        return CheckpointMeta.sidecar_path(stem)
+
+    @staticmethod
+    def config_sidecar_path(stem: "str | os.PathLike[str]") -> Path:
+        """Architecture sidecar: ``<stem>.config.json``."""
+        return set_extension(stem, "config.json")
+
+    @staticmethod
+    def outer_path(stem: "str | os.PathLike[str]") -> Path:
+        """Outer-optimizer momentum: ``<stem>.outer.fdl`` (see ``forge.outer_sidecar_path``
+        for the ``.fdl.gz`` form)."""
+        return set_extension(stem, "outer.fdl")
+
+    @staticmethod
+    def rank_death_path(stem: "str | os.PathLike[str]", rank: int) -> Path:
+        """Per-rank death record: ``<stem>.rank<N>.death.json``.
+
+        Per rank, unlike the shared ``.meta.json``: several ranks may die
+        independently and none may clobber another's record.
+        """
+        rank = _check_uint(rank, "rank")
+        base = set_extension(stem, "")
+        return base.with_name(f"{base.name}.rank{rank}.death.json")
+
+
+# --- JSON field validation ------------------------------------------------------
+
+
+def _check_uint(value: Any, name: str, limit: int = _U64_MAX) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CheckpointError(
+            f"{name} must be a non-negative integer, got {value!r} ({type(value).__name__})"
+        )
+    if value < 0 or value > limit:
+        raise CheckpointError(f"{name} = {value} is out of range 0 ..= {limit}")
+    return int(value)
+
+
+def _check_float(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CheckpointError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    f = float(value)
+    if not math.isfinite(f):
+        raise CheckpointError(f"{name} = {value!r} is not finite (JSON cannot carry NaN or inf)")
+    return f
+
+
+def _check_list(value: Any, name: str) -> list:
+    if not isinstance(value, (list, tuple)):
+        raise CheckpointError(f"{name} must be a list, got {value!r} ({type(value).__name__})")
+    return list(value)
+
+
+def _require(obj: dict, key: str, where: str) -> Any:
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{where} must be a JSON object, got {type(obj).__name__}")
+    if key not in obj:
+        raise CheckpointError(f"{where} is missing required field {key!r}")
+    return obj[key]
+
+
+# --- model schema ---------------------------------------------------------------
+
+
+def averaged_buffers(module) -> list:
+    """The ``(qualified_name, tensor)`` buffers of ``module`` that the cohort averages.
+
+    Exactly the floating-point entries of ``module.named_buffers()``, in that
+    order. Integer buffers (BatchNorm's ``num_batches_tracked``) stay local to
+    each rank: they are neither averaged nor in a consensus checkpoint. This is
+    the single definition shared by ``ModelSchema.from_module``, the forge's
+    ``b{j}`` keys and ``load_consensus_checkpoint``.
+    """
+    return [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
+
+
+@dataclass
+class ModelSchema:
+    """Static, ordered names of the tensors a consensus carries.
+
+    ``param_names`` follow ``module.named_parameters()`` (== ``parameters()``)
+    order; ``buffer_names`` the floating-point ``named_buffers()`` in order (see
+    :func:`averaged_buffers`). The consensus frames carry params first, then
+    these buffers; a checkpoint writer pairs them positionally: the i-th
+    parameter is key ``p{i}``, the j-th averaged buffer ``b{j}``.
+    """
+
+    param_names: list[str] = field(default_factory=list)
+    buffer_names: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.param_names = [str(n) for n in self.param_names]
+        self.buffer_names = [str(n) for n in self.buffer_names]
+
+    @classmethod
+    def from_module(cls, module) -> "ModelSchema":
+        """Capture the schema of a torch ``nn.Module`` (names only; no weights read)."""
+        return cls(
+            param_names=[n for n, _ in module.named_parameters()],
+            buffer_names=[n for n, _ in averaged_buffers(module)],
+        )
+
+    def tensor_count(self) -> int:
+        """Params + averaged buffers: the tensor count a complete consensus carries."""
+        return len(self.param_names) + len(self.buffer_names)
+
+    def to_dict(self) -> dict:
+        return {"param_names": list(self.param_names), "buffer_names": list(self.buffer_names)}
+
+    @classmethod
+    def from_dict(cls, obj: dict) -> "ModelSchema":
+        where = "ModelSchema"
+        names = {}
+        for key in ("param_names", "buffer_names"):
+            items = _check_list(_require(obj, key, where), f"{where}.{key}")
+            for i, n in enumerate(items):
+                if not isinstance(n, str):
+                    raise CheckpointError(f"{where}.{key}[{i}] must be a string, got {n!r}")
+            names[key] = items
+        return cls(**names)
+
+
+# --- save reason ----------------------------------------------------------------
+
+
+class SaveReason(str, enum.Enum):
+    """Why a checkpoint was written. Values are the snake_case JSON names.
+
+    ``to_u8`` / ``from_u8`` give the stable wire byte codes (0-5, in declaration
+    order); existing codes never change and new reasons take the next byte.
+    """
+
+    GRACEFUL_SHUTDOWN = "graceful_shutdown"
+    MAX_FAILURE_EXCEEDED = "max_failure_exceeded"
+    SINGLE_SURVIVOR = "single_survivor"
+    ALL_RANKS_LOST = "all_ranks_lost"
+    REDUCE_STALL = "reduce_stall"
+    CHECKPOINT = "checkpoint"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def to_u8(self) -> int:
+        """The stable wire byte (0 = graceful_shutdown ... 5 = checkpoint)."""
+        return _SAVE_REASON_CODES[self]
+
+    @classmethod
+    def from_u8(cls, byte: int) -> Optional["SaveReason"]:
+        """Decode a wire byte; ``None`` for a byte this build doesn't know (a newer
+        peer's reason), so the caller can log it and fall back instead of crashing."""
+        return _SAVE_REASON_BY_CODE.get(byte)
+
+
+_SAVE_REASON_CODES = {r: i for i, r in enumerate(SaveReason)}
+_SAVE_REASON_BY_CODE = {i: r for r, i in _SAVE_REASON_CODES.items()}
+
+
+def _parse_save_reason(value: Any, where: str) -> SaveReason:
+    try:
+        return SaveReason(value)
+    except ValueError:
+        known = ", ".join(r.value for r in SaveReason)
+        raise CheckpointError(f"{where} = {value!r} is not a known save reason ({known})") from None
+
+
+# --- ElChe state and coverage ---------------------------------------------------
+
+
+@dataclass
+class ElCheState:
+    """ElChe's trajectory at save time, for cadence resume without recalibration.
+
+    Attributes:
+        anchor: batches per cycle of the slow anchor rank.
+        anchor_rank: the elected anchor rank, ``None`` before the first calibration.
+        smoothed_ms_per_batch: per-rank mean ms/batch over the trust window
+            (length = world size at save; 0.0 for ranks without a reading).
+        phase: lifecycle phase (``Phase``).
+        calibration_count: successful ``report_timing`` calls so far.
+        trend_history: the convergence guard's divergence ring (schema v3), or
+            ``None`` when the guard keeps no state.
+    """
+
+    anchor: int
+    anchor_rank: Optional[int]
+    smoothed_ms_per_batch: list[float]
+    phase: Phase
+    calibration_count: int
+    trend_history: Optional[list[float]] = None
+
+    def to_dict(self) -> dict:
+        return {
+            "anchor": self.anchor,
+            "anchor_rank": self.anchor_rank,
+            "smoothed_ms_per_batch": [float(v) for v in self.smoothed_ms_per_batch],
+            "phase": Phase(self.phase).value,
+            "calibration_count": self.calibration_count,
+            "trend_history": (None if self.trend_history is None
+                              else [float(v) for v in self.trend_history]),
+        }
+
+    @classmethod
+    def from_dict(cls, obj: dict) -> "ElCheState":
+        where = "elche_state"
+        anchor_rank = _require(obj, "anchor_rank", where)
+        phase = _require(obj, "phase", where)
+        try:
+            phase = Phase(phase)
+        except ValueError:
+            known = ", ".join(p.value for p in Phase)
+            raise CheckpointError(f"{where}.phase = {phase!r} is not a known phase ({known})") from None
+        trend = obj.get("trend_history")
+        return cls(
+            anchor=_check_uint(_require(obj, "anchor", where), f"{where}.anchor"),
+            anchor_rank=(None if anchor_rank is None
+                         else _check_uint(anchor_rank, f"{where}.anchor_rank")),
+            smoothed_ms_per_batch=[
+                _check_float(v, f"{where}.smoothed_ms_per_batch[{i}]")
+                for i, v in enumerate(_check_list(_require(obj, "smoothed_ms_per_batch", where),
+                                                  f"{where}.smoothed_ms_per_batch"))
+            ],
+            phase=phase,
+            calibration_count=_check_uint(_require(obj, "calibration_count", where),
+                                          f"{where}.calibration_count"),
+            trend_history=(None if trend is None else [
+                _check_float(v, f"{where}.trend_history[{i}]")
+                for i, v in enumerate(_check_list(trend, f"{where}.trend_history"))
+            ]),
+        )
+
+
+@dataclass
+class EpochCoverage:
+    """Uncovered data of one in-progress epoch pool at a checkpoint reduce.
+
+    Attributes:
+        epoch: the epoch index.
+        total_samples: the batch-aligned pool size (``ChunkPool.total_samples``).
+        uncovered_ranges: ``(offset, size)`` ranges into the epoch's permutation
+            not yet trained into the consensus, coalesced and sorted by offset.
+            Resume re-dispatches exactly these.
+    """
+
+    epoch: int
+    total_samples: int
+    uncovered_ranges: list[tuple[int, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.uncovered_ranges = [(int(o), int(s)) for o, s in self.uncovered_ranges]
+
+    def to_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "total_samples": self.total_samples,
+            "uncovered_ranges": [[o, s] for o, s in self.uncovered_ranges],
+        }
+
+    @classmethod
+    def from_dict(cls, obj: dict, where: str = "coverage.per_epoch[]") -> "EpochCoverage":
+        ranges = []
+        for i, r in enumerate(_check_list(_require(obj, "uncovered_ranges", where),
+                                          f"{where}.uncovered_ranges")):
+            r = _check_list(r, f"{where}.uncovered_ranges[{i}]")
+            if len(r) != 2:
+                raise CheckpointError(
+                    f"{where}.uncovered_ranges[{i}] must be an [offset, size] pair, got {r!r}"
+                )
+            ranges.append((_check_uint(r[0], f"{where}.uncovered_ranges[{i}][0]"),
+                           _check_uint(r[1], f"{where}.uncovered_ranges[{i}][1]")))
+        return cls(
+            epoch=_check_uint(_require(obj, "epoch", where), f"{where}.epoch"),
+            total_samples=_check_uint(_require(obj, "total_samples", where),
+                                      f"{where}.total_samples"),
+            uncovered_ranges=ranges,
+        )
+
+
+@dataclass
+class CoverageBlock:
+    """Data coverage of every in-progress epoch pool at a checkpoint reduce.
+
+    Attributes:
+        seed: the run's shuffle base seed; epoch ``e``'s permutation is derived
+            from ``seed + e``, so only uncovered ranges need recording.
+        batch_size: the batch size at save (a resume sanity check).
+        per_epoch: one ``EpochCoverage`` per live epoch pool.
+    """
+
+    seed: int
+    batch_size: int
+    per_epoch: list[EpochCoverage] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "per_epoch": [e.to_dict() for e in self.per_epoch],
+        }
+
+    @classmethod
+    def from_dict(cls, obj: dict) -> "CoverageBlock":
+        where = "coverage"
+        return cls(
+            seed=_check_uint(_require(obj, "seed", where), f"{where}.seed"),
+            batch_size=_check_uint(_require(obj, "batch_size", where), f"{where}.batch_size"),
+            per_epoch=[
+                EpochCoverage.from_dict(e, f"{where}.per_epoch[{i}]")
+                for i, e in enumerate(_check_list(_require(obj, "per_epoch", where),
+                                                  f"{where}.per_epoch"))
+            ],
+        )
+
+
+# --- the sidecar ----------------------------------------------------------------
+
+
+def _dump_json(obj: dict, what: str, path: Path) -> bytes:
+    try:
+        return json.dumps(obj, indent=2, allow_nan=False).encode("utf-8")
+    except ValueError as e:
+        raise CheckpointError(f"{what}: cannot serialize JSON for {path}: {e}") from None
+
+
+def _load_json(path: "str | os.PathLike[str]", what: str) -> dict:
+    p = Path(os.fspath(path))
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise CheckpointError(f"{what}: read {p}: {e}") from e
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{what}: {p} is not UTF-8 JSON: {e}") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{what}: parse JSON from {p}: {e}") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{what}: {p} holds a JSON {type(obj).__name__}, not an object")
+    return obj
+
+
+@dataclass
+class CheckpointMeta:
+    """The ``<stem>.meta.json`` sidecar: where the run stood when the bundle was saved.
+
+    Written last, atomically: its presence marks the bundle complete. Build with
+    :meth:`new` (stamps the current schema version); attach optional state with
+    :meth:`with_elche_state` / :meth:`with_coverage`, which return new objects.
+
+    Attributes:
+        schema_version: version of the file's layout (4 for files this build writes).
+        epoch: 0-based epoch at save.
+        global_step: batches trained into the model so far (drives LR schedules on resume).
+        sync_round: completed averaging cycles.
+        world_size_at_save: live ranks at save (may be below the launch size).
+        save_reason: why the bundle was written.
+        elche_state: cadence trajectory (``None`` for sync runs and v1 files).
+        coverage: data coverage (``None`` outside a reduce-atomic save and for v1-v3 files).
+    """
+
+    schema_version: int
+    epoch: int
+    global_step: int
+    sync_round: int
+    world_size_at_save: int
+    save_reason: SaveReason
+    elche_state: Optional[ElCheState] = None
+    coverage: Optional[CoverageBlock] = None
+
+    @classmethod
+    def new(cls, epoch: int, global_step: int, sync_round: int, world_size_at_save: int,
+            save_reason: SaveReason) -> "CheckpointMeta":
+        """A record stamped with ``CHECKPOINT_META_SCHEMA_VERSION``, no optional state."""
+        return cls(CHECKPOINT_META_SCHEMA_VERSION, epoch, global_step, sync_round,
+                   world_size_at_save, SaveReason(save_reason))
+
+    def with_elche_state(self, state: ElCheState) -> "CheckpointMeta":
+        """A copy carrying ``state``."""
+        return dataclasses.replace(self, elche_state=state)
+
+    def with_coverage(self, coverage: CoverageBlock) -> "CheckpointMeta":
+        """A copy carrying ``coverage`` (set only for saves taken atomically at a reduce)."""
+        return dataclasses.replace(self, coverage=coverage)
+
+    @staticmethod
+    def sidecar_path(stem: "str | os.PathLike[str]") -> Path:
+        """``<stem>.meta.json``, one existing extension dropped (``ckpt.fdl`` -> ``ckpt.meta.json``)."""
+        return set_extension(stem, "meta.json")
+
+    def to_dict(self) -> dict:
+        return {
+            "schema_version": self.schema_version,
+            "epoch": self.epoch,
+            "global_step": self.global_step,
+            "sync_round": self.sync_round,
+            "world_size_at_save": self.world_size_at_save,
+            "save_reason": SaveReason(self.save_reason).value,
+            "elche_state": None if self.elche_state is None else self.elche_state.to_dict(),
+            "coverage": None if self.coverage is None else self.coverage.to_dict(),
+        }
+
+    def to_json(self) -> str:
+        """Pretty JSON (2-space indent), the layout ``write_to_file`` commits."""
+        return _dump_json(self.to_dict(), "CheckpointMeta", Path("<memory>")).decode("utf-8")
+
+    @classmethod
+    def from_dict(cls, obj: dict, source: str = "<dict>") -> "CheckpointMeta":
+        """Parse a decoded sidecar. Missing optional fields (older versions) default to
+        ``None``; a ``schema_version`` newer than this build's is refused."""
+        where = "CheckpointMeta"
+        version = _check_uint(_require(obj, "schema_version", where), "schema_version", 0xFFFFFFFF)
+        if version > CHECKPOINT_META_SCHEMA_VERSION:
+            raise CheckpointError(
+                f"CheckpointMeta: schema version {version} in {source} is newer than the version "
+                f"{CHECKPOINT_META_SCHEMA_VERSION} this build supports; upgrade flodl_shm to "
+                f"read it"
+            )
+        elche = obj.get("elche_state")
+        coverage = obj.get("coverage")
+        return cls(
+            schema_version=version,
+            epoch=_check_uint(_require(obj, "epoch", where), "epoch"),
+            global_step=_check_uint(_require(obj, "global_step", where), "global_step"),
+            sync_round=_check_uint(_require(obj, "sync_round", where), "sync_round"),
+            world_size_at_save=_check_uint(_require(obj, "world_size_at_save", where),
+                                           "world_size_at_save"),
+            save_reason=_parse_save_reason(_require(obj, "save_reason", where), "save_reason"),
+            elche_state=None if elche is None else ElCheState.from_dict(elche),
+            coverage=None if coverage is None else CoverageBlock.from_dict(coverage),
+        )
+
+    def write_to_file(self, path: "str | os.PathLike[str]") -> None:
+        """Commit the pretty JSON to ``path`` atomically (temp + fsync + rename):
+        the sidecar is the bundle's commit marker and must never appear torn."""
+        p = Path(os.fspath(path))
+        atomic_write_bytes(p, _dump_json(self.to_dict(), "CheckpointMeta", p))
+
+    @classmethod
+    def read_from_file(cls, path: "str | os.PathLike[str]") -> "CheckpointMeta":
+        """Read a sidecar; ``CheckpointError`` when unreadable, malformed, or newer
+        than ``CHECKPOINT_META_SCHEMA_VERSION`` (message contains "newer than")."""
+        return cls.from_dict(_load_json(path, "CheckpointMeta"), source=os.fspath(path))
+
+
+@dataclass
+class RankDeathRecord:
+    """Forensic record a rank writes when it dies on its own error.
+
+    Tells "a rank crashed" apart from "the cohort was asked to save and exit"
+    (which writes a ``CheckpointMeta``). Written to
+    ``CheckpointBundle.rank_death_path(stem, rank)``.
+
+    Attributes:
+        schema_version: ``RANK_DEATH_RECORD_SCHEMA_VERSION``.
+        rank: the global rank that died.
+        world_size: cohort size at launch.
+        error: the rendered error.
+        unix_time_secs: seconds since the epoch at death (0 if the clock failed).
+    """
+
+    schema_version: int
+    rank: int
+    world_size: int
+    error: str
+    unix_time_secs: int
+
+    @classmethod
+    def new(cls, rank: int, world_size: int, error: str) -> "RankDeathRecord":
+        """A record stamped with the current version and wall-clock time."""
+        try:
+            now = max(0, int(time.time()))
+        except (OSError, OverflowError, ValueError):
+            now = 0
+        return cls(RANK_DEATH_RECORD_SCHEMA_VERSION, rank, world_size, str(error), now)
+
+    def to_dict(self) -> dict:
+        return {
+            "schema_version": self.schema_version,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "error": self.error,
+            "unix_time_secs": self.unix_time_secs,
+        }
+
+    @classmethod
+    def from_dict(cls, obj: dict, source: str = "<dict>") -> "RankDeathRecord":
+        where = "RankDeathRecord"
+        version = _check_uint(_require(obj, "schema_version", where), "schema_version", 0xFFFFFFFF)
+        if version > RANK_DEATH_RECORD_SCHEMA_VERSION:
+            raise CheckpointError(
+                f"RankDeathRecord: schema version {version} in {source} is newer than the "
+                f"version {RANK_DEATH_RECORD_SCHEMA_VERSION} this build supports; upgrade "
+                f"flodl_shm to read it"
+            )
+        error = _require(obj, "error", where)
+        if not isinstance(error, str):
+            raise CheckpointError(f"{where}.error must be a string, got {error!r}")
+        return cls(
+            schema_version=version,
+            rank=_check_uint(_require(obj, "rank", where), "rank"),
+            world_size=_check_uint(_require(obj, "world_size", where), "world_size"),
+            error=error,
+            unix_time_secs=_check_uint(_require(obj, "unix_time_secs", where), "unix_time_secs"),
+        )
+
+    def write_to_file(self, path: "str | os.PathLike[str]") -> None:
+        """Commit the pretty JSON to ``path`` atomically."""
+        p = Path(os.fspath(path))
+        atomic_write_bytes(p, _dump_json(self.to_dict(), "RankDeathRecord", p))
+
+    @classmethod
+    def read_from_file(cls, path: "str | os.PathLike[str]") -> "RankDeathRecord":
+        """Read a death record; ``CheckpointError`` when unreadable or malformed."""
+        return cls.from_dict(_load_json(path, "RankDeathRecord"), source=os.fspath(path))
+
+
+__all__ = [
+    "CHECKPOINT_META_SCHEMA_VERSION",
+    "RANK_DEATH_RECORD_SCHEMA_VERSION",
+    "CheckpointBundle",
+    "CheckpointMeta",
+    "CoverageBlock",
+    "ElCheState",
+    "EpochCoverage",
+    "ModelSchema",
+    "RankDeathRecord",
+    "SaveReason",
+    "averaged_buffers",
+    "set_extension",
+]
