@@ -10,6 +10,7 @@ explicit orderings:
 - ``load_acquire(a, i)``: no later read of the payload can move before it;
 - ``store_release(a, i, v)``: every earlier write (the payload) is visible before ``v``;
 - ``fetch_add(a, i, v)``: sequentially consistent read-modify-write (a full fence);
+- ``compare_exchange(a, i, expected, new)``: seq_cst CAS, returns the old value;
 - ``fence()``: a sequentially consistent fence (store->load ordering, Dekker-style);
 - ``cpu_relax()``: the spin-wait hint (``pause`` on x86-64; nothing elsewhere).
 
@@ -79,6 +80,24 @@ def fetch_add(typingctx, arr, idx, val):
         ptr = _element_pointer(context, builder, arrty, args[0], args[1])
         v = context.cast(builder, args[2], signature.args[2], arrty.dtype)
         return builder.atomic_rmw("add", ptr, v, "seq_cst")
+
+    return sig, codegen
+
+
+@intrinsic
+def compare_exchange(typingctx, arr, idx, expected, new):
+    """Atomic ``old = arr[idx]; if old == expected: arr[idx] = new; return old`` (seq_cst)."""
+    if not isinstance(arr, types.Array) or not isinstance(arr.dtype, types.Integer):
+        return None
+    sig = arr.dtype(arr, idx, expected, new)
+
+    def codegen(context, builder, signature, args):
+        arrty = signature.args[0]
+        ptr = _element_pointer(context, builder, arrty, args[0], args[1])
+        exp = context.cast(builder, args[2], signature.args[2], arrty.dtype)
+        val = context.cast(builder, args[3], signature.args[3], arrty.dtype)
+        res = builder.cmpxchg(ptr, exp, val, "seq_cst", "seq_cst")
+        return builder.extract_value(res, 0)
 
     return sig, codegen
 

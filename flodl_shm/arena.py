@@ -1,0 +1,353 @@
+"""The host arena: every shared-memory segment one host's ranks use, and their layout.
+
+Who creates, who attaches, who unlinks:
+
+- the **owner** (``spawn``'s supervisor, or a ``FakeCohort``) creates every segment
+  with ``Arena.create`` and alone unlinks them (``Arena.unlink``), on every exit path;
+- **ranks** attach with ``Arena.attach(handle)`` (the handle pickles to names) and
+  only ever grow segments, never unlink them.
+
+Segments (names ``fshm_<owner pid>_<session>_<what>``):
+
+``ctl``
+    The control block (below) followed by the eager slots: per rank, two
+    (double-buffered by round parity) slots of ``eager_bytes`` each, holding the
+    whole contribution of small rounds.
+``d<r>``
+    Rank ``r``'s bulk input region (one per rank; grown by that rank on demand).
+``res``
+    The bulk result region: the consensus of a large round (and, on a cluster,
+    the host partial the relay ships). Grown by whichever rank needs it first.
+
+Control block: an int64 word array. Words are grouped so that words written by
+different processes never share a 64-byte cache line:
+
+- global words (``G_*``) at the start;
+- one block of ``RANK_WORDS`` per rank (``R_*`` offsets), with the arrival word,
+  the slice-done word and the slice-claim word each on their own cache line, and
+  two round headers (``H_*``), one per round parity.
+
+Each rank block's round header for parity ``N % 2`` describes that rank's
+contribution to round ``N`` (kind, flags, dtype, weight, schema). See
+``protocol.py`` for the state machine that drives these words.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .segment import Segment, new_session_id, segment_name, shm_free_bytes, space_error
+
+MAGIC = 0x46534D48_41524E41  # "FSMHARNA"
+VERSION = 1
+LINE_WORDS = 8  # 64-byte cache line in int64 words
+
+# -- global words ---------------------------------------------------------------------
+G_MAGIC = 0
+G_VERSION = 1
+G_WORLD = 2           # local ranks in this arena
+G_EAGER = 3           # bytes per eager slot
+G_ABORT = 4           # nonzero: the cohort is being torn down (value = reason code)
+G_DOORBELL = 8        # futex word (low 32 bits); bumped on every publication
+G_SLEEPERS = 16       # number of waiters blocked on the doorbell
+G_RELAY = 24          # 1: a relay completes every bulk round (multi-host)
+G_CONSENSUS = 32      # round whose consensus the relay published
+G_CONSENSUS_MASS = 33  # f64 bits: accepted mass of that round, cohort-wide
+G_RELAY_ERROR = 34    # nonzero: the relay failed (code); ranks raise
+G_RESULT_CAP = 40     # current byte size the result segment was grown to
+G_FIRST_RANK = 41     # global rank of local rank 0
+G_GLOBAL_WORLD = 42   # cohort world size
+GLOBAL_WORDS = 48
+
+ABORT_NONE = 0
+ABORT_FAILED = 1      # a rank failed beyond max_failures
+ABORT_INTERRUPT = 2   # the launcher was interrupted (Ctrl-C / SIGTERM)
+ABORT_SHUTDOWN = 3    # orderly teardown (e.g. relay lost the controller)
+
+# -- per-rank block -------------------------------------------------------------------
+RANK_WORDS = 64
+R_ARRIVED = 0         # last round this rank published its contribution for
+R_DONE = 8            # last round whose slice (this rank's index) is reduced
+R_CLAIM = 16          # (round << 16) | responsible rank, for slice takeover
+R_DEAD = 24           # nonzero once the rank's process is gone (DEAD_* code)
+R_PID = 25
+R_DATA_CAP = 26       # bytes the rank's d<r> segment was grown to
+R_HDR = 32            # two round headers of HDR_WORDS, indexed by round parity
+HDR_WORDS = 16
+
+H_ROUND = 0
+H_KIND = 1
+H_FLAGS = 2
+H_DTYPE = 3
+H_WEIGHT = 4          # f64 bits
+H_NTENSORS = 5
+H_NBYTES = 6          # payload bytes
+H_SCHEMA_HASH = 7
+H_SCHEMA_WORDS = 8    # int64 words of schema description preceding the payload
+H_NELEM = 9           # payload elements (all tensors share the wire dtype)
+
+DEAD_KILLED = 1       # died (crash, signal, exception) and was fenced by the owner
+DEAD_EXITED = 2       # returned from its function: it will make no further calls
+
+FLAG_ELIDED = 1       # contributes nothing (a non-root broadcast participant)
+FLAG_BULK = 2         # payload is in d<r> (else in the eager slot of this parity)
+FLAG_ZERO_COPY = 4    # filled in place through the zero-copy API
+
+DEFAULT_EAGER_BYTES = 256 << 10
+_PAGE = 4096
+_RESULT_GRANULE = 1 << 20
+
+
+def rank_base(r: int) -> int:
+    return GLOBAL_WORDS + r * RANK_WORDS
+
+
+def header_base(r: int, rnd: int) -> int:
+    return rank_base(r) + R_HDR + (rnd & 1) * HDR_WORDS
+
+
+def control_words(world: int) -> int:
+    return GLOBAL_WORDS + world * RANK_WORDS
+
+
+def control_bytes(world: int, eager_bytes: int) -> int:
+    ctl = control_words(world) * 8
+    ctl = -(-ctl // _PAGE) * _PAGE
+    return ctl + 2 * world * eager_bytes
+
+
+def result_target(nbytes: int) -> int:
+    """Deterministic growth target: every rank computes the same size for a round."""
+    return max(_RESULT_GRANULE, -(-int(nbytes) // _RESULT_GRANULE) * _RESULT_GRANULE)
+
+
+def shm_need_bytes(local_ranks: int, frame_bytes: int, *, eager_bytes: int = DEFAULT_EAGER_BYTES,
+                   relay: bool = False, wire_bf16: bool = False) -> int:
+    """/dev/shm bytes an arena of ``local_ranks`` needs for frames of ``frame_bytes``.
+
+    ``frame_bytes`` is the wire size of one contribution (f32: 4 B/element, bf16:
+    2 B/element). Each rank holds one bulk input; the result region holds one
+    frame, or on a cluster one f32 partial (plus the bf16 consensus on a bf16 wire).
+    """
+    p = max(1, int(local_ranks))
+    frame = int(frame_bytes)
+    if relay:
+        elems = frame // (2 if wire_bf16 else 4)
+        result = elems * 4 + (elems * 2 if wire_bf16 else 0)
+    else:
+        result = frame
+    schema = 64 << 10  # generous allowance for the schema words in front of a payload
+    return control_bytes(p, eager_bytes) + p * (frame + schema) + result_target(result)
+
+
+@dataclass(frozen=True)
+class ArenaHandle:
+    """Everything a rank needs to attach: segment names and geometry (picklable)."""
+
+    owner_pid: int
+    session: str
+    world: int
+    eager_bytes: int
+
+    def name(self, what: str) -> str:
+        return segment_name(self.owner_pid, self.session, what)
+
+
+class Arena:
+    """The mapped segments of one host arena plus typed views of the control block."""
+
+    def __init__(self, handle: ArenaHandle, ctl: Segment, result: Segment,
+                 data: list[Segment | None], owner: bool) -> None:
+        self.handle = handle
+        self.world = handle.world
+        self.eager_bytes = handle.eager_bytes
+        self.owner = owner
+        self._ctl_seg = ctl
+        self._result_seg = result
+        self._data = data
+        nwords = control_words(self.world)
+        self.ctl = np.frombuffer(ctl.buf, dtype=np.int64, count=nwords)
+        self.ctl_f64 = self.ctl.view(np.float64)
+        self.ctl32 = self.ctl.view(np.int32)
+        start = -(-nwords * 8 // _PAGE) * _PAGE
+        self._eager = np.frombuffer(ctl.buf, dtype=np.uint8, offset=start,
+                                    count=2 * self.world * self.eager_bytes)
+        self._result_view: np.ndarray | None = None
+        self._data_views: list[np.ndarray | None] = [None] * self.world
+
+    # -- life cycle -------------------------------------------------------------
+    @classmethod
+    def create(cls, world: int, *, eager_bytes: int = DEFAULT_EAGER_BYTES,
+               owner_pid: int | None = None, session: str | None = None,
+               first_rank: int = 0, global_world: int | None = None,
+               relay: bool = False) -> "Arena":
+        """Create every segment of a new arena (the caller becomes its owner)."""
+        import os
+
+        if world < 1:
+            raise ValueError(f"an arena needs world >= 1 local ranks, got {world}")
+        eager_bytes = max(_PAGE, -(-int(eager_bytes) // 64) * 64)
+        need = control_bytes(world, eager_bytes) + (world + 1) * _PAGE
+        free = shm_free_bytes()
+        if need > free:
+            raise space_error(need, free, f"the host arena for {world} ranks")
+        handle = ArenaHandle(owner_pid or os.getpid(), session or new_session_id(), world,
+                             eager_bytes)
+        made: list[Segment] = []
+        try:
+            ctl = Segment.create(handle.name("ctl"), control_bytes(world, eager_bytes))
+            made.append(ctl)
+            result = Segment.create(handle.name("res"), _PAGE)
+            made.append(result)
+            data = []
+            for r in range(world):
+                seg = Segment.create(handle.name(f"d{r}"), _PAGE)
+                made.append(seg)
+                data.append(seg)
+        except BaseException:
+            for seg in made:
+                seg.close()
+                seg.unlink()
+            raise
+        arena = cls(handle, ctl, result, data, owner=True)
+        c = arena.ctl
+        c[:] = 0
+        for r in range(world):
+            c[rank_base(r) + R_ARRIVED] = -1
+            c[rank_base(r) + R_DONE] = -1
+            c[rank_base(r) + R_CLAIM] = -1
+            c[rank_base(r) + R_DATA_CAP] = _PAGE
+            for p in (0, 1):
+                c[header_base(r, p) + H_ROUND] = -1
+        c[G_WORLD] = world
+        c[G_EAGER] = eager_bytes
+        c[G_CONSENSUS] = -1
+        c[G_RESULT_CAP] = _PAGE
+        c[G_RELAY] = 1 if relay else 0
+        c[G_FIRST_RANK] = first_rank
+        c[G_GLOBAL_WORLD] = global_world if global_world is not None else world
+        c[G_VERSION] = VERSION
+        c[G_MAGIC] = MAGIC  # last: an attacher seeing the magic sees a complete block
+        return arena
+
+    @classmethod
+    def attach(cls, handle: ArenaHandle) -> "Arena":
+        """Map an existing arena (ranks, relays). Bulk segments map lazily."""
+        ctl = Segment.attach(handle.name("ctl"))
+        result = Segment.attach(handle.name("res"))
+        arena = cls(handle, ctl, result, [None] * handle.world, owner=False)
+        if int(arena.ctl[G_MAGIC]) != MAGIC or int(arena.ctl[G_VERSION]) != VERSION:
+            raise RuntimeError(
+                f"shared-memory segment {ctl.name} is not a flodl_shm arena of version "
+                f"{VERSION} (magic 0x{int(arena.ctl[G_MAGIC]) & (2**64 - 1):x})"
+            )
+        return arena
+
+    def close(self) -> None:
+        """Drop this process's mappings (views still held keep their pages)."""
+        self._result_view = None
+        self._data_views = [None] * self.world
+        for seg in [self._ctl_seg, self._result_seg, *self._data]:
+            if seg is not None:
+                seg.close()
+
+    def unlink(self) -> None:
+        """Owner only: remove every segment name of this arena from /dev/shm."""
+        from .segment import unlink_name
+
+        unlink_name(self.handle.name("ctl"))
+        unlink_name(self.handle.name("res"))
+        for r in range(self.world):
+            unlink_name(self.handle.name(f"d{r}"))
+
+    # -- eager slots -------------------------------------------------------------
+    def eager_slot(self, rank: int, rnd: int) -> np.ndarray:
+        """Rank ``rank``'s eager slot for round ``rnd`` (bytes; parity-indexed)."""
+        start = (2 * rank + (rnd & 1)) * self.eager_bytes
+        return self._eager[start:start + self.eager_bytes]
+
+    # -- bulk data regions ---------------------------------------------------------
+    def _data_segment(self, rank: int) -> Segment:
+        seg = self._data[rank]
+        if seg is None:
+            seg = Segment.attach(self.handle.name(f"d{rank}"))
+            self._data[rank] = seg
+        return seg
+
+    def grow_data(self, rank: int, nbytes: int) -> None:
+        """Grow rank ``rank``'s own bulk region to hold ``nbytes`` (call from that rank)."""
+        seg = self._data_segment(rank)
+        target = result_target(nbytes)
+        if seg.reserve(target) or self._data_views[rank] is None:
+            self._data_views[rank] = np.frombuffer(seg.buf, dtype=np.uint8)
+        self.ctl[rank_base(rank) + R_DATA_CAP] = seg.nbytes
+
+    def data_view(self, rank: int, nbytes: int) -> np.ndarray:
+        """A byte view of rank ``rank``'s bulk region covering at least ``nbytes``."""
+        view = self._data_views[rank]
+        if view is None or view.shape[0] < nbytes:
+            seg = self._data_segment(rank)
+            if seg.nbytes < nbytes:
+                seg.refresh()
+            if seg.nbytes < nbytes:
+                raise RuntimeError(
+                    f"rank {rank}'s bulk region holds {seg.nbytes} bytes but its round "
+                    f"header promises {nbytes}: the arena is inconsistent"
+                )
+            view = np.frombuffer(seg.buf, dtype=np.uint8)
+            self._data_views[rank] = view
+        return view
+
+    # -- result region -------------------------------------------------------------
+    def result_view(self, nbytes: int) -> np.ndarray:
+        """A byte view of the result region of at least ``nbytes``, growing it if needed.
+
+        Every rank asks for the same ``nbytes`` in a round, so concurrent growth agrees
+        on the target (``result_target``) and the file only ever grows.
+        """
+        view = self._result_view
+        if view is None or view.shape[0] < nbytes:
+            seg = self._result_seg
+            target = result_target(nbytes)
+            if seg.nbytes < target:
+                seg.refresh()
+            if seg.nbytes < target:
+                seg.reserve(target)
+                self.ctl[G_RESULT_CAP] = max(int(self.ctl[G_RESULT_CAP]), seg.nbytes)
+            view = np.frombuffer(seg.buf, dtype=np.uint8)
+            self._result_view = view
+        return view
+
+    # -- helpers -------------------------------------------------------------------
+    def header(self, rank: int, rnd: int) -> np.ndarray:
+        b = header_base(rank, rnd)
+        return self.ctl[b:b + HDR_WORDS]
+
+    def is_dead(self, rank: int) -> bool:
+        return bool(self.ctl[rank_base(rank) + R_DEAD])
+
+    def dead_ranks(self) -> list[int]:
+        return [r for r in range(self.world) if self.is_dead(r)]
+
+    def segment_names(self) -> list[str]:
+        names = [self.handle.name("ctl"), self.handle.name("res")]
+        names += [self.handle.name(f"d{r}") for r in range(self.world)]
+        return names
+
+    def __repr__(self) -> str:
+        return (f"Arena(session={self.handle.session}, world={self.world}, "
+                f"eager={self.eager_bytes} B, owner={self.owner})")
+
+
+def slice_bounds(nelem: int, parts: int, index: int, align: int = 16) -> tuple[int, int]:
+    """Element range of slice ``index`` of ``parts`` over ``nelem`` elements.
+
+    Slices are multiples of ``align`` elements (64 bytes of f32) so two ranks never
+    write the same cache line of the result; the last slice takes the remainder.
+    """
+    per = int(math.ceil(nelem / parts / align)) * align if nelem else 0
+    start = min(nelem, index * per)
+    stop = nelem if index == parts - 1 else min(nelem, start + per)
+    return start, stop

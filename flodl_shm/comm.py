@@ -1,0 +1,465 @@
+"""``Comm``: the collectives one rank calls (mirrors flodl's CpuReduceClient).
+
+Weighted semantics: a rank contributes tensors already scaled by its mass wᵣ
+(``all_reduce_scaled`` fuses that scale into the copy into shared memory) and the
+mass itself; every rank receives Σ(wᵣ·Tᵣ)/Σwᵣ over the accepted contributions,
+accumulated in f32 in rank order (bit-identical on every rank), plus the accepted
+mass Σwᵣ. A ``MODEL`` round whose accepted mass is 0 returns the raw sum (zeros)
+with mass 0: callers keep their local state. ``CONTROL`` rounds are plain sums on
+an f32 wire.
+
+Buffer lifetimes:
+
+- tensors returned by ``all_reduce_*``, ``broadcast_from_root`` and
+  ``all_reduce(frame)`` are the caller's to keep: fresh memory no later round touches;
+- **armed staging slots** (``set_pinned_decode(True)`` + ``arm_pinned_decode(slot)``):
+  the next MODEL reply decodes into that slot's reusable f32 buffers and the
+  returned tensors alias them — the next reply decoded into the same slot
+  overwrites them (single consumer: finish with round N's tensors before the next
+  armed round of that slot). Slots never share buffers;
+- **zero-copy** (``zero_copy_inputs`` + ``all_reduce_zero_copy``): the input
+  tensors live in this rank's shared bulk region and the consensus views in the
+  shared result region. Both stay valid until this rank's next collective call;
+  after it they may hold another round's data. Copy what must outlive that.
+
+Reduce paths: a contribution of at most ``eager_bytes`` (schema words included)
+travels through the double-buffered eager slots and every rank reduces it itself
+(one synchronisation point); larger ones use the bulk regions with reduce-scatter
+then all-gather, so no process reads all P inputs. See ``protocol.py``.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from . import arena as A
+from .errors import FrameError
+from .frame import (
+    DTYPE_BF16,
+    DTYPE_F32,
+    RoundFrame,
+    RoundKind,
+    TensorPayload,
+    check_frame,
+    check_tensor_dtype,
+    elem_size,
+)
+from .kernels import codec as K
+from .protocol import RoundEngine, RoundView, frame_layout, schema_hash, schema_words
+from .waiting import spin_iterations
+
+logger = logging.getLogger("flodl_shm")
+
+DECODE_SLOT_PARAMS = 0
+DECODE_SLOT_BUFFERS = 1
+
+_SCRATCH = 4096
+
+
+class Comm:
+    """The collectives of one rank on one host arena (and, through the host's relay,
+    of the whole cohort). Create through ``spawn`` or ``testing.FakeCohort``.
+
+    Attributes:
+        rank: global rank; local_rank: index on this host;
+        world_size: ranks in the cohort; local_world_size: ranks on this host.
+    """
+
+    def __init__(self, arena: A.Arena, local_rank: int, *, global_rank: int | None = None,
+                 world_size: int | None = None, timeout: float | None = None,
+                 liveness: Callable[[], None] | None = None,
+                 spin_iters: int | None = None) -> None:
+        if not 0 <= local_rank < arena.world:
+            raise ValueError(f"local_rank {local_rank} must be < local world size {arena.world}")
+        self.arena = arena
+        self.local_rank = local_rank
+        self.local_world_size = arena.world
+        first = int(arena.ctl[A.G_FIRST_RANK])
+        self.rank = first + local_rank if global_rank is None else int(global_rank)
+        self.world_size = int(arena.ctl[A.G_GLOBAL_WORLD]) if world_size is None else int(world_size)
+        if spin_iters is None:
+            spin_iters = spin_iterations(arena.world)
+        self._engine = RoundEngine(arena, local_rank, timeout=timeout, spin_iters=spin_iters,
+                                   liveness=liveness or (lambda: None))
+        self._round = 0
+        self._broken: str | None = None
+        self._bf16 = False
+        self._pinned = False
+        self._armed: int | None = None
+        self._staging: dict[int, torch.Tensor] = {}
+        self._eager_out = np.empty(arena.eager_bytes, np.uint8)
+        self._scratch = np.empty(_SCRATCH, np.float32)
+        self._scratch16 = np.empty(_SCRATCH, np.uint16)
+        self._schemas: dict[tuple, tuple[np.ndarray, int]] = {}
+        self._zero_copy: tuple | None = None
+        arena.ctl[A.rank_base(local_rank) + A.R_PID] = _getpid()
+
+    # -- settings ----------------------------------------------------------------
+    @property
+    def bf16_wire(self) -> bool:
+        return self._bf16
+
+    def set_bf16_wire(self, on: bool) -> None:
+        """Send MODEL rounds as bf16 (half the bytes); sums still accumulate in f32.
+
+        May change between rounds; every rank must use the same setting in a round
+        (a mix is a SchemaMismatchError on every rank)."""
+        self._bf16 = bool(on)
+
+    def set_pinned_decode(self, on: bool) -> None:
+        """Enable slot-tagged reusable decode staging (see module doc)."""
+        self._pinned = bool(on)
+        if not on:
+            self._armed = None
+
+    @property
+    def pinned_decode(self) -> bool:
+        return self._pinned
+
+    def arm_pinned_decode(self, slot: int) -> None:
+        """Decode the NEXT MODEL reply into ``slot``'s staging (one shot; no-op when
+        pinned decode is off)."""
+        if self._pinned:
+            self._armed = int(slot)
+
+    @property
+    def round(self) -> int:
+        """The number of the next collective round."""
+        return self._round
+
+    # -- collectives -------------------------------------------------------------
+    def all_reduce(self, frame: RoundFrame) -> RoundFrame:
+        """Frame-level reduce: the payloads carry wᵣ·Tᵣ and ``frame.weight`` wᵣ; the reply
+        carries the consensus (same schema) with ``weight`` = accepted mass."""
+        check_frame(frame)
+        dtypes = {p.dtype for p in frame.tensors}
+        if len(dtypes) > 1:
+            raise FrameError("all tensors of one frame must share a wire dtype, got "
+                             f"{sorted(dtypes)} (0 = f32, 1 = bf16)")
+        dtype = dtypes.pop() if dtypes else DTYPE_F32
+        shapes = [p.shape for p in frame.tensors]
+
+        def write(dst: np.ndarray, offs: list[int], numels: list[int]) -> None:
+            for p, off, n in zip(frame.tensors, offs, numels):
+                np.copyto(dst[off:off + n], p.as_array())
+
+        view, cons, mass = self._run(int(frame.kind), dtype, frame.weight, shapes, write)
+        offs, numels, _ = frame_layout(shapes)
+        out = []
+        for s, off, n in zip(shapes, offs, numels):
+            out.append(TensorPayload(dtype, s, cons[off:off + n].copy()))
+        return RoundFrame(out, mass, RoundKind(view.kind))
+
+    def all_reduce_scaled(self, tensors: Sequence[torch.Tensor], scale: float, kind=RoundKind.MODEL,
+                          weight: float = 1.0) -> tuple[list[torch.Tensor], float]:
+        """Send ``tensors · scale`` (scale fused into the copy-in, bit-identical to
+        ``tensor.mul(scale)``) with mass ``weight``; returns (consensus, accepted mass)."""
+        kind = RoundKind(int(kind))
+        dtype = self._wire_dtype(kind)
+        shapes = self._check_tensors(tensors)
+        scale = float(scale)
+
+        def write(dst: np.ndarray, offs: list[int], numels: list[int]) -> None:
+            self._encode(tensors, dst, offs, numels, dtype, scale)
+
+        armed = self._armed if kind == RoundKind.MODEL else None
+        self._armed = None
+        view, cons, mass = self._run(int(kind), dtype, weight, shapes, write)
+        return self._decode(cons, view, shapes, armed), mass
+
+    def all_reduce_weighted(self, tensors: Sequence[torch.Tensor], kind=RoundKind.MODEL,
+                            weight: float = 1.0) -> tuple[list[torch.Tensor], float]:
+        """Tensors already scaled by the caller; returns (Σ/Σw, accepted mass Σw)."""
+        return self.all_reduce_scaled(tensors, 1.0, kind, weight)
+
+    def all_reduce_tensors(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Equal-weight mean over the accepted ranks."""
+        return self.all_reduce_scaled(tensors, 1.0, RoundKind.MODEL, 1.0)[0]
+
+    def all_reduce_(self, tensors: Sequence[torch.Tensor], *, weight: float = 1.0,
+                    scale: float = 1.0, kind=RoundKind.MODEL) -> float:
+        """In place: replace each tensor by the consensus (like ``dist.all_reduce``).
+
+        Contributes ``tensors · scale`` with mass ``weight``. When a MODEL round's
+        accepted mass is 0 the tensors are left untouched (keep local). Returns the
+        accepted mass. Tensors must be float32 or bfloat16.
+        """
+        kind = RoundKind(int(kind))
+        dtype = self._wire_dtype(kind)
+        shapes = self._check_tensors(tensors)
+
+        def write(dst: np.ndarray, offs: list[int], numels: list[int]) -> None:
+            self._encode(tensors, dst, offs, numels, dtype, float(scale))
+
+        view, cons, mass = self._run(int(kind), dtype, weight, shapes, write)
+        if kind == RoundKind.MODEL and mass <= 0.0:
+            return mass
+        offs, numels, _ = frame_layout(shapes)
+        for t, off, n in zip(tensors, offs, numels):
+            _decode_into_tensor(cons[off:off + n], view.dtype, t)
+        return mass
+
+    def all_reduce_per_rank_f64(self, values) -> np.ndarray:
+        """Gather one float64 per rank: each rank fills its own slot (zeros elsewhere);
+        every rank gets the summed vector (dead ranks read 0). Values travel as f32
+        (exact for integers up to 2^24), as in flodl."""
+        vec = np.asarray(values, dtype=np.float64).reshape(-1)
+        if vec.shape[0] != self.world_size:
+            raise ValueError(f"vector len ({vec.shape[0]}) must equal world_size "
+                             f"({self.world_size})")
+        as32 = vec.astype(np.float32)
+        shapes = [(self.world_size,)]
+
+        def write(dst: np.ndarray, offs: list[int], numels: list[int]) -> None:
+            np.copyto(dst[:self.world_size], as32)
+
+        _, cons, _ = self._run(int(RoundKind.CONTROL), DTYPE_F32, 0.0, shapes, write)
+        return cons[:self.world_size].astype(np.float64)
+
+    def broadcast_from_root(self, tensors: Sequence[torch.Tensor], root: int = 0) -> list[torch.Tensor]:
+        """Every rank receives ``root``'s tensors (byte-exact, f32), e.g. to align
+        initial parameters. Non-root ranks pass tensors of the same shapes."""
+        if not 0 <= int(root) < self.world_size:
+            raise ValueError(f"broadcast root {root} >= world_size {self.world_size}")
+        shapes = self._check_tensors(tensors)
+        is_root = self.rank == int(root)
+
+        def write(dst: np.ndarray, offs: list[int], numels: list[int]) -> None:
+            self._encode(tensors, dst, offs, numels, DTYPE_F32, 1.0)
+
+        view, cons, _ = self._run(int(RoundKind.CONTROL), DTYPE_F32, 0.0, shapes,
+                                  write if is_root else None, elided=not is_root)
+        return self._decode(cons, view, shapes, None)
+
+    def barrier(self) -> None:
+        """Return once every live rank has entered the barrier."""
+        self._run(int(RoundKind.CONTROL), DTYPE_F32, 0.0, [], None)
+
+    # -- zero-copy ---------------------------------------------------------------
+    def zero_copy_inputs(self, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Tensors backed by this rank's shared bulk region, to fill in place (in the
+        wire dtype: float32, or bfloat16 with ``set_bf16_wire(True)``). Fill them with
+        wᵣ·Tᵣ, then call ``all_reduce_zero_copy(weight)``. Valid until this rank's
+        next collective call."""
+        shapes = [tuple(int(d) for d in s) for s in shapes]
+        dtype = self._wire_dtype(RoundKind.MODEL)
+        offs, numels, nelem = frame_layout(shapes)
+        nwords = len(schema_words(0, dtype, shapes))
+        nbytes = nelem * elem_size(dtype)
+        region = self._engine.bulk_region(nwords * 8 + nbytes)
+        payload = region[nwords * 8:nwords * 8 + nbytes]
+        out = []
+        for s, off, n in zip(shapes, offs, numels):
+            if dtype == DTYPE_F32:
+                t = torch.from_numpy(payload.view(np.float32)[off:off + n])
+            else:
+                t = torch.from_numpy(payload.view(np.int16)[off:off + n]).view(torch.bfloat16)
+            out.append(t.view(s))
+        self._zero_copy = (shapes, dtype)
+        return out
+
+    def all_reduce_zero_copy(self, weight: float = 1.0, kind=RoundKind.MODEL
+                             ) -> tuple[list[torch.Tensor], float]:
+        """Reduce what was filled into ``zero_copy_inputs``; returns views of the
+        consensus in shared memory (wire dtype) and the accepted mass. The views are
+        valid until this rank's next collective call."""
+        if self._zero_copy is None:
+            raise RuntimeError("call zero_copy_inputs(shapes) and fill the tensors before "
+                               "all_reduce_zero_copy()")
+        shapes, dtype = self._zero_copy
+        self._zero_copy = None
+        view, cons, mass = self._run(int(RoundKind(int(kind))), dtype, weight, shapes, None,
+                                     zero_copy=True)
+        offs, numels, _ = frame_layout(shapes)
+        out = []
+        for s, off, n in zip(shapes, offs, numels):
+            if dtype == DTYPE_F32:
+                t = torch.from_numpy(cons[off:off + n])
+            else:
+                t = torch.from_numpy(cons[off:off + n].view(np.int16)).view(torch.bfloat16)
+            out.append(t.view(s))
+        return out, mass
+
+    # -- the round ---------------------------------------------------------------
+    def _run(self, kind: int, dtype: int, weight: float, shapes: list[tuple[int, ...]],
+             write: Callable | None, *, elided: bool = False,
+             zero_copy: bool = False) -> tuple[RoundView, np.ndarray, float]:
+        if self._broken is not None:
+            raise RuntimeError(f"this Comm is unusable: {self._broken}")
+        weight = float(weight)
+        if not math.isfinite(weight) or weight < 0.0:
+            raise FrameError(f"weight {weight} is not a finite non-negative realized-work mass")
+        eng = self._engine
+        rnd = self._round
+        words, shash = self._schema(kind, dtype, shapes)
+        offs, numels, nelem = frame_layout(shapes)
+        nbytes = nelem * elem_size(dtype)
+        off = len(words) * 8
+        bulk = zero_copy or eng.relay_mode or off + nbytes > self.arena.eager_bytes
+        region = eng.bulk_region(off + nbytes) if bulk else eng.eager_region(rnd)
+        region[:off].view(np.int64)[:] = words
+        if write is not None and not elided:
+            raw = region[off:off + nbytes]
+            write(raw.view(np.float32 if dtype == DTYPE_F32 else np.uint16), offs, numels)
+        flags = ((A.FLAG_BULK if bulk else 0) | (A.FLAG_ELIDED if elided else 0)
+                 | (A.FLAG_ZERO_COPY if zero_copy else 0))
+        eng.publish(rnd, kind=kind, flags=flags, dtype=dtype, weight=weight,
+                    ntensors=len(shapes), nbytes=nbytes, nelem=nelem, shash=shash,
+                    nwords=len(words))
+        self._round = rnd + 1
+        try:
+            view = eng.await_arrivals(rnd)
+            if not view.bulk:
+                esize = elem_size(dtype)
+                cons = self._eager_out[:nelem * esize].view(
+                    np.float32 if dtype == DTYPE_F32 else np.uint16)
+                eng.reduce_into(view, cons, 0, nelem)
+                return view, cons, view.mass
+            eng.reduce_slice(view, self.local_rank)
+            eng.await_slices(view)
+            mass = eng.await_consensus(view) if eng.relay_mode else view.mass
+            return view, eng.consensus_array(view), mass
+        except FrameError:
+            raise  # schema mismatch: every rank raised at the same point; still in step
+        except BaseException as e:
+            self._broken = f"round {rnd} failed with {type(e).__name__}: {e}"
+            raise
+
+    # -- helpers -------------------------------------------------------------------
+    def _wire_dtype(self, kind: RoundKind) -> int:
+        return DTYPE_BF16 if (self._bf16 and kind == RoundKind.MODEL) else DTYPE_F32
+
+    def _schema(self, kind: int, dtype: int, shapes: list[tuple[int, ...]]) -> tuple[np.ndarray, int]:
+        key = (kind, dtype, tuple(shapes))
+        hit = self._schemas.get(key)
+        if hit is None:
+            words = schema_words(kind, dtype, shapes)
+            hit = (words, schema_hash(words))
+            if len(self._schemas) > 64:
+                self._schemas.clear()
+            self._schemas[key] = hit
+        return hit
+
+    @staticmethod
+    def _check_tensors(tensors: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
+        shapes = []
+        for i, t in enumerate(tensors):
+            check_tensor_dtype(t, i)
+            shapes.append(tuple(t.shape))
+        return shapes
+
+    def _encode(self, tensors, dst: np.ndarray, offs, numels, dtype: int, scale: float) -> None:
+        for t, off, n in zip(tensors, offs, numels):
+            _encode_tensor(t, dst[off:off + n], dtype, scale, self._scratch, self._scratch16)
+
+    def _decode(self, cons: np.ndarray, view: RoundView, shapes, armed: int | None) -> list[torch.Tensor]:
+        offs, numels, nelem = frame_layout(shapes)
+        if armed is not None:
+            flat = self._staging.get(armed)
+            if flat is None or flat.numel() != nelem:
+                flat = _staging_buffer(nelem)
+                self._staging[armed] = flat
+        else:
+            flat = torch.from_numpy(np.empty(nelem, np.float32))
+        dst = flat.numpy()
+        if view.dtype == DTYPE_F32:
+            np.copyto(dst, cons[:nelem])
+        else:
+            K.bf16_to_f32(cons[:nelem], dst)
+        return [flat[off:off + n].view(s) for s, off, n in zip(shapes, offs, numels)]
+
+    def close(self) -> None:
+        """Release this rank's mappings (the arena's owner unlinks the segments)."""
+        self._staging.clear()
+        self.arena.close()
+
+    def __repr__(self) -> str:
+        return (f"Comm(rank={self.rank}/{self.world_size}, local={self.local_rank}/"
+                f"{self.local_world_size}, round={self._round}, bf16_wire={self._bf16})")
+
+
+def _getpid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def _staging_buffer(nelem: int) -> torch.Tensor:
+    """A reusable f32 decode buffer: page-locked when CUDA is available (so
+    ``.to(device, non_blocking=True)`` is truly asynchronous), else plain memory."""
+    if torch.cuda.is_available():
+        try:
+            return torch.empty(nelem, dtype=torch.float32, pin_memory=True)
+        except RuntimeError as e:  # pinning can fail under memlock limits
+            logger.warning("pinned decode staging: page-locking %d bytes failed (%s); "
+                           "using pageable memory", nelem * 4, e)
+    return torch.empty(nelem, dtype=torch.float32)
+
+
+def _tensor_source(t: torch.Tensor) -> tuple[np.ndarray, bool]:
+    """(flat numpy view of t's data, is_bf16) for a float32/bfloat16 tensor."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.reshape(-1).view(torch.int16).numpy().view(np.uint16), True
+    return t.reshape(-1).numpy(), False
+
+
+def _encode_tensor(t: torch.Tensor, dst: np.ndarray, dtype: int, scale: float,
+                   scratch: np.ndarray, scratch16: np.ndarray) -> None:
+    """Copy one tensor into its wire slot, converting and scaling on the way.
+
+    The result equals encoding ``t.mul(scale)`` (one rounding stage): f32 data is
+    multiplied in f32 then rounded once to bf16 if the wire is bf16; bf16 data is
+    scaled with one bf16 rounding, then upcast exactly on an f32 wire.
+    """
+    src, is_bf16 = _tensor_source(t)
+    one = scale == 1.0
+    if not is_bf16:
+        if dtype == DTYPE_F32:
+            if one:
+                np.copyto(dst, src)
+            else:
+                K.f32_scaled_copy(src, dst, scale)
+        elif one:
+            K.f32_to_bf16(src, dst)
+        else:
+            K.f32_to_bf16_scaled(src, dst, scale, scratch)
+    elif dtype == DTYPE_BF16:
+        if one:
+            np.copyto(dst, src)
+        else:
+            K.bf16_scaled_copy(src, dst, scale, scratch)
+    elif one:
+        K.bf16_to_f32(src, dst)
+    else:  # bf16 tensor on an f32 wire with a scale: round the product to bf16 first
+        step = scratch16.shape[0]
+        for c0 in range(0, src.shape[0], step):
+            c1 = min(c0 + step, src.shape[0])
+            part = scratch16[:c1 - c0]
+            K.bf16_scaled_copy(src[c0:c1], part, scale, scratch)
+            K.bf16_to_f32(part, dst[c0:c1])
+
+
+def _decode_into_tensor(src: np.ndarray, dtype: int, t: torch.Tensor) -> None:
+    """Write a consensus slice into an existing float32/bfloat16 tensor, in place."""
+    if t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu":
+        dst = t.detach().view(-1).numpy()
+        if dtype == DTYPE_F32:
+            np.copyto(dst, src)
+        else:
+            K.bf16_to_f32(src, dst)
+        return
+    if dtype == DTYPE_F32:
+        tmp = torch.from_numpy(src)
+    else:
+        tmp = torch.from_numpy(src.view(np.int16)).view(torch.bfloat16)
+    with torch.no_grad():
+        t.copy_(tmp.view(t.shape))

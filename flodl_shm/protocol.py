@@ -1,0 +1,374 @@
+"""The round state machine of the host engine: who publishes what, who waits for what.
+
+One collective call on every rank is one **round** ``N`` (0, 1, 2, ... in call order;
+every rank of the cohort makes the same sequence of calls). A round moves through
+these states; each arrow is a word in the control block (``arena.py``), written
+with a release store and read with acquire loads (``kernels/sync.py``):
+
+::
+
+    COPY-IN    rank r writes its contribution: into its eager slot of parity N%2
+               (small rounds) or into its bulk region d<r> (large rounds), and its
+               round header of parity N%2 (kind, flags, dtype, weight, schema).
+       |
+    ARRIVED    r publishes  arrived[r] = N.
+       |       every rank waits until each rank has arrived[.] >= N or is dead.
+       v       The accepted set of N is {r : arrived[r] >= N}, read after that wait.
+    VALIDATED  every rank compares the accepted headers; any disagreement in kind,
+       |       dtype, tensor count, shapes or reduce path raises SchemaMismatchError
+       |       on every rank (they all read the same headers), before any payload
+       |       is read.
+       |
+       |-- eager (small) rounds: every rank reduces all accepted contributions
+       |   itself, in rank order, into private memory. Done: one sync point.
+       |
+       `-- bulk (large) rounds: reduce-scatter then all-gather.
+    REDUCED    rank j reduces slice j of every accepted contribution into the
+       |       shared result region and publishes  done[j] = N.  A dead rank's slice
+       |       is claimed by one survivor with a CAS on claim[j] = (N << 16) | taker
+       |       and reduced by it (bit-identical: same inputs, same order).
+       |   [cluster: the relay waits for every slice, ships the host partial
+       |    (sums, never divided) to the controller and publishes consensus = N
+       |    after writing the cohort consensus over the result region.]
+    GATHERED   every rank waits for every done[.] >= N (or consensus >= N) and
+               copies the consensus out (or returns views of it).
+
+Why a round cannot be confused with the next (buffer reuse):
+
+- *Eager slots are double-buffered by parity.* Rank r writes slot N%2 again only
+  in round N+2, which it enters after finishing N+1, which needed every live rank
+  to arrive at N+1, i.e. to have finished round N (all reads of slot N%2 done).
+- *Round headers are double-buffered* by the same argument.
+- *A bulk region is single-buffered.* Rank r leaves round N only after every
+  done[j] >= N, i.e. after every slice reducer finished reading r's region; a
+  taker claims a slice exclusively (CAS), so no second reader lingers.
+- *The result region is single-buffered.* Slice reducers write round N+1 only
+  after the arrival wait of N+1, i.e. after every live rank finished round N's
+  copy-out (and released its views: the zero-copy contract).
+- Words are monotone (arrived/done only grow), so ``>= N`` is the test and a fast
+  rank one round ahead never looks like a slow one.
+
+Dead ranks: only the arena's owner (the supervisor) sets dead[r], and only after
+r's process has exited, so a dead rank's arrival word is final. A rank that died
+after arriving is accepted (its work was realized); one that died before is not.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from . import arena as A
+from .errors import FrameError, SchemaMismatchError
+from .frame import DTYPE_BF16, DTYPE_F32, RoundKind, dtype_name, elem_size
+from .kernels import reduce as R
+from .kernels import sync
+from .waiting import Doorbell, Waiter
+
+SCRATCH_ELEMS = 4096  # f32 elements per reduce scratch (16 KiB: L1-resident)
+
+
+def schema_words(kind: int, dtype: int, shapes: list[tuple[int, ...]]) -> np.ndarray:
+    """The schema description stored in front of a payload (int64 words)."""
+    words = [len(shapes), int(dtype), int(kind)]
+    for s in shapes:
+        words.append(len(s))
+        words.extend(int(d) for d in s)
+    return np.asarray(words, dtype=np.int64)
+
+
+def schema_hash(words: np.ndarray) -> int:
+    digest = hashlib.blake2b(words.tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def decode_schema_words(words: np.ndarray) -> tuple[int, int, list[tuple[int, ...]]]:
+    n, dtype, kind = int(words[0]), int(words[1]), int(words[2])
+    shapes = []
+    i = 3
+    for _ in range(n):
+        nd = int(words[i])
+        shapes.append(tuple(int(d) for d in words[i + 1:i + 1 + nd]))
+        i += 1 + nd
+    return kind, dtype, shapes
+
+
+@dataclass
+class RoundView:
+    """What every rank agrees on about round ``rnd`` after the arrival wait."""
+
+    rnd: int
+    kind: int
+    dtype: int
+    flags: int
+    ntensors: int
+    nbytes: int
+    nelem: int
+    nwords: int            # schema words in front of each payload
+    accepted: list[int]    # ranks whose contribution is in (arrived >= rnd)
+    contributors: list[int]  # accepted and not elided, in rank order
+    mass: float            # sum of accepted weights (f64, rank order)
+    inv: float             # f32 reciprocal of mass (1.0 for sums / zero mass)
+
+    @property
+    def bulk(self) -> bool:
+        return bool(self.flags & A.FLAG_BULK)
+
+    @property
+    def payload_offset(self) -> int:
+        return self.nwords * 8
+
+
+class RoundEngine:
+    """Drives the control-block protocol for one participant of one arena.
+
+    ``rank`` is the local rank (0..world-1); a relay observes with ``rank=-1``.
+    Knows nothing about torch: payloads are numpy views.
+    """
+
+    def __init__(self, arena: A.Arena, rank: int, *, timeout: float | None,
+                 spin_iters: int, liveness: Callable[[], None]) -> None:
+        self.arena = arena
+        self.rank = rank
+        self.world = arena.world
+        self.ctl = arena.ctl
+        self.doorbell = Doorbell(arena.ctl)
+        self.waiter = Waiter(self.doorbell, spin_iters, timeout, liveness)
+        self._acc = np.empty(SCRATCH_ELEMS, np.float32)
+        self._tmp = np.empty(SCRATCH_ELEMS, np.float32)
+        self.relay_mode = bool(arena.ctl[A.G_RELAY])
+
+    # -- COPY-IN destinations ------------------------------------------------------
+    def eager_region(self, rnd: int) -> np.ndarray:
+        return self.arena.eager_slot(self.rank, rnd)
+
+    def bulk_region(self, nbytes: int) -> np.ndarray:
+        self.arena.grow_data(self.rank, nbytes)
+        return self.arena.data_view(self.rank, nbytes)
+
+    # -- ARRIVED -------------------------------------------------------------------
+    def publish(self, rnd: int, *, kind: int, flags: int, dtype: int, weight: float,
+                ntensors: int, nbytes: int, nelem: int, shash: int, nwords: int) -> None:
+        """Write this rank's round header, then publish its arrival."""
+        b = A.header_base(self.rank, rnd)
+        c = self.ctl
+        c[b + A.H_KIND] = kind
+        c[b + A.H_FLAGS] = flags
+        c[b + A.H_DTYPE] = dtype
+        self.arena.ctl_f64[b + A.H_WEIGHT] = weight
+        c[b + A.H_NTENSORS] = ntensors
+        c[b + A.H_NBYTES] = nbytes
+        c[b + A.H_NELEM] = nelem
+        c[b + A.H_SCHEMA_HASH] = shash
+        c[b + A.H_SCHEMA_WORDS] = nwords
+        c[b + A.H_ROUND] = rnd
+        self.doorbell.publish(A.rank_base(self.rank) + A.R_ARRIVED, rnd)
+
+    def missing_arrivals(self, rnd: int) -> tuple[int, ...]:
+        c = self.ctl
+        return tuple(r for r in range(self.world)
+                     if c[A.rank_base(r) + A.R_ARRIVED] < rnd
+                     and not c[A.rank_base(r) + A.R_DEAD])
+
+    def await_arrivals(self, rnd: int, what: str = "waiting for ranks to arrive") -> RoundView:
+        ctl, world = self.ctl, self.world
+        self.waiter.wait(lambda it: sync.spin_arrivals(ctl, world, rnd, it), what=what,
+                         rnd=rnd, missing_of=lambda: self.missing_arrivals(rnd))
+        return self._validate(rnd)
+
+    # -- VALIDATED -------------------------------------------------------------------
+    def _validate(self, rnd: int) -> RoundView:
+        c = self.ctl
+        f64 = self.arena.ctl_f64
+        accepted = []
+        for r in range(self.world):
+            base = A.rank_base(r)
+            if c[base + A.R_ARRIVED] >= rnd:
+                accepted.append(r)
+            elif c[base + A.R_DEAD] == A.DEAD_EXITED and r != self.rank:
+                raise RuntimeError(
+                    f"round {rnd}: rank {r} already returned from its function while this rank "
+                    f"waits for it in a collective: every rank must make the same sequence of "
+                    f"collective calls"
+                )
+        if not accepted:  # every rank is dead (only an observer can see this)
+            raise SchemaMismatchError(f"round {rnd}: no rank contributed (all dead)")
+        ref = accepted[0]
+        rb = A.header_base(ref, rnd)
+        keys = (A.H_ROUND, A.H_KIND, A.H_DTYPE, A.H_NTENSORS, A.H_NBYTES, A.H_NELEM,
+                A.H_SCHEMA_HASH, A.H_SCHEMA_WORDS)
+        ref_vals = [int(c[rb + k]) for k in keys]
+        ref_bulk = int(c[rb + A.H_FLAGS]) & A.FLAG_BULK
+        for r in accepted[1:]:
+            b = A.header_base(r, rnd)
+            if ([int(c[b + k]) for k in keys] != ref_vals
+                    or (int(c[b + A.H_FLAGS]) & A.FLAG_BULK) != ref_bulk):
+                raise self._mismatch(rnd, accepted)
+        if ref_vals[0] != rnd:
+            raise RuntimeError(
+                f"round {rnd}: rank {ref}'s header is for round {ref_vals[0]}; the control "
+                f"block is out of step (a rank skipped or repeated a collective)"
+            )
+        kind = ref_vals[1]
+        mass = 0.0
+        contributors = []
+        for r in accepted:
+            b = A.header_base(r, rnd)
+            mass += float(f64[b + A.H_WEIGHT])
+            if not int(c[b + A.H_FLAGS]) & A.FLAG_ELIDED:
+                contributors.append(r)
+        if self.relay_mode or kind != RoundKind.MODEL or mass <= 0.0:
+            inv = 1.0
+        else:
+            inv = float(np.float32(1.0 / mass))
+        return RoundView(rnd, kind, ref_vals[2], int(c[rb + A.H_FLAGS]), ref_vals[3],
+                         ref_vals[4], ref_vals[5], ref_vals[7], accepted, contributors,
+                         mass, inv)
+
+    def _describe(self, r: int, rnd: int) -> str:
+        c = self.ctl
+        b = A.header_base(r, rnd)
+        flags = int(c[b + A.H_FLAGS])
+        nwords = int(c[b + A.H_SCHEMA_WORDS])
+        kind = RoundKind(int(c[b + A.H_KIND])).name if int(c[b + A.H_KIND]) in (0, 1) else "?"
+        path = "zero-copy" if flags & A.FLAG_ZERO_COPY else ("bulk" if flags & A.FLAG_BULK
+                                                               else "eager")
+        shapes = "?"
+        try:
+            region = self._payload_region(r, rnd, flags, nwords * 8)
+            _, _, sh = decode_schema_words(region[:nwords * 8].view(np.int64))
+            shapes = ", ".join("[" + ",".join(map(str, s)) + "]" for s in sh[:8])
+            if len(sh) > 8:
+                shapes += f", ... ({len(sh)} tensors)"
+        except Exception:  # a description must never mask the mismatch itself
+            pass
+        return (f"rank {r}: {kind} round, {int(c[b + A.H_NTENSORS])} tensor(s) "
+                f"{dtype_name(int(c[b + A.H_DTYPE]))} shapes {shapes}, "
+                f"{int(c[b + A.H_NBYTES])} bytes, {path} path")
+
+    def _mismatch(self, rnd: int, accepted: list[int]) -> SchemaMismatchError:
+        lines = "\n  ".join(self._describe(r, rnd) for r in accepted)
+        return SchemaMismatchError(
+            f"round {rnd}: ranks contributed different frame schemas (every rank must call "
+            f"the same collective with tensors of the same count, shapes and dtype, and the "
+            f"same bf16_wire setting):\n  {lines}"
+        )
+
+    # -- payload access ----------------------------------------------------------------
+    def _payload_region(self, r: int, rnd: int, flags: int, nbytes: int) -> np.ndarray:
+        if flags & A.FLAG_BULK:
+            return self.arena.data_view(r, nbytes)
+        return self.arena.eager_slot(r, rnd)
+
+    def payload(self, view: RoundView, r: int) -> np.ndarray:
+        """Rank r's payload for the round as a typed flat array (float32 or uint16)."""
+        off = view.payload_offset
+        region = self._payload_region(r, view.rnd, view.flags, off + view.nbytes)
+        raw = region[off:off + view.nbytes]
+        return raw.view(np.float32 if view.dtype == DTYPE_F32 else np.uint16)
+
+    # -- REDUCED ---------------------------------------------------------------------
+    def reduce_into(self, view: RoundView, out: np.ndarray, start: int, stop: int,
+                    partial: bool = False) -> None:
+        """Reduce elements [start, stop) of the contributions into ``out``.
+
+        ``out`` is float32, or uint16 (bf16 bits) when the wire is bf16 and the
+        result is a consensus; ``partial`` (cluster host sums) always writes f32.
+        """
+        if stop <= start:
+            return
+        srcs = tuple(self.payload(view, r) for r in view.contributors)
+        if not srcs:
+            out[start:stop] = 0
+            return
+        if view.dtype == DTYPE_F32:
+            R.reduce_f32(srcs, out, start, stop, view.inv, self._acc)
+        elif partial or out.dtype == np.float32:
+            R.reduce_bf16_to_f32(srcs, out, start, stop, view.inv, self._acc, self._tmp)
+        else:
+            R.reduce_bf16(srcs, out, start, stop, view.inv, self._acc, self._tmp)
+
+    def result_array(self, view: RoundView) -> np.ndarray:
+        """The shared result region typed for this round's reduce output."""
+        if self.relay_mode:  # f32 host partial, later overwritten by the consensus
+            raw = self.arena.result_view(view.nelem * 4)
+            return raw[:view.nelem * 4].view(np.float32)
+        esize = elem_size(view.dtype)
+        raw = self.arena.result_view(view.nelem * esize)
+        return raw[:view.nelem * esize].view(np.float32 if view.dtype == DTYPE_F32
+                                             else np.uint16)
+
+    def consensus_array(self, view: RoundView) -> np.ndarray:
+        """The consensus of a bulk round in the wire dtype (valid after GATHERED)."""
+        esize = elem_size(view.dtype)
+        raw = self.arena.result_view(view.nelem * (4 if self.relay_mode else esize))
+        return raw[:view.nelem * esize].view(np.float32 if view.dtype == DTYPE_F32
+                                             else np.uint16)
+
+    def reduce_slice(self, view: RoundView, j: int) -> None:
+        start, stop = A.slice_bounds(view.nelem, self.world, j)
+        self.reduce_into(view, self.result_array(view), start, stop, partial=self.relay_mode)
+        self.doorbell.publish(A.rank_base(j) + A.R_DONE, view.rnd)
+
+    def _take_over(self, view: RoundView, j: int) -> bool:
+        """Claim and reduce slice ``j`` if the rank responsible for it is dead."""
+        if self.rank < 0:
+            return False
+        c = self.ctl
+        idx = A.rank_base(j) + A.R_CLAIM
+        cur = int(sync.load(c, idx))
+        responsible = j if (cur >> 16) < view.rnd else (cur & 0xFFFF)
+        if not c[A.rank_base(responsible) + A.R_DEAD]:
+            return False
+        if int(c[A.rank_base(j) + A.R_DONE]) >= view.rnd:
+            return True
+        mine = (view.rnd << 16) | self.rank
+        if int(sync.cas(c, idx, cur, mine)) != cur:
+            return True  # someone else claimed it first; re-check
+        self.reduce_slice(view, j)
+        return True
+
+    def missing_slices(self, rnd: int) -> tuple[int, ...]:
+        return tuple(j for j in range(self.world)
+                     if self.ctl[A.rank_base(j) + A.R_DONE] < rnd)
+
+    def await_slices(self, view: RoundView) -> None:
+        ctl, world, rnd = self.ctl, self.world, view.rnd
+        first = max(self.rank, 0)
+        self.waiter.wait(lambda it: sync.spin_slices(ctl, world, rnd, first, it),
+                         what="waiting for reduce slices", rnd=rnd,
+                         missing_of=lambda: self.missing_slices(rnd),
+                         on_missing=lambda j: self._take_over(view, j))
+
+    # -- GATHERED (cluster) ------------------------------------------------------------
+    def await_consensus(self, view: RoundView) -> float:
+        """Cluster rounds: wait for the relay's consensus; returns the cohort mass."""
+        ctl, rnd = self.ctl, view.rnd
+        self.waiter.wait(lambda it: sync.spin_word_ge(ctl, A.G_CONSENSUS, rnd, it),
+                         what="waiting for the cluster consensus from the relay", rnd=rnd,
+                         missing_of=lambda: ("relay",))
+        err = int(ctl[A.G_RELAY_ERROR])
+        if err:
+            raise ConnectionError(f"round {rnd}: the host relay failed (code {err}); see the "
+                                  f"launcher's log")
+        return float(self.arena.ctl_f64[A.G_CONSENSUS_MASS])
+
+
+def check_frame_dtype(dtype: int) -> None:
+    if dtype not in (DTYPE_F32, DTYPE_BF16):
+        raise FrameError(f"unsupported wire dtype tag {dtype} (0 = f32, 1 = bf16)")
+
+
+def frame_layout(shapes: list[tuple[int, ...]]) -> tuple[list[int], list[int], int]:
+    """(element offsets, numels, total elements) of tensors laid end to end."""
+    offs, numels = [], []
+    total = 0
+    for s in shapes:
+        n = math.prod(s)
+        offs.append(total)
+        numels.append(n)
+        total += n
+    return offs, numels, total

@@ -1,0 +1,283 @@
+"""One POSIX shared-memory segment: who creates it, who attaches, who unlinks.
+
+Modelled on CPython's ``multiprocessing/shared_memory.py`` (same ``shm_open``
+primitive), with three differences that matter for a training runtime:
+
+- **No resource tracker.** Python 3.11's tracker unlinks a segment when *any*
+  attaching process exits and prints spurious "leaked shared_memory" warnings.
+  Here the creator alone unlinks, explicitly; crash cleanup is by name instead:
+  every segment is named ``fshm_<owner pid>_<session>_<what>`` so a later run (or
+  ``python -m flodl_shm ram --reap``) removes the segments of owners that are gone.
+- **Growth.** ``reserve(nbytes)`` grows the file with ``posix_fallocate``: tmpfs
+  reports a full ``/dev/shm`` as a clean ``ENOSPC`` error here, instead of the
+  SIGBUS a process gets later when it touches a sparse page that has no backing.
+  Mappings are re-made at the new size; old mappings stay valid (same pages)
+  until nothing references them.
+- **Pre-faulting.** Mappings use ``MAP_POPULATE`` so the page-table cost (~2 s/GiB
+  of first touch on these VMs) is paid when the mapping is made, not inside a
+  timed collective.
+
+A ``Segment`` pickles as its name (``__reduce__``): a spawned rank re-attaches.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import _posixshmem
+
+logger = logging.getLogger("flodl_shm")
+
+PREFIX = "fshm_"
+SHM_DIR = Path("/dev/shm")
+_NAME_RE = re.compile(r"^fshm_(\d+)_([0-9a-f]+)_([A-Za-z0-9_.-]+)$")
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+class ShmSpaceError(MemoryError):
+    """``/dev/shm`` cannot hold what the arena needs. The message names both sizes
+    and the fix (a bigger ``--shm-size`` for containers)."""
+
+
+def shm_free_bytes(shm_dir: Path = SHM_DIR) -> int:
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize
+
+
+def shm_total_bytes(shm_dir: Path = SHM_DIR) -> int:
+    st = os.statvfs(shm_dir)
+    return st.f_blocks * st.f_frsize
+
+
+def fmt_bytes(n: float) -> str:
+    """Binary-unit rendering used in every size message: 1.5 GiB, 64 MiB."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def space_error(need: int, free: int, what: str) -> ShmSpaceError:
+    return ShmSpaceError(
+        f"/dev/shm has {fmt_bytes(free)} free but {what} needs {fmt_bytes(need)} more. "
+        f"Free space in /dev/shm (leaked segments: `python -m flodl_shm ram --reap`), or "
+        f"give it more room: in Docker `docker run --shm-size={_suggest(need)} ...` (the "
+        f"default is 64 MB), in Kubernetes a memory-backed emptyDir on /dev/shm"
+    )
+
+
+def _suggest(need: int) -> str:
+    gib = max(1, -(-int(need * 1.5) // (1 << 30)))
+    return f"{gib}g"
+
+
+def new_session_id() -> str:
+    return secrets.token_hex(4)
+
+
+def segment_name(owner_pid: int, session: str, what: str) -> str:
+    return f"{PREFIX}{owner_pid}_{session}_{what}"
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    """A segment found in /dev/shm: its name, owner pid, session, size in bytes."""
+
+    name: str
+    owner_pid: int
+    session: str
+    what: str
+    nbytes: int
+
+    @property
+    def owner_alive(self) -> bool:
+        return pid_alive(self.owner_pid)
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def list_segments(shm_dir: Path = SHM_DIR) -> list[SegmentInfo]:
+    """Our segments (``fshm_*``) currently in ``shm_dir``."""
+    out = []
+    try:
+        entries = list(os.scandir(shm_dir))
+    except FileNotFoundError:
+        return out
+    for e in entries:
+        m = _NAME_RE.match(e.name)
+        if not m:
+            continue
+        try:
+            size = e.stat(follow_symlinks=False).st_blocks * 512
+        except FileNotFoundError:
+            continue
+        out.append(SegmentInfo(e.name, int(m.group(1)), m.group(2), m.group(3), size))
+    return sorted(out, key=lambda s: s.name)
+
+
+def unlink_name(name: str) -> bool:
+    """Unlink one segment by name; False if it was already gone."""
+    try:
+        _posixshmem.shm_unlink("/" + name)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def reap_dead_owner_segments(shm_dir: Path = SHM_DIR) -> list[SegmentInfo]:
+    """Unlink every ``fshm_`` segment whose owner process is gone; returns them."""
+    reaped = []
+    for seg in list_segments(shm_dir):
+        if not seg.owner_alive:
+            if shm_dir == SHM_DIR:
+                gone = unlink_name(seg.name)
+            else:  # a test stand-in folder
+                try:
+                    (shm_dir / seg.name).unlink()
+                    gone = True
+                except FileNotFoundError:
+                    gone = False
+            if gone:
+                reaped.append(seg)
+    if reaped:
+        logger.info("reaped %d shared-memory segment(s) of dead owners (%s)", len(reaped),
+                    fmt_bytes(sum(s.nbytes for s in reaped)))
+    return reaped
+
+
+def unlink_session(owner_pid: int, session: str) -> int:
+    """Unlink every segment of one (owner, session); returns how many."""
+    n = 0
+    for seg in list_segments():
+        if seg.owner_pid == owner_pid and seg.session == session:
+            n += unlink_name(seg.name)
+    return n
+
+
+class Segment:
+    """A named POSIX shared-memory segment mapped into this process.
+
+    ``Segment.create(name, nbytes)`` makes it (exclusive; the creator unlinks);
+    ``Segment.attach(name)`` maps an existing one. ``buf`` is the current mapping
+    (an ``mmap``); after ``reserve`` grows the segment, ``buf`` is a new, larger
+    mapping of the same file. Nothing here is registered with Python's resource
+    tracker.
+    """
+
+    def __init__(self, name: str, fd: int, nbytes: int, created: bool) -> None:
+        self.name = name
+        self._fd = fd
+        self.created = created
+        self._mmap: mmap.mmap | None = None
+        self.nbytes = 0
+        self._map(nbytes)
+
+    # -- construction ----------------------------------------------------------
+    @classmethod
+    def create(cls, name: str, nbytes: int) -> "Segment":
+        fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            _fallocate(fd, max(int(nbytes), mmap.PAGESIZE), name)
+            seg = cls(name, fd, max(int(nbytes), mmap.PAGESIZE), True)
+        except BaseException:
+            os.close(fd)
+            unlink_name(name)
+            raise
+        return seg
+
+    @classmethod
+    def attach(cls, name: str) -> "Segment":
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, 0o600)
+        try:
+            size = os.fstat(fd).st_size
+            return cls(name, fd, size, False)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def __reduce__(self):
+        return (Segment.attach, (self.name,))
+
+    # -- mapping ---------------------------------------------------------------
+    def _map(self, nbytes: int) -> None:
+        if nbytes <= 0:
+            raise ValueError(f"segment {self.name}: cannot map {nbytes} bytes")
+        # The previous mapping is dropped, not closed: numpy/torch views a caller
+        # still holds keep it (and its pages) alive until they die.
+        self._mmap = mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED | _MAP_POPULATE,
+                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.nbytes = nbytes
+
+    @property
+    def buf(self) -> mmap.mmap:
+        if self._mmap is None:
+            raise ValueError(f"segment {self.name} is closed")
+        return self._mmap
+
+    def file_size(self) -> int:
+        return os.fstat(self._fd).st_size
+
+    def refresh(self) -> bool:
+        """Re-map if another process grew the segment; True when the mapping changed."""
+        size = self.file_size()
+        if size > self.nbytes:
+            self._map(size)
+            return True
+        return False
+
+    def reserve(self, nbytes: int) -> bool:
+        """Grow the segment to at least ``nbytes`` (never shrinks); True if it grew.
+
+        Safe to call from several processes at once with the same target: the file
+        only ever grows, and each caller re-maps at the resulting size.
+        """
+        if nbytes <= self.nbytes:
+            return False
+        size = self.file_size()
+        if size < nbytes:
+            _fallocate(self._fd, nbytes, self.name)
+        self._map(max(nbytes, self.file_size()))
+        return True
+
+    def close(self) -> None:
+        """Drop this process's mapping and descriptor (views keep pages alive)."""
+        self._mmap = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def unlink(self) -> None:
+        """Remove the name from /dev/shm (mappings stay valid until unmapped)."""
+        unlink_name(self.name)
+
+    def __repr__(self) -> str:
+        return f"Segment({self.name!r}, {fmt_bytes(self.nbytes)}, created={self.created})"
+
+
+def _fallocate(fd: int, nbytes: int, name: str) -> None:
+    before = os.fstat(fd).st_size
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            # Never shrink back: another process may already map the larger size.
+            raise space_error(nbytes - before, shm_free_bytes(), f"segment {name}") from None
+        raise

@@ -1,0 +1,508 @@
+"""``spawn``: run a function on N rank processes of this host, supervised.
+
+The calling process becomes the **supervisor**: it owns the host arena (creates and
+unlinks every shared-memory segment), starts the ranks (start method "spawn"),
+watches them, fences the dead, and — on a cluster — hosts the relay to the
+controller. A monitor thread does the watching, so ``spawn`` may be called from
+any thread and with ``join=False``; rank processes are started from that thread
+(``PR_SET_PDEATHSIG`` is per thread) and every one is reaped before ``spawn``
+returns or raises.
+
+Failure policy:
+
+- a rank that raises, or dies by a signal, counts as a failure;
+- up to ``max_failures`` failures are tolerated: the dead rank is fenced in the
+  arena (survivors finish the round, and later ones, over realized work), its
+  result is ``None``, and a ``RankDeathRecord`` is written next to ``save_path``;
+- one more, and the cohort is stopped (waiting ranks raise ``CohortAborted``, busy
+  ones get SIGTERM then SIGKILL), every segment is unlinked and ``spawn`` raises
+  ``RankFailed`` for the first failure (rank, exception type, remote traceback,
+  signal name);
+- Ctrl-C / SIGTERM of the launcher stop every rank and clean up the same way
+  (handlers are installed only when ``spawn`` runs on the main thread); ranks
+  ignore SIGINT (the launcher decides) and die with the launcher (PDEATHSIG).
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from . import arena as A
+from .errors import CohortAborted, RankFailed
+from .segment import reap_dead_owner_segments, shm_free_bytes, space_error
+from .waiting import Doorbell, available_cores
+
+logger = logging.getLogger("flodl_shm")
+
+ABORT_GRACE_S = 2.0   # voluntary exit after the abort flag, before SIGTERM
+TERM_GRACE_S = 5.0    # after SIGTERM, before SIGKILL
+
+
+@dataclass
+class RankContext:
+    """What ``fn`` receives as its first argument in each rank."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    comm: Any
+    save_path: str | None = None
+
+    def __repr__(self) -> str:
+        return (f"RankContext(rank={self.rank}, local_rank={self.local_rank}, "
+                f"world_size={self.world_size}, local_world_size={self.local_world_size})")
+
+
+@dataclass
+class _Outcome:
+    kind: str                     # "ok" | "error" | "died"
+    value: Any = None
+    exc_type: str | None = None
+    tb: str = ""
+    exitcode: int | None = None
+    signal: str | None = None
+    when: float = 0.0
+
+
+def _signal_name(exitcode: int | None) -> str | None:
+    if exitcode is None or exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def _check_picklable(fn: Callable, args: Sequence) -> bytes:
+    if getattr(fn, "__module__", None) == "__main__":
+        main = sys.modules.get("__main__")
+        if main is not None and not getattr(main, "__file__", None):
+            raise TypeError(
+                f"spawn: fn {getattr(fn, '__qualname__', fn)!r} is defined in an interactive "
+                f"__main__ (no file), which spawned ranks cannot import; put it in a module "
+                f"or a script file"
+            )
+    try:
+        return pickle.dumps((fn, tuple(args)), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # pickle raises several types
+        raise TypeError(
+            f"spawn: fn and args must be picklable to reach the spawned ranks, but pickling "
+            f"failed: {type(e).__name__}: {e}. Define fn at module top level (lambdas and "
+            f"local functions cannot be pickled) and pass picklable arguments."
+        ) from e
+
+
+# --- the rank side -----------------------------------------------------------------
+
+
+def _set_pdeathsig() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
+class _Terminated(BaseException):
+    """Raised in a rank by SIGTERM from the supervisor."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
+def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_size: int,
+               payload: bytes, conn, parent_pid: int, timeout: float | None,
+               save_path: str | None, threads: int) -> None:
+    """Entry point of a rank process (runs under multiprocessing's spawn)."""
+    _set_pdeathsig()
+    if os.getppid() != parent_pid:  # the launcher died before we could ask to follow it
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    os.environ.update({
+        "RANK": str(global_rank), "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(handle.world),
+    })
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    code = 0
+    comm = None
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        from .arena import Arena
+        from .comm import Comm
+
+        def liveness() -> None:
+            if os.getppid() != parent_pid:
+                raise CohortAborted(f"the launcher (pid {parent_pid}) died; rank {global_rank} "
+                                    f"stops")
+
+        arena = Arena.attach(handle)
+        comm = Comm(arena, local_rank, global_rank=global_rank, world_size=world_size,
+                    timeout=timeout, liveness=liveness)
+        fn, args = pickle.loads(payload)
+        ctx = RankContext(global_rank, local_rank, world_size, handle.world, comm, save_path)
+        result = fn(ctx, *args)
+        try:
+            conn.send(("ok", result))
+        except Exception as e:  # the result did not pickle
+            conn.send(("error", type(e).__name__,
+                       f"rank {global_rank} returned a value that cannot be sent back to the "
+                       f"launcher: {type(e).__name__}: {e}\n" + traceback.format_exc()))
+            code = 1
+    except _Terminated:
+        code = 143
+    except BaseException as e:  # noqa: BLE001 - reported to the launcher
+        code = 1
+        try:
+            conn.send(("error", type(e).__name__, traceback.format_exc()))
+        except Exception:
+            pass
+    finally:
+        try:
+            conn.close()
+        except Exception:
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown (no atexit surprises in ranks)
+
+
+# --- the supervisor side -----------------------------------------------------------
+
+
+def _warm_kernels(nprocs: int) -> None:
+    """Compile (or load) every kernel here, once, so ranks only read numba's cache."""
+    from .kernels import sync, warm_up
+
+    warm_up(max_sources=max(4, nprocs))
+    sync.warm_up()
+
+
+class SpawnContext:
+    """A running ``spawn``: ``join()`` for the results, ``pids()``, ``terminate()``."""
+
+    def __init__(self, fn, nprocs: int, args: Sequence, *, world_size: int, first_rank: int,
+                 max_failures: int, timeout: float | None, save_path: str | None,
+                 start_method: str, eager_bytes: int, relay_factory) -> None:
+        self.nprocs = nprocs
+        self.world_size = world_size
+        self.first_rank = first_rank
+        self.max_failures = max_failures
+        self.timeout = timeout
+        self.save_path = save_path
+        self._payload = _check_picklable(fn, args)
+        self._mp = mp.get_context(start_method)
+        self._outcomes: dict[int, _Outcome] = {}
+        self._procs: list = []
+        self._failure: RankFailed | None = None
+        self._interrupted = False
+        self._started = threading.Event()
+        self._done = threading.Event()
+        self._start_error: BaseException | None = None
+        self._lock = threading.Lock()
+        reap_dead_owner_segments()
+        _warm_kernels(nprocs)
+        self.arena = A.Arena.create(nprocs, eager_bytes=eager_bytes, first_rank=first_rank,
+                                    global_world=world_size, relay=relay_factory is not None)
+        self._doorbell = Doorbell(self.arena.ctl)
+        self._relay = None
+        self._relay_factory = relay_factory
+        self._monitor = threading.Thread(target=self._monitor_main, name="flodl-shm-supervisor",
+                                         daemon=True)
+        self._monitor.start()
+        self._started.wait()
+        if self._start_error is not None:
+            self._monitor.join()
+            raise self._start_error
+
+    # -- public ------------------------------------------------------------------
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def join(self, timeout: float | None = None) -> list[Any] | None:
+        """Wait for every rank; results by local rank (``None`` for dead ranks).
+
+        Returns ``None`` if ``timeout`` expired first. Raises ``RankFailed`` when
+        more than ``max_failures`` ranks failed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._done.wait(0.1):
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+        self._monitor.join()
+        if self._failure is not None:
+            raise self._failure
+        if self._interrupted:
+            raise KeyboardInterrupt("flodl_shm.spawn: interrupted; every rank was stopped")
+        return [self._outcomes[r].value if self._outcomes[r].kind == "ok" else None
+                for r in range(self.nprocs)]
+
+    def terminate(self, reason: int = A.ABORT_INTERRUPT) -> None:
+        """Stop every rank (abort flag, then SIGTERM, then SIGKILL) and clean up."""
+        with self._lock:
+            if reason == A.ABORT_INTERRUPT:
+                self._interrupted = True
+        self._abort(reason)
+
+    # -- monitor thread --------------------------------------------------------------
+    def _monitor_main(self) -> None:
+        conns = {}
+        try:
+            try:
+                threads = max(1, available_cores() // self.nprocs)
+                for r in range(self.nprocs):
+                    parent_conn, child_conn = self._mp.Pipe(duplex=False)
+                    p = self._mp.Process(
+                        target=_rank_main, name=f"flodl-shm-rank{self.first_rank + r}",
+                        args=(self.arena.handle, r, self.first_rank + r, self.world_size,
+                              self._payload, child_conn, os.getpid(), self.timeout,
+                              self.save_path, threads),
+                        daemon=False)
+                    p.start()
+                    child_conn.close()
+                    self._procs.append(p)
+                    conns[r] = parent_conn
+                if self._relay_factory is not None:
+                    self._relay = self._relay_factory(self)
+            except BaseException as e:
+                self._start_error = e
+                self._abort(A.ABORT_SHUTDOWN)
+                return
+            finally:
+                self._started.set()
+            self._watch(conns)
+        finally:
+            self._reap_all()
+            for c in conns.values():
+                c.close()
+            self._cleanup()
+            self._done.set()
+
+    def _watch(self, conns: dict) -> None:
+        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
+        pending: dict[int, tuple] = {}
+        live = set(range(self.nprocs))
+        while live:
+            ready = mpc.wait(list(conns.values()) + list(sentinels), timeout=0.5)
+            for obj in ready:
+                r = sentinels.get(obj)
+                if r is None:
+                    r = next(k for k, c in conns.items() if c is obj)
+                    try:
+                        pending[r] = obj.recv()
+                    except (EOFError, OSError):
+                        pass
+                    conns.pop(r).close()
+                    continue
+                # process r exited: drain a message it may still have in the pipe
+                c = conns.pop(r, None)
+                if c is not None:
+                    try:
+                        if c.poll(0.5):
+                            pending[r] = c.recv()
+                    except (EOFError, OSError):
+                        pass
+                    c.close()
+                self._procs[r].join()
+                sentinels.pop(obj)
+                live.discard(r)
+                self._record_exit(r, pending.get(r))
+            if self._relay is not None and self._relay.failed() and live:
+                self._abort(A.ABORT_SHUTDOWN)
+
+    def _record_exit(self, r: int, msg: tuple | None) -> None:
+        p = self._procs[r]
+        now = time.monotonic()
+        if msg is not None and msg[0] == "ok" and p.exitcode == 0:
+            self._outcomes[r] = _Outcome("ok", msg[1], exitcode=0, when=now)
+            self.arena.ctl[A.rank_base(r) + A.R_DEAD] = A.DEAD_EXITED
+            self._doorbell.ring()
+            return
+        if msg is not None and msg[0] == "error":
+            out = _Outcome("error", exc_type=msg[1], tb=msg[2], exitcode=p.exitcode, when=now)
+        else:
+            out = _Outcome("died", exitcode=p.exitcode, signal=_signal_name(p.exitcode), when=now)
+        self._outcomes[r] = out
+        aborting = bool(self.arena.ctl[A.G_ABORT])
+        if aborting and out.exc_type in ("CohortAborted", "_Terminated"):
+            return  # a casualty of the teardown, not a cause
+        if aborting and out.kind == "died" and out.signal in ("SIGTERM", "SIGKILL"):
+            return
+        if aborting and out.exitcode == 143:
+            return
+        failures = sum(1 for o in self._outcomes.values() if o.kind != "ok"
+                       and o.exc_type not in ("CohortAborted", "_Terminated"))
+        global_rank = self.first_rank + r
+        err = RankFailed(global_rank, out.exc_type, out.tb, out.signal, out.exitcode)
+        if failures > self.max_failures:
+            with self._lock:
+                if self._failure is None:
+                    self._failure = err
+            logger.error("rank %d failed (%s); stopping the cohort (max_failures=%d)",
+                         global_rank, out.exc_type or out.signal or out.exitcode, self.max_failures)
+            self._abort(A.ABORT_FAILED)
+            return
+        logger.warning("rank %d failed (%s); continuing on realized work with the survivors "
+                       "(%d of max_failures=%d used)", global_rank,
+                       out.exc_type or out.signal or f"exit code {out.exitcode}", failures,
+                       self.max_failures)
+        self.arena.ctl[A.rank_base(r) + A.R_DEAD] = A.DEAD_KILLED
+        self._doorbell.ring()
+        if self._relay is not None:
+            self._relay.rank_died(global_rank)
+        if self.save_path:
+            self._write_death_record(global_rank, err)
+
+    def _write_death_record(self, rank: int, err: RankFailed) -> None:
+        try:
+            from .checkpoint.meta import CheckpointBundle, RankDeathRecord
+
+            rec = RankDeathRecord.new(rank, self.world_size, str(err))
+            rec.write_to_file(CheckpointBundle.rank_death_path(self.save_path, rank))
+        except Exception as e:  # forensic, best effort
+            logger.warning("could not write the death record of rank %d: %s", rank, e)
+
+    def _abort(self, reason: int) -> None:
+        """Raise the abort flag, wake everyone, then escalate on stragglers."""
+        if not self.arena.ctl[A.G_ABORT]:
+            self.arena.ctl[A.G_ABORT] = reason
+        self._doorbell.ring()
+        if self._relay is not None:
+            self._relay.shutdown()
+        threading.Thread(target=self._escalate, name="flodl-shm-escalate", daemon=True).start()
+
+    def _escalate(self) -> None:
+        deadline = time.monotonic() + ABORT_GRACE_S
+        while time.monotonic() < deadline and any(p.is_alive() for p in self._procs):
+            time.sleep(0.02)
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + TERM_GRACE_S
+        while time.monotonic() < deadline and any(p.is_alive() for p in self._procs):
+            time.sleep(0.02)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+
+    def _reap_all(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.join(ABORT_GRACE_S + TERM_GRACE_S + 1.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    def _cleanup(self) -> None:
+        if self._relay is not None:
+            try:
+                self._relay.shutdown()
+                self._relay.join(5.0)
+            except Exception as e:
+                logger.warning("relay shutdown: %s", e)
+        self.arena.unlink()
+        self.arena.close()
+
+
+def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
+          controller: str | tuple | None = None, world_size: int | None = None,
+          first_rank: int = 0, salt: bytes | None = None, max_failures: int = 0,
+          timeout: float | None = None, save_path: str | os.PathLike | None = None,
+          start_method: str = "spawn", eager_bytes: int = A.DEFAULT_EAGER_BYTES,
+          shm_bytes_hint: int | None = None) -> list[Any] | SpawnContext:
+    """Run ``fn(ctx, *args)`` on ``nprocs`` new rank processes of this host.
+
+    Args:
+        fn: a picklable (module-level) function taking a ``RankContext`` first.
+        nprocs: local ranks to start (>= 1).
+        args: extra positional arguments for ``fn`` (picklable).
+        join: wait and return the results by rank; else return a ``SpawnContext``.
+        controller: ``"host:port"`` of a cluster controller to join a multi-host
+            cohort (this host carries global ranks ``first_rank .. first_rank+nprocs-1``
+            of ``world_size``); ``salt`` is then the 16-byte session secret.
+        max_failures: ranks allowed to die while the rest continue on realized work.
+        timeout: bound on each collective wait, in seconds (a stuck round fails with
+            ``ReduceStall`` naming the round and the missing ranks).
+        save_path: checkpoint stem; dead ranks' ``RankDeathRecord`` goes next to it.
+        start_method: multiprocessing start method ("spawn" recommended).
+        eager_bytes: contributions up to this size take the one-sync eager path.
+        shm_bytes_hint: expected frame size in bytes; when given, /dev/shm is checked
+            up front for the whole arena instead of at the first large round.
+
+    Returns:
+        With ``join=True``, the return values by local rank (``None`` for a dead rank).
+
+    Raises:
+        RankFailed: more than ``max_failures`` ranks raised or were killed.
+        TypeError: ``fn`` or ``args`` cannot be pickled.
+        ValueError: bad counts or ranks.
+    """
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"spawn: nprocs must be an int >= 1, got {nprocs!r}")
+    if max_failures < 0:
+        raise ValueError(f"spawn: max_failures must be >= 0, got {max_failures}")
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"spawn: timeout must be > 0 seconds or None, got {timeout}")
+    world = nprocs if world_size is None else int(world_size)
+    if controller is None and (world != nprocs or first_rank != 0):
+        raise ValueError(f"spawn: world_size={world} / first_rank={first_rank} need a "
+                         f"controller (a single host carries all {nprocs} ranks)")
+    if not 0 <= first_rank or first_rank + nprocs > world:
+        raise ValueError(f"spawn: ranks {first_rank}..{first_rank + nprocs - 1} do not fit "
+                         f"world_size {world}")
+    if shm_bytes_hint:
+        need = A.shm_need_bytes(nprocs, int(shm_bytes_hint), eager_bytes=eager_bytes,
+                                relay=controller is not None)
+        free = shm_free_bytes()
+        if need > free:
+            raise space_error(need, free, f"the host arena for {nprocs} ranks with "
+                                          f"{shm_bytes_hint}-byte frames")
+    relay_factory = None
+    if controller is not None:
+        from .relay import relay_factory as _relay_factory
+
+        relay_factory = _relay_factory(controller, salt, world, first_rank, nprocs)
+    ctx = SpawnContext(fn, nprocs, args, world_size=world, first_rank=first_rank,
+                       max_failures=max_failures, timeout=timeout,
+                       save_path=None if save_path is None else os.fspath(save_path),
+                       start_method=start_method, eager_bytes=eager_bytes,
+                       relay_factory=relay_factory)
+    if not join:
+        return ctx
+    return _join_with_signals(ctx)
+
+
+def _join_with_signals(ctx: SpawnContext) -> list[Any]:
+    if threading.current_thread() is not threading.main_thread():
+        return ctx.join()
+    received: list[int] = []
+
+    def handler(signum, frame):
+        received.append(signum)
+        ctx.terminate(A.ABORT_INTERRUPT)
+
+    old_int = signal.signal(signal.SIGINT, handler)
+    old_term = signal.signal(signal.SIGTERM, handler)
+    try:
+        return ctx.join()
+    finally:
+        signal.signal(signal.SIGINT, old_int)
+        signal.signal(signal.SIGTERM, old_term)
+        if signal.SIGTERM in received and old_term in (signal.SIG_DFL, None):
+            os.kill(os.getpid(), signal.SIGTERM)  # re-deliver now that ranks are gone

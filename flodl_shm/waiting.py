@@ -1,0 +1,204 @@
+"""How a rank waits: spin briefly, then block on a futex, always bounded.
+
+Waking a sleeping process costs ~35 µs on these VMs, so a round that completes in
+a few µs must be caught by spinning; but a spinning waiter burns the core that a
+late rank needs when ranks outnumber cores (4 ranks on 2 cores made spin-then-
+``sched_yield`` rounds take over a millisecond, ``notes/perf-probe.md``). So:
+
+1. **spin** in compiled code (``kernels/sync.py``) for a time budget: ~50 µs when
+   every rank has a core, ~2 µs when oversubscribed;
+2. **block** on the arena's doorbell futex. Every publication bumps the doorbell
+   (a seq_cst RMW, i.e. a full fence) and wakes sleepers only if the sleeper count
+   is non-zero. A waiter reads the doorbell *before* re-checking its condition and
+   sleeps with ``FUTEX_WAIT(doorbell, seen)``: a publication after the read
+   changes the doorbell, so the kernel refuses to sleep — no lost wake-up. The
+   waiter counts itself a sleeper (seq_cst) before sleeping, so a publisher that
+   bumps the doorbell afterwards sees it and wakes it;
+3. every sleep is a slice of at most ``LIVENESS_SLICE`` seconds, after which the
+   waiter checks liveness (the launcher is alive, the cohort is not aborting) and
+   the round's deadline, failing with a ``ReduceStall`` naming the round and the
+   missing ranks.
+
+``FUTEX_WAIT``/``FUTEX_WAKE`` are plain syscalls through ctypes on the mapped
+address (non-private futexes work across processes on shared mappings). Where the
+syscall is unavailable the waiter falls back to short sleeps.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import time
+from typing import Callable
+
+import numpy as np
+
+from .errors import CohortAborted, ReduceStall
+from .kernels import sync
+
+LIVENESS_SLICE = 0.05
+SPIN_BUDGET_S = 50e-6
+SPIN_BUDGET_OVERSUBSCRIBED_S = 2e-6
+
+_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(
+    platform.machine().lower())
+_FUTEX_WAIT = 0
+_FUTEX_WAKE = 1
+_INT_MAX = 0x7FFFFFFF
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _syscall = _libc.syscall
+    _syscall.restype = ctypes.c_long
+except (OSError, AttributeError):  # pragma: no cover - non-glibc platforms
+    _syscall = None
+
+HAVE_FUTEX = _syscall is not None and _SYS_FUTEX is not None
+
+
+def futex_wait(addr: int, expected: int, timeout: float) -> None:
+    """Sleep while the int32 at ``addr`` equals ``expected``, at most ``timeout`` s."""
+    if not HAVE_FUTEX:
+        time.sleep(min(timeout, 50e-6))
+        return
+    sec = int(timeout)
+    ts = _Timespec(sec, int((timeout - sec) * 1e9))
+    _syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAIT),
+             ctypes.c_int(expected), ctypes.byref(ts), None, ctypes.c_int(0))
+
+
+def futex_wake(addr: int, count: int = _INT_MAX) -> None:
+    if HAVE_FUTEX:
+        _syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAKE),
+                 ctypes.c_int(count), None, None, ctypes.c_int(0))
+
+
+_relax_ns: float | None = None
+
+
+def relax_ns() -> float:
+    """Measured cost of one spin iteration (calibrated once per process)."""
+    global _relax_ns
+    if _relax_ns is None:
+        sync.spin_calibrate(1000)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter_ns()
+            sync.spin_calibrate(20000)
+            best = min(best, (time.perf_counter_ns() - t0) / 20000)
+        _relax_ns = max(best, 1.0)
+    return _relax_ns
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover
+        return os.cpu_count() or 1
+
+
+def spin_iterations(local_ranks: int, budget_s: float | None = None) -> int:
+    """Spin iterations for this host: a long budget when each rank has a core."""
+    if budget_s is None:
+        env = os.environ.get("FLODL_SHM_SPIN_US")
+        if env:
+            budget_s = float(env) * 1e-6
+        elif local_ranks > available_cores():
+            budget_s = SPIN_BUDGET_OVERSUBSCRIBED_S
+        else:
+            budget_s = SPIN_BUDGET_S
+    return max(0, int(budget_s * 1e9 / relax_ns()))
+
+
+class Doorbell:
+    """Blocking half of the wait: the arena's futex word and its sleeper count."""
+
+    def __init__(self, ctl: np.ndarray) -> None:
+        self.ctl = ctl
+        self.ctl32 = ctl.view(np.int32)
+        self.addr = ctl.ctypes.data + sync.G_DOORBELL * 8
+
+    def ring(self) -> None:
+        """Announce a publication (callers that stored words without ``publish``)."""
+        if sync.ring(self.ctl, self.ctl32) > 0:
+            futex_wake(self.addr)
+
+    def publish(self, idx: int, value: int) -> None:
+        """Release-store ``ctl[idx] = value`` and wake sleepers if there are any."""
+        if sync.publish(self.ctl, self.ctl32, idx, value) > 0:
+            futex_wake(self.addr)
+
+    def seen(self) -> int:
+        return int(sync.doorbell(self.ctl32))
+
+    def sleep(self, seen: int, timeout: float) -> None:
+        sync.add_sleeper(self.ctl, 1)
+        try:
+            futex_wait(self.addr, seen, timeout)
+        finally:
+            sync.add_sleeper(self.ctl, -1)
+
+
+class Waiter:
+    """Runs one bounded wait: spin, then sleep in liveness-checked slices.
+
+    Args:
+        doorbell: the arena's doorbell.
+        spin_iters: compiled spin iterations before blocking.
+        timeout: per-wait deadline in seconds (``None``: no deadline, liveness only).
+        liveness: called after every sleep slice; raises if this rank must stop
+            (launcher gone, cohort aborting).
+    """
+
+    def __init__(self, doorbell: Doorbell, spin_iters: int, timeout: float | None,
+                 liveness: Callable[[], None]) -> None:
+        self.doorbell = doorbell
+        self.spin_iters = spin_iters
+        self.timeout = timeout
+        self.liveness = liveness
+
+    def wait(self, check: Callable[[int], int], *, what: str, rnd: int,
+             missing_of: Callable[[], tuple[int, ...]],
+             on_missing: Callable[[int], bool] | None = None) -> None:
+        """Wait until ``check(iters)`` returns -1.
+
+        ``check`` is a compiled spin (see ``kernels/sync.py``). ``on_missing(m)`` may
+        act on the missing item ``m`` (e.g. take over a dead rank's slice) and return
+        True when it made progress, to re-check at once instead of sleeping.
+        """
+        r = check(self.spin_iters)
+        if r == -1:
+            return
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            if r == -2:
+                self.liveness()
+                raise CohortAborted(f"the cohort is shutting down (while {what}, round {rnd})")
+            if r >= 0 and on_missing is not None and on_missing(r):
+                r = check(0)
+                continue
+            seen = self.doorbell.seen()
+            r = check(0)
+            if r == -1:
+                return
+            if r == -2:
+                continue
+            slice_s = LIVENESS_SLICE
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = missing_of()
+                    raise ReduceStall(
+                        f"round {rnd} stalled: {what} exceeded the {self.timeout:g} s collective "
+                        f"timeout; ranks that had not arrived: {list(missing)} (alive but "
+                        f"silent - a scheduler wedge or a rank stuck outside the collective)",
+                        round=rnd, missing=missing, timeout=self.timeout)
+                slice_s = min(slice_s, left)
+            self.doorbell.sleep(seen, slice_s)
+            self.liveness()
+            r = check(self.spin_iters // 8)
