@@ -1,0 +1,507 @@
+"""Data coverage: progressive dispatch of an epoch and its resume record (spec §9.2).
+
+An epoch is a seeded permutation of the dataset; the engine dispatches *offsets*
+into it. A :class:`ChunkPool` hands those offsets out in chunks, tracks what is
+in flight on which rank, returns a dead rank's unfinished chunks to the pool,
+and records what has NOT yet been trained into the consensus, so a resume
+re-dispatches exactly that - no covered sample trained twice, no in-flight
+sample dropped.
+
+Reservations. ``[0, total)`` is split into contiguous per-rank *spans* in rank
+order. A rank takes chunks from the front of its own span, so its upcoming data
+is known for the whole epoch (the basis for staging it ahead). A rank that runs
+out steals from the *tail* of the span with the largest residue: the owner eats
+its span front to back and a thief peels it back to front, so they can meet but
+never cross.
+
+Books. Per rank: ``dispatched`` (samples handed out), ``completed`` (samples
+reported done) and the FIFO of outstanding chunks, with the invariant
+``sum(outstanding) == dispatched - completed``. Pool-wide: the ``reclaimed``
+queue of ranges returned by :meth:`ChunkPool.forfeit` (served before anything
+else: coverage holes close first).
+
+Permutation. :func:`epoch_permutation` derives epoch ``e``'s order from
+``seed + e`` with NumPy's PCG64 bit generator and a documented Fisher-Yates
+shuffle, so only uncovered *ranges* ever need recording. flodl's own RNG is not
+specified (spec §11.8), so coverage records are portable between flodl_shm runs,
+not between flodl_shm and Rust flodl.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+
+import numpy as np
+
+from .kernels import configure_numba_cache
+
+configure_numba_cache()
+
+from numba import njit  # noqa: E402  (the cache directory must be set first)
+
+if TYPE_CHECKING:  # checkpoint.meta imports the ElChe module; keep this import lazy
+    from .checkpoint.meta import CoverageBlock, EpochCoverage
+
+logger = logging.getLogger("flodl_shm")
+
+__all__ = [
+    "SHUFFLE_BASE_SEED",
+    "ChunkPool",
+    "coverage_block",
+    "epoch_permutation",
+    "merge_ranges",
+    "pools_from_coverage",
+]
+
+#: flodl's default shuffle base seed; epoch ``e`` is shuffled with ``seed + e``.
+SHUFFLE_BASE_SEED = 42
+
+_RAW_BLOCK = 1 << 20  # PCG64 outputs drawn per block (8 MiB), bounding the transient
+
+
+# ---------------------------------------------------------------------------
+# Epoch permutation
+# ---------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def _fisher_yates_block(perm, raw, i_start):
+    """Swap steps i = i_start, i_start-1, ... (one per raw word), Durstenfeld order."""
+    scale = 1.0 / 9007199254740992.0  # 2**-53
+    i = i_start
+    for k in range(raw.shape[0]):
+        u = np.float64(raw[k] >> np.uint64(11)) * scale
+        j = np.int64(u * np.float64(i + 1))
+        if j > i:
+            j = i
+        tmp = perm[i]
+        perm[i] = perm[j]
+        perm[j] = tmp
+        i -= 1
+
+
+def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The dataset order of ``epoch``: a permutation of ``range(n)`` (int64).
+
+    Algorithm (fixed; part of the resume format):
+
+    * ``bg = numpy.random.PCG64(seed + epoch)`` - a BitGenerator, whose raw
+      stream NumPy keeps stable across versions (unlike ``Generator`` methods);
+    * Durstenfeld's Fisher-Yates: for ``i = n-1`` down to ``1`` draw one raw
+      64-bit word ``r``, ``u = (r >> 11) * 2**-53``, ``j = min(floor(u * (i+1)), i)``,
+      swap ``perm[i]`` and ``perm[j]``.
+
+    The bias of the float draw is below ``n / 2**53`` per index - irrelevant for a
+    data order, and it keeps the shuffle reproducible from the documented raw
+    stream alone. Same ``(seed, epoch, n)``, same permutation, in any process.
+
+    Raises:
+        ValueError: ``seed + epoch`` or ``n`` is negative.
+    """
+    n = int(n)
+    base = int(seed) + int(epoch)
+    if n < 0:
+        raise ValueError(f"permutation length must be >= 0, got {n}")
+    if base < 0:
+        raise ValueError(
+            f"seed + epoch must be >= 0 for PCG64, got {seed} + {epoch} = {base}; use a "
+            "non-negative seed (flodl's default is 42)"
+        )
+    perm = np.arange(n, dtype=np.int64)
+    if n < 2:
+        return perm
+    bg = np.random.PCG64(base)
+    i = n - 1
+    while i >= 1:
+        take = min(_RAW_BLOCK, i)
+        raw = bg.random_raw(take)
+        _fisher_yates_block(perm, raw, i)
+        i -= take
+    return perm
+
+
+# ---------------------------------------------------------------------------
+# Ranges
+# ---------------------------------------------------------------------------
+
+
+def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(offset, size)`` ranges sorted by offset, empty ones dropped and abutting
+    ones coalesced. Overlapping input is merged too (the pool never produces it)."""
+    items = sorted((int(o), int(s)) for o, s in ranges if s > 0)
+    out: list[tuple[int, int]] = []
+    for off, size in items:
+        if out and off <= out[-1][0] + out[-1][1]:
+            last_off, last_size = out[-1]
+            out[-1] = (last_off, max(last_off + last_size, off + size) - last_off)
+        else:
+            out.append((off, size))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# ChunkPool
+# ---------------------------------------------------------------------------
+
+
+class ChunkPool:
+    """Progressive dispatch of one epoch's offsets, with per-rank reservations.
+
+    Args:
+        epoch: the epoch index (recorded in coverage).
+        total_samples: the batch-aligned number of offsets, ``[0, total)``.
+        world_size: number of ranks; spans are equal, the remainder going to the
+            last rank. Use :meth:`with_spans` for throughput-proportional spans.
+
+    Not thread-safe: one coordinator owns a pool.
+    """
+
+    def __init__(self, epoch: int, total_samples: int, world_size: int) -> None:
+        total_samples, world_size = int(total_samples), int(world_size)
+        if world_size < 1:
+            raise ValueError(f"ChunkPool world_size must be >= 1, got {world_size}")
+        if total_samples < 0:
+            raise ValueError(f"ChunkPool total_samples must be >= 0, got {total_samples}")
+        base = total_samples // world_size
+        sizes = [base] * world_size
+        sizes[-1] += total_samples - base * world_size
+        self._init(int(epoch), total_samples, sizes)
+
+    @classmethod
+    def with_spans(cls, epoch: int, total_samples: int, span_sizes: Sequence[int]) -> "ChunkPool":
+        """A pool whose rank ``r`` reserves ``span_sizes[r]`` offsets, laid out in rank
+        order. The sizes must be non-negative and sum to ``total_samples``."""
+        sizes = [int(s) for s in span_sizes]
+        if not sizes:
+            raise ValueError("ChunkPool needs at least one span (world_size >= 1)")
+        if any(s < 0 for s in sizes) or sum(sizes) != int(total_samples):
+            raise ValueError(
+                f"span sizes {sizes} must be non-negative and sum to total_samples "
+                f"{total_samples} (they sum to {sum(sizes)})"
+            )
+        pool = cls.__new__(cls)
+        pool._init(int(epoch), int(total_samples), sizes)
+        return pool
+
+    @classmethod
+    def from_coverage(cls, epoch: int, total_samples: int, world_size: int,
+                      uncovered: Iterable[tuple[int, int]]) -> "ChunkPool":
+        """Rebuild a pool whose only work is ``uncovered`` (from :meth:`uncovered_ranges`).
+
+        Every span is parked at its end (no fresh samples); the uncovered ranges
+        (size > 0) are staged in the reclaimed queue and served in offset order,
+        each exactly once. Re-dispatching a range that was in flight at the
+        snapshot is first coverage, not a repeat.
+
+        Raises:
+            ValueError: a range falls outside ``[0, total_samples)`` or two ranges
+                overlap - the record is corrupt or belongs to another pool size.
+        """
+        pool = cls(epoch, total_samples, world_size)
+        ranges = sorted((int(o), int(s)) for o, s in uncovered if int(s) > 0)
+        end_prev = 0
+        for off, size in ranges:
+            if off < 0 or off + size > pool.total_samples:
+                raise ValueError(
+                    f"uncovered range (offset {off}, size {size}) of epoch {epoch} lies outside "
+                    f"[0, {pool.total_samples}); the coverage record does not match this "
+                    "epoch's total_samples"
+                )
+            if off < end_prev:
+                raise ValueError(
+                    f"uncovered ranges of epoch {epoch} overlap at offset {off}; the coverage "
+                    "record is corrupt (ranges must be disjoint)"
+                )
+            end_prev = off + size
+        for r in range(pool.world_size):
+            pool._cursor[r] = pool._spans[r][1]
+        pool._reclaimed = deque(ranges)
+        return pool
+
+    @classmethod
+    def from_epoch_coverage(cls, coverage: "EpochCoverage", world_size: int) -> "ChunkPool":
+        """:meth:`from_coverage` from a checkpoint's :class:`EpochCoverage`."""
+        return cls.from_coverage(coverage.epoch, coverage.total_samples, world_size,
+                                 coverage.uncovered_ranges)
+
+    def _init(self, epoch: int, total_samples: int, sizes: list[int]) -> None:
+        self.epoch = epoch
+        self.total_samples = total_samples
+        self._spans: list[list[int]] = []  # [start, end); end moves down when stolen from
+        self._cursor: list[int] = []
+        at = 0
+        for s in sizes:
+            self._spans.append([at, at + s])
+            self._cursor.append(at)
+            at += s
+        w = len(sizes)
+        self._dispatched = [0] * w
+        self._completed = [0] * w
+        self._chunks_sent = [0] * w
+        self._outstanding: list[deque[list[int]]] = [deque() for _ in range(w)]
+        self._reclaimed: deque[tuple[int, int]] = deque()
+
+    def __repr__(self) -> str:
+        return (
+            f"ChunkPool(epoch={self.epoch}, total_samples={self.total_samples}, "
+            f"world_size={self.world_size}, remaining={self.remaining()}, "
+            f"in_flight={[self.in_flight(r) for r in range(self.world_size)]})"
+        )
+
+    # -- queries ----------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return len(self._spans)
+
+    @property
+    def dispatched(self) -> tuple[int, ...]:
+        """Per rank: samples handed out (forfeited and rolled-back chunks excluded)."""
+        return tuple(self._dispatched)
+
+    @property
+    def completed(self) -> tuple[int, ...]:
+        """Per rank: samples reported done."""
+        return tuple(self._completed)
+
+    @property
+    def chunks_sent(self) -> tuple[int, ...]:
+        """Per rank: chunks handed out (rollbacks excluded)."""
+        return tuple(self._chunks_sent)
+
+    def residue(self, rank: int) -> int:
+        """Unassigned offsets left in ``rank``'s own span."""
+        r = self._rank(rank)
+        return max(self._spans[r][1] - self._cursor[r], 0)
+
+    def reservation(self, rank: int) -> tuple[int, int]:
+        """``(next_offset, length)`` of the rank's unassigned span front: what it will
+        train next unless someone steals the tail."""
+        r = self._rank(rank)
+        return self._cursor[r], self.residue(r)
+
+    def in_flight(self, rank: int) -> int:
+        """Samples dispatched to ``rank`` and not yet reported done."""
+        r = self._rank(rank)
+        return max(self._dispatched[r] - self._completed[r], 0)
+
+    def remaining(self) -> int:
+        """Samples not assigned to any rank: every span residue plus reclaimed ranges."""
+        return sum(self.residue(r) for r in range(self.world_size)) + sum(
+            s for _, s in self._reclaimed
+        )
+
+    def is_epoch_done(self) -> bool:
+        """All offsets dispatched, nothing reclaimed waiting, every rank's dispatch
+        completed."""
+        return (
+            all(self.residue(r) == 0 for r in range(self.world_size))
+            and not self._reclaimed
+            and all(c >= d for c, d in zip(self._completed, self._dispatched))
+        )
+
+    def uncovered_ranges(self) -> list[tuple[int, int]]:
+        """The offsets NOT trained into the consensus yet, sorted and coalesced.
+
+        That is every span's unassigned remainder, every outstanding chunk and every
+        reclaimed range. In-flight work counts as uncovered: its gradient is not in
+        the consensus yet, so a resume must dispatch it again as first coverage.
+        """
+        ranges: list[tuple[int, int]] = []
+        for r in range(self.world_size):
+            res = self.residue(r)
+            if res > 0:
+                ranges.append((self._cursor[r], res))
+        for q in self._outstanding:
+            ranges.extend((o, s) for o, s in q if s > 0)
+        ranges.extend(self._reclaimed)
+        return merge_ranges(ranges)
+
+    def to_epoch_coverage(self) -> "EpochCoverage":
+        """This pool's resume record."""
+        from .checkpoint.meta import EpochCoverage
+
+        return EpochCoverage(epoch=self.epoch, total_samples=self.total_samples,
+                             uncovered_ranges=self.uncovered_ranges())
+
+    # -- dispatch ---------------------------------------------------------------------
+
+    def take_chunk(self, size: int, rank: int) -> Optional[tuple[int, int]]:
+        """Hand ``rank`` up to ``size`` contiguous offsets: ``(offset, n)``, or ``None``
+        when the pool is exhausted.
+
+        Sources, in order: (1) the reclaimed queue (holes close first; a larger
+        range is split and its tail kept for the next taker); (2) the front of the
+        rank's own span; (3) the tail of the other rank's span with the largest
+        residue (ties: the highest rank). ``n`` may be less than ``size``. The chunk
+        joins the rank's outstanding FIFO.
+        """
+        r = self._rank(rank)
+        size = int(size)
+        if size < 1:
+            raise ValueError(f"take_chunk size must be >= 1 sample, got {size}")
+        if self._reclaimed:
+            off, rsize = self._reclaimed.popleft()
+            n = min(size, rsize)
+            if n < rsize:
+                self._reclaimed.appendleft((off + n, rsize - n))
+            return self._dispatch(r, off, n)
+        res = self.residue(r)
+        if res > 0:
+            n = min(size, res)
+            off = self._cursor[r]
+            self._cursor[r] += n
+            return self._dispatch(r, off, n)
+        donor, best = -1, 0
+        for d in range(self.world_size):
+            if d != r:
+                dres = self.residue(d)
+                if dres > 0 and dres >= best:  # ties: the highest rank, as flodl's max_by_key
+                    donor, best = d, dres
+        if donor < 0:
+            return None
+        n = min(size, best)
+        self._spans[donor][1] -= n
+        return self._dispatch(r, self._spans[donor][1], n)
+
+    def _dispatch(self, r: int, off: int, n: int) -> tuple[int, int]:
+        self._dispatched[r] += n
+        self._chunks_sent[r] += 1
+        self._outstanding[r].append([off, n])
+        return off, n
+
+    def rollback_take(self, rank: int, offset: int, size: int) -> None:
+        """Undo a take whose send failed, so the samples are not stuck in flight.
+
+        Meant for the rank's newest chunk; an older outstanding chunk with exactly
+        this ``(offset, size)`` is rolled back too (logged as an anomaly). When the
+        chunk came off the rank's own span front and nothing was taken after it,
+        the cursor rewinds; otherwise the range goes to the front of the reclaimed
+        queue. A range that is not outstanding is ignored (logged): reclaiming an
+        unknown range could serve covered samples twice.
+        """
+        r = self._rank(rank)
+        offset, size = int(offset), int(size)
+        if size <= 0:
+            return
+        q = self._outstanding[r]
+        if q and q[-1] == [offset, size]:
+            q.pop()
+        else:
+            pos = next((i for i in range(len(q) - 1, -1, -1) if q[i] == [offset, size]), None)
+            if pos is None:
+                logger.warning(
+                    "rollback_take(rank %d, offset %d, size %d) matches no outstanding chunk: "
+                    "ignored (nothing to roll back)", r, offset, size,
+                )
+                return
+            logger.warning(
+                "rollback_take(rank %d, offset %d, size %d) was not the newest outstanding "
+                "chunk: reclaiming it (dispatch-ordering anomaly)", r, offset, size,
+            )
+            del q[pos]
+        self._dispatched[r] = max(self._dispatched[r] - size, 0)
+        self._chunks_sent[r] = max(self._chunks_sent[r] - 1, 0)
+        start, _ = self._spans[r]
+        if self._cursor[r] == offset + size and offset >= start:
+            self._cursor[r] = offset
+        else:
+            self._reclaimed.appendleft((offset, size))
+
+    def mark_completed(self, rank: int, samples: int) -> None:
+        """Credit ``samples`` completed by ``rank``, consuming its outstanding chunks
+        front first (a partial credit shrinks the front chunk).
+
+        A credit beyond what is in flight is clamped, with a log: the rank was
+        falsely declared dead, its chunks were forfeited and re-dispatched, and it
+        reported anyway. Those samples get trained twice (harmless); the books must
+        not underflow.
+        """
+        r = self._rank(rank)
+        samples = int(samples)
+        if samples < 0:
+            raise ValueError(f"mark_completed samples must be >= 0, got {samples} for rank {r}")
+        self._completed[r] += samples
+        if self._completed[r] > self._dispatched[r]:
+            logger.info(
+                "rank %d reported completion after its chunks were forfeited (completed %d > "
+                "dispatched %d): clamping", r, self._completed[r], self._dispatched[r],
+            )
+            self._completed[r] = self._dispatched[r]
+        left = samples
+        q = self._outstanding[r]
+        while left > 0 and q:
+            front = q[0]
+            if front[1] <= left:
+                left -= front[1]
+                q.popleft()
+            else:
+                front[0] += left
+                front[1] -= left
+                left = 0
+
+    def forfeit(self, rank: int) -> int:
+        """Return a dead rank's outstanding chunks to the pool (reclaimed, in dispatch
+        order) and clear its in-flight count. Returns the samples reclaimed;
+        idempotent (a second call returns 0)."""
+        r = self._rank(rank)
+        total = 0
+        q = self._outstanding[r]
+        while q:
+            off, size = q.popleft()
+            total += size
+            self._reclaimed.append((off, size))
+        self._dispatched[r] = max(self._dispatched[r] - total, 0)
+        if total:
+            logger.info("rank %d forfeited %d in-flight samples of epoch %d", r, total, self.epoch)
+        return total
+
+    def _rank(self, rank: int) -> int:
+        rank = int(rank)
+        if not 0 <= rank < len(self._spans):
+            raise ValueError(f"rank {rank} must be < world_size {len(self._spans)}")
+        return rank
+
+
+# ---------------------------------------------------------------------------
+# Checkpoint conversions
+# ---------------------------------------------------------------------------
+
+
+def coverage_block(pools: Iterable[ChunkPool], seed: int, batch_size: int) -> "CoverageBlock":
+    """The checkpoint's coverage record: one :class:`EpochCoverage` per live pool,
+    in epoch order, plus the shuffle seed and batch size."""
+    from .checkpoint.meta import CoverageBlock
+
+    per_epoch = [p.to_epoch_coverage() for p in sorted(pools, key=lambda p: p.epoch)]
+    return CoverageBlock(seed=int(seed), batch_size=int(batch_size), per_epoch=per_epoch)
+
+
+def pools_from_coverage(block: "CoverageBlock", world_size: int,
+                        batch_size: Optional[int] = None) -> dict[int, ChunkPool]:
+    """Rebuild every in-progress epoch pool from a checkpoint's coverage record,
+    keyed by epoch.
+
+    Args:
+        block: the record (``CheckpointMeta.coverage``).
+        world_size: ranks of the resumed run (spans are rebuilt for it; only the
+            uncovered ranges matter).
+        batch_size: when given, must equal the record's: offsets were batch-aligned
+            for that size.
+
+    Raises:
+        ValueError: the batch size differs, an epoch appears twice, or a record is
+            inconsistent (see :meth:`ChunkPool.from_coverage`).
+    """
+    if batch_size is not None and int(batch_size) != int(block.batch_size):
+        raise ValueError(
+            f"coverage was recorded with batch_size {block.batch_size} but this run uses "
+            f"{batch_size}; resume with the saved batch size (offsets are batch-aligned to it)"
+        )
+    pools: dict[int, ChunkPool] = {}
+    for ec in block.per_epoch:
+        if ec.epoch in pools:
+            raise ValueError(f"coverage record lists epoch {ec.epoch} twice; it is corrupt")
+        pools[ec.epoch] = ChunkPool.from_epoch_coverage(ec, world_size)
+    return pools
