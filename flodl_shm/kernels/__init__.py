@@ -11,6 +11,7 @@ configure_numba_cache()
 
 from .codec import (  # noqa: E402
     bf16_scaled_copy,
+    bf16_scaled_to_f32,
     bf16_to_f32,
     f32_scaled_copy,
     f32_to_bf16,
@@ -25,11 +26,13 @@ from .reduce import (  # noqa: E402
     reduce_bf16_to_f32,
     reduce_f32,
 )
+from .scale import scale_payload_bytes  # noqa: E402
 
 __all__ = [
     "accumulate_bf16",
     "accumulate_f32",
     "bf16_scaled_copy",
+    "bf16_scaled_to_f32",
     "bf16_to_f32",
     "cache_dir",
     "configure_numba_cache",
@@ -41,6 +44,7 @@ __all__ = [
     "reduce_bf16",
     "reduce_bf16_to_f32",
     "reduce_f32",
+    "scale_payload_bytes",
     "warm_up",
 ]
 
@@ -65,6 +69,9 @@ def warm_up(max_sources: int = 4) -> None:
     f32_scaled_copy(f, g, 1.0)
     f32_to_bf16_scaled(f, h, 1.0, s)
     bf16_scaled_copy(h, k, 1.0, s)
+    bf16_scaled_to_f32(h, f, 1.0)
+    scale_payload_bytes(f.view(np.uint8), 0, 1.0)
+    scale_payload_bytes(h.view(np.uint8), 1, 1.0)
     accumulate_f32(f, g, 1.0)
     accumulate_bf16(f, h, 1.0, s)
     finalize_f32(f, g, 1.0)

@@ -17,11 +17,43 @@ Callers pass every output and scratch array in; nothing allocates.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
-from .codec import bf16_bits_rne
+from .codec import from_bf16, to_bf16
 
-_SIXTEEN = np.uint32(16)
+
+# ``load``/``store`` read and write one element of an f32 array (float32) or a
+# bf16 one (uint16 bits) as an f32 value; numba picks the body from the array's
+# dtype at compile time, so one reduce loop serves every wire dtype pair.
+
+
+def load(a, i):  # pragma: no cover - replaced by the overload inside numba
+    """``a[i]`` as float32 (bf16 bits widened exactly)."""
+    raise NotImplementedError("numba-only helper")
+
+
+def store(a, i, x):  # pragma: no cover - replaced by the overload inside numba
+    """``a[i] = x`` (rounded RNE when ``a`` holds bf16 bits)."""
+    raise NotImplementedError("numba-only helper")
+
+
+@overload(load)
+def _load_impl(a, i):
+    if a.dtype == types.uint16:
+        return lambda a, i: from_bf16(a[i])
+    return lambda a, i: a[i]
+
+
+@overload(store)
+def _store_impl(a, i, x):
+    if a.dtype == types.uint16:
+        def impl(a, i, x):
+            a[i] = to_bf16(x)
+    else:
+        def impl(a, i, x):
+            a[i] = x
+    return impl
 
 
 @njit(cache=True, nogil=True)
@@ -34,19 +66,13 @@ def accumulate_f32(acc, src, w):
 
 @njit(cache=True, nogil=True)
 def accumulate_bf16(acc, src, w, scratch):
-    """``acc[i] += f32(w) * f32(src[i])``; acc float32, src uint16 bf16 bits."""
+    """``acc[i] += f32(w) * f32(src[i])``; acc float32, src uint16 bf16 bits.
+
+    ``scratch`` is accepted for signature compatibility and not used.
+    """
     f = np.float32(w)
-    ch = scratch.shape[0]
-    sbits = scratch.view(np.uint32)
-    n = acc.shape[0]
-    for c0 in range(0, n, ch):
-        m = min(ch, n - c0)
-        sc = src[c0 : c0 + m]
-        ac = acc[c0 : c0 + m]
-        for i in range(m):
-            sbits[i] = np.uint32(sc[i]) << _SIXTEEN
-        for i in range(m):
-            ac[i] += f * scratch[i]
+    for i in range(acc.shape[0]):
+        acc[i] += f * from_bf16(src[i])
 
 
 @njit(cache=True, nogil=True)
@@ -59,19 +85,13 @@ def finalize_f32(acc, out, inv):
 
 @njit(cache=True, nogil=True)
 def finalize_bf16(acc, out, inv, scratch):
-    """``out[i] = RNE(acc[i] * f32(inv))``; acc float32, out uint16 bf16 bits."""
+    """``out[i] = RNE(acc[i] * f32(inv))``; acc float32, out uint16 bf16 bits.
+
+    ``scratch`` is accepted for signature compatibility and not used.
+    """
     f = np.float32(inv)
-    ch = scratch.shape[0]
-    sbits = scratch.view(np.uint32)
-    n = acc.shape[0]
-    for c0 in range(0, n, ch):
-        m = min(ch, n - c0)
-        ac = acc[c0 : c0 + m]
-        oc = out[c0 : c0 + m]
-        for i in range(m):
-            scratch[i] = ac[i] * f
-        for i in range(m):
-            oc[i] = np.uint16(bf16_bits_rne(sbits[i]))
+    for i in range(acc.shape[0]):
+        out[i] = to_bf16(acc[i] * f)
 
 
 # --- the engine's multi-source reduce ---------------------------------------------
@@ -79,16 +99,17 @@ def finalize_bf16(acc, out, inv, scratch):
 # ``srcs`` is a tuple of 1-D arrays (one per accepted contribution, in rank order);
 # ``[start, stop)`` is the element range this call reduces; ``inv`` the f32
 # reciprocal of the accepted mass (1.0 for plain sums). The sum is
-# ((s0 + s1) + s2) + ... in f32, then one multiply by inv.
+# ((s0 + s1) + s2) + ... in f32, then one multiply by inv, then (bf16 output) one
+# rounding. ``acc`` is an f32 scratch of any length >= 1 (L1-sized is best); the
+# range is walked in chunks of its length and, per chunk, one source at a time.
 #
 # Every inner loop indexes a freshly sliced array from 0: numba's negative-index
 # wraparound check on ``a[start + i]`` stops LLVM from vectorising (measured 5x
 # slower), while ``a[start:stop][i]`` with ``i`` in ``range(m)`` vectorises.
 
 
-@njit(cache=True, nogil=True)
-def reduce_f32(srcs, out, start, stop, inv, acc):
-    """f32 sources -> f32 ``out[start:stop] = (sum of srcs) * inv``."""
+@njit(nogil=True)
+def _reduce(srcs, out, start, stop, inv, acc):
     f = np.float32(inv)
     nsrc = len(srcs)
     ch = acc.shape[0]
@@ -99,67 +120,43 @@ def reduce_f32(srcs, out, start, stop, inv, acc):
         s0 = srcs[0][c0:c1]
         if nsrc == 1:
             for i in range(m):
-                o[i] = s0[i] * f
+                store(o, i, load(s0, i) * f)
             continue
         s1 = srcs[1][c0:c1]
         if nsrc == 2:
             for i in range(m):
-                o[i] = (s0[i] + s1[i]) * f
+                store(o, i, (load(s0, i) + load(s1, i)) * f)
             continue
         for i in range(m):
-            acc[i] = s0[i] + s1[i]
+            acc[i] = load(s0, i) + load(s1, i)
         for k in range(2, nsrc - 1):
             sk = srcs[k][c0:c1]
             for i in range(m):
-                acc[i] += sk[i]
+                acc[i] += load(sk, i)
         sl = srcs[nsrc - 1][c0:c1]
         for i in range(m):
-            o[i] = (acc[i] + sl[i]) * f
+            store(o, i, (acc[i] + load(sl, i)) * f)
 
 
 @njit(cache=True, nogil=True)
-def _sum_bf16_chunk(srcs, c0, c1, acc, tmp):
-    """acc[:c1-c0] = sum over srcs of f32(src[c0:c1]), in source order."""
-    m = c1 - c0
-    tbits = tmp.view(np.uint32)
-    abits = acc.view(np.uint32)
-    s0 = srcs[0][c0:c1]
-    for i in range(m):
-        abits[i] = np.uint32(s0[i]) << _SIXTEEN
-    for k in range(1, len(srcs)):
-        sk = srcs[k][c0:c1]
-        for i in range(m):
-            tbits[i] = np.uint32(sk[i]) << _SIXTEEN
-        for i in range(m):
-            acc[i] += tmp[i]
+def reduce_f32(srcs, out, start, stop, inv, acc):
+    """f32 sources -> f32 ``out[start:stop] = (sum of srcs) * inv``."""
+    _reduce(srcs, out, start, stop, inv, acc)
 
 
 @njit(cache=True, nogil=True)
 def reduce_bf16(srcs, out, start, stop, inv, acc, tmp):
-    """bf16 sources -> bf16 ``out[start:stop] = RNE((sum of f32(srcs)) * inv)``."""
-    f = np.float32(inv)
-    ch = acc.shape[0]
-    abits = acc.view(np.uint32)
-    for c0 in range(start, stop, ch):
-        c1 = min(c0 + ch, stop)
-        m = c1 - c0
-        _sum_bf16_chunk(srcs, c0, c1, acc, tmp)
-        for i in range(m):
-            acc[i] = acc[i] * f
-        o = out[c0:c1]
-        for i in range(m):
-            o[i] = np.uint16(bf16_bits_rne(abits[i]))
+    """bf16 sources -> bf16 ``out[start:stop] = RNE((sum of f32(srcs)) * inv)``.
+
+    ``tmp`` is accepted for signature compatibility and not used.
+    """
+    _reduce(srcs, out, start, stop, inv, acc)
 
 
 @njit(cache=True, nogil=True)
 def reduce_bf16_to_f32(srcs, out, start, stop, inv, acc, tmp):
-    """bf16 sources -> f32 ``out[start:stop] = (sum of f32(srcs)) * inv`` (no rounding)."""
-    f = np.float32(inv)
-    ch = acc.shape[0]
-    for c0 in range(start, stop, ch):
-        c1 = min(c0 + ch, stop)
-        m = c1 - c0
-        _sum_bf16_chunk(srcs, c0, c1, acc, tmp)
-        o = out[c0:c1]
-        for i in range(m):
-            o[i] = acc[i] * f
+    """bf16 sources -> f32 ``out[start:stop] = (sum of f32(srcs)) * inv`` (no rounding).
+
+    ``tmp`` is accepted for signature compatibility and not used.
+    """
+    _reduce(srcs, out, start, stop, inv, acc)
