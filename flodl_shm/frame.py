@@ -242,9 +242,10 @@ def tensor_to_payload(t, dtype: int, index: int = 0, scale: float = 1.0) -> Tens
                 kernels.bf16_scaled_copy(bits, out, scale, np.empty(_SCRATCH_ELEMS, np.float32))
         else:
             out = np.empty(n, np.float32)
-            kernels.bf16_to_f32(bits, out)
-            if scale != 1.0:
-                kernels.f32_scaled_copy(out, out, scale)
+            if scale == 1.0:
+                kernels.bf16_to_f32(bits, out)
+            else:  # t.mul(scale) rounds to bf16 before the upcast: so must we
+                kernels.bf16_scaled_to_f32(bits, out, scale)
     return TensorPayload(dtype, shape, out)
 
 
