@@ -95,7 +95,20 @@ def model_frame_ceiling(model_bytes: int) -> int:
 
 
 def check_salt(salt) -> bytes:
-    b = bytes(salt)
+    """The 16-byte session salt as ``bytes``; ``FrameError`` for anything else."""
+    # bytes(16) would silently make a zero key and bytes("...") raises TypeError:
+    # only buffers are salts.
+    if isinstance(salt, (int, str)):
+        raise FrameError(
+            f"session salt must be {SESSION_SALT_BYTES} bytes, got a {type(salt).__name__}; "
+            f"pass bytes (bytes.fromhex(...) for the 32-hex-digit form)"
+        )
+    try:
+        b = bytes(salt)
+    except TypeError:
+        raise FrameError(
+            f"session salt must be {SESSION_SALT_BYTES} bytes, got a {type(salt).__name__}"
+        ) from None
     if len(b) != SESSION_SALT_BYTES:
         raise FrameError(
             f"session salt must be {SESSION_SALT_BYTES} bytes, got {len(b)}; "
