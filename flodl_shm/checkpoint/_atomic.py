@@ -26,6 +26,7 @@ from typing import BinaryIO, Callable, TypeVar
 T = TypeVar("T")
 
 TMP_SUFFIX = ".tmp"
+WRITE_BUFFER = 1 << 20
 
 
 def tmp_path_for(path: "str | os.PathLike[str]") -> Path:
@@ -52,8 +53,9 @@ def fsync_dir(directory: "str | os.PathLike[str]") -> None:
 def atomic_write(path: "str | os.PathLike[str]", write: Callable[[BinaryIO], T]) -> T:
     """Commit ``path`` atomically with the bytes ``write(fileobj)`` produces.
 
-    ``write`` receives a binary file object positioned at 0 of ``<path>.tmp``
-    and may wrap it (e.g. in a ``GzipFile``), but must not close it. Returns
+    ``write`` receives a buffered binary file object (1 MiB buffer; large writes
+    go straight to the OS) positioned at 0 of ``<path>.tmp``; it may wrap it
+    (e.g. in a ``GzipFile``) but must not close it. Returns
     whatever ``write`` returns. Raises whatever ``write`` or the OS raises, after
     removing the temp file; the old ``path`` is never modified on failure.
     """
@@ -61,10 +63,10 @@ def atomic_write(path: "str | os.PathLike[str]", write: Callable[[BinaryIO], T])
     tmp = tmp_path_for(final)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        with os.fdopen(fd, "wb", buffering=0) as raw:
-            result = write(raw)
-            raw.flush()
-            os.fsync(raw.fileno())
+        with os.fdopen(fd, "wb", buffering=WRITE_BUFFER) as fh:
+            result = write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
         os.replace(tmp, final)
     except BaseException:
         try:
@@ -79,10 +81,4 @@ def atomic_write(path: "str | os.PathLike[str]", write: Callable[[BinaryIO], T])
 def atomic_write_bytes(path: "str | os.PathLike[str]", data: bytes) -> None:
     """Commit ``data`` to ``path`` atomically (see :func:`atomic_write`)."""
 
-    def _write(fh: BinaryIO) -> None:
-        view = memoryview(data)
-        while view:
-            n = fh.write(view)
-            view = view[n:]
-
-    atomic_write(path, _write)
+    atomic_write(path, lambda fh: fh.write(data))

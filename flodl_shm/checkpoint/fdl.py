@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import enum
 import gzip
-import io
 import logging
 import math
 import os
@@ -369,23 +368,15 @@ def write_fdl_stream(path: "str | os.PathLike[str]", count: int,
     """
     gz = is_gzip_path(path)
 
-    def _write(raw: BinaryIO) -> int:
-        buffered = io.BufferedWriter(raw, buffer_size=1 << 20)
-        try:
-            if gz:
-                with gzip.GzipFile(fileobj=buffered, mode="wb", compresslevel=GZIP_LEVEL,
-                                   mtime=0) as zf:
-                    w = FdlWriter(zf, count, structural_hash)
-                    body(w)
-                    n = w.finish()
-            else:
-                w = FdlWriter(buffered, count, structural_hash)
+    def _write(fh: BinaryIO) -> int:
+        if gz:
+            with gzip.GzipFile(fileobj=fh, mode="wb", compresslevel=GZIP_LEVEL, mtime=0) as zf:
+                w = FdlWriter(zf, count, structural_hash)
                 body(w)
-                n = w.finish()
-            buffered.flush()
-        finally:
-            buffered.detach()
-        return n
+                return w.finish()
+        w = FdlWriter(fh, count, structural_hash)
+        body(w)
+        return w.finish()
 
     return atomic_write(path, _write)
 
@@ -552,6 +543,11 @@ def _parse(src: _Source, keep_data: bool, path_label: str) -> FdlFile:
         offset = src.pos
         data = src.payload(nbytes, keep_data, where)
         entries.append(FdlEntry(name, tuple(shape), int(dtype), nbytes, offset, data))
+    if not src.seekable:
+        # A compressed stream: read to its end so gzip verifies the CRC and length
+        # trailer (a file cut inside the trailer still holds every entry).
+        while src.fh.read(_READ_CHUNK):
+            pass
     return FdlFile(version, structural_hash, entries)
 
 

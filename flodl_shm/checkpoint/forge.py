@@ -49,7 +49,8 @@ import numpy as np
 from ..errors import CheckpointError, FrameError
 from ..frame import DTYPE_BF16, DTYPE_F32, RoundFrame, RoundKind, TensorPayload, dtype_name
 from .fdl import FdlDtype, FdlWriter, LoadReport, _Target, load_targets, write_fdl_stream
-from .meta import ModelSchema, averaged_buffers, set_extension
+from .meta import (ModelSchema, averaged_buffers, consensus_buffer_key, consensus_param_key,
+                   set_extension)
 
 logger = logging.getLogger("flodl_shm")
 
@@ -57,16 +58,6 @@ logger = logging.getLogger("flodl_shm")
 WRITER_THREAD_NAME = "flodl-ckpt-writer"
 #: Elements per bf16 -> f32 upcast chunk (4 MiB of f32 scratch).
 _UPCAST_CHUNK_ELEMS = 1 << 20
-
-
-def consensus_param_key(i: int) -> str:
-    """Positional ``.fdl`` key of the i-th parameter (``module.parameters()`` order)."""
-    return f"p{i}"
-
-
-def consensus_buffer_key(j: int) -> str:
-    """Positional ``.fdl`` key of the j-th averaged (floating-point) buffer."""
-    return f"b{j}"
 
 
 def outer_sidecar_path(model_path: "str | os.PathLike[str]") -> Path:

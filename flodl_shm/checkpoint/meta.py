@@ -173,6 +173,16 @@ def averaged_buffers(module) -> list:
     return [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
 
 
+def consensus_param_key(i: int) -> str:
+    """Positional ``.fdl`` key of the i-th parameter (``module.parameters()`` order)."""
+    return f"p{i}"
+
+
+def consensus_buffer_key(j: int) -> str:
+    """Positional ``.fdl`` key of the j-th averaged buffer (:func:`averaged_buffers` order)."""
+    return f"b{j}"
+
+
 @dataclass
 class ModelSchema:
     """Static, ordered names of the tensors a consensus carries.
@@ -624,5 +634,7 @@ __all__ = [
     "RankDeathRecord",
     "SaveReason",
     "averaged_buffers",
+    "consensus_buffer_key",
+    "consensus_param_key",
     "set_extension",
 ]

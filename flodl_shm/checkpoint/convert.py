@@ -1,0 +1,405 @@
+"""Converters between ``.fdl``, torch state_dicts and safetensors files.
+
+The safetensors layout is written and read here directly (no dependency)::
+
+    u64 LE   N, the header length
+    N bytes  UTF-8 JSON object: {"__metadata__": {str: str} (optional),
+             name: {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, ...}
+             padded with spaces so N is a multiple of 8
+    bytes    the tensors' raw little-endian bytes; offsets are relative to the
+             start of this region, which they cover exactly (no gaps, no overlap)
+
+Tensors are laid out by element size, largest first (stable otherwise), so every
+tensor is aligned to its element size as the reference implementation does.
+
+A *consensus* ``.fdl`` stores positional keys (``p{i}`` / ``b{j}``, see
+``forge``); :func:`consensus_state_dict` and :func:`state_dict_to_consensus_fdl`
+translate between those keys and a model's qualified names through its
+``ModelSchema``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+from typing import Mapping, Optional, Union
+
+from ..errors import CheckpointError
+from ._atomic import atomic_write
+from .fdl import RawEntry, _tensor_bytes, read_fdl, save_tensors, tag_for_torch_dtype, write_fdl_raw
+from .meta import ModelSchema, consensus_buffer_key, consensus_param_key
+
+#: Largest safetensors header this reader accepts (the reference limit).
+SAFETENSORS_MAX_HEADER = 100_000_000
+#: Metadata key carrying a non-zero .fdl structural hash through a safetensors file.
+FDL_HASH_METADATA_KEY = "fdl_structural_hash"
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _st_dtypes() -> dict:
+    torch = _torch()
+    table = {
+        "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+        "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32,
+        "F32": torch.float32, "F64": torch.float64, "I64": torch.int64,
+    }
+    for code, attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"),
+                       ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
+        if hasattr(torch, attr):
+            table[code] = getattr(torch, attr)
+    return table
+
+
+def _itemsize(dtype) -> int:
+    return _torch().empty((), dtype=dtype).element_size()
+
+
+# --- safetensors --------------------------------------------------------------------
+
+
+def save_safetensors(tensors: Mapping[str, object], path: "str | os.PathLike[str]",
+                     metadata: Optional[Mapping[str, str]] = None) -> int:
+    """Commit ``tensors`` (name -> tensor) as a safetensors file at ``path``, atomically.
+
+    ``metadata`` must map strings to strings. Returns the file size. Tensor
+    bytes are written from the tensors' own storage (contiguous CPU tensors are
+    not copied).
+    """
+    codes = {v: k for k, v in _st_dtypes().items()}
+    items = []
+    for name, t in tensors.items():
+        if not isinstance(name, str):
+            raise CheckpointError(f"safetensors keys must be strings, got {name!r}")
+        if name == "__metadata__":
+            raise CheckpointError("'__metadata__' is reserved in safetensors; rename that tensor")
+        code = codes.get(t.dtype)
+        if code is None:
+            raise CheckpointError(
+                f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store"
+            )
+        items.append((name, t, code, _itemsize(t.dtype)))
+    if metadata is not None:
+        for k, v in metadata.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise CheckpointError(
+                    f"safetensors metadata must map str to str, got {k!r}: {v!r}; convert the "
+                    f"values with str() or json.dumps()"
+                )
+    # Largest elements first keeps every tensor aligned to its element size.
+    items.sort(key=lambda it: -it[3])
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    views = []
+    for name, t, code, size in items:
+        data = _tensor_bytes(t)
+        header[name] = {"dtype": code, "shape": list(t.shape),
+                        "data_offsets": [offset, offset + data.nbytes]}
+        offset += data.nbytes
+        views.append(data)
+    head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    head += b" " * (-len(head) % 8)
+
+    def _write(fh) -> int:
+        fh.write(struct.pack("<Q", len(head)))
+        fh.write(head)
+        for v in views:
+            fh.write(v)
+        return 8 + len(head) + offset
+
+    return atomic_write(path, _write)
+
+
+def read_safetensors_header(path: "str | os.PathLike[str]") -> tuple[dict, dict, int]:
+    """Parse and validate a safetensors header.
+
+    Returns ``(entries, metadata, data_start)`` where ``entries`` maps each name,
+    in offset order, to ``{"dtype", "shape", "data_offsets"}``. Raises
+    ``CheckpointError`` for a malformed file.
+    """
+    p = Path(os.fspath(path))
+    try:
+        with open(p, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            prefix = fh.read(8)
+            if len(prefix) != 8:
+                raise CheckpointError(f"{p} is not a safetensors file: {size} bytes, shorter "
+                                      f"than the 8-byte header length")
+            (n,) = struct.unpack("<Q", prefix)
+            if n > SAFETENSORS_MAX_HEADER:
+                raise CheckpointError(f"{p}: safetensors header length {n} exceeds the "
+                                      f"{SAFETENSORS_MAX_HEADER}-byte limit (corrupt file?)")
+            if 8 + n > size:
+                raise CheckpointError(f"{p}: safetensors header claims {n} bytes but the file "
+                                      f"holds {size - 8} after the length")
+            raw = fh.read(n)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {p}: {e}") from e
+    if not raw.startswith(b"{"):
+        raise CheckpointError(f"{p}: safetensors header does not start with '{{'")
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{p}: safetensors header is not UTF-8 JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{p}: safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise CheckpointError(f"{p}: safetensors __metadata__ must map strings to strings")
+    dtypes = _st_dtypes()
+    data_len = size - 8 - n
+    spans = []
+    for name, info in header.items():
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{p}: tensor {name!r}: header entry is not an object")
+        code, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if code not in dtypes:
+            raise CheckpointError(f"{p}: tensor {name!r}: unknown safetensors dtype {code!r} "
+                                  f"(known: {', '.join(dtypes)})")
+        if (not isinstance(shape, list)
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                           for d in shape)):
+            raise CheckpointError(f"{p}: tensor {name!r}: shape {shape!r} is not a list of "
+                                  f"non-negative ints")
+        if (not isinstance(offs, list) or len(offs) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+                or not 0 <= offs[0] <= offs[1]):
+            raise CheckpointError(f"{p}: tensor {name!r}: data_offsets {offs!r} is not "
+                                  f"[begin, end] with 0 <= begin <= end")
+        want = math.prod(shape) * _itemsize(dtypes[code])
+        if offs[1] - offs[0] != want:
+            raise CheckpointError(
+                f"{p}: tensor {name!r}: data_offsets span {offs[1] - offs[0]} bytes but shape "
+                f"{shape} x {code} needs {want}")
+        spans.append((offs[0], offs[1], name))
+    spans.sort()
+    cursor = 0
+    for begin, end, name in spans:
+        if begin != cursor:
+            raise CheckpointError(
+                f"{p}: tensor {name!r} starts at data offset {begin}, expected {cursor} "
+                f"(tensors must cover the data region without gaps or overlap)")
+        cursor = end
+    if cursor != data_len:
+        raise CheckpointError(
+            f"{p}: tensors cover {cursor} bytes but the data region holds {data_len} "
+            f"(truncated or padded file)")
+    ordered = {name: header[name] for _, _, name in spans}
+    return ordered, metadata, 8 + n
+
+
+def load_safetensors(path: "str | os.PathLike[str]") -> tuple[dict, dict]:
+    """Read a safetensors file: ``(name -> CPU tensor, metadata)``; tensors own their memory."""
+    torch = _torch()
+    entries, metadata, start = read_safetensors_header(path)
+    dtypes = _st_dtypes()
+    out = {}
+    with open(os.fspath(path), "rb") as fh:
+        for name, info in entries.items():
+            t = torch.empty(info["shape"], dtype=dtypes[info["dtype"]])
+            begin, end = info["data_offsets"]
+            if end > begin:
+                fh.seek(start + begin)
+                got = fh.readinto(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                if got != end - begin:
+                    raise CheckpointError(f"{path}: tensor {name!r} truncated: {got} of "
+                                          f"{end - begin} bytes")
+            out[name] = t
+    return out, metadata
+
+
+# --- .fdl <-> state_dict / safetensors ----------------------------------------------
+
+
+def fdl_to_state_dict(path: "str | os.PathLike[str]") -> dict:
+    """Read a ``.fdl`` as ``{name: tensor}`` in file order (duplicates: the later wins)."""
+    return {e.name: e.to_tensor() for e in read_fdl(path).entries}
+
+
+def state_dict_to_fdl(state_dict: Mapping[str, object], path: "str | os.PathLike[str]",
+                      structural_hash: "None | str | bytes" = None) -> int:
+    """Commit a ``{name: tensor}`` mapping as a by-name ``.fdl`` (dtypes kept)."""
+    for name, t in state_dict.items():
+        if not hasattr(t, "dtype") or not hasattr(t, "shape"):
+            raise CheckpointError(
+                f"state_dict entry {name!r} is a {type(t).__name__}, not a tensor; pass a "
+                f"flat mapping of names to tensors (e.g. model.state_dict())")
+    return save_tensors(path, list(state_dict.items()), structural_hash)
+
+
+def fdl_to_safetensors(src: "str | os.PathLike[str]", dst: "str | os.PathLike[str]",
+                       metadata: Optional[Mapping[str, str]] = None) -> int:
+    """Convert a ``.fdl`` to safetensors. A non-zero structural hash rides in the
+    metadata under ``fdl_structural_hash``; ``{"format": "pt"}`` is added unless
+    ``metadata`` says otherwise."""
+    parsed = read_fdl(src)
+    tensors = {e.name: e.to_tensor() for e in parsed.entries}
+    meta = {"format": "pt"}
+    if parsed.hash_hex:
+        meta[FDL_HASH_METADATA_KEY] = parsed.hash_hex
+    meta.update(metadata or {})
+    return save_safetensors(tensors, dst, meta)
+
+
+def safetensors_to_fdl(src: "str | os.PathLike[str]", dst: "str | os.PathLike[str]") -> int:
+    """Convert a safetensors file to a ``.fdl`` (restoring an ``fdl_structural_hash``).
+    ``CheckpointError`` names any tensor whose dtype .fdl cannot hold."""
+    tensors, metadata = load_safetensors(src)
+    return state_dict_to_fdl(tensors, dst, metadata.get(FDL_HASH_METADATA_KEY))
+
+
+# --- consensus keys <-> qualified names ---------------------------------------------
+
+
+def _schema_of(schema_or_module) -> ModelSchema:
+    if isinstance(schema_or_module, ModelSchema):
+        return schema_or_module
+    return ModelSchema.from_module(schema_or_module)
+
+
+def consensus_state_dict(path: "str | os.PathLike[str]", schema_or_module) -> dict:
+    """Read a consensus ``.fdl`` with its positional keys renamed to qualified names.
+
+    ``p{i}`` -> ``schema.param_names[i]``, ``b{j}`` -> ``schema.buffer_names[j]``.
+    Raises ``CheckpointError`` when the keys don't match the schema exactly (a
+    checkpoint from another model). The result loads with
+    ``module.load_state_dict(sd, strict=False)`` (integer buffers are not in it).
+    """
+    schema = _schema_of(schema_or_module)
+    parsed = read_fdl(path).by_name()
+    names = {consensus_param_key(i): n for i, n in enumerate(schema.param_names)}
+    names.update({consensus_buffer_key(j): n for j, n in enumerate(schema.buffer_names)})
+    missing = [k for k in names if k not in parsed]
+    unexpected = [k for k in parsed if k not in names]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path} does not match the schema ({len(schema.param_names)} params + "
+            f"{len(schema.buffer_names)} buffers): missing {missing}, unexpected {unexpected}")
+    return {names[k]: parsed[k].to_tensor() for k in names}
+
+
+def state_dict_to_consensus_fdl(state_dict: Mapping[str, object], schema_or_module,
+                                path: "str | os.PathLike[str]") -> int:
+    """Write a named state_dict as a consensus ``.fdl`` (positional keys, f32), e.g. to
+    start a flodl_shm run from a torch checkpoint. Every schema name must be present."""
+    torch = _torch()
+    schema = _schema_of(schema_or_module)
+    entries = []
+    for key_of, names in ((consensus_param_key, schema.param_names),
+                          (consensus_buffer_key, schema.buffer_names)):
+        for i, n in enumerate(names):
+            if n not in state_dict:
+                raise CheckpointError(f"state_dict has no entry {n!r} (needed for "
+                                      f"{key_of(i)}); it does not match the schema")
+            t = state_dict[n].detach().to(torch.float32)
+            entries.append(RawEntry(key_of(i), tuple(t.shape), tag_for_torch_dtype(t.dtype),
+                                    _tensor_bytes(t)))
+    return write_fdl_raw(path, entries)
+
+
+# --- torch files ----------------------------------------------------------------------
+
+
+def load_torch_state_dict(path: "str | os.PathLike[str]") -> dict:
+    """``torch.load(path, weights_only=True)`` of a flat ``{name: tensor}`` mapping (a
+    ``{"state_dict": {...}}`` wrapper is unwrapped)."""
+    torch = _torch()
+    try:
+        obj = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"cannot load torch file {path}: {e}") from e
+    if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
+        obj = obj["state_dict"]
+    if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise CheckpointError(
+            f"{path} does not hold a flat {{name: tensor}} state_dict (got "
+            f"{type(obj).__name__}); save model.state_dict() to convert it")
+    return dict(obj)
+
+
+def save_torch_state_dict(state_dict: Mapping[str, object], path: "str | os.PathLike[str]") -> None:
+    """``torch.save`` a state_dict to ``path``, committed atomically."""
+    torch = _torch()
+    atomic_write(path, lambda fh: torch.save(dict(state_dict), fh))
+
+
+FORMATS = ("fdl", "safetensors", "torch")
+
+
+def detect_format(path: "str | os.PathLike[str]") -> str:
+    """``fdl`` for ``.fdl`` / ``.fdl.gz``, ``safetensors`` for ``.safetensors``, ``torch``
+    for ``.pt`` / ``.pth`` / ``.bin`` / ``.ckpt``."""
+    name = Path(os.fspath(path)).name.lower()
+    if name.endswith((".fdl", ".fdl.gz")):
+        return "fdl"
+    if name.endswith(".safetensors"):
+        return "safetensors"
+    if name.endswith((".pt", ".pth", ".bin", ".ckpt")):
+        return "torch"
+    raise CheckpointError(
+        f"cannot tell the format of {os.fspath(path)!r} from its name; use a .fdl, .fdl.gz, "
+        f".safetensors or .pt/.pth/.bin name, or pass the format explicitly")
+
+
+def read_any(path: "str | os.PathLike[str]", fmt: Optional[str] = None) -> tuple[dict, Optional[str]]:
+    """``({name: tensor}, structural_hash_hex_or_None)`` from any supported format."""
+    fmt = fmt or detect_format(path)
+    if fmt == "fdl":
+        parsed = read_fdl(path)
+        return {e.name: e.to_tensor() for e in parsed.entries}, parsed.hash_hex
+    if fmt == "safetensors":
+        tensors, meta = load_safetensors(path)
+        return tensors, meta.get(FDL_HASH_METADATA_KEY)
+    if fmt == "torch":
+        return load_torch_state_dict(path), None
+    raise CheckpointError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
+
+
+def convert(src: "str | os.PathLike[str]", dst: "str | os.PathLike[str]",
+            src_format: Optional[str] = None, dst_format: Optional[str] = None) -> int:
+    """Convert a checkpoint between ``.fdl``, safetensors and torch files (formats from
+    the names unless given). Names, shapes, dtypes and bytes are preserved; a
+    non-zero .fdl structural hash survives a trip through safetensors. Returns
+    the number of tensors converted."""
+    dst_format = dst_format or detect_format(dst)
+    tensors, hash_hex = read_any(src, src_format)
+    if dst_format == "fdl":
+        state_dict_to_fdl(tensors, dst, hash_hex)
+    elif dst_format == "safetensors":
+        meta = {"format": "pt"}
+        if hash_hex:
+            meta[FDL_HASH_METADATA_KEY] = hash_hex
+        save_safetensors(tensors, dst, meta)
+    elif dst_format == "torch":
+        save_torch_state_dict(tensors, dst)
+    else:
+        raise CheckpointError(f"unknown format {dst_format!r} (known: {', '.join(FORMATS)})")
+    return len(tensors)
+
+
+__all__ = [
+    "FDL_HASH_METADATA_KEY",
+    "consensus_state_dict",
+    "convert",
+    "detect_format",
+    "fdl_to_safetensors",
+    "fdl_to_state_dict",
+    "load_safetensors",
+    "load_torch_state_dict",
+    "read_any",
+    "read_safetensors_header",
+    "safetensors_to_fdl",
+    "save_safetensors",
+    "save_torch_state_dict",
+    "state_dict_to_consensus_fdl",
+    "state_dict_to_fdl",
+]
