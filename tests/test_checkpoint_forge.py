@@ -108,9 +108,13 @@ def test_bf16_upcast_is_exact_for_every_bit_pattern(tmp_path):
 
 def test_bf16_upcast_streams_through_a_small_scratch(tmp_path):
     # 8 Mi bf16 elements become 32 MiB of f32 on disk without a model-sized buffer.
+    import tracemalloc
+
+    # Warm up first: numba's one-time load of the compiled kernel allocates on its own.
+    write_consensus_fdl(ModelSchema(["w"], []), [TensorPayload(DTYPE_BF16, (1,), np.ones(1, np.uint16))],
+                        tmp_path / "warm.fdl")
     n = 8 << 20
     payload = TensorPayload(DTYPE_BF16, (n,), np.full(n, 0x3F80, np.uint16))  # 1.0
-    import tracemalloc
 
     tracemalloc.start()
     try:
