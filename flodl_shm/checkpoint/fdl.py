@@ -457,44 +457,36 @@ class _Source:
         return buf
 
     def payload(self, n: int, keep: bool, where: str) -> Optional[bytearray]:
-        if self.size is not None:
-            left = self.size - self.pos
-            if n > left:
-                raise CheckpointError(
-                    f"corrupt checkpoint: payload truncated: header claims {n} bytes, "
-                    f"{max(left, 0)} present{where}"
-                )
+        """Consume an ``n``-byte payload; its bytes when ``keep``, else skip it."""
+        def truncated(present: int) -> CheckpointError:
+            return CheckpointError(f"corrupt checkpoint: payload truncated: header claims {n} "
+                                   f"bytes, {max(present, 0)} present{where}")
+
+        if self.size is not None and n > self.size - self.pos:
+            raise truncated(self.size - self.pos)
         if not keep and self.seekable:
             self.fh.seek(n, os.SEEK_CUR)
             self.pos += n
             return None
         if keep and self.size is not None:
+            # n is bounded by the bytes the file holds: allocate once, read in place.
             buf = bytearray(n)
             got = self.fh.readinto(buf) if n else 0
-            self.pos += got
-            if got != n:
-                raise CheckpointError(
-                    f"corrupt checkpoint: payload truncated: header claims {n} bytes, {got} "
-                    f"present{where}"
-                )
-            return buf
-        # Untrusted length on a stream of unknown size (gzip): grow with the bytes
-        # actually present so a header claiming 2^60 bytes fails at EOF, not on malloc.
-        buf = bytearray() if keep else None
-        got = 0
-        while got < n:
-            chunk = self.fh.read(min(n - got, _READ_CHUNK))
-            if not chunk:
-                break
-            got += len(chunk)
-            if keep:
-                buf += chunk
+        else:
+            # Untrusted length on a stream of unknown size (gzip): grow with the bytes
+            # actually present so a header claiming 2^60 bytes fails at EOF, not on malloc.
+            buf = bytearray() if keep else None
+            got = 0
+            while got < n:
+                chunk = self.fh.read(min(n - got, _READ_CHUNK))
+                if not chunk:
+                    break
+                got += len(chunk)
+                if keep:
+                    buf += chunk
         self.pos += got
         if got != n:
-            raise CheckpointError(
-                f"corrupt checkpoint: payload truncated: header claims {n} bytes, {got} "
-                f"present{where}"
-            )
+            raise truncated(got)
         return buf
 
 

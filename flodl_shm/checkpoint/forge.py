@@ -228,12 +228,8 @@ class CheckpointForge:
         the model (and its outer sidecar) is committed — the place to write the
         bundle's ``.meta.json`` commit marker; its exceptions are logged.
         """
-        p = Path(os.fspath(path))
         with self._lock:
-            self._pending_path = p
-            self._on_complete = on_complete
-            self._accumulated = []
-            self._pending_outer = None
+            self._reset_cycle(Path(os.fspath(path)), on_complete)
 
     def is_armed(self) -> bool:
         """Whether a checkpoint path is pending (so the caller knows to snapshot the
@@ -244,10 +240,14 @@ class CheckpointForge:
     def disarm(self) -> None:
         """Drop the armed path, the partial accumulation and the outer stash."""
         with self._lock:
-            self._pending_path = None
-            self._on_complete = None
-            self._accumulated = []
-            self._pending_outer = None
+            self._reset_cycle(None, None)
+
+    def _reset_cycle(self, path: Optional[Path], on_complete) -> None:
+        """Start a cycle toward ``path`` (``None``: disarmed) with nothing gathered. Holds _lock."""
+        self._pending_path = path
+        self._on_complete = on_complete
+        self._accumulated = []
+        self._pending_outer = None
 
     def pending_tensor_count(self) -> int:
         """Tensors gathered toward the armed checkpoint so far."""
@@ -306,14 +306,9 @@ class CheckpointForge:
             self._accumulated.extend(payloads)
             if len(self._accumulated) < want:
                 return  # more model frames to come this cycle
-            path = self._pending_path
-            on_complete = self._on_complete
-            gathered = self._accumulated
-            outer = self._pending_outer
-            self._pending_path = None
-            self._on_complete = None
-            self._accumulated = []
-            self._pending_outer = None
+            path, on_complete = self._pending_path, self._on_complete
+            gathered, outer = self._accumulated, self._pending_outer
+            self._reset_cycle(None, None)
         if len(gathered) != want:
             logger.error(
                 "checkpoint forge: consensus checkpoint accumulated %d tensors but schema "

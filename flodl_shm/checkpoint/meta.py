@@ -158,6 +158,17 @@ def _require(obj: dict, key: str, where: str) -> Any:
     return obj[key]
 
 
+def _check_version(obj: dict, where: str, supported: int, source: str) -> int:
+    """The record's ``schema_version``; refused (message: "newer than") above ``supported``."""
+    version = _check_uint(_require(obj, "schema_version", where), "schema_version", 0xFFFFFFFF)
+    if version > supported:
+        raise CheckpointError(
+            f"{where}: schema version {version} in {source} is newer than the version "
+            f"{supported} this build supports; upgrade flodl_shm to read it"
+        )
+    return version
+
+
 # --- model schema ---------------------------------------------------------------
 
 
@@ -516,13 +527,7 @@ class CheckpointMeta:
         """Parse a decoded sidecar. Missing optional fields (older versions) default to
         ``None``; a ``schema_version`` newer than this build's is refused."""
         where = "CheckpointMeta"
-        version = _check_uint(_require(obj, "schema_version", where), "schema_version", 0xFFFFFFFF)
-        if version > CHECKPOINT_META_SCHEMA_VERSION:
-            raise CheckpointError(
-                f"CheckpointMeta: schema version {version} in {source} is newer than the version "
-                f"{CHECKPOINT_META_SCHEMA_VERSION} this build supports; upgrade flodl_shm to "
-                f"read it"
-            )
+        version = _check_version(obj, where, CHECKPOINT_META_SCHEMA_VERSION, source)
         elche = obj.get("elche_state")
         coverage = obj.get("coverage")
         return cls(
@@ -593,13 +598,7 @@ class RankDeathRecord:
     @classmethod
     def from_dict(cls, obj: dict, source: str = "<dict>") -> "RankDeathRecord":
         where = "RankDeathRecord"
-        version = _check_uint(_require(obj, "schema_version", where), "schema_version", 0xFFFFFFFF)
-        if version > RANK_DEATH_RECORD_SCHEMA_VERSION:
-            raise CheckpointError(
-                f"RankDeathRecord: schema version {version} in {source} is newer than the "
-                f"version {RANK_DEATH_RECORD_SCHEMA_VERSION} this build supports; upgrade "
-                f"flodl_shm to read it"
-            )
+        version = _check_version(obj, where, RANK_DEATH_RECORD_SCHEMA_VERSION, source)
         error = _require(obj, "error", where)
         if not isinstance(error, str):
             raise CheckpointError(f"{where}.error must be a string, got {error!r}")
