@@ -1,0 +1,375 @@
+"""Is this host big enough? ``python -m flodl_shm ram`` (also ``tools/host_ram.py``).
+
+Prints the memory figures a process here sees (``hostmem.host_memory``: RAM total
+and available bounded by the container's memory cgroup, swap, ``/dev/shm`` size
+and free space), our ``fshm_`` segments in ``/dev/shm`` with whether their owner
+is alive (``--reap`` removes those of dead owners), what a model of the given
+size needs with N local ranks, and one verdict per check with the numbers behind
+it. Exit status 0 when every required check passes, 1 when one fails, 2 for a
+usage error.
+
+Checks (``host_checks``):
+
+``dev_shm_space`` (required)
+    The host arena for N ranks (``arena.shm_need_bytes``) fits in ``/dev/shm``'s
+    free space. Docker's default ``/dev/shm`` is 64 MB.
+``ram`` (required)
+    The arena's pages plus one decoded model-sized consensus per rank fit in the
+    available RAM. ``/dev/shm`` is tmpfs: its pages are RAM, charged to this
+    memory cgroup, so a ``/dev/shm`` larger than the container's memory limit
+    (``--ipc=host``, or ``--shm-size`` above ``-m``) passes the first check and is
+    OOM-killed later. This is a floor: training's own memory (model, optimizer
+    state, activations, data) comes on top.
+``pinned_decode_staging`` (advisory)
+    The gate ``staging.pinned_decode_affordable``: when it refuses, ranks decode
+    into fresh buffers instead of reusable staging; the run still works.
+``dead_owner_segments`` (advisory)
+    No ``fshm_`` segment of a dead owner is left in ``/dev/shm`` (they hold RAM;
+    ``--reap`` removes them and ``spawn`` reaps them when it starts).
+
+``--json`` prints one object: ``ok`` (bool), ``checks`` (items with ``name``,
+``ok``, ``need_bytes``, ``have_bytes``, ``detail``, ``required``), plus ``host``
+(the snapshot), ``segments``, ``reaped``, ``needs`` and ``inputs``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Sequence
+
+from .arena import shm_need_bytes
+from .hostmem import HostMemory, host_memory
+from .segment import SHM_DIR, SegmentInfo, fmt_bytes, list_segments, reap_dead_owner_segments
+from .staging import GATE_FACTOR, decide_pinned_decode
+
+SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+}
+COUNT_UNITS = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "b": 10 ** 9}
+
+
+def _split_number(text: str, what: str) -> tuple[Decimal, str]:
+    s = str(text).strip().replace("_", "")
+    i = 0
+    while i < len(s) and (s[i].isdigit() or s[i] == "."):
+        i += 1
+    num, unit = s[:i], s[i:].strip()
+    try:
+        value = Decimal(num)
+    except InvalidOperation:
+        raise ValueError(f"{what} {text!r} is not a number with an optional suffix") from None
+    return value, unit
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``727MiB``, ``7.3GB``, ``1048576``: KiB/MiB/GiB/TiB are binary
+    (2^10…), KB/MB/GB/TB decimal (10^3…), case-insensitive; plain integers are bytes.
+
+    Raises:
+        ValueError: naming the text and the accepted suffixes (a bare ``M`` or ``G``
+            is refused as ambiguous).
+    """
+    value, unit = _split_number(text, "size")
+    mult = SIZE_UNITS.get(unit.lower())
+    if mult is None:
+        hint = ""
+        if unit.lower() in ("k", "m", "g", "t"):
+            u = unit.upper()
+            hint = f" ({unit!r} is ambiguous: write {u}iB for binary or {u}B for decimal)"
+        raise ValueError(f"size {text!r} has an unknown suffix {unit!r}{hint}; use KiB/MiB/GiB/"
+                         f"TiB (binary), KB/MB/GB/TB (decimal) or a plain byte count")
+    n = value * mult
+    if n != n.to_integral_value():
+        raise ValueError(f"size {text!r} is not a whole number of bytes ({n})")
+    return int(n)
+
+
+def parse_count(text: str) -> int:
+    """A parameter count from ``190M``, ``1.3B``, ``250K``, ``12000``
+    (K = 10^3, M = 10^6, B = 10^9, case-insensitive).
+
+    Raises:
+        ValueError: naming the text and the accepted suffixes.
+    """
+    value, unit = _split_number(text, "count")
+    mult = COUNT_UNITS.get(unit.lower())
+    if mult is None:
+        raise ValueError(f"count {text!r} has an unknown suffix {unit!r}; use K (thousand), "
+                         f"M (million), B (billion) or a plain integer")
+    n = value * mult
+    if n != n.to_integral_value():
+        raise ValueError(f"count {text!r} is not a whole number ({n})")
+    return int(n)
+
+
+@dataclass(frozen=True)
+class HostCheck:
+    """One verdict: ``ok`` when ``have_bytes`` covers ``need_bytes`` (the detail says
+    how each was computed, and the fix when not ok). An advisory check
+    (``required=False``) never makes the host fail."""
+
+    name: str
+    ok: bool
+    need_bytes: int
+    have_bytes: int
+    detail: str
+    required: bool = True
+
+
+def host_checks(mem: HostMemory, staging_bytes: int, local_ranks: int, *,
+                wire_bf16: bool = False, relay: bool = False,
+                segments: Sequence[SegmentInfo] = ()) -> list[HostCheck]:
+    """The checks for a model of ``staging_bytes`` f32 bytes (Σ numel × 4) trained
+    on ``local_ranks`` ranks of this host (see the module doc for each)."""
+    ranks = max(1, int(local_ranks))
+    nelem = -(-int(staging_bytes) // 4)
+    frame = nelem * (2 if wire_bf16 else 4)
+    wire = "bf16" if wire_bf16 else "f32"
+    arena = shm_need_bytes(ranks, frame, wire_bf16=wire_bf16, relay=relay)
+    dead = [s for s in segments if not s.owner_alive]
+    dead_bytes = sum(s.nbytes for s in dead)
+    checks = []
+
+    # /dev/shm space
+    ok = mem.shm_free >= arena
+    detail = (f"the arena for {ranks} rank{'s' if ranks != 1 else ''} with "
+              f"{fmt_bytes(frame)} {wire} frames needs {fmt_bytes(arena)}; {mem.shm_dir} has "
+              f"{fmt_bytes(mem.shm_free)} free of {fmt_bytes(mem.shm_total)}")
+    if dead:
+        detail += (f"; {len(dead)} dead owners' segment(s) hold {fmt_bytes(dead_bytes)} "
+                   f"(--reap frees them)")
+    if not ok:
+        if dead and mem.shm_free + dead_bytes >= arena:
+            detail += ". Fix: run with --reap (it fits once they are gone)"
+        else:
+            want = max(1, -(-int(arena * 1.5) // (1 << 30)))
+            detail += (f". Fix: give /dev/shm more room: `docker run --shm-size={want}g ...` "
+                       f"(Docker's default is 64 MB), a memory-backed emptyDir on /dev/shm in "
+                       f"Kubernetes, or `mount -o remount,size={want}G /dev/shm`"
+                       + ("; the bf16 wire halves the frames" if not wire_bf16 else ""))
+    checks.append(HostCheck("dev_shm_space", ok, arena, mem.shm_free, detail))
+
+    # RAM: the arena's tmpfs pages + one decoded consensus per rank
+    need = arena + ranks * nelem * 4
+    ok = mem.available >= need
+    bound = (f"the cgroup v{mem.cgroup_version} headroom at {mem.cgroup_path}; host "
+             f"MemAvailable {fmt_bytes(mem.host_available)}" if mem.limited_by_cgroup
+             else "host MemAvailable")
+    detail = (f"arena {fmt_bytes(arena)} (/dev/shm is RAM, charged to this memory cgroup) + "
+              f"{ranks} × {fmt_bytes(nelem * 4)} decoded consensus = {fmt_bytes(need)}; "
+              f"{fmt_bytes(mem.available)} available ({bound}). Training's own memory (model, "
+              f"optimizer state, activations, data) comes on top")
+    if not ok:
+        detail += (". Fix: raise the memory limit (`docker run -m`, Kubernetes "
+                   "resources.limits.memory), use a bigger host or run fewer local ranks"
+                   + ("; the bf16 wire shrinks the arena" if not wire_bf16 else ""))
+    checks.append(HostCheck("ram", ok, need, mem.available, detail))
+
+    # the pinned decode staging gate (advisory)
+    d = decide_pinned_decode(int(staging_bytes), ranks, mem, log=False, moment="now")
+    checks.append(HostCheck("pinned_decode_staging", d.enabled, d.need_bytes, d.available_bytes,
+                            d.reason, required=False))
+
+    # segments left behind by dead owners (advisory)
+    if dead:
+        owners = sorted({s.owner_pid for s in dead})
+        detail = (f"{len(dead)} fshm_ segment(s) of dead owner pid(s) "
+                  f"{', '.join(map(str, owners))} hold {fmt_bytes(dead_bytes)} of /dev/shm (and "
+                  f"RAM). Fix: `python -m flodl_shm ram --reap` (spawn also reaps them at start)")
+    else:
+        detail = "no fshm_ segment of a dead owner in " + mem.shm_dir
+    checks.append(HostCheck("dead_owner_segments", not dead, 0, dead_bytes, detail,
+                            required=False))
+    return checks
+
+
+def _parser(prog: str | None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, description="Is this host big enough to train a model with N local ranks? "
+        "Prints RAM (bounded by the container's memory cgroup), swap, /dev/shm, our shared-"
+        "memory segments, and a verdict per check. Exit 0 when everything fits, 1 when not.")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--model-bytes", type=_argtype(parse_size), metavar="SIZE",
+                   help="f32 model size (Σ numel × 4), e.g. 727MiB or 760MB")
+    g.add_argument("--params", type=_argtype(parse_count), metavar="COUNT",
+                   help="number of parameters, e.g. 190M (K/M/B suffixes)")
+    p.add_argument("--local-ranks", type=int, default=1, metavar="N",
+                   help="ranks on this host (default 1)")
+    p.add_argument("--wire", choices=("f32", "bf16"), default="f32",
+                   help="wire dtype of model frames (default f32)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--reap", action="store_true",
+                   help="remove fshm_ segments whose owner process is gone, first")
+    adv = p.add_argument_group("inspecting another root (tests, a container's files)")
+    adv.add_argument("--root", default="/", metavar="DIR",
+                     help="folder standing in for / (proc/, sys/fs/cgroup/, dev/shm)")
+    adv.add_argument("--shm-dir", default=None, metavar="DIR",
+                     help="the /dev/shm to inspect (default <root>/dev/shm)")
+    adv.add_argument("--shm-size", type=_argtype(parse_size), default=None, metavar="SIZE",
+                     help="state the size of --shm-dir when it is not a real tmpfs; its free "
+                          "space is then SIZE minus its files")
+    return p
+
+
+def _argtype(fn):
+    def conv(text: str):
+        try:
+            return fn(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    conv.__name__ = fn.__name__
+    return conv
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = "python -m flodl_shm ram") -> int:
+    """Run the tool; returns the exit status (0 fits, 1 does not, 2 usage error)."""
+    p = _parser(prog)
+    try:
+        a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as e:  # --help (0) or a usage error (2)
+        return int(e.code or 0)
+    if a.local_ranks < 1:
+        p.print_usage(sys.stderr)
+        print(f"{p.prog}: error: --local-ranks {a.local_ranks} must be >= 1", file=sys.stderr)
+        return 2
+    root = Path(a.root)
+    shm_dir = Path(a.shm_dir) if a.shm_dir else (SHM_DIR if root.resolve() == Path("/")
+                                                 else root / "dev" / "shm")
+    if a.params is not None:
+        params = a.params
+        staging = params * 4
+    elif a.model_bytes is not None:
+        staging = a.model_bytes
+        params = -(-staging // 4)
+    else:
+        params = staging = 0
+
+    reaped = reap_dead_owner_segments(shm_dir) if a.reap else []
+    segments = list_segments(shm_dir)
+    mem = host_memory(root, shm_dir=shm_dir, shm_total_bytes=a.shm_size)
+    checks = host_checks(mem, staging, a.local_ranks, wire_bf16=a.wire == "bf16",
+                         segments=segments)
+    ok = all(c.ok for c in checks if c.required)
+    frame = params * (2 if a.wire == "bf16" else 4)
+    report = {
+        "ok": ok,
+        "checks": [asdict(c) for c in checks],
+        "inputs": {"params": params, "model_bytes": staging, "local_ranks": a.local_ranks,
+                   "wire": a.wire, "root": str(root), "shm_dir": str(shm_dir)},
+        "needs": {
+            "staging_bytes_per_rank": staging,
+            "frame_bytes": frame,
+            "arena_shm_bytes": checks[0].need_bytes,
+            "ram_bytes": checks[1].need_bytes,
+            "gate_need_bytes": checks[2].need_bytes,
+        },
+        "host": mem.to_dict(),
+        "segments": [_seg(s) for s in segments],
+        "reaped": [_seg(s, alive=False) for s in reaped],
+    }
+    _emit(json.dumps(report, indent=2) if a.json else render(report, mem, segments, reaped))
+    return 0 if ok else 1
+
+
+def _emit(text: str) -> None:
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # `... | head`: the reader left; not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
+def _seg(s: SegmentInfo, alive: bool | None = None) -> dict:
+    return {"name": s.name, "owner_pid": s.owner_pid, "session": s.session, "what": s.what,
+            "nbytes": s.nbytes, "owner_alive": s.owner_alive if alive is None else alive}
+
+
+def _verdict(check: dict) -> str:
+    """Four-letter verdict: ok/FAIL for required checks, on/off for the staging gate,
+    ok/warn for other advisory ones."""
+    if check["name"] == "pinned_decode_staging":
+        return "on  " if check["ok"] else "off "
+    if check["ok"]:
+        return "ok  "
+    return "FAIL" if check["required"] else "warn"
+
+
+def render(report: dict, mem: HostMemory, segments: Sequence[SegmentInfo],
+           reaped: Sequence[SegmentInfo]) -> str:
+    """The human-readable table of a report."""
+    inp, needs = report["inputs"], report["needs"]
+    ranks = inp["local_ranks"]
+    out = []
+    if inp["params"]:
+        model = (f"{inp['params'] / 1e6:.1f}M params = {fmt_bytes(inp['model_bytes'])} f32, "
+                 f"{inp['wire']} wire")
+    else:
+        model = "not given (--model-bytes SIZE or --params COUNT); model needs shown for 0"
+    out.append(f"model        {model}")
+    out.append(f"local ranks  {ranks}")
+    out.append("")
+    out.append("memory (as a process here sees it)")
+    if mem.cgroup_version is None:
+        cg = "none found"
+    elif mem.cgroup_limit is None:
+        cg = f"v{mem.cgroup_version}, no limit, usage {fmt_bytes(mem.cgroup_usage or 0)}"
+    else:
+        cg = (f"v{mem.cgroup_version}, limit {fmt_bytes(mem.cgroup_limit)}, usage "
+              f"{fmt_bytes(mem.cgroup_usage or 0)} ({fmt_bytes(mem.cgroup_reclaimable)} "
+              f"reclaimable cache)")
+    rows = [
+        ("RAM total", f"{fmt_bytes(mem.total)}   (host MemTotal {fmt_bytes(mem.host_total)})"),
+        ("RAM available", f"{fmt_bytes(mem.available)}   (host MemAvailable "
+                          f"{fmt_bytes(mem.host_available)}; "
+                          f"{'bounded by the cgroup' if mem.limited_by_cgroup else 'not bounded by a cgroup'})"),
+        ("memory cgroup", cg),
+        ("", f"at {mem.cgroup_path}" if mem.cgroup_path else ""),
+        ("swap", f"{fmt_bytes(mem.swap_total)} total, {fmt_bytes(mem.swap_free)} free"),
+        ("/dev/shm", f"{fmt_bytes(mem.shm_total)} total, {fmt_bytes(mem.shm_free)} free   "
+                     f"({mem.shm_dir})"),
+    ]
+    out += [f"  {k:<15} {v}" for k, v in rows if k or v]
+    out.append("")
+    out.append(f"fshm_ segments in {inp['shm_dir']}")
+    width = max((len(s.name) for s in [*reaped, *segments]), default=0)
+    for s in reaped:
+        out.append(f"  {s.name:<{width}}  {fmt_bytes(s.nbytes):>10}  owner {s.owner_pid} dead: "
+                   f"reaped")
+    for s in segments:
+        state = "alive" if s.owner_alive else "DEAD (--reap removes it)"
+        out.append(f"  {s.name:<{width}}  {fmt_bytes(s.nbytes):>10}  owner {s.owner_pid} {state}")
+    if not segments and not reaped:
+        out.append("  (none)")
+    out.append("")
+    out.append("needs")
+    arena_label = f"arena /dev/shm, {ranks} rank{'s' if ranks != 1 else ''}"
+    out.append(f"  {'decode staging per rank':<26}{fmt_bytes(needs['staging_bytes_per_rank']):>10}   "
+               f"(f32 whatever the wire; the gate budgets {GATE_FACTOR}x per local rank)")
+    out.append(f"  {arena_label:<26}{fmt_bytes(needs['arena_shm_bytes']):>10}   "
+               f"({fmt_bytes(needs['frame_bytes'])} frames)")
+    out.append("")
+    out.append("checks")
+    for c in report["checks"]:
+        verdict = _verdict(c)
+        kind = "" if c["required"] else " (advisory)"
+        out.append(f"  [{verdict}] {c['name']}{kind}: need {fmt_bytes(c['need_bytes'])}, have "
+                   f"{fmt_bytes(c['have_bytes'])}")
+        out.append(f"         {c['detail']}")
+    out.append("")
+    failed = [c["name"] for c in report["checks"] if c["required"] and not c["ok"]]
+    if failed:
+        out.append(f"verdict: does NOT fit ({', '.join(failed)} failed; exit 1)")
+    else:
+        out.append("verdict: fits (exit 0)")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""The host-RAM tool, through its JSON on faked hosts: a container limit below host
+RAM, a 64 MiB /dev/shm, leaked segments of a dead owner; plus size parsing, the
+table, exit statuses and the launcher."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flodl_shm.arena import shm_need_bytes
+from flodl_shm.host_ram import main, parse_count, parse_size
+from flodl_shm.staging import gate_need_bytes
+
+KB = 1 << 10
+MB = 1 << 20
+GB = 1 << 30
+REPO = Path(__file__).resolve().parents[1]
+CHECK_KEYS = {"name", "ok", "need_bytes", "have_bytes", "detail"}
+
+
+def dead_pid() -> int:
+    """A pid no process can have: above the kernel's pid_max."""
+    return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+
+
+def fake_host(root: Path, *, total=24 * GB, avail=22 * GB, limit=None, usage=0) -> Path:
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/meminfo").write_text(
+        f"MemTotal: {total // KB} kB\nMemAvailable: {avail // KB} kB\n"
+        f"SwapTotal: {2 * GB // KB} kB\nSwapFree: {GB // KB} kB\n")
+    (root / "proc/self/cgroup").write_text("0::/\n")
+    cg = root / "sys/fs/cgroup"
+    cg.mkdir(parents=True)
+    (cg / "memory.max").write_text("max\n" if limit is None else f"{limit}\n")
+    (cg / "memory.current").write_text(f"{usage}\n")
+    (root / "dev/shm").mkdir(parents=True)
+    return root
+
+
+def run_json(capsys, *argv) -> tuple[int, dict]:
+    code = main(["--json", *map(str, argv)])
+    out = capsys.readouterr().out
+    report = json.loads(out)
+    assert isinstance(report["ok"], bool)
+    for c in report["checks"]:
+        assert CHECK_KEYS <= set(c), c
+    return code, report
+
+
+def check(report: dict, name: str) -> dict:
+    (c,) = [c for c in report["checks"] if c["name"] == name]
+    return c
+
+
+# -- faked hosts --------------------------------------------------------------------
+
+
+def test_container_limit_below_host_ram_fails_the_ram_check(tmp_path, capsys):
+    """A 2 GiB container on a 24 GiB host with an 8 GiB /dev/shm (e.g. --ipc=host):
+    /dev/shm has room, but its pages are RAM the container does not have."""
+    root = fake_host(tmp_path, total=24 * GB, avail=22 * GB, limit=2 * GB, usage=512 * MB)
+    code, rep = run_json(capsys, "--root", root, "--shm-size", "8GiB",
+                         "--params", "190M", "--local-ranks", "2")
+    assert code == 1 and rep["ok"] is False
+    staging = 190_000_000 * 4
+    arena = shm_need_bytes(2, staging)
+    assert rep["needs"] == {"staging_bytes_per_rank": staging, "frame_bytes": staging,
+                            "arena_shm_bytes": arena, "ram_bytes": arena + 2 * staging,
+                            "gate_need_bytes": staging * 2 * 6}
+    host = rep["host"]
+    assert (host["host_total"], host["host_available"]) == (24 * GB, 22 * GB)
+    assert (host["total"], host["available"]) == (2 * GB, 2 * GB - 512 * MB)
+    assert (host["cgroup_version"], host["cgroup_limit"]) == (2, 2 * GB)
+    assert (host["swap_total"], host["swap_free"]) == (2 * GB, 1 * GB)
+    assert (host["shm_total"], host["shm_free"]) == (8 * GB, 8 * GB)
+
+    shm = check(rep, "dev_shm_space")
+    assert shm["ok"] and shm["required"] and (shm["need_bytes"], shm["have_bytes"]) == (arena, 8 * GB)
+    ram = check(rep, "ram")
+    assert not ram["ok"] and ram["required"]
+    assert (ram["need_bytes"], ram["have_bytes"]) == (arena + 2 * staging, 2 * GB - 512 * MB)
+    assert "cgroup v2 headroom" in ram["detail"] and "docker run -m" in ram["detail"]
+    gate = check(rep, "pinned_decode_staging")
+    assert not gate["ok"] and not gate["required"]
+    assert (gate["need_bytes"], gate["have_bytes"]) == (staging * 12, 2 * GB - 512 * MB)
+
+    # the same model on the bare 24 GiB host fits, staging included
+    code, rep = run_json(capsys, "--root", fake_host(tmp_path / "bare"), "--shm-size", "8GiB",
+                         "--params", "190M", "--local-ranks", "2")
+    assert code == 0 and rep["ok"] and check(rep, "pinned_decode_staging")["ok"]
+
+
+def test_docker_default_64mib_dev_shm(tmp_path, capsys):
+    root = fake_host(tmp_path)
+    code, rep = run_json(capsys, "--root", root, "--shm-size", "64MiB",
+                         "--model-bytes", "100MiB", "--local-ranks", "2", "--wire", "bf16")
+    assert code == 1 and not rep["ok"]
+    frame = 50 * MB  # bf16 halves the frames; staging stays f32
+    assert rep["needs"]["frame_bytes"] == frame
+    assert rep["needs"]["staging_bytes_per_rank"] == 100 * MB
+    c = check(rep, "dev_shm_space")
+    assert not c["ok"]
+    assert (c["need_bytes"], c["have_bytes"]) == (shm_need_bytes(2, frame, wire_bf16=True), 64 * MB)
+    assert "--shm-size=1g" in c["detail"] and "64 MB" in c["detail"]
+    assert [x["name"] for x in rep["checks"] if not x["ok"]] == ["dev_shm_space"]
+
+    code, rep = run_json(capsys, "--root", root, "--shm-size", "64MiB", "--params", "1M",
+                         "--local-ranks", "2")
+    assert code == 0 and rep["ok"]
+    assert check(rep, "dev_shm_space")["need_bytes"] == shm_need_bytes(2, 4_000_000)
+
+
+def test_leaked_segments_of_a_dead_owner_are_listed_and_reaped(tmp_path, capsys):
+    root = fake_host(tmp_path)
+    shm = root / "dev/shm"
+    dead, me = dead_pid(), os.getpid()
+    for what in ("ctl", "d0", "d1"):
+        (shm / f"fshm_{dead}_0badc0de_{what}").write_bytes(b"\1" * (12 * MB))
+    (shm / f"fshm_{me}_00c0ffee_ctl").write_bytes(b"\1" * MB)
+    (shm / "not_ours").write_bytes(b"\1" * MB)
+    held = sum((shm / f"fshm_{dead}_0badc0de_{w}").stat().st_blocks * 512
+               for w in ("ctl", "d0", "d1"))
+    assert held >= 36 * MB
+
+    # 64 MiB /dev/shm, ~38 MiB held by the dead owner: a 10 MiB-frame arena no longer fits
+    argv = ["--root", root, "--shm-size", "64MiB", "--model-bytes", "10MiB", "--local-ranks", "2"]
+    code, rep = run_json(capsys, *argv)
+    assert code == 1
+    segs = {s["name"]: s for s in rep["segments"]}
+    assert set(segs) == {f"fshm_{dead}_0badc0de_{w}" for w in ("ctl", "d0", "d1")} | {
+        f"fshm_{me}_00c0ffee_ctl"}
+    assert [s["owner_alive"] for s in rep["segments"] if s["owner_pid"] == dead] == [False] * 3
+    assert segs[f"fshm_{me}_00c0ffee_ctl"]["owner_alive"] is True
+    stale = check(rep, "dead_owner_segments")
+    assert not stale["ok"] and not stale["required"] and stale["have_bytes"] == held
+    assert str(dead) in stale["detail"] and "--reap" in stale["detail"]
+    space = check(rep, "dev_shm_space")
+    assert not space["ok"] and "run with --reap" in space["detail"]
+    assert rep["reaped"] == []
+
+    code, rep = run_json(capsys, *argv, "--reap")
+    assert code == 0 and rep["ok"]
+    assert sorted(s["name"] for s in rep["reaped"]) == sorted(
+        f"fshm_{dead}_0badc0de_{w}" for w in ("ctl", "d0", "d1"))
+    assert sorted(p.name for p in shm.iterdir()) == [f"fshm_{me}_00c0ffee_ctl", "not_ours"]
+    assert [s["owner_pid"] for s in rep["segments"]] == [me]
+    assert check(rep, "dead_owner_segments")["ok"]
+    assert check(rep, "dev_shm_space")["have_bytes"] == rep["host"]["shm_free"] >= 62 * MB - 4096
+
+
+def test_the_table_tells_the_same_story(tmp_path, capsys):
+    root = fake_host(tmp_path, limit=2 * GB, usage=512 * MB)
+    (root / f"dev/shm/fshm_{dead_pid()}_0badc0de_ctl").write_bytes(b"\1" * MB)
+    code = main(["--root", str(root), "--shm-size", "64MiB", "--params", "190M",
+                 "--local-ranks", "2"])
+    out = capsys.readouterr().out
+    assert code == 1
+    for text in ("local ranks  2", "RAM total       2.0 GiB", "bounded by the cgroup",
+                 "v2, limit 2.0 GiB", "64.0 MiB total", "DEAD", "[FAIL] dev_shm_space",
+                 "[FAIL] ram", "[off ] pinned_decode_staging (advisory)",
+                 "[warn] dead_owner_segments (advisory)", "decode staging per rank    724.8 MiB",
+                 "verdict: does NOT fit (dev_shm_space, ram failed; exit 1)"):
+        assert text in out, text
+
+
+# -- inputs -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, n", [
+    ("727MiB", 727 * MB), ("727 MiB", 727 * MB), ("1GiB", GB), ("2KiB", 2048), ("1TiB", 1 << 40),
+    ("7.3GB", 7_300_000_000), ("760MB", 760_000_000), ("4kb", 4000), ("1048576", MB),
+    ("0.5GiB", GB // 2), ("12B", 12), ("1_000", 1000),
+])
+def test_parse_size(text, n):
+    assert parse_size(text) == n
+
+
+@pytest.mark.parametrize("text, word", [
+    ("727M", "ambiguous: write MiB"), ("1.5G", "ambiguous"), ("3 parsecs", "unknown suffix"),
+    ("MiB", "not a number"), ("0.3B", "whole number"),
+])
+def test_parse_size_errors_name_the_text_and_the_suffixes(text, word):
+    with pytest.raises(ValueError, match=word) as e:
+        parse_size(text)
+    assert repr(text) in str(e.value)
+
+
+@pytest.mark.parametrize("text, n", [("190M", 190_000_000), ("1.3B", 1_300_000_000),
+                                     ("250k", 250_000), ("12000", 12000)])
+def test_parse_count(text, n):
+    assert parse_count(text) == n
+
+
+def test_parse_count_errors():
+    with pytest.raises(ValueError, match="use K .thousand., M .million., B .billion."):
+        parse_count("190MiB")
+    with pytest.raises(ValueError, match="whole number"):
+        parse_count("1.5")
+
+
+def test_usage_errors_exit_2_with_the_reason(capsys):
+    assert main(["--model-bytes", "727M"]) == 2
+    assert "MiB for binary or MB for decimal" in capsys.readouterr().err
+    assert main(["--model-bytes", "1GiB", "--params", "1M"]) == 2
+    assert "not allowed with" in capsys.readouterr().err
+    assert main(["--local-ranks", "0"]) == 2
+    assert "--local-ranks 0 must be >= 1" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+    assert "--model-bytes SIZE" in capsys.readouterr().out
+
+
+def test_launcher_and_module_on_this_host(tmp_path):
+    """tools/host_ram.py runs from a checkout; the real host is measured (no model
+    given, an empty stand-in /dev/shm so other runs' segments are never touched)."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    proc = subprocess.run([sys.executable, str(REPO / "tools/host_ram.py"), "--json",
+                           "--shm-dir", str(shm)], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep["ok"] is True and rep["segments"] == [] and rep["inputs"]["root"] == "/"
+    assert 0 < rep["host"]["available"] <= rep["host"]["total"]
+    assert [c["name"] for c in rep["checks"]] == ["dev_shm_space", "ram",
+                                                  "pinned_decode_staging", "dead_owner_segments"]
+    assert check(rep, "pinned_decode_staging")["need_bytes"] == gate_need_bytes(0, 1) == 0
