@@ -68,6 +68,18 @@ def _split_number(text: str, what: str) -> tuple[Decimal, str]:
     return value, unit
 
 
+def _scaled(text: str, what: str, units: dict[str, int], accepted: str,
+            hint: str = "") -> int:
+    value, unit = _split_number(text, what)
+    mult = units.get(unit.lower())
+    if mult is None:
+        raise ValueError(f"{what} {text!r} has an unknown suffix {unit!r}{hint}; use {accepted}")
+    n = value * mult
+    if n != n.to_integral_value():
+        raise ValueError(f"{what} {text!r} is not a whole number ({n})")
+    return int(n)
+
+
 def parse_size(text: str) -> int:
     """Bytes from ``727MiB``, ``7.3GB``, ``1048576``: KiB/MiB/GiB/TiB are binary
     (2^10…), KB/MB/GB/TB decimal (10^3…), case-insensitive; plain integers are bytes.
@@ -76,19 +88,13 @@ def parse_size(text: str) -> int:
         ValueError: naming the text and the accepted suffixes (a bare ``M`` or ``G``
             is refused as ambiguous).
     """
-    value, unit = _split_number(text, "size")
-    mult = SIZE_UNITS.get(unit.lower())
-    if mult is None:
-        hint = ""
-        if unit.lower() in ("k", "m", "g", "t"):
-            u = unit.upper()
-            hint = f" ({unit!r} is ambiguous: write {u}iB for binary or {u}B for decimal)"
-        raise ValueError(f"size {text!r} has an unknown suffix {unit!r}{hint}; use KiB/MiB/GiB/"
-                         f"TiB (binary), KB/MB/GB/TB (decimal) or a plain byte count")
-    n = value * mult
-    if n != n.to_integral_value():
-        raise ValueError(f"size {text!r} is not a whole number of bytes ({n})")
-    return int(n)
+    unit = _split_number(text, "size")[1]
+    hint = ""
+    if unit.lower() in ("k", "m", "g", "t"):
+        u = unit.upper()
+        hint = f" ({unit!r} is ambiguous: write {u}iB for binary or {u}B for decimal)"
+    return _scaled(text, "size", SIZE_UNITS, "KiB/MiB/GiB/TiB (binary), KB/MB/GB/TB (decimal) "
+                   "or a plain byte count", hint)
 
 
 def parse_count(text: str) -> int:
@@ -98,15 +104,8 @@ def parse_count(text: str) -> int:
     Raises:
         ValueError: naming the text and the accepted suffixes.
     """
-    value, unit = _split_number(text, "count")
-    mult = COUNT_UNITS.get(unit.lower())
-    if mult is None:
-        raise ValueError(f"count {text!r} has an unknown suffix {unit!r}; use K (thousand), "
-                         f"M (million), B (billion) or a plain integer")
-    n = value * mult
-    if n != n.to_integral_value():
-        raise ValueError(f"count {text!r} is not a whole number ({n})")
-    return int(n)
+    return _scaled(text, "count", COUNT_UNITS, "K (thousand), M (million), B (billion) or a "
+                   "plain integer")
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ import pytest
 from flodl_shm.arena import shm_need_bytes
 from flodl_shm.host_ram import main, parse_count, parse_size
 from flodl_shm.staging import gate_need_bytes
+from test_hostmem import fake_host as fake_root
+from test_hostmem import v2
 
-KB = 1 << 10
 MB = 1 << 20
 GB = 1 << 30
 REPO = Path(__file__).resolve().parents[1]
@@ -28,16 +29,10 @@ def dead_pid() -> int:
 
 
 def fake_host(root: Path, *, total=24 * GB, avail=22 * GB, limit=None, usage=0) -> Path:
-    (root / "proc/self").mkdir(parents=True)
-    (root / "proc/meminfo").write_text(
-        f"MemTotal: {total // KB} kB\nMemAvailable: {avail // KB} kB\n"
-        f"SwapTotal: {2 * GB // KB} kB\nSwapFree: {GB // KB} kB\n")
-    (root / "proc/self/cgroup").write_text("0::/\n")
-    cg = root / "sys/fs/cgroup"
-    cg.mkdir(parents=True)
-    (cg / "memory.max").write_text("max\n" if limit is None else f"{limit}\n")
-    (cg / "memory.current").write_text(f"{usage}\n")
-    (root / "dev/shm").mkdir(parents=True)
+    """A host of ``total``/``avail`` RAM (2 GiB swap, 1 GiB free) in a cgroup v2 of
+    ``limit`` (None: unlimited) with ``usage`` charged; an empty dev/shm folder."""
+    fake_root(root, total=total, avail=avail, swap=(2 * GB, 1 * GB))
+    v2(root, max="max" if limit is None else limit, current=usage)
     return root
 
 
@@ -198,7 +193,7 @@ def test_parse_count(text, n):
 def test_parse_count_errors():
     with pytest.raises(ValueError, match="use K .thousand., M .million., B .billion."):
         parse_count("190MiB")
-    with pytest.raises(ValueError, match="whole number"):
+    with pytest.raises(ValueError, match="count '1.5' is not a whole number"):
         parse_count("1.5")
 
 

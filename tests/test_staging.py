@@ -20,6 +20,7 @@ from flodl_shm.staging import (
     gate_need_bytes,
 )
 from flodl_shm.testing import FakeCohort
+from test_hostmem import fake_host, v2
 
 MB = 1 << 20
 GB = 1 << 30
@@ -85,15 +86,8 @@ def test_constants_are_distinct_public_ints():
 
 
 def _fake_host(tmp_path, *, mem_total, mem_avail, limit=None, usage=0):
-    (tmp_path / "proc/self").mkdir(parents=True)
-    (tmp_path / "proc/meminfo").write_text(
-        f"MemTotal: {mem_total // 1024} kB\nMemAvailable: {mem_avail // 1024} kB\n")
-    (tmp_path / "proc/self/cgroup").write_text("0::/\n")
-    cg = tmp_path / "sys/fs/cgroup"
-    cg.mkdir(parents=True)
-    (cg / "memory.max").write_text("max\n" if limit is None else f"{limit}\n")
-    (cg / "memory.current").write_text(f"{usage}\n")
-    (tmp_path / "dev/shm").mkdir(parents=True)
+    fake_host(tmp_path, total=mem_total, avail=mem_avail)
+    v2(tmp_path, max="max" if limit is None else limit, current=usage)
     return host_memory(tmp_path, shm_total_bytes=64 * MB)
 
 
