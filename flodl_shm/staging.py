@@ -100,7 +100,7 @@ def _gate_need(staging_bytes, local_ranks, available_bytes) -> int:
                          f"Σ numel × 4)")
     if ranks < 0:
         raise ValueError(f"local_ranks={ranks} must be >= 0 (ranks sharing this host)")
-    if isinstance(available_bytes, float) and math.isnan(available_bytes) or available_bytes < 0:
+    if (isinstance(available_bytes, float) and math.isnan(available_bytes)) or available_bytes < 0:
         raise ValueError(f"available_bytes={available_bytes} must be a byte count >= 0 "
                          f"(MemAvailable at rank start)")
     return min(staging * max(ranks, 1) * GATE_FACTOR, U64_MAX)
