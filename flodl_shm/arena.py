@@ -96,6 +96,7 @@ FLAG_BULK = 2         # payload is in d<r> (else in the eager slot of this parit
 FLAG_ZERO_COPY = 4    # filled in place through the zero-copy API
 
 DEFAULT_EAGER_BYTES = 256 << 10
+MAX_LOCAL_RANKS = 63  # accepted/contributor sets travel as 64-bit masks
 _PAGE = 4096
 _RESULT_GRANULE = 1 << 20
 
@@ -186,8 +187,9 @@ class Arena:
         """Create every segment of a new arena (the caller becomes its owner)."""
         import os
 
-        if world < 1:
-            raise ValueError(f"an arena needs world >= 1 local ranks, got {world}")
+        if not 1 <= world <= MAX_LOCAL_RANKS:
+            raise ValueError(f"an arena holds 1 to {MAX_LOCAL_RANKS} local ranks, got {world}; "
+                             f"run more ranks as several hosts (relays) of one cohort")
         eager_bytes = max(_PAGE, -(-int(eager_bytes) // 64) * 64)
         need = control_bytes(world, eager_bytes) + (world + 1) * _PAGE
         free = shm_free_bytes()
@@ -263,6 +265,10 @@ class Arena:
             unlink_name(self.handle.name(f"d{r}"))
 
     # -- eager slots -------------------------------------------------------------
+    def eager_area(self) -> np.ndarray:
+        """Every eager slot, as one byte array (rank r, parity p at (2r + p) * eager_bytes)."""
+        return self._eager
+
     def eager_slot(self, rank: int, rnd: int) -> np.ndarray:
         """Rank ``rank``'s eager slot for round ``rnd`` (bytes; parity-indexed)."""
         start = (2 * rank + (rnd & 1)) * self.eager_bytes

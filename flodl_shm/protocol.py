@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -65,8 +64,9 @@ from . import arena as A
 from .errors import FrameError, SchemaMismatchError
 from .frame import DTYPE_BF16, DTYPE_F32, RoundKind, dtype_name, elem_size
 from .kernels import reduce as R
+from .kernels import rounds as RK
 from .kernels import sync
-from .waiting import Doorbell, Waiter
+from .waiting import Doorbell, Waiter, futex_wake
 
 SCRATCH_ELEMS = 4096  # f32 elements per reduce scratch (16 KiB: L1-resident)
 
@@ -96,22 +96,26 @@ def decode_schema_words(words: np.ndarray) -> tuple[int, int, list[tuple[int, ..
     return kind, dtype, shapes
 
 
-@dataclass
 class RoundView:
     """What every rank agrees on about round ``rnd`` after the arrival wait."""
 
-    rnd: int
-    kind: int
-    dtype: int
-    flags: int
-    ntensors: int
-    nbytes: int
-    nelem: int
-    nwords: int            # schema words in front of each payload
-    accepted: list[int]    # ranks whose contribution is in (arrived >= rnd)
-    contributors: list[int]  # accepted and not elided, in rank order
-    mass: float            # sum of accepted weights (f64, rank order)
-    inv: float             # f32 reciprocal of mass (1.0 for sums / zero mass)
+    __slots__ = ("rnd", "kind", "dtype", "flags", "ntensors", "nbytes", "nelem", "nwords",
+                 "accepted_mask", "contrib_mask", "mass", "inv")
+
+    def __init__(self, rnd, kind, dtype, flags, ntensors, nbytes, nelem, nwords,
+                 accepted_mask, contrib_mask, mass, inv) -> None:
+        self.rnd = rnd
+        self.kind = kind
+        self.dtype = dtype
+        self.flags = flags
+        self.ntensors = ntensors
+        self.nbytes = nbytes
+        self.nelem = nelem
+        self.nwords = nwords        # schema words in front of each payload
+        self.accepted_mask = accepted_mask  # ranks whose contribution is in (arrived >= rnd)
+        self.contrib_mask = contrib_mask    # accepted and not elided
+        self.mass = mass            # sum of accepted weights (f64, rank order)
+        self.inv = inv              # f32 reciprocal of mass (1.0 for sums / zero mass)
 
     @property
     def bulk(self) -> bool:
@@ -120,6 +124,14 @@ class RoundView:
     @property
     def payload_offset(self) -> int:
         return self.nwords * 8
+
+    @property
+    def accepted(self) -> list[int]:
+        return [r for r in range(64) if (self.accepted_mask >> r) & 1]
+
+    @property
+    def contributors(self) -> list[int]:
+        return [r for r in range(64) if (self.contrib_mask >> r) & 1]
 
 
 class RoundEngine:
@@ -135,11 +147,18 @@ class RoundEngine:
         self.rank = rank
         self.world = arena.world
         self.ctl = arena.ctl
+        self.ctl_f64 = arena.ctl_f64
+        self.ctl32 = arena.ctl32
         self.doorbell = Doorbell(arena.ctl)
         self.waiter = Waiter(self.doorbell, spin_iters, timeout, liveness)
         self._acc = np.empty(SCRATCH_ELEMS, np.float32)
         self._tmp = np.empty(SCRATCH_ELEMS, np.float32)
+        self._info = np.zeros(RK.I_WORDS, np.int64)
+        self._mass = np.zeros(1, np.float64)
+        self._eager_all = arena.eager_area()
         self.relay_mode = bool(arena.ctl[A.G_RELAY])
+        #: tests only: ``hook(phase, round)`` called at fault-injection points
+        self.fault_hook: Callable[[str, int], None] | None = None
 
     # -- COPY-IN destinations ------------------------------------------------------
     def eager_region(self, rnd: int) -> np.ndarray:
@@ -150,22 +169,12 @@ class RoundEngine:
         return self.arena.data_view(self.rank, nbytes)
 
     # -- ARRIVED -------------------------------------------------------------------
-    def publish(self, rnd: int, *, kind: int, flags: int, dtype: int, weight: float,
+    def publish(self, rnd: int, kind: int, flags: int, dtype: int, weight: float,
                 ntensors: int, nbytes: int, nelem: int, shash: int, nwords: int) -> None:
         """Write this rank's round header, then publish its arrival."""
-        b = A.header_base(self.rank, rnd)
-        c = self.ctl
-        c[b + A.H_KIND] = kind
-        c[b + A.H_FLAGS] = flags
-        c[b + A.H_DTYPE] = dtype
-        self.arena.ctl_f64[b + A.H_WEIGHT] = weight
-        c[b + A.H_NTENSORS] = ntensors
-        c[b + A.H_NBYTES] = nbytes
-        c[b + A.H_NELEM] = nelem
-        c[b + A.H_SCHEMA_HASH] = shash
-        c[b + A.H_SCHEMA_WORDS] = nwords
-        c[b + A.H_ROUND] = rnd
-        self.doorbell.publish(A.rank_base(self.rank) + A.R_ARRIVED, rnd)
+        if RK.publish_round(self.ctl, self.ctl_f64, self.ctl32, self.rank, rnd, kind, flags,
+                            dtype, weight, ntensors, nbytes, nelem, shash, nwords) > 0:
+            futex_wake(self.doorbell.addr)
 
     def missing_arrivals(self, rnd: int) -> tuple[int, ...]:
         c = self.ctl
@@ -174,60 +183,43 @@ class RoundEngine:
                      and not c[A.rank_base(r) + A.R_DEAD])
 
     def await_arrivals(self, rnd: int, what: str = "waiting for ranks to arrive") -> RoundView:
-        ctl, world = self.ctl, self.world
-        self.waiter.wait(lambda it: sync.spin_arrivals(ctl, world, rnd, it), what=what,
-                         rnd=rnd, missing_of=lambda: self.missing_arrivals(rnd))
-        return self._validate(rnd)
-
-    # -- VALIDATED -------------------------------------------------------------------
-    def _validate(self, rnd: int) -> RoundView:
-        c = self.ctl
-        f64 = self.arena.ctl_f64
-        accepted = []
-        for r in range(self.world):
-            base = A.rank_base(r)
-            if c[base + A.R_ARRIVED] >= rnd:
-                accepted.append(r)
-            elif c[base + A.R_DEAD] == A.DEAD_EXITED and r != self.rank:
-                raise RuntimeError(
-                    f"round {rnd}: rank {r} already returned from its function while this rank "
-                    f"waits for it in a collective: every rank must make the same sequence of "
-                    f"collective calls"
-                )
-        if not accepted:  # every rank is dead (only an observer can see this)
-            raise SchemaMismatchError(f"round {rnd}: no rank contributed (all dead)")
-        ref = accepted[0]
-        rb = A.header_base(ref, rnd)
-        keys = (A.H_ROUND, A.H_KIND, A.H_DTYPE, A.H_NTENSORS, A.H_NBYTES, A.H_NELEM,
-                A.H_SCHEMA_HASH, A.H_SCHEMA_WORDS)
-        ref_vals = [int(c[rb + k]) for k in keys]
-        ref_bulk = int(c[rb + A.H_FLAGS]) & A.FLAG_BULK
-        for r in accepted[1:]:
-            b = A.header_base(r, rnd)
-            if ([int(c[b + k]) for k in keys] != ref_vals
-                    or (int(c[b + A.H_FLAGS]) & A.FLAG_BULK) != ref_bulk):
-                raise self._mismatch(rnd, accepted)
-        if ref_vals[0] != rnd:
-            raise RuntimeError(
-                f"round {rnd}: rank {ref}'s header is for round {ref_vals[0]}; the control "
-                f"block is out of step (a rank skipped or repeated a collective)"
-            )
-        kind = ref_vals[1]
-        mass = 0.0
-        contributors = []
-        for r in accepted:
-            b = A.header_base(r, rnd)
-            mass += float(f64[b + A.H_WEIGHT])
-            if not int(c[b + A.H_FLAGS]) & A.FLAG_ELIDED:
-                contributors.append(r)
-        if self.relay_mode or kind != RoundKind.MODEL or mass <= 0.0:
+        ctl, f64, world, me, info, mass = (self.ctl, self.ctl_f64, self.world, self.rank,
+                                           self._info, self._mass)
+        code = self.waiter.wait(lambda it: RK.arrive(ctl, f64, world, rnd, me, it, info, mass),
+                                what=what, rnd=rnd,
+                                missing_of=lambda: self.missing_arrivals(rnd))
+        if code != RK.OK:
+            raise self._arrival_error(code, rnd)
+        (acc_mask, contrib, _ref, _culprit, kind, flags, dtype, ntensors, nbytes, nelem,
+         nwords) = info.tolist()
+        m = float(mass[0])
+        if self.relay_mode or kind != RoundKind.MODEL or m <= 0.0:
             inv = 1.0
         else:
-            inv = float(np.float32(1.0 / mass))
-        return RoundView(rnd, kind, ref_vals[2], int(c[rb + A.H_FLAGS]), ref_vals[3],
-                         ref_vals[4], ref_vals[5], ref_vals[7], accepted, contributors,
-                         mass, inv)
+            inv = float(np.float32(1.0 / m))
+        return RoundView(rnd, kind, dtype, flags, ntensors, nbytes, nelem, nwords, acc_mask,
+                         contrib, m, inv)
 
+    def _arrival_error(self, code: int, rnd: int) -> Exception:
+        culprit = int(self._info[RK.I_CULPRIT])
+        if code == RK.EXITED:
+            return RuntimeError(
+                f"round {rnd}: rank {culprit} already returned from its function while this "
+                f"rank waits for it in a collective: every rank must make the same sequence "
+                f"of collective calls"
+            )
+        accepted = [r for r in range(self.world)
+                    if self.ctl[A.rank_base(r) + A.R_ARRIVED] >= rnd]
+        if code == RK.MISMATCH:
+            return self._mismatch(rnd, accepted)
+        got = int(self.ctl[A.header_base(culprit, rnd) + A.H_ROUND]) if culprit >= 0 else -1
+        return RuntimeError(
+            f"round {rnd}: rank {culprit}'s header is for round {got}; the control block is "
+            f"out of step (a rank skipped or repeated a collective, or two Comms drive the "
+            f"same rank)"
+        )
+
+    # -- VALIDATED (error path) ------------------------------------------------------
     def _describe(self, r: int, rnd: int) -> str:
         c = self.ctl
         b = A.header_base(r, rnd)
@@ -271,6 +263,42 @@ class RoundEngine:
         return raw.view(np.float32 if view.dtype == DTYPE_F32 else np.uint16)
 
     # -- REDUCED ---------------------------------------------------------------------
+    def eager_round(self, rnd: int, kind: int, flags: int, dtype: int, weight: float,
+                    ntensors: int, nbytes: int, nelem: int, shash: int, nwords: int,
+                    out_f32: np.ndarray, out_u16: np.ndarray) -> float:
+        """A small round (contribution already in the eager slot): publish, wait,
+        validate, reduce into ``out_*``; returns the accepted mass. The fast case is one
+        compiled call; sleeping peers or a late rank fall back to the blocking path."""
+        code = RK.eager_round(self.ctl, self.ctl_f64, self.ctl32, self._eager_all,
+                              self.arena.eager_bytes, self.world, self.rank, rnd, kind, flags,
+                              dtype, weight, ntensors, nbytes, nelem, shash, nwords,
+                              self.waiter.spin_iters, self._info, self._mass, out_f32, out_u16,
+                              self._acc, self._tmp)
+        if code == RK.OK:
+            self.waiter.note_spin(True)
+            return float(self._mass[0])
+        if code >= 0:
+            self.waiter.note_spin(False)
+        if code == RK.WAKE:
+            futex_wake(self.doorbell.addr)
+        elif code <= RK.MISMATCH:
+            raise self._arrival_error(code, rnd)
+        view = self.await_arrivals(rnd)
+        self.reduce_eager(view, out_f32 if dtype == DTYPE_F32 else out_u16)
+        return view.mass
+
+    def reduce_eager(self, view: RoundView, out: np.ndarray) -> None:
+        """Eager rounds: reduce every contribution into private ``out`` (typed like the
+        wire: float32, or uint16 bf16 bits)."""
+        if view.dtype == DTYPE_F32:
+            RK.reduce_eager_f32(self._eager_all, self.arena.eager_bytes, view.rnd, self.world,
+                                view.contrib_mask, view.nwords * 8, view.nelem, out, view.inv,
+                                self._acc)
+        else:
+            RK.reduce_eager_bf16(self._eager_all, self.arena.eager_bytes, view.rnd, self.world,
+                                 view.contrib_mask, view.nwords * 8, view.nelem, out, view.inv,
+                                 self._acc, self._tmp)
+
     def reduce_into(self, view: RoundView, out: np.ndarray, start: int, stop: int,
                     partial: bool = False) -> None:
         """Reduce elements [start, stop) of the contributions into ``out``.
@@ -310,7 +338,14 @@ class RoundEngine:
 
     def reduce_slice(self, view: RoundView, j: int) -> None:
         start, stop = A.slice_bounds(view.nelem, self.world, j)
-        self.reduce_into(view, self.result_array(view), start, stop, partial=self.relay_mode)
+        out = self.result_array(view)
+        if self.fault_hook is None:
+            self.reduce_into(view, out, start, stop, partial=self.relay_mode)
+        else:  # tests: let a fault land between the two halves of the slice
+            mid = (start + stop) // 2
+            self.reduce_into(view, out, start, mid, partial=self.relay_mode)
+            self.fault_hook("reduce", view.rnd)
+            self.reduce_into(view, out, mid, stop, partial=self.relay_mode)
         self.doorbell.publish(A.rank_base(j) + A.R_DONE, view.rnd)
 
     def _take_over(self, view: RoundView, j: int) -> bool:

@@ -189,10 +189,11 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
 
 def _warm_kernels(nprocs: int) -> None:
     """Compile (or load) every kernel here, once, so ranks only read numba's cache."""
-    from .kernels import sync, warm_up
+    from .kernels import rounds, sync, tensorio, warm_up
 
     warm_up(max_sources=max(4, nprocs))
-    sync.warm_up()
+    for module in (sync, rounds, tensorio):
+        module.warm_up()
 
 
 class SpawnContext:

@@ -158,22 +158,36 @@ class Waiter:
     def __init__(self, doorbell: Doorbell, spin_iters: int, timeout: float | None,
                  liveness: Callable[[], None]) -> None:
         self.doorbell = doorbell
-        self.spin_iters = spin_iters
+        self.max_spin = max(0, int(spin_iters))
+        self.min_spin = min(self.max_spin, 16)
+        self.spin_iters = self.max_spin
         self.timeout = timeout
         self.liveness = liveness
 
+    def note_spin(self, succeeded: bool) -> None:
+        """Adapt the spin budget (like glibc's adaptive mutex): halve it after a wait
+        the spin did not catch — the peer was probably descheduled, and spinning only
+        kept it off the core — and double it back after a wait it did catch."""
+        if succeeded:
+            self.spin_iters = min(self.max_spin, max(self.min_spin, self.spin_iters * 2))
+        else:
+            self.spin_iters = max(self.min_spin, self.spin_iters // 2)
+
     def wait(self, check: Callable[[int], int], *, what: str, rnd: int,
              missing_of: Callable[[], tuple[int, ...]],
-             on_missing: Callable[[int], bool] | None = None) -> None:
-        """Wait until ``check(iters)`` returns -1.
+             on_missing: Callable[[int], bool] | None = None) -> int:
+        """Wait until ``check(iters)`` returns -1 (done) or a terminal code <= -3.
 
-        ``check`` is a compiled spin (see ``kernels/sync.py``). ``on_missing(m)`` may
-        act on the missing item ``m`` (e.g. take over a dead rank's slice) and return
-        True when it made progress, to re-check at once instead of sleeping.
+        ``check`` is a compiled spin (see ``kernels/sync.py``): -1 done, -2 the cohort
+        aborts (raised here as ``CohortAborted``), >= 0 the first item still missing.
+        ``on_missing(m)`` may act on the missing item (e.g. take over a dead rank's
+        slice) and return True when it made progress. Returns -1 or the terminal code.
         """
         r = check(self.spin_iters)
-        if r == -1:
-            return
+        if r == -1 or r <= -3:
+            self.note_spin(True)
+            return r
+        self.note_spin(False)
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
             if r == -2:
@@ -184,8 +198,8 @@ class Waiter:
                 continue
             seen = self.doorbell.seen()
             r = check(0)
-            if r == -1:
-                return
+            if r == -1 or r <= -3:
+                return r
             if r == -2:
                 continue
             slice_s = LIVENESS_SLICE
@@ -202,3 +216,5 @@ class Waiter:
             self.doorbell.sleep(seen, slice_s)
             self.liveness()
             r = check(self.spin_iters // 8)
+            if r == -1 or r <= -3:
+                return r

@@ -1,0 +1,400 @@
+"""Collectives on one host through a real arena, ranks as threads (FakeCohort).
+
+Ports of the seed's CpuReduceClient tests to the single-host engine, plus the
+engine's own invariants: weighted realized-work semantics, a fixed f32 reduction
+order identical on every rank, both reduce paths (eager and bulk), schema
+mismatches raised on every rank, deadlines, dead ranks, zero-copy lifetimes.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flodl_shm import FrameError, ReduceStall, RoundFrame, RoundKind, SchemaMismatchError
+from flodl_shm.errors import CohortAborted
+from flodl_shm.frame import DTYPE_BF16, DTYPE_F32, TensorPayload
+from flodl_shm.testing import FakeCohort
+
+from engine_util import our_segments
+
+pytestmark = pytest.mark.timeout(120)
+
+SMALL = 1 << 10    # an eager round
+BIG = 1 << 18      # 1 MiB of f32: a bulk round (reduce-scatter / all-gather)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_segments():
+    yield
+    assert our_segments() == [], "a FakeCohort left shared-memory segments behind"
+
+
+def frame_with(values, weight=1.0) -> RoundFrame:
+    return RoundFrame([TensorPayload(DTYPE_F32, (len(values),), np.asarray(values, np.float32))],
+                      weight)
+
+
+# --- seed ports ------------------------------------------------------------------------
+
+def test_two_rank_frame_average():
+    with FakeCohort(2) as c:
+        r0, r1 = c.run(lambda comm: comm.all_reduce(
+            frame_with([2.0, 4.0, 6.0] if comm.rank == 0 else [4.0, 8.0, 12.0])))
+    assert list(r0.tensors[0].as_array()) == [3.0, 6.0, 9.0]
+    assert r0 == r1
+    assert r0.weight == 2.0 and r0.kind == RoundKind.MODEL
+
+
+def test_multi_round_persistence():
+    rounds = {0: [1.0, 5.0, 9.0], 1: [3.0, 7.0, 11.0]}
+    with FakeCohort(2) as c:
+        out = c.run(lambda comm: [float(comm.all_reduce(frame_with([v])).tensors[0].as_array()[0])
+                                  for v in rounds[comm.rank]])
+    assert out == [[2.0, 6.0, 10.0], [2.0, 6.0, 10.0]]
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_two_rank_tensor_average(bf16):
+    def body(comm):
+        comm.set_bf16_wire(bf16)
+        t = torch.tensor([2.0, 4.0, 6.0]) * (comm.rank + 1)
+        return comm.all_reduce_tensors([t])
+
+    with FakeCohort(2) as c:
+        r0, r1 = c.run(body)
+    for r in (r0, r1):
+        assert r[0].dtype == torch.float32
+        assert r[0].tolist() == [3.0, 6.0, 9.0]
+
+
+def test_scaled_weighted_average_bf16_wire():
+    # (3·[2,8] + 1·[4,16]) / 4 = [2.5, 10.0], every intermediate bf16-exact
+    def body(comm):
+        comm.set_bf16_wire(True)
+        vals, w = ([2.0, 8.0], 3.0) if comm.rank == 0 else ([4.0, 16.0], 1.0)
+        return comm.all_reduce_scaled([torch.tensor(vals)], w, RoundKind.MODEL, w)
+
+    with FakeCohort(2) as c:
+        for tensors, mass in c.run(body):
+            assert mass == 4.0
+            assert tensors[0].tolist() == [2.5, 10.0]
+
+
+def test_three_rank_broadcast_from_root():
+    vals = {0: [1.5, 2.5, 3.5], 1: [10.0, 20.0, 30.0], 2: [100.0, 200.0, 300.0]}
+    with FakeCohort(3) as c:
+        out = c.run(lambda comm: comm.broadcast_from_root([torch.tensor(vals[comm.rank])], 0))
+    for r in out:
+        assert len(r) == 1 and r[0].tolist() == vals[0]
+
+
+def test_broadcast_multi_tensor_distinct_shapes():
+    root_w = torch.arange(1.0, 7.0).reshape(2, 3)
+    root_b = torch.tensor([-1.0, -2.0, -3.0, -4.0])
+
+    def body(comm):
+        if comm.rank == 0:
+            return comm.broadcast_from_root([root_w, root_b], 0)
+        return comm.broadcast_from_root([torch.full((2, 3), 9.0), torch.full((4,), 9.0)], 0)
+
+    with FakeCohort(2) as c:
+        for r in c.run(body):
+            assert [tuple(t.shape) for t in r] == [(2, 3), (4,)]
+            assert torch.equal(r[0], root_w) and torch.equal(r[1], root_b)
+
+
+def test_broadcast_keeps_negative_zero_and_rejects_bad_root():
+    def body(comm):
+        out = comm.broadcast_from_root([torch.tensor([-0.0, 1.0]) * (comm.rank + 1)], 0)
+        with pytest.raises(ValueError, match="broadcast root 7 >= world_size 2"):
+            comm.broadcast_from_root([torch.zeros(2)], 7)
+        return out
+
+    with FakeCohort(2) as c:
+        for r in c.run(body):
+            assert torch.signbit(r[0][0]) and r[0][1] == 1.0
+
+
+def test_fake_cohort_validates_locally():
+    with pytest.raises(ValueError, match="world_size"):
+        FakeCohort(0)
+    with FakeCohort(3) as c:
+        with pytest.raises(ValueError, match="rank_id 5 must be < world_size 3"):
+            c.comm(5)
+
+
+# --- realized-work semantics --------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [SMALL, BIG])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_weighted_consensus_matches_rank_order_reference(n, bf16):
+    """Σ(wᵣ·Tᵣ)/Σwᵣ accumulated in f32 in rank order, bit-identical on every rank."""
+    world = 3
+    rng = np.random.default_rng(7)
+    data = [rng.standard_normal(n).astype(np.float32) * 10 for _ in range(world)]
+    weights = [3.0, 5.0, 2.0]
+
+    def body(comm):
+        comm.set_bf16_wire(bf16)
+        t = torch.from_numpy(data[comm.rank].copy())
+        return comm.all_reduce_scaled([t], weights[comm.rank], RoundKind.MODEL,
+                                      weights[comm.rank])
+
+    with FakeCohort(world) as c:
+        out = c.run(body)
+    # reference: scale in f32 (bf16 wire: round the f32 product once), sum in rank order,
+    # one multiply by the f32 reciprocal (bf16: rounded once more)
+    contribs = []
+    for d, w in zip(data, weights):
+        x = torch.from_numpy(d) * np.float32(w)
+        contribs.append(x.to(torch.bfloat16).float().numpy() if bf16 else x.numpy())
+    acc = contribs[0] + contribs[1]
+    acc = acc + contribs[2]
+    want = acc * np.float32(1.0 / sum(weights))
+    if bf16:
+        want = torch.from_numpy(want).to(torch.bfloat16).float().numpy()
+    for tensors, mass in out:
+        assert mass == sum(weights)
+        np.testing.assert_array_equal(tensors[0].numpy(), want)
+    first = out[0][0][0].numpy().view(np.uint32)
+    for tensors, _ in out[1:]:
+        assert np.array_equal(tensors[0].numpy().view(np.uint32), first)
+
+
+def test_zero_mass_round_returns_weight_zero_and_keeps_local_in_place():
+    def body(comm):
+        t = torch.full((4,), float(comm.rank + 1))
+        tensors, mass = comm.all_reduce_scaled([t], 0.0, RoundKind.MODEL, 0.0)
+        keep = t.clone()
+        m2 = comm.all_reduce_([t], weight=0.0, scale=0.0)
+        return tensors[0].tolist(), mass, m2, torch.equal(t, keep)
+
+    with FakeCohort(2) as c:
+        for vals, mass, m2, kept in c.run(body):
+            assert mass == 0.0 and m2 == 0.0
+            assert vals == [0.0] * 4
+            assert kept
+
+
+def test_per_rank_f64_gather():
+    def body(comm):
+        v = np.zeros(comm.world_size)
+        v[comm.rank] = [3, 5, 2][comm.rank]
+        return comm.all_reduce_per_rank_f64(v)
+
+    with FakeCohort(3) as c:
+        for got in c.run(body):
+            assert got.dtype == np.float64 and got.tolist() == [3.0, 5.0, 2.0]
+        with pytest.raises(ValueError, match=r"vector len \(2\) must equal world_size \(3\)"):
+            c.comm(0).all_reduce_per_rank_f64([1.0, 2.0])
+
+
+def test_control_rounds_are_plain_sums():
+    with FakeCohort(2) as c:
+        out = c.run(lambda comm: comm.all_reduce_weighted([torch.tensor([1.0, 2.0])],
+                                                          RoundKind.CONTROL, 0.0))
+    for tensors, _ in out:
+        assert tensors[0].tolist() == [2.0, 4.0]
+
+
+def test_dead_rank_is_excluded_and_reads_zero():
+    """Rank 2 is fenced before the round: the survivors average over realized work."""
+    def body(comm):
+        v = np.zeros(3)
+        v[comm.rank] = [3, 5, 2][comm.rank]
+        counts = comm.all_reduce_per_rank_f64(v)
+        w = counts[comm.rank]
+        t = torch.tensor([float(comm.rank + 1)] * (BIG if comm.rank == 0 else BIG))
+        (avg,), mass = comm.all_reduce_scaled([t], w, RoundKind.MODEL, w)
+        return counts.tolist(), float(avg[0]), float(avg[-1]), mass
+
+    with FakeCohort(3) as c:
+        c.declare_dead(2)
+        out = c.run(body, ranks=[0, 1])
+    for counts, first, last, mass in out[:2]:
+        assert counts == [3.0, 5.0, 0.0]
+        assert abs(first - 13 / 8) < 1e-6 and first == last
+        assert mass == 8.0
+
+
+# --- paths, shapes, lifetimes --------------------------------------------------------------
+
+@pytest.mark.parametrize("eager_bytes", [4096, 1 << 20])
+def test_many_tensors_both_paths(eager_bytes):
+    shapes = [(3,), (2, 5), (7, 1, 3), (1,), (400,), (0,), (33, 17)]
+    rng = np.random.default_rng(1)
+    data = {r: [torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+            for r in range(2)}
+    with FakeCohort(2, eager_bytes=eager_bytes) as c:
+        out = c.run(lambda comm: comm.all_reduce_tensors(data[comm.rank]))
+    for got in out:
+        for g, a, b, s in zip(got, data[0], data[1], shapes):
+            assert tuple(g.shape) == s
+            torch.testing.assert_close(g, (a + b) * 0.5, rtol=0, atol=0)
+
+
+def test_returned_tensors_are_the_callers_to_keep():
+    with FakeCohort(2) as c:
+        def body(comm):
+            first = comm.all_reduce_tensors([torch.full((BIG,), 1.0 + comm.rank)])
+            snapshot = first[0].clone()
+            comm.all_reduce_tensors([torch.full((BIG,), 100.0)])
+            small = comm.all_reduce_tensors([torch.full((8,), 1.0 + comm.rank)])
+            comm.all_reduce_tensors([torch.full((8,), 100.0)])
+            return torch.equal(first[0], snapshot), small[0].tolist()
+
+        for kept, small in c.run(body):
+            assert kept
+            assert small == [1.5] * 8
+
+
+def test_in_place_all_reduce_writes_the_consensus_into_the_tensors():
+    def body(comm):
+        a = torch.full((5,), float(comm.rank))
+        b = torch.full((BIG,), float(2 * comm.rank))
+        bf = torch.full((3,), float(comm.rank), dtype=torch.bfloat16)
+        mass = comm.all_reduce_([a, b, bf])
+        return mass, a.tolist(), float(b[0]), float(b[-1]), bf.dtype, bf.tolist()
+
+    with FakeCohort(2) as c:
+        for mass, a, b0, b1, bfd, bf in c.run(body):
+            assert mass == 2.0 and a == [0.5] * 5 and b0 == b1 == 1.0
+            assert bfd == torch.bfloat16 and bf == [0.5] * 3
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_zero_copy_inputs_and_views(bf16):
+    def body(comm):
+        comm.set_bf16_wire(bf16)
+        (x, y) = comm.zero_copy_inputs([(BIG,), (3, 4)])
+        assert x.dtype == (torch.bfloat16 if bf16 else torch.float32)
+        x.fill_(float(comm.rank + 1))
+        y.fill_(2.0 * comm.rank)
+        (vx, vy), mass = comm.all_reduce_zero_copy(weight=1.0)
+        got = (float(vx[0]), float(vx[-1]), vy.float().tolist()[0], mass)
+        # the views alias shared memory: the next round may overwrite them
+        (x2,) = comm.zero_copy_inputs([(BIG,)])
+        x2.fill_(10.0)
+        (vx2,), _ = comm.all_reduce_zero_copy()
+        return got, float(vx2[0]), vx.data_ptr() == vx2.data_ptr()
+
+    with FakeCohort(2) as c:
+        for (x0, x1, y, mass), second, aliased in c.run(body):
+            assert (x0, x1, y, mass) == (1.5, 1.5, [1.0] * 4, 2.0)
+            assert second == 10.0 and aliased
+
+
+def test_zero_copy_requires_inputs_first():
+    with FakeCohort(1) as c:
+        with pytest.raises(RuntimeError, match="zero_copy_inputs"):
+            c.comm(0).all_reduce_zero_copy()
+
+
+def test_barrier_and_world_of_one():
+    with FakeCohort(1) as c:
+        comm = c.comm(0)
+        comm.barrier()
+        assert comm.all_reduce_tensors([torch.tensor([4.0])])[0].tolist() == [4.0]
+        assert comm.all_reduce_per_rank_f64([7.0]).tolist() == [7.0]
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["shape", "count", "bf16_mix", "kind", "path"])
+def test_schema_mismatch_raises_on_every_rank_and_comm_stays_in_step(case):
+    def body(comm):
+        r = comm.rank
+        try:
+            if case == "shape":
+                comm.all_reduce_tensors([torch.ones(3 + r)])
+            elif case == "count":
+                comm.all_reduce_tensors([torch.ones(3)] * (1 + r))
+            elif case == "bf16_mix":
+                comm.set_bf16_wire(r == 1)
+                comm.all_reduce_tensors([torch.ones(3)])
+            elif case == "kind":
+                comm.all_reduce_weighted([torch.ones(3)], RoundKind.CONTROL if r else RoundKind.MODEL)
+            else:  # a zero-copy (bulk) round against a copy (eager) round
+                if r == 0:
+                    comm.zero_copy_inputs([(3,)])[0].fill_(1.0)
+                    comm.all_reduce_zero_copy()
+                else:
+                    comm.all_reduce_tensors([torch.ones(3)])
+        except SchemaMismatchError as e:
+            msg = str(e)
+        else:
+            msg = None
+        comm.set_bf16_wire(False)
+        after = comm.all_reduce_tensors([torch.full((2,), float(r))])[0].tolist()
+        return msg, after
+
+    with FakeCohort(2) as c:
+        out = c.run(body)
+    for msg, after in out:
+        assert msg is not None and "different frame schemas" in msg
+        assert "rank 0" in msg and "rank 1" in msg
+        assert after == [0.5, 0.5], "the cohort stays usable after a mismatch"
+
+
+def test_bad_dtype_is_refused_before_publishing():
+    with FakeCohort(1) as c:
+        comm = c.comm(0)
+        with pytest.raises(FrameError, match="Float64.*Float32"):
+            comm.all_reduce_tensors([torch.ones(2, dtype=torch.float64)])
+        with pytest.raises(FrameError, match="not a finite non-negative"):
+            comm.all_reduce_weighted([torch.ones(2)], RoundKind.MODEL, float("nan"))
+        assert comm.round == 0
+        assert comm.all_reduce_tensors([torch.ones(2)])[0].tolist() == [1.0, 1.0]
+
+
+def test_timeout_names_round_and_missing_ranks():
+    with FakeCohort(3, timeout=0.3) as c:
+        def body(comm):
+            comm.barrier()
+            if comm.rank == 2:
+                return None  # never calls the second collective
+            with pytest.raises(ReduceStall) as info:
+                comm.all_reduce_tensors([torch.ones(4)])
+            return info.value
+
+        out = c.run(body)
+    for err in out[:2]:
+        assert err.round == 1 and err.missing == (2,)
+        assert "round 1" in str(err) and "[2]" in str(err)
+    # a stalled round leaves the Comm unusable, loudly
+    with FakeCohort(1) as c:
+        comm = c.comm(0)
+        comm._broken = "round 3 failed with ReduceStall: ..."
+        with pytest.raises(RuntimeError, match="unusable"):
+            comm.barrier()
+
+
+def test_abort_wakes_waiting_ranks():
+    with FakeCohort(2, timeout=None) as c:
+        def body(comm):
+            if comm.rank == 1:
+                raise KeyError("boom")  # FakeCohort aborts the cohort when a rank raises
+            comm.barrier()
+
+        with pytest.raises(KeyError, match="boom"):
+            c.run(body)
+
+    with FakeCohort(2, timeout=None) as c:
+        import threading
+
+        threading.Timer(0.2, c.abort).start()
+        with pytest.raises(CohortAborted):
+            c.comm(0).barrier()
+
+
+def test_frame_level_reduce_validates_its_frame():
+    with FakeCohort(1) as c:
+        comm = c.comm(0)
+        mixed = RoundFrame([TensorPayload(DTYPE_F32, (1,), np.ones(1, np.float32)),
+                            TensorPayload(DTYPE_BF16, (1,), np.ones(1, np.uint16))])
+        with pytest.raises(FrameError, match="share a wire dtype"):
+            comm.all_reduce(mixed)
+        bad = RoundFrame([TensorPayload(DTYPE_F32, (4,), np.ones(2, np.float32))])
+        with pytest.raises(FrameError, match="numel"):
+            comm.all_reduce(bad)

@@ -1,0 +1,300 @@
+"""``spawn`` with real rank processes: results, failures, signals, fencing, cleanup.
+
+Every test checks on exit that no shared-memory segment of this process and no
+rank process outlived it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+import flodl_shm
+from flodl_shm import RankFailed, ReduceStall, RoundKind, spawn
+from flodl_shm.segment import Segment, list_segments, reap_dead_owner_segments, segment_name
+
+from engine_util import live_children, our_segments
+
+pytestmark = pytest.mark.timeout(180)
+HERE = os.path.dirname(os.path.abspath(__file__))
+BIG = 1 << 18  # f32 elements of a bulk round
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks():
+    yield
+    assert our_segments() == [], "spawn left shared-memory segments behind"
+    deadline = time.monotonic() + 5
+    while live_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live_children() == [], "spawn left rank processes behind"
+
+
+# --- rank functions (module level: they are pickled to the ranks) ---------------------------
+
+def describe(ctx, n):
+    out = ctx.comm.all_reduce_tensors([torch.full((n,), float(ctx.rank + 1))])
+    env = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    return ctx.rank, ctx.local_rank, ctx.world_size, ctx.local_world_size, env, float(out[0][0]), \
+        float(out[0][-1])
+
+
+def raise_on_rank_one(ctx):
+    ctx.comm.barrier()
+    if ctx.rank == 1:
+        raise ValueError("rank one is unhappy")
+    ctx.comm.barrier()  # rank 0 waits here until the supervisor aborts the cohort
+    return ctx.rank
+
+
+def kill_self_on_rank(ctx, victim, sig):
+    ctx.comm.barrier()
+    if ctx.rank == victim:
+        os.kill(os.getpid(), sig)
+        time.sleep(10)
+    vals = []
+    for i in range(3):
+        (out,), mass = ctx.comm.all_reduce_scaled([torch.full((4,), float(ctx.rank + 10 * i))],
+                                                 1.0, RoundKind.MODEL, 1.0)
+        vals.append((out.tolist(), mass))
+    counts = np.zeros(ctx.world_size)
+    counts[ctx.rank] = ctx.rank + 1
+    return vals, ctx.comm.all_reduce_per_rank_f64(counts).tolist()
+
+
+def returns_unpicklable(ctx):
+    return lambda: None
+
+
+def early_return(ctx):
+    if ctx.rank == 1:
+        return "done"
+    ctx.comm.barrier()
+    return "unreachable"
+
+
+def stall(ctx):
+    ctx.comm.barrier()
+    if ctx.rank == 1:
+        time.sleep(3.0)
+    ctx.comm.barrier()
+    return "ok"
+
+
+def fault_at(ctx, victim, phase, target_round):
+    """Kill ``victim`` with SIGKILL at ``phase`` of round ``target_round`` (bulk rounds)."""
+    if ctx.rank == victim:
+        def hook(where, rnd):
+            if where == phase and rnd == target_round:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        ctx.comm.set_fault_hook(hook)
+    results = []
+    for i in range(4):
+        a = torch.full((BIG,), float(ctx.rank + 1) * (i + 1))
+        b = torch.full((BIG // 2,), float(ctx.rank + 1))
+        mass = ctx.comm.all_reduce_([a, b])
+        results.append((float(a[0]), float(a[-1]), float(b[0]), mass,
+                        a.numpy().view(np.uint32)[::4096].tolist()))
+    return results
+
+
+# --- tests -------------------------------------------------------------------------------------
+
+def test_results_ranks_and_torchrun_environment():
+    out = spawn(describe, 3, (1000,))
+    assert [o[:4] for o in out] == [(r, r, 3, 3) for r in range(3)]
+    for r, o in enumerate(out):
+        assert o[4] == {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "3",
+                        "LOCAL_WORLD_SIZE": "3"}
+        assert o[5] == o[6] == 2.0
+
+
+def test_bulk_frames_through_processes():
+    out = spawn(describe, 2, (3 * BIG + 5,))
+    assert all(o[5] == o[6] == 1.5 for o in out)
+
+
+def test_rank_exception_becomes_rank_failed_with_traceback():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        spawn(raise_on_rank_one, 3)
+    err = info.value
+    assert err.rank == 1 and err.exc_type == "ValueError" and err.signal is None
+    assert "rank one is unhappy" in err.traceback and "raise_on_rank_one" in err.traceback
+    for part in ("rank 1", "ValueError", "rank one is unhappy"):
+        assert part in str(err)
+    assert time.monotonic() - t0 < 60
+
+
+def test_signal_death_is_named_and_fails_fast():
+    with pytest.raises(RankFailed) as info:
+        spawn(kill_self_on_rank, 3, (2, signal.SIGKILL))
+    assert info.value.rank == 2 and info.value.signal == "SIGKILL"
+    assert info.value.exc_type is None and "SIGKILL" in str(info.value)
+
+
+def test_max_failures_continues_on_realized_work(tmp_path):
+    stem = tmp_path / "ckpt"
+    out = spawn(kill_self_on_rank, 3, (2, signal.SIGKILL), max_failures=1, save_path=stem)
+    assert out[2] is None
+    vals0, counts0 = out[0]
+    vals1, counts1 = out[1]
+    assert vals0 == vals1
+    for i, (v, mass) in enumerate(vals0):
+        assert mass == 2.0 and v == [0.5 + 10 * i] * 4
+    assert counts0 == counts1 == [1.0, 2.0, 0.0]
+    record = flodl_shm.RankDeathRecord.read_from_file(
+        flodl_shm.CheckpointBundle.rank_death_path(stem, 2))
+    assert record.rank == 2 and record.world_size == 3 and "SIGKILL" in record.error
+
+
+def test_unpicklable_function_is_refused_up_front():
+    with pytest.raises(TypeError, match="picklable"):
+        spawn(lambda ctx: None, 2)
+    local = 3
+    with pytest.raises(TypeError, match="module top level"):
+        spawn(lambda ctx: local, 1)
+
+
+def test_unpicklable_result_is_reported():
+    with pytest.raises(RankFailed) as info:
+        spawn(returns_unpicklable, 1)
+    assert "cannot be sent back" in info.value.traceback
+
+
+def test_rank_returning_early_is_a_clear_error_not_a_hang():
+    with pytest.raises(RankFailed) as info:
+        spawn(early_return, 2, timeout=60)
+    assert info.value.rank == 0
+    assert "already returned from its function" in info.value.traceback
+
+
+def test_timeout_fails_with_round_and_missing_rank():
+    with pytest.raises(RankFailed) as info:
+        spawn(stall, 2, timeout=0.5)
+    assert info.value.exc_type == "ReduceStall"
+    assert "round 1" in info.value.traceback and "[1]" in info.value.traceback
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="nprocs"):
+        spawn(describe, 0)
+    with pytest.raises(ValueError, match="controller"):
+        spawn(describe, 2, world_size=4)
+    with pytest.raises(ValueError, match="timeout"):
+        spawn(describe, 2, timeout=0)
+
+
+def test_spawn_from_a_worker_thread_and_join_false():
+    box = {}
+
+    def run():
+        box["out"] = spawn(describe, 2, (8,))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(120)
+    assert [o[5] for o in box["out"]] == [1.5, 1.5]
+    ctx = spawn(describe, 2, (8,), join=False)
+    assert len(ctx.pids()) == 2
+    assert [o[0] for o in ctx.join(timeout=120)] == [0, 1]
+
+
+@pytest.mark.parametrize("phase,included", [
+    ("before_copy_in", False),
+    ("mid_copy_in", False),
+    ("arrived", True),
+    ("reduce", True),
+    ("mid_copy_out", True),
+])
+def test_kill_at_every_point_of_a_round(phase, included):
+    """Rank 2 is SIGKILLed at one point of round 1; the survivors finish that round and
+    the later ones over the accepted contributions and agree bit for bit."""
+    out = spawn(fault_at, 3, (2, phase, 1), max_failures=1, timeout=60)
+    assert out[2] is None
+    r0, r1 = out[0], out[1]
+    assert r0 == r1, "survivors disagree"
+    # round 0: everyone; round 1: rank 2 in or out by phase; rounds 2-3: survivors only
+    assert r0[0][:4] == (2.0, 2.0, 2.0, 3.0)
+    if included:
+        assert r0[1][:4] == (4.0, 4.0, 2.0, 3.0)
+    else:
+        assert r0[1][:4] == (3.0, 3.0, 1.5, 2.0)
+    assert r0[2][:4] == (4.5, 4.5, 1.5, 2.0)
+    assert r0[3][:4] == (6.0, 6.0, 1.5, 2.0)
+
+
+def _start_driver(tmp_path, nprocs=2):
+    ready = tmp_path / "ready"
+    env = dict(os.environ, DRIVER_READY_FILE=str(ready))
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "spawn_driver.py"), str(nprocs)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if ready.exists() and len(ready.read_text().split()) >= nprocs:
+            return proc, [int(p) for p in ready.read_text().split()]
+        if proc.poll() is not None:
+            raise AssertionError(f"driver exited early: {proc.communicate()}")
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("driver ranks never became ready")
+
+
+def _gone(pids, timeout=15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                   for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _driver_segments(pid):
+    return [s.name for s in list_segments() if s.owner_pid == pid]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_launcher_signal_stops_every_rank_and_cleans_up(tmp_path, sig):
+    proc, ranks = _start_driver(tmp_path)
+    assert _driver_segments(proc.pid)
+    proc.send_signal(sig)
+    proc.wait(60)
+    assert _gone(ranks), "ranks outlived the launcher"
+    assert _driver_segments(proc.pid) == []
+    if sig == signal.SIGTERM:
+        assert proc.returncode == -signal.SIGTERM
+    else:
+        assert "KeyboardInterrupt" in proc.stderr.read()
+
+
+def test_launcher_sigkill_takes_ranks_down_and_next_start_reaps(tmp_path):
+    proc, ranks = _start_driver(tmp_path)
+    proc.kill()
+    proc.wait(30)
+    assert _gone(ranks), "ranks survived a SIGKILLed launcher (PDEATHSIG)"
+    left = _driver_segments(proc.pid)
+    assert left, "expected the dead launcher's segments to still be there"
+    reaped = reap_dead_owner_segments()
+    assert set(left) <= {s.name for s in reaped}
+    assert _driver_segments(proc.pid) == []
+
+
+def test_start_reaps_segments_of_dead_owners():
+    dead_pid = 2 ** 22 + 12345  # above pid_max's default; never alive
+    seg = Segment.create(segment_name(dead_pid, "deadbeef", "ctl"), 4096)
+    seg.close()
+    try:
+        spawn(describe, 1, (4,))
+        assert seg.name not in {s.name for s in list_segments()}
+    finally:
+        seg.unlink()

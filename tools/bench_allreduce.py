@@ -1,0 +1,401 @@
+"""Intra-host all-reduce: flodl_shm against gloo, OpenMPI and one memcpy, in one run.
+
+    python tools/bench_allreduce.py                      # full run (several minutes)
+    python tools/bench_allreduce.py --quick              # small schedule, smoke test
+    python tools/bench_allreduce.py --plot bw.png        # also draw bandwidth vs size
+
+Every method times the same operation: an in-place *average* of a float32 buffer
+across the ranks (sum, then scale by 1/world, inside the timed region), like the
+anchor scripts in ../shared/anchors. Per iteration the time is the MAX over ranks
+(the collective is done when the slowest rank is), then the median over
+iterations. GB/s is algorithmic bandwidth (buffer bytes / time); "x memcpy" divides
+by one single-process ``np.copyto`` of the same buffer measured in the same run.
+
+flodl_shm variants:
+  shm-copy      ``comm.all_reduce_(t)``: copy in from a private tensor, copy out into it
+  shm-zc        zero-copy: the data already sits in the rank's shared input region
+                (``zero_copy_inputs``) and the consensus is read as a view
+  shm-*-bf16    the same with ``set_bf16_wire(True)`` (half the bytes in shared memory)
+Peers: torch.distributed gloo (TCP over loopback; gloo has no shared-memory
+transport for CPU tensors), OpenMPI ``Allreduce`` via mpi4py (run under mpirun;
+skipped with a note when mpirun or mpi4py is missing).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+KiB = 1 << 10
+MiB = 1 << 20
+SIZES = [4 * KiB, 256 * KiB, 4 * MiB, 64 * MiB, 256 * MiB]
+SCHEDULE = {4 * KiB: (200, 3000), 256 * KiB: (50, 600), 4 * MiB: (10, 100),
+            64 * MiB: (3, 25), 256 * MiB: (2, 8)}
+SHM_METHODS = ["shm-copy", "shm-zc", "shm-copy-bf16", "shm-zc-bf16"]
+LABELS = {
+    "memcpy": "numpy memcpy (1 process)",
+    "shm-copy": "flodl_shm copy in/out",
+    "shm-zc": "flodl_shm zero-copy",
+    "shm-copy-bf16": "flodl_shm bf16 wire, copy",
+    "shm-zc-bf16": "flodl_shm bf16 wire, zero-copy",
+    "gloo": "torch.distributed gloo",
+    "mpi": "OpenMPI Allreduce (mpi4py)",
+}
+
+
+def human(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+def schedule(nbytes: int, world: int, scale: float) -> tuple[int, int]:
+    warm, iters = SCHEDULE.get(nbytes, (3, 10))
+    if world > 2 and nbytes >= 64 * MiB:
+        scale *= 0.6
+    return max(1, round(warm * scale)), max(3, round(iters * scale))
+
+
+def summarize(method: str, world: int, nbytes: int, times_ns, ok: bool) -> dict:
+    t = sorted(float(x) for x in times_ns)
+    med = statistics.median(t)
+    return {"method": method, "world": world, "bytes": nbytes, "iters": len(t),
+            "median_us": med / 1e3, "p10_us": t[int(0.1 * (len(t) - 1))] / 1e3,
+            "p90_us": t[int(0.9 * (len(t) - 1))] / 1e3, "min_us": t[0] / 1e3,
+            "algbw_GBps": nbytes / med, "correct": bool(ok)}
+
+
+# --- memcpy baseline ------------------------------------------------------------------
+
+def bench_memcpy(sizes, scale) -> list[dict]:
+    out = []
+    for nbytes in sizes:
+        a = np.full(nbytes // 4, 1.0, np.float32)
+        c = np.zeros_like(a)
+        warm, iters = schedule(nbytes, 1, scale)
+        for _ in range(max(warm, 3)):
+            np.copyto(c, a)
+        t0 = time.perf_counter_ns()
+        np.copyto(c, a)
+        k = max(1, math.ceil(100_000 / max(time.perf_counter_ns() - t0, 1)))
+        samples = []
+        for _ in range(iters):
+            t0 = time.perf_counter_ns()
+            for _ in range(k):
+                np.copyto(c, a)
+            samples.append((time.perf_counter_ns() - t0) / k)
+        out.append(summarize("memcpy", 1, nbytes, samples, bool(np.all(c == 1.0))))
+        del a, c
+    return out
+
+
+# --- flodl_shm ------------------------------------------------------------------------
+
+def _shm_worker(ctx, sizes, methods, scale):
+    import torch
+
+    comm = ctx.comm
+    world = ctx.world_size
+    expected = (world + 1) / 2.0
+    results = []
+    for nbytes in sizes:
+        n = nbytes // 4
+        warm, iters = schedule(nbytes, world, scale)
+        for method in methods:
+            comm.set_bf16_wire(method.endswith("bf16"))
+            times = np.empty(iters, np.float64)
+            if method.startswith("shm-copy"):
+                t = torch.full((n,), float(ctx.rank + 1))
+                comm.all_reduce_([t])
+                ok = bool(torch.all(t == expected))
+                for _ in range(warm):
+                    comm.all_reduce_([t])
+                comm.barrier()
+                for i in range(iters):
+                    t0 = time.perf_counter_ns()
+                    comm.all_reduce_([t])
+                    times[i] = time.perf_counter_ns() - t0
+                ok = ok and bool(torch.all(t == expected))
+                del t
+            else:
+                (buf,) = comm.zero_copy_inputs([(n,)])
+                buf.fill_(float(ctx.rank + 1))
+                views, _ = comm.all_reduce_zero_copy()
+                ok = bool(torch.all(views[0].float() == expected))
+                for _ in range(warm):
+                    comm.zero_copy_inputs([(n,)])
+                    comm.all_reduce_zero_copy()
+                comm.barrier()
+                for i in range(iters):
+                    t0 = time.perf_counter_ns()
+                    comm.zero_copy_inputs([(n,)])
+                    views, _ = comm.all_reduce_zero_copy()
+                    times[i] = time.perf_counter_ns() - t0
+                ok = ok and bool(torch.all(views[0].float() == expected))
+                del views, buf
+            results.append((method, nbytes, times, ok))
+            comm.barrier()
+    return results
+
+
+def bench_shm(world, sizes, methods, scale) -> list[dict]:
+    from flodl_shm import spawn
+
+    per_rank = spawn(_shm_worker, world, (sizes, methods, scale), timeout=600)
+    out = []
+    for i, (method, nbytes, _, _) in enumerate(per_rank[0]):
+        times = np.max(np.stack([r[i][2] for r in per_rank]), axis=0)
+        ok = all(r[i][3] for r in per_rank)
+        out.append(summarize(method, world, nbytes, times, ok))
+    return out
+
+
+# --- gloo ---------------------------------------------------------------------------
+
+def _gloo_worker(ctx, sizes, scale, init):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=init, rank=ctx.rank, world_size=ctx.world_size)
+    world = ctx.world_size
+    expected = (world + 1) / 2.0
+    results = []
+    try:
+        for nbytes in sizes:
+            n = nbytes // 4
+            t = torch.full((n,), float(ctx.rank + 1))
+            dist.all_reduce(t)
+            t.div_(world)
+            ok = bool(torch.all(t == expected))
+            warm, iters = schedule(nbytes, world, scale)
+            for _ in range(warm):
+                dist.all_reduce(t)
+                t.div_(world)
+            times = np.empty(iters, np.float64)
+            dist.barrier()
+            for i in range(iters):
+                t0 = time.perf_counter_ns()
+                dist.all_reduce(t)
+                t.div_(world)
+                times[i] = time.perf_counter_ns() - t0
+            ok = ok and bool(torch.all(t == expected))
+            results.append(("gloo", nbytes, times, ok))
+            del t
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return results
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_gloo(world, sizes, scale) -> list[dict]:
+    from flodl_shm import spawn
+
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    per_rank = spawn(_gloo_worker, world, (sizes, scale, init), timeout=600)
+    out = []
+    for i, (method, nbytes, _, _) in enumerate(per_rank[0]):
+        times = np.max(np.stack([r[i][2] for r in per_rank]), axis=0)
+        out.append(summarize(method, world, nbytes, times, all(r[i][3] for r in per_rank)))
+    return out
+
+
+# --- OpenMPI ------------------------------------------------------------------------
+
+def mpi_available() -> tuple[bool, str]:
+    if shutil.which("mpirun") is None:
+        return False, "mpirun not found (apt install openmpi-bin libopenmpi-dev)"
+    probe = subprocess.run([sys.executable, "-c", "import mpi4py"], capture_output=True)
+    if probe.returncode != 0:
+        return False, "mpi4py not installed (pip install mpi4py)"
+    return True, ""
+
+
+def _mpi_worker_main(sizes, scale) -> None:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    inv = np.float32(1.0 / world)
+    expected = np.float32((world + 1) / 2.0)
+    for nbytes in sizes:
+        buf = np.full(nbytes // 4, rank + 1, dtype=np.float32)
+
+        def avg():
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            np.multiply(buf, inv, out=buf)
+
+        avg()
+        ok = bool(np.all(buf == expected))
+        warm, iters = schedule(nbytes, world, scale)
+        for _ in range(warm):
+            avg()
+        times = np.empty(iters, np.float64)
+        comm.Barrier()
+        for i in range(iters):
+            t0 = time.perf_counter_ns()
+            avg()
+            times[i] = time.perf_counter_ns() - t0
+        ok = ok and bool(np.all(buf == expected))
+        tmax = np.empty_like(times)
+        comm.Reduce(times, tmax, op=MPI.MAX, root=0)
+        allok = comm.allreduce(ok, op=MPI.LAND)
+        if rank == 0:
+            print("RESULT " + json.dumps(summarize("mpi", world, nbytes, tmax, allok)), flush=True)
+        del buf
+    comm.Barrier()
+
+
+def bench_mpi(world, sizes, scale) -> list[dict]:
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np",
+           str(world), sys.executable, os.path.abspath(__file__), "--mpi-worker",
+           "--sizes", ",".join(map(str, sizes)), "--iter-scale", str(scale)]
+    env = dict(os.environ, OMPI_MCA_btl_vader_single_copy_mechanism="cma")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+    out = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 and not out:
+        print(f"  mpirun failed ({proc.returncode}): {proc.stderr.strip()[-300:]}", file=sys.stderr)
+    return out
+
+
+# --- report -------------------------------------------------------------------------
+
+def parse_size(s: str) -> int:
+    s = s.strip()
+    for suf, mul in (("KiB", KiB), ("MiB", MiB), ("GiB", 1 << 30)):
+        if s.endswith(suf):
+            return int(float(s[:-len(suf)]) * mul)
+    return int(s)
+
+
+def table(results: list[dict], world: int, methods: list[str], memcpy: dict) -> str:
+    rows = [r for r in results if r["world"] == world]
+    sizes = sorted({r["bytes"] for r in rows})
+    present = [m for m in methods if any(r["method"] == m for r in rows)]
+    head = "| size | " + " | ".join(LABELS[m] for m in present) + " |"
+    lines = [head, "|---:|" + "---:|" * len(present)]
+    for nbytes in sizes:
+        cells = []
+        for m in present:
+            r = next((x for x in rows if x["method"] == m and x["bytes"] == nbytes), None)
+            if r is None:
+                cells.append("—")
+                continue
+            ratio = r["median_us"] / memcpy[nbytes] if nbytes in memcpy else float("nan")
+            flag = "" if r["correct"] else " (WRONG)"
+            cells.append(f"{r['median_us']:,.1f} µs / {r['algbw_GBps']:.2f} GB/s / "
+                         f"{ratio:,.1f}×{flag}")
+        lines.append(f"| {human(nbytes)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds = sorted({r["world"] for r in results if r["world"] > 1})
+    fig, axes = plt.subplots(1, len(worlds), figsize=(6.5 * len(worlds), 4.8), squeeze=False)
+    memcpy = sorted((r["bytes"], r["algbw_GBps"]) for r in results if r["method"] == "memcpy")
+    for ax, world in zip(axes[0], worlds):
+        for m in ["shm-zc", "shm-copy", "shm-zc-bf16", "shm-copy-bf16", "mpi", "gloo"]:
+            pts = sorted((r["bytes"], r["algbw_GBps"]) for r in results
+                         if r["method"] == m and r["world"] == world)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=LABELS[m],
+                        linestyle="--" if m in ("mpi", "gloo") else "-")
+        if memcpy:
+            ax.plot([p[0] for p in memcpy], [p[1] for p in memcpy], color="grey", linestyle=":",
+                    label=LABELS["memcpy"])
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks([p[0] for p in memcpy] or SIZES)
+        ax.set_xticklabels([human(p[0]) for p in memcpy] or [human(s) for s in SIZES])
+        title = f"world {world}" + (" (oversubscribed: > cores)" if world > os.cpu_count() else "")
+        ax.set_title(f"float32 all-reduce average, {title}")
+        ax.set_xlabel("buffer size")
+        ax.set_ylabel("algorithmic bandwidth (GB/s)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)),
+                    help="comma-separated sizes (bytes or 4KiB/64MiB)")
+    ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--methods", default="all",
+                    help="comma list of memcpy,shm-copy,shm-zc,shm-copy-bf16,shm-zc-bf16,gloo,mpi")
+    ap.add_argument("--iter-scale", type=float, default=1.0)
+    ap.add_argument("--quick", action="store_true", help="tiny schedule (smoke test)")
+    ap.add_argument("--json", help="append RESULT records to this JSONL file")
+    ap.add_argument("--plot", help="write a bandwidth-vs-size PNG (needs matplotlib)")
+    ap.add_argument("--mpi-worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    scale = 0.05 if args.quick else args.iter_scale
+    if args.mpi_worker:
+        _mpi_worker_main(sizes, scale)
+        return 0
+    worlds = [int(w) for w in args.worlds.split(",")]
+    methods = (["memcpy", *SHM_METHODS, "gloo", "mpi"] if args.methods == "all"
+               else args.methods.split(","))
+    print(f"# host: {os.cpu_count()} cores; sizes {', '.join(human(s) for s in sizes)}; "
+          f"worlds {worlds}; iteration scale {scale}", flush=True)
+    results = []
+    if "memcpy" in methods:
+        results += bench_memcpy(sizes, scale)
+    have_mpi, why = mpi_available()
+    for world in worlds:
+        shm = [m for m in methods if m in SHM_METHODS]
+        if shm:
+            print(f"# flodl_shm, world {world} ...", flush=True)
+            results += bench_shm(world, sizes, shm, scale)
+        if "gloo" in methods:
+            print(f"# gloo, world {world} ...", flush=True)
+            results += bench_gloo(world, sizes, scale)
+        if "mpi" in methods:
+            if have_mpi:
+                print(f"# OpenMPI, world {world} ...", flush=True)
+                results += bench_mpi(world, sizes, scale)
+            else:
+                print(f"# OpenMPI skipped: {why}", flush=True)
+    memcpy = {r["bytes"]: r["median_us"] for r in results if r["method"] == "memcpy"}
+    for world in worlds:
+        over = " — OVERSUBSCRIBED (more ranks than cores)" if world > os.cpu_count() else ""
+        print(f"\n## world {world}{over}\nCell = median µs / algorithmic GB/s / × one memcpy\n")
+        print(table(results, world, [m for m in LABELS if m != "memcpy"], memcpy))
+    if memcpy:
+        print("\nmemcpy: " + ", ".join(f"{human(b)} {us:,.2f} µs" for b, us in sorted(memcpy.items())))
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in results:
+                f.write("RESULT " + json.dumps(r) + "\n")
+    if args.plot:
+        plot(results, args.plot)
+        print(f"\nplot written to {args.plot}")
+    bad = [r for r in results if not r["correct"]]
+    if bad:
+        print(f"\nWRONG RESULTS: {[(r['method'], r['world'], r['bytes']) for r in bad]}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
