@@ -208,32 +208,40 @@ def reduce_reference(srcs: list[np.ndarray], inv: float) -> np.ndarray:
     return total * np.float32(inv)
 
 
+N, START, STOP = 1000, 13, 977
+
+
+@pytest.mark.parametrize("nsrc", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("chunk", [1, 7, 4096])
+def test_reduce_f32_matches_reference(nsrc: int, chunk: int) -> None:
+    """Every source-count path: one fused loop up to 4 sources, then folds."""
+    inv = 1.0 / (nsrc + 0.5)
+    f = [f32_values(N, with_specials=False) for _ in range(nsrc)]
+    out = np.full(N, np.float32(-7.0))
+    kernels.reduce_f32(tuple(f), out, START, STOP, inv, np.empty(chunk, np.float32))
+    assert same_bits(out[START:STOP], reduce_reference([x[START:STOP] for x in f], inv))
+    assert (out[:START] == -7.0).all() and (out[STOP:] == -7.0).all()
+
+
+# The source-count paths are shared with f32 (same loops, dtype-generic loads and
+# stores), so bf16 is pinned on the two shapes: fused (<= 4) and folded (> 4).
 @pytest.mark.parametrize("nsrc", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("chunk", [1, 7, 4096])
-def test_reduce_all_dtypes_match_reference(nsrc: int, chunk: int) -> None:
-    n, start, stop = 1000, 13, 977
+def test_reduce_bf16_matches_reference(nsrc: int, chunk: int) -> None:
     inv = 1.0 / (nsrc + 0.5)
-    f = [f32_values(n, with_specials=False) for _ in range(nsrc)]
-    h = [to_bf16_bits(x) for x in f]
+    h = [to_bf16_bits(f32_values(N, with_specials=False)) for _ in range(nsrc)]
     acc, tmp = np.empty(chunk, np.float32), np.empty(chunk, np.float32)
-    sentinel32, sentinel16 = np.float32(-7.0), np.uint16(0xDEAD)
+    want = reduce_reference([widen(x[START:STOP]) for x in h], inv)
 
-    out = np.full(n, sentinel32)
-    kernels.reduce_f32(tuple(f), out, start, stop, inv, acc)
-    want = reduce_reference([x[start:stop] for x in f], inv)
-    assert same_bits(out[start:stop], want)
-    assert (out[:start] == sentinel32).all() and (out[stop:] == sentinel32).all()
+    out = np.full(N, np.float32(-7.0))
+    kernels.reduce_bf16_to_f32(tuple(h), out, START, STOP, inv, acc, tmp)
+    assert same_bits(out[START:STOP], want)
+    assert (out[:START] == -7.0).all() and (out[STOP:] == -7.0).all()
 
-    widened = [widen(x[start:stop]) for x in h]
-    out = np.full(n, sentinel32)
-    kernels.reduce_bf16_to_f32(tuple(h), out, start, stop, inv, acc, tmp)
-    assert same_bits(out[start:stop], reduce_reference(widened, inv))
-    assert (out[:start] == sentinel32).all() and (out[stop:] == sentinel32).all()
-
-    out16 = np.full(n, sentinel16)
-    kernels.reduce_bf16(tuple(h), out16, start, stop, inv, acc, tmp)
-    assert same_bits(out16[start:stop], to_bf16_bits(reduce_reference(widened, inv)))
-    assert (out16[:start] == sentinel16).all() and (out16[stop:] == sentinel16).all()
+    out16 = np.full(N, np.uint16(0xDEAD))
+    kernels.reduce_bf16(tuple(h), out16, START, STOP, inv, acc, tmp)
+    assert same_bits(out16[START:STOP], to_bf16_bits(want))
+    assert (out16[:START] == 0xDEAD).all() and (out16[STOP:] == 0xDEAD).all()
 
 
 def test_reduce_output_may_alias_a_source() -> None:

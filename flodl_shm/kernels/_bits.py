@@ -12,27 +12,24 @@ from numba import types
 from numba.extending import intrinsic
 
 
-@intrinsic
-def f32_bits(typingctx, x):
-    """The IEEE-754 bits of a float32 scalar, as uint32 (a no-op reinterpretation)."""
-    if x != types.float32:
-        return None
-    sig = types.uint32(x)
+def _bitcast(src, dst, name: str, doc: str):
+    """An intrinsic reinterpreting a ``src`` scalar as ``dst`` (same width)."""
 
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.uint32))
+    def typer(typingctx, x):
+        if x != src:
+            return None
 
-    return sig, codegen
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], context.get_value_type(dst))
+
+        return dst(x), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    typer.__doc__ = doc
+    return intrinsic(typer)
 
 
-@intrinsic
-def bits_f32(typingctx, b):
-    """The float32 whose IEEE-754 bits are the uint32 ``b`` (a no-op reinterpretation)."""
-    if b != types.uint32:
-        return None
-    sig = types.float32(b)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.float32))
-
-    return sig, codegen
+f32_bits = _bitcast(types.float32, types.uint32, "f32_bits",
+                    "The IEEE-754 bits of a float32 scalar, as uint32 (a no-op reinterpretation).")
+bits_f32 = _bitcast(types.uint32, types.float32, "bits_f32",
+                    "The float32 whose IEEE-754 bits are the uint32 ``b`` (a no-op reinterpretation).")

@@ -100,42 +100,81 @@ def finalize_bf16(acc, out, inv, scratch):
 # ``[start, stop)`` is the element range this call reduces; ``inv`` the f32
 # reciprocal of the accepted mass (1.0 for plain sums). The sum is
 # ((s0 + s1) + s2) + ... in f32, then one multiply by inv, then (bf16 output) one
-# rounding. ``acc`` is an f32 scratch of any length >= 1 (L1-sized is best); the
-# range is walked in chunks of its length and, per chunk, one source at a time.
+# rounding. ``acc`` is an f32 scratch of any length >= 1 (L1-sized is best): the
+# range is walked in chunks of its length.
 #
-# Every inner loop indexes a freshly sliced array from 0: numba's negative-index
-# wraparound check on ``a[start + i]`` stops LLVM from vectorising (measured 5x
-# slower), while ``a[start:stop][i]`` with ``i`` in ``range(m)`` vectorises.
+# Shape, measured on 2-core EPYC (notes/perf-probe.md, BENCHMARKS.md):
+# - up to four sources are summed in ONE loop (o = (((a + b) + c) + d) * inv):
+#   four input streams in flight at once keep the memory system busy, where one
+#   pass per source over a chunk ran 1.5-2x slower at 64 MiB;
+# - beyond four, the first four go to ``acc``, later sources are folded in
+#   three at a time, and the last one to three are summed with ``acc`` straight
+#   into the output;
+# - every inner loop indexes a freshly sliced array from 0: numba's negative-index
+#   wraparound check on ``a[start + i]`` stops LLVM from vectorising (5x slower).
+
+
+@njit(nogil=True)
+def _emit1(o, a, f):
+    for i in range(o.shape[0]):
+        store(o, i, load(a, i) * f)
+
+
+@njit(nogil=True)
+def _emit2(o, a, b, f):
+    for i in range(o.shape[0]):
+        store(o, i, (load(a, i) + load(b, i)) * f)
+
+
+@njit(nogil=True)
+def _emit3(o, a, b, c, f):
+    for i in range(o.shape[0]):
+        store(o, i, ((load(a, i) + load(b, i)) + load(c, i)) * f)
+
+
+@njit(nogil=True)
+def _emit4(o, a, b, c, d, f):
+    for i in range(o.shape[0]):
+        store(o, i, (((load(a, i) + load(b, i)) + load(c, i)) + load(d, i)) * f)
+
+
+@njit(nogil=True)
+def _fold3(acc, a, b, c):
+    for i in range(acc.shape[0]):
+        acc[i] = ((acc[i] + load(a, i)) + load(b, i)) + load(c, i)
 
 
 @njit(nogil=True)
 def _reduce(srcs, out, start, stop, inv, acc):
     f = np.float32(inv)
+    one = np.float32(1.0)
     nsrc = len(srcs)
     ch = acc.shape[0]
     for c0 in range(start, stop, ch):
         c1 = min(c0 + ch, stop)
-        m = c1 - c0
         o = out[c0:c1]
-        s0 = srcs[0][c0:c1]
         if nsrc == 1:
-            for i in range(m):
-                store(o, i, load(s0, i) * f)
-            continue
-        s1 = srcs[1][c0:c1]
-        if nsrc == 2:
-            for i in range(m):
-                store(o, i, (load(s0, i) + load(s1, i)) * f)
-            continue
-        for i in range(m):
-            acc[i] = load(s0, i) + load(s1, i)
-        for k in range(2, nsrc - 1):
-            sk = srcs[k][c0:c1]
-            for i in range(m):
-                acc[i] += load(sk, i)
-        sl = srcs[nsrc - 1][c0:c1]
-        for i in range(m):
-            store(o, i, (acc[i] + load(sl, i)) * f)
+            _emit1(o, srcs[0][c0:c1], f)
+        elif nsrc == 2:
+            _emit2(o, srcs[0][c0:c1], srcs[1][c0:c1], f)
+        elif nsrc == 3:
+            _emit3(o, srcs[0][c0:c1], srcs[1][c0:c1], srcs[2][c0:c1], f)
+        elif nsrc == 4:
+            _emit4(o, srcs[0][c0:c1], srcs[1][c0:c1], srcs[2][c0:c1], srcs[3][c0:c1], f)
+        else:
+            a = acc[: c1 - c0]
+            _emit4(a, srcs[0][c0:c1], srcs[1][c0:c1], srcs[2][c0:c1], srcs[3][c0:c1], one)
+            k = 4
+            while nsrc - k > 3:
+                _fold3(a, srcs[k][c0:c1], srcs[k + 1][c0:c1], srcs[k + 2][c0:c1])
+                k += 3
+            left = nsrc - k
+            if left == 1:
+                _emit2(o, a, srcs[k][c0:c1], f)
+            elif left == 2:
+                _emit3(o, a, srcs[k][c0:c1], srcs[k + 1][c0:c1], f)
+            else:
+                _emit4(o, a, srcs[k][c0:c1], srcs[k + 1][c0:c1], srcs[k + 2][c0:c1], f)
 
 
 @njit(cache=True, nogil=True)
