@@ -50,13 +50,19 @@ from .frame import (
 )
 from .kernels import codec as K
 from .kernels import tensorio as TIO
+from .hostmem import HostMemory, host_memory
 from .protocol import RoundEngine, frame_layout, schema_hash, schema_words
+from .staging import (  # noqa: F401 - the slot constants are part of this module's API too
+    DECODE_SLOT_BUFFERS,
+    DECODE_SLOT_PARAMS,
+    DecodeStaging,
+    StagingDecision,
+    check_slot,
+    decide_pinned_decode,
+)
 from .waiting import spin_iterations
 
 logger = logging.getLogger("flodl_shm")
-
-DECODE_SLOT_PARAMS = 0
-DECODE_SLOT_BUFFERS = 1
 
 _SCRATCH = 4096
 
@@ -73,7 +79,7 @@ class Comm:
     def __init__(self, arena: A.Arena, local_rank: int, *, global_rank: int | None = None,
                  world_size: int | None = None, timeout: float | None = None,
                  liveness: Callable[[], None] | None = None,
-                 spin_iters: int | None = None) -> None:
+                 spin_iters: int | None = None, memory: HostMemory | None = None) -> None:
         if not 0 <= local_rank < arena.world:
             raise ValueError(f"local_rank {local_rank} must be < local world size {arena.world}")
         self.arena = arena
@@ -91,7 +97,11 @@ class Comm:
         self._bf16 = False
         self._pinned = False
         self._armed: int | None = None
-        self._staging: dict[int, torch.Tensor] = {}
+        self._staging = DecodeStaging()
+        self._gate: StagingDecision | None = None
+        # the RAM gate budgets against what was available at rank start, before the
+        # run's own working set (spec §5)
+        self._mem_at_start = memory
         eager_out = np.empty(arena.eager_bytes, np.uint8)
         self._eager_f32 = eager_out.view(np.float32)
         self._eager_u16 = eager_out.view(np.uint16)
@@ -116,10 +126,18 @@ class Comm:
         self._bf16 = bool(on)
 
     def set_pinned_decode(self, on: bool) -> None:
-        """Enable slot-tagged reusable decode staging (see module doc)."""
+        """Enable slot-tagged reusable decode staging (see module doc), subject to the
+        RAM gate: at the first armed decode, ``decide_pinned_decode`` budgets six model
+        copies per local rank against the memory available at rank start and logs its
+        decision at INFO; when it refuses, armed replies decode into fresh memory."""
         self._pinned = bool(on)
         if not on:
             self._armed = None
+
+    @property
+    def staging_decision(self) -> StagingDecision | None:
+        """The RAM gate's decision (None until the first armed decode)."""
+        return self._gate
 
     @property
     def pinned_decode(self) -> bool:
@@ -128,8 +146,9 @@ class Comm:
     def arm_pinned_decode(self, slot: int) -> None:
         """Decode the NEXT MODEL reply into ``slot``'s staging (one shot; no-op when
         pinned decode is off)."""
+        slot = check_slot(slot)
         if self._pinned:
-            self._armed = int(slot)
+            self._armed = slot
 
     def set_fault_hook(self, hook: Callable[[str, int], None] | None) -> None:
         """Tests only: call ``hook(phase, round)`` at the fault-injection points
@@ -397,12 +416,16 @@ class Comm:
 
     def _decode(self, cons: np.ndarray, dtype: int, shapes, armed: int | None) -> list[torch.Tensor]:
         offs, numels, nelem = frame_layout(shapes)
+        flat = None
         if armed is not None:
-            flat = self._staging.get(armed)
-            if flat is None or flat.numel() != nelem:
-                flat = _staging_buffer(nelem)
-                self._staging[armed] = flat
-        else:
+            if self._gate is None:
+                if self._mem_at_start is None:
+                    self._mem_at_start = host_memory()
+                self._gate = decide_pinned_decode(nelem * 4, self.local_world_size,
+                                                  self._mem_at_start)
+            if self._gate.enabled:
+                flat = self._staging.buffer(armed, nelem)
+        if flat is None:
             flat = torch.from_numpy(np.empty(nelem, np.float32))
         dst = flat.numpy()
         if dtype == DTYPE_F32:
@@ -442,18 +465,6 @@ def _getpid() -> int:
     import os
 
     return os.getpid()
-
-
-def _staging_buffer(nelem: int) -> torch.Tensor:
-    """A reusable f32 decode buffer: page-locked when CUDA is available (so
-    ``.to(device, non_blocking=True)`` is truly asynchronous), else plain memory."""
-    if torch.cuda.is_available():
-        try:
-            return torch.empty(nelem, dtype=torch.float32, pin_memory=True)
-        except RuntimeError as e:  # pinning can fail under memlock limits
-            logger.warning("pinned decode staging: page-locking %d bytes failed (%s); "
-                           "using pageable memory", nelem * 4, e)
-    return torch.empty(nelem, dtype=torch.float32)
 
 
 _F32 = torch.float32

@@ -22,11 +22,13 @@ rank still joins every round.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import logging
 
 logger = logging.getLogger("flodl_shm")
 
-__all__ = ["gamma_mass", "is_realized", "mover_mass"]  # + "sumcount_reduce" (lead)
+__all__ = ["gamma_mass", "is_realized", "mover_mass", "sumcount_reduce"]
 
 
 def gamma_mass(n: int, gamma: float) -> float:
@@ -74,10 +76,30 @@ def is_realized(mass: float) -> bool:
 
 
 # ---------------------------------------------------------------------------
-# sumcount_reduce(comm, tensors, weight, slot)
-#
-# RESERVED: written by the lead against the collective layer (Comm). It is the
-# rank-side consumer of the algebra above: pre-scale by `weight`, reduce through
-# the Comm, keep local state when the accepted mass is not realized. Do not
-# implement it here.
+# The rank-side consumer of the algebra above
 # ---------------------------------------------------------------------------
+
+
+def sumcount_reduce(comm, tensors: Sequence, weight: float, slot: int) -> list:
+    """Reduce ``tensors`` weighted by this rank's mass; keep them when nothing was realized.
+
+    Pre-scales by ``weight`` (fused into the copy into shared memory), ships the mass
+    in the same contribution, and returns the consensus Σ(wᵣ·Tᵣ)/Σwᵣ over exactly the
+    accepted contributions - the divisor travels with the sum, so the two can never
+    disagree. When the accepted mass is not positive (every rank idle, or all
+    contributors dead) it returns the caller's ORIGINAL tensors: keep local state.
+
+    Args:
+        comm: the rank's ``Comm``.
+        tensors: float32 / bfloat16 tensors (params, or the floating-point buffers).
+        weight: this rank's mass (``gamma_mass`` for params, ``mover_mass`` for buffers).
+        slot: the decode staging slot (``DECODE_SLOT_PARAMS`` / ``DECODE_SLOT_BUFFERS``);
+            armed before the reduce, a no-op unless pinned decode is enabled.
+    """
+    from .frame import RoundKind
+
+    comm.arm_pinned_decode(slot)
+    consensus, mass = comm.all_reduce_scaled(tensors, weight, RoundKind.MODEL, weight)
+    if not is_realized(mass):
+        return list(tensors)
+    return consensus

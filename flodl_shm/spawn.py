@@ -39,7 +39,8 @@ from typing import Any, Callable, Sequence
 
 from . import arena as A
 from .errors import CohortAborted, RankFailed
-from .segment import reap_dead_owner_segments, shm_free_bytes, space_error
+from .hostmem import host_memory
+from .segment import reap_dead_owner_segments, space_error
 from .waiting import Doorbell, available_cores
 
 logger = logging.getLogger("flodl_shm")
@@ -127,7 +128,7 @@ def _on_sigterm(signum, frame):
 
 def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_size: int,
                payload: bytes, conn, parent_pid: int, timeout: float | None,
-               save_path: str | None, threads: int) -> None:
+               save_path: str | None, threads: int, pinned_decode: bool) -> None:
     """Entry point of a rank process (runs under multiprocessing's spawn)."""
     _set_pdeathsig()
     if os.getppid() != parent_pid:  # the launcher died before we could ask to follow it
@@ -153,9 +154,13 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
                 raise CohortAborted(f"the launcher (pid {parent_pid}) died; rank {global_rank} "
                                     f"stops")
 
+        from .hostmem import host_memory
+
+        memory = host_memory()  # before the run's own working set (the staging gate)
         arena = Arena.attach(handle)
         comm = Comm(arena, local_rank, global_rank=global_rank, world_size=world_size,
-                    timeout=timeout, liveness=liveness)
+                    timeout=timeout, liveness=liveness, memory=memory)
+        comm.set_pinned_decode(pinned_decode)
         fn, args = pickle.loads(payload)
         ctx = RankContext(global_rank, local_rank, world_size, handle.world, comm, save_path)
         result = fn(ctx, *args)
@@ -201,8 +206,10 @@ class SpawnContext:
 
     def __init__(self, fn, nprocs: int, args: Sequence, *, world_size: int, first_rank: int,
                  max_failures: int, timeout: float | None, save_path: str | None,
-                 start_method: str, eager_bytes: int, relay_factory) -> None:
+                 start_method: str, eager_bytes: int, relay_factory,
+                 pinned_decode: bool = True) -> None:
         self.nprocs = nprocs
+        self.pinned_decode = pinned_decode
         self.world_size = world_size
         self.first_rank = first_rank
         self.max_failures = max_failures
@@ -273,7 +280,7 @@ class SpawnContext:
                         target=_rank_main, name=f"flodl-shm-rank{self.first_rank + r}",
                         args=(self.arena.handle, r, self.first_rank + r, self.world_size,
                               self._payload, child_conn, os.getpid(), self.timeout,
-                              self.save_path, threads),
+                              self.save_path, threads, self.pinned_decode),
                         daemon=False)
                     p.start()
                     child_conn.close()
@@ -426,7 +433,8 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
           first_rank: int = 0, salt: bytes | None = None, max_failures: int = 0,
           timeout: float | None = None, save_path: str | os.PathLike | None = None,
           start_method: str = "spawn", eager_bytes: int = A.DEFAULT_EAGER_BYTES,
-          shm_bytes_hint: int | None = None) -> list[Any] | SpawnContext:
+          shm_bytes_hint: int | None = None,
+          pinned_decode: bool = True) -> list[Any] | SpawnContext:
     """Run ``fn(ctx, *args)`` on ``nprocs`` new rank processes of this host.
 
     Args:
@@ -445,6 +453,9 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
         eager_bytes: contributions up to this size take the one-sync eager path.
         shm_bytes_hint: expected frame size in bytes; when given, /dev/shm is checked
             up front for the whole arena instead of at the first large round.
+        pinned_decode: let ranks reuse (page-locked when CUDA is available) decode
+            staging for armed replies; each rank's RAM gate still decides at its first
+            armed decode and logs the decision at INFO.
 
     Returns:
         With ``join=True``, the return values by local rank (``None`` for a dead rank).
@@ -468,9 +479,10 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
         raise ValueError(f"spawn: ranks {first_rank}..{first_rank + nprocs - 1} do not fit "
                          f"world_size {world}")
     if shm_bytes_hint:
+        reap_dead_owner_segments()  # leaked segments must not fail the check needlessly
         need = A.shm_need_bytes(nprocs, int(shm_bytes_hint), eager_bytes=eager_bytes,
                                 relay=controller is not None)
-        free = shm_free_bytes()
+        free = host_memory().shm_free
         if need > free:
             raise space_error(need, free, f"the host arena for {nprocs} ranks with "
                                           f"{shm_bytes_hint}-byte frames")
@@ -483,7 +495,7 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
                        max_failures=max_failures, timeout=timeout,
                        save_path=None if save_path is None else os.fspath(save_path),
                        start_method=start_method, eager_bytes=eager_bytes,
-                       relay_factory=relay_factory)
+                       relay_factory=relay_factory, pinned_decode=pinned_decode)
     if not join:
         return ctx
     return _join_with_signals(ctx)
