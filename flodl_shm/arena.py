@@ -18,6 +18,13 @@ Segments (names ``fshm_<owner pid>_<session>_<what>``):
 ``res``
     The bulk result region: the consensus of a large round (and, on a cluster,
     the host partial the relay ships). Grown by whichever rank needs it first.
+``out``
+    The outer optimizer's state (single host): previous global and momentum, f32,
+    double-buffered by outer-step parity so a slice taken over from a dead rank is
+    recomputed from untouched inputs. Grown by the slice reducers.
+``tap``
+    The checkpoint mailbox: a rank posts a consensus frame (and momentum) there
+    for the owner's checkpoint forge (``tap.py``).
 
 Control block: an int64 word array. Words are grouped so that words written by
 different processes never share a 64-byte cache line:
@@ -59,7 +66,10 @@ G_RELAY_ERROR = 34    # nonzero: the relay failed (code); ranks raise
 G_RESULT_CAP = 40     # current byte size the result segment was grown to
 G_FIRST_RANK = 41     # global rank of local rank 0
 G_GLOBAL_WORLD = 42   # cohort world size
-GLOBAL_WORDS = 48
+G_OUTER_NELEM = 43    # elements of the outer-optimizer state (0: none yet)
+G_TAP_SEQ = 48        # futex word (low 32 bits): checkpoint messages posted to the owner
+G_TAP_ACK = 56        # last checkpoint message the owner consumed
+GLOBAL_WORDS = 64
 
 ABORT_NONE = 0
 ABORT_FAILED = 1      # a rank failed beyond max_failures
@@ -94,6 +104,9 @@ DEAD_EXITED = 2       # returned from its function: it will make no further call
 FLAG_ELIDED = 1       # contributes nothing (a non-root broadcast participant)
 FLAG_BULK = 2         # payload is in d<r> (else in the eager slot of this parity)
 FLAG_ZERO_COPY = 4    # filled in place through the zero-copy API
+FLAG_OUTER = 8        # the params round of a window: the outer optimizer steps it
+FLAG_TAP = 16         # captured for a consensus checkpoint
+FLAGS_AGREED = FLAG_BULK | FLAG_OUTER | FLAG_TAP  # every rank of a round must agree
 
 DEFAULT_EAGER_BYTES = 256 << 10
 MAX_LOCAL_RANKS = 63  # accepted/contributor sets travel as 64-bit masks
@@ -177,6 +190,8 @@ class Arena:
                                     count=2 * self.world * self.eager_bytes)
         self._result_view: np.ndarray | None = None
         self._data_views: list[np.ndarray | None] = [None] * self.world
+        self._extra: dict[str, Segment] = {}
+        self._extra_views: dict[str, np.ndarray] = {}
 
     # -- life cycle -------------------------------------------------------------
     @classmethod
@@ -203,6 +218,9 @@ class Arena:
             made.append(ctl)
             result = Segment.create(handle.name("res"), _PAGE)
             made.append(result)
+            for what in ("out", "tap"):
+                made.append(Segment.create(handle.name(what), _PAGE))
+                made[-1].close()
             data = []
             for r in range(world):
                 seg = Segment.create(handle.name(f"d{r}"), _PAGE)
@@ -251,7 +269,8 @@ class Arena:
         """Drop this process's mappings (views still held keep their pages)."""
         self._result_view = None
         self._data_views = [None] * self.world
-        for seg in [self._ctl_seg, self._result_seg, *self._data]:
+        self._extra_views = {}
+        for seg in [self._ctl_seg, self._result_seg, *self._data, *self._extra.values()]:
             if seg is not None:
                 seg.close()
 
@@ -259,8 +278,8 @@ class Arena:
         """Owner only: remove every segment name of this arena from /dev/shm."""
         from .segment import unlink_name
 
-        unlink_name(self.handle.name("ctl"))
-        unlink_name(self.handle.name("res"))
+        for what in ("ctl", "res", "out", "tap"):
+            unlink_name(self.handle.name(what))
         for r in range(self.world):
             unlink_name(self.handle.name(f"d{r}"))
 
@@ -326,6 +345,31 @@ class Arena:
             self._result_view = view
         return view
 
+    # -- outer state and checkpoint mailbox -----------------------------------------------
+    def _growable(self, what: str) -> Segment:
+        seg = self._extra.get(what)
+        if seg is None:
+            seg = Segment.attach(self.handle.name(what))
+            self._extra[what] = seg
+        return seg
+
+    def extra_view(self, what: str, nbytes: int, *, grow: bool = True) -> np.ndarray:
+        """A byte view of the ``out`` or ``tap`` segment covering ``nbytes`` (grown with a
+        deterministic target when ``grow``; otherwise re-mapped if a peer grew it)."""
+        seg = self._growable(what)
+        view = self._extra_views.get(what)
+        if view is None or view.shape[0] < nbytes:
+            if seg.nbytes < nbytes:
+                seg.refresh()
+            if seg.nbytes < nbytes:
+                if not grow:
+                    raise RuntimeError(f"segment {seg.name} holds {seg.nbytes} bytes, "
+                                       f"{nbytes} expected")
+                seg.reserve(result_target(nbytes))
+            view = np.frombuffer(seg.buf, dtype=np.uint8)
+            self._extra_views[what] = view
+        return view
+
     # -- helpers -------------------------------------------------------------------
     def header(self, rank: int, rnd: int) -> np.ndarray:
         b = header_base(rank, rnd)
@@ -338,7 +382,7 @@ class Arena:
         return [r for r in range(self.world) if self.is_dead(r)]
 
     def segment_names(self) -> list[str]:
-        names = [self.handle.name("ctl"), self.handle.name("res")]
+        names = [self.handle.name(w) for w in ("ctl", "res", "out", "tap")]
         names += [self.handle.name(f"d{r}") for r in range(self.world)]
         return names
 

@@ -49,7 +49,10 @@ from .frame import (
     elem_size,
 )
 from .kernels import codec as K
+from .kernels import sync
 from .kernels import tensorio as TIO
+from .tap import post as tap_post
+from .waiting import Waiter
 from .hostmem import HostMemory, host_memory
 from .protocol import RoundEngine, frame_layout, schema_hash, schema_words
 from .staging import (  # noqa: F401 - the slot constants are part of this module's API too
@@ -111,6 +114,9 @@ class Comm:
         self._slot_schema: dict = {}
         self._zero_copy: tuple | None = None
         self._zc_inputs: tuple | None = None
+        self._outer_installed = False
+        self._ckpt: dict | None = None
+        self._ckpt_cycle = 0
         arena.ctl[A.rank_base(local_rank) + A.R_PID] = _getpid()
 
     # -- settings ----------------------------------------------------------------
@@ -150,6 +156,85 @@ class Comm:
         if self._pinned:
             self._armed = slot
 
+    # -- outer optimizer and checkpoints ------------------------------------------
+    def set_outer(self, outer) -> None:
+        """Install the outer optimizer stepped on every round sent with ``outer=True``.
+
+        On a single host each rank steps the slice of the params frame it reduces,
+        with the previous global and the momentum kept in shared memory (never the
+        whole model on every rank); on a cluster the controller steps it. Every rank
+        must install the same optimizer. ``None`` or a stateless ``OuterAvg`` makes
+        ``outer=True`` a plain reduce.
+        """
+        stateful = outer is not None and getattr(outer, "has_momentum", False)
+        self._engine.outer = outer if stateful else None
+        self._outer_installed = stateful
+
+    def load_outer_momentum(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Restore the outer momentum (``load_outer_momentum``'s tensors, in params
+        order) before the first outer round after a resume."""
+        flat = [t.detach().reshape(-1).to(torch.float32).numpy() for t in tensors]
+        self._engine.outer_loaded = np.concatenate(flat) if flat else np.empty(0, np.float32)
+        self._engine.outer_steps = 0
+
+    def outer_momentum(self) -> np.ndarray | None:
+        """A copy of the outer momentum after the last outer round (flat f32), or None."""
+        eng = self._engine
+        if eng.outer is None or eng.outer_steps == 0:
+            return None
+        return eng.outer_momentum().copy()
+
+    def arm_checkpoint(self, path, schema, meta=None) -> None:
+        """Capture the next MODEL rounds (the params frame, then the buffers frame: up to
+        ``schema.tensor_count()`` tensors) as a consensus checkpoint at ``path``.
+
+        Every rank must arm at the same point of its program. The frames go to the
+        arena owner's forge (``tap.py``), which writes ``path`` (and the outer
+        momentum next to it) off the training path, then ``meta`` (a
+        ``CheckpointMeta``) as the bundle's ``.meta.json`` commit marker. A round
+        whose accepted mass is 0 cancels the cycle (nothing was realized).
+        """
+        import os
+
+        self._ckpt_cycle += 1
+        self._ckpt = {
+            "cycle": self._ckpt_cycle, "part": 0, "path": os.fspath(path),
+            "param_names": list(schema.param_names), "buffer_names": list(schema.buffer_names),
+            "meta": None if meta is None else meta.to_dict(),
+            "remaining": schema.tensor_count(),
+        }
+
+    def _tap_round(self, rnd: int, dtype: int, shapes, cons: np.ndarray, mass: float,
+                   outer: bool) -> None:
+        ck = self._ckpt
+        if mass <= 0.0:
+            logger.info("checkpoint %s: round %d realized nothing (mass 0); cycle cancelled",
+                        ck["path"], rnd)
+            self._ckpt = None
+            return
+        lowest = (self._engine.last_accepted & -self._engine.last_accepted).bit_length() - 1
+        if lowest == self.local_rank:
+            momentum = None
+            if outer and self._engine.outer is not None:
+                momentum = self._engine.outer_momentum()
+            head = {k: v for k, v in ck.items() if k != "remaining"}
+            head.update(dtype=dtype, shapes=[list(s) for s in shapes], mass=mass, round=rnd,
+                        momentum_shapes=[list(s) for s in shapes] if momentum is not None else None)
+            tap_post(self.arena, self._engine.doorbell, head, cons, momentum,
+                     wait_ack=self._wait_tap_ack)
+        ck["part"] += 1
+        ck["remaining"] -= len(shapes)
+        if ck["remaining"] <= 0:
+            self._ckpt = None
+
+    def _wait_tap_ack(self, target: int) -> None:
+        ctl = self.arena.ctl
+        waiter = Waiter(self._engine.doorbell, self._engine.waiter.spin_iters, 300.0,
+                        self._engine.waiter.liveness)
+        waiter.wait(lambda it: sync.spin_word_ge(ctl, A.G_TAP_ACK, target, it),
+                    what="waiting for the owner to take the previous checkpoint frame",
+                    rnd=self._round - 1, missing_of=lambda: ("checkpoint owner",))
+
     def set_fault_hook(self, hook: Callable[[str, int], None] | None) -> None:
         """Tests only: call ``hook(phase, round)`` at the fault-injection points
         ("before_copy_in", "mid_copy_in", "arrived", "reduce", "mid_copy_out") so a
@@ -185,9 +270,14 @@ class Comm:
         return RoundFrame(out, mass, frame.kind)
 
     def all_reduce_scaled(self, tensors: Sequence[torch.Tensor], scale: float, kind=RoundKind.MODEL,
-                          weight: float = 1.0) -> tuple[list[torch.Tensor], float]:
+                          weight: float = 1.0, *, outer: bool = False
+                          ) -> tuple[list[torch.Tensor], float]:
         """Send ``tensors · scale`` (scale fused into the copy-in, bit-identical to
-        ``tensor.mul(scale)``) with mass ``weight``; returns (consensus, accepted mass)."""
+        ``tensor.mul(scale)``) with mass ``weight``; returns (consensus, accepted mass).
+
+        ``outer=True`` marks the params round of a window: the installed outer
+        optimizer (``set_outer``) steps the consensus into the new global before it is
+        returned (every rank must pass the same flag)."""
         kind = RoundKind(int(kind))
         dtype = self._wire_dtype(kind)
         shapes = self._check_tensors(tensors)
@@ -198,20 +288,22 @@ class Comm:
 
         armed = self._armed if kind == RoundKind.MODEL else None
         self._armed = None
-        cons, mass = self._run(int(kind), dtype, weight, shapes, write)
+        cons, mass = self._run(int(kind), dtype, weight, shapes, write,
+                               outer=outer and kind == RoundKind.MODEL)
         return self._decode(cons, dtype, shapes, armed), mass
 
     def all_reduce_weighted(self, tensors: Sequence[torch.Tensor], kind=RoundKind.MODEL,
-                            weight: float = 1.0) -> tuple[list[torch.Tensor], float]:
+                            weight: float = 1.0, *, outer: bool = False
+                            ) -> tuple[list[torch.Tensor], float]:
         """Tensors already scaled by the caller; returns (Σ/Σw, accepted mass Σw)."""
-        return self.all_reduce_scaled(tensors, 1.0, kind, weight)
+        return self.all_reduce_scaled(tensors, 1.0, kind, weight, outer=outer)
 
     def all_reduce_tensors(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Equal-weight mean over the accepted ranks."""
         return self.all_reduce_scaled(tensors, 1.0, RoundKind.MODEL, 1.0)[0]
 
     def all_reduce_(self, tensors: Sequence[torch.Tensor], *, weight: float = 1.0,
-                    scale: float = 1.0, kind=RoundKind.MODEL) -> float:
+                    scale: float = 1.0, kind=RoundKind.MODEL, outer: bool = False) -> float:
         """In place: replace each tensor by the consensus (like ``dist.all_reduce``).
 
         Contributes ``tensors · scale`` with mass ``weight``. When a MODEL round's
@@ -225,7 +317,8 @@ class Comm:
         def write(dst: np.ndarray, offs: list[int], numels: list[int]) -> None:
             self._encode(tensors, dst, offs, numels, dtype, float(scale))
 
-        cons, mass = self._run(int(kind), dtype, weight, shapes, write)
+        cons, mass = self._run(int(kind), dtype, weight, shapes, write,
+                               outer=outer and kind == RoundKind.MODEL)
         if kind == RoundKind.MODEL and mass <= 0.0:
             return mass
         plan = self._plan(int(kind), dtype, shapes)
@@ -325,8 +418,8 @@ class Comm:
 
     # -- the round ---------------------------------------------------------------
     def _run(self, kind: int, dtype: int, weight: float, shapes: list[tuple[int, ...]],
-             write: Callable | None, *, elided: bool = False,
-             zero_copy: bool = False) -> tuple[np.ndarray, float]:
+             write: Callable | None, *, elided: bool = False, zero_copy: bool = False,
+             outer: bool = False) -> tuple[np.ndarray, float]:
         """One collective round; returns (consensus in the wire dtype, accepted mass).
         The consensus array is only valid until this rank's next round."""
         if self._broken is not None:
@@ -337,7 +430,10 @@ class Comm:
         eng = self._engine
         rnd = self._round
         plan = self._plan(kind, dtype, shapes)
-        bulk = zero_copy or eng.relay_mode or not plan.eager_fits
+        tap = kind == RoundKind.MODEL and self._ckpt is not None
+        outer = outer and (self._outer_installed or eng.relay_mode)
+        # the outer step runs in the slice reduce: outer rounds take the bulk path
+        bulk = zero_copy or eng.relay_mode or outer or not plan.eager_fits
         if bulk:
             region = eng.bulk_region(plan.total)
             slot_key = ("bulk", id(region))
@@ -355,7 +451,8 @@ class Comm:
             write(raw.view(np.float32 if dtype == DTYPE_F32 else np.uint16), plan.offs,
                   plan.numels)
         flags = ((A.FLAG_BULK if bulk else 0) | (A.FLAG_ELIDED if elided else 0)
-                 | (A.FLAG_ZERO_COPY if zero_copy else 0))
+                 | (A.FLAG_ZERO_COPY if zero_copy else 0) | (A.FLAG_OUTER if outer else 0)
+                 | (A.FLAG_TAP if tap else 0))
         self._round = rnd + 1
         try:
             if not bulk:
@@ -363,16 +460,21 @@ class Comm:
                                        plan.nelem, plan.shash, len(plan.words), self._eager_f32,
                                        self._eager_u16)
                 cons = (self._eager_f32 if dtype == DTYPE_F32 else self._eager_u16)[:plan.nelem]
-                return cons, mass
-            eng.publish(rnd, kind, flags, dtype, weight, len(shapes), plan.nbytes, plan.nelem,
-                        plan.shash, len(plan.words))
-            if hook is not None:
-                hook("arrived", rnd)
-            view = eng.await_arrivals(rnd)
-            eng.reduce_slice(view, self.local_rank)
-            eng.await_slices(view)
-            mass = eng.await_consensus(view) if eng.relay_mode else view.mass
-            return eng.consensus_array(view), mass
+            else:
+                eng.publish(rnd, kind, flags, dtype, weight, len(shapes), plan.nbytes,
+                            plan.nelem, plan.shash, len(plan.words))
+                if hook is not None:
+                    hook("arrived", rnd)
+                view = eng.await_arrivals(rnd)
+                eng.reduce_slice(view, self.local_rank)
+                eng.await_slices(view)
+                mass = eng.await_consensus(view) if eng.relay_mode else view.mass
+                cons = eng.consensus_array(view)
+                if eng.outer_applies(view):
+                    eng.outer_steps += 1
+            if tap:
+                self._tap_round(rnd, dtype, shapes, cons, mass, outer)
+            return cons, mass
         except FrameError:
             raise  # schema mismatch: every rank raised at the same point; still in step
         except BaseException as e:

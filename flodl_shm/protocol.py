@@ -63,6 +63,7 @@ import numpy as np
 from . import arena as A
 from .errors import FrameError, SchemaMismatchError
 from .frame import DTYPE_BF16, DTYPE_F32, RoundKind, dtype_name, elem_size
+from .kernels import codec as K
 from .kernels import reduce as R
 from .kernels import rounds as RK
 from .kernels import sync
@@ -159,6 +160,13 @@ class RoundEngine:
         self.relay_mode = bool(arena.ctl[A.G_RELAY])
         #: tests only: ``hook(phase, round)`` called at fault-injection points
         self.fault_hook: Callable[[str, int], None] | None = None
+        # outer optimizer (single host): stepped by each slice reducer on its slice
+        self.outer = None                 # an OuterOptimizer with state, or None
+        self.outer_steps = 0              # realized outer rounds so far (k)
+        self.outer_nelem = 0
+        self.outer_loaded: np.ndarray | None = None  # momentum restored from a checkpoint
+        self._outer_scratch = np.empty(0, np.float32)
+        self.last_accepted = 0            # accepted-rank mask of the last completed arrival
 
     # -- COPY-IN destinations ------------------------------------------------------
     def eager_region(self, rnd: int) -> np.ndarray:
@@ -192,6 +200,7 @@ class RoundEngine:
             raise self._arrival_error(code, rnd)
         (acc_mask, contrib, _ref, _culprit, kind, flags, dtype, ntensors, nbytes, nelem,
          nwords) = info.tolist()
+        self.last_accepted = acc_mask
         m = float(mass[0])
         if self.relay_mode or kind != RoundKind.MODEL or m <= 0.0:
             inv = 1.0
@@ -276,6 +285,7 @@ class RoundEngine:
                               self._acc, self._tmp)
         if code == RK.OK:
             self.waiter.note_spin(True)
+            self.last_accepted = int(self._info[RK.I_ACCEPTED])
             return float(self._mass[0])
         if code >= 0:
             self.waiter.note_spin(False)
@@ -346,7 +356,73 @@ class RoundEngine:
             self.reduce_into(view, out, start, mid, partial=self.relay_mode)
             self.fault_hook("reduce", view.rnd)
             self.reduce_into(view, out, mid, stop, partial=self.relay_mode)
+        if self.outer_applies(view):
+            self._outer_step_slice(view, out, start, stop)
         self.doorbell.publish(A.rank_base(j) + A.R_DONE, view.rnd)
+
+    # -- the outer optimizer, per slice -----------------------------------------------
+    #
+    # State in the ``out`` segment: prev-global P[2][n] and momentum M[2][n] (f32),
+    # double-buffered by step parity: step k reads buffer k%2 and writes (k+1)%2, so
+    # a survivor that re-reduces a dead rank's slice recomputes from inputs nobody
+    # touched. Step 0 (the first window, or the first after a resume) uses the
+    # consensus itself as prev (g = 0) and fresh momentum, or the momentum restored
+    # from the checkpoint. Same f32 arithmetic as OuterOptimizer.outer_step.
+
+    def outer_applies(self, view: RoundView) -> bool:
+        return (self.outer is not None and bool(view.flags & A.FLAG_OUTER)
+                and view.kind == RoundKind.MODEL and view.mass > 0.0 and not self.relay_mode)
+
+    def _outer_state(self, n: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        if n != self.outer_nelem:
+            if self.outer_nelem:
+                import logging
+
+                logging.getLogger("flodl_shm").warning(
+                    "outer optimizer: the params frame changed size (%d -> %d elements); "
+                    "restarting the outer state", self.outer_nelem, n)
+            self.outer_nelem = n
+            self.outer_steps = 0
+        raw = self.arena.extra_view("out", 16 * n)[:16 * n].view(np.float32)
+        return [raw[0:n], raw[n:2 * n]], [raw[2 * n:3 * n], raw[3 * n:4 * n]]
+
+    def outer_momentum(self) -> np.ndarray:
+        """The momentum written by the last realized outer step (flat f32)."""
+        _, mom = self._outer_state(self.outer_nelem)
+        return mom[self.outer_steps % 2]
+
+    def _outer_step_slice(self, view: RoundView, out: np.ndarray, s: int, e: int) -> None:
+        if e <= s:
+            return
+        n = view.nelem
+        prev_buf, mom_buf = self._outer_state(n)
+        k = self.outer_steps
+        rd, wr = k % 2, (k + 1) % 2
+        m = e - s
+        if self._outer_scratch.shape[0] < 2 * m:
+            self._outer_scratch = np.empty(2 * m, np.float32)
+        if view.dtype == DTYPE_F32:
+            cons = out[s:e]
+        else:
+            cons = self._outer_scratch[:m]
+            K.bf16_to_f32(out[s:e], cons)
+        new = self._outer_scratch[m:2 * m]
+        mom = mom_buf[wr][s:e]
+        if k == 0:
+            prev = cons
+            fresh = self.outer_loaded is None
+            if not fresh:
+                np.copyto(mom, self.outer_loaded[s:e])
+        else:
+            prev = prev_buf[rd][s:e]
+            fresh = False
+            np.copyto(mom, mom_buf[rd][s:e])
+        self.outer.step_flat(prev, cons, mom, fresh, new)
+        np.copyto(prev_buf[wr][s:e], new)
+        if view.dtype == DTYPE_F32:
+            np.copyto(out[s:e], new)
+        else:
+            K.f32_to_bf16(new, out[s:e])
 
     def _take_over(self, view: RoundView, j: int) -> bool:
         """Claim and reduce slice ``j`` if the rank responsible for it is dead."""

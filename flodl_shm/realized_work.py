@@ -80,7 +80,8 @@ def is_realized(mass: float) -> bool:
 # ---------------------------------------------------------------------------
 
 
-def sumcount_reduce(comm, tensors: Sequence, weight: float, slot: int) -> list:
+def sumcount_reduce(comm, tensors: Sequence, weight: float, slot: int, *,
+                    outer: bool = False) -> list:
     """Reduce ``tensors`` weighted by this rank's mass; keep them when nothing was realized.
 
     Pre-scales by ``weight`` (fused into the copy into shared memory), ships the mass
@@ -95,11 +96,14 @@ def sumcount_reduce(comm, tensors: Sequence, weight: float, slot: int) -> list:
         weight: this rank's mass (``gamma_mass`` for params, ``mover_mass`` for buffers).
         slot: the decode staging slot (``DECODE_SLOT_PARAMS`` / ``DECODE_SLOT_BUFFERS``);
             armed before the reduce, a no-op unless pinned decode is enabled.
+        outer: this is the window's params frame: the installed outer optimizer steps
+            the consensus into the new global (``Comm.set_outer``).
     """
     from .frame import RoundKind
 
     comm.arm_pinned_decode(slot)
-    consensus, mass = comm.all_reduce_scaled(tensors, weight, RoundKind.MODEL, weight)
+    consensus, mass = comm.all_reduce_scaled(tensors, weight, RoundKind.MODEL, weight,
+                                             outer=outer)
     if not is_realized(mass):
         return list(tensors)
     return consensus

@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 
 from . import arena as A
 from .errors import CohortAborted, RankFailed
+from .tap import TapServer
 from .hostmem import host_memory
 from .segment import reap_dead_owner_segments, space_error
 from .waiting import Doorbell, available_cores
@@ -230,6 +231,7 @@ class SpawnContext:
         self.arena = A.Arena.create(nprocs, eager_bytes=eager_bytes, first_rank=first_rank,
                                     global_world=world_size, relay=relay_factory is not None)
         self._doorbell = Doorbell(self.arena.ctl)
+        self.tap = TapServer(self.arena)  # the consensus-checkpoint forge of this host
         self._relay = None
         self._relay_factory = relay_factory
         self._monitor = threading.Thread(target=self._monitor_main, name="flodl-shm-supervisor",
@@ -418,6 +420,10 @@ class SpawnContext:
                 p.join()
 
     def _cleanup(self) -> None:
+        try:
+            self.tap.close()  # lets in-flight checkpoint writes finish
+        except Exception as e:
+            logger.warning("checkpoint tap shutdown: %s", e)
         if self._relay is not None:
             try:
                 self._relay.shutdown()

@@ -19,6 +19,7 @@ from typing import Any, Callable
 from . import arena as A
 from .comm import Comm
 from .errors import CohortAborted
+from .tap import TapServer
 from .waiting import Doorbell
 
 
@@ -41,16 +42,25 @@ class FakeCohort:
         self.eager_bytes = eager_bytes
         self.spin_iters = spin_iters
         self.arena: A.Arena | None = None
+        self.tap: TapServer | None = None
         self._comms: dict[int, Comm] = {}
 
     def __enter__(self) -> "FakeCohort":
         self.arena = A.Arena.create(self.world_size, eager_bytes=self.eager_bytes)
+        self.tap = TapServer(self.arena)
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def flush_checkpoints(self, timeout: float = 60.0) -> bool:
+        """Wait until every consensus checkpoint posted so far is on disk."""
+        return self.tap.flush(timeout) if self.tap is not None else True
+
     def close(self) -> None:
+        if self.tap is not None:
+            self.tap.close()
+            self.tap = None
         if self.arena is not None:
             for c in self._comms.values():
                 c._staging.clear()

@@ -19,7 +19,7 @@ from .codec import bf16_bits_rne
 G_ABORT = 4
 G_DOORBELL = 8
 G_SLEEPERS = 16
-GLOBAL_WORDS = 48
+GLOBAL_WORDS = 64
 RANK_WORDS = 64
 R_ARRIVED = 0
 R_DEAD = 24
@@ -38,6 +38,7 @@ H_NELEM = 9
 DEAD_EXITED = 2
 FLAG_ELIDED = 1
 FLAG_BULK = 2
+FLAGS_AGREED = 2 | 8 | 16  # bulk, outer, tap: every rank of a round must agree
 
 # arrive() result codes (>= 0: the first rank still missing)
 OK = -1
@@ -134,7 +135,7 @@ def _validate(ctl, ctl_f64, world, rnd, me, info, mass):
                 or ctl[b + H_NELEM] != ctl[rb + H_NELEM]
                 or ctl[b + H_SCHEMA_HASH] != ctl[rb + H_SCHEMA_HASH]
                 or ctl[b + H_SCHEMA_WORDS] != ctl[rb + H_SCHEMA_WORDS]
-                or (ctl[b + H_FLAGS] & FLAG_BULK) != (ctl[rb + H_FLAGS] & FLAG_BULK)):
+                or (ctl[b + H_FLAGS] & FLAGS_AGREED) != (ctl[rb + H_FLAGS] & FLAGS_AGREED)):
             info[I_CULPRIT] = r
             if ctl[b + H_ROUND] != rnd:
                 return OUT_OF_STEP

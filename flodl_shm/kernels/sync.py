@@ -21,7 +21,7 @@ G_ABORT = 4
 G_DOORBELL = 8
 G_SLEEPERS = 16
 G_CONSENSUS = 32
-GLOBAL_WORDS = 48
+GLOBAL_WORDS = 64
 RANK_WORDS = 64
 R_ARRIVED = 0
 R_DONE = 8
@@ -57,6 +57,12 @@ def doorbell(ctl32):
 @njit(cache=True, nogil=True)
 def add_sleeper(ctl, delta):
     return fetch_add(ctl, G_SLEEPERS, delta)
+
+
+@njit(cache=True, nogil=True)
+def fetch_add_word(arr, idx, delta):
+    """seq_cst ``old = arr[idx]; arr[idx] += delta; return old`` on any int array."""
+    return fetch_add(arr, idx, delta)
 
 
 @njit(cache=True, nogil=True)
@@ -142,6 +148,8 @@ def warm_up() -> None:
     ring(ctl, c32)
     publish(ctl, c32, GLOBAL_WORDS + R_DONE, 1)
     load(ctl, 0)
+    load(c32, 0)
+    fetch_add_word(c32, 0, 0)
     cas(ctl, 0, 0, 0)
     doorbell(c32)
     add_sleeper(ctl, 1)

@@ -1,0 +1,160 @@
+"""The checkpoint tap: consensus frames go from the ranks to the owner's forge.
+
+On a single host the consensus is formed by the ranks themselves, so the
+checkpoint forge runs in the arena's owner (``spawn``'s supervisor, or a
+``FakeCohort``) and the ranks *post* the frames of a checkpoint cycle to it
+through the arena's ``tap`` segment — a one-slot mailbox:
+
+1. all ranks arm the same cycle (``Comm.arm_checkpoint``) at the same point of
+   their program; the next MODEL rounds, up to the schema's tensor count (the
+   params frame, then the buffers frame), are flagged ``FLAG_TAP``;
+2. after each such round, the lowest accepted rank waits until the owner has
+   consumed the previous message (``G_TAP_ACK``), writes the message — a JSON head
+   (cycle, path, names, metadata, shapes, mass) then the consensus payload (and,
+   on the params frame of an outer optimizer with state, its momentum) — and
+   bumps ``G_TAP_SEQ``, waking the owner on that futex word;
+3. the owner's ``TapServer`` thread copies the frame into its ``CheckpointForge``
+   (``accumulate(copy=True)``: the mailbox is reused) and acknowledges; the forge
+   writes ``<stem>.fdl`` (and ``.outer.fdl``) on its own writer thread and then
+   the ``.meta.json`` commit marker.
+
+Ranks never wait for disk: only for the owner's copy of the previous message.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from . import arena as A
+from .frame import DTYPE_F32, RoundFrame, RoundKind, TensorPayload, elem_size
+from .kernels import sync
+from .waiting import Doorbell, futex_wait, futex_wake
+
+logger = logging.getLogger("flodl_shm")
+
+_HEAD = 64         # int64 words: json_len, payload_off, payload_len, mom_off, mom_len
+_ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def post(arena: A.Arena, doorbell: Doorbell, head: dict, payload: np.ndarray,
+         momentum: np.ndarray | None, *, wait_ack=None) -> None:
+    """Rank side: post one message (``wait_ack()`` blocks until the mailbox is free)."""
+    ctl = arena.ctl
+    if wait_ack is not None:
+        wait_ack(int(ctl[A.G_TAP_SEQ]))
+    text = json.dumps(head).encode()
+    pay = payload.view(np.uint8)
+    mom = None if momentum is None else momentum.view(np.uint8)
+    p_off = _align(_HEAD + len(text))
+    m_off = _align(p_off + pay.nbytes)
+    total = m_off + (0 if mom is None else mom.nbytes)
+    box = arena.extra_view("tap", total)
+    words = box[:_HEAD].view(np.int64)
+    box[_HEAD:_HEAD + len(text)] = np.frombuffer(text, np.uint8)
+    box[p_off:p_off + pay.nbytes] = pay
+    if mom is not None:
+        box[m_off:m_off + mom.nbytes] = mom
+    words[:5] = (len(text), p_off, pay.nbytes, m_off, 0 if mom is None else mom.nbytes)
+    seq = int(sync.fetch_add_word(arena.ctl32, 2 * A.G_TAP_SEQ, 1)) + 1
+    futex_wake(arena.ctl.ctypes.data + A.G_TAP_SEQ * 8)
+    logger.debug("tap: posted message %d (%s part %s, %d bytes)", seq, head.get("path"),
+                 head.get("part"), total)
+
+
+class TapServer:
+    """Owner side: a thread that feeds posted frames into a ``CheckpointForge``."""
+
+    def __init__(self, arena: A.Arena) -> None:
+        self.arena = arena
+        self.doorbell = Doorbell(arena.ctl)
+        self._forge = None
+        self._schema_key = None
+        self._cycle = None
+        self._stop = threading.Event()
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=self._run, name="flodl-shm-tap", daemon=True)
+        self._thread.start()
+
+    @property
+    def forge(self):
+        return self._forge
+
+    def _run(self) -> None:
+        ctl32 = self.arena.ctl32
+        addr = self.arena.ctl.ctypes.data + A.G_TAP_SEQ * 8
+        seen = int(ctl32[2 * A.G_TAP_SEQ])
+        while not self._stop.is_set():
+            cur = int(sync.load(ctl32, 2 * A.G_TAP_SEQ))
+            if cur == seen:
+                futex_wait(addr, cur, 0.2)
+                continue
+            seen = cur
+            try:
+                self._consume()
+            except Exception as e:  # a bad message must never kill the owner
+                logger.error("checkpoint tap: message %d dropped: %s", cur, e)
+                self.errors.append(str(e))
+            self.doorbell.publish(A.G_TAP_ACK, cur)
+
+    def _consume(self) -> None:
+        from .checkpoint.forge import CheckpointForge
+        from .checkpoint.meta import CheckpointBundle, CheckpointMeta, ModelSchema
+
+        box = self.arena.extra_view("tap", _HEAD, grow=False)
+        jlen, p_off, p_len, m_off, m_len = (int(x) for x in box[:_HEAD].view(np.int64)[:5])
+        box = self.arena.extra_view("tap", max(p_off + p_len, m_off + m_len), grow=False)
+        head = json.loads(bytes(box[_HEAD:_HEAD + jlen]))
+        key = (tuple(head["param_names"]), tuple(head["buffer_names"]))
+        if self._forge is None or key != self._schema_key:
+            if self._forge is not None:
+                self._forge.flush(60)
+            self._forge = CheckpointForge(ModelSchema(list(key[0]), list(key[1])))
+            self._schema_key = key
+        forge = self._forge
+        if head["part"] == 0 or self._cycle != head["cycle"]:
+            meta = head.get("meta")
+            path = Path(head["path"])
+
+            def write_meta(model_path: Path, meta=meta) -> None:
+                if meta is not None:
+                    CheckpointMeta.from_dict(meta).write_to_file(
+                        CheckpointBundle.meta_path(model_path))
+
+            forge.arm(path, on_complete=write_meta)
+            self._cycle = head["cycle"]
+        dtype = int(head["dtype"])
+        esize = elem_size(dtype)
+        tensors = []
+        off = p_off
+        for shape in head["shapes"]:
+            nb = int(np.prod(shape, dtype=np.int64)) * esize
+            tensors.append(TensorPayload(dtype, tuple(shape), box[off:off + nb]))
+            off += nb
+        if m_len:
+            moms = []
+            off = m_off
+            for shape in head["momentum_shapes"]:
+                nb = int(np.prod(shape, dtype=np.int64)) * 4
+                moms.append(TensorPayload(DTYPE_F32, tuple(shape), bytearray(box[off:off + nb])))
+                off += nb
+            forge.stash_outer_momentum(moms)
+        forge.accumulate(RoundFrame(tensors, float(head["mass"]), RoundKind.MODEL), copy=True)
+
+    def flush(self, timeout: float | None = 60.0) -> bool:
+        """Wait for pending checkpoint writes (the forge's writer thread)."""
+        return True if self._forge is None else self._forge.flush(timeout)
+
+    def close(self, timeout: float = 60.0) -> None:
+        self._stop.set()
+        futex_wake(self.arena.ctl.ctypes.data + A.G_TAP_SEQ * 8)
+        self._thread.join(5.0)
+        if self._forge is not None:
+            self._forge.flush(timeout)
