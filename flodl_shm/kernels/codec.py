@@ -37,6 +37,12 @@ _SIXTEEN = np.uint32(16)
 # 32-bit add can only happen for NaN inputs, which take the other branch).
 
 
+# Note for editors: reduce.py and scale.py compile these helpers into their own
+# cached kernels, and numba invalidates a cache entry only when the kernel's OWN
+# source file changes. After editing a helper here, touch reduce.py (or delete
+# the numba cache dir) or those kernels keep the old machine code.
+
+
 @njit(inline="always")
 def bf16_bits_rne(b):
     """Round the f32 bit pattern ``b`` (uint32) to bf16 bits (as uint32)."""
