@@ -37,7 +37,7 @@ _SIXTEEN = np.uint32(16)
 # 32-bit add can only happen for NaN inputs, which take the other branch).
 
 
-# Note for editors: reduce.py and scale.py compile these helpers into their own
+# Note for editors: reduce.py compiles these helpers into its own
 # cached kernels, and numba invalidates a cache entry only when the kernel's OWN
 # source file changes. After editing a helper here, touch reduce.py (or delete
 # the numba cache dir) or those kernels keep the old machine code.
