@@ -324,15 +324,19 @@ def test_kernels_release_the_gil(name: str) -> None:
 
 @pytest.mark.timeout(180)
 def test_cache_lands_in_the_configured_writable_dir(tmp_path: Path) -> None:
-    """A fresh process honours FLODL_SHM_NUMBA_CACHE, writes the compiled kernels
-    there, and exports the choice to NUMBA_CACHE_DIR for the ranks it spawns."""
+    """A fresh process honours FLODL_SHM_NUMBA_CACHE, writes the compiled kernels in a
+    subfolder keyed by the digest of the package's compiled sources (so an edited
+    helper inlined into another file's kernel can never run stale), and exports the
+    base to FLODL_SHM_NUMBA_CACHE for the ranks it spawns."""
+    from flodl_shm.kernels._cache import sources_digest
+
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
     env["FLODL_SHM_NUMBA_CACHE"] = str(tmp_path)
     code = ("import os; from flodl_shm import kernels; kernels.warm_up(1); "
-            "print(kernels.cache_dir()); print(os.environ['NUMBA_CACHE_DIR'])")
+            "print(kernels.cache_dir()); print(os.environ['FLODL_SHM_NUMBA_CACHE'])")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=170, check=True).stdout.split()
-    assert out == [str(tmp_path), str(tmp_path)]
+    assert out == [str(tmp_path / f"flodl_shm-{sources_digest()}"), str(tmp_path)]
     indexed = {p.name.split("-")[0] for p in tmp_path.rglob("*.nbi")}
     for name in KERNEL_NAMES:
         module = "reduce" if name.startswith(("accumulate", "finalize", "reduce")) else "codec"

@@ -12,8 +12,9 @@ read-only site-packages, so we pick the first writable candidate:
 4. ``$XDG_CACHE_HOME/flodl_shm/numba`` (or ``~/.cache/flodl_shm/numba``);
 5. a per-user folder under the system temp dir.
 
-The choice is exported through ``NUMBA_CACHE_DIR`` so spawned ranks agree with the
-parent without re-deciding. Concurrent writers are safe: numba writes a unique
+The base is exported through ``FLODL_SHM_NUMBA_CACHE`` so spawned ranks agree with
+the parent without re-deciding, and the cache lives in a subfolder named by a
+digest of the package's compiled sources (see ``sources_digest``). Concurrent writers are safe: numba writes a unique
 temporary file and renames it over the index, and ``spawn`` warms the kernels in
 the parent before any rank starts, so ranks normally only read.
 """
@@ -54,30 +55,60 @@ def _candidates() -> list[Path]:
     return out
 
 
+def sources_digest() -> str:
+    """A digest of every compiled source of the package (and the numba version).
+
+    numba invalidates a cached kernel only when *its own* file changes, yet our
+    kernels inline helpers from other files (``codec.bf16_bits_rne`` into the
+    reduce, the round kernels, the tensor copies). Keying the cache folder by this
+    digest makes any source change - or a numba upgrade - start a fresh cache,
+    so a stale kernel can never run.
+    """
+    import hashlib
+
+    import numba
+
+    pkg = Path(__file__).resolve().parent.parent
+    h = hashlib.sha1(numba.__version__.encode())
+    for path in sorted(pkg.rglob("*.py")):
+        try:
+            text = path.read_bytes()
+        except OSError:
+            continue
+        if b"njit" in text or b"intrinsic" in text:
+            h.update(str(path.relative_to(pkg)).encode())
+            h.update(text)
+    return h.hexdigest()[:12]
+
+
 def configure_numba_cache() -> Path:
     """Pick (once per process) a writable numba cache directory and install it.
 
     Must run before any ``@njit(cache=True)`` decorator of ours executes; the
-    kernels package calls it on import. Returns the directory in use.
+    kernels package calls it on import. Returns the directory in use: a
+    ``flodl_shm-<sources digest>`` folder under the first writable base.
     """
     global _chosen
     if _chosen is not None:
         return _chosen
     preset = os.environ.get("NUMBA_CACHE_DIR")
     if preset:
-        _chosen = Path(preset)
-        _writable(_chosen)
+        base = Path(preset)
     else:
         for cand in _candidates():
             if _writable(cand):
-                _chosen = cand
+                base = cand
                 break
         else:  # nothing writable: numba will JIT every process; still correct
-            _chosen = Path(tempfile.gettempdir())
-        os.environ["NUMBA_CACHE_DIR"] = str(_chosen)
+            base = Path(tempfile.gettempdir())
+        os.environ["FLODL_SHM_NUMBA_CACHE"] = str(base)  # spawned ranks agree
+    chosen = base / f"flodl_shm-{sources_digest()}"
+    if not _writable(chosen):
+        chosen = base
     import numba  # imported here so the env var is set before numba reads its config
 
-    numba.config.CACHE_DIR = str(_chosen)
+    numba.config.CACHE_DIR = str(chosen)
+    _chosen = chosen
     return _chosen
 
 
