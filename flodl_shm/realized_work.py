@@ -81,7 +81,7 @@ def is_realized(mass: float) -> bool:
 
 
 def sumcount_reduce(comm, tensors: Sequence, weight: float, slot: int, *,
-                    outer: bool = False) -> list:
+                    outer: bool = False, with_mass: bool = False):
     """Reduce ``tensors`` weighted by this rank's mass; keep them when nothing was realized.
 
     Pre-scales by ``weight`` (fused into the copy into shared memory), ships the mass
@@ -98,12 +98,13 @@ def sumcount_reduce(comm, tensors: Sequence, weight: float, slot: int, *,
             armed before the reduce, a no-op unless pinned decode is enabled.
         outer: this is the window's params frame: the installed outer optimizer steps
             the consensus into the new global (``Comm.set_outer``).
+        with_mass: return ``(tensors, accepted_mass)`` instead of the tensors alone,
+            so the caller can check the realized work against what it expected.
     """
     from .frame import RoundKind
 
     comm.arm_pinned_decode(slot)
     consensus, mass = comm.all_reduce_scaled(tensors, weight, RoundKind.MODEL, weight,
                                              outer=outer)
-    if not is_realized(mass):
-        return list(tensors)
-    return consensus
+    out = list(tensors) if not is_realized(mass) else consensus
+    return (out, mass) if with_mass else out
