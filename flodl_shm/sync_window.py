@@ -1,0 +1,315 @@
+"""One sync window on one rank: the count gather, the realized-work reduce, the ack
+(flodl 0.7.0's "param bridge", spec §2.8).
+
+Every rank calls the same collectives in the same order, so a window is three
+steps that all ranks take together:
+
+1. **Count gather** (:func:`gather_counts`, one CONTROL round). Each rank fills its
+   column of a small ``[field, world]`` f32 matrix - batches trained this window,
+   compute wall time, loss sum, a *present* flag, a stop request - and every rank
+   receives the whole matrix. A dead rank's column reads 0, so ``present``
+   separates "dead" from "idle" (alive with 0 batches). Counts are exact in f32
+   up to 2^24 batches per window.
+2. **Reduce** (:meth:`SyncWindow.sync`). If every rank was idle (``total == 0``,
+   the same on every rank) both reduces are skipped and every replica keeps its
+   local state. Otherwise the parameters go through :func:`sumcount_reduce` with
+   mass ``gamma_mass(n, gamma)`` (the window's params frame, stepped by the outer
+   optimizer when one is installed), then the floating-point buffers with the 0/1
+   :func:`mover_mass`; integer buffers (``num_batches_tracked``) never leave the
+   rank. The consensus is adopted in place, and the rank's relative drift
+   ``||pre - post|| / ||post||`` is measured for the convergence guard.
+3. **Ack gather** (:func:`gather_ack`, one CONTROL round): every rank's drift and
+   reduce time, so all ranks feed ElChe and the guard identical inputs.
+
+The module holds no cohort-level policy: what to train next, coverage and
+checkpoints belong to :mod:`flodl_shm.coordinator`, which every rank runs
+identically on these gathered values.
+
+**Realized-work check.** The gather says which ranks were present *before* the
+reduce; the params round's accepted mass says whose work is *in* the consensus.
+They agree unless a rank died in between (after arriving at the gather, before
+arriving at the params round). :attr:`WindowSync.shortfall` flags that case and
+:func:`accepted_ranks` names the ranks whose contribution the params round
+accepted, so the coordinator can settle coverage on what was realized.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from .checkpoint.meta import averaged_buffers
+from .frame import RoundKind
+from .realized_work import gamma_mass, is_realized, mover_mass, sumcount_reduce
+from .staging import DECODE_SLOT_BUFFERS, DECODE_SLOT_PARAMS
+
+logger = logging.getLogger("flodl_shm")
+
+__all__ = [
+    "CohortAck",
+    "CohortCounts",
+    "SyncWindow",
+    "WindowSync",
+    "accepted_ranks",
+    "expected_params_mass",
+    "gather_ack",
+    "gather_counts",
+]
+
+# rows of the count gather's [field, world] matrix
+_C_BATCHES, _C_COMPUTE_MS, _C_LOSS, _C_PRESENT, _C_STOP = range(5)
+_COUNT_ROWS = 5
+# rows of the ack gather
+_A_DIVERGENCE, _A_REDUCE_MS, _A_PRESENT = range(3)
+_ACK_ROWS = 3
+
+
+@dataclass(frozen=True)
+class CohortCounts:
+    """The count gather of one window, identical on every rank.
+
+    Attributes:
+        batches: per rank, batches trained this window (0 for idle and dead ranks).
+        compute_ms: per rank, wall time of the window's training (ms).
+        loss_sum: per rank, the sum of its batch losses.
+        present: per rank, whether it joined the gather (False: dead).
+        stop: whether any rank asked to stop after this window.
+    """
+
+    batches: tuple[int, ...]
+    compute_ms: tuple[float, ...]
+    loss_sum: tuple[float, ...]
+    present: tuple[bool, ...]
+    stop: bool
+
+    @property
+    def world_size(self) -> int:
+        return len(self.batches)
+
+    @property
+    def total_batches(self) -> int:
+        """Batches trained cohort-wide; 0 means an all-idle window (reduces skipped)."""
+        return sum(self.batches)
+
+    def alive(self) -> list[int]:
+        """Ranks present at the gather, ascending."""
+        return [r for r, p in enumerate(self.present) if p]
+
+    def movers(self) -> list[int]:
+        """Present ranks that trained at least one batch."""
+        return [r for r in range(self.world_size) if self.present[r] and self.batches[r] > 0]
+
+
+@dataclass(frozen=True)
+class CohortAck:
+    """The ack gather closing one window, identical on every rank.
+
+    Attributes:
+        divergence: per rank, ``||pre - post|| / ||post||`` (0 when skipped or dead).
+        reduce_ms: per rank, wall time of its reduces (ms).
+        present: per rank, whether it joined the ack.
+    """
+
+    divergence: tuple[float, ...]
+    reduce_ms: tuple[float, ...]
+    present: tuple[bool, ...]
+
+    @property
+    def max_divergence(self) -> float:
+        return max((d for d in self.divergence if d == d), default=0.0)
+
+    @property
+    def sync_ms(self) -> float:
+        """The window's reduce cost: the slowest rank's reduce time."""
+        return max(self.reduce_ms, default=0.0)
+
+
+def _gather(comm, rows: int, column: Sequence[float]) -> np.ndarray:
+    mat = torch.zeros((rows, comm.world_size), dtype=torch.float32)
+    mat[:, comm.rank] = torch.tensor([float(v) for v in column], dtype=torch.float32)
+    (out,), _ = comm.all_reduce_weighted([mat], RoundKind.CONTROL, 0.0)
+    return out.numpy().astype(np.float64)
+
+
+def gather_counts(comm, batches: int, compute_ms: float, loss_sum: float = 0.0,
+                  stop: bool = False) -> CohortCounts:
+    """The window's count gather (one CONTROL round; every rank must call it).
+
+    Args:
+        comm: this rank's ``Comm``.
+        batches: batches this rank trained since the last sync.
+        compute_ms: wall time of that training (ms), ElChe's timing signal.
+        loss_sum: sum of this rank's batch losses (for metrics).
+        stop: this rank asks the cohort to stop after this window.
+    """
+    if batches < 0:
+        raise ValueError(f"batches must be >= 0, got {batches}")
+    loss = float(loss_sum) if math.isfinite(loss_sum) else 0.0
+    m = _gather(comm, _COUNT_ROWS, (batches, max(float(compute_ms), 0.0), loss, 1.0,
+                                    1.0 if stop else 0.0))
+    return CohortCounts(
+        batches=tuple(int(round(v)) for v in m[_C_BATCHES]),
+        compute_ms=tuple(float(v) for v in m[_C_COMPUTE_MS]),
+        loss_sum=tuple(float(v) for v in m[_C_LOSS]),
+        present=tuple(bool(v > 0.5) for v in m[_C_PRESENT]),
+        stop=bool(np.any(m[_C_STOP] > 0.5)),
+    )
+
+
+def gather_ack(comm, divergence: float, reduce_ms: float) -> CohortAck:
+    """The window's ack gather (one CONTROL round; every rank must call it)."""
+    div = float(divergence) if math.isfinite(divergence) else 0.0
+    m = _gather(comm, _ACK_ROWS, (div, max(float(reduce_ms), 0.0), 1.0))
+    return CohortAck(
+        divergence=tuple(float(v) for v in m[_A_DIVERGENCE]),
+        reduce_ms=tuple(float(v) for v in m[_A_REDUCE_MS]),
+        present=tuple(bool(v > 0.5) for v in m[_A_PRESENT]),
+    )
+
+
+def expected_params_mass(counts: CohortCounts, gamma: float) -> float:
+    """The params round's accepted mass if every present rank's work arrives:
+    ``Σ gamma_mass(batches_r, gamma)`` over present ranks, in rank order (the
+    order the engine sums masses in, so equality is exact on a single host)."""
+    total = 0.0
+    for r in range(counts.world_size):
+        if counts.present[r]:
+            total += gamma_mass(counts.batches[r], gamma)
+    return total
+
+
+def accepted_ranks(comm) -> set[int]:
+    """Global ranks whose contribution the last collective round accepted.
+
+    Uses ``Comm.last_accepted_ranks()`` when the engine provides it; otherwise reads
+    the single-host engine's accepted-rank mask (local ranks of this host).
+    """
+    fn = getattr(comm, "last_accepted_ranks", None)
+    if callable(fn):
+        return {int(r) for r in fn()}
+    mask = int(comm._engine.last_accepted)  # noqa: SLF001 - see the docstring
+    first = comm.rank - comm.local_rank
+    return {first + i for i in range(comm.local_world_size) if (mask >> i) & 1}
+
+
+@dataclass(frozen=True)
+class WindowSync:
+    """What one rank's reduce did.
+
+    Attributes:
+        skipped: every rank was idle: no reduce ran, local state kept.
+        params_mass: accepted mass of the params round (0 when skipped).
+        expected_mass: the mass the count gather predicted.
+        buffers_mass: accepted mass of the buffers round (0 without float buffers).
+        divergence: ``||pre - post|| / ||post||`` of this rank's parameters.
+        pre_norm: ``||pre||``; post_norm: ``||post||``.
+        bytes_sent: payload bytes this rank contributed to the window's rounds
+            (the count and ack gathers included).
+        reduce_ms: wall time of the reduces and the adoption (ms).
+        accepted: on a :attr:`shortfall`, the ranks whose contribution the params
+            round accepted (read right after it); otherwise None.
+    """
+
+    skipped: bool
+    params_mass: float
+    expected_mass: float
+    buffers_mass: float
+    divergence: float
+    pre_norm: float
+    post_norm: float
+    bytes_sent: int
+    reduce_ms: float
+    accepted: Optional[tuple[int, ...]] = None
+
+    @property
+    def shortfall(self) -> bool:
+        """The params round accepted less work than the gather promised: a rank died
+        between the count gather and the params round."""
+        return not self.skipped and _short(self.params_mass, self.expected_mass)
+
+
+class SyncWindow:
+    """The reduce half of a window for one rank's model (see the module doc).
+
+    Holds the persistent "pre" scratch (one copy of the parameters) used for the
+    drift measure.
+
+    Args:
+        model: the rank's replica; its parameters and floating-point buffers must be
+            float32 or bfloat16 (what the wire carries).
+        gamma: the work exponent of the params mass (``gamma_mass``).
+        outer: send the params frame with ``outer=True``: the optimizer installed
+            with ``Comm.set_outer`` steps the consensus into the new global.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, gamma: float = 1.0, outer: bool = False) -> None:
+        self.model = model
+        self.gamma = float(gamma)
+        self.outer = bool(outer)
+        self.params = [p for p in model.parameters()]
+        self.buffers = [b for _, b in averaged_buffers(model)]
+        self._pre = [torch.empty_like(p, dtype=torch.float32) for p in self.params]
+
+    def tensor_count(self) -> int:
+        return len(self.params) + len(self.buffers)
+
+    def sync(self, comm, batches: int, counts: CohortCounts) -> WindowSync:
+        """Reduce and adopt (or keep local when the whole cohort was idle).
+
+        Args:
+            comm: this rank's ``Comm``.
+            batches: this rank's batches this window (its column of ``counts``).
+            counts: the window's count gather.
+        """
+        t0 = time.perf_counter()
+        control_bytes = (_COUNT_ROWS + _ACK_ROWS) * comm.world_size * 4
+        expected = expected_params_mass(counts, self.gamma)
+        if counts.total_batches == 0:
+            return WindowSync(True, 0.0, expected, 0.0, 0.0, 0.0, 0.0, control_bytes,
+                              (time.perf_counter() - t0) * 1e3)
+        esize = 2 if comm.bf16_wire else 4
+        sent = control_bytes
+        with torch.no_grad():
+            for dst, p in zip(self._pre, self.params):
+                dst.copy_(p)
+            live = [p.detach() for p in self.params]
+            avg, params_mass = sumcount_reduce(comm, live, gamma_mass(batches, self.gamma),
+                                               DECODE_SLOT_PARAMS, outer=self.outer,
+                                               with_mass=True)
+            sent += sum(p.numel() for p in live) * esize
+            accepted = (tuple(sorted(accepted_ranks(comm)))
+                        if _short(params_mass, expected) else None)
+            if is_realized(params_mass):
+                for p, a in zip(live, avg):
+                    p.copy_(a)
+            buffers_mass = 0.0
+            if self.buffers:
+                bl = [b.detach() for b in self.buffers]
+                bavg, buffers_mass = sumcount_reduce(comm, bl, mover_mass(batches),
+                                                     DECODE_SLOT_BUFFERS, with_mass=True)
+                sent += sum(b.numel() for b in bl) * esize
+                if is_realized(buffers_mass):
+                    for b, a in zip(bl, bavg):
+                        b.copy_(a)
+            pre_sq = post_sq = diff_sq = 0.0
+            for pre, p in zip(self._pre, self.params):
+                post = p.detach().to(torch.float32)
+                pre_sq += float(torch.dot(pre.reshape(-1), pre.reshape(-1)))
+                post_sq += float(torch.dot(post.reshape(-1), post.reshape(-1)))
+                d = (pre - post).reshape(-1)
+                diff_sq += float(torch.dot(d, d))
+        post_norm = math.sqrt(post_sq)
+        divergence = math.sqrt(diff_sq) / post_norm if post_norm > 0.0 else 0.0
+        return WindowSync(False, params_mass, expected, buffers_mass, divergence,
+                          math.sqrt(pre_sq), post_norm, sent, (time.perf_counter() - t0) * 1e3,
+                          accepted)
+
+
+def _short(mass: float, expected: float) -> bool:
+    return mass < expected * (1.0 - 1e-9)
+
