@@ -1,0 +1,154 @@
+"""The checkpoint series of one training run: one bundle per checkpointed window.
+
+A bundle is several files (``.fdl``, ``.outer.fdl``, ``.meta.json``), each committed
+atomically, the ``.meta.json`` last (the bundle's commit marker). Overwriting one
+stem in place would not be atomic *as a bundle*: a crash between the model's
+rename and the metadata's would pair the new model with the old coverage and
+step. So every checkpointed window gets its own stem::
+
+    <save_path>-r00000012.fdl            consensus after window 12
+    <save_path>-r00000012.outer.fdl      outer momentum (stateful outer optimizers)
+    <save_path>-r00000012.meta.json      CheckpointMeta (written last)
+
+(``<save_path>`` with one extension dropped, so ``runs/ckpt`` and ``runs/ckpt.fdl``
+name the same series). The last good checkpoint is the highest round whose
+``.meta.json`` and ``.fdl`` both exist; older bundles are pruned to ``keep``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Optional
+
+from .checkpoint.forge import outer_sidecar_path
+from .checkpoint.meta import CheckpointBundle, set_extension
+
+logger = logging.getLogger("flodl_shm")
+
+__all__ = ["bundle_files", "committed_checkpoints", "delete_series", "latest_checkpoint",
+           "prune_series", "resolve_checkpoint", "round_model_path", "series_base"]
+
+_ROUND_DIGITS = 8
+
+
+def series_base(save_path: "str | os.PathLike[str]") -> Path:
+    """``save_path`` with one extension dropped: the prefix of every bundle stem."""
+    return set_extension(save_path, "")
+
+
+def round_model_path(save_path: "str | os.PathLike[str]", sync_round: int) -> Path:
+    """The consensus model path of the checkpoint taken at window ``sync_round``."""
+    base = series_base(save_path)
+    return base.with_name(f"{base.name}-r{int(sync_round):0{_ROUND_DIGITS}d}.fdl")
+
+
+def bundle_files(model_path: "str | os.PathLike[str]") -> list[Path]:
+    """The files of the bundle whose model is ``model_path``, commit marker first."""
+    p = Path(os.fspath(model_path))
+    return [CheckpointBundle.meta_path(p), outer_sidecar_path(p), p]
+
+
+def _rounds(save_path) -> dict[int, Path]:
+    """round -> model path of every bundle with any file (or leftover temp) on disk."""
+    base = series_base(save_path)
+    pattern = re.compile(re.escape(base.name) + r"-r(\d{%d,})\.(?:fdl|outer\.fdl|meta\.json)"
+                         r"(?:\.tmp)?$" % _ROUND_DIGITS)
+    folder = base.parent
+    out: dict[int, Path] = {}
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        m = pattern.match(name)
+        if m:
+            rnd = int(m.group(1))
+            out[rnd] = folder / f"{base.name}-r{m.group(1)}.fdl"
+    return out
+
+
+def committed_checkpoints(save_path: "str | os.PathLike[str]") -> list[tuple[int, Path]]:
+    """``(sync_round, model_path)`` of every complete bundle of the series, oldest first
+    (complete: the model and its ``.meta.json`` commit marker both exist)."""
+    out = []
+    for rnd, model in sorted(_rounds(save_path).items()):
+        if model.exists() and CheckpointBundle.meta_path(model).exists():
+            out.append((rnd, model))
+    return out
+
+
+def latest_checkpoint(save_path: "str | os.PathLike[str]") -> Optional[Path]:
+    """The model path of the series' last good checkpoint, or None."""
+    done = committed_checkpoints(save_path)
+    return done[-1][1] if done else None
+
+
+def resolve_checkpoint(path: "str | os.PathLike[str]") -> Path:
+    """The model path of a bundle named by its ``.fdl`` or ``.meta.json``, or of the last
+    good checkpoint of the series ``path`` names.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint is there.
+    """
+    p = Path(os.fspath(path))
+    if p.name.endswith(".meta.json") and p.is_file():
+        p = p.with_name(p.name[: -len(".meta.json")] + ".fdl")
+    if p.name.endswith(".fdl") and p.is_file():
+        if not CheckpointBundle.meta_path(p).exists():
+            raise FileNotFoundError(
+                f"{p} has no {CheckpointBundle.meta_path(p).name}: the bundle was never "
+                f"committed (its write did not finish); resume from an earlier checkpoint")
+        return p
+    latest = latest_checkpoint(p)
+    if latest is None:
+        raise FileNotFoundError(
+            f"no complete checkpoint under {series_base(p)}-r*.fdl (each needs its .fdl and "
+            f".meta.json); pass the save_path the run was started with, or a bundle's .fdl")
+    return latest
+
+
+def _remove(model: Path) -> None:
+    for f in bundle_files(model) + [f.with_name(f.name + ".tmp") for f in bundle_files(model)]:
+        try:
+            f.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            logger.warning("could not delete old checkpoint file %s: %s", f, e)
+
+
+def prune_series(save_path: "str | os.PathLike[str]", keep: int) -> list[int]:
+    """Keep the newest ``keep`` complete bundles (at least 1); delete older complete
+    ones and incomplete ones older than the newest complete one (failed writes: the
+    forge writes in order). Returns the rounds deleted."""
+    keep = max(int(keep), 1)
+    done = committed_checkpoints(save_path)
+    if not done:
+        return []
+    newest = done[-1][0]
+    doomed = [rnd for rnd, _ in done[:-keep]]
+    complete = {rnd for rnd, _ in done}
+    paths = _rounds(save_path)
+    doomed += [rnd for rnd in paths if rnd < newest and rnd not in complete]
+    for rnd in sorted(set(doomed)):
+        _remove(paths[rnd])
+    return sorted(set(doomed))
+
+
+def delete_series(save_path: "str | os.PathLike[str]") -> int:
+    """Delete every bundle of the series (and its rank death records); returns the
+    number of bundles removed."""
+    rounds = _rounds(save_path)
+    for model in rounds.values():
+        _remove(model)
+    base = series_base(save_path)
+    try:
+        names = os.listdir(base.parent)
+    except FileNotFoundError:
+        names = []
+    for name in names:
+        if re.fullmatch(re.escape(base.name) + r"\.rank\d+\.death\.json", name):
+            (base.parent / name).unlink(missing_ok=True)
+    return len(rounds)

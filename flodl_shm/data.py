@@ -1,0 +1,69 @@
+"""Map-style datasets for the trainer: fetch a batch by sample ids.
+
+The trainer never iterates a DataLoader: each rank knows the exact dataset indices
+of every batch it trains (offsets into the epoch's permutation, dispatched by the
+coordinator), so it fetches them directly. Accepted datasets:
+
+- a tuple or list of tensors with a common first dimension, or a
+  ``torch.utils.data.TensorDataset``: a batch is each tensor indexed by the ids (one
+  gather per tensor, no per-sample Python);
+- any map-style dataset (``__len__`` + ``__getitem__``): the items are fetched one by
+  one and collated with ``torch.utils.data.default_collate``;
+- a zero-argument factory returning one of the above, called once in each rank (so a
+  large dataset is built where it is used instead of pickled to every rank).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["fetch_batch", "resolve_dataset"]
+
+
+class _Tensors:
+    """Tensors sharing their first dimension, indexed together."""
+
+    def __init__(self, tensors) -> None:
+        tensors = tuple(tensors)
+        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise TypeError("a tensor dataset must be a non-empty tuple of tensors")
+        n = tensors[0].shape[0] if tensors[0].dim() else 0
+        for i, t in enumerate(tensors):
+            if t.dim() == 0 or t.shape[0] != n:
+                raise ValueError(f"dataset tensor {i} has shape {tuple(t.shape)}; every tensor "
+                                 f"needs the same first dimension ({n} samples)")
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return int(self.tensors[0].shape[0])
+
+    def fetch(self, ids: torch.Tensor):
+        return tuple(t[ids] for t in self.tensors)
+
+
+def resolve_dataset(dataset: Any):
+    """The dataset the rank trains on (see the module doc); raises ``TypeError`` for
+    anything else."""
+    if callable(dataset) and not hasattr(dataset, "__getitem__"):
+        dataset = dataset()
+    if isinstance(dataset, (tuple, list)) and dataset and all(
+            isinstance(t, torch.Tensor) for t in dataset):
+        return _Tensors(dataset)
+    if isinstance(dataset, torch.utils.data.TensorDataset):
+        return _Tensors(dataset.tensors)
+    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+        return dataset
+    raise TypeError(
+        f"dataset must be a map-style dataset (__len__ and __getitem__), a tuple of tensors, "
+        f"or a zero-argument factory returning one; got {type(dataset).__name__}")
+
+
+def fetch_batch(dataset, ids: np.ndarray):
+    """The batch of samples ``ids`` (dataset indices, int64), in that order."""
+    if isinstance(dataset, _Tensors):
+        return dataset.fetch(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)))
+    from torch.utils.data import default_collate
+
+    return default_collate([dataset[int(i)] for i in ids])

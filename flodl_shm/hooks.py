@@ -1,0 +1,237 @@
+"""Trainer hooks: per-batch and per-window callbacks, and the metrics they receive.
+
+A hook is an object with any of these methods (subclass :class:`Hook` and override
+what you need); the :class:`~flodl_shm.trainer.Trainer` calls them in every rank
+process, in the order the hooks were given::
+
+    on_train_start(state)             after the model is built, aligned or restored
+    on_batch_end(state, info)         after each optimizer step (BatchInfo)
+    on_window_end(state, stats)       after each sync (WindowStats)
+    on_train_end(state, summary)      after the last window (RankSummary)
+
+``state`` is the rank's :class:`RankState` (model, optimizer, counters) and
+``state.request_stop()`` asks the cohort to stop: the request travels with the
+next count gather, so every rank stops after the same window, which is then
+saved as a ``graceful_shutdown`` checkpoint.
+
+Hooks are pickled to the rank processes: define them at module level, and keep
+in mind that each rank works on its own copy (state a hook accumulates stays in
+its rank; write files or log to get it out). ``state.is_reporting_rank`` is True
+on exactly one live rank, for hooks that should log once per cohort.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+logger = logging.getLogger("flodl_shm")
+
+__all__ = ["BatchInfo", "Hook", "LoggingHook", "RankState", "RankSummary", "SimulatedSlowdown",
+           "WindowStats"]
+
+
+@dataclass
+class RankState:
+    """What a hook sees of its rank.
+
+    Attributes:
+        rank: this rank; world_size: ranks at launch.
+        model: the rank's replica (the consensus right after a sync).
+        optimizer: the rank's inner optimizer.
+        epoch: the epoch being trained.
+        window: the window in progress (1-based; ``sync_round`` once it completes).
+        global_step: batches realized cohort-wide before this window.
+        live_ranks: ranks alive at the last gather.
+    """
+
+    rank: int
+    world_size: int
+    model: Any
+    optimizer: Any
+    epoch: int = 0
+    window: int = 0
+    global_step: int = 0
+    live_ranks: tuple[int, ...] = ()
+    stop_requested: bool = False
+
+    @property
+    def is_reporting_rank(self) -> bool:
+        """True on the lowest live rank: log cohort-wide metrics there, once."""
+        return bool(self.live_ranks) and self.rank == self.live_ranks[0]
+
+    def request_stop(self) -> None:
+        """Ask the cohort to stop after the current window (saved as graceful)."""
+        self.stop_requested = True
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """One optimizer step of this rank.
+
+    Attributes:
+        epoch, window: where the batch belongs; batch: its index in the window.
+        sample_ids: the dataset indices of the batch (int64).
+        loss: the batch loss; compute_ms: wall time of fetch + forward + backward + step.
+    """
+
+    epoch: int
+    window: int
+    batch: int
+    sample_ids: np.ndarray
+    loss: float
+    compute_ms: float
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """One completed sync window, seen from one rank (cohort values are identical on
+    every rank).
+
+    Attributes:
+        rank: this rank. epoch: the epoch the window trained. window: its number.
+        global_step: batches realized cohort-wide after this window.
+        batches: this rank's batches; cohort_batches: every rank's (gathered).
+        sample_ids: dataset indices this rank trained, realized in this window's
+            consensus (None in ``TrainResult.history``).
+        loss: this rank's mean batch loss (NaN when idle); cohort_loss: the mean over
+            every batch the cohort trained.
+        compute_ms: this rank's training wall time; gather_ms: its wait at the count
+            gather (time spent waiting for slower ranks); sync_ms: the window's reduce
+            cost (slowest rank); window_ms: this rank's whole window.
+        samples_per_s: samples the cohort trained per second of this window.
+        bytes_sent: payload bytes this rank put into the window's collectives.
+        divergence: this rank's ``||pre - post|| / ||post||``; max_divergence: the cohort's.
+        live_ranks: ranks alive at the gather. skipped: every rank was idle (no reduce).
+        checkpoint: the checkpoint armed at this window's reduce (path), or None.
+        save_reason: its reason (a ``SaveReason`` value), or None.
+        next_batches: per rank, the batches planned for the next window (the
+            cadence decision; empty after the last window).
+    """
+
+    rank: int
+    epoch: int
+    window: int
+    global_step: int
+    batches: int
+    cohort_batches: tuple[int, ...]
+    sample_ids: Optional[np.ndarray]
+    loss: float
+    cohort_loss: float
+    compute_ms: float
+    gather_ms: float
+    sync_ms: float
+    window_ms: float
+    samples_per_s: float
+    bytes_sent: int
+    divergence: float
+    max_divergence: float
+    live_ranks: tuple[int, ...]
+    skipped: bool
+    checkpoint: Optional[str] = None
+    save_reason: Optional[str] = None
+    next_batches: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """How a rank's run ended.
+
+    Attributes:
+        rank: this rank. windows: windows this run completed. global_step: batches
+        realized cohort-wide. epoch: the epoch reached (``epochs`` when finished).
+        reason: the last save reason (``graceful_shutdown``, ``max_failure_exceeded``)
+            or None when no window ran. dead_ranks: ranks lost during the run.
+    """
+
+    rank: int
+    windows: int
+    global_step: int
+    epoch: int
+    reason: Optional[str]
+    dead_ranks: tuple[int, ...] = ()
+    last_checkpoint: Optional[str] = None
+
+
+class Hook:
+    """Base class: every callback is a no-op; override the ones you need."""
+
+    def on_train_start(self, state: RankState) -> None:
+        pass
+
+    def on_batch_end(self, state: RankState, info: BatchInfo) -> None:
+        pass
+
+    def on_window_end(self, state: RankState, stats: WindowStats) -> None:
+        pass
+
+    def on_train_end(self, state: RankState, summary: RankSummary) -> None:
+        pass
+
+
+def _human_bytes(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+@dataclass
+class LoggingHook(Hook):
+    """Log one line per ``every`` windows on the reporting rank (``flodl_shm`` logger,
+    INFO): epoch, window, step, losses, throughput, sync cost, bytes, divergence,
+    live ranks and the next window's cadence.
+
+    Args:
+        every: log every this many windows (checkpoint windows and the last one are
+            always logged).
+        level: the logging level.
+    """
+
+    every: int = 1
+    level: int = logging.INFO
+
+    def on_window_end(self, state: RankState, stats: WindowStats) -> None:
+        if not state.is_reporting_rank:
+            return
+        if stats.window % max(self.every, 1) and stats.checkpoint is None and stats.next_batches:
+            return
+        loss = "-" if math.isnan(stats.cohort_loss) else f"{stats.cohort_loss:.4f}"
+        line = (f"epoch {stats.epoch} window {stats.window} step {stats.global_step}: "
+                f"loss {loss}, {stats.samples_per_s:,.0f} samples/s, compute "
+                f"{stats.compute_ms:.1f} ms, wait {stats.gather_ms:.1f} ms, sync "
+                f"{stats.sync_ms:.1f} ms, sent {_human_bytes(stats.bytes_sent)}, divergence "
+                f"{stats.max_divergence:.2e}, ranks {len(stats.live_ranks)}, batches "
+                f"{list(stats.cohort_batches)}")
+        if stats.checkpoint:
+            line += f", checkpoint {stats.checkpoint} ({stats.save_reason})"
+        logger.log(self.level, "%s", line)
+
+
+@dataclass
+class SimulatedSlowdown(Hook):
+    """Make one rank ``factor`` times slower (it sleeps after each batch), to try the
+    ElChe cadence on a homogeneous host. ``extra_ms`` adds a fixed sleep per batch
+    on every rank (so the slowdown dominates timing noise in small demos).
+
+    Args:
+        rank: the rank to slow down.
+        factor: its per-batch wall time multiplier (>= 1).
+        extra_ms: a per-batch sleep applied to every rank first.
+    """
+
+    rank: int
+    factor: float = 2.0
+    extra_ms: float = 0.0
+
+    def on_batch_end(self, state: RankState, info: BatchInfo) -> None:
+        base = info.compute_ms + self.extra_ms
+        sleep_ms = self.extra_ms
+        if state.rank == self.rank:
+            sleep_ms += base * (max(self.factor, 1.0) - 1.0)
+        if sleep_ms > 0:
+            time.sleep(sleep_ms / 1e3)

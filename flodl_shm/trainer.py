@@ -1,0 +1,581 @@
+"""``Trainer``: data-parallel local-SGD / DiLoCo training on the ranks of this host.
+
+::
+
+    import functools, torch, flodl_shm
+
+    trainer = flodl_shm.Trainer(
+        model_fn=make_model,                                   # () -> nn.Module
+        optimizer_fn=functools.partial(torch.optim.SGD, lr=0.05),  # params -> Optimizer
+        dataset=(x, y),                                        # tensors or a map-style dataset
+        loss_fn=torch.nn.functional.cross_entropy,             # (output, target) -> loss
+        batch_size=32, epochs=2, sync_every=8,
+        checkpoint_every=10, save_path="runs/demo")
+    result = trainer.run(nprocs=2)          # or trainer.resume("runs/demo")
+
+Each rank trains its own replica on its own chunks of every epoch's permutation;
+at the end of each *window* the ranks replace their weights by the consensus
+Σ(wᵣ·Tᵣ)/Σwᵣ over the work each realized (:mod:`flodl_shm.sync_window`). Which
+samples each rank trains, how many batches per window (``sync_every``, or ElChe's
+cadence), when to checkpoint and when to stop are decided identically on every
+rank by the replicated :mod:`flodl_shm.coordinator`. Checkpoints are captured at a
+reduce and written off the training path by the supervisor's forge, as a series
+of bundles (:mod:`flodl_shm.checkpoint_series`); ``resume`` continues from the last
+one without repeating or skipping a sample.
+
+Everything handed to the Trainer is pickled to the rank processes: use
+module-level functions (or ``functools.partial`` of them), not lambdas.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+import numpy as np
+
+from .checkpoint.meta import CheckpointBundle, CheckpointMeta, RankDeathRecord, SaveReason
+from .coordinator import Coordinator, CoordinatorConfig
+from .coverage import SHUFFLE_BASE_SEED
+from .hooks import BatchInfo, Hook, LoggingHook, RankState, RankSummary, WindowStats
+
+logger = logging.getLogger("flodl_shm")
+
+__all__ = ["Trainer", "TrainResult", "TrainingAborted"]
+
+
+@dataclass
+class TrainResult:
+    """What ``Trainer.run`` / ``Trainer.resume`` return.
+
+    Attributes:
+        state_dict: the final model (the consensus of the last window; integer
+            buffers are the reporting rank's own).
+        history: the reporting rank's ``WindowStats`` of every window (without
+            sample ids).
+        meta: where the run ended, as checkpoint metadata (epoch, global step,
+            sync round, live ranks, reason, ElChe state, coverage).
+        checkpoint: the model path of the last checkpoint armed (None without
+            ``save_path``); it is on disk when ``run`` returns.
+        dead_ranks: ranks lost during the run.
+        summaries: every rank's ``RankSummary`` (None for dead ranks).
+    """
+
+    state_dict: dict
+    history: list
+    meta: CheckpointMeta
+    checkpoint: Optional[Path]
+    dead_ranks: tuple
+    summaries: list = field(default_factory=list)
+
+    @property
+    def reason(self) -> Optional[SaveReason]:
+        return None if self.meta is None else SaveReason(self.meta.save_reason)
+
+
+class TrainingAborted(RuntimeError):
+    """More ranks died than ``max_failures`` allows. The survivors saved a
+    ``max_failure_exceeded`` checkpoint first (``checkpoint``); continue with
+    ``Trainer.resume(save_path)``. ``result`` is the partial ``TrainResult``."""
+
+    def __init__(self, message: str, result: TrainResult) -> None:
+        super().__init__(message)
+        self.result = result
+        self.checkpoint = result.checkpoint
+        self.dead_ranks = result.dead_ranks
+
+
+@dataclass
+class _Job:
+    trainer: "Trainer"
+    world_size: int
+    resume_meta: Optional[CheckpointMeta]
+    model_path: Optional[str]
+    log_level: Optional[int]
+
+
+class Trainer:
+    """Local-SGD / DiLoCo data-parallel training over this host's ranks.
+
+    Args:
+        model_fn: ``() -> nn.Module``, called in every rank (after
+            ``torch.manual_seed(seed)``); parameters and floating-point buffers must be
+            float32 or bfloat16.
+        optimizer_fn: ``params -> torch.optim.Optimizer`` (the inner optimizer), e.g.
+            ``functools.partial(torch.optim.SGD, lr=0.1)``.
+        dataset: a tuple of tensors with a common first dimension (the last one is the
+            target), a map-style dataset whose items are ``(input..., target)``, or a
+            zero-argument factory returning either (built in each rank).
+        loss_fn: ``(model_output, target) -> scalar loss``.
+        batch_size: samples per batch; every batch is full (the permutation's tail
+            past the last full batch is not trained that epoch).
+        epochs: passes over the dataset.
+        sync_every: batches per window with the fixed cadence; with ElChe, the slowest
+            rank's initial batches per window (the anchor).
+        cadence: ``"fixed"`` (every rank ``sync_every`` batches per window),
+            ``"elche"`` (ElChe: faster ranks run proportionally more batches, measured
+            from real wall time), or a picklable ``world_size -> ElChe`` factory to set
+            ElChe's knobs.
+        gamma: work exponent of the params mass ``n**gamma`` (1: every batch counts).
+        outer: an outer optimizer (``OuterNesterov(...)`` for DiLoCo) stepped on the
+            consensus where it is formed; ``None`` or ``OuterAvg()`` adopt the plain
+            consensus. ``OuterNesterov`` resets the inner optimizer's state at every sync.
+        bf16_wire: send model frames as bf16 (half the bytes; sums stay f32).
+        checkpoint_every: checkpoint every this many windows (needs ``save_path``); the
+            last window is always checkpointed when ``save_path`` is set.
+        save_path: checkpoint series stem (``runs/exp`` -> ``runs/exp-r00000012.fdl``...).
+        keep_checkpoints: complete bundles kept (older ones are deleted).
+        max_failures: ranks that may die while the rest continue. One more and the
+            survivors save a ``max_failure_exceeded`` checkpoint (with ``save_path``)
+            and ``run`` raises ``TrainingAborted``.
+        seed: seeds the model init, every epoch's permutation and, per (rank, window),
+            torch's RNG (dropout...), so a resumed run replays the uninterrupted one.
+        hooks: ``Hook`` objects called in every rank (see :mod:`flodl_shm.hooks`).
+        guard: the convergence guard advising ElChe (default ``TrendGuard()``).
+        log_every: add a ``LoggingHook(every=log_every)``; None for none.
+        timeout: seconds any collective may wait for a live rank before failing
+            with ``ReduceStall`` (a window's training counts: keep it above the
+            longest window).
+    """
+
+    def __init__(self, model_fn: Callable, optimizer_fn: Callable, dataset: Any,
+                 loss_fn: Callable, *, batch_size: int = 32, epochs: int = 1,
+                 sync_every: int = 8, cadence: Union[str, Callable] = "fixed",
+                 gamma: float = 1.0, outer=None, bf16_wire: bool = False,
+                 checkpoint_every: Optional[int] = None,
+                 save_path: "str | os.PathLike[str] | None" = None, keep_checkpoints: int = 2,
+                 max_failures: int = 0, seed: int = SHUFFLE_BASE_SEED,
+                 hooks: Sequence[Hook] = (), guard=None, log_every: Optional[int] = 1,
+                 timeout: Optional[float] = 1800.0) -> None:
+        for name, value in (("batch_size", batch_size), ("sync_every", sync_every),
+                            ("keep_checkpoints", keep_checkpoints)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(epochs, int) or epochs < 0:
+            raise ValueError(f"epochs must be an int >= 0, got {epochs!r}")
+        if checkpoint_every is not None and (not isinstance(checkpoint_every, int)
+                                             or checkpoint_every < 1):
+            raise ValueError(f"checkpoint_every must be an int >= 1 or None, got "
+                             f"{checkpoint_every!r}")
+        if checkpoint_every is not None and save_path is None:
+            raise ValueError("checkpoint_every needs a save_path to write the checkpoints to")
+        if not (cadence in ("fixed", "elche") or callable(cadence)):
+            raise ValueError(f"cadence must be 'fixed', 'elche' or a world_size -> ElChe "
+                             f"factory, got {cadence!r}")
+        if max_failures < 0:
+            raise ValueError(f"max_failures must be >= 0, got {max_failures}")
+        if not math.isfinite(gamma):
+            raise ValueError(f"gamma must be finite, got {gamma!r}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        self.model_fn = model_fn
+        self.optimizer_fn = optimizer_fn
+        self.dataset = dataset
+        self.loss_fn = loss_fn
+        self.batch_size = batch_size
+        self.epochs = epochs
+        self.sync_every = sync_every
+        self.cadence = cadence
+        self.gamma = float(gamma)
+        self.outer = outer
+        self.bf16_wire = bool(bf16_wire)
+        self.checkpoint_every = checkpoint_every
+        self.save_path = None if save_path is None else os.fspath(save_path)
+        self.keep_checkpoints = keep_checkpoints
+        self.max_failures = max_failures
+        self.seed = int(seed)
+        self.hooks = list(hooks)
+        if log_every is not None:
+            self.hooks.append(LoggingHook(every=log_every))
+        self.guard = guard
+        self.timeout = timeout
+
+    def __repr__(self) -> str:
+        return (f"Trainer(batch_size={self.batch_size}, epochs={self.epochs}, "
+                f"sync_every={self.sync_every}, cadence={self.cadence!r}, outer={self.outer!r}, "
+                f"save_path={self.save_path!r})")
+
+    # -- launch ------------------------------------------------------------------------
+    def run(self, nprocs: int, *, overwrite: bool = False) -> TrainResult:
+        """Train from scratch on ``nprocs`` rank processes of this host.
+
+        Raises:
+            FileExistsError: ``save_path`` already holds checkpoints (resume them, or
+                pass ``overwrite=True`` to delete them first).
+            TrainingAborted: more than ``max_failures`` ranks died (with ``save_path``;
+                the survivors saved first).
+            RankFailed: a rank failed and no checkpoint could be saved.
+        """
+        from .checkpoint_series import committed_checkpoints, delete_series
+
+        if self.save_path is not None and committed_checkpoints(self.save_path):
+            if not overwrite:
+                raise FileExistsError(
+                    f"{self.save_path} already holds checkpoints of an earlier run; continue it "
+                    f"with trainer.resume({self.save_path!r}), or pass overwrite=True to "
+                    f"delete them and start over")
+            delete_series(self.save_path)
+        return self._launch(_Job(self, int(nprocs), None, None, _log_level()))
+
+    def resume(self, save_path: "str | os.PathLike[str] | None" = None,
+               nprocs: Optional[int] = None) -> TrainResult:
+        """Continue from the last complete checkpoint of ``save_path`` (default: this
+        trainer's), or from a bundle named by its ``.fdl`` / ``.meta.json``.
+
+        Restores the consensus weights, the outer momentum, the epoch, global step and
+        sync round, ElChe's state with the guard's history, and the data coverage:
+        the resumed run trains exactly the samples the checkpoint had not yet
+        realized. ``nprocs`` defaults to the ElChe world of the checkpoint (cadence
+        runs must resume on as many ranks), else the ranks alive at the save. The
+        inner optimizer restarts fresh (its state is per rank and not saved).
+        """
+        from .checkpoint_series import resolve_checkpoint
+
+        target = save_path if save_path is not None else self.save_path
+        if target is None:
+            raise ValueError("resume() needs a save_path (this Trainer has none)")
+        model_path = resolve_checkpoint(target)
+        meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(model_path))
+        saved_world = (len(meta.elche_state.smoothed_ms_per_batch)
+                       if meta.elche_state is not None else None)
+        if nprocs is None:
+            nprocs = saved_world or max(meta.world_size_at_save, 1)
+        if saved_world is not None and self.cadence != "fixed" and nprocs != saved_world:
+            raise ValueError(
+                f"the checkpoint's ElChe state is for world_size {saved_world}; resume a "
+                f"cadence='elche' run with nprocs={saved_world} (got {nprocs})")
+        logger.info("resuming from %s: epoch %d, step %d, round %d (%s)", model_path,
+                    meta.epoch, meta.global_step, meta.sync_round, meta.save_reason)
+        return self._launch(_Job(self, int(nprocs), meta, os.fspath(model_path), _log_level()))
+
+    def _launch(self, job: _Job) -> TrainResult:
+        from .spawn import spawn
+
+        nprocs = job.world_size
+        if nprocs < 1:
+            raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+        if self.save_path is not None:
+            from .checkpoint_series import series_base
+
+            series_base(self.save_path).parent.mkdir(parents=True, exist_ok=True)
+        # With a save_path the survivors of too many deaths save before stopping, so
+        # spawn must let them run; without one there is nothing to save and spawn's
+        # own failure policy (RankFailed with the traceback) is the right answer.
+        spawn_failures = nprocs - 1 if self.save_path else self.max_failures
+        try:
+            results = spawn(_rank_main, nprocs, (job,), max_failures=spawn_failures,
+                            timeout=self.timeout, save_path=self.save_path)
+        finally:
+            if self.save_path is not None:
+                # every write has landed (spawn flushed the forge): prune exactly
+                from .checkpoint_series import prune_series
+
+                prune_series(self.save_path, self.keep_checkpoints)
+        return self._collect(results, nprocs)
+
+    def _collect(self, results: list, nprocs: int) -> TrainResult:
+        reporting = next((r for r in results if r is not None and r["state_dict"] is not None),
+                         None)
+        if reporting is None:
+            raise RuntimeError("no rank returned the final model (every rank failed)")
+        dead = tuple(sorted(set(reporting["dead_ranks"])
+                            | {r for r, out in enumerate(results) if out is None}))
+        ckpt = reporting["checkpoint"]
+        result = TrainResult(_from_portable(reporting["state_dict"]), reporting["history"],
+                             reporting["meta"],
+                             None if ckpt is None else Path(ckpt), dead,
+                             [None if r is None else r["summary"] for r in results])
+        if result.reason == SaveReason.MAX_FAILURE_EXCEEDED:
+            raise TrainingAborted(self._abort_message(result), result)
+        return result
+
+    def _abort_message(self, result: TrainResult) -> str:
+        lines = [f"{len(result.dead_ranks)} rank(s) died ({list(result.dead_ranks)}), more "
+                 f"than max_failures={self.max_failures}."]
+        if result.checkpoint is not None:
+            lines.append(f"The survivors saved {result.checkpoint} (max_failure_exceeded); "
+                         f"continue with trainer.resume({self.save_path!r}).")
+        for r in result.dead_ranks:
+            path = CheckpointBundle.rank_death_path(self.save_path, r)
+            try:
+                lines.append(f"rank {r}: " + RankDeathRecord.read_from_file(path).error)
+            except Exception:
+                pass
+        return "\n".join(lines)
+
+
+def _log_level() -> Optional[int]:
+    """The launcher's flodl_shm log level when logging is configured here (ranks then
+    log the same way), else None."""
+    lg = logging.getLogger("flodl_shm")
+    if lg.handlers or logging.getLogger().handlers:
+        return lg.getEffectiveLevel()
+    return None
+
+
+def _setup_rank_logging(level: Optional[int], rank: int) -> None:
+    if level is None or logging.getLogger().handlers:
+        return
+    lg = logging.getLogger("flodl_shm")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(
+        f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"))
+    lg.addHandler(handler)
+    lg.setLevel(level)
+
+
+def window_seed(seed: int, rank: int, window: int) -> int:
+    """The torch RNG seed of ``rank``'s training in ``window`` (a 63-bit hash of the
+    three), so stochastic layers replay identically after a resume."""
+    state = np.random.SeedSequence([int(seed), int(rank), int(window)]).generate_state(2)
+    return (int(state[0]) << 31 | int(state[1])) & ((1 << 63) - 1)
+
+
+# --- the rank side ----------------------------------------------------------------------
+
+
+class _RankRun:
+    """One rank's training: model, data, coordinator, and the window loop."""
+
+    def __init__(self, ctx, job: _Job) -> None:
+        import torch
+
+        from .checkpoint.meta import ModelSchema
+        from .data import resolve_dataset
+        from .sync_window import SyncWindow
+
+        self.ctx = ctx
+        self.comm = ctx.comm
+        self.rank = ctx.rank
+        self.job = job
+        tr = self.trainer = job.trainer
+        torch.manual_seed(tr.seed)
+        model = tr.model_fn()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model_fn must return a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.dataset = resolve_dataset(tr.dataset)
+        self.schema = ModelSchema.from_module(model)
+        self.comm.set_bf16_wire(tr.bf16_wire)
+        if tr.outer is not None:
+            self.comm.set_outer(tr.outer)
+        self.resets_inner = bool(tr.outer is not None and tr.outer.resets_inner())
+        self._adopt_initial_weights()
+        self.optimizer = tr.optimizer_fn(model.parameters())
+        self.coord = self._coordinator(len(self.dataset))
+        self.window = SyncWindow(model, gamma=tr.gamma, outer=tr.outer is not None)
+        self._perm_epoch = -1
+        self._perm = None
+
+    def _coordinator(self, dataset_len: int) -> Coordinator:
+        tr = self.trainer
+        cadence = "fixed" if tr.cadence == "fixed" else "elche"
+        config = CoordinatorConfig(
+            world_size=self.ctx.world_size, dataset_len=dataset_len, batch_size=tr.batch_size,
+            epochs=tr.epochs, seed=tr.seed, sync_every=tr.sync_every, cadence=cadence,
+            checkpoint_every=tr.checkpoint_every, max_failures=tr.max_failures)
+        if self.job.resume_meta is not None:
+            config = config.resume_from_meta(self.job.resume_meta)
+        el_che = None
+        if callable(tr.cadence) and self.ctx.world_size >= 2:
+            el_che = tr.cadence(self.ctx.world_size)
+        return Coordinator(config, el_che=el_che, guard=copy.deepcopy(tr.guard))
+
+    def _adopt_initial_weights(self) -> None:
+        """Resume: load the checkpoint (and the outer momentum). Fresh: align every
+        replica on rank 0's initial weights."""
+        import torch
+
+        from .checkpoint.forge import load_consensus_checkpoint, load_outer_momentum, \
+            outer_sidecar_path
+        from .checkpoint.meta import averaged_buffers
+
+        path = self.job.model_path
+        if path is not None:
+            report = load_consensus_checkpoint(self.model, path)
+            if report.missing or report.unexpected:
+                raise ValueError(f"{path} does not match the model built by model_fn: missing "
+                                 f"{report.missing}, unexpected {report.unexpected}")
+            outer = self.trainer.outer
+            if outer is not None and getattr(outer, "has_momentum", False):
+                opath = outer_sidecar_path(path)
+                if opath.exists():
+                    self.comm.load_outer_momentum(load_outer_momentum(self.model, opath))
+                else:
+                    logger.warning("%s not found: the outer momentum restarts from zero", opath)
+            return
+        tensors = [p.detach() for p in self.model.parameters()]
+        tensors += [b for _, b in averaged_buffers(self.model)]
+        if self.ctx.world_size > 1 and tensors:
+            root = self.comm.broadcast_from_root([t.to(torch.float32) for t in tensors], 0)
+            with torch.no_grad():
+                for t, src in zip(tensors, root):
+                    t.copy_(src)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        from .coverage import epoch_permutation
+
+        if epoch != self._perm_epoch:
+            self._perm = epoch_permutation(self.trainer.seed, epoch, len(self.dataset))
+            self._perm_epoch = epoch
+        return self._perm
+
+    def _train(self, plan, state: RankState) -> tuple[int, float, float, np.ndarray]:
+        """Train this rank's chunks of the window; returns (batches, compute ms, loss
+        sum, sample ids)."""
+        import torch
+
+        from .data import fetch_batch
+
+        tr = self.trainer
+        bs = tr.batch_size
+        perm = self._permutation(plan.epoch)
+        mine = plan.chunks[self.rank]
+        ids_all = (np.concatenate([perm[o:o + n] for o, n in mine]) if mine
+                   else np.empty(0, np.int64))
+        nb = plan.batches[self.rank]
+        torch.manual_seed(window_seed(tr.seed, self.rank, plan.window))
+        self.model.train()
+        t0 = time.perf_counter()
+        loss_sum = 0.0
+        for k in range(nb):
+            tb = time.perf_counter()
+            ids = ids_all[k * bs:(k + 1) * bs]
+            *inputs, target = fetch_batch(self.dataset, ids)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = tr.loss_fn(self.model(*inputs), target)
+            loss.backward()
+            self.optimizer.step()
+            value = float(loss.detach())
+            loss_sum += value
+            if tr.hooks:
+                info = BatchInfo(plan.epoch, plan.window, k, ids, value,
+                                 (time.perf_counter() - tb) * 1e3)
+                for h in tr.hooks:
+                    h.on_batch_end(state, info)
+        return nb, (time.perf_counter() - t0) * 1e3, loss_sum, ids_all
+
+    def run(self) -> dict:
+        from .checkpoint_series import prune_series, round_model_path
+        from .sync_window import gather_ack, gather_counts
+
+        tr, coord, comm = self.trainer, self.coord, self.comm
+        state = RankState(self.rank, self.ctx.world_size, self.model, self.optimizer,
+                          coord.epoch, coord.sync_round, coord.global_step, tuple(coord.alive))
+        for h in tr.hooks:
+            h.on_train_start(state)
+        history: list[WindowStats] = []
+        dead: list[int] = []
+        last_ckpt: Optional[str] = None
+        reason: Optional[SaveReason] = None
+        windows = 0
+        while True:
+            plan = coord.plan_window()
+            if plan is None:
+                break
+            state.epoch, state.window, state.global_step = plan.epoch, plan.window, \
+                coord.global_step
+            state.live_ranks = tuple(coord.alive)
+            t_start = time.perf_counter()
+            nb, compute_ms, loss_sum, ids = self._train(plan, state)
+            t_gather = time.perf_counter()
+            counts = gather_counts(comm, nb, compute_ms, loss_sum, stop=state.stop_requested)
+            gather_ms = (time.perf_counter() - t_gather) * 1e3
+            settled = coord.settle(plan, counts)
+            dead += settled.newly_dead
+            ckpt = None
+            if settled.save_reason is not None and tr.save_path and counts.total_batches > 0:
+                ckpt = round_model_path(tr.save_path, coord.sync_round)
+                if self.rank == coord.alive[0]:
+                    prune_series(tr.save_path, tr.keep_checkpoints - 1 or 1)
+                comm.arm_checkpoint(ckpt, self.schema, coord.checkpoint_meta(settled.save_reason))
+                last_ckpt = os.fspath(ckpt)
+            sync = self.window.sync(comm, nb, counts)
+            if sync.shortfall:
+                realized = sorted(r for r in sync.accepted if counts.batches[r] > 0)
+                logger.warning(
+                    "window %d: the params round accepted less work than the count gather "
+                    "promised (a rank died in between); crediting ranks %s only%s", plan.window,
+                    realized, "; the checkpoint armed at this window overstates coverage and "
+                    "the next window is checkpointed again" if ckpt else "")
+                settled = coord.resettle(plan, counts, realized)
+            ack = gather_ack(comm, sync.divergence, sync.reduce_ms)
+            coord.report(counts, ack, settled.realized)
+            if self.resets_inner and not sync.skipped:
+                self.optimizer.state.clear()
+            windows += 1
+            window_ms = (time.perf_counter() - t_start) * 1e3
+            total = counts.total_batches
+            stats = WindowStats(
+                rank=self.rank, epoch=plan.epoch, window=plan.window,
+                global_step=coord.global_step, batches=nb, cohort_batches=counts.batches,
+                sample_ids=ids if self.rank in settled.realized else ids[:0],
+                loss=loss_sum / nb if nb else math.nan,
+                cohort_loss=sum(counts.loss_sum) / total if total else math.nan,
+                compute_ms=compute_ms, gather_ms=gather_ms, sync_ms=ack.sync_ms,
+                window_ms=window_ms,
+                samples_per_s=total * tr.batch_size / (window_ms / 1e3) if window_ms > 0 else 0.0,
+                bytes_sent=sync.bytes_sent, divergence=sync.divergence,
+                max_divergence=ack.max_divergence, live_ranks=tuple(coord.alive),
+                skipped=sync.skipped, checkpoint=None if ckpt is None else os.fspath(ckpt),
+                save_reason=None if ckpt is None else settled.save_reason.value,
+                next_batches=() if settled.stop else tuple(coord.base_counts()))
+            state.global_step = coord.global_step
+            state.live_ranks = tuple(coord.alive)
+            for h in tr.hooks:
+                h.on_window_end(state, stats)
+            history.append(dataclasses.replace(stats, sample_ids=None))
+            if settled.stop:
+                reason = settled.save_reason
+                break
+        summary = RankSummary(self.rank, windows, coord.global_step, coord.epoch,
+                              None if reason is None else reason.value, tuple(dead), last_ckpt)
+        for h in tr.hooks:
+            h.on_train_end(state, summary)
+        reporting = bool(coord.alive) and self.rank == coord.alive[0]
+        return {
+            "summary": summary,
+            "dead_ranks": tuple(dead),
+            "checkpoint": last_ckpt,
+            "meta": coord.checkpoint_meta(reason or SaveReason.GRACEFUL_SHUTDOWN),
+            "history": history if reporting else None,
+            "state_dict": _to_portable(self.model.state_dict()) if reporting else None,
+        }
+
+
+def _to_portable(state: dict) -> dict:
+    """A state_dict as numpy arrays: torch pickles tensors through a multiprocessing
+    pipe as shared-memory handles that die with the rank process, so a rank's result
+    carries plain bytes instead."""
+    import torch
+
+    out = {}
+    for k, v in state.items():
+        v = v.detach().cpu().contiguous()
+        if v.dtype == torch.bfloat16:
+            out[k] = ("bfloat16", v.view(torch.int16).numpy().copy())
+        else:
+            out[k] = (str(v.dtype).replace("torch.", ""), v.numpy().copy())
+    return out
+
+
+def _from_portable(state: dict) -> dict:
+    import torch
+
+    out = {}
+    for k, (dtype, arr) in state.items():
+        t = torch.from_numpy(arr)
+        out[k] = t.view(torch.bfloat16) if dtype == "bfloat16" else t
+    return out
+
+
+def _rank_main(ctx, job: _Job) -> dict:
+    """The function ``spawn`` runs in every rank."""
+    _setup_rank_logging(job.log_level, ctx.rank)
+    return _RankRun(ctx, job).run()

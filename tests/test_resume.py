@@ -1,0 +1,145 @@
+"""Kill and resume, on real rank processes: every sample of every epoch is realized
+exactly once across the runs (counting the interrupted run only up to the checkpoint
+it is resumed from), and a run killed and resumed ends at the same weights as an
+uninterrupted one.
+
+Samples are recorded by a hook at each window's end, which a rank reaches only
+after its work entered the consensus: a rank killed mid-window records nothing for
+that window, exactly as its work is not realized.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flodl_shm.checkpoint.meta import CheckpointBundle, CheckpointMeta, SaveReason
+from flodl_shm.checkpoint_series import committed_checkpoints, round_model_path
+from flodl_shm.segment import list_segments
+from flodl_shm.trainer import TrainingAborted
+
+from trainer_util import (no_leaks,  # noqa: F401 - autouse fixture
+                          KillAt, RecordSamples, assert_each_epoch_once, float_state,
+                          make_trainer, read_samples)
+
+pytestmark = pytest.mark.timeout(150)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# 256 samples, batch 8: 32 batches per epoch; 2 ranks x 2 batches: 8 windows per epoch
+
+
+def records_up_to(records, last_window):
+    return [r for r in records if r[0] <= last_window]
+
+
+def test_a_rank_killed_mid_epoch_is_covered_by_the_survivors(tmp_path):
+    """max_failures=1: rank 1 dies in the middle of window 3; its unrealized chunk goes
+    back to the pool and rank 0 trains it later in the epoch."""
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    trainer = make_trainer(epochs=1, max_failures=1, save_path=tmp_path / "ck",
+                           checkpoint_every=4, keep_checkpoints=5,
+                           hooks=[RecordSamples(rec), KillAt(rank=1, window=3, batch=1)])
+    result = trainer.run(2)
+    assert result.dead_ranks == (1,)
+    records = read_samples(rec)
+    assert {w for w, _, r, _ in records if r == 1} == {1, 2}, "rank 1 realized windows 1-2"
+    assert_each_epoch_once(records, epochs=1, batch_size=8)
+    hist = result.history
+    assert hist[2].cohort_batches == (2, 0) and hist[2].live_ranks == (0,)
+    assert result.meta.global_step == 32 and result.meta.world_size_at_save == 1
+    assert result.reason is SaveReason.GRACEFUL_SHUTDOWN
+    # windows are 32 samples: window 3 dispatched 64-79 (rank 0) and 80-95 (rank 1, lost);
+    # window 4 trained 96-111 on rank 0 alone. Its checkpoint lists the lost chunk as
+    # uncovered next to the never-dispatched rest.
+    meta4 = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(
+        round_model_path(tmp_path / "ck", 4)))
+    assert meta4.world_size_at_save == 1 and meta4.global_step == 4 + 4 + 2 + 2
+    assert meta4.coverage.per_epoch[0].uncovered_ranges == [(80, 16), (112, 144)]
+
+
+def test_too_many_deaths_save_then_resume_covers_the_rest_once(tmp_path):
+    """max_failures=0: rank 1 dies in window 3; the survivor saves a
+    max_failure_exceeded checkpoint at that very window and the run raises; resuming
+    on two ranks trains exactly the samples not yet realized."""
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    stem = tmp_path / "ck"
+    first = make_trainer(epochs=2, save_path=stem, checkpoint_every=5,
+                         hooks=[RecordSamples(rec), KillAt(rank=1, window=3, batch=1)])
+    with pytest.raises(TrainingAborted) as info:
+        first.run(2)
+    err = info.value
+    assert err.dead_ranks == (1,) and err.checkpoint.name == "ck-r00000003.fdl"
+    assert "max_failures=0" in str(err) and "SIGKILL" in str(err)
+    meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(err.checkpoint))
+    assert meta.save_reason is SaveReason.MAX_FAILURE_EXCEEDED
+    assert (meta.epoch, meta.global_step, meta.sync_round, meta.world_size_at_save) == \
+        (0, 4 + 4 + 2, 3, 1)
+    run1 = read_samples(rec)
+    for p in rec.iterdir():
+        p.unlink()
+    second = make_trainer(epochs=2, save_path=stem, checkpoint_every=5,
+                          hooks=[RecordSamples(rec)])
+    result = second.resume(nprocs=2)
+    assert result.history[0].window == 4 and result.history[0].global_step == 14
+    assert result.meta.global_step == 64 and result.reason is SaveReason.GRACEFUL_SHUTDOWN
+    assert_each_epoch_once(records_up_to(run1, 3) + read_samples(rec), epochs=2,
+                           batch_size=8)
+
+
+def _run_driver(spec: dict) -> tuple[int, int, str]:
+    """Run ``trainer_util.drive(spec)`` in a launcher subprocess: (pid, returncode, stderr)."""
+    code = (f"import sys; sys.path.insert(0, {HERE!r}); import trainer_util; "
+            f"trainer_util.drive({json.dumps(json.dumps(spec))})")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    _, err = proc.communicate(timeout=120)
+    return proc.pid, proc.returncode, err
+
+
+def test_whole_run_killed_then_resumed_matches_the_uninterrupted_run(tmp_path):
+    """The launcher is SIGKILLed in window 11 (its ranks die with it); resuming from the
+    window-9 checkpoint replays windows 10-16 exactly: same samples on the same ranks,
+    same seeds, so the final weights are bit-identical to an uninterrupted run's."""
+    for d in ("rec_full", "rec1", "rec2"):
+        (tmp_path / d).mkdir()
+    _, code, err = _run_driver({"records": str(tmp_path / "rec_full"),
+                                "save_path": str(tmp_path / "full"), "every": 3, "nprocs": 2,
+                                "out": str(tmp_path / "full.pt")})
+    assert code == 0, err[-3000:]
+    stem = tmp_path / "killed"
+    pid, code, err = _run_driver({
+        "records": str(tmp_path / "rec1"), "save_path": str(stem), "every": 3, "nprocs": 2,
+        "out": str(tmp_path / "never.pt"),
+        "kill": {"rank": 0, "window": 11, "batch": 0, "target": "launcher",
+                 "wait_for": str(CheckpointBundle.meta_path(round_model_path(stem, 9)))}})
+    assert code == -9, err[-3000:]
+    assert not (tmp_path / "never.pt").exists()
+    assert [s for s in list_segments() if s.owner_pid == pid], \
+        "the killed launcher could not unlink its segments (the next spawn reaps them)"
+    assert [r for r, _ in committed_checkpoints(stem)][-1] == 9
+
+    trainer = make_trainer(save_path=stem, checkpoint_every=3, hooks=[RecordSamples(
+        tmp_path / "rec2")])
+    result = trainer.resume()
+    assert result.history[0].window == 10 and result.meta.sync_round == 16
+    # coverage: run 1 up to its checkpoint, then run 2
+    assert_each_epoch_once(records_up_to(read_samples(tmp_path / "rec1"), 9)
+                           + read_samples(tmp_path / "rec2"), epochs=2, batch_size=8)
+    # the resumed run trained what the uninterrupted one did in windows 10-16
+    full_tail = sorted((w, r, tuple(ids)) for w, _, r, ids in read_samples(tmp_path / "rec_full")
+                       if w >= 10)
+    resumed = sorted((w, r, tuple(ids)) for w, _, r, ids in read_samples(tmp_path / "rec2"))
+    assert full_tail == resumed
+    want = torch.load(tmp_path / "full.pt")
+    got = float_state(result.state_dict)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k} differs after resume"
+    assert not [s for s in list_segments() if s.owner_pid == pid], \
+        "resume's spawn reaped the dead launcher's segments"

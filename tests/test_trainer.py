@@ -1,0 +1,112 @@
+"""The Trainer on real rank processes: a run end to end, hooks and metrics, the final
+checkpoint, ElChe's cadence on a heterogeneous cohort, and the DiLoCo outer optimizer.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+from flodl_shm import load_consensus_checkpoint
+from flodl_shm.checkpoint.forge import load_outer_momentum, outer_sidecar_path
+from flodl_shm.checkpoint.meta import CheckpointBundle, CheckpointMeta, SaveReason
+from flodl_shm.checkpoint_series import committed_checkpoints, latest_checkpoint
+from flodl_shm.hooks import SimulatedSlowdown
+from flodl_shm.outer import OuterNesterov
+from flodl_shm.trainer import Trainer
+
+from trainer_util import (no_leaks,  # noqa: F401 - autouse fixture
+                          RecordSamples, StopAt, assert_each_epoch_once, float_state,
+                          make_data, make_model, make_trainer, read_samples, sgd, loss_fn)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_run_trains_every_sample_once_per_epoch_and_saves(tmp_path):
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    stem = tmp_path / "ck" / "run"
+    trainer = make_trainer(save_path=stem, checkpoint_every=3, keep_checkpoints=2,
+                           hooks=[RecordSamples(rec)])
+    result = trainer.run(2)
+    # 256 samples / 8 = 32 batches per epoch, 2 ranks x 2 batches per window: 8 windows
+    assert [s.window for s in result.history] == list(range(1, 17))
+    assert [s.epoch for s in result.history] == [0] * 8 + [1] * 8
+    assert all(s.cohort_batches == (2, 2) and not s.skipped for s in result.history)
+    assert [s.global_step for s in result.history] == list(range(4, 68, 4))
+    assert [s.save_reason for s in result.history if s.checkpoint] == \
+        ["checkpoint"] * 5 + ["graceful_shutdown"]
+    last = result.history[-1]
+    assert last.next_batches == () and last.live_ranks == (0, 1)
+    assert all(math.isfinite(s.cohort_loss) and s.samples_per_s > 0 and s.bytes_sent > 0
+               for s in result.history)
+    assert result.history[-1].cohort_loss < result.history[0].cohort_loss, "it learns"
+    assert_each_epoch_once(read_samples(rec), epochs=2, batch_size=8)
+    # where it ended, and the checkpoint that says so
+    meta = result.meta
+    assert (meta.epoch, meta.global_step, meta.sync_round, meta.world_size_at_save) == \
+        (2, 64, 16, 2)
+    assert result.reason is SaveReason.GRACEFUL_SHUTDOWN and result.dead_ranks == ()
+    assert result.checkpoint == latest_checkpoint(stem)
+    assert result.checkpoint.name == "run-r00000016.fdl"
+    assert [r for r, _ in committed_checkpoints(stem)] == [15, 16], "pruned to keep=2"
+    saved = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(result.checkpoint))
+    assert saved.save_reason is SaveReason.GRACEFUL_SHUTDOWN
+    assert (saved.epoch, saved.global_step, saved.sync_round) == (2, 64, 16)
+    assert saved.coverage.per_epoch == [] and saved.coverage.batch_size == 8
+    model = make_model()
+    report = load_consensus_checkpoint(model, result.checkpoint)
+    assert not report.missing and not report.unexpected
+    for k, v in float_state(model.state_dict()).items():
+        assert torch.equal(v, result.state_dict[k]), f"{k}: checkpoint != final model"
+    # a second run() must not silently mix with these checkpoints
+    with pytest.raises(FileExistsError, match="resume"):
+        trainer.run(2)
+
+
+def test_stop_request_ends_every_rank_after_the_same_window(tmp_path):
+    trainer = make_trainer(epochs=5, hooks=[StopAt(rank=1, window=3)])
+    result = trainer.run(2)
+    assert [s.window for s in result.history] == [1, 2, 3]
+    assert result.reason is SaveReason.GRACEFUL_SHUTDOWN and result.checkpoint is None
+    assert result.meta.coverage.per_epoch[0].uncovered_ranges == [(96, 160)]
+
+
+def test_elche_gives_the_fast_rank_more_batches(tmp_path):
+    """Rank 1 sleeps 4x as long per batch as rank 0: ElChe measures it and schedules
+    rank 0 about 4x the batches, so neither waits long at the gather."""
+    trainer = Trainer(make_model, sgd, make_data(2048), loss_fn, batch_size=8, epochs=1,
+                      sync_every=2, cadence="elche", log_every=None, timeout=120.0,
+                      hooks=[SimulatedSlowdown(rank=1, factor=4.0, extra_ms=2.0)])
+    result = trainer.run(2)
+    late = result.history[-4:-1]
+    for s in late:
+        fast, slow = s.cohort_batches
+        assert 2.5 <= fast / slow <= 6.5, s.cohort_batches
+    assert result.history[0].cohort_batches == (2, 2), "the first window is uncalibrated"
+    assert result.meta.elche_state is not None
+    assert result.meta.elche_state.anchor_rank == 1
+
+
+def test_diloco_outer_nesterov_saves_its_momentum(tmp_path):
+    stem = tmp_path / "diloco"
+    adam = functools.partial(torch.optim.Adam, lr=0.01)
+    trainer = Trainer(make_model, adam, make_data(), loss_fn, batch_size=8, epochs=1,
+                      sync_every=2, outer=OuterNesterov(lr=0.7, momentum=0.9),
+                      bf16_wire=True, save_path=stem, checkpoint_every=4, log_every=None,
+                      timeout=120.0)
+    result = trainer.run(2)
+    ckpt = result.checkpoint
+    assert ckpt.name == "diloco-r00000008.fdl"
+    outer = outer_sidecar_path(ckpt)
+    assert outer.exists(), "the outer momentum is checkpointed next to the model"
+    mom = load_outer_momentum(make_model(), outer)
+    assert len(mom) == len(list(make_model().parameters()))
+    assert all(torch.isfinite(m).all() for m in mom) and any(float(m.abs().sum()) > 0
+                                                             for m in mom)
+    # bf16 wire: the adopted consensus is bf16-representable
+    w = result.state_dict["0.weight"]
+    assert torch.equal(w, w.to(torch.bfloat16).float())
+    assert math.isfinite(result.history[-1].cohort_loss)

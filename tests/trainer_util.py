@@ -1,0 +1,159 @@
+"""Shared setup of the Trainer tests (imported, not a conftest): a small model and
+dataset, hooks that record every realized sample or kill a process at a precise
+batch, and a driver that runs a Trainer in a subprocess (so a test can lose the
+whole launcher).
+
+Everything here is module level: it is pickled to the rank processes.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from flodl_shm.coverage import epoch_permutation
+from flodl_shm.hooks import Hook
+
+from engine_util import live_children, our_segments
+
+N_SAMPLES = 256
+FEATURES = 6
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """After each test: no shared-memory segment of ours and no rank process left."""
+    yield
+    assert our_segments() == [], "the run left shared-memory segments behind"
+    deadline = time.monotonic() + 5
+    while live_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live_children() == [], "the run left rank processes behind"
+
+
+def make_model() -> torch.nn.Module:
+    """Params plus BatchNorm (float buffers averaged, num_batches_tracked kept local)."""
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 12), torch.nn.BatchNorm1d(12),
+                               torch.nn.ReLU(), torch.nn.Linear(12, 3))
+
+
+def make_data(n: int = N_SAMPLES):
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(n, FEATURES, generator=g)
+    y = ((x[:, 0] > 0).long() + (x[:, 1] > 0.5).long())
+    return x, y
+
+
+sgd = functools.partial(torch.optim.SGD, lr=0.05)
+loss_fn = torch.nn.functional.cross_entropy
+
+
+class RecordSamples(Hook):
+    """Appends ``window epoch id,id,...`` to ``<folder>/rank<r>.txt`` after each window:
+    exactly the samples realized in that window's consensus (a rank that dies
+    mid-window never reaches its window end)."""
+
+    def __init__(self, folder) -> None:
+        self.folder = os.fspath(folder)
+
+    def on_window_end(self, state, stats) -> None:
+        if stats.sample_ids is None or not len(stats.sample_ids):
+            return
+        with open(os.path.join(self.folder, f"rank{state.rank}.txt"), "a") as f:
+            ids = ",".join(str(int(i)) for i in stats.sample_ids)
+            f.write(f"{stats.window} {stats.epoch} {ids}\n")
+            f.flush()
+
+
+class KillAt(Hook):
+    """SIGKILL this rank (``target="self"``) or the launcher (``"launcher"``) when
+    ``rank`` reaches batch ``batch`` of window ``window``; with ``wait_for``, first
+    wait (up to 30 s) until that file exists."""
+
+    def __init__(self, rank: int, window: int, batch: int = 0, target: str = "self",
+                 wait_for=None) -> None:
+        self.rank, self.window, self.batch = rank, window, batch
+        self.target = target
+        self.wait_for = None if wait_for is None else os.fspath(wait_for)
+
+    def on_batch_end(self, state, info) -> None:
+        if state.rank != self.rank or info.window != self.window or info.batch != self.batch:
+            return
+        if self.wait_for is not None:
+            deadline = time.monotonic() + 30
+            while not os.path.exists(self.wait_for) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        pid = os.getppid() if self.target == "launcher" else os.getpid()
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(30)  # the launcher's death takes this rank down (PDEATHSIG)
+
+
+class StopAt(Hook):
+    """Request a cohort stop at the end of ``window`` (from rank ``rank``)."""
+
+    def __init__(self, rank: int, window: int) -> None:
+        self.rank, self.window = rank, window
+
+    def on_batch_end(self, state, info) -> None:
+        if state.rank == self.rank and info.window == self.window:
+            state.request_stop()
+
+
+def read_samples(folder) -> list[tuple[int, int, int, list[int]]]:
+    """Every record of RecordSamples: (window, epoch, rank, ids)."""
+    out = []
+    for p in sorted(Path(folder).glob("rank*.txt")):
+        rank = int(p.stem[4:])
+        for line in p.read_text().splitlines():
+            window, epoch, ids = line.split(" ")
+            out.append((int(window), int(epoch), rank, [int(i) for i in ids.split(",")]))
+    return out
+
+
+def assert_each_epoch_once(records, epochs: int, batch_size: int, seed: int = 42,
+                           n: int = N_SAMPLES) -> None:
+    """Every epoch's realized samples are exactly its permutation's trained prefix,
+    each once."""
+    total = (n // batch_size) * batch_size
+    for e in range(epochs):
+        got = sorted(i for _, ep, _, ids in records if ep == e for i in ids)
+        want = sorted(epoch_permutation(seed, e, n)[:total].tolist())
+        assert got == want, (f"epoch {e}: {len(got)} realized samples, "
+                             f"{len(set(got))} distinct, want each of {len(want)} once")
+
+
+def float_state(state: dict) -> dict:
+    """Params and float buffers (integer counters are per rank and not checkpointed)."""
+    return {k: v for k, v in state.items() if v.is_floating_point()}
+
+
+def make_trainer(**kw):
+    from flodl_shm.trainer import Trainer
+
+    args = dict(batch_size=8, epochs=2, sync_every=2, log_every=None, timeout=120.0)
+    args.update(kw)
+    return Trainer(make_model, sgd, make_data(), loss_fn, **args)
+
+
+def drive(spec_json: str) -> None:
+    """Driver entry (a subprocess): run ``make_trainer(**spec)`` with hooks built from
+    the spec and write the result's float state to ``spec["out"]``."""
+    spec = json.loads(spec_json)
+    hooks = [RecordSamples(spec["records"])]
+    if spec.get("kill"):
+        hooks.append(KillAt(**spec["kill"]))
+    trainer = make_trainer(save_path=spec["save_path"], checkpoint_every=spec["every"],
+                           hooks=hooks)
+    result = trainer.run(spec["nprocs"])
+    torch.save(float_state(result.state_dict), spec["out"])
+
+
+if __name__ == "__main__":
+    drive(sys.argv[1])
