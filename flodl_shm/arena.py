@@ -76,6 +76,10 @@ ABORT_FAILED = 1      # a rank failed beyond max_failures
 ABORT_INTERRUPT = 2   # the launcher was interrupted (Ctrl-C / SIGTERM)
 ABORT_SHUTDOWN = 3    # orderly teardown (e.g. relay lost the controller)
 
+RELAY_FAILED = 1      # G_RELAY_ERROR codes; details (JSON) in the error area
+RELAY_STALL = 2
+ERROR_AREA_BYTES = 1024
+
 # -- per-rank block -------------------------------------------------------------------
 RANK_WORDS = 64
 R_ARRIVED = 0         # last round this rank published its contribution for
@@ -127,7 +131,7 @@ def control_words(world: int) -> int:
 
 
 def control_bytes(world: int, eager_bytes: int) -> int:
-    ctl = control_words(world) * 8
+    ctl = control_words(world) * 8 + ERROR_AREA_BYTES
     ctl = -(-ctl // _PAGE) * _PAGE
     return ctl + 2 * world * eager_bytes
 
@@ -185,7 +189,9 @@ class Arena:
         self.ctl = np.frombuffer(ctl.buf, dtype=np.int64, count=nwords)
         self.ctl_f64 = self.ctl.view(np.float64)
         self.ctl32 = self.ctl.view(np.int32)
-        start = -(-nwords * 8 // _PAGE) * _PAGE
+        self._error_area = np.frombuffer(ctl.buf, dtype=np.uint8, offset=nwords * 8,
+                                         count=ERROR_AREA_BYTES)
+        start = -(-(nwords * 8 + ERROR_AREA_BYTES) // _PAGE) * _PAGE
         self._eager = np.frombuffer(ctl.buf, dtype=np.uint8, offset=start,
                                     count=2 * self.world * self.eager_bytes)
         self._result_view: np.ndarray | None = None
@@ -369,6 +375,40 @@ class Arena:
             view = np.frombuffer(seg.buf, dtype=np.uint8)
             self._extra_views[what] = view
         return view
+
+    # -- relay errors ------------------------------------------------------------------
+    def set_relay_error(self, code: int, text: str, rnd: int = -1,
+                        missing: list[int] | tuple[int, ...] = ()) -> None:
+        """Relay side: record why the host cannot continue, abort, wake everyone."""
+        import json
+
+        from .waiting import Doorbell
+
+        blob = json.dumps({"text": text, "round": rnd, "missing": list(missing)}).encode()
+        if len(blob) > ERROR_AREA_BYTES - 8:
+            blob = json.dumps({"text": text[:ERROR_AREA_BYTES // 2], "round": rnd,
+                               "missing": list(missing)[:16]}).encode()[:ERROR_AREA_BYTES - 8]
+        area = self._error_area
+        area[8:8 + len(blob)] = np.frombuffer(blob, np.uint8)
+        area[:8].view(np.int64)[0] = len(blob)
+        self.ctl[G_RELAY_ERROR] = code
+        if not self.ctl[G_ABORT]:
+            self.ctl[G_ABORT] = ABORT_SHUTDOWN
+        Doorbell(self.ctl).ring()
+
+    def relay_error(self) -> tuple[int, dict] | None:
+        """(code, {"text", "round", "missing"}) if the relay failed, else None."""
+        import json
+
+        code = int(self.ctl[G_RELAY_ERROR])
+        if not code:
+            return None
+        n = int(self._error_area[:8].view(np.int64)[0])
+        try:
+            info = json.loads(bytes(self._error_area[8:8 + n]))
+        except ValueError:
+            info = {"text": "relay failed (no details)", "round": -1, "missing": []}
+        return code, info
 
     # -- helpers -------------------------------------------------------------------
     def header(self, rank: int, rnd: int) -> np.ndarray:

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from . import arena as A
-from .errors import FrameError
+from .errors import CohortAborted, FrameError
 from .frame import (
     DTYPE_BF16,
     DTYPE_F32,
@@ -203,6 +203,14 @@ class Comm:
             "meta": None if meta is None else meta.to_dict(),
             "remaining": schema.tensor_count(),
         }
+        if self._engine.relay_mode and self.rank == 0:
+            # on a cluster the controller's forge taps the consensus; rank 0 tells it where
+            # (through this host's relay) before the captured rounds start
+            head = {k: v for k, v in self._ckpt.items() if k != "remaining"}
+            head["arm_only"] = True
+            tap_post(self.arena, self._engine.doorbell, head, np.empty(0, np.uint8), None,
+                     wait_ack=self._wait_tap_ack)
+            self._wait_tap_ack(int(self.arena.ctl[A.G_TAP_SEQ]))
 
     def _tap_round(self, rnd: int, dtype: int, shapes, cons: np.ndarray, mass: float,
                    outer: bool) -> None:
@@ -213,7 +221,7 @@ class Comm:
             self._ckpt = None
             return
         lowest = (self._engine.last_accepted & -self._engine.last_accepted).bit_length() - 1
-        if lowest == self.local_rank:
+        if lowest == self.local_rank and not self._engine.relay_mode:
             momentum = None
             if outer and self._engine.outer is not None:
                 momentum = self._engine.outer_momentum()
@@ -479,6 +487,8 @@ class Comm:
             raise  # schema mismatch: every rank raised at the same point; still in step
         except BaseException as e:
             self._broken = f"round {rnd} failed with {type(e).__name__}: {e}"
+            if isinstance(e, CohortAborted) and eng.relay_mode:
+                eng.raise_relay_error(rnd)  # the host relay's failure, if that is why
             raise
 
     def _plan(self, kind: int, dtype: int, shapes: list[tuple[int, ...]]) -> "_Plan":

@@ -61,7 +61,7 @@ from typing import Callable
 import numpy as np
 
 from . import arena as A
-from .errors import FrameError, SchemaMismatchError
+from .errors import CohortAborted, FrameError, ReduceStall, SchemaMismatchError
 from .frame import DTYPE_BF16, DTYPE_F32, RoundKind, dtype_name, elem_size
 from .kernels import codec as K
 from .kernels import reduce as R
@@ -458,14 +458,25 @@ class RoundEngine:
     def await_consensus(self, view: RoundView) -> float:
         """Cluster rounds: wait for the relay's consensus; returns the cohort mass."""
         ctl, rnd = self.ctl, view.rnd
-        self.waiter.wait(lambda it: sync.spin_word_ge(ctl, A.G_CONSENSUS, rnd, it),
-                         what="waiting for the cluster consensus from the relay", rnd=rnd,
-                         missing_of=lambda: ("relay",))
-        err = int(ctl[A.G_RELAY_ERROR])
-        if err:
-            raise ConnectionError(f"round {rnd}: the host relay failed (code {err}); see the "
-                                  f"launcher's log")
+        try:
+            self.waiter.wait(lambda it: sync.spin_word_ge(ctl, A.G_CONSENSUS, rnd, it),
+                             what="waiting for the cluster consensus from the relay", rnd=rnd,
+                             missing_of=lambda: ("relay",))
+        except CohortAborted:
+            self.raise_relay_error(rnd)
+            raise
         return float(self.arena.ctl_f64[A.G_CONSENSUS_MASS])
+
+    def raise_relay_error(self, rnd: int) -> None:
+        """Raise the relay's recorded failure (ReduceStall for a stall), if any."""
+        got = self.arena.relay_error()
+        if got is None:
+            return
+        code, info = got
+        if code == A.RELAY_STALL:
+            raise ReduceStall(f"round {info['round']} stalled across hosts: {info['text']}",
+                              round=int(info["round"]), missing=tuple(info["missing"]))
+        raise ConnectionError(f"round {rnd}: this host lost the cohort: {info['text']}")
 
 
 def check_frame_dtype(dtype: int) -> None:

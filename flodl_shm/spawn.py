@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from . import arena as A
-from .errors import CohortAborted, RankFailed
+from .errors import CohortAborted, RankFailed, ReduceStall
 from .tap import TapServer
 from .hostmem import host_memory
 from .segment import reap_dead_owner_segments, space_error
@@ -256,6 +256,14 @@ class SpawnContext:
             if deadline is not None and time.monotonic() >= deadline:
                 return None
         self._monitor.join()
+        relay_error = None if self._relay is None else self._relay.error
+        if relay_error is not None:
+            # the host's link to the cohort failed: that, not its consequences, is the news
+            stall = getattr(relay_error, "stall", None)
+            if stall is not None:
+                raise ReduceStall(str(relay_error), round=int(stall["round"]),
+                                  missing=tuple(stall["missing"]), timeout=stall.get("timeout"))
+            raise ConnectionError(f"this host's relay failed: {relay_error}") from relay_error
         if self._failure is not None:
             raise self._failure
         if self._interrupted:
@@ -290,6 +298,7 @@ class SpawnContext:
                     conns[r] = parent_conn
                 if self._relay_factory is not None:
                     self._relay = self._relay_factory(self)
+                    self.tap.forward = self._relay.forward
             except BaseException as e:
                 self._start_error = e
                 self._abort(A.ABORT_SHUTDOWN)
@@ -426,6 +435,9 @@ class SpawnContext:
             logger.warning("checkpoint tap shutdown: %s", e)
         if self._relay is not None:
             try:
+                # every rank is gone: the relay notices, says host_done and ends by itself
+                self._doorbell.ring()
+                self._relay.join(5.0)
                 self._relay.shutdown()
                 self._relay.join(5.0)
             except Exception as e:

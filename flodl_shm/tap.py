@@ -80,6 +80,8 @@ class TapServer:
         self._cycle = None
         self._stop = threading.Event()
         self.errors: list[str] = []
+        #: on a cluster: where checkpoint arms go (the relay, toward the controller's forge)
+        self.forward = None
         self._thread = threading.Thread(target=self._run, name="flodl-shm-tap", daemon=True)
         self._thread.start()
 
@@ -112,6 +114,13 @@ class TapServer:
         jlen, p_off, p_len, m_off, m_len = (int(x) for x in box[:_HEAD].view(np.int64)[:5])
         box = self.arena.extra_view("tap", max(p_off + p_len, m_off + m_len), grow=False)
         head = json.loads(bytes(box[_HEAD:_HEAD + jlen]))
+        if head.get("arm_only"):
+            if self.forward is None:
+                raise RuntimeError("a cluster checkpoint arm reached a host without a relay")
+            self.forward({"type": "arm", "path": head["path"], "meta": head.get("meta"),
+                          "param_names": head["param_names"],
+                          "buffer_names": head["buffer_names"]})
+            return
         key = (tuple(head["param_names"]), tuple(head["buffer_names"]))
         if self._forge is None or key != self._schema_key:
             if self._forge is not None:

@@ -134,16 +134,36 @@ def _tensor_meta(p: TensorPayload) -> bytes:
 # --- writer ------------------------------------------------------------------------
 
 
-def write_round_frame(stream: BinaryIO, frame: RoundFrame, salt) -> int:
-    """Write ``frame`` to ``stream`` (tagged with ``salt``); returns bytes written.
+def frame_tag(frame: RoundFrame, salt) -> bytes:
+    """The frame's 8-byte tag, computed without writing it anywhere.
 
-    The frame is validated completely before the first byte is written, so a
-    malformed frame never tears the stream. Large payloads are written straight
-    from their buffers; the small pieces around them are coalesced.
+    A reducer that sends one consensus to many peers hashes it once with this and
+    passes ``tag=`` to ``write_round_frame`` for every peer.
     """
     key = check_salt(salt)
     check_frame(frame)
     mac = hmac.new(key, digestmod=hashlib.sha256)
+    mac.update(_HDR.pack(ROUND_FRAME_MAGIC, len(frame.tensors), int(frame.kind), frame.weight))
+    for p in frame.tensors:
+        mac.update(_tensor_meta(p))
+        mac.update(p.data)
+    return mac.digest()[:TAG_BYTES]
+
+
+def write_round_frame(stream: BinaryIO, frame: RoundFrame, salt, *,
+                      tag: bytes | None = None) -> int:
+    """Write ``frame`` to ``stream`` (tagged with ``salt``); returns bytes written.
+
+    The frame is validated completely before the first byte is written, so a
+    malformed frame never tears the stream. Large payloads are written straight
+    from their buffers; the small pieces around them are coalesced. ``tag`` is a
+    precomputed ``frame_tag(frame, salt)`` (skips hashing the payloads again).
+    """
+    key = check_salt(salt)
+    check_frame(frame)
+    if tag is not None and len(tag) != TAG_BYTES:
+        raise FrameError(f"a precomputed frame tag has {TAG_BYTES} bytes, got {len(tag)}")
+    mac = None if tag is not None else hmac.new(key, digestmod=hashlib.sha256)
     pending = bytearray(_HDR.pack(ROUND_FRAME_MAGIC, len(frame.tensors), int(frame.kind),
                                   frame.weight))
     written = 0
@@ -151,7 +171,8 @@ def write_round_frame(stream: BinaryIO, frame: RoundFrame, salt) -> int:
     def flush_pending() -> None:
         nonlocal written
         if pending:
-            mac.update(pending)
+            if mac is not None:
+                mac.update(pending)
             stream.write(bytes(pending))
             written += len(pending)
             pending.clear()
@@ -162,11 +183,13 @@ def write_round_frame(stream: BinaryIO, frame: RoundFrame, salt) -> int:
             pending += p.data
         else:
             flush_pending()
-            mac.update(p.data)
+            if mac is not None:
+                mac.update(p.data)
             stream.write(p.data)
             written += p.nbytes
     flush_pending()
-    tag = mac.digest()[:TAG_BYTES]
+    if mac is not None:
+        tag = mac.digest()[:TAG_BYTES]
     stream.write(tag)
     written += TAG_BYTES
     return written
@@ -278,14 +301,16 @@ def _ended(src: _Source, what: str, e: _StreamEnded, framed: bool) -> FrameError
     return FrameError(f"{what} read failed: stream ended mid-frame after {src.consumed} bytes")
 
 
-def _parse_frame(src: _Source, key: bytes, ceiling: int, framed: bool) -> RoundFrame | None:
+def _parse_frame(src: _Source, key: bytes, ceiling: int, framed: bool,
+                 sink=None) -> tuple[RoundFrame | None, bytes]:
+    """Parse one frame; returns (frame or None at a clean EOF, the verified tag)."""
     mac = hmac.new(key, digestmod=hashlib.sha256)
     head = bytearray(HEADER_BYTES)
     try:
         src.read_into(memoryview(head)[:8])
     except _StreamEnded as e:
         if not framed:
-            return None  # clean EOF (also a partial header), as flodl does
+            return None, b""  # clean EOF (also a partial header), as flodl does
         raise _ended(src, "frame header", e, framed) from None
     try:
         src.read_into(memoryview(head)[8:])
@@ -334,7 +359,7 @@ def _parse_frame(src: _Source, key: bytes, ceiling: int, framed: bool) -> RoundF
                 f"remain of the {src.budget} bytes its length prefix declared; sender/reader "
                 f"wire drift - stream is desynced"
             )
-        buf = _alloc_payload(nbytes)
+        buf = _alloc_payload(nbytes) if sink is None else sink(i, dtype, shape, nbytes)
         try:
             src.read_into(memoryview(buf))
         except _StreamEnded as e:
@@ -357,14 +382,14 @@ def _parse_frame(src: _Source, key: bytes, ceiling: int, framed: bool) -> RoundF
             f"0x{tag.hex()}): the tag disagrees - session salt mismatch, tampered frame, or "
             f"payload corruption"
         )
-    return RoundFrame(tensors, weight, kind)
+    return RoundFrame(tensors, weight, kind), tag
 
 
 def read_round_frame(stream: BinaryIO, salt, ceiling: int | None = None) -> RoundFrame | None:
     """Read one unprefixed frame; ``None`` at a clean end of stream before it."""
     key = check_salt(salt)
     limit = frame_ceiling() if ceiling is None else ceiling
-    return _parse_frame(_Source(stream, None), key, limit, framed=False)
+    return _parse_frame(_Source(stream, None), key, limit, framed=False)[0]
 
 
 def read_len_prefix(stream: BinaryIO, ceiling: int | None = None) -> int | None:
@@ -394,25 +419,40 @@ def read_framed_round(stream: BinaryIO, salt, ceiling: int | None = None) -> Rou
     more bytes than the frame holds, or fewer, is a named ``FrameError``; bytes of
     the next frame are never consumed.
     """
+    return read_framed_round_into(stream, salt, None, ceiling)[0]
+
+
+def read_framed_round_into(stream: BinaryIO, salt, sink, ceiling: int | None = None
+                           ) -> tuple[RoundFrame | None, bytes]:
+    """``read_framed_round`` reading each payload into ``sink(i, dtype, shape, nbytes)``.
+
+    The sink returns a writable buffer of exactly ``nbytes`` (e.g. a slice of a
+    reused staging area or of shared memory); ``None`` allocates as usual. Returns
+    (frame, tag): the frame's payloads are the sink's buffers, and the tag lets a
+    caller bind the frame to an authenticated record header.
+
+    MAC-before-use: the sink's buffers hold unauthenticated bytes until this
+    returns; on any ``FrameError`` the caller must discard what the sink received.
+    """
     key = check_salt(salt)
     limit = frame_ceiling() if ceiling is None else ceiling
     n = read_len_prefix(stream, limit)
     if n is None:
-        return None
+        return None, b""
     if n == 0:
         raise FrameError(
             "stream ended inside a len-framed RoundFrame body (a zero-length prefix): "
             "sender/reader wire drift"
         )
     src = _Source(stream, n)
-    frame = _parse_frame(src, key, limit, framed=True)
+    frame, tag = _parse_frame(src, key, limit, framed=True, sink=sink)
     left = src.remaining()
     if left:
         raise FrameError(
             f"RoundFrame consumed {left} bytes fewer than its length prefix declared "
             f"({n}); sender/reader wire drift - stream is desynced"
         )
-    return frame
+    return frame, tag
 
 
 def encode_framed_round(frame: RoundFrame, salt) -> bytes:

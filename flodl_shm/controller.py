@@ -1,0 +1,574 @@
+"""The cluster controller: one consensus from every host's partial.
+
+Each host's relay (``relay.py``) ships one frame per round: the host partial
+Σ(wᵣ·Tᵣ) over its accepted local contributions, with their mass Σwᵣ (never
+divided). The controller, per round:
+
+1. reads the live hosts' partials **in host order** (by first rank — a fixed f32
+   summation order, so runs are reproducible), each into one reused staging
+   buffer, verifies its tag, then adds it into one f32 accumulator: memory is two
+   frames plus a constant whatever the number of hosts, and a frame that fails
+   its tag is never mixed in (its host is dropped and its ranks declared dead);
+2. divides once by the accepted mass (MODEL rounds; CONTROL rounds are sums),
+   steps the outer optimizer on the window's params frame if one is configured,
+   and encodes the consensus in the round's wire dtype;
+3. hashes it once and sends it to every live host; a host whose link breaks is
+   declared dead and the scatter continues (elastic);
+4. taps the consensus into the checkpoint forge when a checkpoint is armed.
+
+A round that does not complete within ``round_timeout`` while its hosts are alive
+is a stall: every relay is told (their ranks raise ``ReduceStall`` naming the
+round and the missing ranks) and the cohort ends. A host whose ranks all
+finished ends the cohort cleanly once the others finish too.
+
+Also a command::
+
+    python -m flodl_shm controller --bind 0.0.0.0:1337 --world-size 4 --secret-file secret.hex
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import kernels as K
+from .dead_ranks import DeadRanks
+from .errors import FrameError
+from .frame import DTYPE_BF16, DTYPE_F32, RoundFrame, RoundKind, TensorPayload, elem_size
+from .mux import HandshakeRejected, Kind, Link, parse_addr, server_handshake
+from .secret import read_secret_file, write_secret_file
+from .wire import check_salt, frame_tag
+
+logger = logging.getLogger("flodl_shm")
+
+FLAG_OUTER = 8   # mirrors arena.FLAG_OUTER: the window's params frame
+FLAG_TAP = 16    # mirrors arena.FLAG_TAP: captured for a checkpoint
+DEFAULT_ROUND_TIMEOUT = 300.0
+
+
+@dataclass
+class _Host:
+    link: Link
+    name: str
+    ranks: list[int]
+    alive: bool = True
+    done: bool = False
+    sent: int = 0          # wire bytes received from this host (frames)
+
+    @property
+    def first(self) -> int:
+        return self.ranks[0]
+
+
+@dataclass
+class ControllerStats:
+    rounds: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    peak_rss: int = 0
+    round_s: list[float] = field(default_factory=list)
+
+
+class ClusterController:
+    """A running controller. Build with ``ClusterController.start(...)``.
+
+    Attributes:
+        port: the bound TCP port (useful with port 0).
+        dead_ranks: the cohort-wide ``DeadRanks`` ledger.
+        error: the exception that ended the reduce loop, or None.
+        stats: rounds, bytes in/out, peak RSS, per-round seconds.
+    """
+
+    def __init__(self, sock: socket.socket, world_size: int, salt: bytes, *,
+                 round_timeout: float | None, dead_ranks: DeadRanks, forge=None,
+                 outer=None) -> None:
+        self._sock = sock
+        self.port = sock.getsockname()[1]
+        self.world_size = world_size
+        self.salt = salt
+        self.round_timeout = round_timeout
+        self.dead_ranks = dead_ranks
+        self.forge = forge
+        self.outer = outer if getattr(outer, "has_momentum", False) else None
+        self.error: BaseException | None = None
+        self.stats = ControllerStats()
+        self._hosts: list[_Host] = []
+        self._claimed: dict[int, str] = {}
+        self._pending_names: set[str] = set()
+        self._lock = threading.RLock()
+        self._complete = threading.Event()
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self._acc = np.empty(0, np.float32)
+        self._stage: dict[tuple[int, int], np.ndarray] = {}
+        self._prev: np.ndarray | None = None
+        self._mom: np.ndarray | None = None
+        self._outer_loaded: np.ndarray | None = None
+        self._accept_thread = threading.Thread(target=self._accept_loop,
+                                               name="flodl-shm-controller-accept", daemon=True)
+        self._reduce_thread = threading.Thread(target=self._reduce_main,
+                                               name="flodl-shm-controller-reduce", daemon=True)
+        self._accept_thread.start()
+        self._reduce_thread.start()
+
+    @classmethod
+    def start(cls, addr, world_size: int, salt, *, round_timeout: float | None = DEFAULT_ROUND_TIMEOUT,
+              dead_ranks: DeadRanks | None = None, forge=None, outer=None) -> "ClusterController":
+        """Bind ``addr`` ("host:port" or (host, port); port 0 = any free port) and serve a
+        cohort of ``world_size`` ranks authenticated by the 16-byte ``salt``."""
+        if int(world_size) <= 0:
+            raise ValueError(f"ClusterController: world_size must be > 0, got {world_size}")
+        salt = check_salt(salt)
+        if dead_ranks is None:
+            dead_ranks = DeadRanks(world_size)
+        elif dead_ranks.world_size != world_size:
+            raise ValueError(f"ClusterController: the DeadRanks ledger has world_size "
+                             f"{dead_ranks.world_size}, the cohort {world_size}")
+        host, port = parse_addr(addr)
+        sock = socket.create_server((host, port), reuse_port=False)
+        sock.settimeout(0.2)
+        logger.info("controller listening on %s:%d for %d ranks", host, sock.getsockname()[1],
+                    world_size)
+        return cls(sock, int(world_size), salt, round_timeout=round_timeout,
+                   dead_ranks=dead_ranks, forge=forge, outer=outer)
+
+    # -- public ----------------------------------------------------------------------
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop serving: let the reduce loop finish what it is reading (records already
+        received, such as a host's ``host_done``, are still handled), then close every
+        link and join the threads."""
+        self._stop.set()
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        self._reduce_thread.join(timeout)
+        with self._lock:
+            hosts = list(self._hosts)
+        for h in hosts:
+            h.link.close()
+        self._accept_thread.join(timeout)
+        self._reduce_thread.join(timeout)
+        if self.forge is not None:
+            self.forge.flush(60)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the cohort to end; True if it did."""
+        return self._done.wait(timeout)
+
+    def hosts(self) -> list[tuple[str, list[int], bool]]:
+        with self._lock:
+            return [(h.name, list(h.ranks), h.alive and not h.done) for h in self._hosts]
+
+    def load_outer_momentum(self, tensors) -> None:
+        """Restore the outer momentum (in params order) before the first outer round."""
+        self._outer_loaded = np.concatenate([t.detach().reshape(-1).float().numpy()
+                                             for t in tensors])
+
+    # -- accept ----------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, addr = self._sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._handshake, args=(conn, f"{addr[0]}:{addr[1]}"),
+                             name="flodl-shm-controller-handshake", daemon=True).start()
+
+    def _validate(self, hello: dict) -> str | None:
+        try:
+            ws = int(hello.get("world_size"))
+            ranks = [int(r) for r in hello.get("ranks")]
+            name = str(hello.get("host"))
+        except (TypeError, ValueError):
+            return f"malformed hello {hello!r}"
+        if ws != self.world_size:
+            return (f"world_size {ws} != the controller's world_size {self.world_size} "
+                    f"(every host must pass the same world_size)")
+        if not ranks:
+            return "the host announced no ranks"
+        if sorted(set(ranks)) != sorted(ranks):
+            return f"duplicate ranks in {ranks}"
+        bad = [r for r in ranks if not 0 <= r < self.world_size]
+        if bad:
+            return f"ranks {bad} are out of range for world_size {self.world_size}"
+        with self._lock:
+            if self._complete.is_set():
+                return "the cohort is already complete"
+            if any(h.name == name for h in self._hosts) or name in self._pending_names:
+                return f"a host named {name!r} is already connected (duplicate host)"
+            taken = [r for r in ranks if r in self._claimed]
+            if taken:
+                return (f"ranks {taken} are already carried by host "
+                        f"{self._claimed[taken[0]]!r} (overlapping rank sets)")
+        return None
+
+    def _admit(self, hello: dict, link: Link) -> str | None:
+        """Validate and claim a host's ranks in one step (racing hellos cannot both
+        win). The host becomes visible to the reduce loop only after its ack is sent
+        (``_handshake``), so no two threads ever write one link."""
+        with self._lock:
+            reason = self._validate(hello)
+            if reason is None:
+                self._pending_names.add(str(hello["host"]))
+                for r in hello["ranks"]:
+                    self._claimed[int(r)] = str(hello["host"])
+            return reason
+
+    def _handshake(self, conn: socket.socket, peer: str) -> None:
+        hello = None
+        try:
+            link, hello = server_handshake(conn, self.salt, peer, self._admit)
+        except HandshakeRejected as e:
+            logger.error("controller: %s", e)
+            return
+        except Exception as e:  # silent, garbage, wrong secret: drop, keep serving
+            logger.warning("controller: dropped connection from %s: %s", peer, e)
+            try:
+                conn.close()
+            except OSError:
+                pass
+            return
+        ranks = sorted(int(r) for r in hello["ranks"])
+        with self._lock:
+            self._pending_names.discard(str(hello["host"]))
+            self._hosts.append(_Host(link, str(hello["host"]), ranks))
+            self._hosts.sort(key=lambda h: h.first)
+            if len(self._claimed) == self.world_size:
+                self._complete.set()
+        logger.info("controller: host %r joined with ranks %s (%d/%d ranks)", hello["host"],
+                    ranks, len(self._claimed), self.world_size)
+
+    # -- reduce ----------------------------------------------------------------------
+    def _reduce_main(self) -> None:
+        try:
+            while not self._complete.wait(0.2):
+                if self._stop.is_set():
+                    return
+            logger.info("controller: cohort complete (%d hosts); reducing", len(self._hosts))
+            rnd = 0
+            while not self._stop.is_set():
+                live = [h for h in self._hosts if h.alive and not h.done]
+                if not live:
+                    break
+                if not self._round(rnd, live):
+                    break
+                rnd += 1
+        except BaseException as e:  # noqa: BLE001 - recorded and reported to the hosts
+            self.error = e
+            logger.error("controller: reduce loop failed: %s", e)
+            self._broadcast_ctrl({"type": "error", "message": f"{type(e).__name__}: {e}"})
+        finally:
+            self._done.set()
+
+    def _host_failed(self, h: _Host, why: str) -> None:
+        if not h.alive:
+            return
+        h.alive = False
+        newly = [r for r in h.ranks if self.dead_ranks.declare_dead(r)]
+        logger.error("controller: host %r failed (%s); ranks %s declared dead", h.name, why,
+                     h.ranks)
+        h.link.close()
+        if newly:
+            self._broadcast_ctrl({"type": "declare_dead", "ranks": newly})
+
+    def _broadcast_ctrl(self, msg: dict) -> None:
+        for h in self._hosts:
+            if h.alive and not h.done:
+                try:
+                    h.link.send_ctrl(msg)
+                except OSError as e:
+                    self._host_failed(h, f"write failed: {e}")
+
+    def _handle_ctrl(self, h: _Host, msg: dict) -> None:
+        kind = msg.get("type")
+        if kind == "rank_dead":
+            newly = [int(r) for r in msg.get("ranks", []) if self.dead_ranks.declare_dead(int(r))]
+            if newly:
+                logger.warning("controller: ranks %s died on host %r", newly, h.name)
+                self._broadcast_ctrl({"type": "declare_dead", "ranks": newly})
+        elif kind == "host_done":
+            h.done = True
+            logger.info("controller: host %r finished", h.name)
+        elif kind == "arm":
+            if self.forge is None:
+                logger.warning("controller: checkpoint %s requested but this controller has no "
+                               "forge", msg.get("path"))
+            else:
+                self._arm(msg)
+        else:
+            logger.warning("controller: ignoring control message %r from %r", kind, h.name)
+
+    def _arm(self, msg: dict) -> None:
+        from .checkpoint.meta import CheckpointBundle, CheckpointMeta
+
+        meta = msg.get("meta")
+
+        def write_meta(path: Path, meta=meta) -> None:
+            if meta is not None:
+                CheckpointMeta.from_dict(meta).write_to_file(CheckpointBundle.meta_path(path))
+
+        self.forge.arm(msg["path"], on_complete=write_meta)
+
+    def _sink(self, i: int, dtype: int, shape, nbytes: int) -> np.ndarray:
+        key = (i, nbytes)
+        buf = self._stage.get(key)
+        if buf is None:
+            # drop staging of other shapes at this index: one frame's worth at most
+            for k in [k for k in self._stage if k[0] == i]:
+                del self._stage[k]
+            buf = np.empty(nbytes, np.uint8)
+            self._stage[key] = buf
+        return buf
+
+    def _others_pending(self, h: _Host) -> bool:
+        """Whether another live host has bytes waiting (it delivered its part)."""
+        import select
+
+        socks = [x.link.sock for x in self._hosts if x is not h and x.alive and not x.done]
+        if not socks:
+            return False
+        try:
+            ready, _, _ = select.select(socks, [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return bool(ready)
+
+    def _recv_frame(self, h: _Host, rnd: int, clock: "_RoundClock"):
+        """Read host h's next frame, handling control records first; None if h is gone.
+
+        The round's deadline starts when some host has delivered (time between rounds
+        is training, not a stall); a host still silent ``round_timeout`` later stalls it.
+        """
+        while True:
+            try:
+                got = h.link.recv(self._sink, timeout=0.2)
+            except TimeoutError:
+                if self._stop.is_set():
+                    return None
+                if clock.start is None and self._others_pending(h):
+                    clock.start = time.monotonic()
+                if clock.expired():
+                    raise
+                continue
+            if got is None:
+                if h.done:
+                    return None
+                self._host_failed(h, "connection closed")
+                return None
+            kind, flags, body = got
+            if kind == Kind.CTRL:
+                self._handle_ctrl(h, body)
+                if h.done:
+                    return None
+                continue
+            if kind != Kind.FRAME_UP:
+                raise FrameError(f"host {h.name!r} sent a {kind.name} record upstream")
+            return flags, body
+
+    def _round(self, rnd: int, live: list[_Host]) -> bool:
+        t0 = time.monotonic()
+        clock = _RoundClock(self.round_timeout)
+        schema = None
+        mass = 0.0
+        flags = 0
+        offs: list[int] = []
+        got_any = False
+        for h in live:
+            try:
+                res = self._recv_frame(h, rnd, clock)
+            except TimeoutError:
+                waiting = [r for x in live[live.index(h):] if x.alive and not x.done
+                           for r in x.ranks if not self.dead_ranks.is_dead(r)]
+                self._stall(rnd, waiting)
+                return False
+            except (FrameError, OSError) as e:
+                if self._stop.is_set():
+                    return False
+                self._host_failed(h, str(e))
+                continue
+            if res is None:
+                continue
+            if clock.start is None:
+                clock.start = time.monotonic()
+            fl, frame = res
+            this = (frame.kind, tuple((p.dtype, p.shape) for p in frame.tensors))
+            if schema is None:
+                schema, flags = this, fl
+                offs = list(np.cumsum([0] + [int(np.prod(p.shape, dtype=np.int64))
+                                             for p in frame.tensors]))
+                nelem = offs[-1]
+                if self._acc.shape[0] != nelem:
+                    self._acc = np.empty(nelem, np.float32)
+            elif this != schema:
+                raise FrameError(
+                    f"round {rnd}: host {h.name!r} sent a frame of schema {this} but the round's "
+                    f"first frame had {schema} (ranks must make the same collective calls with "
+                    f"the same shapes and bf16_wire setting)")
+            self._add(frame, offs, first=not got_any)
+            got_any = True
+            mass += frame.weight
+            h.sent += sum(p.nbytes for p in frame.tensors)
+            self.stats.bytes_in += sum(p.nbytes for p in frame.tensors)
+        if not got_any:
+            return bool([h for h in self._hosts if h.alive and not h.done])
+        kind, shapes = schema[0], [s for _, s in schema[1]]
+        dtype = schema[1][0][0] if schema[1] else DTYPE_F32
+        out = self._finish(kind, dtype, shapes, offs, mass, flags)
+        tag = frame_tag(out, self.salt)
+        for h in self._hosts:
+            if h.alive and not h.done:
+                try:
+                    h.link.send_frame(Kind.FRAME_DOWN, out, tag=tag)
+                    self.stats.bytes_out += out.payload_nbytes()
+                except OSError as e:
+                    self._host_failed(h, f"scatter failed: {e}")
+        if self.forge is not None and flags & FLAG_TAP and kind == RoundKind.MODEL:
+            self._tap(out, flags)
+        self.stats.rounds += 1
+        self.stats.round_s.append(time.monotonic() - t0)
+        self._note_rss()
+        return True
+
+    def _add(self, frame: RoundFrame, offs: list[int], first: bool) -> None:
+        acc = self._acc
+        for i, p in enumerate(frame.tensors):
+            dst = acc[offs[i]:offs[i + 1]]
+            src = p.as_array(i)
+            if first:
+                if p.dtype == DTYPE_F32:
+                    np.copyto(dst, src)
+                else:
+                    K.bf16_to_f32(src, dst)
+            elif p.dtype == DTYPE_F32:
+                K.accumulate_f32(dst, src, 1.0)
+            else:
+                K.accumulate_bf16(dst, src, 1.0, _SCRATCH)
+
+    def _finish(self, kind: int, dtype: int, shapes, offs, mass: float, flags: int) -> RoundFrame:
+        """Divide once, step the outer optimizer, encode in the wire dtype."""
+        acc = self._acc
+        model = kind == RoundKind.MODEL
+        inv = float(np.float32(1.0 / mass)) if model and mass > 0.0 else 1.0
+        if dtype == DTYPE_F32:
+            if inv != 1.0:
+                K.finalize_f32(acc, acc, inv)
+        else:
+            out16 = self._stage.setdefault((-1, acc.shape[0]), np.empty(acc.shape[0], np.uint16))
+            K.finalize_bf16(acc, out16, inv, _SCRATCH)
+            K.bf16_to_f32(out16, acc)  # the consensus as the ranks will see it
+        if model and mass > 0.0 and flags & FLAG_OUTER and self.outer is not None:
+            self._outer_step(acc)
+        if dtype == DTYPE_F32:
+            body = acc
+        else:
+            body = self._stage[(-1, acc.shape[0])]
+            K.f32_to_bf16(acc, body)
+        esize = elem_size(dtype)
+        raw = body.view(np.uint8)
+        tensors = [TensorPayload(dtype, tuple(s), raw[offs[i] * esize:offs[i + 1] * esize])
+                   for i, s in enumerate(shapes)]
+        return RoundFrame(tensors, mass, RoundKind(kind))
+
+    def _outer_step(self, cons: np.ndarray) -> None:
+        n = cons.shape[0]
+        fresh = False
+        if self._prev is None or self._prev.shape[0] != n:
+            self._prev = cons.copy()
+            if self._outer_loaded is not None and self._outer_loaded.shape[0] == n:
+                self._mom = self._outer_loaded.copy()
+            else:
+                self._mom = np.zeros(n, np.float32)
+                fresh = True
+        self.outer.step_flat(self._prev, cons, self._mom, fresh, cons)
+        np.copyto(self._prev, cons)
+
+    def _tap(self, out: RoundFrame, flags: int) -> None:
+        if flags & FLAG_OUTER and self._mom is not None:
+            offs = np.cumsum([0] + [p.numel for p in out.tensors])
+            self.forge.stash_outer_momentum([
+                TensorPayload(DTYPE_F32, p.shape, self._mom[offs[i]:offs[i + 1]].copy())
+                for i, p in enumerate(out.tensors)])
+        self.forge.accumulate(RoundFrame(list(out.tensors), out.weight, out.kind), copy=True)
+
+    def _stall(self, rnd: int, missing: list[int]) -> None:
+        logger.error("controller: round %d stalled after %s s; missing ranks %s", rnd,
+                     self.round_timeout, missing)
+        self._broadcast_ctrl({"type": "stall", "round": rnd, "missing": missing,
+                              "timeout": self.round_timeout})
+        self.error = TimeoutError(f"round {rnd} stalled; missing ranks {missing}")
+
+    def _note_rss(self) -> None:
+        try:
+            import psutil
+
+            self.stats.peak_rss = max(self.stats.peak_rss, psutil.Process().memory_info().rss)
+        except Exception:
+            pass
+
+
+_SCRATCH = np.empty(4096, np.float32)
+
+
+class _RoundClock:
+    """A round's stall deadline: ``timeout`` seconds after the first delivery."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.timeout = timeout
+        self.start: float | None = None
+
+    def expired(self) -> bool:
+        return (self.timeout is not None and self.start is not None
+                and time.monotonic() - self.start > self.timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flodl_shm controller",
+                                 description="Serve a multi-host flodl_shm cohort.")
+    ap.add_argument("--bind", help="HOST:PORT to listen on (port 0: any)")
+    ap.add_argument("--world-size", type=int, help="ranks in the whole cohort")
+    ap.add_argument("--secret-file",
+                    help="file holding the 32-hex-digit session secret (make one with "
+                         "`python -m flodl_shm controller --new-secret FILE`)")
+    ap.add_argument("--new-secret", metavar="FILE",
+                    help="write a fresh random session secret to FILE (mode 0600) and exit")
+    ap.add_argument("--round-timeout", type=float, default=DEFAULT_ROUND_TIMEOUT,
+                    help="seconds a round may wait for live hosts before it is a stall")
+    ap.add_argument("--port-file", help="write the bound port here once listening")
+    args = ap.parse_args(argv)
+    if args.new_secret:
+        write_secret_file(args.new_secret)
+        print(f"wrote a new session secret to {args.new_secret}; copy it to every host")
+        return 0
+    missing = [f for f in ("bind", "world_size", "secret_file") if getattr(args, f) is None]
+    if missing:
+        ap.error("the following arguments are required: "
+                 + ", ".join("--" + m.replace("_", "-") for m in missing))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    salt = read_secret_file(args.secret_file)
+    ctl = ClusterController.start(args.bind, args.world_size, salt,
+                                  round_timeout=args.round_timeout)
+    print(f"controller listening on port {ctl.port} for {args.world_size} ranks", flush=True)
+    if args.port_file:
+        Path(args.port_file).write_text(f"{ctl.port}\n")
+    try:
+        ctl.join()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        ctl.shutdown()
+    if ctl.error is not None:
+        print(f"controller: the cohort ended with an error: {ctl.error}", file=sys.stderr)
+        return 1
+    print(f"controller: cohort finished after {ctl.stats.rounds} rounds", flush=True)
+    return 0

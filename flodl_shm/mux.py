@@ -1,0 +1,368 @@
+"""The relay <-> controller link: an authenticated, framed TCP connection.
+
+Handshake (the session secret — the 16-byte salt — never crosses the wire)::
+
+    relay      -> controller   CHANNEL_MAGIC u32 | PROTOCOL_VERSION u16 | 0 u16 | nonce_r[16]
+    controller -> relay        CHANNEL_MAGIC u32 | PROTOCOL_VERSION u16 | 0 u16 | nonce_c[16]
+                               | proof_c = HMAC(salt, "flodl_shm controller" | nonce_r | nonce_c)
+    relay      -> controller   proof_r = HMAC(salt, "flodl_shm relay" | nonce_c | nonce_r)
+                               then a CTRL record  {"type": "hello", host, ranks, world_size, ...}
+    controller -> relay        a CTRL record {"type": "hello_ack"} or {"type": "reject", reason}
+
+Each side proves it knows the salt by answering the other's fresh nonce; a
+recorded session cannot be replayed (the nonces change). Both derive a link key
+``HMAC(salt, "flodl_shm link" | nonce_r | nonce_c)[:16]``.
+
+Records (after the handshake)::
+
+    0  u32 RECORD_MAGIC | 4 u16 version | 6 u8 kind | 7 u8 flags | 8 u64 seq | 16 u64 length
+    24 tag[8] = HMAC(link key, header[0:24] | binding)[:8]
+    32 payload (length bytes)
+
+``seq`` counts records per direction from 0, so a record cannot be replayed,
+dropped or reordered without detection. For CTRL records (compact JSON) the
+binding is the payload itself. For frame records the payload is a
+length-prefixed RoundFrame (``wire``), whose own footer authenticates it with the
+session salt; the binding is that footer tag, so the header and the frame are
+tied together while the frame is hashed once (a controller sends one consensus
+to every host with a single hash pass). Any failure — a bad tag, a wrong seq, a
+length above the ceiling — is a ``FrameError``: the connection is dropped and its
+host failed; nothing it sent reaches a consensus.
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import json
+import os
+import socket
+import struct
+import time
+from typing import Callable
+
+from .errors import FrameError
+from .frame import RoundFrame
+from .wire import (TAG_BYTES, check_salt, frame_ceiling, frame_tag, frame_wire_len,
+                   read_framed_round_into, write_len_prefix, write_round_frame)
+
+CHANNEL_MAGIC = 0xF10D17E1   # "CPU-reduce data channel" (flodl's channel-select magic)
+RECORD_MAGIC = 0xF10D17D0
+PROTOCOL_VERSION = 1
+NONCE_BYTES = 16
+PROOF_BYTES = 32
+MAX_CTRL_BYTES = 1 << 20
+HANDSHAKE_TIMEOUT = 10.0
+
+_HELLO = struct.Struct("<IHH16s")
+_RECORD = struct.Struct("<IHBBQQ")
+RECORD_HEADER = _RECORD.size + TAG_BYTES
+
+
+class Kind(enum.IntEnum):
+    CTRL = 2        # compact JSON control message
+    FRAME_UP = 3    # a host's partial (relay -> controller)
+    FRAME_DOWN = 4  # the consensus (controller -> relay)
+
+
+def _timeouts() -> float:
+    scale = float(os.environ.get("FLODL_NET_TIMEOUT_SCALE", "1.0"))
+    if not (scale >= 0.1):
+        raise ValueError(f"FLODL_NET_TIMEOUT_SCALE={scale} must be a number >= 0.1")
+    return scale
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    m = hmac.new(key, digestmod=hashlib.sha256)
+    for p in parts:
+        m.update(p)
+    return m.digest()
+
+
+class _SockReader:
+    """readinto over a socket, with EOF as 0 (what the wire reader expects)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def readinto(self, buf) -> int:
+        while True:
+            try:
+                return self.sock.recv_into(buf)
+            except socket.timeout:
+                continue  # the link's deadline handling lives in the caller
+            except InterruptedError:
+                continue
+
+
+class _SockWriter:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def write(self, data) -> int:
+        self.sock.sendall(data)
+        return len(data)
+
+
+def _recv_exact(sock: socket.socket, n: int, what: str, deadline: float | None) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{what}: no data for {HANDSHAKE_TIMEOUT * _timeouts():g} s")
+            sock.settimeout(left)
+        try:
+            k = sock.recv_into(view[got:])
+        except socket.timeout:
+            continue
+        if k == 0:
+            raise ConnectionError(f"{what}: the peer closed the connection")
+        got += k
+    return bytes(buf)
+
+
+class Link:
+    """One authenticated connection; a single writer and a single reader thread each.
+
+    Attributes:
+        peer: "host:port" of the other end (for messages).
+    """
+
+    def __init__(self, sock: socket.socket, salt: bytes, key: bytes, peer: str) -> None:
+        self.sock = sock
+        self.salt = salt
+        self.key = key
+        self.peer = peer
+        self._send_seq = 0
+        self._recv_seq = 0
+        self._reader = _SockReader(sock)
+        self._writer = _SockWriter(sock)
+        sock.settimeout(None)
+
+    # -- sending -------------------------------------------------------------------
+    def _header(self, kind: Kind, flags: int, length: int, binding: bytes) -> bytes:
+        head = _RECORD.pack(RECORD_MAGIC, PROTOCOL_VERSION, int(kind), flags, self._send_seq,
+                            length)
+        self._send_seq += 1
+        return head + _mac(self.key, head, binding)[:TAG_BYTES]
+
+    def send_ctrl(self, msg: dict) -> None:
+        payload = json.dumps(msg, separators=(",", ":")).encode()
+        if len(payload) > MAX_CTRL_BYTES:
+            raise FrameError(f"control message of {len(payload)} bytes exceeds {MAX_CTRL_BYTES}")
+        self.sock.sendall(self._header(Kind.CTRL, 0, len(payload), payload) + payload)
+
+    def send_frame(self, kind: Kind, frame: RoundFrame, *, flags: int = 0,
+                   tag: bytes | None = None) -> None:
+        """Send a frame record; ``tag`` is ``frame_tag(frame, salt)`` if already known."""
+        if tag is None:
+            tag = frame_tag(frame, self.salt)
+        n = frame_wire_len(frame)
+        self.sock.sendall(self._header(kind, flags, 4 + n, tag))
+        write_len_prefix(self._writer, n)
+        write_round_frame(self._writer, frame, self.salt, tag=tag)
+
+    # -- receiving -------------------------------------------------------------------
+    def recv(self, sink: Callable | None = None, *, timeout: float | None = None
+             ) -> tuple[Kind, int, dict | RoundFrame] | None:
+        """The next record: (kind, flags, dict for CTRL / RoundFrame for frames).
+
+        ``None`` at a clean end of stream before a record. ``timeout`` bounds the wait
+        for the record's first byte (``TimeoutError``); once a record has started it is
+        read to the end (abandoning it would desync the stream). ``sink`` directs frame
+        payloads (see ``wire.read_framed_round_into``).
+        """
+        head = bytearray(RECORD_HEADER)
+        view = memoryview(head)
+        got = 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while got < RECORD_HEADER:
+            if got == 0 and deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no record from {self.peer} within {timeout:g} s")
+                self.sock.settimeout(min(left, 0.5))
+            else:
+                self.sock.settimeout(None)
+            try:
+                k = self.sock.recv_into(view[got:])
+            except socket.timeout:
+                continue
+            except (ConnectionResetError, BrokenPipeError):
+                if got == 0:
+                    return None
+                raise
+            if k == 0:
+                if got == 0:
+                    return None
+                raise FrameError(f"record header from {self.peer} ended after {got} bytes")
+            got += k
+        self.sock.settimeout(None)
+        magic, version, kind, flags, seq, length = _RECORD.unpack_from(head)
+        if magic != RECORD_MAGIC:
+            raise FrameError(f"record magic 0x{magic:08x} != 0x{RECORD_MAGIC:08x} from {self.peer}")
+        if version != PROTOCOL_VERSION:
+            raise FrameError(f"record version {version} != {PROTOCOL_VERSION} from {self.peer}")
+        try:
+            kind = Kind(kind)
+        except ValueError:
+            raise FrameError(f"unknown record kind {kind} from {self.peer}") from None
+        if seq != self._recv_seq:
+            raise FrameError(f"record seq {seq} from {self.peer}, expected {self._recv_seq}: "
+                             f"a record was dropped, replayed or reordered")
+        self._recv_seq += 1
+        tag = bytes(head[_RECORD.size:])
+        if kind == Kind.CTRL:
+            if length > MAX_CTRL_BYTES:
+                raise FrameError(f"control record of {length} bytes from {self.peer} exceeds "
+                                 f"{MAX_CTRL_BYTES}")
+            payload = _recv_exact(self.sock, length, f"control record from {self.peer}", None)
+            if not hmac.compare_digest(_mac(self.key, head[:_RECORD.size], payload)[:TAG_BYTES],
+                                       tag):
+                raise FrameError(f"control record from {self.peer} failed its tag (wrong session "
+                                 f"secret, tampering or corruption)")
+            try:
+                msg = json.loads(payload)
+            except ValueError as e:
+                raise FrameError(f"control record from {self.peer} is not JSON: {e}") from None
+            if not isinstance(msg, dict) or "type" not in msg:
+                raise FrameError(f"control record from {self.peer} has no type")
+            return kind, flags, msg
+        if length > frame_ceiling() + 4:
+            raise FrameError(f"frame record of {length} bytes from {self.peer} exceeds the frame "
+                             f"ceiling of {frame_ceiling()} bytes")
+        frame, ftag = read_framed_round_into(self._reader, self.salt, sink)
+        if frame is None:
+            raise FrameError(f"frame record from {self.peer} ended before its frame")
+        if 4 + frame_wire_len(frame) != length:
+            raise FrameError(f"frame record from {self.peer} declared {length} bytes, carried "
+                             f"{4 + frame_wire_len(frame)}")
+        if not hmac.compare_digest(_mac(self.key, head[:_RECORD.size], ftag)[:TAG_BYTES], tag):
+            raise FrameError(f"frame record from {self.peer} failed its header tag (replayed or "
+                             f"spliced frame)")
+        return kind, flags, frame
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+# --- handshakes ---------------------------------------------------------------------
+
+
+class HandshakeRejected(ConnectionError):
+    """The controller refused this host (world size, rank set, duplicate host...)."""
+
+
+def _link_key(salt: bytes, nonce_r: bytes, nonce_c: bytes) -> bytes:
+    return _mac(salt, b"flodl_shm link", nonce_r, nonce_c)[:16]
+
+
+def client_handshake(sock: socket.socket, salt: bytes, hello: dict, peer: str) -> Link:
+    """Relay side: prove the secret, check the controller's proof, announce the host."""
+    salt = check_salt(salt)
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT * _timeouts()
+    nonce_r = os.urandom(NONCE_BYTES)
+    sock.sendall(_HELLO.pack(CHANNEL_MAGIC, PROTOCOL_VERSION, 0, nonce_r))
+    reply = _recv_exact(sock, _HELLO.size + PROOF_BYTES, f"handshake reply from {peer}", deadline)
+    magic, version, _, nonce_c = _HELLO.unpack_from(reply)
+    if magic != CHANNEL_MAGIC:
+        raise FrameError(f"handshake: {peer} answered magic 0x{magic:08x}, not a flodl_shm "
+                         f"controller (0x{CHANNEL_MAGIC:08x})")
+    if version != PROTOCOL_VERSION:
+        raise FrameError(f"handshake: controller at {peer} speaks protocol version {version}, "
+                         f"we speak {PROTOCOL_VERSION}")
+    want = _mac(salt, b"flodl_shm controller", nonce_r, nonce_c)
+    if not hmac.compare_digest(reply[_HELLO.size:], want):
+        raise FrameError(f"handshake: the controller at {peer} failed to prove the session secret "
+                         f"(a different --secret-file / salt?)")
+    sock.sendall(_mac(salt, b"flodl_shm relay", nonce_c, nonce_r))
+    link = Link(sock, salt, _link_key(salt, nonce_r, nonce_c), peer)
+    link.send_ctrl({"type": "hello", **hello})
+    got = link.recv(timeout=HANDSHAKE_TIMEOUT * _timeouts())
+    if got is None:
+        raise HandshakeRejected(f"handshake: the controller at {peer} closed the connection "
+                                f"without acknowledging our hello")
+    kind, _, msg = got
+    if kind != Kind.CTRL or msg.get("type") not in ("hello_ack", "reject"):
+        raise FrameError(f"handshake: expected hello_ack from {peer}, got {kind.name} {msg}")
+    if msg["type"] == "reject":
+        raise HandshakeRejected(f"the controller at {peer} refused this host: {msg.get('reason')}")
+    return link
+
+
+def server_handshake(sock: socket.socket, salt: bytes, peer: str,
+                     admit: Callable[[dict, "Link"], str | None]) -> tuple[Link, dict]:
+    """Controller side: check the relay's proof and hello. ``admit(hello, link)``
+    validates and registers the host atomically, returning a refusal reason or None;
+    only an admitted host is acknowledged. Raises on failure (after telling the relay
+    why, when it proved the secret)."""
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT * _timeouts()
+    first = _recv_exact(sock, _HELLO.size, f"handshake from {peer}", deadline)
+    magic, version, _, nonce_r = _HELLO.unpack_from(first)
+    if magic != CHANNEL_MAGIC:
+        raise FrameError(f"handshake from {peer}: channel magic 0x{magic:08x} != "
+                         f"0x{CHANNEL_MAGIC:08x} (connection routed to the wrong port?)")
+    nonce_c = os.urandom(NONCE_BYTES)
+    sock.sendall(_HELLO.pack(CHANNEL_MAGIC, PROTOCOL_VERSION, 0, nonce_c)
+                 + _mac(salt, b"flodl_shm controller", nonce_r, nonce_c))
+    if version != PROTOCOL_VERSION:
+        raise FrameError(f"handshake from {peer}: protocol version {version} != "
+                         f"{PROTOCOL_VERSION}")
+    proof = _recv_exact(sock, PROOF_BYTES, f"handshake proof from {peer}", deadline)
+    if not hmac.compare_digest(proof, _mac(salt, b"flodl_shm relay", nonce_c, nonce_r)):
+        raise FrameError(f"handshake from {peer}: the relay failed to prove the session secret "
+                         f"(a different salt / secret file)")
+    link = Link(sock, salt, _link_key(salt, nonce_r, nonce_c), peer)
+    got = link.recv(timeout=max(0.1, deadline - time.monotonic()))
+    if got is None or got[0] != Kind.CTRL or got[2].get("type") != "hello":
+        raise FrameError(f"handshake from {peer}: expected a hello record, got {got}")
+    hello = got[2]
+    reason = admit(hello, link)
+    if reason is not None:
+        try:
+            link.send_ctrl({"type": "reject", "reason": reason})
+        finally:
+            link.close()
+        raise HandshakeRejected(f"refused host {hello.get('host')!r} from {peer}: {reason}")
+    link.send_ctrl({"type": "hello_ack"})
+    return link, hello
+
+
+def parse_addr(addr) -> tuple[str, int]:
+    """``"host:port"`` or ``(host, port)`` -> (host, port); ValueError naming the input."""
+    if isinstance(addr, (tuple, list)) and len(addr) == 2:
+        return str(addr[0]), int(addr[1])
+    if isinstance(addr, str) and ":" in addr:
+        host, _, port = addr.rpartition(":")
+        try:
+            return host.strip("[]") or "127.0.0.1", int(port)
+        except ValueError:
+            pass
+    raise ValueError(f"address {addr!r} must be 'host:port' or a (host, port) tuple")
+
+
+def connect(addr, *, attempts: int = 60, delay: float = 0.5) -> socket.socket:
+    """Connect with retries (the controller may start after the relay); TCP_NODELAY.
+
+    The retry delay scales with ``FLODL_NET_TIMEOUT_SCALE`` like every deadline."""
+    host, port = parse_addr(addr)
+    delay *= _timeouts()
+    last: Exception | None = None
+    for i in range(max(1, attempts)):
+        try:
+            sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT * _timeouts())
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        except OSError as e:
+            last = e
+            if i + 1 < attempts:
+                time.sleep(delay)
+    raise ConnectionError(f"connect to {host}:{port} failed after {attempts} attempts "
+                          f"(~{attempts * delay:g}s): {last}")

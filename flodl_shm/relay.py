@@ -1,0 +1,246 @@
+"""The relay: one per host, inside ``spawn``'s supervisor, bridging arena and controller.
+
+On a cluster every collective round takes the bulk path. The local ranks fold
+their contributions into the shared result region as an f32 host partial
+Σ(wᵣ·Tᵣ) over the accepted local contributions — each rank reducing its slice,
+never dividing (``protocol.py``, relay mode). The relay then, per round:
+
+1. waits (as an observer) for the arrivals and for every slice of the partial;
+2. ships it upstream as ONE frame for the whole host — f32, or bf16 on a bf16
+   wire (accumulation stays f32 everywhere) — with the host's accepted mass;
+3. reads the cohort consensus straight into the result region (payload bytes land
+   where the ranks read them; nothing is used before the frame's tag verifies)
+   and publishes it (``G_CONSENSUS = round``), waking the ranks.
+
+Local deaths are forwarded to the controller (``rank_dead``); when every local
+rank has finished the relay says ``host_done``. A stall, a lost or misbehaving
+controller, or a frame that fails its tag ends the host: the relay records the
+error in the arena (ranks raise ``ReduceStall`` or ``ConnectionError`` naming it)
+and raises the abort flag.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+
+import numpy as np
+
+from . import arena as A
+from .errors import CohortAborted, FrameError
+from .frame import DTYPE_F32, RoundFrame, RoundKind, TensorPayload, elem_size
+from .kernels import codec as K
+from .mux import Kind, client_handshake, connect, parse_addr
+from .protocol import RoundEngine, decode_schema_words
+from .wire import check_salt
+
+logger = logging.getLogger("flodl_shm")
+
+
+class Relay:
+    """The host's link to the controller (a thread). Built by ``relay_factory``."""
+
+    def __init__(self, arena: A.Arena, addr: tuple[str, int], salt: bytes, world_size: int,
+                 first_rank: int, nprocs: int, host: str | None = None) -> None:
+        self.arena = arena
+        self.addr = addr
+        self.salt = salt
+        self.world_size = world_size
+        self.first_rank = first_rank
+        self.nprocs = nprocs
+        self.host = host or f"{socket.gethostname()}:{first_rank}-{first_rank + nprocs - 1}"
+        self.error: BaseException | None = None
+        self.rounds = 0
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self._stop = threading.Event()
+        self._upstream: queue.Queue[dict] = queue.Queue()
+        self._link = None
+        self._enc16 = np.empty(0, np.uint16)
+        self._thread = threading.Thread(target=self._main, name="flodl-shm-relay", daemon=True)
+        self._thread.start()
+
+    # -- supervisor-facing -----------------------------------------------------------
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def rank_died(self, global_rank: int) -> None:
+        self._upstream.put({"type": "rank_dead", "ranks": [int(global_rank)]})
+
+    def forward(self, msg: dict) -> None:
+        """Queue a control message for the controller (e.g. a checkpoint ``arm``)."""
+        self._upstream.put(msg)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        link = self._link
+        if link is not None:
+            link.close()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    # -- the thread --------------------------------------------------------------------
+    def _liveness(self) -> None:
+        if self._stop.is_set():
+            raise CohortAborted("the relay is shutting down")
+
+    def _main(self) -> None:
+        peer = f"{self.addr[0]}:{self.addr[1]}"
+        try:
+            sock = connect(self.addr)
+            ranks = list(range(self.first_rank, self.first_rank + self.nprocs))
+            self._link = client_handshake(sock, self.salt, {
+                "host": self.host, "ranks": ranks, "world_size": self.world_size,
+                "protocol": "flodl_shm-relay"}, peer)
+            logger.info("relay %s: joined the controller at %s with ranks %s", self.host, peer,
+                        ranks)
+            self._rounds()
+        except BaseException as e:  # noqa: BLE001 - recorded; ranks learn it from the arena
+            if self._stop.is_set() and not isinstance(e, (FrameError, TimeoutError)):
+                return
+            self.error = e
+            logger.error("relay %s: %s: %s", self.host, type(e).__name__, e)
+            self._fail(e)
+        finally:
+            if self._link is not None:
+                self._link.close()
+
+    def _fail(self, e: BaseException) -> None:
+        stall = getattr(e, "stall", None)
+        if stall is not None:
+            self.arena.set_relay_error(A.RELAY_STALL, str(e), stall["round"], stall["missing"])
+        else:
+            self.arena.set_relay_error(A.RELAY_FAILED, f"{type(e).__name__}: {e}")
+
+    def _local_gone(self) -> bool:
+        c = self.arena.ctl
+        return all(c[A.rank_base(r) + A.R_DEAD] for r in range(self.arena.world))
+
+    def _flush_upstream(self) -> None:
+        while True:
+            try:
+                msg = self._upstream.get_nowait()
+            except queue.Empty:
+                return
+            self._link.send_ctrl(msg)
+
+    def _rounds(self) -> None:
+        eng = RoundEngine(self.arena, -1, timeout=None, spin_iters=64, liveness=self._liveness)
+        link = self._link
+        rnd = 0
+        while not self._stop.is_set():
+            self._flush_upstream()
+            if self._local_gone():
+                break
+            try:
+                view = eng.await_arrivals(rnd, "relay: waiting for the local ranks")
+            except RuntimeError:
+                if self._local_gone():
+                    break
+                raise
+            except CohortAborted:
+                return
+            eng.await_slices(view)
+            self._flush_upstream()  # deaths and checkpoint arms go before the frame
+            up = self._partial_frame(eng, view)
+            link.send_frame(Kind.FRAME_UP, up, flags=view.flags & (A.FLAG_OUTER | A.FLAG_TAP))
+            self.bytes_up += up.payload_nbytes()
+            down = self._receive_consensus(eng, view)
+            self.bytes_down += down.payload_nbytes()
+            self.arena.ctl_f64[A.G_CONSENSUS_MASS] = down.weight
+            eng.doorbell.publish(A.G_CONSENSUS, rnd)
+            self.rounds += 1
+            rnd += 1
+        self._flush_upstream()
+        c = self.arena.ctl
+        if all(c[A.rank_base(r) + A.R_DEAD] == A.DEAD_EXITED for r in range(self.arena.world)):
+            link.send_ctrl({"type": "host_done"})
+            logger.info("relay %s: every local rank finished after %d rounds", self.host, rnd)
+
+    def _shapes(self, view) -> list[tuple[int, ...]]:
+        r = view.accepted[0]
+        region = self.arena.data_view(r, view.nwords * 8)
+        _, _, shapes = decode_schema_words(region[:view.nwords * 8].view(np.int64))
+        return shapes
+
+    def _partial_frame(self, eng: RoundEngine, view) -> RoundFrame:
+        partial = eng.result_array(view)  # f32 host sums
+        shapes = self._shapes(view)
+        if view.dtype == DTYPE_F32:
+            body = partial
+        else:  # bf16 on this hop; the controller accumulates in f32
+            if self._enc16.shape[0] < view.nelem:
+                self._enc16 = np.empty(view.nelem, np.uint16)
+            body = self._enc16[:view.nelem]
+            K.f32_to_bf16(partial, body)
+        raw = body.view(np.uint8)
+        esize = elem_size(view.dtype)
+        tensors, off = [], 0
+        for s in shapes:
+            nb = int(np.prod(s, dtype=np.int64)) * esize
+            tensors.append(TensorPayload(view.dtype, s, raw[off:off + nb]))
+            off += nb
+        return RoundFrame(tensors, view.mass, RoundKind(view.kind))
+
+    def _receive_consensus(self, eng: RoundEngine, view) -> RoundFrame:
+        cons = eng.consensus_array(view).view(np.uint8)
+        offset = [0]
+
+        def sink(i, dtype, shape, nbytes):
+            if dtype != view.dtype:
+                raise FrameError(f"consensus tensor[{i}] has wire dtype {dtype}, the round "
+                                 f"{view.dtype}")
+            start = offset[0]
+            if start + nbytes > cons.shape[0]:
+                raise FrameError(f"consensus of round {view.rnd} is larger than the round's "
+                                 f"{cons.shape[0]} bytes")
+            offset[0] = start + nbytes
+            return cons[start:start + nbytes]
+
+        while True:
+            got = self._link.recv(sink)
+            if got is None:
+                raise ConnectionError(f"the controller at {self.addr[0]}:{self.addr[1]} closed "
+                                      f"the connection during round {view.rnd}")
+            kind, _, body = got
+            if kind == Kind.FRAME_DOWN:
+                if offset[0] != cons.shape[0] or len(body.tensors) != view.ntensors:
+                    raise FrameError(f"consensus of round {view.rnd} does not match the round's "
+                                     f"schema ({offset[0]} of {cons.shape[0]} bytes)")
+                return body
+            if kind != Kind.CTRL:
+                raise FrameError(f"unexpected {kind.name} record from the controller")
+            self._control(body)
+
+    def _control(self, msg: dict) -> None:
+        kind = msg["type"]
+        if kind == "declare_dead":
+            logger.warning("relay %s: the controller declared ranks %s dead", self.host,
+                           msg.get("ranks"))
+        elif kind == "stall":
+            e = TimeoutError(
+                f"round {msg['round']} stalled at the controller after {msg.get('timeout')} s; "
+                f"ranks that had not delivered: {msg['missing']}")
+            e.stall = msg
+            raise e
+        elif kind in ("shutdown", "error"):
+            raise ConnectionError(f"the controller ended the cohort: "
+                                  f"{msg.get('reason') or msg.get('message')}")
+        else:
+            logger.warning("relay %s: ignoring control message %r", self.host, kind)
+
+
+def relay_factory(controller, salt, world_size: int, first_rank: int, nprocs: int):
+    """What ``spawn(controller=...)`` calls: validates up front, builds the relay later."""
+    if salt is None:
+        raise ValueError("spawn(controller=...) needs salt=: the 16-byte session secret every "
+                         "host shares (flodl_shm.secret.read_secret_file / new_salt)")
+    salt = check_salt(salt)
+    addr = parse_addr(controller)
+
+    def make(ctx) -> Relay:
+        return Relay(ctx.arena, addr, salt, world_size, first_rank, nprocs)
+
+    return make

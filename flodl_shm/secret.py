@@ -1,0 +1,53 @@
+"""The session secret: 16 random bytes shared by every host of a cohort.
+
+It keys every authentication tag (frames, records, the handshake proofs) and never
+crosses the wire. On disk it is 32 lowercase hex digits (whitespace ignored), in a
+file readable by the job's user only.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .wire import SESSION_SALT_BYTES
+
+
+def new_salt() -> bytes:
+    """16 bytes from the OS CSPRNG."""
+    return os.urandom(SESSION_SALT_BYTES)
+
+
+def parse_secret(text: str) -> bytes:
+    """32 hex digits (surrounding whitespace ignored) -> 16 bytes; ValueError otherwise."""
+    t = text.strip()
+    if len(t) != 2 * SESSION_SALT_BYTES:
+        raise ValueError(f"a session secret is {2 * SESSION_SALT_BYTES} hex digits, got "
+                         f"{len(t)} characters")
+    try:
+        return bytes.fromhex(t)
+    except ValueError:
+        raise ValueError("a session secret must be hex digits only (0-9, a-f)") from None
+
+
+def read_secret_file(path: str | os.PathLike) -> bytes:
+    """Read a secret file; the error names the file and the fix."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read the session secret file {p}: {e}; create one with "
+                         f"`python -m flodl_shm controller --new-secret {p}`") from None
+    try:
+        return parse_secret(text)
+    except ValueError as e:
+        raise ValueError(f"{p}: {e}") from None
+
+
+def write_secret_file(path: str | os.PathLike, salt: bytes | None = None) -> bytes:
+    """Write ``salt`` (a fresh one by default) as hex, mode 0600; returns it."""
+    salt = new_salt() if salt is None else bytes(salt)
+    p = Path(path)
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(salt.hex() + "\n")
+    return salt

@@ -1,0 +1,358 @@
+"""Multi-host cohorts on loopback: relays, the controller, authentication, failures.
+
+Each "host" is a spawn group with its own arena and relay, all talking to one
+ClusterController on 127.0.0.1. Ports of the seed's relay-path tests plus the
+handshake refusals, tampering, host loss and stalls.
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from flodl_shm import (DECODE_SLOT_BUFFERS, DECODE_SLOT_PARAMS, ClusterController, FrameError,
+                       RoundFrame, RoundKind, ReduceStall, gamma_mass, mover_mass, spawn,
+                       sumcount_reduce)
+from flodl_shm.frame import DTYPE_F32, TensorPayload
+from flodl_shm.mux import HandshakeRejected, Kind, client_handshake, connect
+
+from cluster_util import SALT, run_hosts
+from engine_util import live_children, our_segments
+
+pytestmark = pytest.mark.timeout(240)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks():
+    yield
+    assert our_segments() == []
+    deadline = time.monotonic() + 10
+    while live_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live_children() == []
+
+
+def frame_with(values, weight=1.0):
+    return RoundFrame([TensorPayload(DTYPE_F32, (len(values),), np.asarray(values, np.float32))],
+                      weight)
+
+
+# --- rank functions -----------------------------------------------------------------------
+
+def two_rank_frames(ctx):
+    vals = {0: [[2.0, 4.0, 6.0], [1.0], [5.0], [9.0]], 1: [[4.0, 8.0, 12.0], [3.0], [7.0], [11.0]]}
+    out = []
+    for v in vals[ctx.rank]:
+        r = ctx.comm.all_reduce(frame_with(v))
+        out.append((r.tensors[0].as_array().tolist(), r.weight))
+    return out
+
+
+def tensor_average(ctx, bf16):
+    ctx.comm.set_bf16_wire(bf16)
+    t = torch.tensor([2.0, 4.0, 6.0]) * (ctx.rank + 1)
+    big = torch.full((70000,), float(ctx.rank + 1))
+    out = ctx.comm.all_reduce_tensors([t, big])
+    return out[0].tolist(), out[0].dtype, float(out[1][0]), float(out[1][-1])
+
+
+def scaled_bf16(ctx):
+    ctx.comm.set_bf16_wire(True)
+    vals, w = ([2.0, 8.0], 3.0) if ctx.rank == 0 else ([4.0, 16.0], 1.0)
+    (t,), mass = ctx.comm.all_reduce_scaled([torch.tensor(vals)], w, RoundKind.MODEL, w)
+    return t.tolist(), mass
+
+
+def broadcasts(ctx):
+    vals = {0: [1.5, 2.5, 3.5], 1: [10.0, 20.0, 30.0], 2: [100.0, 200.0, 300.0]}
+    one = ctx.comm.broadcast_from_root([torch.tensor(vals[ctx.rank])], 0)
+    w = torch.arange(1.0, 7.0).reshape(2, 3) if ctx.rank == 0 else torch.full((2, 3), 9.0)
+    b = torch.tensor([-1.0, -2.0, -3.0, -4.0]) if ctx.rank == 0 else torch.full((4,), 9.0)
+    two = ctx.comm.broadcast_from_root([w, b], 0)
+    return one[0].tolist(), [t.tolist() for t in two], [tuple(t.shape) for t in two]
+
+
+def window_round(comm, n_i, value, gamma):
+    counts = np.zeros(comm.world_size)
+    counts[comm.rank] = n_i
+    counts = comm.all_reduce_per_rank_f64(counts)
+    w = gamma_mass(n_i, gamma)
+    t = torch.tensor([value])
+    adopted = float(sumcount_reduce(comm, [t], w, DECODE_SLOT_PARAMS)[0][0])
+    (raw,), _ = comm.all_reduce_weighted([t * w], RoundKind.MODEL, w)
+    return counts.tolist(), adopted, float(raw[0])
+
+
+def realized_all_alive(ctx):
+    n, v = {0: (3, 1.0), 1: (5, 2.0), 2: (2, 3.0)}[ctx.rank]
+    return window_round(ctx.comm, n, v, 1.0)
+
+
+def realized_after_death(ctx):
+    if ctx.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    n, v, b = {0: (3, 1.0, 1.0), 1: (5, 2.0, 2.0)}[ctx.rank]
+    g1 = window_round(ctx.comm, n, v, 1.0)
+    buf = float(sumcount_reduce(ctx.comm, [torch.tensor([b])], mover_mass(n),
+                                DECODE_SLOT_BUFFERS)[0][0])
+    g_half = window_round(ctx.comm, n, v, 0.5)
+    return g1, buf, g_half
+
+
+def rank_dies_mid_run(ctx):
+    out = []
+    for i in range(4):
+        if ctx.rank == 3 and i == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        (t,), mass = ctx.comm.all_reduce_scaled([torch.full((40000,), float(ctx.rank + i))], 1.0,
+                                               RoundKind.MODEL, 1.0)
+        g = np.zeros(ctx.world_size)
+        g[ctx.rank] = 1.0
+        out.append((float(t[0]), float(t[-1]), mass, ctx.comm.all_reduce_per_rank_f64(g).tolist()))
+    return out
+
+
+def stall_on_host_one(ctx):
+    ctx.comm.barrier()
+    if ctx.rank == 1:
+        time.sleep(6.0)
+    ctx.comm.barrier()
+    return "finished"
+
+
+def quick_average(ctx):
+    return ctx.comm.all_reduce_tensors([torch.full((3,), float(ctx.rank))])[0].tolist()
+
+
+# --- seed ports ----------------------------------------------------------------------------
+
+def test_two_rank_average_and_multi_round_persistence():
+    out, errors, ctl = run_hosts(two_rank_frames, [1, 1])
+    assert not errors
+    want = [([3.0, 6.0, 9.0], 2.0), ([2.0], 2.0), ([6.0], 2.0), ([10.0], 2.0)]
+    assert out[0][0] == want and out[1][0] == want
+    assert ctl.error is None and ctl.stats.rounds == 4
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_tensor_average_over_three_hosts(bf16):
+    out, errors, _ = run_hosts(tensor_average, [2, 1, 1], args=(bf16,))
+    assert not errors
+    for host in out:
+        for vals, dtype, first, last in host:
+            assert dtype == torch.float32
+            assert vals == [5.0, 10.0, 15.0]  # mean of 1..4 times [2,4,6]
+            assert first == last == 2.5
+
+
+def test_scaled_weighted_average_bf16_wire():
+    out, errors, _ = run_hosts(scaled_bf16, [1, 1])
+    assert not errors
+    for host in out:
+        assert host[0] == ([2.5, 10.0], 4.0)
+
+
+def test_broadcast_from_root_three_ranks_and_distinct_shapes():
+    out, errors, _ = run_hosts(broadcasts, [1, 2])
+    assert not errors
+    for host in out:
+        for one, two, shapes in host:
+            assert one == [1.5, 2.5, 3.5]
+            assert shapes == [(2, 3), (4,)]
+            assert two == [[[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], [-1.0, -2.0, -3.0, -4.0]]
+
+
+def test_realized_work_all_alive_is_1_9():
+    out, errors, _ = run_hosts(realized_all_alive, [2, 1])
+    assert not errors
+    for host in out:
+        for counts, adopted, raw in host:
+            assert counts == [3.0, 5.0, 2.0]
+            assert abs(adopted - 1.9) < 1e-6 and abs(raw - 1.9) < 1e-6
+
+
+def test_realized_work_after_a_death_on_another_host():
+    out, errors, ctl = run_hosts(realized_after_death, [2, 1], max_failures=[0, 1])
+    assert not errors
+    assert out[1] == [None]
+    want_half = (math.sqrt(3) + 2 * math.sqrt(5)) / (math.sqrt(3) + math.sqrt(5))
+    for (counts, adopted, raw), buf, (_, adopted_h, _) in out[0]:
+        assert counts == [3.0, 5.0, 0.0]
+        assert abs(adopted - 1.625) < 1e-6 and abs(raw - 1.625) < 1e-6
+        assert abs(buf - 1.5) < 1e-6
+        assert abs(adopted_h - want_half) < 1e-5
+    assert ctl.dead_ranks.is_dead(2) and ctl.dead_ranks.alive() == [0, 1]
+
+
+def test_a_rank_dying_mid_run_is_excluded_cohort_wide():
+    out, errors, ctl = run_hosts(rank_dies_mid_run, [2, 2], max_failures=[0, 1])
+    assert not errors
+    assert out[1][1] is None
+    survivors = [out[0][0], out[0][1], out[1][0]]
+    assert survivors[0] == survivors[1] == survivors[2], "survivors disagree"
+    res = survivors[0]
+    assert res[0][:3] == (1.5, 1.5, 4.0) and res[1][:3] == (2.5, 2.5, 4.0)
+    assert res[2][:3] == (3.0, 3.0, 3.0) and res[3][:3] == (4.0, 4.0, 3.0)
+    assert res[3][3] == [1.0, 1.0, 1.0, 0.0]
+    assert ctl.dead_ranks.is_dead(3)
+
+
+# --- validation and authentication --------------------------------------------------------
+
+def _raw_relay(port, hello, salt=SALT):
+    sock = connect(("127.0.0.1", port), attempts=5, delay=0.1)
+    return client_handshake(sock, salt, hello, f"127.0.0.1:{port}")
+
+
+def test_handshake_refusals_are_named_on_both_ends(caplog):
+    ctl = ClusterController.start("127.0.0.1:0", 3, SALT)
+    try:
+        with pytest.raises(HandshakeRejected, match="world_size 4 != the controller's world_size 3"):
+            _raw_relay(ctl.port, {"host": "a", "ranks": [0], "world_size": 4})
+        with pytest.raises(HandshakeRejected, match=r"ranks \[3\] are out of range"):
+            _raw_relay(ctl.port, {"host": "b", "ranks": [2, 3], "world_size": 3})
+        first = _raw_relay(ctl.port, {"host": "c", "ranks": [0, 1], "world_size": 3})
+        with pytest.raises(HandshakeRejected, match="overlapping rank sets"):
+            _raw_relay(ctl.port, {"host": "d", "ranks": [1, 2], "world_size": 3})
+        with pytest.raises(HandshakeRejected, match="duplicate host"):
+            _raw_relay(ctl.port, {"host": "c", "ranks": [2], "world_size": 3})
+        with pytest.raises(FrameError, match="failed to prove the session secret"):
+            _raw_relay(ctl.port, {"host": "e", "ranks": [2], "world_size": 3},
+                       salt=b"\x00" * 16)
+        first.close()
+    finally:
+        ctl.shutdown()
+    logged = caplog.text
+    assert "world_size 4" in logged and "overlapping" in logged and "duplicate host" in logged
+
+
+def test_world_size_disagreement_refused_through_spawn():
+    ctl = ClusterController.start("127.0.0.1:0", 2, SALT)
+    try:
+        with pytest.raises(ConnectionError, match="world_size 3"):
+            spawn(quick_average, 1, controller=f"127.0.0.1:{ctl.port}", world_size=3,
+                  first_rank=0, salt=SALT, timeout=30)
+    finally:
+        ctl.shutdown()
+
+
+def test_local_validation_happens_before_any_traffic():
+    with pytest.raises(ValueError, match="do not fit world_size"):
+        spawn(quick_average, 2, controller="127.0.0.1:1", world_size=3, first_rank=2, salt=SALT)
+    with pytest.raises(ValueError, match="salt"):
+        spawn(quick_average, 1, controller="127.0.0.1:1", world_size=2, first_rank=0)
+    with pytest.raises(ValueError, match="world_size must be > 0"):
+        ClusterController.start("127.0.0.1:0", 0, SALT)
+
+
+def test_connect_failure_names_the_address(monkeypatch):
+    monkeypatch.setenv("FLODL_NET_TIMEOUT_SCALE", "0.1")
+    with pytest.raises(ConnectionError, match=r"connect to 127\.0\.0\.1:1 failed"):
+        spawn(quick_average, 1, controller="127.0.0.1:1", world_size=2, first_rank=0, salt=SALT,
+              timeout=60)
+
+
+def test_controller_survives_silence_garbage_and_a_tampered_frame(monkeypatch):
+    """A silent connection, garbage bytes and a host whose frame fails its tag are all
+    dropped; the real host's round completes over realized work (the tampered host's
+    contribution is never mixed in)."""
+    monkeypatch.setenv("FLODL_NET_TIMEOUT_SCALE", "0.2")  # 2 s handshake deadline
+    ctl = ClusterController.start("127.0.0.1:0", 2, SALT)
+    try:
+        silent = socket.create_connection(("127.0.0.1", ctl.port))
+        garbage = socket.create_connection(("127.0.0.1", ctl.port))
+        garbage.sendall(os.urandom(4096))
+        fake = _raw_relay(ctl.port, {"host": "fake", "ranks": [1], "world_size": 2})
+
+        box = {}
+
+        def real_host():
+            box["out"] = spawn(quick_average, 1, controller=f"127.0.0.1:{ctl.port}", world_size=2,
+                               first_rank=0, salt=SALT, timeout=60)
+
+        t = threading.Thread(target=real_host)
+        t.start()
+        frame = frame_with([1000.0, 1000.0, 1000.0])
+        frame.kind = RoundKind.MODEL
+        # a valid record header with a frame whose payload was altered after tagging
+        import flodl_shm.mux as mux
+
+        orig = mux.write_round_frame
+
+        def tamper(stream, fr, salt, *, tag=None):
+            fr.tensors[0].data = memoryview(np.array([7.0, 7.0, 7.0], np.float32)).cast("B")
+            return orig(stream, fr, salt, tag=tag)
+
+        monkeypatch.setattr(mux, "write_round_frame", tamper)
+        fake.send_frame(Kind.FRAME_UP, frame)
+        monkeypatch.setattr(mux, "write_round_frame", orig)
+        t.join(120)
+        assert box["out"] == [[0.0, 0.0, 0.0]], "the tampered contribution leaked in"
+        assert ctl.dead_ranks.is_dead(1)
+        silent.close()
+        garbage.close()
+        fake.close()
+    finally:
+        ctl.shutdown()
+
+
+# --- host loss and stalls -------------------------------------------------------------------
+
+def test_a_whole_host_vanishing_is_excluded(tmp_path):
+    """Host 1 runs in its own launcher process; we SIGKILL that launcher. Its rank dies
+    with it (PDEATHSIG), the controller declares it dead, and host 0 continues alone."""
+    ctl = ClusterController.start("127.0.0.1:0", 3, SALT)
+    ready = tmp_path / "ready"
+    env = dict(os.environ, DRIVER_READY_FILE=str(ready), CLUSTER_PORT=str(ctl.port),
+               CLUSTER_SALT=SALT.hex())
+    driver = subprocess.Popen([sys.executable, os.path.join(HERE, "cluster_driver.py")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    box = {}
+
+    def host0():
+        box["out"] = spawn(survivor_rounds, 2, controller=f"127.0.0.1:{ctl.port}", world_size=3,
+                           first_rank=0, salt=SALT, timeout=120)
+
+    t = threading.Thread(target=host0)
+    t.start()
+    try:
+        deadline = time.monotonic() + 90
+        while not ready.exists() and time.monotonic() < deadline and driver.poll() is None:
+            time.sleep(0.05)
+        assert ready.exists(), driver.communicate(timeout=5)
+        driver.kill()
+        driver.wait(30)
+        t.join(120)
+    finally:
+        ctl.shutdown()
+    assert box["out"] == [(0.5, 2.0), (0.5, 2.0)], "after the loss: mean of ranks 0 and 1"
+    assert ctl.dead_ranks.is_dead(2) and ctl.dead_ranks.alive() == [0, 1]
+
+
+def survivor_rounds(ctx):
+    for _ in range(5000):
+        (t,), mass = ctx.comm.all_reduce_scaled([torch.full((1000,), float(ctx.rank))], 1.0,
+                                               RoundKind.MODEL, 1.0)
+        if mass == 2.0:
+            return float(t[0]), mass
+    raise AssertionError("host 1 was never excluded")
+
+
+def test_stall_reaches_every_rank_with_round_and_missing_ranks():
+    out, errors, ctl = run_hosts(stall_on_host_one, [1, 1], round_timeout=1.5, timeout=60)
+    assert set(errors) == {0, 1}
+    for e in errors.values():
+        assert isinstance(e, ReduceStall), repr(e)
+        assert e.round == 1 and e.missing == (1,)
+        assert "round 1" in str(e)
+    assert isinstance(ctl.error, TimeoutError)
