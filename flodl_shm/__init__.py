@@ -67,6 +67,10 @@ _EXPORTS = {
     "OuterAvg": "flodl_shm.outer",
     "OuterNesterov": "flodl_shm.outer",
     "ChunkPool": "flodl_shm.coverage",
+    # multi-host secrets
+    "new_salt": "flodl_shm.secret",
+    "read_secret_file": "flodl_shm.secret",
+    "write_secret_file": "flodl_shm.secret",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -75,8 +79,15 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'flodl_shm' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+        # submodules load on first attribute access too (flodl_shm.testing, ...secret)
+        try:
+            value = importlib.import_module(f"flodl_shm.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"flodl_shm.{name}":
+                raise
+            raise AttributeError(f"module 'flodl_shm' has no attribute {name!r}") from None
+    else:
+        value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
