@@ -1,0 +1,103 @@
+"""The checkpoint series (one bundle per checkpointed window) and the Trainer's
+argument checks - files and objects only, no processes."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from flodl_shm.checkpoint.meta import CheckpointMeta, SaveReason
+from flodl_shm.checkpoint_series import (committed_checkpoints, delete_series, latest_checkpoint,
+                                         prune_series, resolve_checkpoint, round_model_path)
+from flodl_shm.trainer import Trainer, window_seed
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def bundle(stem, rnd, *, meta=True, outer=False, tmp=False):
+    model = round_model_path(stem, rnd)
+    model.parent.mkdir(parents=True, exist_ok=True)
+    model.write_bytes(b"model")
+    if outer:
+        model.with_name(model.name.replace(".fdl", ".outer.fdl")).write_bytes(b"m")
+    if meta:
+        CheckpointMeta.new(0, rnd, rnd, 2, SaveReason.CHECKPOINT).write_to_file(
+            model.with_name(model.name.replace(".fdl", ".meta.json")))
+    if tmp:
+        model.with_name(model.name + ".tmp").write_bytes(b"torn")
+    return model
+
+
+def test_round_paths_share_a_stem_whatever_the_extension(tmp_path):
+    assert round_model_path(tmp_path / "ck", 12).name == "ck-r00000012.fdl"
+    assert round_model_path(tmp_path / "ck.fdl", 12) == round_model_path(tmp_path / "ck", 12)
+    dotted = tmp_path / "run.v2" / "ck"
+    assert round_model_path(dotted, 3) == dotted.parent / "ck-r00000003.fdl"
+    assert round_model_path(tmp_path / "ck", 123_456_789).name == "ck-r123456789.fdl"
+
+
+def test_latest_is_the_highest_committed_round(tmp_path):
+    stem = tmp_path / "ck"
+    assert latest_checkpoint(stem) is None
+    bundle(stem, 3)
+    bundle(stem, 6, outer=True)
+    bundle(stem, 9, meta=False)                  # its write never finished
+    bundle(tmp_path / "other", 12)               # another series
+    assert [r for r, _ in committed_checkpoints(stem)] == [3, 6]
+    assert latest_checkpoint(stem) == round_model_path(stem, 6)
+    assert resolve_checkpoint(stem) == round_model_path(stem, 6)
+    assert resolve_checkpoint(tmp_path / "ck.fdl") == round_model_path(stem, 6)
+    assert resolve_checkpoint(round_model_path(stem, 3)) == round_model_path(stem, 3)
+    meta3 = tmp_path / "ck-r00000003.meta.json"
+    assert resolve_checkpoint(meta3) == round_model_path(stem, 3)
+    with pytest.raises(FileNotFoundError, match="never committed"):
+        resolve_checkpoint(round_model_path(stem, 9))
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        resolve_checkpoint(tmp_path / "nothing")
+
+
+def test_prune_keeps_the_newest_and_drops_failed_writes(tmp_path):
+    stem = tmp_path / "ck"
+    for rnd in (2, 4, 6):
+        bundle(stem, rnd, outer=True)
+    bundle(stem, 5, meta=False, tmp=True)       # failed write, older than the newest
+    bundle(stem, 8, meta=False)                 # maybe still being written: untouched
+    assert prune_series(stem, keep=2) == [2, 5]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["ck-r00000004.fdl", "ck-r00000004.meta.json", "ck-r00000004.outer.fdl",
+                    "ck-r00000006.fdl", "ck-r00000006.meta.json", "ck-r00000006.outer.fdl",
+                    "ck-r00000008.fdl"]
+    assert prune_series(stem, keep=0) == [4], "at least the newest is always kept"
+    (tmp_path / "ck.rank1.death.json").write_text("{}")
+    assert delete_series(stem) == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def make_model():
+    return torch.nn.Linear(2, 2)
+
+
+def test_trainer_arguments_are_checked_up_front(tmp_path):
+    args = (make_model, functools.partial(torch.optim.SGD, lr=0.1),
+            (torch.zeros(8, 2), torch.zeros(8, dtype=torch.long)), torch.nn.functional.mse_loss)
+    with pytest.raises(ValueError, match="needs a save_path"):
+        Trainer(*args, checkpoint_every=5)
+    with pytest.raises(ValueError, match="cadence"):
+        Trainer(*args, cadence="fastest")
+    with pytest.raises(ValueError, match="batch_size"):
+        Trainer(*args, batch_size=0)
+    with pytest.raises(ValueError, match="max_failures"):
+        Trainer(*args, max_failures=-1)
+    with pytest.raises(ValueError, match="needs a save_path"):
+        Trainer(*args).resume()
+    bundle(tmp_path / "ck", 4)
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        Trainer(*args, save_path=tmp_path / "ck").run(2)
+
+
+def test_window_seeds_are_distinct_and_stable():
+    seeds = {window_seed(42, r, w) for r in range(4) for w in range(1, 50)}
+    assert len(seeds) == 4 * 49
+    assert window_seed(42, 1, 7) == window_seed(42, 1, 7)
+    assert all(0 <= s < 2 ** 63 for s in seeds)
