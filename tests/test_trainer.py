@@ -74,20 +74,44 @@ def test_stop_request_ends_every_rank_after_the_same_window(tmp_path):
     assert result.meta.coverage.per_epoch[0].uncovered_ranges == [(96, 160)]
 
 
-def test_elche_gives_the_fast_rank_more_batches(tmp_path):
+def test_elche_gives_the_fast_rank_more_batches_and_resumes_its_state(tmp_path):
     """Rank 1 sleeps 4x as long per batch as rank 0: ElChe measures it and schedules
-    rank 0 about 4x the batches, so neither waits long at the gather."""
-    trainer = Trainer(make_model, sgd, make_data(2048), loss_fn, batch_size=8, epochs=1,
-                      sync_every=2, cadence="elche", log_every=None, timeout=120.0,
-                      hooks=[SimulatedSlowdown(rank=1, factor=4.0, extra_ms=2.0)])
-    result = trainer.run(2)
-    late = result.history[-4:-1]
-    for s in late:
+    rank 0 about 4x the batches, so neither waits long at the gather. Stopped at window
+    8 and resumed, the cadence continues from the saved state (and guard history)."""
+    stem = tmp_path / "elche"
+
+    def trainer(hooks=()):
+        return Trainer(make_model, sgd, make_data(2048), loss_fn, batch_size=8, epochs=1,
+                       sync_every=2, cadence="elche", log_every=None, timeout=120.0,
+                       save_path=stem, hooks=[SimulatedSlowdown(rank=1, factor=4.0,
+                                                                extra_ms=2.0), *hooks])
+
+    first = trainer([StopAt(rank=0, window=8)]).run(2)
+    assert [s.window for s in first.history] == list(range(1, 9))
+    assert first.history[0].cohort_batches == (2, 2), "the first window is uncalibrated"
+    for s in first.history[-3:]:
         fast, slow = s.cohort_batches
-        assert 2.5 <= fast / slow <= 6.5, s.cohort_batches
-    assert result.history[0].cohort_batches == (2, 2), "the first window is uncalibrated"
-    assert result.meta.elche_state is not None
-    assert result.meta.elche_state.anchor_rank == 1
+        assert 2.5 <= fast / slow <= 8, s.cohort_batches
+    saved = first.meta.elche_state
+    assert saved.anchor_rank == 1 and saved.calibration_count == 8
+    assert saved.phase.value == "stable"
+    assert len(saved.trend_history) == 5, "TrendGuard's ring is checkpointed"
+    assert saved.smoothed_ms_per_batch[1] > 2.5 * saved.smoothed_ms_per_batch[0]
+
+    # the checkpoint was armed before window 8's timing report: it holds 7 calibrations
+    on_disk = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(first.checkpoint))
+    assert on_disk.elche_state.calibration_count == 7
+    assert on_disk.elche_state.anchor_rank == 1
+
+    second = trainer().resume()
+    assert second.history[0].window == 9
+    state = second.meta.elche_state
+    assert state.anchor_rank == 1
+    assert state.calibration_count == 7 + len(second.history), "calibration continues"
+    for s in second.history[1:-1]:
+        fast, slow = s.cohort_batches
+        assert 2.5 <= fast / slow <= 8, s.cohort_batches
+    assert second.meta.global_step == 256
 
 
 def test_diloco_outer_nesterov_saves_its_momentum(tmp_path):
