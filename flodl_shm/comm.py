@@ -49,10 +49,11 @@ from .frame import (
     elem_size,
 )
 from .kernels import codec as K
+from .kernels import rounds as RK
 from .kernels import sync
 from .kernels import tensorio as TIO
 from .tap import post as tap_post
-from .waiting import Waiter
+from .waiting import Waiter, futex_wake
 from .hostmem import HostMemory, host_memory
 from .protocol import RoundEngine, frame_layout, schema_hash, schema_words
 from .staging import (  # noqa: F401 - the slot constants are part of this module's API too
@@ -115,6 +116,7 @@ class Comm:
         self._zero_copy: tuple | None = None
         self._zc_inputs: tuple | None = None
         self._outer_installed = False
+        self._fast: tuple | None = None
         self._ckpt: dict | None = None
         self._ckpt_cycle = 0
         arena.ctl[A.rank_base(local_rank) + A.R_PID] = _getpid()
@@ -318,6 +320,10 @@ class Comm:
         accepted mass is 0 the tensors are left untouched (keep local). Returns the
         accepted mass. Tensors must be float32 or bfloat16.
         """
+        if len(tensors) == 1 and not outer:
+            mass = self._inplace_fast(tensors[0], weight, scale, int(kind))
+            if mass is not None:
+                return mass
         kind = RoundKind(int(kind))
         dtype = self._wire_dtype(kind)
         shapes = self._check_tensors(tensors)
@@ -489,6 +495,60 @@ class Comm:
             self._broken = f"round {rnd} failed with {type(e).__name__}: {e}"
             if isinstance(e, CohortAborted) and eng.relay_mode:
                 eng.raise_relay_error(rnd)  # the host relay's failure, if that is why
+            raise
+
+    def _inplace_fast(self, t: torch.Tensor, weight, scale, kind: int) -> float | None:
+        """One small contiguous f32 tensor averaged in place on an f32 wire: the whole
+        round is one compiled call. ``None`` when the case does not apply (the general
+        path then runs; nothing was published)."""
+        eng = self._engine
+        if (t.dtype is not _F32 or not t.is_cpu or (self._bf16 and kind == 0)
+                or self._broken is not None or eng.relay_mode or self._ckpt is not None
+                or eng.fault_hook is not None or not t.is_contiguous()):
+            return None
+        fast = self._fast
+        shape = t.shape
+        if fast is None or fast[0] != shape or fast[1] != kind:
+            plan = self._plan(kind, DTYPE_F32, [tuple(shape)])
+            fast = self._fast = (shape, kind, plan)
+        plan = fast[2]
+        if not plan.eager_fits:
+            return None
+        weight = float(weight)
+        if not 0.0 <= weight < math.inf:
+            raise FrameError(f"weight {weight} is not a finite non-negative realized-work mass")
+        rnd = self._round
+        if self._slot_schema.get(rnd & 1) is not plan:
+            eng.eager_region(rnd)[:plan.off].view(np.int64)[:] = plan.words
+            self._slot_schema[rnd & 1] = plan
+        self._round = rnd + 1
+        try:
+            code = RK.eager_inplace_f32(t.data_ptr(), plan.nelem, float(scale), eng.ctl,
+                                        eng.ctl_f64, eng.ctl32, eng._eager_all,
+                                        self.arena.eager_bytes, eng.world, self.local_rank, rnd,
+                                        kind, 0, weight, plan.shash, len(plan.words),
+                                        eng.waiter.spin_iters, eng._info, eng._mass, eng._acc)
+            if code == RK.OK:
+                eng.waiter.note_spin(True)
+                eng.last_accepted = int(eng._info[RK.I_ACCEPTED])
+                return float(eng._mass[0])
+            if code >= 0:
+                eng.waiter.note_spin(False)
+            if code == RK.WAKE:
+                futex_wake(eng.doorbell.addr)
+            elif code <= RK.MISMATCH:
+                raise eng._arrival_error(code, rnd)
+            view = eng.await_arrivals(rnd)
+            if kind == RoundKind.MODEL and not view.mass > 0.0:
+                return view.mass
+            cons = self._eager_f32[:plan.nelem]
+            eng.reduce_eager(view, cons)
+            _decode_into_tensor(cons, DTYPE_F32, t)
+            return view.mass
+        except FrameError:
+            raise
+        except BaseException as e:
+            self._broken = f"round {rnd} failed with {type(e).__name__}: {e}"
             raise
 
     def _plan(self, kind: int, dtype: int, shapes: list[tuple[int, ...]]) -> "_Plan":

@@ -158,8 +158,19 @@ class TapServer:
         forge.accumulate(RoundFrame(tensors, float(head["mass"]), RoundKind.MODEL), copy=True)
 
     def flush(self, timeout: float | None = 60.0) -> bool:
-        """Wait for pending checkpoint writes (the forge's writer thread)."""
-        return True if self._forge is None else self._forge.flush(timeout)
+        """Wait until every posted message is consumed and its checkpoint written."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ctl = self.arena.ctl
+        while int(ctl[A.G_TAP_ACK]) < int(sync.load(self.arena.ctl32, 2 * A.G_TAP_SEQ)):
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        if self._forge is None:
+            return True
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self._forge.flush(left)
 
     def close(self, timeout: float = 60.0) -> None:
         self._stop.set()

@@ -15,6 +15,7 @@ from numba import njit
 
 from .atomics import cpu_relax, fetch_add, load_acquire, store_release
 from .codec import bf16_bits_rne
+from .tensorio import f32_at
 
 G_ABORT = 4
 G_DOORBELL = 8
@@ -280,6 +281,44 @@ def eager_round(ctl, ctl_f64, ctl32, eager, slot_bytes, world, me, rnd, kind, fl
     return OK
 
 
+@njit(cache=True, nogil=True)
+def eager_inplace_f32(addr, n, scale, ctl, ctl_f64, ctl32, eager, slot_bytes, world, me, rnd,
+                      kind, flags, weight, shash, nwords, iters, info, mass, acc):
+    """The whole small in-place average of ONE contiguous f32 tensor, in one call.
+
+    Copies ``tensor * scale`` (at ``addr``, ``n`` elements) into this rank's eager slot
+    (whose schema words the caller wrote), publishes, spins for the arrivals,
+    validates, and - when the round realized work (MODEL with mass > 0, or CONTROL) -
+    reduces the consensus straight back into the tensor. Codes as ``eager_round``; on
+    anything but OK the contribution is published and the caller finishes the round.
+    """
+    base = (2 * me + (rnd & 1)) * slot_bytes + nwords * 8
+    dst = eager[base:base + 4 * n].view(np.float32)
+    src = f32_at(addr, n)
+    if scale == 1.0:
+        for i in range(n):
+            dst[i] = src[i]
+    else:
+        f = np.float32(scale)
+        for i in range(n):
+            dst[i] = src[i] * f
+    if publish_round(ctl, ctl_f64, ctl32, me, rnd, kind, flags, 0, weight, 1, 4 * n, n, shash,
+                     nwords) > 0:
+        return WAKE
+    code = arrive(ctl, ctl_f64, world, rnd, me, iters, info, mass)
+    if code != OK:
+        return code
+    m = mass[0]
+    if kind == 0 and not m > 0.0:
+        return OK  # nothing realized: keep the local tensor
+    inv = np.float32(1.0)
+    if kind == 0:
+        inv = np.float32(1.0 / m)
+    reduce_eager_f32(eager, slot_bytes, rnd, world, info[I_CONTRIB], nwords * 8, n, src, inv,
+                     acc)
+    return OK
+
+
 def warm_up() -> None:
     world = 2
     ctl = np.zeros(GLOBAL_WORDS + world * RANK_WORDS, np.int64)
@@ -298,3 +337,7 @@ def warm_up() -> None:
     for r in range(world):
         eager_round(ctl, f64, c32, eager, 64, world, r, 1, 0, 0, 0, 1.0, 1, 8, 2, 7, 1, 0,
                     info, mass, np.zeros(2, np.float32), np.zeros(2, np.uint16), acc, tmp)
+    t = np.zeros(2, np.float32)
+    for r in range(world):
+        eager_inplace_f32(t.ctypes.data, 2, 1.0, ctl, f64, c32, eager, 64, world, r, 2, 0, 0,
+                          1.0, 7, 1, 0, info, mass, acc)
