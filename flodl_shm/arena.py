@@ -47,70 +47,7 @@ import numpy as np
 
 from .segment import Segment, new_session_id, segment_name, shm_free_bytes, space_error
 
-MAGIC = 0x46534D48_41524E41  # "FSMHARNA"
-VERSION = 1
-LINE_WORDS = 8  # 64-byte cache line in int64 words
-
-# -- global words ---------------------------------------------------------------------
-G_MAGIC = 0
-G_VERSION = 1
-G_WORLD = 2           # local ranks in this arena
-G_EAGER = 3           # bytes per eager slot
-G_ABORT = 4           # nonzero: the cohort is being torn down (value = reason code)
-G_DOORBELL = 8        # futex word (low 32 bits); bumped on every publication
-G_SLEEPERS = 16       # number of waiters blocked on the doorbell
-G_RELAY = 24          # 1: a relay completes every bulk round (multi-host)
-G_CONSENSUS = 32      # round whose consensus the relay published
-G_CONSENSUS_MASS = 33  # f64 bits: accepted mass of that round, cohort-wide
-G_RELAY_ERROR = 34    # nonzero: the relay failed (code); ranks raise
-G_RESULT_CAP = 40     # current byte size the result segment was grown to
-G_FIRST_RANK = 41     # global rank of local rank 0
-G_GLOBAL_WORLD = 42   # cohort world size
-G_OUTER_NELEM = 43    # elements of the outer-optimizer state (0: none yet)
-G_TAP_SEQ = 48        # futex word (low 32 bits): checkpoint messages posted to the owner
-G_TAP_ACK = 56        # last checkpoint message the owner consumed
-GLOBAL_WORDS = 64
-
-ABORT_NONE = 0
-ABORT_FAILED = 1      # a rank failed beyond max_failures
-ABORT_INTERRUPT = 2   # the launcher was interrupted (Ctrl-C / SIGTERM)
-ABORT_SHUTDOWN = 3    # orderly teardown (e.g. relay lost the controller)
-
-RELAY_FAILED = 1      # G_RELAY_ERROR codes; details (JSON) in the error area
-RELAY_STALL = 2
-ERROR_AREA_BYTES = 1024
-
-# -- per-rank block -------------------------------------------------------------------
-RANK_WORDS = 64
-R_ARRIVED = 0         # last round this rank published its contribution for
-R_DONE = 8            # last round whose slice (this rank's index) is reduced
-R_CLAIM = 16          # (round << 16) | responsible rank, for slice takeover
-R_DEAD = 24           # nonzero once the rank's process is gone (DEAD_* code)
-R_PID = 25
-R_DATA_CAP = 26       # bytes the rank's d<r> segment was grown to
-R_HDR = 32            # two round headers of HDR_WORDS, indexed by round parity
-HDR_WORDS = 16
-
-H_ROUND = 0
-H_KIND = 1
-H_FLAGS = 2
-H_DTYPE = 3
-H_WEIGHT = 4          # f64 bits
-H_NTENSORS = 5
-H_NBYTES = 6          # payload bytes
-H_SCHEMA_HASH = 7
-H_SCHEMA_WORDS = 8    # int64 words of schema description preceding the payload
-H_NELEM = 9           # payload elements (all tensors share the wire dtype)
-
-DEAD_KILLED = 1       # died (crash, signal, exception) and was fenced by the owner
-DEAD_EXITED = 2       # returned from its function: it will make no further calls
-
-FLAG_ELIDED = 1       # contributes nothing (a non-root broadcast participant)
-FLAG_BULK = 2         # payload is in d<r> (else in the eager slot of this parity)
-FLAG_ZERO_COPY = 4    # filled in place through the zero-copy API
-FLAG_OUTER = 8        # the params round of a window: the outer optimizer steps it
-FLAG_TAP = 16         # captured for a consensus checkpoint
-FLAGS_AGREED = FLAG_BULK | FLAG_OUTER | FLAG_TAP  # every rank of a round must agree
+from .layout import *  # noqa: F401,F403 - the control block word map, re-exported
 
 DEFAULT_EAGER_BYTES = 256 << 10
 MAX_LOCAL_RANKS = 63  # accepted/contributor sets travel as 64-bit masks

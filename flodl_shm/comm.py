@@ -53,7 +53,7 @@ from .kernels import rounds as RK
 from .kernels import sync
 from .kernels import tensorio as TIO
 from .tap import post as tap_post
-from .waiting import Waiter, futex_wake
+from .waiting import Waiter
 from .hostmem import HostMemory, host_memory
 from .protocol import RoundEngine, frame_layout, schema_hash, schema_words
 from .staging import (  # noqa: F401 - the slot constants are part of this module's API too
@@ -529,16 +529,8 @@ class Comm:
                                         kind, 0, weight, plan.shash, len(plan.words),
                                         eng.waiter.spin_iters, eng._info, eng._mass, eng._acc)
             if code == RK.OK:
-                eng.waiter.note_spin(True)
-                eng.last_accepted = int(eng._info[RK.I_ACCEPTED])
-                return float(eng._mass[0])
-            if code >= 0:
-                eng.waiter.note_spin(False)
-            if code == RK.WAKE:
-                futex_wake(eng.doorbell.addr)
-            elif code <= RK.MISMATCH:
-                raise eng._arrival_error(code, rnd)
-            view = eng.await_arrivals(rnd)
+                return eng.eager_done()
+            view = eng.settle_eager(code, rnd)
             if kind == RoundKind.MODEL and not view.mass > 0.0:
                 return view.mass
             cons = self._eager_f32[:plan.nelem]

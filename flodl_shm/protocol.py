@@ -284,18 +284,27 @@ class RoundEngine:
                               self.waiter.spin_iters, self._info, self._mass, out_f32, out_u16,
                               self._acc, self._tmp)
         if code == RK.OK:
-            self.waiter.note_spin(True)
-            self.last_accepted = int(self._info[RK.I_ACCEPTED])
-            return float(self._mass[0])
+            return self.eager_done()
+        view = self.settle_eager(code, rnd)
+        self.reduce_eager(view, out_f32 if dtype == DTYPE_F32 else out_u16)
+        return view.mass
+
+    def eager_done(self) -> float:
+        """A fused eager call returned OK: note the caught spin; the accepted mass."""
+        self.waiter.note_spin(True)
+        self.last_accepted = int(self._info[RK.I_ACCEPTED])
+        return float(self._mass[0])
+
+    def settle_eager(self, code: int, rnd: int) -> RoundView:
+        """A fused eager call published but could not finish (peers asleep, a late
+        rank, a mismatch): wake sleepers or raise, then wait the blocking way."""
         if code >= 0:
             self.waiter.note_spin(False)
         if code == RK.WAKE:
             futex_wake(self.doorbell.addr)
         elif code <= RK.MISMATCH:
             raise self._arrival_error(code, rnd)
-        view = self.await_arrivals(rnd)
-        self.reduce_eager(view, out_f32 if dtype == DTYPE_F32 else out_u16)
-        return view.mass
+        return self.await_arrivals(rnd)
 
     def reduce_eager(self, view: RoundView, out: np.ndarray) -> None:
         """Eager rounds: reduce every contribution into private ``out`` (typed like the

@@ -70,12 +70,16 @@ def sources_digest() -> str:
 
     pkg = Path(__file__).resolve().parent.parent
     h = hashlib.sha1(numba.__version__.encode())
+    kernels = pkg / "kernels"
     for path in sorted(pkg.rglob("*.py")):
         try:
             text = path.read_bytes()
         except OSError:
             continue
-        if b"njit" in text or b"intrinsic" in text:
+        # every kernels/ file, the control-block layout (its constants are compiled
+        # in), and any other module that compiles code of its own
+        if (path.parent == kernels or path.name == "layout.py" or b"njit" in text
+                or b"intrinsic" in text):
             h.update(str(path.relative_to(pkg)).encode())
             h.update(text)
     return h.hexdigest()[:12]

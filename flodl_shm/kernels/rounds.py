@@ -6,40 +6,21 @@ one fused kernel here: write the round header and publish the arrival; spin on
 the arrivals and, once complete, validate every accepted header against the first
 and sum the accepted mass; reduce the eager slots.
 
-Word offsets mirror ``flodl_shm/arena.py`` (a test keeps them in sync).
+Word offsets come from ``flodl_shm/layout.py``, the one definition of the control block.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
+from ..layout import (DEAD_EXITED, FLAG_BULK, FLAG_ELIDED, FLAGS_AGREED, G_ABORT, G_DOORBELL,
+                     G_SLEEPERS, GLOBAL_WORDS, H_DTYPE, H_FLAGS, H_KIND, H_NBYTES, H_NELEM,
+                     H_NTENSORS, H_ROUND, H_SCHEMA_HASH, H_SCHEMA_WORDS, H_WEIGHT, HDR_WORDS,
+                     R_ARRIVED, R_DEAD, R_HDR, RANK_WORDS)
 from .atomics import cpu_relax, fetch_add, load_acquire, store_release
 from .codec import bf16_bits_rne
 from .tensorio import f32_at
 
-G_ABORT = 4
-G_DOORBELL = 8
-G_SLEEPERS = 16
-GLOBAL_WORDS = 64
-RANK_WORDS = 64
-R_ARRIVED = 0
-R_DEAD = 24
-R_HDR = 32
-HDR_WORDS = 16
-H_ROUND = 0
-H_KIND = 1
-H_FLAGS = 2
-H_DTYPE = 3
-H_WEIGHT = 4
-H_NTENSORS = 5
-H_NBYTES = 6
-H_SCHEMA_HASH = 7
-H_SCHEMA_WORDS = 8
-H_NELEM = 9
-DEAD_EXITED = 2
-FLAG_ELIDED = 1
-FLAG_BULK = 2
-FLAGS_AGREED = 2 | 8 | 16  # bulk, outer, tap: every rank of a round must agree
 
 # arrive() result codes (>= 0: the first rank still missing)
 OK = -1

@@ -8,25 +8,17 @@ Return convention of the ``spin_*`` checks: ``-1`` the condition holds, ``-2`` t
 cohort is aborting, ``>= 0`` the condition does not hold yet (the value names the
 first rank or slice still missing). ``iters`` bounds the spin: 0 checks once.
 
-Word offsets mirror ``flodl_shm/arena.py`` (kept in sync by a test).
+Word offsets come from ``flodl_shm/layout.py``, the one definition of the control block.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
+from ..layout import (G_ABORT, G_CONSENSUS, G_DOORBELL, G_SLEEPERS, GLOBAL_WORDS, R_ARRIVED,
+                     R_CLAIM, R_DEAD, R_DONE, RANK_WORDS)
 from .atomics import compare_exchange, cpu_relax, fetch_add, load_acquire, store_release
 
-G_ABORT = 4
-G_DOORBELL = 8
-G_SLEEPERS = 16
-G_CONSENSUS = 32
-GLOBAL_WORDS = 64
-RANK_WORDS = 64
-R_ARRIVED = 0
-R_DONE = 8
-R_CLAIM = 16
-R_DEAD = 24
 
 
 @njit(cache=True, nogil=True)
