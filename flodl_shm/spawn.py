@@ -119,6 +119,39 @@ def _set_pdeathsig() -> None:
             pass
 
 
+def _send(conn, msg: tuple) -> None:
+    """Rank -> launcher message, pickled by value with the standard pickler.
+
+    ``Connection.send`` uses multiprocessing's ForkingPickler, for which torch
+    registers reductions that ship tensors as shared-memory handles; those die with
+    the rank process, so a returned tensor would arrive dangling. Plain pickle copies
+    the data.
+    """
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn) -> tuple:
+    return pickle.loads(conn.recv_bytes())
+
+
+class _PipeLogHandler(logging.Handler):
+    """Rank side: forward flodl_shm's INFO+ records to the launcher, which logs them
+    under its own handlers as "rank N: ..." (ranks have no handlers of their own)."""
+
+    def __init__(self, conn, send_lock: threading.Lock) -> None:
+        super().__init__(logging.INFO)
+        self.conn = conn
+        self.send_lock = send_lock  # not ``lock``: that is logging.Handler's own RLock
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = self.format(record)
+            with self.send_lock:
+                _send(self.conn, ("log", record.levelno, text))
+        except Exception:  # a closed pipe at exit must never raise into the rank
+            pass
+
+
 class _Terminated(BaseException):
     """Raised in a rank by SIGTERM from the supervisor."""
 
@@ -143,6 +176,12 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     code = 0
     comm = None
+    send_lock = threading.Lock()
+    handler = _PipeLogHandler(conn, send_lock)
+    lib_logger = logging.getLogger("flodl_shm")
+    lib_logger.addHandler(handler)
+    if lib_logger.level == logging.NOTSET or lib_logger.level > logging.INFO:
+        lib_logger.setLevel(logging.INFO)
     try:
         import torch
 
@@ -165,10 +204,12 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
         fn, args = pickle.loads(payload)
         ctx = RankContext(global_rank, local_rank, world_size, handle.world, comm, save_path)
         result = fn(ctx, *args)
+        lib_logger.removeHandler(handler)
         try:
-            conn.send(("ok", result))
+            with send_lock:
+                _send(conn, ("ok", result))
         except Exception as e:  # the result did not pickle
-            conn.send(("error", type(e).__name__,
+            _send(conn, ("error", type(e).__name__,
                        f"rank {global_rank} returned a value that cannot be sent back to the "
                        f"launcher: {type(e).__name__}: {e}\n" + traceback.format_exc()))
             code = 1
@@ -176,8 +217,10 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
         code = 143
     except BaseException as e:  # noqa: BLE001 - reported to the launcher
         code = 1
+        lib_logger.removeHandler(handler)
         try:
-            conn.send(("error", type(e).__name__, traceback.format_exc()))
+            with send_lock:
+                _send(conn, ("error", type(e).__name__, traceback.format_exc()))
         except Exception:
             pass
     finally:
@@ -245,6 +288,16 @@ class SpawnContext:
     # -- public ------------------------------------------------------------------
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
+
+    def relay_stats(self) -> dict[str, int] | None:
+        """This host's relay counters so far (``None`` on a single host): ``rounds``
+        relayed, frame payload bytes shipped up (``bytes_up``) and received down
+        (``bytes_down``)."""
+        relay = self._relay
+        if relay is None:
+            return None
+        return {"rounds": relay.rounds, "bytes_up": relay.bytes_up,
+                "bytes_down": relay.bytes_down}
 
     def join(self, timeout: float | None = None) -> list[Any] | None:
         """Wait for every rank; results by local rank (``None`` for dead ranks).
@@ -324,17 +377,26 @@ class SpawnContext:
                 if r is None:
                     r = next(k for k, c in conns.items() if c is obj)
                     try:
-                        pending[r] = obj.recv()
+                        msg = _recv(obj)
                     except (EOFError, OSError):
-                        pass
+                        conns.pop(r).close()
+                        continue
+                    if msg[0] == "log":
+                        self._rank_log(r, msg)
+                        continue
+                    pending[r] = msg
                     conns.pop(r).close()
                     continue
-                # process r exited: drain a message it may still have in the pipe
+                # process r exited: drain what it may still have in the pipe
                 c = conns.pop(r, None)
                 if c is not None:
                     try:
-                        if c.poll(0.5):
-                            pending[r] = c.recv()
+                        while c.poll(0.5 if r not in pending else 0):
+                            msg = _recv(c)
+                            if msg[0] == "log":
+                                self._rank_log(r, msg)
+                            else:
+                                pending[r] = msg
                     except (EOFError, OSError):
                         pass
                     c.close()
@@ -344,6 +406,10 @@ class SpawnContext:
                 self._record_exit(r, pending.get(r))
             if self._relay is not None and self._relay.failed() and live:
                 self._abort(A.ABORT_SHUTDOWN)
+
+    def _rank_log(self, r: int, msg: tuple) -> None:
+        _, level, text = msg
+        logger.log(level, "rank %d: %s", self.first_rank + r, text)
 
     def _record_exit(self, r: int, msg: tuple | None) -> None:
         p = self._procs[r]

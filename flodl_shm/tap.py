@@ -173,6 +173,9 @@ class TapServer:
         return self._forge.flush(left)
 
     def close(self, timeout: float = 60.0) -> None:
+        """Consume what was posted (a checkpoint posted just before the end is kept),
+        stop the thread, and wait for the forge's writes."""
+        self.flush(timeout)
         self._stop.set()
         futex_wake(self.arena.ctl.ctypes.data + A.G_TAP_SEQ * 8)
         self._thread.join(5.0)

@@ -177,3 +177,17 @@ def test_checkpoint_tap_writes_a_loadable_bundle(tmp_path, outer):
     if outer:
         got = np.concatenate([e.to_numpy().reshape(-1) for e in read_fdl(outer_path).entries])
         np.testing.assert_array_equal(got, mom)
+
+
+def test_a_checkpoint_posted_just_before_the_end_is_written(tmp_path):
+    """Closing the owner drains the mailbox first: nothing posted is lost."""
+    model = torch.nn.Linear(3, 2)
+    schema = ModelSchema.from_module(model)
+    for i in range(5):
+        path = tmp_path / f"c{i}.fdl"
+        with FakeCohort(1) as c:
+            comm = c.comm(0)
+            comm.arm_checkpoint(path, schema, None)
+            sumcount_reduce(comm, [p.detach() for p in model.parameters()], 1.0,
+                            DECODE_SLOT_PARAMS)
+        assert path.exists(), f"checkpoint {i} lost at close"

@@ -70,6 +70,17 @@ def kill_self_on_rank(ctx, victim, sig):
     return vals, ctx.comm.all_reduce_per_rank_f64(counts).tolist()
 
 
+def returns_tensors(ctx):
+    out = ctx.comm.all_reduce_tensors([torch.ones(3) * ctx.rank])
+    return {"mine": torch.arange(3.0) + ctx.rank, "consensus": out[0]}
+
+
+def staging_decision(ctx):
+    from flodl_shm import DECODE_SLOT_PARAMS, sumcount_reduce
+
+    return float(sumcount_reduce(ctx.comm, [torch.ones(8)], 1.0, DECODE_SLOT_PARAMS)[0][0])
+
+
 def returns_unpicklable(ctx):
     return lambda: None
 
@@ -163,6 +174,27 @@ def test_unpicklable_function_is_refused_up_front():
     local = 3
     with pytest.raises(TypeError, match="module top level"):
         spawn(lambda ctx: local, 1)
+
+
+def test_ranks_return_tensors_by_value():
+    """Results travel pickled by value: a tensor outlives the rank that made it (torch's
+    multiprocessing reductions would ship a shared-memory handle that dies with it)."""
+    out = spawn(returns_tensors, 2)
+    for r, res in enumerate(out):
+        assert res["mine"].tolist() == [r, r + 1.0, r + 2.0]
+        assert res["consensus"].tolist() == [0.5] * 3
+
+
+def test_rank_logs_reach_the_launcher(caplog):
+    """flodl_shm's INFO records in a rank (here the staging gate's decision) are logged
+    by the launcher as 'rank N: ...'."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="flodl_shm"):
+        assert spawn(staging_decision, 2) == [1.0, 1.0]
+    lines = [r.getMessage() for r in caplog.records]
+    for r in (0, 1):
+        assert any(m.startswith(f"rank {r}: pinned decode staging ON") for m in lines), lines
 
 
 def test_unpicklable_result_is_reported():
