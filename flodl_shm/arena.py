@@ -49,7 +49,14 @@ from .segment import Segment, new_session_id, segment_name, shm_free_bytes, spac
 
 from .layout import *  # noqa: F401,F403 - the control block word map, re-exported
 
-DEFAULT_EAGER_BYTES = 256 << 10
+DEFAULT_EAGER_BYTES = (1 << 20) + (4 << 10)  # 1 MiB frames plus their schema words
+
+
+def default_eager_bytes(world: int) -> int:
+    """The small-round threshold: 1 MiB frames (DeepSpeed's choice) up to 8 local
+    ranks, shrinking beyond so the eager slots (2 per rank) stay within ~16 MiB."""
+    per = min(1 << 20, max(64 << 10, (16 << 20) // (2 * max(1, world))))
+    return per + (4 << 10)
 MAX_LOCAL_RANKS = 63  # accepted/contributor sets travel as 64-bit masks
 _PAGE = 4096
 _RESULT_GRANULE = 1 << 20
@@ -78,7 +85,7 @@ def result_target(nbytes: int) -> int:
     return max(_RESULT_GRANULE, -(-int(nbytes) // _RESULT_GRANULE) * _RESULT_GRANULE)
 
 
-def shm_need_bytes(local_ranks: int, frame_bytes: int, *, eager_bytes: int = DEFAULT_EAGER_BYTES,
+def shm_need_bytes(local_ranks: int, frame_bytes: int, *, eager_bytes: int | None = None,
                    relay: bool = False, wire_bf16: bool = False) -> int:
     """/dev/shm bytes an arena of ``local_ranks`` needs for frames of ``frame_bytes``.
 
@@ -87,6 +94,8 @@ def shm_need_bytes(local_ranks: int, frame_bytes: int, *, eager_bytes: int = DEF
     frame, or on a cluster one f32 partial (plus the bf16 consensus on a bf16 wire).
     """
     p = max(1, int(local_ranks))
+    if eager_bytes is None:
+        eager_bytes = default_eager_bytes(p)
     frame = int(frame_bytes)
     if relay:
         elems = frame // (2 if wire_bf16 else 4)
@@ -138,7 +147,7 @@ class Arena:
 
     # -- life cycle -------------------------------------------------------------
     @classmethod
-    def create(cls, world: int, *, eager_bytes: int = DEFAULT_EAGER_BYTES,
+    def create(cls, world: int, *, eager_bytes: int | None = None,
                owner_pid: int | None = None, session: str | None = None,
                first_rank: int = 0, global_world: int | None = None,
                relay: bool = False) -> "Arena":
@@ -148,6 +157,8 @@ class Arena:
         if not 1 <= world <= MAX_LOCAL_RANKS:
             raise ValueError(f"an arena holds 1 to {MAX_LOCAL_RANKS} local ranks, got {world}; "
                              f"run more ranks as several hosts (relays) of one cohort")
+        if eager_bytes is None:
+            eager_bytes = default_eager_bytes(world)
         eager_bytes = max(_PAGE, -(-int(eager_bytes) // 64) * 64)
         need = control_bytes(world, eager_bytes) + (world + 1) * _PAGE
         free = shm_free_bytes()

@@ -64,7 +64,7 @@ from .staging import (  # noqa: F401 - the slot constants are part of this modul
     check_slot,
     decide_pinned_decode,
 )
-from .waiting import spin_iterations
+from .waiting import YIELD_BUDGET_S, oversubscribed, spin_iterations
 
 logger = logging.getLogger("flodl_shm")
 
@@ -96,6 +96,8 @@ class Comm:
             spin_iters = spin_iterations(arena.world)
         self._engine = RoundEngine(arena, local_rank, timeout=timeout, spin_iters=spin_iters,
                                    liveness=liveness or (lambda: None))
+        if oversubscribed(arena.world):
+            self._engine.waiter.yield_budget = YIELD_BUDGET_S
         self._round = 0
         self._broken: str | None = None
         self._bf16 = False

@@ -516,7 +516,7 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
           controller: str | tuple | None = None, world_size: int | None = None,
           first_rank: int = 0, salt: bytes | None = None, max_failures: int = 0,
           timeout: float | None = None, save_path: str | os.PathLike | None = None,
-          start_method: str = "spawn", eager_bytes: int = A.DEFAULT_EAGER_BYTES,
+          start_method: str = "spawn", eager_bytes: int | None = None,
           shm_bytes_hint: int | None = None,
           pinned_decode: bool = True) -> list[Any] | SpawnContext:
     """Run ``fn(ctx, *args)`` on ``nprocs`` new rank processes of this host.

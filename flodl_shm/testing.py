@@ -34,7 +34,7 @@ class FakeCohort:
     """
 
     def __init__(self, world_size: int, *, timeout: float | None = 60.0,
-                 eager_bytes: int = A.DEFAULT_EAGER_BYTES, spin_iters: int | None = None) -> None:
+                 eager_bytes: int | None = None, spin_iters: int | None = None) -> None:
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         self.world_size = world_size

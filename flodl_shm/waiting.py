@@ -6,7 +6,10 @@ late rank needs when ranks outnumber cores (4 ranks on 2 cores made spin-then-
 ``sched_yield`` rounds take over a millisecond, ``notes/perf-probe.md``). So:
 
 1. **spin** in compiled code (``kernels/sync.py``) for a time budget: ~50 µs when
-   every rank has a core, ~2 µs when oversubscribed;
+   every rank has a core, ~2 µs when oversubscribed; then, **when ranks outnumber
+   cores, yield** (``sched_yield``) for up to ~60 µs: the late rank is usually
+   *runnable* on this core, not asleep, and a yield hands it the core at once,
+   where sleeping would cost every waiter a ~35 µs wake-up per round;
 2. **block** on the arena's doorbell futex. Every publication bumps the doorbell
    (a seq_cst RMW, i.e. a full fence) and wakes sleepers only if the sleeper count
    is non-zero. A waiter reads the doorbell *before* re-checking its condition and
@@ -39,6 +42,7 @@ from .kernels import sync
 LIVENESS_SLICE = 0.05
 SPIN_BUDGET_S = 50e-6
 SPIN_BUDGET_OVERSUBSCRIBED_S = 2e-6
+YIELD_BUDGET_S = 60e-6  # oversubscribed only: hand the core to a runnable peer first
 
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(
     platform.machine().lower())
@@ -102,6 +106,11 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def oversubscribed(local_ranks: int) -> bool:
+    """More ranks on this host than cores this process may run on."""
+    return local_ranks > available_cores()
+
+
 def spin_iterations(local_ranks: int, budget_s: float | None = None) -> int:
     """Spin iterations for this host: a long budget when each rank has a core."""
     if budget_s is None:
@@ -158,11 +167,20 @@ class Waiter:
     def __init__(self, doorbell: Doorbell, spin_iters: int, timeout: float | None,
                  liveness: Callable[[], None]) -> None:
         self.doorbell = doorbell
+        self.yield_budget = 0.0  # set by the owner when ranks outnumber cores
         self.max_spin = max(0, int(spin_iters))
         self.min_spin = min(self.max_spin, 16)
         self.spin_iters = self.max_spin
         self.timeout = timeout
         self.liveness = liveness
+
+    def _yield_phase(self, check: Callable[[int], int]) -> int:
+        end = time.perf_counter() + self.yield_budget
+        r = check(0)
+        while r >= 0 and time.perf_counter() < end:
+            os.sched_yield()
+            r = check(8)
+        return r
 
     def note_spin(self, succeeded: bool) -> None:
         """Adapt the spin budget (like glibc's adaptive mutex): halve it after a wait
@@ -188,6 +206,10 @@ class Waiter:
             self.note_spin(True)
             return r
         self.note_spin(False)
+        if self.yield_budget and r >= 0:
+            r = self._yield_phase(check)
+            if r == -1 or r <= -3:
+                return r
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
             if r == -2:
