@@ -82,6 +82,8 @@ class ClusterController:
     Attributes:
         port: the bound TCP port (useful with port 0).
         dead_ranks: the cohort-wide ``DeadRanks`` ledger.
+        forge: the ``CheckpointForge`` writing consensus checkpoints (built from the
+            first checkpoint a rank arms, unless one was given).
         error: the exception that ended the reduce loop, or None.
         stats: rounds, bytes in/out, peak RSS, per-round seconds.
     """
@@ -301,17 +303,21 @@ class ClusterController:
             h.done = True
             logger.info("controller: host %r finished", h.name)
         elif kind == "arm":
-            if self.forge is None:
-                logger.warning("controller: checkpoint %s requested but this controller has no "
-                               "forge", msg.get("path"))
-            else:
-                self._arm(msg)
+            self._arm(msg)
         else:
             logger.warning("controller: ignoring control message %r from %r", kind, h.name)
 
     def _arm(self, msg: dict) -> None:
-        from .checkpoint.meta import CheckpointBundle, CheckpointMeta
+        """A rank armed a checkpoint: the forge (built from the names the rank sent, the
+        first time) captures the next tapped consensus frames."""
+        from .checkpoint.forge import CheckpointForge
+        from .checkpoint.meta import CheckpointBundle, CheckpointMeta, ModelSchema
 
+        schema = ModelSchema(list(msg["param_names"]), list(msg["buffer_names"]))
+        if self.forge is None or self.forge.schema != schema:
+            if self.forge is not None:
+                self.forge.flush(60)
+            self.forge = CheckpointForge(schema)
         meta = msg.get("meta")
 
         def write_meta(path: Path, meta=meta) -> None:

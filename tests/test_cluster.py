@@ -356,3 +356,64 @@ def test_stall_reaches_every_rank_with_round_and_missing_ranks():
         assert e.round == 1 and e.missing == (1,)
         assert "round 1" in str(e)
     assert isinstance(ctl.error, TimeoutError)
+
+
+# --- the training runtime's cluster side: outer optimizer and checkpoints at the controller
+
+OUTER_SHAPES = [(40, 3), (3,), (500,)]
+
+
+def outer_params(rank, window):
+    g = torch.Generator().manual_seed(100 * rank + window)
+    return [torch.randn(s, generator=g) for s in OUTER_SHAPES]
+
+
+def outer_and_checkpoint(ctx, path):
+    from flodl_shm import CheckpointMeta, ModelSchema, OuterNesterov, SaveReason
+
+    ctx.comm.set_outer(OuterNesterov(0.7, 0.9))
+    schema = ModelSchema([f"w{i}" for i in range(len(OUTER_SHAPES))], ["buf"])
+    got = []
+    for w in range(3):
+        if w == 2:
+            ctx.comm.arm_checkpoint(path, schema,
+                                    CheckpointMeta.new(0, 6, 3, ctx.world_size, SaveReason.CHECKPOINT))
+        p = sumcount_reduce(ctx.comm, outer_params(ctx.rank, w), 1.0, DECODE_SLOT_PARAMS,
+                            outer=True)
+        b = sumcount_reduce(ctx.comm, [torch.full((4,), float(ctx.rank))], 1.0, DECODE_SLOT_BUFFERS)
+        got.append(([t.clone() for t in p], b[0].clone()))
+    return got
+
+
+def test_outer_step_and_checkpoint_at_the_controller(tmp_path):
+    """On a cluster the controller steps the outer optimizer once on the whole params
+    frame and its forge writes the checkpoint a rank armed (model, momentum, meta)."""
+    from flodl_shm import CheckpointMeta, OuterNesterov
+    from flodl_shm.checkpoint.fdl import read_fdl
+    from flodl_shm.checkpoint.meta import CheckpointBundle
+
+    path = str(tmp_path / "cluster.fdl")
+    out, errors, ctl = run_hosts(outer_and_checkpoint, [1, 1], args=(path,),
+                                 controller_kwargs={"outer": OuterNesterov(0.7, 0.9)})
+    assert not errors
+    assert ctl.forge is not None and ctl.forge.flush(60)
+    ref = OuterNesterov(0.7, 0.9)
+    prev = None
+    for w in range(3):
+        cons = [(a + b) * np.float32(0.5) for a, b in zip(outer_params(0, w), outer_params(1, w))]
+        new = ref.outer_step(cons if prev is None else prev, cons)
+        prev = new
+        for host in out:
+            params, buf = host[0][w]
+            for g, r in zip(params, new):
+                assert torch.equal(g, r), f"window {w}: the controller's outer step differs"
+            assert buf.tolist() == [0.5] * 4
+    entries = read_fdl(path).by_name()
+    for i, t in enumerate(prev):
+        assert np.array_equal(entries[f"p{i}"].to_numpy(), t.numpy())
+    assert entries["b0"].to_numpy().tolist() == [0.5] * 4
+    mom = read_fdl(str(tmp_path / "cluster.outer.fdl")).by_name()
+    for i, v in enumerate(ref.checkpoint_state()):
+        assert np.array_equal(mom[f"p{i}"].to_numpy(), v.numpy())
+    meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(path))
+    assert (meta.global_step, meta.sync_round, meta.world_size_at_save) == (6, 3, 2)
