@@ -398,3 +398,28 @@ def test_frame_level_reduce_validates_its_frame():
         bad = RoundFrame([TensorPayload(DTYPE_F32, (4,), np.ones(2, np.float32))])
         with pytest.raises(FrameError, match="numel"):
             comm.all_reduce(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_frames_beyond_one_gib_grow_the_arena_on_demand():
+    """No fixed cap: a 1.1 GiB frame grows each rank's bulk region and the result
+    region in place (posix_fallocate), and reduces correctly."""
+    from flodl_shm.segment import shm_free_bytes
+
+    n = (1 << 30) // 4 + (25 << 20)  # 1.1 GiB of f32
+    need = 3 * 4 * n + (64 << 20)
+    if shm_free_bytes() < need:
+        pytest.skip(f"/dev/shm has {shm_free_bytes() >> 20} MiB free, this test needs "
+                    f"{need >> 20} MiB")
+
+    def body(comm):
+        t = torch.full((n,), float(comm.rank + 1))
+        mass = comm.all_reduce_([t])
+        return mass, float(t[0]), float(t[n // 2]), float(t[-1])
+
+    with FakeCohort(2) as c:
+        out = c.run(body, join_timeout=500)
+        assert c.arena._result_seg.nbytes >= 4 * n
+    for mass, a, b, z in out:
+        assert mass == 2.0 and a == b == z == 1.5
