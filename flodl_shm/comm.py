@@ -333,9 +333,21 @@ class Comm:
         def write(dst: np.ndarray, offs: list[int], numels: list[int]) -> None:
             self._encode(tensors, dst, offs, numels, dtype, float(scale))
 
+        direct = None
+        if (len(tensors) == 1 and tensors[0].dtype is _F32 and tensors[0].is_cpu
+                and tensors[0].is_contiguous()):
+            direct = tensors[0].detach().view(-1).numpy()
         cons, mass = self._run(int(kind), dtype, weight, shapes, write,
-                               outer=outer and kind == RoundKind.MODEL)
+                               outer=outer and kind == RoundKind.MODEL, direct=direct)
         if kind == RoundKind.MODEL and mass <= 0.0:
+            return mass
+        done = self._engine.direct_slice if direct is not None else None
+        if done is not None:
+            # this rank's own slice already landed in the tensor during its reduce
+            n = cons.shape[0]
+            for a, b in ((0, done[0]), (done[1], n)):
+                if b > a:
+                    _decode_into_tensor(cons[a:b], dtype, _flat_part(tensors[0], a, b))
             return mass
         plan = self._plan(int(kind), dtype, shapes)
         hook = self._engine.fault_hook
@@ -435,7 +447,7 @@ class Comm:
     # -- the round ---------------------------------------------------------------
     def _run(self, kind: int, dtype: int, weight: float, shapes: list[tuple[int, ...]],
              write: Callable | None, *, elided: bool = False, zero_copy: bool = False,
-             outer: bool = False) -> tuple[np.ndarray, float]:
+             outer: bool = False, direct: np.ndarray | None = None) -> tuple[np.ndarray, float]:
         """One collective round; returns (consensus in the wire dtype, accepted mass).
         The consensus array is only valid until this rank's next round."""
         if self._broken is not None:
@@ -470,6 +482,7 @@ class Comm:
                  | (A.FLAG_ZERO_COPY if zero_copy else 0) | (A.FLAG_OUTER if outer else 0)
                  | (A.FLAG_TAP if tap else 0))
         self._round = rnd + 1
+        eng.direct_slice = None
         try:
             if not bulk:
                 mass = eng.eager_round(rnd, kind, flags, dtype, weight, len(shapes), plan.nbytes,
@@ -482,7 +495,8 @@ class Comm:
                 if hook is not None:
                     hook("arrived", rnd)
                 view = eng.await_arrivals(rnd)
-                eng.reduce_slice(view, self.local_rank)
+                eng.reduce_slice(view, self.local_rank,
+                                 direct if view.mass > 0.0 or kind != RoundKind.MODEL else None)
                 eng.await_slices(view)
                 mass = eng.await_consensus(view) if eng.relay_mode else view.mass
                 cons = eng.consensus_array(view)
@@ -694,6 +708,11 @@ def _encode_tensor(t: torch.Tensor, dst: np.ndarray, dtype: int, scale: float,
             K.bf16_scaled_copy(src, dst, scale, scratch)
     else:
         TIO.encode_bf16_to_f32(src.ctypes.data, n, dst, scale, scratch, scratch16)
+
+
+def _flat_part(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Elements [a, b) of a contiguous tensor, as a flat view."""
+    return t.detach().view(-1)[a:b]
 
 
 def _decode_into_tensor(src: np.ndarray, dtype: int, t: torch.Tensor) -> None:

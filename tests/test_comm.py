@@ -264,6 +264,35 @@ def test_in_place_all_reduce_writes_the_consensus_into_the_tensors():
 
 
 @pytest.mark.parametrize("bf16", [False, True])
+def test_in_place_single_tensor_bulk_writes_own_slice_during_its_reduce(bf16):
+    """The one-tensor bulk path writes a rank's own slice straight into the tensor and
+    copies only the others: the result is the same, and a zero-mass round still keeps
+    the local tensor."""
+    n = 3 * BIG + 7
+    rng = np.random.default_rng(3)
+    data = [rng.standard_normal(n).astype(np.float32) for _ in range(3)]
+
+    def body(comm):
+        comm.set_bf16_wire(bf16)
+        t = torch.from_numpy(data[comm.rank].copy())
+        mass = comm.all_reduce_([t])
+        keep = torch.full((n,), 5.0)
+        zero = comm.all_reduce_([keep], weight=0.0, scale=0.0)
+        return mass, t, zero, bool(torch.all(keep == 5.0))
+
+    with FakeCohort(3) as c:
+        out = c.run(body)
+    ref = torch.from_numpy(data[0] + data[1] + data[2]) if not bf16 else None
+    first = out[0][1]
+    for mass, t, zero, kept in out:
+        assert mass == 3.0 and zero == 0.0 and kept
+        assert torch.equal(t, first)
+    if not bf16:
+        want = (torch.from_numpy(data[0]) + torch.from_numpy(data[1]) + torch.from_numpy(data[2]))
+        torch.testing.assert_close(first, want * np.float32(1 / 3), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
 def test_zero_copy_inputs_and_views(bf16):
     def body(comm):
         comm.set_bf16_wire(bf16)
