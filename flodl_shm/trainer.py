@@ -94,10 +94,36 @@ class TrainingAborted(RuntimeError):
 @dataclass
 class _Job:
     trainer: "Trainer"
-    world_size: int
+    nprocs: int                         # ranks on this host
     resume_meta: Optional[CheckpointMeta]
     model_path: Optional[str]
     log_level: Optional[int]
+    cluster: Optional["_Cluster"] = None
+
+
+@dataclass(frozen=True)
+class _Cluster:
+    """Where this host sits in a multi-host cohort (``spawn``'s arguments)."""
+
+    controller: Any
+    world_size: int
+    first_rank: int
+    salt: Optional[bytes]
+
+    @classmethod
+    def of(cls, controller, world_size, first_rank, salt, nprocs: int) -> Optional["_Cluster"]:
+        if controller is None:
+            if world_size not in (None, nprocs) or first_rank != 0:
+                raise ValueError(f"world_size={world_size} / first_rank={first_rank} need a "
+                                 f"controller (one host carries all {nprocs} ranks)")
+            return None
+        if world_size is None:
+            raise ValueError("a controller needs the cohort's world_size")
+        return cls(controller, int(world_size), int(first_rank), salt)
+
+    def spawn_kwargs(self) -> dict:
+        return dict(controller=self.controller, world_size=self.world_size,
+                    first_rank=self.first_rank, salt=self.salt)
 
 
 class Trainer:
@@ -202,8 +228,18 @@ class Trainer:
                 f"save_path={self.save_path!r})")
 
     # -- launch ------------------------------------------------------------------------
-    def run(self, nprocs: int, *, overwrite: bool = False) -> TrainResult:
+    def run(self, nprocs: int, *, overwrite: bool = False, controller=None,
+            world_size: Optional[int] = None, first_rank: int = 0,
+            salt: Optional[bytes] = None) -> TrainResult:
         """Train from scratch on ``nprocs`` rank processes of this host.
+
+        With ``controller="host:port"`` this host joins a multi-host cohort as
+        ``spawn`` does: it carries global ranks ``first_rank .. first_rank+nprocs-1``
+        of ``world_size``, authenticated by the 16-byte session ``salt``; every host
+        runs the same Trainer. Checkpoints are then written by the controller's forge
+        (on the controller's machine), and each host's ``TrainResult`` comes from its
+        lowest live rank (the consensus and the cohort-wide history are the same on
+        every host).
 
         Raises:
             FileExistsError: ``save_path`` already holds checkpoints (resume them, or
@@ -214,6 +250,7 @@ class Trainer:
         """
         from .checkpoint_series import committed_checkpoints, delete_series
 
+        cluster = _Cluster.of(controller, world_size, first_rank, salt, int(nprocs))
         if self.save_path is not None and committed_checkpoints(self.save_path):
             if not overwrite:
                 raise FileExistsError(
@@ -221,10 +258,12 @@ class Trainer:
                     f"with trainer.resume({self.save_path!r}), or pass overwrite=True to "
                     f"delete them and start over")
             delete_series(self.save_path)
-        return self._launch(_Job(self, int(nprocs), None, None, _log_level()))
+        return self._launch(_Job(self, int(nprocs), None, None, _log_level(), cluster))
 
     def resume(self, save_path: "str | os.PathLike[str] | None" = None,
-               nprocs: Optional[int] = None) -> TrainResult:
+               nprocs: Optional[int] = None, *, controller=None,
+               world_size: Optional[int] = None, first_rank: int = 0,
+               salt: Optional[bytes] = None) -> TrainResult:
         """Continue from the last complete checkpoint of ``save_path`` (default: this
         trainer's), or from a bundle named by its ``.fdl`` / ``.meta.json``.
 
@@ -234,6 +273,9 @@ class Trainer:
         realized. ``nprocs`` defaults to the ElChe world of the checkpoint (cadence
         runs must resume on as many ranks), else the ranks alive at the save. The
         inner optimizer restarts fresh (its state is per rank and not saved).
+        ``controller``, ``world_size``, ``first_rank`` and ``salt`` resume a multi-host
+        cohort (see :meth:`run`; each host then needs ``nprocs`` and the checkpoint's
+        files, which the controller wrote).
         """
         from .checkpoint_series import resolve_checkpoint
 
@@ -245,19 +287,24 @@ class Trainer:
         saved_world = (len(meta.elche_state.smoothed_ms_per_batch)
                        if meta.elche_state is not None else None)
         if nprocs is None:
+            if controller is not None:
+                raise ValueError("resume() on a cluster needs nprocs (this host's ranks)")
             nprocs = saved_world or max(meta.world_size_at_save, 1)
-        if saved_world is not None and self.cadence != "fixed" and nprocs != saved_world:
+        cluster = _Cluster.of(controller, world_size, first_rank, salt, int(nprocs))
+        world = int(nprocs) if cluster is None else cluster.world_size
+        if saved_world is not None and self.cadence != "fixed" and world != saved_world:
             raise ValueError(
                 f"the checkpoint's ElChe state is for world_size {saved_world}; resume a "
-                f"cadence='elche' run with nprocs={saved_world} (got {nprocs})")
+                f"cadence='elche' run on {saved_world} ranks (got {world})")
         logger.info("resuming from %s: epoch %d, step %d, round %d (%s)", model_path,
                     meta.epoch, meta.global_step, meta.sync_round, meta.save_reason)
-        return self._launch(_Job(self, int(nprocs), meta, os.fspath(model_path), _log_level()))
+        return self._launch(_Job(self, int(nprocs), meta, os.fspath(model_path), _log_level(),
+                                 cluster))
 
     def _launch(self, job: _Job) -> TrainResult:
         from .spawn import spawn
 
-        nprocs = job.world_size
+        nprocs = job.nprocs
         if nprocs < 1:
             raise ValueError(f"nprocs must be >= 1, got {nprocs}")
         if self.save_path is not None:
@@ -270,7 +317,8 @@ class Trainer:
         spawn_failures = nprocs - 1 if self.save_path else self.max_failures
         try:
             results = spawn(_rank_main, nprocs, (job,), max_failures=spawn_failures,
-                            timeout=self.timeout, save_path=self.save_path)
+                            timeout=self.timeout, save_path=self.save_path,
+                            **(job.cluster.spawn_kwargs() if job.cluster else {}))
         finally:
             if self.save_path is not None:
                 # every write has landed (spawn flushed the forge): prune exactly
@@ -538,7 +586,10 @@ class _RankRun:
                               None if reason is None else reason.value, tuple(dead), last_ckpt)
         for h in tr.hooks:
             h.on_train_end(state, summary)
-        reporting = bool(coord.alive) and self.rank == coord.alive[0]
+        # each host reports from its lowest live rank (on one host: the reporting rank)
+        first = self.rank - self.ctx.local_rank
+        here = [r for r in coord.alive if first <= r < first + self.ctx.local_world_size]
+        reporting = bool(here) and self.rank == here[0]
         return {
             "summary": summary,
             "dead_ranks": tuple(dead),
