@@ -1,0 +1,701 @@
+"""``flodl-shm demo`` (also ``python -m flodl_shm demo``): local SGD on real data.
+
+Trains a small MLP (64-128-10) on scikit-learn's handwritten digits (1,797 8×8
+images shipped inside scikit-learn; 75 % train / 25 % test, stratified) with the
+:class:`~flodl_shm.trainer.Trainer` on ``--nprocs`` ranks of this host: each rank
+trains its own share of every epoch and the ranks average their weights every
+window. It shows a progress bar, per-window throughput and all-reduce time, the
+final test accuracy of the consensus model, a consensus checkpoint bundle under
+``runs/``, a per-window metrics file and, when matplotlib is installed, a plot.
+
+::
+
+    python -m flodl_shm demo                          # 2 ranks, 30 epochs, ~5 s
+    python -m flodl_shm demo --slow-rank 1:3          # rank 1 3x slower: ElChe cadence
+    python -m flodl_shm demo --bf16-wire --outer nesterov --baseline
+    python -m flodl_shm demo --epochs 40 --resume     # continue the last run
+
+As 2 "hosts" of a cluster (each command carries 2 of 4 ranks)::
+
+    python -m flodl_shm controller --new-secret secret.hex
+    python -m flodl_shm controller --bind 127.0.0.1:29500 --world-size 4 \\
+        --secret-file secret.hex
+    python -m flodl_shm demo --controller 127.0.0.1:29500 --world-size 4 --first-rank 0 \\
+        --secret-file secret.hex
+    python -m flodl_shm demo --controller 127.0.0.1:29500 --world-size 4 --first-rank 2 \\
+        --secret-file secret.hex
+
+Everything the ranks run (data, model, optimizer, hook) is defined at module
+level here, because the Trainer pickles it to the rank processes.
+:func:`train_one_process` is the same model and optimizer trained in one process
+with a plain torch loop (no flodl_shm), the reference the fidelity tests hold the
+demo to.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from .hooks import Hook
+
+__all__ = ["DemoConfig", "DemoResult", "accuracy", "digits_split", "main", "make_model",
+           "parse_args", "plot_training", "run_demo", "train_one_process"]
+
+# The demo's fixed recipe (the reference's: shared/anchors/digits_reference.py).
+HIDDEN = 128
+LR = 0.05
+MOMENTUM = 0.9
+TEST_SIZE = 0.25
+SPLIT_SEED = 0          # train/test split, as in the reference
+METRICS_FILE = "windows.jsonl"
+CONFIG_FILE = "demo_config.json"
+PLOT_FILE = "training.png"
+CKPT_STEM = "ckpt"
+
+DEFAULTS = {
+    "nprocs": 2, "epochs": 30, "batch_size": 32, "sync_every": 8, "cadence": None,
+    "bf16_wire": False, "outer": "none", "slow_rank": None, "seed": 42,
+    "checkpoint_every": 20,
+}
+
+
+# --- data and model (module level: pickled to the ranks) -------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def digits_split():
+    """``(x_train, y_train, x_test, y_test)``: scikit-learn's digits scaled to [0, 1],
+    split 75/25, stratified, with a fixed seed (the same split in every process)."""
+    import numpy as np
+    import torch
+    try:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError as e:  # pragma: no cover - exercised by hand
+        raise ImportError("the demo needs scikit-learn (its digits dataset): "
+                          "pip install -e \".[demo]\"") from e
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    xtr, xte, ytr, yte = train_test_split(x, y, test_size=TEST_SIZE, random_state=SPLIT_SEED,
+                                          stratify=y)
+    return (torch.from_numpy(xtr), torch.from_numpy(ytr).long(),
+            torch.from_numpy(xte), torch.from_numpy(yte).long())
+
+
+def make_model():
+    """The demo MLP: 64 pixels -> 128 ReLU -> 10 classes."""
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(64, HIDDEN), torch.nn.ReLU(),
+                               torch.nn.Linear(HIDDEN, 10))
+
+
+def make_optimizer(params, lr: float = LR, momentum: float = MOMENTUM):
+    import torch
+
+    return torch.optim.SGD(params, lr=lr, momentum=momentum)
+
+
+def cross_entropy(output, target):
+    import torch
+
+    return torch.nn.functional.cross_entropy(output, target)
+
+
+def accuracy(model, x, y) -> float:
+    """Percent of ``x`` that ``model`` classifies as ``y``."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        acc = (model(x).argmax(dim=1) == y).float().mean().item() * 100.0
+    model.train(was_training)
+    return acc
+
+
+def train_one_process(epochs: int = DEFAULTS["epochs"], batch_size: int = DEFAULTS["batch_size"],
+                      seed: int = DEFAULTS["seed"], threads: int = 1) -> tuple[float, float]:
+    """The one-process reference: the demo's model (same init seed), optimizer and
+    batch size, trained with a plain torch loop (no flodl_shm) for ``epochs`` passes
+    of ``len(train) // batch_size`` full batches, in a seeded random order.
+
+    Returns ``(test accuracy %, training seconds)``.
+    """
+    import torch
+
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        xtr, ytr, xte, yte = digits_split()
+        torch.manual_seed(seed)
+        model = make_model()
+        opt = make_optimizer(model.parameters())
+        g = torch.Generator().manual_seed(seed)
+        nb = len(xtr) // batch_size
+        t0 = time.perf_counter()
+        for _ in range(epochs):
+            perm = torch.randperm(len(xtr), generator=g)
+            for b in range(nb):
+                idx = perm[b * batch_size:(b + 1) * batch_size]
+                opt.zero_grad(set_to_none=True)
+                cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+                opt.step()
+        seconds = time.perf_counter() - t0
+        return accuracy(model, xte, yte), seconds
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+# --- the per-window hook -----------------------------------------------------------------
+
+
+class DemoHook(Hook):
+    """On the reporting rank: a tqdm progress bar, the consensus model's test accuracy
+    every ``eval_every`` windows, a line every ``log_every`` windows, and one JSON line
+    per window appended to ``metrics_path`` (the plot's data)."""
+
+    def __init__(self, test_set, metrics_path: Optional[str], total_batches: int,
+                 initial_batches: int, progress: bool, log_every: int, eval_every: int) -> None:
+        self.test_set = test_set
+        self.metrics_path = metrics_path
+        self.total_batches = total_batches
+        self.initial_batches = initial_batches
+        self.progress = progress
+        self.log_every = log_every
+        self.eval_every = eval_every
+        self._started = False
+        self._bar = None
+        self._file = None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.update(_started=False, _bar=None, _file=None)
+        return state
+
+    def _start(self) -> None:
+        self._started = True
+        if self.metrics_path:
+            self._file = open(self.metrics_path, "a", encoding="utf-8")
+        if self.progress:
+            import threading
+
+            from tqdm import tqdm
+
+            # a thread lock: tqdm's default multiprocessing lock would register a
+            # semaphore that this rank's hard exit leaves to the resource tracker
+            tqdm.set_lock(threading.RLock())
+            self._bar = tqdm(total=self.total_batches, initial=self.initial_batches,
+                             unit="batch", dynamic_ncols=True, leave=True, file=sys.stderr)
+
+    def on_window_end(self, state, stats) -> None:
+        if not state.is_reporting_rank:
+            return
+        if not self._started:
+            self._start()
+        last = not stats.next_batches
+        acc = None
+        if last or (self.eval_every and stats.window % self.eval_every == 0):
+            acc = accuracy(state.model, *self.test_set)
+        row = {
+            "window": stats.window, "epoch": stats.epoch, "global_step": stats.global_step,
+            "loss": None if math.isnan(stats.cohort_loss) else stats.cohort_loss,
+            "test_acc": acc, "samples_per_s": stats.samples_per_s,
+            "allreduce_ms": stats.sync_ms, "gather_ms": stats.gather_ms,
+            "compute_ms": stats.compute_ms, "window_ms": stats.window_ms,
+            "batches": list(stats.cohort_batches), "live_ranks": list(stats.live_ranks),
+            "checkpoint": stats.checkpoint,
+        }
+        if self._file is not None:
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+        if self._bar is not None:
+            self._bar.update(sum(stats.cohort_batches))
+            post = {"epoch": stats.epoch, "loss": f"{stats.cohort_loss:.3f}",
+                    "samples/s": f"{stats.samples_per_s:,.0f}",
+                    "all-reduce": f"{stats.sync_ms:.2f}ms"}
+            if acc is not None:
+                post["test acc"] = f"{acc:.1f}%"
+            self._bar.set_postfix(post, refresh=False)
+        if self.log_every and (stats.window % self.log_every == 0 or last):
+            self._write(_window_line(row))
+
+    def _write(self, line: str) -> None:
+        if self._bar is not None:
+            self._bar.write(line, file=sys.stdout)
+        else:
+            print(line, flush=True)
+
+    def on_train_end(self, state, summary) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _window_line(row: dict) -> str:
+    loss = "-" if row["loss"] is None else f"{row['loss']:.4f}"
+    acc = "" if row["test_acc"] is None else f"  test acc {row['test_acc']:5.1f}%"
+    return (f"window {row['window']:4d} (epoch {row['epoch']:2d}): loss {loss}{acc}  "
+            f"{row['samples_per_s']:9,.0f} samples/s  all-reduce {row['allreduce_ms']:6.2f} ms  "
+            f"batches {row['batches']}")
+
+
+# --- configuration -----------------------------------------------------------------------
+
+
+@dataclass
+class DemoConfig:
+    """One demo run (what the command-line options set)."""
+
+    nprocs: int = DEFAULTS["nprocs"]
+    epochs: int = DEFAULTS["epochs"]
+    batch_size: int = DEFAULTS["batch_size"]
+    sync_every: int = DEFAULTS["sync_every"]
+    cadence: Optional[str] = None          # None: "elche" with a slow rank, else "fixed"
+    bf16_wire: bool = False
+    outer: str = "none"                    # "none" | "nesterov"
+    slow_rank: Optional[tuple[int, float]] = None
+    seed: int = DEFAULTS["seed"]
+    checkpoint_every: Optional[int] = DEFAULTS["checkpoint_every"]
+    run_dir: str = "runs/demo"
+    resume: bool = False
+    progress: bool = True
+    log_every: int = 10
+    eval_every: int = 1
+    plot: bool = True
+    baseline: bool = False
+    controller: Optional[str] = None
+    world_size: Optional[int] = None
+    first_rank: int = 0
+    secret_file: Optional[str] = None
+    timeout: float = 300.0
+
+    @property
+    def effective_cadence(self) -> str:
+        if self.cadence is not None:
+            return self.cadence
+        return "elche" if self.slow_rank is not None else "fixed"
+
+    @property
+    def total_world(self) -> int:
+        return self.world_size if self.world_size is not None else self.nprocs
+
+    @property
+    def save_path(self) -> str:
+        return os.path.join(self.run_dir, CKPT_STEM)
+
+    @property
+    def summary_host(self) -> bool:
+        """Whether this launcher prints the summary (the host carrying rank 0)."""
+        return self.first_rank == 0
+
+    def recipe(self) -> dict:
+        """The options a resumed run inherits from the run it continues."""
+        return {"nprocs": self.nprocs, "epochs": self.epochs, "batch_size": self.batch_size,
+                "sync_every": self.sync_every, "cadence": self.cadence,
+                "bf16_wire": self.bf16_wire, "outer": self.outer,
+                "slow_rank": None if self.slow_rank is None else list(self.slow_rank),
+                "seed": self.seed, "checkpoint_every": self.checkpoint_every}
+
+
+@dataclass
+class DemoResult:
+    """What :func:`run_demo` returns.
+
+    Attributes:
+        accuracy: test accuracy (%) of the final consensus model.
+        train: the ``TrainResult`` (history, meta, checkpoint...).
+        rows: the per-window metrics of this run (``windows.jsonl``, with test accuracy).
+        wall_s: seconds from the launch of the ranks to their last result.
+        rank_batches: batches each rank trained in this run (from the gathered counts).
+        baseline: ``(accuracy %, seconds)`` of the one-process reference, if asked.
+        plot: the plot's path, or None.
+    """
+
+    config: DemoConfig
+    accuracy: Optional[float]
+    train: Any
+    rows: list = field(default_factory=list)
+    wall_s: float = 0.0
+    rank_batches: list = field(default_factory=list)
+    baseline: Optional[tuple[float, float]] = None
+    plot: Optional[Path] = None
+
+
+def _slow_rank(text: str) -> tuple[int, float]:
+    try:
+        r, f = text.split(":")
+        rank, factor = int(r), float(f)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--slow-rank takes RANK:FACTOR, e.g. 1:3 (rank 1 three times slower); got {text!r}")
+    if rank < 0 or not factor >= 1.0:
+        raise argparse.ArgumentTypeError(f"--slow-rank {text}: the rank must be >= 0 and the "
+                                         f"factor >= 1")
+    return rank, factor
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m flodl_shm demo",
+        description="Train an MLP on scikit-learn's digits with local SGD on N ranks "
+                    "(flodl_shm.Trainer): progress, per-window throughput and all-reduce "
+                    "time, test accuracy of the consensus, checkpoints under --run-dir.")
+    d = DEFAULTS
+    g = ap.add_argument_group("training")
+    g.add_argument("--nprocs", type=int, help=f"ranks on this host (default {d['nprocs']})")
+    g.add_argument("--epochs", type=int, help=f"passes over the training set (default "
+                                              f"{d['epochs']}; with --resume: the new total)")
+    g.add_argument("--batch-size", type=int, help=f"samples per batch (default {d['batch_size']})")
+    g.add_argument("--sync-every", type=int,
+                   help=f"batches per rank between averagings (default {d['sync_every']}; "
+                        f"ElChe: the slowest rank's initial count)")
+    g.add_argument("--cadence", choices=("fixed", "elche"),
+                   help="fixed: every rank trains --sync-every batches per window; elche: "
+                        "faster ranks train proportionally more (default: elche with "
+                        "--slow-rank, else fixed)")
+    g.add_argument("--bf16-wire", action="store_true", default=None,
+                   help="average in bf16 on the wire (half the bytes, f32 sums)")
+    g.add_argument("--outer", choices=("none", "nesterov"),
+                   help="outer optimizer: none (plain average) or nesterov (DiLoCo, lr 0.7, "
+                        "momentum 0.9)")
+    g.add_argument("--slow-rank", type=_slow_rank, metavar="R:FACTOR",
+                   help="make rank R FACTOR times slower per batch (shows ElChe)")
+    g.add_argument("--seed", type=int, help=f"model init and data order (default {d['seed']})")
+    g.add_argument("--checkpoint-every", type=int,
+                   help=f"checkpoint every N windows; 0: only at the end (default "
+                        f"{d['checkpoint_every']})")
+    o = ap.add_argument_group("run")
+    o.add_argument("--run-dir", default="runs/demo",
+                   help="checkpoints, metrics and plot go here (default runs/demo)")
+    o.add_argument("--resume", action="store_true",
+                   help="continue the last checkpoint of --run-dir (its options, unless given)")
+    o.add_argument("--baseline", action="store_true",
+                   help="also train the same model in one process and compare")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--log-every", type=int, default=10,
+                   help="print a line every N windows; 0: none (default 10)")
+    o.add_argument("--eval-every", type=int, default=1,
+                   help="test accuracy every N windows; 0: only at the end (default 1)")
+    o.add_argument("--no-plot", action="store_true", help="do not draw training.png")
+    o.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds a collective may wait for a live peer (default 300)")
+    c = ap.add_argument_group("cluster (several hosts; see the README's walk-through)")
+    c.add_argument("--controller", metavar="HOST:PORT",
+                   help="join the cohort served by this controller")
+    c.add_argument("--world-size", type=int, help="ranks in the whole cohort")
+    c.add_argument("--first-rank", type=int, default=0,
+                   help="global rank of this host's first rank (default 0)")
+    c.add_argument("--secret-file", help="the session secret shared with the controller")
+    return ap
+
+
+def parse_args(argv: Sequence[str]) -> DemoConfig:
+    """The :class:`DemoConfig` of a command line. With ``--resume``, training options not
+    given fall back to the resumed run's (``demo_config.json``), then to the defaults."""
+    ap = _build_parser()
+    a = ap.parse_args(list(argv))
+    given = {k: getattr(a, k) for k in DEFAULTS if getattr(a, k, None) is not None}
+    if a.checkpoint_every == 0:
+        given["checkpoint_every"] = None
+    saved: dict = {}
+    if a.resume:
+        path = Path(a.run_dir) / CONFIG_FILE
+        if path.exists():
+            saved = json.loads(path.read_text())
+    values = dict(DEFAULTS)
+    values.update({k: v for k, v in saved.items() if k in DEFAULTS})
+    values.update(given)
+    if values.get("slow_rank") is not None:
+        values["slow_rank"] = tuple(values["slow_rank"])
+    cfg = DemoConfig(**values, run_dir=a.run_dir, resume=a.resume,
+                     progress=not a.no_progress, log_every=max(a.log_every, 0),
+                     eval_every=max(a.eval_every, 0), plot=not a.no_plot,
+                     baseline=a.baseline, controller=a.controller, world_size=a.world_size,
+                     first_rank=a.first_rank, secret_file=a.secret_file, timeout=a.timeout)
+    problems = _check(cfg)
+    if problems:
+        ap.error("; ".join(problems))
+    return cfg
+
+
+def _check(cfg: DemoConfig) -> list[str]:
+    out = []
+    for name in ("nprocs", "batch_size", "sync_every"):
+        if getattr(cfg, name) < 1:
+            out.append(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.epochs < 0:
+        out.append("--epochs must be >= 0")
+    if cfg.slow_rank is not None and cfg.slow_rank[0] >= cfg.total_world:
+        out.append(f"--slow-rank {cfg.slow_rank[0]} is not a rank of a {cfg.total_world}-rank "
+                   f"run")
+    if cfg.controller is None:
+        if cfg.world_size not in (None, cfg.nprocs) or cfg.first_rank != 0:
+            out.append("--world-size / --first-rank need --controller (one host carries "
+                       "every rank)")
+    else:
+        if cfg.world_size is None or cfg.secret_file is None:
+            out.append("--controller needs --world-size and --secret-file")
+        elif not 0 <= cfg.first_rank <= cfg.world_size - cfg.nprocs:
+            out.append(f"--first-rank {cfg.first_rank} with --nprocs {cfg.nprocs} does not fit "
+                       f"--world-size {cfg.world_size}")
+        if cfg.outer != "none":
+            out.append("--outer nesterov is not available with --controller: on a cluster the "
+                       "outer step runs in the controller, whose command takes no outer "
+                       "optimizer yet")
+    return out
+
+
+# --- the run -----------------------------------------------------------------------------
+
+
+def _trainer(cfg: DemoConfig, hook, train_set):
+    import flodl_shm
+    from flodl_shm.hooks import SimulatedSlowdown
+
+    hooks = [hook]
+    if cfg.slow_rank is not None:
+        rank, factor = cfg.slow_rank
+        # extra_ms gives every batch a floor of ~1 ms, so the slowdown dominates the
+        # scheduling noise of a 0.2 ms batch
+        hooks.insert(0, SimulatedSlowdown(rank=rank, factor=factor, extra_ms=1.0))
+    outer = flodl_shm.OuterNesterov(lr=0.7, momentum=0.9) if cfg.outer == "nesterov" else None
+    return flodl_shm.Trainer(
+        model_fn=make_model, optimizer_fn=make_optimizer, dataset=train_set,
+        loss_fn=cross_entropy, batch_size=cfg.batch_size, epochs=cfg.epochs,
+        sync_every=cfg.sync_every, cadence=cfg.effective_cadence, outer=outer,
+        bf16_wire=cfg.bf16_wire, checkpoint_every=cfg.checkpoint_every,
+        save_path=cfg.save_path, seed=cfg.seed, hooks=hooks, log_every=None,
+        timeout=cfg.timeout)
+
+
+def _say(cfg: DemoConfig, text: str = "") -> None:
+    if cfg.summary_host:
+        print(text, flush=True)
+
+
+def _header(cfg: DemoConfig, n_train: int, n_test: int) -> None:
+    hosts = "" if cfg.controller is None else (
+        f" (ranks {cfg.first_rank}-{cfg.first_rank + cfg.nprocs - 1} of {cfg.total_world}, "
+        f"controller {cfg.controller})")
+    cadence = cfg.effective_cadence
+    slow = "" if cfg.slow_rank is None else (f", rank {cfg.slow_rank[0]} slowed "
+                                             f"{cfg.slow_rank[1]:g}x")
+    print(f"flodl_shm demo: MLP 64-{HIDDEN}-10 on scikit-learn digits ({n_train} train / "
+          f"{n_test} test), {cfg.nprocs} ranks on this host{hosts}", flush=True)
+    if cfg.summary_host:
+        print(f"  {cfg.epochs} epochs, batch {cfg.batch_size}, sync every {cfg.sync_every} "
+              f"batches ({cadence} cadence{slow}), SGD lr {LR} momentum {MOMENTUM}, "
+              f"{'bf16' if cfg.bf16_wire else 'f32'} wire, outer "
+              f"{'Nesterov (DiLoCo)' if cfg.outer == 'nesterov' else 'average'}", flush=True)
+
+
+def _read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            rows.append(json.loads(line))
+    return rows
+
+
+def run_demo(cfg: DemoConfig) -> DemoResult:
+    """Run the demo as configured (prints as the command does) and return its figures."""
+    import torch
+
+    from flodl_shm.checkpoint_series import latest_checkpoint
+
+    xtr, ytr, xte, yte = digits_split()
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics = run_dir / METRICS_FILE
+    _header(cfg, len(xtr), len(xte))
+
+    initial = 0
+    meta = None
+    if cfg.resume:
+        ckpt = latest_checkpoint(cfg.save_path)
+        if ckpt is None:
+            raise SystemExit(f"--resume: no complete checkpoint under {run_dir} (run the demo "
+                             f"without --resume first)")
+        from flodl_shm import CheckpointBundle, CheckpointMeta
+
+        meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(ckpt))
+        initial = meta.global_step
+        _say(cfg, f"  resuming {ckpt}: epoch {meta.epoch}, window {meta.sync_round}, "
+                  f"{meta.global_step} batches done")
+        done_rows = [r for r in _read_rows(metrics) if r["window"] <= meta.sync_round]
+    else:
+        if latest_checkpoint(cfg.save_path) is not None:
+            _say(cfg, f"  {run_dir} holds an earlier run: starting over (--resume continues "
+                      f"it)")
+        done_rows = []
+    if cfg.summary_host:
+        # the metrics file holds exactly the windows of the checkpoint's history
+        metrics.write_text("".join(json.dumps(r) + "\n" for r in done_rows), encoding="utf-8")
+        (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.recipe(), indent=1) + "\n")
+
+    per_epoch = len(xtr) // cfg.batch_size
+    # digits is small: the ranks get the tensors themselves (no scikit-learn import there)
+    hook = DemoHook((xte, yte), os.fspath(metrics) if cfg.summary_host else None,
+                    total_batches=cfg.epochs * per_epoch, initial_batches=initial,
+                    progress=cfg.progress, log_every=cfg.log_every, eval_every=cfg.eval_every)
+    trainer = _trainer(cfg, hook, (xtr, ytr))
+    cluster = {}
+    if cfg.controller is not None:
+        from flodl_shm import read_secret_file
+
+        cluster = dict(controller=cfg.controller, world_size=cfg.world_size,
+                       first_rank=cfg.first_rank, salt=read_secret_file(cfg.secret_file))
+    t0 = time.perf_counter()
+    if cfg.resume:
+        result = trainer.resume(nprocs=cfg.nprocs, **cluster)
+    else:
+        result = trainer.run(cfg.nprocs, overwrite=True, **cluster)
+    wall = time.perf_counter() - t0
+
+    model = make_model()
+    model.load_state_dict(result.state_dict)
+    acc = accuracy(model, xte, yte)
+    rank_batches = [0] * cfg.total_world
+    for st in result.history:
+        for r, n in enumerate(st.cohort_batches):
+            rank_batches[r] += n
+    out = DemoResult(cfg, acc, result, wall_s=wall, rank_batches=rank_batches)
+    if not cfg.summary_host:
+        print(f"host with ranks {cfg.first_rank}-{cfg.first_rank + cfg.nprocs - 1}: done in "
+              f"{wall:.1f} s ({len(result.history)} windows); the summary prints on the host "
+              f"with rank 0", flush=True)
+        return out
+    out.rows = [r for r in _read_rows(metrics) if r["window"] > (meta.sync_round if meta
+                                                                   else 0)]
+    if cfg.baseline:
+        out.baseline = train_one_process(cfg.epochs, cfg.batch_size, cfg.seed)
+    if cfg.plot:
+        out.plot = _maybe_plot(_read_rows(metrics), run_dir / PLOT_FILE, cfg)
+    _summary(out)
+    return out
+
+
+def _maybe_plot(rows: list[dict], path: Path, cfg: DemoConfig) -> Optional[Path]:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("  (no plot: matplotlib is not installed; pip install -e \".[plot]\")", flush=True)
+        return None
+    if not rows:
+        return None
+    return plot_training(rows, path, per_rank=cfg.effective_cadence == "elche")
+
+
+def _summary(out: DemoResult) -> None:
+    cfg, res, rows = out.config, out.train, out.rows
+    hist = res.history
+    print(f"done in {out.wall_s:.1f} s: {len(hist)} windows, "
+          f"{sum(out.rank_batches)} batches; test accuracy {out.accuracy:.2f}% (consensus "
+          f"model, {len(digits_split()[2])} test images)", flush=True)
+    if hist:
+        sps = statistics.median(s.samples_per_s for s in hist)
+        red = [s.sync_ms for s in hist]
+        share = sum(red) / max(sum(s.window_ms for s in hist), 1e-9)
+        print(f"  throughput {sps:,.0f} samples/s (median window); all-reduce "
+              f"{statistics.median(red):.2f} ms median, {share:.1%} of the windows' time",
+              flush=True)
+    if cfg.effective_cadence == "elche" and cfg.total_world > 1:
+        print(f"  batches per rank: {out.rank_batches} (ElChe cadence)", flush=True)
+    if out.baseline is not None:
+        b_acc, b_s = out.baseline
+        print(f"  one process, same model/optimizer/samples: test accuracy {b_acc:.2f}% "
+              f"(difference {out.accuracy - b_acc:+.2f} points)", flush=True)
+    if res.checkpoint is not None:
+        where = "" if cfg.controller is None else " (written by the controller)"
+        print(f"  checkpoint: {res.checkpoint}{where}; continue with --resume", flush=True)
+    print(f"  metrics:    {Path(cfg.run_dir) / METRICS_FILE}", flush=True)
+    if out.plot is not None:
+        print(f"  plot:       {out.plot}", flush=True)
+
+
+# --- the plot ----------------------------------------------------------------------------
+
+
+def plot_training(rows: Sequence[dict], path: "str | os.PathLike[str]", *,
+                  per_rank: bool = False) -> Path:
+    """Draw the per-window loss and test accuracy (and, with ``per_rank``, each rank's
+    batches per window) of ``rows`` (``windows.jsonl``) into ``path`` (PNG). Needs
+    matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 3 if per_rank else 2
+    fig, axes = plt.subplots(panels, 1, figsize=(8, 2.6 * panels + 0.6), sharex=True)
+    w = [r["window"] for r in rows]
+    loss = [math.nan if r["loss"] is None else r["loss"] for r in rows]
+    ax = axes[0]
+    ax.plot(w, loss, color="tab:blue", lw=1.5)
+    ax.set_yscale("log")
+    ax.set_ylabel("training loss\n(cohort mean)")
+    ax.grid(True, which="both", alpha=0.3)
+    acc = [(r["window"], r["test_acc"]) for r in rows if r.get("test_acc") is not None]
+    ax = axes[1]
+    if acc:
+        ax.plot([a for a, _ in acc], [b for _, b in acc], color="tab:green", lw=1.5,
+                marker="." if len(acc) < 40 else None)
+        ax.annotate(f"{acc[-1][1]:.1f}%", xy=acc[-1], xytext=(-30, -18),
+                    textcoords="offset points", fontsize=9)
+        lo = min(b for _, b in acc)
+        ax.set_ylim(max(0.0, min(lo, 90.0) - 2), 100.5)
+    ax.set_ylabel("test accuracy (%)\n(consensus)")
+    ax.grid(True, alpha=0.3)
+    epochs = [r["window"] for a, r in zip(rows, rows[1:]) if r["epoch"] != a["epoch"]]
+    for e in epochs:
+        for a in axes:
+            a.axvline(e - 0.5, color="0.85", lw=0.6, zorder=0)
+    if per_rank:
+        ax = axes[2]
+        nranks = max(len(r["batches"]) for r in rows)
+        for k in range(nranks):
+            ax.plot(w, [r["batches"][k] if k < len(r["batches"]) else 0 for r in rows],
+                    lw=1.4, label=f"rank {k}")
+        ax.set_ylabel("batches per window")
+        ax.legend(loc="upper left", fontsize=8, ncol=min(nranks, 4))
+        ax.grid(True, alpha=0.3)
+    axes[-1].set_xlabel("window (sync round); light lines: epoch boundaries")
+    fig.suptitle("flodl_shm demo: MLP on scikit-learn digits", fontsize=11)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# --- command line ------------------------------------------------------------------------
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    cfg = parse_args(sys.argv[1:] if argv is None else argv)
+    import logging
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    run_demo(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

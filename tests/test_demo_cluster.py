@@ -1,0 +1,86 @@
+"""The README's cluster walk-through on loopback: a controller and two demo "hosts", each a
+``python -m flodl_shm`` command of its own, carrying 2 of 4 ranks."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sklearn", reason="the demo needs scikit-learn (the demo/test extras)")
+
+from flodl_shm.checkpoint.meta import CheckpointBundle, CheckpointMeta  # noqa: E402
+from flodl_shm.checkpoint_series import committed_checkpoints  # noqa: E402
+from flodl_shm.segment import list_segments  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+DEADLINE_S = 200
+
+
+def _start(args, cwd: Path, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "flodl_shm", *args], cwd=cwd,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().strip()
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    raise AssertionError(f"the controller did not write {path.name}")
+
+
+def test_two_host_demo_on_loopback(tmp_path):
+    secret = tmp_path / "secret.hex"
+    subprocess.run([sys.executable, "-m", "flodl_shm", "controller", "--new-secret", str(secret)],
+                   check=True, timeout=60, capture_output=True)
+    procs: list[subprocess.Popen] = []
+    logs = {name: tmp_path / f"{name}.log" for name in ("controller", "host_a", "host_b")}
+    try:
+        ctl = _start(["controller", "--bind", "127.0.0.1:0", "--world-size", "4",
+                      "--secret-file", str(secret), "--port-file", "port.txt"], tmp_path,
+                     logs["controller"])
+        procs.append(ctl)
+        port = _wait_for(tmp_path / "port.txt", ctl, 60)
+        common = ["demo", "--controller", f"127.0.0.1:{port}", "--world-size", "4",
+                  "--nprocs", "2", "--secret-file", str(secret), "--no-progress",
+                  "--log-every", "0", "--timeout", "120"]
+        host_a = _start(common + ["--first-rank", "0"], tmp_path, logs["host_a"])
+        host_b = _start(common + ["--first-rank", "2"], tmp_path, logs["host_b"])
+        procs += [host_a, host_b]
+        deadline = time.monotonic() + DEADLINE_S
+        for p in procs:
+            p.wait(max(1.0, deadline - time.monotonic()))
+        text = {k: v.read_text() for k, v in logs.items()}
+        assert [p.returncode for p in procs] == [0, 0, 0], text
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    pids = {p.pid for p in procs}
+    assert not [s.name for s in list_segments() if s.owner_pid in pids], "segments left behind"
+
+    # only the host carrying rank 0 prints the summary, on the consensus model
+    a, b = text["host_a"], text["host_b"]
+    m = re.search(r"test accuracy ([\d.]+)%", a)
+    assert m, a
+    assert float(m.group(1)) >= 95.0, a
+    assert "ranks 0-1 of 4" in a and "windows" in a
+    assert "test accuracy" not in b and "the summary prints on the host with rank 0" in b
+    assert "cohort finished" in text["controller"]
+    # the controller's forge wrote the checkpoints (paths relative to its working directory)
+    done = committed_checkpoints(tmp_path / "runs" / "demo" / "ckpt")
+    assert done, os.listdir(tmp_path / "runs" / "demo")
+    meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(done[-1][1]))
+    assert (meta.epoch, meta.global_step, meta.world_size_at_save) == (30, 30 * 42, 4)
+    assert (tmp_path / "runs" / "demo" / "windows.jsonl").exists()
