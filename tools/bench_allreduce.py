@@ -27,16 +27,16 @@ import json
 import math
 import os
 import shutil
-import socket
-import statistics
 import subprocess
 import sys
 import time
 
 import numpy as np
 
-KiB = 1 << 10
-MiB = 1 << 20
+from _bench_common import (KiB, MiB, append_json, collect, exit_code, human, parse_size,
+                           summarize)
+from _bench_common import bench_gloo as _bench_gloo
+
 SIZES = [4 * KiB, 256 * KiB, 4 * MiB, 64 * MiB, 256 * MiB]
 SCHEDULE = {4 * KiB: (200, 3000), 256 * KiB: (50, 600), 4 * MiB: (10, 100),
             64 * MiB: (3, 25), 256 * MiB: (2, 8)}
@@ -52,24 +52,11 @@ LABELS = {
 }
 
 
-def human(n: int) -> str:
-    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
-
-
 def schedule(nbytes: int, world: int, scale: float) -> tuple[int, int]:
     warm, iters = SCHEDULE.get(nbytes, (3, 10))
     if world > 2 and nbytes >= 64 * MiB:
         scale *= 0.6
     return max(1, round(warm * scale)), max(3, round(iters * scale))
-
-
-def summarize(method: str, world: int, nbytes: int, times_ns, ok: bool) -> dict:
-    t = sorted(float(x) for x in times_ns)
-    med = statistics.median(t)
-    return {"method": method, "world": world, "bytes": nbytes, "iters": len(t),
-            "median_us": med / 1e3, "p10_us": t[int(0.1 * (len(t) - 1))] / 1e3,
-            "p90_us": t[int(0.9 * (len(t) - 1))] / 1e3, "min_us": t[0] / 1e3,
-            "algbw_GBps": nbytes / med, "correct": bool(ok)}
 
 
 # --- memcpy baseline ------------------------------------------------------------------
@@ -149,68 +136,13 @@ def bench_shm(world, sizes, methods, scale) -> list[dict]:
     from flodl_shm import spawn
 
     per_rank = spawn(_shm_worker, world, (sizes, methods, scale), timeout=600)
-    out = []
-    for i, (method, nbytes, _, _) in enumerate(per_rank[0]):
-        times = np.max(np.stack([r[i][2] for r in per_rank]), axis=0)
-        ok = all(r[i][3] for r in per_rank)
-        out.append(summarize(method, world, nbytes, times, ok))
-    return out
+    return collect(per_rank, world)
 
 
 # --- gloo ---------------------------------------------------------------------------
 
-def _gloo_worker(ctx, sizes, scale, init):
-    import torch
-    import torch.distributed as dist
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=init, rank=ctx.rank, world_size=ctx.world_size)
-    world = ctx.world_size
-    expected = (world + 1) / 2.0
-    results = []
-    try:
-        for nbytes in sizes:
-            n = nbytes // 4
-            t = torch.full((n,), float(ctx.rank + 1))
-            dist.all_reduce(t)
-            t.div_(world)
-            ok = bool(torch.all(t == expected))
-            warm, iters = schedule(nbytes, world, scale)
-            for _ in range(warm):
-                dist.all_reduce(t)
-                t.div_(world)
-            times = np.empty(iters, np.float64)
-            dist.barrier()
-            for i in range(iters):
-                t0 = time.perf_counter_ns()
-                dist.all_reduce(t)
-                t.div_(world)
-                times[i] = time.perf_counter_ns() - t0
-            ok = ok and bool(torch.all(t == expected))
-            results.append(("gloo", nbytes, times, ok))
-            del t
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return results
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def bench_gloo(world, sizes, scale) -> list[dict]:
-    from flodl_shm import spawn
-
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    per_rank = spawn(_gloo_worker, world, (sizes, scale, init), timeout=600)
-    out = []
-    for i, (method, nbytes, _, _) in enumerate(per_rank[0]):
-        times = np.max(np.stack([r[i][2] for r in per_rank]), axis=0)
-        out.append(summarize(method, world, nbytes, times, all(r[i][3] for r in per_rank)))
-    return out
+    return _bench_gloo(world, [(n, *schedule(n, world, scale)) for n in sizes])
 
 
 # --- OpenMPI ------------------------------------------------------------------------
@@ -272,14 +204,6 @@ def bench_mpi(world, sizes, scale) -> list[dict]:
 
 
 # --- report -------------------------------------------------------------------------
-
-def parse_size(s: str) -> int:
-    s = s.strip()
-    for suf, mul in (("KiB", KiB), ("MiB", MiB), ("GiB", 1 << 30)):
-        if s.endswith(suf):
-            return int(float(s[:-len(suf)]) * mul)
-    return int(s)
-
 
 def table(results: list[dict], world: int, methods: list[str], memcpy: dict) -> str:
     rows = [r for r in results if r["world"] == world]
@@ -384,17 +308,11 @@ def main(argv=None) -> int:
     if memcpy:
         print("\nmemcpy: " + ", ".join(f"{human(b)} {us:,.2f} µs" for b, us in sorted(memcpy.items())))
     if args.json:
-        with open(args.json, "a") as f:
-            for r in results:
-                f.write("RESULT " + json.dumps(r) + "\n")
+        append_json(args.json, results)
     if args.plot:
         plot(results, args.plot)
         print(f"\nplot written to {args.plot}")
-    bad = [r for r in results if not r["correct"]]
-    if bad:
-        print(f"\nWRONG RESULTS: {[(r['method'], r['world'], r['bytes']) for r in bad]}")
-        return 1
-    return 0
+    return exit_code(results)
 
 
 if __name__ == "__main__":
