@@ -51,6 +51,7 @@ logger = logging.getLogger("flodl_shm")
 FLAG_OUTER = 8   # mirrors arena.FLAG_OUTER: the window's params frame
 FLAG_TAP = 16    # mirrors arena.FLAG_TAP: captured for a checkpoint
 DEFAULT_ROUND_TIMEOUT = 300.0
+PARALLEL_SCATTER_BYTES = 1 << 20  # below this, thread start-up costs more than it saves
 
 
 @dataclass
@@ -431,20 +432,43 @@ class ClusterController:
         kind, shapes = schema[0], [s for _, s in schema[1]]
         dtype = schema[1][0][0] if schema[1] else DTYPE_F32
         out = self._finish(kind, dtype, shapes, offs, mass, flags)
-        tag = frame_tag(out, self.salt)
-        for h in self._hosts:
-            if h.alive and not h.done:
-                try:
-                    h.link.send_frame(Kind.FRAME_DOWN, out, tag=tag)
-                    self.stats.bytes_out += out.payload_nbytes()
-                except OSError as e:
-                    self._host_failed(h, f"scatter failed: {e}")
+        self._scatter(out, frame_tag(out, self.salt))
         if self.forge is not None and flags & FLAG_TAP and kind == RoundKind.MODEL:
             self._tap(out, flags)
         self.stats.rounds += 1
         self.stats.round_s.append(time.monotonic() - t0)
         self._note_rss()
         return True
+
+    def _scatter(self, out: RoundFrame, tag: bytes) -> None:
+        """Send the consensus (hashed once) to every live host; large frames go to the
+        hosts concurrently, one thread per link (each link keeps a single writer). A
+        host whose link breaks is declared dead and the others still get the frame."""
+        targets = [h for h in self._hosts if h.alive and not h.done]
+        errors: dict[int, BaseException] = {}
+
+        def send(i: int, h: _Host) -> None:
+            try:
+                h.link.send_frame(Kind.FRAME_DOWN, out, tag=tag)
+            except OSError as e:
+                errors[i] = e
+
+        if len(targets) > 1 and out.payload_nbytes() >= PARALLEL_SCATTER_BYTES:
+            threads = [threading.Thread(target=send, args=(i, h), daemon=True)
+                       for i, h in enumerate(targets[1:], 1)]
+            for t in threads:
+                t.start()
+            send(0, targets[0])
+            for t in threads:
+                t.join()
+        else:
+            for i, h in enumerate(targets):
+                send(i, h)
+        for i, h in enumerate(targets):
+            if i in errors:
+                self._host_failed(h, f"scatter failed: {errors[i]}")
+            else:
+                self.stats.bytes_out += out.payload_nbytes()
 
     def _add(self, frame: RoundFrame, offs: list[int], first: bool) -> None:
         acc = self._acc
