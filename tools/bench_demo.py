@@ -1,0 +1,290 @@
+"""The demo's training loop: wall time and the share spent averaging, flodl_shm vs gloo.
+
+    python tools/bench_demo.py                 # 3 repeats of every variant (~1-2 min)
+    python tools/bench_demo.py --repeats 5 --json demo_bench.jsonl
+
+Every variant trains the demo's recipe (``flodl_shm.demo``: MLP 64-128-10 on
+scikit-learn digits, batch 32, SGD lr 0.05 momentum 0.9, 30 epochs, seed 42) on 2
+ranks of this host (one thread each) that average their weights every 8 batches:
+
+  one process        the same model, optimizer and samples in one process, no averaging
+                     (``flodl_shm.demo.train_one_process``): the floor
+  flodl_shm demo     ``flodl_shm.demo.run_demo`` as ``python -m flodl_shm demo`` runs it
+                     (the Trainer: count gather, weighted params reduce, ack gather per
+                     window; checkpoints every 20 windows), without progress bar and
+                     with the test accuracy evaluated at the end only
+  flodl_shm loop     a plain local-SGD loop: each rank trains its 8 batches, then
+                     ``comm.all_reduce_(params)`` (one shared-memory round per window)
+  gloo loop          the same loop with ``torch.distributed`` gloo over 127.0.0.1: one
+                     ``dist.all_reduce`` of the flattened params, then ``div_``
+  gloo per-param     the same with one ``dist.all_reduce`` per parameter tensor, as in
+                     ``shared/anchors/digits_reference.py``
+
+The loops dispatch the data like the Trainer: each epoch a permutation shared by the
+ranks, cut into windows of 2 x 8 batches (the epoch's tail window split evenly).
+
+What is measured, per variant, median over the repeats (interleaved):
+  total s      launch to results in the launcher (process start, imports, training)
+  loop s       the ranks' training loop, first batch to last average (slowest rank)
+  averaging s  the time the ranks spend in the averaging calls, waits for the peer
+               included (mean over ranks); for the demo: each window's time outside
+               the rank's own batches (count gather, reduce, ack gather)
+  share        averaging s / loop s
+  per window   median time of one window's averaging
+  accuracy     test accuracy of the final (averaged) model
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+EPOCHS, BATCH, SYNC_EVERY, SEED, WORLD = 30, 32, 8, 42, 2
+
+
+# --- the shared loop ----------------------------------------------------------------------
+
+
+def _windows(n_samples: int, epochs: int, batch: int, sync_every: int, world: int, seed: int):
+    """Per window: each rank's list of sample-index batches (the Trainer's dispatch)."""
+    nb = n_samples // batch
+    rng = np.random.default_rng(seed)
+    for _ in range(epochs):
+        perm = rng.permutation(n_samples)
+        batches = [perm[b * batch:(b + 1) * batch] for b in range(nb)]
+        step = world * sync_every
+        for w in range(0, nb, step):
+            chunk = batches[w:w + step]
+            yield [list(part) for part in np.array_split(np.arange(len(chunk)), world)], chunk
+
+
+def _train_loop(rank: int, world: int, average, xtr, ytr, xte, yte, epochs: int):
+    """Train ``rank``'s share of every window, then ``average(params)``; returns the
+    loop's figures."""
+    import torch
+
+    from flodl_shm.demo import accuracy, cross_entropy, make_model, make_optimizer
+
+    torch.set_num_threads(1)
+    torch.manual_seed(SEED)
+    model = make_model()
+    params = [p.detach() for p in model.parameters()]
+    average(params)  # align the replicas (every rank built the same init anyway) and warm up
+    opt = make_optimizer(model.parameters())
+    sync_s, per_window = 0.0, []
+    t0 = time.perf_counter()
+    for parts, chunk in _windows(len(xtr), epochs, BATCH, SYNC_EVERY, world, SEED):
+        for b in parts[rank]:
+            idx = torch.from_numpy(chunk[b])
+            opt.zero_grad(set_to_none=True)
+            cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+            opt.step()
+        s = time.perf_counter()
+        with torch.no_grad():
+            average(params)
+        dt = time.perf_counter() - s
+        sync_s += dt
+        per_window.append(dt)
+    loop_s = time.perf_counter() - t0
+    return {"loop_s": loop_s, "avg_s": sync_s, "window_ms": statistics.median(per_window) * 1e3,
+            "windows": len(per_window),
+            "accuracy": accuracy(model, xte, yte) if rank == 0 else None}
+
+
+def _shm_worker(ctx, data, epochs):
+    comm = ctx.comm
+
+    def average(params):
+        comm.all_reduce_(params)
+
+    return _train_loop(ctx.rank, ctx.world_size, average, *data, epochs)
+
+
+def _gloo_worker(rank, world, init, data, epochs, flat, queue):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+
+    def average(params):
+        if flat:
+            buf = torch.cat([p.reshape(-1) for p in params])
+            dist.all_reduce(buf)
+            buf.div_(world)
+            off = 0
+            for p in params:
+                p.copy_(buf[off:off + p.numel()].view_as(p))
+                off += p.numel()
+        else:
+            for p in params:
+                dist.all_reduce(p)
+                p.div_(world)
+
+    try:
+        queue.put((rank, _train_loop(rank, world, average, *data, epochs)))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# --- variants -----------------------------------------------------------------------------
+
+
+def run_one_process(data, epochs) -> dict:
+    from flodl_shm.demo import train_one_process
+
+    t0 = time.perf_counter()
+    acc, loop_s = train_one_process(epochs, BATCH, SEED)
+    return {"total_s": time.perf_counter() - t0, "loop_s": loop_s, "avg_s": 0.0,
+            "window_ms": 0.0, "accuracy": acc}
+
+
+def run_demo_variant(data, epochs) -> dict:
+    from flodl_shm.demo import DemoConfig, run_demo
+
+    with tempfile.TemporaryDirectory(prefix="flodl_bench_demo_") as d:
+        cfg = DemoConfig(epochs=epochs, run_dir=d, progress=False, log_every=0, eval_every=0,
+                         plot=False, seed=SEED)
+        t0 = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()):
+            res = run_demo(cfg)
+        total = time.perf_counter() - t0
+    hist = res.train.history
+    outside = [s.window_ms - s.compute_ms for s in hist]
+    return {"total_s": total, "loop_s": sum(s.window_ms for s in hist) / 1e3,
+            "avg_s": sum(outside) / 1e3, "window_ms": statistics.median(outside),
+            "reduce_ms": statistics.median(s.sync_ms for s in hist),
+            "accuracy": res.accuracy}
+
+
+def _fold(per_rank: list[dict], total_s: float) -> dict:
+    return {"total_s": total_s, "loop_s": max(r["loop_s"] for r in per_rank),
+            "avg_s": statistics.mean(r["avg_s"] for r in per_rank),
+            "window_ms": max(r["window_ms"] for r in per_rank),
+            "accuracy": next(r["accuracy"] for r in per_rank if r["accuracy"] is not None)}
+
+
+def run_shm_loop(data, epochs) -> dict:
+    # the function, not the submodule: once ``flodl_shm.spawn`` (the module) has been
+    # imported, the package attribute of that name is the module
+    from flodl_shm.spawn import spawn
+
+    t0 = time.perf_counter()
+    per_rank = spawn(_shm_worker, WORLD, (data, epochs), timeout=300)
+    return _fold(per_rank, time.perf_counter() - t0)
+
+
+def _run_gloo(data, epochs, flat: bool) -> dict:
+    import multiprocessing as mp
+
+    from _bench_common import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init = f"tcp://127.0.0.1:{free_port()}"
+    t0 = time.perf_counter()
+    procs = [ctx.Process(target=_gloo_worker, args=(r, WORLD, init, data, epochs, flat, queue))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(queue.get(timeout=300) for _ in procs)
+        for p in procs:
+            p.join(60)
+        total = time.perf_counter() - t0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"gloo workers exited with {[p.exitcode for p in procs]}")
+    return _fold([got[r] for r in range(WORLD)], total)
+
+
+def run_gloo_flat(data, epochs) -> dict:
+    return _run_gloo(data, epochs, True)
+
+
+def run_gloo_per_param(data, epochs) -> dict:
+    return _run_gloo(data, epochs, False)
+
+
+VARIANTS = {
+    "one process": run_one_process,
+    "flodl_shm demo": run_demo_variant,
+    "flodl_shm loop": run_shm_loop,
+    "gloo loop": run_gloo_flat,
+    "gloo per-param": run_gloo_per_param,
+}
+
+
+def table(results: dict[str, list[dict]]) -> str:
+    def med(rows, key):
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return statistics.median(vals) if vals else math.nan
+
+    lines = ["| variant | total s | loop s | averaging s | share | per window | accuracy % |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, rows in results.items():
+        loop, avg = med(rows, "loop_s"), med(rows, "avg_s")
+        share = statistics.median(r["avg_s"] / r["loop_s"] for r in rows)
+        per_w = med(rows, "window_ms")
+        per_w = "-" if name == "one process" else (
+            f"{per_w * 1e3:.0f} µs" if per_w < 1 else f"{per_w:.2f} ms")
+        accs = sorted({round(r["accuracy"], 2) for r in rows})
+        lines.append(f"| {name} | {med(rows, 'total_s'):.2f} | {loop:.2f} | {avg:.3f} | "
+                     f"{share:.1%} | {per_w} | {', '.join(f'{a:.2f}' for a in accs)} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=EPOCHS)
+    ap.add_argument("--only", help="comma-separated variants (default: all)")
+    ap.add_argument("--json", help="append one JSON record per run to this file")
+    args = ap.parse_args(argv)
+    names = list(VARIANTS) if not args.only else [n.strip() for n in args.only.split(",")]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+
+    from flodl_shm.demo import digits_split
+
+    data = digits_split()
+    results: dict[str, list[dict]] = {n: [] for n in names}
+    load = os.getloadavg()[0]
+    print(f"# {os.cpu_count()} cores, load average {load:.2f}; {args.epochs} epochs, batch "
+          f"{BATCH}, {WORLD} ranks averaging every {SYNC_EVERY} batches; {args.repeats} "
+          f"repeats, interleaved", flush=True)
+    for rep in range(args.repeats):
+        order = names[rep % len(names):] + names[:rep % len(names)]
+        for name in order:
+            r = VARIANTS[name](data, args.epochs)
+            r.update(variant=name, repeat=rep)
+            results[name].append(r)
+            print(f"  {name:<15} total {r['total_s']:6.2f} s  loop {r['loop_s']:6.3f} s  "
+                  f"averaging {r['avg_s']:6.3f} s  accuracy {r['accuracy']:.2f}%", flush=True)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(r) + "\n")
+    print(f"# load average at the end {os.getloadavg()[0]:.2f}\n")
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.exit(main())
