@@ -34,7 +34,6 @@ demo to.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import math
@@ -46,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .hooks import Hook
+from flodl_shm.hooks import Hook
 
 __all__ = ["DemoConfig", "DemoResult", "accuracy", "digits_split", "main", "make_model",
            "parse_args", "plot_training", "run_demo", "train_one_process"]
@@ -165,9 +164,10 @@ class DemoHook(Hook):
     every ``eval_every`` windows, a line every ``log_every`` windows, and one JSON line
     per window appended to ``metrics_path`` (the plot's data)."""
 
-    def __init__(self, test_set, metrics_path: Optional[str], total_batches: int,
+    def __init__(self, test_set, metrics_path: Optional[str], epochs: int, total_batches: int,
                  initial_batches: int, progress: bool, log_every: int, eval_every: int) -> None:
         self.test_set = test_set
+        self.epochs = epochs
         self.metrics_path = metrics_path
         self.total_batches = total_batches
         self.initial_batches = initial_batches
@@ -221,14 +221,15 @@ class DemoHook(Hook):
             self._file.flush()
         if self._bar is not None:
             self._bar.update(sum(stats.cohort_batches))
-            post = {"epoch": stats.epoch, "loss": f"{stats.cohort_loss:.3f}",
+            post = {"epoch": f"{stats.epoch + 1}/{self.epochs}",
+                    "loss": f"{stats.cohort_loss:.3f}",
                     "samples/s": f"{stats.samples_per_s:,.0f}",
                     "all-reduce": f"{stats.sync_ms:.2f}ms"}
             if acc is not None:
                 post["test acc"] = f"{acc:.1f}%"
             self._bar.set_postfix(post, refresh=False)
         if self.log_every and (stats.window % self.log_every == 0 or last):
-            self._write(_window_line(row))
+            self._write(_window_line(row, self.epochs))
 
     def _write(self, line: str) -> None:
         if self._bar is not None:
@@ -245,12 +246,12 @@ class DemoHook(Hook):
             self._file = None
 
 
-def _window_line(row: dict) -> str:
+def _window_line(row: dict, epochs: int) -> str:
     loss = "-" if row["loss"] is None else f"{row['loss']:.4f}"
     acc = "" if row["test_acc"] is None else f"  test acc {row['test_acc']:5.1f}%"
-    return (f"window {row['window']:4d} (epoch {row['epoch']:2d}): loss {loss}{acc}  "
-            f"{row['samples_per_s']:9,.0f} samples/s  all-reduce {row['allreduce_ms']:6.2f} ms  "
-            f"batches {row['batches']}")
+    return (f"window {row['window']:4d} (epoch {row['epoch'] + 1:2d}/{epochs}): loss "
+            f"{loss}{acc}  {row['samples_per_s']:9,.0f} samples/s  all-reduce "
+            f"{row['allreduce_ms']:6.2f} ms  batches {row['batches']}")
 
 
 # --- configuration -----------------------------------------------------------------------
@@ -482,6 +483,9 @@ def _trainer(cfg: DemoConfig, hook, train_set):
         timeout=cfg.timeout)
 
 
+_CADENCE = {"fixed": "fixed cadence", "elche": "ElChe cadence"}
+
+
 def _say(cfg: DemoConfig, text: str = "") -> None:
     if cfg.summary_host:
         print(text, flush=True)
@@ -491,14 +495,14 @@ def _header(cfg: DemoConfig, n_train: int, n_test: int) -> None:
     hosts = "" if cfg.controller is None else (
         f" (ranks {cfg.first_rank}-{cfg.first_rank + cfg.nprocs - 1} of {cfg.total_world}, "
         f"controller {cfg.controller})")
-    cadence = cfg.effective_cadence
+    cadence = _CADENCE[cfg.effective_cadence]
     slow = "" if cfg.slow_rank is None else (f", rank {cfg.slow_rank[0]} slowed "
                                              f"{cfg.slow_rank[1]:g}x")
     print(f"flodl_shm demo: MLP 64-{HIDDEN}-10 on scikit-learn digits ({n_train} train / "
           f"{n_test} test), {cfg.nprocs} ranks on this host{hosts}", flush=True)
     if cfg.summary_host:
         print(f"  {cfg.epochs} epochs, batch {cfg.batch_size}, sync every {cfg.sync_every} "
-              f"batches ({cadence} cadence{slow}), SGD lr {LR} momentum {MOMENTUM}, "
+              f"batches ({cadence}{slow}), SGD lr {LR} momentum {MOMENTUM}, "
               f"{'bf16' if cfg.bf16_wire else 'f32'} wire, outer "
               f"{'Nesterov (DiLoCo)' if cfg.outer == 'nesterov' else 'average'}", flush=True)
 
@@ -515,9 +519,7 @@ def _read_rows(path: Path) -> list[dict]:
 
 def run_demo(cfg: DemoConfig) -> DemoResult:
     """Run the demo as configured (prints as the command does) and return its figures."""
-    import torch
-
-    from flodl_shm.checkpoint_series import latest_checkpoint
+    from flodl_shm import latest_checkpoint
 
     xtr, ytr, xte, yte = digits_split()
     run_dir = Path(cfg.run_dir)
@@ -536,8 +538,8 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
 
         meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(ckpt))
         initial = meta.global_step
-        _say(cfg, f"  resuming {ckpt}: epoch {meta.epoch}, window {meta.sync_round}, "
-                  f"{meta.global_step} batches done")
+        _say(cfg, f"  resuming {ckpt}: window {meta.sync_round}, {meta.global_step} batches "
+                  f"done; continuing in epoch {meta.epoch + 1}")
         done_rows = [r for r in _read_rows(metrics) if r["window"] <= meta.sync_round]
     else:
         if latest_checkpoint(cfg.save_path) is not None:
@@ -551,7 +553,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
 
     per_epoch = len(xtr) // cfg.batch_size
     # digits is small: the ranks get the tensors themselves (no scikit-learn import there)
-    hook = DemoHook((xte, yte), os.fspath(metrics) if cfg.summary_host else None,
+    hook = DemoHook((xte, yte), os.fspath(metrics) if cfg.summary_host else None, cfg.epochs,
                     total_batches=cfg.epochs * per_epoch, initial_batches=initial,
                     progress=cfg.progress, log_every=cfg.log_every, eval_every=cfg.eval_every)
     trainer = _trainer(cfg, hook, (xtr, ytr))
@@ -599,11 +601,17 @@ def _maybe_plot(rows: list[dict], path: Path, cfg: DemoConfig) -> Optional[Path]
         return None
     if not rows:
         return None
-    return plot_training(rows, path, per_rank=cfg.effective_cadence == "elche")
+    slow = "" if cfg.slow_rank is None else (f", rank {cfg.slow_rank[0]} slowed "
+                                             f"{cfg.slow_rank[1]:g}x")
+    subtitle = (f"{cfg.total_world} ranks, {_CADENCE[cfg.effective_cadence]}{slow}, "
+                f"{'bf16' if cfg.bf16_wire else 'f32'} wire"
+                f"{', outer Nesterov' if cfg.outer == 'nesterov' else ''}")
+    return plot_training(rows, path, per_rank=cfg.effective_cadence == "elche",
+                         subtitle=subtitle)
 
 
 def _summary(out: DemoResult) -> None:
-    cfg, res, rows = out.config, out.train, out.rows
+    cfg, res = out.config, out.train
     hist = res.history
     print(f"done in {out.wall_s:.1f} s: {len(hist)} windows, "
           f"{sum(out.rank_batches)} batches; test accuracy {out.accuracy:.2f}% (consensus "
@@ -633,7 +641,7 @@ def _summary(out: DemoResult) -> None:
 
 
 def plot_training(rows: Sequence[dict], path: "str | os.PathLike[str]", *,
-                  per_rank: bool = False) -> Path:
+                  per_rank: bool = False, subtitle: str = "") -> Path:
     """Draw the per-window loss and test accuracy (and, with ``per_rank``, each rank's
     batches per window) of ``rows`` (``windows.jsonl``) into ``path`` (PNG). Needs
     matplotlib."""
@@ -665,7 +673,7 @@ def plot_training(rows: Sequence[dict], path: "str | os.PathLike[str]", *,
     epochs = [r["window"] for a, r in zip(rows, rows[1:]) if r["epoch"] != a["epoch"]]
     for e in epochs:
         for a in axes:
-            a.axvline(e - 0.5, color="0.85", lw=0.6, zorder=0)
+            a.axvline(e - 0.5, color="tab:orange", alpha=0.25, lw=0.8, zorder=0)
     if per_rank:
         ax = axes[2]
         nranks = max(len(r["batches"]) for r in rows)
@@ -675,8 +683,9 @@ def plot_training(rows: Sequence[dict], path: "str | os.PathLike[str]", *,
         ax.set_ylabel("batches per window")
         ax.legend(loc="upper left", fontsize=8, ncol=min(nranks, 4))
         ax.grid(True, alpha=0.3)
-    axes[-1].set_xlabel("window (sync round); light lines: epoch boundaries")
-    fig.suptitle("flodl_shm demo: MLP on scikit-learn digits", fontsize=11)
+    axes[-1].set_xlabel("window (sync round); orange lines: epoch boundaries")
+    title = "flodl_shm demo: MLP on scikit-learn digits"
+    fig.suptitle(title + (f"\n{subtitle}" if subtitle else ""), fontsize=10)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=100)

@@ -511,8 +511,6 @@ class _RankRun:
     def _train(self, plan, state: RankState) -> tuple[int, float, float, np.ndarray]:
         """Train this rank's chunks of the window; returns (batches, compute ms, loss
         sum, sample ids)."""
-        import torch
-
         from .data import fetch_batch
 
         tr = self.trainer
