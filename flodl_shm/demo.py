@@ -538,8 +538,12 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
 
         meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(ckpt))
         initial = meta.global_step
-        _say(cfg, f"  resuming {ckpt}: window {meta.sync_round}, {meta.global_step} batches "
-                  f"done; continuing in epoch {meta.epoch + 1}")
+        if meta.epoch >= cfg.epochs:
+            _say(cfg, f"  {ckpt} finished {meta.epoch} epochs: nothing left to train (pass a "
+                      f"larger --epochs to continue)")
+        else:
+            _say(cfg, f"  resuming {ckpt}: window {meta.sync_round}, {meta.global_step} "
+                      f"batches done; continuing in epoch {meta.epoch + 1}")
         done_rows = [r for r in _read_rows(metrics) if r["window"] <= meta.sync_round]
     else:
         if latest_checkpoint(cfg.save_path) is not None:
@@ -551,11 +555,18 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         metrics.write_text("".join(json.dumps(r) + "\n" for r in done_rows), encoding="utf-8")
         (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.recipe(), indent=1) + "\n")
 
+    progress = cfg.progress
+    if progress:
+        try:
+            import tqdm  # noqa: F401 - the bar is drawn in a rank; check here
+        except ImportError:
+            _say(cfg, "  (no progress bar: tqdm is not installed; pip install -e \".[demo]\")")
+            progress = False
     per_epoch = len(xtr) // cfg.batch_size
     # digits is small: the ranks get the tensors themselves (no scikit-learn import there)
     hook = DemoHook((xte, yte), os.fspath(metrics) if cfg.summary_host else None, cfg.epochs,
                     total_batches=cfg.epochs * per_epoch, initial_batches=initial,
-                    progress=cfg.progress, log_every=cfg.log_every, eval_every=cfg.eval_every)
+                    progress=progress, log_every=cfg.log_every, eval_every=cfg.eval_every)
     trainer = _trainer(cfg, hook, (xtr, ytr))
     cluster = {}
     if cfg.controller is not None:
@@ -702,7 +713,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-    run_demo(cfg)
+    try:
+        run_demo(cfg)
+    except KeyboardInterrupt:
+        from flodl_shm import latest_checkpoint
+
+        last = latest_checkpoint(cfg.save_path)
+        print("\ninterrupted; every rank was stopped. "
+              + (f"Last checkpoint {last}: continue with --resume." if last is not None
+                 else "No checkpoint was written yet."), file=sys.stderr)
+        return 130
     return 0
 
 
