@@ -32,8 +32,8 @@ _EXPORTS = {
     "tensors_to_round_frame": "flodl_shm.frame",
     "round_frame_to_tensors": "flodl_shm.frame",
     # launch and collectives
-    "spawn": "flodl_shm.spawn",
-    "RankContext": "flodl_shm.spawn",
+    "spawn": "flodl_shm.launch",
+    "RankContext": "flodl_shm.launch",
     "Comm": "flodl_shm.comm",
     "ClusterController": "flodl_shm.controller",
     # realized work and dead ranks
@@ -83,7 +83,7 @@ _EXPORTS = {
     "SyncWindow": "flodl_shm.sync_window",
     "latest_checkpoint": "flodl_shm.checkpoint_series",
     "NoGuard": "flodl_shm.convergence",
-    "SpawnContext": "flodl_shm.spawn",
+    "SpawnContext": "flodl_shm.launch",
     # multi-host secrets
     "new_salt": "flodl_shm.secret",
     "read_secret_file": "flodl_shm.secret",

@@ -459,7 +459,9 @@ class Comm:
         rnd = self._round
         plan = self._plan(kind, dtype, shapes)
         tap = kind == RoundKind.MODEL and self._ckpt is not None
-        outer = outer and (self._outer_installed or eng.relay_mode)
+        # only a stateful outer optimizer steps (OuterAvg is the plain consensus); on a
+        # cluster the flag travels to the controller, which refuses it if it has none
+        outer = outer and self._outer_installed
         # the outer step runs in the slice reduce: outer rounds take the bulk path
         bulk = zero_copy or eng.relay_mode or outer or not plan.eager_fits
         if bulk:

@@ -410,6 +410,12 @@ class ClusterController:
                 clock.start = time.monotonic()
             fl, frame = res
             this = (frame.kind, tuple((p.dtype, p.shape) for p in frame.tensors))
+            if fl & FLAG_OUTER and self.outer is None:
+                raise FrameError(
+                    f"round {rnd}: the ranks sent their params frame for an outer optimizer "
+                    f"step, but this controller has none; start it with the ranks' optimizer "
+                    f"(python -m flodl_shm controller --outer nesterov --outer-lr LR "
+                    f"--outer-momentum MU, or ClusterController.start(..., outer=...))")
             if schema is None:
                 schema, flags = this, fl
                 offs = list(np.cumsum([0] + [int(np.prod(p.shape, dtype=np.int64))
@@ -562,6 +568,19 @@ class _RoundClock:
                 and time.monotonic() - self.start > self.timeout)
 
 
+def _read_momentum(path: str) -> list:
+    """The tensors of an ``.outer.fdl`` (keys p0, p1, ... in parameter order)."""
+    from .checkpoint.fdl import read_fdl
+
+    entries = read_fdl(path).by_name()
+    out = []
+    while f"p{len(out)}" in entries:
+        out.append(entries[f"p{len(out)}"].to_tensor())
+    if not out:
+        raise ValueError(f"{path} holds no p0, p1, ... entries: not an outer momentum file")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flodl_shm controller",
                                  description="Serve a multi-host flodl_shm cohort.")
@@ -575,6 +594,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--round-timeout", type=float, default=DEFAULT_ROUND_TIMEOUT,
                     help="seconds a round may wait for live hosts before it is a stall")
     ap.add_argument("--port-file", help="write the bound port here once listening")
+    ap.add_argument("--outer", choices=("avg", "nesterov"), default="avg",
+                    help="the outer optimizer the ranks use (DiLoCo: nesterov); it runs here")
+    ap.add_argument("--outer-lr", type=float, default=0.7)
+    ap.add_argument("--outer-momentum", type=float, default=0.9)
+    ap.add_argument("--outer-state", metavar="OUTER_FDL",
+                    help="resume: the <stem>.outer.fdl momentum of the checkpoint to continue")
     args = ap.parse_args(argv)
     if args.new_secret:
         write_secret_file(args.new_secret)
@@ -586,8 +611,17 @@ def main(argv: list[str] | None = None) -> int:
                  + ", ".join("--" + m.replace("_", "-") for m in missing))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     salt = read_secret_file(args.secret_file)
+    outer = None
+    if args.outer == "nesterov":
+        from .outer import OuterNesterov
+
+        outer = OuterNesterov(args.outer_lr, args.outer_momentum)
+    elif args.outer_state:
+        ap.error("--outer-state needs --outer nesterov")
     ctl = ClusterController.start(args.bind, args.world_size, salt,
-                                  round_timeout=args.round_timeout)
+                                  round_timeout=args.round_timeout, outer=outer)
+    if args.outer_state:
+        ctl.load_outer_momentum(_read_momentum(args.outer_state))
     print(f"controller listening on port {ctl.port} for {args.world_size} ranks", flush=True)
     if args.port_file:
         Path(args.port_file).write_text(f"{ctl.port}\n")

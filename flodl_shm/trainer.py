@@ -302,7 +302,7 @@ class Trainer:
                                  cluster))
 
     def _launch(self, job: _Job) -> TrainResult:
-        from .spawn import spawn
+        from .launch import spawn
 
         nprocs = job.nprocs
         if nprocs < 1:

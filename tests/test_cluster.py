@@ -417,3 +417,18 @@ def test_outer_step_and_checkpoint_at_the_controller(tmp_path):
         assert np.array_equal(mom[f"p{i}"].to_numpy(), v.numpy())
     meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(path))
     assert (meta.global_step, meta.sync_round, meta.world_size_at_save) == (6, 3, 2)
+
+
+def outer_without_controller_support(ctx):
+    from flodl_shm import OuterNesterov
+
+    ctx.comm.set_outer(OuterNesterov())
+    return sumcount_reduce(ctx.comm, [torch.ones(5)], 1.0, DECODE_SLOT_PARAMS, outer=True)
+
+
+def test_an_outer_step_the_controller_cannot_run_is_refused_loudly():
+    out, errors, ctl = run_hosts(outer_without_controller_support, [1, 1])
+    assert set(errors) == {0, 1}
+    for e in errors.values():
+        assert "outer" in str(e) and "--outer nesterov" in str(e), str(e)
+    assert ctl.error is not None and "outer" in str(ctl.error)

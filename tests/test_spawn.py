@@ -330,3 +330,20 @@ def test_start_reaps_segments_of_dead_owners():
         assert seg.name not in {s.name for s in list_segments()}
     finally:
         seg.unlink()
+
+
+def test_spawn_stays_the_function_after_any_import():
+    """``flodl_shm.spawn`` is the launch function even after every submodule loaded (a
+    submodule of that name used to replace it by the module)."""
+    import importlib
+    import pkgutil
+
+    import flodl_shm as pkg
+
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if info.name != "__main__":
+            importlib.import_module(f"flodl_shm.{info.name}")
+    assert callable(pkg.spawn) and pkg.spawn.__name__ == "spawn"
+    from flodl_shm import spawn as fn
+
+    assert fn is pkg.spawn

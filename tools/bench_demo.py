@@ -175,9 +175,7 @@ def _fold(per_rank: list[dict], total_s: float) -> dict:
 
 
 def run_shm_loop(data, epochs) -> dict:
-    # the function, not the submodule: once ``flodl_shm.spawn`` (the module) has been
-    # imported, the package attribute of that name is the module
-    from flodl_shm.spawn import spawn
+    from flodl_shm import spawn
 
     t0 = time.perf_counter()
     per_rank = spawn(_shm_worker, WORLD, (data, epochs), timeout=300)

@@ -1,4 +1,7 @@
-"""``spawn``: run a function on N rank processes of this host, supervised.
+"""The launcher: ``spawn`` runs a function on N rank processes of this host, supervised.
+
+(This module is ``launch``, not ``spawn``: a submodule named like the function would
+replace ``flodl_shm.spawn`` by the module once imported.)
 
 The calling process becomes the **supervisor**: it owns the host arena (creates and
 unlinks every shared-memory segment), starts the ranks (start method "spawn"),
