@@ -41,7 +41,7 @@ import numpy as np
 from . import kernels as K
 from .dead_ranks import DeadRanks
 from .errors import FrameError
-from .frame import DTYPE_BF16, DTYPE_F32, RoundFrame, RoundKind, TensorPayload, elem_size
+from .frame import DTYPE_F32, RoundFrame, RoundKind, TensorPayload, elem_size
 from .mux import HandshakeRejected, Kind, Link, parse_addr, server_handshake
 from .secret import read_secret_file, write_secret_file
 from .wire import check_salt, frame_tag

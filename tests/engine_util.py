@@ -30,3 +30,15 @@ def live_children() -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+def assert_no_leaks(grace: float = 5.0) -> None:
+    """No shared-memory segment of this process and no rank process left (ranks get
+    ``grace`` seconds to be reaped)."""
+    import time
+
+    assert our_segments() == [], "the run left shared-memory segments behind"
+    deadline = time.monotonic() + grace
+    while live_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live_children() == [], "the run left rank processes behind"

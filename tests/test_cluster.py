@@ -26,7 +26,7 @@ from flodl_shm.frame import DTYPE_F32, TensorPayload
 from flodl_shm.mux import HandshakeRejected, Kind, client_handshake, connect
 
 from cluster_util import SALT, run_hosts
-from engine_util import live_children, our_segments
+from engine_util import assert_no_leaks
 
 pytestmark = pytest.mark.timeout(240)
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -34,12 +34,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 @pytest.fixture(autouse=True)
 def _no_leaks():
+    """After each test: no shared-memory segment of ours and no rank process left."""
     yield
-    assert our_segments() == []
-    deadline = time.monotonic() + 10
-    while live_children() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert live_children() == []
+    assert_no_leaks(10)
 
 
 def frame_with(values, weight=1.0):

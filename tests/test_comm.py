@@ -282,7 +282,6 @@ def test_in_place_single_tensor_bulk_writes_own_slice_during_its_reduce(bf16):
 
     with FakeCohort(3) as c:
         out = c.run(body)
-    ref = torch.from_numpy(data[0] + data[1] + data[2]) if not bf16 else None
     first = out[0][1]
     for mass, t, zero, kept in out:
         assert mass == 3.0 and zero == 0.0 and kept

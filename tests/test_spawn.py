@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import flodl_shm
-from flodl_shm import RankFailed, ReduceStall, RoundKind, spawn
+from flodl_shm import RankFailed, RoundKind, spawn
 from flodl_shm.segment import Segment, list_segments, reap_dead_owner_segments, segment_name
 
-from engine_util import live_children, our_segments
+from engine_util import assert_no_leaks
 
 pytestmark = pytest.mark.timeout(180)
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,12 +30,9 @@ BIG = 1 << 18  # f32 elements of a bulk round
 
 @pytest.fixture(autouse=True)
 def _no_leaks():
+    """After each test: no shared-memory segment of ours and no rank process left."""
     yield
-    assert our_segments() == [], "spawn left shared-memory segments behind"
-    deadline = time.monotonic() + 5
-    while live_children() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert live_children() == [], "spawn left rank processes behind"
+    assert_no_leaks()
 
 
 # --- rank functions (module level: they are pickled to the ranks) ---------------------------

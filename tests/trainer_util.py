@@ -21,7 +21,7 @@ import torch
 from flodl_shm.coverage import epoch_permutation
 from flodl_shm.hooks import Hook
 
-from engine_util import live_children, our_segments
+from engine_util import assert_no_leaks
 
 N_SAMPLES = 256
 FEATURES = 6
@@ -31,11 +31,7 @@ FEATURES = 6
 def no_leaks():
     """After each test: no shared-memory segment of ours and no rank process left."""
     yield
-    assert our_segments() == [], "the run left shared-memory segments behind"
-    deadline = time.monotonic() + 5
-    while live_children() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert live_children() == [], "the run left rank processes behind"
+    assert_no_leaks()
 
 
 def make_model() -> torch.nn.Module:

@@ -166,7 +166,7 @@ def _mpi_worker_main(sizes, scale) -> None:
     for nbytes in sizes:
         buf = np.full(nbytes // 4, rank + 1, dtype=np.float32)
 
-        def avg():
+        def avg(buf=buf):
             comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
             np.multiply(buf, inv, out=buf)
 

@@ -24,7 +24,7 @@ import math
 import os
 import struct
 from pathlib import Path
-from typing import Mapping, Optional, Union
+from typing import Mapping, Optional
 
 from ..errors import CheckpointError
 from ._atomic import atomic_write

@@ -40,7 +40,7 @@ import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterable, Iterator, Optional, Sequence, Union
+from typing import BinaryIO, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 

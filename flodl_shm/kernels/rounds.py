@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ..layout import (DEAD_EXITED, FLAG_BULK, FLAG_ELIDED, FLAGS_AGREED, G_ABORT, G_DOORBELL,
+from ..layout import (DEAD_EXITED, FLAG_ELIDED, FLAGS_AGREED, G_ABORT, G_DOORBELL,
                      G_SLEEPERS, GLOBAL_WORDS, H_DTYPE, H_FLAGS, H_KIND, H_NBYTES, H_NELEM,
                      H_NTENSORS, H_ROUND, H_SCHEMA_HASH, H_SCHEMA_WORDS, H_WEIGHT, HDR_WORDS,
                      R_ARRIVED, R_DEAD, R_HDR, RANK_WORDS)
@@ -160,13 +160,8 @@ def reduce_eager_f32(eager, slot_bytes, rnd, world, contrib, off, nelem, out, in
     """
     f = np.float32(inv)
     par = rnd & 1
-    nsrc = 0
-    for r in range(world):
-        if (contrib >> r) & 1:
-            nsrc += 1
-    if nsrc == 0:
-        for i in range(nelem):
-            out[i] = 0.0
+    if contrib == 0:
+        out[:nelem] = 0
         return
     ch = acc.shape[0]
     for c0 in range(0, nelem, ch):
@@ -198,13 +193,8 @@ def reduce_eager_bf16(eager, slot_bytes, rnd, world, contrib, off, nelem, out, i
     ch = acc.shape[0]
     abits = acc.view(np.uint32)
     tbits = tmp.view(np.uint32)
-    nsrc = 0
-    for r in range(world):
-        if (contrib >> r) & 1:
-            nsrc += 1
-    if nsrc == 0:
-        for i in range(nelem):
-            out[i] = 0
+    if contrib == 0:
+        out[:nelem] = 0
         return
     for c0 in range(0, nelem, ch):
         c1 = min(c0 + ch, nelem)

@@ -15,8 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ..layout import (G_ABORT, G_CONSENSUS, G_DOORBELL, G_SLEEPERS, GLOBAL_WORDS, R_ARRIVED,
-                     R_CLAIM, R_DEAD, R_DONE, RANK_WORDS)
+from ..layout import G_ABORT, G_DOORBELL, G_SLEEPERS, GLOBAL_WORDS, R_DONE, RANK_WORDS
 from .atomics import compare_exchange, cpu_relax, fetch_add, load_acquire, store_release
 
 
@@ -62,28 +61,6 @@ def cas(ctl, idx, expected, new):
     """Compare-and-swap ``ctl[idx]`` from ``expected`` to ``new``; returns the old value
     (the swap happened iff it equals ``expected``)."""
     return compare_exchange(ctl, idx, expected, new)
-
-
-@njit(cache=True, nogil=True)
-def spin_arrivals(ctl, world, rnd, iters):
-    """Every rank has published round ``rnd`` (arrived >= rnd) or is dead."""
-    it = 0
-    while True:
-        if load_acquire(ctl, G_ABORT) != 0:
-            return -2
-        missing = -1
-        for r in range(world):
-            b = GLOBAL_WORDS + r * RANK_WORDS
-            if load_acquire(ctl, b + R_ARRIVED) < rnd:
-                if load_acquire(ctl, b + R_DEAD) == 0:
-                    missing = r
-                    break
-        if missing == -1:
-            return -1
-        if it >= iters:
-            return missing
-        it += 1
-        cpu_relax()
 
 
 @njit(cache=True, nogil=True)
@@ -134,8 +111,6 @@ def spin_calibrate(n):
 
 def warm_up() -> None:
     ctl = np.zeros(GLOBAL_WORDS + 2 * RANK_WORDS, np.int64)
-    ctl[GLOBAL_WORDS + R_ARRIVED] = 5
-    ctl[GLOBAL_WORDS + RANK_WORDS + R_ARRIVED] = 5
     c32 = ctl.view(np.int32)
     ring(ctl, c32)
     publish(ctl, c32, GLOBAL_WORDS + R_DONE, 1)
@@ -146,7 +121,6 @@ def warm_up() -> None:
     doorbell(c32)
     add_sleeper(ctl, 1)
     add_sleeper(ctl, -1)
-    spin_arrivals(ctl, 2, 1, 0)
     spin_slices(ctl, 2, 1, 0, 0)
     spin_word_ge(ctl, 0, 0, 0)
     spin_calibrate(10)
