@@ -253,6 +253,15 @@ class Comm:
         test can kill this rank at a precise moment of a bulk round."""
         self._engine.fault_hook = hook
 
+    def last_accepted_ranks(self) -> list[int]:
+        """Global ranks of this host whose contribution the last round accepted.
+
+        On one host that is the whole accepted set. On a cluster it covers this host's
+        ranks only; remote ranks are known to the controller (its ``dead_ranks``)."""
+        mask = self._engine.last_accepted
+        first = self.rank - self.local_rank
+        return [first + i for i in range(self.local_world_size) if (mask >> i) & 1]
+
     @property
     def round(self) -> int:
         """The number of the next collective round."""

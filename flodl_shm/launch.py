@@ -241,11 +241,13 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
 
 def _warm_kernels(nprocs: int) -> None:
     """Compile (or load) every kernel here, once, so ranks only read numba's cache."""
+    from . import coverage, outer
     from .kernels import rounds, sync, tensorio, warm_up
 
     warm_up(max_sources=max(4, nprocs))
-    for module in (sync, rounds, tensorio):
+    for module in (sync, rounds, tensorio, outer):
         module.warm_up()
+    coverage.epoch_permutation(0, 0, 8)
 
 
 class SpawnContext:

@@ -186,15 +186,10 @@ def expected_params_mass(counts: CohortCounts, gamma: float) -> float:
 def accepted_ranks(comm) -> set[int]:
     """Global ranks whose contribution the last collective round accepted.
 
-    Uses ``Comm.last_accepted_ranks()`` when the engine provides it; otherwise reads
-    the single-host engine's accepted-rank mask (local ranks of this host).
+    ``Comm.last_accepted_ranks()``: on one host the whole accepted set; on a
+    cluster this host's ranks only.
     """
-    fn = getattr(comm, "last_accepted_ranks", None)
-    if callable(fn):
-        return {int(r) for r in fn()}
-    mask = int(comm._engine.last_accepted)  # noqa: SLF001 - see the docstring
-    first = comm.rank - comm.local_rank
-    return {first + i for i in range(comm.local_world_size) if (mask >> i) & 1}
+    return {int(r) for r in comm.last_accepted_ranks()}
 
 
 @dataclass(frozen=True)
