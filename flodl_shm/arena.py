@@ -359,20 +359,8 @@ class Arena:
         return code, info
 
     # -- helpers -------------------------------------------------------------------
-    def header(self, rank: int, rnd: int) -> np.ndarray:
-        b = header_base(rank, rnd)
-        return self.ctl[b:b + HDR_WORDS]
-
     def is_dead(self, rank: int) -> bool:
         return bool(self.ctl[rank_base(rank) + R_DEAD])
-
-    def dead_ranks(self) -> list[int]:
-        return [r for r in range(self.world) if self.is_dead(r)]
-
-    def segment_names(self) -> list[str]:
-        names = [self.handle.name(w) for w in ("ctl", "res", "out", "tap")]
-        names += [self.handle.name(f"d{r}") for r in range(self.world)]
-        return names
 
     def __repr__(self) -> str:
         return (f"Arena(session={self.handle.session}, world={self.world}, "

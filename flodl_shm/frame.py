@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -171,6 +171,7 @@ class RoundFrame:
 # --- tensors <-> frames -----------------------------------------------------------
 
 _SCRATCH_ELEMS = 4096
+_SCRATCH = np.empty(_SCRATCH_ELEMS, np.float32)  # the kernels' API slot; not written
 
 
 def _torch():
@@ -231,7 +232,7 @@ def tensor_to_payload(t, dtype: int, index: int = 0, scale: float = 1.0) -> Tens
             if scale == 1.0:
                 kernels.f32_to_bf16(src, out)
             else:
-                kernels.f32_to_bf16_scaled(src, out, scale, np.empty(_SCRATCH_ELEMS, np.float32))
+                kernels.f32_to_bf16_scaled(src, out, scale, _SCRATCH)
     else:  # bfloat16
         bits = t.reshape(-1).view(torch.int16).numpy().view(np.uint16)
         if dtype == DTYPE_BF16:
@@ -239,7 +240,7 @@ def tensor_to_payload(t, dtype: int, index: int = 0, scale: float = 1.0) -> Tens
             if scale == 1.0:
                 np.copyto(out, bits)
             else:
-                kernels.bf16_scaled_copy(bits, out, scale, np.empty(_SCRATCH_ELEMS, np.float32))
+                kernels.bf16_scaled_copy(bits, out, scale, _SCRATCH)
         else:
             out = np.empty(n, np.float32)
             if scale == 1.0:
@@ -299,12 +300,3 @@ def check_frame(frame: RoundFrame) -> None:
     for i, p in enumerate(frame.tensors):
         p.check(i)
 
-
-def schema_of(frame: RoundFrame) -> tuple:
-    """(kind, ((dtype, shape), ...)): what every contribution to a round must share."""
-    return (int(frame.kind), tuple((p.dtype, p.shape) for p in frame.tensors))
-
-
-def iter_payload_arrays(frame: RoundFrame) -> Iterable[np.ndarray]:
-    for i, p in enumerate(frame.tensors):
-        yield p.as_array(i)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 MAGIC = 0x46534D48_41524E41  # "FSMHARNA"
 VERSION = 1
-LINE_WORDS = 8  # 64-byte cache line in int64 words
 
 # -- global words ---------------------------------------------------------------------
 G_MAGIC = 0
@@ -80,7 +79,6 @@ FLAGS_AGREED = FLAG_BULK | FLAG_OUTER | FLAG_TAP  # every rank of a round must a
 __all__ = [
     "MAGIC",
     "VERSION",
-    "LINE_WORDS",
     "G_MAGIC",
     "G_VERSION",
     "G_WORLD",

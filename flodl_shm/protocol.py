@@ -61,8 +61,8 @@ from typing import Callable
 import numpy as np
 
 from . import arena as A
-from .errors import CohortAborted, FrameError, ReduceStall, SchemaMismatchError
-from .frame import DTYPE_BF16, DTYPE_F32, RoundKind, dtype_name, elem_size
+from .errors import CohortAborted, ReduceStall, SchemaMismatchError
+from .frame import DTYPE_F32, RoundKind, dtype_name, elem_size
 from .kernels import codec as K
 from .kernels import reduce as R
 from .kernels import rounds as RK
@@ -510,11 +510,6 @@ class RoundEngine:
             raise ReduceStall(f"round {info['round']} stalled across hosts: {info['text']}",
                               round=int(info["round"]), missing=tuple(info["missing"]))
         raise ConnectionError(f"round {rnd}: this host lost the cohort: {info['text']}")
-
-
-def check_frame_dtype(dtype: int) -> None:
-    if dtype not in (DTYPE_F32, DTYPE_BF16):
-        raise FrameError(f"unsupported wire dtype tag {dtype} (0 = f32, 1 = bf16)")
 
 
 def frame_layout(shapes: list[tuple[int, ...]]) -> tuple[list[int], list[int], int]:

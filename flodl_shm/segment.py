@@ -163,15 +163,6 @@ def reap_dead_owner_segments(shm_dir: Path = SHM_DIR) -> list[SegmentInfo]:
     return reaped
 
 
-def unlink_session(owner_pid: int, session: str) -> int:
-    """Unlink every segment of one (owner, session); returns how many."""
-    n = 0
-    for seg in list_segments():
-        if seg.owner_pid == owner_pid and seg.session == session:
-            n += unlink_name(seg.name)
-    return n
-
-
 class Segment:
     """A named POSIX shared-memory segment mapped into this process.
 

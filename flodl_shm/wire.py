@@ -89,11 +89,6 @@ def set_frame_ceiling(nbytes: int | None) -> None:
     _ceiling_override = None if nbytes is None else int(nbytes)
 
 
-def model_frame_ceiling(model_bytes: int) -> int:
-    """flodl's model-derived ceiling: max(2 x model bytes, 64 MiB)."""
-    return max(2 * int(model_bytes), FRAME_CEILING_FLOOR)
-
-
 def check_salt(salt) -> bytes:
     """The 16-byte session salt as ``bytes``; ``FrameError`` for anything else."""
     # bytes(16) would silently make a zero key and bytes("...") raises TypeError:
