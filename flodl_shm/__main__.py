@@ -8,10 +8,10 @@ import importlib
 import sys
 
 COMMANDS = {
-    "demo": ("flodl_shm.demo", "train the demo MLP on scikit-learn digits with N ranks"),
-    "controller": ("flodl_shm.controller", "run a cluster controller for multi-host cohorts"),
-    "ram": ("flodl_shm.host_ram", "is this host big enough? RAM, cgroup, /dev/shm, segments"),
-    "fdl": ("flodl_shm.checkpoint.cli", "inspect and convert .fdl checkpoints"),
+    "demo": ("flodl_shm.cli.demo", "train the demo MLP on scikit-learn digits with N ranks"),
+    "controller": ("flodl_shm.cli.controller", "run a cluster controller for multi-host cohorts"),
+    "ram": ("flodl_shm.cli.ram", "is this host big enough? RAM, cgroup, /dev/shm, segments"),
+    "fdl": ("flodl_shm.cli.fdl", "inspect and convert .fdl checkpoints"),
 }
 
 

@@ -89,3 +89,24 @@ class RankFailed(RuntimeError):
     def __reduce__(self):
         return (RankFailed, (self.rank, self.exc_type, self.traceback, self.signal,
                              self.exitcode, str(self)))
+
+
+class ShmSpaceError(MemoryError):
+    """``/dev/shm`` cannot hold what the arena needs. The message names both sizes
+    and the fix (a bigger ``--shm-size`` for containers)."""
+
+
+class HandshakeRejected(ConnectionError):
+    """The controller refused this host (world size, rank set, duplicate host...)."""
+
+
+class TrainingAborted(RuntimeError):
+    """More ranks died than ``max_failures`` allows. The survivors saved a
+    ``max_failure_exceeded`` checkpoint first (``checkpoint``); continue with
+    ``Trainer.resume(save_path)``. ``result`` is the partial ``TrainResult``."""
+
+    def __init__(self, message: str, result) -> None:
+        super().__init__(message)
+        self.result = result
+        self.checkpoint = result.checkpoint
+        self.dead_ranks = result.dead_ranks

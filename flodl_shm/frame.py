@@ -2,8 +2,8 @@
 
 A ``RoundFrame`` is an ordered list of ``TensorPayload`` (a wire dtype tag, a shape
 and the raw little-endian element bytes) plus the sender's realized-work ``weight``
-and the round's ``kind``. It mirrors flodl 0.7.0's RoundFrame (``notes/flodl-spec.md``
-§1.4); ``flodl_shm.wire`` gives its byte layout on a stream.
+and the round's ``kind``. It mirrors flodl 0.7.0's RoundFrame (docs/wire.md);
+``flodl_shm.cluster.wire`` gives its byte layout on a stream.
 
 Wire dtypes: ``DTYPE_F32`` (tag 0, 4-byte elements) and ``DTYPE_BF16`` (tag 1,
 2-byte elements). Tensors cross this boundary as:

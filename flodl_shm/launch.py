@@ -40,12 +40,12 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from . import arena as A
+from .engine import arena as A
 from .errors import CohortAborted, RankFailed, ReduceStall
-from .tap import TapServer
-from .hostmem import host_memory
-from .segment import reap_dead_owner_segments, space_error
-from .waiting import Doorbell, available_cores
+from .engine.checkpoint_tap import TapServer
+from .engine.hostmem import host_memory
+from .engine.segment import reap_dead_owner_segments, space_error
+from .engine.waiting import Doorbell, available_cores
 
 logger = logging.getLogger("flodl_shm")
 
@@ -189,15 +189,15 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
         import torch
 
         torch.set_num_threads(threads)
-        from .arena import Arena
-        from .comm import Comm
+        from .engine.arena import Arena
+        from .engine.comm import Comm
 
         def liveness() -> None:
             if os.getppid() != parent_pid:
                 raise CohortAborted(f"the launcher (pid {parent_pid}) died; rank {global_rank} "
                                     f"stops")
 
-        from .hostmem import host_memory
+        from .engine.hostmem import host_memory
 
         memory = host_memory()  # before the run's own working set (the staging gate)
         arena = Arena.attach(handle)
@@ -241,13 +241,11 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
 
 def _warm_kernels(nprocs: int) -> None:
     """Compile (or load) every kernel here, once, so ranks only read numba's cache."""
-    from . import coverage, outer
-    from .kernels import rounds, sync, tensorio, warm_up
+    from .kernels import outer_step, permutation, rounds, signals, tensorio, warm_up
 
     warm_up(max_sources=max(4, nprocs))
-    for module in (sync, rounds, tensorio, outer):
+    for module in (signals, rounds, tensorio, outer_step, permutation):
         module.warm_up()
-    coverage.epoch_permutation(0, 0, 8)
 
 
 class SpawnContext:
@@ -577,7 +575,7 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
                                           f"{shm_bytes_hint}-byte frames")
     relay_factory = None
     if controller is not None:
-        from .relay import relay_factory as _relay_factory
+        from .cluster.relay import relay_factory as _relay_factory
 
         relay_factory = _relay_factory(controller, salt, world, first_rank, nprocs)
     ctx = SpawnContext(fn, nprocs, args, world_size=world, first_rank=first_rank,

@@ -16,11 +16,11 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from . import arena as A
-from .comm import Comm
+from .engine import arena as A
+from .engine.comm import Comm
 from .errors import CohortAborted
-from .tap import TapServer
-from .waiting import Doorbell
+from .engine.checkpoint_tap import TapServer
+from .engine.waiting import Doorbell
 
 
 class FakeCohort:

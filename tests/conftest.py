@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from flodl_shm import wire
+from flodl_shm.cluster import wire
 
 
 @pytest.fixture

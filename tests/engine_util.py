@@ -5,7 +5,7 @@ import os
 
 import psutil
 
-from flodl_shm.segment import list_segments
+from flodl_shm.engine.segment import list_segments
 
 
 def our_segments() -> list[str]:

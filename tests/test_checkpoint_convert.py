@@ -12,7 +12,7 @@ import torch
 
 from flodl_shm import CheckpointError, CheckpointForge, ModelSchema, load_consensus_checkpoint
 from flodl_shm import tensors_to_round_frame
-from flodl_shm.checkpoint import cli
+from flodl_shm.cli import fdl as cli
 from flodl_shm.checkpoint.convert import (
     consensus_state_dict,
     convert,

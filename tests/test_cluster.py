@@ -23,7 +23,7 @@ from flodl_shm import (DECODE_SLOT_BUFFERS, DECODE_SLOT_PARAMS, ClusterControlle
                        RoundFrame, RoundKind, ReduceStall, gamma_mass, mover_mass, spawn,
                        sumcount_reduce)
 from flodl_shm.frame import DTYPE_F32, TensorPayload
-from flodl_shm.mux import HandshakeRejected, Kind, client_handshake, connect
+from flodl_shm.cluster.link import HandshakeRejected, Kind, client_handshake, connect
 
 from cluster_util import SALT, run_hosts
 from engine_util import assert_no_leaks
@@ -282,7 +282,7 @@ def test_controller_survives_silence_garbage_and_a_tampered_frame(monkeypatch):
         frame = frame_with([1000.0, 1000.0, 1000.0])
         frame.kind = RoundKind.MODEL
         # a valid record header with a frame whose payload was altered after tagging
-        import flodl_shm.mux as mux
+        import flodl_shm.cluster.link as mux
 
         orig = mux.write_round_frame
 

@@ -433,7 +433,7 @@ def test_frame_level_reduce_validates_its_frame():
 def test_frames_beyond_one_gib_grow_the_arena_on_demand():
     """No fixed cap: a 1.1 GiB frame grows each rank's bulk region and the result
     region in place (posix_fallocate), and reduces correctly."""
-    from flodl_shm.segment import shm_free_bytes
+    from flodl_shm.engine.segment import shm_free_bytes
 
     n = (1 << 30) // 4 + (25 << 20)  # 1.1 GiB of f32
     need = 3 * 4 * n + (64 << 20)

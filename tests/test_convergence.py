@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from flodl_shm.convergence import (
+from flodl_shm.training.convergence import (
     LambdaEstimator,
     MsfGuard,
     NoGuard,

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flodl_shm import ChunkPool, CoverageBlock, EpochCoverage
-from flodl_shm.coverage import (
+from flodl_shm.training.coverage import (
     SHUFFLE_BASE_SEED,
     coverage_block,
     epoch_permutation,

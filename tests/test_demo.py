@@ -21,8 +21,8 @@ pytest.importorskip("sklearn", reason="the demo needs scikit-learn (the demo/tes
 
 from flodl_shm import Trainer, load_consensus_checkpoint  # noqa: E402
 from flodl_shm.checkpoint.meta import CheckpointBundle, CheckpointMeta  # noqa: E402
-from flodl_shm.checkpoint_series import committed_checkpoints  # noqa: E402
-from flodl_shm.demo import (DemoConfig, _maybe_plot, accuracy, digits_split,  # noqa: E402
+from flodl_shm.checkpoint.series import committed_checkpoints  # noqa: E402
+from flodl_shm.cli.demo import (DemoConfig, _maybe_plot, accuracy, digits_split,  # noqa: E402
                             make_model, parse_args, run_demo, train_one_process)
 
 from engine_util import live_children, our_segments  # noqa: E402

@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("sklearn", reason="the demo needs scikit-learn (the demo/test extras)")
 
 from flodl_shm.checkpoint.meta import CheckpointBundle, CheckpointMeta  # noqa: E402
-from flodl_shm.checkpoint_series import committed_checkpoints  # noqa: E402
-from flodl_shm.segment import list_segments  # noqa: E402
+from flodl_shm.checkpoint.series import committed_checkpoints  # noqa: E402
+from flodl_shm.engine.segment import list_segments  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from flodl_shm import ElChe, ElCheState, Phase
-from flodl_shm.convergence import NudgeDown, Stable, SuppressGrowth
-from flodl_shm.el_che import WindowReport
+from flodl_shm.training.convergence import NudgeDown, Stable, SuppressGrowth
+from flodl_shm.training.el_che import WindowReport, fit_counts
 
 
 def report_ms(el: ElChe, ms, sync_ms: float = 0.0, batches: int = 10) -> None:
@@ -199,14 +199,17 @@ def test_callback_slack_is_subtracted_once():
     assert el.pending_callback_slack_ms == [0.0, 0.0]
 
 
-def test_clamp_total_is_proportional_with_remainder_to_the_first_ranks():
-    el = ElChe(3, 10)
-    report_ms(el, [10.0, 5.0, 2.5])  # [10, 20, 40]
-    assert el.clamp_total(100) == [10, 20, 40]
-    assert el.clamp_total(35) == [5, 10, 20]
-    assert el.clamp_total(36) == [6, 10, 20]  # floors [5,10,20] = 35, +1 to rank 0
-    assert el.clamp_total(2) == [1, 1, 1]
-    assert el.batch_counts() == [10, 20, 40]  # a query, not a mutation
+def test_fit_counts_is_the_one_rule_for_the_cap_and_the_dispatch():
+    assert fit_counts([10, 20, 40], 100) == [10, 20, 40]       # fits: unchanged
+    assert fit_counts([10, 20, 40], 35) == [5, 10, 20]
+    assert fit_counts([10, 20, 40], 36) == [5, 10, 21]         # remainder to the largest
+    assert fit_counts([20, 20], 5) == [2, 3]                   # tie: the highest rank
+    assert fit_counts([0, 8, 8], 4) == [0, 2, 2]               # dead ranks stay 0
+    # more live ranks than the limit: the dispatcher drops the highest ranks ...
+    assert fit_counts([1, 1, 1], 2) == [1, 1, 0]
+    assert fit_counts([5, 5], 0) == [0, 0]
+    # ... while ElChe's ratios keep their floor of 1
+    assert fit_counts([10, 20, 40], 2, strict=False) == [1, 1, 1]
 
 
 # --- trust windows ---------------------------------------------------------------------------

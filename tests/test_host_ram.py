@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from flodl_shm.arena import shm_need_bytes
-from flodl_shm.host_ram import main, parse_count, parse_size
-from flodl_shm.staging import gate_need_bytes
+from flodl_shm.engine.arena import shm_need_bytes
+from flodl_shm.cli.ram import main, parse_count, parse_size
+from flodl_shm.engine.staging import gate_need_bytes
 from test_hostmem import fake_host as fake_root
 from test_hostmem import v2
 

@@ -7,7 +7,7 @@ import os
 import psutil
 import pytest
 
-from flodl_shm.hostmem import UNLIMITED_V1, HostMemory, folder_used_bytes, host_memory
+from flodl_shm.engine.hostmem import UNLIMITED_V1, HostMemory, folder_used_bytes, host_memory
 
 KB = 1 << 10
 MB = 1 << 20

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flodl_shm import OuterAvg, OuterNesterov
-from flodl_shm.outer import avg_step_flat, nesterov_step_flat
+from flodl_shm.training.outer import avg_step_flat, nesterov_step_flat
 
 
 def t(*xs):

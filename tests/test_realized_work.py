@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from flodl_shm.realized_work import gamma_mass, is_realized, mover_mass
+from flodl_shm.training.realized_work import gamma_mass, is_realized, mover_mass
 
 
 @pytest.mark.parametrize("gamma", [1.0, 0.0, 0.5, 2.0, -1.0, -0.5])

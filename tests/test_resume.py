@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from flodl_shm.checkpoint.meta import CheckpointBundle, CheckpointMeta, SaveReason
-from flodl_shm.checkpoint_series import committed_checkpoints, round_model_path
-from flodl_shm.segment import list_segments
-from flodl_shm.trainer import TrainingAborted
+from flodl_shm.checkpoint.series import committed_checkpoints, round_model_path
+from flodl_shm.engine.segment import list_segments
+from flodl_shm.training.trainer import TrainingAborted
 
 from trainer_util import (no_leaks,  # noqa: F401 - autouse fixture
                           KillAt, RecordSamples, assert_each_epoch_once, float_state,

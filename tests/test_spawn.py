@@ -19,7 +19,7 @@ import torch
 
 import flodl_shm
 from flodl_shm import RankFailed, RoundKind, spawn
-from flodl_shm.segment import Segment, list_segments, reap_dead_owner_segments, segment_name
+from flodl_shm.engine.segment import Segment, list_segments, reap_dead_owner_segments, segment_name
 
 from engine_util import assert_no_leaks
 

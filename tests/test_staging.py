@@ -9,8 +9,8 @@ import torch
 
 import flodl_shm
 from flodl_shm import DECODE_SLOT_BUFFERS, DECODE_SLOT_PARAMS, RoundKind, pinned_decode_affordable
-from flodl_shm.hostmem import host_memory
-from flodl_shm.staging import (
+from flodl_shm.engine.hostmem import host_memory
+from flodl_shm.engine.staging import (
     GATE_FACTOR,
     U64_MAX,
     DecodeStaging,
@@ -151,7 +151,7 @@ def test_check_slot_names_the_bad_slot():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="exercises the no-pinning fallback")
 def test_pinning_failure_falls_back_to_pageable_with_one_warning(caplog, monkeypatch):
-    import flodl_shm.staging as S
+    import flodl_shm.engine.staging as S
 
     monkeypatch.setattr(S, "_pin_warned", False)
     with caplog.at_level(logging.WARNING, logger="flodl_shm"):

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from flodl_shm.sync_window import (SyncWindow, gather_ack, gather_counts,
+from flodl_shm.training.sync_window import (SyncWindow, gather_ack, gather_counts,
                                    expected_params_mass)
 from flodl_shm.testing import FakeCohort
 
@@ -151,7 +151,7 @@ def test_shortfall_names_the_ranks_the_params_round_accepted():
 
 
 def test_expected_mass_counts_present_ranks_only():
-    from flodl_shm.sync_window import CohortCounts
+    from flodl_shm.training.sync_window import CohortCounts
 
     counts = CohortCounts((3, 0, 4), (1.0, 0.0, 1.0), (0.0, 0.0, 0.0), (True, False, True), False)
     assert expected_params_mass(counts, 1.0) == 7.0

@@ -12,10 +12,10 @@ import torch
 from flodl_shm import load_consensus_checkpoint
 from flodl_shm.checkpoint.forge import load_outer_momentum, outer_sidecar_path
 from flodl_shm.checkpoint.meta import CheckpointBundle, CheckpointMeta, SaveReason
-from flodl_shm.checkpoint_series import committed_checkpoints, latest_checkpoint
-from flodl_shm.hooks import SimulatedSlowdown
-from flodl_shm.outer import OuterNesterov
-from flodl_shm.trainer import Trainer
+from flodl_shm.checkpoint.series import committed_checkpoints, latest_checkpoint
+from flodl_shm.training.hooks import SimulatedSlowdown
+from flodl_shm.training.outer import OuterNesterov
+from flodl_shm.training.trainer import Trainer
 
 from trainer_util import (no_leaks,  # noqa: F401 - autouse fixture
                           RecordSamples, StopAt, assert_each_epoch_once, float_state,
@@ -94,7 +94,7 @@ def test_elche_gives_the_fast_rank_more_batches_and_resumes_its_state(tmp_path):
         assert 2.5 <= fast / slow <= 8, s.cohort_batches
     saved = first.meta.elche_state
     assert saved.anchor_rank == 1 and saved.calibration_count == 8
-    assert saved.phase.value == "stable"
+    assert saved.phase == "stable"
     assert len(saved.trend_history) == 5, "TrendGuard's ring is checkpointed"
     assert saved.smoothed_ms_per_batch[1] > 2.5 * saved.smoothed_ms_per_batch[0]
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from flodl_shm.checkpoint.meta import CheckpointMeta, SaveReason
-from flodl_shm.checkpoint_series import (committed_checkpoints, delete_series, latest_checkpoint,
+from flodl_shm.checkpoint.series import (committed_checkpoints, delete_series, latest_checkpoint,
                                          prune_series, resolve_checkpoint, round_model_path)
-from flodl_shm.trainer import Trainer, window_seed
+from flodl_shm.training.trainer import Trainer, window_seed
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from flodl_shm import DTYPE_BF16, DTYPE_F32, FrameError, RoundFrame, RoundKind, TensorPayload
-from flodl_shm import wire
+from flodl_shm.cluster import wire
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flodl_shm import FrameError, RoundFrame, RoundKind, TensorPayload
-from flodl_shm import wire
+from flodl_shm.cluster import wire
 
 pytestmark = pytest.mark.timeout(120)
 

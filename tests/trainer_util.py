@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flodl_shm.coverage import epoch_permutation
-from flodl_shm.hooks import Hook
+from flodl_shm.training.coverage import epoch_permutation
+from flodl_shm.training.hooks import Hook
 
 from engine_util import assert_no_leaks
 
@@ -131,7 +131,7 @@ def float_state(state: dict) -> dict:
 
 
 def make_trainer(**kw):
-    from flodl_shm.trainer import Trainer
+    from flodl_shm.training.trainer import Trainer
 
     args = dict(batch_size=8, epochs=2, sync_every=2, log_every=None, timeout=120.0)
     args.update(kw)

@@ -98,7 +98,10 @@ def _instrument(role: str) -> bool:
     """Wrap the steps of a round with timers (this process only). False if the private
     names this relies on are gone (the benchmark then runs without a phase table)."""
     try:
-        from flodl_shm import controller as C, mux, protocol, relay as R
+        from flodl_shm.cluster import controller as C
+        from flodl_shm.cluster import link as mux
+        from flodl_shm.engine import protocol
+        from flodl_shm.cluster import relay as R
 
         orig_recv = mux.Link.recv
 
@@ -190,7 +193,7 @@ def _proc_status_kib(pid: int | str, field: str) -> int | None:
 def controller_worker(d: Path) -> int:
     cfg = json.loads((d / "config.json").read_text())
     from flodl_shm import ClusterController, kernels
-    from flodl_shm.secret import read_secret_file
+    from flodl_shm.cluster.secret import read_secret_file
 
     profiled = _instrument("controller")
     kernels.warm_up()  # what the first round would load anyway: part of the idle figure
@@ -262,7 +265,7 @@ def link_tcp_bytes(port: int) -> dict | None:
 def host_worker(d: Path, index: int, port: int) -> int:
     cfg = json.loads((d / "config.json").read_text())
     from flodl_shm import spawn
-    from flodl_shm.secret import read_secret_file
+    from flodl_shm.cluster.secret import read_secret_file
 
     _instrument("host")
     salt = read_secret_file(d / "secret")
@@ -388,7 +391,7 @@ class Cohort:
     ``multiprocessing`` listener on 127.0.0.1 (authkey-protected)."""
 
     def __init__(self, hosts: int, ranks: int, nbytes: int, plan: list) -> None:
-        from flodl_shm.secret import write_secret_file
+        from flodl_shm.cluster.secret import write_secret_file
 
         self.hosts, self.ranks, self.nbytes, self.plan = hosts, ranks, nbytes, plan
         self.world = hosts * ranks
@@ -584,7 +587,7 @@ class Cohort:
         hosts = [p.pid for n, p in self.procs.items() if n.startswith("host")]
         left = [f for pid in hosts for f in os.listdir("/dev/shm") if f.startswith(f"fshm_{pid}_")]
         if left:   # a host was killed before it could unlink its arena
-            from flodl_shm.segment import reap_dead_owner_segments
+            from flodl_shm.engine.segment import reap_dead_owner_segments
 
             reap_dead_owner_segments()
             print(f"# warning: reaped leftover segments {left}", file=sys.stderr, flush=True)

@@ -3,13 +3,13 @@
     python tools/bench_demo.py                 # 3 repeats of every variant (~1-2 min)
     python tools/bench_demo.py --repeats 5 --json demo_bench.jsonl
 
-Every variant trains the demo's recipe (``flodl_shm.demo``: MLP 64-128-10 on
+Every variant trains the demo's recipe (``flodl_shm.cli.demo``: MLP 64-128-10 on
 scikit-learn digits, batch 32, SGD lr 0.05 momentum 0.9, 30 epochs, seed 42) on 2
 ranks of this host (one thread each) that average their weights every 8 batches:
 
   one process        the same model, optimizer and samples in one process, no averaging
-                     (``flodl_shm.demo.train_one_process``): the floor
-  flodl_shm demo     ``flodl_shm.demo.run_demo`` as ``python -m flodl_shm demo`` runs it
+                     (``flodl_shm.cli.demo.train_one_process``): the floor
+  flodl_shm demo     ``flodl_shm.cli.demo.run_demo`` as ``python -m flodl_shm demo`` runs it
                      (the Trainer: count gather, weighted params reduce, ack gather per
                      window; checkpoints every 20 windows), without progress bar and
                      with the test accuracy evaluated at the end only
@@ -72,7 +72,7 @@ def _train_loop(rank: int, world: int, average, xtr, ytr, xte, yte, epochs: int)
     loop's figures."""
     import torch
 
-    from flodl_shm.demo import accuracy, cross_entropy, make_model, make_optimizer
+    from flodl_shm.cli.demo import accuracy, cross_entropy, make_model, make_optimizer
 
     torch.set_num_threads(1)
     torch.manual_seed(SEED)
@@ -141,7 +141,7 @@ def _gloo_worker(rank, world, init, data, epochs, flat, queue):
 
 
 def run_one_process(data, epochs) -> dict:
-    from flodl_shm.demo import train_one_process
+    from flodl_shm.cli.demo import train_one_process
 
     t0 = time.perf_counter()
     acc, loop_s = train_one_process(epochs, BATCH, SEED)
@@ -150,7 +150,7 @@ def run_one_process(data, epochs) -> dict:
 
 
 def run_demo_variant(data, epochs) -> dict:
-    from flodl_shm.demo import DemoConfig, run_demo
+    from flodl_shm.cli.demo import DemoConfig, run_demo
 
     with tempfile.TemporaryDirectory(prefix="flodl_bench_demo_") as d:
         cfg = DemoConfig(epochs=epochs, run_dir=d, progress=False, log_every=0, eval_every=0,
@@ -259,7 +259,7 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
 
-    from flodl_shm.demo import digits_split
+    from flodl_shm.cli.demo import digits_split
 
     data = digits_split()
     results: dict[str, list[dict]] = {n: [] for n in names}

@@ -9,7 +9,7 @@
   ``.meta.json`` sidecar), ``SaveReason``, ``ElCheState``, ``CoverageBlock``,
   ``EpochCoverage``, ``RankDeathRecord``, ``CheckpointBundle``;
 - ``flodl_shm.checkpoint.convert``: ``.fdl`` <-> torch state_dict <-> safetensors;
-- ``flodl_shm.checkpoint.cli``: ``python -m flodl_shm fdl ...``.
+- ``flodl_shm.cli.fdl``: ``python -m flodl_shm fdl ...``.
 
 Names are imported lazily so that importing the metadata types does not pull in
 torch.

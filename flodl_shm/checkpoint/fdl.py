@@ -1,6 +1,6 @@
 """flodl's ``.fdl`` checkpoint format: read, write from raw bytes, load into a module.
 
-Byte layout (flodl 0.7.0 ``nn/checkpoint.rs``, ``notes/flodl-spec.md`` §7.1), all
+Byte layout (flodl 0.7.0 ``nn/checkpoint.rs``, docs/checkpoints.md, "The `.fdl` format"), all
 little-endian::
 
     magic            4   b"FDLC"

@@ -1,5 +1,5 @@
 """The consensus-checkpoint forge: a loadable ``.fdl`` from the reduce's frames,
-written off the reduce thread (flodl 0.7.0 ``checkpoint_forge.rs``, spec §7.3).
+written off the reduce thread (flodl 0.7.0 ``checkpoint_forge.rs``; docs/checkpoints.md).
 
 The consensus is formed as name-less, ordered ``RoundFrame`` s: in one sync
 cycle a params ``MODEL`` frame, then (when the model has floating-point

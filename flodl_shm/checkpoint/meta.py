@@ -1,5 +1,5 @@
 """Checkpoint metadata: the model schema, the ``.meta.json`` sidecar, death records
-and the bundle's path helpers (flodl 0.7.0 ``checkpoint_meta.rs``, spec §7.4).
+and the bundle's path helpers (flodl 0.7.0 ``checkpoint_meta.rs``; docs/checkpoints.md, "Metadata types").
 
 A checkpoint *bundle* is a set of files sharing one stem::
 
@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from ..el_che import Phase
 from ..errors import CheckpointError
 from ._atomic import atomic_write_bytes
 
@@ -285,6 +284,18 @@ def _parse_save_reason(value: Any, where: str) -> SaveReason:
 
 # --- ElChe state and coverage ---------------------------------------------------
 
+#: ElChe's lifecycle phases in order, as stored in the sidecar (JSON names).
+ELCHE_PHASES = ("probe", "warmup", "stable", "mature")
+
+
+def _check_phase(phase, where: str) -> str:
+    """The phase as its JSON name; a name outside :data:`ELCHE_PHASES` is refused."""
+    name = str(getattr(phase, "value", phase))
+    if name not in ELCHE_PHASES:
+        raise CheckpointError(
+            f"{where}.phase = {phase!r} is not a known phase ({', '.join(ELCHE_PHASES)})")
+    return name
+
 
 @dataclass
 class ElCheState:
@@ -295,7 +306,8 @@ class ElCheState:
         anchor_rank: the elected anchor rank, ``None`` before the first calibration.
         smoothed_ms_per_batch: per-rank mean ms/batch over the trust window
             (length = world size at save; 0.0 for ranks without a reading).
-        phase: lifecycle phase (``Phase``).
+        phase: lifecycle phase, one of :data:`ELCHE_PHASES` (the values of the
+            training layer's ``Phase`` enum, which converts to and from it).
         calibration_count: successful ``report_timing`` calls so far.
         trend_history: the convergence guard's divergence ring (schema v3), or
             ``None`` when the guard keeps no state.
@@ -304,7 +316,7 @@ class ElCheState:
     anchor: int
     anchor_rank: Optional[int]
     smoothed_ms_per_batch: list[float]
-    phase: Phase
+    phase: str
     calibration_count: int
     trend_history: Optional[list[float]] = None
 
@@ -313,7 +325,7 @@ class ElCheState:
             "anchor": self.anchor,
             "anchor_rank": self.anchor_rank,
             "smoothed_ms_per_batch": [float(v) for v in self.smoothed_ms_per_batch],
-            "phase": Phase(self.phase).value,
+            "phase": _check_phase(self.phase, "elche_state"),
             "calibration_count": self.calibration_count,
             "trend_history": (None if self.trend_history is None
                               else [float(v) for v in self.trend_history]),
@@ -324,11 +336,7 @@ class ElCheState:
         where = "elche_state"
         anchor_rank = _require(obj, "anchor_rank", where)
         phase = _require(obj, "phase", where)
-        try:
-            phase = Phase(phase)
-        except ValueError:
-            known = ", ".join(p.value for p in Phase)
-            raise CheckpointError(f"{where}.phase = {phase!r} is not a known phase ({known})") from None
+        phase = _check_phase(phase, where)
         trend = obj.get("trend_history")
         return cls(
             anchor=_check_uint(_require(obj, "anchor", where), f"{where}.anchor"),

@@ -76,9 +76,9 @@ def sources_digest() -> str:
             text = path.read_bytes()
         except OSError:
             continue
-        # every kernels/ file, the control-block layout (its constants are compiled
+        # every kernels/ file (the control-block word map's constants are compiled
         # in), and any other module that compiles code of its own
-        if (path.parent == kernels or path.name == "layout.py" or b"njit" in text
+        if (path.parent == kernels or b"njit" in text
                 or b"intrinsic" in text):
             h.update(str(path.relative_to(pkg)).encode())
             h.update(text)

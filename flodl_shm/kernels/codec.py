@@ -1,6 +1,6 @@
 """bf16 <-> f32 codec and fused scaling, as numba kernels.
 
-Rules (flodl 0.7.0, ``notes/flodl-spec.md`` §6):
+Rules (flodl 0.7.0's codec; docs/wire.md):
 
 - f32 -> bf16 rounds to nearest, ties to even, on the raw bits:
   ``(bits + 0x7FFF + ((bits >> 16) & 1)) >> 16`` in 32-bit unsigned arithmetic.

@@ -5,7 +5,7 @@ once, RNE, NaN quieted with its sign). Sums run in a fixed order - the order of
 the sources the caller passes - so every process that reduces the same inputs
 gets the same bits.
 
-Kernel shape matters more than anything here (``notes/perf-probe.md``): a loop
+Kernel shape matters more than anything here (BENCHMARKS.md, "Kernels"): a loop
 that walks ranks in its *inner* loop does not vectorise and runs ~9x slower than
 ``np.add``. So the multi-source reduce walks the slice in L1-sized chunks and,
 per chunk, streams one whole source at a time through a contiguous f32 scratch:
@@ -103,7 +103,7 @@ def finalize_bf16(acc, out, inv, scratch):
 # rounding. ``acc`` is an f32 scratch of any length >= 1 (L1-sized is best): the
 # range is walked in chunks of its length.
 #
-# Shape, measured on 2-core EPYC (notes/perf-probe.md, BENCHMARKS.md):
+# Shape, measured on 2-core EPYC (BENCHMARKS.md, "Kernels"):
 # - up to four sources are summed in ONE loop (o = (((a + b) + c) + d) * inv):
 #   four input streams in flight at once keep the memory system busy, where one
 #   pass per source over a chunk ran 1.5-2x slower at 64 MiB;

@@ -6,14 +6,14 @@ one fused kernel here: write the round header and publish the arrival; spin on
 the arrivals and, once complete, validate every accepted header against the first
 and sum the accepted mass; reduce the eager slots.
 
-Word offsets come from ``flodl_shm/layout.py``, the one definition of the control block.
+Word offsets come from ``flodl_shm/kernels/control_block.py``, the one definition of the control block.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
-from ..layout import (DEAD_EXITED, FLAG_ELIDED, FLAGS_AGREED, G_ABORT, G_DOORBELL,
+from .control_block import (DEAD_EXITED, FLAG_ELIDED, FLAGS_AGREED, G_ABORT, G_DOORBELL,
                      G_SLEEPERS, GLOBAL_WORDS, H_DTYPE, H_FLAGS, H_KIND, H_NBYTES, H_NELEM,
                      H_NTENSORS, H_ROUND, H_SCHEMA_HASH, H_SCHEMA_WORDS, H_WEIGHT, HDR_WORDS,
                      R_ARRIVED, R_DEAD, R_HDR, RANK_WORDS)

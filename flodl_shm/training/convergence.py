@@ -1,10 +1,10 @@
-"""Convergence guards: watch replica drift at each sync and advise ElChe (spec §9.4).
+"""Convergence guards: watch replica drift at each sync and advise ElChe (docs/runtime.md, "Convergence guards").
 
 After every averaging the engine measures, per rank, the normalized distance
 from the replica it held before the sync to the consensus it received,
 ``delta[r] = ||pre_r - post|| / ||post||``. A guard turns that trajectory into
 a :class:`ConvergenceAction`, which maps onto ElChe's verdicts
-(:meth:`flodl_shm.el_che.ElChe.apply_action`):
+(:meth:`flodl_shm.training.el_che.ElChe.apply_action`):
 
 =====================  ===========================================================
 action                 ElChe verdict

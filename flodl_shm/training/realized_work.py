@@ -1,4 +1,4 @@
-"""Realized work: the mass algebra behind every consensus (flodl 0.7.0, spec §4).
+"""Realized work: the mass algebra behind every consensus (flodl 0.7.0; docs/runtime.md, "Realized work").
 
 A *mass* is the scalar weight that travels atomically with a contribution. The
 algebra has exactly three moves:
@@ -101,7 +101,7 @@ def sumcount_reduce(comm, tensors: Sequence, weight: float, slot: int, *,
         with_mass: return ``(tensors, accepted_mass)`` instead of the tensors alone,
             so the caller can check the realized work against what it expected.
     """
-    from .frame import RoundKind
+    from ..frame import RoundKind
 
     comm.arm_pinned_decode(slot)
     consensus, mass = comm.all_reduce_scaled(tensors, weight, RoundKind.MODEL, weight,

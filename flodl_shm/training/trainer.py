@@ -15,12 +15,12 @@
 
 Each rank trains its own replica on its own chunks of every epoch's permutation;
 at the end of each *window* the ranks replace their weights by the consensus
-Σ(wᵣ·Tᵣ)/Σwᵣ over the work each realized (:mod:`flodl_shm.sync_window`). Which
+Σ(wᵣ·Tᵣ)/Σwᵣ over the work each realized (:mod:`flodl_shm.training.sync_window`). Which
 samples each rank trains, how many batches per window (``sync_every``, or ElChe's
 cadence), when to checkpoint and when to stop are decided identically on every
-rank by the replicated :mod:`flodl_shm.coordinator`. Checkpoints are captured at a
+rank by the replicated :mod:`flodl_shm.training.coordinator`. Checkpoints are captured at a
 reduce and written off the training path by the supervisor's forge, as a series
-of bundles (:mod:`flodl_shm.checkpoint_series`); ``resume`` continues from the last
+of bundles (:mod:`flodl_shm.checkpoint.series`); ``resume`` continues from the last
 one without repeating or skipping a sample.
 
 Everything handed to the Trainer is pickled to the rank processes: use
@@ -40,7 +40,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from .checkpoint.meta import CheckpointBundle, CheckpointMeta, RankDeathRecord, SaveReason
+from ..errors import TrainingAborted
+from ..checkpoint.meta import CheckpointBundle, CheckpointMeta, RankDeathRecord, SaveReason
 from .coordinator import Coordinator, CoordinatorConfig
 from .coverage import SHUFFLE_BASE_SEED
 from .hooks import BatchInfo, Hook, LoggingHook, RankState, RankSummary, WindowStats
@@ -77,18 +78,6 @@ class TrainResult:
     @property
     def reason(self) -> Optional[SaveReason]:
         return None if self.meta is None else SaveReason(self.meta.save_reason)
-
-
-class TrainingAborted(RuntimeError):
-    """More ranks died than ``max_failures`` allows. The survivors saved a
-    ``max_failure_exceeded`` checkpoint first (``checkpoint``); continue with
-    ``Trainer.resume(save_path)``. ``result`` is the partial ``TrainResult``."""
-
-    def __init__(self, message: str, result: TrainResult) -> None:
-        super().__init__(message)
-        self.result = result
-        self.checkpoint = result.checkpoint
-        self.dead_ranks = result.dead_ranks
 
 
 @dataclass
@@ -162,7 +151,7 @@ class Trainer:
             and ``run`` raises ``TrainingAborted``.
         seed: seeds the model init, every epoch's permutation and, per (rank, window),
             torch's RNG (dropout...), so a resumed run replays the uninterrupted one.
-        hooks: ``Hook`` objects called in every rank (see :mod:`flodl_shm.hooks`).
+        hooks: ``Hook`` objects called in every rank (see :mod:`flodl_shm.training.hooks`).
         guard: the convergence guard advising ElChe (default ``TrendGuard()``).
         log_every: add a ``LoggingHook(every=log_every)``; None for none.
         timeout: seconds any collective may wait for a live rank before failing
@@ -248,7 +237,7 @@ class Trainer:
                 the survivors saved first).
             RankFailed: a rank failed and no checkpoint could be saved.
         """
-        from .checkpoint_series import committed_checkpoints, delete_series
+        from ..checkpoint.series import committed_checkpoints, delete_series
 
         cluster = _Cluster.of(controller, world_size, first_rank, salt, int(nprocs))
         if self.save_path is not None and committed_checkpoints(self.save_path):
@@ -277,7 +266,7 @@ class Trainer:
         cohort (see :meth:`run`; each host then needs ``nprocs`` and the checkpoint's
         files, which the controller wrote).
         """
-        from .checkpoint_series import resolve_checkpoint
+        from ..checkpoint.series import resolve_checkpoint
 
         target = save_path if save_path is not None else self.save_path
         if target is None:
@@ -302,13 +291,13 @@ class Trainer:
                                  cluster))
 
     def _launch(self, job: _Job) -> TrainResult:
-        from .launch import spawn
+        from ..launch import spawn
 
         nprocs = job.nprocs
         if nprocs < 1:
             raise ValueError(f"nprocs must be >= 1, got {nprocs}")
         if self.save_path is not None:
-            from .checkpoint_series import series_base
+            from ..checkpoint.series import series_base
 
             series_base(self.save_path).parent.mkdir(parents=True, exist_ok=True)
         # With a save_path the survivors of too many deaths save before stopping, so
@@ -322,7 +311,7 @@ class Trainer:
         finally:
             if self.save_path is not None:
                 # every write has landed (spawn flushed the forge): prune exactly
-                from .checkpoint_series import prune_series
+                from ..checkpoint.series import prune_series
 
                 prune_series(self.save_path, self.keep_checkpoints)
         return self._collect(results, nprocs)
@@ -428,7 +417,7 @@ class _RankRun:
     def __init__(self, ctx, job: _Job) -> None:
         import torch
 
-        from .checkpoint.meta import ModelSchema
+        from ..checkpoint.meta import ModelSchema
         from .data import resolve_dataset
         from .sync_window import SyncWindow
 
@@ -474,9 +463,9 @@ class _RankRun:
         replica on rank 0's initial weights."""
         import torch
 
-        from .checkpoint.forge import load_consensus_checkpoint, load_outer_momentum, \
+        from ..checkpoint.forge import load_consensus_checkpoint, load_outer_momentum, \
             outer_sidecar_path
-        from .checkpoint.meta import averaged_buffers
+        from ..checkpoint.meta import averaged_buffers
 
         path = self.job.model_path
         if path is not None:
@@ -542,7 +531,7 @@ class _RankRun:
         return nb, (time.perf_counter() - t0) * 1e3, loss_sum, ids_all
 
     def run(self) -> dict:
-        from .checkpoint_series import prune_series, round_model_path
+        from ..checkpoint.series import prune_series, round_model_path
         from .sync_window import gather_ack, gather_counts
 
         tr, coord, comm = self.trainer, self.coord, self.comm

@@ -24,7 +24,7 @@ Segments (names ``fshm_<owner pid>_<session>_<what>``):
     recomputed from untouched inputs. Grown by the slice reducers.
 ``tap``
     The checkpoint mailbox: a rank posts a consensus frame (and momentum) there
-    for the owner's checkpoint forge (``tap.py``).
+    for the owner's checkpoint forge (``engine/checkpoint_tap.py``).
 
 Control block: an int64 word array. Words are grouped so that words written by
 different processes never share a 64-byte cache line:
@@ -47,7 +47,7 @@ import numpy as np
 
 from .segment import Segment, new_session_id, segment_name, shm_free_bytes, space_error
 
-from .layout import *  # noqa: F401,F403 - the control block word map, re-exported
+from ..kernels.control_block import *  # noqa: F401,F403 - the control block word map, re-exported
 
 DEFAULT_EAGER_BYTES = (1 << 20) + (4 << 10)  # 1 MiB frames plus their schema words
 

@@ -3,7 +3,7 @@
 flodl runs a coordinator that tells each rank how many batches to train and which
 samples. flodl_shm has no coordinator *process*: every rank runs this same
 deterministic state machine on the same gathered inputs (the count and ack gathers
-of :mod:`flodl_shm.sync_window`), so all ranks reach identical decisions without
+of :mod:`flodl_shm.training.sync_window`), so all ranks reach identical decisions without
 a message of their own. Nothing here touches a ``Comm``; it is plain Python, tested
 without processes.
 
@@ -12,7 +12,7 @@ Per window, in this order, on every rank:
 1. :meth:`Coordinator.plan_window` - the per-rank batch counts (``sync_every``
    each, or ElChe's cadence, where faster ranks run proportionally more) and the
    chunks of the epoch's permutation each rank trains, taken from the epoch's
-   :class:`~flodl_shm.coverage.ChunkPool` in rank order. Every rank runs every
+   :class:`~flodl_shm.training.coverage.ChunkPool` in rank order. Every rank runs every
    rank's takes; each trains only its own chunks.
 2. (ranks train, then the count gather)
 3. :meth:`Coordinator.settle` - completions for the ranks whose work is realized in
@@ -37,19 +37,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .checkpoint.meta import CheckpointMeta, CoverageBlock, ElCheState, SaveReason
+from ..checkpoint.meta import CheckpointMeta, CoverageBlock, ElCheState, SaveReason
 from .convergence import ConvergenceGuard, TrendGuard
 from .coverage import SHUFFLE_BASE_SEED, ChunkPool, coverage_block, pools_from_coverage
-from .el_che import ElChe
+from .el_che import ElChe, fit_counts
 from .sync_window import CohortAck, CohortCounts
 
 logger = logging.getLogger("flodl_shm")
 
-__all__ = ["Coordinator", "CoordinatorConfig", "Settlement", "WindowPlan", "fit_counts"]
+__all__ = ["Coordinator", "CoordinatorConfig", "Settlement", "WindowPlan"]
 
 CADENCES = ("fixed", "elche")
 
@@ -163,36 +162,6 @@ class Settlement:
     newly_dead: tuple[int, ...]
     stop: bool
     save_reason: Optional[SaveReason]
-
-
-def fit_counts(counts: Sequence[int], limit: int) -> list[int]:
-    """Scale per-rank batch counts down to at most ``limit`` in total, proportionally.
-
-    Counts that fit are returned unchanged. Otherwise each positive count becomes
-    ``floor(c * limit / total)`` (at least 1), the remainder goes +1 to ranks in
-    order, and if the floors of 1 still overshoot, the highest ranks drop to 0.
-    Zero counts (dead ranks) stay 0.
-    """
-    counts = [max(int(c), 0) for c in counts]
-    total = sum(counts)
-    if total <= limit:
-        return counts
-    if limit <= 0:
-        return [0] * len(counts)
-    out = [max(math.floor(c * limit / total), 1) if c > 0 else 0 for c in counts]
-    rem = limit - sum(out)
-    for r in range(len(out)):
-        if rem <= 0:
-            break
-        if out[r] > 0:
-            out[r] += 1
-            rem -= 1
-    for r in reversed(range(len(out))):
-        excess = sum(out) - limit
-        if excess <= 0:
-            break
-        out[r] -= min(out[r], excess)
-    return out
 
 
 @dataclass

@@ -22,8 +22,8 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from .checkpoint.forge import outer_sidecar_path
-from .checkpoint.meta import CheckpointBundle, set_extension
+from .forge import outer_sidecar_path
+from .meta import CheckpointBundle, set_extension
 
 logger = logging.getLogger("flodl_shm")
 

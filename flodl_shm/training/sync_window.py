@@ -1,5 +1,5 @@
 """One sync window on one rank: the count gather, the realized-work reduce, the ack
-(flodl 0.7.0's "param bridge", spec §2.8).
+(flodl 0.7.0's "param bridge", docs/trainer.md, "What happens in a window").
 
 Every rank calls the same collectives in the same order, so a window is three
 steps that all ranks take together:
@@ -22,7 +22,7 @@ steps that all ranks take together:
    reduce time, so all ranks feed ElChe and the guard identical inputs.
 
 The module holds no cohort-level policy: what to train next, coverage and
-checkpoints belong to :mod:`flodl_shm.coordinator`, which every rank runs
+checkpoints belong to :mod:`flodl_shm.training.coordinator`, which every rank runs
 identically on these gathered values.
 
 **Realized-work check.** The gather says which ranks were present *before* the
@@ -43,10 +43,10 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .checkpoint.meta import averaged_buffers
-from .frame import RoundKind
+from ..checkpoint.meta import averaged_buffers
+from ..frame import RoundKind
 from .realized_work import gamma_mass, is_realized, mover_mass, sumcount_reduce
-from .staging import DECODE_SLOT_BUFFERS, DECODE_SLOT_PARAMS
+from ..engine.staging import DECODE_SLOT_BUFFERS, DECODE_SLOT_PARAMS
 
 logger = logging.getLogger("flodl_shm")
 

@@ -8,14 +8,14 @@ Return convention of the ``spin_*`` checks: ``-1`` the condition holds, ``-2`` t
 cohort is aborting, ``>= 0`` the condition does not hold yet (the value names the
 first rank or slice still missing). ``iters`` bounds the spin: 0 checks once.
 
-Word offsets come from ``flodl_shm/layout.py``, the one definition of the control block.
+Word offsets come from ``flodl_shm/kernels/control_block.py``, the one definition of the control block.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
-from ..layout import G_ABORT, G_DOORBELL, G_SLEEPERS, GLOBAL_WORDS, R_DONE, RANK_WORDS
+from .control_block import G_ABORT, G_DOORBELL, G_SLEEPERS, GLOBAL_WORDS, R_DONE, RANK_WORDS
 from .atomics import compare_exchange, cpu_relax, fetch_add, load_acquire, store_release
 
 

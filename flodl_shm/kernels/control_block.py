@@ -1,7 +1,7 @@
 """The control block's word map: one definition for the arena and the kernels.
 
 The control block is an int64 word array at the start of the arena's ``ctl``
-segment (see ``flodl_shm/arena.py`` for the segments and ``flodl_shm/protocol.py``
+segment (see ``flodl_shm/engine/arena.py`` for the segments and ``flodl_shm/engine/protocol.py``
 for the state machine these words drive). Words written by different processes
 sit on different 64-byte cache lines.
 

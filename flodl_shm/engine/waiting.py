@@ -3,9 +3,9 @@
 Waking a sleeping process costs ~35 µs on these VMs, so a round that completes in
 a few µs must be caught by spinning; but a spinning waiter burns the core that a
 late rank needs when ranks outnumber cores (4 ranks on 2 cores made spin-then-
-``sched_yield`` rounds take over a millisecond, ``notes/perf-probe.md``). So:
+``sched_yield`` rounds take over a millisecond, BENCHMARKS.md). So:
 
-1. **spin** in compiled code (``kernels/sync.py``) for a time budget: ~50 µs when
+1. **spin** in compiled code (``kernels/signals.py``) for a time budget: ~50 µs when
    every rank has a core, ~2 µs when oversubscribed; then, **when ranks outnumber
    cores, yield** (``sched_yield``) for up to ~60 µs: the late rank is usually
    *runnable* on this core, not asleep, and a yield hands it the core at once,
@@ -36,8 +36,8 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import CohortAborted, ReduceStall
-from .kernels import sync
+from ..errors import CohortAborted, ReduceStall
+from ..kernels import signals
 
 LIVENESS_SLICE = 0.05
 SPIN_BUDGET_S = 50e-6
@@ -89,11 +89,11 @@ def relax_ns() -> float:
     """Measured cost of one spin iteration (calibrated once per process)."""
     global _relax_ns
     if _relax_ns is None:
-        sync.spin_calibrate(1000)
+        signals.spin_calibrate(1000)
         best = float("inf")
         for _ in range(3):
             t0 = time.perf_counter_ns()
-            sync.spin_calibrate(20000)
+            signals.spin_calibrate(20000)
             best = min(best, (time.perf_counter_ns() - t0) / 20000)
         _relax_ns = max(best, 1.0)
     return _relax_ns
@@ -130,27 +130,27 @@ class Doorbell:
     def __init__(self, ctl: np.ndarray) -> None:
         self.ctl = ctl
         self.ctl32 = ctl.view(np.int32)
-        self.addr = ctl.ctypes.data + sync.G_DOORBELL * 8
+        self.addr = ctl.ctypes.data + signals.G_DOORBELL * 8
 
     def ring(self) -> None:
         """Announce a publication (callers that stored words without ``publish``)."""
-        if sync.ring(self.ctl, self.ctl32) > 0:
+        if signals.ring(self.ctl, self.ctl32) > 0:
             futex_wake(self.addr)
 
     def publish(self, idx: int, value: int) -> None:
         """Release-store ``ctl[idx] = value`` and wake sleepers if there are any."""
-        if sync.publish(self.ctl, self.ctl32, idx, value) > 0:
+        if signals.publish(self.ctl, self.ctl32, idx, value) > 0:
             futex_wake(self.addr)
 
     def seen(self) -> int:
-        return int(sync.doorbell(self.ctl32))
+        return int(signals.doorbell(self.ctl32))
 
     def sleep(self, seen: int, timeout: float) -> None:
-        sync.add_sleeper(self.ctl, 1)
+        signals.add_sleeper(self.ctl, 1)
         try:
             futex_wait(self.addr, seen, timeout)
         finally:
-            sync.add_sleeper(self.ctl, -1)
+            signals.add_sleeper(self.ctl, -1)
 
 
 class Waiter:
@@ -196,7 +196,7 @@ class Waiter:
              on_missing: Callable[[int], bool] | None = None) -> int:
         """Wait until ``check(iters)`` returns -1 (done) or a terminal code <= -3.
 
-        ``check`` is a compiled spin (see ``kernels/sync.py``): -1 done, -2 the cohort
+        ``check`` is a compiled spin (see ``kernels/signals.py``): -1 done, -2 the cohort
         aborts (raised here as ``CohortAborted``), >= 0 the first item still missing.
         ``on_missing(m)`` may act on the missing item (e.g. take over a dead rank's
         slice) and return True when it made progress. Returns -1 or the terminal code.

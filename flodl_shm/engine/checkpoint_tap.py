@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from . import arena as A
-from .frame import DTYPE_F32, RoundFrame, RoundKind, TensorPayload, elem_size
-from .kernels import sync
+from ..frame import DTYPE_F32, RoundFrame, RoundKind, TensorPayload, elem_size
+from ..kernels import signals
 from .waiting import Doorbell, futex_wait, futex_wake
 
 logger = logging.getLogger("flodl_shm")
@@ -63,7 +63,7 @@ def post(arena: A.Arena, doorbell: Doorbell, head: dict, payload: np.ndarray,
     if mom is not None:
         box[m_off:m_off + mom.nbytes] = mom
     words[:5] = (len(text), p_off, pay.nbytes, m_off, 0 if mom is None else mom.nbytes)
-    seq = int(sync.fetch_add_word(arena.ctl32, 2 * A.G_TAP_SEQ, 1)) + 1
+    seq = int(signals.fetch_add_word(arena.ctl32, 2 * A.G_TAP_SEQ, 1)) + 1
     futex_wake(arena.ctl.ctypes.data + A.G_TAP_SEQ * 8)
     logger.debug("tap: posted message %d (%s part %s, %d bytes)", seq, head.get("path"),
                  head.get("part"), total)
@@ -94,7 +94,7 @@ class TapServer:
         addr = self.arena.ctl.ctypes.data + A.G_TAP_SEQ * 8
         seen = int(ctl32[2 * A.G_TAP_SEQ])
         while not self._stop.is_set():
-            cur = int(sync.load(ctl32, 2 * A.G_TAP_SEQ))
+            cur = int(signals.load(ctl32, 2 * A.G_TAP_SEQ))
             if cur == seen:
                 futex_wait(addr, cur, 0.2)
                 continue
@@ -107,8 +107,8 @@ class TapServer:
             self.doorbell.publish(A.G_TAP_ACK, cur)
 
     def _consume(self) -> None:
-        from .checkpoint.forge import CheckpointForge
-        from .checkpoint.meta import CheckpointBundle, CheckpointMeta, ModelSchema
+        from ..checkpoint.forge import CheckpointForge
+        from ..checkpoint.meta import CheckpointBundle, CheckpointMeta, ModelSchema
 
         box = self.arena.extra_view("tap", _HEAD, grow=False)
         jlen, p_off, p_len, m_off, m_len = (int(x) for x in box[:_HEAD].view(np.int64)[:5])
@@ -163,7 +163,7 @@ class TapServer:
 
         deadline = None if timeout is None else time.monotonic() + timeout
         ctl = self.arena.ctl
-        while int(ctl[A.G_TAP_ACK]) < int(sync.load(self.arena.ctl32, 2 * A.G_TAP_SEQ)):
+        while int(ctl[A.G_TAP_ACK]) < int(signals.load(self.arena.ctl32, 2 * A.G_TAP_SEQ)):
             if deadline is not None and time.monotonic() > deadline:
                 return False
             time.sleep(0.005)

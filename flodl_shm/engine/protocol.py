@@ -3,7 +3,7 @@
 One collective call on every rank is one **round** ``N`` (0, 1, 2, ... in call order;
 every rank of the cohort makes the same sequence of calls). A round moves through
 these states; each arrow is a word in the control block (``arena.py``), written
-with a release store and read with acquire loads (``kernels/sync.py``):
+with a release store and read with acquire loads (``kernels/signals.py``):
 
 ::
 
@@ -61,12 +61,12 @@ from typing import Callable
 import numpy as np
 
 from . import arena as A
-from .errors import CohortAborted, ReduceStall, SchemaMismatchError
-from .frame import DTYPE_F32, RoundKind, dtype_name, elem_size
-from .kernels import codec as K
-from .kernels import reduce as R
-from .kernels import rounds as RK
-from .kernels import sync
+from ..errors import CohortAborted, ReduceStall, SchemaMismatchError
+from ..frame import DTYPE_F32, RoundKind, dtype_name, elem_size
+from ..kernels import codec as K
+from ..kernels import reduce as R
+from ..kernels import rounds as RK
+from ..kernels import signals
 from .waiting import Doorbell, Waiter, futex_wake
 
 SCRATCH_ELEMS = 4096  # f32 elements per reduce scratch (16 KiB: L1-resident)
@@ -463,14 +463,14 @@ class RoundEngine:
             return False
         c = self.ctl
         idx = A.rank_base(j) + A.R_CLAIM
-        cur = int(sync.load(c, idx))
+        cur = int(signals.load(c, idx))
         responsible = j if (cur >> 16) < view.rnd else (cur & 0xFFFF)
         if not c[A.rank_base(responsible) + A.R_DEAD]:
             return False
         if int(c[A.rank_base(j) + A.R_DONE]) >= view.rnd:
             return True
         mine = (view.rnd << 16) | self.rank
-        if int(sync.cas(c, idx, cur, mine)) != cur:
+        if int(signals.cas(c, idx, cur, mine)) != cur:
             return True  # someone else claimed it first; re-check
         self.reduce_slice(view, j)
         return True
@@ -482,7 +482,7 @@ class RoundEngine:
     def await_slices(self, view: RoundView) -> None:
         ctl, world, rnd = self.ctl, self.world, view.rnd
         first = max(self.rank, 0)
-        self.waiter.wait(lambda it: sync.spin_slices(ctl, world, rnd, first, it),
+        self.waiter.wait(lambda it: signals.spin_slices(ctl, world, rnd, first, it),
                          what="waiting for reduce slices", rnd=rnd,
                          missing_of=lambda: self.missing_slices(rnd),
                          on_missing=lambda j: self._take_over(view, j))
@@ -492,7 +492,7 @@ class RoundEngine:
         """Cluster rounds: wait for the relay's consensus; returns the cohort mass."""
         ctl, rnd = self.ctl, view.rnd
         try:
-            self.waiter.wait(lambda it: sync.spin_word_ge(ctl, A.G_CONSENSUS, rnd, it),
+            self.waiter.wait(lambda it: signals.spin_word_ge(ctl, A.G_CONSENSUS, rnd, it),
                              what="waiting for the cluster consensus from the relay", rnd=rnd,
                              missing_of=lambda: ("relay",))
         except CohortAborted:

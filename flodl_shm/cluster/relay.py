@@ -27,12 +27,12 @@ import threading
 
 import numpy as np
 
-from . import arena as A
-from .errors import CohortAborted, FrameError
-from .frame import DTYPE_F32, RoundFrame, RoundKind, TensorPayload, elem_size
-from .kernels import codec as K
-from .mux import Kind, client_handshake, connect, parse_addr
-from .protocol import RoundEngine, decode_schema_words
+from ..engine import arena as A
+from ..errors import CohortAborted, FrameError
+from ..frame import DTYPE_F32, RoundFrame, RoundKind, TensorPayload, elem_size
+from ..kernels import codec as K
+from .link import Kind, client_handshake, connect, parse_addr
+from ..engine.protocol import RoundEngine, decode_schema_words
 from .wire import check_salt
 
 logger = logging.getLogger("flodl_shm")
@@ -236,7 +236,7 @@ def relay_factory(controller, salt, world_size: int, first_rank: int, nprocs: in
     """What ``spawn(controller=...)`` calls: validates up front, builds the relay later."""
     if salt is None:
         raise ValueError("spawn(controller=...) needs salt=: the 16-byte session secret every "
-                         "host shares (flodl_shm.secret.read_secret_file / new_salt)")
+                         "host shares (flodl_shm.cluster.secret.read_secret_file / new_salt)")
     salt = check_salt(salt)
     addr = parse_addr(controller)
 

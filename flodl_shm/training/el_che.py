@@ -1,4 +1,4 @@
-"""ElChe: the heterogeneous-cadence balancer (flodl 0.7.0 ``el_che.rs``, spec §8).
+"""ElChe: the heterogeneous-cadence balancer (flodl 0.7.0 ``el_che.rs``; docs/runtime.md, "ElChe").
 
 "The column marches at the slowest one's pace." The slow rank (the *anchor
 rank*) runs ``anchor`` batches per sync window; faster ranks run proportionally
@@ -7,7 +7,7 @@ the barrier. After every window the engine reports measured wall times; ElChe
 refines the per-rank counts and proposes anchor growth when the per-window fixed
 cost (reduce + fill) is too large a share of the window. Growth is only ever
 *proposed*: the convergence guard's verdict commits or vetoes it
-(:mod:`flodl_shm.convergence`).
+(:mod:`flodl_shm.training.convergence`).
 """
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
-if TYPE_CHECKING:  # checkpoint.meta imports Phase from this module: import it lazily at runtime
-    from .checkpoint.meta import ElCheState
+from ..checkpoint.meta import ELCHE_PHASES, ElCheState
+
+if TYPE_CHECKING:
     from .convergence import ConvergenceAction
 
 logger = logging.getLogger("flodl_shm")
@@ -42,8 +43,48 @@ class Phase(str, enum.Enum):
         return self.value
 
 
+# the sidecar stores the phase by these names (checkpoint.meta validates them)
+assert tuple(p.value for p in Phase) == ELCHE_PHASES
+
+def fit_counts(counts: Sequence[int], limit: int, *, strict: bool = True) -> list[int]:
+    """Scale per-rank batch counts down to at most ``limit`` in total, proportionally.
+
+    The runtime's one fitting rule: ElChe's epoch cap and the coordinator's
+    dispatch near an epoch's end both use it. Counts that fit are returned
+    unchanged. Otherwise each positive count becomes ``max(floor(c * limit /
+    total), 1)`` and what is left of ``limit`` goes to the largest count (on a tie
+    the highest rank, as flodl's ``max_by_key``). Zero counts (dead ranks) stay 0.
+
+    Args:
+        counts: per-rank batch counts (negative values count as 0).
+        limit: the most batches the window may hold in total.
+        strict: when the floors of 1 alone overshoot (more live ranks than
+            ``limit``), drop the highest ranks to 0 until the total fits - the
+            dispatcher cannot hand out batches that do not exist. With
+            ``strict=False`` the floor wins: ElChe's counts are ratios that the
+            dispatcher apportions later.
+    """
+    counts = [max(int(c), 0) for c in counts]
+    total = sum(counts)
+    if total <= limit:
+        return counts
+    limit = max(int(limit), 0)
+    out = [max(math.floor(c * limit / total), 1) if c > 0 else 0 for c in counts]
+    rem = limit - sum(out)
+    if rem > 0:
+        largest = max(reversed(range(len(out))), key=lambda i: out[i])
+        out[largest] += rem
+    if strict:
+        for r in reversed(range(len(out))):
+            excess = sum(out) - limit
+            if excess <= 0:
+                break
+            out[r] -= min(out[r], excess)
+    return out
+
+
 # ---------------------------------------------------------------------------
-# Constants (spec §8.2)
+# Constants (flodl 0.7.0 defaults)
 # ---------------------------------------------------------------------------
 
 
@@ -149,7 +190,7 @@ class WindowReport:
 
 
 class ElChe:
-    """Heterogeneous-cadence balancer (flodl 0.7.0 ``el_che.rs``, spec §8).
+    """Heterogeneous-cadence balancer (flodl 0.7.0 ``el_che.rs``; docs/runtime.md, "ElChe").
 
     The slow *anchor rank* runs :meth:`anchor` batches per sync window and every
     other rank runs ``round(anchor * slow_ms / ms)`` (at least 1, ratio capped at
@@ -485,7 +526,7 @@ class ElChe:
         else:
             raise TypeError(
                 f"unknown convergence action {action!r}; expected Stable(), SuppressGrowth() "
-                "or NudgeDown(factor) from flodl_shm.convergence"
+                "or NudgeDown(factor) from flodl_shm.training.convergence"
             )
 
     # -- queries ---------------------------------------------------------------------------
@@ -562,24 +603,6 @@ class ElChe:
             return [1.0 / self._world_size] * self._world_size
         return [s / total for s in sums]
 
-    def clamp_total(self, max_total: int) -> list[int]:
-        """The counts scaled to sum to ``max_total`` (near an epoch's end): each
-        ``floor(c * max_total / total)`` with a floor of 1, the remainder handed
-        out +1 to ranks in order. Unchanged when they already fit."""
-        max_total = _as_count(max_total, "max_total")
-        total = self.total_batches()
-        if total <= max_total:
-            return list(self._batch_counts)
-        scale = max_total / total
-        out = [max(math.floor(c * scale), 1) for c in self._batch_counts]
-        remainder = max(max_total - sum(out), 0)
-        for r in range(len(out)):
-            if remainder == 0:
-                break
-            out[r] += 1
-            remainder -= 1
-        return out
-
     @property
     def overhead_target(self) -> float:
         return self._overhead_target
@@ -633,13 +656,11 @@ class ElChe:
         they come from the new run's configuration. ``trend_history`` is ``None``
         here; the engine fills it from the convergence guard.
         """
-        from .checkpoint.meta import ElCheState
-
         return ElCheState(
             anchor=self._anchor,
             anchor_rank=self._anchor_rank,
             smoothed_ms_per_batch=self.ms_per_batch(),
-            phase=self._phase,
+            phase=self._phase.value,
             calibration_count=self._calibration_count,
             trend_history=None,
         )
@@ -771,8 +792,8 @@ class ElChe:
         64))`` (>= 1), minus its staged callback slack. A count moves only when the
         target differs by more than 5% (or before calibration, or under slack), and
         once calibrated by at most ``max_batch_diff`` per update. Then the window
-        cap scales everything to fit one epoch (floor 1 each; the remainder to the
-        largest count)."""
+        cap scales everything to fit one epoch (:func:`fit_counts`, the floor of 1
+        per rank winning over the cap)."""
         for r in range(self._world_size):
             ms = self._smoothed(r)
             if ms <= 0.0 or abs(ms - slow_ms) < 1e-6:
@@ -803,15 +824,7 @@ class ElChe:
                 # counts are ratios the dispatcher apportions, and a 0-step rank
                 # simply ships a weight-0 frame.
                 self._window_cap_binding = True
-                scale = cap / total
-                self._batch_counts = [max(math.floor(c * scale), 1) for c in self._batch_counts]
-                rem = cap - sum(self._batch_counts)
-                if rem > 0:
-                    # the largest count; on a tie the highest rank (Rust's max_by_key
-                    # returns the last maximal element)
-                    fastest = max(reversed(range(self._world_size)),
-                                  key=lambda i: self._batch_counts[i])
-                    self._batch_counts[fastest] += rem
+                self._batch_counts = fit_counts(self._batch_counts, cap, strict=False)
         self._slack_ms = [0.0] * self._world_size  # one-shot
 
     def _advance_phase(self) -> None:

@@ -2,7 +2,7 @@
 
 Trains a small MLP (64-128-10) on scikit-learn's handwritten digits (1,797 8×8
 images shipped inside scikit-learn; 75 % train / 25 % test, stratified) with the
-:class:`~flodl_shm.trainer.Trainer` on ``--nprocs`` ranks of this host: each rank
+:class:`~flodl_shm.training.trainer.Trainer` on ``--nprocs`` ranks of this host: each rank
 trains its own share of every epoch and the ranks average their weights every
 window. It shows a progress bar, per-window throughput and all-reduce time, the
 final test accuracy of the consensus model, a consensus checkpoint bundle under
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from flodl_shm.hooks import Hook
+from flodl_shm.training.hooks import Hook
 
 __all__ = ["DemoConfig", "DemoResult", "accuracy", "digits_split", "main", "make_model",
            "parse_args", "plot_training", "run_demo", "train_one_process"]
@@ -465,7 +465,7 @@ def _check(cfg: DemoConfig) -> list[str]:
 
 def _trainer(cfg: DemoConfig, hook, train_set):
     import flodl_shm
-    from flodl_shm.hooks import SimulatedSlowdown
+    from flodl_shm.training.hooks import SimulatedSlowdown
 
     hooks = [hook]
     if cfg.slow_rank is not None:

@@ -27,10 +27,8 @@ Also a command::
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,12 +36,11 @@ from pathlib import Path
 
 import numpy as np
 
-from . import kernels as K
+from .. import kernels as K
 from .dead_ranks import DeadRanks
-from .errors import FrameError
-from .frame import DTYPE_F32, RoundFrame, RoundKind, TensorPayload, elem_size
-from .mux import HandshakeRejected, Kind, Link, parse_addr, server_handshake
-from .secret import read_secret_file, write_secret_file
+from ..errors import FrameError
+from ..frame import DTYPE_F32, RoundFrame, RoundKind, TensorPayload, elem_size
+from .link import HandshakeRejected, Kind, Link, parse_addr, server_handshake
 from .wire import check_salt, frame_tag
 
 logger = logging.getLogger("flodl_shm")
@@ -311,8 +308,8 @@ class ClusterController:
     def _arm(self, msg: dict) -> None:
         """A rank armed a checkpoint: the forge (built from the names the rank sent, the
         first time) captures the next tapped consensus frames."""
-        from .checkpoint.forge import CheckpointForge
-        from .checkpoint.meta import CheckpointBundle, CheckpointMeta, ModelSchema
+        from ..checkpoint.forge import CheckpointForge
+        from ..checkpoint.meta import CheckpointBundle, CheckpointMeta, ModelSchema
 
         schema = ModelSchema(list(msg["param_names"]), list(msg["buffer_names"]))
         if self.forge is None or self.forge.schema != schema:
@@ -566,73 +563,3 @@ class _RoundClock:
     def expired(self) -> bool:
         return (self.timeout is not None and self.start is not None
                 and time.monotonic() - self.start > self.timeout)
-
-
-def _read_momentum(path: str) -> list:
-    """The tensors of an ``.outer.fdl`` (keys p0, p1, ... in parameter order)."""
-    from .checkpoint.fdl import read_fdl
-
-    entries = read_fdl(path).by_name()
-    out = []
-    while f"p{len(out)}" in entries:
-        out.append(entries[f"p{len(out)}"].to_tensor())
-    if not out:
-        raise ValueError(f"{path} holds no p0, p1, ... entries: not an outer momentum file")
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flodl_shm controller",
-                                 description="Serve a multi-host flodl_shm cohort.")
-    ap.add_argument("--bind", help="HOST:PORT to listen on (port 0: any)")
-    ap.add_argument("--world-size", type=int, help="ranks in the whole cohort")
-    ap.add_argument("--secret-file",
-                    help="file holding the 32-hex-digit session secret (make one with "
-                         "`python -m flodl_shm controller --new-secret FILE`)")
-    ap.add_argument("--new-secret", metavar="FILE",
-                    help="write a fresh random session secret to FILE (mode 0600) and exit")
-    ap.add_argument("--round-timeout", type=float, default=DEFAULT_ROUND_TIMEOUT,
-                    help="seconds a round may wait for live hosts before it is a stall")
-    ap.add_argument("--port-file", help="write the bound port here once listening")
-    ap.add_argument("--outer", choices=("avg", "nesterov"), default="avg",
-                    help="the outer optimizer the ranks use (DiLoCo: nesterov); it runs here")
-    ap.add_argument("--outer-lr", type=float, default=0.7)
-    ap.add_argument("--outer-momentum", type=float, default=0.9)
-    ap.add_argument("--outer-state", metavar="OUTER_FDL",
-                    help="resume: the <stem>.outer.fdl momentum of the checkpoint to continue")
-    args = ap.parse_args(argv)
-    if args.new_secret:
-        write_secret_file(args.new_secret)
-        print(f"wrote a new session secret to {args.new_secret}; copy it to every host")
-        return 0
-    missing = [f for f in ("bind", "world_size", "secret_file") if getattr(args, f) is None]
-    if missing:
-        ap.error("the following arguments are required: "
-                 + ", ".join("--" + m.replace("_", "-") for m in missing))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    salt = read_secret_file(args.secret_file)
-    outer = None
-    if args.outer == "nesterov":
-        from .outer import OuterNesterov
-
-        outer = OuterNesterov(args.outer_lr, args.outer_momentum)
-    elif args.outer_state:
-        ap.error("--outer-state needs --outer nesterov")
-    ctl = ClusterController.start(args.bind, args.world_size, salt,
-                                  round_timeout=args.round_timeout, outer=outer)
-    if args.outer_state:
-        ctl.load_outer_momentum(_read_momentum(args.outer_state))
-    print(f"controller listening on port {ctl.port} for {args.world_size} ranks", flush=True)
-    if args.port_file:
-        Path(args.port_file).write_text(f"{ctl.port}\n")
-    try:
-        ctl.join()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        ctl.shutdown()
-    if ctl.error is not None:
-        print(f"controller: the cohort ended with an error: {ctl.error}", file=sys.stderr)
-        return 1
-    print(f"controller: cohort finished after {ctl.stats.rounds} rounds", flush=True)
-    return 0

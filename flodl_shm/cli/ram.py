@@ -42,10 +42,10 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Sequence
 
-from .arena import shm_need_bytes
-from .hostmem import HostMemory, host_memory
-from .segment import SHM_DIR, SegmentInfo, fmt_bytes, list_segments, reap_dead_owner_segments
-from .staging import GATE_FACTOR, decide_pinned_decode
+from ..engine.arena import shm_need_bytes
+from ..engine.hostmem import HostMemory, host_memory
+from ..engine.segment import SHM_DIR, SegmentInfo, fmt_bytes, list_segments, reap_dead_owner_segments
+from ..engine.staging import GATE_FACTOR, decide_pinned_decode
 
 SIZE_UNITS = {
     "": 1, "b": 1,

@@ -29,7 +29,7 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _show(path: str, as_json: bool) -> int:
-    from .fdl import FdlDtype, is_gzip_path, read_fdl
+    from ..checkpoint.fdl import FdlDtype, is_gzip_path, read_fdl
 
     parsed = read_fdl(path, with_data=False)
     entries = [{"name": e.name, "dtype": FdlDtype(e.dtype_tag).label, "dtype_tag": e.dtype_tag,
@@ -63,7 +63,7 @@ def _show(path: str, as_json: bool) -> int:
 
 
 def _convert(src: str, dst: str, src_fmt: Optional[str], dst_fmt: Optional[str]) -> int:
-    from .convert import convert
+    from ..checkpoint.convert import convert
 
     n = convert(src, dst, src_fmt, dst_fmt)
     print(f"wrote {dst}: {n} tensors from {src}")

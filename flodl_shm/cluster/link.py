@@ -41,8 +41,8 @@ import struct
 import time
 from typing import Callable
 
-from .errors import FrameError
-from .frame import RoundFrame
+from ..errors import FrameError, HandshakeRejected
+from ..frame import RoundFrame
 from .wire import (TAG_BYTES, check_salt, frame_ceiling, frame_tag, frame_wire_len,
                    read_framed_round_into, write_len_prefix, write_round_frame)
 
@@ -254,10 +254,6 @@ class Link:
 
 
 # --- handshakes ---------------------------------------------------------------------
-
-
-class HandshakeRejected(ConnectionError):
-    """The controller refused this host (world size, rank set, duplicate host...)."""
 
 
 def _link_key(salt: bytes, nonce_r: bytes, nonce_c: bytes) -> bytes:

@@ -1,5 +1,5 @@
 """Decode staging: slot-tagged reusable f32 buffers for consensus replies, and the
-RAM gate that decides whether a rank can afford them (flodl 0.7.0, spec §5).
+RAM gate that decides whether a rank can afford them (flodl 0.7.0; docs/host_ram.md, "The checks").
 
 Why: a rank that decodes every consensus into fresh pageable memory pays a
 model-sized allocation per window, and on a CUDA rank the following

@@ -1,4 +1,4 @@
-"""Data coverage: progressive dispatch of an epoch and its resume record (spec §9.2).
+"""Data coverage: progressive dispatch of an epoch and its resume record (docs/runtime.md, "Coverage and resume").
 
 An epoch is a seeded permutation of the dataset; the engine dispatches *offsets*
 into it. A :class:`ChunkPool` hands those offsets out in chunks, tracks what is
@@ -23,7 +23,7 @@ else: coverage holes close first).
 Permutation. :func:`epoch_permutation` derives epoch ``e``'s order from
 ``seed + e`` with NumPy's PCG64 bit generator and a documented Fisher-Yates
 shuffle, so only uncovered *ranges* ever need recording. flodl's own RNG is not
-specified (spec §11.8), so coverage records are portable between flodl_shm runs,
+published, so coverage records are portable between flodl_shm runs,
 not between flodl_shm and Rust flodl.
 """
 from __future__ import annotations
@@ -32,16 +32,11 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
-import numpy as np
 
-from .kernels import configure_numba_cache
+from ..kernels.permutation import epoch_permutation
 
-configure_numba_cache()
-
-from numba import njit  # noqa: E402  (the cache directory must be set first)
-
-if TYPE_CHECKING:  # checkpoint.meta imports the ElChe module; keep this import lazy
-    from .checkpoint.meta import CoverageBlock, EpochCoverage
+if TYPE_CHECKING:
+    from ..checkpoint.meta import CoverageBlock, EpochCoverage
 
 logger = logging.getLogger("flodl_shm")
 
@@ -57,68 +52,6 @@ __all__ = [
 #: flodl's default shuffle base seed; epoch ``e`` is shuffled with ``seed + e``.
 SHUFFLE_BASE_SEED = 42
 
-_RAW_BLOCK = 1 << 20  # PCG64 outputs drawn per block (8 MiB), bounding the transient
-
-
-# ---------------------------------------------------------------------------
-# Epoch permutation
-# ---------------------------------------------------------------------------
-
-
-@njit(cache=True, nogil=True)
-def _fisher_yates_block(perm, raw, i_start):
-    """Swap steps i = i_start, i_start-1, ... (one per raw word), Durstenfeld order."""
-    scale = 1.0 / 9007199254740992.0  # 2**-53
-    i = i_start
-    for k in range(raw.shape[0]):
-        u = np.float64(raw[k] >> np.uint64(11)) * scale
-        j = np.int64(u * np.float64(i + 1))
-        if j > i:
-            j = i
-        tmp = perm[i]
-        perm[i] = perm[j]
-        perm[j] = tmp
-        i -= 1
-
-
-def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
-    """The dataset order of ``epoch``: a permutation of ``range(n)`` (int64).
-
-    Algorithm (fixed; part of the resume format):
-
-    * ``bg = numpy.random.PCG64(seed + epoch)`` - a BitGenerator, whose raw
-      stream NumPy keeps stable across versions (unlike ``Generator`` methods);
-    * Durstenfeld's Fisher-Yates: for ``i = n-1`` down to ``1`` draw one raw
-      64-bit word ``r``, ``u = (r >> 11) * 2**-53``, ``j = min(floor(u * (i+1)), i)``,
-      swap ``perm[i]`` and ``perm[j]``.
-
-    The bias of the float draw is below ``n / 2**53`` per index - irrelevant for a
-    data order, and it keeps the shuffle reproducible from the documented raw
-    stream alone. Same ``(seed, epoch, n)``, same permutation, in any process.
-
-    Raises:
-        ValueError: ``seed + epoch`` or ``n`` is negative.
-    """
-    n = int(n)
-    base = int(seed) + int(epoch)
-    if n < 0:
-        raise ValueError(f"permutation length must be >= 0, got {n}")
-    if base < 0:
-        raise ValueError(
-            f"seed + epoch must be >= 0 for PCG64, got {seed} + {epoch} = {base}; use a "
-            "non-negative seed (flodl's default is 42)"
-        )
-    perm = np.arange(n, dtype=np.int64)
-    if n < 2:
-        return perm
-    bg = np.random.PCG64(base)
-    i = n - 1
-    while i >= 1:
-        take = min(_RAW_BLOCK, i)
-        raw = bg.random_raw(take)
-        _fisher_yates_block(perm, raw, i)
-        i -= take
-    return perm
 
 
 # ---------------------------------------------------------------------------
@@ -320,7 +253,7 @@ class ChunkPool:
 
     def to_epoch_coverage(self) -> "EpochCoverage":
         """This pool's resume record."""
-        from .checkpoint.meta import EpochCoverage
+        from ..checkpoint.meta import EpochCoverage
 
         return EpochCoverage(epoch=self.epoch, total_samples=self.total_samples,
                              uncovered_ranges=self.uncovered_ranges())
@@ -472,7 +405,7 @@ class ChunkPool:
 def coverage_block(pools: Iterable[ChunkPool], seed: int, batch_size: int) -> "CoverageBlock":
     """The checkpoint's coverage record: one :class:`EpochCoverage` per live pool,
     in epoch order, plus the shuffle seed and batch size."""
-    from .checkpoint.meta import CoverageBlock
+    from ..checkpoint.meta import CoverageBlock
 
     per_epoch = [p.to_epoch_coverage() for p in sorted(pools, key=lambda p: p.epoch)]
     return CoverageBlock(seed=int(seed), batch_size=int(batch_size), per_epoch=per_epoch)

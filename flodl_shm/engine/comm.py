@@ -37,8 +37,8 @@ import numpy as np
 import torch
 
 from . import arena as A
-from .errors import CohortAborted, FrameError
-from .frame import (
+from ..errors import CohortAborted, FrameError
+from ..frame import (
     DTYPE_BF16,
     DTYPE_F32,
     RoundFrame,
@@ -48,11 +48,11 @@ from .frame import (
     check_tensor_dtype,
     elem_size,
 )
-from .kernels import codec as K
-from .kernels import rounds as RK
-from .kernels import sync
-from .kernels import tensorio as TIO
-from .tap import post as tap_post
+from ..kernels import codec as K
+from ..kernels import rounds as RK
+from ..kernels import signals
+from ..kernels import tensorio as TIO
+from .checkpoint_tap import post as tap_post
 from .waiting import Waiter
 from .hostmem import HostMemory, host_memory
 from .protocol import RoundEngine, frame_layout, schema_hash, schema_words
@@ -106,7 +106,7 @@ class Comm:
         self._staging = DecodeStaging()
         self._gate: StagingDecision | None = None
         # the RAM gate budgets against what was available at rank start, before the
-        # run's own working set (spec §5)
+        # run's own working set (docs/host_ram.md, "The checks")
         self._mem_at_start = memory
         eager_out = np.empty(arena.eager_bytes, np.uint8)
         self._eager_f32 = eager_out.view(np.float32)
@@ -193,7 +193,7 @@ class Comm:
         ``schema.tensor_count()`` tensors) as a consensus checkpoint at ``path``.
 
         Every rank must arm at the same point of its program. The frames go to the
-        arena owner's forge (``tap.py``), which writes ``path`` (and the outer
+        arena owner's forge (``engine/checkpoint_tap.py``), which writes ``path`` (and the outer
         momentum next to it) off the training path, then ``meta`` (a
         ``CheckpointMeta``) as the bundle's ``.meta.json`` commit marker. A round
         whose accepted mass is 0 cancels the cycle (nothing was realized).
@@ -243,7 +243,7 @@ class Comm:
         ctl = self.arena.ctl
         waiter = Waiter(self._engine.doorbell, self._engine.waiter.spin_iters, 300.0,
                         self._engine.waiter.liveness)
-        waiter.wait(lambda it: sync.spin_word_ge(ctl, A.G_TAP_ACK, target, it),
+        waiter.wait(lambda it: signals.spin_word_ge(ctl, A.G_TAP_ACK, target, it),
                     what="waiting for the owner to take the previous checkpoint frame",
                     rnd=self._round - 1, missing_of=lambda: ("checkpoint owner",))
 

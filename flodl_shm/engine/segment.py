@@ -32,17 +32,14 @@ from pathlib import Path
 
 import _posixshmem
 
+from ..errors import ShmSpaceError
+
 logger = logging.getLogger("flodl_shm")
 
 PREFIX = "fshm_"
 SHM_DIR = Path("/dev/shm")
 _NAME_RE = re.compile(r"^fshm_(\d+)_([0-9a-f]+)_([A-Za-z0-9_.-]+)$")
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-
-
-class ShmSpaceError(MemoryError):
-    """``/dev/shm`` cannot hold what the arena needs. The message names both sizes
-    and the fix (a bigger ``--shm-size`` for containers)."""
 
 
 def shm_free_bytes(shm_dir: Path = SHM_DIR) -> int:

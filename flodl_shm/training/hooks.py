@@ -1,7 +1,7 @@
 """Trainer hooks: per-batch and per-window callbacks, and the metrics they receive.
 
 A hook is an object with any of these methods (subclass :class:`Hook` and override
-what you need); the :class:`~flodl_shm.trainer.Trainer` calls them in every rank
+what you need); the :class:`~flodl_shm.training.trainer.Trainer` calls them in every rank
 process, in the order the hooks were given::
 
     on_train_start(state)             after the model is built, aligned or restored
