@@ -17,27 +17,12 @@ consensus itself as ``prev_global``: ``g = 0`` and every variant is a no-op.
 Parameters only: buffers (BatchNorm statistics, ...) are not optimized and
 never pass through an outer step.
 
-Arithmetic (bit-exact contract)
--------------------------------
-Every element is computed in IEEE float32, one rounding per operation, in this
-order, with ``lr32 = float32(lr)`` and ``mu32 = float32(mu)``::
-
-    g   = prev - consensus
-    v   = g                      (fresh momentum)
-        | (mu32 * v) + g          (otherwise; v is updated in place)
-    la  = (mu32 * v) + g          (Nesterov look-ahead, uses the NEW v)
-    new = prev - (lr32 * la)
-
-No fused multiply-add, no reassociation. This is exactly the sequence of torch
-ops ``sub, mul, add, mul, add, mul, sub`` on float32 CPU tensors, so the flat
-kernel, the tensor-list ``outer_step`` and a literal torch formulation agree
-bit for bit - and an element's result depends on that element alone, so
-stepping a vector slice by slice (each rank stepping the slice it reduces, as
-the single-host engine does) equals stepping it whole.
-
-The flat form :func:`nesterov_step_flat` works in place on float32 numpy arrays
-of any length - a slice of a shared-memory parameter vector, with its momentum
-slice also in shared memory - and allocates nothing.
+Arithmetic: every element is computed in IEEE float32, one rounding per
+operation, in the order ``kernels/outer_step.py`` documents (its bit-exact
+contract): the flat kernel, the tensor-list ``outer_step`` and a literal torch
+formulation agree bit for bit, and an element's result depends on that element
+alone, so stepping a vector slice by slice (each rank stepping the slice it
+reduces, as the single-host engine does) equals stepping it whole.
 """
 from __future__ import annotations
 
