@@ -71,6 +71,8 @@ _EXPORTS = {
     "OuterNesterov": "flodl_shm.training.outer",
     "ChunkPool": "flodl_shm.training.coverage",
     # trainer API
+    "LocalSGD": "flodl_shm.training.local_sgd",
+    "DiLoCo": "flodl_shm.training.local_sgd",
     "Trainer": "flodl_shm.training.trainer",
     "TrainResult": "flodl_shm.training.trainer",
     "Hook": "flodl_shm.training.hooks",

@@ -58,6 +58,7 @@ __all__ = [
     "accepted_ranks",
     "expected_params_mass",
     "gather_ack",
+    "gather_columns",
     "gather_counts",
 ]
 
@@ -127,6 +128,14 @@ class CohortAck:
     def sync_ms(self) -> float:
         """The window's reduce cost: the slowest rank's reduce time."""
         return max(self.reduce_ms, default=0.0)
+
+
+def gather_columns(comm, column: Sequence[float]) -> np.ndarray:
+    """Gather one column of small numbers per rank (one CONTROL round; every rank calls it
+    with a column of the same length): returns the ``[len(column), world]`` float64 matrix
+    whose column ``r`` is rank ``r``'s (zeros for a dead rank). Values travel as f32:
+    integers are exact up to 2^24."""
+    return _gather(comm, len(column), column)
 
 
 def _gather(comm, rows: int, column: Sequence[float]) -> np.ndarray:

@@ -1,0 +1,594 @@
+"""``LocalSGD`` / ``DiLoCo``: realized-work averaging inside your own training loop
+(docs/local_sgd.md).
+
+::
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sgd = flodl_shm.LocalSGD(model, sync_every=16, comm=ctx.comm, optimizer=opt)
+    for x, y in my_batches:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+        sgd.step(samples=len(x))      # True on the calls that synced
+
+Construction aligns every replica on rank 0's parameters and floating-point buffers
+(one broadcast). Every rank then trains on its own, and every ``sync_every``-th
+``step()`` (or at ElChe's cadence) replaces the parameters and floating-point buffers
+*in place* by the realized-work consensus Σ(wᵣ·Tᵣ)/Σwᵣ, where wᵣ is
+``gamma_mass(samples since the last sync, gamma)``. Integer buffers
+(``num_batches_tracked``) stay local.
+
+**One collective per window.** With the fixed cadence a window is a single MODEL
+round: the parameters and the floating-point buffers travel in one frame, scaled by
+wᵣ on the copy into shared memory, with wᵣ as the frame's mass. The divisor Σwᵣ
+comes back as the round's accepted mass, so nothing else needs exchanging: a dead
+rank's work enters neither the sum nor the divisor, and the survivors continue.
+``cadence="elche"`` adds one small CONTROL round before it (each rank's steps and
+compute time, for ElChe's cadence, plus the previous window's reduce time and drift
+for its overhead rule and the convergence guard: those two arrive one window late).
+
+**Outer step.** With ``outer`` set, every rank steps the parameters' consensus on
+its own copy of the previous global (the weights adopted at the last sync, or the
+broadcast initial weights before the first), all ranks on identical inputs with
+identical arithmetic, so the replicas stay bit-identical. ``outer`` may be an
+``OuterAvg`` / ``OuterNesterov`` (DiLoCo; Nesterov also clears the inner optimizer's
+state after every sync, as in the Trainer) or any ``torch.optim.Optimizer`` built on
+the model's parameters, which is then stepped with ``grad = prev_global -
+consensus``. Buffers never pass through an outer step.
+
+**Checkpoints.** ``save(stem)`` (a collective, at a sync boundary) writes the
+consensus bundle (``<stem>.fdl``, ``<stem>.outer.fdl`` for outer momentum,
+``<stem>.meta.json`` last as the commit marker) and one ``<stem>.rank<N>.optim``
+per rank with everything a bit-exact resume needs: the rank's model state, inner
+optimizer and LR scheduler, step counters, outer and ElChe state, RNG states.
+``load(stem)`` restores it; without the rank file it loads the consensus and the
+outer momentum and restarts the inner state fresh.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from ..checkpoint._atomic import atomic_write
+from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, ElCheState, ModelSchema,
+                               SaveReason, averaged_buffers, set_extension)
+from ..frame import DTYPE_F32, RoundKind, tensors_to_round_frame
+from .convergence import TrendGuard
+from .el_che import ElChe
+from .outer import OuterOptimizer
+from .realized_work import gamma_mass, is_realized
+from .sync_window import gather_columns
+
+logger = logging.getLogger("flodl_shm")
+
+__all__ = ["DiLoCo", "LocalSGD", "SyncInfo", "rank_state_path"]
+
+#: Format tag of ``LocalSGD.state_dict()`` (and of the ``.rank<N>.optim`` files).
+STATE_FORMAT = "flodl_shm.LocalSGD/1"
+
+# rows of the ElChe control gather
+_G_STEPS, _G_COMPUTE_MS, _G_PRESENT, _G_PREV_SYNC_MS, _G_PREV_DIVERGENCE = range(5)
+
+
+def rank_state_path(stem: "str | os.PathLike[str]", rank: int) -> Path:
+    """A rank's resume state in a bundle: ``<stem>.rank<N>.optim``.
+
+    Args:
+        stem: the bundle's stem (one extension such as ``.fdl`` is dropped first).
+        rank: the global rank.
+    """
+    if not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"rank must be an int >= 0, got {rank!r}")
+    base = set_extension(stem, "")
+    return base.with_name(f"{base.name}.rank{rank}.optim")
+
+
+@dataclass(frozen=True)
+class SyncInfo:
+    """What the last sync did (identical on every rank except ``local_*``).
+
+    Attributes:
+        sync_round: syncs so far, this one included.
+        mass: the accepted realized-work mass Σwᵣ (0: nobody trained, local state kept).
+        accepted: ranks whose work is in the consensus (on a cluster: this host's only).
+        local_samples: samples this rank contributed.
+        local_steps: optimizer steps this rank took in the window.
+        sync_ms: this rank's wall time in the sync (collectives, adoption, outer step).
+        next_steps: steps this rank trains before the next sync.
+    """
+
+    sync_round: int
+    mass: float
+    accepted: tuple
+    local_samples: int
+    local_steps: int
+    sync_ms: float
+    next_steps: int
+
+
+def _default_comm():
+    """The ``Comm`` of the default torch.distributed process group (a "flodl_shm" group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "LocalSGD(comm=None) uses the default torch.distributed process group, but none "
+            "is initialized: call torch.distributed.init_process_group('flodl_shm', ...) "
+            "first (torchrun), or pass comm=ctx.comm in a function run by flodl_shm.spawn")
+    backend = dist.get_backend()
+    if backend != "flodl_shm":
+        raise ValueError(
+            f"LocalSGD(comm=None) needs the default process group to use the 'flodl_shm' "
+            f"backend, got {backend!r}: init_process_group('flodl_shm', ...), or pass "
+            f"comm=ctx.comm under flodl_shm.spawn")
+    try:
+        from ..distributed import comm_of_group
+    except ImportError:
+        raise RuntimeError(
+            "this flodl_shm build's torch.distributed backend does not expose its Comm "
+            "(flodl_shm.distributed.comm_of_group); pass comm=ctx.comm under "
+            "flodl_shm.spawn") from None
+    return comm_of_group(None)
+
+
+def _check_float_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"{name} has dtype {t.dtype}; LocalSGD averages float32 or bfloat16 "
+                        f"tensors (convert the model with .float() or .bfloat16())")
+
+
+class LocalSGD:
+    """Periodic realized-work averaging of one rank's replica (see the module doc).
+
+    Args:
+        model: this rank's replica; parameters and floating-point buffers must be
+            float32 or bfloat16 and on the CPU.
+        sync_every: optimizer steps per window (``cadence="fixed"``), or the slowest
+            rank's initial steps per window (ElChe's anchor).
+        comm: this rank's ``Comm`` (``ctx.comm`` under ``flodl_shm.spawn``); ``None`` takes
+            the default torch.distributed process group, which must be a "flodl_shm"
+            group.
+        outer: ``None`` (adopt the consensus), an ``OuterAvg`` / ``OuterNesterov``, or a
+            ``torch.optim.Optimizer`` over exactly ``model.parameters()``.
+        bf16_wire: send the model frames as bfloat16 (half the bytes; sums in float32).
+        cadence: ``"fixed"``, ``"elche"`` (faster ranks take proportionally more steps,
+            from measured wall time), an ``ElChe`` or a ``world_size -> ElChe`` factory.
+        optimizer: the inner optimizer; saved and restored by ``state_dict`` / ``save``,
+            and cleared after each sync when the outer optimizer ``resets_inner()``.
+        scheduler: an LR scheduler to save and restore with the state (optional).
+        gamma: work exponent of the mass: wᵣ = samples**gamma (1: every sample counts).
+        guard: the convergence guard advising ElChe (default ``TrendGuard()``).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, sync_every: int, comm=None, outer=None,
+                 bf16_wire: bool = False, cadence: Union[str, ElChe, Callable] = "fixed",
+                 optimizer: Optional[torch.optim.Optimizer] = None, scheduler=None,
+                 gamma: float = 1.0, guard=None) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
+            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+        if not math.isfinite(gamma):
+            raise ValueError(f"gamma must be finite, got {gamma!r}")
+        if not (cadence in ("fixed", "elche") or isinstance(cadence, ElChe) or callable(cadence)):
+            raise ValueError(f"cadence must be 'fixed', 'elche', an ElChe or a world_size -> "
+                             f"ElChe factory, got {cadence!r}")
+        self.comm = _default_comm() if comm is None else comm
+        self.model = model
+        self.sync_every = sync_every
+        self.gamma = float(gamma)
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.rank = int(self.comm.rank)
+        self.world_size = int(self.comm.world_size)
+        self.params = [p for p in model.parameters()]
+        named_buffers = averaged_buffers(model)
+        self.buffers = [b for _, b in named_buffers]
+        for i, (name, p) in enumerate(model.named_parameters()):
+            _check_float_dtype(f"parameter {name!r}", p)
+        for name, b in named_buffers:
+            _check_float_dtype(f"buffer {name!r}", b)
+        self.schema = ModelSchema.from_module(model)
+        self.comm.set_bf16_wire(bool(bf16_wire))
+        self.bf16_wire = bool(bf16_wire)
+        self.outer = self._check_outer(outer)
+        self.resets_inner = bool(isinstance(outer, OuterOptimizer) and outer.resets_inner())
+        self.el_che: Optional[ElChe] = None
+        self.guard = None
+        if cadence != "fixed" and self.world_size >= 2:
+            if cadence == "elche":
+                self.el_che = ElChe(self.world_size, sync_every)
+            elif isinstance(cadence, ElChe):
+                self.el_che = cadence
+            else:
+                self.el_che = cadence(self.world_size)
+            if self.el_che.world_size != self.world_size:
+                raise ValueError(f"the ElChe was built for world_size {self.el_che.world_size} "
+                                 f"but the cohort has world_size {self.world_size}")
+            self.guard = guard if guard is not None else TrendGuard()
+        self.cadence = "fixed" if self.el_che is None else "elche"
+        # counters
+        self.sync_round = 0
+        self.total_steps = 0
+        self.total_samples = 0
+        self.realized_mass = 0.0
+        self._steps = 0
+        self._samples = 0
+        self._target = self._next_target()
+        self._prev_sync_ms = 0.0
+        self._prev_divergence = 0.0
+        self.last_sync: Optional[SyncInfo] = None
+        self.live_ranks: tuple = tuple(range(self.world_size))
+        self._align_on_rank0()
+        self._prev_global = ([p.detach().to(torch.float32).clone() for p in self.params]
+                             if self.outer is not None else None)
+        self._window_t0 = time.perf_counter()
+
+    def _check_outer(self, outer):
+        if outer is None or isinstance(outer, OuterOptimizer):
+            return outer
+        if isinstance(outer, torch.optim.Optimizer):
+            mine = {id(p) for p in self.params}
+            theirs = {id(p) for g in outer.param_groups for p in g["params"]}
+            if mine != theirs:
+                raise ValueError(
+                    f"the outer torch.optim optimizer must be built on exactly "
+                    f"model.parameters() ({len(mine)} tensors), got {len(theirs)} tensors of "
+                    f"which {len(theirs & mine)} are the model's")
+            return outer
+        raise TypeError(f"outer must be None, an OuterAvg / OuterNesterov, or a "
+                        f"torch.optim.Optimizer, got {type(outer).__name__}")
+
+    def _align_on_rank0(self) -> None:
+        tensors = [p.detach() for p in self.params] + [b.detach() for b in self.buffers]
+        if self.world_size > 1 and tensors:
+            root = self.comm.broadcast_from_root([t.to(torch.float32) for t in tensors], 0)
+            with torch.no_grad():
+                for t, src in zip(tensors, root):
+                    t.copy_(src)
+
+    def _next_target(self) -> int:
+        return self.sync_every if self.el_che is None else max(1, self.el_che.batches(self.rank))
+
+    # -- the loop ------------------------------------------------------------------------
+    @property
+    def steps_until_sync(self) -> int:
+        """Steps this rank takes before the next sync."""
+        return max(self._target - self._steps, 0)
+
+    def step(self, samples: int = 1) -> bool:
+        """Count one optimizer step of ``samples`` samples; sync on every window's last step.
+
+        Call it after each ``optimizer.step()`` on every rank. Returns True on the calls
+        that synced (the parameters and floating-point buffers are then the consensus).
+
+        Args:
+            samples: samples this step trained (its share of the realized work).
+        """
+        if not isinstance(samples, (int, np.integer)) or isinstance(samples, bool) or samples < 0:
+            raise ValueError(f"samples must be an int >= 0, got {samples!r}")
+        self._steps += 1
+        self._samples += int(samples)
+        self.total_steps += 1
+        self.total_samples += int(samples)
+        if self._steps >= self._target:
+            self.sync()
+            return True
+        return False
+
+    def sync(self) -> SyncInfo:
+        """Sync now (a collective: every rank calls it at the same window).
+
+        Replaces the parameters and floating-point buffers in place by the consensus
+        of the work realized since the last sync (then the outer step); if no rank
+        trained, every replica keeps its state.
+        """
+        t0 = time.perf_counter()
+        compute_ms = (t0 - self._window_t0) * 1e3
+        steps, samples = self._steps, self._samples
+        gathered = None
+        if self.el_che is not None:
+            gathered = gather_columns(self.comm, (steps, compute_ms, 1.0, self._prev_sync_ms,
+                                                  self._prev_divergence))
+        w = gamma_mass(samples, self.gamma)
+        tensors = [p.detach() for p in self.params] + [b.detach() for b in self.buffers]
+        consensus, mass = self.comm.all_reduce_scaled(tensors, w, RoundKind.MODEL, w)
+        accepted = tuple(int(r) for r in self.comm.last_accepted_ranks())
+        divergence = 0.0
+        if is_realized(mass):
+            n = len(self.params)
+            with torch.no_grad():
+                if self.guard is not None:
+                    divergence = _relative_drift(self.params, consensus[:n])
+                self._adopt_params(consensus[:n])
+                for b, c in zip(self.buffers, consensus[n:]):
+                    b.copy_(c)
+            if self.resets_inner and self.optimizer is not None:
+                self.optimizer.state.clear()
+            self.realized_mass += mass
+        self.sync_round += 1
+        if self.comm.local_world_size == self.world_size:
+            self.live_ranks = accepted
+        if gathered is not None:
+            self._report_elche(gathered)
+        self._steps = 0
+        self._samples = 0
+        self._target = self._next_target()
+        sync_ms = (time.perf_counter() - t0) * 1e3
+        self._prev_sync_ms, self._prev_divergence = sync_ms, divergence
+        self.last_sync = SyncInfo(self.sync_round, mass, accepted, samples, steps, sync_ms,
+                                  self._target)
+        self._window_t0 = time.perf_counter()
+        return self.last_sync
+
+    def _adopt_params(self, consensus: Sequence[torch.Tensor]) -> None:
+        outer = self.outer
+        if outer is None:
+            for p, c in zip(self.params, consensus):
+                p.copy_(c)
+            return
+        prev = self._prev_global
+        if isinstance(outer, OuterOptimizer):
+            new = outer.outer_step(prev, list(consensus))
+            for p, g, v in zip(self.params, prev, new):
+                p.copy_(v)
+                g.copy_(v)
+            return
+        for p, g, c in zip(self.params, prev, consensus):
+            p.copy_(g)
+            p.grad = (g - c).to(p.dtype)
+        outer.step()
+        for p, g in zip(self.params, prev):
+            p.grad = None
+            g.copy_(p)
+
+    def _report_elche(self, m: np.ndarray) -> None:
+        present = m[_G_PRESENT] > 0.5
+        wall = [float(m[_G_COMPUTE_MS][r]) if present[r] else 0.0 for r in range(self.world_size)]
+        ran = [int(round(m[_G_STEPS][r])) if present[r] else 0 for r in range(self.world_size)]
+        if sum(ran) == 0:
+            return
+        self.el_che.report_timing(wall, ran, float(np.max(m[_G_PREV_SYNC_MS])))
+        if self.guard is not None:
+            action = self.guard.check([float(d) for d in m[_G_PREV_DIVERGENCE]], sum(ran),
+                                      max(ran))
+            self.el_che.apply_action(action)
+
+    # -- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's full resume state (a dict of tensors and plain objects, picklable):
+        the model's ``state_dict`` (integer buffers included), step counters, the previous
+        global and the outer optimizer, the inner optimizer and LR scheduler, ElChe and
+        the guard, and the RNG states (torch, Python, NumPy)."""
+        outer = None
+        if isinstance(self.outer, OuterOptimizer):
+            outer = {"kind": "flodl_shm", "object": copy.deepcopy(self.outer)}
+        elif self.outer is not None:
+            outer = {"kind": "torch", "state": self.outer.state_dict()}
+        return {
+            "format": STATE_FORMAT,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "cadence": self.cadence,
+            "counters": {"sync_round": self.sync_round, "total_steps": self.total_steps,
+                         "total_samples": self.total_samples,
+                         "realized_mass": self.realized_mass, "steps": self._steps,
+                         "samples": self._samples, "target": self._target,
+                         "prev_sync_ms": self._prev_sync_ms,
+                         "prev_divergence": self._prev_divergence},
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "prev_global": (None if self._prev_global is None
+                            else [g.clone() for g in self._prev_global]),
+            "outer": outer,
+            "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "el_che": copy.deepcopy(self.el_che),
+            "guard": copy.deepcopy(self.guard),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "numpy": np.random.get_state()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned (on the same rank of a cohort of the
+        same size for an ElChe cadence); the next step continues exactly where it was
+        saved.
+
+        Args:
+            state: a ``LocalSGD.state_dict()``.
+        """
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a LocalSGD state (format {STATE_FORMAT!r} expected, got "
+                             f"{state.get('format') if isinstance(state, dict) else state!r})")
+        if (state["el_che"] is not None) != (self.el_che is not None):
+            raise ValueError(f"the state was saved with cadence={state['cadence']!r}; this "
+                             f"LocalSGD has cadence={self.cadence!r}: build it the same way")
+        if self.el_che is not None and state["world_size"] != self.world_size:
+            raise ValueError(f"the state's ElChe is for world_size {state['world_size']}; "
+                             f"this cohort has world_size {self.world_size}")
+        if (state["outer"] is None) != (self.outer is None):
+            raise ValueError("the state was saved with"
+                             f"{'out' if state['outer'] is None else ''} an outer optimizer; "
+                             "build LocalSGD with the same outer argument")
+        self.model.load_state_dict(state["model"])
+        c = state["counters"]
+        self.sync_round, self.total_steps = int(c["sync_round"]), int(c["total_steps"])
+        self.total_samples, self.realized_mass = int(c["total_samples"]), float(c["realized_mass"])
+        self._steps, self._samples, self._target = int(c["steps"]), int(c["samples"]), int(c["target"])
+        self._prev_sync_ms, self._prev_divergence = c["prev_sync_ms"], c["prev_divergence"]
+        if self._prev_global is not None and state["prev_global"] is not None:
+            for g, s in zip(self._prev_global, state["prev_global"]):
+                g.copy_(s)
+        outer = state["outer"]
+        if outer is not None:
+            if outer["kind"] == "flodl_shm":
+                if not isinstance(self.outer, OuterOptimizer):
+                    raise ValueError("the state's outer optimizer is a flodl_shm one; this "
+                                     f"LocalSGD's is {type(self.outer).__name__}")
+                self.outer.__dict__.update(copy.deepcopy(outer["object"].__dict__))
+            else:
+                self.outer.load_state_dict(outer["state"])
+        for name, obj in (("optimizer", self.optimizer), ("scheduler", self.scheduler)):
+            if obj is not None and state[name] is not None:
+                obj.load_state_dict(state[name])
+            elif obj is not None:
+                logger.warning("the LocalSGD state holds no %s state: it starts fresh", name)
+        if self.el_che is not None:
+            self.el_che.__dict__.update(copy.deepcopy(state["el_che"].__dict__))
+            if state["guard"] is not None:
+                self.guard = copy.deepcopy(state["guard"])
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        self._window_t0 = time.perf_counter()
+
+    def checkpoint_meta(self, reason: SaveReason = SaveReason.CHECKPOINT) -> CheckpointMeta:
+        """The bundle's ``CheckpointMeta``: ``global_step`` is the optimizer steps each rank
+        took (this rank's count), ``sync_round`` the syncs so far, ``world_size_at_save``
+        the ranks whose work the last sync accepted, plus ElChe's state (cadence runs)."""
+        meta = CheckpointMeta.new(0, self.total_steps, self.sync_round,
+                                  len(self.live_ranks), reason)
+        if self.el_che is not None:
+            st: ElCheState = self.el_che.to_state()
+            st.trend_history = self.guard.trend_history() if self.guard is not None else None
+            meta = meta.with_elche_state(st)
+        return meta
+
+    def save(self, path: "str | os.PathLike[str]") -> Path:
+        """Write a full-state checkpoint bundle (a collective: every rank calls it, right
+        after a sync). Returns the bundle's model path.
+
+        Every rank writes its ``<stem>.rank<N>.optim`` (:meth:`state_dict`); then the
+        lowest live rank of each host writes the consensus ``<stem>.fdl``, the outer
+        momentum ``<stem>.outer.fdl`` (``OuterNesterov``) and ``<stem>.meta.json`` last
+        (its presence marks the bundle complete). Files are written atomically.
+
+        Args:
+            path: the bundle's stem (``runs/exp/ckpt`` or ``runs/exp/ckpt.fdl``).
+
+        Raises:
+            ValueError: called mid-window (the replicas differ from the consensus then):
+                save right after ``step()`` returned True, or after ``sync()``.
+        """
+        if self._steps:
+            raise ValueError(
+                f"save() mid-window ({self._steps} steps since the last sync): the replicas "
+                f"are not the consensus yet; save right after step() returned True, or call "
+                f"sync() first")
+        model_path = CheckpointBundle.model_path(path)
+        model_path.parent.mkdir(parents=True, exist_ok=True)
+        state = self.state_dict()
+        atomic_write(rank_state_path(path, self.rank), lambda fh: torch.save(state, fh))
+        self.comm.barrier()
+        writers = self.comm.last_accepted_ranks()
+        if writers and self.rank == min(writers):
+            self._write_consensus_bundle(path)
+        self.comm.barrier()
+        return model_path
+
+    def _write_consensus_bundle(self, path) -> None:
+        from ..checkpoint.forge import write_consensus_fdl, write_outer_momentum_fdl
+
+        tensors = [p.detach().to(torch.float32) for p in self.params]
+        tensors += [b.detach().to(torch.float32) for b in self.buffers]
+        write_consensus_fdl(self.schema, tensors_to_round_frame(tensors, DTYPE_F32).tensors,
+                            CheckpointBundle.model_path(path))
+        momentum = (self.outer.checkpoint_state() if isinstance(self.outer, OuterOptimizer)
+                    else None)
+        if momentum is not None:
+            write_outer_momentum_fdl(tensors_to_round_frame(momentum, DTYPE_F32).tensors,
+                                     CheckpointBundle.outer_path(path))
+        self.checkpoint_meta().write_to_file(CheckpointBundle.meta_path(path))
+
+    def load(self, path: "str | os.PathLike[str]") -> CheckpointMeta:
+        """Restore a bundle written by :meth:`save` (every rank calls it; no collective).
+
+        With this rank's ``<stem>.rank<N>.optim`` the resume is exact
+        (:meth:`load_state_dict`). Without it (another world size, or a bundle from the
+        Trainer) the consensus and the outer momentum are loaded, the counters come from
+        the ``.meta.json``, and the inner optimizer, scheduler and ElChe start fresh.
+        Returns the bundle's metadata.
+
+        Args:
+            path: the bundle's stem or its ``.fdl``.
+        """
+        from ..checkpoint.forge import load_consensus_checkpoint, load_outer_momentum
+
+        meta_path = CheckpointBundle.meta_path(path)
+        if not meta_path.exists():
+            raise FileNotFoundError(f"{meta_path} not found: {os.fspath(path)} is not a "
+                                    f"complete checkpoint bundle (the .meta.json is written last)")
+        meta = CheckpointMeta.read_from_file(meta_path)
+        rank_path = rank_state_path(path, self.rank)
+        if rank_path.exists():
+            self.load_state_dict(torch.load(rank_path, weights_only=False))
+            return meta
+        logger.warning("%s not found: loading the consensus only (inner optimizer, scheduler "
+                       "and cadence state start fresh)", rank_path)
+        report = load_consensus_checkpoint(self.model, CheckpointBundle.model_path(path))
+        if report.missing or report.unexpected:
+            raise ValueError(f"{CheckpointBundle.model_path(path)} does not match the model: "
+                             f"missing {report.missing}, unexpected {report.unexpected}")
+        if isinstance(self.outer, OuterOptimizer) and self.outer.has_momentum:
+            opath = CheckpointBundle.outer_path(path)
+            if opath.exists():
+                self.outer.load_checkpoint_state(load_outer_momentum(self.model, opath))
+        if self._prev_global is not None:
+            for g, p in zip(self._prev_global, self.params):
+                g.copy_(p)
+        self.sync_round, self.total_steps = int(meta.sync_round), int(meta.global_step)
+        self._steps = self._samples = 0
+        self._window_t0 = time.perf_counter()
+        return meta
+
+    def __repr__(self) -> str:
+        return (f"LocalSGD(rank={self.rank}/{self.world_size}, sync_every={self.sync_every}, "
+                f"cadence={self.cadence!r}, outer={self.outer!r}, bf16_wire={self.bf16_wire}, "
+                f"sync_round={self.sync_round})")
+
+
+class DiLoCo(LocalSGD):
+    """``LocalSGD`` with DiLoCo's outer optimizer: ``OuterNesterov(outer_lr,
+    outer_momentum)`` (reference 0.7 / 0.9). Same arguments as :class:`LocalSGD`
+    otherwise (``outer`` excluded).
+
+    Args:
+        model: this rank's replica.
+        sync_every: inner steps per window (DiLoCo's H).
+        outer_lr: the outer learning rate.
+        outer_momentum: the outer Nesterov momentum.
+        **kwargs: ``comm``, ``bf16_wire``, ``cadence``, ``optimizer``, ``scheduler``,
+            ``gamma``, ``guard`` as for :class:`LocalSGD`.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, sync_every: int, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, **kwargs: Any) -> None:
+        from .outer import OuterNesterov
+
+        if "outer" in kwargs:
+            raise TypeError("DiLoCo sets its own outer optimizer (OuterNesterov(outer_lr, "
+                            "outer_momentum)); use LocalSGD(outer=...) for another one")
+        super().__init__(model, sync_every=sync_every,
+                         outer=OuterNesterov(lr=outer_lr, momentum=outer_momentum), **kwargs)
+
+
+def _relative_drift(params: Sequence[torch.Tensor], consensus: Sequence[torch.Tensor]) -> float:
+    """``||params - consensus|| / ||consensus||`` over all tensors (0 for a zero consensus)."""
+    diff_sq = post_sq = 0.0
+    for p, c in zip(params, consensus):
+        d = (p.detach().to(torch.float32) - c).reshape(-1)
+        diff_sq += float(torch.dot(d, d))
+        cf = c.reshape(-1)
+        post_sq += float(torch.dot(cf, cf))
+    return math.sqrt(diff_sq / post_sq) if post_sq > 0.0 else 0.0

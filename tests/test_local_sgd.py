@@ -1,0 +1,281 @@
+"""LocalSGD / DiLoCo on thread ranks (FakeCohort): the consensus against a reference
+computed here, replicas identical after a sync, outer optimizers, ElChe, errors."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import flodl_shm
+from flodl_shm import LocalSGD, OuterNesterov
+from flodl_shm.testing import FakeCohort
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    """A small model with BatchNorm whose weights depend on ``seed`` only (thread ranks
+    share torch's global generator, so the weights come from a private one)."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8),
+                                torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _snapshot(model: torch.nn.Module) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train_steps(model, sgd, rank: int, n: int, samples: int, window: int, lr: float = 0.1):
+    """``n`` SGD steps on data fixed by (rank, window, step); returns step()'s answers."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    answers = []
+    for k in range(n):
+        g = torch.Generator().manual_seed(1000 * rank + 100 * window + k)
+        x = torch.randn(samples, 6, generator=g)
+        y = torch.randint(0, 3, (samples,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        answers.append(sgd.step(samples=samples))
+    return answers
+
+
+def _weighted_mean(states: list, weights: list, keys) -> dict:
+    total = sum(weights)
+    return {k: sum(s[k] * w for s, w in zip(states, weights)) / total for k in keys}
+
+
+def test_construction_aligns_every_replica_on_rank_0():
+    with FakeCohort(3) as cohort:
+        def body(comm):
+            model = make_model(seed=comm.rank)          # different weights per rank
+            LocalSGD(model, sync_every=4, comm=comm)
+            return _snapshot(model)
+
+        out = cohort.run(body)
+    ref = _snapshot(make_model(seed=0))
+    for state in out:
+        for k in ref:
+            assert torch.equal(state[k], ref[k]), k
+
+
+def test_consensus_is_the_realized_work_weighted_mean_and_replicas_are_identical():
+    samples = {0: 2, 1: 5, 2: 9}
+    with FakeCohort(3) as cohort:
+        def body(comm):
+            model = make_model(seed=0)
+            sgd = LocalSGD(model, sync_every=3, comm=comm)
+            answers = _train_steps(model, sgd, comm.rank, 2, samples[comm.rank], 0)
+            before = _snapshot(model)
+            answers += _train_steps(model, sgd, comm.rank, 1, samples[comm.rank], 1, lr=0.0)
+            return answers, before, _snapshot(model), sgd.last_sync
+
+        out = cohort.run(body)
+    for answers, *_ in out:
+        assert answers == [False, False, True]
+    floats = [k for k, v in out[0][1].items() if v.is_floating_point()]
+    # the third step had lr 0: the params entering the sync are `before` (the BatchNorm
+    # statistics moved once more in that step's forward, so take them after it)
+    entering = []
+    for _, before, after, _ in out:
+        entering.append({k: (before[k] if "running" not in k else None) for k in floats})
+    weights = [3.0 * samples[r] for r in range(3)]
+    params = [k for k in floats if "running" not in k]
+    ref = _weighted_mean([e for e in entering], weights, params)
+    for k in params:
+        torch.testing.assert_close(out[0][2][k], ref[k], rtol=1e-6, atol=1e-7)
+    for _, _, after, info in out:
+        for k, v in after.items():
+            if v.is_floating_point():
+                assert torch.equal(v, out[0][2][k]), k
+        assert info.mass == sum(weights)
+        assert info.accepted == (0, 1, 2)
+    # integer buffers stay local (each rank counted its own forward passes)
+    assert int(out[1][2]["1.num_batches_tracked"]) == 3
+
+
+def test_float_buffers_are_averaged_with_the_parameters_mass():
+    with FakeCohort(2) as cohort:
+        def body(comm):
+            model = make_model(seed=0)
+            sgd = LocalSGD(model, sync_every=1, comm=comm)
+            bn = model[1]
+            with torch.no_grad():
+                bn.running_mean.fill_(float(comm.rank + 1))
+            sgd.step(samples=1 + 2 * comm.rank)            # masses 1 and 3
+            return bn.running_mean.clone()
+
+        out = cohort.run(body)
+    expected = torch.full((8,), (1.0 * 1 + 2.0 * 3) / 4)
+    for t in out:
+        torch.testing.assert_close(t, expected)
+
+
+def test_an_idle_cohort_keeps_local_state():
+    with FakeCohort(2) as cohort:
+        def body(comm):
+            model = make_model(seed=0)
+            sgd = LocalSGD(model, sync_every=1, comm=comm)
+            with torch.no_grad():
+                model[0].bias.fill_(float(comm.rank))
+            info = sgd.sync()                       # nobody trained since construction
+            return info.mass, model[0].bias.clone()
+
+        out = cohort.run(body)
+    assert [m for m, _ in out] == [0.0, 0.0]
+    assert torch.equal(out[1][1], torch.full((8,), 1.0))
+
+
+def _diloco_run(comm, outer_factory, windows: int = 3):
+    model = make_model(seed=0)
+    outer = outer_factory(model)
+    sgd = LocalSGD(model, sync_every=2, comm=comm, outer=outer)
+    trace = [[p.detach().clone() for p in model.parameters()]]
+    locals_ = []
+    for w in range(windows):
+        _train_steps(model, sgd, comm.rank, 1, 4 + comm.rank, w)
+        locals_.append([p.detach().clone() for p in model.parameters()])
+        _train_steps(model, sgd, comm.rank, 1, 4 + comm.rank, w, lr=0.0)
+        trace.append([p.detach().clone() for p in model.parameters()])
+    return trace, locals_
+
+
+def test_diloco_matches_the_outer_nesterov_math():
+    with FakeCohort(2) as cohort:
+        out = cohort.run(functools.partial(
+            _diloco_run, outer_factory=lambda m: OuterNesterov(lr=0.7, momentum=0.9)))
+    (trace0, loc0), (trace1, loc1) = out
+    ref_outer = OuterNesterov(lr=0.7, momentum=0.9)
+    prev = trace0[0]
+    w0, w1 = 2.0 * 4, 2.0 * 5
+    for w in range(3):
+        cons = [(a * w0 + b * w1) / (w0 + w1) for a, b in zip(loc0[w], loc1[w])]
+        expected = ref_outer.outer_step(prev, cons)
+        for got0, got1, e in zip(trace0[w + 1], trace1[w + 1], expected):
+            assert torch.equal(got0, got1)
+            torch.testing.assert_close(got0, e, rtol=1e-5, atol=1e-6)
+        prev = expected
+
+
+def test_diloco_shorthand_is_local_sgd_with_outer_nesterov_and_resets_the_inner_state():
+    with FakeCohort(2) as cohort:
+        def body(comm):
+            model = make_model(seed=0)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            sgd = flodl_shm.DiLoCo(model, sync_every=2, comm=comm, optimizer=opt,
+                                   outer_lr=0.5, outer_momentum=0.8)
+            x = torch.randn(4, 6)
+            for k in range(2):
+                opt.zero_grad()
+                model(x).sum().backward()
+                opt.step()
+                had_state = len(opt.state) > 0
+                synced = sgd.step(samples=4)
+            return type(sgd.outer).__name__, sgd.outer.lr, had_state, synced, len(opt.state)
+
+        out = cohort.run(body)
+    for name, lr, had_state, synced, after in out:
+        assert (name, lr, had_state, synced, after) == ("OuterNesterov", 0.5, True, True, 0)
+
+
+def test_a_torch_optimizer_as_outer_optimizer_steps_on_the_pseudo_gradient():
+    def torch_outer(model):
+        return torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+
+    with FakeCohort(2) as cohort:
+        out = cohort.run(functools.partial(_diloco_run, outer_factory=torch_outer))
+    (trace0, loc0), (trace1, loc1) = out
+    ref_model = make_model(seed=0)
+    ref = torch_outer(ref_model)
+    w0, w1 = 8.0, 10.0
+    for w in range(3):
+        cons = [(a * w0 + b * w1) / (w0 + w1) for a, b in zip(loc0[w], loc1[w])]
+        with torch.no_grad():
+            for p, prev, c in zip(ref_model.parameters(), trace0[w], cons):
+                p.copy_(prev)
+                p.grad = prev - c
+        ref.step()
+        for got0, got1, e in zip(trace0[w + 1], trace1[w + 1], ref_model.parameters()):
+            assert torch.equal(got0, got1)
+            torch.testing.assert_close(got0, e.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_wire_consensus_is_identical_on_every_rank_and_close_to_f32():
+    with FakeCohort(2) as cohort:
+        def body(comm):
+            model = make_model(seed=0)
+            sgd = LocalSGD(model, sync_every=2, comm=comm, bf16_wire=True)
+            _train_steps(model, sgd, comm.rank, 1, 4, 0)
+            local = [p.detach().clone() for p in model.parameters()]
+            _train_steps(model, sgd, comm.rank, 1, 4, 0, lr=0.0)
+            return local, [p.detach().clone() for p in model.parameters()]
+
+        out = cohort.run(body)
+    for a, b, l0, l1 in zip(out[0][1], out[1][1], out[0][0], out[1][0]):
+        assert torch.equal(a, b)
+        ref = (l0 + l1) / 2
+        torch.testing.assert_close(a, ref, rtol=2e-2, atol=1e-2)
+        # every element went through bf16: the consensus is bf16-representable
+        assert torch.equal(a, a.to(torch.bfloat16).to(torch.float32))
+
+
+def test_elche_cadence_keeps_every_rank_on_the_same_schedule():
+    import time
+
+    with FakeCohort(2) as cohort:
+        def body(comm):
+            model = make_model(seed=0)
+            sgd = LocalSGD(model, sync_every=2, comm=comm, cadence="elche")
+            syncs, windows, n = 0, [], 0
+            while syncs < 8:
+                if comm.rank == 1:
+                    time.sleep(0.004)                  # the slow rank
+                n += 1
+                if sgd.step(samples=1):
+                    syncs += 1
+                    windows.append(n)
+                    n = 0
+            return windows, sgd.el_che.batch_counts(), sgd.cadence
+
+        out = cohort.run(body)
+    (w0, counts0, cad0), (w1, counts1, _) = out
+    assert cad0 == "elche"
+    assert counts0 == counts1                            # one schedule on every rank
+    assert len(w0) == len(w1) == 8
+    assert w0[0] == w1[0] == 2                           # the anchor before calibration
+    assert sum(w0[-3:]) > sum(w1[-3:])                   # the fast rank trains more
+
+
+def test_errors_name_the_value_and_the_fix():
+    with FakeCohort(1) as cohort:
+        comm = cohort.comm(0)
+        with pytest.raises(ValueError, match="sync_every must be an int >= 1, got 0"):
+            LocalSGD(make_model(0), sync_every=0, comm=comm)
+        with pytest.raises(ValueError, match="cadence must be"):
+            LocalSGD(make_model(0), sync_every=2, comm=comm, cadence="fast")
+        with pytest.raises(TypeError, match="torch.float64"):
+            LocalSGD(make_model(0).double(), sync_every=2, comm=comm)
+        other = torch.nn.Linear(2, 2)
+        with pytest.raises(ValueError, match="exactly model.parameters"):
+            LocalSGD(make_model(0), sync_every=2, comm=comm,
+                     outer=torch.optim.SGD(other.parameters(), lr=0.1))
+        sgd = LocalSGD(make_model(0), sync_every=4, comm=comm)
+        with pytest.raises(ValueError, match="samples must be an int >= 0"):
+            sgd.step(samples=-1)
+        sgd.step(samples=1)
+        with pytest.raises(ValueError, match="mid-window"):
+            sgd.save("unused")
+
+
+def test_comm_none_without_a_process_group_names_what_to_pass():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a default process group is initialized in this process")
+    with pytest.raises(RuntimeError, match="comm=ctx.comm"):
+        LocalSGD(make_model(0), sync_every=2)

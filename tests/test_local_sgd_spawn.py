@@ -1,0 +1,144 @@
+"""LocalSGD on real rank processes (flodl_shm.spawn): comm=ctx.comm, a dead rank within
+max_failures, and full-state save/load whose resume is bit-identical."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import flodl_shm
+from flodl_shm import CheckpointBundle, CheckpointMeta, LocalSGD
+from flodl_shm.training.local_sgd import rank_state_path
+
+from engine_util import assert_no_leaks
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(7)
+    return torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                               torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 3))
+
+
+def _batch(rank: int, step: int, n: int = 8):
+    g = torch.Generator().manual_seed(10_000 * rank + step)
+    return torch.randn(n, 5, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _params(model) -> list:
+    return [t.detach().clone() for t in model.state_dict().values()]
+
+
+# --- a dead rank ---------------------------------------------------------------------
+
+
+def _dies_before_first_sync(ctx, die_rank: int):
+    model = make_model()
+    sgd = LocalSGD(model, sync_every=2, comm=ctx.comm)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        if ctx.rank == die_rank and step == 1:
+            os._exit(3)
+        if step == 0:
+            x, y = _batch(ctx.rank, step, n=4 + ctx.rank)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        else:                            # what enters the sync
+            local = [p.detach().clone() for p in model.parameters()]
+        synced = sgd.step(samples=4 + ctx.rank)
+    after = [p.detach().clone() for p in model.parameters()]
+    return synced, local, after, sgd.last_sync.mass, sgd.last_sync.accepted
+
+
+def test_a_dead_rank_is_tolerated_and_its_work_leaves_the_consensus():
+    out = flodl_shm.spawn(_dies_before_first_sync, 3, args=(2,), max_failures=1, timeout=60)
+    assert out[2] is None
+    (s0, l0, a0, m0, acc0), (s1, l1, a1, m1, acc1) = out[0], out[1]
+    assert s0 and s1
+    w0, w1 = 2 * 4.0, 2 * 5.0
+    assert m0 == m1 == w0 + w1
+    assert acc0 == acc1 == (0, 1)
+    for x0, x1, b0, b1 in zip(l0, l1, a0, a1):
+        assert torch.equal(b0, b1)
+        torch.testing.assert_close(b0, (x0 * w0 + x1 * w1) / (w0 + w1), rtol=1e-6, atol=1e-7)
+    assert_no_leaks()
+
+
+# --- full-state checkpoints ----------------------------------------------------------
+
+
+def _train(ctx, stop: int, save_at: int | None, stem: str | None, load: bool, outer: str):
+    """Train ranks' own loop to ``stop`` total steps (from the checkpoint when ``load``);
+    save a bundle after step ``save_at``."""
+    torch.manual_seed(100 + ctx.rank)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+    kwargs = dict(sync_every=2, comm=ctx.comm, optimizer=opt, scheduler=sched)
+    if outer == "nesterov":
+        sgd = flodl_shm.DiLoCo(model, **kwargs)
+    elif outer == "torch":
+        kwargs["outer"] = torch.optim.SGD(model.parameters(), lr=0.8, momentum=0.5,
+                                          nesterov=True)
+        sgd = LocalSGD(model, **kwargs)
+    else:
+        sgd = LocalSGD(model, **kwargs)
+    if load:
+        sgd.load(stem)
+    model.train()
+    while sgd.total_steps < stop:
+        x, y = _batch(ctx.rank, sgd.total_steps)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        sched.step()
+        sgd.step(samples=len(x))
+        if save_at is not None and sgd.total_steps == save_at:
+            sgd.save(stem)
+    return _params(model), sgd.sync_round, sched.get_last_lr()
+
+
+@pytest.mark.parametrize("outer", ["nesterov", "torch"])
+def test_resume_from_a_full_state_bundle_is_bit_identical(tmp_path, outer):
+    stem = os.fspath(tmp_path / "ckpt")
+    straight = flodl_shm.spawn(_train, 2, args=(12, None, None, False, outer))
+    flodl_shm.spawn(_train, 2, args=(6, 6, stem, False, outer))
+    resumed = flodl_shm.spawn(_train, 2, args=(12, None, stem, True, outer))
+    for (p_a, round_a, lr_a), (p_b, round_b, lr_b) in zip(straight, resumed):
+        assert (round_a, lr_a) == (round_b, lr_b)
+        for a, b in zip(p_a, p_b):
+            assert torch.equal(a, b)
+    # the bundle: consensus model, per-rank states, metadata written last
+    meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(stem))
+    assert (meta.global_step, meta.sync_round, meta.world_size_at_save) == (6, 3, 2)
+    assert rank_state_path(stem, 0).exists() and rank_state_path(stem, 1).exists()
+    assert CheckpointBundle.outer_path(stem).exists() == (outer == "nesterov")
+    assert_no_leaks()
+
+
+def _load_consensus_only(ctx, stem: str):
+    model = make_model()
+    sgd = LocalSGD(model, sync_every=2, comm=ctx.comm)
+    meta = sgd.load(stem)
+    return _params(model), meta.sync_round, sgd.sync_round, sgd.total_steps
+
+
+def test_a_bundle_without_rank_states_loads_the_consensus(tmp_path):
+    stem = os.fspath(tmp_path / "ckpt")
+    flodl_shm.spawn(_train, 2, args=(4, 4, stem, False, "none"))
+    ref = make_model()
+    report = flodl_shm.load_consensus_checkpoint(ref, CheckpointBundle.model_path(stem))
+    assert not report.missing and not report.unexpected
+    for r in range(2):
+        rank_state_path(stem, r).unlink()
+    out = flodl_shm.spawn(_load_consensus_only, 2, args=(stem,))
+    expected = {k: v for k, v in ref.state_dict().items() if v.is_floating_point()}
+    for params, meta_round, round_, steps in out:
+        assert (meta_round, round_, steps) == (2, 2, 4)
+        floats = [p for p in params if p.is_floating_point()]
+        for got, want in zip(floats, expected.values()):
+            assert torch.equal(got, want)
+    assert_no_leaks()
