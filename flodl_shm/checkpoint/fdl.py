@@ -40,7 +40,7 @@ import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterable, Optional, Sequence
+from typing import BinaryIO, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -67,6 +67,15 @@ _U32_MAX = 0xFFFFFFFF
 _I64_MAX = (1 << 63) - 1
 _HEADER = struct.Struct("<4sI32sI")
 _READ_CHUNK = 16 << 20
+#: Piece size when inflating a gzip payload only to skip it.
+_SKIP_CHUNK = 1 << 20
+#: Smallest entry on disk: name length, an empty name, ndim 0, the dtype tag, the byte count.
+MIN_ENTRY_BYTES = 4 + 4 + 1 + 8
+#: Most entries a file may declare. Real models hold thousands of tensors; a count beyond
+#: this is corruption or an attack, and each entry costs the reader ~200 bytes of memory.
+MAX_ENTRIES = 1 << 20
+#: deflate's largest expansion: a gzip stream of C bytes inflates to fewer than 1032 x C.
+GZIP_MAX_RATIO = 1032
 
 
 class FdlDtype(enum.IntEnum):
@@ -219,12 +228,14 @@ def _check_entry_header(name: str, shape: Sequence[int], tag: int, nbytes: int) 
         )
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class FdlEntry:
     """One entry as read from a file.
 
     ``data`` holds the raw bytes when the file was read with data; ``offset`` is
-    the payload's byte offset in the (uncompressed) stream.
+    the payload's byte offset in the (uncompressed) stream. Slotted: a file's
+    entry table costs memory in proportion to its entry count, which
+    ``MAX_ENTRIES`` and the file's size bound.
     """
 
     name: str
@@ -438,12 +449,18 @@ def save_module(module, path: "str | os.PathLike[str]",
 
 
 class _Source:
-    """A binary stream plus the uncompressed position and (for plain files) size."""
+    """A binary stream, its uncompressed position, and what it can hold.
 
-    def __init__(self, fh: BinaryIO, size: Optional[int], seekable: bool) -> None:
+    ``size`` is a plain file's size (``None`` for gzip); ``limit`` bounds the
+    uncompressed bytes the stream can possibly hold: the size of a plain file,
+    ``GZIP_MAX_RATIO`` x the compressed size for gzip.
+    """
+
+    def __init__(self, fh: BinaryIO, size: Optional[int], seekable: bool, limit: int) -> None:
         self.fh = fh
         self.size = size
         self.seekable = seekable
+        self.limit = limit
         self.pos = 0
 
     def read_exact(self, n: int, what: str) -> bytes:
@@ -457,7 +474,8 @@ class _Source:
         return buf
 
     def payload(self, n: int, keep: bool, where: str) -> Optional[bytearray]:
-        """Consume an ``n``-byte payload; its bytes when ``keep``, else skip it."""
+        """Consume an ``n``-byte payload; its bytes when ``keep``, else skip it (a plain
+        file seeks past it; gzip inflates it in ``_READ_CHUNK`` pieces, keeping none)."""
         def truncated(present: int) -> CheckpointError:
             return CheckpointError(f"corrupt checkpoint: payload truncated: header claims {n} "
                                    f"bytes, {max(present, 0)} present{where}")
@@ -468,6 +486,8 @@ class _Source:
             self.fh.seek(n, os.SEEK_CUR)
             self.pos += n
             return None
+        # More than the stream can hold: count what is there, keep none of it.
+        keep = keep and n <= self.limit - self.pos
         if keep and self.size is not None:
             # n is bounded by the bytes the file holds: allocate once, read in place.
             buf = bytearray(n)
@@ -478,7 +498,7 @@ class _Source:
             buf = bytearray() if keep else None
             got = 0
             while got < n:
-                chunk = self.fh.read(min(n - got, _READ_CHUNK))
+                chunk = self.fh.read(min(n - got, _READ_CHUNK if keep else _SKIP_CHUNK))
                 if not chunk:
                     break
                 got += len(chunk)
@@ -490,70 +510,192 @@ class _Source:
         return buf
 
 
-def _parse(src: _Source, keep_data: bool, path_label: str) -> FdlFile:
-    magic = src.read_exact(4, "the magic")
-    if magic != FDL_MAGIC:
-        raise CheckpointError(
-            f"invalid checkpoint {path_label}: bad magic {magic!r} (expected .fdl checkpoint "
-            f"starting with {FDL_MAGIC!r})"
-        )
-    (version,) = struct.unpack("<I", src.read_exact(4, "the version"))
-    if version == 0 or version > FDL_MAX_VERSION:
-        raise CheckpointError(
-            f"unsupported checkpoint version {version} in {path_label} (this build supports "
-            f"1..={FDL_MAX_VERSION})"
-        )
-    structural_hash = src.read_exact(HASH_LEN, "the structural hash")
-    (count,) = struct.unpack("<I", src.read_exact(4, "the entry count"))
-    entries: list[FdlEntry] = []
-    for i in range(count):
-        where = f" (entry #{i} of {count} in {path_label})"
-        (name_len,) = struct.unpack("<I", src.read_exact(4, f"entry #{i}'s name length"))
-        if name_len > MAX_NAME_LEN:
-            raise CheckpointError(
-                f"corrupt checkpoint: entry name length {name_len} exceeds {MAX_NAME_LEN}{where}"
-            )
-        name = src.read_exact(name_len, f"entry #{i}'s name").decode("utf-8", errors="replace")
-        where = f" (entry #{i} {name!r} of {count} in {path_label})"
-        (ndim,) = struct.unpack("<I", src.read_exact(4, f"entry {name!r}'s rank"))
-        if ndim > MAX_NDIM:
-            raise CheckpointError(
-                f"corrupt checkpoint: tensor rank {ndim} exceeds {MAX_NDIM}{where}"
-            )
-        shape = struct.unpack(f"<{ndim}q", src.read_exact(8 * ndim, f"entry {name!r}'s dims"))
-        if any(d < 0 for d in shape):
-            raise CheckpointError(f"corrupt checkpoint: negative dim in shape {list(shape)}{where}")
-        (tag,) = src.read_exact(1, f"entry {name!r}'s dtype tag")
-        dtype = FdlDtype.from_tag(tag, where)
-        (nbytes,) = struct.unpack("<Q", src.read_exact(8, f"entry {name!r}'s byte count"))
-        want = math.prod(shape) * dtype.itemsize
-        if nbytes != want:
-            raise CheckpointError(
-                f"corrupt checkpoint: header claims {nbytes} bytes but shape {list(shape)} x "
-                f"{dtype.label} needs {want}{where}"
-            )
-        offset = src.pos
-        data = src.payload(nbytes, keep_data, where)
-        entries.append(FdlEntry(name, tuple(shape), int(dtype), nbytes, offset, data))
-    if not src.seekable:
-        # A compressed stream: read to its end so gzip verifies the CRC and length
-        # trailer (a file cut inside the trailer still holds every entry).
-        while src.fh.read(_READ_CHUNK):
-            pass
-    return FdlFile(version, structural_hash, entries)
-
-
 def _open_source(path: Path):
-    """(context manager, _Source) for ``path``: plain files are seekable and sized."""
+    """(raw file, gzip wrapper or None, _Source) for ``path``: plain files are seekable
+    and sized."""
     try:
         raw = open(path, "rb")
     except OSError as e:
         raise CheckpointError(f"cannot open checkpoint {path}: {e}") from e
+    size = os.fstat(raw.fileno()).st_size
     if is_gzip_path(path):
         zf = gzip.GzipFile(fileobj=raw, mode="rb")
-        return raw, zf, _Source(zf, None, False)
-    size = os.fstat(raw.fileno()).st_size
-    return raw, None, _Source(raw, size, True)
+        return raw, zf, _Source(zf, None, False, size * GZIP_MAX_RATIO)
+    return raw, None, _Source(raw, size, True, size)
+
+
+class FdlReader:
+    """Read a ``.fdl`` (or ``.fdl.gz``) one entry at a time.
+
+    Opening reads and checks the file header (magic, version, structural hash,
+    entry count); :meth:`entries` then yields the entries in file order without
+    holding them, so memory does not grow with the entry count. Use as a
+    context manager::
+
+        with FdlReader(path) as r:
+            for e in r.entries(lambda e: e.name in wanted):   # keep only these payloads
+                ...
+
+    Bounds checked before anything is allocated: the entry count is at most
+    ``MAX_ENTRIES`` and at most what the file's size can hold
+    (``MIN_ENTRY_BYTES`` per entry; for gzip, ``GZIP_MAX_RATIO`` x its size);
+    every name, rank and byte count as in :func:`read_fdl`. After the last
+    declared entry the stream must end: trailing bytes are a ``CheckpointError``
+    naming the entry count. Every error is a ``CheckpointError``.
+
+    Args:
+        path: the file; gzip when the name ends in ``.gz``.
+    """
+
+    def __init__(self, path: "str | os.PathLike[str]") -> None:
+        self.path = Path(os.fspath(path))
+        self._raw, self._zf, self.src = _open_source(self.path)
+        try:
+            with self._as_checkpoint_errors():
+                self.version, self.structural_hash, self.count = self._read_header()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def seekable(self) -> bool:
+        """Whether payloads can be skipped and re-read by offset (a plain file)."""
+        return self.src.seekable
+
+    @property
+    def hash_hex(self) -> Optional[str]:
+        """Lowercase hex of the structural hash, ``None`` when it is all zero."""
+        return self.structural_hash.hex() if any(self.structural_hash) else None
+
+    def _as_checkpoint_errors(self):
+        return _CheckpointErrors(self.path)
+
+    def _read_header(self) -> tuple[int, bytes, int]:
+        src, label = self.src, str(self.path)
+        magic = src.read_exact(4, "the magic")
+        if magic != FDL_MAGIC:
+            raise CheckpointError(
+                f"invalid checkpoint {label}: bad magic {magic!r} (expected .fdl checkpoint "
+                f"starting with {FDL_MAGIC!r})"
+            )
+        (version,) = struct.unpack("<I", src.read_exact(4, "the version"))
+        if version == 0 or version > FDL_MAX_VERSION:
+            raise CheckpointError(
+                f"unsupported checkpoint version {version} in {label} (this build supports "
+                f"1..={FDL_MAX_VERSION})"
+            )
+        structural_hash = src.read_exact(HASH_LEN, "the structural hash")
+        (count,) = struct.unpack("<I", src.read_exact(4, "the entry count"))
+        if count > MAX_ENTRIES:
+            raise CheckpointError(
+                f"corrupt checkpoint: entry count {count} exceeds the limit of {MAX_ENTRIES} "
+                f"entries ({label}); a larger model must be split across several files"
+            )
+        room = src.limit - src.pos
+        if count * MIN_ENTRY_BYTES > room:
+            what = ("follow the header" if src.seekable
+                    else f"can follow the header in {src.limit // GZIP_MAX_RATIO} bytes of gzip")
+            raise CheckpointError(
+                f"corrupt checkpoint: entry count {count} needs at least "
+                f"{count * MIN_ENTRY_BYTES} bytes ({MIN_ENTRY_BYTES} per entry) but at most "
+                f"{room} {what} (room for {room // MIN_ENTRY_BYTES} entries) ({label})"
+            )
+        return version, structural_hash, count
+
+    def entries(self, keep: "bool | Callable[[FdlEntry], bool]" = False) -> Iterator[FdlEntry]:
+        """Yield every entry in file order, then check that the stream ends there.
+
+        Args:
+            keep: whether to read each payload into ``entry.data``: a bool for all
+                entries, or a callable that sees each entry's header (name, shape,
+                dtype, byte count; no data yet) and decides. It may raise to stop
+                before the payload is read. Payloads not kept are skipped (a plain
+                file is not read past its headers).
+        """
+        decide = keep if callable(keep) else (lambda e: keep)
+        with self._as_checkpoint_errors():
+            yield from self._entries(decide)
+
+    def _entries(self, decide: Callable[[FdlEntry], bool]) -> Iterator[FdlEntry]:
+        src, label, count = self.src, str(self.path), self.count
+        for i in range(count):
+            where = f" (entry #{i} of {count} in {label})"
+            (name_len,) = struct.unpack("<I", src.read_exact(4, f"entry #{i}'s name length"))
+            if name_len > MAX_NAME_LEN:
+                raise CheckpointError(
+                    f"corrupt checkpoint: entry name length {name_len} exceeds "
+                    f"{MAX_NAME_LEN}{where}"
+                )
+            name = src.read_exact(name_len, f"entry #{i}'s name").decode("utf-8",
+                                                                          errors="replace")
+            where = f" (entry #{i} {name!r} of {count} in {label})"
+            (ndim,) = struct.unpack("<I", src.read_exact(4, f"entry {name!r}'s rank"))
+            if ndim > MAX_NDIM:
+                raise CheckpointError(
+                    f"corrupt checkpoint: tensor rank {ndim} exceeds {MAX_NDIM}{where}"
+                )
+            shape = struct.unpack(f"<{ndim}q", src.read_exact(8 * ndim, f"entry {name!r}'s dims"))
+            if any(d < 0 for d in shape):
+                raise CheckpointError(
+                    f"corrupt checkpoint: negative dim in shape {list(shape)}{where}")
+            (tag,) = src.read_exact(1, f"entry {name!r}'s dtype tag")
+            dtype = FdlDtype.from_tag(tag, where)
+            (nbytes,) = struct.unpack("<Q", src.read_exact(8, f"entry {name!r}'s byte count"))
+            want = math.prod(shape) * dtype.itemsize
+            if nbytes != want:
+                raise CheckpointError(
+                    f"corrupt checkpoint: header claims {nbytes} bytes but shape {list(shape)} x "
+                    f"{dtype.label} needs {want}{where}"
+                )
+            entry = FdlEntry(name, tuple(shape), int(dtype), nbytes, src.pos)
+            entry.data = src.payload(nbytes, bool(decide(entry)), where)
+            yield entry
+        self._check_end()
+
+    def _check_end(self) -> None:
+        src, label, count = self.src, str(self.path), self.count
+        if src.seekable:
+            extra = src.size - src.pos
+            if extra:
+                raise CheckpointError(
+                    f"corrupt checkpoint: {extra} trailing bytes after the {count} declared "
+                    f"entries ({label}); the entry count in the header does not match the file"
+                )
+            return
+        # A compressed stream must end here too; reaching its end makes gzip verify the
+        # CRC and length trailer. Nothing past the declared entries is inflated.
+        if src.fh.read(1):
+            raise CheckpointError(
+                f"corrupt checkpoint: the stream continues after the {count} declared entries "
+                f"({label}); the entry count in the header does not match the file"
+            )
+
+    def close(self) -> None:
+        """Close the file."""
+        if self._zf is not None:
+            self._zf.close()
+        self._raw.close()
+
+    def __enter__(self) -> "FdlReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _CheckpointErrors:
+    """Turn the I/O and gzip errors of reading ``path`` into ``CheckpointError``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None and issubclass(exc_type, (OSError, EOFError, zlib.error)):
+            raise CheckpointError(f"corrupt checkpoint {self.path}: {exc}") from exc
+        return False
 
 
 def read_fdl(path: "str | os.PathLike[str]", *, with_data: bool = True) -> FdlFile:
@@ -562,19 +704,15 @@ def read_fdl(path: "str | os.PathLike[str]", *, with_data: bool = True) -> FdlFi
     With ``with_data=False`` payloads are skipped (headers, shapes, dtypes and
     sizes only; a plain file is not read past its headers) but truncation is
     still detected. Raises ``CheckpointError`` for a corrupt, truncated or
-    unsupported file (bad magic, version, name length over 64 KiB, rank over
-    64, unknown dtype tag, "payload truncated: header claims N bytes, M present").
+    unsupported file (bad magic, version, an entry count over ``MAX_ENTRIES`` or
+    more than the file can hold, name length over 64 KiB, rank over 64, unknown
+    dtype tag, "payload truncated: header claims N bytes, M present", bytes
+    after the declared entries). To walk a large file without holding its
+    entry table, use :class:`FdlReader`.
     """
-    p = Path(os.fspath(path))
-    raw, zf, src = _open_source(p)
-    try:
-        return _parse(src, with_data, str(p))
-    except (OSError, EOFError, zlib.error) as e:
-        raise CheckpointError(f"corrupt checkpoint {p}: {e}") from e
-    finally:
-        if zf is not None:
-            zf.close()
-        raw.close()
+    with FdlReader(path) as reader:
+        entries = list(reader.entries(with_data))
+        return FdlFile(reader.version, reader.structural_hash, entries)
 
 
 # --- loading into tensors -----------------------------------------------------------
@@ -619,36 +757,38 @@ def _label(t: _Target) -> str:
 
 def load_targets(path: "str | os.PathLike[str]", targets: Sequence[_Target],
                  structural_hash: "None | str | bytes" = None) -> LoadReport:
-    """Load the ``.fdl`` at ``path`` into ``targets`` by key (see :func:`load_checkpoint_file`)."""
+    """Load the ``.fdl`` at ``path`` into ``targets`` by key (see :func:`load_checkpoint_file`).
+
+    One pass over the headers checks each entry against its slot *before* its
+    payload is read, so a file declaring a huge tensor for a small slot fails
+    at that header, having allocated nothing. A plain file's payloads are then
+    read straight into the slots. A gzip stream cannot be re-read by offset:
+    the payloads of matching entries are staged during the pass (at most the
+    slots' own size; entries without a slot are inflated and dropped) and copied
+    in only once the whole stream, CRC included, has been verified.
+    """
     torch = _torch()
     if sys.byteorder != "little":
         raise CheckpointError(".fdl payloads are little-endian; this host is big-endian")
     p = Path(os.fspath(path))
-    raw, zf, src = _open_source(p)
-    try:
-        # Pass 1: every header (plain files: payloads skipped, not read; gzip: held).
-        keep = not src.seekable
-        try:
-            parsed = _parse(src, keep, str(p))
-        except (OSError, EOFError, zlib.error) as e:
-            raise CheckpointError(f"corrupt checkpoint {p}: {e}") from e
+    slots = {t.key: t for t in targets}
+    with FdlReader(p) as reader:
         if structural_hash is not None:
             expected = parse_structural_hash(structural_hash)
-            if any(parsed.structural_hash) and any(expected) and parsed.structural_hash != expected:
+            if any(reader.structural_hash) and any(expected) \
+                    and reader.structural_hash != expected:
                 raise CheckpointError(
-                    f"checkpoint architecture mismatch: file={parsed.structural_hash.hex()} "
+                    f"checkpoint architecture mismatch: file={reader.structural_hash.hex()} "
                     f"model={expected.hex()} ({p}); load it into the model it was saved from"
                 )
-        table = parsed.by_name()
-        # Validate everything before touching the model: a mismatch leaves it untouched.
-        plan = []
-        report = LoadReport()
-        used = set()
-        for t in targets:
-            e = table.get(t.key)
-            if e is None:
-                report.missing.append(t.key)
-                continue
+        stage = not reader.seekable
+        unexpected: dict[str, None] = {}
+
+        def admit(e: FdlEntry) -> bool:
+            t = slots.get(e.name)
+            if t is None:
+                unexpected[e.name] = None
+                return False
             model_shape = tuple(t.tensor.shape)
             if e.shape != model_shape:
                 raise CheckpointError(
@@ -656,23 +796,26 @@ def load_targets(path: "str | os.PathLike[str]", targets: Sequence[_Target],
                     f"model={list(model_shape)} ({p}); the checkpoint was saved from a "
                     f"different architecture"
                 )
-            plan.append((t, e))
-            used.add(t.key)
-            report.loaded.append(t.key)
-        seen = set()
-        for e in parsed.entries:
-            if e.name not in used and e.name not in seen:
-                report.unexpected.append(e.name)
-                seen.add(e.name)
-        # Pass 2: copy each payload into its slot.
+            return stage
+
+        chosen: dict[str, FdlEntry] = {}
+        for e in reader.entries(admit):
+            if e.name in slots:
+                chosen[e.name] = e  # a later duplicate wins; the earlier's bytes are freed
+        # Everything is validated: only now is the model touched.
+        report = LoadReport(unexpected=list(unexpected))
+        plan = []
+        for t in targets:
+            e = chosen.get(t.key)
+            if e is None:
+                report.missing.append(t.key)
+            else:
+                plan.append((t, e))
+                report.loaded.append(t.key)
         with torch.no_grad():
             for t, e in plan:
-                _copy_entry_into(src, e, t.tensor, p)
+                _copy_entry_into(reader.src, e, t.tensor, p)
         return report
-    finally:
-        if zf is not None:
-            zf.close()
-        raw.close()
 
 
 def _copy_entry_into(src: _Source, e: FdlEntry, dst, path: Path) -> None:
@@ -734,12 +877,16 @@ __all__ = [
     "FDL_MAGIC",
     "FDL_MAX_VERSION",
     "FDL_VERSION",
+    "GZIP_MAX_RATIO",
     "HASH_LEN",
+    "MAX_ENTRIES",
     "MAX_NAME_LEN",
     "MAX_NDIM",
+    "MIN_ENTRY_BYTES",
     "FdlDtype",
     "FdlEntry",
     "FdlFile",
+    "FdlReader",
     "FdlWriter",
     "LoadReport",
     "RawEntry",

@@ -28,37 +28,72 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _show(path: str, as_json: bool) -> int:
-    from ..checkpoint.fdl import FdlDtype, is_gzip_path, read_fdl
+def printable_name(name: str) -> str:
+    """``name`` safe to print on a terminal: control and format characters (ANSI escape
+    sequences, carriage returns, bidi overrides) and backslashes are escaped as
+    ``\\xNN`` / ``\\uNNNN``; other characters, non-ASCII letters included, are kept."""
+    if name.isprintable() and "\\" not in name:
+        return name
+    out = []
+    for ch in name:
+        if ch == "\\":
+            out.append("\\\\")
+        elif ch.isprintable():
+            out.append(ch)
+        else:
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else
+                       f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+    return "".join(out)
 
-    parsed = read_fdl(path, with_data=False)
-    entries = [{"name": e.name, "dtype": FdlDtype(e.dtype_tag).label, "dtype_tag": e.dtype_tag,
-                "shape": list(e.shape), "bytes": e.nbytes} for e in parsed.entries]
+
+def _show(path: str, as_json: bool) -> int:
+    """Print a .fdl's header and entries. Two passes over the headers (a plain file is not
+    read past them), none of them held: memory does not grow with the entry count, and a
+    corrupt file is reported before anything is printed."""
+    from ..checkpoint.fdl import FdlDtype, FdlReader, is_gzip_path
+
+    w_name, w_shape, payload = 4, 5, 0
+    with FdlReader(path) as reader:
+        for e in reader.entries():
+            payload += e.nbytes
+            w_name = max(w_name, len(printable_name(e.name)))
+            w_shape = max(w_shape, len(str(list(e.shape))))
+        version, hash_hex, count = reader.version, reader.hash_hex, reader.count
     summary = {
         "path": os.fspath(path),
         "gzip": is_gzip_path(path),
-        "version": parsed.version,
-        "structural_hash": parsed.hash_hex,
-        "entries": len(entries),
-        "payload_bytes": parsed.total_bytes(),
+        "version": version,
+        "structural_hash": hash_hex,
+        "entries": count,
+        "payload_bytes": payload,
         "file_bytes": os.path.getsize(path),
     }
+    out = sys.stdout
     if as_json:
-        print(json.dumps({**summary, "tensors": entries}, indent=2))
+        # one JSON object, its "tensors" list streamed (json escapes control characters)
+        head = json.dumps({**summary, "tensors": []}, indent=2)
+        out.write(head[: head.rindex("[") + 1])
+        with FdlReader(path) as reader:
+            for i, e in enumerate(reader.entries()):
+                item = {"name": e.name, "dtype": FdlDtype(e.dtype_tag).label,
+                        "dtype_tag": e.dtype_tag, "shape": list(e.shape), "bytes": e.nbytes}
+                out.write(("," if i else "") + "\n    " + json.dumps(item))
+        out.write(("\n  " if count else "") + "]\n}\n")
         return 0
-    print(f"{summary['path']}: .fdl version {parsed.version}"
-          f"{' (gzip)' if summary['gzip'] else ''}, {len(entries)} entries, "
-          f"{_fmt_bytes(summary['payload_bytes'])} of tensor data "
-          f"({summary['file_bytes']} bytes on disk)")
-    print(f"structural hash: {parsed.hash_hex or 'none (all zero)'}")
-    if not entries:
+    out.write(f"{summary['path']}: .fdl version {version}"
+              f"{' (gzip)' if summary['gzip'] else ''}, {count} entries, "
+              f"{_fmt_bytes(payload)} of tensor data ({summary['file_bytes']} bytes on disk)\n")
+    out.write(f"structural hash: {hash_hex or 'none (all zero)'}\n")
+    if not count:
         return 0
-    w_name = max(4, max(len(e["name"]) for e in entries))
-    shapes = [str(e["shape"]) for e in entries]
-    w_shape = max(5, max(len(s) for s in shapes))
-    print(f"{'#':>4}  {'name':<{w_name}}  {'dtype':<5}  {'shape':<{w_shape}}  {'bytes':>12}")
-    for i, (e, s) in enumerate(zip(entries, shapes)):
-        print(f"{i:>4}  {e['name']:<{w_name}}  {e['dtype']:<5}  {s:<{w_shape}}  {e['bytes']:>12}")
+    out.write(f"{'#':>4}  {'name':<{w_name}}  {'dtype':<5}  {'shape':<{w_shape}}  "
+              f"{'bytes':>12}\n")
+    with FdlReader(path) as reader:
+        for i, e in enumerate(reader.entries()):
+            out.write(f"{i:>4}  {printable_name(e.name):<{w_name}}  "
+                      f"{FdlDtype(e.dtype_tag).label:<5}  {str(list(e.shape)):<{w_shape}}  "
+                      f"{e.nbytes:>12}\n")
     return 0
 
 
