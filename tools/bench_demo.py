@@ -15,6 +15,10 @@ ranks of this host (one thread each) that average their weights every 8 batches:
                      with the test accuracy evaluated at the end only
   flodl_shm loop     a plain local-SGD loop: each rank trains its 8 batches, then
                      ``comm.all_reduce_(params)`` (one shared-memory round per window)
+  flodl_shm LocalSGD the same loop with ``flodl_shm.LocalSGD``: ``step(samples)`` after
+                     every batch, ``sync()`` per window (the realized-work weighted
+                     consensus: one round carrying the weights); the last line of
+                     the output is its per-window time over the bare ``all_reduce_``'s
   gloo loop          the same loop with ``torch.distributed`` gloo over 127.0.0.1: one
                      ``dist.all_reduce`` of the flattened params, then ``div_``
   gloo per-param     the same with one ``dist.all_reduce`` per parameter tensor, as in
@@ -67,9 +71,10 @@ def _windows(n_samples: int, epochs: int, batch: int, sync_every: int, world: in
             yield [list(part) for part in np.array_split(np.arange(len(chunk)), world)], chunk
 
 
-def _train_loop(rank: int, world: int, average, xtr, ytr, xte, yte, epochs: int):
+def _train_loop(rank: int, world: int, make_average, xtr, ytr, xte, yte, epochs: int):
     """Train ``rank``'s share of every window, then ``average(params)``; returns the
-    loop's figures."""
+    loop's figures. ``make_average(model)`` returns ``(average, on_step)``: the window's
+    averaging call and a callable run after every optimizer step (or None)."""
     import torch
 
     from flodl_shm.cli.demo import accuracy, cross_entropy, make_model, make_optimizer
@@ -78,6 +83,7 @@ def _train_loop(rank: int, world: int, average, xtr, ytr, xte, yte, epochs: int)
     torch.manual_seed(SEED)
     model = make_model()
     params = [p.detach() for p in model.parameters()]
+    average, on_step = make_average(model)
     average(params)  # align the replicas (every rank built the same init anyway) and warm up
     opt = make_optimizer(model.parameters())
     sync_s, per_window = 0.0, []
@@ -88,6 +94,8 @@ def _train_loop(rank: int, world: int, average, xtr, ytr, xte, yte, epochs: int)
             opt.zero_grad(set_to_none=True)
             cross_entropy(model(xtr[idx]), ytr[idx]).backward()
             opt.step()
+            if on_step is not None:
+                on_step()
         s = time.perf_counter()
         with torch.no_grad():
             average(params)
@@ -106,7 +114,18 @@ def _shm_worker(ctx, data, epochs):
     def average(params):
         comm.all_reduce_(params)
 
-    return _train_loop(ctx.rank, ctx.world_size, average, *data, epochs)
+    return _train_loop(ctx.rank, ctx.world_size, lambda model: (average, None), *data, epochs)
+
+
+def _local_sgd_worker(ctx, data, epochs):
+    from flodl_shm import LocalSGD
+
+    def make_average(model):
+        # construction aligns the replicas; the loop syncs once per window explicitly
+        sgd = LocalSGD(model, sync_every=1 << 30, comm=ctx.comm)
+        return (lambda params: sgd.sync()), (lambda: sgd.step(samples=BATCH))
+
+    return _train_loop(ctx.rank, ctx.world_size, make_average, *data, epochs)
 
 
 def _gloo_worker(rank, world, init, data, epochs, flat, queue):
@@ -131,7 +150,8 @@ def _gloo_worker(rank, world, init, data, epochs, flat, queue):
                 p.div_(world)
 
     try:
-        queue.put((rank, _train_loop(rank, world, average, *data, epochs)))
+        queue.put((rank, _train_loop(rank, world, lambda model: (average, None), *data,
+                                     epochs)))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -174,12 +194,20 @@ def _fold(per_rank: list[dict], total_s: float) -> dict:
             "accuracy": next(r["accuracy"] for r in per_rank if r["accuracy"] is not None)}
 
 
-def run_shm_loop(data, epochs) -> dict:
+def _run_spawned(worker, data, epochs) -> dict:
     from flodl_shm import spawn
 
     t0 = time.perf_counter()
-    per_rank = spawn(_shm_worker, WORLD, (data, epochs), timeout=300)
+    per_rank = spawn(worker, WORLD, (data, epochs), timeout=300)
     return _fold(per_rank, time.perf_counter() - t0)
+
+
+def run_shm_loop(data, epochs) -> dict:
+    return _run_spawned(_shm_worker, data, epochs)
+
+
+def run_local_sgd(data, epochs) -> dict:
+    return _run_spawned(_local_sgd_worker, data, epochs)
 
 
 def _run_gloo(data, epochs, flat: bool) -> dict:
@@ -222,6 +250,7 @@ VARIANTS = {
     "one process": run_one_process,
     "flodl_shm demo": run_demo_variant,
     "flodl_shm loop": run_shm_loop,
+    "flodl_shm LocalSGD": run_local_sgd,
     "gloo loop": run_gloo_flat,
     "gloo per-param": run_gloo_per_param,
 }
@@ -280,6 +309,12 @@ def main(argv=None) -> int:
                     f.write(json.dumps(r) + "\n")
     print(f"# load average at the end {os.getloadavg()[0]:.2f}\n")
     print(table(results))
+    if "flodl_shm LocalSGD" in results and "flodl_shm loop" in results:
+        ratios = [a["window_ms"] / b["window_ms"] for a, b in
+                  zip(results["flodl_shm LocalSGD"], results["flodl_shm loop"])]
+        print(f"\nLocalSGD window / one bare all_reduce_ of the same params: median "
+              f"{statistics.median(ratios):.2f}x (per repeat: "
+              f"{', '.join(f'{r:.2f}' for r in ratios)})")
     return 0
 
 

@@ -118,7 +118,8 @@ class SyncInfo:
 
 
 def _default_comm():
-    """The ``Comm`` of the default torch.distributed process group (a "flodl_shm" group)."""
+    """The engine ``Comm`` of the default torch.distributed process group, which must be
+    a single-host "flodl_shm" group."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -132,14 +133,23 @@ def _default_comm():
             f"LocalSGD(comm=None) needs the default process group to use the 'flodl_shm' "
             f"backend, got {backend!r}: init_process_group('flodl_shm', ...), or pass "
             f"comm=ctx.comm under flodl_shm.spawn")
-    try:
-        from ..distributed import comm_of_group
-    except ImportError:
+    group = dist.distributed_c10d._get_default_group()
+    if not hasattr(group, "comm"):
+        try:
+            group = group._get_backend(torch.device("cpu"))
+        except Exception:  # noqa: BLE001 - reported below with what to do
+            pass
+    if not hasattr(group, "comm"):
         raise RuntimeError(
-            "this flodl_shm build's torch.distributed backend does not expose its Comm "
-            "(flodl_shm.distributed.comm_of_group); pass comm=ctx.comm under "
-            "flodl_shm.spawn") from None
-    return comm_of_group(None)
+            f"the default 'flodl_shm' process group ({type(group).__name__}) does not expose "
+            f"its engine Comm; pass comm=ctx.comm under flodl_shm.spawn")
+    hosts = len(group.topology.hosts)
+    if hosts != 1:
+        raise ValueError(
+            f"LocalSGD(comm=None) averages through the host's shared memory, but the default "
+            f"process group spans {hosts} hosts; for several hosts run the ranks with "
+            f"flodl_shm.spawn(..., controller='host:port') and pass comm=ctx.comm")
+    return group.comm
 
 
 def _check_float_dtype(name: str, t: torch.Tensor) -> None:
@@ -200,6 +210,8 @@ class LocalSGD:
         for name, b in named_buffers:
             _check_float_dtype(f"buffer {name!r}", b)
         self.schema = ModelSchema.from_module(model)
+        # what one window's round carries, in frame order (views: updated in place)
+        self._tensors = [p.detach() for p in self.params] + [b.detach() for b in self.buffers]
         self.comm.set_bf16_wire(bool(bf16_wire))
         self.bf16_wire = bool(bf16_wire)
         self.outer = self._check_outer(outer)
@@ -218,6 +230,9 @@ class LocalSGD:
                                  f"but the cohort has world_size {self.world_size}")
             self.guard = guard if guard is not None else TrendGuard()
         self.cadence = "fixed" if self.el_che is None else "elche"
+        # pre-sync copy of the parameters for the drift the guard reads (ElChe only)
+        self._pre = (None if self.guard is None else
+                     [torch.empty_like(p, dtype=torch.float32) for p in self.params])
         # counters
         self.sync_round = 0
         self.total_steps = 0
@@ -251,11 +266,10 @@ class LocalSGD:
                         f"torch.optim.Optimizer, got {type(outer).__name__}")
 
     def _align_on_rank0(self) -> None:
-        tensors = [p.detach() for p in self.params] + [b.detach() for b in self.buffers]
-        if self.world_size > 1 and tensors:
-            root = self.comm.broadcast_from_root([t.to(torch.float32) for t in tensors], 0)
+        if self.world_size > 1 and self._tensors:
+            root = self.comm.broadcast_from_root([t.to(torch.float32) for t in self._tensors], 0)
             with torch.no_grad():
-                for t, src in zip(tensors, root):
+                for t, src in zip(self._tensors, root):
                     t.copy_(src)
 
     def _next_target(self) -> int:
@@ -302,18 +316,21 @@ class LocalSGD:
             gathered = gather_columns(self.comm, (steps, compute_ms, 1.0, self._prev_sync_ms,
                                                   self._prev_divergence))
         w = gamma_mass(samples, self.gamma)
-        tensors = [p.detach() for p in self.params] + [b.detach() for b in self.buffers]
-        consensus, mass = self.comm.all_reduce_scaled(tensors, w, RoundKind.MODEL, w)
+        if self._pre is not None:
+            with torch.no_grad():
+                for dst, p in zip(self._pre, self.params):
+                    dst.copy_(p)
+        # one MODEL round, in place: params and float buffers scaled by w, mass w; a round
+        # that realized nothing (mass 0) leaves the tensors untouched
+        mass = self.comm.all_reduce_(self._tensors, weight=w, scale=w, kind=RoundKind.MODEL)
         accepted = tuple(int(r) for r in self.comm.last_accepted_ranks())
         divergence = 0.0
         if is_realized(mass):
-            n = len(self.params)
             with torch.no_grad():
-                if self.guard is not None:
-                    divergence = _relative_drift(self.params, consensus[:n])
-                self._adopt_params(consensus[:n])
-                for b, c in zip(self.buffers, consensus[n:]):
-                    b.copy_(c)
+                if self._pre is not None:
+                    divergence = _relative_drift(self._pre, self.params)
+                if self.outer is not None:
+                    self._outer_step()
             if self.resets_inner and self.optimizer is not None:
                 self.optimizer.state.clear()
             self.realized_mass += mass
@@ -332,22 +349,18 @@ class LocalSGD:
         self._window_t0 = time.perf_counter()
         return self.last_sync
 
-    def _adopt_params(self, consensus: Sequence[torch.Tensor]) -> None:
-        outer = self.outer
-        if outer is None:
-            for p, c in zip(self.params, consensus):
-                p.copy_(c)
-            return
-        prev = self._prev_global
+    def _outer_step(self) -> None:
+        """The parameters hold the consensus: step them from the previous global."""
+        outer, prev = self.outer, self._prev_global
         if isinstance(outer, OuterOptimizer):
-            new = outer.outer_step(prev, list(consensus))
+            new = outer.outer_step(prev, [p.detach().to(torch.float32) for p in self.params])
             for p, g, v in zip(self.params, prev, new):
                 p.copy_(v)
                 g.copy_(v)
             return
-        for p, g, c in zip(self.params, prev, consensus):
+        for p, g in zip(self.params, prev):
+            p.grad = (g - p.detach().to(torch.float32)).to(p.dtype)
             p.copy_(g)
-            p.grad = (g - c).to(p.dtype)
         outer.step()
         for p, g in zip(self.params, prev):
             p.grad = None
@@ -583,12 +596,12 @@ class DiLoCo(LocalSGD):
                          outer=OuterNesterov(lr=outer_lr, momentum=outer_momentum), **kwargs)
 
 
-def _relative_drift(params: Sequence[torch.Tensor], consensus: Sequence[torch.Tensor]) -> float:
-    """``||params - consensus|| / ||consensus||`` over all tensors (0 for a zero consensus)."""
+def _relative_drift(pre: Sequence[torch.Tensor], post: Sequence[torch.Tensor]) -> float:
+    """``||pre - post|| / ||post||`` over all tensors (0 for a zero ``post``)."""
     diff_sq = post_sq = 0.0
-    for p, c in zip(params, consensus):
-        d = (p.detach().to(torch.float32) - c).reshape(-1)
+    for a, b in zip(pre, post):
+        c = b.detach().to(torch.float32).reshape(-1)
+        d = a.reshape(-1) - c
         diff_sq += float(torch.dot(d, d))
-        cf = c.reshape(-1)
-        post_sq += float(torch.dot(cf, cf))
+        post_sq += float(torch.dot(c, c))
     return math.sqrt(diff_sq / post_sq) if post_sq > 0.0 else 0.0
