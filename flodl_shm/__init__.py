@@ -22,6 +22,7 @@ _EXPORTS = {
     "CheckpointError": "flodl_shm.errors",
     "RankFailed": "flodl_shm.errors",
     "ReduceStall": "flodl_shm.errors",
+    "RankStalled": "flodl_shm.errors",
     "CohortAborted": "flodl_shm.errors",
     "ShmSpaceError": "flodl_shm.errors",
     "HandshakeRejected": "flodl_shm.errors",
@@ -115,3 +116,9 @@ def __getattr__(name: str):
 
 def __dir__():
     return __all__
+
+
+# torch.distributed backend "flodl_shm": registered when torch loads (no torch import here)
+from .distributed import register_when_torch_loads as _register_c10d  # noqa: E402
+
+_register_c10d()

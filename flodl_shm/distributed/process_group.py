@@ -1,0 +1,465 @@
+"""``ProcessGroupFlodlShm``: the ``torch.distributed`` process group of backend ``"flodl_shm"``.
+
+Created by ``dist.init_process_group("flodl_shm", ...)`` / ``dist.new_group(backend=
+"flodl_shm")`` through the creator registered in ``flodl_shm/distributed/__init__.py``;
+rendezvous (host peers, one arena per host) is ``rendezvous.py``.
+
+Two transports carry every collective (docs/c10d.md has the op/dtype table):
+
+- **reduce rounds** of the engine (``Comm.all_reduce_``) for float32 and bfloat16
+  SUM/AVG all-reduces: each element is summed in f32 in rank order, so every rank
+  gets the same bits. Across hosts: the host sum in shared memory, then the host
+  leaders' gloo all-reduce of those partials, then the result fans out through
+  shared memory;
+- **byte rounds** (``engine/byte_exchange.py``) for everything else: every rank sees
+  every rank's bytes and reduces or copies locally, in rank order (bit-identical on
+  every rank, any dtype, any op of ``reduce_ops.py``). Across hosts the leaders
+  gather their hosts' bytes, all-gather them through gloo and fan them out.
+
+Collectives run to completion in the calling thread; the returned ``Work`` is
+already completed (``wait()`` returns True at once, ``get_future()`` holds the
+output tensors), which is what ``async_op=True`` callers — DDP included — expect
+of a finished collective. A failure raises from the call itself.
+"""
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+from ..engine.byte_exchange import exchange_bytes
+from ..frame import RoundKind
+from .reduce_ops import check_dtype, check_op, op_name, op_type, reduce_in_order
+from .rendezvous import HostLink, rendezvous
+
+logger = logging.getLogger("flodl_shm")
+
+BACKEND_NAME = "flodl_shm"
+_ALIGN = 64  # byte offset alignment of each tensor inside a byte round
+
+
+def _done(result) -> dist.Work:
+    fut = torch.futures.Future()
+    fut.set_result(result)
+    return _create_work_from_future(fut)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    offs, total = [], 0
+    for t in tensors:
+        offs.append(total)
+        total += _aligned(_nbytes(t))
+    return offs, total
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    flat = t.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
+
+
+def _write(dst: np.ndarray, tensors: Sequence[torch.Tensor], offs: Sequence[int]) -> None:
+    for t, o in zip(tensors, offs):
+        src = _bytes_of(t)
+        dst[o:o + src.shape[0]] = src
+
+
+def _tensor_at(buf: np.ndarray, off: int, like: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``like``'s dtype and shape reading ``buf[off:]`` (no copy)."""
+    n = _nbytes(like)
+    raw = torch.from_numpy(buf[off:off + n])
+    return raw.view(like.dtype).view(like.shape)
+
+
+def _copy_into(t: torch.Tensor, src: torch.Tensor) -> None:
+    with torch.no_grad():
+        t.copy_(src.view(t.shape))
+
+
+class ProcessGroupFlodlShm(dist.ProcessGroup):
+    """The ``"flodl_shm"`` process group (CPU tensors).
+
+    Args:
+        store: the group's c10d store; rank, size: this rank and the group size;
+        timeout: bounds every wait of every collective (and the rendezvous).
+    """
+
+    def __init__(self, store, rank: int, size: int, timeout: timedelta) -> None:
+        super().__init__(rank, size)
+        self._rank = rank
+        self._size = size
+        self._timeout = timeout
+        self._link: HostLink | None = rendezvous(store, rank, size, timeout)
+        self._topo = self._link.topology
+
+    # -- identity ------------------------------------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND_NAME
+
+    # A Python process group has no C++ backend to hold its name: keep it here
+    # (destroy_process_group and new_group read it back).
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return getattr(self, "_group_name", "")
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return getattr(self, "_group_desc", "")
+
+    @property
+    def comm(self):
+        """This rank's engine ``Comm`` on the host arena (local ranks only)."""
+        return self._live().comm
+
+    @property
+    def topology(self):
+        """Which group ranks share this rank's host (``rendezvous.Topology``)."""
+        return self._topo
+
+    def __repr__(self) -> str:
+        return (f"ProcessGroupFlodlShm(rank={self._rank}, size={self._size}, "
+                f"hosts={len(self._topo.hosts)})")
+
+    def _live(self) -> HostLink:
+        if self._link is None:
+            raise RuntimeError("this flodl_shm process group was shut down "
+                               "(destroy_process_group); create a new one")
+        return self._link
+
+    def shutdown(self) -> None:
+        """Release this rank's shared-memory mappings (nothing is left in /dev/shm)."""
+        link, self._link = self._link, None
+        if link is not None:
+            link.close()
+
+    def abort(self) -> None:
+        self.shutdown()
+
+    # -- transports ------------------------------------------------------------------------
+    def _exchange(self, nbytes: int, fill: Callable[[np.ndarray], None] | None,
+                  consume: Callable[[list[np.ndarray]], None]) -> None:
+        """A byte round over the whole group: ``consume`` gets every group rank's bytes
+        (uint8 views, group-rank order, valid during the call)."""
+        link = self._live()
+        topo = self._topo
+        if not topo.multi_host:
+            exchange_bytes(link.comm, nbytes, fill, consume)
+            return
+        per_host = max(len(h) for h in topo.hosts)
+        local_n = len(topo.local_ranks)
+        host_blob = np.zeros(per_host * nbytes, np.uint8)
+
+        def collect(views: list[np.ndarray]) -> None:
+            if topo.is_leader:
+                for i in range(local_n):
+                    host_blob[i * nbytes:(i + 1) * nbytes] = views[i]
+
+        exchange_bytes(link.comm, nbytes, fill, collect)
+        total = len(topo.hosts) * per_host * nbytes
+        glob = None
+        if topo.is_leader:
+            out = torch.empty(total, dtype=torch.uint8)
+            link.leaders.allgather([list(out.chunk(len(topo.hosts)))],
+                                   [torch.from_numpy(host_blob)]).wait()
+            glob = out.numpy()
+
+        def fan_out(views: list[np.ndarray]) -> None:
+            blob = views[0]
+            per_rank = [None] * self._size
+            for h, ranks in enumerate(topo.hosts):
+                for i, r in enumerate(ranks):
+                    start = (h * per_host + i) * nbytes
+                    per_rank[r] = blob[start:start + nbytes]
+            consume(per_rank)
+
+        exchange_bytes(link.comm, total,
+                       (lambda dst: np.copyto(dst, glob)) if topo.is_leader else None, fan_out)
+
+    def _exchange_tensors(self, tensors: Sequence[torch.Tensor] | None, offs: Sequence[int],
+                          total: int, consume: Callable[[list[np.ndarray]], None]) -> None:
+        fill = None if tensors is None else (lambda dst: _write(dst, tensors, offs))
+        self._exchange(total, fill, consume)
+
+    def _sum_f32(self, tensors: list[torch.Tensor], avg: bool) -> None:
+        """SUM/AVG of float32/bfloat16 tensors through the engine's reduce rounds."""
+        link = self._live()
+        topo = self._topo
+        if not topo.multi_host:
+            if avg:
+                link.comm.all_reduce_(tensors, kind=RoundKind.MODEL)
+            else:
+                link.comm.all_reduce_(tensors, kind=RoundKind.CONTROL)
+            return
+        link.comm.all_reduce_(tensors, kind=RoundKind.CONTROL)  # the host's sum
+        offs, total = _layout(tensors)
+        mine = None
+        if topo.is_leader:
+            flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+            link.leaders.allreduce([flat], dist.AllreduceOptions()).wait()
+            if avg:
+                flat.div_(self._size)
+            parts = list(flat.split([t.numel() for t in tensors]))
+            mine = [p.to(t.dtype) for p, t in zip(parts, tensors)]
+
+        def take(views: list[np.ndarray]) -> None:
+            for t, o in zip(tensors, offs):
+                _copy_into(t, _tensor_at(views[0], o, t))
+
+        def fill(dst: np.ndarray) -> None:
+            _write(dst, mine, offs)
+
+        exchange_bytes(link.comm, total, fill if topo.is_leader else None, take)
+
+    def _reduce_generic(self, tensors: list[torch.Tensor], op) -> None:
+        offs, total = _layout(tensors)
+
+        def consume(views: list[np.ndarray]) -> None:
+            for t, o in zip(tensors, offs):
+                reduce_in_order([_tensor_at(v, o, t) for v in views], op, t)
+
+        self._exchange_tensors(tensors, offs, total, consume)
+
+    def _allreduce_list(self, tensors: list[torch.Tensor], op, what: str) -> None:
+        for t in tensors:
+            check_dtype(t, what)
+            check_op(op, t.dtype, what)
+        name = op_name(op_type(op))
+        fast = [t for t in tensors if t.dtype in (torch.float32, torch.bfloat16)
+                and t.is_contiguous()]
+        if name in ("SUM", "AVG") and len(fast) == len(tensors) and tensors and (
+                not self._topo.multi_host or all(t.dtype is torch.float32 for t in tensors)):
+            self._sum_f32(tensors, name == "AVG")
+        elif tensors:
+            self._reduce_generic(tensors, op)
+
+    # -- collectives ------------------------------------------------------------------------
+    def allreduce(self, tensors, opts=None) -> dist.Work:
+        op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
+        self._allreduce_list(list(tensors), op, "allreduce")
+        return _done(list(tensors))
+
+    def allreduce_coalesced(self, tensors, opts=None) -> dist.Work:
+        op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
+        self._allreduce_list(list(tensors), op, "allreduce_coalesced")
+        return _done(list(tensors))
+
+    def reduce(self, tensors, opts) -> dist.Work:
+        root = int(opts.rootRank)
+        work = [t if self._rank == root else t.clone() for t in tensors]
+        self._allreduce_list(work, opts.reduceOp, "reduce")
+        return _done(list(tensors))
+
+    def broadcast(self, tensors, opts) -> dist.Work:
+        tensors = list(tensors)
+        root = int(opts.rootRank)
+        for t in tensors:
+            check_dtype(t, "broadcast")
+        offs, total = _layout(tensors)
+
+        def consume(views: list[np.ndarray]) -> None:
+            if self._rank != root:
+                for t, o in zip(tensors, offs):
+                    _copy_into(t, _tensor_at(views[root], o, t))
+
+        self._exchange_tensors(tensors if self._rank == root else None, offs, total, consume)
+        return _done(tensors)
+
+    def allgather(self, output_tensors, input_tensors, opts=None) -> dist.Work:
+        return self.allgather_coalesced(output_tensors, input_tensors, opts)
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts=None) -> dist.Work:
+        """``output_lists[i][r]`` receives rank r's ``input_tensors[i]``."""
+        inputs = list(input_tensors)
+        for t in inputs:
+            check_dtype(t, "allgather")
+        offs, total = _layout(inputs)
+
+        def consume(views: list[np.ndarray]) -> None:
+            for outs, t, o in zip(output_lists, inputs, offs):
+                if len(outs) != self._size:
+                    raise RuntimeError(f"flodl_shm allgather: {len(outs)} output tensors for "
+                                       f"a group of {self._size}")
+                for r, out in enumerate(outs):
+                    _copy_into(out, _tensor_at(views[r], o, t))
+
+        self._exchange_tensors(inputs, offs, total, consume)
+        return _done([t for outs in output_lists for t in outs])
+
+    def all_gather_single(self, output, input, opts=None) -> dist.Work:
+        return self.allgather_into_tensor_coalesced([output], [input], opts)
+
+    _allgather_base = all_gather_single
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        lists = [list(o.view(-1).chunk(self._size)) if o.numel() else [o] * self._size
+                 for o in outputs]
+        self.allgather_coalesced(lists, [i.reshape(-1) for i in inputs], opts)
+        return _done(list(outputs))
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
+
+    def reduce_scatter(self, output_tensors, input_lists, opts) -> dist.Work:
+        """``output_tensors[i]`` = reduce over ranks of their ``input_lists[i][rank]``."""
+        outs = list(output_tensors)
+        flat_in = [t for lst in input_lists for t in lst]
+        for t in flat_in + outs:
+            check_dtype(t, "reduce_scatter")
+            check_op(opts.reduceOp, t.dtype, "reduce_scatter")
+        offs, total = _layout(flat_in)
+        me = self._rank
+
+        def consume(views: list[np.ndarray]) -> None:
+            for i, out in enumerate(outs):
+                k = i * self._size + me
+                t, o = flat_in[k], offs[k]
+                reduce_in_order([_tensor_at(v, o, t) for v in views], opts.reduceOp, out)
+
+        self._exchange_tensors(flat_in, offs, total, consume)
+        return _done(outs)
+
+    def reduce_scatter_single(self, output, input, opts) -> dist.Work:
+        return self.reduce_scatter_tensor_coalesced([output], [input], opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts) -> dist.Work:
+        lists = [list(i.reshape(-1).chunk(self._size)) for i in inputs]
+        for i, lst in zip(inputs, lists):
+            if len(lst) != self._size or i.numel() % self._size:
+                raise RuntimeError(f"flodl_shm reduce_scatter_tensor: input of {i.numel()} "
+                                   f"elements does not split into {self._size} equal parts")
+        self.reduce_scatter([o.view(-1) for o in outputs], lists, opts)
+        return _done(list(outputs))
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts) -> dist.Work:
+        return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+
+    def gather(self, output_lists, input_tensors, opts) -> dist.Work:
+        root = int(opts.rootRank)
+        inputs = list(input_tensors)
+        for t in inputs:
+            check_dtype(t, "gather")
+        offs, total = _layout(inputs)
+
+        def consume(views: list[np.ndarray]) -> None:
+            if self._rank == root:
+                for r, out in enumerate(output_lists[0]):
+                    _copy_into(out, _tensor_at(views[r], offs[0], inputs[0]))
+
+        self._exchange_tensors(inputs, offs, total, consume)
+        return _done([t for lst in output_lists for t in lst] or inputs)
+
+    def scatter(self, output_tensors, input_lists, opts) -> dist.Work:
+        root = int(opts.rootRank)
+        outs = list(output_tensors)
+        for t in outs:
+            check_dtype(t, "scatter")
+        chunks = [outs[0]] * self._size  # every rank knows the chunk shape: its output's
+        offs, total = _layout(chunks)
+        mine = input_lists[0] if self._rank == root else None
+        me = self._rank
+
+        def consume(views: list[np.ndarray]) -> None:
+            _copy_into(outs[0], _tensor_at(views[root], offs[me], outs[0]))
+
+        self._exchange_tensors(mine, offs, total, consume)
+        return _done(outs)
+
+    def alltoall(self, output_tensors, input_tensors, opts=None) -> dist.Work:
+        """Rank s's ``input_tensors[r]`` lands in rank r's ``output_tensors[s]``."""
+        outs, ins = list(output_tensors), list(input_tensors)
+        for t in outs + ins:
+            check_dtype(t, "alltoall")
+        # phase 1: every rank's chunk byte sizes, so each knows where its chunks sit
+        sizes = np.asarray([_aligned(_nbytes(t)) for t in ins], np.int64)
+        table = np.zeros((self._size, self._size), np.int64)
+
+        def read_sizes(views: list[np.ndarray]) -> None:
+            for s, v in enumerate(views):
+                table[s] = v.view(np.int64)
+
+        self._exchange(sizes.nbytes, lambda dst: np.copyto(dst, sizes.view(np.uint8)),
+                       read_sizes)
+        total = int(table.sum(axis=1).max()) if self._size else 0
+        offs = [int(x) for x in np.concatenate([[0], np.cumsum(sizes)[:-1]])]
+        me = self._rank
+
+        def consume(views: list[np.ndarray]) -> None:
+            for s, out in enumerate(outs):
+                start = int(table[s, :me].sum())
+                if int(table[s, me]) != _aligned(_nbytes(out)):
+                    raise RuntimeError(f"flodl_shm alltoall: rank {s} sends "
+                                       f"{int(table[s, me])} bytes to rank {me}, whose output "
+                                       f"{s} holds {_nbytes(out)}")
+                _copy_into(out, _tensor_at(views[s], start, out))
+
+        self._exchange_tensors(ins, offs, total, consume)
+        return _done(outs)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
+                          opts=None) -> dist.Work:
+        def split(t: torch.Tensor, sizes) -> list[torch.Tensor]:
+            if not sizes:
+                if t.shape[0] % self._size:
+                    raise RuntimeError(f"flodl_shm all_to_all_single: dim 0 of size "
+                                       f"{t.shape[0]} does not split into {self._size} parts; "
+                                       f"pass split sizes")
+                return list(t.chunk(self._size)) if t.shape[0] else [t] * self._size
+            return list(t.split(list(sizes)))
+
+        self.alltoall(split(output, output_split_sizes), split(input, input_split_sizes), opts)
+        return _done([output])
+
+    alltoall_base = all_to_all_single
+
+    def barrier(self, opts=None) -> dist.Work:
+        link = self._live()
+        link.comm.barrier()
+        if self._topo.multi_host:
+            if link.leaders is not None:
+                link.leaders.barrier().wait()
+            link.comm.barrier()
+        return _done([torch.zeros(0)])
+
+    # -- not offered ----------------------------------------------------------------------
+    def _unsupported(self, what: str):
+        raise RuntimeError(
+            f"flodl_shm: {what} is not supported (point-to-point needs a matching partner "
+            f"round the host protocol does not have); supported: allreduce, "
+            f"allreduce_coalesced, reduce, broadcast, allgather, all_gather_into_tensor, "
+            f"reduce_scatter, reduce_scatter_tensor, gather, scatter, alltoall, "
+            f"all_to_all_single, barrier. Use a gloo group for send/recv: "
+            f"dist.new_group(backend='gloo')")
+
+    def send(self, tensors, dst, tag=0):
+        self._unsupported("send")
+
+    def recv(self, tensors, src, tag=0):
+        self._unsupported("recv")
+
+    def recv_anysource(self, tensors, tag=0):
+        self._unsupported("recv_anysource")
+
+
+def create_process_group(store, rank: int, size: int, timeout: timedelta) -> ProcessGroupFlodlShm:
+    """The creator ``Backend.register_backend`` calls for ``"flodl_shm"``."""
+    return ProcessGroupFlodlShm(store, rank, size, timeout)

@@ -1,0 +1,103 @@
+"""Which reduce operators the ``"flodl_shm"`` backend applies to which dtypes, and how.
+
+Every rank reduces the same contributions in the same (rank) order with the same
+torch kernels, so every rank computes the same bits. The table (docs/c10d.md):
+
+========================  ====================================================
+op                        dtypes
+========================  ====================================================
+SUM                       every supported dtype (bool: logical or)
+AVG                       floating dtypes (float32, float64, bfloat16, float16)
+PRODUCT                   every supported dtype (bool: logical and)
+MIN, MAX                  every supported dtype
+PREMUL_SUM                floating dtypes (factor applied before the sum)
+========================  ====================================================
+
+Supported dtypes: float32, float64, bfloat16, float16, int8, int16, int32, int64,
+uint8, bool. BAND/BOR/BXOR and other dtypes raise ``RuntimeError`` naming the op or
+dtype and the supported set.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8,
+                    torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool)
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_R = dist.ReduceOp.RedOpType
+SUPPORTED_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "PREMUL_SUM")
+
+
+def op_name(op) -> str:
+    """The name of a ``ReduceOp`` (or its ``RedOpType``), e.g. ``"SUM"``."""
+    return getattr(op, "name", None) or str(op).split(".")[-1]
+
+
+def op_type(op):
+    """The ``RedOpType`` of a ``ReduceOp`` option (PREMUL_SUM ops carry a factor)."""
+    return op.op if hasattr(op, "op") else op
+
+
+def check_dtype(t: torch.Tensor, what: str) -> None:
+    """Raise ``RuntimeError`` unless ``t`` is a CPU tensor of a supported dtype."""
+    if t.device.type != "cpu":
+        raise RuntimeError(f"flodl_shm {what}: tensor on device {t.device}; the flodl_shm "
+                           f"backend handles CPU tensors only (use nccl for cuda, e.g. "
+                           f"init_process_group('cpu:flodl_shm,cuda:nccl'))")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise RuntimeError(f"flodl_shm {what}: dtype {t.dtype} is not supported; supported: "
+                           f"{', '.join(str(d).replace('torch.', '') for d in SUPPORTED_DTYPES)}")
+
+
+def check_op(op, dtype: torch.dtype, what: str) -> None:
+    """Raise ``RuntimeError`` unless ``op`` applies to ``dtype`` (the table above)."""
+    kind = op_type(op)
+    name = op_name(kind)
+    if name not in SUPPORTED_OPS:
+        raise RuntimeError(f"flodl_shm {what}: reduce op {name} is not supported; supported: "
+                           f"{', '.join(SUPPORTED_OPS)}")
+    if name in ("AVG", "PREMUL_SUM") and dtype not in FLOAT_DTYPES:
+        raise RuntimeError(f"flodl_shm {what}: reduce op {name} needs a floating dtype, got "
+                           f"{dtype}; use SUM and divide, or a float tensor")
+
+
+def premul_factor(op) -> float | None:
+    """The factor of a PREMUL_SUM op (None for other ops)."""
+    if op_name(op_type(op)) != "PREMUL_SUM":
+        return None
+    f = getattr(op, "factor", None)
+    if f is None:
+        raise RuntimeError("flodl_shm: a PREMUL_SUM op without a factor; build it with "
+                           "torch.distributed._make_nccl_premul_sum(factor)")
+    return float(f.item() if isinstance(f, torch.Tensor) else f)
+
+
+def reduce_in_order(parts: Sequence[torch.Tensor], op, out: torch.Tensor) -> None:
+    """``out`` = parts[0] (op) parts[1] (op) ... in this order (AVG divides the sum by
+    ``len(parts)``; PREMUL_SUM multiplies each part by its factor first)."""
+    name = op_name(op_type(op))
+    factor = premul_factor(op)
+    if factor is not None:
+        parts = [p * factor for p in parts]
+    acc = parts[0].clone()
+    for p in parts[1:]:
+        if name in ("SUM", "AVG", "PREMUL_SUM"):
+            if acc.dtype is torch.bool:
+                acc.logical_or_(p)
+            else:
+                acc.add_(p)
+        elif name == "PRODUCT":
+            if acc.dtype is torch.bool:
+                acc.logical_and_(p)
+            else:
+                acc.mul_(p)
+        elif name == "MIN":
+            torch.minimum(acc, p, out=acc)
+        elif name == "MAX":
+            torch.maximum(acc, p, out=acc)
+    if name == "AVG":
+        acc.div_(len(parts))
+    out.copy_(acc.view(out.shape))

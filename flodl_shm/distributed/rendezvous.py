@@ -1,0 +1,193 @@
+"""How the ranks of a ``"flodl_shm"`` process group find their host peers and share an arena.
+
+Everything goes through the c10d store the group was created with (the per-group
+prefix store, so several groups never mix keys):
+
+1. every rank publishes ``host/<rank>`` = its host identity (``FLODL_SHM_HOST`` if
+   set, else the hostname) and ``pid/<rank>``, then reads everyone's;
+2. the ranks of one identity form a host, ordered by group rank; the lowest is the
+   host's **leader**;
+3. the leader creates the host arena and publishes its handle (``arena/<host>``);
+   the others attach and map every segment they will ever use, then say so
+   (``mapped/<rank>``);
+4. once every rank of the host mapped it, the leader **unlinks every segment name**.
+   The memory lives on as long as one process maps it, and no name is left in
+   ``/dev/shm`` whatever happens next: a clean ``destroy_process_group``, an
+   exception, SIGKILL of any rank. (Segments only grow afterwards, through the
+   descriptors already open.)
+
+A group spanning several hosts also gets a gloo process group among the host
+leaders (``ProcessGroupGloo`` on the same store under ``leaders/``), through which
+the leaders combine their hosts' partials.
+
+Peer liveness: with no supervisor to fence a dead rank, a waiting rank checks after
+every sleep slice that its host peers' processes still exist; a gone peer makes the
+wait raise ``RuntimeError`` naming its rank (see ``PeerWatch``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+from ..engine import arena as A
+from ..engine.comm import Comm
+
+logger = logging.getLogger("flodl_shm")
+
+HOST_ENV = "FLODL_SHM_HOST"
+
+
+def host_identity() -> str:
+    """This process's host identity: ``$FLODL_SHM_HOST`` if set, else the hostname."""
+    return os.environ.get(HOST_ENV) or socket.gethostname()
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Which group ranks share a host, seen from one rank.
+
+    Attributes:
+        rank: this rank in the group; world: the group size.
+        hosts: the ranks of each host (sorted), hosts ordered by their lowest rank.
+        host_index: index of this rank's host in ``hosts``.
+    """
+
+    rank: int
+    world: int
+    hosts: tuple[tuple[int, ...], ...]
+    host_index: int
+
+    @property
+    def local_ranks(self) -> tuple[int, ...]:
+        return self.hosts[self.host_index]
+
+    @property
+    def local_rank(self) -> int:
+        return self.local_ranks.index(self.rank)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.local_ranks[0] == self.rank
+
+    @property
+    def leaders(self) -> tuple[int, ...]:
+        return tuple(h[0] for h in self.hosts)
+
+    @property
+    def multi_host(self) -> bool:
+        return len(self.hosts) > 1
+
+    def host_of(self, rank: int) -> int:
+        for i, h in enumerate(self.hosts):
+            if rank in h:
+                return i
+        raise ValueError(f"rank {rank} is not in a group of {self.world}")
+
+
+def topology_from_identities(rank: int, identities: list[str]) -> Topology:
+    """Group ranks by identity; hosts ordered by their lowest rank."""
+    by_host: dict[str, list[int]] = {}
+    for r, ident in enumerate(identities):
+        by_host.setdefault(ident, []).append(r)
+    hosts = tuple(tuple(rs) for rs in sorted(by_host.values(), key=lambda rs: rs[0]))
+    idx = next(i for i, h in enumerate(hosts) if rank in h)
+    return Topology(rank, len(identities), hosts, idx)
+
+
+class PeerWatch:
+    """The liveness check a waiting rank runs after every sleep slice: raises
+    ``RuntimeError`` naming the first host peer whose process is gone."""
+
+    def __init__(self, pids: dict[int, int], what: str) -> None:
+        self.pids = dict(pids)
+        self.what = what
+
+    def __call__(self) -> None:
+        for rank, pid in self.pids.items():
+            if not _process_running(pid):
+                raise RuntimeError(
+                    f"{self.what}: rank {rank} (pid {pid}) died; the collective cannot "
+                    f"complete. Destroy the process group and restart the job (e.g. "
+                    f"torchrun --max-restarts) from the last checkpoint")
+
+
+def _process_running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (an exited child not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    state = stat[stat.rfind(b")") + 2:][:1]
+    return state not in (b"Z", b"X")
+
+
+@dataclass
+class HostLink:
+    """What rendezvous hands to the process group: this rank's topology, its ``Comm``
+    on the host arena, and (on a host leader of a multi-host group) the gloo group
+    of the leaders."""
+
+    topology: Topology
+    comm: Comm
+    leaders: object | None  # torch.distributed.ProcessGroupGloo
+
+    def close(self) -> None:
+        """Drop this rank's mappings (the names were unlinked at rendezvous)."""
+        self.comm.close()
+        self.leaders = None
+
+
+def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
+    """Run the steps in the module doc; every rank of the group calls it at once.
+
+    Args:
+        store: the group's c10d store (prefixed per group by torch).
+        rank: this rank in the group; world: the group's size.
+        timeout: the group's timeout: bounds every store wait and every collective wait.
+    """
+    store.set(f"host/{rank}", host_identity())
+    store.set(f"pid/{rank}", str(os.getpid()))
+    idents = [store.get(f"host/{r}").decode() for r in range(world)]
+    topo = topology_from_identities(rank, idents)
+    local = topo.local_ranks
+    key = f"arena/{topo.host_index}"
+    arena = None
+    try:
+        if topo.is_leader:
+            arena = A.Arena.create(len(local), first_rank=0, global_world=len(local))
+            store.set(key, pickle.dumps(arena.handle))
+        else:
+            arena = A.Arena.attach(pickle.loads(store.get(key)))
+        for r in range(len(local)):
+            arena.data_view(r, 0)  # map every bulk region now, while the names exist
+        store.set(f"mapped/{rank}", b"1")
+        if topo.is_leader:
+            store.wait([f"mapped/{r}" for r in local])
+            arena.unlink()
+    except BaseException:
+        if arena is not None:
+            if arena.owner:
+                arena.unlink()
+            arena.close()
+        raise
+    pids = {r: int(store.get(f"pid/{r}")) for r in local if r != rank}
+    watch = PeerWatch(pids, f"flodl_shm process group (rank {rank} of {world})")
+    comm = Comm(arena, topo.local_rank, global_rank=rank, world_size=len(local),
+                timeout=timeout.total_seconds(), liveness=watch)
+    leaders = None
+    if topo.multi_host and topo.is_leader:
+        import torch.distributed as dist
+
+        leaders = dist.ProcessGroupGloo(dist.PrefixStore("leaders/", store),
+                                        topo.leaders.index(rank), len(topo.hosts), timeout)
+    logger.info("flodl_shm group: rank %d/%d on host %d of %d (%d local ranks)%s", rank, world,
+                topo.host_index, len(topo.hosts), len(local),
+                ", host leader" if topo.is_leader else "")
+    return HostLink(topo, comm, leaders)

@@ -1,0 +1,302 @@
+"""Rank programs for the c10d backend tests, run as real processes.
+
+``python tests/c10d_driver.py SCENARIO RANK WORLD PORT OUT [BACKEND]`` joins a
+``tcp://127.0.0.1:PORT`` group and writes the scenario's result (a dict, with
+``torch.save``) to ``OUT``. ``run_group`` (the test side) starts the ranks, bounds
+them with a deadline, and kills every one that outlives it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8, torch.int16,
+          torch.int32, torch.int64, torch.uint8, torch.bool]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_input(rank: int, dtype: torch.dtype, n: int = 37, salt: int = 0) -> torch.Tensor:
+    """A deterministic, rank-dependent tensor of ``dtype`` (small values: no overflow)."""
+    g = torch.Generator().manual_seed(1000 * rank + salt + 7)
+    if dtype is torch.bool:
+        return torch.rand(n, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return (torch.randn(n, generator=g) * 3).to(dtype)
+    lo = 0 if dtype is torch.uint8 else -3
+    return torch.randint(lo, 4, (n,), generator=g).to(dtype)
+
+
+def run_group(scenario: str, world: int, tmp: Path, *, backend: str = "flodl_shm",
+              hosts: list[str] | None = None, timeout: float = 90.0,
+              extra_env: dict | None = None) -> list[dict | None]:
+    """Run ``scenario`` on ``world`` rank processes; results by rank (None: no result).
+
+    ``hosts[r]`` sets rank r's FLODL_SHM_HOST. Ranks still running at the deadline are
+    killed (then a TimeoutError names them)."""
+    port = free_port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        env.pop("FLODL_SHM_HOST", None)
+        if hosts is not None:
+            env["FLODL_SHM_HOST"] = hosts[r]
+        env.update(extra_env or {})
+        out = tmp / f"{scenario}_{backend}_{r}.pt"
+        procs.append(subprocess.Popen(
+            [sys.executable, str(HERE / "c10d_driver.py"), scenario, str(r), str(world),
+             str(port), str(out), backend], env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    logs = []
+    stuck = []
+    for r, p in enumerate(procs):
+        try:
+            out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            stuck.append(r)
+            p.kill()
+            out, _ = p.communicate()
+        logs.append(out.decode(errors="replace"))
+    if stuck:
+        raise TimeoutError(f"ranks {stuck} of {scenario} did not finish in {timeout} s:\n"
+                           + "\n".join(logs))
+    pids = []
+    for r in range(world):
+        pf = tmp / f"{scenario}_{backend}_{r}.pt.pid"
+        if pf.exists():
+            pids.append(int(pf.read_text()))
+    results = []
+    for r in range(world):
+        f = tmp / f"{scenario}_{backend}_{r}.pt"
+        results.append(torch.load(f, weights_only=False) if f.exists() else None)
+        if results[-1] is not None:
+            results[-1]["log"] = logs[r]
+            results[-1]["returncode"] = procs[r].returncode
+            results[-1]["all_pids"] = pids
+    if all(x is None for x in results):
+        raise RuntimeError(f"no rank of {scenario} wrote a result:\n" + "\n".join(logs))
+    return results
+
+
+# --- scenarios (run inside the rank processes) ---------------------------------------
+
+
+def sc_collectives(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    res: dict = {"pid": os.getpid()}
+    ops = {"SUM": dist.ReduceOp.SUM, "PRODUCT": dist.ReduceOp.PRODUCT,
+           "MIN": dist.ReduceOp.MIN, "MAX": dist.ReduceOp.MAX, "AVG": dist.ReduceOp.AVG}
+    for dt in DTYPES:
+        for name, op in ops.items():
+            if name == "AVG" and not dt.is_floating_point:
+                continue
+            t = rank_input(rank, dt)
+            dist.all_reduce(t, op=op)
+            res[("all_reduce", str(dt), name)] = t
+    big = rank_input(rank, torch.float32, n=(3 << 20) // 4 + 5, salt=1)  # bulk path
+    dist.all_reduce(big)
+    res["all_reduce_big"] = big
+    bigavg = rank_input(rank, torch.float32, n=(3 << 20) // 4 + 5, salt=1)
+    dist.all_reduce(bigavg, op=dist.ReduceOp.AVG)
+    res["all_reduce_big_avg"] = bigavg
+    prem = rank_input(rank, torch.float64)
+    dist.all_reduce(prem, op=dist._make_nccl_premul_sum(0.5))
+    res["premul"] = prem
+    for dt in (torch.float64, torch.int32, torch.bool, torch.bfloat16):
+        t = rank_input(rank, dt) if rank == 1 % world else torch.zeros(37, dtype=dt)
+        dist.broadcast(t, src=1 % world)
+        res[("broadcast", str(dt))] = t
+        outs = [torch.empty(37, dtype=dt) for _ in range(world)]
+        dist.all_gather(outs, rank_input(rank, dt))
+        res[("all_gather", str(dt))] = outs
+    o = torch.empty(world * 5, dtype=torch.int16)
+    dist.all_gather_into_tensor(o, torch.full((5,), rank, dtype=torch.int16))
+    res["all_gather_into_tensor"] = o
+    o = torch.empty(4, dtype=torch.float64)
+    dist.reduce_scatter_tensor(o, rank_input(rank, torch.float64, n=4 * world))
+    res["reduce_scatter_tensor"] = o
+    o = torch.empty(4, dtype=torch.int64)
+    dist.reduce_scatter(o, list(rank_input(rank, torch.int64, n=4 * world).chunk(world)),
+                        op=dist.ReduceOp.MAX)
+    res["reduce_scatter_max"] = o
+    ts = [rank_input(rank, torch.float32, n=5, salt=3), rank_input(rank, torch.float32, n=9,
+                                                                    salt=4)]
+    dist.all_reduce_coalesced(ts)
+    res["all_reduce_coalesced"] = ts
+    g = [torch.empty(3, dtype=torch.int32) for _ in range(world)] if rank == 0 else None
+    dist.gather(torch.full((3,), rank + 10, dtype=torch.int32), g, dst=0)
+    res["gather"] = g
+    o = torch.empty(3, dtype=torch.float16)
+    sl = [torch.full((3,), 100 + r, dtype=torch.float16) for r in range(world)]
+    dist.scatter(o, sl if rank == world - 1 else None, src=world - 1)
+    res["scatter"] = o
+    outs = [torch.empty(r + 1, dtype=torch.int64) for r in range(world)]  # uneven chunks
+    ins = [torch.full((rank + 1,), 10 * rank + r, dtype=torch.int64) for r in range(world)]
+    dist.all_to_all(outs, ins)
+    res["all_to_all"] = outs
+    o = torch.empty(2 * world)
+    dist.all_to_all_single(o, torch.arange(2 * world, dtype=torch.float32) + 100 * rank)
+    res["all_to_all_single"] = o
+    r = torch.full((4,), float(rank))
+    dist.reduce(r, dst=0)
+    res["reduce"] = r
+    w = dist.all_reduce(torch.ones(3), async_op=True)
+    res["async"] = (w.is_completed(), w.wait(), w.get_future().value()[0].clone())
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank})
+    res["all_gather_object"] = objs
+    dist.barrier()
+    errors = {}
+    for what, call in {
+        "band": lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32),
+                                        op=dist.ReduceOp.BAND),
+        "avg_int": lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32),
+                                           op=dist.ReduceOp.AVG),
+        "uint16": lambda: dist.all_reduce(torch.ones(2, dtype=torch.uint16)),
+        "send": lambda: dist.send(torch.ones(1), dst=(rank + 1) % world),
+    }.items():
+        try:
+            call()
+            errors[what] = None
+        except RuntimeError as e:
+            errors[what] = str(e)
+    res["errors"] = errors
+    dist.barrier()  # the errors above left every rank in step
+    return res
+
+
+def _mlp(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                               torch.nn.ReLU(), torch.nn.Linear(64, 4))
+
+
+def sc_ddp(rank: int, world: int) -> dict:
+    """DDP with a different init per rank (the init broadcast aligns them), small
+    buckets, no_sync steps, then the fp16 and PowerSGD hooks; final params."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out: dict = {"pid": os.getpid()}
+    for variant in ("plain", "fp16", "powersgd"):
+        model = _mlp(seed=rank + 1)
+        # small buckets (several allreduces per step), except under PowerSGD, whose
+        # per-bucket state trips gloo itself when buckets are rebuilt after step 1
+        ddp = DDP(model, bucket_cap_mb=25 if variant == "powersgd" else 0.01)
+        if variant == "fp16":
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif variant == "powersgd":
+            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                       start_powerSGD_iter=2, use_error_feedback=True)
+            ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(50 + rank)
+        for step in range(6):
+            x = torch.randn(8, 16, generator=g)
+            y = torch.randn(8, 4, generator=g)
+            if step == 2 and variant == "plain":
+                with ddp.no_sync():
+                    torch.nn.functional.mse_loss(ddp(x), y).backward()
+                continue
+            if not (variant == "plain" and step == 3):  # step 3 adds to no_sync's grads
+                opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        out[variant] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def sc_averager(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+    model = _mlp(seed=rank + 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    avg = PeriodicModelAverager(period=2, warmup_steps=0)
+    g = torch.Generator().manual_seed(50 + rank)
+    for _ in range(5):  # averages at the 1st, 3rd and 5th call (period 2, from step 0)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(torch.randn(8, 16, generator=g)),
+                                     torch.randn(8, 4, generator=g)).backward()
+        opt.step()
+        avg.average_parameters(model.parameters())
+    dist.barrier()
+    return {"pid": os.getpid(), "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def sc_peer_dies(rank: int, world: int) -> dict:
+    """The last rank SIGKILLs itself between two collectives; the others must raise."""
+    import torch.distributed as dist
+
+    t = torch.ones(8)
+    dist.all_reduce(t)
+    victim = int(os.environ.get("C10D_VICTIM", world - 1))
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(8))
+        err = None
+    except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+        err = f"{type(e).__name__}: {e}"
+    return {"pid": os.getpid(), "error": err, "seconds": time.monotonic() - t0}
+
+
+def sc_destroy_recreate(rank: int, world: int) -> dict:
+    """destroy_process_group, then a second group on the same store address."""
+    import torch.distributed as dist
+
+    t = torch.ones(4) * rank
+    dist.all_reduce(t)
+    pg = dist.new_group(backend="flodl_shm")
+    u = torch.ones(2)
+    dist.all_reduce(u, group=pg)
+    dist.destroy_process_group(pg)
+    try:
+        pg.allreduce([torch.ones(1)], dist.AllreduceOptions())
+        after = None
+    except RuntimeError as e:
+        after = str(e)
+    return {"pid": os.getpid(), "t": t, "u": u, "after_destroy": after}
+
+
+def main() -> None:
+    scenario, rank, world, port, out = sys.argv[1:6]
+    backend = sys.argv[6] if len(sys.argv) > 6 else "flodl_shm"
+    rank, world = int(rank), int(world)
+    Path(out + ".pid").write_text(str(os.getpid()))
+    torch.set_num_threads(1)
+    import flodl_shm  # noqa: F401 - registers the backend
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    timeout = float(os.environ.get("C10D_TIMEOUT", "60"))
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout))
+    result = globals()[f"sc_{scenario}"](rank, world)
+    tmp = out + ".tmp"
+    torch.save(result, tmp)
+    os.replace(tmp, out)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""The torch.distributed backend "flodl_shm": collectives, DDP, averaging, failures.
+
+Every scenario runs as real rank processes joined through ``tcp://127.0.0.1``
+(``c10d_driver.py``); one run per scenario feeds several tests (module fixtures).
+Contracts checked: values equal a reference computed here (float sums in rank order,
+exact for integers and MIN/MAX), every rank holds the same bits, unsupported ops and
+dtypes raise naming what is supported, a dead peer makes the others raise naming it,
+and no ``/dev/shm`` segment outlives the ranks.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from c10d_driver import DTYPES, rank_input, run_group  # noqa: E402
+
+from flodl_shm.engine.segment import list_segments  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+OPS = ["SUM", "PRODUCT", "MIN", "MAX", "AVG"]
+
+
+def _no_segments_of(results) -> None:
+    """No fshm_ segment owned by any rank process of the run (dead ones included)."""
+    pids = {p for r in results if r is not None for p in r["all_pids"]}
+    assert pids, "the ranks reported no pids"
+    left = [s.name for s in list_segments() if s.owner_pid in pids]
+    assert left == [], f"segments left in /dev/shm by the ranks: {left}"
+
+
+def reference(op: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The documented result: parts combined in rank order, in the tensors' dtype."""
+    if op in ("MIN", "MAX"):
+        st = torch.stack(parts)
+        return st.amin(0) if op == "MIN" else st.amax(0)
+    acc = parts[0].clone()
+    for p in parts[1:]:
+        if acc.dtype is torch.bool:
+            acc = acc | p if op == "SUM" else acc & p
+        else:
+            acc = acc + p if op in ("SUM", "AVG") else acc * p
+    return acc / len(parts) if op == "AVG" else acc
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bytes(a.contiguous().view(torch.uint8).numpy()) == \
+        bytes(b.contiguous().view(torch.uint8).numpy())
+
+
+@pytest.fixture(scope="module")
+def one_host(tmp_path_factory):
+    res = run_group("collectives", 2, tmp_path_factory.mktemp("c10d1"))
+    _no_segments_of(res)
+    return res
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory):
+    # ranks 0 and 2 share host "a", rank 1 is alone on "b": uneven, interleaved hosts
+    res = run_group("collectives", 3, tmp_path_factory.mktemp("c10d2"), hosts=["a", "b", "a"],
+                    timeout=150)
+    _no_segments_of(res)
+    return res
+
+
+def check_collectives(res: list[dict], *, rank_order_sums: bool = True) -> None:
+    """``rank_order_sums``: float32 sums equal the rank-order sum bit for bit (one host);
+    across hosts they are host sums combined by gloo (same bits on every rank, the
+    value within rounding of the rank-order sum)."""
+    world = len(res)
+    assert all(r is not None and r["returncode"] == 0 for r in res), [r and r["log"] for r in res]
+    for dt in DTYPES:
+        parts = [rank_input(r, dt) for r in range(world)]
+        for op in OPS:
+            if op == "AVG" and not dt.is_floating_point:
+                continue
+            got = [r[("all_reduce", str(dt), op)] for r in res]
+            for g in got[1:]:
+                assert same_bits(g, got[0]), (dt, op, "ranks disagree")
+            want = reference(op, parts)
+            hier = dt is torch.float32 and op == "SUM" and not rank_order_sums
+            if dt in (torch.float32, torch.float64) and op in ("SUM", "PRODUCT", "MIN",
+                                                                "MAX") and not hier:
+                assert same_bits(got[0], want), (dt, op)
+            elif dt.is_floating_point:
+                torch.testing.assert_close(got[0].double(), want.double(), rtol=2e-2, atol=2e-2)
+            else:
+                assert torch.equal(got[0], want), (dt, op)
+    big = [rank_input(r, torch.float32, n=(3 << 20) // 4 + 5, salt=1) for r in range(world)]
+    if rank_order_sums:
+        assert same_bits(res[0]["all_reduce_big"], reference("SUM", big))
+    torch.testing.assert_close(res[0]["all_reduce_big"], reference("SUM", big))
+    for r in res[1:]:
+        assert same_bits(r["all_reduce_big"], res[0]["all_reduce_big"])
+        assert same_bits(r["all_reduce_big_avg"], res[0]["all_reduce_big_avg"])
+    torch.testing.assert_close(res[0]["all_reduce_big_avg"], reference("AVG", big))
+    torch.testing.assert_close(res[0]["premul"], reference(
+        "SUM", [rank_input(r, torch.float64) * 0.5 for r in range(world)]))
+    src = 1 % world
+    for dt in (torch.float64, torch.int32, torch.bool, torch.bfloat16):
+        for r in res:
+            assert same_bits(r[("broadcast", str(dt))], rank_input(src, dt))
+            for k in range(world):
+                assert same_bits(r[("all_gather", str(dt))][k], rank_input(k, dt))
+    for r in res:
+        assert r["all_gather_into_tensor"].tolist() == [k for k in range(world) for _ in range(5)]
+        assert r["scatter"].tolist() == [100.0 + r_i for r_i in
+                                         [res.index(r)] * 3]
+        assert [o.tolist() for o in r["all_to_all"]] == [
+            [10 * s + res.index(r)] * (s + 1) for s in range(world)]
+        assert r["async"][0] is True and r["async"][1] is True
+        assert r["async"][2].tolist() == [float(world)] * 3
+        assert r["all_gather_object"] == [{"rank": k} for k in range(world)]
+    for me, r in enumerate(res):
+        full = reference("SUM", [rank_input(k, torch.float64, n=4 * world) for k in range(world)])
+        torch.testing.assert_close(r["reduce_scatter_tensor"], full[4 * me:4 * me + 4])
+        mx = reference("MAX", [rank_input(k, torch.int64, n=4 * world) for k in range(world)])
+        assert torch.equal(r["reduce_scatter_max"], mx[4 * me:4 * me + 4])
+        want = [torch.arange(2 * world, dtype=torch.float32)[2 * me:2 * me + 2] + 100 * s
+                for s in range(world)]
+        assert r["all_to_all_single"].tolist() == torch.cat(want).tolist()
+        for i, n in enumerate((5, 9)):
+            ref = reference("SUM", [rank_input(k, torch.float32, n=n, salt=3 + i)
+                                    for k in range(world)])
+            torch.testing.assert_close(r["all_reduce_coalesced"][i], ref)
+            assert same_bits(r["all_reduce_coalesced"][i], res[0]["all_reduce_coalesced"][i])
+            if rank_order_sums:
+                assert same_bits(r["all_reduce_coalesced"][i], ref)
+    assert [g.tolist() for g in res[0]["gather"]] == [[k + 10] * 3 for k in range(world)]
+    assert res[0]["reduce"].tolist() == [float(sum(range(world)))] * 4
+
+
+def test_every_collective_and_dtype_on_one_host(one_host):
+    check_collectives(one_host)
+
+
+@pytest.mark.slow
+def test_every_collective_and_dtype_across_two_hosts(two_hosts):
+    check_collectives(two_hosts, rank_order_sums=False)
+
+
+def test_unsupported_ops_and_dtypes_raise_naming_the_supported_set(one_host):
+    errs = one_host[0]["errors"]
+    assert "BAND" in errs["band"] and "SUM, AVG, PRODUCT, MIN, MAX" in errs["band"]
+    assert "AVG" in errs["avg_int"] and "int32" in errs["avg_int"]
+    assert "uint16" in errs["uint16"] and "float32" in errs["uint16"]
+    assert "send" in errs["send"] and "gloo" in errs["send"]
+
+
+def test_ddp_matches_gloo_and_is_identical_across_ranks(tmp_path):
+    shm = run_group("ddp", 2, tmp_path)
+    gloo = run_group("ddp", 2, tmp_path, backend="gloo")
+    _no_segments_of(shm)
+    for variant in ("plain", "fp16", "powersgd"):
+        for p0, p1 in zip(shm[0][variant], shm[1][variant]):
+            assert same_bits(p0, p1), variant
+        for a, b in zip(shm[0][variant], gloo[0][variant]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=variant)
+
+
+def test_periodic_model_averager(tmp_path):
+    shm = run_group("averager", 2, tmp_path)
+    gloo = run_group("averager", 2, tmp_path, backend="gloo")
+    for p0, p1, g in zip(shm[0]["params"], shm[1]["params"], gloo[0]["params"]):
+        assert same_bits(p0, p1)
+        torch.testing.assert_close(p0, g, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["leader_dies", "peer_dies"])
+def test_a_dead_peer_makes_the_others_raise_naming_it(tmp_path, victim):
+    res = run_group("peer_dies", 2, tmp_path, extra_env={"C10D_VICTIM": str(victim),
+                                                          "C10D_TIMEOUT": "30"})
+    survivor = res[1 - victim]
+    assert res[victim] is None  # SIGKILLed before writing anything
+    assert survivor["error"] is not None and f"rank {victim}" in survivor["error"]
+    assert survivor["seconds"] < 30
+    _no_segments_of(res)
+
+
+def test_destroy_then_a_new_group(tmp_path):
+    res = run_group("destroy_recreate", 2, tmp_path)
+    for r in res:
+        assert r["t"].tolist() == [1.0] * 4 and r["u"].tolist() == [2.0, 2.0]
+        assert "shut down" in r["after_destroy"]
+    _no_segments_of(res)
