@@ -300,3 +300,18 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def spawn_rank(ctx) -> dict:
+    """Under ``flodl_shm.spawn``: the same script line as under torchrun works."""
+    import torch.distributed as dist
+
+    import flodl_shm  # noqa: F401 - registers the backend
+
+    dist.init_process_group("flodl_shm")
+    t = torch.full((3,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    out = {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.tolist(),
+           "engine_rank": ctx.rank, "pid": os.getpid()}
+    dist.destroy_process_group()
+    return out
