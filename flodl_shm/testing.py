@@ -63,7 +63,7 @@ class FakeCohort:
             self.tap = None
         if self.arena is not None:
             for c in self._comms.values():
-                c._staging.clear()
+                c._codec.clear()
             self._comms.clear()
             self.arena.unlink()
             self.arena.close()

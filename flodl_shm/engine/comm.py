@@ -26,6 +26,13 @@ Reduce paths: a contribution of at most ``eager_bytes`` (schema words included)
 travels through the double-buffered eager slots and every rank reduces it itself
 (one synchronisation point); larger ones use the bulk regions with reduce-scatter
 then all-gather, so no process reads all P inputs. See ``protocol.py``.
+
+Cost: a call whose tensors are small contiguous CPU tensors and whose frame fits the
+eager slot runs as ONE compiled call (copy-in by address, publish, wait, validate,
+reduce straight into the result memory): the Python around it is a plan lookup by
+shapes (``RoundEngine.plan``) and the address list. Everything else (large frames,
+non-contiguous tensors, checkpoint taps, outer rounds, clusters) takes the general
+round (``_run``). The torch <-> wire conversions live in ``tensor_codec.py``.
 """
 from __future__ import annotations
 
@@ -45,30 +52,39 @@ from ..frame import (
     RoundKind,
     TensorPayload,
     check_frame,
-    check_tensor_dtype,
-    elem_size,
 )
-from ..kernels import codec as K
-from ..kernels import rounds as RK
 from ..kernels import signals
-from ..kernels import tensorio as TIO
 from .checkpoint_tap import post as tap_post
-from .waiting import Waiter
-from .hostmem import HostMemory, host_memory
-from .protocol import RoundEngine, frame_layout, schema_hash, schema_words
+from .hostmem import HostMemory
+from .protocol import RoundEngine, RoundPlan
 from .staging import (  # noqa: F401 - the slot constants are part of this module's API too
     DECODE_SLOT_BUFFERS,
     DECODE_SLOT_PARAMS,
-    DecodeStaging,
     StagingDecision,
     check_slot,
-    decide_pinned_decode,
 )
-from .waiting import YIELD_BUDGET_S, oversubscribed, spin_iterations
+from .tensor_codec import (
+    F32,
+    TensorCodec,
+    check_tensors,
+    decode_into_tensor,
+    flat_part,
+    wire_views,
+)
+from .waiting import YIELD_BUDGET_S, Waiter, oversubscribed, spin_iterations
 
 logger = logging.getLogger("flodl_shm")
 
-_SCRATCH = 4096
+_MODEL = int(RoundKind.MODEL)
+_CONTROL = int(RoundKind.CONTROL)
+
+
+def _kind(kind) -> int:
+    """A round kind as an int; ValueError (from ``RoundKind``) when it is none."""
+    k = int(kind)
+    if k != _MODEL and k != _CONTROL:
+        RoundKind(k)  # raises, naming the value
+    return k
 
 
 class Comm:
@@ -103,22 +119,13 @@ class Comm:
         self._bf16 = False
         self._pinned = False
         self._armed: int | None = None
-        self._staging = DecodeStaging()
-        self._gate: StagingDecision | None = None
-        # the RAM gate budgets against what was available at rank start, before the
-        # run's own working set (docs/host_ram.md, "The checks")
-        self._mem_at_start = memory
-        eager_out = np.empty(arena.eager_bytes, np.uint8)
-        self._eager_f32 = eager_out.view(np.float32)
-        self._eager_u16 = eager_out.view(np.uint16)
-        self._scratch = np.empty(_SCRATCH, np.float32)
-        self._scratch16 = np.empty(_SCRATCH, np.uint16)
-        self._plans: dict[tuple, _Plan] = {}
-        self._slot_schema: dict = {}
-        self._zero_copy: tuple | None = None
+        self._codec = TensorCodec(arena.world, memory)
+        self._zero_copy: RoundPlan | None = None
         self._zc_inputs: tuple | None = None
+        self._zc_outputs: tuple | None = None
+        self._per_rank = np.zeros(max(1, self.world_size), np.float32)
+        self._per_rank_addr = self._per_rank.ctypes.data
         self._outer_installed = False
-        self._fast: tuple | None = None
         self._ckpt: dict | None = None
         self._ckpt_cycle = 0
         arena.ctl[A.rank_base(local_rank) + A.R_PID] = _getpid()
@@ -147,7 +154,7 @@ class Comm:
     @property
     def staging_decision(self) -> StagingDecision | None:
         """The RAM gate's decision (None until the first armed decode)."""
-        return self._gate
+        return self._codec.gate
 
     @property
     def pinned_decode(self) -> bool:
@@ -277,18 +284,21 @@ class Comm:
             raise FrameError("all tensors of one frame must share a wire dtype, got "
                              f"{sorted(dtypes)} (0 = f32, 1 = bf16)")
         dtype = dtypes.pop() if dtypes else DTYPE_F32
-        shapes = [p.shape for p in frame.tensors]
+        kind = _kind(frame.kind)
+        plan = self._engine.plan(kind, dtype, tuple([p.shape for p in frame.tensors]))
 
-        def write(dst: np.ndarray, offs: list[int], numels: list[int]) -> None:
-            for p, off, n in zip(frame.tensors, offs, numels):
+        def write(dst: np.ndarray, plan: RoundPlan) -> None:
+            for p, off, n in zip(frame.tensors, plan.offs, plan.numels):
                 np.copyto(dst[off:off + n], p.as_array())
 
-        cons, mass = self._run(int(frame.kind), dtype, frame.weight, shapes, write)
-        offs, numels, _ = frame_layout(shapes)
-        out = []
-        for s, off, n in zip(shapes, offs, numels):
-            out.append(TensorPayload(dtype, s, cons[off:off + n].copy()))
-        return RoundFrame(out, mass, frame.kind)
+        # the reply's payloads are slices of one fresh array the round reduces into
+        out = np.empty(plan.nelem, np.float32 if dtype == DTYPE_F32 else np.uint16)
+        cons, mass = self._run(plan, frame.weight, write, out=out)
+        if cons is not out:
+            np.copyto(out, cons[:plan.nelem])
+        return RoundFrame([TensorPayload(dtype, s, out[off:off + n])
+                           for s, off, n in zip(plan.shapes, plan.offs, plan.numels)],
+                          mass, frame.kind)
 
     def all_reduce_scaled(self, tensors: Sequence[torch.Tensor], scale: float, kind=RoundKind.MODEL,
                           weight: float = 1.0, *, outer: bool = False
@@ -299,19 +309,25 @@ class Comm:
         ``outer=True`` marks the params round of a window: the installed outer
         optimizer (``set_outer``) steps the consensus into the new global before it is
         returned (every rank must pass the same flag)."""
-        kind = RoundKind(int(kind))
-        dtype = self._wire_dtype(kind)
-        shapes = self._check_tensors(tensors)
-        scale = float(scale)
-
-        def write(dst: np.ndarray, offs: list[int], numels: list[int]) -> None:
-            self._encode(tensors, dst, offs, numels, dtype, scale)
-
-        armed = self._armed if kind == RoundKind.MODEL else None
+        kind = _kind(kind)
+        dtype = DTYPE_BF16 if (self._bf16 and kind == _MODEL) else DTYPE_F32
+        armed = self._armed if kind == _MODEL else None
         self._armed = None
-        cons, mass = self._run(int(kind), dtype, weight, shapes, write,
-                               outer=outer and kind == RoundKind.MODEL)
-        return self._decode(cons, dtype, shapes, armed), mass
+        scale = float(scale)
+        outer = outer and kind == _MODEL
+        plan = self._fused_plan(tensors, kind, dtype, outer)
+        if plan is not None:
+            flat, out = self._codec.result(plan.nelem, armed)
+            mass = self._fused_round(plan, weight, len(tensors), scale, out, True)
+            return self._codec.views(flat, plan), mass
+        plan = self._engine.plan(kind, dtype, tuple(check_tensors(tensors)))
+
+        def write(dst: np.ndarray, plan: RoundPlan) -> None:
+            self._codec.encode(tensors, dst, plan, dtype, scale, self._engine.fault_hook,
+                               self._round)
+
+        cons, mass = self._run(plan, weight, write, outer=outer)
+        return self._codec.decode(cons, dtype, plan, armed), mass
 
     def all_reduce_weighted(self, tensors: Sequence[torch.Tensor], kind=RoundKind.MODEL,
                             weight: float = 1.0, *, outer: bool = False
@@ -331,39 +347,56 @@ class Comm:
         accepted mass is 0 the tensors are left untouched (keep local). Returns the
         accepted mass. Tensors must be float32 or bfloat16.
         """
-        if len(tensors) == 1 and not outer:
-            mass = self._inplace_fast(tensors[0], weight, scale, int(kind))
-            if mass is not None:
+        kind = _kind(kind)
+        dtype = DTYPE_BF16 if (self._bf16 and kind == _MODEL) else DTYPE_F32
+        outer = outer and kind == _MODEL
+        scale = float(scale)
+        eng = self._engine
+        plan = self._fused_plan(tensors, kind, dtype, outer)
+        if plan is not None:
+            if len(tensors) == 1 and dtype == DTYPE_F32 and plan.src_bf16[0] == 0:
+                # one f32 tensor: copy-in, round and copy-out are a single compiled call
+                weight = self._begin(weight)
+                rnd = self._round
+                eng.prepare(rnd, plan, False)
+                self._round = rnd + 1
+                try:
+                    return eng.inplace_round(int(plan.addrs[0]), plan, rnd, weight, scale)
+                except BaseException as e:
+                    self._fail(rnd, e)
+                    raise
+            mass = self._fused_round(plan, weight, len(tensors), scale, eng.eager_f32, False)
+            if kind == _MODEL and not mass > 0.0:
                 return mass
-        kind = RoundKind(int(kind))
-        dtype = self._wire_dtype(kind)
-        shapes = self._check_tensors(tensors)
+            cons = eng.eager_f32 if dtype == DTYPE_F32 else eng.eager_u16
+            for t, off, n in zip(tensors, plan.offs, plan.numels):
+                decode_into_tensor(cons[off:off + n], dtype, t)
+            return mass
+        plan = eng.plan(kind, dtype, tuple(check_tensors(tensors)))
 
-        def write(dst: np.ndarray, offs: list[int], numels: list[int]) -> None:
-            self._encode(tensors, dst, offs, numels, dtype, float(scale))
+        def write(dst: np.ndarray, plan: RoundPlan) -> None:
+            self._codec.encode(tensors, dst, plan, dtype, scale, eng.fault_hook, self._round)
 
         direct = None
-        if (len(tensors) == 1 and tensors[0].dtype is _F32 and tensors[0].is_cpu
+        if (len(tensors) == 1 and tensors[0].dtype is F32 and tensors[0].is_cpu
                 and tensors[0].is_contiguous()):
             direct = tensors[0].detach().view(-1).numpy()
-        cons, mass = self._run(int(kind), dtype, weight, shapes, write,
-                               outer=outer and kind == RoundKind.MODEL, direct=direct)
-        if kind == RoundKind.MODEL and mass <= 0.0:
+        cons, mass = self._run(plan, weight, write, outer=outer, direct=direct)
+        if kind == _MODEL and mass <= 0.0:
             return mass
-        done = self._engine.direct_slice if direct is not None else None
+        done = eng.direct_slice if direct is not None else None
         if done is not None:
             # this rank's own slice already landed in the tensor during its reduce
             n = cons.shape[0]
             for a, b in ((0, done[0]), (done[1], n)):
                 if b > a:
-                    _decode_into_tensor(cons[a:b], dtype, _flat_part(tensors[0], a, b))
+                    decode_into_tensor(cons[a:b], dtype, flat_part(tensors[0], a, b))
             return mass
-        plan = self._plan(int(kind), dtype, shapes)
-        hook = self._engine.fault_hook
+        hook = eng.fault_hook
         for i, (t, off, n) in enumerate(zip(tensors, plan.offs, plan.numels)):
             if hook is not None and i == 1:
                 hook("mid_copy_out", self._round - 1)
-            _decode_into_tensor(cons[off:off + n], dtype, t)
+            decode_into_tensor(cons[off:off + n], dtype, t)
         return mass
 
     def all_reduce_per_rank_f64(self, values) -> np.ndarray:
@@ -374,13 +407,20 @@ class Comm:
         if vec.shape[0] != self.world_size:
             raise ValueError(f"vector len ({vec.shape[0]}) must equal world_size "
                              f"({self.world_size})")
-        as32 = vec.astype(np.float32)
-        shapes = [(self.world_size,)]
+        src = self._per_rank
+        src[:] = vec
+        plan = self._engine.plan(_CONTROL, DTYPE_F32, ((self.world_size,),))
+        out = np.empty(self.world_size, np.float32)
+        if plan.eager_fits and self._fusable(_CONTROL, False):
+            plan.addrs[0] = self._per_rank_addr
+            plan.src_bf16[0] = 0
+            self._fused_round(plan, 0.0, 1, 1.0, out, False)
+            return out.astype(np.float64)
 
-        def write(dst: np.ndarray, offs: list[int], numels: list[int]) -> None:
-            np.copyto(dst[:self.world_size], as32)
+        def write(dst: np.ndarray, plan: RoundPlan) -> None:
+            np.copyto(dst[:self.world_size], src)
 
-        cons, _ = self._run(int(RoundKind.CONTROL), DTYPE_F32, 0.0, shapes, write)
+        cons, _ = self._run(plan, 0.0, write)
         return cons[:self.world_size].astype(np.float64)
 
     def broadcast_from_root(self, tensors: Sequence[torch.Tensor], root: int = 0) -> list[torch.Tensor]:
@@ -388,19 +428,29 @@ class Comm:
         initial parameters. Non-root ranks pass tensors of the same shapes."""
         if not 0 <= int(root) < self.world_size:
             raise ValueError(f"broadcast root {root} >= world_size {self.world_size}")
-        shapes = self._check_tensors(tensors)
         is_root = self.rank == int(root)
+        plan = self._fused_plan(tensors, _CONTROL, DTYPE_F32, False)
+        if plan is not None:
+            flat, out = self._codec.result(plan.nelem, None)
+            self._fused_round(plan, 0.0, len(tensors) if is_root else 0, 1.0, out, False,
+                              elided=not is_root)
+            return self._codec.views(flat, plan)
+        plan = self._engine.plan(_CONTROL, DTYPE_F32, tuple(check_tensors(tensors)))
 
-        def write(dst: np.ndarray, offs: list[int], numels: list[int]) -> None:
-            self._encode(tensors, dst, offs, numels, DTYPE_F32, 1.0)
+        def write(dst: np.ndarray, plan: RoundPlan) -> None:
+            self._codec.encode(tensors, dst, plan, DTYPE_F32, 1.0, self._engine.fault_hook,
+                               self._round)
 
-        cons, _ = self._run(int(RoundKind.CONTROL), DTYPE_F32, 0.0, shapes,
-                            write if is_root else None, elided=not is_root)
-        return self._decode(cons, DTYPE_F32, shapes, None)
+        cons, _ = self._run(plan, 0.0, write if is_root else None, elided=not is_root)
+        return self._codec.decode(cons, DTYPE_F32, plan, None)
 
     def barrier(self) -> None:
         """Return once every live rank has entered the barrier."""
-        self._run(int(RoundKind.CONTROL), DTYPE_F32, 0.0, [], None)
+        plan = self._engine.plan(_CONTROL, DTYPE_F32, ())
+        if self._fusable(_CONTROL, False):
+            self._fused_round(plan, 0.0, 0, 1.0, self._engine.eager_f32, False)
+        else:
+            self._run(plan, 0.0, None)
 
     # -- zero-copy ---------------------------------------------------------------
     def zero_copy_inputs(self, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -408,27 +458,21 @@ class Comm:
         wire dtype: float32, or bfloat16 with ``set_bf16_wire(True)``). Fill them with
         wᵣ·Tᵣ, then call ``all_reduce_zero_copy(weight)``. Valid until this rank's
         next collective call."""
-        shapes = [tuple(int(d) for d in s) for s in shapes]
-        dtype = self._wire_dtype(RoundKind.MODEL)
-        offs, numels, nelem = frame_layout(shapes)
-        nwords = len(schema_words(0, dtype, shapes))
-        nbytes = nelem * elem_size(dtype)
-        region = self._engine.bulk_region(nwords * 8 + nbytes)
-        key = (tuple(shapes), dtype)
+        dtype = DTYPE_BF16 if self._bf16 else DTYPE_F32
+        key = tuple([tuple(s) for s in shapes])
         cached = self._zc_inputs
-        if cached is not None and cached[0] == key and cached[1] is region:
-            self._zero_copy = (shapes, dtype)
-            return list(cached[2])
-        payload = region[nwords * 8:nwords * 8 + nbytes]
-        out = []
-        for s, off, n in zip(shapes, offs, numels):
-            if dtype == DTYPE_F32:
-                t = torch.from_numpy(payload.view(np.float32)[off:off + n])
-            else:
-                t = torch.from_numpy(payload.view(np.int16)[off:off + n]).view(torch.bfloat16)
-            out.append(t.view(s))
-        self._zero_copy = (shapes, dtype)
-        self._zc_inputs = (key, region, tuple(out))
+        if cached is not None and cached[0] == key and cached[1] == dtype:
+            region = self._engine.bulk_region(cached[2].total)
+            if cached[3] is region:
+                self._zero_copy = cached[2]
+                return list(cached[4])
+        # the plan's kind is set at the round (MODEL by default); the layout is the same
+        plan = self._engine.plan(_MODEL, dtype, tuple(tuple(int(d) for d in s) for s in key))
+        region = self._engine.bulk_region(plan.total)
+        out = wire_views(region[plan.off:plan.total].view(
+            np.float32 if dtype == DTYPE_F32 else np.uint16), dtype, plan)
+        self._zero_copy = plan
+        self._zc_inputs = (key, dtype, plan, region, tuple(out))
         return out
 
     def all_reduce_zero_copy(self, weight: float = 1.0, kind=RoundKind.MODEL
@@ -439,56 +483,107 @@ class Comm:
         if self._zero_copy is None:
             raise RuntimeError("call zero_copy_inputs(shapes) and fill the tensors before "
                                "all_reduce_zero_copy()")
-        shapes, dtype = self._zero_copy
+        plan = self._zero_copy
         self._zero_copy = None
-        cons, mass = self._run(int(RoundKind(int(kind))), dtype, weight, shapes, None,
-                               zero_copy=True)
-        offs, numels, _ = frame_layout(shapes)
-        out = []
-        for s, off, n in zip(shapes, offs, numels):
-            if dtype == DTYPE_F32:
-                t = torch.from_numpy(cons[off:off + n])
-            else:
-                t = torch.from_numpy(cons[off:off + n].view(np.int16)).view(torch.bfloat16)
-            out.append(t.view(s))
+        kind = _kind(kind)
+        if kind != plan.kind:
+            plan = self._engine.plan(kind, plan.dtype, tuple(plan.shapes))
+        cons, mass = self._run(plan, weight, None, zero_copy=True)
+        cached = self._zc_outputs
+        if cached is not None and cached[0] is plan and cached[1] is cons.base:
+            return list(cached[2]), mass
+        out = wire_views(cons, plan.dtype, plan)
+        self._zc_outputs = (plan, cons.base, tuple(out))
         return out, mass
 
     # -- the round ---------------------------------------------------------------
-    def _run(self, kind: int, dtype: int, weight: float, shapes: list[tuple[int, ...]],
-             write: Callable | None, *, elided: bool = False, zero_copy: bool = False,
-             outer: bool = False, direct: np.ndarray | None = None) -> tuple[np.ndarray, float]:
-        """One collective round; returns (consensus in the wire dtype, accepted mass).
-        The consensus array is only valid until this rank's next round."""
+    def _begin(self, weight) -> float:
+        """Round begin, shared by every path: refuse a broken Comm, validate the mass."""
         if self._broken is not None:
             raise RuntimeError(f"this Comm is unusable: {self._broken}")
         weight = float(weight)
         if not 0.0 <= weight < math.inf:
             raise FrameError(f"weight {weight} is not a finite non-negative realized-work mass")
+        return weight
+
+    def _fail(self, rnd: int, e: BaseException) -> None:
+        """A round raised ``e`` after publishing (the caller re-raises). A schema
+        mismatch leaves the Comm usable (every rank raised at the same point: still in
+        step); anything else breaks it, naming the round."""
+        if isinstance(e, FrameError):
+            return
+        self._broken = f"round {rnd} failed with {type(e).__name__}: {e}"
+        if isinstance(e, CohortAborted) and self._engine.relay_mode:
+            self._engine.raise_relay_error(rnd)  # the host relay's failure, if that is why
+
+    def _fusable(self, kind: int, outer: bool) -> bool:
+        """Whether a round of ``kind`` may run as one fused eager call on this rank."""
+        eng = self._engine
+        return not (self._broken is not None or eng.relay_mode or eng.fault_hook is not None
+                    or (outer and self._outer_installed)
+                    or (kind == _MODEL and self._ckpt is not None))
+
+    def _fused_plan(self, tensors: Sequence[torch.Tensor], kind: int, dtype: int,
+                    outer: bool) -> RoundPlan | None:
+        """The plan of a fused round over ``tensors`` with their addresses gathered, or
+        None when the general round must run (nothing was published)."""
+        if not self._fusable(kind, outer):
+            return None
+        try:
+            shapes = tuple([t.shape for t in tensors])
+        except (AttributeError, TypeError):
+            return None  # the general path names what is wrong
+        plan = self._engine.plan(kind, dtype, shapes)
+        if not plan.eager_fits or not TensorCodec.gather(tensors, plan):
+            return None
+        return plan
+
+    def _fused_round(self, plan: RoundPlan, weight, count: int, scale: float,
+                     out: np.ndarray, upcast: bool, *, elided: bool = False) -> float:
+        """One eager round as a single compiled call: copy-in of the first ``count``
+        gathered tensors, publish, wait, validate, reduce into ``out`` (f32; bf16-wire
+        rounds reduce into the engine's buffer and widen into ``out`` when
+        ``upcast``). Returns the accepted mass."""
+        weight = self._begin(weight)
         eng = self._engine
         rnd = self._round
-        plan = self._plan(kind, dtype, shapes)
-        tap = kind == RoundKind.MODEL and self._ckpt is not None
+        eng.prepare(rnd, plan, False)
+        self._round = rnd + 1
+        try:
+            return eng.eager_round(plan, rnd, A.FLAG_ELIDED if elided else 0, weight,
+                                   count=count, scale=scale, out_f32=out, upcast=upcast)
+        except BaseException as e:
+            self._fail(rnd, e)
+            raise
+
+    def _run(self, plan: RoundPlan, weight: float, write: Callable | None, *,
+             elided: bool = False, zero_copy: bool = False, outer: bool = False,
+             direct: np.ndarray | None = None, out: np.ndarray | None = None
+             ) -> tuple[np.ndarray, float]:
+        """One collective round of the general path; returns (consensus in the wire
+        dtype, accepted mass). ``write(dst, plan)`` fills the payload (``dst`` typed
+        like the wire). The consensus array is only valid until this rank's next round,
+        unless it is ``out`` (a wire-typed array of ``plan.nelem`` an eager round may
+        reduce into)."""
+        weight = self._begin(weight)
+        eng = self._engine
+        rnd = self._round
+        kind, dtype = plan.kind, plan.dtype
+        tap = kind == _MODEL and self._ckpt is not None
         # only a stateful outer optimizer steps (OuterAvg is the plain consensus); on a
         # cluster the flag travels to the controller, which refuses it if it has none
         outer = outer and self._outer_installed
         # the outer step runs in the slice reduce: outer rounds take the bulk path
         bulk = zero_copy or eng.relay_mode or outer or not plan.eager_fits
-        if bulk:
-            region = eng.bulk_region(plan.total)
-            slot_key = ("bulk", id(region))
-        else:
-            region = eng.eager_region(rnd)
-            slot_key = rnd & 1
-        if self._slot_schema.get(slot_key) is not plan:
-            region[:plan.off].view(np.int64)[:] = plan.words
-            self._slot_schema[slot_key] = plan
+        region = eng.prepare(rnd, plan, bulk)
         hook = eng.fault_hook
         if hook is not None:
             hook("before_copy_in", rnd)
         if write is not None and not elided:
+            if region is None:
+                region = eng.eager_region(rnd)
             raw = region[plan.off:plan.off + plan.nbytes]
-            write(raw.view(np.float32 if dtype == DTYPE_F32 else np.uint16), plan.offs,
-                  plan.numels)
+            write(raw.view(np.float32 if dtype == DTYPE_F32 else np.uint16), plan)
         flags = ((A.FLAG_BULK if bulk else 0) | (A.FLAG_ELIDED if elided else 0)
                  | (A.FLAG_ZERO_COPY if zero_copy else 0) | (A.FLAG_OUTER if outer else 0)
                  | (A.FLAG_TAP if tap else 0))
@@ -496,138 +591,39 @@ class Comm:
         eng.direct_slice = None
         try:
             if not bulk:
-                mass = eng.eager_round(rnd, kind, flags, dtype, weight, len(shapes), plan.nbytes,
-                                       plan.nelem, plan.shash, len(plan.words), self._eager_f32,
-                                       self._eager_u16)
-                cons = (self._eager_f32 if dtype == DTYPE_F32 else self._eager_u16)[:plan.nelem]
+                if out is None:
+                    out_f32, out_u16 = eng.eager_f32, eng.eager_u16
+                elif dtype == DTYPE_F32:
+                    out_f32, out_u16 = out, eng.eager_u16
+                else:
+                    out_f32, out_u16 = eng.eager_f32, out
+                mass = eng.eager_round(plan, rnd, flags, weight, out_f32=out_f32,
+                                       out_u16=out_u16)
+                cons = out if out is not None else (
+                    (out_f32 if dtype == DTYPE_F32 else out_u16)[:plan.nelem])
             else:
-                eng.publish(rnd, kind, flags, dtype, weight, len(shapes), plan.nbytes,
+                eng.publish(rnd, kind, flags, dtype, weight, len(plan.shapes), plan.nbytes,
                             plan.nelem, plan.shash, len(plan.words))
                 if hook is not None:
                     hook("arrived", rnd)
                 view = eng.await_arrivals(rnd)
                 eng.reduce_slice(view, self.local_rank,
-                                 direct if view.mass > 0.0 or kind != RoundKind.MODEL else None)
+                                 direct if view.mass > 0.0 or kind != _MODEL else None)
                 eng.await_slices(view)
                 mass = eng.await_consensus(view) if eng.relay_mode else view.mass
                 cons = eng.consensus_array(view)
                 if eng.outer_applies(view):
                     eng.outer_steps += 1
             if tap:
-                self._tap_round(rnd, dtype, shapes, cons, mass, outer)
+                self._tap_round(rnd, dtype, plan.shapes, cons, mass, outer)
             return cons, mass
-        except FrameError:
-            raise  # schema mismatch: every rank raised at the same point; still in step
         except BaseException as e:
-            self._broken = f"round {rnd} failed with {type(e).__name__}: {e}"
-            if isinstance(e, CohortAborted) and eng.relay_mode:
-                eng.raise_relay_error(rnd)  # the host relay's failure, if that is why
+            self._fail(rnd, e)
             raise
-
-    def _inplace_fast(self, t: torch.Tensor, weight, scale, kind: int) -> float | None:
-        """One small contiguous f32 tensor averaged in place on an f32 wire: the whole
-        round is one compiled call. ``None`` when the case does not apply (the general
-        path then runs; nothing was published)."""
-        eng = self._engine
-        if (t.dtype is not _F32 or not t.is_cpu or (self._bf16 and kind == 0)
-                or self._broken is not None or eng.relay_mode or self._ckpt is not None
-                or eng.fault_hook is not None or not t.is_contiguous()):
-            return None
-        fast = self._fast
-        shape = t.shape
-        if fast is None or fast[0] != shape or fast[1] != kind:
-            plan = self._plan(kind, DTYPE_F32, [tuple(shape)])
-            fast = self._fast = (shape, kind, plan)
-        plan = fast[2]
-        if not plan.eager_fits:
-            return None
-        weight = float(weight)
-        if not 0.0 <= weight < math.inf:
-            raise FrameError(f"weight {weight} is not a finite non-negative realized-work mass")
-        rnd = self._round
-        if self._slot_schema.get(rnd & 1) is not plan:
-            eng.eager_region(rnd)[:plan.off].view(np.int64)[:] = plan.words
-            self._slot_schema[rnd & 1] = plan
-        self._round = rnd + 1
-        try:
-            code = RK.eager_inplace_f32(t.data_ptr(), plan.nelem, float(scale), eng.ctl,
-                                        eng.ctl_f64, eng.ctl32, eng._eager_all,
-                                        self.arena.eager_bytes, eng.world, self.local_rank, rnd,
-                                        kind, 0, weight, plan.shash, len(plan.words),
-                                        eng.waiter.spin_iters, eng._info, eng._mass, eng._acc)
-            if code == RK.OK:
-                return eng.eager_done()
-            view = eng.settle_eager(code, rnd)
-            if kind == RoundKind.MODEL and not view.mass > 0.0:
-                return view.mass
-            cons = self._eager_f32[:plan.nelem]
-            eng.reduce_eager(view, cons)
-            _decode_into_tensor(cons, DTYPE_F32, t)
-            return view.mass
-        except FrameError:
-            raise
-        except BaseException as e:
-            self._broken = f"round {rnd} failed with {type(e).__name__}: {e}"
-            raise
-
-    def _plan(self, kind: int, dtype: int, shapes: list[tuple[int, ...]]) -> "_Plan":
-        key = (kind, dtype, tuple(shapes))
-        plan = self._plans.get(key)
-        if plan is None:
-            if len(self._plans) > 64:
-                self._plans.clear()
-                self._slot_schema.clear()
-            plan = _Plan(kind, dtype, list(key[2]), self.arena.eager_bytes)
-            self._plans[key] = plan
-        return plan
-
-    # -- helpers -------------------------------------------------------------------
-    def _wire_dtype(self, kind: RoundKind) -> int:
-        return DTYPE_BF16 if (self._bf16 and kind == RoundKind.MODEL) else DTYPE_F32
-
-    @staticmethod
-    def _check_tensors(tensors: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
-        shapes = []
-        for i, t in enumerate(tensors):
-            try:
-                dt = t.dtype
-            except AttributeError:
-                dt = None
-            if dt is not _F32 and dt is not _BF16:
-                check_tensor_dtype(t, i)  # raises with the dtype named
-            shapes.append(tuple(t.shape))
-        return shapes
-
-    def _encode(self, tensors, dst: np.ndarray, offs, numels, dtype: int, scale: float) -> None:
-        hook = self._engine.fault_hook
-        for i, (t, off, n) in enumerate(zip(tensors, offs, numels)):
-            if hook is not None and i == 1:
-                hook("mid_copy_in", self._round)
-            _encode_tensor(t, dst[off:off + n], dtype, scale, self._scratch, self._scratch16)
-
-    def _decode(self, cons: np.ndarray, dtype: int, shapes, armed: int | None) -> list[torch.Tensor]:
-        offs, numels, nelem = frame_layout(shapes)
-        flat = None
-        if armed is not None:
-            if self._gate is None:
-                if self._mem_at_start is None:
-                    self._mem_at_start = host_memory()
-                self._gate = decide_pinned_decode(nelem * 4, self.local_world_size,
-                                                  self._mem_at_start)
-            if self._gate.enabled:
-                flat = self._staging.buffer(armed, nelem)
-        if flat is None:
-            flat = torch.from_numpy(np.empty(nelem, np.float32))
-        dst = flat.numpy()
-        if dtype == DTYPE_F32:
-            np.copyto(dst, cons[:nelem])
-        else:
-            K.bf16_to_f32(cons[:nelem], dst)
-        return [flat[off:off + n].view(s) for s, off, n in zip(shapes, offs, numels)]
 
     def close(self) -> None:
         """Release this rank's mappings (the arena's owner unlinks the segments)."""
-        self._staging.clear()
+        self._codec.clear()
         self.arena.close()
 
     def __repr__(self) -> str:
@@ -635,116 +631,7 @@ class Comm:
                 f"{self.local_world_size}, round={self._round}, bf16_wire={self._bf16})")
 
 
-class _Plan:
-    """Everything about a round that depends only on (kind, dtype, shapes): cached."""
-
-    __slots__ = ("words", "shash", "offs", "numels", "nelem", "nbytes", "off", "total",
-                 "eager_fits")
-
-    def __init__(self, kind: int, dtype: int, shapes: list[tuple[int, ...]],
-                 eager_bytes: int) -> None:
-        self.words = schema_words(kind, dtype, shapes)
-        self.shash = schema_hash(self.words)
-        self.offs, self.numels, self.nelem = frame_layout(shapes)
-        self.nbytes = self.nelem * elem_size(dtype)
-        self.off = len(self.words) * 8
-        self.total = self.off + self.nbytes
-        self.eager_fits = self.total <= eager_bytes
-
-
 def _getpid() -> int:
     import os
 
     return os.getpid()
-
-
-_F32 = torch.float32
-_BF16 = torch.bfloat16
-# Below this many bytes a tensor is copied by address in compiled code (no
-# torch->numpy conversion, ~3 µs saved per tensor); above it through numpy, whose
-# memcpy uses non-temporal stores for large buffers.
-_BY_ADDRESS_MAX = 256 << 10
-
-
-def _tensor_source(t: torch.Tensor) -> tuple[np.ndarray, bool]:
-    """(flat numpy view of t's data, is_bf16) for a float32/bfloat16 tensor."""
-    t = t.detach()
-    if not t.is_cpu:
-        t = t.cpu()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    if t.dtype == _BF16:
-        return t.reshape(-1).view(torch.int16).numpy().view(np.uint16), True
-    return t.reshape(-1).numpy(), False
-
-
-def _encode_tensor(t: torch.Tensor, dst: np.ndarray, dtype: int, scale: float,
-                   scratch: np.ndarray, scratch16: np.ndarray) -> None:
-    """Copy one tensor into its wire slot, converting and scaling on the way.
-
-    The result equals encoding ``t.mul(scale)`` (one rounding stage): f32 data is
-    multiplied in f32 then rounded once to bf16 if the wire is bf16; bf16 data is
-    scaled with one bf16 rounding, then upcast exactly on an f32 wire.
-    """
-    n = dst.shape[0]
-    is_bf16 = t.dtype is _BF16
-    if t.is_cpu and n * (2 if is_bf16 else 4) <= _BY_ADDRESS_MAX and t.is_contiguous():
-        addr = t.data_ptr()
-        if not is_bf16:
-            if dtype == DTYPE_F32:
-                TIO.encode_f32_to_f32(addr, n, dst, scale)
-            else:
-                TIO.encode_f32_to_bf16(addr, n, dst, scale, scratch)
-        elif dtype == DTYPE_BF16:
-            TIO.encode_bf16_to_bf16(addr, n, dst, scale, scratch)
-        else:
-            TIO.encode_bf16_to_f32(addr, n, dst, scale, scratch, scratch16)
-        return
-    src, is_bf16 = _tensor_source(t)
-    one = scale == 1.0
-    if not is_bf16:
-        if dtype == DTYPE_F32:
-            if one:
-                np.copyto(dst, src)
-            else:
-                K.f32_scaled_copy(src, dst, scale)
-        elif one:
-            K.f32_to_bf16(src, dst)
-        else:
-            K.f32_to_bf16_scaled(src, dst, scale, scratch)
-    elif dtype == DTYPE_BF16:
-        if one:
-            np.copyto(dst, src)
-        else:
-            K.bf16_scaled_copy(src, dst, scale, scratch)
-    else:
-        TIO.encode_bf16_to_f32(src.ctypes.data, n, dst, scale, scratch, scratch16)
-
-
-def _flat_part(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
-    """Elements [a, b) of a contiguous tensor, as a flat view."""
-    return t.detach().view(-1)[a:b]
-
-
-def _decode_into_tensor(src: np.ndarray, dtype: int, t: torch.Tensor) -> None:
-    """Write a consensus slice into an existing float32/bfloat16 tensor, in place."""
-    if t.dtype is _F32 and t.is_cpu and t.is_contiguous():
-        n = src.shape[0]
-        if n * 4 <= _BY_ADDRESS_MAX:
-            if dtype == DTYPE_F32:
-                TIO.decode_f32_into(src, t.data_ptr())
-            else:
-                TIO.decode_bf16_into(src, t.data_ptr())
-            return
-        dst = t.detach().view(-1).numpy()
-        if dtype == DTYPE_F32:
-            np.copyto(dst, src)
-        else:
-            K.bf16_to_f32(src, dst)
-        return
-    if dtype == DTYPE_F32:
-        tmp = torch.from_numpy(src)
-    else:
-        tmp = torch.from_numpy(src.view(np.int16)).view(torch.bfloat16)
-    with torch.no_grad():
-        t.copy_(tmp.view(t.shape))

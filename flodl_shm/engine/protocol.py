@@ -54,6 +54,7 @@ after arriving is accepted (its work was realized); one that died before is not.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import math
 from typing import Callable
@@ -67,7 +68,12 @@ from ..kernels import codec as K
 from ..kernels import reduce as R
 from ..kernels import rounds as RK
 from ..kernels import signals
+from ..kernels.codes import is_terminal
 from .waiting import Doorbell, Waiter, futex_wake
+
+#: after a rank's own deadline on a cluster round: how long it waits for the
+#: controller's verdict (which names the ranks that never delivered)
+RELAY_VERDICT_S = 5.0
 
 SCRATCH_ELEMS = 4096  # f32 elements per reduce scratch (16 KiB: L1-resident)
 DIRECT_CHUNK = 1 << 18  # elements reduced before their copy to the caller (1 MiB: in L2)
@@ -96,6 +102,35 @@ def decode_schema_words(words: np.ndarray) -> tuple[int, int, list[tuple[int, ..
         shapes.append(tuple(int(d) for d in words[i + 1:i + 1 + nd]))
         i += 1 + nd
     return kind, dtype, shapes
+
+
+class RoundPlan:
+    """Everything about a round that depends only on (kind, dtype, shapes): cached per
+    engine (``RoundEngine.plan``), so a repeated call rebuilds nothing.
+
+    ``addrs`` (int64, ``2 * ntensors``: the tensors' addresses, then their element
+    counts) and ``src_bf16`` (uint8, per tensor) are the fused round's per-call inputs,
+    refilled by the caller before every fused round.
+    """
+
+    __slots__ = ("kind", "dtype", "shapes", "words", "shash", "offs", "numels", "nelem",
+                 "nbytes", "off", "total", "eager_fits", "addrs", "src_bf16")
+
+    def __init__(self, kind: int, dtype: int, shapes: list[tuple[int, ...]],
+                 eager_bytes: int) -> None:
+        self.kind = kind
+        self.dtype = dtype
+        self.shapes = shapes
+        self.words = schema_words(kind, dtype, shapes)
+        self.shash = schema_hash(self.words)
+        self.offs, self.numels, self.nelem = frame_layout(shapes)
+        self.nbytes = self.nelem * elem_size(dtype)
+        self.off = len(self.words) * 8
+        self.total = self.off + self.nbytes
+        self.eager_fits = self.total <= eager_bytes
+        self.addrs = np.zeros(2 * len(shapes), np.int64)
+        self.addrs[len(shapes):] = self.numels
+        self.src_bf16 = np.zeros(max(1, len(shapes)), np.uint8)
 
 
 class RoundView:
@@ -158,6 +193,10 @@ class RoundEngine:
         self._info = np.zeros(RK.I_WORDS, np.int64)
         self._mass = np.zeros(1, np.float64)
         self._eager_all = arena.eager_area()
+        # private reduce outputs of eager rounds, both views of one buffer
+        eager_out = np.empty(arena.eager_bytes, np.uint8)
+        self.eager_f32 = eager_out.view(np.float32)
+        self.eager_u16 = eager_out.view(np.uint16)
         self.relay_mode = bool(arena.ctl[A.G_RELAY])
         #: tests only: ``hook(phase, round)`` called at fault-injection points
         self.fault_hook: Callable[[str, int], None] | None = None
@@ -169,6 +208,41 @@ class RoundEngine:
         self._outer_scratch = np.empty(0, np.float32)
         self.last_accepted = 0            # accepted-rank mask of the last completed arrival
         self.direct_slice: tuple[int, int] | None = None  # written to ``direct`` last round
+        self._plans: dict[tuple, RoundPlan] = {}
+        self._slot_schema: dict = {}      # eager parity -> the plan whose schema it holds
+        self._scratch = np.empty(SCRATCH_ELEMS, np.float32)
+        self._scratch16 = np.empty(SCRATCH_ELEMS, np.uint16)
+
+    # -- plans ----------------------------------------------------------------------
+    def plan(self, kind: int, dtype: int, shapes) -> RoundPlan:
+        """The cached plan of a round of ``kind``/``dtype`` over ``shapes`` (a tuple of
+        shape tuples or ``torch.Size``: hashed and compared as tuples)."""
+        key = (kind, dtype, shapes)
+        got = self._plans.get(key)
+        if got is None:
+            if len(self._plans) > 64:
+                self._plans.clear()
+                self._slot_schema.clear()
+            got = RoundPlan(kind, dtype, [tuple(int(d) for d in s) for s in shapes],
+                            self.arena.eager_bytes)
+            self._plans[key] = got
+        return got
+
+    def prepare(self, rnd: int, plan: RoundPlan, bulk: bool) -> np.ndarray | None:
+        """COPY-IN setup: make round ``rnd``'s region hold ``plan``'s schema words.
+
+        Returns the bulk region (its words are always rewritten: other round types,
+        e.g. byte rounds, share it), or None for an eager round, whose slot of the
+        round's parity is rewritten only when it last held another plan (only this
+        engine writes its eager slots)."""
+        if bulk:
+            region = self.bulk_region(plan.total)
+            region[:plan.off].view(np.int64)[:] = plan.words
+            return region
+        if self._slot_schema.get(rnd & 1) is not plan:
+            self.eager_region(rnd)[:plan.off].view(np.int64)[:] = plan.words
+            self._slot_schema[rnd & 1] = plan
+        return None
 
     # -- COPY-IN destinations ------------------------------------------------------
     def eager_region(self, rnd: int) -> np.ndarray:
@@ -274,21 +348,55 @@ class RoundEngine:
         return raw.view(np.float32 if view.dtype == DTYPE_F32 else np.uint16)
 
     # -- REDUCED ---------------------------------------------------------------------
-    def eager_round(self, rnd: int, kind: int, flags: int, dtype: int, weight: float,
-                    ntensors: int, nbytes: int, nelem: int, shash: int, nwords: int,
-                    out_f32: np.ndarray, out_u16: np.ndarray) -> float:
-        """A small round (contribution already in the eager slot): publish, wait,
-        validate, reduce into ``out_*``; returns the accepted mass. The fast case is one
-        compiled call; sleeping peers or a late rank fall back to the blocking path."""
-        code = RK.eager_round(self.ctl, self.ctl_f64, self.ctl32, self._eager_all,
-                              self.arena.eager_bytes, self.world, self.rank, rnd, kind, flags,
-                              dtype, weight, ntensors, nbytes, nelem, shash, nwords,
-                              self.waiter.spin_iters, self._info, self._mass, out_f32, out_u16,
-                              self._acc, self._tmp)
+    def eager_round(self, plan: RoundPlan, rnd: int, flags: int, weight: float, *,
+                    count: int = 0, scale: float = 1.0, out_f32: np.ndarray,
+                    out_u16: np.ndarray | None = None, upcast: bool = False) -> float:
+        """A small round: copy in (the first ``count`` tensors of ``plan.addrs``; 0 when
+        the payload is already in the eager slot or elided), publish, wait, validate,
+        reduce into ``out_f32`` (f32 wire) or ``out_u16`` (bf16 bits; widened into
+        ``out_f32`` too when ``upcast``); returns the accepted mass. The fast case is
+        one compiled call; sleeping peers or a late rank fall back to the blocking path.
+        """
+        if out_u16 is None:
+            out_u16 = self.eager_u16  # aliases eager_f32: upcast only into other memory
+        code = RK.eager_encode_round(plan.addrs, plan.src_bf16, count, scale, self.ctl,
+                                     self.ctl_f64, self.ctl32, self._eager_all,
+                                     self.arena.eager_bytes, self.world, self.rank, rnd,
+                                     plan.kind, flags, plan.dtype, weight, len(plan.shapes),
+                                     plan.nbytes, plan.nelem, plan.shash, len(plan.words),
+                                     self.waiter.spin_iters, self._info, self._mass, out_f32,
+                                     out_u16, upcast, self._acc, self._tmp, self._scratch,
+                                     self._scratch16)
         if code == RK.OK:
             return self.eager_done()
         view = self.settle_eager(code, rnd)
-        self.reduce_eager(view, out_f32 if dtype == DTYPE_F32 else out_u16)
+        if plan.dtype == DTYPE_F32:
+            self.reduce_eager(view, out_f32)
+        else:
+            self.reduce_eager(view, out_u16)
+            if upcast:
+                K.bf16_to_f32(out_u16[:plan.nelem], out_f32[:plan.nelem])
+        return view.mass
+
+    def inplace_round(self, addr: int, plan: RoundPlan, rnd: int, weight: float,
+                      scale: float) -> float:
+        """The whole small in-place average of one contiguous f32 tensor (at ``addr``,
+        ``plan.nelem`` elements, f32 wire; the plan's schema already in the slot): one
+        compiled call in the fast case. A MODEL round that realized nothing leaves the
+        tensor untouched. Returns the accepted mass."""
+        kind = plan.kind
+        code = RK.eager_inplace_f32(addr, plan.nelem, scale, self.ctl, self.ctl_f64,
+                                    self.ctl32, self._eager_all, self.arena.eager_bytes,
+                                    self.world, self.rank, rnd, kind, 0, weight, plan.shash,
+                                    len(plan.words), self.waiter.spin_iters, self._info,
+                                    self._mass, self._acc)
+        if code == RK.OK:
+            return self.eager_done()
+        view = self.settle_eager(code, rnd)
+        if kind == RoundKind.MODEL and not view.mass > 0.0:
+            return view.mass
+        out = np.ctypeslib.as_array((ctypes.c_float * plan.nelem).from_address(addr))
+        self.reduce_eager(view, out)
         return view.mass
 
     def eager_done(self) -> float:
@@ -304,7 +412,7 @@ class RoundEngine:
             self.waiter.note_spin(False)
         if code == RK.WAKE:
             futex_wake(self.doorbell.addr)
-        elif code <= RK.MISMATCH:
+        elif is_terminal(code):
             raise self._arrival_error(code, rnd)
         return self.await_arrivals(rnd)
 
@@ -494,11 +602,33 @@ class RoundEngine:
         try:
             self.waiter.wait(lambda it: signals.spin_word_ge(ctl, A.G_CONSENSUS, rnd, it),
                              what="waiting for the cluster consensus from the relay", rnd=rnd,
-                             missing_of=lambda: ("relay",))
+                             missing_of=self._remote_ranks)
         except CohortAborted:
             self.raise_relay_error(rnd)
             raise
+        except ReduceStall as e:
+            # the controller times the round against this host's timeout and names the
+            # ranks that never delivered; its verdict reaches the relay a moment later
+            self._await_relay_verdict(rnd)
+            if int(ctl[A.G_CONSENSUS]) < rnd:
+                raise e
         return float(self.arena.ctl_f64[A.G_CONSENSUS_MASS])
+
+    def _remote_ranks(self) -> tuple[int, ...]:
+        """The global ranks on other hosts (who a late consensus waits on)."""
+        first, world = int(self.ctl[A.G_FIRST_RANK]), int(self.ctl[A.G_GLOBAL_WORLD])
+        return tuple(r for r in range(world) if not first <= r < first + self.world)
+
+    def _await_relay_verdict(self, rnd: int) -> None:
+        """Up to ``RELAY_VERDICT_S``: return once the consensus arrived, raise the
+        relay's recorded error (the controller's stall) once there is one."""
+        import time
+
+        deadline = time.monotonic() + RELAY_VERDICT_S
+        while time.monotonic() < deadline and int(self.ctl[A.G_CONSENSUS]) < rnd:
+            self.raise_relay_error(rnd)
+            time.sleep(0.02)
+        self.raise_relay_error(rnd)
 
     def raise_relay_error(self, rnd: int) -> None:
         """Raise the relay's recorded failure (ReduceStall for a stall), if any."""
@@ -508,7 +638,8 @@ class RoundEngine:
         code, info = got
         if code == A.RELAY_STALL:
             raise ReduceStall(f"round {info['round']} stalled across hosts: {info['text']}",
-                              round=int(info["round"]), missing=tuple(info["missing"]))
+                              round=int(info["round"]), missing=tuple(info["missing"]),
+                              timeout=info.get("timeout"))
         raise ConnectionError(f"round {rnd}: this host lost the cohort: {info['text']}")
 
 

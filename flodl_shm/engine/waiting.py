@@ -38,6 +38,7 @@ import numpy as np
 
 from ..errors import CohortAborted, ReduceStall
 from ..kernels import signals
+from ..kernels.codes import ABORT, is_finished
 
 LIVENESS_SLICE = 0.05
 SPIN_BUDGET_S = 50e-6
@@ -194,25 +195,26 @@ class Waiter:
     def wait(self, check: Callable[[int], int], *, what: str, rnd: int,
              missing_of: Callable[[], tuple[int, ...]],
              on_missing: Callable[[int], bool] | None = None) -> int:
-        """Wait until ``check(iters)`` returns -1 (done) or a terminal code <= -3.
+        """Wait until ``check(iters)`` returns ``OK`` (done) or a terminal code.
 
-        ``check`` is a compiled spin (see ``kernels/signals.py``): -1 done, -2 the cohort
-        aborts (raised here as ``CohortAborted``), >= 0 the first item still missing.
-        ``on_missing(m)`` may act on the missing item (e.g. take over a dead rank's
-        slice) and return True when it made progress. Returns -1 or the terminal code.
+        ``check`` is a compiled spin returning a status of ``kernels/codes.py``: ``OK``
+        done, ``ABORT`` the cohort aborts (raised here as ``CohortAborted``), >= 0 the
+        first item still missing, ``MISMATCH`` and below terminal. ``on_missing(m)``
+        may act on the missing item (e.g. take over a dead rank's slice) and return
+        True when it made progress. Returns ``OK`` or the terminal code.
         """
         r = check(self.spin_iters)
-        if r == -1 or r <= -3:
+        if is_finished(r):
             self.note_spin(True)
             return r
         self.note_spin(False)
         if self.yield_budget and r >= 0:
             r = self._yield_phase(check)
-            if r == -1 or r <= -3:
+            if is_finished(r):
                 return r
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
-            if r == -2:
+            if r == ABORT:
                 self.liveness()
                 raise CohortAborted(f"the cohort is shutting down (while {what}, round {rnd})")
             if r >= 0 and on_missing is not None and on_missing(r):
@@ -220,9 +222,9 @@ class Waiter:
                 continue
             seen = self.doorbell.seen()
             r = check(0)
-            if r == -1 or r <= -3:
+            if is_finished(r):
                 return r
-            if r == -2:
+            if r == ABORT:
                 continue
             slice_s = LIVENESS_SLICE
             if deadline is not None:
@@ -238,5 +240,5 @@ class Waiter:
             self.doorbell.sleep(seen, slice_s)
             self.liveness()
             r = check(self.spin_iters // 8)
-            if r == -1 or r <= -3:
+            if is_finished(r):
                 return r

@@ -18,17 +18,12 @@ from .control_block import (DEAD_EXITED, FLAG_ELIDED, FLAGS_AGREED, G_ABORT, G_D
                      H_NTENSORS, H_ROUND, H_SCHEMA_HASH, H_SCHEMA_WORDS, H_WEIGHT, HDR_WORDS,
                      R_ARRIVED, R_DEAD, R_HDR, RANK_WORDS)
 from .atomics import cpu_relax, fetch_add, load_acquire, store_release
-from .codec import bf16_bits_rne
-from .tensorio import f32_at
-
-
-# arrive() result codes (>= 0: the first rank still missing)
-OK = -1
-ABORT = -2
-MISMATCH = -3
-EXITED = -4      # a rank returned from its function while others wait for it
-OUT_OF_STEP = -5  # a header is for another round (a rank skipped a collective)
-WAKE = -6         # eager_round published but peers sleep: wake them, then wait normally
+from .codec import bf16_bits_rne, bf16_to_f32
+# result codes of arrive() and the fused rounds (>= 0: the first rank still missing);
+# re-exported so the engine reads them as RK.OK, RK.WAKE, ...
+from .codes import ABORT, EXITED, MISMATCH, OK, OUT_OF_STEP, WAKE  # noqa: F401
+from .tensorio import (encode_bf16_to_bf16, encode_bf16_to_f32, encode_f32_to_bf16,
+                       encode_f32_to_f32, f32_at)
 
 # info slots filled by arrive()
 I_ACCEPTED = 0   # bitmask of accepted ranks (world <= 63)
@@ -74,7 +69,7 @@ def publish_round(ctl, ctl_f64, ctl32, rank, rnd, kind, flags, dtype, weight, nt
 def _validate(ctl, ctl_f64, world, rnd, me, info, mass):
     accepted = 0
     contrib = 0
-    ref = -1
+    ref = -1  # no accepted rank yet
     total = 0.0
     for r in range(world):
         base = GLOBAL_WORDS + r * RANK_WORDS
@@ -136,14 +131,14 @@ def arrive(ctl, ctl_f64, world, rnd, me, iters, info, mass):
     while True:
         if load_acquire(ctl, G_ABORT) != 0:
             return ABORT
-        missing = -1
+        missing = OK
         for r in range(world):
             base = GLOBAL_WORDS + r * RANK_WORDS
             if load_acquire(ctl, base + R_ARRIVED) < rnd:
                 if load_acquire(ctl, base + R_DEAD) == 0:
                     missing = r
                     break
-        if missing == -1:
+        if missing == OK:
             return _validate(ctl, ctl_f64, world, rnd, me, info, mass)
         if it >= iters:
             return missing
@@ -253,6 +248,48 @@ def eager_round(ctl, ctl_f64, ctl32, eager, slot_bytes, world, me, rnd, kind, fl
 
 
 @njit(cache=True, nogil=True)
+def eager_encode_round(addrs, src_bf16, count, scale, ctl, ctl_f64, ctl32, eager, slot_bytes,
+                       world, me, rnd, kind, flags, dtype, weight, ntensors, nbytes, nelem,
+                       shash, nwords, iters, info, mass, out_f32, out_u16, upcast, acc, tmp,
+                       scratch, scratch16):
+    """``eager_round`` preceded by the copy-in of ``count`` tensors, by address.
+
+    Tensor i (``addrs[i]``, float32 or - when ``src_bf16[i]`` - bfloat16 bits) goes,
+    times ``scale`` (bit-identical to encoding ``t.mul(scale)``), into its place of
+    this rank's eager slot (whose schema words the caller wrote); its element count
+    is the next entry of ``out``'s layout, ``addrs[count + i]``. ``count`` 0 means the
+    payload is already written (or elided). On OK with ``upcast`` and a bf16 wire,
+    the consensus is also widened into ``out_f32``. Codes as ``eager_round``.
+    """
+    base = (2 * me + (rnd & 1)) * slot_bytes + nwords * 8
+    off = 0
+    if dtype == 0:
+        dst32 = eager[base:base + 4 * nelem].view(np.float32)
+        for i in range(count):
+            n = addrs[count + i]
+            if src_bf16[i]:
+                encode_bf16_to_f32(addrs[i], n, dst32[off:off + n], scale, scratch, scratch16)
+            else:
+                encode_f32_to_f32(addrs[i], n, dst32[off:off + n], scale)
+            off += n
+    else:
+        dst16 = eager[base:base + 2 * nelem].view(np.uint16)
+        for i in range(count):
+            n = addrs[count + i]
+            if src_bf16[i]:
+                encode_bf16_to_bf16(addrs[i], n, dst16[off:off + n], scale, scratch)
+            else:
+                encode_f32_to_bf16(addrs[i], n, dst16[off:off + n], scale, scratch)
+            off += n
+    code = eager_round(ctl, ctl_f64, ctl32, eager, slot_bytes, world, me, rnd, kind, flags,
+                       dtype, weight, ntensors, nbytes, nelem, shash, nwords, iters, info, mass,
+                       out_f32, out_u16, acc, tmp)
+    if code == OK and upcast and dtype != 0:
+        bf16_to_f32(out_u16[:nelem], out_f32[:nelem])
+    return code
+
+
+@njit(cache=True, nogil=True)
 def eager_inplace_f32(addr, n, scale, ctl, ctl_f64, ctl32, eager, slot_bytes, world, me, rnd,
                       kind, flags, weight, shash, nwords, iters, info, mass, acc):
     """The whole small in-place average of ONE contiguous f32 tensor, in one call.
@@ -308,7 +345,16 @@ def warm_up() -> None:
     for r in range(world):
         eager_round(ctl, f64, c32, eager, 64, world, r, 1, 0, 0, 0, 1.0, 1, 8, 2, 7, 1, 0,
                     info, mass, np.zeros(2, np.float32), np.zeros(2, np.uint16), acc, tmp)
+    addrs = np.zeros(2, np.int64)
+    src = np.zeros(1, np.uint8)
+    s16 = np.zeros(8, np.uint16)
+    for r in range(world):
+        for dtype in (0, 1):
+            eager_encode_round(addrs, src, 0, 1.0, ctl, f64, c32, eager, 64, world, r, 3, 0, 0,
+                               dtype, 1.0, 1, 8, 2, 7, 1, 0, info, mass,
+                               np.zeros(2, np.float32), np.zeros(2, np.uint16), True, acc, tmp,
+                               tmp, s16)
     t = np.zeros(2, np.float32)
     for r in range(world):
-        eager_inplace_f32(t.ctypes.data, 2, 1.0, ctl, f64, c32, eager, 64, world, r, 2, 0, 0,
+        eager_inplace_f32(t.ctypes.data, 2, 1.0, ctl, f64, c32, eager, 64, world, r, 4, 0, 0,
                           1.0, 7, 1, 0, info, mass, acc)

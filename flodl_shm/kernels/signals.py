@@ -4,9 +4,9 @@ These are the only code that touches synchronisation words in a loop; they use
 the atomics in ``atomics.py`` so the compiler neither caches a peer's word in a
 register nor moves a payload store after the flag that publishes it.
 
-Return convention of the ``spin_*`` checks: ``-1`` the condition holds, ``-2`` the
-cohort is aborting, ``>= 0`` the condition does not hold yet (the value names the
-first rank or slice still missing). ``iters`` bounds the spin: 0 checks once.
+Return convention of the ``spin_*`` checks (``codes.py``): ``OK`` the condition holds,
+``ABORT`` the cohort is aborting, ``>= 0`` the condition does not hold yet (the value
+names the first rank or slice still missing). ``iters`` bounds the spin: 0 checks once.
 
 Word offsets come from ``flodl_shm/kernels/control_block.py``, the one definition of the control block.
 """
@@ -16,6 +16,7 @@ import numpy as np
 from numba import njit
 
 from .control_block import G_ABORT, G_DOORBELL, G_SLEEPERS, GLOBAL_WORDS, R_DONE, RANK_WORDS
+from .codes import ABORT, OK
 from .atomics import compare_exchange, cpu_relax, fetch_add, load_acquire, store_release
 
 
@@ -69,15 +70,15 @@ def spin_slices(ctl, world, rnd, first, iters):
     it = 0
     while True:
         if load_acquire(ctl, G_ABORT) != 0:
-            return -2
-        missing = -1
+            return ABORT
+        missing = OK
         for k in range(world):
             j = (first + k) % world
             if load_acquire(ctl, GLOBAL_WORDS + j * RANK_WORDS + R_DONE) < rnd:
                 missing = j
                 break
-        if missing == -1:
-            return -1
+        if missing == OK:
+            return OK
         if it >= iters:
             return missing
         it += 1
@@ -90,9 +91,9 @@ def spin_word_ge(ctl, idx, target, iters):
     it = 0
     while True:
         if load_acquire(ctl, G_ABORT) != 0:
-            return -2
+            return ABORT
         if load_acquire(ctl, idx) >= target:
-            return -1
+            return OK
         if it >= iters:
             return 0
         it += 1

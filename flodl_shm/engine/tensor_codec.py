@@ -1,0 +1,266 @@
+"""The torch <-> wire codec of ``Comm``: tensors into a round's wire slot, consensus out.
+
+A round's contribution is a flat array in the wire dtype (float32, or bf16 bits as
+uint16) laid out by ``protocol.frame_layout``; this module is the only place that
+turns torch tensors into that layout and back:
+
+- **encode**: a float32/bfloat16 tensor, times ``scale`` (fused, bit-identical to
+  encoding ``t.mul(scale)``), into its slot. Small contiguous CPU tensors go by
+  address in compiled code (no torch->numpy conversion); large ones through numpy,
+  whose memcpy uses non-temporal stores;
+- **gather**: the addresses of a whole frame of small tensors, for the fused round
+  (``RoundEngine.eager_round`` encodes them in the same compiled call);
+- **decode**: a consensus into fresh float32 memory (or into an armed staging
+  slot: see ``staging.py``), returned as one tensor view per shape, or in place
+  into existing tensors.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..frame import DTYPE_BF16, DTYPE_F32, RoundKind, check_tensor_dtype
+from ..kernels import codec as K
+from ..kernels import tensorio as TIO
+from .hostmem import HostMemory, host_memory
+from .protocol import RoundPlan
+from .staging import DecodeStaging, StagingDecision, decide_pinned_decode
+
+F32 = torch.float32
+BF16 = torch.bfloat16
+# Below this many bytes a tensor is copied by address in compiled code (no
+# torch->numpy conversion, ~3 µs saved per tensor); above it through numpy, whose
+# memcpy uses non-temporal stores for large buffers.
+BY_ADDRESS_MAX = 256 << 10
+_SCRATCH = 4096
+
+
+def wire_dtype(bf16_wire: bool, kind: int) -> int:
+    """The wire dtype of a round: bf16 only for MODEL rounds with the bf16 wire on.
+
+    Args:
+        bf16_wire: the Comm's ``set_bf16_wire`` setting.
+        kind: the round kind (``RoundKind`` or its int).
+    """
+    return DTYPE_BF16 if (bf16_wire and kind == RoundKind.MODEL) else DTYPE_F32
+
+
+def check_tensors(tensors: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
+    """The shapes of ``tensors``; FrameError naming the first that is not a float32 or
+    bfloat16 tensor.
+
+    Args:
+        tensors: the tensors of one collective call.
+    """
+    shapes = []
+    for i, t in enumerate(tensors):
+        try:
+            dt = t.dtype
+        except AttributeError:
+            dt = None
+        if dt is not F32 and dt is not BF16:
+            check_tensor_dtype(t, i)  # raises with the dtype named
+        shapes.append(tuple(t.shape))
+    return shapes
+
+
+def _tensor_source(t: torch.Tensor) -> tuple[np.ndarray, bool]:
+    """(flat numpy view of t's data, is_bf16) for a float32/bfloat16 tensor."""
+    t = t.detach()
+    if not t.is_cpu:
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype == BF16:
+        return t.reshape(-1).view(torch.int16).numpy().view(np.uint16), True
+    return t.reshape(-1).numpy(), False
+
+
+def encode_tensor(t: torch.Tensor, dst: np.ndarray, dtype: int, scale: float,
+                  scratch: np.ndarray, scratch16: np.ndarray) -> None:
+    """Copy one tensor into its wire slot, converting and scaling on the way.
+
+    The result equals encoding ``t.mul(scale)`` (one rounding stage): f32 data is
+    multiplied in f32 then rounded once to bf16 if the wire is bf16; bf16 data is
+    scaled with one bf16 rounding, then upcast exactly on an f32 wire.
+
+    Args:
+        t: a float32/bfloat16 tensor of ``dst.shape[0]`` elements.
+        dst: the slot (float32 for an f32 wire, uint16 bf16 bits for bf16).
+        dtype: the wire dtype (``DTYPE_F32``/``DTYPE_BF16``).
+        scale: multiplier fused into the copy.
+        scratch, scratch16: f32/uint16 work buffers (any length > 0).
+    """
+    n = dst.shape[0]
+    is_bf16 = t.dtype is BF16
+    if t.is_cpu and n * (2 if is_bf16 else 4) <= BY_ADDRESS_MAX and t.is_contiguous():
+        addr = t.data_ptr()
+        if not is_bf16:
+            if dtype == DTYPE_F32:
+                TIO.encode_f32_to_f32(addr, n, dst, scale)
+            else:
+                TIO.encode_f32_to_bf16(addr, n, dst, scale, scratch)
+        elif dtype == DTYPE_BF16:
+            TIO.encode_bf16_to_bf16(addr, n, dst, scale, scratch)
+        else:
+            TIO.encode_bf16_to_f32(addr, n, dst, scale, scratch, scratch16)
+        return
+    src, is_bf16 = _tensor_source(t)
+    one = scale == 1.0
+    if not is_bf16:
+        if dtype == DTYPE_F32:
+            if one:
+                np.copyto(dst, src)
+            else:
+                K.f32_scaled_copy(src, dst, scale)
+        elif one:
+            K.f32_to_bf16(src, dst)
+        else:
+            K.f32_to_bf16_scaled(src, dst, scale, scratch)
+    elif dtype == DTYPE_BF16:
+        if one:
+            np.copyto(dst, src)
+        else:
+            K.bf16_scaled_copy(src, dst, scale, scratch)
+    else:
+        TIO.encode_bf16_to_f32(src.ctypes.data, n, dst, scale, scratch, scratch16)
+
+
+def flat_part(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Elements [a, b) of a contiguous tensor, as a flat view."""
+    return t.detach().view(-1)[a:b]
+
+
+def decode_into_tensor(src: np.ndarray, dtype: int, t: torch.Tensor) -> None:
+    """Write a consensus slice into an existing float32/bfloat16 tensor, in place.
+
+    Args:
+        src: the consensus slice in the wire dtype (float32, or uint16 bf16 bits).
+        dtype: the wire dtype of ``src``.
+        t: the destination, ``src.shape[0]`` elements.
+    """
+    if t.dtype is F32 and t.is_cpu and t.is_contiguous():
+        n = src.shape[0]
+        if n * 4 <= BY_ADDRESS_MAX:
+            if dtype == DTYPE_F32:
+                TIO.decode_f32_into(src, t.data_ptr())
+            else:
+                TIO.decode_bf16_into(src, t.data_ptr())
+            return
+        dst = t.detach().view(-1).numpy()
+        if dtype == DTYPE_F32:
+            np.copyto(dst, src)
+        else:
+            K.bf16_to_f32(src, dst)
+        return
+    if dtype == DTYPE_F32:
+        tmp = torch.from_numpy(src)
+    else:
+        tmp = torch.from_numpy(src.view(np.int16)).view(torch.bfloat16)
+    with torch.no_grad():
+        t.copy_(tmp.view(t.shape))
+
+
+def wire_views(flat: np.ndarray, dtype: int, plan: RoundPlan) -> list[torch.Tensor]:
+    """One tensor view per shape of ``plan`` over a flat array in the wire dtype
+    (float32, or uint16 bits viewed as bfloat16)."""
+    if dtype == DTYPE_F32:
+        base = torch.from_numpy(flat)
+    else:
+        base = torch.from_numpy(flat.view(np.int16)).view(torch.bfloat16)
+    return [base[off:off + n].view(s) for s, off, n in zip(plan.shapes, plan.offs, plan.numels)]
+
+
+class TensorCodec:
+    """One rank's encoder/decoder state: scratch buffers, the armed-slot staging and
+    its RAM gate.
+
+    Args:
+        local_world_size: ranks on this host (the RAM gate budgets per local rank).
+        memory: host memory available at rank start (measured lazily when None).
+    """
+
+    def __init__(self, local_world_size: int, memory: HostMemory | None = None) -> None:
+        self.local_world_size = local_world_size
+        self.scratch = np.empty(_SCRATCH, np.float32)
+        self.scratch16 = np.empty(_SCRATCH, np.uint16)
+        self.staging = DecodeStaging()
+        self.gate: StagingDecision | None = None
+        # the RAM gate budgets against what was available at rank start, before the
+        # run's own working set (docs/host_ram.md, "The checks")
+        self._mem_at_start = memory
+        self._staged: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
+
+    def encode(self, tensors: Sequence[torch.Tensor], dst: np.ndarray, plan: RoundPlan,
+               dtype: int, scale: float, hook=None, rnd: int = 0) -> None:
+        """Encode every tensor into its slot of ``dst`` (the payload, wire-typed);
+        ``hook("mid_copy_in", rnd)`` runs before the second tensor (tests)."""
+        for i, (t, off, n) in enumerate(zip(tensors, plan.offs, plan.numels)):
+            if hook is not None and i == 1:
+                hook("mid_copy_in", rnd)
+            encode_tensor(t, dst[off:off + n], dtype, scale, self.scratch, self.scratch16)
+
+    @staticmethod
+    def gather(tensors: Sequence[torch.Tensor], plan: RoundPlan) -> bool:
+        """Fill ``plan.addrs``/``plan.src_bf16`` with the tensors' addresses and source
+        dtypes for the fused round; False (nothing usable) when a tensor is not a
+        contiguous float32/bfloat16 CPU tensor — the general path then runs."""
+        addrs = plan.addrs
+        bf = plan.src_bf16
+        i = 0
+        for t in tensors:
+            dt = t.dtype
+            if dt is F32:
+                bf[i] = 0
+            elif dt is BF16:
+                bf[i] = 1
+            else:
+                return False
+            if not t.is_cpu or not t.is_contiguous():
+                return False
+            addrs[i] = t.data_ptr()
+            i += 1
+        return True
+
+    def result(self, nelem: int, armed: int | None) -> tuple[torch.Tensor, np.ndarray]:
+        """A flat f32 result buffer (tensor, numpy view of it): fresh memory, or slot
+        ``armed``'s reusable staging when the RAM gate allows it."""
+        if armed is not None:
+            if self.gate is None:
+                if self._mem_at_start is None:
+                    self._mem_at_start = host_memory()
+                self.gate = decide_pinned_decode(nelem * 4, self.local_world_size,
+                                                 self._mem_at_start)
+            if self.gate.enabled:
+                flat = self.staging.buffer(armed, nelem)
+                got = self._staged.get(armed)
+                if got is None or got[0] is not flat:
+                    got = self._staged[armed] = (flat, flat.numpy())
+                return got
+        arr = np.empty(nelem, np.float32)
+        return torch.from_numpy(arr), arr
+
+    @staticmethod
+    def views(flat: torch.Tensor, plan: RoundPlan) -> list[torch.Tensor]:
+        """The plan's tensors as views of a flat f32 result."""
+        if len(plan.shapes) == 1:
+            return [flat.view(plan.shapes[0])]
+        return [flat[off:off + n].view(s) for s, off, n in zip(plan.shapes, plan.offs,
+                                                                plan.numels)]
+
+    def decode(self, cons: np.ndarray, dtype: int, plan: RoundPlan,
+               armed: int | None) -> list[torch.Tensor]:
+        """The consensus (wire dtype) as f32 tensors in fresh or armed-staging memory."""
+        flat, dst = self.result(plan.nelem, armed)
+        if dtype == DTYPE_F32:
+            np.copyto(dst, cons[:plan.nelem])
+        else:
+            K.bf16_to_f32(cons[:plan.nelem], dst)
+        return self.views(flat, plan)
+
+    def clear(self) -> None:
+        """Drop the staging buffers."""
+        self._staged.clear()
+        self.staging.clear()
