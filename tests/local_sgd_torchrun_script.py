@@ -1,0 +1,32 @@
+"""LocalSGD with comm=None on a "flodl_shm" default process group, as torchrun runs it
+(tests/test_local_sgd_torchrun.py). Writes ``<out>/rank<R>.pt``: the weights after
+construction, the weights entering the sync, the consensus and the sync's mass.
+``python -m torch.distributed.run ... local_sgd_torchrun_script.py OUT``."""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import flodl_shm
+
+torch.set_num_threads(1)
+dist.init_process_group("flodl_shm")
+rank = dist.get_rank()
+torch.manual_seed(rank)                     # different inits: construction aligns them
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+sgd = flodl_shm.LocalSGD(model, sync_every=2)          # comm=None: the default group
+init = [p.detach().clone() for p in model.parameters()]
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(100 + rank)
+opt.zero_grad()
+torch.nn.functional.mse_loss(model(torch.randn(4, 8, generator=g)),
+                             torch.randn(4, 2, generator=g)).backward()
+opt.step()
+assert sgd.step(samples=3 + rank) is False
+local = [p.detach().clone() for p in model.parameters()]
+assert sgd.step(samples=3 + rank) is True              # the window's last step: sync
+torch.save({"init": init, "local": local, "after": [p.detach().clone() for p in model.parameters()],
+            "mass": sgd.last_sync.mass, "accepted": sgd.last_sync.accepted, "pid": os.getpid()},
+           os.path.join(sys.argv[1], f"rank{rank}.pt"))
+dist.destroy_process_group()

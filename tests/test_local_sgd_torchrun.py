@@ -1,0 +1,43 @@
+"""LocalSGD(comm=None) under torchrun: the default "flodl_shm" process group's Comm
+carries the window; the consensus is the realized-work weighted mean on every rank."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_c10d_torchrun import TORCHRUN, _finish  # noqa: E402
+
+from flodl_shm.engine.segment import list_segments  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+pytestmark = [pytest.mark.timeout(240),
+              pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")]
+
+
+def test_local_sgd_on_the_default_process_group_under_torchrun(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1")
+    env.pop("FLODL_SHM_HOST", None)
+    proc = subprocess.Popen([str(TORCHRUN), "--standalone", "--nproc-per-node", "2",
+                             str(HERE / "local_sgd_torchrun_script.py"), str(tmp_path)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    _finish([proc], 150)
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [s.name for s in list_segments() if s.owner_pid in {r["pid"] for r in res}] == []
+    w = [2.0 * (3 + r) for r in range(2)]
+    for r in res:
+        assert r["mass"] == sum(w) and r["accepted"] == (0, 1)
+        for a, b in zip(r["init"], res[0]["init"]):
+            assert torch.equal(a, b)                   # rank 0's weights everywhere
+        for a, b in zip(r["after"], res[0]["after"]):
+            assert torch.equal(a, b)                   # identical replicas after the sync
+    for got, l0, l1 in zip(res[0]["after"], res[0]["local"], res[1]["local"]):
+        torch.testing.assert_close(got, (l0 * w[0] + l1 * w[1]) / sum(w), rtol=1e-6, atol=1e-7)
