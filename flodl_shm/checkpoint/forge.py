@@ -49,8 +49,9 @@ import numpy as np
 from ..errors import CheckpointError, FrameError
 from ..frame import DTYPE_BF16, DTYPE_F32, RoundFrame, RoundKind, TensorPayload, dtype_name
 from .fdl import FdlDtype, FdlWriter, LoadReport, _Target, load_targets, write_fdl_stream
-from .meta import (ModelSchema, averaged_buffers, consensus_buffer_key, consensus_param_key,
-                   set_extension)
+from .meta import (CheckpointBundle, CheckpointMeta, ModelSchema, averaged_buffers,
+                   consensus_buffer_key, consensus_param_key, set_extension)
+from .tap_head import TapHead
 
 logger = logging.getLogger("flodl_shm")
 
@@ -431,6 +432,34 @@ class CheckpointForge:
 
 
 # --- loading ----------------------------------------------------------------------
+
+
+def arm_from_head(forge: Optional[CheckpointForge], head: TapHead) -> CheckpointForge:
+    """Arm a forge for the checkpoint cycle ``head`` describes; returns the forge to keep.
+
+    The one place a tap reader (the single-host tap server, the cluster controller)
+    turns an arm into forge state: a forge whose schema differs from the head's names
+    (or none yet) is flushed and replaced by one for the head's ``ModelSchema``; the
+    forge is armed toward ``head.path`` and, once the model (and its outer sidecar) is
+    committed, writes ``head.meta`` as the bundle's ``.meta.json`` commit marker.
+
+    Args:
+        forge: the reader's current forge, or None.
+        head: the arm (``TapHead``; its frame fields are not used).
+    """
+    schema = ModelSchema(list(head.param_names), list(head.buffer_names))
+    if forge is None or forge.schema != schema:
+        if forge is not None:
+            forge.flush(60)
+        forge = CheckpointForge(schema)
+    meta = head.meta
+
+    def write_meta(model_path: Path, meta=meta) -> None:
+        if meta is not None:
+            CheckpointMeta.from_dict(meta).write_to_file(CheckpointBundle.meta_path(model_path))
+
+    forge.arm(head.path, on_complete=write_meta)
+    return forge
 
 
 def consensus_targets(model) -> list[_Target]:

@@ -32,7 +32,6 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -306,23 +305,12 @@ class ClusterController:
             logger.warning("controller: ignoring control message %r from %r", kind, h.name)
 
     def _arm(self, msg: dict) -> None:
-        """A rank armed a checkpoint: the forge (built from the names the rank sent, the
-        first time) captures the next tapped consensus frames."""
-        from ..checkpoint.forge import CheckpointForge
-        from ..checkpoint.meta import CheckpointBundle, CheckpointMeta, ModelSchema
+        """A rank armed a checkpoint: the forge (rebuilt when the model's names change)
+        captures the next tapped consensus frames."""
+        from ..checkpoint.forge import arm_from_head
+        from ..checkpoint.tap_head import TapHead
 
-        schema = ModelSchema(list(msg["param_names"]), list(msg["buffer_names"]))
-        if self.forge is None or self.forge.schema != schema:
-            if self.forge is not None:
-                self.forge.flush(60)
-            self.forge = CheckpointForge(schema)
-        meta = msg.get("meta")
-
-        def write_meta(path: Path, meta=meta) -> None:
-            if meta is not None:
-                CheckpointMeta.from_dict(meta).write_to_file(CheckpointBundle.meta_path(path))
-
-        self.forge.arm(msg["path"], on_complete=write_meta)
+        self.forge = arm_from_head(self.forge, TapHead.from_arm_fields(msg))
 
     def _sink(self, i: int, dtype: int, shape, nbytes: int) -> np.ndarray:
         key = (i, nbytes)

@@ -9,8 +9,9 @@ through the arena's ``tap`` segment — a one-slot mailbox:
    their program; the next MODEL rounds, up to the schema's tensor count (the
    params frame, then the buffers frame), are flagged ``FLAG_TAP``;
 2. after each such round, the lowest accepted rank waits until the owner has
-   consumed the previous message (``G_TAP_ACK``), writes the message — a JSON head
-   (cycle, path, names, metadata, shapes, mass) then the consensus payload (and,
+   consumed the previous message (``G_TAP_ACK``), writes the message — its head (a
+   ``checkpoint.tap_head.TapHead`` as JSON: cycle, path, names, metadata, shapes,
+   mass) then the consensus payload (and,
    on the params frame of an outer optimizer with state, its momentum) — and
    bumps ``G_TAP_SEQ``, waking the owner on that futex word;
 3. the owner's ``TapServer`` thread copies the frame into its ``CheckpointForge``
@@ -22,14 +23,14 @@ Ranks never wait for disk: only for the owner's copy of the previous message.
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
-from pathlib import Path
 
 import numpy as np
 
 from . import arena as A
+from ..checkpoint.forge import arm_from_head
+from ..checkpoint.tap_head import TapHead
 from ..frame import DTYPE_F32, RoundFrame, RoundKind, TensorPayload, elem_size
 from ..kernels import signals
 from .waiting import Doorbell, futex_wait, futex_wake
@@ -44,13 +45,13 @@ def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def post(arena: A.Arena, doorbell: Doorbell, head: dict, payload: np.ndarray,
+def post(arena: A.Arena, doorbell: Doorbell, head: TapHead, payload: np.ndarray,
          momentum: np.ndarray | None, *, wait_ack=None) -> None:
     """Rank side: post one message (``wait_ack()`` blocks until the mailbox is free)."""
     ctl = arena.ctl
     if wait_ack is not None:
         wait_ack(int(ctl[A.G_TAP_SEQ]))
-    text = json.dumps(head).encode()
+    text = head.to_json()
     pay = payload.view(np.uint8)
     mom = None if momentum is None else momentum.view(np.uint8)
     p_off = _align(_HEAD + len(text))
@@ -65,8 +66,8 @@ def post(arena: A.Arena, doorbell: Doorbell, head: dict, payload: np.ndarray,
     words[:5] = (len(text), p_off, pay.nbytes, m_off, 0 if mom is None else mom.nbytes)
     seq = int(signals.fetch_add_word(arena.ctl32, 2 * A.G_TAP_SEQ, 1)) + 1
     futex_wake(arena.ctl.ctypes.data + A.G_TAP_SEQ * 8)
-    logger.debug("tap: posted message %d (%s part %s, %d bytes)", seq, head.get("path"),
-                 head.get("part"), total)
+    logger.debug("tap: posted message %d (%s part %s, %d bytes)", seq, head.path, head.part,
+                 total)
 
 
 class TapServer:
@@ -76,7 +77,6 @@ class TapServer:
         self.arena = arena
         self.doorbell = Doorbell(arena.ctl)
         self._forge = None
-        self._schema_key = None
         self._cycle = None
         self._stop = threading.Event()
         self.errors: list[str] = []
@@ -107,55 +107,35 @@ class TapServer:
             self.doorbell.publish(A.G_TAP_ACK, cur)
 
     def _consume(self) -> None:
-        from ..checkpoint.forge import CheckpointForge
-        from ..checkpoint.meta import CheckpointBundle, CheckpointMeta, ModelSchema
-
         box = self.arena.extra_view("tap", _HEAD, grow=False)
         jlen, p_off, p_len, m_off, m_len = (int(x) for x in box[:_HEAD].view(np.int64)[:5])
         box = self.arena.extra_view("tap", max(p_off + p_len, m_off + m_len), grow=False)
-        head = json.loads(bytes(box[_HEAD:_HEAD + jlen]))
-        if head.get("arm_only"):
+        head = TapHead.from_json(bytes(box[_HEAD:_HEAD + jlen]))
+        if head.arm_only:
             if self.forward is None:
                 raise RuntimeError("a cluster checkpoint arm reached a host without a relay")
-            self.forward({"type": "arm", "path": head["path"], "meta": head.get("meta"),
-                          "param_names": head["param_names"],
-                          "buffer_names": head["buffer_names"]})
+            self.forward({"type": "arm", **head.arm_fields()})
             return
-        key = (tuple(head["param_names"]), tuple(head["buffer_names"]))
-        if self._forge is None or key != self._schema_key:
-            if self._forge is not None:
-                self._forge.flush(60)
-            self._forge = CheckpointForge(ModelSchema(list(key[0]), list(key[1])))
-            self._schema_key = key
+        if self._forge is None or head.part == 0 or self._cycle != head.cycle:
+            self._forge = arm_from_head(self._forge, head)
+            self._cycle = head.cycle
         forge = self._forge
-        if head["part"] == 0 or self._cycle != head["cycle"]:
-            meta = head.get("meta")
-            path = Path(head["path"])
-
-            def write_meta(model_path: Path, meta=meta) -> None:
-                if meta is not None:
-                    CheckpointMeta.from_dict(meta).write_to_file(
-                        CheckpointBundle.meta_path(model_path))
-
-            forge.arm(path, on_complete=write_meta)
-            self._cycle = head["cycle"]
-        dtype = int(head["dtype"])
-        esize = elem_size(dtype)
+        esize = elem_size(head.dtype)
         tensors = []
         off = p_off
-        for shape in head["shapes"]:
+        for shape in head.shapes:
             nb = int(np.prod(shape, dtype=np.int64)) * esize
-            tensors.append(TensorPayload(dtype, tuple(shape), box[off:off + nb]))
+            tensors.append(TensorPayload(head.dtype, shape, box[off:off + nb]))
             off += nb
         if m_len:
             moms = []
             off = m_off
-            for shape in head["momentum_shapes"]:
+            for shape in head.momentum_shapes or ():
                 nb = int(np.prod(shape, dtype=np.int64)) * 4
-                moms.append(TensorPayload(DTYPE_F32, tuple(shape), bytearray(box[off:off + nb])))
+                moms.append(TensorPayload(DTYPE_F32, shape, bytearray(box[off:off + nb])))
                 off += nb
             forge.stash_outer_momentum(moms)
-        forge.accumulate(RoundFrame(tensors, float(head["mass"]), RoundKind.MODEL), copy=True)
+        forge.accumulate(RoundFrame(tensors, head.mass, RoundKind.MODEL), copy=True)
 
     def flush(self, timeout: float | None = 60.0) -> bool:
         """Wait until every posted message is consumed and its checkpoint written."""

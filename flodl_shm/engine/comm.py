@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -53,6 +54,7 @@ from ..frame import (
     TensorPayload,
     check_frame,
 )
+from ..checkpoint.tap_head import TapHead
 from ..kernels import signals
 from .checkpoint_tap import post as tap_post
 from .hostmem import HostMemory
@@ -126,7 +128,8 @@ class Comm:
         self._per_rank = np.zeros(max(1, self.world_size), np.float32)
         self._per_rank_addr = self._per_rank.ctypes.data
         self._outer_installed = False
-        self._ckpt: dict | None = None
+        self._ckpt: TapHead | None = None  # the armed checkpoint cycle's next frame
+        self._ckpt_remaining = 0
         self._ckpt_cycle = 0
         arena.ctl[A.rank_base(local_rank) + A.R_PID] = _getpid()
 
@@ -208,27 +211,24 @@ class Comm:
         import os
 
         self._ckpt_cycle += 1
-        self._ckpt = {
-            "cycle": self._ckpt_cycle, "part": 0, "path": os.fspath(path),
-            "param_names": list(schema.param_names), "buffer_names": list(schema.buffer_names),
-            "meta": None if meta is None else meta.to_dict(),
-            "remaining": schema.tensor_count(),
-        }
+        head = TapHead(cycle=self._ckpt_cycle, part=0, path=os.fspath(path),
+                       param_names=schema.param_names, buffer_names=schema.buffer_names,
+                       meta=None if meta is None else meta.to_dict())
+        self._ckpt = head
+        self._ckpt_remaining = head.tensor_count
         if self._engine.relay_mode and self.rank == 0:
             # on a cluster the controller's forge taps the consensus; rank 0 tells it where
             # (through this host's relay) before the captured rounds start
-            head = {k: v for k, v in self._ckpt.items() if k != "remaining"}
-            head["arm_only"] = True
-            tap_post(self.arena, self._engine.doorbell, head, np.empty(0, np.uint8), None,
-                     wait_ack=self._wait_tap_ack)
+            tap_post(self.arena, self._engine.doorbell, replace(head, arm_only=True),
+                     np.empty(0, np.uint8), None, wait_ack=self._wait_tap_ack)
             self._wait_tap_ack(int(self.arena.ctl[A.G_TAP_SEQ]))
 
     def _tap_round(self, rnd: int, dtype: int, shapes, cons: np.ndarray, mass: float,
                    outer: bool) -> None:
-        ck = self._ckpt
+        head = self._ckpt
         if mass <= 0.0:
             logger.info("checkpoint %s: round %d realized nothing (mass 0); cycle cancelled",
-                        ck["path"], rnd)
+                        head.path, rnd)
             self._ckpt = None
             return
         lowest = (self._engine.last_accepted & -self._engine.last_accepted).bit_length() - 1
@@ -236,15 +236,12 @@ class Comm:
             momentum = None
             if outer and self._engine.outer is not None:
                 momentum = self._engine.outer_momentum()
-            head = {k: v for k, v in ck.items() if k != "remaining"}
-            head.update(dtype=dtype, shapes=[list(s) for s in shapes], mass=mass, round=rnd,
-                        momentum_shapes=[list(s) for s in shapes] if momentum is not None else None)
-            tap_post(self.arena, self._engine.doorbell, head, cons, momentum,
+            frame = head.for_frame(dtype=dtype, shapes=shapes, mass=mass, round=rnd,
+                                   momentum_shapes=shapes if momentum is not None else None)
+            tap_post(self.arena, self._engine.doorbell, frame, cons, momentum,
                      wait_ack=self._wait_tap_ack)
-        ck["part"] += 1
-        ck["remaining"] -= len(shapes)
-        if ck["remaining"] <= 0:
-            self._ckpt = None
+        self._ckpt_remaining -= len(shapes)
+        self._ckpt = head.next_part() if self._ckpt_remaining > 0 else None
 
     def _wait_tap_ack(self, target: int) -> None:
         ctl = self.arena.ctl
