@@ -40,6 +40,11 @@ from .rendezvous import HostLink, rendezvous
 logger = logging.getLogger("flodl_shm")
 
 BACKEND_NAME = "flodl_shm"
+_F32 = torch.float32
+_SUM = dist.ReduceOp.RedOpType.SUM
+_AVG = dist.ReduceOp.RedOpType.AVG
+_CONTROL = RoundKind.CONTROL
+_MODEL = RoundKind.MODEL
 _ALIGN = 64  # byte offset alignment of each tensor inside a byte round
 
 
@@ -252,6 +257,19 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 
     # -- collectives ------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None) -> dist.Work:
+        # the hot case first (DDP buckets, model averaging): one contiguous float32 CPU
+        # tensor, SUM or AVG, one host: straight to the engine, no other checks
+        link = self._link
+        if link is not None and len(tensors) == 1 and not self._topo.multi_host:
+            t = tensors[0]
+            if t.dtype is _F32 and t.is_cpu and t.is_contiguous():
+                op = _SUM if opts is None else opts.reduceOp
+                if op == _SUM:
+                    link.comm.all_reduce_(tensors, kind=_CONTROL)
+                    return _done(tensors)
+                if op == _AVG:
+                    link.comm.all_reduce_(tensors, kind=_MODEL)
+                    return _done(tensors)
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
         self._allreduce_list(list(tensors), op, "allreduce")
         return _done(list(tensors))

@@ -1,0 +1,250 @@
+"""torch.distributed on the "flodl_shm" backend against gloo and OpenMPI, in one run.
+
+    python tools/bench_c10d.py                       # 4 KiB..256 MiB, world 2 and 4, DDP
+    python tools/bench_c10d.py --max-size 16MiB --worlds 2 --iter-scale 0.5   # quick
+
+Per (backend, world) one group of rank processes over ``tcp://127.0.0.1`` times
+``dist.all_reduce`` (SUM, float32) at every size; on flodl_shm it also times the
+engine call under it (``pg.comm.all_reduce_`` of the same tensor, CONTROL round: a
+plain sum), so the wrapper's cost shows. OpenMPI ``Allreduce`` (mpi4py under mpirun,
+``bench_allreduce.py``'s worker: SUM then a scale) runs when mpirun and mpi4py are
+there, else it is skipped with a note. Then one DDP training step of a ~10 M-parameter
+MLP, per backend. Times: per iteration the max over ranks, then the median
+(``_bench_common``). Prints markdown tables with ratios to gloo measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench_common import MiB, collect, human, parse_size  # noqa: E402
+from bench_allreduce import bench_mpi, mpi_available, schedule  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_SIZES = [4 << 10, 64 << 10, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
+
+
+# --- rank side --------------------------------------------------------------------------
+
+def _timed(fn, warm: int, iters: int) -> list[float]:
+    import torch.distributed as dist
+
+    for _ in range(warm):
+        fn()
+    dist.barrier()
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter_ns()
+        fn()
+        out.append(time.perf_counter_ns() - t0)
+    return out
+
+
+def _worker(backend: str, rank: int, world: int, port: int, sizes: list[int], scale: float,
+            ddp_steps: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import flodl_shm  # noqa: F401 - registers the backend
+    from flodl_shm.frame import RoundKind
+
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    rows = []
+    for nbytes in sizes:
+        t = torch.full((nbytes // 4,), float(rank + 1))
+        warm, iters = schedule(nbytes, world, scale)
+
+        def reset_and_check() -> bool:
+            t.fill_(float(rank + 1))
+            dist.all_reduce(t)
+            return bool((t == world * (world + 1) / 2).all())
+
+        ok = reset_and_check()
+        times = _timed(lambda: dist.all_reduce(t), warm, iters)
+        rows.append((f"{backend}", nbytes, times, ok))
+        if backend == "flodl_shm":
+            comm = dist.group.WORLD.comm
+            t.fill_(float(rank + 1))
+            comm.all_reduce_([t], kind=RoundKind.CONTROL)
+            ok = bool((t == world * (world + 1) / 2).all())
+            times = _timed(lambda: comm.all_reduce_([t], kind=RoundKind.CONTROL), warm, iters)
+            rows.append(("engine", nbytes, times, ok))
+        del t
+    ddp = None
+    if ddp_steps:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
+            torch.nn.ReLU(), torch.nn.Linear(2048, 1024), torch.nn.ReLU(),
+            torch.nn.Linear(1024, 1024))
+        params = sum(p.numel() for p in model.parameters())
+        model = DDP(model)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x, y = torch.randn(32, 1024), torch.randn(32, 1024)
+
+        def step() -> None:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+        times = _timed(step, 2, ddp_steps)
+        # the same step without communication: what DDP adds on this backend
+        with model.no_sync():
+            local = _timed(step, 1, ddp_steps)
+        ddp = {"params": params, "times": times, "local": local}
+    with open(out, "w") as f:
+        json.dump({"rows": rows, "ddp": ddp}, f)
+    dist.destroy_process_group()
+
+
+# --- launcher side ------------------------------------------------------------------------
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_backend(backend: str, world: int, sizes: list[int], scale: float, ddp_steps: int,
+                timeout: float) -> tuple[list[dict], dict | None]:
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [os.path.join(tmp, f"r{r}.json") for r in range(world)]
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        procs = [subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--worker", backend, str(r), str(world),
+             str(port), ",".join(map(str, sizes)), str(scale), str(ddp_steps), outs[r]],
+            env=env) for r in range(world)]
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            try:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                for q in procs:
+                    q.wait()
+                print(f"  {backend} world {world}: timed out after {timeout:.0f} s",
+                      file=sys.stderr)
+                return [], None
+        if any(p.returncode for p in procs) or not all(os.path.exists(o) for o in outs):
+            print(f"  {backend} world {world}: a rank failed", file=sys.stderr)
+            return [], None
+        per_rank = [json.load(open(o)) for o in outs]
+    rows = collect([r["rows"] for r in per_rank], world)
+    ddp = None
+    if per_rank[0]["ddp"] is not None:
+        step = np.max(np.stack([r["ddp"]["times"] for r in per_rank]), axis=0)
+        local = np.max(np.stack([r["ddp"]["local"] for r in per_rank]), axis=0)
+        ddp = {"backend": backend, "world": world, "params": per_rank[0]["ddp"]["params"],
+               "step_ms": float(np.median(step)) / 1e6,
+               "local_ms": float(np.median(local)) / 1e6}
+    return rows, ddp
+
+
+def _cell(r: dict | None, ref: dict | None) -> str:
+    if r is None:
+        return "—"
+    s = f"{r['median_us']:,.0f} µs"
+    if not r["correct"]:
+        s += " (WRONG)"
+    if ref is not None and r is not ref:
+        s += f" ({r['median_us'] / ref['median_us']:.2f}×)"
+    return s
+
+
+def report(results: list[dict], ddps: list[dict], worlds: list[int]) -> str:
+    lines = []
+    for world in worlds:
+        rows = [r for r in results if r["world"] == world]
+        methods = [m for m in ("flodl_shm", "engine", "gloo", "mpi")
+                   if any(r["method"] == m for r in rows)]
+        lines += [f"\n### world {world}: dist.all_reduce, float32 SUM (median; × = ratio to "
+                  f"gloo, engine column: ratio of flodl_shm to the bare engine)\n",
+                  "| size | " + " | ".join(methods) + " |",
+                  "|---:|" + "---:|" * len(methods)]
+        for nbytes in sorted({r["bytes"] for r in rows}):
+            by = {r["method"]: r for r in rows if r["bytes"] == nbytes}
+            cells = []
+            for m in methods:
+                if m == "engine" and "engine" in by and "flodl_shm" in by:
+                    e = by["engine"]
+                    cells.append(f"{e['median_us']:,.0f} µs (flodl_shm "
+                                 f"{by['flodl_shm']['median_us'] / e['median_us']:.2f}×)")
+                else:
+                    cells.append(_cell(by.get(m), by.get("gloo")))
+            lines.append(f"| {human(nbytes)} | " + " | ".join(cells) + " |")
+    if ddps:
+        lines += ["\n### DDP step (forward + backward + all-reduce + SGD), median\n",
+                  "| world | params | backend | step | same step without comm (no_sync) |",
+                  "|---:|---:|---|---:|---:|"]
+        for d in ddps:
+            gloo = next((g for g in ddps if g["backend"] == "gloo" and g["world"] == d["world"]),
+                        None)
+            ratio = f" ({d['step_ms'] / gloo['step_ms']:.2f}× gloo)" if gloo and d is not gloo \
+                else ""
+            lines.append(f"| {d['world']} | {d['params'] / 1e6:.1f} M | {d['backend']} | "
+                         f"{d['step_ms']:.1f} ms{ratio} | {d['local_ms']:.1f} ms |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worlds", default="2,4", help="comma-separated world sizes")
+    ap.add_argument("--max-size", default="256MiB", help="largest buffer (e.g. 16MiB)")
+    ap.add_argument("--iter-scale", type=float, default=1.0, help="scale the iteration counts")
+    ap.add_argument("--ddp-steps", type=int, default=10, help="timed DDP steps (0: skip)")
+    ap.add_argument("--no-mpi", action="store_true", help="skip OpenMPI")
+    ap.add_argument("--json", help="also write the raw results here")
+    ap.add_argument("--timeout", type=float, default=1800, help="per group, seconds")
+    ap.add_argument("--worker", nargs=8, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        b, r, w, port, sizes, scale, steps, out = args.worker
+        _worker(b, int(r), int(w), int(port), [int(s) for s in sizes.split(",")], float(scale),
+                int(steps), out)
+        return 0
+    worlds = [int(w) for w in args.worlds.split(",")]
+    limit = parse_size(args.max_size)
+    sizes = [s for s in DEFAULT_SIZES if s <= limit]
+    mpi_ok, why = (False, "--no-mpi") if args.no_mpi else mpi_available()
+    if not mpi_ok:
+        print(f"OpenMPI skipped: {why}", file=sys.stderr)
+    results, ddps = [], []
+    for world in worlds:
+        for backend in ("flodl_shm", "gloo"):
+            print(f"running {backend}, world {world} ...", file=sys.stderr, flush=True)
+            rows, ddp = run_backend(backend, world, sizes, args.iter_scale, args.ddp_steps,
+                                    args.timeout)
+            results += rows
+            if ddp is not None:
+                ddps.append(ddp)
+        if mpi_ok:
+            print(f"running OpenMPI, world {world} ...", file=sys.stderr, flush=True)
+            results += bench_mpi(world, sizes, args.iter_scale)
+    print(f"cores: {os.cpu_count()}, load average: {os.getloadavg()[0]:.1f}")
+    print(report(results, ddps, worlds))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"allreduce": results, "ddp": ddps}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
