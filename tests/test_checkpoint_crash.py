@@ -10,14 +10,16 @@ checks the invariant DESIGN §6 promises:
   generation throughout (never a mix, never torn);
 - it is the last generation the child reported committed, or a newer one the
   child had begun (a write that finished renaming just before the kill);
-- the directory holds nothing but the checkpoint and, at most, a stale ``.tmp``;
+- the directory holds nothing but the checkpoint and, at most, the killed writer's
+  temp file (``ckpt.fdl.<pid>.<hex>.tmp``);
 
-then that the next write cleans the stale ``.tmp`` up.
+then that the next write removes the stale temp files.
 """
 from __future__ import annotations
 
 import os
 import random
+import re
 import selectors
 import signal
 import subprocess
@@ -28,6 +30,7 @@ import time
 import numpy as np
 import pytest
 
+from flodl_shm.checkpoint._atomic import STALE_TEMP_AGE_S
 from flodl_shm.checkpoint.fdl import read_fdl, write_fdl_raw, RawEntry, FdlDtype
 
 ENTRIES = 6
@@ -36,6 +39,7 @@ MIN_KILLS = 40
 MIN_MID_WRITE_KILLS = 10
 MAX_KILLS = 80
 TIME_BUDGET_S = 25.0
+TEMP = re.compile(r"ckpt\.fdl\.\d+\.[0-9a-f]+\.tmp$")
 
 _WRITER = textwrap.dedent("""
     import sys
@@ -126,7 +130,6 @@ def generation_of(path) -> int:
 @pytest.mark.timeout(120)
 def test_sigkill_mid_write_never_tears_the_checkpoint(tmp_path):
     path = tmp_path / "ckpt.fdl"
-    tmp = tmp_path / "ckpt.fdl.tmp"
     rng = random.Random(0x5EED)
 
     # Generation 0 lands completely; time a write to aim the kills inside the next ones.
@@ -153,9 +156,14 @@ def test_sigkill_mid_write_never_tears_the_checkpoint(tmp_path):
         finally:
             w.kill()
         kills += 1
-        mid_write += tmp.exists()
+        temps = [n for n in os.listdir(tmp_path) if TEMP.match(n)]
+        mid_write += bool(temps)
 
-        assert set(os.listdir(tmp_path)) <= {"ckpt.fdl", "ckpt.fdl.tmp"}
+        assert set(os.listdir(tmp_path)) - set(temps) == {"ckpt.fdl"}
+        # earlier killed writers' temps are gone (an empty one, of a writer killed between
+        # its create and its first byte, waits until it is STALE_TEMP_AGE_S old)
+        written = [n for n in temps if (tmp_path / n).stat().st_size > 0]
+        assert len(written) <= 1, f"temps of earlier killed writers were left: {written}"
         gen = generation_of(path)  # loads intact, one generation throughout
         lowest = max([last_gen] + w.done)
         highest = max([last_gen] + w.begun)
@@ -170,8 +178,12 @@ def test_sigkill_mid_write_never_tears_the_checkpoint(tmp_path):
     assert kills >= MIN_KILLS
     assert mid_write >= 1, f"none of {kills} kills landed inside a write; the test proved nothing"
 
-    # The next write replaces a stale temp file and leaves none behind.
-    tmp.write_bytes(b"torn bytes of a killed writer")
+    # The next write removes stale temp files and leaves none behind.
+    (tmp_path / "ckpt.fdl.1.deadbeef.tmp").write_bytes(b"torn bytes of a killed writer")
+    past = time.time() - STALE_TEMP_AGE_S - 1
+    for n in os.listdir(tmp_path):
+        if TEMP.match(n):
+            os.utime(tmp_path / n, (past, past))
     write_fdl_raw(path, [RawEntry(f"p{i}", (ELEMS,), FdlDtype.F32,
                                   np.full(ELEMS, next_gen, np.float32)) for i in range(ENTRIES)])
     assert os.listdir(tmp_path) == ["ckpt.fdl"]

@@ -1,38 +1,57 @@
-"""Crash-safe file commits: temp file + fsync + atomic rename + directory fsync.
+"""Crash-safe file commits: unique locked temp file + fsync + atomic rename + directory fsync.
 
 Every checkpoint artifact (``.fdl``, ``.outer.fdl``, ``.meta.json``,
-``.death.json``) is committed through :func:`atomic_write`, so a reader sees
-either the previous complete file or the new complete file, never a torn one:
+``.death.json``, converter output) is committed through :func:`atomic_write`, so
+a reader sees either the previous complete file or the new complete file, never
+a torn one:
 
-1. the bytes go to ``<path>.tmp`` (opened with ``O_TRUNC``, so a leftover temp
-   file from a crashed writer is overwritten, never appended to);
+1. the bytes go to a temp file of its own in the same directory,
+   ``<name>.<pid>.<random>.tmp``, created with ``O_EXCL`` (two writers of one
+   path never share a temp file) and ``flock``-ed for as long as it exists
+   under that name;
 2. the temp file is flushed and ``fsync``-ed (the data is on disk before the
    name points at it);
 3. ``os.replace`` renames it over ``<path>`` (atomic on POSIX within one
-   filesystem);
+   filesystem; of two concurrent writers, the last rename wins whole);
 4. the parent directory is ``fsync``-ed (the rename itself survives a power
    loss).
 
 On any failure the temp file is removed and the previous ``<path>`` is left
-untouched. A process killed between steps leaves at most a stale ``<path>.tmp``,
-which readers never look at and the next write to ``<path>`` replaces.
+untouched. A process killed mid-write leaves its temp file behind, unlocked
+(the kernel drops a dead process's locks). Readers never open temp files, and
+every commit first removes the **stale** temps of its path
+(:func:`remove_stale_temps`): those nobody holds the lock of that are either
+non-empty (a live writer locks before its first byte) or older than
+``STALE_TEMP_AGE_S`` (covering the instant between a writer's create and its
+lock), and any unlocked ``<name>.tmp`` (the fixed temp name of earlier
+releases). A live writer's temp is never removed.
 """
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
+import re
+import secrets
+import time
 from pathlib import Path
 from typing import BinaryIO, Callable, TypeVar
 
 T = TypeVar("T")
 
+logger = logging.getLogger("flodl_shm")
+
 TMP_SUFFIX = ".tmp"
 WRITE_BUFFER = 1 << 20
+#: An unlocked, empty temp file younger than this may belong to a writer between its
+#: create and its lock; older (or non-empty) unlocked temps are stale.
+STALE_TEMP_AGE_S = 30.0
 
 
-def tmp_path_for(path: "str | os.PathLike[str]") -> Path:
-    """The temp sibling a commit of ``path`` writes first: ``<path>.tmp``."""
-    p = Path(os.fspath(path))
-    return p.with_name(p.name + TMP_SUFFIX)
+def temp_name_pattern(name: str) -> "re.Pattern[str]":
+    """Matches the temp files of a commit of the file named ``name``:
+    ``<name>.<pid>.<hex>.tmp``, and the fixed ``<name>.tmp`` of earlier releases."""
+    return re.compile(re.escape(name) + r"(?:\.\d+\.[0-9a-f]+)?" + re.escape(TMP_SUFFIX) + "$")
 
 
 def fsync_dir(directory: "str | os.PathLike[str]") -> None:
@@ -50,30 +69,111 @@ def fsync_dir(directory: "str | os.PathLike[str]") -> None:
         os.close(fd)
 
 
+def _create_locked_temp(final: Path) -> tuple[int, Path]:
+    """A new temp file next to ``final``, created exclusively and ``flock``-ed."""
+    for _ in range(64):
+        tmp = final.with_name(f"{final.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except FileExistsError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        return fd, tmp
+    raise FileExistsError(f"could not create a unique temp file next to {final}")
+
+
+def _is_stale(path: Path, fd: int, legacy: bool) -> bool:
+    """Whether the temp file open as ``fd`` belongs to no live writer (we hold its lock)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False  # a live writer holds it
+    st = os.fstat(fd)
+    try:
+        if os.stat(path).st_ino != st.st_ino:
+            return False  # renamed away and replaced meanwhile: not the file we locked
+    except FileNotFoundError:
+        return False
+    if legacy:
+        return True  # the fixed name of earlier releases: no writer of this one uses it
+    return st.st_size > 0 or time.time() - st.st_mtime > STALE_TEMP_AGE_S
+
+
+def remove_stale_temps(path: "str | os.PathLike[str]") -> list[Path]:
+    """Remove the temp files that dead writers of ``path`` left behind; returns them.
+
+    A temp file is stale when no process holds its lock and it is non-empty
+    (a writer locks before writing) or older than ``STALE_TEMP_AGE_S``. Live
+    writers' temps are left alone; errors are logged, never raised.
+
+    Args:
+        path: the committed file whose temps to clean (e.g. ``runs/ckpt-r00000012.fdl``).
+    """
+    final = Path(os.fspath(path))
+    folder = final.parent if str(final.parent) else Path(".")
+    pattern = temp_name_pattern(final.name)
+    try:
+        names = [n for n in os.listdir(folder) if pattern.match(n)]
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        tmp = folder / name
+        try:
+            fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue  # gone already (committed or cleaned by someone else)
+        try:
+            if _is_stale(tmp, fd, legacy=name == final.name + TMP_SUFFIX):
+                os.unlink(tmp)
+                removed.append(tmp)
+        except OSError as e:
+            logger.warning("could not remove stale checkpoint temp file %s: %s", tmp, e)
+        finally:
+            os.close(fd)
+    if removed:
+        logger.info("removed %d stale temp file(s) of %s left by killed writers",
+                    len(removed), final)
+    return removed
+
+
 def atomic_write(path: "str | os.PathLike[str]", write: Callable[[BinaryIO], T]) -> T:
     """Commit ``path`` atomically with the bytes ``write(fileobj)`` produces.
 
+    First removes the stale temps of ``path`` (:func:`remove_stale_temps`).
     ``write`` receives a buffered binary file object (1 MiB buffer; large writes
-    go straight to the OS) positioned at 0 of ``<path>.tmp``; it may wrap it
-    (e.g. in a ``GzipFile``) but must not close it. Returns
-    whatever ``write`` returns. Raises whatever ``write`` or the OS raises, after
-    removing the temp file; the old ``path`` is never modified on failure.
+    go straight to the OS) positioned at 0 of a fresh, locked temp file
+    (``<path>.<pid>.<random>.tmp``); it may wrap it (e.g. in a ``GzipFile``) but
+    must not close it. Returns whatever ``write`` returns. Raises whatever
+    ``write`` or the OS raises, after removing the temp file; the old ``path``
+    is never modified on failure. Concurrent writers of one path each commit
+    a whole file; the last rename wins.
     """
     final = Path(os.fspath(path))
-    tmp = tmp_path_for(final)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    remove_stale_temps(final)
+    lock_fd, tmp = _create_locked_temp(final)
     try:
-        with os.fdopen(fd, "wb", buffering=WRITE_BUFFER) as fh:
-            result = write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-    except BaseException:
         try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+            # the lock lives on lock_fd until after the rename: the temp is never unlocked
+            # under its name while this writer is alive
+            with os.fdopen(os.dup(lock_fd), "wb", buffering=WRITE_BUFFER) as fh:
+                result = write(fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(lock_fd)
     fsync_dir(final.parent if str(final.parent) else ".")
     return result
 

@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from ._atomic import TMP_SUFFIX, remove_stale_temps
 from .forge import outer_sidecar_path
 from .meta import CheckpointBundle, set_extension
 
@@ -54,7 +55,7 @@ def _rounds(save_path) -> dict[int, Path]:
     """round -> model path of every bundle with any file (or leftover temp) on disk."""
     base = series_base(save_path)
     pattern = re.compile(re.escape(base.name) + r"-r(\d{%d,})\.(?:fdl|outer\.fdl|meta\.json)"
-                         r"(?:\.tmp)?$" % _ROUND_DIGITS)
+                         r"(?:(?:\.\d+\.[0-9a-f]+)?%s)?$" % (_ROUND_DIGITS, re.escape(TMP_SUFFIX)))
     folder = base.parent
     out: dict[int, Path] = {}
     try:
@@ -110,13 +111,15 @@ def resolve_checkpoint(path: "str | os.PathLike[str]") -> Path:
 
 
 def _remove(model: Path) -> None:
-    for f in bundle_files(model) + [f.with_name(f.name + ".tmp") for f in bundle_files(model)]:
+    """Delete the bundle's files and its writers' stale temps (a live writer's temp stays)."""
+    for f in bundle_files(model):
         try:
             f.unlink()
         except FileNotFoundError:
             pass
         except OSError as e:
             logger.warning("could not delete old checkpoint file %s: %s", f, e)
+        remove_stale_temps(f)
 
 
 def prune_series(save_path: "str | os.PathLike[str]", keep: int) -> list[int]:

@@ -145,7 +145,8 @@ class Trainer:
         checkpoint_every: checkpoint every this many windows (needs ``save_path``); the
             last window is always checkpointed when ``save_path`` is set.
         save_path: checkpoint series stem (``runs/exp`` -> ``runs/exp-r00000012.fdl``...).
-        keep_checkpoints: complete bundles kept (older ones are deleted).
+        keep_checkpoints: complete bundles kept; older ones are deleted only once a
+            newer one has committed (so up to one more is on disk in between).
         max_failures: ranks that may die while the rest continue. One more and the
             survivors save a ``max_failure_exceeded`` checkpoint (with ``save_path``)
             and ``run`` raises ``TrainingAborted``.
@@ -562,7 +563,9 @@ class _RankRun:
             if settled.save_reason is not None and tr.save_path and counts.total_batches > 0:
                 ckpt = round_model_path(tr.save_path, coord.sync_round)
                 if self.rank == coord.alive[0]:
-                    prune_series(tr.save_path, tr.keep_checkpoints - 1 or 1)
+                    # keep_checkpoints committed bundles survive until this one commits:
+                    # a crash mid-write still leaves them all (the end of run prunes exactly)
+                    prune_series(tr.save_path, tr.keep_checkpoints)
                 comm.arm_checkpoint(ckpt, self.schema, coord.checkpoint_meta(settled.save_reason))
                 last_ckpt = os.fspath(ckpt)
             sync = self.window.sync(comm, nb, counts)
