@@ -127,7 +127,7 @@ class Trainer:
         dataset: a tuple of tensors with a common first dimension (the last one is the
             target), a map-style dataset whose items are ``(input..., target)``, or a
             zero-argument factory returning either (built in each rank).
-        loss_fn: ``(model_output, target) -> scalar loss``.
+        loss_fn: ``(model_output, target) -> scalar loss``; may be None with ``step_fn``.
         batch_size: samples per batch; every batch is full (the permutation's tail
             past the last full batch is not trained that epoch).
         epochs: passes over the dataset.
@@ -158,17 +158,39 @@ class Trainer:
         timeout: seconds any collective may wait for a live rank before failing
             with ``ReduceStall`` (a window's training counts: keep it above the
             longest window).
+        step_fn: ``(model, batch) -> scalar loss`` in place of ``loss_fn(model(*inputs),
+            target)``, for any other loss (``batch`` is the tuple of batch tensors; the
+            Trainer calls ``backward`` and steps the optimizer).
+        clip_grad_norm: clip the gradients' total L2 norm to this value before each
+            optimizer step (``torch.nn.utils.clip_grad_norm_``); None: no clipping.
+        accumulate: split each batch into this many equal micro-batches, each one's
+            loss divided by ``accumulate`` and back-propagated before the single
+            optimizer step (``batch_size`` must be a multiple of it).
+
+    For an LR scheduler, AMP or a ``DataLoader`` with workers, write the loop
+    yourself around :class:`flodl_shm.LocalSGD` (docs/local_sgd.md).
     """
 
     def __init__(self, model_fn: Callable, optimizer_fn: Callable, dataset: Any,
-                 loss_fn: Callable, *, batch_size: int = 32, epochs: int = 1,
+                 loss_fn: Optional[Callable], *, batch_size: int = 32, epochs: int = 1,
                  sync_every: int = 8, cadence: Union[str, Callable] = "fixed",
                  gamma: float = 1.0, outer=None, bf16_wire: bool = False,
                  checkpoint_every: Optional[int] = None,
                  save_path: "str | os.PathLike[str] | None" = None, keep_checkpoints: int = 2,
                  max_failures: int = 0, seed: int = SHUFFLE_BASE_SEED,
                  hooks: Sequence[Hook] = (), guard=None, log_every: Optional[int] = 1,
-                 timeout: Optional[float] = 1800.0) -> None:
+                 timeout: Optional[float] = 1800.0, step_fn: Optional[Callable] = None,
+                 clip_grad_norm: Optional[float] = None, accumulate: int = 1) -> None:
+        if loss_fn is None and step_fn is None:
+            raise ValueError("pass a loss_fn (output, target) -> loss, or a step_fn "
+                             "(model, batch) -> loss")
+        if not isinstance(accumulate, int) or accumulate < 1 or batch_size % accumulate:
+            raise ValueError(f"accumulate must be an int >= 1 dividing batch_size "
+                             f"{batch_size}, got {accumulate!r}")
+        if clip_grad_norm is not None and not (math.isfinite(clip_grad_norm)
+                                               and clip_grad_norm > 0):
+            raise ValueError(f"clip_grad_norm must be a finite number > 0 or None, got "
+                             f"{clip_grad_norm!r}")
         for name, value in (("batch_size", batch_size), ("sync_every", sync_every),
                             ("keep_checkpoints", keep_checkpoints)):
             if not isinstance(value, int) or value < 1:
@@ -211,6 +233,9 @@ class Trainer:
             self.hooks.append(LoggingHook(every=log_every))
         self.guard = guard
         self.timeout = timeout
+        self.step_fn = step_fn
+        self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
+        self.accumulate = accumulate
 
     def __repr__(self) -> str:
         return (f"Trainer(batch_size={self.batch_size}, epochs={self.epochs}, "
@@ -501,6 +526,8 @@ class _RankRun:
     def _train(self, plan, state: RankState) -> tuple[int, float, float, np.ndarray]:
         """Train this rank's chunks of the window; returns (batches, compute ms, loss
         sum, sample ids)."""
+        from torch.nn.utils import clip_grad_norm_
+
         from .data import fetch_batch
 
         tr = self.trainer
@@ -517,12 +544,12 @@ class _RankRun:
         for k in range(nb):
             tb = time.perf_counter()
             ids = ids_all[k * bs:(k + 1) * bs]
-            *inputs, target = fetch_batch(self.dataset, ids)
+            batch = fetch_batch(self.dataset, ids)
             self.optimizer.zero_grad(set_to_none=True)
-            loss = tr.loss_fn(self.model(*inputs), target)
-            loss.backward()
+            value = self._backward(batch)
+            if tr.clip_grad_norm is not None:
+                clip_grad_norm_(self.model.parameters(), tr.clip_grad_norm)
             self.optimizer.step()
-            value = float(loss.detach())
             loss_sum += value
             if tr.hooks:
                 info = BatchInfo(plan.epoch, plan.window, k, ids, value,
@@ -530,6 +557,28 @@ class _RankRun:
                 for h in tr.hooks:
                     h.on_batch_end(state, info)
         return nb, (time.perf_counter() - t0) * 1e3, loss_sum, ids_all
+
+    def _loss(self, batch):
+        tr = self.trainer
+        if tr.step_fn is not None:
+            return tr.step_fn(self.model, batch)
+        *inputs, target = batch
+        return tr.loss_fn(self.model(*inputs), target)
+
+    def _backward(self, batch) -> float:
+        """Back-propagate one batch's loss (in ``accumulate`` micro-batches); returns the
+        batch's loss."""
+        k = self.trainer.accumulate
+        if k == 1:
+            loss = self._loss(batch)
+            loss.backward()
+            return float(loss.detach())
+        total = 0.0
+        for part in zip(*(t.chunk(k) for t in batch)):
+            loss = self._loss(part) / k
+            loss.backward()
+            total += float(loss.detach())
+        return total
 
     def run(self) -> dict:
         from ..checkpoint.series import prune_series, round_model_path

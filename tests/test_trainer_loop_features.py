@@ -1,0 +1,80 @@
+"""Trainer loop features: step_fn, clip_grad_norm, accumulate (real rank processes)."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import flodl_shm
+
+from engine_util import assert_no_leaks
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def make_model():
+    return torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+
+
+def make_data(n=512):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 10, generator=g)
+    return x, (x @ torch.randn(10, 3, generator=g)).argmax(dim=1)
+
+
+def ce_step(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def _run(**kwargs) -> dict:
+    loss_fn = kwargs.pop("loss_fn", torch.nn.functional.cross_entropy)
+    trainer = flodl_shm.Trainer(make_model, functools.partial(torch.optim.SGD, lr=0.1),
+                                make_data, loss_fn, batch_size=16, epochs=1, sync_every=4,
+                                log_every=None, **kwargs)
+    return trainer.run(nprocs=2).state_dict
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return _run()
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_step_fn_replaces_the_loss_and_gives_the_same_run(plain):
+    assert _equal(_run(loss_fn=None, step_fn=ce_step), plain)
+
+
+def test_clip_grad_norm_clips_only_above_the_limit(plain):
+    assert _equal(_run(clip_grad_norm=1e6), plain)
+    clipped = _run(clip_grad_norm=1e-3)
+    assert not _equal(clipped, plain)
+    # a step moves the weights by at most lr * 1e-3 in norm: 32 steps per rank, averaged
+    moved = torch.sqrt(sum(((clipped[k] - v) ** 2).sum() for k, v in _init().items()))
+    assert moved <= 0.1 * 1e-3 * 32 * (1 + 1e-4)
+    assert_no_leaks()
+
+
+def _init() -> dict:
+    torch.manual_seed(42)      # the Trainer's default seed: the model every rank starts from
+    return make_model().state_dict()
+
+
+def test_accumulate_splits_each_batch_into_micro_batches(plain):
+    acc = _run(accumulate=4)
+    for k in plain:
+        torch.testing.assert_close(acc[k], plain[k], rtol=1e-4, atol=1e-5)
+
+
+def test_loop_feature_arguments_are_checked():
+    with pytest.raises(ValueError, match="loss_fn .* or a step_fn"):
+        flodl_shm.Trainer(make_model, torch.optim.SGD, make_data, None)
+    with pytest.raises(ValueError, match="accumulate must be an int >= 1 dividing batch_size 16"):
+        flodl_shm.Trainer(make_model, torch.optim.SGD, make_data, ce_step, batch_size=16,
+                          accumulate=3)
+    with pytest.raises(ValueError, match="clip_grad_norm must be a finite number > 0"):
+        flodl_shm.Trainer(make_model, torch.optim.SGD, make_data, ce_step, clip_grad_norm=0.0)
