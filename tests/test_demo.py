@@ -168,6 +168,30 @@ def test_resume_continues_the_run(tmp_path, capsys):
     assert committed_checkpoints(run_dir / "ckpt")[-1][1] == second.train.checkpoint
 
 
+def test_an_earlier_run_is_kept_unless_overwrite(tmp_path, capsys):
+    run_dir = tmp_path / "again"
+    first = run_demo(quiet(run_dir, epochs=1))
+    assert_clean()
+
+    def checkpoint_files():
+        return {p.name: p.read_bytes() for p in run_dir.iterdir() if p.name.startswith("ckpt")}
+
+    kept = checkpoint_files()
+    assert first.train.checkpoint.name in kept
+    with pytest.raises(SystemExit, match="earlier run.*kept.*--resume.*--overwrite"):
+        run_demo(quiet(run_dir, epochs=1))
+    assert checkpoint_files() == kept, "the refused run touched the earlier checkpoints"
+    assert_clean()
+    with pytest.raises(SystemExit):
+        parse_args(["--resume", "--overwrite"])
+    assert parse_args(["--overwrite"]).overwrite and not parse_args([]).overwrite
+    capsys.readouterr()
+    second = run_demo(quiet(run_dir, epochs=1, overwrite=True))
+    assert_clean()
+    assert "--overwrite: deleting the earlier run's checkpoints" in capsys.readouterr().out
+    assert committed_checkpoints(run_dir / "ckpt")[-1][1] == second.train.checkpoint
+
+
 def test_command_line_checks():
     with pytest.raises(SystemExit):
         parse_args(["--slow-rank", "1"])

@@ -273,6 +273,7 @@ class DemoConfig:
     checkpoint_every: Optional[int] = DEFAULTS["checkpoint_every"]
     run_dir: str = "runs/demo"
     resume: bool = False
+    overwrite: bool = False                # delete an earlier run's checkpoints in run_dir
     progress: bool = True
     log_every: int = 10
     eval_every: int = 1
@@ -384,6 +385,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="checkpoints, metrics and plot go here (default runs/demo)")
     o.add_argument("--resume", action="store_true",
                    help="continue the last checkpoint of --run-dir (its options, unless given)")
+    o.add_argument("--overwrite", action="store_true",
+                   help="start over in a --run-dir that holds an earlier run, deleting its "
+                        "checkpoints (without it the demo refuses and keeps them)")
     o.add_argument("--baseline", action="store_true",
                    help="also train the same model in one process and compare")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -422,7 +426,7 @@ def parse_args(argv: Sequence[str]) -> DemoConfig:
     values.update(given)
     if values.get("slow_rank") is not None:
         values["slow_rank"] = tuple(values["slow_rank"])
-    cfg = DemoConfig(**values, run_dir=a.run_dir, resume=a.resume,
+    cfg = DemoConfig(**values, run_dir=a.run_dir, resume=a.resume, overwrite=a.overwrite,
                      progress=not a.no_progress, log_every=max(a.log_every, 0),
                      eval_every=max(a.eval_every, 0), plot=not a.no_plot,
                      baseline=a.baseline, controller=a.controller, world_size=a.world_size,
@@ -435,6 +439,8 @@ def parse_args(argv: Sequence[str]) -> DemoConfig:
 
 def _check(cfg: DemoConfig) -> list[str]:
     out = []
+    if cfg.resume and cfg.overwrite:
+        out.append("--resume continues the run in --run-dir and --overwrite deletes it: pass one")
     for name in ("nprocs", "batch_size", "sync_every"):
         if getattr(cfg, name) < 1:
             out.append(f"--{name.replace('_', '-')} must be >= 1")
@@ -521,6 +527,12 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     """Run the demo as configured (prints as the command does) and return its figures."""
     from flodl_shm import latest_checkpoint
 
+    earlier = None if cfg.resume else latest_checkpoint(cfg.save_path)
+    if earlier is not None and not cfg.overwrite:
+        raise SystemExit(
+            f"{cfg.run_dir} holds the checkpoints of an earlier run (last: {earlier}); they are "
+            f"kept. Continue that run with --resume, start over with --overwrite (deletes "
+            f"them), or pass another --run-dir")
     xtr, ytr, xte, yte = digits_split()
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -546,9 +558,9 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
                       f"batches done; continuing in epoch {meta.epoch + 1}")
         done_rows = [r for r in _read_rows(metrics) if r["window"] <= meta.sync_round]
     else:
-        if latest_checkpoint(cfg.save_path) is not None:
-            _say(cfg, f"  {run_dir} holds an earlier run: starting over (--resume continues "
-                      f"it)")
+        if earlier is not None:
+            _say(cfg, f"  --overwrite: deleting the earlier run's checkpoints in {run_dir} "
+                      f"(last: {earlier.name}) and starting over")
         done_rows = []
     if cfg.summary_host:
         # the metrics file holds exactly the windows of the checkpoint's history
@@ -578,7 +590,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     if cfg.resume:
         result = trainer.resume(nprocs=cfg.nprocs, **cluster)
     else:
-        result = trainer.run(cfg.nprocs, overwrite=True, **cluster)
+        result = trainer.run(cfg.nprocs, overwrite=cfg.overwrite, **cluster)
     wall = time.perf_counter() - t0
 
     model = make_model()
