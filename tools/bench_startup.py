@@ -1,0 +1,114 @@
+"""Startup: from launching a 2-rank ``flodl_shm.spawn`` script to its first collective,
+against one ``python -c "import torch"``.
+
+    python tools/bench_startup.py               # 5 interleaved repeats
+    python tools/bench_startup.py --repeats 9 --nprocs 4 --start-methods spawn,fork
+
+Each repeat starts, in a fresh interpreter each time:
+
+  import torch       ``python -c "import torch"``: the floor every rank pays at least once
+  spawn to barrier   a script that imports flodl_shm and torch, then ``spawn(fn, nprocs)``
+                     where ``fn`` calls ``ctx.comm.barrier()`` once
+
+and records wall-clock stamps (``time.time()``, one clock for every process):
+  launch          the parent's stamp right before starting the interpreter
+  imported        the launcher after ``import torch, flodl_shm``
+  spawn called    the launcher right before ``spawn``
+  rank entered    each rank when ``fn`` starts (after its own interpreter start and imports;
+                  the latest rank)
+  first barrier   each rank after its first collective returned (the latest rank)
+
+Prints the phases (median over the repeats) and the ratio launch -> first barrier over
+one ``import torch``. The machine's load is printed too: on a busy host, compare ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+_SCRIPT = r"""
+import json, sys, time
+import torch
+import flodl_shm
+imported = time.time()
+
+
+def fn(ctx):
+    entered = time.time()
+    ctx.comm.barrier()
+    return entered, time.time()
+
+
+if __name__ == "__main__":
+    called = time.time()
+    out = flodl_shm.spawn(fn, int(sys.argv[2]), start_method=sys.argv[3])
+    with open(sys.argv[1], "w") as f:
+        json.dump({"imported": imported, "called": called,
+                   "entered": max(e for e, _ in out), "barrier": max(b for _, b in out)}, f)
+"""
+
+
+def _import_torch_s() -> float:
+    t0 = time.time()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    return time.time() - t0
+
+
+def _spawn_phases(script: str, nprocs: int, method: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="flodl_bench_startup_") as d:
+        out = os.path.join(d, "stamps.json")
+        t0 = time.time()
+        subprocess.run([sys.executable, script, out, str(nprocs), method], check=True)
+        end = time.time()
+        with open(out) as f:
+            st = json.load(f)
+    return {"imported": st["imported"] - t0, "called": st["called"] - t0,
+            "entered": st["entered"] - t0, "barrier": st["barrier"] - t0, "exit": end - t0}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--nprocs", type=int, default=2)
+    ap.add_argument("--start-methods", default="spawn,fork",
+                    help="spawn()'s start_method values to compare (comma-separated)")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="flodl_bench_startup_") as d:
+        script = os.path.join(d, "startup_probe.py")
+        with open(script, "w") as f:
+            f.write(_SCRIPT)
+        methods = [m.strip() for m in args.start_methods.split(",")]
+        _spawn_phases(script, args.nprocs, methods[0])      # warm: numba cache, page cache
+        torch_s, phases = [], {m: [] for m in methods}
+        for _ in range(args.repeats):
+            torch_s.append(_import_torch_s())
+            for m in methods:
+                phases[m].append(_spawn_phases(script, args.nprocs, m))
+    print(f"# {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; {args.nprocs} "
+          f"ranks; {args.repeats} interleaved repeats (median)")
+    floor = statistics.median(torch_s)
+    print(f"python -c 'import torch': {floor:.2f} s\n")
+    labels = {"imported": "launcher imported torch+flodl_shm", "called": "spawn called",
+              "entered": "last rank entered fn", "barrier": "first barrier done (last rank)",
+              "exit": "launcher exited"}
+    print("| phase (s since launch) | " + " | ".join(methods) + " |")
+    print("|---|" + "---:|" * len(methods))
+    for k, label in labels.items():
+        meds = [statistics.median(p[k] for p in phases[m]) for m in methods]
+        print(f"| {label} | " + " | ".join(f"{v:.2f}" for v in meds) + " |")
+    ratios = [statistics.median(p["barrier"] / t for p, t in zip(phases[m], torch_s))
+              for m in methods]
+    print("| launch -> first collective / import torch | "
+          + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
