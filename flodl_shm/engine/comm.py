@@ -314,9 +314,8 @@ class Comm:
         outer = outer and kind == _MODEL
         plan = self._fused_plan(tensors, kind, dtype, outer)
         if plan is not None:
-            flat, out = self._codec.result(plan.nelem, armed)
-            mass = self._fused_round(plan, weight, len(tensors), scale, out, True)
-            return self._codec.views(flat, plan), mass
+            res, out, addr = self._codec.fused_result(plan, armed)
+            return res, self._fused_round(plan, weight, len(tensors), scale, out, addr, True)
         plan = self._engine.plan(kind, dtype, tuple(check_tensors(tensors)))
 
         def write(dst: np.ndarray, plan: RoundPlan) -> None:
@@ -349,20 +348,25 @@ class Comm:
         outer = outer and kind == _MODEL
         scale = float(scale)
         eng = self._engine
+        if len(tensors) == 1 and dtype == DTYPE_F32:
+            t = tensors[0]
+            if (t.dtype is F32 and t.is_cpu and t.is_contiguous()
+                    and self._fusable(kind, outer)):
+                plan = eng.plan(kind, DTYPE_F32, (t.shape,))
+                if plan.eager_fits:
+                    # copy-in, round and copy-out are a single compiled call
+                    weight = self._begin(weight)
+                    rnd = self._round
+                    eng.prepare(rnd, plan, False)
+                    self._round = rnd + 1
+                    try:
+                        return eng.inplace_round(t.data_ptr(), plan, rnd, weight, scale)
+                    except BaseException as e:
+                        self._fail(rnd, e)
+                        raise
         plan = self._fused_plan(tensors, kind, dtype, outer)
         if plan is not None:
-            if len(tensors) == 1 and dtype == DTYPE_F32 and plan.src_bf16[0] == 0:
-                # one f32 tensor: copy-in, round and copy-out are a single compiled call
-                weight = self._begin(weight)
-                rnd = self._round
-                eng.prepare(rnd, plan, False)
-                self._round = rnd + 1
-                try:
-                    return eng.inplace_round(int(plan.addrs[0]), plan, rnd, weight, scale)
-                except BaseException as e:
-                    self._fail(rnd, e)
-                    raise
-            mass = self._fused_round(plan, weight, len(tensors), scale, eng.eager_f32, False)
+            mass = self._fused_round(plan, weight, len(tensors), scale, None, 0, False)
             if kind == _MODEL and not mass > 0.0:
                 return mass
             cons = eng.eager_f32 if dtype == DTYPE_F32 else eng.eager_u16
@@ -407,12 +411,10 @@ class Comm:
         src = self._per_rank
         src[:] = vec
         plan = self._engine.plan(_CONTROL, DTYPE_F32, ((self.world_size,),))
-        out = np.empty(self.world_size, np.float32)
         if plan.eager_fits and self._fusable(_CONTROL, False):
-            plan.addrs[0] = self._per_rank_addr
-            plan.src_bf16[0] = 0
-            self._fused_round(plan, 0.0, 1, 1.0, out, False)
-            return out.astype(np.float64)
+            plan.addrs[0] = self._per_rank_addr  # a float32 source (flag word stays 0)
+            self._fused_round(plan, 0.0, 1, 1.0, None, 0, False)
+            return self._engine.eager_f32[:self.world_size].astype(np.float64)
 
         def write(dst: np.ndarray, plan: RoundPlan) -> None:
             np.copyto(dst[:self.world_size], src)
@@ -428,10 +430,10 @@ class Comm:
         is_root = self.rank == int(root)
         plan = self._fused_plan(tensors, _CONTROL, DTYPE_F32, False)
         if plan is not None:
-            flat, out = self._codec.result(plan.nelem, None)
-            self._fused_round(plan, 0.0, len(tensors) if is_root else 0, 1.0, out, False,
+            res, out, addr = self._codec.fused_result(plan, None)
+            self._fused_round(plan, 0.0, len(tensors) if is_root else 0, 1.0, out, addr, False,
                               elided=not is_root)
-            return self._codec.views(flat, plan)
+            return res
         plan = self._engine.plan(_CONTROL, DTYPE_F32, tuple(check_tensors(tensors)))
 
         def write(dst: np.ndarray, plan: RoundPlan) -> None:
@@ -445,7 +447,7 @@ class Comm:
         """Return once every live rank has entered the barrier."""
         plan = self._engine.plan(_CONTROL, DTYPE_F32, ())
         if self._fusable(_CONTROL, False):
-            self._fused_round(plan, 0.0, 0, 1.0, self._engine.eager_f32, False)
+            self._fused_round(plan, 0.0, 0, 1.0, None, 0, False)
         else:
             self._run(plan, 0.0, None)
 
@@ -536,10 +538,12 @@ class Comm:
         return plan
 
     def _fused_round(self, plan: RoundPlan, weight, count: int, scale: float,
-                     out: np.ndarray, upcast: bool, *, elided: bool = False) -> float:
+                     out: np.ndarray | None, out_addr: int, upcast: bool, *,
+                     elided: bool = False) -> float:
         """One eager round as a single compiled call: copy-in of the first ``count``
-        gathered tensors, publish, wait, validate, reduce into ``out`` (f32; bf16-wire
-        rounds reduce into the engine's buffer and widen into ``out`` when
+        gathered tensors, publish, wait, validate, reduce into ``out`` or the
+        ``plan.nelem`` f32 at ``out_addr`` (neither: the engine's ``eager_f32``;
+        bf16-wire rounds reduce into ``eager_u16`` and widen into the f32 output when
         ``upcast``). Returns the accepted mass."""
         weight = self._begin(weight)
         eng = self._engine
@@ -548,7 +552,8 @@ class Comm:
         self._round = rnd + 1
         try:
             return eng.eager_round(plan, rnd, A.FLAG_ELIDED if elided else 0, weight,
-                                   count=count, scale=scale, out_f32=out, upcast=upcast)
+                                   count=count, scale=scale, out_f32=out, out_addr=out_addr,
+                                   upcast=upcast)
         except BaseException as e:
             self._fail(rnd, e)
             raise

@@ -75,7 +75,7 @@ from .waiting import Doorbell, Waiter, futex_wake
 #: controller's verdict (which names the ranks that never delivered)
 RELAY_VERDICT_S = 5.0
 
-SCRATCH_ELEMS = 4096  # f32 elements per reduce scratch (16 KiB: L1-resident)
+SCRATCH_ELEMS = RK.WORK_CHUNK  # f32 elements per reduce scratch (16 KiB: L1-resident)
 DIRECT_CHUNK = 1 << 18  # elements reduced before their copy to the caller (1 MiB: in L2)
 
 
@@ -108,13 +108,13 @@ class RoundPlan:
     """Everything about a round that depends only on (kind, dtype, shapes): cached per
     engine (``RoundEngine.plan``), so a repeated call rebuilds nothing.
 
-    ``addrs`` (int64, ``2 * ntensors``: the tensors' addresses, then their element
-    counts) and ``src_bf16`` (uint8, per tensor) are the fused round's per-call inputs,
-    refilled by the caller before every fused round.
+    ``addrs`` (int64, ``3 * ntensors``: the tensors' addresses, their element counts,
+    then 1 per bfloat16 source) is the fused round's per-call input; the caller
+    refills the addresses and source flags before every fused round.
     """
 
     __slots__ = ("kind", "dtype", "shapes", "words", "shash", "offs", "numels", "nelem",
-                 "nbytes", "off", "total", "eager_fits", "addrs", "src_bf16")
+                 "nbytes", "off", "total", "eager_fits", "addrs", "ntensors", "nwords")
 
     def __init__(self, kind: int, dtype: int, shapes: list[tuple[int, ...]],
                  eager_bytes: int) -> None:
@@ -128,9 +128,10 @@ class RoundPlan:
         self.off = len(self.words) * 8
         self.total = self.off + self.nbytes
         self.eager_fits = self.total <= eager_bytes
-        self.addrs = np.zeros(2 * len(shapes), np.int64)
-        self.addrs[len(shapes):] = self.numels
-        self.src_bf16 = np.zeros(max(1, len(shapes)), np.uint8)
+        self.ntensors = len(shapes)
+        self.nwords = len(self.words)
+        self.addrs = np.zeros(3 * self.ntensors, np.int64)
+        self.addrs[self.ntensors:2 * self.ntensors] = self.numels
 
 
 class RoundView:
@@ -188,8 +189,11 @@ class RoundEngine:
         self.ctl32 = arena.ctl32
         self.doorbell = Doorbell(arena.ctl)
         self.waiter = Waiter(self.doorbell, spin_iters, timeout, liveness)
-        self._acc = np.empty(SCRATCH_ELEMS, np.float32)
-        self._tmp = np.empty(SCRATCH_ELEMS, np.float32)
+        # scratch of the fused eager round; its first two chunks double as the
+        # reduce accumulator and temporary of the other steps (never used at once)
+        self._work = np.empty(RK.WORK_WORDS, np.float32)
+        self._acc = self._work[:SCRATCH_ELEMS]
+        self._tmp = self._work[SCRATCH_ELEMS:2 * SCRATCH_ELEMS]
         self._info = np.zeros(RK.I_WORDS, np.int64)
         self._mass = np.zeros(1, np.float64)
         self._eager_all = arena.eager_area()
@@ -210,8 +214,8 @@ class RoundEngine:
         self.direct_slice: tuple[int, int] | None = None  # written to ``direct`` last round
         self._plans: dict[tuple, RoundPlan] = {}
         self._slot_schema: dict = {}      # eager parity -> the plan whose schema it holds
-        self._scratch = np.empty(SCRATCH_ELEMS, np.float32)
-        self._scratch16 = np.empty(SCRATCH_ELEMS, np.uint16)
+        self._fused_static = (self.ctl, self._eager_all, arena.eager_bytes, self.world, rank,
+                              self._info, self._mass, self._work)
 
     # -- plans ----------------------------------------------------------------------
     def plan(self, kind: int, dtype: int, shapes) -> RoundPlan:
@@ -349,27 +353,30 @@ class RoundEngine:
 
     # -- REDUCED ---------------------------------------------------------------------
     def eager_round(self, plan: RoundPlan, rnd: int, flags: int, weight: float, *,
-                    count: int = 0, scale: float = 1.0, out_f32: np.ndarray,
-                    out_u16: np.ndarray | None = None, upcast: bool = False) -> float:
+                    count: int = 0, scale: float = 1.0, out_f32: np.ndarray | None = None,
+                    out_u16: np.ndarray | None = None, out_addr: int = 0,
+                    upcast: bool = False) -> float:
         """A small round: copy in (the first ``count`` tensors of ``plan.addrs``; 0 when
         the payload is already in the eager slot or elided), publish, wait, validate,
-        reduce into ``out_f32`` (f32 wire) or ``out_u16`` (bf16 bits; widened into
-        ``out_f32`` too when ``upcast``); returns the accepted mass. The fast case is
-        one compiled call; sleeping peers or a late rank fall back to the blocking path.
+        reduce into the f32 output (f32 wire) or ``out_u16`` (bf16 bits; widened into
+        the f32 output too when ``upcast``); returns the accepted mass. The f32 output
+        is ``out_f32``, or the ``plan.nelem`` float32 at ``out_addr`` when non-zero
+        (e.g. a fresh tensor), or else ``eager_f32``. The fast case is one compiled
+        call; sleeping peers or a late rank fall back to the blocking path.
         """
+        if out_f32 is None:
+            out_f32 = self.eager_f32
         if out_u16 is None:
             out_u16 = self.eager_u16  # aliases eager_f32: upcast only into other memory
-        code = RK.eager_encode_round(plan.addrs, plan.src_bf16, count, scale, self.ctl,
-                                     self.ctl_f64, self.ctl32, self._eager_all,
-                                     self.arena.eager_bytes, self.world, self.rank, rnd,
-                                     plan.kind, flags, plan.dtype, weight, len(plan.shapes),
-                                     plan.nbytes, plan.nelem, plan.shash, len(plan.words),
-                                     self.waiter.spin_iters, self._info, self._mass, out_f32,
-                                     out_u16, upcast, self._acc, self._tmp, self._scratch,
-                                     self._scratch16)
+        code = RK.eager_encode_round(*self._fused_static, plan.addrs, count, scale, rnd,
+                                     plan.kind, flags, plan.dtype, weight, plan.ntensors,
+                                     plan.nbytes, plan.nelem, plan.shash, plan.nwords,
+                                     self.waiter.spin_iters, out_f32, out_u16, out_addr, upcast)
         if code == RK.OK:
             return self.eager_done()
         view = self.settle_eager(code, rnd)
+        if out_addr:
+            out_f32 = _f32_at(out_addr, plan.nelem)
         if plan.dtype == DTYPE_F32:
             self.reduce_eager(view, out_f32)
         else:
@@ -395,8 +402,7 @@ class RoundEngine:
         view = self.settle_eager(code, rnd)
         if kind == RoundKind.MODEL and not view.mass > 0.0:
             return view.mass
-        out = np.ctypeslib.as_array((ctypes.c_float * plan.nelem).from_address(addr))
-        self.reduce_eager(view, out)
+        self.reduce_eager(view, _f32_at(addr, plan.nelem))
         return view.mass
 
     def eager_done(self) -> float:
@@ -641,6 +647,11 @@ class RoundEngine:
                               round=int(info["round"]), missing=tuple(info["missing"]),
                               timeout=info.get("timeout"))
         raise ConnectionError(f"round {rnd}: this host lost the cohort: {info['text']}")
+
+
+def _f32_at(addr: int, n: int) -> np.ndarray:
+    """``n`` float32 at ``addr`` (live memory the caller owns) as a numpy array."""
+    return np.ctypeslib.as_array((ctypes.c_float * n).from_address(addr))
 
 
 def frame_layout(shapes: list[tuple[int, ...]]) -> tuple[list[int], list[int], int]:

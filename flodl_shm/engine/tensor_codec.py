@@ -191,7 +191,6 @@ class TensorCodec:
         # the RAM gate budgets against what was available at rank start, before the
         # run's own working set (docs/host_ram.md, "The checks")
         self._mem_at_start = memory
-        self._staged: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
 
     def encode(self, tensors: Sequence[torch.Tensor], dst: np.ndarray, plan: RoundPlan,
                dtype: int, scale: float, hook=None, rnd: int = 0) -> None:
@@ -204,18 +203,18 @@ class TensorCodec:
 
     @staticmethod
     def gather(tensors: Sequence[torch.Tensor], plan: RoundPlan) -> bool:
-        """Fill ``plan.addrs``/``plan.src_bf16`` with the tensors' addresses and source
-        dtypes for the fused round; False (nothing usable) when a tensor is not a
-        contiguous float32/bfloat16 CPU tensor — the general path then runs."""
+        """Fill ``plan.addrs`` with the tensors' addresses and source dtypes for the
+        fused round; False (nothing usable) when a tensor is not a contiguous
+        float32/bfloat16 CPU tensor — the general path then runs."""
         addrs = plan.addrs
-        bf = plan.src_bf16
+        flag = 2 * plan.ntensors
         i = 0
         for t in tensors:
             dt = t.dtype
             if dt is F32:
-                bf[i] = 0
+                addrs[flag + i] = 0
             elif dt is BF16:
-                bf[i] = 1
+                addrs[flag + i] = 1
             else:
                 return False
             if not t.is_cpu or not t.is_contiguous():
@@ -224,9 +223,9 @@ class TensorCodec:
             i += 1
         return True
 
-    def result(self, nelem: int, armed: int | None) -> tuple[torch.Tensor, np.ndarray]:
-        """A flat f32 result buffer (tensor, numpy view of it): fresh memory, or slot
-        ``armed``'s reusable staging when the RAM gate allows it."""
+    def flat_result(self, nelem: int, armed: int | None) -> torch.Tensor:
+        """A flat f32 result buffer: fresh memory, or slot ``armed``'s reusable staging
+        when the RAM gate allows it."""
         if armed is not None:
             if self.gate is None:
                 if self._mem_at_start is None:
@@ -234,13 +233,20 @@ class TensorCodec:
                 self.gate = decide_pinned_decode(nelem * 4, self.local_world_size,
                                                  self._mem_at_start)
             if self.gate.enabled:
-                flat = self.staging.buffer(armed, nelem)
-                got = self._staged.get(armed)
-                if got is None or got[0] is not flat:
-                    got = self._staged[armed] = (flat, flat.numpy())
-                return got
-        arr = np.empty(nelem, np.float32)
-        return torch.from_numpy(arr), arr
+                return self.staging.buffer(armed, nelem)
+        return torch.empty(nelem, dtype=F32)
+
+    def fused_result(self, plan: RoundPlan, armed: int | None
+                     ) -> tuple[list[torch.Tensor], np.ndarray | None, int]:
+        """The result tensors of a fused round over ``plan`` and where the round
+        reduces into: a flat f32 numpy array over their memory, or else its address."""
+        if armed is None and len(plan.shapes) == 1:
+            arr = np.empty(plan.nelem, np.float32)
+            t = torch.from_numpy(arr)
+            shape = plan.shapes[0]
+            return [t if len(shape) == 1 else t.view(shape)], arr, 0
+        flat = self.flat_result(plan.nelem, armed)
+        return self.views(flat, plan), None, flat.data_ptr()
 
     @staticmethod
     def views(flat: torch.Tensor, plan: RoundPlan) -> list[torch.Tensor]:
@@ -253,7 +259,8 @@ class TensorCodec:
     def decode(self, cons: np.ndarray, dtype: int, plan: RoundPlan,
                armed: int | None) -> list[torch.Tensor]:
         """The consensus (wire dtype) as f32 tensors in fresh or armed-staging memory."""
-        flat, dst = self.result(plan.nelem, armed)
+        flat = self.flat_result(plan.nelem, armed)
+        dst = flat.numpy()
         if dtype == DTYPE_F32:
             np.copyto(dst, cons[:plan.nelem])
         else:
@@ -262,5 +269,4 @@ class TensorCodec:
 
     def clear(self) -> None:
         """Drop the staging buffers."""
-        self._staged.clear()
         self.staging.clear()

@@ -247,27 +247,44 @@ def eager_round(ctl, ctl_f64, ctl32, eager, slot_bytes, world, me, rnd, kind, fl
     return OK
 
 
+# f32 words of the ``work`` array of ``eager_encode_round``: reduce accumulator, reduce
+# temporary, encode scratch (f32), then encode scratch16 (uint16, half the words)
+WORK_CHUNK = 4096
+WORK_WORDS = 3 * WORK_CHUNK + WORK_CHUNK // 2
+
+
 @njit(cache=True, nogil=True)
-def eager_encode_round(addrs, src_bf16, count, scale, ctl, ctl_f64, ctl32, eager, slot_bytes,
-                       world, me, rnd, kind, flags, dtype, weight, ntensors, nbytes, nelem,
-                       shash, nwords, iters, info, mass, out_f32, out_u16, upcast, acc, tmp,
-                       scratch, scratch16):
+def eager_encode_round(ctl, eager, slot_bytes, world, me, info, mass, work, addrs, count, scale,
+                       rnd, kind, flags, dtype, weight, ntensors, nbytes, nelem, shash, nwords,
+                       iters, out_f32, out_u16, out_addr, upcast):
     """``eager_round`` preceded by the copy-in of ``count`` tensors, by address.
 
-    Tensor i (``addrs[i]``, float32 or - when ``src_bf16[i]`` - bfloat16 bits) goes,
-    times ``scale`` (bit-identical to encoding ``t.mul(scale)``), into its place of
-    this rank's eager slot (whose schema words the caller wrote); its element count
-    is the next entry of ``out``'s layout, ``addrs[count + i]``. ``count`` 0 means the
-    payload is already written (or elided). On OK with ``upcast`` and a bf16 wire,
-    the consensus is also widened into ``out_f32``. Codes as ``eager_round``.
+    ``addrs`` holds, for the round's ``ntensors`` tensors: their addresses, then their
+    element counts, then 1 where the source is bfloat16 (else float32). The first
+    ``count`` tensors go, times ``scale`` (bit-identical to encoding ``t.mul(scale)``),
+    into their places in this rank's eager slot (whose schema words the caller
+    wrote); ``count`` 0 means the payload is already written (or elided). The f32
+    output is ``out_f32``, or the ``nelem`` float32 at ``out_addr`` when non-zero (a
+    fresh tensor's memory). On OK with ``upcast`` and a bf16 wire, the consensus is
+    also widened into the f32 output. ``work`` is ``WORK_WORDS`` f32 of scratch. The
+    static arguments come first (one tuple on the caller's side), and the control
+    block's f64/i32 views are made here, to keep the call's dispatch cheap.
+    Codes as ``eager_round``.
     """
+    ctl_f64 = ctl.view(np.float64)
+    ctl32 = ctl.view(np.int32)
+    acc = work[:WORK_CHUNK]
+    tmp = work[WORK_CHUNK:2 * WORK_CHUNK]
+    scratch = work[2 * WORK_CHUNK:3 * WORK_CHUNK]
+    scratch16 = work[3 * WORK_CHUNK:].view(np.uint16)
+    dst = out_f32 if out_addr == 0 else f32_at(out_addr, nelem)
     base = (2 * me + (rnd & 1)) * slot_bytes + nwords * 8
     off = 0
     if dtype == 0:
         dst32 = eager[base:base + 4 * nelem].view(np.float32)
         for i in range(count):
-            n = addrs[count + i]
-            if src_bf16[i]:
+            n = addrs[ntensors + i]
+            if addrs[2 * ntensors + i]:
                 encode_bf16_to_f32(addrs[i], n, dst32[off:off + n], scale, scratch, scratch16)
             else:
                 encode_f32_to_f32(addrs[i], n, dst32[off:off + n], scale)
@@ -275,17 +292,17 @@ def eager_encode_round(addrs, src_bf16, count, scale, ctl, ctl_f64, ctl32, eager
     else:
         dst16 = eager[base:base + 2 * nelem].view(np.uint16)
         for i in range(count):
-            n = addrs[count + i]
-            if src_bf16[i]:
+            n = addrs[ntensors + i]
+            if addrs[2 * ntensors + i]:
                 encode_bf16_to_bf16(addrs[i], n, dst16[off:off + n], scale, scratch)
             else:
                 encode_f32_to_bf16(addrs[i], n, dst16[off:off + n], scale, scratch)
             off += n
     code = eager_round(ctl, ctl_f64, ctl32, eager, slot_bytes, world, me, rnd, kind, flags,
                        dtype, weight, ntensors, nbytes, nelem, shash, nwords, iters, info, mass,
-                       out_f32, out_u16, acc, tmp)
+                       dst, out_u16, acc, tmp)
     if code == OK and upcast and dtype != 0:
-        bf16_to_f32(out_u16[:nelem], out_f32[:nelem])
+        bf16_to_f32(out_u16[:nelem], dst[:nelem])
     return code
 
 
@@ -345,15 +362,13 @@ def warm_up() -> None:
     for r in range(world):
         eager_round(ctl, f64, c32, eager, 64, world, r, 1, 0, 0, 0, 1.0, 1, 8, 2, 7, 1, 0,
                     info, mass, np.zeros(2, np.float32), np.zeros(2, np.uint16), acc, tmp)
-    addrs = np.zeros(2, np.int64)
-    src = np.zeros(1, np.uint8)
-    s16 = np.zeros(8, np.uint16)
+    addrs = np.zeros(3, np.int64)
+    work = np.zeros(WORK_WORDS, np.float32)
     for r in range(world):
         for dtype in (0, 1):
-            eager_encode_round(addrs, src, 0, 1.0, ctl, f64, c32, eager, 64, world, r, 3, 0, 0,
-                               dtype, 1.0, 1, 8, 2, 7, 1, 0, info, mass,
-                               np.zeros(2, np.float32), np.zeros(2, np.uint16), True, acc, tmp,
-                               tmp, s16)
+            eager_encode_round(ctl, eager, 64, world, r, info, mass, work, addrs, 0, 1.0, 3, 0,
+                               0, dtype, 1.0, 1, 8, 2, 7, 1, 0, np.zeros(2, np.float32),
+                               np.zeros(2, np.uint16), 0, True)
     t = np.zeros(2, np.float32)
     for r in range(world):
         eager_inplace_f32(t.ctypes.data, 2, 1.0, ctl, f64, c32, eager, 64, world, r, 4, 0, 0,

@@ -1,0 +1,99 @@
+"""The fused eager round (copy-in by address + round + reduce into the result, one
+compiled call) gives exactly what the general round gives, for every tensor API.
+
+Each case runs twice on the same FakeCohort: once fused, once with a no-op fault hook
+installed (which keeps every call on the general round: ``Comm._run``), and the
+results must agree bit for bit, including the accepted mass.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flodl_shm import RoundKind
+from flodl_shm.testing import FakeCohort
+
+from engine_util import our_segments
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_segments():
+    yield
+    assert our_segments() == [], "a FakeCohort left shared-memory segments behind"
+
+
+def _inputs(rank: int, dtypes):
+    g = torch.Generator().manual_seed(100 + rank)
+    shapes = [(3, 5), (7,), (1,), (2, 2, 2)]
+    return [torch.randn(s, generator=g).to(dt) for s, dt in zip(shapes, dtypes)]
+
+
+def _bits(t: torch.Tensor) -> list[int]:
+    return t.detach().float().reshape(-1).view(torch.int32).tolist()
+
+
+CASES = {
+    "tensors": lambda c, xs: (c.all_reduce_tensors(xs), None),
+    "scaled": lambda c, xs: c.all_reduce_scaled(xs, 0.3, weight=0.5 + c.rank),
+    "weighted-control": lambda c, xs: c.all_reduce_weighted(xs, RoundKind.CONTROL, 2.0),
+    "broadcast": lambda c, xs: (c.broadcast_from_root(xs, root=1), None),
+    "inplace": lambda c, xs: (xs, c.all_reduce_(xs, weight=1.0 + c.rank, scale=0.7)),
+    "inplace-one": lambda c, xs: (xs[:1], c.all_reduce_(xs[:1], weight=2.0)),
+    "per-rank": lambda c, xs: ([torch.from_numpy(c.all_reduce_per_rank_f64(
+        [float(c.rank + 3) if r == c.rank else 0.0 for r in range(c.world_size)]))], None),
+}
+
+
+@pytest.mark.parametrize("bf16_wire", [False, True])
+@pytest.mark.parametrize("src", ["f32", "bf16", "mixed"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fused_equals_general(case, src, bf16_wire):
+    dtypes = {"f32": [torch.float32] * 4, "bf16": [torch.bfloat16] * 4,
+              "mixed": [torch.float32, torch.bfloat16, torch.float32, torch.bfloat16]}[src]
+    if case == "inplace" and src != "f32":
+        dtypes = [torch.float32 if d == torch.bfloat16 else d for d in dtypes]
+
+    def body(comm):
+        comm.set_bf16_wire(bf16_wire)
+        got = []
+        for general in (False, True):
+            comm.set_fault_hook((lambda phase, rnd: None) if general else None)
+            out, mass = CASES[case](comm, _inputs(comm.rank, dtypes))
+            got.append(([_bits(t) for t in out], mass, [tuple(t.shape) for t in out]))
+        comm.set_fault_hook(None)
+        return got
+
+    with FakeCohort(3) as cohort:
+        results = cohort.run(body)
+    for fused, general in results:
+        assert fused == general
+    assert results[0][0][0] == results[1][0][0] == results[2][0][0]  # same on every rank
+
+
+def test_fused_results_are_fresh_memory():
+    """Two calls never return aliasing tensors (the caller keeps them)."""
+    def body(comm):
+        x = [torch.full((4,), float(comm.rank)), torch.full((2, 3), 1.0)]
+        a = comm.all_reduce_tensors(x)
+        b = comm.all_reduce_tensors(x)
+        c = comm.broadcast_from_root(x)
+        ptrs = {t.data_ptr() for t in a} | {t.data_ptr() for t in b} | {t.data_ptr() for t in c}
+        return len(ptrs), a[0].tolist(), b[1].shape
+
+    with FakeCohort(2) as cohort:
+        for n, a0, shape in cohort.run(body):
+            assert n == 6 and a0 == [0.5] * 4 and shape == (2, 3)
+
+
+def test_fused_round_refuses_bad_inputs_like_the_general_round():
+    def body(comm):
+        with pytest.raises(Exception, match="dtype|Int"):
+            comm.all_reduce_tensors([torch.ones(3, dtype=torch.int32)])
+        with pytest.raises(Exception, match="weight"):
+            comm.all_reduce_weighted([torch.ones(3)], weight=-1.0)
+        return comm.all_reduce_tensors([torch.ones(3)])[0].tolist()
+
+    with FakeCohort(2) as cohort:
+        assert cohort.run(body) == [[1.0] * 3] * 2
