@@ -142,3 +142,50 @@ def test_a_bundle_without_rank_states_loads_the_consensus(tmp_path):
         for got, want in zip(floats, expected.values()):
             assert torch.equal(got, want)
     assert_no_leaks()
+
+
+# --- several hosts -------------------------------------------------------------------
+
+
+def _cluster_window(ctx, root: str):
+    model = make_model()
+    sgd = flodl_shm.DiLoCo(model, sync_every=2, comm=ctx.comm)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.train()
+    torch.manual_seed(ctx.rank)
+    x, y = _batch(ctx.rank, 0, n=4 + ctx.rank)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    sgd.step(samples=4 + ctx.rank)
+    local = [p.detach().clone() for p in model.parameters()]
+    assert sgd.step(samples=4 + ctx.rank)
+    host = ctx.rank - ctx.local_rank                 # each host saves to its own disk
+    sgd.save(os.path.join(root, f"host{host}", "ckpt"))
+    return local, [p.detach().clone() for p in model.parameters()], sgd.last_sync.mass
+
+
+def test_local_sgd_across_two_hosts_and_each_host_gets_its_bundle(tmp_path):
+    from cluster_util import run_hosts
+
+    out, errors, _ = run_hosts(_cluster_window, [2, 1], args=(os.fspath(tmp_path),))
+    assert not errors, errors
+    ranks = [r for host in out for r in host]
+    w = [2.0 * (4 + r) for r in range(3)]
+    ref = flodl_shm.OuterNesterov(lr=0.7, momentum=0.9)
+    init = [p.detach() for p in make_model().parameters()]
+    cons = [sum(ranks[r][0][i] * w[r] for r in range(3)) / sum(w) for i in range(len(init))]
+    expected = ref.outer_step(init, cons)
+    for local, after, mass in ranks:
+        assert mass == sum(w)
+        for a, b, e in zip(after, ranks[0][1], expected):
+            assert torch.equal(a, b)
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+    for host, own in ((0, (0, 1)), (2, (2,))):
+        stem = tmp_path / f"host{host}" / "ckpt"
+        for path in (CheckpointBundle.model_path(stem), CheckpointBundle.outer_path(stem),
+                     CheckpointBundle.meta_path(stem)):
+            assert path.exists(), path
+        assert sorted(p.name for p in stem.parent.glob("*.optim")) == \
+            [f"ckpt.rank{r}.optim" for r in own]
+    assert_no_leaks(10)
