@@ -91,6 +91,34 @@ class RankFailed(RuntimeError):
                              self.exitcode, str(self)))
 
 
+class RankStalled(ReduceStall, RankFailed):
+    """``spawn``'s error when ranks stalled a collective round past its ``timeout``.
+
+    Both a ``ReduceStall`` (``round``, ``missing``: the global ranks that never
+    arrived, ``timeout``) and a ``RankFailed`` (``rank``: the first of them,
+    ``exc_type="ReduceStall"``, ``signal``: how the launcher stopped it), so either
+    ``except`` clause catches it. The missing ranks are the culprits: the launcher
+    killed them; the ranks that waited for them were healthy.
+    """
+
+    def __init__(self, message: str, *, round: int, missing: tuple[int, ...],
+                 timeout: float | None, signal: str | None = "SIGKILL") -> None:
+        ReduceStall.__init__(self, message, round=round, missing=missing, timeout=timeout)
+        self.rank = self.missing[0] if self.missing else -1
+        self.exc_type = "ReduceStall"
+        self.traceback = ""
+        self.signal = signal
+        self.exitcode = None
+
+    def __reduce__(self):
+        return (_rebuild_rank_stalled, (str(self), self.round, self.missing, self.timeout,
+                                        self.signal))
+
+
+def _rebuild_rank_stalled(message, round, missing, timeout, signal):
+    return RankStalled(message, round=round, missing=missing, timeout=timeout, signal=signal)
+
+
 class ShmSpaceError(MemoryError):
     """``/dev/shm`` cannot hold what the arena needs. The message names both sizes
     and the fix (a bigger ``--shm-size`` for containers)."""

@@ -21,12 +21,24 @@ Failure policy:
   ones get SIGTERM then SIGKILL), every segment is unlinked and ``spawn`` raises
   ``RankFailed`` for the first failure (rank, exception type, remote traceback,
   signal name);
+- with a ``timeout``, a rank that leaves the others waiting in a round for longer
+  is the culprit, not the waiters: the supervisor (which watches every rank's
+  arrival and slice words) kills it and counts it as one failure — fenced within
+  ``max_failures``, else the cohort stops and ``spawn`` raises ``RankStalled`` (a
+  ``ReduceStall`` and a ``RankFailed``) naming the round and the missing ranks.
+  Ranks get a later backstop deadline of their own (``timeout`` + ``stall_grace``)
+  so the supervisor's verdict comes first;
 - Ctrl-C / SIGTERM of the launcher stop every rank and clean up the same way
-  (handlers are installed only when ``spawn`` runs on the main thread); ranks
-  ignore SIGINT (the launcher decides) and die with the launcher (PDEATHSIG).
+  (handlers are installed only when ``spawn`` runs on the main thread, before the
+  arena exists); ranks still starting up are stopped at once, and every exit
+  after an interrupt is its casualty (``spawn`` raises ``KeyboardInterrupt``).
+  Ranks start with SIGINT blocked and ignore it (the launcher decides), and follow
+  the launcher's death from their first line of Python (PDEATHSIG is set by a
+  bootstrap before any import, not after the user's imports).
 """
 from __future__ import annotations
 
+import io
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -38,10 +50,15 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing import context as mp_context
+from multiprocessing import popen_spawn_posix
+from multiprocessing import reduction as mp_reduction
+from multiprocessing import spawn as mp_spawn
+from multiprocessing import util as mp_util
 from typing import Any, Callable, Sequence
 
 from .engine import arena as A
-from .errors import CohortAborted, RankFailed, ReduceStall
+from .errors import CohortAborted, RankFailed, RankStalled, ReduceStall
 from .engine.checkpoint_tap import TapServer
 from .engine.hostmem import host_memory
 from .engine.segment import reap_dead_owner_segments, space_error
@@ -51,6 +68,15 @@ logger = logging.getLogger("flodl_shm")
 
 ABORT_GRACE_S = 2.0   # voluntary exit after the abort flag, before SIGTERM
 TERM_GRACE_S = 5.0    # after SIGTERM, before SIGKILL
+STALL_POLL_S = 0.5    # the supervisor's longest look-away from the control block
+
+
+def stall_grace(timeout: float) -> float:
+    """Seconds a rank's own collective deadline trails the supervisor's stall verdict
+    (``timeout``): time to notice, kill the culprit and fence it before any waiter
+    gives up by itself. A rank still starting up (not yet in ``fn``: importing torch
+    on a busy host) is given half of it on top of ``timeout`` before it is blamed."""
+    return max(10.0, float(timeout))
 
 
 @dataclass
@@ -78,6 +104,18 @@ class _Outcome:
     exitcode: int | None = None
     signal: str | None = None
     when: float = 0.0
+
+
+def _failure_error(global_rank: int, out: "_Outcome", msg: tuple | None) -> RankFailed:
+    """The error ``spawn`` raises for rank ``global_rank``'s failure: a ``RankStalled``
+    when the rank gave up waiting on ranks that never came (its own backstop deadline),
+    else a ``RankFailed``."""
+    stall = msg[3] if msg is not None and msg[0] == "error" and len(msg) > 3 else None
+    if stall and stall["missing"] and all(isinstance(m, int) for m in stall["missing"]):
+        return RankStalled(f"rank {global_rank} gave up waiting: {stall['text']}",
+                           round=int(stall["round"]), missing=tuple(stall["missing"]),
+                           timeout=stall["timeout"], signal=None)
+    return RankFailed(global_rank, out.exc_type, out.tb, out.signal, out.exitcode)
 
 
 def _signal_name(exitcode: int | None) -> str | None:
@@ -138,11 +176,15 @@ def _recv(conn) -> tuple:
 
 
 class _PipeLogHandler(logging.Handler):
-    """Rank side: forward flodl_shm's INFO+ records to the launcher, which logs them
-    under its own handlers as "rank N: ..." (ranks have no handlers of their own)."""
+    """Rank side: forward flodl_shm's records (INFO+, or the launcher's level when lower)
+    to the launcher, which logs them under its own handlers as "rank N: ...".
 
-    def __init__(self, conn, send_lock: threading.Lock) -> None:
-        super().__init__(logging.INFO)
+    This is the ranks' one way to log: code running in a rank must not add handlers
+    of its own to ``flodl_shm`` (each line would print twice); ``rank_logs_forwarded``
+    tells it that this handler is there."""
+
+    def __init__(self, conn, send_lock: threading.Lock, level: int = logging.INFO) -> None:
+        super().__init__(level)
         self.conn = conn
         self.send_lock = send_lock  # not ``lock``: that is logging.Handler's own RLock
 
@@ -163,28 +205,71 @@ def _on_sigterm(signum, frame):
     raise _Terminated()
 
 
+def rank_logs_forwarded() -> bool:
+    """True in a ``spawn`` rank, whose ``flodl_shm`` records already reach the
+    launcher's handlers: adding a handler there would print each line twice."""
+    return any(isinstance(h, _PipeLogHandler) for h in logging.getLogger("flodl_shm").handlers)
+
+
+def _forward_level() -> int:
+    """The level ranks forward at: INFO, or lower when the launcher logs lower."""
+    return min(logging.INFO, logging.getLogger("flodl_shm").getEffectiveLevel())
+
+
+def _error_message(global_rank: int, first_rank: int, e: BaseException) -> tuple:
+    """The ("error", ...) message of a rank whose function raised ``e``; a
+    ``ReduceStall`` also carries its round, missing ranks (global) and timeout."""
+    msg = ("error", type(e).__name__, traceback.format_exc())
+    if isinstance(e, ReduceStall):
+        missing = [first_rank + m if isinstance(m, int) else m for m in e.missing]
+        msg += ({"round": e.round, "missing": missing, "timeout": e.timeout,
+                 "text": str(e)},)
+    return msg
+
+
+def _torch_distributed_env() -> dict[str, str]:
+    """``MASTER_ADDR``/``MASTER_PORT`` for ranks that call ``dist.init_process_group`` with
+    ``env://`` (e.g. backend ``"flodl_shm"``): a loopback port free now, which rank 0's
+    store binds when a group is created."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
 def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_size: int,
                payload: bytes, conn, parent_pid: int, timeout: float | None,
-               save_path: str | None, threads: int, pinned_decode: bool) -> None:
+               save_path: str | None, threads: int, pinned_decode: bool,
+               log_level: int = logging.INFO, c10d_env: dict | None = None) -> None:
     """Entry point of a rank process (runs under multiprocessing's spawn)."""
     _set_pdeathsig()
     if os.getppid() != parent_pid:  # the launcher died before we could ask to follow it
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])  # ignored from now on
+    try:
+        _send(conn, ("up",))  # from here the launcher grants a grace before SIGTERM
+    except OSError:
+        os._exit(1)
     os.environ.update({
         "RANK": str(global_rank), "LOCAL_RANK": str(local_rank),
         "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(handle.world),
     })
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    for key, value in (c10d_env or {}).items():  # the caller's own MASTER_* win
+        os.environ.setdefault(key, value)
     code = 0
     comm = None
     send_lock = threading.Lock()
-    handler = _PipeLogHandler(conn, send_lock)
+    handler = _PipeLogHandler(conn, send_lock, log_level)
     lib_logger = logging.getLogger("flodl_shm")
     lib_logger.addHandler(handler)
-    if lib_logger.level == logging.NOTSET or lib_logger.level > logging.INFO:
-        lib_logger.setLevel(logging.INFO)
+    lib_logger.propagate = False  # the launcher's handlers print it, not the rank's root
+    if lib_logger.level == logging.NOTSET or lib_logger.level > log_level:
+        lib_logger.setLevel(log_level)
+    signal.signal(signal.SIGTERM, _on_sigterm)  # SIGTERM now ends fn cleanly (_Terminated)
     try:
         import torch
 
@@ -206,6 +291,8 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
         comm.set_pinned_decode(pinned_decode)
         fn, args = pickle.loads(payload)
         ctx = RankContext(global_rank, local_rank, world_size, handle.world, comm, save_path)
+        with send_lock:
+            _send(conn, ("running",))  # start-up is over: stall clocks now apply in full
         result = fn(ctx, *args)
         lib_logger.removeHandler(handler)
         try:
@@ -223,7 +310,7 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
         lib_logger.removeHandler(handler)
         try:
             with send_lock:
-                _send(conn, ("error", type(e).__name__, traceback.format_exc()))
+                _send(conn, _error_message(global_rank, global_rank - local_rank, e))
         except Exception:
             pass
     finally:
@@ -234,6 +321,71 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip interpreter teardown (no atexit surprises in ranks)
+
+
+# --- starting a rank ------------------------------------------------------------------
+
+# Runs first in a rank process, before multiprocessing imports the launcher's main module
+# and this package (seconds on a busy host): follow the launcher's death (PDEATHSIG, or
+# exit if it is already gone) and ignore SIGINT, which the forking thread blocked so
+# that a Ctrl-C during the interpreter's own start-up cannot reach it either.
+_BOOTSTRAP = ("import os, signal, ctypes; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+              "ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0); "
+              "os.getppid() == {ppid} or os._exit(1); ")
+
+
+class _RankPopen(popen_spawn_posix.Popen):
+    """multiprocessing's spawn launch with ``_BOOTSTRAP`` ahead of its ``spawn_main``
+    (same pipes, same preparation data; only the ``-c`` program gains a prefix)."""
+
+    def _launch(self, process_obj):  # mirrors popen_spawn_posix.Popen._launch
+        from multiprocessing import resource_tracker
+
+        tracker_fd = resource_tracker.getfd()
+        self._fds.append(tracker_fd)
+        prep_data = mp_spawn.get_preparation_data(process_obj._name)
+        fp = io.BytesIO()
+        mp_context.set_spawning_popen(self)
+        try:
+            mp_reduction.dump(prep_data, fp)
+            mp_reduction.dump(process_obj, fp)
+        finally:
+            mp_context.set_spawning_popen(None)
+        parent_r = child_w = child_r = parent_w = None
+        try:
+            parent_r, child_w = os.pipe()
+            child_r, parent_w = os.pipe()
+            cmd = mp_spawn.get_command_line(tracker_fd=tracker_fd, pipe_handle=child_r)
+            i = cmd.index("-c") + 1
+            cmd[i] = _BOOTSTRAP.format(ppid=os.getpid()) + cmd[i]
+            self._fds.extend([child_r, child_w])
+            self.pid = mp_util.spawnv_passfds(mp_spawn.get_executable(), cmd, self._fds)
+            self.sentinel = parent_r
+            with open(parent_w, "wb", closefd=False) as f:
+                f.write(fp.getbuffer())
+        finally:
+            self.finalizer = mp_util.Finalize(
+                self, mp_util.close_fds, [fd for fd in (parent_r, parent_w) if fd is not None])
+            for fd in (child_r, child_w):
+                if fd is not None:
+                    os.close(fd)
+
+
+class _RankProcess(mp_context.SpawnProcess):
+    """A spawn-method process started through ``_RankPopen`` (Linux)."""
+
+    @staticmethod
+    def _Popen(process_obj):
+        return _RankPopen(process_obj)
+
+
+def _process_class(start_method: str):
+    """The Process class for ranks: the bootstrapped one for "spawn" on Linux (where
+    ``-c`` command lines and prctl exist), else the context's own."""
+    if start_method == "spawn" and sys.platform.startswith("linux") \
+            and not getattr(sys, "frozen", False):
+        return _RankProcess
+    return mp.get_context(start_method).Process
 
 
 # --- the supervisor side -----------------------------------------------------------
@@ -254,19 +406,30 @@ class SpawnContext:
     def __init__(self, fn, nprocs: int, args: Sequence, *, world_size: int, first_rank: int,
                  max_failures: int, timeout: float | None, save_path: str | None,
                  start_method: str, eager_bytes: int, relay_factory,
-                 pinned_decode: bool = True) -> None:
+                 pinned_decode: bool = True, interrupts: "_InterruptGate | None" = None) -> None:
         self.nprocs = nprocs
         self.pinned_decode = pinned_decode
         self.world_size = world_size
         self.first_rank = first_rank
         self.max_failures = max_failures
         self.timeout = timeout
+        # the ranks' own deadline: a backstop behind the supervisor's stall verdict
+        self._rank_timeout = None if timeout is None else timeout + stall_grace(timeout)
         self.save_path = save_path
         self._payload = _check_picklable(fn, args)
         self._mp = mp.get_context(start_method)
+        self._process_cls = _process_class(start_method)
+        self._log_level = _forward_level()
+        # single host: ranks may also call dist.init_process_group("flodl_shm") (env://)
+        self._c10d_env = None if relay_factory is not None else _torch_distributed_env()
+        self._up: set[int] = set()           # local ranks whose _rank_main is running
+        self._running: dict[int, float] = {}  # local rank -> when it entered fn
+        self._stalled: dict[int, str] = {}   # local culprits killed for a stall -> why
+        self._stall_clock: tuple | None = None  # ((phase, round), first seen) of a wait
         self._outcomes: dict[int, _Outcome] = {}
         self._procs: list = []
         self._failure: RankFailed | None = None
+        self._cohort_dead: set[int] = set()  # global ranks the controller declared dead
         self._interrupted = False
         self._started = threading.Event()
         self._done = threading.Event()
@@ -274,12 +437,21 @@ class SpawnContext:
         self._lock = threading.Lock()
         reap_dead_owner_segments()
         _warm_kernels(nprocs)
-        self.arena = A.Arena.create(nprocs, eager_bytes=eager_bytes, first_rank=first_rank,
-                                    global_world=world_size, relay=relay_factory is not None)
-        self._doorbell = Doorbell(self.arena.ctl)
-        self.tap = TapServer(self.arena)  # the consensus-checkpoint forge of this host
-        self._relay = None
-        self._relay_factory = relay_factory
+        with _signals_deferred():  # an interrupt now finds the arena owned by a context
+            self.arena = A.Arena.create(nprocs, eager_bytes=eager_bytes, first_rank=first_rank,
+                                        global_world=world_size,
+                                        relay=relay_factory is not None)
+            try:
+                self._doorbell = Doorbell(self.arena.ctl)
+                self.tap = TapServer(self.arena)  # the consensus-checkpoint forge of this host
+            except BaseException:
+                self.arena.unlink()
+                self.arena.close()
+                raise
+            self._relay = None
+            self._relay_factory = relay_factory
+            if interrupts is not None:
+                interrupts.ctx = self
         self._monitor = threading.Thread(target=self._monitor_main, name="flodl-shm-supervisor",
                                          daemon=True)
         self._monitor.start()
@@ -315,10 +487,8 @@ class SpawnContext:
         relay_error = None if self._relay is None else self._relay.error
         if relay_error is not None:
             # the host's link to the cohort failed: that, not its consequences, is the news
-            stall = getattr(relay_error, "stall", None)
-            if stall is not None:
-                raise ReduceStall(str(relay_error), round=int(stall["round"]),
-                                  missing=tuple(stall["missing"]), timeout=stall.get("timeout"))
+            if isinstance(relay_error, ReduceStall):
+                raise relay_error
             raise ConnectionError(f"this host's relay failed: {relay_error}") from relay_error
         if self._failure is not None:
             raise self._failure
@@ -328,25 +498,37 @@ class SpawnContext:
                 for r in range(self.nprocs)]
 
     def terminate(self, reason: int = A.ABORT_INTERRUPT) -> None:
-        """Stop every rank (abort flag, then SIGTERM, then SIGKILL) and clean up."""
+        """Stop every rank (abort flag, then SIGTERM, then SIGKILL) and clean up.
+
+        With ``ABORT_INTERRUPT`` (the default) and no failure before it, ``join``
+        raises ``KeyboardInterrupt`` and no rank's exit counts as a failure. A no-op
+        once every rank is reaped."""
+        if self._done.is_set():
+            return
         with self._lock:
-            if reason == A.ABORT_INTERRUPT:
+            if reason == A.ABORT_INTERRUPT and self._failure is None:
                 self._interrupted = True
         self._abort(reason)
 
     # -- monitor thread --------------------------------------------------------------
     def _monitor_main(self) -> None:
         conns = {}
+        # Ranks inherit this thread's signal mask: SIGINT stays blocked in them until
+        # their bootstrap ignores it (a Ctrl-C is the launcher's to handle).
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
         try:
             try:
                 threads = max(1, available_cores() // self.nprocs)
                 for r in range(self.nprocs):
+                    if self.arena.ctl[A.G_ABORT]:
+                        break  # interrupted while starting: start no more
                     parent_conn, child_conn = self._mp.Pipe(duplex=False)
-                    p = self._mp.Process(
+                    p = self._process_cls(
                         target=_rank_main, name=f"flodl-shm-rank{self.first_rank + r}",
                         args=(self.arena.handle, r, self.first_rank + r, self.world_size,
-                              self._payload, child_conn, os.getpid(), self.timeout,
-                              self.save_path, threads, self.pinned_decode),
+                              self._payload, child_conn, os.getpid(), self._rank_timeout,
+                              self.save_path, threads, self.pinned_decode, self._log_level,
+                              self._c10d_env),
                         daemon=False)
                     p.start()
                     child_conn.close()
@@ -372,9 +554,11 @@ class SpawnContext:
     def _watch(self, conns: dict) -> None:
         sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
         pending: dict[int, tuple] = {}
-        live = set(range(self.nprocs))
+        live = set(range(len(self._procs)))
+        poll = STALL_POLL_S if self.timeout is None else min(STALL_POLL_S,
+                                                             max(0.01, self.timeout / 10))
         while live:
-            ready = mpc.wait(list(conns.values()) + list(sentinels), timeout=0.5)
+            ready = mpc.wait(list(conns.values()) + list(sentinels), timeout=poll)
             for obj in ready:
                 r = sentinels.get(obj)
                 if r is None:
@@ -387,6 +571,12 @@ class SpawnContext:
                     if msg[0] == "log":
                         self._rank_log(r, msg)
                         continue
+                    if msg[0] == "up":
+                        self._up.add(r)
+                        continue
+                    if msg[0] == "running":
+                        self._running[r] = time.monotonic()
+                        continue
                     pending[r] = msg
                     conns.pop(r).close()
                     continue
@@ -398,7 +588,7 @@ class SpawnContext:
                             msg = _recv(c)
                             if msg[0] == "log":
                                 self._rank_log(r, msg)
-                            else:
+                            elif msg[0] not in ("up", "running"):
                                 pending[r] = msg
                     except (EOFError, OSError):
                         pass
@@ -409,6 +599,85 @@ class SpawnContext:
                 self._record_exit(r, pending.get(r))
             if self._relay is not None and self._relay.failed() and live:
                 self._abort(A.ABORT_SHUTDOWN)
+            if self.timeout is not None and live:
+                self._check_stall(live)
+
+    def _check_stall(self, live: set[int]) -> None:
+        """Find the rank(s) that leave others waiting in a round past ``timeout``.
+
+        A live rank whose arrival word is behind another live rank's is missing from
+        the round that rank waits in (a round cannot complete without a live rank);
+        in a bulk round whose slices are being reduced, a live rank that has not
+        published its slice while another has is missing likewise. The clock of a
+        wait starts when the supervisor first sees it (within ``poll`` of the
+        waiter's own start), so the culprit is named at ``timeout`` plus at most one
+        poll; for a rank that entered ``fn`` after the wait began, from then on. A
+        rank still starting up is named after ``timeout`` + ``stall_grace / 2``. The
+        waiters' own deadline trails by ``stall_grace``."""
+        ctl = self.arena.ctl
+        if ctl[A.G_ABORT]:
+            return
+        alive = [r for r in live if not ctl[A.rank_base(r) + A.R_DEAD] and r not in self._stalled]
+        if len(alive) < 2:
+            self._stall_clock = None
+            return
+        arrived = {r: int(ctl[A.rank_base(r) + A.R_ARRIVED]) for r in alive}
+        front = max(arrived.values())
+        behind = [r for r in alive if arrived[r] < front]
+        phase = "arrive"
+        if not behind:
+            done = {r: int(ctl[A.rank_base(r) + A.R_DONE]) for r in alive}
+            if max(done.values()) == front:  # a bulk round's slices are being reduced
+                behind = [r for r in alive if done[r] < front]
+                phase = "reduce"
+        if not behind:
+            self._stall_clock = None
+            return
+        now = time.monotonic()
+        key = (phase, front)
+        if self._stall_clock is None or self._stall_clock[0] != key:
+            self._stall_clock = (key, now)
+            return
+        since = self._stall_clock[1]
+        starting = since + self.timeout + stall_grace(self.timeout) / 2
+        culprits = [r for r in behind
+                    if (r in self._running and now - max(since, self._running[r]) >= self.timeout)
+                    or (r not in self._running and now >= starting)]
+        if culprits:
+            self._fence_stalled(front, phase, culprits, [r for r in alive if r not in behind])
+
+    def _fence_stalled(self, rnd: int, phase: str, culprits: list[int],
+                       waiters: list[int]) -> None:
+        """Kill the ranks that stalled round ``rnd``; they count as failures."""
+        missing = tuple(self.first_rank + r for r in culprits)
+        waiting = [self.first_rank + r for r in waiters]
+        what = "arrive at" if phase == "arrive" else "reduce its slice of"
+        why = (f"round {rnd} stalled: rank(s) {list(missing)} did not {what} the round within "
+               f"the {self.timeout:g} s collective timeout while rank(s) {waiting} waited for "
+               f"them; the launcher killed the missing rank(s) (alive but silent: stuck outside "
+               f"the collective, or wedged)")
+        stall = RankStalled(why, round=rnd, missing=missing, timeout=self.timeout)
+        used = len(self.dead_ranks())
+        fatal = used + len(culprits) > self.max_failures
+        with self._lock:
+            for r in culprits:
+                self._stalled[r] = why
+            if fatal and self._failure is None:
+                self._failure = stall
+        if fatal:
+            logger.error("%s; %d failure(s) exceed max_failures=%d: stopping the cohort", why,
+                         used + len(culprits), self.max_failures)
+        else:
+            logger.warning("%s; fencing them and continuing on realized work with the "
+                           "survivors (%d of max_failures=%d used)", why, used + len(culprits),
+                           self.max_failures)
+        for r in culprits:
+            try:
+                os.kill(self._procs[r].pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if fatal:
+            self._abort(A.ABORT_FAILED)
 
     def _rank_log(self, r: int, msg: tuple) -> None:
         _, level, text = msg
@@ -427,17 +696,24 @@ class SpawnContext:
         else:
             out = _Outcome("died", exitcode=p.exitcode, signal=_signal_name(p.exitcode), when=now)
         self._outcomes[r] = out
-        aborting = bool(self.arena.ctl[A.G_ABORT])
+        reason = int(self.arena.ctl[A.G_ABORT])
+        aborting = bool(reason)
+        if reason == A.ABORT_INTERRUPT and self._interrupted:
+            return  # stopped by the user's interrupt, whatever it was doing
         if aborting and out.exc_type in ("CohortAborted", "_Terminated"):
             return  # a casualty of the teardown, not a cause
         if aborting and out.kind == "died" and out.signal in ("SIGTERM", "SIGKILL"):
             return
         if aborting and out.exitcode == 143:
             return
-        failures = sum(1 for o in self._outcomes.values() if o.kind != "ok"
-                       and o.exc_type not in ("CohortAborted", "_Terminated"))
         global_rank = self.first_rank + r
-        err = RankFailed(global_rank, out.exc_type, out.tb, out.signal, out.exitcode)
+        failures = len(self.dead_ranks())
+        stalled = self._stalled.get(r)
+        if stalled is not None:  # killed by the stall check, which already said why
+            err = RankFailed(global_rank, "ReduceStall", "", out.signal, out.exitcode,
+                             message=stalled)
+        else:
+            err = _failure_error(global_rank, out, msg)
         if failures > self.max_failures:
             with self._lock:
                 if self._failure is None:
@@ -446,16 +722,48 @@ class SpawnContext:
                          global_rank, out.exc_type or out.signal or out.exitcode, self.max_failures)
             self._abort(A.ABORT_FAILED)
             return
-        logger.warning("rank %d failed (%s); continuing on realized work with the survivors "
-                       "(%d of max_failures=%d used)", global_rank,
-                       out.exc_type or out.signal or f"exit code {out.exitcode}", failures,
-                       self.max_failures)
+        if stalled is None:
+            logger.warning("rank %d failed (%s); continuing on realized work with the "
+                           "survivors (%d of max_failures=%d used)", global_rank,
+                           out.exc_type or out.signal or f"exit code {out.exitcode}", failures,
+                           self.max_failures)
         self.arena.ctl[A.rank_base(r) + A.R_DEAD] = A.DEAD_KILLED
         self._doorbell.ring()
         if self._relay is not None:
             self._relay.rank_died(global_rank)
         if self.save_path:
             self._write_death_record(global_rank, err)
+
+    def dead_ranks(self) -> list[int]:
+        """The global ranks dead so far, cohort-wide: this host's failed ranks and, on a
+        cluster, every rank the controller declared dead (other hosts' deaths, every
+        rank of a lost host). Their count is what ``max_failures`` bounds."""
+        with self._lock:
+            local = {self.first_rank + r for r, o in self._outcomes.items() if o.kind != "ok"
+                     and o.exc_type not in ("CohortAborted", "_Terminated")}
+            return sorted(local | self._cohort_dead)
+
+    def cohort_deaths(self, ranks: list[int]) -> None:
+        """On a cluster (the relay calls this): the controller declared ``ranks`` dead.
+        Past ``max_failures`` cohort-wide, this host stops with ``RankFailed`` naming
+        the dead ranks."""
+        with self._lock:
+            self._cohort_dead.update(int(r) for r in ranks)
+        dead = self.dead_ranks()
+        remote = [r for r in dead if not self.first_rank <= r < self.first_rank + self.nprocs]
+        if len(dead) <= self.max_failures:
+            logger.warning("ranks %s of other hosts are dead; continuing on realized work "
+                           "(%d of max_failures=%d used)", remote, len(dead), self.max_failures)
+            return
+        err = RankFailed(remote[0] if remote else dead[0], message=(
+            f"ranks {dead} of the cohort are dead (ranks {remote} on other hosts, declared by "
+            f"the controller: a rank died there or the whole host was lost); {len(dead)} "
+            f"failures exceed max_failures={self.max_failures}: stopping this host too"))
+        with self._lock:
+            if self._failure is None:
+                self._failure = err
+        logger.error("%s", err)
+        self._abort(A.ABORT_FAILED)
 
     def _write_death_record(self, rank: int, err: RankFailed) -> None:
         try:
@@ -476,6 +784,10 @@ class SpawnContext:
         threading.Thread(target=self._escalate, name="flodl-shm-escalate", daemon=True).start()
 
     def _escalate(self) -> None:
+        self._started.wait()  # every rank that will ever start is in self._procs
+        for r, p in enumerate(self._procs):
+            if r not in self._up and p.is_alive():
+                p.terminate()  # still starting up: nothing of the user's to finish
         deadline = time.monotonic() + ABORT_GRACE_S
         while time.monotonic() < deadline and any(p.is_alive() for p in self._procs):
             time.sleep(0.02)
@@ -578,31 +890,59 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
         from .cluster.relay import relay_factory as _relay_factory
 
         relay_factory = _relay_factory(controller, salt, world, first_rank, nprocs)
-    ctx = SpawnContext(fn, nprocs, args, world_size=world, first_rank=first_rank,
-                       max_failures=max_failures, timeout=timeout,
-                       save_path=None if save_path is None else os.fspath(save_path),
-                       start_method=start_method, eager_bytes=eager_bytes,
-                       relay_factory=relay_factory, pinned_decode=pinned_decode)
+    def start(interrupts: _InterruptGate | None = None) -> SpawnContext:
+        return SpawnContext(fn, nprocs, args, world_size=world, first_rank=first_rank,
+                            max_failures=max_failures, timeout=timeout,
+                            save_path=None if save_path is None else os.fspath(save_path),
+                            start_method=start_method, eager_bytes=eager_bytes,
+                            relay_factory=relay_factory, pinned_decode=pinned_decode,
+                            interrupts=interrupts)
+
     if not join:
-        return ctx
-    return _join_with_signals(ctx)
-
-
-def _join_with_signals(ctx: SpawnContext) -> list[Any]:
+        return start()
     if threading.current_thread() is not threading.main_thread():
-        return ctx.join()
-    received: list[int] = []
+        return start().join()
+    return _InterruptGate().run(start)
 
-    def handler(signum, frame):
-        received.append(signum)
-        ctx.terminate(A.ABORT_INTERRUPT)
 
-    old_int = signal.signal(signal.SIGINT, handler)
-    old_term = signal.signal(signal.SIGTERM, handler)
-    try:
-        return ctx.join()
-    finally:
-        signal.signal(signal.SIGINT, old_int)
-        signal.signal(signal.SIGTERM, old_term)
-        if signal.SIGTERM in received and old_term in (signal.SIG_DFL, None):
-            os.kill(os.getpid(), signal.SIGTERM)  # re-deliver now that ranks are gone
+class _InterruptGate:
+    """``spawn``'s SIGINT/SIGTERM handling on the main thread, from before the arena
+    exists until every rank is reaped.
+
+    Before a ``SpawnContext`` owns an arena the signal interrupts as usual (nothing
+    to clean up); from then on it stops the cohort (``terminate``) and ``spawn``
+    raises ``KeyboardInterrupt`` once every rank is gone. A SIGTERM is re-delivered
+    at the end when its disposition was the default (the process then dies of it).
+    """
+
+    def __init__(self) -> None:
+        self.ctx: SpawnContext | None = None
+        self.received: list[int] = []
+
+    def _handler(self, signum, frame) -> None:
+        self.received.append(signum)
+        if self.ctx is None:
+            raise KeyboardInterrupt
+        self.ctx.terminate(A.ABORT_INTERRUPT)
+
+    def run(self, start: Callable[["_InterruptGate"], SpawnContext]) -> list[Any]:
+        old_int = signal.signal(signal.SIGINT, self._handler)
+        old_term = signal.signal(signal.SIGTERM, self._handler)
+        try:
+            return start(self).join()
+        finally:
+            signal.signal(signal.SIGINT, old_int)
+            signal.signal(signal.SIGTERM, old_term)
+            if signal.SIGTERM in self.received and old_term in (signal.SIG_DFL, None):
+                os.kill(os.getpid(), signal.SIGTERM)  # re-deliver now that ranks are gone
+
+
+class _signals_deferred:
+    """Block SIGINT and SIGTERM for this thread inside the block (they are delivered,
+    and their Python handlers run, right after it)."""
+
+    def __enter__(self) -> None:
+        self._old = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT, signal.SIGTERM])
+
+    def __exit__(self, *exc) -> None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._old)

@@ -42,3 +42,22 @@ def assert_no_leaks(grace: float = 5.0) -> None:
     while live_children() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert live_children() == [], "the run left rank processes behind"
+
+
+def processes_gone(pids, timeout: float = 15.0) -> bool:
+    """Whether every pid in ``pids`` is gone (or a zombie) within ``timeout`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(_running(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -5,6 +5,11 @@
 Runs ``spawn`` on the main thread (so its signal handlers are installed) with
 ``nprocs`` ranks that loop on barriers forever. Each rank appends its pid to
 ``$DRIVER_READY_FILE`` once it is inside the loop.
+
+With ``DRIVER_SLOW_IMPORT_FILE`` set, each rank instead appends its pid to that file
+while multiprocessing imports this script in it (as ``__mp_main__``), then stays in
+that import for ``DRIVER_SLOW_IMPORT_S`` seconds: a rank still importing its
+launcher's heavy modules.
 """
 from __future__ import annotations
 
@@ -13,6 +18,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+if __name__ == "__mp_main__" and os.environ.get("DRIVER_SLOW_IMPORT_FILE"):
+    with open(os.environ["DRIVER_SLOW_IMPORT_FILE"], "a") as f:
+        f.write(f"{os.getpid()}\n")
+    time.sleep(float(os.environ.get("DRIVER_SLOW_IMPORT_S", "600")))
 
 
 def spin_forever(ctx):
@@ -25,7 +35,12 @@ def spin_forever(ctx):
 
 
 def main() -> int:
+    import signal
+
     import flodl_shm
+
+    # as in a terminal, whatever the test runner's shell left ignored (ranks inherit it)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     flodl_shm.spawn(spin_forever, int(sys.argv[1]))
     return 0

@@ -223,3 +223,27 @@ def test_launcher_and_module_on_this_host(tmp_path):
     assert [c["name"] for c in rep["checks"]] == ["dev_shm_space", "ram",
                                                   "pinned_decode_staging", "dead_owner_segments"]
     assert check(rep, "pinned_decode_staging")["need_bytes"] == gate_need_bytes(0, 1) == 0
+
+
+def test_fits_says_what_it_leaves_out_unless_given_training_memory(tmp_path, capsys):
+    """"fits" covers the engine's memory only and says so; ``--train-bytes`` (each rank's
+    model, optimizer state and activations) is counted in the RAM check when given."""
+    root = str(fake_host(tmp_path, limit=4 * GB, usage=512 * MB))
+    argv = ["--root", root, "--shm-size", "8GiB", "--params", "10M", "--local-ranks", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "verdict: fits (exit 0) for the engine's memory only" in out
+    assert "optimizer state and activations are not counted" in out and "--train-bytes" in out
+
+    code, rep = run_json(capsys, *argv, "--train-bytes", "1GiB")
+    ram = check(rep, "ram")
+    base = shm_need_bytes(2, 40_000_000) + 2 * 40_000_000
+    assert code == 0 and ram["need_bytes"] == base + 2 * GB
+    assert "2 × 1.0 GiB training memory (--train-bytes)" in ram["detail"]
+    assert rep["inputs"]["train_bytes"] == GB
+    assert main(argv + ["--train-bytes", "1GiB"]) == 0
+    assert "counting 1.0 GiB per rank of training memory" in capsys.readouterr().out
+
+    # the same host cannot hold 2 GiB of training memory per rank beside the engine
+    code, rep = run_json(capsys, *argv, "--train-bytes", "2GiB")
+    assert code == 1 and not check(rep, "ram")["ok"]

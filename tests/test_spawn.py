@@ -13,15 +13,14 @@ import threading
 import time
 
 import numpy as np
-import psutil
 import pytest
 import torch
 
 import flodl_shm
-from flodl_shm import RankFailed, RoundKind, spawn
+from flodl_shm import RankFailed, ReduceStall, RoundKind, spawn
 from flodl_shm.engine.segment import Segment, list_segments, reap_dead_owner_segments, segment_name
 
-from engine_util import assert_no_leaks
+from engine_util import assert_no_leaks, processes_gone
 
 pytestmark = pytest.mark.timeout(180)
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -191,7 +190,9 @@ def test_rank_logs_reach_the_launcher(caplog):
         assert spawn(staging_decision, 2) == [1.0, 1.0]
     lines = [r.getMessage() for r in caplog.records]
     for r in (0, 1):
-        assert any(m.startswith(f"rank {r}: pinned decode staging ON") for m in lines), lines
+        # a CPU host's staging is not page-locked, and the line does not claim it is
+        assert any(m.startswith(f"rank {r}: decode staging ON") and "no CUDA" in m
+                   for m in lines), lines
 
 
 def test_unpicklable_result_is_reported():
@@ -208,10 +209,13 @@ def test_rank_returning_early_is_a_clear_error_not_a_hang():
 
 
 def test_timeout_fails_with_round_and_missing_rank():
-    with pytest.raises(RankFailed) as info:
+    """The stall is a ``ReduceStall`` (and a ``RankFailed``) naming the rank that never
+    arrived, not the one that waited for it."""
+    with pytest.raises(ReduceStall) as info:
         spawn(stall, 2, timeout=0.5)
-    assert info.value.exc_type == "ReduceStall"
-    assert "round 1" in info.value.traceback and "[1]" in info.value.traceback
+    assert isinstance(info.value, RankFailed) and info.value.exc_type == "ReduceStall"
+    assert info.value.round == 1 and info.value.missing == (1,) and info.value.rank == 1
+    assert "round 1" in str(info.value) and "[1]" in str(info.value)
 
 
 def test_bad_arguments():
@@ -278,16 +282,6 @@ def _start_driver(tmp_path, nprocs=2):
     raise AssertionError("driver ranks never became ready")
 
 
-def _gone(pids, timeout=15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                   for p in pids):
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def _driver_segments(pid):
     return [s.name for s in list_segments() if s.owner_pid == pid]
 
@@ -298,7 +292,7 @@ def test_launcher_signal_stops_every_rank_and_cleans_up(tmp_path, sig):
     assert _driver_segments(proc.pid)
     proc.send_signal(sig)
     proc.wait(60)
-    assert _gone(ranks), "ranks outlived the launcher"
+    assert processes_gone(ranks), "ranks outlived the launcher"
     assert _driver_segments(proc.pid) == []
     if sig == signal.SIGTERM:
         assert proc.returncode == -signal.SIGTERM
@@ -310,7 +304,7 @@ def test_launcher_sigkill_takes_ranks_down_and_next_start_reaps(tmp_path):
     proc, ranks = _start_driver(tmp_path)
     proc.kill()
     proc.wait(30)
-    assert _gone(ranks), "ranks survived a SIGKILLed launcher (PDEATHSIG)"
+    assert processes_gone(ranks), "ranks survived a SIGKILLed launcher (PDEATHSIG)"
     left = _driver_segments(proc.pid)
     assert left, "expected the dead launcher's segments to still be there"
     reaped = reap_dead_owner_segments()

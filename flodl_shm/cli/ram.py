@@ -18,8 +18,9 @@ Checks (``host_checks``):
     available RAM. ``/dev/shm`` is tmpfs: its pages are RAM, charged to this
     memory cgroup, so a ``/dev/shm`` larger than the container's memory limit
     (``--ipc=host``, or ``--shm-size`` above ``-m``) passes the first check and is
-    OOM-killed later. This is a floor: training's own memory (model, optimizer
-    state, activations, data) comes on top.
+    OOM-killed later. Training's own memory (model, optimizer state, activations,
+    data) is counted only when given (``--train-bytes``, per rank); without it the
+    check, and the verdict "fits", are a floor and say so.
 ``pinned_decode_staging`` (advisory)
     The gate ``staging.pinned_decode_affordable``: when it refuses, ranks decode
     into fresh buffers instead of reusable staging; the run still works.
@@ -124,9 +125,15 @@ class HostCheck:
 
 def host_checks(mem: HostMemory, staging_bytes: int, local_ranks: int, *,
                 wire_bf16: bool = False, relay: bool = False,
-                segments: Sequence[SegmentInfo] = ()) -> list[HostCheck]:
+                segments: Sequence[SegmentInfo] = (), train_bytes: int = 0) -> list[HostCheck]:
     """The checks for a model of ``staging_bytes`` f32 bytes (Σ numel × 4) trained
-    on ``local_ranks`` ranks of this host (see the module doc for each)."""
+    on ``local_ranks`` ranks of this host (see the module doc for each).
+
+    Args:
+        train_bytes: each rank's own training memory (model, optimizer state,
+            activations, data), added to the RAM check; 0 when not known (the
+            check is then a floor and its detail says so).
+    """
     ranks = max(1, int(local_ranks))
     nelem = -(-int(staging_bytes) // 4)
     frame = nelem * (2 if wire_bf16 else 4)
@@ -155,16 +162,21 @@ def host_checks(mem: HostMemory, staging_bytes: int, local_ranks: int, *,
                        + ("; the bf16 wire halves the frames" if not wire_bf16 else ""))
     checks.append(HostCheck("dev_shm_space", ok, arena, mem.shm_free, detail))
 
-    # RAM: the arena's tmpfs pages + one decoded consensus per rank
-    need = arena + ranks * nelem * 4
+    # RAM: the arena's tmpfs pages + one decoded consensus per rank (+ training's own)
+    train = max(0, int(train_bytes))
+    need = arena + ranks * nelem * 4 + ranks * train
     ok = mem.available >= need
     bound = (f"the cgroup v{mem.cgroup_version} headroom at {mem.cgroup_path}; host "
              f"MemAvailable {fmt_bytes(mem.host_available)}" if mem.limited_by_cgroup
              else "host MemAvailable")
+    own = (f" + {ranks} × {fmt_bytes(train)} training memory (--train-bytes)" if train
+           else "")
     detail = (f"arena {fmt_bytes(arena)} (/dev/shm is RAM, charged to this memory cgroup) + "
-              f"{ranks} × {fmt_bytes(nelem * 4)} decoded consensus = {fmt_bytes(need)}; "
-              f"{fmt_bytes(mem.available)} available ({bound}). Training's own memory (model, "
-              f"optimizer state, activations, data) comes on top")
+              f"{ranks} × {fmt_bytes(nelem * 4)} decoded consensus{own} = {fmt_bytes(need)}; "
+              f"{fmt_bytes(mem.available)} available ({bound})")
+    if not train:
+        detail += (". Training's own memory (model, optimizer state, activations, data) is "
+                   "not counted: it comes on top (give it per rank with --train-bytes)")
     if not ok:
         detail += (". Fix: raise the memory limit (`docker run -m`, Kubernetes "
                    "resources.limits.memory), use a bigger host or run fewer local ranks"
@@ -203,6 +215,10 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
                    help="ranks on this host (default 1)")
     p.add_argument("--wire", choices=("f32", "bf16"), default="f32",
                    help="wire dtype of model frames (default f32)")
+    p.add_argument("--train-bytes", type=_argtype(parse_size), default=0, metavar="SIZE",
+                   help="each rank's own training memory (model, optimizer state, "
+                        "activations, data), added to the RAM check; without it the "
+                        "verdict counts the engine's memory only")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--reap", action="store_true",
                    help="remove fshm_ segments whose owner process is gone, first")
@@ -254,14 +270,15 @@ def main(argv: Sequence[str] | None = None, prog: str | None = "python -m flodl_
     segments = list_segments(shm_dir)
     mem = host_memory(root, shm_dir=shm_dir, shm_total_bytes=a.shm_size)
     checks = host_checks(mem, staging, a.local_ranks, wire_bf16=a.wire == "bf16",
-                         segments=segments)
+                         segments=segments, train_bytes=a.train_bytes)
     ok = all(c.ok for c in checks if c.required)
     frame = params * (2 if a.wire == "bf16" else 4)
     report = {
         "ok": ok,
         "checks": [asdict(c) for c in checks],
         "inputs": {"params": params, "model_bytes": staging, "local_ranks": a.local_ranks,
-                   "wire": a.wire, "root": str(root), "shm_dir": str(shm_dir)},
+                   "wire": a.wire, "train_bytes": a.train_bytes, "root": str(root),
+                   "shm_dir": str(shm_dir)},
         "needs": {
             "staging_bytes_per_rank": staging,
             "frame_bytes": frame,
@@ -365,8 +382,13 @@ def render(report: dict, mem: HostMemory, segments: Sequence[SegmentInfo],
     failed = [c["name"] for c in report["checks"] if c["required"] and not c["ok"]]
     if failed:
         out.append(f"verdict: does NOT fit ({', '.join(failed)} failed; exit 1)")
+    elif inp["train_bytes"]:
+        out.append(f"verdict: fits (exit 0), counting {fmt_bytes(inp['train_bytes'])} per rank "
+                   f"of training memory (--train-bytes)")
     else:
-        out.append("verdict: fits (exit 0)")
+        out.append("verdict: fits (exit 0) for the engine's memory only: the model, optimizer "
+                   "state and activations are not counted (give them per rank with "
+                   "--train-bytes SIZE)")
     return "\n".join(out)
 
 

@@ -168,7 +168,9 @@ class Arena:
                              eager_bytes)
         made: list[Segment] = []
         try:
-            ctl = Segment.create(handle.name("ctl"), control_bytes(world, eager_bytes))
+            # locked while this owner lives: reapers leave the session alone
+            ctl = Segment.create(handle.name("ctl"), control_bytes(world, eager_bytes),
+                                 lock=True)
             made.append(ctl)
             result = Segment.create(handle.name("res"), _PAGE)
             made.append(result)

@@ -8,6 +8,14 @@ primitive), with three differences that matter for a training runtime:
   Here the creator alone unlinks, explicitly; crash cleanup is by name instead:
   every segment is named ``fshm_<owner pid>_<session>_<what>`` so a later run (or
   ``python -m flodl_shm ram --reap``) removes the segments of owners that are gone.
+- **Owner liveness by lock, not by pid.** The owner holds an exclusive ``flock``
+  on its control segment (``Segment.create(..., lock=True)``) from creation until
+  its descriptor closes, which the kernel does when it dies, however it dies. A
+  reaper skips every session whose control segment is locked: that works across
+  PID namespaces (two containers sharing ``/dev/shm``), where ``os.kill(pid, 0)``
+  sees another container's live owner as dead, or an unrelated process as alive.
+  The pid check stays as a second condition only (an unlocked session whose pid is
+  alive here is left alone: an owner of an older version, or a pid reused).
 - **Growth.** ``reserve(nbytes)`` grows the file with ``posix_fallocate``: tmpfs
   reports a full ``/dev/shm`` as a clean ``ENOSPC`` error here, instead of the
   SIGBUS a process gets later when it touches a sparse page that has no backing.
@@ -22,6 +30,7 @@ A ``Segment`` pickles as its name (``__reduce__``): a spawned rank re-attaches.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -86,17 +95,41 @@ def segment_name(owner_pid: int, session: str, what: str) -> str:
 
 @dataclass(frozen=True)
 class SegmentInfo:
-    """A segment found in /dev/shm: its name, owner pid, session, size in bytes."""
+    """A segment found in /dev/shm: its name, owner pid, session, size in bytes, and
+    whether its session's control segment was locked by a live owner when listed."""
 
     name: str
     owner_pid: int
     session: str
     what: str
     nbytes: int
+    locked: bool = False
 
     @property
     def owner_alive(self) -> bool:
-        return pid_alive(self.owner_pid)
+        """The owner holds its session's lock (in any PID namespace), or a process
+        with its pid is alive here."""
+        return self.locked or pid_alive(self.owner_pid)
+
+
+def _ctl_name(owner_pid: int, session: str) -> str:
+    return segment_name(owner_pid, session, "ctl")
+
+
+def lock_held(path: Path) -> bool | None:
+    """Whether another open file description holds a ``flock`` on ``path`` (its
+    owner is alive); ``None`` when ``path`` cannot be opened (gone, not ours)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also drops the probe's own shared lock
 
 
 def pid_alive(pid: int) -> bool:
@@ -127,7 +160,39 @@ def list_segments(shm_dir: Path = SHM_DIR) -> list[SegmentInfo]:
         except FileNotFoundError:
             continue
         out.append(SegmentInfo(e.name, int(m.group(1)), m.group(2), m.group(3), size))
+    locked = {}
+    for seg in out:
+        key = (seg.owner_pid, seg.session)
+        if key not in locked:
+            locked[key] = bool(lock_held(shm_dir / _ctl_name(*key)))
+    out = [SegmentInfo(s.name, s.owner_pid, s.session, s.what, s.nbytes,
+                       locked[(s.owner_pid, s.session)]) for s in out]
     return sorted(out, key=lambda s: s.name)
+
+
+def _lock_for_reaping(ctl_path: Path) -> int | None:
+    """The control segment's fd, exclusively locked; ``None`` when there is no control
+    segment to lock, -1 when someone holds its lock."""
+    try:
+        fd = os.open(ctl_path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return -1
+    return fd
+
+
+def _unlink_in(shm_dir: Path, name: str) -> bool:
+    if shm_dir == SHM_DIR:
+        return unlink_name(name)
+    try:  # a test stand-in folder
+        (shm_dir / name).unlink()
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def unlink_name(name: str) -> bool:
@@ -140,20 +205,28 @@ def unlink_name(name: str) -> bool:
 
 
 def reap_dead_owner_segments(shm_dir: Path = SHM_DIR) -> list[SegmentInfo]:
-    """Unlink every ``fshm_`` segment whose owner process is gone; returns them."""
-    reaped = []
+    """Unlink every ``fshm_`` segment whose owner is gone; returns them.
+
+    A session is reaped only when nobody holds the lock on its control segment (the
+    reaper takes that lock itself while it unlinks, so an owner cannot start holding
+    it meanwhile) and no process with the owner's pid is alive here."""
+    sessions: dict[tuple[int, str], list[SegmentInfo]] = {}
     for seg in list_segments(shm_dir):
-        if not seg.owner_alive:
-            if shm_dir == SHM_DIR:
-                gone = unlink_name(seg.name)
-            else:  # a test stand-in folder
-                try:
-                    (shm_dir / seg.name).unlink()
-                    gone = True
-                except FileNotFoundError:
-                    gone = False
-            if gone:
-                reaped.append(seg)
+        sessions.setdefault((seg.owner_pid, seg.session), []).append(seg)
+    reaped = []
+    for (pid, session), segs in sessions.items():
+        if any(s.locked for s in segs) or pid_alive(pid):
+            continue
+        fd = _lock_for_reaping(shm_dir / _ctl_name(pid, session))
+        if fd == -1:
+            continue  # an owner took the lock since the listing
+        try:
+            for seg in segs:
+                if _unlink_in(shm_dir, seg.name):
+                    reaped.append(seg)
+        finally:
+            if fd is not None:
+                os.close(fd)
     if reaped:
         logger.info("reaped %d shared-memory segment(s) of dead owners (%s)", len(reaped),
                     fmt_bytes(sum(s.nbytes for s in reaped)))
@@ -163,8 +236,9 @@ def reap_dead_owner_segments(shm_dir: Path = SHM_DIR) -> list[SegmentInfo]:
 class Segment:
     """A named POSIX shared-memory segment mapped into this process.
 
-    ``Segment.create(name, nbytes)`` makes it (exclusive; the creator unlinks);
-    ``Segment.attach(name)`` maps an existing one. ``buf`` is the current mapping
+    ``Segment.create(name, nbytes)`` makes it (exclusive; the creator unlinks;
+    ``lock=True`` also holds an exclusive ``flock`` on it until ``close``: the
+    owner's proof of life for reapers); ``Segment.attach(name)`` maps an existing one. ``buf`` is the current mapping
     (an ``mmap``); after ``reserve`` grows the segment, ``buf`` is a new, larger
     mapping of the same file. Nothing here is registered with Python's resource
     tracker.
@@ -180,9 +254,11 @@ class Segment:
 
     # -- construction ----------------------------------------------------------
     @classmethod
-    def create(cls, name: str, nbytes: int) -> "Segment":
+    def create(cls, name: str, nbytes: int, *, lock: bool = False) -> "Segment":
         fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            if lock:
+                _lock_new(fd, name)
             _fallocate(fd, max(int(nbytes), mmap.PAGESIZE), name)
             seg = cls(name, fd, max(int(nbytes), mmap.PAGESIZE), True)
         except BaseException:
@@ -258,6 +334,24 @@ class Segment:
 
     def __repr__(self) -> str:
         return f"Segment({self.name!r}, {fmt_bytes(self.nbytes)}, created={self.created})"
+
+
+def _lock_new(fd: int, name: str) -> None:
+    """Take the owner's lock on a just-created segment and check that no reaper (one
+    that saw it unlocked, from a PID namespace where this pid looks dead) unlinked it
+    in the instant between its creation and the lock."""
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a reaper holds it for an instant at most
+    if not SHM_DIR.is_dir():
+        return  # no /dev/shm view of the names to check against
+    try:
+        same = os.stat(SHM_DIR / name).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        same = False
+    if not same:
+        raise FileNotFoundError(
+            f"shared-memory segment {name} was reaped by another process the instant it "
+            f"was created (a reaper in another PID namespace saw its owner as dead); "
+            f"start again")
 
 
 def _fallocate(fd: int, nbytes: int, name: str) -> None:

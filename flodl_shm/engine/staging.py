@@ -163,12 +163,14 @@ def decide_pinned_decode(staging_bytes: int, local_ranks: int,
     formula = (f"{fmt_bytes(staging_bytes)} f32 staging × {ranks} local rank"
                f"{'s' if ranks != 1 else ''} × {GATE_FACTOR} = {fmt_bytes(need)}")
     have = f"{fmt_bytes(avail)} available {moment} ({src})"
+    # "pinned" only where staging would be page-locked: a CPU host's is plain memory
+    what = "pinned decode staging" if pinned else "decode staging"
     if enabled:
-        kind = "page-locked (CUDA available)" if pinned else "pageable (no CUDA)"
-        reason = (f"pinned decode staging ON: {have} > need {formula}; armed replies decode "
+        kind = "page-locked (CUDA available)" if pinned else "pageable (no CUDA: nothing to pin)"
+        reason = (f"{what} ON: {have} > need {formula}; armed replies decode "
                   f"into reusable {kind} slot buffers")
     else:
-        reason = (f"pinned decode staging OFF: {have} <= need {formula}; replies decode into "
+        reason = (f"{what} OFF: {have} <= need {formula}; replies decode into "
                   f"fresh buffers each round. To enable it the host (or container memory "
                   f"limit) needs more than {fmt_bytes(need)} available, or run fewer local "
                   f"ranks")

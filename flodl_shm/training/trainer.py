@@ -383,7 +383,12 @@ def _log_level() -> Optional[int]:
 
 
 def _setup_rank_logging(level: Optional[int], rank: int) -> None:
-    if level is None or logging.getLogger().handlers:
+    """A rank's own log handler, only where nothing forwards its records already: under
+    ``spawn`` they reach the launcher's handlers (a second handler here printed every
+    line twice)."""
+    from ..launch import rank_logs_forwarded
+
+    if level is None or logging.getLogger().handlers or rank_logs_forwarded():
         return
     lg = logging.getLogger("flodl_shm")
     handler = logging.StreamHandler()

@@ -1,0 +1,106 @@
+"""Reaping leaked segments decides owner liveness by the owner's lock on its control
+segment, which holds across PID namespaces (containers sharing /dev/shm), not by
+``os.kill(pid, 0)``, which does not.
+
+A live owner in another process whose pid looks dead here (an owner pid that no
+process of this namespace has, as another container's pid would be) keeps its arena
+while it holds the lock, and loses it once it dies.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from flodl_shm.engine.segment import (Segment, list_segments, reap_dead_owner_segments,
+                                      segment_name, unlink_name)
+
+from engine_util import assert_no_leaks
+
+pytestmark = pytest.mark.timeout(120)
+FOREIGN_PID = 2 ** 22 + 4321  # above pid_max's default: no process here ever has it
+
+OWNER = f"""
+import sys
+from flodl_shm.engine.arena import Arena
+arena = Arena.create(2, owner_pid={FOREIGN_PID})
+print(arena.handle.session, flush=True)
+sys.stdin.read()  # hold the arena (and its lock) until told to go
+"""
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks():
+    yield
+    assert_no_leaks()
+
+
+def _sessions(pid: int, session: str):
+    return [s for s in list_segments() if s.owner_pid == pid and s.session == session]
+
+
+def test_live_owner_whose_pid_looks_dead_keeps_its_arena():
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    session = None
+    try:
+        session = owner.stdout.readline().strip()
+        assert session, "the owner process did not create its arena"
+        segs = _sessions(FOREIGN_PID, session)
+        assert len(segs) == 6  # ctl, res, out, tap, d0, d1
+        assert all(s.locked and s.owner_alive for s in segs)
+        reaped = reap_dead_owner_segments()
+        assert not [s for s in reaped if s.session == session], "a live owner's arena was reaped"
+        assert len(_sessions(FOREIGN_PID, session)) == 6
+        # the owner dies without cleaning up: its lock goes with it, and the next reap
+        # takes the arena
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(30)
+        assert not any(s.owner_alive for s in _sessions(FOREIGN_PID, session))
+        reaped = reap_dead_owner_segments()
+        assert {s.name for s in reaped if s.session == session} == \
+            {s.name for s in segs}
+        assert _sessions(FOREIGN_PID, session) == []
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+        for s in _sessions(FOREIGN_PID, session or "-"):
+            unlink_name(s.name)
+
+
+def test_unlocked_session_with_a_live_pid_is_left_alone():
+    """Without the lock, a pid alive here still protects the session (an owner of an
+    older version, or a reused pid): the pid check is a second condition, never the
+    only one that reaps."""
+    seg = Segment.create(segment_name(os.getpid(), "0ddba11f", "ctl"), 4096)  # no lock
+    try:
+        assert [s.locked for s in list_segments() if s.name == seg.name] == [False]
+        assert seg.name not in {s.name for s in reap_dead_owner_segments()}
+        assert seg.name in {s.name for s in list_segments()}
+    finally:
+        seg.close()
+        seg.unlink()
+
+
+def test_a_segment_reaped_the_instant_it_was_created_is_reported(monkeypatch):
+    """An owner that takes its lock on a segment another namespace's reaper already
+    unlinked (the instant between create and lock) says so instead of running on a
+    name nobody can attach to."""
+    import flodl_shm.engine.segment as S
+
+    name = segment_name(os.getpid(), "5eed5eed", "ctl")
+    real_lock = S.fcntl.flock
+
+    def reaped_meanwhile(fd, op):
+        if op == S.fcntl.LOCK_EX:
+            unlink_name(name)  # what the foreign reaper did just before
+        return real_lock(fd, op)
+
+    monkeypatch.setattr(S.fcntl, "flock", reaped_meanwhile)
+    with pytest.raises(FileNotFoundError, match="reaped by another process"):
+        Segment.create(name, 4096, lock=True)
+    assert name not in {s.name for s in list_segments()}

@@ -1,0 +1,96 @@
+"""The launcher interrupted or killed while its ranks are still starting up (here: held
+in the import of the launcher's main module, as a heavy ``import torch`` would).
+
+Ctrl-C reaches the whole foreground process group, ranks included: they must not die
+of it mid-import ("Fatal Python error: init_import_site", exit code 1, ``RankFailed``);
+the launcher stops them at once and raises ``KeyboardInterrupt``. A SIGKILLed launcher
+takes its starting ranks down at once (they follow it from their first line of
+Python, not after their imports).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from flodl_shm.engine.segment import list_segments, reap_dead_owner_segments
+
+from engine_util import assert_no_leaks, processes_gone
+
+pytestmark = pytest.mark.timeout(180)
+HERE = os.path.dirname(os.path.abspath(__file__))
+IMPORT_S = 600  # how long each rank would stay in its import: far beyond every bound here
+BOUND_S = 30.0  # what "at once" must beat on a busy 2-core host
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks():
+    yield
+    assert_no_leaks()
+
+
+def _start_importing_driver(tmp_path, nprocs=2):
+    """The driver in a session of its own (a terminal's foreground group), once all its
+    ranks are inside their import; returns (process, rank pids)."""
+    importing = tmp_path / "importing"
+    env = dict(os.environ, DRIVER_READY_FILE=str(tmp_path / "ready"),
+               DRIVER_SLOW_IMPORT_FILE=str(importing), DRIVER_SLOW_IMPORT_S=str(IMPORT_S))
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "spawn_driver.py"), str(nprocs)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if importing.exists() and len(importing.read_text().split()) >= nprocs:
+            return proc, [int(p) for p in importing.read_text().split()]
+        if proc.poll() is not None:
+            raise AssertionError(f"driver exited early: {proc.communicate()}")
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    raise AssertionError("the driver's ranks never started importing")
+
+
+def _segments_of(pid: int) -> list[str]:
+    return [s.name for s in list_segments() if s.owner_pid == pid]
+
+
+def test_ctrl_c_while_ranks_import_is_a_clean_keyboard_interrupt(tmp_path):
+    proc, ranks = _start_importing_driver(tmp_path)
+    try:
+        assert _segments_of(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        _, err = proc.communicate(timeout=BOUND_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == -signal.SIGINT, err  # the shell's 130
+    assert "KeyboardInterrupt" in err and "every rank was stopped" in err, err
+    assert "Fatal Python error" not in err and "RankFailed" not in err, err
+    # the launcher's own traceback only: no rank died of the Ctrl-C mid-import
+    assert err.count("Traceback (most recent call last)") == 1, err
+    assert processes_gone(ranks, BOUND_S), "ranks outlived the interrupted launcher"
+    assert _segments_of(proc.pid) == []
+
+
+def test_launcher_killed_while_ranks_import_takes_them_down(tmp_path):
+    proc, ranks = _start_importing_driver(tmp_path)
+    try:
+        proc.kill()
+        proc.wait(BOUND_S)
+        assert processes_gone(ranks, BOUND_S), \
+            "starting ranks outlived their SIGKILLed launcher"
+    finally:
+        for pid in ranks:  # never leave them behind, whatever the verdict
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    left = _segments_of(proc.pid)
+    assert left, "expected the dead launcher's segments to still be there"
+    assert set(left) <= {s.name for s in reap_dead_owner_segments()}
+    assert _segments_of(proc.pid) == []
