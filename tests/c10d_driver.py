@@ -169,6 +169,8 @@ def sc_collectives(rank: int, world: int) -> dict:
                                            op=dist.ReduceOp.AVG),
         "uint16": lambda: dist.all_reduce(torch.ones(2, dtype=torch.uint16)),
         "send": lambda: dist.send(torch.ones(1), dst=(rank + 1) % world),
+        "mismatch": lambda: dist.all_reduce(torch.ones(3 + rank)),  # every rank raises
+        "mismatch_bytes": lambda: dist.all_reduce(torch.ones(3 + rank, dtype=torch.int64)),
     }.items():
         try:
             call()

@@ -147,12 +147,25 @@ def test_every_collective_and_dtype_across_two_hosts(two_hosts):
     check_collectives(two_hosts, rank_order_sums=False)
 
 
+@pytest.mark.slow
+def test_mismatched_calls_raise_on_every_rank_of_every_host(two_hosts):
+    # host "a" (ranks 0, 2) disagrees inside itself; host "b" (rank 1) is consistent
+    # alone but must not be left waiting in the leaders' gloo group
+    for r in two_hosts:
+        for key in ("mismatch", "mismatch_bytes"):
+            assert r["errors"][key] is not None, (key, r["errors"])
+    assert "another host" in two_hosts[1]["errors"]["mismatch"]
+
+
 def test_unsupported_ops_and_dtypes_raise_naming_the_supported_set(one_host):
     errs = one_host[0]["errors"]
     assert "BAND" in errs["band"] and "SUM, AVG, PRODUCT, MIN, MAX" in errs["band"]
     assert "AVG" in errs["avg_int"] and "int32" in errs["avg_int"]
     assert "uint16" in errs["uint16"] and "float32" in errs["uint16"]
     assert "send" in errs["send"] and "gloo" in errs["send"]
+    for key in ("mismatch", "mismatch_bytes"):  # different shapes: raised, not a hang
+        assert errs[key] is not None and "different" in errs[key], errs[key]
+        assert one_host[1]["errors"][key] is not None
 
 
 @pytest.mark.slow

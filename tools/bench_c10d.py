@@ -122,15 +122,19 @@ def _free_port() -> int:
 
 
 def run_backend(backend: str, world: int, sizes: list[int], scale: float, ddp_steps: int,
-                timeout: float) -> tuple[list[dict], dict | None]:
+                timeout: float, hosts: int = 1) -> tuple[list[dict], dict | None]:
+    """One group of ``world`` ranks; ``hosts`` > 1 splits them into that many simulated
+    hosts (consecutive ranks, ``FLODL_SHM_HOST``), reported as ``flodl_shm/<hosts>h``."""
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         outs = [os.path.join(tmp, f"r{r}.json") for r in range(world)]
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        env.pop("FLODL_SHM_HOST", None)
         procs = [subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--worker", backend, str(r), str(world),
              str(port), ",".join(map(str, sizes)), str(scale), str(ddp_steps), outs[r]],
-            env=env) for r in range(world)]
+            env=dict(env, FLODL_SHM_HOST=f"sim{r * hosts // world}") if hosts > 1 else env)
+            for r in range(world)]
         deadline = time.monotonic() + timeout
         for p in procs:
             try:
@@ -148,6 +152,9 @@ def run_backend(backend: str, world: int, sizes: list[int], scale: float, ddp_st
             return [], None
         per_rank = [json.load(open(o)) for o in outs]
     rows = collect([r["rows"] for r in per_rank], world)
+    if hosts > 1:
+        rows = [dict(r, method=f"{r['method']}/{hosts}h") for r in rows
+                if r["method"] == "flodl_shm"]
     ddp = None
     if per_rank[0]["ddp"] is not None:
         step = np.max(np.stack([r["ddp"]["times"] for r in per_rank]), axis=0)
@@ -175,6 +182,7 @@ def report(results: list[dict], ddps: list[dict], worlds: list[int]) -> str:
         rows = [r for r in results if r["world"] == world]
         methods = [m for m in ("flodl_shm", "engine", "gloo", "mpi")
                    if any(r["method"] == m for r in rows)]
+        methods += sorted({r["method"] for r in rows if "/" in r["method"]})
         lines += [f"\n### world {world}: dist.all_reduce, float32 SUM (median; × = ratio to "
                   f"gloo, engine column: ratio of flodl_shm to the bare engine)\n",
                   "| size | " + " | ".join(methods) + " |",
@@ -211,6 +219,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iter-scale", type=float, default=1.0, help="scale the iteration counts")
     ap.add_argument("--ddp-steps", type=int, default=10, help="timed DDP steps (0: skip)")
     ap.add_argument("--no-mpi", action="store_true", help="skip OpenMPI")
+    ap.add_argument("--hosts", type=int, default=2,
+                    help="also run flodl_shm split into this many simulated hosts (FLODL_SHM_HOST) "
+                         "for worlds it divides, hierarchical through gloo (1: skip)")
     ap.add_argument("--json", help="also write the raw results here")
     ap.add_argument("--timeout", type=float, default=1800, help="per group, seconds")
     ap.add_argument("--worker", nargs=8, help=argparse.SUPPRESS)
@@ -235,6 +246,11 @@ def main(argv=None) -> int:
             results += rows
             if ddp is not None:
                 ddps.append(ddp)
+        if args.hosts > 1 and world % args.hosts == 0 and world > args.hosts:
+            print(f"running flodl_shm as {args.hosts} hosts, world {world} ...", file=sys.stderr,
+                  flush=True)
+            results += run_backend("flodl_shm", world, sizes, args.iter_scale, 0, args.timeout,
+                                   hosts=args.hosts)[0]
         if mpi_ok:
             print(f"running OpenMPI, world {world} ...", file=sys.stderr, flush=True)
             results += bench_mpi(world, sizes, args.iter_scale)

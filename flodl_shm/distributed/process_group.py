@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 from ..engine.byte_exchange import exchange_bytes
+from ..errors import FrameError
 from ..frame import RoundKind
 from .reduce_ops import check_dtype, check_op, op_name, op_type, reduce_in_order
 from .rendezvous import HostLink, rendezvous
@@ -46,6 +47,38 @@ _AVG = dist.ReduceOp.RedOpType.AVG
 _CONTROL = RoundKind.CONTROL
 _MODEL = RoundKind.MODEL
 _ALIGN = 64  # byte offset alignment of each tensor inside a byte round
+
+
+def _as_runtime_error(method):
+    """Collectives raise ``RuntimeError`` as c10d users expect: the engine's
+    ``FrameError`` (ranks called different collectives or shapes, raised on every rank
+    at the same round, so the group stays usable) becomes one, chained."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except FrameError as e:
+            raise RuntimeError(f"flodl_shm {method.__name__}: {e}") from e
+
+    return wrapper
+
+
+def _signature(what: str, *parts) -> int:
+    """A stable 62-bit hash of what a byte round carries (collective, op, dtypes, shapes):
+    ranks that disagree get a schema mismatch instead of misreading each other's bytes."""
+    import hashlib
+
+    def describe(x):
+        if isinstance(x, torch.Tensor):
+            return f"{x.dtype}{tuple(x.shape)}"
+        if isinstance(x, (list, tuple)):
+            return "[" + ",".join(describe(y) for y in x) + "]"
+        return str(x)
+
+    text = what + "|" + "|".join(describe(p) for p in parts)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
 
 
 def _done(result) -> dist.Work:
@@ -160,34 +193,30 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 
     # -- transports ------------------------------------------------------------------------
     def _exchange(self, nbytes: int, fill: Callable[[np.ndarray], None] | None,
-                  consume: Callable[[list[np.ndarray]], None]) -> None:
+                  consume: Callable[[list[np.ndarray]], None], signature: int) -> None:
         """A byte round over the whole group: ``consume`` gets every group rank's bytes
         (uint8 views, group-rank order, valid during the call)."""
         link = self._live()
         topo = self._topo
         if not topo.multi_host:
-            exchange_bytes(link.comm, nbytes, fill, consume)
+            exchange_bytes(link.comm, nbytes, fill, consume, signature)
             return
         per_host = max(len(h) for h in topo.hosts)
         local_n = len(topo.local_ranks)
-        host_blob = np.zeros(per_host * nbytes, np.uint8)
+        host_blob = np.zeros(per_host * nbytes, np.uint8) if topo.is_leader else None
 
         def collect(views: list[np.ndarray]) -> None:
-            if topo.is_leader:
+            if host_blob is not None:
                 for i in range(local_n):
                     host_blob[i * nbytes:(i + 1) * nbytes] = views[i]
 
-        exchange_bytes(link.comm, nbytes, fill, collect)
-        total = len(topo.hosts) * per_host * nbytes
-        glob = None
-        if topo.is_leader:
-            out = torch.empty(total, dtype=torch.uint8)
+        def combine() -> np.ndarray:
+            out = torch.empty(len(topo.hosts) * per_host * nbytes, dtype=torch.uint8)
             link.leaders.allgather([list(out.chunk(len(topo.hosts)))],
                                    [torch.from_numpy(host_blob)]).wait()
-            glob = out.numpy()
+            return out.numpy()
 
-        def fan_out(views: list[np.ndarray]) -> None:
-            blob = views[0]
+        def fan_out(blob: np.ndarray) -> None:
             per_rank = [None] * self._size
             for h, ranks in enumerate(topo.hosts):
                 for i, r in enumerate(ranks):
@@ -195,13 +224,71 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                     per_rank[r] = blob[start:start + nbytes]
             consume(per_rank)
 
-        exchange_bytes(link.comm, total,
-                       (lambda dst: np.copyto(dst, glob)) if topo.is_leader else None, fan_out)
+        self._across_hosts(lambda: exchange_bytes(link.comm, nbytes, fill, collect, signature),
+                           signature, combine, len(topo.hosts) * per_host * nbytes, fan_out)
+
+    def _across_hosts(self, local_round: Callable[[], None], signature: int,
+                      combine: Callable[[], np.ndarray], out_nbytes: int,
+                      take: Callable[[np.ndarray], None]) -> None:
+        """The hierarchical part of a collective on a multi-host group.
+
+        1. ``local_round()`` runs the host's shared-memory round (a schema mismatch
+           there raises on every rank of the host);
+        2. the leaders agree through one small gloo all-reduce (MAX of [failed,
+           signature, -signature]) that every host completed the same collective, and
+           only then ``combine()`` the hosts' partials (gloo);
+        3. the leader fans ``[status word | result]`` out through a byte round; every
+           rank raises if the status says another host failed or disagreed, else
+           ``take(result)``.
+
+        So a mismatch or failure on one host makes every rank of every host raise,
+        instead of leaving the other hosts in a gloo call that never completes."""
+        link, topo = self._live(), self._topo
+        local_error = None
+        try:
+            local_round()
+        except FrameError as e:
+            if not topo.is_leader:
+                raise  # the leader tells the other hosts, then raises too
+            local_error = e
+        status, result = 0, None
+        if topo.is_leader:
+            flags = torch.tensor([int(local_error is not None), signature, -signature],
+                                 dtype=torch.int64)
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MAX
+            link.leaders.allreduce([flags], opts).wait()
+            if local_error is not None:
+                raise local_error
+            if int(flags[0]):
+                status = 1
+            elif int(flags[1]) != -int(flags[2]):
+                status = 2
+            else:
+                result = combine()
+
+        def fill(dst: np.ndarray) -> None:
+            dst[:8].view(np.int64)[0] = status
+            if result is not None:
+                dst[8:8 + out_nbytes] = result
+
+        def read(views: list[np.ndarray]) -> None:
+            code = int(views[0][:8].view(np.int64)[0])
+            if code:
+                why = ("a rank on another host failed this collective" if code == 1 else
+                       "the hosts called different collectives or shapes")
+                raise FrameError(f"collective across {len(topo.hosts)} hosts: {why}; every "
+                                 f"rank must make the same sequence of collective calls")
+            take(views[0][8:8 + out_nbytes])
+
+        exchange_bytes(link.comm, 8 + out_nbytes, fill if topo.is_leader else None, read,
+                       signature)
 
     def _exchange_tensors(self, tensors: Sequence[torch.Tensor] | None, offs: Sequence[int],
-                          total: int, consume: Callable[[list[np.ndarray]], None]) -> None:
+                          total: int, consume: Callable[[list[np.ndarray]], None],
+                          signature: int) -> None:
         fill = None if tensors is None else (lambda dst: _write(dst, tensors, offs))
-        self._exchange(total, fill, consume)
+        self._exchange(total, fill, consume, signature)
 
     def _sum_f32(self, tensors: list[torch.Tensor], avg: bool) -> None:
         """SUM/AVG of float32/bfloat16 tensors through the engine's reduce rounds."""
@@ -213,25 +300,25 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             else:
                 link.comm.all_reduce_(tensors, kind=RoundKind.CONTROL)
             return
-        link.comm.all_reduce_(tensors, kind=RoundKind.CONTROL)  # the host's sum
         offs, total = _layout(tensors)
-        mine = None
-        if topo.is_leader:
+        signature = _signature("sum_f32", avg, tensors)
+
+        def combine() -> np.ndarray:
             flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
             link.leaders.allreduce([flat], dist.AllreduceOptions()).wait()
             if avg:
                 flat.div_(self._size)
-            parts = list(flat.split([t.numel() for t in tensors]))
-            mine = [p.to(t.dtype) for p, t in zip(parts, tensors)]
+            parts = flat.split([t.numel() for t in tensors])
+            blob = np.zeros(total, np.uint8)
+            _write(blob, [p.to(t.dtype) for p, t in zip(parts, tensors)], offs)
+            return blob
 
-        def take(views: list[np.ndarray]) -> None:
+        def take(blob: np.ndarray) -> None:
             for t, o in zip(tensors, offs):
-                _copy_into(t, _tensor_at(views[0], o, t))
+                _copy_into(t, _tensor_at(blob, o, t))
 
-        def fill(dst: np.ndarray) -> None:
-            _write(dst, mine, offs)
-
-        exchange_bytes(link.comm, total, fill if topo.is_leader else None, take)
+        self._across_hosts(lambda: link.comm.all_reduce_(tensors, kind=RoundKind.CONTROL),
+                           signature, combine, total, take)
 
     def _reduce_generic(self, tensors: list[torch.Tensor], op) -> None:
         offs, total = _layout(tensors)
@@ -240,7 +327,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             for t, o in zip(tensors, offs):
                 reduce_in_order([_tensor_at(v, o, t) for v in views], op, t)
 
-        self._exchange_tensors(tensors, offs, total, consume)
+        self._exchange_tensors(tensors, offs, total, consume,
+                               _signature("allreduce", op_name(op_type(op)), tensors))
 
     def _allreduce_list(self, tensors: list[torch.Tensor], op, what: str) -> None:
         for t in tensors:
@@ -256,6 +344,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             self._reduce_generic(tensors, op)
 
     # -- collectives ------------------------------------------------------------------------
+    @_as_runtime_error
     def allreduce(self, tensors, opts=None) -> dist.Work:
         # the hot case first (DDP buckets, model averaging): one contiguous float32 CPU
         # tensor, SUM or AVG, one host: straight to the engine, no other checks
@@ -274,17 +363,20 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         self._allreduce_list(list(tensors), op, "allreduce")
         return _done(list(tensors))
 
+    @_as_runtime_error
     def allreduce_coalesced(self, tensors, opts=None) -> dist.Work:
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
         self._allreduce_list(list(tensors), op, "allreduce_coalesced")
         return _done(list(tensors))
 
+    @_as_runtime_error
     def reduce(self, tensors, opts) -> dist.Work:
         root = int(opts.rootRank)
         work = [t if self._rank == root else t.clone() for t in tensors]
         self._allreduce_list(work, opts.reduceOp, "reduce")
         return _done(list(tensors))
 
+    @_as_runtime_error
     def broadcast(self, tensors, opts) -> dist.Work:
         tensors = list(tensors)
         root = int(opts.rootRank)
@@ -297,12 +389,14 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                 for t, o in zip(tensors, offs):
                     _copy_into(t, _tensor_at(views[root], o, t))
 
-        self._exchange_tensors(tensors if self._rank == root else None, offs, total, consume)
+        self._exchange_tensors(tensors if self._rank == root else None, offs, total, consume,
+                               _signature("broadcast", root, tensors))
         return _done(tensors)
 
     def allgather(self, output_tensors, input_tensors, opts=None) -> dist.Work:
         return self.allgather_coalesced(output_tensors, input_tensors, opts)
 
+    @_as_runtime_error
     def allgather_coalesced(self, output_lists, input_tensors, opts=None) -> dist.Work:
         """``output_lists[i][r]`` receives rank r's ``input_tensors[i]``."""
         inputs = list(input_tensors)
@@ -318,7 +412,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                 for r, out in enumerate(outs):
                     _copy_into(out, _tensor_at(views[r], o, t))
 
-        self._exchange_tensors(inputs, offs, total, consume)
+        self._exchange_tensors(inputs, offs, total, consume, _signature("allgather", inputs))
         return _done([t for outs in output_lists for t in outs])
 
     def all_gather_single(self, output, input, opts=None) -> dist.Work:
@@ -335,6 +429,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
         return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
 
+    @_as_runtime_error
     def reduce_scatter(self, output_tensors, input_lists, opts) -> dist.Work:
         """``output_tensors[i]`` = reduce over ranks of their ``input_lists[i][rank]``."""
         outs = list(output_tensors)
@@ -351,7 +446,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                 t, o = flat_in[k], offs[k]
                 reduce_in_order([_tensor_at(v, o, t) for v in views], opts.reduceOp, out)
 
-        self._exchange_tensors(flat_in, offs, total, consume)
+        self._exchange_tensors(flat_in, offs, total, consume, _signature(
+            "reduce_scatter", op_name(op_type(opts.reduceOp)), flat_in))
         return _done(outs)
 
     def reduce_scatter_single(self, output, input, opts) -> dist.Work:
@@ -371,6 +467,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts) -> dist.Work:
         return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
 
+    @_as_runtime_error
     def gather(self, output_lists, input_tensors, opts) -> dist.Work:
         root = int(opts.rootRank)
         inputs = list(input_tensors)
@@ -383,9 +480,10 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                 for r, out in enumerate(output_lists[0]):
                     _copy_into(out, _tensor_at(views[r], offs[0], inputs[0]))
 
-        self._exchange_tensors(inputs, offs, total, consume)
+        self._exchange_tensors(inputs, offs, total, consume, _signature("gather", root, inputs))
         return _done([t for lst in output_lists for t in lst] or inputs)
 
+    @_as_runtime_error
     def scatter(self, output_tensors, input_lists, opts) -> dist.Work:
         root = int(opts.rootRank)
         outs = list(output_tensors)
@@ -399,9 +497,10 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         def consume(views: list[np.ndarray]) -> None:
             _copy_into(outs[0], _tensor_at(views[root], offs[me], outs[0]))
 
-        self._exchange_tensors(mine, offs, total, consume)
+        self._exchange_tensors(mine, offs, total, consume, _signature("scatter", root, outs))
         return _done(outs)
 
+    @_as_runtime_error
     def alltoall(self, output_tensors, input_tensors, opts=None) -> dist.Work:
         """Rank s's ``input_tensors[r]`` lands in rank r's ``output_tensors[s]``."""
         outs, ins = list(output_tensors), list(input_tensors)
@@ -416,7 +515,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                 table[s] = v.view(np.int64)
 
         self._exchange(sizes.nbytes, lambda dst: np.copyto(dst, sizes.view(np.uint8)),
-                       read_sizes)
+                       read_sizes, _signature("alltoall sizes"))
         total = int(table.sum(axis=1).max()) if self._size else 0
         offs = [int(x) for x in np.concatenate([[0], np.cumsum(sizes)[:-1]])]
         me = self._rank
@@ -430,7 +529,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                                        f"{s} holds {_nbytes(out)}")
                 _copy_into(out, _tensor_at(views[s], start, out))
 
-        self._exchange_tensors(ins, offs, total, consume)
+        self._exchange_tensors(ins, offs, total, consume,
+                               _signature("alltoall", [str(t.dtype) for t in ins + outs]))
         return _done(outs)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
@@ -449,13 +549,14 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 
     alltoall_base = all_to_all_single
 
+    @_as_runtime_error
     def barrier(self, opts=None) -> dist.Work:
         link = self._live()
-        link.comm.barrier()
-        if self._topo.multi_host:
-            if link.leaders is not None:
-                link.leaders.barrier().wait()
+        if not self._topo.multi_host:
             link.comm.barrier()
+        else:
+            self._across_hosts(link.comm.barrier, _signature("barrier"),
+                               lambda: np.empty(0, np.uint8), 0, lambda blob: None)
         return _done([torch.zeros(0)])
 
     # -- not offered ----------------------------------------------------------------------

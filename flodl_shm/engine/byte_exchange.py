@@ -16,8 +16,8 @@ rounds interleave freely:
     COPY-IN   rank r writes its bytes after the schema words in its bulk region d<r>
     ARRIVED   r publishes its header and arrived[r] = N; waits for every rank
               (validation compares headers: every rank must send the same byte
-              count; a byte round never matches a reduce round: its schema carries
-              a marker tensor no reduce sends)
+              count and signature; a byte round never matches a reduce round: its
+              schema carries a marker tensor no reduce sends)
     READ      ``consume`` reads the regions of every rank (views, no copy)
     DONE      r publishes done[r] = N and waits for every done[.] >= N
 
@@ -45,14 +45,14 @@ from .protocol import schema_hash
 _BYTE_MARKER_DIM = 0x42595445  # "BYTE"
 
 
-def _byte_schema(nbytes: int) -> np.ndarray:
+def _byte_schema(nbytes: int, signature: int) -> np.ndarray:
     n4 = -(-int(nbytes) // 4)
-    return np.asarray([2, DTYPE_F32, int(RoundKind.CONTROL), 1, n4, 2, 0, _BYTE_MARKER_DIM],
-                      dtype=np.int64)
+    return np.asarray([3, DTYPE_F32, int(RoundKind.CONTROL), 1, n4, 2, 0, _BYTE_MARKER_DIM,
+                       1, int(signature) & ((1 << 62) - 1)], dtype=np.int64)
 
 
 def exchange_bytes(comm, nbytes: int, fill: Callable[[np.ndarray], None] | None,
-                   consume: Callable[[Sequence[np.ndarray]], None]) -> None:
+                   consume: Callable[[Sequence[np.ndarray]], None], signature: int = 0) -> None:
     """Run one byte round on ``comm``'s host arena.
 
     Args:
@@ -63,9 +63,14 @@ def exchange_bytes(comm, nbytes: int, fill: Callable[[np.ndarray], None] | None,
             broadcast's receivers) and peers must not read this rank's bytes.
         consume: ``consume(views)`` gets one uint8 array (to read, never write) of ``nbytes`` per
             local rank, in local-rank order; the views are valid only during the call.
+        signature: what the bytes mean (e.g. a hash of the collective, dtypes and shapes);
+            part of the round's schema, so ranks that disagree raise instead of reading
+            each other's bytes as something else.
 
     Raises:
-        FrameError: ranks passed different ``nbytes`` (raised on every rank).
+        FrameError: ranks passed different ``nbytes`` or ``signature`` (raised on every
+            rank), or ``consume`` raised one (re-raised after the round completed, so
+            the ranks stay in step).
         RuntimeError: a rank is dead or the round was left out of step.
         ReduceStall / CohortAborted: the waits' deadline or the cohort's abort.
     """
@@ -75,7 +80,7 @@ def exchange_bytes(comm, nbytes: int, fill: Callable[[np.ndarray], None] | None,
     arena = comm.arena
     me = comm.local_rank
     nbytes = int(nbytes)
-    words = _byte_schema(nbytes)
+    words = _byte_schema(nbytes, signature)
     off = words.shape[0] * 8
     rnd = comm._round
     region = eng.bulk_region(off + nbytes)
@@ -84,7 +89,7 @@ def exchange_bytes(comm, nbytes: int, fill: Callable[[np.ndarray], None] | None,
         fill(region[off:off + nbytes])
     comm._round = rnd + 1
     try:
-        eng.publish(rnd, int(RoundKind.CONTROL), A.FLAG_BULK, DTYPE_F32, 0.0, 2, nbytes,
+        eng.publish(rnd, int(RoundKind.CONTROL), A.FLAG_BULK, DTYPE_F32, 0.0, 3, nbytes,
                     int(words[4]), schema_hash(words), words.shape[0])
         view = eng.await_arrivals(rnd, what="waiting for ranks to publish their bytes")
         full = (1 << arena.world) - 1
@@ -96,12 +101,17 @@ def exchange_bytes(comm, nbytes: int, fill: Callable[[np.ndarray], None] | None,
         for r in range(arena.world):
             v = arena.data_view(r, off + nbytes)[off:off + nbytes]
             views.append(v)
+        refused = None
         try:
             consume(views)
+        except FrameError as e:  # the caller refuses what it read (on every rank): in step
+            refused = e
         finally:
             del views
             eng.doorbell.publish(A.rank_base(me) + A.R_DONE, rnd)
         eng.await_slices(view)
+        if refused is not None:
+            raise refused
     except FrameError:
         raise  # a schema mismatch is raised on every rank at the same point: in step
     except BaseException as e:
