@@ -154,7 +154,7 @@ def test_no_outer_momentum_writes_no_sidecar(tmp_path):
     forge.accumulate(frame(t([1, 2], (2,))))  # completes, nothing stashed
     assert forge.flush(FLUSH_S)
     assert path.exists()
-    assert sorted(os.listdir(tmp_path)) == ["c.fdl"], "no .outer.fdl when no momentum stashed"
+    assert sorted(os.listdir(tmp_path)) == ["c.fdl", "c.names.json"], "no .outer.fdl when no momentum stashed"
 
 
 def test_unarmed_accumulate_is_noop(tmp_path):
@@ -268,7 +268,7 @@ def test_outer_count_mismatch_skips_only_the_sidecar(tmp_path, caplog):
     with caplog.at_level(logging.ERROR, logger="flodl_shm"):
         forge.accumulate(frame(t([1], (1,)), t([2], (1,))))
         assert forge.flush(FLUSH_S)
-    assert sorted(os.listdir(tmp_path)) == ["c.fdl"]
+    assert sorted(os.listdir(tmp_path)) == ["c.fdl", "c.names.json"]
     assert "outer momentum has 1 tensors but schema expects 2 params" in caplog.text
 
 
@@ -280,7 +280,7 @@ def test_bf16_outer_momentum_is_refused_and_logged(tmp_path, caplog):
     with caplog.at_level(logging.ERROR, logger="flodl_shm"):
         forge.accumulate(frame(t([1], (1,))))
         assert forge.flush(FLUSH_S)
-    assert sorted(os.listdir(tmp_path)) == ["c.fdl"]
+    assert sorted(os.listdir(tmp_path)) == ["c.fdl", "c.names.json"]
     assert "v1 f32 only" in caplog.text
     assert forge.writes_failed == 1
 
@@ -296,7 +296,7 @@ def test_gzip_is_decided_by_the_final_path_and_the_sidecar_follows(tmp_path):
     forge.stash_outer_momentum(frame(t([0.5], (1,))).tensors)
     forge.accumulate(frame(t([2], (1,))))
     assert forge.flush(FLUSH_S)
-    assert sorted(os.listdir(tmp_path)) == ["x.fdl.gz", "x.outer.fdl.gz"]
+    assert sorted(os.listdir(tmp_path)) == ["x.fdl.gz", "x.names.json", "x.outer.fdl.gz"]
     for name in ("x.fdl.gz", "x.outer.fdl.gz"):
         raw = (tmp_path / name).read_bytes()
         assert raw[:2] == b"\x1f\x8b"
@@ -453,4 +453,4 @@ def test_normal_exit_waits_for_the_in_flight_write_and_never_imports_torch(tmp_p
     assert [e.name for e in parsed.entries] == ["p0", "b0"]
     assert np.all(parsed.entries[0].to_numpy() == 3.0)
     assert np.all(parsed.entries[1].to_numpy() == 3.0)  # bf16 0x4040 == 3.0, upcast to f32
-    assert sorted(os.listdir(tmp_path)) == ["exit.fdl"]
+    assert sorted(os.listdir(tmp_path)) == ["exit.fdl", "exit.names.json"]

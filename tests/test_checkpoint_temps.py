@@ -219,6 +219,7 @@ def test_launcher_killed_mid_checkpoint_write_keeps_keep_checkpoints_bundles(tmp
         for _, model_path in done:
             report = load_consensus_checkpoint(big_model(), model_path)
             assert report.complete
+            assert model_path.with_name(model_path.name[:-4] + ".names.json").exists()
     finally:
         # the killed launcher could not unlink its shared memory: do it for it
         for seg in list_segments():

@@ -13,9 +13,14 @@ Tensors are laid out by element size, largest first (stable otherwise), so every
 tensor is aligned to its element size as the reference implementation does.
 
 A *consensus* ``.fdl`` stores positional keys (``p{i}`` / ``b{j}``, see
-``forge``); :func:`consensus_state_dict` and :func:`state_dict_to_consensus_fdl`
-translate between those keys and a model's qualified names through its
-``ModelSchema``.
+``forge``), which keep it loadable by flodl. The qualified names behind them
+travel in the bundle's ``<stem>.names.json`` (a ``ModelSchema``, written by the
+forge before the model, and by :func:`state_dict_to_consensus_fdl`). Every
+converter that reads a ``.fdl`` with such a sidecar (``names="auto"``, the
+default) renames the keys, so ``model.load_state_dict(torch.load(converted))``
+works; ``names=None`` keeps the file's keys, and a ``ModelSchema`` or module
+supplies the names explicitly. A ``.fdl`` -> ``.fdl`` conversion keeps the
+positional keys and copies the sidecar next to the new file.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ from typing import Mapping, Optional
 from ..errors import CheckpointError
 from ._atomic import atomic_write
 from .fdl import RawEntry, _tensor_bytes, read_fdl, save_tensors, tag_for_torch_dtype, write_fdl_raw
-from .meta import ModelSchema, consensus_buffer_key, consensus_param_key
+from .meta import ModelSchema, consensus_buffer_key, consensus_param_key, names_sidecar_path
 
 #: Largest safetensors header this reader accepts (the reference limit).
 SAFETENSORS_MAX_HEADER = 100_000_000
@@ -217,12 +222,107 @@ def load_safetensors(path: "str | os.PathLike[str]") -> tuple[dict, dict]:
     return out, metadata
 
 
+# --- consensus keys <-> qualified names ---------------------------------------------
+
+
+def _schema_of(schema_or_module) -> ModelSchema:
+    if isinstance(schema_or_module, ModelSchema):
+        return schema_or_module
+    return ModelSchema.from_module(schema_or_module)
+
+
+def bundle_names(path: "str | os.PathLike[str]") -> Optional[ModelSchema]:
+    """The ``ModelSchema`` in the ``.names.json`` next to the ``.fdl`` at ``path``
+    (``x.fdl``, ``x.fdl.gz``, ``x.outer.fdl`` -> ``x.names.json``), or None without one."""
+    side = names_sidecar_path(path)
+    return ModelSchema.read_from_file(side) if side.exists() else None
+
+
+def _names_for(path, names) -> Optional[ModelSchema]:
+    """The schema to rename ``path``'s keys with: ``"auto"`` -> its sidecar (or None),
+    None -> None, a ``ModelSchema`` or module -> its names."""
+    if isinstance(names, str):
+        if names != "auto":
+            raise ValueError(f"names must be 'auto', None, a ModelSchema or a module, got "
+                             f"{names!r}")
+        return bundle_names(path)
+    return None if names is None else _schema_of(names)
+
+
+def rename_positional(tensors: Mapping[str, object], schema: ModelSchema,
+                      source: "str | os.PathLike[str]") -> dict:
+    """``tensors`` keyed ``p{i}`` / ``b{j}`` renamed to ``schema``'s qualified names.
+
+    The keys must be exactly the schema's (a consensus model), or exactly its
+    ``p{i}`` (an outer-momentum sidecar, one tensor per parameter). Raises
+    ``CheckpointError`` naming the missing and unexpected keys otherwise.
+    """
+    names = schema.positional_names()
+    params = {consensus_param_key(i) for i in range(len(schema.param_names))}
+    missing = [k for k in names if k not in tensors]
+    unexpected = [k for k in tensors if k not in names]
+    if unexpected or (missing and set(tensors) != params):
+        raise CheckpointError(
+            f"{os.fspath(source)} does not match the schema ({len(schema.param_names)} params + "
+            f"{len(schema.buffer_names)} buffers): missing {missing}, unexpected {unexpected}; "
+            f"pass the model it was saved from, or keep the file's keys (names=None, "
+            f"fdl convert --keep-keys)")
+    return {names[k]: tensors[k] for k in names if k in tensors}
+
+
+def consensus_state_dict(path: "str | os.PathLike[str]", schema_or_module=None) -> dict:
+    """Read a consensus ``.fdl`` with its positional keys renamed to qualified names.
+
+    ``p{i}`` -> ``schema.param_names[i]``, ``b{j}`` -> ``schema.buffer_names[j]``,
+    the schema taken from ``schema_or_module`` or, when None, from the bundle's
+    ``.names.json``. Raises ``CheckpointError`` when the keys don't match the
+    schema exactly (a checkpoint from another model) or no names are available.
+    The result loads with ``module.load_state_dict(sd)`` (integer buffers such as
+    BatchNorm's ``num_batches_tracked`` are not in it; torch's BatchNorm fills
+    that one in, other modules may need ``strict=False``).
+    """
+    schema = _names_for(path, "auto" if schema_or_module is None else schema_or_module)
+    if schema is None:
+        raise CheckpointError(
+            f"{path} has no {names_sidecar_path(path).name} next to it: pass the model (or its "
+            f"ModelSchema) whose names the p{{i}}/b{{j}} keys stand for")
+    return fdl_to_state_dict(path, names=schema)
+
+
+def state_dict_to_consensus_fdl(state_dict: Mapping[str, object], schema_or_module,
+                                path: "str | os.PathLike[str]") -> int:
+    """Write a named state_dict as a consensus ``.fdl`` (positional keys, f32) and its
+    ``.names.json``, e.g. to start a flodl_shm run from a torch checkpoint. Every
+    schema name must be present."""
+    torch = _torch()
+    schema = _schema_of(schema_or_module)
+    entries = []
+    for key_of, names in ((consensus_param_key, schema.param_names),
+                          (consensus_buffer_key, schema.buffer_names)):
+        for i, n in enumerate(names):
+            if n not in state_dict:
+                raise CheckpointError(f"state_dict has no entry {n!r} (needed for "
+                                      f"{key_of(i)}); it does not match the schema")
+            t = state_dict[n].detach().to(torch.float32)
+            entries.append(RawEntry(key_of(i), tuple(t.shape), tag_for_torch_dtype(t.dtype),
+                                    _tensor_bytes(t)))
+    schema.write_to_file(names_sidecar_path(path))
+    return write_fdl_raw(path, entries)
+
+
 # --- .fdl <-> state_dict / safetensors ----------------------------------------------
 
 
-def fdl_to_state_dict(path: "str | os.PathLike[str]") -> dict:
-    """Read a ``.fdl`` as ``{name: tensor}`` in file order (duplicates: the later wins)."""
-    return {e.name: e.to_tensor() for e in read_fdl(path).entries}
+def fdl_to_state_dict(path: "str | os.PathLike[str]", names="auto") -> dict:
+    """Read a ``.fdl`` as ``{name: tensor}`` in file order (duplicates: the later wins).
+
+    Args:
+        path: the ``.fdl`` / ``.fdl.gz``.
+        names: ``"auto"``: a consensus checkpoint's ``p{i}`` / ``b{j}`` keys become
+            the qualified names of its bundle's ``.names.json`` when there is one;
+            None: the file's keys as they are; a ``ModelSchema`` or module: its names.
+    """
+    return read_any(path, "fdl", names)[0]
 
 
 def state_dict_to_fdl(state_dict: Mapping[str, object], path: "str | os.PathLike[str]",
@@ -237,73 +337,18 @@ def state_dict_to_fdl(state_dict: Mapping[str, object], path: "str | os.PathLike
 
 
 def fdl_to_safetensors(src: "str | os.PathLike[str]", dst: "str | os.PathLike[str]",
-                       metadata: Optional[Mapping[str, str]] = None) -> int:
-    """Convert a ``.fdl`` to safetensors. A non-zero structural hash rides in the
-    metadata under ``fdl_structural_hash``; ``{"format": "pt"}`` is added unless
-    ``metadata`` says otherwise."""
-    parsed = read_fdl(src)
-    tensors = {e.name: e.to_tensor() for e in parsed.entries}
-    meta = {"format": "pt"}
-    if parsed.hash_hex:
-        meta[FDL_HASH_METADATA_KEY] = parsed.hash_hex
-    meta.update(metadata or {})
-    return save_safetensors(tensors, dst, meta)
+                       metadata: Optional[Mapping[str, str]] = None, names="auto") -> int:
+    """Convert a ``.fdl`` to safetensors (keys renamed as :func:`fdl_to_state_dict`'s
+    ``names`` says). A non-zero structural hash rides in the metadata under
+    ``fdl_structural_hash``; ``{"format": "pt"}`` is added unless ``metadata``
+    says otherwise."""
+    return convert(src, dst, "fdl", "safetensors", names=names, metadata=metadata)
 
 
 def safetensors_to_fdl(src: "str | os.PathLike[str]", dst: "str | os.PathLike[str]") -> int:
     """Convert a safetensors file to a ``.fdl`` (restoring an ``fdl_structural_hash``).
     ``CheckpointError`` names any tensor whose dtype .fdl cannot hold."""
-    tensors, metadata = load_safetensors(src)
-    return state_dict_to_fdl(tensors, dst, metadata.get(FDL_HASH_METADATA_KEY))
-
-
-# --- consensus keys <-> qualified names ---------------------------------------------
-
-
-def _schema_of(schema_or_module) -> ModelSchema:
-    if isinstance(schema_or_module, ModelSchema):
-        return schema_or_module
-    return ModelSchema.from_module(schema_or_module)
-
-
-def consensus_state_dict(path: "str | os.PathLike[str]", schema_or_module) -> dict:
-    """Read a consensus ``.fdl`` with its positional keys renamed to qualified names.
-
-    ``p{i}`` -> ``schema.param_names[i]``, ``b{j}`` -> ``schema.buffer_names[j]``.
-    Raises ``CheckpointError`` when the keys don't match the schema exactly (a
-    checkpoint from another model). The result loads with
-    ``module.load_state_dict(sd, strict=False)`` (integer buffers are not in it).
-    """
-    schema = _schema_of(schema_or_module)
-    parsed = read_fdl(path).by_name()
-    names = {consensus_param_key(i): n for i, n in enumerate(schema.param_names)}
-    names.update({consensus_buffer_key(j): n for j, n in enumerate(schema.buffer_names)})
-    missing = [k for k in names if k not in parsed]
-    unexpected = [k for k in parsed if k not in names]
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{path} does not match the schema ({len(schema.param_names)} params + "
-            f"{len(schema.buffer_names)} buffers): missing {missing}, unexpected {unexpected}")
-    return {names[k]: parsed[k].to_tensor() for k in names}
-
-
-def state_dict_to_consensus_fdl(state_dict: Mapping[str, object], schema_or_module,
-                                path: "str | os.PathLike[str]") -> int:
-    """Write a named state_dict as a consensus ``.fdl`` (positional keys, f32), e.g. to
-    start a flodl_shm run from a torch checkpoint. Every schema name must be present."""
-    torch = _torch()
-    schema = _schema_of(schema_or_module)
-    entries = []
-    for key_of, names in ((consensus_param_key, schema.param_names),
-                          (consensus_buffer_key, schema.buffer_names)):
-        for i, n in enumerate(names):
-            if n not in state_dict:
-                raise CheckpointError(f"state_dict has no entry {n!r} (needed for "
-                                      f"{key_of(i)}); it does not match the schema")
-            t = state_dict[n].detach().to(torch.float32)
-            entries.append(RawEntry(key_of(i), tuple(t.shape), tag_for_torch_dtype(t.dtype),
-                                    _tensor_bytes(t)))
-    return write_fdl_raw(path, entries)
+    return convert(src, dst, "safetensors", "fdl")
 
 
 # --- torch files ----------------------------------------------------------------------
@@ -350,12 +395,18 @@ def detect_format(path: "str | os.PathLike[str]") -> str:
         f".safetensors or .pt/.pth/.bin name, or pass the format explicitly")
 
 
-def read_any(path: "str | os.PathLike[str]", fmt: Optional[str] = None) -> tuple[dict, Optional[str]]:
-    """``({name: tensor}, structural_hash_hex_or_None)`` from any supported format."""
+def read_any(path: "str | os.PathLike[str]", fmt: Optional[str] = None,
+             names="auto") -> tuple[dict, Optional[str]]:
+    """``({name: tensor}, structural_hash_hex_or_None)`` from any supported format; a
+    ``.fdl``'s keys renamed as :func:`fdl_to_state_dict`'s ``names`` says."""
     fmt = fmt or detect_format(path)
     if fmt == "fdl":
         parsed = read_fdl(path)
-        return {e.name: e.to_tensor() for e in parsed.entries}, parsed.hash_hex
+        tensors = {e.name: e.to_tensor() for e in parsed.entries}
+        schema = _names_for(path, names)
+        if schema is not None:
+            tensors = rename_positional(tensors, schema, path)
+        return tensors, parsed.hash_hex
     if fmt == "safetensors":
         tensors, meta = load_safetensors(path)
         return tensors, meta.get(FDL_HASH_METADATA_KEY)
@@ -365,19 +416,38 @@ def read_any(path: "str | os.PathLike[str]", fmt: Optional[str] = None) -> tuple
 
 
 def convert(src: "str | os.PathLike[str]", dst: "str | os.PathLike[str]",
-            src_format: Optional[str] = None, dst_format: Optional[str] = None) -> int:
+            src_format: Optional[str] = None, dst_format: Optional[str] = None,
+            names="auto", metadata: Optional[Mapping[str, str]] = None) -> int:
     """Convert a checkpoint between ``.fdl``, safetensors and torch files (formats from
-    the names unless given). Names, shapes, dtypes and bytes are preserved; a
-    non-zero .fdl structural hash survives a trip through safetensors. Returns
-    the number of tensors converted."""
+    the names unless given). Shapes, dtypes and bytes are preserved; a non-zero .fdl
+    structural hash survives a trip through safetensors. Returns the number of
+    tensors converted.
+
+    Args:
+        src, dst: the files.
+        src_format, dst_format: ``fdl``, ``safetensors`` or ``torch``; None: from the name.
+        names: for a ``.fdl`` source, as in :func:`fdl_to_state_dict`: by default a
+            consensus checkpoint's ``p{i}`` / ``b{j}`` become the model's names from
+            its ``.names.json``, so ``model.load_state_dict(torch.load(dst))`` works.
+            Into a ``.fdl`` the positional keys stay and the names are copied to
+            ``dst``'s own ``.names.json`` (the result is still a consensus checkpoint).
+        metadata: extra safetensors metadata (safetensors destinations only).
+    """
+    src_format = src_format or detect_format(src)
     dst_format = dst_format or detect_format(dst)
-    tensors, hash_hex = read_any(src, src_format)
+    schema = _names_for(src, names) if src_format == "fdl" else None
+    fdl_to_fdl = src_format == "fdl" and dst_format == "fdl"
+    tensors, hash_hex = read_any(src, src_format, names=None if fdl_to_fdl else schema)
     if dst_format == "fdl":
+        if fdl_to_fdl and schema is not None:
+            rename_positional(tensors, schema, src)  # the names must fit before they travel
+            schema.write_to_file(names_sidecar_path(dst))
         state_dict_to_fdl(tensors, dst, hash_hex)
     elif dst_format == "safetensors":
         meta = {"format": "pt"}
         if hash_hex:
             meta[FDL_HASH_METADATA_KEY] = hash_hex
+        meta.update(metadata or {})
         save_safetensors(tensors, dst, meta)
     elif dst_format == "torch":
         save_torch_state_dict(tensors, dst)
@@ -388,6 +458,7 @@ def convert(src: "str | os.PathLike[str]", dst: "str | os.PathLike[str]",
 
 __all__ = [
     "FDL_HASH_METADATA_KEY",
+    "bundle_names",
     "consensus_state_dict",
     "convert",
     "detect_format",
@@ -397,6 +468,7 @@ __all__ = [
     "load_torch_state_dict",
     "read_any",
     "read_safetensors_header",
+    "rename_positional",
     "safetensors_to_fdl",
     "save_safetensors",
     "save_torch_state_dict",

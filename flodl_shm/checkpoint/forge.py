@@ -50,7 +50,8 @@ from ..errors import CheckpointError, FrameError
 from ..frame import DTYPE_BF16, DTYPE_F32, RoundFrame, RoundKind, TensorPayload, dtype_name
 from .fdl import FdlDtype, FdlWriter, LoadReport, _Target, load_targets, write_fdl_stream
 from .meta import (CheckpointBundle, CheckpointMeta, ModelSchema, averaged_buffers,
-                   consensus_buffer_key, consensus_param_key, set_extension)
+                   consensus_buffer_key, consensus_param_key, names_sidecar_path,
+                   set_extension)
 from .tap_head import TapHead
 
 logger = logging.getLogger("flodl_shm")
@@ -374,6 +375,8 @@ class CheckpointForge:
 
     def _run_job(self, job: _WriteJob) -> None:
         try:
+            # the names first: a present .fdl implies its .names.json (for converters)
+            job.schema.write_to_file(names_sidecar_path(job.path))
             write_consensus_fdl(job.schema, job.payloads, job.path)
         except Exception as e:
             self.writes_failed += 1

@@ -7,6 +7,7 @@ A checkpoint *bundle* is a set of files sharing one stem::
     <stem>.outer.fdl         outer-optimizer momentum (only for stateful outer optimizers)
     <stem>.optim             optimizer state (written by the training runtime)
     <stem>.meta.json         CheckpointMeta: where the run was (the bundle's commit marker)
+    <stem>.names.json        ModelSchema: the qualified names behind p{i} / b{j}
     <stem>.config.json       architecture sidecar, when the model has one
     <stem>.rank<N>.death.json  RankDeathRecord of a rank that died on its own
 
@@ -47,6 +48,8 @@ from ._atomic import atomic_write_bytes
 CHECKPOINT_META_SCHEMA_VERSION = 4
 #: Version stamped into every ``.rank<N>.death.json``.
 RANK_DEATH_RECORD_SCHEMA_VERSION = 1
+#: Version stamped into every ``.names.json`` (a ``ModelSchema``).
+MODEL_NAMES_SCHEMA_VERSION = 1
 
 _U64_MAX = (1 << 64) - 1
 
@@ -104,6 +107,12 @@ class CheckpointBundle:
         return set_extension(stem, "config.json")
 
     @staticmethod
+    def names_path(stem: "str | os.PathLike[str]") -> Path:
+        """Parameter and buffer names: ``<stem>.names.json`` (see :func:`names_sidecar_path`
+        for the sidecar of a model file)."""
+        return set_extension(stem, "names.json")
+
+    @staticmethod
     def outer_path(stem: "str | os.PathLike[str]") -> Path:
         """Outer-optimizer momentum: ``<stem>.outer.fdl`` (see ``forge.outer_sidecar_path``
         for the ``.fdl.gz`` form)."""
@@ -119,6 +128,24 @@ class CheckpointBundle:
         rank = _check_uint(rank, "rank")
         base = set_extension(stem, "")
         return base.with_name(f"{base.name}.rank{rank}.death.json")
+
+
+def names_sidecar_path(model_path: "str | os.PathLike[str]") -> Path:
+    """The ``.names.json`` of the bundle a model file belongs to.
+
+    ``x.fdl``, ``x.fdl.gz``, ``x.outer.fdl`` and ``x.outer.fdl.gz`` all map to
+    ``x.names.json``: the outer-momentum sidecar's ``p{i}`` are the same
+    parameters as the model's. Any other name gets its extension replaced.
+    """
+    p = Path(os.fspath(model_path))
+    name = p.name
+    for suffix in (".fdl.gz", ".fdl"):
+        if name.endswith(suffix) and len(name) > len(suffix):
+            name = name[: -len(suffix)]
+            if name.endswith(".outer") and len(name) > len(".outer"):
+                name = name[: -len(".outer")]
+            return p.with_name(name + ".names.json")
+    return set_extension(p, "names.json")
 
 
 # --- JSON field validation ------------------------------------------------------
@@ -222,6 +249,28 @@ class ModelSchema:
     def tensor_count(self) -> int:
         """Params + averaged buffers: the tensor count a complete consensus carries."""
         return len(self.param_names) + len(self.buffer_names)
+
+    def positional_names(self) -> dict[str, str]:
+        """``{"p0": param_names[0], ..., "b0": buffer_names[0], ...}``: the qualified name
+        behind each positional key of a consensus checkpoint."""
+        names = {consensus_param_key(i): n for i, n in enumerate(self.param_names)}
+        names.update({consensus_buffer_key(j): n for j, n in enumerate(self.buffer_names)})
+        return names
+
+    def write_to_file(self, path: "str | os.PathLike[str]") -> None:
+        """Commit the names as pretty JSON (``schema_version``, ``param_names``,
+        ``buffer_names``) to ``path`` atomically: a bundle's ``.names.json``."""
+        p = Path(os.fspath(path))
+        obj = {"schema_version": MODEL_NAMES_SCHEMA_VERSION, **self.to_dict()}
+        atomic_write_bytes(p, _dump_json(obj, "ModelSchema", p))
+
+    @classmethod
+    def read_from_file(cls, path: "str | os.PathLike[str]") -> "ModelSchema":
+        """Read a ``.names.json``; ``CheckpointError`` when unreadable, malformed, or newer
+        than ``MODEL_NAMES_SCHEMA_VERSION``."""
+        obj = _load_json(path, "ModelSchema")
+        _check_version(obj, "ModelSchema", MODEL_NAMES_SCHEMA_VERSION, os.fspath(path))
+        return cls.from_dict(obj)
 
     def to_dict(self) -> dict:
         return {"param_names": list(self.param_names), "buffer_names": list(self.buffer_names)}
@@ -631,6 +680,7 @@ class RankDeathRecord:
 
 __all__ = [
     "CHECKPOINT_META_SCHEMA_VERSION",
+    "MODEL_NAMES_SCHEMA_VERSION",
     "RANK_DEATH_RECORD_SCHEMA_VERSION",
     "CheckpointBundle",
     "CheckpointMeta",
@@ -643,5 +693,6 @@ __all__ = [
     "averaged_buffers",
     "consensus_buffer_key",
     "consensus_param_key",
+    "names_sidecar_path",
     "set_extension",
 ]

@@ -8,6 +8,7 @@ step. So every checkpointed window gets its own stem::
 
     <save_path>-r00000012.fdl            consensus after window 12
     <save_path>-r00000012.outer.fdl      outer momentum (stateful outer optimizers)
+    <save_path>-r00000012.names.json     the model's parameter and buffer names (first)
     <save_path>-r00000012.meta.json      CheckpointMeta (written last)
 
 (``<save_path>`` with one extension dropped, so ``runs/ckpt`` and ``runs/ckpt.fdl``
@@ -24,7 +25,7 @@ from typing import Optional
 
 from ._atomic import TMP_SUFFIX, remove_stale_temps
 from .forge import outer_sidecar_path
-from .meta import CheckpointBundle, set_extension
+from .meta import CheckpointBundle, names_sidecar_path, set_extension
 
 logger = logging.getLogger("flodl_shm")
 
@@ -48,13 +49,13 @@ def round_model_path(save_path: "str | os.PathLike[str]", sync_round: int) -> Pa
 def bundle_files(model_path: "str | os.PathLike[str]") -> list[Path]:
     """The files of the bundle whose model is ``model_path``, commit marker first."""
     p = Path(os.fspath(model_path))
-    return [CheckpointBundle.meta_path(p), outer_sidecar_path(p), p]
+    return [CheckpointBundle.meta_path(p), outer_sidecar_path(p), p, names_sidecar_path(p)]
 
 
 def _rounds(save_path) -> dict[int, Path]:
     """round -> model path of every bundle with any file (or leftover temp) on disk."""
     base = series_base(save_path)
-    pattern = re.compile(re.escape(base.name) + r"-r(\d{%d,})\.(?:fdl|outer\.fdl|meta\.json)"
+    pattern = re.compile(re.escape(base.name) + r"-r(\d{%d,})\.(?:fdl|outer\.fdl|meta\.json|names\.json)"
                          r"(?:(?:\.\d+\.[0-9a-f]+)?%s)?$" % (_ROUND_DIGITS, re.escape(TMP_SUFFIX)))
     folder = base.parent
     out: dict[int, Path] = {}

@@ -2,10 +2,13 @@
 
     python -m flodl_shm fdl show FILE [--json]
         version, structural hash, and every entry's name, dtype, shape and bytes
-        (reads headers only for a plain .fdl; .fdl.gz is decompressed).
-    python -m flodl_shm fdl convert SRC DST [--from FMT] [--to FMT]
+        (reads headers only for a plain .fdl; .fdl.gz is decompressed); with the
+        bundle's .names.json, the model name behind each p{i} / b{j} too.
+    python -m flodl_shm fdl convert SRC DST [--from FMT] [--to FMT] [--keep-keys]
         between .fdl / .fdl.gz, .safetensors and torch files (.pt/.pth/.bin),
-        formats from the file names unless given.
+        formats from the file names unless given; a consensus checkpoint's
+        p{i} / b{j} become the model's names (from its .names.json) unless
+        --keep-keys.
 
 Exit status: 0 on success, 1 when the file is unreadable or corrupt (the
 reason is printed to stderr), 2 for a usage error.
@@ -18,6 +21,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from ..checkpoint.meta import names_sidecar_path
 from ..errors import CheckpointError
 
 
@@ -51,14 +55,22 @@ def _show(path: str, as_json: bool) -> int:
     """Print a .fdl's header and entries. Two passes over the headers (a plain file is not
     read past them), none of them held: memory does not grow with the entry count, and a
     corrupt file is reported before anything is printed."""
+    from ..checkpoint.convert import bundle_names
     from ..checkpoint.fdl import FdlDtype, FdlReader, is_gzip_path
 
-    w_name, w_shape, payload = 4, 5, 0
+    try:
+        schema = bundle_names(path)
+    except CheckpointError as e:
+        print(f"warning: model names not shown: {e}", file=sys.stderr)
+        schema = None
+    model_names = {} if schema is None else schema.positional_names()
+    w_name, w_shape, w_model, payload = 4, 5, 10, 0
     with FdlReader(path) as reader:
         for e in reader.entries():
             payload += e.nbytes
             w_name = max(w_name, len(printable_name(e.name)))
             w_shape = max(w_shape, len(str(list(e.shape))))
+            w_model = max(w_model, len(printable_name(model_names.get(e.name, ""))))
         version, hash_hex, count = reader.version, reader.hash_hex, reader.count
     summary = {
         "path": os.fspath(path),
@@ -78,6 +90,8 @@ def _show(path: str, as_json: bool) -> int:
             for i, e in enumerate(reader.entries()):
                 item = {"name": e.name, "dtype": FdlDtype(e.dtype_tag).label,
                         "dtype_tag": e.dtype_tag, "shape": list(e.shape), "bytes": e.nbytes}
+                if model_names:
+                    item["model_name"] = model_names.get(e.name)
                 out.write(("," if i else "") + "\n    " + json.dumps(item))
         out.write(("\n  " if count else "") + "]\n}\n")
         return 0
@@ -87,21 +101,34 @@ def _show(path: str, as_json: bool) -> int:
     out.write(f"structural hash: {hash_hex or 'none (all zero)'}\n")
     if not count:
         return 0
-    out.write(f"{'#':>4}  {'name':<{w_name}}  {'dtype':<5}  {'shape':<{w_shape}}  "
+    if model_names:
+        out.write(f"model names: {names_sidecar_path(path).name}\n")
+    model_col = f"  {'model name':<{w_model}}" if model_names else ""
+    out.write(f"{'#':>4}  {'name':<{w_name}}{model_col}  {'dtype':<5}  {'shape':<{w_shape}}  "
               f"{'bytes':>12}\n")
     with FdlReader(path) as reader:
         for i, e in enumerate(reader.entries()):
-            out.write(f"{i:>4}  {printable_name(e.name):<{w_name}}  "
+            model_col = (f"  {printable_name(model_names.get(e.name, '')):<{w_model}}"
+                         if model_names else "")
+            out.write(f"{i:>4}  {printable_name(e.name):<{w_name}}{model_col}  "
                       f"{FdlDtype(e.dtype_tag).label:<5}  {str(list(e.shape)):<{w_shape}}  "
                       f"{e.nbytes:>12}\n")
     return 0
 
 
-def _convert(src: str, dst: str, src_fmt: Optional[str], dst_fmt: Optional[str]) -> int:
-    from ..checkpoint.convert import convert
+def _convert(src: str, dst: str, src_fmt: Optional[str], dst_fmt: Optional[str],
+             keep_keys: bool) -> int:
+    from ..checkpoint.convert import bundle_names, convert, detect_format
 
-    n = convert(src, dst, src_fmt, dst_fmt)
-    print(f"wrote {dst}: {n} tensors from {src}")
+    renamed = (not keep_keys and (src_fmt or detect_format(src)) == "fdl"
+               and bundle_names(src) is not None)
+    n = convert(src, dst, src_fmt, dst_fmt, names=None if keep_keys else "auto")
+    how = ""
+    if renamed:
+        kept = (dst_fmt or detect_format(dst)) == "fdl"
+        how = (f" (positional keys kept, names copied to {names_sidecar_path(dst).name})" if kept
+               else f" (keys named from {names_sidecar_path(src).name})")
+    print(f"wrote {dst}: {n} tensors from {src}{how}")
     return 0
 
 
@@ -117,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("dst")
     conv.add_argument("--from", dest="src_format", choices=("fdl", "safetensors", "torch"))
     conv.add_argument("--to", dest="dst_format", choices=("fdl", "safetensors", "torch"))
+    conv.add_argument("--keep-keys", action="store_true",
+                      help="keep a consensus checkpoint's positional keys p0, p1, ..., b0, ... "
+                           "(default: the model's names from the bundle's .names.json)")
     return parser
 
 
@@ -129,7 +159,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "show":
             return _show(args.file, args.json)
-        return _convert(args.src, args.dst, args.src_format, args.dst_format)
+        return _convert(args.src, args.dst, args.src_format, args.dst_format, args.keep_keys)
     except BrokenPipeError:  # e.g. `... | head`: the reader left, nothing to report
         try:
             sys.stdout = open(os.devnull, "w")

@@ -1,0 +1,167 @@
+"""A consensus checkpoint carries its model's names: ``<stem>.names.json``.
+
+The ``.fdl`` keeps flodl's positional keys (``p{i}`` / ``b{j}``); the forge writes
+the ``ModelSchema`` next to it, first, and every converter renames the keys with
+it, so ``model.load_state_dict(torch.load(converted))`` works as it does for any
+torch checkpoint.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flodl_shm import CheckpointError, load_consensus_checkpoint
+from flodl_shm.checkpoint.convert import (consensus_state_dict, convert, fdl_to_state_dict,
+                                          load_safetensors, state_dict_to_consensus_fdl)
+from flodl_shm.checkpoint.fdl import read_fdl
+from flodl_shm.checkpoint.forge import CheckpointForge, outer_sidecar_path
+from flodl_shm.checkpoint.meta import ModelSchema, names_sidecar_path
+from flodl_shm.checkpoint.series import bundle_files, prune_series, round_model_path
+from flodl_shm.cli import fdl as cli
+from flodl_shm.frame import tensors_to_round_frame
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),
+                                torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    model(torch.randn(8, 3))  # BatchNorm running stats away from their init
+    return model
+
+
+def forge_checkpoint(model, path: Path, momentum=None) -> None:
+    """The consensus of ``model`` written as the Trainer's forge writes it."""
+    forge = CheckpointForge(ModelSchema.from_module(model))
+    forge.arm(path)
+    if momentum is not None:
+        forge.stash_outer_momentum(tensors_to_round_frame(momentum).tensors)
+    forge.accumulate(tensors_to_round_frame([p.detach() for p in model.parameters()]))
+    forge.accumulate(tensors_to_round_frame(
+        [b for _, b in model.named_buffers() if b.is_floating_point()]))
+    assert forge.flush(30) and forge.writes_failed == 0
+
+
+def assert_same_state(model, other) -> None:
+    for (k, v), (k2, v2) in zip(model.state_dict().items(), other.state_dict().items()):
+        assert k == k2
+        if v.is_floating_point():
+            assert torch.equal(v, v2), k
+
+
+def test_names_sidecar_paths():
+    for model in ("r/x.fdl", "r/x.fdl.gz", "r/x.outer.fdl", "r/x.outer.fdl.gz"):
+        assert names_sidecar_path(model) == Path("r/x.names.json")
+    assert names_sidecar_path("r/x-r00000012.fdl") == Path("r/x-r00000012.names.json")
+    assert names_sidecar_path("r/x.pt") == Path("r/x.names.json")
+
+
+def test_the_forge_writes_the_names_with_the_model(tmp_path):
+    model = make_model()
+    path = tmp_path / "c.fdl"
+    forge_checkpoint(model, path)
+    side = tmp_path / "c.names.json"
+    assert ModelSchema.read_from_file(side) == ModelSchema.from_module(model)
+    doc = json.loads(side.read_text())
+    assert doc["schema_version"] == 1
+    assert doc["param_names"] == ["0.weight", "0.bias", "1.weight", "1.bias", "3.weight",
+                                  "3.bias"]
+    assert doc["buffer_names"] == ["1.running_mean", "1.running_var"]
+    # the .fdl itself is unchanged: flodl's positional keys, nothing else
+    assert [e.name for e in read_fdl(path).entries] == [f"p{i}" for i in range(6)] + ["b0", "b1"]
+    assert load_consensus_checkpoint(make_model(1), path).complete
+
+
+@pytest.mark.parametrize("dst", ["c.pt", "c.safetensors"])
+def test_converted_consensus_loads_with_load_state_dict(tmp_path, dst, capsys):
+    model = make_model()
+    forge_checkpoint(model, tmp_path / "c.fdl")
+    assert cli.main(["convert", str(tmp_path / "c.fdl"), str(tmp_path / dst)]) == 0
+    assert "keys named from c.names.json" in capsys.readouterr().out
+    if dst.endswith(".pt"):
+        state = torch.load(tmp_path / dst)
+    else:
+        state = load_safetensors(tmp_path / dst)[0]
+    fresh = make_model(1)
+    fresh.load_state_dict(state)  # strict: every name is the model's own
+    assert_same_state(model, fresh)
+
+
+def test_fdl_to_fdl_keeps_positional_keys_and_copies_the_names(tmp_path):
+    model = make_model()
+    forge_checkpoint(model, tmp_path / "c.fdl")
+    assert convert(tmp_path / "c.fdl", tmp_path / "d.fdl.gz") == 8
+    assert [e.name for e in read_fdl(tmp_path / "d.fdl.gz").entries][0] == "p0"
+    assert (tmp_path / "d.names.json").read_bytes() == (tmp_path / "c.names.json").read_bytes()
+    fresh = make_model(1)
+    assert load_consensus_checkpoint(fresh, tmp_path / "d.fdl.gz").complete
+    assert_same_state(model, fresh)
+    assert list(fdl_to_state_dict(tmp_path / "d.fdl.gz"))[:2] == ["0.weight", "0.bias"]
+
+
+def test_the_outer_momentum_sidecar_converts_to_parameter_names(tmp_path):
+    model = make_model()
+    momentum = [torch.full_like(p, float(i)) for i, p in enumerate(model.parameters())]
+    forge_checkpoint(model, tmp_path / "c.fdl", momentum=momentum)
+    outer = outer_sidecar_path(tmp_path / "c.fdl")
+    named = fdl_to_state_dict(outer)
+    assert list(named) == [n for n, _ in model.named_parameters()]
+    assert all(torch.equal(named[n], m) for (n, _), m in zip(model.named_parameters(), momentum))
+
+
+def test_keep_keys_and_files_without_names(tmp_path, capsys):
+    model = make_model()
+    forge_checkpoint(model, tmp_path / "c.fdl")
+    assert cli.main(["convert", "--keep-keys", str(tmp_path / "c.fdl"), str(tmp_path / "k.pt")]) == 0
+    assert list(torch.load(tmp_path / "k.pt"))[0] == "p0"
+    assert list(fdl_to_state_dict(tmp_path / "c.fdl", names=None))[0] == "p0"
+    # names given explicitly work without a sidecar; without either, a clear error
+    (tmp_path / "c.names.json").unlink()
+    assert list(consensus_state_dict(tmp_path / "c.fdl", model))[0] == "0.weight"
+    with pytest.raises(CheckpointError, match="no c.names.json next to it: pass the model"):
+        consensus_state_dict(tmp_path / "c.fdl")
+    assert list(fdl_to_state_dict(tmp_path / "c.fdl"))[0] == "p0"
+
+
+def test_a_names_file_of_another_model_is_refused(tmp_path):
+    forge_checkpoint(make_model(), tmp_path / "c.fdl")
+    ModelSchema(["w"], []).write_to_file(tmp_path / "c.names.json")
+    with pytest.raises(CheckpointError, match=r"missing \[\], unexpected \['p1'.*--keep-keys"):
+        convert(tmp_path / "c.fdl", tmp_path / "c.pt")
+    assert not (tmp_path / "c.pt").exists()
+    assert cli.main(["show", str(tmp_path / "c.fdl")]) == 0  # show still lists the file
+
+
+def test_state_dict_to_consensus_fdl_writes_the_names(tmp_path):
+    model = make_model()
+    state_dict_to_consensus_fdl(model.state_dict(), model, tmp_path / "s.fdl")
+    assert ModelSchema.read_from_file(tmp_path / "s.names.json") == ModelSchema.from_module(model)
+    fresh = make_model(1)
+    fresh.load_state_dict(fdl_to_state_dict(tmp_path / "s.fdl"))
+    assert_same_state(model, fresh)
+
+
+def test_fdl_show_lists_the_model_names(tmp_path, capsys):
+    forge_checkpoint(make_model(), tmp_path / "c.fdl")
+    assert cli.main(["show", str(tmp_path / "c.fdl")]) == 0
+    out = capsys.readouterr().out
+    assert "model names: c.names.json" in out
+    assert ["6", "b0", "1.running_mean", "f32", "[4]", "16"] in [ln.split() for ln in
+                                                               out.splitlines()]
+    assert cli.main(["show", "--json", str(tmp_path / "c.fdl")]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["tensors"][0]["model_name"] == "0.weight"
+
+
+def test_series_prunes_the_names_with_the_bundle(tmp_path):
+    stem = tmp_path / "run"
+    model = make_model()
+    for rnd in (1, 2, 3):
+        forge_checkpoint(model, round_model_path(stem, rnd))
+        (tmp_path / f"run-r{rnd:08d}.meta.json").write_text("{}")
+    assert names_sidecar_path(round_model_path(stem, 1)) in bundle_files(round_model_path(stem, 1))
+    assert prune_series(stem, keep=1) == [1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "run-r00000003.fdl", "run-r00000003.meta.json", "run-r00000003.names.json"]
