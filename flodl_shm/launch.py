@@ -249,10 +249,6 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])  # ignored from now on
-    try:
-        _send(conn, ("up",))  # from here the launcher grants a grace before SIGTERM
-    except OSError:
-        os._exit(1)
     os.environ.update({
         "RANK": str(global_rank), "LOCAL_RANK": str(local_rank),
         "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(handle.world),
@@ -292,7 +288,8 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
         fn, args = pickle.loads(payload)
         ctx = RankContext(global_rank, local_rank, world_size, handle.world, comm, save_path)
         with send_lock:
-            _send(conn, ("running",))  # start-up is over: stall clocks now apply in full
+            _send(conn, ("running",))  # start-up is over: stall clocks apply in full, and
+            # a stop grants fn a grace before SIGTERM
         result = fn(ctx, *args)
         lib_logger.removeHandler(handler)
         try:
@@ -359,7 +356,14 @@ class _RankPopen(popen_spawn_posix.Popen):
             i = cmd.index("-c") + 1
             cmd[i] = _BOOTSTRAP.format(ppid=os.getpid()) + cmd[i]
             self._fds.extend([child_r, child_w])
-            self.pid = mp_util.spawnv_passfds(mp_spawn.get_executable(), cmd, self._fds)
+            # the child inherits this mask through exec: SIGINT stays pending until the
+            # bootstrap ignores it (blocked here, at the last moment, because starting
+            # the resource tracker above unblocks SIGINT in the calling thread)
+            old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+            try:
+                self.pid = mp_util.spawnv_passfds(mp_spawn.get_executable(), cmd, self._fds)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
             self.sentinel = parent_r
             with open(parent_w, "wb", closefd=False) as f:
                 f.write(fp.getbuffer())
@@ -415,6 +419,10 @@ class SpawnContext:
         self.timeout = timeout
         # the ranks' own deadline: a backstop behind the supervisor's stall verdict
         self._rank_timeout = None if timeout is None else timeout + stall_grace(timeout)
+        #: on a cluster, the round deadline this host announces to the controller: after
+        #: the supervisor fences a local culprit (``timeout``), before the ranks give up
+        self.cluster_round_timeout = (None if timeout is None
+                                      else timeout + stall_grace(timeout) / 2)
         self.save_path = save_path
         self._payload = _check_picklable(fn, args)
         self._mp = mp.get_context(start_method)
@@ -422,7 +430,6 @@ class SpawnContext:
         self._log_level = _forward_level()
         # single host: ranks may also call dist.init_process_group("flodl_shm") (env://)
         self._c10d_env = None if relay_factory is not None else _torch_distributed_env()
-        self._up: set[int] = set()           # local ranks whose _rank_main is running
         self._running: dict[int, float] = {}  # local rank -> when it entered fn
         self._stalled: dict[int, str] = {}   # local culprits killed for a stall -> why
         self._stall_clock: tuple | None = None  # ((phase, round), first seen) of a wait
@@ -513,8 +520,9 @@ class SpawnContext:
     # -- monitor thread --------------------------------------------------------------
     def _monitor_main(self) -> None:
         conns = {}
-        # Ranks inherit this thread's signal mask: SIGINT stays blocked in them until
-        # their bootstrap ignores it (a Ctrl-C is the launcher's to handle).
+        # Ranks inherit the starting thread's signal mask: SIGINT stays blocked in them
+        # until they ignore it (a Ctrl-C is the launcher's to handle). "spawn" ranks
+        # are also covered by _RankPopen; this covers the other start methods.
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
         try:
             try:
@@ -571,9 +579,6 @@ class SpawnContext:
                     if msg[0] == "log":
                         self._rank_log(r, msg)
                         continue
-                    if msg[0] == "up":
-                        self._up.add(r)
-                        continue
                     if msg[0] == "running":
                         self._running[r] = time.monotonic()
                         continue
@@ -588,7 +593,7 @@ class SpawnContext:
                             msg = _recv(c)
                             if msg[0] == "log":
                                 self._rank_log(r, msg)
-                            elif msg[0] not in ("up", "running"):
+                            elif msg[0] != "running":
                                 pending[r] = msg
                     except (EOFError, OSError):
                         pass
@@ -786,8 +791,8 @@ class SpawnContext:
     def _escalate(self) -> None:
         self._started.wait()  # every rank that will ever start is in self._procs
         for r, p in enumerate(self._procs):
-            if r not in self._up and p.is_alive():
-                p.terminate()  # still starting up: nothing of the user's to finish
+            if r not in self._running and p.is_alive():
+                p.terminate()  # still starting up (fn not entered): nothing to finish
         deadline = time.monotonic() + ABORT_GRACE_S
         while time.monotonic() < deadline and any(p.is_alive() for p in self._procs):
             time.sleep(0.02)
@@ -845,8 +850,10 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
             cohort (this host carries global ranks ``first_rank .. first_rank+nprocs-1``
             of ``world_size``); ``salt`` is then the 16-byte session secret.
         max_failures: ranks allowed to die while the rest continue on realized work.
-        timeout: bound on each collective wait, in seconds (a stuck round fails with
-            ``ReduceStall`` naming the round and the missing ranks).
+        timeout: bound on each collective wait, in seconds: a rank that leaves the
+            others waiting longer (hung, or stuck outside the collectives) is killed by
+            the supervisor and counts as one failure; past ``max_failures`` the run
+            stops with ``RankStalled`` naming the round and the missing ranks.
         save_path: checkpoint stem; dead ranks' ``RankDeathRecord`` goes next to it.
         start_method: multiprocessing start method ("spawn" recommended).
         eager_bytes: contributions up to this size take the one-sync eager path.
@@ -860,7 +867,11 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
         With ``join=True``, the return values by local rank (``None`` for a dead rank).
 
     Raises:
+        RankStalled: past ``max_failures``, ranks that stalled a round for longer
+            than ``timeout`` (a ``ReduceStall`` and a ``RankFailed``).
         RankFailed: more than ``max_failures`` ranks raised or were killed.
+        KeyboardInterrupt: SIGINT/SIGTERM reached the launcher (main thread only);
+            every rank was stopped and every segment unlinked first.
         TypeError: ``fn`` or ``args`` cannot be pickled.
         ValueError: bad counts or ranks.
     """

@@ -9,7 +9,8 @@ Runs ``spawn`` on the main thread (so its signal handlers are installed) with
 With ``DRIVER_SLOW_IMPORT_FILE`` set, each rank instead appends its pid to that file
 while multiprocessing imports this script in it (as ``__mp_main__``), then stays in
 that import for ``DRIVER_SLOW_IMPORT_S`` seconds: a rank still importing its
-launcher's heavy modules.
+launcher's heavy modules. With ``DRIVER_SPAWNING_FILE`` set, that file is created
+right before ``spawn`` is called.
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ def main() -> int:
 
     # as in a terminal, whatever the test runner's shell left ignored (ranks inherit it)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if os.environ.get("DRIVER_SPAWNING_FILE"):
+        open(os.environ["DRIVER_SPAWNING_FILE"], "w").close()
 
     flodl_shm.spawn(spin_forever, int(sys.argv[1]))
     return 0

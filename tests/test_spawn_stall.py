@@ -60,6 +60,19 @@ def hang_in_reduce(ctx, victim, target_round):
     return results
 
 
+def run_to_end(fn, nprocs, args, **kw):
+    """``spawn(..., join=False)`` joined with a bound: the results, or a failed test (the
+    cohort stopped either way)."""
+    ctx = spawn(fn, nprocs, args, join=False, **kw)
+    try:
+        out = ctx.join(timeout=120)
+        assert out is not None, "spawn did not return: the hung rank was never dealt with"
+    finally:
+        ctx.terminate()
+        ctx.join()
+    return out
+
+
 # --- tests -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("max_failures", [1, 2])
@@ -68,14 +81,8 @@ def test_hung_rank_is_fenced_not_the_ranks_waiting_for_it(tmp_path, max_failures
     every round over the survivors and agree. With max_failures=2 (room to wrongly fence
     both waiters) ``spawn`` used to wait for the hung rank forever."""
     stem = tmp_path / "ckpt"
-    ctx = spawn(hang_before_round, 3, (2, 2, 4), max_failures=max_failures, timeout=TIMEOUT,
-                save_path=stem, join=False)
-    try:
-        out = ctx.join(timeout=120)
-        assert out is not None, "spawn did not return: the hung rank was never dealt with"
-    finally:
-        ctx.terminate()
-        ctx.join()
+    out = run_to_end(hang_before_round, 3, (2, 2, 4), max_failures=max_failures,
+                     timeout=TIMEOUT, save_path=stem)
     assert out[2] is None
     # rounds 0-1: (1+2+3)/3; rounds 2-3: (1+2)/2 over the survivors
     assert out[0] == out[1] == [2.0, 2.0, 1.5, 1.5]
@@ -99,13 +106,7 @@ def test_hung_rank_beyond_max_failures_raises_reduce_stall_naming_it():
 def test_rank_hung_mid_reduce_is_fenced_and_its_slice_taken_over():
     """Rank 2 hangs inside its slice of bulk round 1 (it had arrived): it is the culprit;
     the survivors take its slice over and round 1 still includes its contribution."""
-    ctx = spawn(hang_in_reduce, 3, (2, 1), max_failures=1, timeout=TIMEOUT, join=False)
-    try:
-        out = ctx.join(timeout=120)
-        assert out is not None, "spawn did not return"
-    finally:
-        ctx.terminate()
-        ctx.join()
+    out = run_to_end(hang_in_reduce, 3, (2, 1), max_failures=1, timeout=TIMEOUT)
     assert out[2] is None and out[0] == out[1]
     # round 0: all three; round 1: all three (rank 2 arrived); round 2: survivors only
     assert out[0] == [(2.0, 2.0, 3.0), (4.0, 4.0, 3.0), (4.5, 4.5, 2.0)]

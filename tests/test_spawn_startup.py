@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from flodl_shm.engine.segment import list_segments, reap_dead_owner_segments
@@ -94,3 +95,60 @@ def test_launcher_killed_while_ranks_import_takes_them_down(tmp_path):
     assert left, "expected the dead launcher's segments to still be there"
     assert set(left) <= {s.name for s in reap_dead_owner_segments()}
     assert _segments_of(proc.pid) == []
+
+
+def test_sigint_storm_through_rank_start_up_kills_no_rank(tmp_path):
+    """SIGINT sent to the ranks again and again from the instant each is forked, through
+    its interpreter's start-up (where it used to die, or end with "Fatal Python error:
+    init_import_site") and its imports, until it runs: no rank dies of it (a Ctrl-C is
+    the launcher's to handle), and the run goes on."""
+    ready = tmp_path / "ready"
+    env = dict(os.environ, DRIVER_READY_FILE=str(ready))
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "spawn_driver.py"), "2"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    hit: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            if ready.exists() and len(ready.read_text().split()) >= 2:
+                break
+            for pid in _ranks_of(proc.pid):
+                try:
+                    os.kill(pid, signal.SIGINT)
+                    hit.add(pid)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.002)
+        assert proc.poll() is None, f"the launcher stopped: {proc.communicate()}"
+        assert len(ready.read_text().split()) == 2, "the ranks never ran"
+        assert len(hit) >= 2
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=BOUND_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == -signal.SIGTERM, err
+    assert "Fatal Python error" not in err and "RankFailed" not in err, err
+    assert processes_gone(hit, BOUND_S), "ranks outlived the launcher"
+    assert _segments_of(proc.pid) == []
+
+
+def _ranks_of(pid: int) -> list[int]:
+    """Child processes of ``pid`` other than multiprocessing's resource tracker (ranks,
+    from the instant they are forked)."""
+    try:
+        kids = psutil.Process(pid).children()
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for k in kids:
+        try:
+            if not any("resource_tracker" in part for part in k.cmdline()):
+                out.append(k.pid)
+        except psutil.Error:
+            pass
+    return out
+
+

@@ -119,17 +119,27 @@ def _ctl_name(owner_pid: int, session: str) -> str:
 def lock_held(path: Path) -> bool | None:
     """Whether another open file description holds a ``flock`` on ``path`` (its
     owner is alive); ``None`` when ``path`` cannot be opened (gone, not ours)."""
+    fd = _try_lock(path, fcntl.LOCK_SH)
+    if fd is None or fd == -1:
+        return None if fd is None else True
+    os.close(fd)  # also drops the probe's own shared lock
+    return False
+
+
+def _try_lock(path: Path, op: int) -> int | None:
+    """``path`` opened and locked with ``op`` (``LOCK_SH`` / ``LOCK_EX``) without
+    waiting: its fd; ``None`` when it cannot be opened, -1 when a conflicting lock is
+    held."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
+        fcntl.flock(fd, op | fcntl.LOCK_NB)
     except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # also drops the probe's own shared lock
+        os.close(fd)
+        return -1
+    return fd
 
 
 def pid_alive(pid: int) -> bool:
@@ -170,21 +180,6 @@ def list_segments(shm_dir: Path = SHM_DIR) -> list[SegmentInfo]:
     return sorted(out, key=lambda s: s.name)
 
 
-def _lock_for_reaping(ctl_path: Path) -> int | None:
-    """The control segment's fd, exclusively locked; ``None`` when there is no control
-    segment to lock, -1 when someone holds its lock."""
-    try:
-        fd = os.open(ctl_path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return -1
-    return fd
-
-
 def _unlink_in(shm_dir: Path, name: str) -> bool:
     if shm_dir == SHM_DIR:
         return unlink_name(name)
@@ -217,7 +212,7 @@ def reap_dead_owner_segments(shm_dir: Path = SHM_DIR) -> list[SegmentInfo]:
     for (pid, session), segs in sessions.items():
         if any(s.locked for s in segs) or pid_alive(pid):
             continue
-        fd = _lock_for_reaping(shm_dir / _ctl_name(pid, session))
+        fd = _try_lock(shm_dir / _ctl_name(pid, session), fcntl.LOCK_EX)
         if fd == -1:
             continue  # an owner took the lock since the listing
         try:
