@@ -79,6 +79,10 @@ def _create_locked_temp(final: Path) -> tuple[int, Path]:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            # a filesystem without flock (some FUSE/NFS setups): write unlocked; sweepers
+            # cannot lock it either, so they leave it alone
+            logger.debug("cannot flock checkpoint temp file %s (%s); writing it unlocked", tmp, e)
         except BaseException:
             os.close(fd)
             os.unlink(tmp)
@@ -91,8 +95,8 @@ def _is_stale(path: Path, fd: int, legacy: bool) -> bool:
     """Whether the temp file open as ``fd`` belongs to no live writer (we hold its lock)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False  # a live writer holds it
+    except OSError:
+        return False  # a live writer holds it (or the filesystem cannot tell: keep it)
     st = os.fstat(fd)
     try:
         if os.stat(path).st_ino != st.st_ino:
