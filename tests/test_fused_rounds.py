@@ -97,3 +97,43 @@ def test_fused_round_refuses_bad_inputs_like_the_general_round():
 
     with FakeCohort(2) as cohort:
         assert cohort.run(body) == [[1.0] * 3] * 2
+
+
+@pytest.mark.parametrize("bf16_wire", [False, True])
+def test_small_zero_copy_runs_in_the_eager_slot(bf16_wire):
+    """A small zero-copy frame is filled in the eager slot of the next round's parity:
+    alternating rounds (both parities) and a repeated schema reuse cached views and
+    still reduce what was filled; the consensus equals the copy API's."""
+    def body(comm):
+        comm.set_bf16_wire(bf16_wire)
+        got = []
+        for i in range(5):
+            x, y = comm.zero_copy_inputs([(6,), (2, 3)])
+            x.fill_(float(comm.rank + i))
+            y.fill_(float(2 * comm.rank))
+            (vx, vy), mass = comm.all_reduce_zero_copy(weight=1.0)
+            ref = comm.all_reduce_tensors([torch.full((6,), float(comm.rank + i)),
+                                           torch.full((2, 3), float(2 * comm.rank))])
+            got.append((vx.float().tolist(), vy.float().tolist(), mass,
+                        ref[0].tolist(), ref[1].tolist()))
+        return got
+
+    with FakeCohort(2) as cohort:
+        for rank_got in cohort.run(body):
+            for i, (vx, vy, mass, rx, ry) in enumerate(rank_got):
+                assert vx == rx == [0.5 + i] * 6 and vy == ry == [[1.0] * 3] * 2
+                assert mass == 2.0
+
+
+def test_zero_copy_inputs_must_be_reduced_by_the_next_collective():
+    def body(comm):
+        comm.zero_copy_inputs([(4,)])[0].fill_(1.0)
+        comm.barrier()  # reuses the memory the inputs live in
+        with pytest.raises(RuntimeError, match="another collective ran in between"):
+            comm.all_reduce_zero_copy()
+        (x,) = comm.zero_copy_inputs([(4,)])
+        x.fill_(float(comm.rank))
+        return comm.all_reduce_zero_copy()[0][0].tolist()
+
+    with FakeCohort(2) as cohort:
+        assert cohort.run(body) == [[0.5] * 4] * 2

@@ -49,6 +49,18 @@ LABELS = {
     "shm-zc-bf16": "flodl_shm bf16 wire, zero-copy",
     "gloo": "torch.distributed gloo",
     "mpi": "OpenMPI Allreduce (mpi4py)",
+    "mpi-bcast": "OpenMPI Bcast",
+    "mpi-small": "OpenMPI Allreduce of world f64",
+    "mpi-barrier": "OpenMPI Barrier",
+    "api-inplace": "all_reduce_([t])",
+    "api-tensors": "all_reduce_tensors([t])",
+    "api-weighted": "all_reduce_weighted([t], weight=1)",
+    "api-scaled": "all_reduce_scaled([t], 1.0)",
+    "api-frame": "all_reduce(RoundFrame)",
+    "api-zero-copy": "zero_copy_inputs + all_reduce_zero_copy",
+    "api-broadcast": "broadcast_from_root([t])",
+    "api-per-rank": "all_reduce_per_rank_f64 (world values)",
+    "api-barrier": "barrier()",
 }
 
 
@@ -132,6 +144,127 @@ def _shm_worker(ctx, sizes, methods, scale):
     return results
 
 
+# --- every public collective, one row each ---------------------------------------------
+
+#: API rows: name -> the OpenMPI call it is compared with ("mpi-*" methods)
+API_PEERS = {
+    "api-inplace": "mpi",        # comm.all_reduce_([t])
+    "api-tensors": "mpi",        # comm.all_reduce_tensors([t])
+    "api-weighted": "mpi",       # comm.all_reduce_weighted([t], weight=w)
+    "api-scaled": "mpi",         # comm.all_reduce_scaled([t], scale)
+    "api-frame": "mpi",          # comm.all_reduce(RoundFrame)
+    "api-zero-copy": "mpi",      # zero_copy_inputs + all_reduce_zero_copy
+    "api-broadcast": "mpi-bcast",  # comm.broadcast_from_root([t])
+    "api-per-rank": "mpi-small",  # comm.all_reduce_per_rank_f64 (world values)
+    "api-barrier": "mpi-barrier",  # comm.barrier()
+}
+API_METHODS = list(API_PEERS)
+#: size-independent rows: measured once, at the smallest size
+API_FIXED = ("api-per-rank", "api-barrier")
+
+
+def api_ops(comm, n: int, rank: int) -> dict:
+    """One callable per public collective over ``n`` float32 elements, each paired
+    with a check of its last result (every rank contributes ``rank + 1`` with mass 1:
+    the consensus is the mean). Shared by the benchmark and tests/test_perf_guard.py."""
+    import torch
+
+    from flodl_shm import RoundFrame, RoundKind, TensorPayload
+
+    world = comm.world_size
+    mean = (world + 1) / 2.0
+    val = float(rank + 1)
+    t = torch.full((n,), val)
+    src = torch.full((n,), val)
+    frame = RoundFrame([TensorPayload(0, (n,), np.full(n, val, np.float32))], 1.0,
+                       RoundKind.MODEL)
+    last = {}
+
+    def inplace():
+        comm.all_reduce_([t])
+
+    def tensors():
+        last["t"] = comm.all_reduce_tensors([src])
+
+    def weighted():
+        last["w"] = comm.all_reduce_weighted([src], weight=1.0)
+
+    def scaled():
+        last["s"] = comm.all_reduce_scaled([src], 1.0)
+
+    def frame_op():
+        last["f"] = comm.all_reduce(frame)
+
+    def zero_copy():
+        (buf,) = comm.zero_copy_inputs([(n,)])
+        buf.fill_(val)
+        last["z"] = comm.all_reduce_zero_copy()
+
+    def broadcast():
+        last["b"] = comm.broadcast_from_root([src])
+
+    vec = np.zeros(world)
+    vec[rank] = val
+
+    def per_rank():
+        last["p"] = comm.all_reduce_per_rank_f64(vec)
+
+    def barrier():
+        comm.barrier()
+
+    def same(x, want) -> bool:
+        return bool(torch.all(x.float() == want))
+
+    return {
+        # in place: the tensor holds the mean after the first call, and stays there
+        "api-inplace": (inplace, lambda: same(t, mean)),
+        "api-tensors": (tensors, lambda: same(last["t"][0], mean)),
+        "api-weighted": (weighted, lambda: same(last["w"][0][0], mean) and last["w"][1] == world),
+        "api-scaled": (scaled, lambda: same(last["s"][0][0], mean)),
+        "api-frame": (frame_op, lambda: bool(np.all(last["f"].tensors[0].as_array() == mean))),
+        "api-zero-copy": (zero_copy, lambda: same(last["z"][0][0], mean)),
+        "api-broadcast": (broadcast, lambda: same(last["b"][0], 1.0)),
+        "api-per-rank": (per_rank, lambda: last["p"].tolist() == [float(r + 1)
+                                                                 for r in range(world)]),
+        "api-barrier": (barrier, lambda: True),
+    }
+
+
+def _api_worker(ctx, sizes, methods, scale):
+    comm = ctx.comm
+    results = []
+    for nbytes in sizes:
+        n = nbytes // 4
+        warm, iters = schedule(nbytes, ctx.world_size, scale)
+        ops = api_ops(comm, n, ctx.rank)
+        for method in methods:
+            if method in API_FIXED and nbytes != min(sizes):
+                continue
+            op, check = ops[method]
+            op()
+            ok = check()
+            for _ in range(warm):
+                op()
+            comm.barrier()
+            times = np.empty(iters, np.float64)
+            for i in range(iters):
+                t0 = time.perf_counter_ns()
+                op()
+                times[i] = time.perf_counter_ns() - t0
+            ok = ok and check()
+            results.append((method, nbytes, times, ok))
+            comm.barrier()
+        del ops
+    return results
+
+
+def bench_api(world, sizes, methods, scale) -> list[dict]:
+    from flodl_shm import spawn
+
+    per_rank = spawn(_api_worker, world, (sizes, methods, scale), timeout=900)
+    return collect(per_rank, world)
+
+
 def bench_shm(world, sizes, methods, scale) -> list[dict]:
     from flodl_shm import spawn
 
@@ -163,31 +296,56 @@ def _mpi_worker_main(sizes, scale) -> None:
     rank, world = comm.Get_rank(), comm.Get_size()
     inv = np.float32(1.0 / world)
     expected = np.float32((world + 1) / 2.0)
+
+    def measure(method, nbytes, op, check, warm, iters):
+        op()
+        ok = check()
+        for _ in range(warm):
+            op()
+        times = np.empty(iters, np.float64)
+        comm.Barrier()
+        for i in range(iters):
+            t0 = time.perf_counter_ns()
+            op()
+            times[i] = time.perf_counter_ns() - t0
+        ok = ok and check()
+        tmax = np.empty_like(times)
+        comm.Reduce(times, tmax, op=MPI.MAX, root=0)
+        allok = comm.allreduce(ok, op=MPI.LAND)
+        if rank == 0:
+            print("RESULT " + json.dumps(summarize(method, world, nbytes, tmax, allok)),
+                  flush=True)
+
     for nbytes in sizes:
         buf = np.full(nbytes // 4, rank + 1, dtype=np.float32)
+        warm, iters = schedule(nbytes, world, scale)
 
         def avg(buf=buf):
             comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
             np.multiply(buf, inv, out=buf)
 
-        avg()
-        ok = bool(np.all(buf == expected))
-        warm, iters = schedule(nbytes, world, scale)
-        for _ in range(warm):
-            avg()
-        times = np.empty(iters, np.float64)
-        comm.Barrier()
-        for i in range(iters):
-            t0 = time.perf_counter_ns()
-            avg()
-            times[i] = time.perf_counter_ns() - t0
-        ok = ok and bool(np.all(buf == expected))
-        tmax = np.empty_like(times)
-        comm.Reduce(times, tmax, op=MPI.MAX, root=0)
-        allok = comm.allreduce(ok, op=MPI.LAND)
-        if rank == 0:
-            print("RESULT " + json.dumps(summarize("mpi", world, nbytes, tmax, allok)), flush=True)
-        del buf
+        measure("mpi", nbytes, avg, lambda buf=buf: bool(np.all(buf == expected)), warm, iters)
+        # the peer of broadcast_from_root: root's buffer to every rank
+        got = np.full(nbytes // 4, 1.0 if rank == 0 else 0.0, dtype=np.float32)
+
+        def bcast(got=got):
+            comm.Bcast(got, root=0)
+
+        measure("mpi-bcast", nbytes, bcast, lambda got=got: bool(np.all(got == 1.0)), warm,
+                iters)
+        del buf, got
+    # size-independent peers, at the smallest size's schedule
+    warm, iters = schedule(min(sizes), world, scale)
+    vec = np.zeros(world, np.float64)
+    vec[rank] = rank + 1
+    out = np.empty_like(vec)
+
+    def small():
+        comm.Allreduce(vec, out, op=MPI.SUM)
+
+    measure("mpi-small", min(sizes), small,
+            lambda: out.tolist() == [float(r + 1) for r in range(world)], warm, iters)
+    measure("mpi-barrier", min(sizes), comm.Barrier, lambda: True, warm, iters)
     comm.Barrier()
 
 
@@ -223,6 +381,41 @@ def table(results: list[dict], world: int, methods: list[str], memcpy: dict) -> 
             cells.append(f"{r['median_us']:,.1f} µs / {r['algbw_GBps']:.2f} GB/s / "
                          f"{ratio:,.1f}×{flag}")
         lines.append(f"| {human(nbytes)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def api_table(results: list[dict], world: int) -> str:
+    """One row per public collective: median µs and its ratio to the OpenMPI call
+    that does the same job (``API_PEERS``), per size, all from this run."""
+    rows = [r for r in results if r["world"] == world]
+    apis = [m for m in API_METHODS if any(r["method"] == m for r in rows)]
+    sizes = sorted({r["bytes"] for r in rows if r["method"] in apis})
+    if not apis:
+        return ""
+
+    def get(m, nbytes):
+        return next((x for x in rows if x["method"] == m and x["bytes"] == nbytes), None)
+
+    lines = ["| API | OpenMPI peer | " + " | ".join(human(b) for b in sizes) + " |",
+             "|---|---|" + "---:|" * len(sizes)]
+    for m in apis:
+        cells = []
+        for nbytes in sizes:
+            r = get(m, nbytes)
+            if r is None:
+                cells.append("—")
+                continue
+            peer = get(API_PEERS[m], nbytes)
+            ratio = f" ({r['median_us'] / peer['median_us']:.2f}×)" if peer else ""
+            flag = "" if r["correct"] else " WRONG"
+            cells.append(f"{r['median_us']:,.1f} µs{ratio}{flag}")
+        lines.append(f"| `{LABELS[m]}` | {LABELS[API_PEERS[m]]} | " + " | ".join(cells) + " |")
+    for peer in sorted({API_PEERS[m] for m in apis}):
+        cells = []
+        for nbytes in sizes:
+            r = get(peer, nbytes)
+            cells.append("—" if r is None else f"{r['median_us']:,.1f} µs")
+        lines.append(f"| *{LABELS[peer]}* | | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -278,7 +471,8 @@ def main(argv=None) -> int:
                     help="comma-separated sizes (bytes or 4KiB/64MiB)")
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--methods", default="all",
-                    help="comma list of memcpy,shm-copy,shm-zc,shm-copy-bf16,shm-zc-bf16,gloo,mpi")
+                    help="comma list of memcpy,shm-copy,shm-zc,shm-copy-bf16,shm-zc-bf16,gloo,"
+                         "mpi, api (every public collective, one row each) or api-<name>")
     ap.add_argument("--iter-scale", type=float, default=1.0)
     ap.add_argument("--quick", action="store_true", help="tiny schedule (smoke test)")
     ap.add_argument("--json", help="append RESULT records to this JSONL file")
@@ -296,8 +490,13 @@ def main(argv=None) -> int:
         _mpi_worker_main(sizes, scale)
         return 0
     worlds = [int(w) for w in args.worlds.split(",")]
-    methods = (["memcpy", *SHM_METHODS, "gloo", "mpi"] if args.methods == "all"
+    methods = (["memcpy", *SHM_METHODS, "api", "gloo", "mpi"] if args.methods == "all"
                else args.methods.split(","))
+    if "api" in methods:
+        methods = [m for m in methods if m != "api"] + API_METHODS
+    apis = [m for m in methods if m in API_PEERS]
+    if apis and "mpi" not in methods:
+        methods.append("mpi")  # the API table's ratio column
     print(f"# host: {os.cpu_count()} cores; sizes {', '.join(human(s) for s in sizes)}; "
           f"worlds {worlds}; iteration scale {scale}", flush=True)
     results = []
@@ -309,6 +508,9 @@ def main(argv=None) -> int:
         if shm:
             print(f"# flodl_shm, world {world} ...", flush=True)
             results += bench_shm(world, sizes, shm, scale)
+        if apis:
+            print(f"# flodl_shm API rows, world {world} ...", flush=True)
+            results += bench_api(world, sizes, apis, scale)
         if "gloo" in methods:
             print(f"# gloo, world {world} ...", flush=True)
             results += bench_gloo(world, sizes, scale)
@@ -322,7 +524,12 @@ def main(argv=None) -> int:
     for world in worlds:
         over = " — OVERSUBSCRIBED (more ranks than cores)" if world > os.cpu_count() else ""
         print(f"\n## world {world}{over}\nCell = median µs / algorithmic GB/s / × one memcpy\n")
-        print(table(results, world, [m for m in LABELS if m != "memcpy"], memcpy))
+        print(table(results, world, [m for m in LABELS if m != "memcpy"
+                                     and not m.startswith(("api-", "mpi-"))], memcpy))
+        if apis:
+            print(f"\n### every public collective, world {world}\nCell = median µs (× the "
+                  f"OpenMPI peer measured in this run)\n")
+            print(api_table(results, world))
     if memcpy:
         print("\nmemcpy: " + ", ".join(f"{human(b)} {us:,.2f} µs" for b, us in sorted(memcpy.items())))
     if args.json:

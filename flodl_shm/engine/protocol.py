@@ -214,6 +214,7 @@ class RoundEngine:
         self.direct_slice: tuple[int, int] | None = None  # written to ``direct`` last round
         self._plans: dict[tuple, RoundPlan] = {}
         self._slot_schema: dict = {}      # eager parity -> the plan whose schema it holds
+        self._eager_payloads: dict = {}   # (plan, parity) -> typed payload view
         self._fused_static = (self.ctl, self._eager_all, arena.eager_bytes, self.world, rank,
                               self._info, self._mass, self._work)
 
@@ -249,6 +250,19 @@ class RoundEngine:
         return None
 
     # -- COPY-IN destinations ------------------------------------------------------
+    def eager_payload(self, rnd: int, plan: RoundPlan) -> np.ndarray:
+        """This rank's payload area of round ``rnd``'s eager slot for ``plan``, typed like
+        the wire (float32, or uint16 bf16 bits); cached per plan and parity."""
+        key = (plan, rnd & 1)
+        got = self._eager_payloads.get(key)
+        if got is None:
+            if len(self._eager_payloads) > 64:
+                self._eager_payloads.clear()
+            raw = self.eager_region(rnd)[plan.off:plan.total]
+            got = raw.view(np.float32 if plan.dtype == DTYPE_F32 else np.uint16)
+            self._eager_payloads[key] = got
+        return got
+
     def eager_region(self, rnd: int) -> np.ndarray:
         return self.arena.eager_slot(self.rank, rnd)
 

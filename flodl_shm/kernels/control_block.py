@@ -71,10 +71,13 @@ DEAD_EXITED = 2       # returned from its function: it will make no further call
 
 FLAG_ELIDED = 1       # contributes nothing (a non-root broadcast participant)
 FLAG_BULK = 2         # payload is in d<r> (else in the eager slot of this parity)
-FLAG_ZERO_COPY = 4    # filled in place through the zero-copy API
+FLAG_ZERO_COPY = 4    # filled in place through the zero-copy API (small frames: in the
+                      # eager slot of the round's parity; larger ones: in d<r>)
 FLAG_OUTER = 8        # the params round of a window: the outer optimizer steps it
 FLAG_TAP = 16         # captured for a consensus checkpoint
-FLAGS_AGREED = FLAG_BULK | FLAG_OUTER | FLAG_TAP  # every rank of a round must agree
+# every rank of a round must agree on these (a zero-copy round meets only zero-copy
+# rounds: its small frames share the eager path with the copy API's)
+FLAGS_AGREED = FLAG_BULK | FLAG_ZERO_COPY | FLAG_OUTER | FLAG_TAP
 
 __all__ = [
     "MAGIC",

@@ -220,7 +220,8 @@ def reduce_eager_bf16(eager, slot_bytes, rnd, world, contrib, off, nelem, out, i
 def eager_round(ctl, ctl_f64, ctl32, eager, slot_bytes, world, me, rnd, kind, flags, dtype,
                 weight, ntensors, nbytes, nelem, shash, nwords, iters, info, mass, out_f32,
                 out_u16, acc, tmp):
-    """A whole small round in one call: publish, spin for the arrivals, validate, reduce.
+    """A whole small round in one call: publish, spin for the arrivals, validate, reduce
+    (``FLAGS_AGREED`` of every accepted header must match the first's).
 
     The contribution must already be in this rank's eager slot. On OK the consensus
     is in ``out_f32[:nelem]`` (f32 wire) or ``out_u16[:nelem]`` (bf16) and the

@@ -1,0 +1,69 @@
+"""Performance regression guard: every public collective at 4 KiB costs at most 1.5x
+the fused in-place path (``all_reduce_``), measured in the same run.
+
+Ratios, never absolute times: the test runs on loaded 2-core machines. Two real
+processes (``spawn``) run every API in interleaved batches (one batch of each API per
+repetition, so load drift hits all of them alike); the per-call time of a batch is its
+mean, the API's figure is the median over repetitions, on the rank that took longer.
+The operations are the benchmark's own (``tools/bench_allreduce.py``'s ``api_ops``).
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+from engine_util import assert_no_leaks  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+LIMIT = 1.5
+NBYTES = 4 << 10
+REPS = 25
+BATCH = 40
+
+
+def _measure(ctx, reps: int, batch: int) -> dict:
+    from bench_allreduce import api_ops
+
+    comm = ctx.comm
+    ops = api_ops(comm, NBYTES // 4, ctx.rank)
+    ok = {}
+    for name, (op, check) in ops.items():  # warm every path (plans, numba dispatch)
+        for _ in range(20):
+            op()
+        ok[name] = check()  # right after: zero-copy views live until the next call
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(reps):
+        for name, (op, _) in ops.items():
+            comm.barrier()
+            t0 = time.perf_counter_ns()
+            for _ in range(batch):
+                op()
+            times[name].append((time.perf_counter_ns() - t0) / batch)
+    return {"times": times, "ok": ok}
+
+
+def test_every_api_within_limit_of_the_inplace_path():
+    from flodl_shm import spawn
+
+    per_rank = spawn(_measure, 2, (REPS, BATCH), timeout=240)
+    assert_no_leaks()
+    assert all(all(r["ok"].values()) for r in per_rank), [r["ok"] for r in per_rank]
+    names = list(per_rank[0]["times"])
+    # per repetition, the slower rank's batch mean (the collective ends with the slowest)
+    med = {n: statistics.median(max(r["times"][n][i] for r in per_rank) for i in range(REPS))
+           for n in names}
+    base = med["api-inplace"]
+    ratios = {n: med[n] / base for n in names}
+    report = ", ".join(f"{n[4:]} {ratios[n]:.2f}x" for n in names)
+    print(f"\n4 KiB, world 2, x the in-place path ({base / 1e3:.1f} us): {report}")
+    over = [n for n in names if ratios[n] > LIMIT]
+    assert not over, (f"APIs over {LIMIT}x the in-place path at 4 KiB (in-place "
+                      f"{base / 1e3:.1f} us here): {report}")
