@@ -222,6 +222,18 @@ def sc_ddp(rank: int, world: int) -> dict:
             torch.nn.functional.mse_loss(ddp(x), y).backward()
             opt.step()
         out[variant] = [p.detach().clone() for p in model.parameters()]
+    # DDP's bucket all-reduces ran on the group's worker thread, overlapping backward
+    out["overlapped"] = getattr(dist.group.WORLD, "_worker", None) is not None
+    # a collective queued from inside a backward pass: its Work completes later, in order
+    x = torch.ones(3, requires_grad=True)
+    works = []
+    x.register_hook(lambda g: works.append(dist.all_reduce(g * (rank + 1), async_op=True)))
+    (x * 2).sum().backward()
+    after = torch.full((2,), float(rank))
+    dist.all_reduce(after)  # queued behind the hook's collective, not overtaking it
+    works[0].wait()
+    out["hook_allreduce"] = works[0].get_future().value()[0].tolist()
+    out["after"] = after.tolist()
     return out
 
 

@@ -173,6 +173,9 @@ def test_ddp_matches_gloo_and_is_identical_across_ranks(tmp_path):
     shm = run_group("ddp", 2, tmp_path)
     gloo = run_group("ddp", 2, tmp_path, backend="gloo")
     _no_segments_of(shm)
+    assert all(r["overlapped"] for r in shm)
+    for r in shm:
+        assert r["hook_allreduce"] == [6.0] * 3 and r["after"] == [1.0, 1.0]
     for variant in ("plain", "fp16", "powersgd"):
         for p0, p1 in zip(shm[0][variant], shm[1][variant]):
             assert same_bits(p0, p1), variant

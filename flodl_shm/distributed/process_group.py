@@ -24,6 +24,8 @@ of a finished collective. A failure raises from the call itself.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from datetime import timedelta
 from typing import Callable, Sequence
 
@@ -32,9 +34,12 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
+_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
+
 from ..engine.byte_exchange import exchange_bytes
 from ..errors import FrameError
 from ..frame import RoundKind
+from .overlap import CollectiveWorker
 from .reduce_ops import check_dtype, check_op, op_name, op_type, reduce_in_order
 from .rendezvous import HostLink, rendezvous
 
@@ -49,18 +54,38 @@ _MODEL = RoundKind.MODEL
 _ALIGN = 64  # byte offset alignment of each tensor inside a byte round
 
 
-def _as_runtime_error(method):
-    """Collectives raise ``RuntimeError`` as c10d users expect: the engine's
-    ``FrameError`` (ranks called different collectives or shapes, raised on every rank
-    at the same round, so the group stays usable) becomes one, chained."""
+def _collective(method):
+    """Every public collective goes through here.
+
+    - Errors: collectives raise ``RuntimeError`` as c10d users expect; the engine's
+      ``FrameError`` (ranks called different collectives or shapes, raised on every
+      rank at the same round, so the group stays usable) becomes one, chained.
+    - Overlap (``overlap.py``): issued during a backward pass, or while earlier ones
+      are still queued, the collective is queued on the group's worker thread and the
+      returned ``Work`` completes later; otherwise it runs now, in the caller's thread.
+    """
     import functools
 
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
+    name = method.__name__
+
+    def run(self, args, kwargs):
         try:
             return method(self, *args, **kwargs)
         except FrameError as e:
-            raise RuntimeError(f"flodl_shm {method.__name__}: {e}") from e
+            raise RuntimeError(f"flodl_shm {name}: {e}") from e
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        worker = self._worker
+        if worker is not None and worker.on_worker_thread():
+            return run(self, args, kwargs)  # nested, or a queued item's callback
+        if (self._overlap and _graph_task_id() != -1) or (worker is not None
+                                                          and worker.pending()):
+            worker = self._start_worker()
+            fut = worker.submit(lambda: run(self, args, kwargs).get_future().value())
+            return _create_work_from_future(fut)
+        with self._engine_lock:
+            return run(self, args, kwargs)
 
     return wrapper
 
@@ -141,6 +166,16 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         self._timeout = timeout
         self._link: HostLink | None = rendezvous(store, rank, size, timeout)
         self._topo = self._link.topology
+        self._engine_lock = threading.RLock()
+        self._worker: CollectiveWorker | None = None
+        # FLODL_SHM_C10D_OVERLAP=0 runs every collective in the caller's thread
+        self._overlap = os.environ.get("FLODL_SHM_C10D_OVERLAP", "1") != "0"
+
+    def _start_worker(self) -> CollectiveWorker:
+        if self._worker is None:
+            self._worker = CollectiveWorker(f"flodl-shm-c10d-rank{self._rank}",
+                                            self._engine_lock)
+        return self._worker
 
     # -- identity ------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -183,7 +218,15 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         return self._link
 
     def shutdown(self) -> None:
-        """Release this rank's shared-memory mappings (nothing is left in /dev/shm)."""
+        """Finish queued collectives, then release this rank's shared-memory mappings
+        (nothing is left in /dev/shm either way)."""
+        worker, self._worker = self._worker, None
+        if worker is not None and not worker.stop(self._timeout.total_seconds()):
+            logger.warning("flodl_shm group rank %d: queued collectives still running after "
+                           "%s; its mappings are kept until the process exits", self._rank,
+                           self._timeout)
+            self._link = None
+            return
         link, self._link = self._link, None
         if link is not None:
             link.close()
@@ -344,7 +387,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             self._reduce_generic(tensors, op)
 
     # -- collectives ------------------------------------------------------------------------
-    @_as_runtime_error
+    @_collective
     def allreduce(self, tensors, opts=None) -> dist.Work:
         # the hot case first (DDP buckets, model averaging): one contiguous float32 CPU
         # tensor, SUM or AVG, one host: straight to the engine, no other checks
@@ -363,20 +406,20 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         self._allreduce_list(list(tensors), op, "allreduce")
         return _done(list(tensors))
 
-    @_as_runtime_error
+    @_collective
     def allreduce_coalesced(self, tensors, opts=None) -> dist.Work:
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
         self._allreduce_list(list(tensors), op, "allreduce_coalesced")
         return _done(list(tensors))
 
-    @_as_runtime_error
+    @_collective
     def reduce(self, tensors, opts) -> dist.Work:
         root = int(opts.rootRank)
         work = [t if self._rank == root else t.clone() for t in tensors]
         self._allreduce_list(work, opts.reduceOp, "reduce")
         return _done(list(tensors))
 
-    @_as_runtime_error
+    @_collective
     def broadcast(self, tensors, opts) -> dist.Work:
         tensors = list(tensors)
         root = int(opts.rootRank)
@@ -396,7 +439,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     def allgather(self, output_tensors, input_tensors, opts=None) -> dist.Work:
         return self.allgather_coalesced(output_tensors, input_tensors, opts)
 
-    @_as_runtime_error
+    @_collective
     def allgather_coalesced(self, output_lists, input_tensors, opts=None) -> dist.Work:
         """``output_lists[i][r]`` receives rank r's ``input_tensors[i]``."""
         inputs = list(input_tensors)
@@ -429,7 +472,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
         return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
 
-    @_as_runtime_error
+    @_collective
     def reduce_scatter(self, output_tensors, input_lists, opts) -> dist.Work:
         """``output_tensors[i]`` = reduce over ranks of their ``input_lists[i][rank]``."""
         outs = list(output_tensors)
@@ -467,7 +510,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts) -> dist.Work:
         return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
 
-    @_as_runtime_error
+    @_collective
     def gather(self, output_lists, input_tensors, opts) -> dist.Work:
         root = int(opts.rootRank)
         inputs = list(input_tensors)
@@ -483,7 +526,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         self._exchange_tensors(inputs, offs, total, consume, _signature("gather", root, inputs))
         return _done([t for lst in output_lists for t in lst] or inputs)
 
-    @_as_runtime_error
+    @_collective
     def scatter(self, output_tensors, input_lists, opts) -> dist.Work:
         root = int(opts.rootRank)
         outs = list(output_tensors)
@@ -500,7 +543,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         self._exchange_tensors(mine, offs, total, consume, _signature("scatter", root, outs))
         return _done(outs)
 
-    @_as_runtime_error
+    @_collective
     def alltoall(self, output_tensors, input_tensors, opts=None) -> dist.Work:
         """Rank s's ``input_tensors[r]`` lands in rank r's ``output_tensors[s]``."""
         outs, ins = list(output_tensors), list(input_tensors)
@@ -549,7 +592,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 
     alltoall_base = all_to_all_single
 
-    @_as_runtime_error
+    @_collective
     def barrier(self, opts=None) -> dist.Work:
         link = self._live()
         if not self._topo.multi_host:
