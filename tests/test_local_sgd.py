@@ -264,6 +264,8 @@ def test_errors_name_the_value_and_the_fix():
         with pytest.raises(ValueError, match="exactly model.parameters"):
             LocalSGD(make_model(0), sync_every=2, comm=comm,
                      outer=torch.optim.SGD(other.parameters(), lr=0.1))
+        with pytest.raises(ValueError, match="is on meta; LocalSGD averages CPU tensors"):
+            LocalSGD(torch.nn.Linear(2, 2, device="meta"), sync_every=2, comm=comm)
         sgd = LocalSGD(make_model(0), sync_every=4, comm=comm)
         with pytest.raises(ValueError, match="samples must be an int >= 0"):
             sgd.step(samples=-1)

@@ -2,6 +2,7 @@
 
     python tools/bench_demo.py                 # 3 repeats of every variant (~1-2 min)
     python tools/bench_demo.py --repeats 5 --json demo_bench.jsonl
+    python tools/bench_demo.py --overhead      # LocalSGD.sync vs all_reduce_, one rank
 
 Every variant trains the demo's recipe (``flodl_shm.cli.demo``: MLP 64-128-10 on
 scikit-learn digits, batch 32, SGD lr 0.05 momentum 0.9, 30 epochs, seed 42) on 2
@@ -256,6 +257,38 @@ VARIANTS = {
 }
 
 
+def window_overhead(calls: int = 2000, repeats: int = 5) -> tuple[float, float]:
+    """Per-call cost with no peer to wait for (one rank, in this process): a LocalSGD sync
+    of the demo's model against one ``comm.all_reduce_`` of the same parameters, in
+    interleaved blocks of ``calls``; returns the fastest block of each (µs: the least
+    disturbed by other load on the host)."""
+    import torch
+
+    from flodl_shm import LocalSGD
+    from flodl_shm.cli.demo import make_model
+    from flodl_shm.testing import FakeCohort
+
+    torch.set_num_threads(1)
+    with FakeCohort(1) as cohort:
+        comm = cohort.comm(0)
+        model = make_model()
+        params = [p.detach() for p in model.parameters()]
+        sgd = LocalSGD(model, sync_every=1 << 30, comm=comm)
+        lsgd, bare = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                sgd.step(samples=BATCH)
+                sgd.sync()
+            lsgd.append((time.perf_counter() - t0) / calls * 1e6)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                for _ in range(calls):
+                    comm.all_reduce_(params)
+            bare.append((time.perf_counter() - t0) / calls * 1e6)
+    return min(lsgd), min(bare)
+
+
 def table(results: dict[str, list[dict]]) -> str:
     def med(rows, key):
         vals = [r[key] for r in rows if r.get(key) is not None]
@@ -282,7 +315,14 @@ def main(argv=None) -> int:
     ap.add_argument("--epochs", type=int, default=EPOCHS)
     ap.add_argument("--only", help="comma-separated variants (default: all)")
     ap.add_argument("--json", help="append one JSON record per run to this file")
+    ap.add_argument("--overhead", action="store_true",
+                    help="only the per-call cost on one rank: LocalSGD.sync vs all_reduce_")
     args = ap.parse_args(argv)
+    if args.overhead:
+        lsgd, bare = window_overhead()
+        print(f"one rank, no peer to wait for: LocalSGD step+sync {lsgd:.1f} µs, bare "
+              f"comm.all_reduce_ of the same params {bare:.1f} µs: {lsgd / bare:.2f}x")
+        return 0
     names = list(VARIANTS) if not args.only else [n.strip() for n in args.only.split(",")]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:

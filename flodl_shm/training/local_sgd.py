@@ -53,9 +53,8 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -94,8 +93,7 @@ def rank_state_path(stem: "str | os.PathLike[str]", rank: int) -> Path:
     return base.with_name(f"{base.name}.rank{rank}.optim")
 
 
-@dataclass(frozen=True)
-class SyncInfo:
+class SyncInfo(NamedTuple):
     """What the last sync did (identical on every rank except ``local_*``).
 
     Attributes:
@@ -110,7 +108,7 @@ class SyncInfo:
 
     sync_round: int
     mass: float
-    accepted: tuple
+    accepted: tuple[int, ...]
     local_samples: int
     local_steps: int
     sync_ms: float
@@ -152,10 +150,13 @@ def _default_comm():
     return group.comm
 
 
-def _check_float_dtype(name: str, t: torch.Tensor) -> None:
+def _check_averaged(name: str, t: torch.Tensor) -> None:
     if t.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"{name} has dtype {t.dtype}; LocalSGD averages float32 or bfloat16 "
                         f"tensors (convert the model with .float() or .bfloat16())")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}; LocalSGD averages CPU tensors through "
+                         f"shared memory (keep the model on the CPU: model.cpu())")
 
 
 class LocalSGD:
@@ -205,10 +206,10 @@ class LocalSGD:
         self.params = [p for p in model.parameters()]
         named_buffers = averaged_buffers(model)
         self.buffers = [b for _, b in named_buffers]
-        for i, (name, p) in enumerate(model.named_parameters()):
-            _check_float_dtype(f"parameter {name!r}", p)
+        for name, p in model.named_parameters():
+            _check_averaged(f"parameter {name!r}", p)
         for name, b in named_buffers:
-            _check_float_dtype(f"buffer {name!r}", b)
+            _check_averaged(f"buffer {name!r}", b)
         self.schema = ModelSchema.from_module(model)
         # what one window's round carries, in frame order (views: updated in place)
         self._tensors = [p.detach() for p in self.params] + [b.detach() for b in self.buffers]
@@ -323,13 +324,13 @@ class LocalSGD:
         # one MODEL round, in place: params and float buffers scaled by w, mass w; a round
         # that realized nothing (mass 0) leaves the tensors untouched
         mass = self.comm.all_reduce_(self._tensors, weight=w, scale=w, kind=RoundKind.MODEL)
-        accepted = tuple(int(r) for r in self.comm.last_accepted_ranks())
+        accepted = tuple(self.comm.last_accepted_ranks())
         divergence = 0.0
         if is_realized(mass):
-            with torch.no_grad():
-                if self._pre is not None:
-                    divergence = _relative_drift(self._pre, self.params)
-                if self.outer is not None:
+            if self._pre is not None:
+                divergence = _relative_drift(self._pre, self.params)
+            if self.outer is not None:
+                with torch.no_grad():
                     self._outer_step()
             if self.resets_inner and self.optimizer is not None:
                 self.optimizer.state.clear()
