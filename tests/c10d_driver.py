@@ -290,6 +290,21 @@ def sc_destroy_recreate(rank: int, world: int) -> dict:
         after = str(e)
     return {"pid": os.getpid(), "t": t, "u": u, "after_destroy": after}
 
+def sc_stall(rank: int, world: int) -> dict:
+    """The last rank skips a collective (alive, sleeping): the others time out naming it."""
+    import torch.distributed as dist
+
+    err = None
+    if rank != world - 1:
+        try:
+            dist.all_reduce(torch.ones(4))
+        except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+            err = f"{type(e).__name__}: {e}"
+    else:
+        time.sleep(float(os.environ["C10D_TIMEOUT"]) + 4)
+    return {"pid": os.getpid(), "error": err}
+
+
 
 def main() -> None:
     scenario, rank, world, port, out = sys.argv[1:6]

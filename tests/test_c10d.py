@@ -204,6 +204,14 @@ def test_a_dead_peer_makes_the_others_raise_naming_it(tmp_path, victim):
     _no_segments_of(res)
 
 
+def test_a_rank_that_skips_a_collective_makes_the_others_time_out_naming_it(tmp_path):
+    res = run_group("stall", 3, tmp_path, extra_env={"C10D_TIMEOUT": "3"}, timeout=120)
+    for r in res[:2]:
+        assert r["error"].startswith("RuntimeError") and "timed out after 3 s" in r["error"]
+        assert "group rank(s) [2]" in r["error"], r["error"]
+    _no_segments_of(res)
+
+
 def test_destroy_then_a_new_group(tmp_path):
     res = run_group("destroy_recreate", 2, tmp_path)
     for r in res:

@@ -37,7 +37,7 @@ from torch._C._distributed_c10d import _create_work_from_future
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 
 from ..engine.byte_exchange import exchange_bytes
-from ..errors import FrameError
+from ..errors import FrameError, ReduceStall
 from ..frame import RoundKind
 from .overlap import CollectiveWorker
 from .reduce_ops import check_dtype, check_op, op_name, op_type, reduce_in_order
@@ -63,6 +63,8 @@ def _collective(method):
     - Overlap (``overlap.py``): issued during a backward pass, or while earlier ones
       are still queued, the collective is queued on the group's worker thread and the
       returned ``Work`` completes later; otherwise it runs now, in the caller's thread.
+    - A wait past the group's timeout raises ``RuntimeError`` (as gloo's does) naming the
+      group ranks that had not arrived (the engine counts ranks per host).
     """
     import functools
 
@@ -73,6 +75,8 @@ def _collective(method):
             return method(self, *args, **kwargs)
         except FrameError as e:
             raise RuntimeError(f"flodl_shm {name}: {e}") from e
+        except ReduceStall as e:
+            raise RuntimeError(self._stall_message(name, e)) from e
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -118,6 +122,14 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
+
+
+def _checked(tensors: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+    """``tensors`` as a list, each checked (CPU, supported dtype) for collective ``what``."""
+    tensors = list(tensors)
+    for t in tensors:
+        check_dtype(t, what)
+    return tensors
 
 
 def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
@@ -210,6 +222,15 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     def __repr__(self) -> str:
         return (f"ProcessGroupFlodlShm(rank={self._rank}, size={self._size}, "
                 f"hosts={len(self._topo.hosts)})")
+
+    def _stall_message(self, what: str, e: ReduceStall) -> str:
+        local = self._topo.local_ranks
+        missing = [local[m] if isinstance(m, int) and 0 <= m < len(local) else m
+                   for m in e.missing]
+        return (f"flodl_shm {what} (rank {self._rank} of {self._size}) timed out after "
+                f"{self._timeout.total_seconds():g} s: group rank(s) {missing} of this host "
+                f"had not arrived (alive but not in this collective: every rank must make "
+                f"the same sequence of collective calls); the group is unusable, destroy it")
 
     def _live(self) -> HostLink:
         if self._link is None:
@@ -421,10 +442,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 
     @_collective
     def broadcast(self, tensors, opts) -> dist.Work:
-        tensors = list(tensors)
+        tensors = _checked(tensors, "broadcast")
         root = int(opts.rootRank)
-        for t in tensors:
-            check_dtype(t, "broadcast")
         offs, total = _layout(tensors)
 
         def consume(views: list[np.ndarray]) -> None:
@@ -442,9 +461,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     @_collective
     def allgather_coalesced(self, output_lists, input_tensors, opts=None) -> dist.Work:
         """``output_lists[i][r]`` receives rank r's ``input_tensors[i]``."""
-        inputs = list(input_tensors)
-        for t in inputs:
-            check_dtype(t, "allgather")
+        inputs = _checked(input_tensors, "allgather")
         offs, total = _layout(inputs)
 
         def consume(views: list[np.ndarray]) -> None:
@@ -513,9 +530,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     @_collective
     def gather(self, output_lists, input_tensors, opts) -> dist.Work:
         root = int(opts.rootRank)
-        inputs = list(input_tensors)
-        for t in inputs:
-            check_dtype(t, "gather")
+        inputs = _checked(input_tensors, "gather")
         offs, total = _layout(inputs)
 
         def consume(views: list[np.ndarray]) -> None:
@@ -529,9 +544,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     @_collective
     def scatter(self, output_tensors, input_lists, opts) -> dist.Work:
         root = int(opts.rootRank)
-        outs = list(output_tensors)
-        for t in outs:
-            check_dtype(t, "scatter")
+        outs = _checked(output_tensors, "scatter")
         chunks = [outs[0]] * self._size  # every rank knows the chunk shape: its output's
         offs, total = _layout(chunks)
         mine = input_lists[0] if self._rank == root else None
