@@ -1,11 +1,79 @@
 """Run several "hosts" (spawn groups, each with its own arena and relay) on loopback."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+import time
 
-from flodl_shm import ClusterController, spawn
+import torch
+
+from flodl_shm import ClusterController, RoundKind, spawn
+from flodl_shm.cluster.link import Link, client_handshake, connect
 
 SALT = bytes(range(16))
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def join_raw(port: int, hello: dict, salt=SALT) -> Link:
+    """A hand-driven relay: the real handshake, then the test sends what it likes."""
+    sock = connect(("127.0.0.1", port), attempts=5, delay=0.1)
+    return client_handshake(sock, salt, hello, f"127.0.0.1:{port}")
+
+
+def quick_average(ctx):
+    return ctx.comm.all_reduce_tensors([torch.full((3,), float(ctx.rank))])[0].tolist()
+
+
+def survivor_rounds(ctx):
+    """Rounds until the cohort's mass is 2 (host 1 excluded): (value, mass)."""
+    for _ in range(5000):
+        (t,), mass = ctx.comm.all_reduce_scaled([torch.full((1000,), float(ctx.rank))], 1.0,
+                                               RoundKind.MODEL, 1.0)
+        if mass == 2.0:
+            return float(t[0]), mass
+    raise AssertionError("host 1 was never excluded")
+
+
+def kill_a_host_mid_run(tmp_path, max_failures):
+    """Host 1 (rank 2 of 3, its own launcher process: ``cluster_driver.py``) is
+    SIGKILLed mid-run while host 0 (ranks 0-1) runs ``survivor_rounds``. Returns
+    ({"out": host 0's results} or {"error": its exception}, the controller)."""
+    ctl = ClusterController.start("127.0.0.1:0", 3, SALT)
+    ready = tmp_path / "ready"
+    env = dict(os.environ, DRIVER_READY_FILE=str(ready), CLUSTER_PORT=str(ctl.port),
+               CLUSTER_SALT=SALT.hex())
+    driver = subprocess.Popen([sys.executable, os.path.join(HERE, "cluster_driver.py")], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    box = {}
+
+    def host0():
+        try:
+            box["out"] = spawn(survivor_rounds, 2, controller=f"127.0.0.1:{ctl.port}",
+                               world_size=3, first_rank=0, salt=SALT, timeout=120,
+                               max_failures=max_failures)
+        except BaseException as e:  # noqa: BLE001 - inspected by the test
+            box["error"] = e
+
+    t = threading.Thread(target=host0)
+    t.start()
+    try:
+        deadline = time.monotonic() + 90
+        while not ready.exists() and time.monotonic() < deadline and driver.poll() is None:
+            time.sleep(0.05)
+        assert ready.exists(), driver.communicate(timeout=5)
+        driver.kill()
+        driver.wait(30)
+        t.join(120)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(10)
+        driver.stderr.close()
+        ctl.shutdown()
+    assert not t.is_alive(), "host 0 did not finish"
+    return box, ctl
 
 
 def run_hosts(fn, layout, *, args=(), salt=SALT, round_timeout=60.0, timeout=60.0,

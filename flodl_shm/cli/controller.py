@@ -28,6 +28,23 @@ def _read_momentum(path: str) -> list:
     return out
 
 
+def _start(args) -> ClusterController:
+    """Read the secret (and the momentum to resume), bind, serve."""
+    salt = read_secret_file(args.secret_file)
+    outer = momentum = None
+    if args.outer == "nesterov":
+        from ..training.outer import OuterNesterov
+
+        outer = OuterNesterov(args.outer_lr, args.outer_momentum)
+    if args.outer_state:
+        momentum = _read_momentum(args.outer_state)
+    ctl = ClusterController.start(args.bind, args.world_size, salt,
+                                  round_timeout=args.round_timeout, outer=outer)
+    if momentum is not None:
+        ctl.load_outer_momentum(momentum)
+    return ctl
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flodl_shm controller",
                                  description="Serve a multi-host flodl_shm cohort.")
@@ -56,19 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         ap.error("the following arguments are required: "
                  + ", ".join("--" + m.replace("_", "-") for m in missing))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    salt = read_secret_file(args.secret_file)
-    outer = None
-    if args.outer == "nesterov":
-        from ..training.outer import OuterNesterov
-
-        outer = OuterNesterov(args.outer_lr, args.outer_momentum)
-    elif args.outer_state:
+    if args.outer_state and args.outer != "nesterov":
         ap.error("--outer-state needs --outer nesterov")
-    ctl = ClusterController.start(args.bind, args.world_size, salt,
-                                  round_timeout=args.round_timeout, outer=outer)
-    if args.outer_state:
-        ctl.load_outer_momentum(_read_momentum(args.outer_state))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        ctl = _start(args)
+    except (ValueError, OSError) as e:  # bad secret file, address in use, bad momentum file
+        print(f"controller: cannot start: {e}", file=sys.stderr)
+        return 2
     print(f"controller listening on port {ctl.port} for {args.world_size} ranks", flush=True)
     if args.port_file:
         Path(args.port_file).write_text(f"{ctl.port}\n")

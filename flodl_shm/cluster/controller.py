@@ -16,10 +16,18 @@ divided). The controller, per round:
    declared dead and the scatter continues (elastic);
 4. taps the consensus into the checkpoint forge when a checkpoint is armed.
 
-A round that does not complete within ``round_timeout`` while its hosts are alive
+A round that does not complete within ``round_timeout`` (or the shortest
+collective ``timeout`` a host announced, if shorter) while its hosts are alive
 is a stall: every relay is told (their ranks raise ``ReduceStall`` naming the
-round and the missing ranks) and the cohort ends. A host whose ranks all
-finished ends the cohort cleanly once the others finish too.
+round and the global ranks that never delivered) and the cohort ends. A host
+whose ranks all finished ends the cohort cleanly once the others finish too.
+
+Admission is bounded: at most ``MAX_PENDING_HANDSHAKES`` connections may be
+mid-handshake (the oldest is dropped for a new one), each for at most the
+handshake deadline, and running out of file descriptors backs off and keeps
+accepting (logged) instead of ending the accept loop. A host whose link closes
+before the cohort is complete is forgotten: its ranks and name are free for a
+relaunch. ``docs/failure-model.md`` ("Several hosts") describes every fault.
 
 Also a command::
 
@@ -27,20 +35,25 @@ Also a command::
 """
 from __future__ import annotations
 
+import errno
 import logging
+import select
 import socket
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .. import kernels as K
 from .dead_ranks import DeadRanks
-from ..errors import FrameError
+from ..errors import FrameError, ReduceStall
 from ..frame import DTYPE_F32, RoundFrame, RoundKind, TensorPayload, elem_size
-from .link import HandshakeRejected, Kind, Link, parse_addr, server_handshake
-from .wire import check_salt, frame_tag
+from .control import Ctrl, ctrl_message
+from .link import (HandshakeRejected, Kind, Link, OutgoingFrame, handshake_deadline_s,
+                   parse_addr, server_handshake)
+from .wire import check_salt
 
 logger = logging.getLogger("flodl_shm")
 
@@ -48,6 +61,9 @@ FLAG_OUTER = 8   # mirrors arena.FLAG_OUTER: the window's params frame
 FLAG_TAP = 16    # mirrors arena.FLAG_TAP: captured for a checkpoint
 DEFAULT_ROUND_TIMEOUT = 300.0
 PARALLEL_SCATTER_BYTES = 1 << 20  # below this, thread start-up costs more than it saves
+MAX_PENDING_HANDSHAKES = 64  # connections mid-handshake; the oldest goes for a new one
+_FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_CLOSED = select.POLLHUP | select.POLLERR | select.POLLNVAL | getattr(select, "POLLRDHUP", 0)
 
 
 @dataclass
@@ -55,6 +71,7 @@ class _Host:
     link: Link
     name: str
     ranks: list[int]
+    timeout: float | None = None  # the ranks' collective timeout, as announced
     alive: bool = True
     done: bool = False
     sent: int = 0          # wire bytes received from this host (frames)
@@ -101,6 +118,10 @@ class ClusterController:
         self._hosts: list[_Host] = []
         self._claimed: dict[int, str] = {}
         self._pending_names: set[str] = set()
+        self._pending: OrderedDict[socket.socket, float] = OrderedDict()  # mid-handshake
+        self._admitted: dict[socket.socket, dict] = {}  # hellos admitted, ack not yet sent
+        self._fd_warned = -1e9
+        self._drops = 0
         self._lock = threading.RLock()
         self._complete = threading.Event()
         self._stop = threading.Event()
@@ -133,8 +154,9 @@ class ClusterController:
         host, port = parse_addr(addr)
         sock = socket.create_server((host, port), reuse_port=False)
         sock.settimeout(0.2)
-        logger.info("controller listening on %s:%d for %d ranks", host, sock.getsockname()[1],
-                    world_size)
+        # debug: the command prints the one "listening" line a person reads
+        logger.debug("controller listening on %s:%d for %d ranks", host, sock.getsockname()[1],
+                     world_size)
         return cls(sock, int(world_size), salt, round_timeout=round_timeout,
                    dead_ranks=dead_ranks, forge=forge, outer=outer)
 
@@ -151,6 +173,10 @@ class ClusterController:
         self._reduce_thread.join(timeout)
         with self._lock:
             hosts = list(self._hosts)
+            pending = list(self._pending)
+            self._pending.clear()
+        for conn in pending:
+            _shut(conn)
         for h in hosts:
             h.link.close()
         self._accept_thread.join(timeout)
@@ -173,22 +199,75 @@ class ClusterController:
 
     # -- accept ----------------------------------------------------------------------
     def _accept_loop(self) -> None:
+        """Accept until shutdown. Out of descriptors (EMFILE/ENFILE): drop the oldest
+        pending handshake and retry at once, or, with none to drop, back off (up to
+        1 s); log it (at most every 10 s) and keep accepting."""
+        backoff = 0.0
         while not self._stop.is_set():
+            self._expire_pending()
             try:
                 conn, addr = self._sock.accept()
             except socket.timeout:
                 continue
-            except OSError:
-                break
+            except OSError as e:
+                if self._stop.is_set():
+                    break
+                dropped = e.errno in _FD_ERRNOS and self._drop_oldest_pending()
+                self._note_drop(f"accept failed: {e}" + ("" if e.errno in _FD_ERRNOS else
+                                                         "; retrying"))
+                if not dropped:
+                    backoff = min(1.0, max(0.05, 2 * backoff))
+                    time.sleep(backoff)
+                continue
+            backoff = 0.0
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._pending[conn] = time.monotonic()
+                over = len(self._pending) > MAX_PENDING_HANDSHAKES
+            if over and self._drop_oldest_pending():
+                self._note_drop(f"more than {MAX_PENDING_HANDSHAKES} connections mid-handshake")
             threading.Thread(target=self._handshake, args=(conn, f"{addr[0]}:{addr[1]}"),
                              name="flodl-shm-controller-handshake", daemon=True).start()
+
+    def _note_drop(self, why: str) -> None:
+        """Log admission trouble: the first time, then at most every 10 s, with counts."""
+        self._drops += 1
+        now = time.monotonic()
+        if now - self._fd_warned > 10.0:
+            self._fd_warned = now
+            logger.error("controller: %s (%d events since the last report, %d handshakes "
+                         "pending; the oldest is dropped for a new one); still accepting - if "
+                         "real hosts wait, stop the flood or raise `ulimit -n`", why,
+                         self._drops, len(self._pending))
+            self._drops = 0
+
+    def _drop_oldest_pending(self) -> bool:
+        """Shut the oldest mid-handshake connection (its thread then ends it)."""
+        with self._lock:
+            if not self._pending:
+                return False
+            conn, _ = self._pending.popitem(last=False)
+        _shut(conn)
+        return True
+
+    def _expire_pending(self) -> None:
+        """Shut connections mid-handshake for longer than the handshake deadline."""
+        limit = time.monotonic() - (handshake_deadline_s() + 1.0)
+        with self._lock:
+            conns = [c for c, t0 in self._pending.items() if t0 < limit]
+            for c in conns:
+                del self._pending[c]
+        for conn in conns:
+            _shut(conn)
 
     def _validate(self, hello: dict) -> str | None:
         try:
             ws = int(hello.get("world_size"))
             ranks = [int(r) for r in hello.get("ranks")]
             name = str(hello.get("host"))
+            timeout = hello.get("timeout")
+            if timeout is not None and not float(timeout) > 0:
+                raise ValueError(timeout)
         except (TypeError, ValueError):
             return f"malformed hello {hello!r}"
         if ws != self.world_size:
@@ -217,12 +296,24 @@ class ClusterController:
         win). The host becomes visible to the reduce loop only after its ack is sent
         (``_handshake``), so no two threads ever write one link."""
         with self._lock:
+            if self._pending.pop(link.sock, None) is None:
+                return "the connection was dropped before its hello (admission overload)"
             reason = self._validate(hello)
             if reason is None:
                 self._pending_names.add(str(hello["host"]))
                 for r in hello["ranks"]:
                     self._claimed[int(r)] = str(hello["host"])
+                self._admitted[link.sock] = hello
             return reason
+
+    def _unclaim(self, conn: socket.socket) -> None:
+        """Release what ``_admit`` claimed for a connection whose handshake then failed."""
+        with self._lock:
+            hello = self._admitted.pop(conn, None)
+            if hello is not None:
+                self._pending_names.discard(str(hello["host"]))
+                for r in hello["ranks"]:
+                    self._claimed.pop(int(r), None)
 
     def _handshake(self, conn: socket.socket, peer: str) -> None:
         hello = None
@@ -232,16 +323,26 @@ class ClusterController:
             logger.error("controller: %s", e)
             return
         except Exception as e:  # silent, garbage, wrong secret: drop, keep serving
-            logger.warning("controller: dropped connection from %s: %s", peer, e)
+            if "session secret" in str(e):
+                logger.error("controller: refused %s: %s", peer, e)
+            else:
+                logger.warning("controller: dropped connection from %s: %s", peer, e)
+            self._unclaim(conn)
             try:
                 conn.close()
             except OSError:
                 pass
             return
+        finally:
+            with self._lock:
+                self._pending.pop(conn, None)
         ranks = sorted(int(r) for r in hello["ranks"])
+        timeout = hello.get("timeout")
         with self._lock:
+            self._admitted.pop(conn, None)
             self._pending_names.discard(str(hello["host"]))
-            self._hosts.append(_Host(link, str(hello["host"]), ranks))
+            self._hosts.append(_Host(link, str(hello["host"]), ranks,
+                                     None if timeout is None else float(timeout)))
             self._hosts.sort(key=lambda h: h.first)
             if len(self._claimed) == self.world_size:
                 self._complete.set()
@@ -249,11 +350,34 @@ class ClusterController:
                     ranks, len(self._claimed), self.world_size)
 
     # -- reduce ----------------------------------------------------------------------
+    def _forget_departed(self) -> None:
+        """Before the cohort is complete: forget every host whose link closed (its
+        ranks and name become free again, so a relaunch is admitted)."""
+        with self._lock:
+            if self._complete.is_set() or not self._hosts:
+                return
+            poller = select.poll()
+            for h in self._hosts:
+                poller.register(h.link.sock, _CLOSED)
+            try:
+                gone = {fd for fd, ev in poller.poll(0) if ev & _CLOSED}
+            except OSError:
+                return
+            for h in [h for h in self._hosts if h.link.sock.fileno() in gone]:
+                self._hosts.remove(h)
+                for r in h.ranks:
+                    self._claimed.pop(r, None)
+                h.link.close()
+                logger.warning("controller: host %r left before the cohort was complete; its "
+                               "ranks %s are free for a relaunch (%d/%d ranks claimed)", h.name,
+                               h.ranks, len(self._claimed), self.world_size)
+
     def _reduce_main(self) -> None:
         try:
             while not self._complete.wait(0.2):
                 if self._stop.is_set():
                     return
+                self._forget_departed()
             logger.info("controller: cohort complete (%d hosts); reducing", len(self._hosts))
             rnd = 0
             while not self._stop.is_set():
@@ -266,7 +390,7 @@ class ClusterController:
         except BaseException as e:  # noqa: BLE001 - recorded and reported to the hosts
             self.error = e
             logger.error("controller: reduce loop failed: %s", e)
-            self._broadcast_ctrl({"type": "error", "message": f"{type(e).__name__}: {e}"})
+            self._broadcast_ctrl(ctrl_message(Ctrl.ERROR, message=f"{type(e).__name__}: {e}"))
         finally:
             self._done.set()
 
@@ -279,7 +403,7 @@ class ClusterController:
                      h.ranks)
         h.link.close()
         if newly:
-            self._broadcast_ctrl({"type": "declare_dead", "ranks": newly})
+            self._broadcast_ctrl(ctrl_message(Ctrl.DECLARE_DEAD, ranks=newly))
 
     def _broadcast_ctrl(self, msg: dict) -> None:
         for h in self._hosts:
@@ -290,16 +414,16 @@ class ClusterController:
                     self._host_failed(h, f"write failed: {e}")
 
     def _handle_ctrl(self, h: _Host, msg: dict) -> None:
-        kind = msg.get("type")
-        if kind == "rank_dead":
+        kind = msg["type"]
+        if kind == Ctrl.RANK_DEAD:
             newly = [int(r) for r in msg.get("ranks", []) if self.dead_ranks.declare_dead(int(r))]
             if newly:
                 logger.warning("controller: ranks %s died on host %r", newly, h.name)
-                self._broadcast_ctrl({"type": "declare_dead", "ranks": newly})
-        elif kind == "host_done":
+                self._broadcast_ctrl(ctrl_message(Ctrl.DECLARE_DEAD, ranks=newly))
+        elif kind == Ctrl.HOST_DONE:
             h.done = True
             logger.info("controller: host %r finished", h.name)
-        elif kind == "arm":
+        elif kind == Ctrl.ARM:
             self._arm(msg)
         else:
             logger.warning("controller: ignoring control message %r from %r", kind, h.name)
@@ -325,16 +449,21 @@ class ClusterController:
 
     def _others_pending(self, h: _Host) -> bool:
         """Whether another live host has bytes waiting (it delivered its part)."""
-        import select
+        return bool(self._pending_hosts([x for x in self._hosts if x is not h]))
 
-        socks = [x.link.sock for x in self._hosts if x is not h and x.alive and not x.done]
-        if not socks:
-            return False
+    def _pending_hosts(self, hosts: list[_Host]) -> set[int]:
+        """ids of the live hosts among ``hosts`` with bytes waiting on their link."""
+        live = [x for x in hosts if x.alive and not x.done]
+        if not live:
+            return set()
+        poller = select.poll()
+        for x in live:
+            poller.register(x.link.sock, select.POLLIN)
         try:
-            ready, _, _ = select.select(socks, [], [], 0)
+            ready = {fd for fd, ev in poller.poll(0) if ev & select.POLLIN}
         except (OSError, ValueError):
-            return False
-        return bool(ready)
+            return set()
+        return {id(x) for x in live if x.link.sock.fileno() in ready}
 
     def _recv_frame(self, h: _Host, rnd: int, clock: "_RoundClock"):
         """Read host h's next frame, handling control records first; None if h is gone.
@@ -368,9 +497,16 @@ class ClusterController:
                 raise FrameError(f"host {h.name!r} sent a {kind.name} record upstream")
             return flags, body
 
+    def _stall_deadline(self) -> float | None:
+        """The round deadline: ``round_timeout`` or the shortest collective timeout a
+        host announced (its ranks would give up first), whichever is smaller."""
+        limits = [t for t in [self.round_timeout] + [h.timeout for h in self._hosts]
+                  if t is not None]
+        return min(limits) if limits else None
+
     def _round(self, rnd: int, live: list[_Host]) -> bool:
         t0 = time.monotonic()
-        clock = _RoundClock(self.round_timeout)
+        clock = _RoundClock(self._stall_deadline())
         schema = None
         mass = 0.0
         flags = 0
@@ -380,9 +516,12 @@ class ClusterController:
             try:
                 res = self._recv_frame(h, rnd, clock)
             except TimeoutError:
-                waiting = [r for x in live[live.index(h):] if x.alive and not x.done
+                later = live[live.index(h) + 1:]
+                delivered = self._pending_hosts(later)
+                silent = [h] + [x for x in later if id(x) not in delivered]
+                waiting = [r for x in silent if x.alive and not x.done
                            for r in x.ranks if not self.dead_ranks.is_dead(r)]
-                self._stall(rnd, waiting)
+                self._stall(rnd, waiting, clock.timeout)
                 return False
             except (FrameError, OSError) as e:
                 if self._stop.is_set():
@@ -423,7 +562,7 @@ class ClusterController:
         kind, shapes = schema[0], [s for _, s in schema[1]]
         dtype = schema[1][0][0] if schema[1] else DTYPE_F32
         out = self._finish(kind, dtype, shapes, offs, mass, flags)
-        self._scatter(out, frame_tag(out, self.salt))
+        self._scatter(OutgoingFrame(out, self.salt))
         if self.forge is not None and flags & FLAG_TAP and kind == RoundKind.MODEL:
             self._tap(out, flags)
         self.stats.rounds += 1
@@ -431,16 +570,18 @@ class ClusterController:
         self._note_rss()
         return True
 
-    def _scatter(self, out: RoundFrame, tag: bytes) -> None:
-        """Send the consensus (hashed once) to every live host; large frames go to the
-        hosts concurrently, one thread per link (each link keeps a single writer). A
-        host whose link breaks is declared dead and the others still get the frame."""
+    def _scatter(self, prepared: OutgoingFrame) -> None:
+        """Send the consensus (split and hashed once) to every live host; large frames
+        go to the hosts concurrently, one thread per link (each link keeps a single
+        writer). A host whose link breaks is declared dead and the others still get
+        the frame."""
+        out = prepared.frame
         targets = [h for h in self._hosts if h.alive and not h.done]
         errors: dict[int, BaseException] = {}
 
         def send(i: int, h: _Host) -> None:
             try:
-                h.link.send_frame(Kind.FRAME_DOWN, out, tag=tag)
+                h.link.send_frame(Kind.FRAME_DOWN, prepared)
             except OSError as e:
                 errors[i] = e
 
@@ -522,12 +663,14 @@ class ClusterController:
                 for i, p in enumerate(out.tensors)])
         self.forge.accumulate(RoundFrame(list(out.tensors), out.weight, out.kind), copy=True)
 
-    def _stall(self, rnd: int, missing: list[int]) -> None:
+    def _stall(self, rnd: int, missing: list[int], timeout: float | None) -> None:
         logger.error("controller: round %d stalled after %s s; missing ranks %s", rnd,
-                     self.round_timeout, missing)
-        self._broadcast_ctrl({"type": "stall", "round": rnd, "missing": missing,
-                              "timeout": self.round_timeout})
-        self.error = TimeoutError(f"round {rnd} stalled; missing ranks {missing}")
+                     timeout, missing)
+        self._broadcast_ctrl(ctrl_message(Ctrl.STALL, round=rnd, missing=missing,
+                                          timeout=timeout))
+        self.error = ReduceStall(f"round {rnd} stalled at the controller after {timeout} s; "
+                                 f"ranks that never delivered: {missing}", round=rnd,
+                                 missing=tuple(missing), timeout=timeout)
 
     def _note_rss(self) -> None:
         try:
@@ -539,6 +682,16 @@ class ClusterController:
 
 
 _SCRATCH = np.empty(4096, np.float32)
+
+
+def _shut(conn: socket.socket) -> None:
+    """Shut a connection down both ways and free its descriptor now (a thread
+    blocked reading it sees EOF, then a closed socket)."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    conn.close()
 
 
 class _RoundClock:

@@ -6,12 +6,16 @@ Handshake (the session secret — the 16-byte salt — never crosses the wire)::
     controller -> relay        CHANNEL_MAGIC u32 | PROTOCOL_VERSION u16 | 0 u16 | nonce_c[16]
                                | proof_c = HMAC(salt, "flodl_shm controller" | nonce_r | nonce_c)
     relay      -> controller   proof_r = HMAC(salt, "flodl_shm relay" | nonce_c | nonce_r)
+                               (or PROOF_REFUSED when proof_c failed: see below)
                                then a CTRL record  {"type": "hello", host, ranks, world_size, ...}
     controller -> relay        a CTRL record {"type": "hello_ack"} or {"type": "reject", reason}
 
 Each side proves it knows the salt by answering the other's fresh nonce; a
 recorded session cannot be replayed (the nonces change). Both derive a link key
-``HMAC(salt, "flodl_shm link" | nonce_r | nonce_c)[:16]``.
+``HMAC(salt, "flodl_shm link" | nonce_r | nonce_c)[:16]``. A relay whose secret
+differs sends the fixed ``PROOF_REFUSED`` bytes instead of a proof before it
+closes, so both ends name the wrong secret (it reveals nothing keyed).
+The control messages and their fields are listed in ``control.py``.
 
 Records (after the handshake)::
 
@@ -25,7 +29,10 @@ binding is the payload itself. For frame records the payload is a
 length-prefixed RoundFrame (``wire``), whose own footer authenticates it with the
 session salt; the binding is that footer tag, so the header and the frame are
 tied together while the frame is hashed once (a controller sends one consensus
-to every host with a single hash pass). Any failure — a bad tag, a wrong seq, a
+to every host with a single hash pass). A frame longer than the frame ceiling
+travels as a ``frame_parts`` control record followed by several frame records of
+at most the ceiling each (``split_frame``); ``Link.recv`` reassembles it into the
+caller's sink and returns the whole frame, so callers never see the parts. Any failure — a bad tag, a wrong seq, a
 length above the ceiling — is a ``FrameError``: the connection is dropped and its
 host failed; nothing it sent reaches a consensus.
 """
@@ -35,16 +42,21 @@ import enum
 import hashlib
 import hmac
 import json
+import math
 import os
 import socket
 import struct
 import time
 from typing import Callable
 
+import numpy as np
+
 from ..errors import FrameError, HandshakeRejected
-from ..frame import RoundFrame
-from .wire import (TAG_BYTES, check_salt, frame_ceiling, frame_tag, frame_wire_len,
-                   read_framed_round_into, write_len_prefix, write_round_frame)
+from ..frame import (MAX_ROUND_FRAME_TENSORS, RoundFrame, RoundKind, TensorPayload, dtype_name,
+                     elem_size)
+from .control import Ctrl, ctrl_message, ctrl_type
+from .wire import (HEADER_BYTES, TAG_BYTES, check_salt, frame_ceiling, frame_tag, frame_wire_len, read_framed_round_into, write_len_prefix,
+                   write_round_frame)
 
 CHANNEL_MAGIC = 0xF10D17E1   # "CPU-reduce data channel" (flodl's channel-select magic)
 RECORD_MAGIC = 0xF10D17D0
@@ -53,6 +65,9 @@ NONCE_BYTES = 16
 PROOF_BYTES = 32
 MAX_CTRL_BYTES = 1 << 20
 HANDSHAKE_TIMEOUT = 10.0
+#: what a relay sends in place of its proof when the controller's proof failed
+PROOF_REFUSED = b"flodl_shm: proof refused\0\0\0\0\0\0\0\0"
+_PIECE_META = 2 + 4 + 8  # a 1-D part piece: dtype, ndim, one dim, nbytes
 
 _HELLO = struct.Struct("<IHH16s")
 _RECORD = struct.Struct("<IHBBQQ")
@@ -70,6 +85,11 @@ def _timeouts() -> float:
     if not (scale >= 0.1):
         raise ValueError(f"FLODL_NET_TIMEOUT_SCALE={scale} must be a number >= 0.1")
     return scale
+
+
+def handshake_deadline_s() -> float:
+    """Seconds a handshake may take (``HANDSHAKE_TIMEOUT`` x ``FLODL_NET_TIMEOUT_SCALE``)."""
+    return HANDSHAKE_TIMEOUT * _timeouts()
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
@@ -112,7 +132,7 @@ def _recv_exact(sock: socket.socket, n: int, what: str, deadline: float | None) 
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"{what}: no data for {HANDSHAKE_TIMEOUT * _timeouts():g} s")
+                raise TimeoutError(f"{what}: no data for {handshake_deadline_s():g} s")
             sock.settimeout(left)
         try:
             k = sock.recv_into(view[got:])
@@ -122,6 +142,71 @@ def _recv_exact(sock: socket.socket, n: int, what: str, deadline: float | None) 
             raise ConnectionError(f"{what}: the peer closed the connection")
         got += k
     return bytes(buf)
+
+
+def split_frame(frame: RoundFrame, ceiling: int) -> list[RoundFrame]:
+    """``frame`` as consecutive part frames of at most ``ceiling`` encoded bytes each.
+
+    Each part carries 1-D pieces of the tensors' bytes in order (a piece never
+    crosses a tensor's end; empty tensors get no piece), with the frame's weight and
+    kind. No bytes are copied: pieces are views of the frame's buffers. A frame
+    that fits is returned as the single element of the list.
+
+    Args:
+        frame: the frame to split.
+        ceiling: the largest encoded part, in bytes (``frame_ceiling()`` on a link).
+    """
+    if frame_wire_len(frame) <= ceiling:
+        return [frame]
+    room0 = ceiling - HEADER_BYTES - TAG_BYTES
+    widest = max(elem_size(p.dtype) for p in frame.tensors)
+    if room0 < _PIECE_META + widest:
+        raise FrameError(f"a frame ceiling of {ceiling} bytes cannot carry even one element per "
+                         f"part (at least {HEADER_BYTES + TAG_BYTES + _PIECE_META + widest} bytes "
+                         f"are needed); raise FLODL_SHM_MAX_FRAME_BYTES")
+    parts: list[RoundFrame] = []
+    pieces: list[TensorPayload] = []
+    room = room0
+    for p in frame.tensors:
+        esize = elem_size(p.dtype)
+        off = 0
+        while off < p.nbytes:
+            take = min(p.nbytes - off, (room - _PIECE_META) // esize * esize)
+            if take <= 0 or len(pieces) == MAX_ROUND_FRAME_TENSORS:
+                parts.append(RoundFrame(pieces, frame.weight, frame.kind))
+                pieces, room = [], room0
+                continue
+            pieces.append(TensorPayload(p.dtype, (take // esize,), p.data[off:off + take]))
+            room -= _PIECE_META + take
+            off += take
+    if pieces:
+        parts.append(RoundFrame(pieces, frame.weight, frame.kind))
+    return parts
+
+
+class OutgoingFrame:
+    """A frame ready to send on any link: split at the ceiling and hashed once.
+
+    A controller sending one consensus to every host prepares it once
+    (``OutgoingFrame(frame, salt)``) and passes it to each link's ``send_frame``.
+
+    Args:
+        frame: the frame.
+        salt: the session salt (tags every part).
+        tag: ``frame_tag(frame, salt)`` if already known (unsplit frames only).
+    """
+
+    def __init__(self, frame: RoundFrame, salt: bytes, tag: bytes | None = None) -> None:
+        self.frame = frame
+        parts = split_frame(frame, frame_ceiling())
+        self.parts = [(p, tag if (tag is not None and p is frame) else frame_tag(p, salt))
+                      for p in parts]
+        self.header = None
+        if len(parts) > 1:
+            self.header = ctrl_message(
+                Ctrl.FRAME_PARTS, parts=len(parts), kind=int(frame.kind), weight=frame.weight,
+                dtypes=[p.dtype for p in frame.tensors],
+                shapes=[list(p.shape) for p in frame.tensors])
 
 
 class Link:
@@ -150,20 +235,27 @@ class Link:
         return head + _mac(self.key, head, binding)[:TAG_BYTES]
 
     def send_ctrl(self, msg: dict) -> None:
+        """Send a control message (``control.py`` lists the types)."""
         payload = json.dumps(msg, separators=(",", ":")).encode()
         if len(payload) > MAX_CTRL_BYTES:
-            raise FrameError(f"control message of {len(payload)} bytes exceeds {MAX_CTRL_BYTES}")
+            raise FrameError(f"control message {msg.get('type')!r} of {len(payload)} bytes "
+                             f"exceeds the {MAX_CTRL_BYTES}-byte limit of a control record")
         self.sock.sendall(self._header(Kind.CTRL, 0, len(payload), payload) + payload)
 
-    def send_frame(self, kind: Kind, frame: RoundFrame, *, flags: int = 0,
+    def send_frame(self, kind: Kind, frame: RoundFrame | OutgoingFrame, *, flags: int = 0,
                    tag: bytes | None = None) -> None:
-        """Send a frame record; ``tag`` is ``frame_tag(frame, salt)`` if already known."""
-        if tag is None:
-            tag = frame_tag(frame, self.salt)
-        n = frame_wire_len(frame)
-        self.sock.sendall(self._header(kind, flags, 4 + n, tag))
-        write_len_prefix(self._writer, n)
-        write_round_frame(self._writer, frame, self.salt, tag=tag)
+        """Send a frame: one record, or a ``frame_parts`` record and one record per
+        part when it is longer than the frame ceiling. ``frame`` may be an
+        ``OutgoingFrame`` prepared once for many links; ``tag`` is
+        ``frame_tag(frame, salt)`` if already known."""
+        out = frame if isinstance(frame, OutgoingFrame) else OutgoingFrame(frame, self.salt, tag)
+        if out.header is not None:
+            self.send_ctrl(out.header)
+        for part, ptag in out.parts:
+            n = frame_wire_len(part)
+            self.sock.sendall(self._header(kind, flags, 4 + n, ptag))
+            write_len_prefix(self._writer, n)
+            write_round_frame(self._writer, part, self.salt, tag=ptag)
 
     # -- receiving -------------------------------------------------------------------
     def recv(self, sink: Callable | None = None, *, timeout: float | None = None
@@ -173,8 +265,69 @@ class Link:
         ``None`` at a clean end of stream before a record. ``timeout`` bounds the wait
         for the record's first byte (``TimeoutError``); once a record has started it is
         read to the end (abandoning it would desync the stream). ``sink`` directs frame
-        payloads (see ``wire.read_framed_round_into``).
+        payloads (see ``wire.read_framed_round_into``); a frame sent in parts
+        (``frame_parts``) is reassembled into the sink's buffers and returned whole.
         """
+        got = self._recv_record(sink, timeout)
+        if got is None or got[0] != Kind.CTRL or got[2]["type"] != Ctrl.FRAME_PARTS:
+            return got
+        return self._recv_parts(got[2], sink)
+
+    def _recv_parts(self, msg: dict, sink: Callable | None) -> tuple[Kind, int, RoundFrame]:
+        """Read the part records a ``frame_parts`` message announced into whole tensors."""
+        what = f"split frame from {self.peer}"
+        try:
+            nparts = int(msg["parts"])
+            kind_byte, weight = int(msg["kind"]), float(msg["weight"])
+            dtypes = [int(d) for d in msg["dtypes"]]
+            shapes = [tuple(int(n) for n in s) for s in msg["shapes"]]
+            sizes = [math.prod(s) * elem_size(d) for d, s in zip(dtypes, shapes)]
+        except (KeyError, TypeError, ValueError) as e:
+            raise FrameError(f"{what}: malformed frame_parts message {msg!r}: {e}") from None
+        total = sum(sizes)
+        if (len(dtypes) != len(shapes) or not 2 <= nparts <= max(2, total)
+                or len(shapes) > MAX_ROUND_FRAME_TENSORS or any(n < 0 for s in shapes for n in s)
+                or total > nparts * frame_ceiling()):
+            raise FrameError(f"{what}: inconsistent frame_parts message (parts {nparts}, "
+                             f"{len(shapes)} tensors of {total} bytes, frame ceiling "
+                             f"{frame_ceiling()})")
+        bufs = [(np.empty(n, np.uint8) if sink is None else sink(i, dtypes[i], shapes[i], n))
+                for i, n in enumerate(sizes)]
+        cur = [0, 0]  # tensor index, byte offset in it
+
+        def piece_sink(j, dtype, shape, nbytes):
+            i, off = cur
+            while i < len(sizes) and off == sizes[i]:
+                i, off = i + 1, 0
+            if i == len(sizes) or dtype != dtypes[i] or len(shape) != 1 or off + nbytes > sizes[i]:
+                raise FrameError(f"{what}: piece {j} ({dtype_name(dtype)} {list(shape)}) does not "
+                                 f"continue tensor {i} of the announced schema")
+            cur[0], cur[1] = i, off + nbytes
+            return memoryview(bufs[i]).cast("B")[off:off + nbytes]
+
+        rec_kind = flags = None
+        for k in range(nparts):
+            got = self._recv_record(piece_sink, None)
+            if got is None or got[0] == Kind.CTRL or (rec_kind is not None
+                                                      and (got[0], got[1]) != (rec_kind, flags)):
+                raise FrameError(f"{what}: part {k} of {nparts} is missing or of another record "
+                                 f"kind ({None if got is None else got[0].name})")
+            rec_kind, flags, part = got
+            if int(part.kind) != kind_byte or part.weight != weight:
+                raise FrameError(f"{what}: part {k} carries kind {int(part.kind)} weight "
+                                 f"{part.weight}, the announcement {kind_byte} {weight}")
+        i, off = cur
+        while i < len(sizes) and off == sizes[i]:
+            i, off = i + 1, 0
+        if i != len(sizes):
+            raise FrameError(f"{what}: the parts ended inside tensor {i} ({off} of {sizes[i]} "
+                             f"bytes)")
+        tensors = [TensorPayload(d, s, b) for d, s, b in zip(dtypes, shapes, bufs)]
+        return rec_kind, flags, RoundFrame(tensors, weight, RoundKind.from_wire(kind_byte))
+
+    def _recv_record(self, sink: Callable | None, timeout: float | None
+                     ) -> tuple[Kind, int, dict | RoundFrame] | None:
+        """One record as it is on the wire (``recv`` without the reassembly)."""
         head = bytearray(RECORD_HEADER)
         view = memoryview(head)
         got = 0
@@ -228,8 +381,9 @@ class Link:
                 msg = json.loads(payload)
             except ValueError as e:
                 raise FrameError(f"control record from {self.peer} is not JSON: {e}") from None
-            if not isinstance(msg, dict) or "type" not in msg:
-                raise FrameError(f"control record from {self.peer} has no type")
+            if not isinstance(msg, dict):
+                raise FrameError(f"control record from {self.peer} is not a JSON object")
+            msg["type"] = ctrl_type(msg, self.peer)
             return kind, flags, msg
         if length > frame_ceiling() + 4:
             raise FrameError(f"frame record of {length} bytes from {self.peer} exceeds the frame "
@@ -263,7 +417,7 @@ def _link_key(salt: bytes, nonce_r: bytes, nonce_c: bytes) -> bytes:
 def client_handshake(sock: socket.socket, salt: bytes, hello: dict, peer: str) -> Link:
     """Relay side: prove the secret, check the controller's proof, announce the host."""
     salt = check_salt(salt)
-    deadline = time.monotonic() + HANDSHAKE_TIMEOUT * _timeouts()
+    deadline = time.monotonic() + handshake_deadline_s()
     nonce_r = os.urandom(NONCE_BYTES)
     sock.sendall(_HELLO.pack(CHANNEL_MAGIC, PROTOCOL_VERSION, 0, nonce_r))
     reply = _recv_exact(sock, _HELLO.size + PROOF_BYTES, f"handshake reply from {peer}", deadline)
@@ -276,19 +430,23 @@ def client_handshake(sock: socket.socket, salt: bytes, hello: dict, peer: str) -
                          f"we speak {PROTOCOL_VERSION}")
     want = _mac(salt, b"flodl_shm controller", nonce_r, nonce_c)
     if not hmac.compare_digest(reply[_HELLO.size:], want):
+        try:  # tell the controller, so it names the wrong secret too
+            sock.sendall(PROOF_REFUSED)
+        except OSError:
+            pass
         raise FrameError(f"handshake: the controller at {peer} failed to prove the session secret "
                          f"(a different --secret-file / salt?)")
     sock.sendall(_mac(salt, b"flodl_shm relay", nonce_c, nonce_r))
     link = Link(sock, salt, _link_key(salt, nonce_r, nonce_c), peer)
-    link.send_ctrl({"type": "hello", **hello})
-    got = link.recv(timeout=HANDSHAKE_TIMEOUT * _timeouts())
+    link.send_ctrl(ctrl_message(Ctrl.HELLO, **hello))
+    got = link.recv(timeout=handshake_deadline_s())
     if got is None:
         raise HandshakeRejected(f"handshake: the controller at {peer} closed the connection "
                                 f"without acknowledging our hello")
     kind, _, msg = got
-    if kind != Kind.CTRL or msg.get("type") not in ("hello_ack", "reject"):
+    if kind != Kind.CTRL or msg["type"] not in (Ctrl.HELLO_ACK, Ctrl.REJECT):
         raise FrameError(f"handshake: expected hello_ack from {peer}, got {kind.name} {msg}")
-    if msg["type"] == "reject":
+    if msg["type"] == Ctrl.REJECT:
         raise HandshakeRejected(f"the controller at {peer} refused this host: {msg.get('reason')}")
     return link
 
@@ -299,7 +457,7 @@ def server_handshake(sock: socket.socket, salt: bytes, peer: str,
     validates and registers the host atomically, returning a refusal reason or None;
     only an admitted host is acknowledged. Raises on failure (after telling the relay
     why, when it proved the secret)."""
-    deadline = time.monotonic() + HANDSHAKE_TIMEOUT * _timeouts()
+    deadline = time.monotonic() + handshake_deadline_s()
     first = _recv_exact(sock, _HELLO.size, f"handshake from {peer}", deadline)
     magic, version, _, nonce_r = _HELLO.unpack_from(first)
     if magic != CHANNEL_MAGIC:
@@ -311,23 +469,32 @@ def server_handshake(sock: socket.socket, salt: bytes, peer: str,
     if version != PROTOCOL_VERSION:
         raise FrameError(f"handshake from {peer}: protocol version {version} != "
                          f"{PROTOCOL_VERSION}")
-    proof = _recv_exact(sock, PROOF_BYTES, f"handshake proof from {peer}", deadline)
+    try:
+        proof = _recv_exact(sock, PROOF_BYTES, f"handshake proof from {peer}", deadline)
+    except ConnectionError:
+        raise FrameError(f"handshake from {peer}: the peer closed the connection instead of "
+                         f"proving the session secret (a relay holding a different secret "
+                         f"file / salt, or not a flodl_shm relay)") from None
+    if proof == PROOF_REFUSED:
+        raise FrameError(f"handshake from {peer}: the relay refused this controller's proof of "
+                         f"the session secret: the two ends hold different secrets (give the "
+                         f"controller and every host the same --secret-file / salt)")
     if not hmac.compare_digest(proof, _mac(salt, b"flodl_shm relay", nonce_c, nonce_r)):
         raise FrameError(f"handshake from {peer}: the relay failed to prove the session secret "
                          f"(a different salt / secret file)")
     link = Link(sock, salt, _link_key(salt, nonce_r, nonce_c), peer)
     got = link.recv(timeout=max(0.1, deadline - time.monotonic()))
-    if got is None or got[0] != Kind.CTRL or got[2].get("type") != "hello":
+    if got is None or got[0] != Kind.CTRL or got[2]["type"] != Ctrl.HELLO:
         raise FrameError(f"handshake from {peer}: expected a hello record, got {got}")
     hello = got[2]
     reason = admit(hello, link)
     if reason is not None:
         try:
-            link.send_ctrl({"type": "reject", "reason": reason})
+            link.send_ctrl(ctrl_message(Ctrl.REJECT, reason=reason))
         finally:
             link.close()
         raise HandshakeRejected(f"refused host {hello.get('host')!r} from {peer}: {reason}")
-    link.send_ctrl({"type": "hello_ack"})
+    link.send_ctrl(ctrl_message(Ctrl.HELLO_ACK))
     return link, hello
 
 
@@ -353,7 +520,7 @@ def connect(addr, *, attempts: int = 60, delay: float = 0.5) -> socket.socket:
     last: Exception | None = None
     for i in range(max(1, attempts)):
         try:
-            sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT * _timeouts())
+            sock = socket.create_connection((host, port), timeout=handshake_deadline_s())
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             return sock
         except OSError as e:

@@ -12,8 +12,11 @@ never dividing (``protocol.py``, relay mode). The relay then, per round:
    where the ranks read them; nothing is used before the frame's tag verifies)
    and publishes it (``G_CONSENSUS = round``), waking the ranks.
 
-Local deaths are forwarded to the controller (``rank_dead``); when every local
-rank has finished the relay says ``host_done``. A stall, a lost or misbehaving
+Local deaths are forwarded to the controller (``rank_dead``); deaths the
+controller declares anywhere in the cohort (``declare_dead``, including every rank
+of a lost host) go to ``on_dead`` — the launcher counts them against
+``max_failures``. When every local rank has finished the relay says
+``host_done``. A stall, a lost or misbehaving
 controller, or a frame that fails its tag ends the host: the relay records the
 error in the arena (ranks raise ``ReduceStall`` or ``ConnectionError`` naming it)
 and raises the abort flag.
@@ -28,9 +31,10 @@ import threading
 import numpy as np
 
 from ..engine import arena as A
-from ..errors import CohortAborted, FrameError
+from ..errors import CohortAborted, FrameError, ReduceStall
 from ..frame import DTYPE_F32, RoundFrame, RoundKind, TensorPayload, elem_size
 from ..kernels import codec as K
+from .control import Ctrl, ctrl_message
 from .link import Kind, client_handshake, connect, parse_addr
 from ..engine.protocol import RoundEngine, decode_schema_words
 from .wire import check_salt
@@ -42,8 +46,11 @@ class Relay:
     """The host's link to the controller (a thread). Built by ``relay_factory``."""
 
     def __init__(self, arena: A.Arena, addr: tuple[str, int], salt: bytes, world_size: int,
-                 first_rank: int, nprocs: int, host: str | None = None) -> None:
+                 first_rank: int, nprocs: int, host: str | None = None, *,
+                 timeout: float | None = None, on_dead=None) -> None:
         self.arena = arena
+        self.timeout = timeout   # this host's round deadline, announced to the controller
+        self.on_dead = on_dead   # called with the global ranks the controller declares dead
         self.addr = addr
         self.salt = salt
         self.world_size = world_size
@@ -66,7 +73,7 @@ class Relay:
         return self.error is not None
 
     def rank_died(self, global_rank: int) -> None:
-        self._upstream.put({"type": "rank_dead", "ranks": [int(global_rank)]})
+        self._upstream.put(ctrl_message(Ctrl.RANK_DEAD, ranks=[int(global_rank)]))
 
     def forward(self, msg: dict) -> None:
         """Queue a control message for the controller (e.g. a checkpoint ``arm``)."""
@@ -93,7 +100,7 @@ class Relay:
             ranks = list(range(self.first_rank, self.first_rank + self.nprocs))
             self._link = client_handshake(sock, self.salt, {
                 "host": self.host, "ranks": ranks, "world_size": self.world_size,
-                "protocol": "flodl_shm-relay"}, peer)
+                "timeout": self.timeout, "protocol": "flodl_shm-relay"}, peer)
             logger.info("relay %s: joined the controller at %s with ranks %s", self.host, peer,
                         ranks)
             self._rounds()
@@ -108,9 +115,8 @@ class Relay:
                 self._link.close()
 
     def _fail(self, e: BaseException) -> None:
-        stall = getattr(e, "stall", None)
-        if stall is not None:
-            self.arena.set_relay_error(A.RELAY_STALL, str(e), stall["round"], stall["missing"])
+        if isinstance(e, ReduceStall):
+            self.arena.set_relay_error(A.RELAY_STALL, str(e), e.round, e.missing, e.timeout)
         else:
             self.arena.set_relay_error(A.RELAY_FAILED, f"{type(e).__name__}: {e}")
 
@@ -156,7 +162,7 @@ class Relay:
         self._flush_upstream()
         c = self.arena.ctl
         if all(c[A.rank_base(r) + A.R_DEAD] == A.DEAD_EXITED for r in range(self.arena.world)):
-            link.send_ctrl({"type": "host_done"})
+            link.send_ctrl(ctrl_message(Ctrl.HOST_DONE))
             logger.info("relay %s: every local rank finished after %d rounds", self.host, rnd)
 
     def _shapes(self, view) -> list[tuple[int, ...]]:
@@ -216,18 +222,18 @@ class Relay:
 
     def _control(self, msg: dict) -> None:
         kind = msg["type"]
-        if kind == "declare_dead":
-            logger.warning("relay %s: the controller declared ranks %s dead", self.host,
-                           msg.get("ranks"))
-        elif kind == "stall":
-            e = TimeoutError(
+        if kind == Ctrl.DECLARE_DEAD:
+            ranks = [int(r) for r in msg.get("ranks", [])]
+            logger.warning("relay %s: the controller declared ranks %s dead", self.host, ranks)
+            if self.on_dead is not None:
+                self.on_dead(ranks)
+        elif kind == Ctrl.STALL:
+            raise ReduceStall(
                 f"round {msg['round']} stalled at the controller after {msg.get('timeout')} s; "
-                f"ranks that had not delivered: {msg['missing']}")
-            e.stall = msg
-            raise e
-        elif kind in ("shutdown", "error"):
-            raise ConnectionError(f"the controller ended the cohort: "
-                                  f"{msg.get('reason') or msg.get('message')}")
+                f"ranks that had not delivered: {msg['missing']}", round=int(msg["round"]),
+                missing=tuple(int(r) for r in msg["missing"]), timeout=msg.get("timeout"))
+        elif kind == Ctrl.ERROR:
+            raise ConnectionError(f"the controller ended the cohort: {msg.get('message')}")
         else:
             logger.warning("relay %s: ignoring control message %r", self.host, kind)
 
@@ -241,6 +247,7 @@ def relay_factory(controller, salt, world_size: int, first_rank: int, nprocs: in
     addr = parse_addr(controller)
 
     def make(ctx) -> Relay:
-        return Relay(ctx.arena, addr, salt, world_size, first_rank, nprocs)
+        return Relay(ctx.arena, addr, salt, world_size, first_rank, nprocs,
+                     timeout=ctx.cluster_round_timeout, on_dead=ctx.cohort_deaths)
 
     return make

@@ -328,13 +328,15 @@ class Arena:
 
     # -- relay errors ------------------------------------------------------------------
     def set_relay_error(self, code: int, text: str, rnd: int = -1,
-                        missing: list[int] | tuple[int, ...] = ()) -> None:
+                        missing: list[int] | tuple[int, ...] = (),
+                        timeout: float | None = None) -> None:
         """Relay side: record why the host cannot continue, abort, wake everyone."""
         import json
 
         from .waiting import Doorbell
 
-        blob = json.dumps({"text": text, "round": rnd, "missing": list(missing)}).encode()
+        blob = json.dumps({"text": text, "round": rnd, "missing": list(missing),
+                           "timeout": timeout}).encode()
         if len(blob) > ERROR_AREA_BYTES - 8:
             blob = json.dumps({"text": text[:ERROR_AREA_BYTES // 2], "round": rnd,
                                "missing": list(missing)[:16]}).encode()[:ERROR_AREA_BYTES - 8]

@@ -1,0 +1,67 @@
+"""The control messages of the relay <-> controller link, in one place.
+
+A control message is a CTRL record (``link.py``) whose payload is a compact JSON
+object; its ``"type"`` is one of :class:`Ctrl`'s values. Every field each type
+carries is listed here; nothing else is sent.
+
+Handshake (once per link, ``link.client_handshake`` / ``link.server_handshake``):
+
+- ``hello`` relay -> controller: ``host`` (name), ``ranks`` (global ranks this
+  host carries), ``world_size``, ``protocol``.
+- ``hello_ack`` controller -> relay: the host is admitted.
+- ``reject`` controller -> relay: ``reason`` (why the host was refused).
+
+During the run:
+
+- ``rank_dead`` relay -> controller: ``ranks`` that died on this host.
+- ``declare_dead`` controller -> every relay: ``ranks`` now dead cohort-wide
+  (a rank that died anywhere, or every rank of a host whose link was lost). Each
+  host counts them against its ``max_failures``.
+- ``host_done`` relay -> controller: every rank of this host finished.
+- ``arm`` relay -> controller: a rank armed a consensus checkpoint: ``path``,
+  ``meta``, ``param_names``, ``buffer_names``.
+- ``stall`` controller -> every relay: the round did not complete in time:
+  ``round``, ``missing`` (the global ranks that never delivered), ``timeout``.
+  Ranks raise ``ReduceStall(round, missing, timeout)``.
+- ``error`` controller -> every relay: ``message``; the controller's reduce loop
+  failed and the cohort ends.
+- ``frame_parts`` either way: the next ``parts`` frame records carry one round
+  frame split at the frame ceiling: ``kind``, ``weight``, ``dtypes``, ``shapes``
+  of the whole frame (``link.Link.send_frame`` / ``Link.recv`` do this
+  transparently).
+"""
+from __future__ import annotations
+
+import enum
+
+from ..errors import FrameError
+
+
+class Ctrl(str, enum.Enum):
+    """The ``"type"`` of a control message (see the module docstring for fields)."""
+
+    HELLO = "hello"
+    HELLO_ACK = "hello_ack"
+    REJECT = "reject"
+    RANK_DEAD = "rank_dead"
+    DECLARE_DEAD = "declare_dead"
+    HOST_DONE = "host_done"
+    ARM = "arm"
+    STALL = "stall"
+    ERROR = "error"
+    FRAME_PARTS = "frame_parts"
+
+
+def ctrl_message(kind: Ctrl, /, **fields) -> dict:
+    """A control message of type ``kind`` with ``fields`` (JSON-serialisable)."""
+    return {"type": Ctrl(kind).value, **fields}
+
+
+def ctrl_type(msg: dict, peer: str) -> Ctrl:
+    """The validated type of a received control message; ``FrameError`` naming the
+    peer and the value for a type this protocol version does not define."""
+    try:
+        return Ctrl(msg.get("type"))
+    except ValueError:
+        raise FrameError(f"control message of unknown type {msg.get('type')!r} from {peer} "
+                         f"(known: {', '.join(c.value for c in Ctrl)})") from None

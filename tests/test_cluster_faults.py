@@ -1,0 +1,316 @@
+"""Faults of a multi-host cohort (docs/failure-model.md, "Several hosts").
+
+Connection floods (with few file descriptors and beyond the pending-handshake
+cap), a wrong secret named on both ends, a host leaving before the cohort forms,
+a lost host counted against ``max_failures``, frames above the frame ceiling, and the ``controller`` command's start-up errors.
+"""
+from __future__ import annotations
+
+import logging
+import resource
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from flodl_shm import ClusterController, FrameError, RankFailed, spawn
+from flodl_shm.cluster import wire
+from flodl_shm.cluster.link import HandshakeRejected, Kind, split_frame
+from flodl_shm.cluster.secret import write_secret_file
+from flodl_shm.frame import DTYPE_BF16, DTYPE_F32, RoundFrame, RoundKind, TensorPayload
+
+from cluster_util import SALT, join_raw, kill_a_host_mid_run, quick_average, run_hosts
+from engine_util import assert_no_leaks
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks():
+    yield
+    assert_no_leaks(10)
+
+
+def _hello(host, ranks, world):
+    return {"host": host, "ranks": ranks, "world_size": world}
+
+
+def _await_hosts(ctl, names, timeout=10.0):
+    """Wait until the controller's registered hosts are ``names`` (sorted)."""
+    deadline = time.monotonic() + timeout
+    while sorted(h[0] for h in ctl.hosts()) != names and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sorted(h[0] for h in ctl.hosts()) == names, ctl.hosts()
+
+
+# --- connection floods ---------------------------------------------------------------------
+
+def _start_cli(tmp_path, world, nofile=None):
+    """``python -m flodl_shm controller`` in a subprocess (optionally with a lowered
+    RLIMIT_NOFILE); returns (process, port, log path)."""
+    secret = tmp_path / "secret.hex"
+    write_secret_file(secret, SALT)
+    port_file = tmp_path / "port.txt"
+    log = tmp_path / "controller.log"
+
+    def lower_limit():
+        if nofile is not None:
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard))
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flodl_shm", "controller", "--bind", "127.0.0.1:0",
+         "--world-size", str(world), "--secret-file", str(secret), "--port-file",
+         str(port_file)], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, preexec_fn=lower_limit)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        if port_file.exists() and port_file.read_text().strip():
+            return proc, int(port_file.read_text()), log
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait(10)
+    raise AssertionError(f"the controller did not start: {log.read_text()}")
+
+
+def _flood(port, n) -> list[socket.socket]:
+    """``n`` idle connections (non-blocking connects), waited until the kernel
+    established each (they are all in or past the accept queue)."""
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", port))
+        socks.append(s)
+    deadline = time.monotonic() + 60
+    waiting = list(socks)
+    while waiting and time.monotonic() < deadline:
+        _, ready, _ = select.select([], waiting, [], 0.5)
+        waiting = [s for s in waiting if s not in ready]
+    return socks
+
+
+@pytest.mark.parametrize("nofile,flood", [(40, 150), (None, 200)],
+                         ids=["out-of-descriptors", "beyond-the-pending-cap"])
+def test_a_connection_flood_does_not_disable_the_controller(tmp_path, monkeypatch, nofile, flood):
+    """Idle connections past the descriptor limit (EMFILE) or past the cap of pending
+    handshakes: the controller keeps accepting, drops the oldest, says so, and a
+    real host still completes its handshake."""
+    monkeypatch.setenv("FLODL_NET_TIMEOUT_SCALE", "0.5")  # the host gives up after 5 s
+    proc, port, log = _start_cli(tmp_path, 1, nofile)
+    socks = []
+    try:
+        socks = _flood(port, flood)
+        link = join_raw(port, _hello("real", [0], 1))
+        link.close()
+        proc.wait(30)  # the one-host cohort ends when its host leaves
+    finally:
+        for s in socks:
+            s.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+    text = log.read_text()
+    assert "still accepting" in text, text
+    if nofile is not None:
+        assert "Too many open files" in text, text
+    else:
+        assert "more than 64 connections mid-handshake" in text, text
+    assert text.count("listening") == 1, text
+
+
+def test_a_handshake_that_never_finishes_is_dropped_after_its_deadline(monkeypatch):
+    monkeypatch.setenv("FLODL_NET_TIMEOUT_SCALE", "0.1")  # 1 s handshakes
+    ctl = ClusterController.start("127.0.0.1:0", 1, SALT)
+    try:
+        idle = socket.create_connection(("127.0.0.1", ctl.port))
+        idle.settimeout(10)
+        t0 = time.monotonic()
+        assert idle.recv(1) == b"", "the controller should close an idle pre-handshake link"
+        assert time.monotonic() - t0 < 9
+        idle.close()
+    finally:
+        ctl.shutdown()
+
+
+# --- wrong secret --------------------------------------------------------------------------
+
+def test_a_wrong_secret_is_named_on_the_controller_too(caplog):
+    ctl = ClusterController.start("127.0.0.1:0", 2, SALT)
+    try:
+        with caplog.at_level(logging.ERROR, logger="flodl_shm"):
+            with pytest.raises(FrameError, match="failed to prove the session secret"):
+                join_raw(ctl.port, _hello("e", [0], 2), salt=b"\x01" * 16)
+            deadline = time.monotonic() + 10
+            while "different secrets" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+    finally:
+        ctl.shutdown()
+    assert "different secrets" in caplog.text and "peer closed" not in caplog.text, caplog.text
+
+
+# --- a host that leaves before the cohort is complete --------------------------------------
+
+def test_a_host_that_left_before_the_cohort_formed_is_forgotten():
+    """Host A joins and leaves; B joins: the cohort must not complete with A's ranks
+    claimed by a dead link, and A's relaunch (same name, same ranks) is admitted."""
+    ctl = ClusterController.start("127.0.0.1:0", 2, SALT)
+    try:
+        a = join_raw(ctl.port, _hello("a", [0], 2))
+        _await_hosts(ctl, ["a"])
+        a.close()
+        _await_hosts(ctl, [])  # forgotten
+        b = join_raw(ctl.port, _hello("b", [1], 2))
+        _await_hosts(ctl, ["b"])
+        a2 = join_raw(ctl.port, _hello("a", [0], 2))  # the relaunch
+        _await_hosts(ctl, ["a", "b"])
+        with pytest.raises(HandshakeRejected, match="already complete"):
+            join_raw(ctl.port, _hello("c", [1], 2))
+        a2.close()
+        b.close()
+    finally:
+        ctl.shutdown()
+
+
+def test_the_lone_relaunched_host_waits_for_the_cohort_instead_of_training_alone():
+    """A left after delivering a round's partial; then B joins: B must not train on
+    its own ranks with A's declared dead; A's relaunch completes the cohort."""
+    ctl = ClusterController.start("127.0.0.1:0", 2, SALT)
+    box = {}
+    try:
+        a = join_raw(ctl.port, _hello("a", [0], 2))
+        _await_hosts(ctl, ["a"])
+        a.send_frame(Kind.FRAME_UP, RoundFrame([TensorPayload(DTYPE_F32, (3,),
+                                                              np.zeros(3, np.float32))], 1.0))
+        a.close()
+        _await_hosts(ctl, [])
+
+        def host(first, key):
+            box[key] = spawn(quick_average, 1, controller=f"127.0.0.1:{ctl.port}",
+                             world_size=2, first_rank=first, salt=SALT, timeout=60)
+
+        tb = threading.Thread(target=host, args=(1, "b"))
+        tb.start()
+        time.sleep(1.0)
+        assert not ctl.dead_ranks.dead(), "rank 0 was declared dead with its host forgotten"
+        ta = threading.Thread(target=host, args=(0, "a"))
+        ta.start()
+        ta.join(120)
+        tb.join(120)
+    finally:
+        ctl.shutdown()
+    assert box == {"a": [[0.5, 0.5, 0.5]], "b": [[0.5, 0.5, 0.5]]}, box
+
+
+# --- a lost host counts against max_failures -----------------------------------------------
+
+def test_losing_a_whole_host_counts_against_max_failures(tmp_path):
+    box, ctl = kill_a_host_mid_run(tmp_path, max_failures=0)
+    err = box.get("error")
+    assert isinstance(err, RankFailed), box
+    assert err.rank == 2 and "ranks [2]" in str(err) and "max_failures=0" in str(err), str(err)
+    assert ctl.dead_ranks.is_dead(2)
+
+
+# --- frames above the frame ceiling ----------------------------------------------------------
+
+def _frame(sizes, dtype=DTYPE_F32, weight=3.0):
+    rng = np.random.default_rng(7)
+    tensors = []
+    for s in sizes:
+        n = int(np.prod(s))
+        raw = rng.standard_normal(n).astype(np.float32)
+        data = raw if dtype == DTYPE_F32 else (raw.view(np.uint32) >> 16).astype(np.uint16)
+        tensors.append(TensorPayload(dtype, s, data))
+    return RoundFrame(tensors, weight, RoundKind.MODEL)
+
+
+@pytest.mark.parametrize("dtype", [DTYPE_F32, DTYPE_BF16])
+def test_a_frame_above_the_ceiling_travels_in_parts_over_a_link(dtype):
+    frame = _frame([(40, 30), (0,), (7,), (3, 1000), (1,)], dtype)
+    ceiling = 1000
+    parts = split_frame(frame, ceiling)
+    assert len(parts) > 5 and all(wire.frame_wire_len(p) <= ceiling for p in parts)
+    ctl_sock = socket.create_server(("127.0.0.1", 0))
+    port = ctl_sock.getsockname()[1]
+    box = {}
+
+    def server():
+        from flodl_shm.cluster.link import server_handshake
+
+        conn, addr = ctl_sock.accept()
+        conn.settimeout(30)
+        link, _ = server_handshake(conn, SALT, "relay", lambda hello, link: None)
+        box["got"] = link.recv()
+        box["got2"] = link.recv(lambda i, dt, shape, nb: np.zeros(nb, np.uint8))
+        link.close()
+
+    wire.set_frame_ceiling(ceiling)
+    try:
+        t = threading.Thread(target=server, daemon=True)
+        t.start()
+        link = join_raw(port, _hello("h", [0], 1))
+        link.send_frame(Kind.FRAME_UP, frame, flags=8)
+        link.send_frame(Kind.FRAME_UP, frame, flags=16)
+        t.join(30)
+        link.close()
+    finally:
+        wire.set_frame_ceiling(None)
+        ctl_sock.close()
+    for key, flags in (("got", 8), ("got2", 16)):
+        kind, fl, got = box[key]
+        assert kind == Kind.FRAME_UP and fl == flags
+        assert got == frame
+
+
+def big_average(ctx, bf16):
+    ctx.comm.set_bf16_wire(bf16)
+    out = []
+    for i in range(3):
+        t = torch.arange(30000, dtype=torch.float32) * (ctx.rank + 1) + i
+        small = torch.tensor([float(ctx.rank)])
+        r = ctx.comm.all_reduce_tensors([t, small])
+        out.append((float(r[0][0]), float(r[0][-1]), float(r[1][0])))
+    return out
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_cluster_round_above_the_frame_ceiling_is_split_transparently(bf16):
+    """A 120 kB host partial under a 16 kB frame ceiling: the relay and the controller
+    split every round into ceiling-sized records and the average is exact."""
+    wire.set_frame_ceiling(16 << 10)
+    try:
+        out, errors, ctl = run_hosts(big_average, [1, 1], args=(bf16,))
+    finally:
+        wire.set_frame_ceiling(None)
+    assert not errors, errors
+    want = [(0.0 + i, 1.5 * 29999 + i, 0.5) for i in range(3)]
+    for host in out:
+        for got, w in zip(host[0], want):
+            assert got[0] == w[0] and got[2] == w[2]
+            assert abs(got[1] - w[1]) <= (0.01 * w[1] if bf16 else 0.0)
+    assert ctl.stats.rounds == 3
+
+
+def test_split_frame_refuses_a_ceiling_too_small_for_one_element():
+    with pytest.raises(FrameError, match="cannot carry even one element"):
+        split_frame(_frame([(100,)]), 40)
+
+
+# --- the controller command ----------------------------------------------------------------
+
+def test_controller_command_with_a_missing_secret_file_prints_one_line(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "flodl_shm", "controller", "--bind",
+                        "127.0.0.1:0", "--world-size", "2", "--secret-file",
+                        str(tmp_path / "nonexistent")], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "nonexistent" in lines[0] and "--new-secret" in lines[0], p.stderr
