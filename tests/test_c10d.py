@@ -204,6 +204,19 @@ def test_a_dead_peer_makes_the_others_raise_naming_it(tmp_path, victim):
     _no_segments_of(res)
 
 
+@pytest.mark.slow
+def test_a_dead_host_makes_the_other_hosts_raise_naming_its_leader(tmp_path):
+    # rank 2 is alone on host "b" and dies: host "a"'s leader sees the gloo group fail,
+    # and its local peer hears it through shared memory instead of waiting for the timeout
+    res = run_group("peer_dies", 3, tmp_path, hosts=["a", "a", "b"],
+                    extra_env={"C10D_VICTIM": "2", "C10D_TIMEOUT": "60"}, timeout=150)
+    assert res[2] is None
+    for r in res[:2]:
+        assert r["error"] is not None and "group rank(s) [2]" in r["error"], r["error"]
+        assert r["seconds"] < 60
+    _no_segments_of(res)
+
+
 def test_a_rank_that_skips_a_collective_makes_the_others_time_out_naming_it(tmp_path):
     res = run_group("stall", 3, tmp_path, extra_env={"C10D_TIMEOUT": "3"}, timeout=120)
     for r in res[:2]:

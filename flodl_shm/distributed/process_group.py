@@ -315,29 +315,43 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             if not topo.is_leader:
                 raise  # the leader tells the other hosts, then raises too
             local_error = e
-        status, result = 0, None
+        status, result, leaders_error = 0, None, None
         if topo.is_leader:
             flags = torch.tensor([int(local_error is not None), signature, -signature],
                                  dtype=torch.int64)
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.MAX
-            link.leaders.allreduce([flags], opts).wait()
+            try:
+                link.leaders.allreduce([flags], opts).wait()
+                if local_error is None and not int(flags[0]) and int(flags[1]) == -int(flags[2]):
+                    result = combine()
+            except Exception as e:  # noqa: BLE001 - the leaders' group failed: tell the host
+                leaders_error = e
             if local_error is not None:
                 raise local_error
-            if int(flags[0]):
+            if leaders_error is not None:
+                status = 3
+            elif int(flags[0]):
                 status = 1
             elif int(flags[1]) != -int(flags[2]):
                 status = 2
-            else:
-                result = combine()
 
         def fill(dst: np.ndarray) -> None:
             dst[:8].view(np.int64)[0] = status
             if result is not None:
                 dst[8:8 + out_nbytes] = result
 
+        others = [r for r in topo.leaders if r != topo.local_ranks[0]]
+
         def read(views: list[np.ndarray]) -> None:
             code = int(views[0][:8].view(np.int64)[0])
+            if code == 3:
+                raise RuntimeError(
+                    f"flodl_shm: the host leaders' exchange failed on this host's leader (rank "
+                    f"{topo.local_ranks[0]}): the leader(s) of the other hosts, group rank(s) "
+                    f"{others}, died or left (their host's ranks may have died); the group is "
+                    f"unusable, destroy it and restart"
+                    + (f". gloo said: {leaders_error}" if leaders_error is not None else ""))
             if code:
                 why = ("a rank on another host failed this collective" if code == 1 else
                        "the hosts called different collectives or shapes")
@@ -346,7 +360,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             take(views[0][8:8 + out_nbytes])
 
         exchange_bytes(link.comm, 8 + out_nbytes, fill if topo.is_leader else None, read,
-                       signature)
+                       signature)  # the leader raises here too when the leaders failed
 
     def _exchange_tensors(self, tensors: Sequence[torch.Tensor] | None, offs: Sequence[int],
                           total: int, consume: Callable[[list[np.ndarray]], None],
