@@ -61,3 +61,32 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def start_spawn_driver(tmp_path, nprocs: int = 2, wait_for: str = "ready",
+                       env: dict | None = None):
+    """Start ``tests/spawn_driver.py`` with ``nprocs`` ranks in a session of its own (a
+    terminal's foreground group) and return ``(process, pids)`` once the file
+    ``tmp_path / wait_for`` lists ``nprocs`` pids (``"ready"``: the ranks are in their
+    loop). ``env`` adds variables (e.g. ``DRIVER_SLOW_IMPORT_FILE``)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    listed = tmp_path / wait_for
+    full_env = dict(os.environ, DRIVER_READY_FILE=str(tmp_path / "ready"), **(env or {}))
+    proc = subprocess.Popen([sys.executable, os.path.join(here, "spawn_driver.py"), str(nprocs)],
+                            env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if listed.exists() and len(listed.read_text().split()) >= nprocs:
+            return proc, [int(p) for p in listed.read_text().split()]
+        if proc.poll() is not None:
+            raise AssertionError(f"driver exited early: {proc.communicate()}")
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    raise AssertionError(f"the driver's ranks never listed themselves in {listed}")

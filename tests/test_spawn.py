@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -20,10 +18,9 @@ import flodl_shm
 from flodl_shm import RankFailed, ReduceStall, RoundKind, spawn
 from flodl_shm.engine.segment import Segment, list_segments, reap_dead_owner_segments, segment_name
 
-from engine_util import assert_no_leaks, processes_gone
+from engine_util import assert_no_leaks, processes_gone, start_spawn_driver
 
 pytestmark = pytest.mark.timeout(180)
-HERE = os.path.dirname(os.path.abspath(__file__))
 BIG = 1 << 18  # f32 elements of a bulk round
 
 
@@ -266,29 +263,13 @@ def test_kill_at_every_point_of_a_round(phase, included):
     assert r0[3][:4] == (6.0, 6.0, 1.5, 2.0)
 
 
-def _start_driver(tmp_path, nprocs=2):
-    ready = tmp_path / "ready"
-    env = dict(os.environ, DRIVER_READY_FILE=str(ready))
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "spawn_driver.py"), str(nprocs)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if ready.exists() and len(ready.read_text().split()) >= nprocs:
-            return proc, [int(p) for p in ready.read_text().split()]
-        if proc.poll() is not None:
-            raise AssertionError(f"driver exited early: {proc.communicate()}")
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError("driver ranks never became ready")
-
-
 def _driver_segments(pid):
     return [s.name for s in list_segments() if s.owner_pid == pid]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_launcher_signal_stops_every_rank_and_cleans_up(tmp_path, sig):
-    proc, ranks = _start_driver(tmp_path)
+    proc, ranks = start_spawn_driver(tmp_path)
     assert _driver_segments(proc.pid)
     proc.send_signal(sig)
     proc.wait(60)
@@ -301,7 +282,7 @@ def test_launcher_signal_stops_every_rank_and_cleans_up(tmp_path, sig):
 
 
 def test_launcher_sigkill_takes_ranks_down_and_next_start_reaps(tmp_path):
-    proc, ranks = _start_driver(tmp_path)
+    proc, ranks = start_spawn_driver(tmp_path)
     proc.kill()
     proc.wait(30)
     assert processes_gone(ranks), "ranks survived a SIGKILLed launcher (PDEATHSIG)"

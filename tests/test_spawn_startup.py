@@ -20,7 +20,7 @@ import pytest
 
 from flodl_shm.engine.segment import list_segments, reap_dead_owner_segments
 
-from engine_util import assert_no_leaks, processes_gone
+from engine_util import assert_no_leaks, processes_gone, start_spawn_driver
 
 pytestmark = pytest.mark.timeout(180)
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -35,24 +35,10 @@ def _no_leaks():
 
 
 def _start_importing_driver(tmp_path, nprocs=2):
-    """The driver in a session of its own (a terminal's foreground group), once all its
-    ranks are inside their import; returns (process, rank pids)."""
-    importing = tmp_path / "importing"
-    env = dict(os.environ, DRIVER_READY_FILE=str(tmp_path / "ready"),
-               DRIVER_SLOW_IMPORT_FILE=str(importing), DRIVER_SLOW_IMPORT_S=str(IMPORT_S))
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "spawn_driver.py"), str(nprocs)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if importing.exists() and len(importing.read_text().split()) >= nprocs:
-            return proc, [int(p) for p in importing.read_text().split()]
-        if proc.poll() is not None:
-            raise AssertionError(f"driver exited early: {proc.communicate()}")
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    raise AssertionError("the driver's ranks never started importing")
+    """The driver, once all its ranks are inside their import; (process, rank pids)."""
+    return start_spawn_driver(tmp_path, nprocs, wait_for="importing", env={
+        "DRIVER_SLOW_IMPORT_FILE": str(tmp_path / "importing"),
+        "DRIVER_SLOW_IMPORT_S": str(IMPORT_S)})
 
 
 def _segments_of(pid: int) -> list[str]:
