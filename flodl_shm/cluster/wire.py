@@ -16,6 +16,8 @@ On a stream of frames each frame is preceded by a u32 length prefix
 default, ``FLODL_SHM_MAX_FRAME_BYTES`` or ``set_frame_ceiling``) *before* anything
 is allocated, and payload buffers are allocated lazily (untouched pages cost no
 RAM), so a hostile length can never make a reader commit memory it was not sent.
+A longer frame is no error on the relay <-> controller link: ``link.Link`` sends
+it as several frames of at most the ceiling and reassembles it.
 
 Writers stream payloads straight from their buffers (no whole-frame
 concatenation); readers ``readinto`` preallocated buffers. MAC-before-use: payloads
@@ -51,7 +53,6 @@ __all__ = [
     "HEADER_BYTES",
     "LEN_PREFIX_BYTES",
     "DEFAULT_FRAME_CEILING",
-    "FRAME_CEILING_FLOOR",
     "frame_ceiling",
     "set_frame_ceiling",
     "check_salt",
@@ -74,7 +75,6 @@ HEADER_BYTES = 17
 LEN_PREFIX_BYTES = 4
 READ_CHUNK = 64 << 20
 DEFAULT_FRAME_CEILING = 1 << 30
-FRAME_CEILING_FLOOR = 64 << 20
 _U32_MAX = 0xFFFFFFFF
 _SMALL_PAYLOAD = 64 << 10  # payloads below this are coalesced with the header writes
 
