@@ -50,7 +50,7 @@ def _measure(ctx, reps: int, batch: int) -> dict:
     return {"times": times, "ok": ok}
 
 
-def test_every_api_within_limit_of_the_inplace_path():
+def _ratios() -> tuple[dict, float]:
     from flodl_shm import spawn
 
     per_rank = spawn(_measure, 2, (REPS, BATCH), timeout=240)
@@ -61,9 +61,18 @@ def test_every_api_within_limit_of_the_inplace_path():
     med = {n: statistics.median(max(r["times"][n][i] for r in per_rank) for i in range(REPS))
            for n in names}
     base = med["api-inplace"]
-    ratios = {n: med[n] / base for n in names}
-    report = ", ".join(f"{n[4:]} {ratios[n]:.2f}x" for n in names)
-    print(f"\n4 KiB, world 2, x the in-place path ({base / 1e3:.1f} us): {report}")
-    over = [n for n in names if ratios[n] > LIMIT]
-    assert not over, (f"APIs over {LIMIT}x the in-place path at 4 KiB (in-place "
-                      f"{base / 1e3:.1f} us here): {report}")
+    return {n: med[n] / base for n in names}, base
+
+
+def test_every_api_within_limit_of_the_inplace_path():
+    reports = []
+    for _attempt in range(2):  # a real regression fails twice; a burst of load rarely does
+        ratios, base = _ratios()
+        report = ", ".join(f"{n[4:]} {r:.2f}x" for n, r in ratios.items())
+        print(f"\n4 KiB, world 2, x the in-place path ({base / 1e3:.1f} us): {report}")
+        reports.append(f"in-place {base / 1e3:.1f} us: {report}")
+        over = [n for n, r in ratios.items() if r > LIMIT]
+        if not over:
+            return
+    raise AssertionError(f"APIs over {LIMIT}x the in-place path at 4 KiB in two measurements: "
+                         + " | ".join(reports))
