@@ -39,7 +39,8 @@ def survivor_rounds(ctx):
 def kill_a_host_mid_run(tmp_path, max_failures):
     """Host 1 (rank 2 of 3, its own launcher process: ``cluster_driver.py``) is
     SIGKILLed mid-run while host 0 (ranks 0-1) runs ``survivor_rounds``. Returns
-    ({"out": host 0's results} or {"error": its exception}, the controller)."""
+    ({"out": host 0's results} or {"error": its exception}, and "dead": the launcher's
+    cohort-wide ``dead_ranks()``; the controller)."""
     ctl = ClusterController.start("127.0.0.1:0", 3, SALT)
     ready = tmp_path / "ready"
     env = dict(os.environ, DRIVER_READY_FILE=str(ready), CLUSTER_PORT=str(ctl.port),
@@ -49,12 +50,13 @@ def kill_a_host_mid_run(tmp_path, max_failures):
     box = {}
 
     def host0():
+        ctx = spawn(survivor_rounds, 2, controller=f"127.0.0.1:{ctl.port}", world_size=3,
+                    first_rank=0, salt=SALT, timeout=120, max_failures=max_failures, join=False)
         try:
-            box["out"] = spawn(survivor_rounds, 2, controller=f"127.0.0.1:{ctl.port}",
-                               world_size=3, first_rank=0, salt=SALT, timeout=120,
-                               max_failures=max_failures)
+            box["out"] = ctx.join()
         except BaseException as e:  # noqa: BLE001 - inspected by the test
             box["error"] = e
+        box["dead"] = ctx.dead_ranks()
 
     t = threading.Thread(target=host0)
     t.start()

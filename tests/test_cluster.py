@@ -300,6 +300,7 @@ def test_a_whole_host_vanishing_is_excluded(tmp_path):
     (its max_failures=1 covers the lost rank)."""
     box, ctl = kill_a_host_mid_run(tmp_path, max_failures=1)
     assert box.get("out") == [(0.5, 2.0), (0.5, 2.0)], box
+    assert box["dead"] == [2], "the launcher names the lost host's ranks"
     assert ctl.dead_ranks.is_dead(2) and ctl.dead_ranks.alive() == [0, 1]
 
 

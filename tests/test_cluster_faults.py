@@ -215,7 +215,7 @@ def test_losing_a_whole_host_counts_against_max_failures(tmp_path):
     err = box.get("error")
     assert isinstance(err, RankFailed), box
     assert err.rank == 2 and "ranks [2]" in str(err) and "max_failures=0" in str(err), str(err)
-    assert ctl.dead_ranks.is_dead(2)
+    assert ctl.dead_ranks.is_dead(2) and box["dead"] == [2]
 
 
 # --- frames above the frame ceiling ----------------------------------------------------------
