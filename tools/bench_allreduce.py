@@ -16,9 +16,16 @@ flodl_shm variants:
   shm-zc        zero-copy: the data already sits in the rank's shared input region
                 (``zero_copy_inputs``) and the consensus is read as a view
   shm-*-bf16    the same with ``set_bf16_wire(True)`` (half the bytes in shared memory)
+  api-*         one row per public collective (``api_ops``: all_reduce_, _tensors,
+                _weighted, _scaled, all_reduce(frame), zero-copy, broadcast_from_root,
+                all_reduce_per_rank_f64, barrier), printed as a second table with each
+                row's ratio to the OpenMPI call doing the same job (``API_PEERS``)
 Peers: torch.distributed gloo (TCP over loopback; gloo has no shared-memory
-transport for CPU tensors), OpenMPI ``Allreduce`` via mpi4py (run under mpirun;
-skipped with a note when mpirun or mpi4py is missing).
+transport for CPU tensors), OpenMPI ``Allreduce`` (plus ``Bcast``, ``Barrier`` and a
+world-length ``Allreduce`` for the API table) via mpi4py (run under mpirun; skipped
+with a note when mpirun or mpi4py is missing: the API table then has no ratios).
+
+    python tools/bench_allreduce.py --methods api --sizes 4KiB --worlds 2   # API rows only
 """
 from __future__ import annotations
 
