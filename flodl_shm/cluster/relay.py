@@ -12,6 +12,9 @@ never dividing (``protocol.py``, relay mode). The relay then, per round:
    where the ranks read them; nothing is used before the frame's tag verifies)
    and publishes it (``G_CONSENSUS = round``), waking the ranks.
 
+While it waits for its local ranks the relay still reads the controller's
+control messages, so a stall verdict reaches a host whose ranks hang.
+
 Local deaths are forwarded to the controller (``rank_dead``); deaths the
 controller declares anywhere in the cohort (``declare_dead``, including every rank
 of a lost host) go to ``on_dead`` — the launcher counts them against
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import select
 import socket
 import threading
 
@@ -90,8 +94,28 @@ class Relay:
 
     # -- the thread --------------------------------------------------------------------
     def _liveness(self) -> None:
+        """Called while the relay waits for its local ranks: stop on shutdown, and read
+        what the controller sent meanwhile (a stall verdict, an error, deaths, or its
+        end), so a host whose ranks hang still learns the cohort's fate."""
         if self._stop.is_set():
             raise CohortAborted("the relay is shutting down")
+        link = self._link
+        while link is not None:
+            try:
+                ready, _, _ = select.select([link.sock], [], [], 0)
+            except (OSError, ValueError):
+                return
+            if not ready:
+                return
+            got = link.recv(timeout=1.0)
+            if got is None:
+                raise ConnectionError(f"the controller at {self.addr[0]}:{self.addr[1]} closed "
+                                      f"the connection while this host's ranks were busy")
+            kind, _, body = got
+            if kind != Kind.CTRL:
+                raise FrameError(f"unexpected {kind.name} record from the controller before "
+                                 f"this host delivered its round")
+            self._control(body)
 
     def _main(self) -> None:
         peer = f"{self.addr[0]}:{self.addr[1]}"
