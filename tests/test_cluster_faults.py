@@ -218,6 +218,42 @@ def test_losing_a_whole_host_counts_against_max_failures(tmp_path):
     assert ctl.dead_ranks.is_dead(2) and box["dead"] == [2]
 
 
+# --- the controller is lost ----------------------------------------------------------------
+
+def rounds_until_cut(ctx):
+    for _ in range(100000):
+        ctx.comm.all_reduce_tensors([torch.full((100,), float(ctx.rank))])
+        time.sleep(0.005)
+    raise AssertionError("the controller never went away")
+
+
+def test_losing_the_controller_stops_every_host():
+    ctl = ClusterController.start("127.0.0.1:0", 2, SALT)
+    errors = {}
+
+    def host(i):
+        try:
+            spawn(rounds_until_cut, 1, controller=f"127.0.0.1:{ctl.port}", world_size=2,
+                  first_rank=i, salt=SALT, timeout=60)
+        except BaseException as e:  # noqa: BLE001 - inspected by the test
+            errors[i] = e
+
+    threads = [threading.Thread(target=host, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 90
+    while ctl.stats.rounds < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ctl.stats.rounds >= 3
+    ctl.shutdown()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a host outlived its controller"
+    assert set(errors) == {0, 1}
+    for e in errors.values():
+        assert isinstance(e, ConnectionError) and "controller" in str(e), repr(e)
+
+
 # --- frames above the frame ceiling ----------------------------------------------------------
 
 def _frame(sizes, dtype=DTYPE_F32, weight=3.0):
