@@ -189,6 +189,8 @@ class ClusterController:
         return self._done.wait(timeout)
 
     def hosts(self) -> list[tuple[str, list[int], bool]]:
+        """The registered hosts in rank order: (name, global ranks, still running). A
+        host that left before the cohort was complete is no longer listed."""
         with self._lock:
             return [(h.name, list(h.ranks), h.alive and not h.done) for h in self._hosts]
 
