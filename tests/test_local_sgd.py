@@ -301,6 +301,11 @@ def test_state_dict_round_trip_restores_elche_counters_and_outer_momentum():
                 model(x).sum().backward()
                 opt.step()
                 syncs += sgd.step(samples=4)
+            # thread ranks with cadence='elche': a rank that leaves the last round first has
+            # been seen to have its replica rewritten while the other rank finishes that
+            # round (not explained yet; reported). The barrier makes the snapshot follow
+            # the cohort's last round, which is what this test is about
+            comm.barrier()
             state = sgd.state_dict()
             fresh_model = make_model(seed=5)
             fresh = flodl_shm.DiLoCo(fresh_model, sync_every=2, comm=comm, cadence="elche",
@@ -317,7 +322,8 @@ def test_state_dict_round_trip_restores_elche_counters_and_outer_momentum():
 
         out = cohort.run(body)
     for same_model, same_momentum, counts_fresh, counts, rnd, left_fresh, left in out:
-        assert same_model and same_momentum
+        assert same_model, "model"
+        assert same_momentum, "momentum"
         assert counts_fresh == counts and rnd == 5 and left_fresh == left
 
 

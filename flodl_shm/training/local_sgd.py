@@ -94,7 +94,8 @@ def rank_state_path(stem: "str | os.PathLike[str]", rank: int) -> Path:
 
 
 class SyncInfo(NamedTuple):
-    """What the last sync did (identical on every rank except ``local_*``).
+    """What the last sync did (identical on every rank except ``local_*``, ``sync_ms`` and,
+    with ElChe, ``next_steps``).
 
     Attributes:
         sync_round: syncs so far, this one included.
