@@ -283,50 +283,6 @@ def test_comm_none_without_a_process_group_names_what_to_pass():
         LocalSGD(make_model(0), sync_every=2)
 
 
-def test_state_dict_round_trip_restores_elche_counters_and_outer_momentum():
-    import time
-
-    with FakeCohort(2) as cohort:
-        def body(comm):
-            model = make_model(seed=0)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-            sgd = flodl_shm.DiLoCo(model, sync_every=2, comm=comm, cadence="elche",
-                                   optimizer=opt)
-            syncs = 0
-            while syncs < 5:
-                if comm.rank == 1:
-                    time.sleep(0.003)
-                x = torch.randn(4, 6)
-                opt.zero_grad()
-                model(x).sum().backward()
-                opt.step()
-                syncs += sgd.step(samples=4)
-            # thread ranks with cadence='elche': a rank that leaves the last round first has
-            # been seen to have its replica rewritten while the other rank finishes that
-            # round (not explained yet; reported). The barrier makes the snapshot follow
-            # the cohort's last round, which is what this test is about
-            comm.barrier()
-            state = sgd.state_dict()
-            fresh_model = make_model(seed=5)
-            fresh = flodl_shm.DiLoCo(fresh_model, sync_every=2, comm=comm, cadence="elche",
-                                     optimizer=torch.optim.SGD(fresh_model.parameters(),
-                                                               lr=0.1, momentum=0.9))
-            fresh.load_state_dict(state)
-            same_model = all(torch.equal(a, b) for a, b in
-                             zip(model.state_dict().values(), fresh_model.state_dict().values()))
-            same_momentum = all(torch.equal(a, b) for a, b in
-                                zip(sgd.outer.checkpoint_state(), fresh.outer.checkpoint_state()))
-            return (same_model, same_momentum, fresh.el_che.batch_counts(),
-                    sgd.el_che.batch_counts(), fresh.sync_round, fresh.steps_until_sync,
-                    sgd.steps_until_sync)
-
-        out = cohort.run(body)
-    for same_model, same_momentum, counts_fresh, counts, rnd, left_fresh, left in out:
-        assert same_model, "model"
-        assert same_momentum, "momentum"
-        assert counts_fresh == counts and rnd == 5 and left_fresh == left
-
-
 def test_load_state_dict_refuses_a_state_of_another_cadence():
     with FakeCohort(2) as cohort:
         def body(comm):

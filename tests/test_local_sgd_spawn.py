@@ -189,3 +189,46 @@ def test_local_sgd_across_two_hosts_and_each_host_gets_its_bundle(tmp_path):
         assert sorted(p.name for p in stem.parent.glob("*.optim")) == \
             [f"ckpt.rank{r}.optim" for r in own]
     assert_no_leaks(10)
+
+
+# --- state_dict round trip with ElChe ------------------------------------------------
+
+
+def _elche_round_trip(ctx):
+    import time
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sgd = flodl_shm.DiLoCo(model, sync_every=2, comm=ctx.comm, cadence="elche", optimizer=opt)
+    syncs = 0
+    while syncs < 5:
+        if ctx.rank == 1:
+            time.sleep(0.003)                          # the slow rank
+        x, y = _batch(ctx.rank, syncs)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        syncs += sgd.step(samples=len(x))
+    state = sgd.state_dict()
+    fresh_model = make_model()
+    fresh = flodl_shm.DiLoCo(fresh_model, sync_every=2, comm=ctx.comm, cadence="elche",
+                             optimizer=torch.optim.SGD(fresh_model.parameters(), lr=0.1,
+                                                       momentum=0.9))
+    fresh.load_state_dict(state)
+    same_model = all(torch.equal(state["model"][k], v)
+                     for k, v in fresh_model.state_dict().items())
+    same_momentum = all(torch.equal(a, b) for a, b in
+                        zip(sgd.outer.checkpoint_state(), fresh.outer.checkpoint_state()))
+    same_inner = all(torch.equal(fresh.optimizer.state[p]["momentum_buffer"],
+                                 opt.state[q]["momentum_buffer"])
+                     for p, q in zip(fresh_model.parameters(), model.parameters())
+                     if q in opt.state)
+    return (same_model, same_momentum, same_inner, fresh.el_che.batch_counts() ==
+            sgd.el_che.batch_counts(), fresh.sync_round, fresh.steps_until_sync ==
+            sgd.steps_until_sync)
+
+
+def test_state_dict_round_trip_restores_elche_outer_and_inner_state():
+    out = flodl_shm.spawn(_elche_round_trip, 2)
+    assert out == [(True, True, True, True, 5, True)] * 2
+    assert_no_leaks()
