@@ -213,7 +213,7 @@ def test_command_line_checks():
     assert parse_args(["--slow-rank", "1:3", "--cadence", "fixed"]).effective_cadence == "fixed"
     assert parse_args([]).effective_cadence == "fixed"
     with pytest.raises(ValueError, match="need a controller"):
-        Trainer(make_model, None, None, None).run(2, world_size=4)
+        Trainer(make_model, None, None, lambda output, target: output.sum()).run(2, world_size=4)
 
 
 def test_console_entry_points():
