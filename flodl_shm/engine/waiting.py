@@ -41,7 +41,11 @@ from ..kernels import signals
 from ..kernels.codes import ABORT, is_finished
 
 LIVENESS_SLICE = 0.05
-SPIN_BUDGET_S = 50e-6
+# Longer than a futex wake-up (~50-100 µs on a VM): with a shorter budget one late peer
+# makes the waiter sleep, its late wake-up makes the *other* rank late next round, and
+# the pair settles in a sleep/wake ping-pong (seen under torch.distributed: 100 µs per
+# 4 KiB round instead of 11 µs; a 200 µs budget breaks the cycle).
+SPIN_BUDGET_S = 200e-6
 SPIN_BUDGET_OVERSUBSCRIBED_S = 2e-6
 YIELD_BUDGET_S = 60e-6  # oversubscribed only: hand the core to a runnable peer first
 
@@ -172,6 +176,9 @@ class Waiter:
         self.max_spin = max(0, int(spin_iters))
         self.min_spin = min(self.max_spin, 16)
         self.spin_iters = self.max_spin
+        # the whole spin budget in seconds: a wait that ended within it after a missed
+        # spin would have been caught by spinning longer
+        self.max_spin_s = self.max_spin * relax_ns() * 1e-9 if self.max_spin else 0.0
         self.timeout = timeout
         self.liveness = liveness
 
@@ -185,8 +192,11 @@ class Waiter:
 
     def note_spin(self, succeeded: bool) -> None:
         """Adapt the spin budget (like glibc's adaptive mutex): halve it after a wait
-        the spin did not catch — the peer was probably descheduled, and spinning only
-        kept it off the core — and double it back after a wait it did catch."""
+        the full budget would not have caught — the peer was probably descheduled, and
+        spinning only kept it off the core — and double it back after a wait it did
+        (or would have) caught. A wait that missed a *reduced* spin but ended within
+        the full budget counts as caught: otherwise a few late peers collapse the spin
+        for good and every later round pays a futex sleep and wake-up (~50-100 µs)."""
         if succeeded:
             self.spin_iters = min(self.max_spin, max(self.min_spin, self.spin_iters * 2))
         else:
@@ -207,7 +217,16 @@ class Waiter:
         if is_finished(r):
             self.note_spin(True)
             return r
-        self.note_spin(False)
+        started = time.perf_counter()
+        r = self._wait_slow(check, r, what=what, rnd=rnd, missing_of=missing_of,
+                            on_missing=on_missing)
+        self.note_spin(time.perf_counter() - started <= self.max_spin_s)
+        return r
+
+    def _wait_slow(self, check: Callable[[int], int], r: int, *, what: str, rnd: int,
+                   missing_of: Callable[[], tuple[int, ...]],
+                   on_missing: Callable[[int], bool] | None) -> int:
+        """The part of ``wait`` after the spin missed: yield, then sleep in slices."""
         if self.yield_budget and r >= 0:
             r = self._yield_phase(check)
             if is_finished(r):
