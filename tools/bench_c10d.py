@@ -237,12 +237,14 @@ def main(argv=None) -> int:
     mpi_ok, why = (False, "--no-mpi") if args.no_mpi else mpi_available()
     if not mpi_ok:
         print(f"OpenMPI skipped: {why}", file=sys.stderr)
-    results, ddps = [], []
+    results, ddps, failed = [], [], []
     for world in worlds:
         for backend in ("flodl_shm", "gloo"):
             print(f"running {backend}, world {world} ...", file=sys.stderr, flush=True)
             rows, ddp = run_backend(backend, world, sizes, args.iter_scale, args.ddp_steps,
                                     args.timeout)
+            if not rows:
+                failed.append(f"{backend} world {world}")
             results += rows
             if ddp is not None:
                 ddps.append(ddp)
@@ -259,6 +261,10 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"allreduce": results, "ddp": ddps}, f, indent=1)
+    if failed:
+        print(f"bench_c10d: no figures for {', '.join(failed)} (see the messages above)",
+              file=sys.stderr)
+        return 1
     return 0
 
 
