@@ -77,27 +77,30 @@ def premul_factor(op) -> float | None:
 
 def reduce_in_order(parts: Sequence[torch.Tensor], op, out: torch.Tensor) -> None:
     """``out`` = parts[0] (op) parts[1] (op) ... in this order (AVG divides the sum by
-    ``len(parts)``; PREMUL_SUM multiplies each part by its factor first)."""
+    ``len(parts)``; PREMUL_SUM multiplies each part by its factor first). The parts
+    must not alias ``out``: it is the accumulator, written from the first step on."""
     name = op_name(op_type(op))
     factor = premul_factor(op)
     if factor is not None:
         parts = [p * factor for p in parts]
-    acc = parts[0].clone()
-    for p in parts[1:]:
-        if name in ("SUM", "AVG", "PREMUL_SUM"):
-            if acc.dtype is torch.bool:
-                acc.logical_or_(p)
-            else:
-                acc.add_(p)
-        elif name == "PRODUCT":
-            if acc.dtype is torch.bool:
-                acc.logical_and_(p)
-            else:
-                acc.mul_(p)
-        elif name == "MIN":
-            torch.minimum(acc, p, out=acc)
-        elif name == "MAX":
-            torch.maximum(acc, p, out=acc)
-    if name == "AVG":
-        acc.div_(len(parts))
-    out.copy_(acc.view(out.shape))
+    acc = out
+    with torch.no_grad():
+        acc.copy_(parts[0].view(out.shape))
+        for p in parts[1:]:
+            p = p.view(out.shape)
+            if name in ("SUM", "AVG", "PREMUL_SUM"):
+                if acc.dtype is torch.bool:
+                    acc.logical_or_(p)
+                else:
+                    acc.add_(p)
+            elif name == "PRODUCT":
+                if acc.dtype is torch.bool:
+                    acc.logical_and_(p)
+                else:
+                    acc.mul_(p)
+            elif name == "MIN":
+                torch.minimum(acc, p, out=acc)
+            elif name == "MAX":
+                torch.maximum(acc, p, out=acc)
+        if name == "AVG":
+            acc.div_(len(parts))

@@ -427,9 +427,8 @@ class RoundEngine:
 
     def settle_eager(self, code: int, rnd: int) -> RoundView:
         """A fused eager call published but could not finish (peers asleep, a late
-        rank, a mismatch): wake sleepers or raise, then wait the blocking way."""
-        if code >= 0:
-            self.waiter.note_spin(False)
+        rank, a mismatch): wake sleepers or raise, then wait the blocking way (whose
+        ``Waiter.wait`` judges whether a longer spin would have caught the round)."""
         if code == RK.WAKE:
             futex_wake(self.doorbell.addr)
         elif is_terminal(code):
