@@ -162,6 +162,46 @@ def test_diloco_matches_the_outer_nesterov_math():
         prev = expected
 
 
+def test_the_diloco_step_runs_in_the_reduce_once_and_leaves_the_buffers_averaged():
+    """One host: the Nesterov step is the engine's (its momentum lives in shared memory,
+    no rank keeps a private previous global), and the BatchNorm buffers are the plain
+    realized-work mean, never stepped."""
+    def body(comm):
+        model = make_model(seed=0)
+        sgd = LocalSGD(model, sync_every=2, comm=comm, outer=OuterNesterov(0.7, 0.9))
+        init = [p.detach().clone() for p in model.parameters()]
+        _train_steps(model, sgd, comm.rank, 1, 4 + comm.rank, 0)
+        local = _snapshot(model)
+        model.eval()                                 # the syncing step changes nothing
+        _train_steps(model, sgd, comm.rank, 1, 4 + comm.rank, 0, lr=0.0)
+        local_bufs = {k: local[k] for k in ("1.running_mean", "1.running_var")}
+        return (init, local, local_bufs, _snapshot(model), sgd._prev_global,
+                comm.outer_momentum(), sgd.outer_state())
+
+    with FakeCohort(2) as cohort:
+        out = cohort.run(body)
+    w = [8.0, 10.0]
+    init = out[0][0]
+    names = [n for n, _ in make_model(0).named_parameters()]
+    cons = [(out[0][1][n] * w[0] + out[1][1][n] * w[1]) / sum(w) for n in names]
+    ref = OuterNesterov(0.7, 0.9)
+    expected = ref.outer_step(init, cons)
+    bufs = _weighted_mean([o[2] for o in out], w, ["1.running_mean", "1.running_var"])
+    for _, _, _, after, prev_copy, momentum, (prev, mom) in out:
+        assert prev_copy is None                     # no per-rank copy of the model
+        assert momentum is not None                  # the engine stepped it
+        flat_ref = torch.cat([m.reshape(-1) for m in ref.checkpoint_state()])
+        torch.testing.assert_close(torch.from_numpy(momentum), flat_ref, rtol=1e-5, atol=1e-6)
+        for n, e, pv in zip(names, expected, prev):
+            torch.testing.assert_close(after[n], e, rtol=1e-5, atol=1e-6)
+            assert torch.equal(pv, after[n])         # the next step starts from it
+        for k, v in bufs.items():
+            torch.testing.assert_close(after[k], v, rtol=1e-6, atol=1e-7)
+        assert torch.equal(after["1.num_batches_tracked"], torch.tensor(1))
+    for k in out[0][3]:
+        assert torch.equal(out[0][3][k], out[1][3][k])
+
+
 def test_diloco_shorthand_is_local_sgd_with_outer_nesterov_and_resets_the_inner_state():
     with FakeCohort(2) as cohort:
         def body(comm):

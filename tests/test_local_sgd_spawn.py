@@ -217,8 +217,13 @@ def _elche_round_trip(ctx):
     fresh.load_state_dict(state)
     same_model = all(torch.equal(state["model"][k], v)
                      for k, v in fresh_model.state_dict().items())
-    same_momentum = all(torch.equal(a, b) for a, b in
-                        zip(sgd.outer.checkpoint_state(), fresh.outer.checkpoint_state()))
+    # both LocalSGDs share ctx.comm, whose reduce holds the outer state: compare the
+    # saved state with what the fresh one holds after loading it
+    saved_prev, saved_momentum = state["prev_global"], state["outer"]["momentum"]
+    got_prev, got_momentum = fresh.outer_state()
+    same_momentum = (saved_momentum is not None and
+                     all(torch.equal(a, b) for a, b in zip(saved_momentum, got_momentum)) and
+                     all(torch.equal(a, b) for a, b in zip(saved_prev, got_prev)))
     same_inner = all(torch.equal(fresh.optimizer.state[p]["momentum_buffer"],
                                  opt.state[q]["momentum_buffer"])
                      for p, q in zip(fresh_model.parameters(), model.parameters())

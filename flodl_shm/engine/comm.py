@@ -188,16 +188,41 @@ class Comm:
     def load_outer_momentum(self, tensors: Sequence[torch.Tensor]) -> None:
         """Restore the outer momentum (``load_outer_momentum``'s tensors, in params
         order) before the first outer round after a resume."""
-        flat = [t.detach().reshape(-1).to(torch.float32).numpy() for t in tensors]
-        self._engine.outer_loaded = np.concatenate(flat) if flat else np.empty(0, np.float32)
-        self._engine.outer_steps = 0
+        self.load_outer_state(momentum=tensors)
+
+    def load_outer_state(self, *, prev: Sequence[torch.Tensor] | None = None,
+                         momentum: Sequence[torch.Tensor] | None = None) -> None:
+        """Seed the next outer round as the first of a run (every rank, same values).
+
+        Args:
+            prev: the previous global (one tensor per parameter, params order) the next
+                outer round steps from; ``None``: the consensus itself (a zero first step).
+            momentum: the outer momentum to continue from; ``None``: fresh momentum.
+        """
+        eng = self._engine
+        eng.outer_prev_loaded = None if prev is None else _flat_f32(prev)
+        eng.outer_loaded = None if momentum is None else _flat_f32(momentum)
+        eng.outer_steps = 0
 
     def outer_momentum(self) -> np.ndarray | None:
-        """A copy of the outer momentum after the last outer round (flat f32), or None."""
+        """A copy of the outer momentum (flat f32) the next outer round continues from:
+        the last outer round's, or the loaded one before the first; None if neither."""
         eng = self._engine
-        if eng.outer is None or eng.outer_steps == 0:
+        if eng.outer is None:
             return None
+        if eng.outer_steps == 0:
+            return None if eng.outer_loaded is None else eng.outer_loaded.copy()
         return eng.outer_momentum().copy()
+
+    def outer_prev(self) -> np.ndarray | None:
+        """A copy of the global the next outer round steps from (flat f32): the last
+        outer round's result, or the seeded prev before the first; None if neither."""
+        eng = self._engine
+        if eng.outer is None:
+            return None
+        if eng.outer_steps == 0:
+            return None if eng.outer_prev_loaded is None else eng.outer_prev_loaded.copy()
+        return eng.outer_prev().copy()
 
     def arm_checkpoint(self, path, schema, meta=None) -> None:
         """Capture the next MODEL rounds (the params frame, then the buffers frame: up to
@@ -658,6 +683,7 @@ class Comm:
                 cons = eng.consensus_array(view)
                 if eng.outer_applies(view):
                     eng.outer_steps += 1
+                    eng.outer_prev_loaded = eng.outer_loaded = None
             if tap:
                 self._tap_round(rnd, dtype, plan.shapes, cons, mass, outer)
             return cons, mass
@@ -673,6 +699,12 @@ class Comm:
     def __repr__(self) -> str:
         return (f"Comm(rank={self.rank}/{self.world_size}, local={self.local_rank}/"
                 f"{self.local_world_size}, round={self._round}, bf16_wire={self._bf16})")
+
+
+def _flat_f32(tensors: Sequence[torch.Tensor]) -> np.ndarray:
+    """One flat float32 copy of ``tensors`` (in order)."""
+    flat = [t.detach().reshape(-1).to(torch.float32).numpy() for t in tensors]
+    return np.concatenate(flat) if flat else np.empty(0, np.float32)
 
 
 def _write_payloads(payloads, dst: np.ndarray, plan: RoundPlan, np_dtype) -> None:

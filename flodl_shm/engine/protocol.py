@@ -209,6 +209,7 @@ class RoundEngine:
         self.outer_steps = 0              # realized outer rounds so far (k)
         self.outer_nelem = 0
         self.outer_loaded: np.ndarray | None = None  # momentum restored from a checkpoint
+        self.outer_prev_loaded: np.ndarray | None = None  # prev global seeded for step 0
         self._outer_scratch = np.empty(0, np.float32)
         self.last_accepted = 0            # accepted-rank mask of the last completed arrival
         self.direct_slice: tuple[int, int] | None = None  # written to ``direct`` last round
@@ -525,9 +526,10 @@ class RoundEngine:
     # State in the ``out`` segment: prev-global P[2][n] and momentum M[2][n] (f32),
     # double-buffered by step parity: step k reads buffer k%2 and writes (k+1)%2, so
     # a survivor that re-reduces a dead rank's slice recomputes from inputs nobody
-    # touched. Step 0 (the first window, or the first after a resume) uses the
-    # consensus itself as prev (g = 0) and fresh momentum, or the momentum restored
-    # from the checkpoint. Same f32 arithmetic as OuterOptimizer.outer_step.
+    # touched. Step 0 (the first window, or the first after a resume) uses the seeded
+    # prev global (``Comm.load_outer_state``) or else the consensus itself (g = 0),
+    # and the momentum restored from the checkpoint or else fresh momentum. Same f32
+    # arithmetic as OuterOptimizer.outer_step.
 
     def outer_applies(self, view: RoundView) -> bool:
         return (self.outer is not None and bool(view.flags & A.FLAG_OUTER)
@@ -551,6 +553,11 @@ class RoundEngine:
         _, mom = self._outer_state(self.outer_nelem)
         return mom[self.outer_steps % 2]
 
+    def outer_prev(self) -> np.ndarray:
+        """The global written by the last realized outer step (flat f32)."""
+        prev, _ = self._outer_state(self.outer_nelem)
+        return prev[self.outer_steps % 2]
+
     def _outer_step_slice(self, view: RoundView, out: np.ndarray, s: int, e: int) -> None:
         if e <= s:
             return
@@ -569,7 +576,14 @@ class RoundEngine:
         new = self._outer_scratch[m:2 * m]
         mom = mom_buf[wr][s:e]
         if k == 0:
-            prev = cons
+            for what, seeded in (("prev global", self.outer_prev_loaded),
+                                 ("momentum", self.outer_loaded)):
+                if seeded is not None and seeded.shape[0] != n:
+                    raise ValueError(
+                        f"the outer {what} loaded with Comm.load_outer_state has "
+                        f"{seeded.shape[0]} elements but the outer round's params frame has "
+                        f"{n}: load the state saved for this model")
+            prev = cons if self.outer_prev_loaded is None else self.outer_prev_loaded[s:e]
             fresh = self.outer_loaded is None
             if not fresh:
                 np.copyto(mom, self.outer_loaded[s:e])

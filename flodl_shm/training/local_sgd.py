@@ -28,14 +28,19 @@ rank's work enters neither the sum nor the divisor, and the survivors continue.
 compute time, for ElChe's cadence, plus the previous window's reduce time and drift
 for its overhead rule and the convergence guard: those two arrive one window late).
 
-**Outer step.** With ``outer`` set, every rank steps the parameters' consensus on
-its own copy of the previous global (the weights adopted at the last sync, or the
-broadcast initial weights before the first), all ranks on identical inputs with
-identical arithmetic, so the replicas stay bit-identical. ``outer`` may be an
-``OuterAvg`` / ``OuterNesterov`` (DiLoCo; Nesterov also clears the inner optimizer's
-state after every sync, as in the Trainer) or any ``torch.optim.Optimizer`` built on
-the model's parameters, which is then stepped with ``grad = prev_global -
-consensus``. Buffers never pass through an outer step.
+**Outer step.** With ``outer`` set, the parameters' consensus is stepped from the
+previous global (the weights adopted at the last sync, or the broadcast initial
+weights before the first). An ``OuterNesterov`` (DiLoCo; it also clears the inner
+optimizer's state after every sync, as in the Trainer) runs *inside the cooperative
+reduce* on one host: each rank steps the slice of the parameters it reduces, with
+the previous global and the momentum in shared memory (``Comm.set_outer``), so the
+step costs one pass over the model in all, not one per rank. The window is then the
+params round (stepped) plus, when the model has floating-point buffers, a buffers
+round (averaged, never stepped). ``OuterAvg`` is the plain consensus. Any
+``torch.optim.Optimizer`` built on the model's parameters is stepped by every rank
+on its own replica with ``grad = prev_global - consensus`` (identical inputs and
+arithmetic keep the replicas bit-identical); so is an ``OuterNesterov`` on a
+cluster, where the rounds cross hosts through the relay.
 
 **Checkpoints.** ``save(stem)`` (a collective, at a sync boundary) writes the
 consensus bundle (``<stem>.fdl``, ``<stem>.outer.fdl`` for outer momentum,
@@ -218,6 +223,14 @@ class LocalSGD:
         self.bf16_wire = bool(bf16_wire)
         self.outer = self._check_outer(outer)
         self.resets_inner = bool(isinstance(outer, OuterOptimizer) and outer.resets_inner())
+        # where the outer step runs: in the cooperative reduce (a stateful flodl_shm outer
+        # on one host), on every rank's replica (torch.optim, or across hosts), or nowhere
+        stateful = isinstance(outer, OuterOptimizer) and outer.has_momentum
+        self._outer_in_reduce = stateful and self.comm.local_world_size == self.world_size
+        self._outer_per_rank = outer is not None and (not isinstance(outer, OuterOptimizer)
+                                                      or (stateful and not self._outer_in_reduce))
+        self._params_round = [p.detach() for p in self.params]
+        self._buffers_round = [b.detach() for b in self.buffers]
         self.el_che: Optional[ElChe] = None
         self.guard = None
         if cadence != "fixed" and self.world_size >= 2:
@@ -249,7 +262,10 @@ class LocalSGD:
         self.live_ranks: tuple = tuple(range(self.world_size))
         self._align_on_rank0()
         self._prev_global = ([p.detach().to(torch.float32).clone() for p in self.params]
-                             if self.outer is not None else None)
+                             if self._outer_per_rank else None)
+        if self._outer_in_reduce:
+            self.comm.set_outer(self.outer)
+            self.comm.load_outer_state(prev=self._params_round)
         self._window_t0 = time.perf_counter()
 
     def _check_outer(self, outer):
@@ -323,14 +339,23 @@ class LocalSGD:
                 for dst, p in zip(self._pre, self.params):
                     dst.copy_(p)
         # one MODEL round, in place: params and float buffers scaled by w, mass w; a round
-        # that realized nothing (mass 0) leaves the tensors untouched
-        mass = self.comm.all_reduce_(self._tensors, weight=w, scale=w, kind=RoundKind.MODEL)
-        accepted = tuple(self.comm.last_accepted_ranks())
+        # that realized nothing (mass 0) leaves the tensors untouched. With the outer step
+        # in the reduce, the params round is stepped and the buffers travel on their own.
+        if self._outer_in_reduce:
+            mass = self.comm.all_reduce_(self._params_round, weight=w, scale=w,
+                                         kind=RoundKind.MODEL, outer=True)
+            accepted = tuple(self.comm.last_accepted_ranks())
+            if self._buffers_round:
+                self.comm.all_reduce_(self._buffers_round, weight=w, scale=w,
+                                      kind=RoundKind.MODEL)
+        else:
+            mass = self.comm.all_reduce_(self._tensors, weight=w, scale=w, kind=RoundKind.MODEL)
+            accepted = tuple(self.comm.last_accepted_ranks())
         divergence = 0.0
         if is_realized(mass):
             if self._pre is not None:
                 divergence = _relative_drift(self._pre, self.params)
-            if self.outer is not None:
+            if self._outer_per_rank:
                 with torch.no_grad():
                     self._outer_step()
             if self.resets_inner and self.optimizer is not None:
@@ -352,7 +377,8 @@ class LocalSGD:
         return self.last_sync
 
     def _outer_step(self) -> None:
-        """The parameters hold the consensus: step them from the previous global."""
+        """The parameters hold the consensus: step them from the previous global (the
+        per-rank path: a torch.optim outer, or an ``OuterNesterov`` across hosts)."""
         outer, prev = self.outer, self._prev_global
         if isinstance(outer, OuterOptimizer):
             new = outer.outer_step(prev, [p.detach().to(torch.float32) for p in self.params])
@@ -367,6 +393,48 @@ class LocalSGD:
         for p, g in zip(self.params, prev):
             p.grad = None
             g.copy_(p)
+
+    def outer_state(self) -> tuple[Optional[list], Optional[list]]:
+        """Copies of the outer optimizer's state, one float32 tensor per parameter:
+        ``(prev_global, momentum)`` — the global the next outer step starts from and the
+        momentum (``None`` before the first step, or for a stateless / torch.optim outer,
+        whose state is its own ``state_dict``). ``(None, None)`` without an outer."""
+        if self._outer_in_reduce:
+            return (self._unflatten(self.comm.outer_prev()),
+                    self._unflatten(self.comm.outer_momentum()))
+        prev = None if self._prev_global is None else [g.clone() for g in self._prev_global]
+        momentum = (self.outer.checkpoint_state() if isinstance(self.outer, OuterOptimizer)
+                    else None)
+        return prev, momentum
+
+    def _load_outer_state(self, prev: Optional[Sequence[torch.Tensor]],
+                          momentum: Optional[Sequence[torch.Tensor]]) -> None:
+        """Continue the outer optimizer from ``prev`` (the previous global; ``None``: the
+        current parameters) and ``momentum`` (``None``: fresh)."""
+        if prev is None:
+            prev = [p.detach().to(torch.float32) for p in self.params]
+        if self._outer_in_reduce:
+            self.comm.load_outer_state(prev=prev, momentum=momentum)
+            return
+        if self._prev_global is not None:
+            for g, src in zip(self._prev_global, prev):
+                g.copy_(src)
+        if isinstance(self.outer, OuterOptimizer) and self.outer.has_momentum:
+            if momentum is None:
+                self.outer.reset_state()
+            else:
+                self.outer.load_checkpoint_state(momentum)
+
+    def _unflatten(self, flat: Optional[np.ndarray]) -> Optional[list]:
+        """Split a flat float32 vector into tensors shaped like the parameters."""
+        if flat is None:
+            return None
+        out, at = [], 0
+        for p in self.params:
+            n = p.numel()
+            out.append(torch.from_numpy(flat[at:at + n]).reshape(p.shape).clone())
+            at += n
+        return out
 
     def _report_elche(self, m: np.ndarray) -> None:
         present = m[_G_PRESENT] > 0.5
@@ -387,8 +455,10 @@ class LocalSGD:
         global and the outer optimizer, the inner optimizer and LR scheduler, ElChe and
         the guard, and the RNG states (torch, Python, NumPy)."""
         outer = None
+        prev_global, momentum = self.outer_state()
         if isinstance(self.outer, OuterOptimizer):
-            outer = {"kind": "flodl_shm", "object": copy.deepcopy(self.outer)}
+            outer = {"kind": "flodl_shm", "object": copy.deepcopy(self.outer),
+                     "momentum": momentum}
         elif self.outer is not None:
             outer = {"kind": "torch", "state": self.outer.state_dict()}
         return {
@@ -403,8 +473,7 @@ class LocalSGD:
                          "prev_sync_ms": self._prev_sync_ms,
                          "prev_divergence": self._prev_divergence},
             "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-            "prev_global": (None if self._prev_global is None
-                            else [g.clone() for g in self._prev_global]),
+            "prev_global": prev_global,
             "outer": outer,
             "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
@@ -441,18 +510,19 @@ class LocalSGD:
         self.total_samples, self.realized_mass = int(c["total_samples"]), float(c["realized_mass"])
         self._steps, self._samples, self._target = int(c["steps"]), int(c["samples"]), int(c["target"])
         self._prev_sync_ms, self._prev_divergence = c["prev_sync_ms"], c["prev_divergence"]
-        if self._prev_global is not None and state["prev_global"] is not None:
-            for g, s in zip(self._prev_global, state["prev_global"]):
-                g.copy_(s)
         outer = state["outer"]
         if outer is not None:
             if outer["kind"] == "flodl_shm":
                 if not isinstance(self.outer, OuterOptimizer):
                     raise ValueError("the state's outer optimizer is a flodl_shm one; this "
                                      f"LocalSGD's is {type(self.outer).__name__}")
-                self.outer.__dict__.update(copy.deepcopy(outer["object"].__dict__))
+                saved = outer["object"]
+                momentum = outer.get("momentum", saved.checkpoint_state())
+                self.outer.__dict__.update(copy.deepcopy(saved.__dict__))
             else:
+                momentum = None
                 self.outer.load_state_dict(outer["state"])
+            self._load_outer_state(state["prev_global"], momentum)
         for name, obj in (("optimizer", self.optimizer), ("scheduler", self.scheduler)):
             if obj is not None and state[name] is not None:
                 obj.load_state_dict(state[name])
@@ -519,8 +589,7 @@ class LocalSGD:
         tensors += [b.detach().to(torch.float32) for b in self.buffers]
         write_consensus_fdl(self.schema, tensors_to_round_frame(tensors, DTYPE_F32).tensors,
                             CheckpointBundle.model_path(path))
-        momentum = (self.outer.checkpoint_state() if isinstance(self.outer, OuterOptimizer)
-                    else None)
+        _, momentum = self.outer_state()
         if momentum is not None:
             write_outer_momentum_fdl(tensors_to_round_frame(momentum, DTYPE_F32).tensors,
                                      CheckpointBundle.outer_path(path))
@@ -555,13 +624,14 @@ class LocalSGD:
         if report.missing or report.unexpected:
             raise ValueError(f"{CheckpointBundle.model_path(path)} does not match the model: "
                              f"missing {report.missing}, unexpected {report.unexpected}")
+        momentum = None
         if isinstance(self.outer, OuterOptimizer) and self.outer.has_momentum:
             opath = CheckpointBundle.outer_path(path)
             if opath.exists():
-                self.outer.load_checkpoint_state(load_outer_momentum(self.model, opath))
-        if self._prev_global is not None:
-            for g, p in zip(self._prev_global, self.params):
-                g.copy_(p)
+                momentum = load_outer_momentum(self.model, opath)
+        if self.outer is not None:
+            self._load_outer_state([p.detach().to(torch.float32) for p in self.params],
+                                   momentum)
         self.sync_round, self.total_steps = int(meta.sync_round), int(meta.global_step)
         self._steps = self._samples = 0
         self._window_t0 = time.perf_counter()

@@ -93,6 +93,9 @@ class OuterOptimizer:
     def load_checkpoint_state(self, tensors: Sequence) -> None:
         """Restore the state saved by :meth:`checkpoint_state` (resume)."""
 
+    def reset_state(self) -> None:
+        """Forget the outer state: the next step starts with fresh momentum."""
+
     def resets_inner(self) -> bool:
         """Whether workers must reset their inner optimizer at every sync."""
         return False
@@ -213,6 +216,9 @@ class OuterNesterov(OuterOptimizer):
         """Adopt saved momentum (copied, as contiguous float32 CPU tensors); the next
         step continues accumulating from it instead of starting fresh."""
         self._velocity = [_as_f32_vector(t, "momentum", i).clone() for i, t in enumerate(tensors)]
+
+    def reset_state(self) -> None:
+        self._velocity = None
 
     def resets_inner(self) -> bool:
         return True
