@@ -16,6 +16,13 @@ prefix store, so several groups never mix keys):
    exception, SIGKILL of any rank. (Segments only grow afterwards, through the
    descriptors already open.)
 
+Under torchrun every key lives under ``attempt<TORCHELASTIC_RESTART_COUNT>/``: torchrun
+hands every attempt of a job the same store, so after ``--max-restarts`` restarted the
+ranks, the keys of the failed attempt (an arena handle whose names were unlinked, its
+``mapped/`` flags, the leaders' gloo addresses) are still there and must not be read.
+(An elastic membership change restarts the workers without bumping that count; a job
+whose node set changes needs a fresh ``--rdzv-id``.)
+
 A group spanning several hosts also gets a gloo process group among the host
 leaders (``ProcessGroupGloo`` on the same store under ``leaders/``), through which
 the leaders combine their hosts' partials.
@@ -144,6 +151,16 @@ class HostLink:
         self.leaders = None
 
 
+def _attempt_store(store):
+    """``store`` under ``attempt<N>/`` when torchrun set ``TORCHELASTIC_RESTART_COUNT=N``."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if not attempt:
+        return store
+    import torch.distributed as dist
+
+    return dist.PrefixStore(f"attempt{attempt}/", store)
+
+
 def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
     """Run the steps in the module doc; every rank of the group calls it at once.
 
@@ -152,6 +169,7 @@ def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
         rank: this rank in the group; world: the group's size.
         timeout: the group's timeout: bounds every store wait and every collective wait.
     """
+    store = _attempt_store(store)
     store.set(f"host/{rank}", host_identity())
     store.set(f"pid/{rank}", str(os.getpid()))
     idents = [store.get(f"host/{r}").decode() for r in range(world)]
