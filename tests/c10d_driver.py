@@ -270,7 +270,10 @@ def sc_peer_dies(rank: int, world: int) -> dict:
         err = None
     except Exception as e:  # noqa: BLE001 - the test inspects what was raised
         err = f"{type(e).__name__}: {e}"
-    return {"pid": os.getpid(), "error": err, "seconds": time.monotonic() - t0}
+    seconds = time.monotonic() - t0
+    if err is not None:   # a survivor that stays up after its error (C10D_LINGER seconds)
+        time.sleep(float(os.environ.get("C10D_LINGER", "0")))
+    return {"pid": os.getpid(), "error": err, "seconds": seconds}
 
 
 def sc_destroy_recreate(rank: int, world: int) -> dict:

@@ -217,6 +217,21 @@ def test_a_dead_host_makes_the_other_hosts_raise_naming_its_leader(tmp_path):
     _no_segments_of(res)
 
 
+@pytest.mark.slow
+def test_a_dead_non_leader_makes_the_other_hosts_raise_naming_it(tmp_path):
+    # rank 3 dies on host "b" (leader: rank 2). Rank 2 sees it through shared memory and,
+    # staying up after its error, must still tell host "a" at once (through the leaders'
+    # agreement step), not leave it waiting for the timeout or for rank 2's exit
+    res = run_group("peer_dies", 4, tmp_path, hosts=["a", "a", "b", "b"],
+                    extra_env={"C10D_VICTIM": "3", "C10D_TIMEOUT": "15", "C10D_LINGER": "20"},
+                    timeout=150)
+    assert res[3] is None
+    for r in res[:3]:
+        assert r["error"] is not None and "rank 3 (pid" in r["error"], r["error"]
+        assert "died" in r["error"] and r["seconds"] < 15, r
+    _no_segments_of(res)
+
+
 def test_a_rank_that_skips_a_collective_makes_the_others_time_out_naming_it(tmp_path):
     res = run_group("stall", 3, tmp_path, extra_env={"C10D_TIMEOUT": "3"}, timeout=120)
     for r in res[:2]:

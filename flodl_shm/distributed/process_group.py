@@ -41,7 +41,7 @@ from ..errors import FrameError, ReduceStall
 from ..frame import RoundKind
 from .overlap import CollectiveWorker
 from .reduce_ops import check_dtype, check_op, op_name, op_type, reduce_in_order
-from .rendezvous import HostLink, rendezvous
+from .rendezvous import HostLink, PeerDied, rendezvous
 
 logger = logging.getLogger("flodl_shm")
 
@@ -299,25 +299,29 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         1. ``local_round()`` runs the host's shared-memory round (a schema mismatch
            there raises on every rank of the host);
         2. the leaders agree through one small gloo all-reduce (MAX of [failed,
-           signature, -signature]) that every host completed the same collective, and
-           only then ``combine()`` the hosts' partials (gloo);
-        3. the leader fans ``[status word | result]`` out through a byte round; every
-           rank raises if the status says another host failed or disagreed, else
-           ``take(result)``.
+           signature, -signature, dead]) that every host completed the same collective,
+           and only then ``combine()`` the hosts' partials (gloo); ``dead`` is
+           ``rank << 32 | pid`` of a rank the leader saw die in step 1, else -1;
+        3. the leader fans ``[status word | dead word | result]`` out through a byte
+           round; every rank raises if the status says another host failed, lost a
+           rank or disagreed, else ``take(result)``.
 
-        So a mismatch or failure on one host makes every rank of every host raise,
-        instead of leaving the other hosts in a gloo call that never completes."""
+        So a mismatch, a failure or a dead rank on one host makes every rank of every
+        host raise at once (a dead rank: ``RuntimeError`` naming it), instead of leaving
+        the other hosts in a gloo call until the timeout or the dead rank's leader exits."""
         link, topo = self._live(), self._topo
         local_error = None
         try:
             local_round()
-        except FrameError as e:
+        except (FrameError, PeerDied) as e:
             if not topo.is_leader:
                 raise  # the leader tells the other hosts, then raises too
             local_error = e
-        status, result, leaders_error = 0, None, None
+        status, result, leaders_error, dead = 0, None, None, -1
         if topo.is_leader:
-            flags = torch.tensor([int(local_error is not None), signature, -signature],
+            lost = (local_error.rank << 32 | local_error.pid
+                    if isinstance(local_error, PeerDied) else -1)
+            flags = torch.tensor([int(local_error is not None), signature, -signature, lost],
                                  dtype=torch.int64)
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.MAX
@@ -329,22 +333,31 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                 leaders_error = e
             if local_error is not None:
                 raise local_error
+            dead = int(flags[3])
             if leaders_error is not None:
                 status = 3
+            elif dead >= 0:
+                status = 4
             elif int(flags[0]):
                 status = 1
             elif int(flags[1]) != -int(flags[2]):
                 status = 2
 
         def fill(dst: np.ndarray) -> None:
-            dst[:8].view(np.int64)[0] = status
+            dst[:16].view(np.int64)[:] = (status, dead)
             if result is not None:
-                dst[8:8 + out_nbytes] = result
+                dst[16:16 + out_nbytes] = result
 
         others = [r for r in topo.leaders if r != topo.local_ranks[0]]
 
         def read(views: list[np.ndarray]) -> None:
-            code = int(views[0][:8].view(np.int64)[0])
+            code, lost = (int(x) for x in views[0][:16].view(np.int64))
+            if code == 4:
+                raise RuntimeError(
+                    f"flodl_shm: rank {lost >> 32} (pid {lost & 0xFFFFFFFF}) died on the host "
+                    f"of leader rank {topo.leaders[topo.host_of(lost >> 32)]}; the collective "
+                    f"cannot complete. Destroy the process group and restart the job (e.g. "
+                    f"torchrun --max-restarts) from the last checkpoint")
             if code == 3:
                 raise RuntimeError(
                     f"flodl_shm: the host leaders' exchange failed on this host's leader (rank "
@@ -357,9 +370,9 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                        "the hosts called different collectives or shapes")
                 raise FrameError(f"collective across {len(topo.hosts)} hosts: {why}; every "
                                  f"rank must make the same sequence of collective calls")
-            take(views[0][8:8 + out_nbytes])
+            take(views[0][16:16 + out_nbytes])
 
-        exchange_bytes(link.comm, 8 + out_nbytes, fill if topo.is_leader else None, read,
+        exchange_bytes(link.comm, 16 + out_nbytes, fill if topo.is_leader else None, read,
                        signature)  # the leader raises here too when the leaders failed
 
     def _exchange_tensors(self, tensors: Sequence[torch.Tensor] | None, offs: Sequence[int],

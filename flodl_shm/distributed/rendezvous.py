@@ -29,7 +29,8 @@ the leaders combine their hosts' partials.
 
 Peer liveness: with no supervisor to fence a dead rank, a waiting rank checks after
 every sleep slice that its host peers' processes still exist; a gone peer makes the
-wait raise ``RuntimeError`` naming its rank (see ``PeerWatch``).
+wait raise ``RuntimeError`` naming its rank (``PeerDied``, see ``PeerWatch``); on a
+multi-host group the leader passes that to the other hosts (``process_group.py``).
 """
 from __future__ import annotations
 
@@ -105,9 +106,17 @@ def topology_from_identities(rank: int, identities: list[str]) -> Topology:
     return Topology(rank, len(identities), hosts, idx)
 
 
+class PeerDied(RuntimeError):
+    """A host peer of a waiting rank is gone: ``rank`` (group rank) and ``pid`` name it."""
+
+    def __init__(self, message: str, rank: int, pid: int) -> None:
+        super().__init__(message)
+        self.rank, self.pid = rank, pid
+
+
 class PeerWatch:
     """The liveness check a waiting rank runs after every sleep slice: raises
-    ``RuntimeError`` naming the first host peer whose process is gone."""
+    ``PeerDied`` (a ``RuntimeError``) naming the first host peer whose process is gone."""
 
     def __init__(self, pids: dict[int, int], what: str) -> None:
         self.pids = dict(pids)
@@ -116,10 +125,10 @@ class PeerWatch:
     def __call__(self) -> None:
         for rank, pid in self.pids.items():
             if not _process_running(pid):
-                raise RuntimeError(
+                raise PeerDied(
                     f"{self.what}: rank {rank} (pid {pid}) died; the collective cannot "
                     f"complete. Destroy the process group and restart the job (e.g. "
-                    f"torchrun --max-restarts) from the last checkpoint")
+                    f"torchrun --max-restarts) from the last checkpoint", rank, pid)
 
 
 def _process_running(pid: int) -> bool:
