@@ -274,11 +274,15 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                 for i in range(local_n):
                     host_blob[i * nbytes:(i + 1) * nbytes] = views[i]
 
-        def combine() -> np.ndarray:
+        def combine() -> Callable[[np.ndarray], None]:
             out = torch.empty(len(topo.hosts) * per_host * nbytes, dtype=torch.uint8)
             link.leaders.allgather([list(out.chunk(len(topo.hosts)))],
                                    [torch.from_numpy(host_blob)]).wait()
-            return out.numpy()
+
+            def write(dst: np.ndarray) -> None:
+                dst[:] = out.numpy()
+
+            return write
 
         def fan_out(blob: np.ndarray) -> None:
             per_rank = [None] * self._size
@@ -292,7 +296,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                            signature, combine, len(topo.hosts) * per_host * nbytes, fan_out)
 
     def _across_hosts(self, local_round: Callable[[], None], signature: int,
-                      combine: Callable[[], np.ndarray], out_nbytes: int,
+                      combine: Callable[[], Callable[[np.ndarray], None]], out_nbytes: int,
                       take: Callable[[np.ndarray], None]) -> None:
         """The hierarchical part of a collective on a multi-host group.
 
@@ -300,7 +304,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
            there raises on every rank of the host);
         2. the leaders agree through one small gloo all-reduce (MAX of [failed,
            signature, -signature, dead]) that every host completed the same collective,
-           and only then ``combine()`` the hosts' partials (gloo); ``dead`` is
+           and only then ``combine()`` the hosts' partials (gloo; it returns the
+           function that writes the ``out_nbytes`` result into the fan-out); ``dead`` is
            ``rank << 32 | pid`` of a rank the leader saw die in step 1, else -1;
         3. the leader fans ``[status word | dead word | result]`` out through a byte
            round; every rank raises if the status says another host failed, lost a
@@ -317,7 +322,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             if not topo.is_leader:
                 raise  # the leader tells the other hosts, then raises too
             local_error = e
-        status, result, leaders_error, dead = 0, None, None, -1
+        status, write, leaders_error, dead = 0, None, None, -1
         if topo.is_leader:
             lost = (local_error.rank << 32 | local_error.pid
                     if isinstance(local_error, PeerDied) else -1)
@@ -328,7 +333,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             try:
                 link.leaders.allreduce([flags], opts).wait()
                 if local_error is None and not int(flags[0]) and int(flags[1]) == -int(flags[2]):
-                    result = combine()
+                    write = combine()
             except Exception as e:  # noqa: BLE001 - the leaders' group failed: tell the host
                 leaders_error = e
             if local_error is not None:
@@ -345,8 +350,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 
         def fill(dst: np.ndarray) -> None:
             dst[:16].view(np.int64)[:] = (status, dead)
-            if result is not None:
-                dst[16:16 + out_nbytes] = result
+            if write is not None:
+                write(dst[16:16 + out_nbytes])
 
         others = [r for r in topo.leaders if r != topo.local_ranks[0]]
 
@@ -394,17 +399,25 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         offs, total = _layout(tensors)
         signature = _signature("sum_f32", avg, tensors)
 
-        def combine() -> np.ndarray:
-            flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+        one = len(tensors) == 1 and tensors[0].dtype == _F32 and tensors[0].is_contiguous()
+
+        def combine() -> Callable[[np.ndarray], None]:
+            # the leader's tensors hold the host sum: reduce them across hosts in place
+            # (one float32 tensor: no copy at all), then the fan-out reads them
+            flat = (tensors[0].detach().view(-1) if one else
+                    torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors]))
             link.leaders.allreduce([flat], dist.AllreduceOptions()).wait()
             if avg:
                 flat.div_(self._size)
-            parts = flat.split([t.numel() for t in tensors])
-            blob = np.zeros(total, np.uint8)
-            _write(blob, [p.to(t.dtype) for p, t in zip(parts, tensors)], offs)
-            return blob
+            if not one:
+                with torch.no_grad():
+                    for t, p in zip(tensors, flat.split([t.numel() for t in tensors])):
+                        t.copy_(p.view(t.shape))
+            return lambda dst: _write(dst, tensors, offs)
 
         def take(blob: np.ndarray) -> None:
+            if topo.is_leader:
+                return  # combine() left the result in this rank's tensors
             for t, o in zip(tensors, offs):
                 _copy_into(t, _tensor_at(blob, o, t))
 
@@ -639,7 +652,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             link.comm.barrier()
         else:
             self._across_hosts(link.comm.barrier, _signature("barrier"),
-                               lambda: np.empty(0, np.uint8), 0, lambda blob: None)
+                               lambda: lambda dst: None, 0, lambda blob: None)
         return _done([torch.zeros(0)])
 
     # -- not offered ----------------------------------------------------------------------
