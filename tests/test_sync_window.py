@@ -1,5 +1,6 @@
 """One sync window on the real single-host engine (thread ranks): the count gather,
-the realized-work reduce of params and buffers, the all-idle skip, the ack gather.
+the realized-work reduce of params and buffers, the all-idle skip, the ack (which
+travels in the next window's count gather).
 
 The numbers are the seed's (spec §2.8): counts [3,5,2] with values [1,2,3] give 1.9;
 rank 2 dead gives counts [3,5,0], params 13/8 = 1.625, buffers (mean of movers) 1.5.
@@ -11,8 +12,7 @@ import math
 import pytest
 import torch
 
-from flodl_shm.training.sync_window import (SyncWindow, gather_ack, gather_counts,
-                                   expected_params_mass)
+from flodl_shm.training.sync_window import SyncWindow, expected_params_mass, gather_counts
 from flodl_shm.testing import FakeCohort
 
 pytestmark = pytest.mark.timeout(60)
@@ -29,10 +29,11 @@ class Tiny(torch.nn.Module):
 
 
 def window(comm, model, batches, *, gamma=1.0, stop=False):
+    """One window, then the next window's count gather (an idle one) for its ack."""
     counts = gather_counts(comm, batches, compute_ms=10.0 * (comm.rank + 1),
                            loss_sum=0.5 * batches, stop=stop)
     sync = SyncWindow(model, gamma=gamma).sync(comm, batches, counts)
-    ack = gather_ack(comm, sync.divergence, sync.reduce_ms)
+    ack = gather_counts(comm, 0, 0.0, prev=sync).prev_ack
     return counts, sync, ack
 
 
@@ -60,8 +61,9 @@ def test_seed_window_all_alive():
         assert abs(sync.divergence - want) < 1e-6
         assert ack.divergence[r] == pytest.approx(want, rel=1e-6)
         assert ack.max_divergence == pytest.approx(1.1 / 1.9, rel=1e-6)
-        # one param of 3 + one float buffer of 2, f32, plus the two control gathers
-        assert sync.bytes_sent == (3 + 2) * 4 + (5 + 3) * 3 * 4
+        assert counts.prev_ack.divergence == (0.0, 0.0, 0.0), "no window before the first"
+        # one param of 3 + one float buffer of 2, f32, plus the count gather
+        assert sync.bytes_sent == (3 + 2) * 4 + 7 * 3 * 4
 
 
 def test_seed_window_with_a_dead_rank():
@@ -101,7 +103,7 @@ def test_all_idle_window_skips_both_reduces_and_keeps_local_state():
     for r, (counts, sync, ack, rounds, w, stat) in enumerate(out):
         assert counts.total_batches == 0 and counts.present == (True, True)
         assert sync.skipped and sync.params_mass == 0.0 and not sync.shortfall
-        assert rounds == 2, "only the count and ack gathers ran"
+        assert rounds == 2, "only the two count gathers ran (this window's, and the next carrying the ack)"
         assert w == [r + 1.0] * 3 and stat == [r + 1.0] * 2
         assert ack.divergence == (0.0, 0.0)
 

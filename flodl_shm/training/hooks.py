@@ -101,11 +101,14 @@ class WindowStats:
         loss: this rank's mean batch loss (NaN when idle); cohort_loss: the mean over
             every batch the cohort trained.
         compute_ms: this rank's training wall time; gather_ms: its wait at the count
-            gather (time spent waiting for slower ranks); sync_ms: the window's reduce
-            cost (slowest rank); window_ms: this rank's whole window.
+            gather (time spent waiting for slower ranks); sync_ms: this rank's reduce (it
+            ends when the slowest rank's contribution is in); window_ms: this rank's
+            whole window.
         samples_per_s: samples the cohort trained per second of this window.
         bytes_sent: payload bytes this rank put into the window's collectives.
-        divergence: this rank's ``||pre - post|| / ||post||``; max_divergence: the cohort's.
+        divergence: this rank's ``||pre - post|| / ||post||``; max_divergence: the
+            cohort's largest at the previous window (it travels in this window's count
+            gather).
         live_ranks: ranks alive at the gather. skipped: every rank was idle (no reduce).
         checkpoint: the checkpoint armed at this window's reduce (path), or None.
         save_reason: its reason (a ``SaveReason`` value), or None.

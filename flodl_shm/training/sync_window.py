@@ -1,25 +1,28 @@
-"""One sync window on one rank: the count gather, the realized-work reduce, the ack
+"""One sync window on one rank: the count gather and the realized-work reduce
 (flodl 0.7.0's "param bridge", docs/trainer.md, "What happens in a window").
 
-Every rank calls the same collectives in the same order, so a window is three
+Every rank calls the same collectives in the same order, so a window is two
 steps that all ranks take together:
 
 1. **Count gather** (:func:`gather_counts`, one CONTROL round). Each rank fills its
    column of a small ``[field, world]`` f32 matrix - batches trained this window,
-   compute wall time, loss sum, a *present* flag, a stop request - and every rank
-   receives the whole matrix. A dead rank's column reads 0, so ``present``
-   separates "dead" from "idle" (alive with 0 batches). Counts are exact in f32
-   up to 2^24 batches per window.
+   compute wall time, loss sum, a *present* flag, a stop request, and the previous
+   window's *ack* (this rank's drift and reduce time) - and every rank receives the
+   whole matrix. A dead rank's column reads 0, so ``present`` separates "dead" from
+   "idle" (alive with 0 batches). Counts are exact in f32 up to 2^24 batches per
+   window. The ack rides one window late so that it costs no round of its own: all
+   ranks still feed ElChe and the guard identical inputs (this window's compute
+   times, the previous window's reduce time and drift).
 2. **Reduce** (:meth:`SyncWindow.sync`). If every rank was idle (``total == 0``,
    the same on every rank) both reduces are skipped and every replica keeps its
-   local state. Otherwise the parameters go through :func:`sumcount_reduce` with
+   local state. Otherwise the parameters are averaged *in place*
+   (``Comm.all_reduce_``, the scale fused into the copy into shared memory) with
    mass ``gamma_mass(n, gamma)`` (the window's params frame, stepped by the outer
    optimizer when one is installed), then the floating-point buffers with the 0/1
    :func:`mover_mass`; integer buffers (``num_batches_tracked``) never leave the
-   rank. The consensus is adopted in place, and the rank's relative drift
-   ``||pre - post|| / ||post||`` is measured for the convergence guard.
-3. **Ack gather** (:func:`gather_ack`, one CONTROL round): every rank's drift and
-   reduce time, so all ranks feed ElChe and the guard identical inputs.
+   rank. A round whose accepted mass is 0 leaves the tensors as they were. The
+   rank's relative drift ``||pre - post|| / ||post||`` is measured for the
+   convergence guard.
 
 The module holds no cohort-level policy: what to train next, coverage and
 checkpoints belong to :mod:`flodl_shm.training.coordinator`, which every rank runs
@@ -45,8 +48,7 @@ import torch
 
 from ..checkpoint.meta import averaged_buffers
 from ..frame import RoundKind
-from .realized_work import gamma_mass, is_realized, mover_mass, sumcount_reduce
-from ..engine.staging import DECODE_SLOT_BUFFERS, DECODE_SLOT_PARAMS
+from .realized_work import gamma_mass, mover_mass
 
 logger = logging.getLogger("flodl_shm")
 
@@ -57,17 +59,38 @@ __all__ = [
     "WindowSync",
     "accepted_ranks",
     "expected_params_mass",
-    "gather_ack",
     "gather_columns",
     "gather_counts",
 ]
 
-# rows of the count gather's [field, world] matrix
-_C_BATCHES, _C_COMPUTE_MS, _C_LOSS, _C_PRESENT, _C_STOP = range(5)
-_COUNT_ROWS = 5
-# rows of the ack gather
-_A_DIVERGENCE, _A_REDUCE_MS, _A_PRESENT = range(3)
-_ACK_ROWS = 3
+# rows of the count gather's [field, world] matrix (the last two: the previous window's ack)
+_C_BATCHES, _C_COMPUTE_MS, _C_LOSS, _C_PRESENT, _C_STOP, _C_DIVERGENCE, _C_REDUCE_MS = range(7)
+_COUNT_ROWS = 7
+
+
+@dataclass(frozen=True)
+class CohortAck:
+    """A window's ack, identical on every rank (it travels in the next window's count
+    gather).
+
+    Attributes:
+        divergence: per rank, ``||pre - post|| / ||post||`` (0 when skipped or dead).
+        reduce_ms: per rank, wall time of its reduces (ms).
+        present: per rank, whether it reported one.
+    """
+
+    divergence: tuple[float, ...]
+    reduce_ms: tuple[float, ...]
+    present: tuple[bool, ...]
+
+    @property
+    def max_divergence(self) -> float:
+        return max((d for d in self.divergence if d == d), default=0.0)
+
+    @property
+    def sync_ms(self) -> float:
+        """The window's reduce cost: the slowest rank's reduce time."""
+        return max(self.reduce_ms, default=0.0)
 
 
 @dataclass(frozen=True)
@@ -80,6 +103,8 @@ class CohortCounts:
         loss_sum: per rank, the sum of its batch losses.
         present: per rank, whether it joined the gather (False: dead).
         stop: whether any rank asked to stop after this window.
+        prev_ack: the previous window's ack (zeros before the first window; None when
+            the counts were not gathered by :func:`gather_counts`).
     """
 
     batches: tuple[int, ...]
@@ -87,6 +112,7 @@ class CohortCounts:
     loss_sum: tuple[float, ...]
     present: tuple[bool, ...]
     stop: bool
+    prev_ack: Optional[CohortAck] = None
 
     @property
     def world_size(self) -> int:
@@ -106,30 +132,6 @@ class CohortCounts:
         return [r for r in range(self.world_size) if self.present[r] and self.batches[r] > 0]
 
 
-@dataclass(frozen=True)
-class CohortAck:
-    """The ack gather closing one window, identical on every rank.
-
-    Attributes:
-        divergence: per rank, ``||pre - post|| / ||post||`` (0 when skipped or dead).
-        reduce_ms: per rank, wall time of its reduces (ms).
-        present: per rank, whether it joined the ack.
-    """
-
-    divergence: tuple[float, ...]
-    reduce_ms: tuple[float, ...]
-    present: tuple[bool, ...]
-
-    @property
-    def max_divergence(self) -> float:
-        return max((d for d in self.divergence if d == d), default=0.0)
-
-    @property
-    def sync_ms(self) -> float:
-        """The window's reduce cost: the slowest rank's reduce time."""
-        return max(self.reduce_ms, default=0.0)
-
-
 def gather_columns(comm, column: Sequence[float]) -> np.ndarray:
     """Gather one column of small numbers per rank (one CONTROL round; every rank calls it
     with a column of the same length): returns the ``[len(column), world]`` float64 matrix
@@ -146,7 +148,7 @@ def _gather(comm, rows: int, column: Sequence[float]) -> np.ndarray:
 
 
 def gather_counts(comm, batches: int, compute_ms: float, loss_sum: float = 0.0,
-                  stop: bool = False) -> CohortCounts:
+                  stop: bool = False, prev: Optional["WindowSync"] = None) -> CohortCounts:
     """The window's count gather (one CONTROL round; every rank must call it).
 
     Args:
@@ -155,29 +157,26 @@ def gather_counts(comm, batches: int, compute_ms: float, loss_sum: float = 0.0,
         compute_ms: wall time of that training (ms), ElChe's timing signal.
         loss_sum: sum of this rank's batch losses (for metrics).
         stop: this rank asks the cohort to stop after this window.
+        prev: what this rank's previous window's reduce did (its drift and reduce
+            time travel as that window's ack); None before the first window.
     """
     if batches < 0:
         raise ValueError(f"batches must be >= 0, got {batches}")
     loss = float(loss_sum) if math.isfinite(loss_sum) else 0.0
+    div = 0.0 if prev is None or not math.isfinite(prev.divergence) else prev.divergence
+    reduce_ms = 0.0 if prev is None else max(float(prev.reduce_ms), 0.0)
     m = _gather(comm, _COUNT_ROWS, (batches, max(float(compute_ms), 0.0), loss, 1.0,
-                                    1.0 if stop else 0.0))
+                                    1.0 if stop else 0.0, div, reduce_ms))
+    present = tuple(bool(v > 0.5) for v in m[_C_PRESENT])
     return CohortCounts(
         batches=tuple(int(round(v)) for v in m[_C_BATCHES]),
         compute_ms=tuple(float(v) for v in m[_C_COMPUTE_MS]),
         loss_sum=tuple(float(v) for v in m[_C_LOSS]),
-        present=tuple(bool(v > 0.5) for v in m[_C_PRESENT]),
+        present=present,
         stop=bool(np.any(m[_C_STOP] > 0.5)),
-    )
-
-
-def gather_ack(comm, divergence: float, reduce_ms: float) -> CohortAck:
-    """The window's ack gather (one CONTROL round; every rank must call it)."""
-    div = float(divergence) if math.isfinite(divergence) else 0.0
-    m = _gather(comm, _ACK_ROWS, (div, max(float(reduce_ms), 0.0), 1.0))
-    return CohortAck(
-        divergence=tuple(float(v) for v in m[_A_DIVERGENCE]),
-        reduce_ms=tuple(float(v) for v in m[_A_REDUCE_MS]),
-        present=tuple(bool(v > 0.5) for v in m[_A_PRESENT]),
+        prev_ack=CohortAck(divergence=tuple(float(v) for v in m[_C_DIVERGENCE]),
+                           reduce_ms=tuple(float(v) for v in m[_C_REDUCE_MS]),
+                           present=present),
     )
 
 
@@ -213,7 +212,7 @@ class WindowSync:
         divergence: ``||pre - post|| / ||post||`` of this rank's parameters.
         pre_norm: ``||pre||``; post_norm: ``||post||``.
         bytes_sent: payload bytes this rank contributed to the window's rounds
-            (the count and ack gathers included).
+            (the count gather included).
         reduce_ms: wall time of the reduces and the adoption (ms).
         accepted: on a :attr:`shortfall`, the ranks whose contribution the params
             round accepted (read right after it); otherwise None.
@@ -258,6 +257,10 @@ class SyncWindow:
         self.params = [p for p in model.parameters()]
         self.buffers = [b for _, b in averaged_buffers(model)]
         self._pre = [torch.empty_like(p, dtype=torch.float32) for p in self.params]
+        self._live_params = [p.detach() for p in self.params]
+        self._live_buffers = [b.detach() for b in self.buffers]
+        self._params_numel = sum(p.numel() for p in self.params)
+        self._buffers_numel = sum(b.numel() for b in self.buffers)
 
     def tensor_count(self) -> int:
         return len(self.params) + len(self.buffers)
@@ -271,7 +274,7 @@ class SyncWindow:
             counts: the window's count gather.
         """
         t0 = time.perf_counter()
-        control_bytes = (_COUNT_ROWS + _ACK_ROWS) * comm.world_size * 4
+        control_bytes = _COUNT_ROWS * comm.world_size * 4
         expected = expected_params_mass(counts, self.gamma)
         if counts.total_batches == 0:
             return WindowSync(True, 0.0, expected, 0.0, 0.0, 0.0, 0.0, control_bytes,
@@ -281,25 +284,18 @@ class SyncWindow:
         with torch.no_grad():
             for dst, p in zip(self._pre, self.params):
                 dst.copy_(p)
-            live = [p.detach() for p in self.params]
-            avg, params_mass = sumcount_reduce(comm, live, gamma_mass(batches, self.gamma),
-                                               DECODE_SLOT_PARAMS, outer=self.outer,
-                                               with_mass=True)
-            sent += sum(p.numel() for p in live) * esize
+            w = gamma_mass(batches, self.gamma)
+            params_mass = comm.all_reduce_(self._live_params, weight=w, scale=w,
+                                           kind=RoundKind.MODEL, outer=self.outer)
+            sent += self._params_numel * esize
             accepted = (tuple(sorted(accepted_ranks(comm)))
                         if _short(params_mass, expected) else None)
-            if is_realized(params_mass):
-                for p, a in zip(live, avg):
-                    p.copy_(a)
             buffers_mass = 0.0
-            if self.buffers:
-                bl = [b.detach() for b in self.buffers]
-                bavg, buffers_mass = sumcount_reduce(comm, bl, mover_mass(batches),
-                                                     DECODE_SLOT_BUFFERS, with_mass=True)
-                sent += sum(b.numel() for b in bl) * esize
-                if is_realized(buffers_mass):
-                    for b, a in zip(bl, bavg):
-                        b.copy_(a)
+            if self._live_buffers:
+                m = mover_mass(batches)
+                buffers_mass = comm.all_reduce_(self._live_buffers, weight=m, scale=m,
+                                                kind=RoundKind.MODEL)
+                sent += self._buffers_numel * esize
             pre_sq = post_sq = diff_sq = 0.0
             for pre, p in zip(self._pre, self.params):
                 post = p.detach().to(torch.float32)

@@ -587,7 +587,7 @@ class _RankRun:
 
     def run(self) -> dict:
         from ..checkpoint.series import prune_series, round_model_path
-        from .sync_window import gather_ack, gather_counts
+        from .sync_window import gather_counts
 
         tr, coord, comm = self.trainer, self.coord, self.comm
         state = RankState(self.rank, self.ctx.world_size, self.model, self.optimizer,
@@ -599,6 +599,7 @@ class _RankRun:
         last_ckpt: Optional[str] = None
         reason: Optional[SaveReason] = None
         windows = 0
+        prev_sync = None
         while True:
             plan = coord.plan_window()
             if plan is None:
@@ -609,7 +610,8 @@ class _RankRun:
             t_start = time.perf_counter()
             nb, compute_ms, loss_sum, ids = self._train(plan, state)
             t_gather = time.perf_counter()
-            counts = gather_counts(comm, nb, compute_ms, loss_sum, stop=state.stop_requested)
+            counts = gather_counts(comm, nb, compute_ms, loss_sum, stop=state.stop_requested,
+                                   prev=prev_sync)
             gather_ms = (time.perf_counter() - t_gather) * 1e3
             settled = coord.settle(plan, counts)
             dead += settled.newly_dead
@@ -631,7 +633,8 @@ class _RankRun:
                     realized, "; the checkpoint armed at this window overstates coverage and "
                     "the next window is checkpointed again" if ckpt else "")
                 settled = coord.resettle(plan, counts, realized)
-            ack = gather_ack(comm, sync.divergence, sync.reduce_ms)
+            prev_sync = sync
+            ack = counts.prev_ack
             coord.report(counts, ack, settled.realized)
             if self.resets_inner and not sync.skipped:
                 self.optimizer.state.clear()
@@ -644,7 +647,7 @@ class _RankRun:
                 sample_ids=ids if self.rank in settled.realized else ids[:0],
                 loss=loss_sum / nb if nb else math.nan,
                 cohort_loss=sum(counts.loss_sum) / total if total else math.nan,
-                compute_ms=compute_ms, gather_ms=gather_ms, sync_ms=ack.sync_ms,
+                compute_ms=compute_ms, gather_ms=gather_ms, sync_ms=sync.reduce_ms,
                 window_ms=window_ms,
                 samples_per_s=total * tr.batch_size / (window_ms / 1e3) if window_ms > 0 else 0.0,
                 bytes_sent=sync.bytes_sent, divergence=sync.divergence,
