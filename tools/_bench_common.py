@@ -72,26 +72,49 @@ _TCPI = {"bytes_acked": 120, "bytes_received": 128,   # struct tcp_info (linux/t
          "bytes_sent": 200, "bytes_retrans": 208}       # bytes_sent/_retrans: Linux >= 4.19
 
 
-def tcp_counters(match) -> dict | None:
-    """The kernel's byte counters (TCP_INFO), summed over this process's established
-    TCP connections for which ``match(psutil connection)`` is true; None if there is
-    none or TCP_INFO lacks the counters (Linux < 4.19)."""
+def tcp_connections() -> list[dict] | None:
+    """The kernel's byte counters (TCP_INFO) of each of this process's established TCP
+    connections: ``{"laddr": [ip, port], "raddr": [ip, port], **counters}``; None if
+    TCP_INFO lacks the counters (Linux < 4.19). Two ends of one loopback connection
+    pair up as ``a["laddr"] == b["raddr"] and a["raddr"] == b["laddr"]``."""
     import psutil
 
-    total, found = dict.fromkeys(_TCPI, 0), False
+    out = []
     for c in psutil.Process().net_connections("tcp"):
-        if not c.raddr or c.fd < 0 or c.status != psutil.CONN_ESTABLISHED or not match(c):
+        if not c.raddr or c.fd < 0 or c.status != psutil.CONN_ESTABLISHED:
             continue
-        s = socket.socket(fileno=os.dup(c.fd))
+        try:   # the fd may have closed (or been reused) since psutil listed it
+            s = socket.socket(fileno=os.dup(c.fd))
+        except OSError:
+            continue
         try:
+            if s.getsockname()[:2] != tuple(c.laddr) or s.getpeername()[:2] != tuple(c.raddr):
+                continue
             info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        except OSError:
+            continue
         finally:
             s.close()
         if len(info) < max(_TCPI.values()) + 8:
             return None
-        for k, off in _TCPI.items():
-            total[k] += struct.unpack_from("<Q", info, off)[0]
-        found = True
+        out.append({"laddr": list(c.laddr), "raddr": list(c.raddr),
+                    **{k: struct.unpack_from("<Q", info, off)[0] for k, off in _TCPI.items()}})
+    return out
+
+
+def tcp_counters(match) -> dict | None:
+    """The kernel's byte counters (TCP_INFO), summed over this process's established
+    TCP connections ``c`` (``tcp_connections()``'s dicts) for which ``match(c)`` is true;
+    None if there is none or TCP_INFO lacks the counters (Linux < 4.19)."""
+    conns = tcp_connections()
+    if conns is None:
+        return None
+    total, found = dict.fromkeys(_TCPI, 0), False
+    for c in conns:
+        if match(c):
+            for k in _TCPI:
+                total[k] += c[k]
+            found = True
     return total if found else None
 
 

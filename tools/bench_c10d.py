@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench_common import MiB, collect, human, parse_size  # noqa: E402
+from _bench_common import MiB, collect, human, parse_size, tcp_connections  # noqa: E402
 from bench_allreduce import bench_mpi, mpi_available, schedule  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,22 +36,31 @@ DEFAULT_SIZES = [4 << 10, 64 << 10, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * 
 
 # --- rank side --------------------------------------------------------------------------
 
-def _timed(fn, warm: int, iters: int) -> list[float]:
+def _timed(fn, warm: int, iters: int, probe=None) -> list[float]:
+    """Per-iteration ns of ``fn`` after ``warm`` calls and a barrier; ``probe`` (if
+    given) is called right after the barrier and right after the last call."""
     import torch.distributed as dist
 
     for _ in range(warm):
         fn()
     dist.barrier()
+    if probe is not None:
+        probe()
     out = []
     for _ in range(iters):
         t0 = time.perf_counter_ns()
         fn()
         out.append(time.perf_counter_ns() - t0)
+    if probe is not None:
+        probe()
     return out
 
 
-def _worker(backend: str, rank: int, world: int, port: int, sizes: list[int], scale: float,
-            ddp_steps: int, out: str) -> None:
+def _worker(backend: str, rank: int, world: int, port: int, plan: list[tuple[int, int, int]],
+            ddp_steps: int, out: str, flags: set[str]) -> None:
+    """One rank: per size, dist.all_reduce (+ the engine call under it on flodl_shm unless
+    ``"no-engine"`` in flags); with ``"tcp"``, every TCP connection's kernel counters
+    before and after each timed loop go to the output (``"tcp"``: one pair per row)."""
     import torch
     import torch.distributed as dist
 
@@ -61,10 +70,10 @@ def _worker(backend: str, rank: int, world: int, port: int, sizes: list[int], sc
     torch.set_num_threads(1)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    rows = []
-    for nbytes in sizes:
+    rows, tcp = [], []
+    probe = (lambda: tcp[-1].append(tcp_connections())) if "tcp" in flags else None
+    for nbytes, warm, iters in plan:
         t = torch.full((nbytes // 4,), float(rank + 1))
-        warm, iters = schedule(nbytes, world, scale)
 
         def reset_and_check() -> bool:
             t.fill_(float(rank + 1))
@@ -72,14 +81,17 @@ def _worker(backend: str, rank: int, world: int, port: int, sizes: list[int], sc
             return bool((t == world * (world + 1) / 2).all())
 
         ok = reset_and_check()
-        times = _timed(lambda: dist.all_reduce(t), warm, iters)
+        tcp.append([])
+        times = _timed(lambda: dist.all_reduce(t), warm, iters, probe)
         rows.append((f"{backend}", nbytes, times, ok))
-        if backend == "flodl_shm":
+        if backend == "flodl_shm" and "no-engine" not in flags:
             comm = dist.group.WORLD.comm
             t.fill_(float(rank + 1))
             comm.all_reduce_([t], kind=RoundKind.CONTROL)
             ok = bool((t == world * (world + 1) / 2).all())
-            times = _timed(lambda: comm.all_reduce_([t], kind=RoundKind.CONTROL), warm, iters)
+            tcp.append([])
+            times = _timed(lambda: comm.all_reduce_([t], kind=RoundKind.CONTROL), warm, iters,
+                           probe)
             rows.append(("engine", nbytes, times, ok))
         del t
     ddp = None
@@ -107,7 +119,7 @@ def _worker(backend: str, rank: int, world: int, port: int, sizes: list[int], sc
             local = _timed(step, 1, ddp_steps)
         ddp = {"params": params, "times": times, "local": local}
     with open(out, "w") as f:
-        json.dump({"rows": rows, "ddp": ddp}, f)
+        json.dump({"rows": rows, "ddp": ddp, "tcp": tcp if probe else None}, f)
     dist.destroy_process_group()
 
 
@@ -121,18 +133,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_backend(backend: str, world: int, sizes: list[int], scale: float, ddp_steps: int,
-                timeout: float, hosts: int = 1) -> tuple[list[dict], dict | None]:
-    """One group of ``world`` ranks; ``hosts`` > 1 splits them into that many simulated
-    hosts (consecutive ranks, ``FLODL_SHM_HOST``), reported as ``flodl_shm/<hosts>h``."""
+def run_ranks(backend: str, world: int, plan: list[tuple[int, int, int]], ddp_steps: int,
+              timeout: float, hosts: int = 1, flags: tuple[str, ...] = ()) -> list[dict] | None:
+    """Start one group of ``world`` rank processes (``_worker``) over tcp://127.0.0.1 and
+    return each rank's output, or None (after saying why on stderr) if a rank failed or
+    the group outlived ``timeout`` s (then every rank is killed). ``plan``: (nbytes,
+    warm, iters) per size. ``hosts`` > 1 splits the ranks into that many simulated hosts:
+    consecutive ranks, ``FLODL_SHM_HOST=sim<h>`` (rank r is on host r * hosts // world)."""
     port = _free_port()
+    spec = ",".join(f"{n}:{w}:{i}" for n, w, i in plan)
     with tempfile.TemporaryDirectory() as tmp:
         outs = [os.path.join(tmp, f"r{r}.json") for r in range(world)]
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         env.pop("FLODL_SHM_HOST", None)
         procs = [subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--worker", backend, str(r), str(world),
-             str(port), ",".join(map(str, sizes)), str(scale), str(ddp_steps), outs[r]],
+             str(port), spec, str(ddp_steps), outs[r], ",".join(flags) or "-"],
             env=dict(env, FLODL_SHM_HOST=f"sim{r * hosts // world}") if hosts > 1 else env)
             for r in range(world)]
         deadline = time.monotonic() + timeout
@@ -146,11 +162,21 @@ def run_backend(backend: str, world: int, sizes: list[int], scale: float, ddp_st
                     q.wait()
                 print(f"  {backend} world {world}: timed out after {timeout:.0f} s",
                       file=sys.stderr)
-                return [], None
+                return None
         if any(p.returncode for p in procs) or not all(os.path.exists(o) for o in outs):
             print(f"  {backend} world {world}: a rank failed", file=sys.stderr)
-            return [], None
-        per_rank = [json.load(open(o)) for o in outs]
+            return None
+        return [json.load(open(o)) for o in outs]
+
+
+def run_backend(backend: str, world: int, sizes: list[int], scale: float, ddp_steps: int,
+                timeout: float, hosts: int = 1) -> tuple[list[dict], dict | None]:
+    """One group of ``world`` ranks (``run_ranks``); ``hosts`` > 1 keeps only the
+    flodl_shm rows, reported as ``flodl_shm/<hosts>h``."""
+    plan = [(n, *schedule(n, world, scale)) for n in sizes]
+    per_rank = run_ranks(backend, world, plan, ddp_steps, timeout, hosts)
+    if per_rank is None:
+        return [], None
     rows = collect([r["rows"] for r in per_rank], world)
     if hosts > 1:
         rows = [dict(r, method=f"{r['method']}/{hosts}h") for r in rows
@@ -227,9 +253,9 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", nargs=8, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        b, r, w, port, sizes, scale, steps, out = args.worker
-        _worker(b, int(r), int(w), int(port), [int(s) for s in sizes.split(",")], float(scale),
-                int(steps), out)
+        b, r, w, port, spec, steps, out, flags = args.worker
+        plan = [tuple(int(x) for x in item.split(":")) for item in spec.split(",")]
+        _worker(b, int(r), int(w), int(port), plan, int(steps), out, set(flags.split(",")))
         return 0
     worlds = [int(w) for w in args.worlds.split(",")]
     limit = parse_size(args.max_size)

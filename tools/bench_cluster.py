@@ -259,7 +259,7 @@ def _rank_worker(ctx, address, authkey, nbytes, plan):
 def link_tcp_bytes(port: int) -> dict | None:
     """The kernel's byte counters of this process's connection to 127.0.0.1:port — the
     relay's link to the controller; None if TCP_INFO lacks them."""
-    return tcp_counters(lambda c: c.raddr.port == port)
+    return tcp_counters(lambda c: c["raddr"][1] == port)
 
 
 def host_worker(d: Path, index: int, port: int) -> int:
