@@ -67,12 +67,12 @@ import torch
 from ..checkpoint._atomic import atomic_write
 from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, ElCheState, ModelSchema,
                                SaveReason, averaged_buffers, set_extension)
-from ..frame import DTYPE_F32, RoundKind, tensors_to_round_frame
+from ..frame import DTYPE_F32, tensors_to_round_frame
 from .convergence import TrendGuard
 from .el_che import ElChe
 from .outer import OuterOptimizer
 from .realized_work import gamma_mass, is_realized
-from .sync_window import gather_columns
+from .sync_window import ReplicaReduce, gather_columns
 
 logger = logging.getLogger("flodl_shm")
 
@@ -217,8 +217,6 @@ class LocalSGD:
         for name, b in named_buffers:
             _check_averaged(f"buffer {name!r}", b)
         self.schema = ModelSchema.from_module(model)
-        # what one window's round carries, in frame order (views: updated in place)
-        self._tensors = [p.detach() for p in self.params] + [b.detach() for b in self.buffers]
         self.comm.set_bf16_wire(bool(bf16_wire))
         self.bf16_wire = bool(bf16_wire)
         self.outer = self._check_outer(outer)
@@ -229,8 +227,6 @@ class LocalSGD:
         self._outer_in_reduce = stateful and self.comm.local_world_size == self.world_size
         self._outer_per_rank = outer is not None and (not isinstance(outer, OuterOptimizer)
                                                       or (stateful and not self._outer_in_reduce))
-        self._params_round = [p.detach() for p in self.params]
-        self._buffers_round = [b.detach() for b in self.buffers]
         self.el_che: Optional[ElChe] = None
         self.guard = None
         if cadence != "fixed" and self.world_size >= 2:
@@ -245,9 +241,9 @@ class LocalSGD:
                                  f"but the cohort has world_size {self.world_size}")
             self.guard = guard if guard is not None else TrendGuard()
         self.cadence = "fixed" if self.el_che is None else "elche"
-        # pre-sync copy of the parameters for the drift the guard reads (ElChe only)
-        self._pre = (None if self.guard is None else
-                     [torch.empty_like(p, dtype=torch.float32) for p in self.params])
+        # the window's rounds (the drift, for the guard, is measured with ElChe only)
+        self._replica = ReplicaReduce(model, outer=self._outer_in_reduce,
+                                      drift=self.guard is not None, buffers="work")
         # counters
         self.sync_round = 0
         self.total_steps = 0
@@ -260,12 +256,12 @@ class LocalSGD:
         self._prev_divergence = 0.0
         self.last_sync: Optional[SyncInfo] = None
         self.live_ranks: tuple = tuple(range(self.world_size))
-        self._align_on_rank0()
+        self._replica.align_on(self.comm, 0)
         self._prev_global = ([p.detach().to(torch.float32).clone() for p in self.params]
                              if self._outer_per_rank else None)
         if self._outer_in_reduce:
             self.comm.set_outer(self.outer)
-            self.comm.load_outer_state(prev=self._params_round)
+            self.comm.load_outer_state(prev=[p.detach() for p in self.params])
         self._window_t0 = time.perf_counter()
 
     def _check_outer(self, outer):
@@ -282,13 +278,6 @@ class LocalSGD:
             return outer
         raise TypeError(f"outer must be None, an OuterAvg / OuterNesterov, or a "
                         f"torch.optim.Optimizer, got {type(outer).__name__}")
-
-    def _align_on_rank0(self) -> None:
-        if self.world_size > 1 and self._tensors:
-            root = self.comm.broadcast_from_root([t.to(torch.float32) for t in self._tensors], 0)
-            with torch.no_grad():
-                for t, src in zip(self._tensors, root):
-                    t.copy_(src)
 
     def _next_target(self) -> int:
         return self.sync_every if self.el_che is None else max(1, self.el_che.batches(self.rank))
@@ -333,28 +322,14 @@ class LocalSGD:
         if self.el_che is not None:
             gathered = gather_columns(self.comm, (steps, compute_ms, 1.0, self._prev_sync_ms,
                                                   self._prev_divergence))
-        w = gamma_mass(samples, self.gamma)
-        if self._pre is not None:
-            with torch.no_grad():
-                for dst, p in zip(self._pre, self.params):
-                    dst.copy_(p)
         # one MODEL round, in place: params and float buffers scaled by w, mass w; a round
         # that realized nothing (mass 0) leaves the tensors untouched. With the outer step
         # in the reduce, the params round is stepped and the buffers travel on their own.
-        if self._outer_in_reduce:
-            mass = self.comm.all_reduce_(self._params_round, weight=w, scale=w,
-                                         kind=RoundKind.MODEL, outer=True)
-            accepted = tuple(self.comm.last_accepted_ranks())
-            if self._buffers_round:
-                self.comm.all_reduce_(self._buffers_round, weight=w, scale=w,
-                                      kind=RoundKind.MODEL)
-        else:
-            mass = self.comm.all_reduce_(self._tensors, weight=w, scale=w, kind=RoundKind.MODEL)
-            accepted = tuple(self.comm.last_accepted_ranks())
+        reduced = self._replica.reduce(self.comm, gamma_mass(samples, self.gamma))
+        mass, accepted = reduced.params_mass, reduced.accepted
         divergence = 0.0
         if is_realized(mass):
-            if self._pre is not None:
-                divergence = _relative_drift(self._pre, self.params)
+            divergence = reduced.divergence
             if self._outer_per_rank:
                 with torch.no_grad():
                     self._outer_step()
@@ -666,14 +641,3 @@ class DiLoCo(LocalSGD):
                             "outer_momentum)); use LocalSGD(outer=...) for another one")
         super().__init__(model, sync_every=sync_every,
                          outer=OuterNesterov(lr=outer_lr, momentum=outer_momentum), **kwargs)
-
-
-def _relative_drift(pre: Sequence[torch.Tensor], post: Sequence[torch.Tensor]) -> float:
-    """``||pre - post|| / ||post||`` over all tensors (0 for a zero ``post``)."""
-    diff_sq = post_sq = 0.0
-    for a, b in zip(pre, post):
-        c = b.detach().to(torch.float32).reshape(-1)
-        d = a.reshape(-1) - c
-        diff_sq += float(torch.dot(d, d))
-        post_sq += float(torch.dot(c, c))
-    return math.sqrt(diff_sq / post_sq) if post_sq > 0.0 else 0.0

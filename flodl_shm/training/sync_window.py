@@ -41,7 +41,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -55,6 +55,8 @@ logger = logging.getLogger("flodl_shm")
 __all__ = [
     "CohortAck",
     "CohortCounts",
+    "ReduceOutcome",
+    "ReplicaReduce",
     "SyncWindow",
     "WindowSync",
     "accepted_ranks",
@@ -236,11 +238,133 @@ class WindowSync:
         return not self.skipped and _short(self.params_mass, self.expected_mass)
 
 
-class SyncWindow:
-    """The reduce half of a window for one rank's model (see the module doc).
+class ReplicaReduce:
+    """The reduce half of a window, shared by the Trainer and ``LocalSGD``: average a
+    replica's parameters and floating-point buffers in place, weighted by realized work.
 
-    Holds the persistent "pre" scratch (one copy of the parameters) used for the
-    drift measure.
+    The parameters travel in one MODEL round, scaled by this rank's mass on the copy into
+    shared memory (``Comm.all_reduce_``), the consensus written straight back into them.
+    The floating-point buffers either carry the params mass (``buffers="work"``: they
+    ride in the params round, or in a round of their own when an outer step applies to
+    the params) or the 0/1 mover mass (``buffers="movers"``, flodl's rule: always a
+    round of their own). The round structure depends only on these settings, never on
+    the masses, so every rank runs the same rounds. A round whose accepted mass is 0
+    leaves its tensors as they were. Integer buffers never leave the rank.
+
+    Args:
+        model: the rank's replica; parameters and floating-point buffers float32 or
+            bfloat16, on the CPU.
+        outer: send the params round with ``outer=True`` (the optimizer installed with
+            ``Comm.set_outer`` steps the consensus into the new global).
+        drift: measure ``||pre - post|| / ||post||`` of the parameters (keeps one
+            float32 copy of them).
+        buffers: ``"work"`` or ``"movers"`` (see above).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, outer: bool = False, drift: bool = True,
+                 buffers: str = "work") -> None:
+        if buffers not in ("work", "movers"):
+            raise ValueError(f"buffers must be 'work' or 'movers', got {buffers!r}")
+        self.params = [p for p in model.parameters()]
+        self.buffers = [b for _, b in averaged_buffers(model)]
+        self.outer = bool(outer)
+        self.buffer_mass = buffers
+        self._live_params = [p.detach() for p in self.params]
+        self._live_buffers = [b.detach() for b in self.buffers]
+        self._live_all = self._live_params + self._live_buffers
+        self._params_numel = sum(p.numel() for p in self.params)
+        self._buffers_numel = sum(b.numel() for b in self.buffers)
+        self._pre = ([torch.empty_like(p, dtype=torch.float32) for p in self.params]
+                     if drift else None)
+        self._together = bool(self._live_buffers) and buffers == "work" and not self.outer
+
+    def tensor_count(self) -> int:
+        return len(self.params) + len(self.buffers)
+
+    def align_on(self, comm, root: int = 0) -> None:
+        """Overwrite this replica's parameters and floating-point buffers with rank
+        ``root``'s (a collective: one broadcast; a no-op for a world of one)."""
+        if comm.world_size > 1 and self._live_all:
+            got = comm.broadcast_from_root([t.to(torch.float32) for t in self._live_all], root)
+            with torch.no_grad():
+                for t, src in zip(self._live_all, got):
+                    t.copy_(src)
+
+    def reduce(self, comm, weight: float, movers_weight: float = 0.0) -> "ReduceOutcome":
+        """Average in place (a collective: every rank calls it with its own masses).
+
+        Args:
+            comm: this rank's ``Comm``.
+            weight: this rank's params mass (its realized work, ``gamma_mass``).
+            movers_weight: this rank's buffers mass with ``buffers="movers"`` (the 0/1
+                ``mover_mass``); ignored with ``buffers="work"``.
+        """
+        t0 = time.perf_counter()
+        esize = 2 if comm.bf16_wire else 4
+        with torch.no_grad():
+            if self._pre is not None:
+                for dst, p in zip(self._pre, self.params):
+                    dst.copy_(p)
+            together = self._together
+            buffers_weight = weight if self.buffer_mass == "work" else movers_weight
+            params_mass = comm.all_reduce_(self._live_all if together else self._live_params,
+                                           weight=weight, scale=weight, kind=RoundKind.MODEL,
+                                           outer=self.outer)
+            accepted = tuple(sorted(accepted_ranks(comm)))
+            buffers_mass = params_mass if together else 0.0
+            if self._live_buffers and not together:
+                buffers_mass = comm.all_reduce_(self._live_buffers, weight=buffers_weight,
+                                                scale=buffers_weight, kind=RoundKind.MODEL)
+            drift = (0.0, 0.0, 0.0) if self._pre is None else _drift(self._pre, self.params)
+        return ReduceOutcome(params_mass, buffers_mass, accepted, *drift,
+                             (self._params_numel + self._buffers_numel) * esize,
+                             (time.perf_counter() - t0) * 1e3)
+
+
+class ReduceOutcome(NamedTuple):
+    """What :meth:`ReplicaReduce.reduce` did on this rank.
+
+    Attributes:
+        params_mass: the params round's accepted mass (0: nothing realized, kept local).
+        buffers_mass: the buffers' accepted mass (0 without floating-point buffers).
+        accepted: ranks whose contribution the params round accepted (on a cluster:
+            this host's only).
+        divergence: ``||pre - post|| / ||post||`` of the parameters (0 unmeasured).
+        pre_norm: ``||pre||``; post_norm: ``||post||``.
+        bytes_sent: payload bytes this rank contributed.
+        reduce_ms: wall time of the rounds (and the drift measure), ms.
+    """
+
+    params_mass: float
+    buffers_mass: float
+    accepted: tuple[int, ...]
+    divergence: float
+    pre_norm: float
+    post_norm: float
+    bytes_sent: int
+    reduce_ms: float
+
+
+def _drift(pre: Sequence[torch.Tensor], post: Sequence[torch.Tensor]) -> tuple[float, float, float]:
+    """``(||pre - post|| / ||post||, ||pre||, ||post||)`` over all tensors (the ratio is 0
+    for a zero ``post``)."""
+    pre_sq = post_sq = diff_sq = 0.0
+    for a, b in zip(pre, post):
+        c = b.detach().to(torch.float32).reshape(-1)
+        a = a.reshape(-1)
+        d = a - c
+        pre_sq += float(torch.dot(a, a))
+        post_sq += float(torch.dot(c, c))
+        diff_sq += float(torch.dot(d, d))
+    post_norm = math.sqrt(post_sq)
+    return (math.sqrt(diff_sq) / post_norm if post_norm > 0.0 else 0.0, math.sqrt(pre_sq),
+            post_norm)
+
+
+class SyncWindow:
+    """The Trainer's reduce half of a window for one rank's model (see the module doc):
+    a :class:`ReplicaReduce` with the params mass ``gamma_mass(batches, gamma)``, the
+    buffers mass ``mover_mass(batches)``, and the all-idle skip.
 
     Args:
         model: the rank's replica; its parameters and floating-point buffers must be
@@ -254,16 +378,12 @@ class SyncWindow:
         self.model = model
         self.gamma = float(gamma)
         self.outer = bool(outer)
-        self.params = [p for p in model.parameters()]
-        self.buffers = [b for _, b in averaged_buffers(model)]
-        self._pre = [torch.empty_like(p, dtype=torch.float32) for p in self.params]
-        self._live_params = [p.detach() for p in self.params]
-        self._live_buffers = [b.detach() for b in self.buffers]
-        self._params_numel = sum(p.numel() for p in self.params)
-        self._buffers_numel = sum(b.numel() for b in self.buffers)
+        self.replica = ReplicaReduce(model, outer=outer, buffers="movers")
+        self.params = self.replica.params
+        self.buffers = self.replica.buffers
 
     def tensor_count(self) -> int:
-        return len(self.params) + len(self.buffers)
+        return self.replica.tensor_count()
 
     def sync(self, comm, batches: int, counts: CohortCounts) -> WindowSync:
         """Reduce and adopt (or keep local when the whole cohort was idle).
@@ -279,35 +399,11 @@ class SyncWindow:
         if counts.total_batches == 0:
             return WindowSync(True, 0.0, expected, 0.0, 0.0, 0.0, 0.0, control_bytes,
                               (time.perf_counter() - t0) * 1e3)
-        esize = 2 if comm.bf16_wire else 4
-        sent = control_bytes
-        with torch.no_grad():
-            for dst, p in zip(self._pre, self.params):
-                dst.copy_(p)
-            w = gamma_mass(batches, self.gamma)
-            params_mass = comm.all_reduce_(self._live_params, weight=w, scale=w,
-                                           kind=RoundKind.MODEL, outer=self.outer)
-            sent += self._params_numel * esize
-            accepted = (tuple(sorted(accepted_ranks(comm)))
-                        if _short(params_mass, expected) else None)
-            buffers_mass = 0.0
-            if self._live_buffers:
-                m = mover_mass(batches)
-                buffers_mass = comm.all_reduce_(self._live_buffers, weight=m, scale=m,
-                                                kind=RoundKind.MODEL)
-                sent += self._buffers_numel * esize
-            pre_sq = post_sq = diff_sq = 0.0
-            for pre, p in zip(self._pre, self.params):
-                post = p.detach().to(torch.float32)
-                pre_sq += float(torch.dot(pre.reshape(-1), pre.reshape(-1)))
-                post_sq += float(torch.dot(post.reshape(-1), post.reshape(-1)))
-                d = (pre - post).reshape(-1)
-                diff_sq += float(torch.dot(d, d))
-        post_norm = math.sqrt(post_sq)
-        divergence = math.sqrt(diff_sq) / post_norm if post_norm > 0.0 else 0.0
-        return WindowSync(False, params_mass, expected, buffers_mass, divergence,
-                          math.sqrt(pre_sq), post_norm, sent, (time.perf_counter() - t0) * 1e3,
-                          accepted)
+        r = self.replica.reduce(comm, gamma_mass(batches, self.gamma), mover_mass(batches))
+        short = _short(r.params_mass, expected)
+        return WindowSync(False, r.params_mass, expected, r.buffers_mass, r.divergence,
+                          r.pre_norm, r.post_norm, control_bytes + r.bytes_sent,
+                          (time.perf_counter() - t0) * 1e3, r.accepted if short else None)
 
 
 def _short(mass: float, expected: float) -> bool:

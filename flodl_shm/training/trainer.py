@@ -468,10 +468,10 @@ class _RankRun:
         if tr.outer is not None:
             self.comm.set_outer(tr.outer)
         self.resets_inner = bool(tr.outer is not None and tr.outer.resets_inner())
+        self.window = SyncWindow(model, gamma=tr.gamma, outer=tr.outer is not None)
         self._adopt_initial_weights()
         self.optimizer = tr.optimizer_fn(model.parameters())
         self.coord = self._coordinator(len(self.dataset))
-        self.window = SyncWindow(model, gamma=tr.gamma, outer=tr.outer is not None)
         self._perm_epoch = -1
         self._perm = None
 
@@ -492,11 +492,8 @@ class _RankRun:
     def _adopt_initial_weights(self) -> None:
         """Resume: load the checkpoint (and the outer momentum). Fresh: align every
         replica on rank 0's initial weights."""
-        import torch
-
         from ..checkpoint.forge import load_consensus_checkpoint, load_outer_momentum, \
             outer_sidecar_path
-        from ..checkpoint.meta import averaged_buffers
 
         path = self.job.model_path
         if path is not None:
@@ -512,13 +509,7 @@ class _RankRun:
                 else:
                     logger.warning("%s not found: the outer momentum restarts from zero", opath)
             return
-        tensors = [p.detach() for p in self.model.parameters()]
-        tensors += [b for _, b in averaged_buffers(self.model)]
-        if self.ctx.world_size > 1 and tensors:
-            root = self.comm.broadcast_from_root([t.to(torch.float32) for t in tensors], 0)
-            with torch.no_grad():
-                for t, src in zip(tensors, root):
-                    t.copy_(src)
+        self.window.replica.align_on(self.comm, 0)
 
     def _permutation(self, epoch: int) -> np.ndarray:
         from .coverage import epoch_permutation
