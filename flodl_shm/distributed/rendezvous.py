@@ -7,7 +7,9 @@ prefix store, so several groups never mix keys):
    set, else the hostname) and ``pid/<rank>``, then reads everyone's;
 2. the ranks of one identity form a host, ordered by group rank; the lowest is the
    host's **leader**;
-3. the leader creates the host arena and publishes its handle (``arena/<host>``);
+3. the leader unlinks the segments of dead owners (a leader killed between steps 3
+   and 4, e.g. in torchrun's failed attempt, leaves its names), creates the host
+   arena and publishes its handle (``arena/<host>``);
    the others attach and map every segment they will ever use, then say so
    (``mapped/<rank>``);
 4. once every rank of the host mapped it, the leader **unlinks every segment name**.
@@ -43,6 +45,7 @@ from datetime import timedelta
 
 from ..engine import arena as A
 from ..engine.comm import Comm
+from ..engine.segment import reap_dead_owner_segments
 
 logger = logging.getLogger("flodl_shm")
 
@@ -188,6 +191,7 @@ def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
     arena = None
     try:
         if topo.is_leader:
+            reap_dead_owner_segments()  # e.g. a leader of torchrun's failed attempt
             arena = A.Arena.create(len(local), first_rank=0, global_world=len(local))
             store.set(key, pickle.dumps(arena.handle))
         else:
