@@ -4,9 +4,8 @@
 replace ``flodl_shm.spawn`` by the module once imported.)
 
 The calling process becomes the **supervisor**: it owns the host arena (creates and
-unlinks every shared-memory segment), starts the ranks (start method "spawn"),
-watches them, fences the dead, and — on a cluster — hosts the relay to the
-controller. A monitor thread does the watching, so ``spawn`` may be called from
+unlinks every shared-memory segment), starts the ranks, watches them, fences the
+dead, and — on a cluster — hosts the relay to the controller. A monitor thread does the watching, so ``spawn`` may be called from
 any thread and with ``join=False``; rank processes are started from that thread
 (``PR_SET_PDEATHSIG`` is per thread) and every one is reaped before ``spawn``
 returns or raises.
@@ -35,6 +34,26 @@ Failure policy:
   Ranks start with SIGINT blocked and ignore it (the launcher decides), and follow
   the launcher's death from their first line of Python (PDEATHSIG is set by a
   bootstrap before any import, not after the user's imports).
+
+Start methods (``spawn(..., start_method=...)``; docs/runtime.md, "Start-up"):
+
+- ``"forkserver"`` (the default on Linux): the supervisor starts one **rank server**
+  per ``spawn`` (a fresh interpreter with the ranks' bootstrap) that imports torch,
+  numpy, numba and this package and loads the kernels once, then forks every rank.
+  Each rank still imports the launcher's main module as ``__mp_main__`` and unpickles
+  ``fn`` as under "spawn", so the programs that work under "spawn" work unchanged.
+  Safe because the server is single-threaded when it forks: it never runs a torch
+  operation (no OpenMP/intra-op or inter-op pool exists in it) and sets
+  ``OMP_NUM_THREADS`` to the ranks' thread count before torch and numpy load.
+  The chain of deaths holds: the server follows the supervisor thread
+  (PDEATHSIG), each rank follows the server from the instant it is forked; the
+  server ignores SIGINT, as do the ranks; it is killed and reaped once every rank is.
+- ``"spawn"``: every rank is a fresh interpreter that imports torch, numba and the
+  kernels itself (the launcher compiles or loads them first, so ranks only read
+  numba's cache): the slowest start, the fewest assumptions.
+- ``"fork"``: ranks fork from the launcher's supervisor thread. Fastest, and unsafe
+  once the launcher has run torch operations (its OpenMP pool does not survive a
+  fork; GNU OpenMP may deadlock in the child) or started threads of its own.
 """
 from __future__ import annotations
 
@@ -51,7 +70,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing import context as mp_context
-from multiprocessing import popen_spawn_posix
+from multiprocessing import forkserver, popen_forkserver, popen_spawn_posix
 from multiprocessing import reduction as mp_reduction
 from multiprocessing import spawn as mp_spawn
 from multiprocessing import util as mp_util
@@ -254,6 +273,9 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
         "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(handle.world),
     })
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    if forkserver.get_inherited_fds() is not None and "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()  # forked from the rank server: fresh entropy,
+        # as a spawned rank's numpy has (Python's random reseeds itself at fork)
     for key, value in (c10d_env or {}).items():  # the caller's own MASTER_* win
         os.environ.setdefault(key, value)
     code = 0
@@ -331,6 +353,19 @@ _BOOTSTRAP = ("import os, signal, ctypes; signal.signal(signal.SIGINT, signal.SI
               "os.getppid() == {ppid} or os._exit(1); ")
 
 
+def _child_data(popen, process_obj) -> io.BytesIO:
+    """What multiprocessing writes to a new child: its preparation data and the process
+    object, pickled with ``popen`` as the spawning popen (fds it duplicates)."""
+    fp = io.BytesIO()
+    mp_context.set_spawning_popen(popen)
+    try:
+        mp_reduction.dump(mp_spawn.get_preparation_data(process_obj._name), fp)
+        mp_reduction.dump(process_obj, fp)
+    finally:
+        mp_context.set_spawning_popen(None)
+    return fp
+
+
 class _RankPopen(popen_spawn_posix.Popen):
     """multiprocessing's spawn launch with ``_BOOTSTRAP`` ahead of its ``spawn_main``
     (same pipes, same preparation data; only the ``-c`` program gains a prefix)."""
@@ -340,14 +375,7 @@ class _RankPopen(popen_spawn_posix.Popen):
 
         tracker_fd = resource_tracker.getfd()
         self._fds.append(tracker_fd)
-        prep_data = mp_spawn.get_preparation_data(process_obj._name)
-        fp = io.BytesIO()
-        mp_context.set_spawning_popen(self)
-        try:
-            mp_reduction.dump(prep_data, fp)
-            mp_reduction.dump(process_obj, fp)
-        finally:
-            mp_context.set_spawning_popen(None)
+        fp = _child_data(self, process_obj)
         parent_r = child_w = child_r = parent_w = None
         try:
             parent_r, child_w = os.pipe()
@@ -384,12 +412,160 @@ class _RankProcess(mp_context.SpawnProcess):
 
 
 def _process_class(start_method: str):
-    """The Process class for ranks: the bootstrapped one for "spawn" on Linux (where
-    ``-c`` command lines and prctl exist), else the context's own."""
-    if start_method == "spawn" and sys.platform.startswith("linux") \
-            and not getattr(sys, "frozen", False):
-        return _RankProcess
+    """The Process class for ranks: on Linux (where ``-c`` command lines and prctl
+    exist) the bootstrapped one for "spawn" and the rank server's for "forkserver",
+    else the context's own."""
+    if sys.platform.startswith("linux") and not getattr(sys, "frozen", False):
+        if start_method == "spawn":
+            return _RankProcess
+        if start_method == "forkserver":
+            return _ServedRankProcess
     return mp.get_context(start_method).Process
+
+
+# --- the rank server ("forkserver"; why forking from it is safe: module docstring) -----
+
+
+def _rank_server_main(listener_fd: int, alive_r: int, nprocs: int, threads: int) -> None:
+    """The rank server's program: on its one thread, import torch, numpy, numba and
+    what a rank runs, load (or compile once) the kernels, run no torch operation;
+    then serve forks (multiprocessing's forkserver loop). Started with SIGINT ignored
+    and blocked, and PDEATHSIG set, by ``_BOOTSTRAP``; every child follows the
+    server's death from the instant it is forked (an at-fork hook, before it imports
+    the launcher's main module)."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # before torch/numpy load
+    import numpy  # noqa: F401
+    import torch  # noqa: F401
+
+    _warm_kernels(nprocs)
+    from .engine import comm as _comm  # noqa: F401 - what every rank imports first
+
+    server_pid = os.getpid()
+
+    def follow_server() -> None:  # in each child, right after the fork
+        _set_pdeathsig()
+        if os.getppid() != server_pid:
+            os._exit(1)
+
+    os.register_at_fork(after_in_child=follow_server)
+    forkserver.main(listener_fd, alive_r, [], None, None)
+
+
+def _server_threads(pid: int) -> int:
+    """Native threads of process ``pid`` (Linux), 0 when it cannot be read."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
+
+
+class _RankServer(forkserver.ForkServer):
+    """One rank server per ``SpawnContext``: started from the supervisor thread (its
+    PDEATHSIG follows that thread), stopped once every rank is reaped."""
+
+    def start(self, nprocs: int, threads: int) -> None:
+        import socket
+        from multiprocessing import connection, resource_tracker
+
+        resource_tracker.ensure_running()
+        with socket.socket(socket.AF_UNIX) as listener:
+            address = connection.arbitrary_address("AF_UNIX")
+            listener.bind(address)
+            os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()
+            try:
+                cmd = (_BOOTSTRAP.format(ppid=os.getpid())
+                       + f"import sys; sys.path[:] = {sys.path!r}; "
+                       + "from flodl_shm.launch import _rank_server_main; "
+                       + f"_rank_server_main({listener.fileno()}, {alive_r}, {nprocs}, "
+                       + f"{threads})")
+                exe = mp_spawn.get_executable()
+                args = [exe] + mp_util._args_from_interpreter_flags() + ["-c", cmd]
+                # blocked at the fork (the resource tracker unblocks it in this thread):
+                # the server, and every rank it forks, starts with SIGINT blocked
+                old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+                try:
+                    pid = mp_util.spawnv_passfds(exe, args, [listener.fileno(), alive_r])
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+            except BaseException:
+                os.close(alive_w)
+                raise
+            finally:
+                os.close(alive_r)
+        self._forkserver_address = address
+        self._forkserver_alive_fd = alive_w
+        self._forkserver_pid = pid
+
+    def ensure_running(self) -> None:  # called by connect_to_new_process
+        if self._forkserver_pid is None:
+            raise RuntimeError("the rank server is not running")
+        pid, status = os.waitpid(self._forkserver_pid, os.WNOHANG)
+        if pid:
+            self._forkserver_pid = None
+            raise _server_died(os.waitstatus_to_exitcode(status))
+
+    def stop(self) -> None:
+        """Kill and reap the server (every rank it forked is reaped already)."""
+        pid, self._forkserver_pid = self._forkserver_pid, None
+        if self._forkserver_alive_fd is not None:
+            os.close(self._forkserver_alive_fd)
+            self._forkserver_alive_fd = None
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+        if self._forkserver_address:
+            try:
+                os.unlink(self._forkserver_address)
+            except OSError:
+                pass
+            self._forkserver_address = None
+
+
+class _ServedRankPopen(popen_forkserver.Popen):
+    """multiprocessing's forkserver launch, asking this run's ``_RankServer``."""
+
+    def _launch(self, process_obj):  # mirrors popen_forkserver.Popen._launch
+        buf = _child_data(self, process_obj)
+        self.sentinel, w = process_obj._rank_server.connect_to_new_process(self._fds)
+        _parent_w = os.dup(w)
+        self.finalizer = mp_util.Finalize(self, mp_util.close_fds, (_parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        try:
+            self.pid = forkserver.read_signed(self.sentinel)
+        except EOFError:  # the server died before forking this rank
+            raise _server_died(None) from None
+
+
+def _server_died(exitcode: int | None) -> RuntimeError:
+    return RuntimeError(
+        f"spawn: the rank server exited (exit code {exitcode}) before forking every rank: "
+        f"its preload of torch, numpy, numba and flodl_shm failed (its traceback is on "
+        f"stderr); fix that import, or pass start_method='spawn'")
+
+
+class _ServedRankProcess(mp_context.ForkServerProcess):
+    """A rank forked by the run's ``_RankServer`` (set as ``_rank_server`` before
+    ``start``; not pickled to the rank)."""
+
+    _rank_server: _RankServer | None = None
+
+    @staticmethod
+    def _Popen(process_obj):
+        return _ServedRankPopen(process_obj)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_rank_server", None)
+        return state
 
 
 # --- the supervisor side -----------------------------------------------------------
@@ -442,8 +618,10 @@ class SpawnContext:
         self._done = threading.Event()
         self._start_error: BaseException | None = None
         self._lock = threading.Lock()
+        self._server: _RankServer | None = None
         reap_dead_owner_segments()
-        _warm_kernels(nprocs)
+        if self._process_cls is not _ServedRankProcess:
+            _warm_kernels(nprocs)  # else the rank server loads them, in parallel with us
         with _signals_deferred():  # an interrupt now finds the arena owned by a context
             self.arena = A.Arena.create(nprocs, eager_bytes=eager_bytes, first_rank=first_rank,
                                         global_world=world_size,
@@ -527,6 +705,11 @@ class SpawnContext:
         try:
             try:
                 threads = max(1, available_cores() // self.nprocs)
+                parent_pid = os.getpid()
+                if self._process_cls is _ServedRankProcess:
+                    self._server = _RankServer()
+                    self._server.start(self.nprocs, threads)
+                    parent_pid = self._server._forkserver_pid  # the ranks' parent
                 for r in range(self.nprocs):
                     if self.arena.ctl[A.G_ABORT]:
                         break  # interrupted while starting: start no more
@@ -534,14 +717,23 @@ class SpawnContext:
                     p = self._process_cls(
                         target=_rank_main, name=f"flodl-shm-rank{self.first_rank + r}",
                         args=(self.arena.handle, r, self.first_rank + r, self.world_size,
-                              self._payload, child_conn, os.getpid(), self._rank_timeout,
+                              self._payload, child_conn, parent_pid, self._rank_timeout,
                               self.save_path, threads, self.pinned_decode, self._log_level,
                               self._c10d_env),
                         daemon=False)
+                    p._rank_server = self._server
                     p.start()
                     child_conn.close()
                     self._procs.append(p)
                     conns[r] = parent_conn
+                if self._server is not None and self._procs:
+                    n = _server_threads(self._server._forkserver_pid)  # done forking now
+                    if n > 1:
+                        logger.warning(
+                            "the rank server ran %d threads while forking ranks (expected 1: "
+                            "a library it preloads started a pool; forking a threaded process "
+                            "risks deadlocks in the ranks); pass start_method='spawn' if "
+                            "ranks hang at start-up", n)
                 if self._relay_factory is not None:
                     self._relay = self._relay_factory(self)
                     self.tap.forward = self._relay.forward
@@ -556,6 +748,8 @@ class SpawnContext:
             self._reap_all()
             for c in conns.values():
                 c.close()
+            if self._server is not None:
+                self._server.stop()
             self._cleanup()
             self._done.set()
 
@@ -836,7 +1030,7 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
           controller: str | tuple | None = None, world_size: int | None = None,
           first_rank: int = 0, salt: bytes | None = None, max_failures: int = 0,
           timeout: float | None = None, save_path: str | os.PathLike | None = None,
-          start_method: str = "spawn", eager_bytes: int | None = None,
+          start_method: str = "forkserver", eager_bytes: int | None = None,
           shm_bytes_hint: int | None = None,
           pinned_decode: bool = True) -> list[Any] | SpawnContext:
     """Run ``fn(ctx, *args)`` on ``nprocs`` new rank processes of this host.
@@ -855,7 +1049,12 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
             the supervisor and counts as one failure; past ``max_failures`` the run
             stops with ``RankStalled`` naming the round and the missing ranks.
         save_path: checkpoint stem; dead ranks' ``RankDeathRecord`` goes next to it.
-        start_method: multiprocessing start method ("spawn" recommended).
+        start_method: how ranks start: ``"forkserver"`` (default; ranks fork from a
+            single-threaded rank server that preloaded torch, numpy, numba and the
+            kernels, then import the launcher's main module as under "spawn"),
+            ``"spawn"`` (each rank a fresh interpreter) or ``"fork"`` (from the
+            launcher; unsafe once it ran torch operations). See docs/runtime.md,
+            "Start-up".
         eager_bytes: contributions up to this size take the one-sync eager path.
         shm_bytes_hint: expected frame size in bytes; when given, /dev/shm is checked
             up front for the whole arena instead of at the first large round.

@@ -10,7 +10,8 @@ With ``DRIVER_SLOW_IMPORT_FILE`` set, each rank instead appends its pid to that 
 while multiprocessing imports this script in it (as ``__mp_main__``), then stays in
 that import for ``DRIVER_SLOW_IMPORT_S`` seconds: a rank still importing its
 launcher's heavy modules. With ``DRIVER_SPAWNING_FILE`` set, that file is created
-right before ``spawn`` is called.
+right before ``spawn`` is called. ``DRIVER_START_METHOD`` picks ``spawn``'s
+``start_method`` (default: spawn's own default).
 """
 from __future__ import annotations
 
@@ -45,7 +46,9 @@ def main() -> int:
     if os.environ.get("DRIVER_SPAWNING_FILE"):
         open(os.environ["DRIVER_SPAWNING_FILE"], "w").close()
 
-    flodl_shm.spawn(spin_forever, int(sys.argv[1]))
+    method = os.environ.get("DRIVER_START_METHOD")  # else spawn()'s default
+    flodl_shm.spawn(spin_forever, int(sys.argv[1]),
+                    **({"start_method": method} if method else {}))
     return 0
 
 

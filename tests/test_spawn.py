@@ -93,6 +93,14 @@ def stall(ctx):
     return "ok"
 
 
+def origins(ctx):
+    """Where this rank came from: its parent, the parent's native thread count now, and
+    a draw from numpy's global generator."""
+    ctx.comm.barrier()
+    parent = os.getppid()
+    return parent, len(os.listdir(f"/proc/{parent}/task")), int(np.random.randint(1 << 62))
+
+
 def fault_at(ctx, victim, phase, target_round):
     """Kill ``victim`` with SIGKILL at ``phase`` of round ``target_round`` (bulk rounds)."""
     if ctx.rank == victim:
@@ -213,6 +221,24 @@ def test_timeout_fails_with_round_and_missing_rank():
     assert isinstance(info.value, RankFailed) and info.value.exc_type == "ReduceStall"
     assert info.value.round == 1 and info.value.missing == (1,) and info.value.rank == 1
     assert "round 1" in str(info.value) and "[1]" in str(info.value)
+
+
+def test_default_ranks_fork_from_a_single_threaded_rank_server():
+    """The default start method forks every rank from one rank server per ``spawn``
+    (not from the launcher, whose supervisor thread runs; not "forkserver"'s old
+    failure, where a rank refused to run because its parent was not the launcher).
+    The server is single-threaded while it forks (it preloaded torch, numpy, numba
+    and the kernels without starting any pool: 2 ranks on 2 cores get 1 thread
+    each), gone when ``spawn`` returns, and each rank's numpy draws fresh entropy as
+    under "spawn"."""
+    out = spawn(origins, 2)
+    parents = {p for p, _, _ in out}
+    assert len(parents) == 1 and os.getpid() not in parents, out
+    if (os.cpu_count() or 1) <= 2 and not ({"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"}
+                                           & set(os.environ)):
+        assert all(t == 1 for _, t, _ in out), out
+    assert out[0][2] != out[1][2], "ranks share numpy's global random state"
+    assert processes_gone(parents, 10.0), "the rank server outlived spawn"
 
 
 def test_bad_arguments():

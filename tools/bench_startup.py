@@ -1,8 +1,8 @@
 """Startup: from launching a 2-rank ``flodl_shm.spawn`` script to its first collective,
 against one ``python -c "import torch"``.
 
-    python tools/bench_startup.py               # 5 interleaved repeats
-    python tools/bench_startup.py --repeats 9 --nprocs 4 --start-methods spawn,fork
+    python tools/bench_startup.py               # 5 interleaved repeats, every start method
+    python tools/bench_startup.py --repeats 9 --nprocs 4 --start-methods forkserver,spawn
 
 Each repeat starts, in a fresh interpreter each time:
 
@@ -19,7 +19,10 @@ and records wall-clock stamps (``time.time()``, one clock for every process):
   first barrier   each rank after its first collective returned (the latest rank)
 
 Prints the phases (median over the repeats) and the ratio launch -> first barrier over
-one ``import torch``. The machine's load is printed too: on a busy host, compare ratios.
+one ``import torch`` for each start method ("default" is ``spawn(fn, nprocs)`` without
+``start_method``, what a user gets), then the start-up's components, each timed in a
+fresh interpreter in the same repeats (where a rank's, or the rank server's, seconds go).
+The machine's load is printed too: on a busy host, compare ratios.
 """
 from __future__ import annotations
 
@@ -47,17 +50,34 @@ def fn(ctx):
 
 if __name__ == "__main__":
     called = time.time()
-    out = flodl_shm.spawn(fn, int(sys.argv[2]), start_method=sys.argv[3])
+    method = sys.argv[3]
+    kw = {} if method == "default" else {"start_method": method}
+    out = flodl_shm.spawn(fn, int(sys.argv[2]), **kw)
     with open(sys.argv[1], "w") as f:
         json.dump({"imported": imported, "called": called,
                    "entered": max(e for e, _ in out), "barrier": max(b for _, b in out)}, f)
 """
 
 
-def _import_torch_s() -> float:
+# what a fresh interpreter pays for each piece of a rank's start-up (cumulative)
+_COMPONENTS = {
+    "interpreter (python -c pass)": "pass",
+    "+ import torch": "import torch",
+    "+ import numba": "import torch, numba",
+    "+ flodl_shm launcher and engine modules": "import torch, numba, flodl_shm.launch",
+    "+ kernels loaded from numba's cache": ("import torch, numba, flodl_shm.launch as L; "
+                                            "L._warm_kernels(2)"),
+}
+
+
+def _run_s(code: str) -> float:
     t0 = time.time()
-    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True)
     return time.time() - t0
+
+
+def _import_torch_s() -> float:
+    return _run_s("import torch")
 
 
 def _spawn_phases(script: str, nprocs: int, method: str) -> dict:
@@ -77,8 +97,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--nprocs", type=int, default=2)
-    ap.add_argument("--start-methods", default="spawn,fork",
-                    help="spawn()'s start_method values to compare (comma-separated)")
+    ap.add_argument("--start-methods", default="default,forkserver,spawn,fork",
+                    help="spawn()'s start_method values to compare (comma-separated; "
+                         "'default' passes none)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="flodl_bench_startup_") as d:
         script = os.path.join(d, "startup_probe.py")
@@ -87,10 +108,13 @@ def main(argv=None) -> int:
         methods = [m.strip() for m in args.start_methods.split(",")]
         _spawn_phases(script, args.nprocs, methods[0])      # warm: numba cache, page cache
         torch_s, phases = [], {m: [] for m in methods}
+        parts: dict[str, list[float]] = {k: [] for k in _COMPONENTS}
         for _ in range(args.repeats):
             torch_s.append(_import_torch_s())
             for m in methods:
                 phases[m].append(_spawn_phases(script, args.nprocs, m))
+            for k, code in _COMPONENTS.items():
+                parts[k].append(_run_s(code))
     print(f"# {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; {args.nprocs} "
           f"ranks; {args.repeats} interleaved repeats (median)")
     floor = statistics.median(torch_s)
@@ -107,6 +131,13 @@ def main(argv=None) -> int:
               for m in methods]
     print("| launch -> first collective / import torch | "
           + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
+    print("\n| component, in a fresh interpreter (cumulative) | s | step |")
+    print("|---|---:|---:|")
+    prev = 0.0
+    for k, v in parts.items():
+        med = statistics.median(v)
+        print(f"| {k} | {med:.2f} | {med - prev:+.2f} |")
+        prev = med
     return 0
 
 
