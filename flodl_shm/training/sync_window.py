@@ -301,21 +301,26 @@ class ReplicaReduce:
         """
         t0 = time.perf_counter()
         esize = 2 if comm.bf16_wire else 4
-        with torch.no_grad():
-            if self._pre is not None:
+        if self._pre is not None:
+            with torch.no_grad():
                 for dst, p in zip(self._pre, self.params):
                     dst.copy_(p)
-            together = self._together
-            buffers_weight = weight if self.buffer_mass == "work" else movers_weight
-            params_mass = comm.all_reduce_(self._live_all if together else self._live_params,
-                                           weight=weight, scale=weight, kind=RoundKind.MODEL,
-                                           outer=self.outer)
-            accepted = tuple(sorted(accepted_ranks(comm)))
-            buffers_mass = params_mass if together else 0.0
-            if self._live_buffers and not together:
-                buffers_mass = comm.all_reduce_(self._live_buffers, weight=buffers_weight,
-                                                scale=buffers_weight, kind=RoundKind.MODEL)
-            drift = (0.0, 0.0, 0.0) if self._pre is None else _drift(self._pre, self.params)
+        # the rounds write through detached views (no autograd involved)
+        together = self._together
+        params_mass = comm.all_reduce_(self._live_all if together else self._live_params,
+                                       weight=weight, scale=weight, kind=RoundKind.MODEL,
+                                       outer=self.outer)
+        accepted = tuple(comm.last_accepted_ranks())
+        buffers_mass = params_mass if together else 0.0
+        if self._live_buffers and not together:
+            bw = weight if self.buffer_mass == "work" else movers_weight
+            buffers_mass = comm.all_reduce_(self._live_buffers, weight=bw, scale=bw,
+                                            kind=RoundKind.MODEL)
+        if self._pre is None:
+            drift = (0.0, 0.0, 0.0)
+        else:
+            with torch.no_grad():
+                drift = _drift(self._pre, self.params)
         return ReduceOutcome(params_mass, buffers_mass, accepted, *drift,
                              (self._params_numel + self._buffers_numel) * esize,
                              (time.perf_counter() - t0) * 1e3)
