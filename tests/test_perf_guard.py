@@ -2,10 +2,12 @@
 fixed ratio of the fused in-place path (``all_reduce_``), measured in the same run.
 
 The goal (issue 15) is 1.5x. On a quiet 2-core machine the frame API still measures
-about 2.0-2.5x and the tensor-returning APIs 1.5-1.9x (the in-place round is ~8 us;
-the gap is per-call Python: result allocation, frame checks, payload copies), so the
-guard holds the line at ``LIMIT`` = 3.0x today - a regression past the present state
-fails - and is to be tightened to ``GOAL`` as the generic path gets cheaper.
+about 2.0-2.5x and the other APIs at most 1.9x (the in-place round is ~8 us; the gap
+is per-call Python: a result tensor's creation, frame checks, payload copies), so the
+guard holds the line at ``LIMIT`` = 2.5x for every API but the frame one, which keeps
+``FRAME_LIMIT`` = 3.0x - a regression past the present state fails - and both are to
+be tightened to ``GOAL`` as the generic path gets cheaper. Under load (load average
+6-9) every API measures 0.9-1.1x: the rounds then wait on futex sleeps, not Python.
 
 Ratios, never absolute times: the test runs on loaded 2-core machines. Two real
 processes (``spawn``) run every API in interleaved batches (one batch of each API per
@@ -30,7 +32,9 @@ from engine_util import assert_no_leaks  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 GOAL = 1.5   # the target of issue 15, not met yet on a quiet machine
-LIMIT = 3.0  # what the guard enforces today
+LIMIT = 2.5  # what the guard enforces today (quiet-machine maximum 1.9x)
+FRAME_LIMIT = 3.0  # all_reduce(RoundFrame): frame validation and payload copies (quiet: 2.5x)
+LIMITS = {"api-frame": FRAME_LIMIT}
 NBYTES = 4 << 10
 REPS = 25
 BATCH = 40
@@ -78,8 +82,8 @@ def test_every_api_within_limit_of_the_inplace_path():
         report = ", ".join(f"{n[4:]} {r:.2f}x" for n, r in ratios.items())
         print(f"\n4 KiB, world 2, x the in-place path ({base / 1e3:.1f} us): {report}")
         reports.append(f"in-place {base / 1e3:.1f} us: {report}")
-        over = [n for n, r in ratios.items() if r > LIMIT]
+        over = [n for n, r in ratios.items() if r > LIMITS.get(n, LIMIT)]
         if not over:
             return
-    raise AssertionError(f"APIs over {LIMIT}x the in-place path at 4 KiB in two measurements: "
-                         + " | ".join(reports))
+    raise AssertionError(f"APIs over their limit ({LIMIT}x the in-place path at 4 KiB, "
+                         f"frame {FRAME_LIMIT}x) in two measurements: " + " | ".join(reports))

@@ -104,51 +104,82 @@ def bench_memcpy(sizes, scale) -> list[dict]:
 
 # --- flodl_shm ------------------------------------------------------------------------
 
+def _timed(comm, op, check, warm: int, iters: int) -> tuple:
+    """The one timing loop of every flodl_shm row (main table and API table alike):
+    one checked call, ``warm`` calls, a barrier, then ``iters`` timed calls, then the
+    check again. Returns (times_ns, ok, waits): ``waits`` = (waits whose spin missed,
+    futex sleeps) during the timed calls, from the rank's ``Waiter`` counters."""
+    op()
+    ok = check()
+    for _ in range(warm):
+        op()
+    comm.barrier()
+    waiter = comm._engine.waiter
+    missed, sleeps = waiter.missed, waiter.sleeps
+    times = np.empty(iters, np.float64)
+    for i in range(iters):
+        t0 = time.perf_counter_ns()
+        op()
+        times[i] = time.perf_counter_ns() - t0
+    waits = (waiter.missed - missed, waiter.sleeps - sleeps)
+    ok = ok and check()
+    comm.barrier()
+    return times, ok, waits
+
+
 def _shm_worker(ctx, sizes, methods, scale):
+    """Every flodl_shm row of the run, in ONE cohort (so the main table's
+    ``all_reduce_`` and the API table's in-place row share processes, core placement
+    and spin calibration): per size, the main-table methods, then the API rows."""
+    comm = ctx.comm
+    results, waits = [], []
+    shm = [m for m in methods if m in SHM_METHODS]
+    apis = [m for m in methods if m in API_PEERS]
+    for nbytes in sizes:
+        for rows, fn in ((shm, _shm_rows), (apis, _api_rows)):
+            if rows:
+                r, w = fn(ctx, comm, nbytes, rows, scale, min(sizes))
+                results += r
+                waits += w
+    return results, waits
+
+
+def _shm_rows(ctx, comm, nbytes, methods, scale, _smallest):
     import torch
 
-    comm = ctx.comm
     world = ctx.world_size
     expected = (world + 1) / 2.0
-    results = []
-    for nbytes in sizes:
-        n = nbytes // 4
-        warm, iters = schedule(nbytes, world, scale)
-        for method in methods:
-            comm.set_bf16_wire(method.endswith("bf16"))
-            times = np.empty(iters, np.float64)
-            if method.startswith("shm-copy"):
-                t = torch.full((n,), float(ctx.rank + 1))
+    results, waits = [], []
+    n = nbytes // 4
+    warm, iters = schedule(nbytes, world, scale)
+    for method in methods:
+        comm.set_bf16_wire(method.endswith("bf16"))
+        if method.startswith("shm-copy"):
+            t = torch.full((n,), float(ctx.rank + 1))
+
+            def op(t=t):
                 comm.all_reduce_([t])
-                ok = bool(torch.all(t == expected))
-                for _ in range(warm):
-                    comm.all_reduce_([t])
-                comm.barrier()
-                for i in range(iters):
-                    t0 = time.perf_counter_ns()
-                    comm.all_reduce_([t])
-                    times[i] = time.perf_counter_ns() - t0
-                ok = ok and bool(torch.all(t == expected))
-                del t
-            else:
-                (buf,) = comm.zero_copy_inputs([(n,)])
-                buf.fill_(float(ctx.rank + 1))
-                views, _ = comm.all_reduce_zero_copy()
-                ok = bool(torch.all(views[0].float() == expected))
-                for _ in range(warm):
-                    comm.zero_copy_inputs([(n,)])
-                    comm.all_reduce_zero_copy()
-                comm.barrier()
-                for i in range(iters):
-                    t0 = time.perf_counter_ns()
-                    comm.zero_copy_inputs([(n,)])
-                    views, _ = comm.all_reduce_zero_copy()
-                    times[i] = time.perf_counter_ns() - t0
-                ok = ok and bool(torch.all(views[0].float() == expected))
-                del views, buf
-            results.append((method, nbytes, times, ok))
-            comm.barrier()
-    return results
+
+            def check(t=t):
+                return bool(torch.all(t == expected))
+        else:
+            last = {}
+            for _ in range(2):  # fill both eager parities (or the bulk region) once
+                comm.zero_copy_inputs([(n,)])[0].fill_(float(ctx.rank + 1))
+                comm.all_reduce_zero_copy()
+
+            def op(last=last):  # the data already sits in shared memory
+                comm.zero_copy_inputs([(n,)])
+                last["v"] = comm.all_reduce_zero_copy()[0]
+
+            def check(last=last):
+                return bool(torch.all(last["v"][0].float() == expected))
+        times, ok, w = _timed(comm, op, check, warm, iters)
+        results.append((method, nbytes, times, ok))
+        waits.append(w)
+        del op, check
+    comm.set_bf16_wire(False)
+    return results, waits
 
 
 # --- every public collective, one row each ---------------------------------------------
@@ -237,46 +268,38 @@ def api_ops(comm, n: int, rank: int) -> dict:
     }
 
 
-def _api_worker(ctx, sizes, methods, scale):
-    comm = ctx.comm
-    results = []
-    for nbytes in sizes:
-        n = nbytes // 4
-        warm, iters = schedule(nbytes, ctx.world_size, scale)
-        ops = api_ops(comm, n, ctx.rank)
-        for method in methods:
-            if method in API_FIXED and nbytes != min(sizes):
-                continue
-            op, check = ops[method]
-            op()
-            ok = check()
-            for _ in range(warm):
-                op()
-            comm.barrier()
-            times = np.empty(iters, np.float64)
-            for i in range(iters):
-                t0 = time.perf_counter_ns()
-                op()
-                times[i] = time.perf_counter_ns() - t0
-            ok = ok and check()
-            results.append((method, nbytes, times, ok))
-            comm.barrier()
-        del ops
-    return results
+def _api_rows(ctx, comm, nbytes, methods, scale, smallest):
+    results, waits = [], []
+    n = nbytes // 4
+    warm, iters = schedule(nbytes, ctx.world_size, scale)
+    ops = api_ops(comm, n, ctx.rank)
+    for method in methods:
+        if method in API_FIXED and nbytes != smallest:
+            continue
+        op, check = ops[method]
+        times, ok, w = _timed(comm, op, check, warm, iters)
+        results.append((method, nbytes, times, ok))
+        waits.append(w)
+    return results, waits
 
 
-def bench_api(world, sizes, methods, scale) -> list[dict]:
-    from flodl_shm import spawn
-
-    per_rank = spawn(_api_worker, world, (sizes, methods, scale), timeout=900)
-    return collect(per_rank, world)
+def _collect_waits(per_rank, world) -> list[dict]:
+    """``collect`` of (results, waits) workers; each summary gains ``slow_waits``: the
+    most a rank had, per 100 timed rounds, of waits whose spin missed and of sleeps."""
+    out = collect([r[0] for r in per_rank], world)
+    for i, summary in enumerate(out):
+        iters = len(per_rank[0][0][i][2])
+        summary["slow_waits"] = [max(r[1][i][k] for r in per_rank) * 100.0 / iters
+                                 for k in (0, 1)]
+    return out
 
 
 def bench_shm(world, sizes, methods, scale) -> list[dict]:
+    """The main-table methods and API rows in ``methods``, one cohort (``_shm_worker``)."""
     from flodl_shm import spawn
 
-    per_rank = spawn(_shm_worker, world, (sizes, methods, scale), timeout=600)
-    return collect(per_rank, world)
+    per_rank = spawn(_shm_worker, world, (sizes, methods, scale), timeout=1200)
+    return _collect_waits(per_rank, world)
 
 
 # --- gloo ---------------------------------------------------------------------------
@@ -511,13 +534,11 @@ def main(argv=None) -> int:
         results += bench_memcpy(sizes, scale)
     have_mpi, why = mpi_available()
     for world in worlds:
-        shm = [m for m in methods if m in SHM_METHODS]
+        shm = [m for m in methods if m in SHM_METHODS or m in API_PEERS]
         if shm:
-            print(f"# flodl_shm, world {world} ...", flush=True)
+            print(f"# flodl_shm (main-table methods and API rows, one cohort), world {world} ...",
+                  flush=True)
             results += bench_shm(world, sizes, shm, scale)
-        if apis:
-            print(f"# flodl_shm API rows, world {world} ...", flush=True)
-            results += bench_api(world, sizes, apis, scale)
         if "gloo" in methods:
             print(f"# gloo, world {world} ...", flush=True)
             results += bench_gloo(world, sizes, scale)
@@ -537,6 +558,13 @@ def main(argv=None) -> int:
             print(f"\n### every public collective, world {world}\nCell = median µs (× the "
                   f"OpenMPI peer measured in this run)\n")
             print(api_table(results, world))
+    slow = [r for r in results if any(r.get("slow_waits") or ())]
+    if slow:
+        print("\nslow waits per 100 timed rounds (spin missed / futex sleeps; the spin "
+              "regime has none):")
+        for r in slow:
+            print(f"  world {r['world']} {human(r['bytes'])} {LABELS[r['method']]}: "
+                  f"{r['slow_waits'][0]:.1f} / {r['slow_waits'][1]:.1f}")
     if memcpy:
         print("\nmemcpy: " + ", ".join(f"{human(b)} {us:,.2f} µs" for b, us in sorted(memcpy.items())))
     if args.json:

@@ -11,7 +11,11 @@ an f32 wire.
 Buffer lifetimes:
 
 - tensors returned by ``all_reduce_*``, ``broadcast_from_root`` and
-  ``all_reduce(frame)`` are the caller's to keep: fresh memory no later round touches;
+  ``all_reduce(frame)`` are the caller's to keep: memory no later round touches while
+  anything of it (a tensor, view, storage, ``.numpy()`` array or memoryview) is alive.
+  Once the caller dropped every reference, a later call may reuse that memory for its
+  own result (``tensor_codec.ResultPool``: warm pages instead of fresh page faults);
+  a raw ``data_ptr()`` kept past the tensor's life is not a reference;
 - **armed staging slots** (``set_pinned_decode(True)`` + ``arm_pinned_decode(slot)``):
   the next MODEL reply decodes into that slot's reusable f32 buffers and the
   returned tensors alias them — the next reply decoded into the same slot
@@ -313,8 +317,9 @@ class Comm:
         eng = self._engine
         plan = eng.plan(kind, dtype, tuple([p.shape for p in payloads]))
         np_dtype = np.float32 if dtype == DTYPE_F32 else np.uint16
-        # the reply's payloads are slices of one fresh array the round reduces into
-        out = np.empty(plan.nelem, np_dtype)
+        # the reply's payloads are slices of one array the round reduces into, which no
+        # earlier reply still references (the codec's result pool)
+        out = self._codec.results.take(plan.nelem, np_dtype)
         if plan.eager_fits and self._fusable(kind, False):
             _write_payloads(payloads, eng.eager_payload(self._round, plan), plan, np_dtype)
             if dtype == DTYPE_F32:
@@ -467,24 +472,46 @@ class Comm:
 
     def broadcast_from_root(self, tensors: Sequence[torch.Tensor], root: int = 0) -> list[torch.Tensor]:
         """Every rank receives ``root``'s tensors (byte-exact, f32), e.g. to align
-        initial parameters. Non-root ranks pass tensors of the same shapes."""
+        initial parameters. Non-root ranks pass tensors of the same shapes.
+
+        On one host this is a real broadcast: the root copies its tensors into its eager
+        slot (small frames) or bulk region once, every rank copies them out of there
+        (no reduce, no result region). A root that died before publishing makes every
+        other rank raise a RuntimeError naming it; ranks passing different roots raise
+        ``SchemaMismatchError``. On a cluster it is a reduce to which only the root
+        contributes.
+
+        Args:
+            tensors: float32/bfloat16 tensors (the root's are sent; the others only
+                give the shapes).
+            root: the global rank whose tensors every rank receives.
+        """
         if not 0 <= int(root) < self.world_size:
             raise ValueError(f"broadcast root {root} >= world_size {self.world_size}")
-        is_root = self.rank == int(root)
+        root = int(root)
+        is_root = self.rank == root
+        eng = self._engine
+        local_root = None if eng.relay_mode else root - (self.rank - self.local_rank)
         plan = self._fused_plan(tensors, _CONTROL, DTYPE_F32, False)
-        if plan is not None:
+        if plan is not None:  # never in relay mode
             res, out, addr = self._codec.fused_result(plan, None)
             self._fused_round(plan, 0.0, len(tensors) if is_root else 0, 1.0, out, addr, False,
-                              elided=not is_root)
+                              elided=not is_root, broadcast=local_root)
             return res
-        plan = self._engine.plan(_CONTROL, DTYPE_F32, tuple(check_tensors(tensors)))
+        plan = eng.plan(_CONTROL, DTYPE_F32, tuple(check_tensors(tensors)))
 
         def write(dst: np.ndarray, plan: RoundPlan) -> None:
-            self._codec.encode(tensors, dst, plan, DTYPE_F32, 1.0, self._engine.fault_hook,
+            self._codec.encode(tensors, dst, plan, DTYPE_F32, 1.0, eng.fault_hook,
                                self._round)
 
-        cons, _ = self._run(plan, 0.0, write if is_root else None, elided=not is_root)
-        return self._codec.decode(cons, DTYPE_F32, plan, None)
+        flat = self._codec.flat_result(plan.nelem, None)
+        out = flat.numpy()
+        cons, _ = self._run(plan, 0.0, write if is_root else None, elided=not is_root,
+                            out=out, broadcast=local_root)
+        if cons is not out:  # a cluster round: the consensus is in the result region
+            np.copyto(out, cons[:plan.nelem])
+        del out
+        return self._codec.views(flat, plan)
 
     def barrier(self) -> None:
         """Return once every live rank has entered the barrier."""
@@ -604,22 +631,29 @@ class Comm:
 
     def _fused_round(self, plan: RoundPlan, weight, count: int, scale: float,
                      out: np.ndarray | None, out_addr: int, upcast: bool, *,
-                     elided: bool = False, zero_copy: bool = False) -> float:
+                     elided: bool = False, zero_copy: bool = False,
+                     broadcast: int | None = None) -> float:
         """One eager round as a single compiled call: copy-in of the first ``count``
         gathered tensors, publish, wait, validate, reduce into ``out`` or the
         ``plan.nelem`` f32 at ``out_addr`` (neither: the engine's ``eager_f32``;
         bf16-wire rounds reduce into ``eager_u16`` and widen into the f32 output when
-        ``upcast``). Returns the accepted mass."""
+        ``upcast``). ``broadcast``: the local root of a broadcast round (its slot is
+        the only one read; checked to be the only contributor). Returns the accepted
+        mass."""
         weight = self._begin(weight)
         eng = self._engine
         rnd = self._round
         eng.prepare(rnd, plan, False)
         self._round = rnd + 1
         try:
-            flags = (A.FLAG_ELIDED if elided else 0) | (A.FLAG_ZERO_COPY if zero_copy else 0)
-            return eng.eager_round(plan, rnd, flags, weight,
+            flags = ((A.FLAG_ELIDED if elided else 0) | (A.FLAG_ZERO_COPY if zero_copy else 0)
+                     | (0 if broadcast is None else A.FLAG_BROADCAST))
+            mass = eng.eager_round(plan, rnd, flags, weight,
                                    count=count, scale=scale, out_f32=out, out_addr=out_addr,
                                    upcast=upcast)
+            if broadcast is not None:
+                eng.check_broadcast(rnd, eng.last_accepted, eng.last_contributors(), broadcast)
+            return mass
         except BaseException as e:
             self._fail(rnd, e)
             raise
@@ -627,12 +661,15 @@ class Comm:
     def _run(self, plan: RoundPlan, weight: float, write: Callable | None, *,
              elided: bool = False, zero_copy: bool = False, outer: bool = False,
              direct: np.ndarray | None = None, out: np.ndarray | None = None,
-             eager_zero_copy: bool = False) -> tuple[np.ndarray, float]:
+             eager_zero_copy: bool = False, broadcast: int | None = None
+             ) -> tuple[np.ndarray, float]:
         """One collective round of the general path; returns (consensus in the wire
         dtype, accepted mass). ``write(dst, plan)`` fills the payload (``dst`` typed
         like the wire). The consensus array is only valid until this rank's next round,
         unless it is ``out`` (a wire-typed array of ``plan.nelem`` an eager round may
-        reduce into). ``eager_zero_copy``: a zero-copy frame already in the eager slot."""
+        reduce into). ``eager_zero_copy``: a zero-copy frame already in the eager slot.
+        ``broadcast``: the local root of a one-host broadcast (needs ``out``: every rank
+        copies the root's payload into it; no reduce)."""
         weight = self._begin(weight)
         eng = self._engine
         rnd = self._round
@@ -644,7 +681,7 @@ class Comm:
         # the outer step runs in the slice reduce: outer rounds take the bulk path
         bulk = ((zero_copy and not eager_zero_copy) or eng.relay_mode or outer
                 or not plan.eager_fits)
-        region = eng.prepare(rnd, plan, bulk)
+        region = eng.prepare(rnd, plan, bulk, payload=not (elided and broadcast is not None))
         hook = eng.fault_hook
         if hook is not None:
             hook("before_copy_in", rnd)
@@ -655,7 +692,7 @@ class Comm:
             write(raw.view(np.float32 if dtype == DTYPE_F32 else np.uint16), plan)
         flags = ((A.FLAG_BULK if bulk else 0) | (A.FLAG_ELIDED if elided else 0)
                  | (A.FLAG_ZERO_COPY if zero_copy else 0) | (A.FLAG_OUTER if outer else 0)
-                 | (A.FLAG_TAP if tap else 0))
+                 | (A.FLAG_TAP if tap else 0) | (0 if broadcast is None else A.FLAG_BROADCAST))
         self._round = rnd + 1
         eng.direct_slice = None
         try:
@@ -668,8 +705,22 @@ class Comm:
                     out_f32, out_u16 = eng.eager_f32, out
                 mass = eng.eager_round(plan, rnd, flags, weight, out_f32=out_f32,
                                        out_u16=out_u16)
+                if broadcast is not None:
+                    eng.check_broadcast(rnd, eng.last_accepted, eng.last_contributors(),
+                                        broadcast)
                 cons = out if out is not None else (
                     (out_f32 if dtype == DTYPE_F32 else out_u16)[:plan.nelem])
+            elif broadcast is not None:
+                eng.publish(rnd, kind, flags, dtype, weight, len(plan.shapes), plan.nbytes,
+                            plan.nelem, plan.shash, len(plan.words))
+                if hook is not None:
+                    hook("arrived", rnd)
+                view = eng.await_arrivals(rnd)
+                eng.check_broadcast(rnd, view.accepted_mask, view.contrib_mask, broadcast)
+                eng.broadcast_copy(view, broadcast, out)
+                if self.local_rank == broadcast:
+                    eng.await_readers(view)
+                cons, mass = out, view.mass
             else:
                 eng.publish(rnd, kind, flags, dtype, weight, len(plan.shapes), plan.nbytes,
                             plan.nelem, plan.shash, len(plan.words))

@@ -45,6 +45,13 @@ Why a round cannot be confused with the next (buffer reuse):
 - *The result region is single-buffered.* Slice reducers write round N+1 only
   after the arrival wait of N+1, i.e. after every live rank finished round N's
   copy-out (and released its views: the zero-copy contract).
+- *A broadcast (FLAG_BROADCAST, one host) reduces nothing.* Every rank copies the
+  root's payload (its eager slot, or its bulk region d<root>) straight into private
+  result memory. Bulk: each reader publishes done[reader] = N after its copy, and
+  the root leaves round N only once every reader is done or dead, so d<root> is
+  not rewritten under a reader; the result region is not used. The root must be the
+  only contributor: a root that died before arriving makes every survivor raise
+  naming it, ranks naming different roots raise SchemaMismatchError.
 - Words are monotone (arrived/done only grow), so ``>= N`` is the test and a fast
   rank one round ahead never looks like a slow one.
 
@@ -234,15 +241,17 @@ class RoundEngine:
             self._plans[key] = got
         return got
 
-    def prepare(self, rnd: int, plan: RoundPlan, bulk: bool) -> np.ndarray | None:
+    def prepare(self, rnd: int, plan: RoundPlan, bulk: bool,
+                payload: bool = True) -> np.ndarray | None:
         """COPY-IN setup: make round ``rnd``'s region hold ``plan``'s schema words.
 
         Returns the bulk region (its words are always rewritten: other round types,
-        e.g. byte rounds, share it), or None for an eager round, whose slot of the
-        round's parity is rewritten only when it last held another plan (only this
-        engine writes its eager slots)."""
+        e.g. byte rounds, share it; ``payload`` False: a rank that publishes no payload,
+        e.g. a broadcast's reader, only needs room for the words), or None for an eager
+        round, whose slot of the round's parity is rewritten only when it last held
+        another plan (only this engine writes its eager slots)."""
         if bulk:
-            region = self.bulk_region(plan.total)
+            region = self.bulk_region(plan.total if payload else plan.off)
             region[:plan.off].view(np.int64)[:] = plan.words
             return region
         if self._slot_schema.get(rnd & 1) is not plan:
@@ -332,6 +341,8 @@ class RoundEngine:
         kind = RoundKind(int(c[b + A.H_KIND])).name if int(c[b + A.H_KIND]) in (0, 1) else "?"
         path = "zero-copy" if flags & A.FLAG_ZERO_COPY else ("bulk" if flags & A.FLAG_BULK
                                                                else "eager")
+        if flags & A.FLAG_BROADCAST:
+            path = f"broadcast, {path}"
         shapes = "?"
         try:
             region = self._payload_region(r, rnd, flags, nwords * 8)
@@ -615,6 +626,74 @@ class RoundEngine:
             return True  # someone else claimed it first; re-check
         self.reduce_slice(view, j)
         return True
+
+    # -- broadcast (one host) -------------------------------------------------------------
+    #
+    # A broadcast round (FLAG_BROADCAST) reduces nothing: the root's payload, published
+    # once in its eager slot or bulk region, is copied out by every rank. Bulk case: each
+    # reader publishes done[reader] = N after its copy; the root leaves the round only
+    # once every reader is done or dead, so its region is never rewritten (round N+1)
+    # while a reader still reads it. Readers need no wait after their copy: nothing they
+    # own is read by anyone. The result region is not touched.
+
+    def last_contributors(self) -> int:
+        """The contributor mask (accepted, not elided) of the last arrival wait."""
+        return int(self._info[RK.I_CONTRIB])
+
+    def check_broadcast(self, rnd: int, accepted: int, contrib: int, root: int) -> None:
+        """Raise unless local rank ``root`` is round ``rnd``'s only contributor: a root
+        that is not accepted died before publishing (RuntimeError naming it); any other
+        contributor set means the ranks disagree on the root (SchemaMismatchError)."""
+        if contrib == 1 << root:
+            return
+        if not (accepted >> root) & 1:
+            raise RuntimeError(
+                f"round {rnd}: broadcast root (local rank {root}) died before publishing its "
+                f"tensors; there is nothing to broadcast (broadcast from a live rank)")
+        got = [r for r in range(self.world) if (contrib >> r) & 1]
+        raise SchemaMismatchError(
+            f"round {rnd}: ranks disagree on the broadcast root: local rank(s) {got} "
+            f"published as root, this rank expects local rank {root} (every rank must pass "
+            f"the same root)")
+
+    def broadcast_copy(self, view: RoundView, root: int, out: np.ndarray) -> None:
+        """Bulk broadcast: copy root's payload into ``out`` (flat, wire-typed, private),
+        then publish done[self] = round (the root's region may be rewritten after it)."""
+        src = self.payload(view, root)
+        hook = self.fault_hook
+        if hook is None:
+            np.copyto(out[:view.nelem], src)
+        else:  # tests: let a fault land between the two halves of the copy
+            mid = view.nelem // 2
+            np.copyto(out[:mid], src[:mid])
+            hook("mid_copy_out", view.rnd)
+            np.copyto(out[mid:view.nelem], src[mid:])
+        del src
+        self.doorbell.publish(A.rank_base(self.rank) + A.R_DONE, view.rnd)
+
+    def await_readers(self, view: RoundView) -> None:
+        """The root of a bulk broadcast: wait until every rank copied its payload out
+        (done[.] >= round) or is dead. A dead reader's done word is raised to the round
+        by the root (compare-and-swap, never lowered: a survivor may already be in a
+        later round's takeover of that rank's slice)."""
+        ctl, world, rnd = self.ctl, self.world, view.rnd
+
+        def dead_reader(j: int) -> bool:
+            if not ctl[A.rank_base(j) + A.R_DEAD]:
+                return False
+            idx = A.rank_base(j) + A.R_DONE
+            cur = int(signals.load(ctl, idx))
+            while cur < rnd:
+                got = int(signals.cas(ctl, idx, cur, rnd))
+                if got == cur:
+                    break
+                cur = got
+            return True
+
+        self.waiter.wait(lambda it: signals.spin_slices(ctl, world, rnd, self.rank, it),
+                         what="waiting for the broadcast's readers to copy the root's tensors",
+                         rnd=rnd, missing_of=lambda: self.missing_slices(rnd),
+                         on_missing=dead_reader)
 
     def missing_slices(self, rnd: int) -> tuple[int, ...]:
         return tuple(j for j in range(self.world)

@@ -10,12 +10,19 @@ turns torch tensors into that layout and back:
   whose memcpy uses non-temporal stores;
 - **gather**: the addresses of a whole frame of small tensors, for the fused round
   (``RoundEngine.eager_round`` encodes them in the same compiled call);
-- **decode**: a consensus into fresh float32 memory (or into an armed staging
-  slot: see ``staging.py``), returned as one tensor view per shape, or in place
-  into existing tensors.
+- **decode**: a consensus into float32 result memory the caller keeps (or into an
+  armed staging slot: see ``staging.py``), returned as one tensor view per shape, or
+  in place into existing tensors.
+
+Result memory comes from a ``ResultPool``: a result buffer is handed out again only
+once nothing of the previous result is alive any more (no tensor, view, storage,
+numpy array or memoryview of it), so a returned tensor never aliases memory a later
+round overwrites, and a loop that drops its results reuses warm memory instead of
+paying a fresh allocation's page faults every call.
 """
 from __future__ import annotations
 
+import sys
 from typing import Sequence
 
 import numpy as np
@@ -34,7 +41,79 @@ BF16 = torch.bfloat16
 # torch->numpy conversion, ~3 µs saved per tensor); above it through numpy, whose
 # memcpy uses non-temporal stores for large buffers.
 BY_ADDRESS_MAX = 256 << 10
+# Result buffers from this size up are pooled (``ResultPool``): glibc serves larger
+# allocations from fresh mmaps, whose first touch page-faults every 4 KiB.
+POOL_MIN_BYTES = 128 << 10
 _SCRATCH = 4096
+
+
+def _refcount_at(bucket: list, i: int) -> int:
+    """``sys.getrefcount`` of ``bucket[i]`` (the same call site for the calibration
+    below and every check, so the interpreter's own temporaries count alike)."""
+    return sys.getrefcount(bucket[i])
+
+
+#: the count of an array referenced by nothing but its pool bucket
+_FREE_REFS = _refcount_at([np.empty(1, np.float32)], 0)
+
+
+class ResultPool:
+    """Reusable result buffers (flat numpy arrays) of the tensor-returning collectives.
+
+    A buffer is handed out as the memory of a result (``torch.from_numpy``, or a
+    memoryview of a reply frame); torch's storage, every view of it, ``.numpy()`` of it
+    and every memoryview keep a reference to the array. ``take`` reuses a buffer only
+    when its reference count is back to the pool's own (CPython refcounting: nothing
+    of the earlier result can read it any more), else allocates a fresh one. Bounded:
+    at most ``per_key`` buffers for each (element count, dtype), for the ``max_keys``
+    most recently used keys; a buffer beyond the bound is a plain fresh allocation.
+    Buffers under ``min_bytes`` are never pooled: malloc hands those out of memory the
+    process already touched, cheaper than the pool's bookkeeping.
+
+    Args:
+        per_key: buffers kept per (element count, dtype).
+        max_keys: (element count, dtype) keys kept.
+        min_bytes: the smallest buffer pooled.
+    """
+
+    def __init__(self, per_key: int = 2, max_keys: int = 4,
+                 min_bytes: int = POOL_MIN_BYTES) -> None:
+        self.per_key = per_key
+        self.max_keys = max_keys
+        self.min_bytes = min_bytes
+        self._buckets: dict[tuple, list[np.ndarray]] = {}
+        self.allocations = 0  # fresh pooled-size buffers allocated (tests, profiling)
+
+    def take(self, nelem: int, dtype) -> np.ndarray:
+        """A flat array of ``nelem`` elements of ``dtype`` that nothing else references
+        (contents undefined: the caller overwrites all of it).
+
+        Args:
+            nelem: elements.
+            dtype: a numpy dtype (type or instance).
+        """
+        if nelem * (4 if dtype is np.float32 else np.dtype(dtype).itemsize) < self.min_bytes:
+            return np.empty(nelem, dtype)
+        key = (nelem, dtype)
+        bucket = self._buckets.pop(key, None)
+        if bucket is None:
+            bucket = []
+            if len(self._buckets) >= self.max_keys:
+                self._buckets.pop(next(iter(self._buckets)))  # the least recently used
+        self._buckets[key] = bucket  # most recently used last
+        for i in range(len(bucket)):
+            if _refcount_at(bucket, i) == _FREE_REFS:
+                return bucket[i]
+        arr = np.empty(nelem, dtype)
+        self.allocations += 1
+        if len(bucket) < self.per_key:
+            bucket.append(arr)
+        return arr
+
+    def clear(self) -> None:
+        """Forget every buffer (results still referenced stay valid: they are the
+        caller's)."""
+        self._buckets.clear()
 
 
 def wire_dtype(bf16_wire: bool, kind: int) -> int:
@@ -187,6 +266,7 @@ class TensorCodec:
         self.scratch = np.empty(_SCRATCH, np.float32)
         self.scratch16 = np.empty(_SCRATCH, np.uint16)
         self.staging = DecodeStaging()
+        self.results = ResultPool()
         self.gate: StagingDecision | None = None
         # the RAM gate budgets against what was available at rank start, before the
         # run's own working set (docs/host_ram.md, "The checks")
@@ -224,8 +304,9 @@ class TensorCodec:
         return True
 
     def flat_result(self, nelem: int, armed: int | None) -> torch.Tensor:
-        """A flat f32 result buffer: fresh memory, or slot ``armed``'s reusable staging
-        when the RAM gate allows it."""
+        """A flat f32 result buffer: memory no earlier result still references (the
+        ``ResultPool``), or slot ``armed``'s reusable staging when the RAM gate allows
+        it."""
         if armed is not None:
             if self.gate is None:
                 if self._mem_at_start is None:
@@ -234,14 +315,14 @@ class TensorCodec:
                                                  self._mem_at_start)
             if self.gate.enabled:
                 return self.staging.buffer(armed, nelem)
-        return torch.empty(nelem, dtype=F32)
+        return torch.from_numpy(self.results.take(nelem, np.float32))
 
     def fused_result(self, plan: RoundPlan, armed: int | None
                      ) -> tuple[list[torch.Tensor], np.ndarray | None, int]:
         """The result tensors of a fused round over ``plan`` and where the round
         reduces into: a flat f32 numpy array over their memory, or else its address."""
         if armed is None and len(plan.shapes) == 1:
-            arr = np.empty(plan.nelem, np.float32)
+            arr = self.results.take(plan.nelem, np.float32)
             t = torch.from_numpy(arr)
             shape = plan.shapes[0]
             return [t if len(shape) == 1 else t.view(shape)], arr, 0
@@ -268,5 +349,6 @@ class TensorCodec:
         return self.views(flat, plan)
 
     def clear(self) -> None:
-        """Drop the staging buffers."""
+        """Drop the staging and pooled result buffers."""
         self.staging.clear()
+        self.results.clear()

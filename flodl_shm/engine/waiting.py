@@ -181,6 +181,11 @@ class Waiter:
         self.max_spin_s = self.max_spin * relax_ns() * 1e-9 if self.max_spin else 0.0
         self.timeout = timeout
         self.liveness = liveness
+        #: waits whose first spin missed (they went on to yield or sleep), and futex
+        #: sleeps taken: monotone counters a benchmark reads to tell the spin regime
+        #: (a few µs per round) from the sleep/wake one (tens of µs and more)
+        self.missed = 0
+        self.sleeps = 0
 
     def _yield_phase(self, check: Callable[[int], int]) -> int:
         end = time.perf_counter() + self.yield_budget
@@ -218,6 +223,7 @@ class Waiter:
             self.note_spin(True)
             return r
         started = time.perf_counter()
+        self.missed += 1
         r = self._wait_slow(check, r, what=what, rnd=rnd, missing_of=missing_of,
                             on_missing=on_missing)
         self.note_spin(time.perf_counter() - started <= self.max_spin_s)
@@ -256,6 +262,7 @@ class Waiter:
                         f"silent - a scheduler wedge or a rank stuck outside the collective)",
                         round=rnd, missing=missing, timeout=self.timeout)
                 slice_s = min(slice_s, left)
+            self.sleeps += 1
             self.doorbell.sleep(seen, slice_s)
             self.liveness()
             r = check(self.spin_iters // 8)

@@ -75,9 +75,11 @@ FLAG_ZERO_COPY = 4    # filled in place through the zero-copy API (small frames:
                       # eager slot of the round's parity; larger ones: in d<r>)
 FLAG_OUTER = 8        # the params round of a window: the outer optimizer steps it
 FLAG_TAP = 16         # captured for a consensus checkpoint
+FLAG_BROADCAST = 32   # a broadcast: the root publishes, the others copy its payload out
+                      # (one host; on a cluster a broadcast is an elided reduce)
 # every rank of a round must agree on these (a zero-copy round meets only zero-copy
 # rounds: its small frames share the eager path with the copy API's)
-FLAGS_AGREED = FLAG_BULK | FLAG_ZERO_COPY | FLAG_OUTER | FLAG_TAP
+FLAGS_AGREED = FLAG_BULK | FLAG_ZERO_COPY | FLAG_OUTER | FLAG_TAP | FLAG_BROADCAST
 
 __all__ = [
     "MAGIC",
@@ -133,5 +135,6 @@ __all__ = [
     "FLAG_ZERO_COPY",
     "FLAG_OUTER",
     "FLAG_TAP",
+    "FLAG_BROADCAST",
     "FLAGS_AGREED",
 ]

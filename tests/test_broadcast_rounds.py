@@ -1,0 +1,213 @@
+"""``broadcast_from_root`` is a real broadcast on one host (the root publishes its tensors
+once, every rank copies them out; no reduce), and the tensor-returning collectives reuse
+result memory only once the caller holds nothing of it (``tensor_codec.ResultPool``).
+
+Ranks are threads over a real arena (``FakeCohort``); dead ranks are fenced the way the
+supervisor fences them.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flodl_shm import RoundFrame, RoundKind, SchemaMismatchError, TensorPayload
+from flodl_shm.engine import arena as A
+from flodl_shm.frame import DTYPE_F32
+from flodl_shm.testing import FakeCohort
+
+from engine_util import our_segments
+
+pytestmark = pytest.mark.timeout(120)
+
+BIG = 1 << 19  # 2 MiB of f32: beyond the default eager slot (the bulk path)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_segments():
+    yield
+    assert our_segments() == [], "a FakeCohort left shared-memory segments behind"
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.detach().float().contiguous().reshape(-1).view(torch.int32).numpy().copy()
+
+
+def _root_tensors(n: int, dtype: torch.dtype, contiguous: bool) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(n, generator=g)
+    a[:4] = torch.tensor([-0.0, float("inf"), -float("inf"), 1e-40])  # -0, infs, a subnormal
+    b = torch.randn(3, 5, generator=g)
+    if not contiguous:
+        b = torch.randn(5, 3, generator=g).t()  # a transposed view
+    return [a.to(dtype), b.to(dtype)]
+
+
+@pytest.mark.parametrize("size", [64, BIG], ids=["eager", "bulk"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("general", [False, True], ids=["fused", "hooked"])
+def test_broadcast_is_bit_identical_to_the_root_on_every_path(size, dtype, contiguous, general):
+    root = 1
+    want = [_bits(t) for t in _root_tensors(size, dtype, contiguous)]
+
+    def body(comm):
+        comm.set_bf16_wire(True)  # a broadcast is a CONTROL round: always f32, bit-exact
+        if general:
+            comm.set_fault_hook(lambda phase, rnd: None)  # the general round
+        mine = (_root_tensors(size, dtype, contiguous) if comm.rank == root
+                else [torch.full((size,), 3.0, dtype=dtype), torch.zeros(3, 5, dtype=dtype)])
+        out = comm.broadcast_from_root(mine, root=root)
+        again = comm.broadcast_from_root(mine, root=root)  # the region reused next round
+        return [(tuple(t.shape), t.dtype, _bits(t)) for t in out + again]
+
+    with FakeCohort(3) as c:
+        for got in c.run(body):
+            assert [s for s, _, _ in got] == [(size,), (3, 5)] * 2
+            assert all(dt == torch.float32 for _, dt, _ in got)
+            for (_, _, bits), ref in zip(got, want * 2):
+                assert np.array_equal(bits, ref)
+
+
+def test_bulk_broadcast_reads_the_roots_region_without_a_reduce():
+    """Readers publish no payload (their bulk regions stay small) and nobody writes the
+    result region: the root's copy-in and each rank's copy-out are the only copies."""
+    def body(comm):
+        t = torch.full((BIG,), 5.0 if comm.rank == 0 else -1.0)
+        (got,) = comm.broadcast_from_root([t], 0)
+        return got.tolist() == [5.0] * BIG
+
+    with FakeCohort(3) as c:
+        assert c.run(body) == [True] * 3
+        caps = [int(c.arena.ctl[A.rank_base(r) + A.R_DATA_CAP]) for r in range(3)]
+        result_cap = int(c.arena.ctl[A.G_RESULT_CAP])
+    assert caps[0] >= 4 * BIG
+    assert caps[1] < 4 * BIG and caps[2] < 4 * BIG, caps
+    assert result_cap < 4 * BIG, result_cap
+
+
+def test_a_dead_root_makes_every_other_rank_raise_naming_it():
+    for size in (8, BIG):
+        def body(comm, size=size):
+            with pytest.raises(RuntimeError, match=r"broadcast root \(local rank 2\) died"):
+                comm.broadcast_from_root([torch.zeros(size)], root=2)
+            return True
+
+        with FakeCohort(3) as c:
+            c.declare_dead(2)
+            assert c.run(body, ranks=[0, 1])[:2] == [True, True]
+
+
+def test_a_dead_reader_does_not_hold_the_root_back():
+    def body(comm):
+        outs = []
+        for size in (8, BIG):
+            t = torch.full((size,), float(comm.rank + 1))
+            outs.append(float(comm.broadcast_from_root([t], root=0)[0][-1]))
+        # and the next bulk reduce (whose slice 2 a survivor takes over) still works
+        (avg,) = comm.all_reduce_tensors([torch.full((BIG,), float(comm.rank))])
+        return outs, float(avg[0])
+
+    with FakeCohort(3) as c:
+        c.declare_dead(2)
+        out = c.run(body, ranks=[0, 1])
+    assert out[0] == out[1] == ([1.0, 1.0], 0.5)
+
+
+@pytest.mark.parametrize("size", [8, BIG], ids=["eager", "bulk"])
+def test_ranks_disagreeing_on_the_root_raise_and_stay_in_step(size):
+    def body(comm):
+        with pytest.raises(SchemaMismatchError, match="disagree on the broadcast root"):
+            comm.broadcast_from_root([torch.zeros(size)], root=comm.rank)  # each its own
+        # a broadcast never validates against a reduce of the same schema
+        with pytest.raises(SchemaMismatchError):
+            if comm.rank == 0:
+                comm.broadcast_from_root([torch.zeros(size)], root=0)
+            else:
+                comm.all_reduce_weighted([torch.zeros(size)], RoundKind.CONTROL, 0.0)
+        return comm.broadcast_from_root([torch.full((size,), float(comm.rank))], root=1)
+
+    with FakeCohort(2) as c:
+        for (t,) in c.run(body):
+            assert float(t[0]) == float(t[-1]) == 1.0
+
+
+# --- result memory: reused only once the caller holds nothing of it ---------------------
+
+KEEPERS = {
+    "tensor": lambda res: res,
+    "slice": lambda res: [res[0][1:3]],
+    "view": lambda res: [res[0].view(2, -1)],
+    "reshape": lambda res: [res[0].reshape(-1, 2)],
+    "numpy": lambda res: [res[0].numpy()],
+    "storage": lambda res: [res[0].untyped_storage()],
+}
+
+
+def _values(kept) -> np.ndarray:
+    """The float32 values a keeper holds (a tensor, a numpy array or a storage)."""
+    obj = kept[0]
+    if isinstance(obj, torch.UntypedStorage):
+        return torch.tensor([], dtype=torch.float32).set_(obj).numpy().copy()
+    if isinstance(obj, torch.Tensor):
+        return obj.reshape(-1).numpy().copy()
+    return np.asarray(obj).reshape(-1).copy()
+
+
+@pytest.mark.parametrize("api", ["tensors", "scaled", "broadcast", "frame"])
+@pytest.mark.parametrize("n", [1 << 16, BIG], ids=["eager", "bulk"])
+def test_dropped_results_are_reused_kept_ones_never_overwritten(api, n):
+    def call(comm, v):
+        t = torch.full((n,), v)
+        if api == "tensors":
+            return comm.all_reduce_tensors([t])
+        if api == "scaled":
+            return comm.all_reduce_scaled([t], 1.0)[0]
+        if api == "broadcast":
+            return comm.broadcast_from_root([t], 0)
+        f = comm.all_reduce(RoundFrame([TensorPayload(DTYPE_F32, (n,), t.numpy())], 1.0))
+        return [torch.from_numpy(f.tensors[0].as_array())]  # holds the frame's memory
+
+    want = 11.0 if api == "broadcast" else 11.5  # ranks send 11 and 12
+
+    def body(comm):
+        pool = comm._codec.results
+        call(comm, 0.0)  # warm: the pool has a buffer of this size
+        kept = {name: keep(call(comm, 11.0 + comm.rank)) for name, keep in KEEPERS.items()}
+        for _ in range(6):  # later rounds with other values, their results dropped at once
+            call(comm, -7.0)
+        intact = {name: bool(np.all(_values(k) == want)) for name, k in kept.items()}
+        del kept
+        before = pool.allocations
+        for _ in range(8):  # nothing kept any more: the pool's buffers come back
+            call(comm, -7.0)
+        return intact, pool.allocations - before
+
+    with FakeCohort(2) as c:
+        for intact, fresh in c.run(body):
+            assert all(intact.values()), intact
+            assert fresh == 0  # dropped results were reused: no new allocation
+
+
+def test_pool_is_bounded_and_reuses_only_unreferenced_buffers():
+    from flodl_shm.engine.tensor_codec import ResultPool
+
+    pool = ResultPool(per_key=2, max_keys=2, min_bytes=0)
+    a = pool.take(16, np.float32)
+    b = pool.take(16, np.float32)
+    assert a is not b
+    c = pool.take(16, np.float32)  # both held: a fresh one, not kept
+    assert c is not a and c is not b and pool.allocations == 3
+    view = a[3:5]
+    del a
+    assert pool.take(16, np.float32) is not view.base  # the view keeps it referenced
+    del view, c
+    got = pool.take(16, np.float32)
+    assert pool.allocations == 4  # a was free again: reused, no allocation
+    del got, b
+    pool.take(8, np.float32)
+    pool.take(4, np.float32)  # a third key evicts the least recently used (16)
+    assert (16, np.float32) not in pool._buckets and len(pool._buckets) == 2
+    small = ResultPool()  # default: buffers under POOL_MIN_BYTES are plain allocations
+    small.take(8, np.float32)
+    assert small.allocations == 0 and not small._buckets
