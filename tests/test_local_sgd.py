@@ -270,7 +270,14 @@ def test_elche_cadence_keeps_every_rank_on_the_same_schedule():
     with FakeCohort(2) as cohort:
         def body(comm):
             model = make_model(seed=0)
-            sgd = LocalSGD(model, sync_every=2, comm=comm, cadence="elche")
+            seen = []
+
+            class Recording(flodl_shm.TrendGuard):
+                def check(self, deltas, k_used=0, k_max=0):
+                    seen.append(tuple(deltas))
+                    return super().check(deltas, k_used, k_max)
+
+            sgd = LocalSGD(model, sync_every=2, comm=comm, cadence="elche", guard=Recording())
             syncs, windows, n = 0, [], 0
             while syncs < 8:
                 if comm.rank == 1:
@@ -280,11 +287,13 @@ def test_elche_cadence_keeps_every_rank_on_the_same_schedule():
                     syncs += 1
                     windows.append(n)
                     n = 0
-            return windows, sgd.el_che.batch_counts(), sgd.cadence
+            return windows, sgd.el_che.batch_counts(), sgd.cadence, seen
 
         out = cohort.run(body)
-    (w0, counts0, cad0), (w1, counts1, _) = out
+    (w0, counts0, cad0, hist0), (w1, counts1, _, hist1) = out
     assert cad0 == "elche"
+    # the drift travels one sync late: the first sync has none to give the guard
+    assert len(hist0) == len(hist1) == 7 and hist0 == hist1
     assert counts0 == counts1                            # one schedule on every rank
     assert len(w0) == len(w1) == 8
     assert w0[0] == w1[0] == 2                           # the anchor before calibration

@@ -61,9 +61,10 @@ def test_seed_window_all_alive():
         assert abs(sync.divergence - want) < 1e-6
         assert ack.divergence[r] == pytest.approx(want, rel=1e-6)
         assert ack.max_divergence == pytest.approx(1.1 / 1.9, rel=1e-6)
-        assert counts.prev_ack.divergence == (0.0, 0.0, 0.0), "no window before the first"
+        assert counts.prev_ack.present == (False,) * 3, "no window before the first"
+        assert ack.present == (True,) * 3
         # one param of 3 + one float buffer of 2, f32, plus the count gather
-        assert sync.bytes_sent == (3 + 2) * 4 + 7 * 3 * 4
+        assert sync.bytes_sent == (3 + 2) * 4 + 8 * 3 * 4
 
 
 def test_seed_window_with_a_dead_rank():

@@ -272,6 +272,20 @@ def test_trend_guard_history_is_checkpointed_and_restored():
         meta.elche_state.smoothed_ms_per_batch
 
 
+def test_a_window_without_an_ack_feeds_the_guard_nothing():
+    """The ack travels one window late: at the first window of a run or a resume no rank
+    has one, and its zeros must not read as "no drift" in the guard's history."""
+    coord = Coordinator(config(cadence="elche", dataset_len=10_000))
+    none_yet = CohortAck((0.0, 0.0), (0.0, 0.0), (False, False))
+    for ack in (none_yet, ack_for(2, 0.02), ack_for(2, 0.03)):
+        plan = coord.plan_window()
+        c = counts_for(plan, ms=[1.0, 2.0])
+        s = coord.settle(plan, c)
+        coord.report(c, ack, s.realized)
+    assert coord.guard.history == pytest.approx((0.02, 0.03))
+    assert coord.el_che.to_state().calibration_count == 3, "the timings still count"
+
+
 def test_elche_with_one_rank_falls_back_to_fixed_windows():
     coord = Coordinator(config(world_size=1, cadence="elche", sync_every=3))
     assert coord.el_che is None and coord.plan_window().batches == (3,)

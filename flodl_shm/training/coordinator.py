@@ -407,7 +407,9 @@ class Coordinator:
     def report(self, counts: CohortCounts, ack: CohortAck,
                realized: Sequence[int]) -> None:
         """Feed ElChe the window's timings and the guard's verdict (cadence mode only;
-        an all-idle window reports nothing)."""
+        an all-idle window reports nothing). ``ack`` is the previous window's (it travels
+        in this window's count gather); when no rank has one yet (the first window of a
+        run or of a resume) the guard gets no verdict to give and ElChe no reduce time."""
         if self.el_che is None or counts.total_batches == 0:
             return
         world = self.config.world_size
@@ -415,6 +417,6 @@ class Coordinator:
         wall = [counts.compute_ms[r] if r in ok else 0.0 for r in range(world)]
         ran = [counts.batches[r] if r in ok else 0 for r in range(world)]
         self.el_che.report_timing(wall, ran, ack.sync_ms)
-        if self.guard is not None:
+        if self.guard is not None and ack.reported:
             action = self.guard.check(list(ack.divergence), sum(ran), max(ran, default=0))
             self.el_che.apply_action(action)

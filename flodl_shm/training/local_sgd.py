@@ -418,7 +418,9 @@ class LocalSGD:
         if sum(ran) == 0:
             return
         self.el_che.report_timing(wall, ran, float(np.max(m[_G_PREV_SYNC_MS])))
-        if self.guard is not None:
+        # the previous window's drift: none at the first sync of a run (every rank's
+        # previous sync time is 0 then), whose zeros must not read as "no drift"
+        if self.guard is not None and bool(np.any(m[_G_PREV_SYNC_MS] > 0.0)):
             action = self.guard.check([float(d) for d in m[_G_PREV_DIVERGENCE]], sum(ran),
                                       max(ran))
             self.el_che.apply_action(action)

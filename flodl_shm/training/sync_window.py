@@ -65,9 +65,10 @@ __all__ = [
     "gather_counts",
 ]
 
-# rows of the count gather's [field, world] matrix (the last two: the previous window's ack)
-_C_BATCHES, _C_COMPUTE_MS, _C_LOSS, _C_PRESENT, _C_STOP, _C_DIVERGENCE, _C_REDUCE_MS = range(7)
-_COUNT_ROWS = 7
+# rows of the count gather's [field, world] matrix (the last three: the previous window's ack)
+(_C_BATCHES, _C_COMPUTE_MS, _C_LOSS, _C_PRESENT, _C_STOP, _C_HAS_ACK, _C_DIVERGENCE,
+ _C_REDUCE_MS) = range(8)
+_COUNT_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -78,12 +79,19 @@ class CohortAck:
     Attributes:
         divergence: per rank, ``||pre - post|| / ||post||`` (0 when skipped or dead).
         reduce_ms: per rank, wall time of its reduces (ms).
-        present: per rank, whether it reported one.
+        present: per rank, whether it reported one (False for a dead rank, and for
+            every rank at the first window of a run or of a resume: no ack yet).
     """
 
     divergence: tuple[float, ...]
     reduce_ms: tuple[float, ...]
     present: tuple[bool, ...]
+
+    @property
+    def reported(self) -> bool:
+        """Whether any rank reported an ack (False: nothing to feed ElChe's overhead rule
+        or the convergence guard)."""
+        return any(self.present)
 
     @property
     def max_divergence(self) -> float:
@@ -168,7 +176,8 @@ def gather_counts(comm, batches: int, compute_ms: float, loss_sum: float = 0.0,
     div = 0.0 if prev is None or not math.isfinite(prev.divergence) else prev.divergence
     reduce_ms = 0.0 if prev is None else max(float(prev.reduce_ms), 0.0)
     m = _gather(comm, _COUNT_ROWS, (batches, max(float(compute_ms), 0.0), loss, 1.0,
-                                    1.0 if stop else 0.0, div, reduce_ms))
+                                    1.0 if stop else 0.0, 0.0 if prev is None else 1.0,
+                                    div, reduce_ms))
     present = tuple(bool(v > 0.5) for v in m[_C_PRESENT])
     return CohortCounts(
         batches=tuple(int(round(v)) for v in m[_C_BATCHES]),
@@ -178,7 +187,7 @@ def gather_counts(comm, batches: int, compute_ms: float, loss_sum: float = 0.0,
         stop=bool(np.any(m[_C_STOP] > 0.5)),
         prev_ack=CohortAck(divergence=tuple(float(v) for v in m[_C_DIVERGENCE]),
                            reduce_ms=tuple(float(v) for v in m[_C_REDUCE_MS]),
-                           present=present),
+                           present=tuple(bool(v > 0.5) for v in m[_C_HAS_ACK])),
     )
 
 
