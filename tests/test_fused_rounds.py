@@ -52,8 +52,6 @@ CASES = {
 def test_fused_equals_general(case, src, bf16_wire):
     dtypes = {"f32": [torch.float32] * 4, "bf16": [torch.bfloat16] * 4,
               "mixed": [torch.float32, torch.bfloat16, torch.float32, torch.bfloat16]}[src]
-    if case == "inplace" and src != "f32":
-        dtypes = [torch.float32 if d == torch.bfloat16 else d for d in dtypes]
 
     def body(comm):
         comm.set_bf16_wire(bf16_wire)

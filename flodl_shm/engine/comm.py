@@ -73,6 +73,7 @@ from .tensor_codec import (
     F32,
     TensorCodec,
     check_tensors,
+    decode_gathered,
     decode_into_tensor,
     flat_part,
     wire_views,
@@ -417,9 +418,8 @@ class Comm:
             mass = self._fused_round(plan, weight, len(tensors), scale, None, 0, False)
             if kind == _MODEL and not mass > 0.0:
                 return mass
-            cons = eng.eager_f32 if dtype == DTYPE_F32 else eng.eager_u16
-            for t, off, n in zip(tensors, plan.offs, plan.numels):
-                decode_into_tensor(cons[off:off + n], dtype, t)
+            decode_gathered(eng.eager_f32 if dtype == DTYPE_F32 else eng.eager_u16, dtype,
+                            plan, tensors)
             return mass
         plan = eng.plan(kind, dtype, tuple(check_tensors(tensors)))
 

@@ -242,6 +242,29 @@ def decode_into_tensor(src: np.ndarray, dtype: int, t: torch.Tensor) -> None:
         t.copy_(tmp.view(t.shape))
 
 
+def decode_gathered(cons: np.ndarray, dtype: int, plan: RoundPlan,
+                    tensors: Sequence[torch.Tensor]) -> None:
+    """Write a fused round's consensus into the tensors ``TensorCodec.gather`` recorded in
+    ``plan.addrs``, in place: the float32 ones in one compiled call, the bfloat16 ones
+    through :func:`decode_into_tensor` (torch's rounding).
+
+    Args:
+        cons: the consensus in the wire dtype (``plan.nelem`` elements from 0).
+        dtype: the wire dtype.
+        plan: the round's plan, its ``addrs`` filled by ``gather`` for ``tensors``.
+        tensors: the destinations, in the plan's order.
+    """
+    n = plan.ntensors
+    if dtype == DTYPE_F32:
+        skipped = TIO.decode_f32_scatter(cons, plan.addrs, n)
+    else:
+        skipped = TIO.decode_bf16_scatter(cons, plan.addrs, n)
+    if skipped:
+        for t, off, k in zip(tensors, plan.offs, plan.numels):
+            if t.dtype is BF16:
+                decode_into_tensor(cons[off:off + k], dtype, t)
+
+
 def wire_views(flat: np.ndarray, dtype: int, plan: RoundPlan) -> list[torch.Tensor]:
     """One tensor view per shape of ``plan`` over a flat array in the wire dtype
     (float32, or uint16 bits viewed as bfloat16)."""

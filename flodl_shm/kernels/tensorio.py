@@ -102,6 +102,41 @@ def decode_bf16_into(src, addr):
     bf16_to_f32(src, f32_at(addr, n))
 
 
+@njit(cache=True, nogil=True)
+def decode_f32_scatter(src, addrs, ntensors):
+    """Copy the consecutive segments of an f32 consensus into the float32 tensors at
+    ``addrs`` (laid out as ``eager_encode_round``'s: addresses, element counts, then 1
+    for a bfloat16 tensor); bfloat16 tensors are skipped for the caller. Returns how
+    many were skipped."""
+    off = 0
+    skipped = 0
+    for i in range(ntensors):
+        n = addrs[ntensors + i]
+        if addrs[2 * ntensors + i]:
+            skipped += 1
+        else:
+            dst = f32_at(addrs[i], n)
+            for k in range(n):
+                dst[k] = src[off + k]
+        off += n
+    return skipped
+
+
+@njit(cache=True, nogil=True)
+def decode_bf16_scatter(src, addrs, ntensors):
+    """``decode_f32_scatter`` for a bf16 consensus (uint16 bits), widened exactly."""
+    off = 0
+    skipped = 0
+    for i in range(ntensors):
+        n = addrs[ntensors + i]
+        if addrs[2 * ntensors + i]:
+            skipped += 1
+        else:
+            bf16_to_f32(src[off:off + n], f32_at(addrs[i], n))
+        off += n
+    return skipped
+
+
 def warm_up() -> None:
     buf = np.zeros(8, np.float32)
     b16 = np.zeros(8, np.uint16)
@@ -116,3 +151,6 @@ def warm_up() -> None:
         encode_bf16_to_f32(a16, 8, np.zeros(8, np.float32), scale, s, s16)
     decode_f32_into(np.zeros(8, np.float32), a)
     decode_bf16_into(np.zeros(8, np.uint16), a)
+    addrs = np.array([a, 8, 0], np.int64)
+    decode_f32_scatter(np.zeros(8, np.float32), addrs, 1)
+    decode_bf16_scatter(np.zeros(8, np.uint16), addrs, 1)
