@@ -41,6 +41,9 @@ CASES = {
     "broadcast": lambda c, xs: (c.broadcast_from_root(xs, root=1), None),
     "inplace": lambda c, xs: (xs, c.all_reduce_(xs, weight=1.0 + c.rank, scale=0.7)),
     "inplace-one": lambda c, xs: (xs[:1], c.all_reduce_(xs[:1], weight=2.0)),
+    "scaled-one": lambda c, xs: c.all_reduce_scaled(xs[:1], 0.3, weight=0.5 + c.rank),
+    "scaled-one-no-mass": lambda c, xs: c.all_reduce_scaled(xs[:1], 0.3, weight=0.0),
+    "tensors-one": lambda c, xs: (c.all_reduce_tensors(xs[:1]), None),
     "per-rank": lambda c, xs: ([torch.from_numpy(c.all_reduce_per_rank_f64(
         [float(c.rank + 3) if r == c.rank else 0.0 for r in range(c.world_size)]))], None),
 }

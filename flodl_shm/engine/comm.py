@@ -358,6 +358,15 @@ class Comm:
         self._armed = None
         scale = float(scale)
         outer = outer and kind == _MODEL
+        if len(tensors) == 1 and dtype == DTYPE_F32 and armed is None:
+            t = tensors[0]
+            plan = self._single_plan(t, kind, outer)
+            if plan is not None:
+                # copy-in, round and the reduce into a fresh result: one compiled call
+                arr = self._codec.results.take(plan.nelem, np.float32)
+                mass = self._single_round(t, plan, weight, scale, arr)
+                res = torch.from_numpy(arr)
+                return [res if t.dim() == 1 else res.view(t.shape)], mass
         plan = self._fused_plan(tensors, kind, dtype, outer)
         if plan is not None:
             res, out, addr = self._codec.fused_result(plan, armed)
@@ -395,24 +404,10 @@ class Comm:
         scale = float(scale)
         eng = self._engine
         if len(tensors) == 1 and dtype == DTYPE_F32:
-            t = tensors[0]
-            if (t.dtype is F32 and t.is_cpu and t.is_contiguous()
-                    and self._fusable(kind, outer)):
-                fast = self._fast  # the last in-place plan: a training loop repeats it
-                if fast is None or fast[0] != t.shape or fast[1] != kind:
-                    fast = self._fast = (t.shape, kind, eng.plan(kind, DTYPE_F32, (t.shape,)))
-                plan = fast[2]
-                if plan.eager_fits:
-                    # copy-in, round and copy-out are a single compiled call
-                    weight = self._begin(weight)
-                    rnd = self._round
-                    eng.prepare(rnd, plan, False)
-                    self._round = rnd + 1
-                    try:
-                        return eng.inplace_round(t.data_ptr(), plan, rnd, weight, scale)
-                    except BaseException as e:
-                        self._fail(rnd, e)
-                        raise
+            plan = self._single_plan(tensors[0], kind, outer)
+            if plan is not None:
+                # copy-in, round and copy-out are a single compiled call
+                return self._single_round(tensors[0], plan, weight, scale, None)
         plan = self._fused_plan(tensors, kind, dtype, outer)
         if plan is not None:
             mass = self._fused_round(plan, weight, len(tensors), scale, None, 0, False)
@@ -606,6 +601,32 @@ class Comm:
         self._broken = f"round {rnd} failed with {type(e).__name__}: {e}"
         if isinstance(e, CohortAborted) and self._engine.relay_mode:
             self._engine.raise_relay_error(rnd)  # the host relay's failure, if that is why
+
+    def _single_plan(self, t: torch.Tensor, kind: int, outer: bool) -> RoundPlan | None:
+        """The plan of a one-tensor f32-wire round over ``t`` when it can run as one
+        compiled call (a contiguous float32 CPU tensor whose frame fits the eager slot),
+        else None. The last such plan is cached: a training loop repeats it."""
+        if not (t.dtype is F32 and t.is_cpu and t.is_contiguous() and self._fusable(kind, outer)):
+            return None
+        fast = self._fast
+        if fast is None or fast[0] != t.shape or fast[1] != kind:
+            fast = self._fast = (t.shape, kind, self._engine.plan(kind, DTYPE_F32, (t.shape,)))
+        plan = fast[2]
+        return plan if plan.eager_fits else None
+
+    def _single_round(self, t: torch.Tensor, plan: RoundPlan, weight, scale: float,
+                      out: np.ndarray | None) -> float:
+        """Run a ``_single_plan`` round: in place (``out`` None) or into ``out``."""
+        weight = self._begin(weight)
+        eng = self._engine
+        rnd = self._round
+        eng.prepare(rnd, plan, False)
+        self._round = rnd + 1
+        try:
+            return eng.inplace_round(t.data_ptr(), plan, rnd, weight, scale, out)
+        except BaseException as e:
+            self._fail(rnd, e)
+            raise
 
     def _fusable(self, kind: int, outer: bool) -> bool:
         """Whether a round of ``kind`` may run as one fused eager call on this rank."""

@@ -412,23 +412,34 @@ class RoundEngine:
         return view.mass
 
     def inplace_round(self, addr: int, plan: RoundPlan, rnd: int, weight: float,
-                      scale: float) -> float:
-        """The whole small in-place average of one contiguous f32 tensor (at ``addr``,
+                      scale: float, out: np.ndarray | None = None) -> float:
+        """The whole small average of one contiguous f32 tensor (at ``addr``,
         ``plan.nelem`` elements, f32 wire; the plan's schema already in the slot): one
-        compiled call in the fast case. A MODEL round that realized nothing leaves the
-        tensor untouched. Returns the accepted mass."""
+        compiled call in the fast case. In place when ``out`` is None (a MODEL round
+        that realized nothing then leaves the tensor untouched), else into ``out`` (a
+        fresh f32 result of ``plan.nelem``, written whatever the mass, as the general
+        round does). Returns the accepted mass."""
         kind = plan.kind
-        code = RK.eager_inplace_f32(addr, plan.nelem, scale, self.ctl, self.ctl_f64,
-                                    self.ctl32, self._eager_all, self.arena.eager_bytes,
-                                    self.world, self.rank, rnd, kind, 0, weight, plan.shash,
-                                    len(plan.words), self.waiter.spin_iters, self._info,
-                                    self._mass, self._acc)
+        if out is None:
+            code = RK.eager_inplace_f32(addr, plan.nelem, scale, self.ctl, self.ctl_f64,
+                                        self.ctl32, self._eager_all, self.arena.eager_bytes,
+                                        self.world, self.rank, rnd, kind, 0, weight,
+                                        plan.shash, len(plan.words), self.waiter.spin_iters,
+                                        self._info, self._mass, self._acc)
+        else:
+            code = RK.eager_copy_f32(addr, plan.nelem, scale, out, self.ctl, self.ctl_f64,
+                                     self.ctl32, self._eager_all, self.arena.eager_bytes,
+                                     self.world, self.rank, rnd, kind, 0, weight, plan.shash,
+                                     len(plan.words), self.waiter.spin_iters, self._info,
+                                     self._mass, self._acc)
         if code == RK.OK:
             return self.eager_done()
         view = self.settle_eager(code, rnd)
-        if kind == RoundKind.MODEL and not view.mass > 0.0:
-            return view.mass
-        self.reduce_eager(view, _f32_at(addr, plan.nelem))
+        if out is None:
+            if kind == RoundKind.MODEL and not view.mass > 0.0:
+                return view.mass
+            out = _f32_at(addr, plan.nelem)
+        self.reduce_eager(view, out)
         return view.mass
 
     def eager_done(self) -> float:

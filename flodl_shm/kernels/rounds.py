@@ -307,6 +307,38 @@ def eager_encode_round(ctl, eager, slot_bytes, world, me, info, mass, work, addr
     return code
 
 
+@njit(inline="always")
+def _eager_single_f32(src, dst, keep_on_empty, scale, ctl, ctl_f64, ctl32, eager, slot_bytes,
+                      world, me, rnd, kind, flags, weight, shash, nwords, iters, info, mass,
+                      acc):
+    """The body of ``eager_inplace_f32`` / ``eager_copy_f32`` (see them)."""
+    n = src.shape[0]
+    base = (2 * me + (rnd & 1)) * slot_bytes + nwords * 8
+    slot = eager[base:base + 4 * n].view(np.float32)
+    if scale == 1.0:
+        for i in range(n):
+            slot[i] = src[i]
+    else:
+        f = np.float32(scale)
+        for i in range(n):
+            slot[i] = src[i] * f
+    if publish_round(ctl, ctl_f64, ctl32, me, rnd, kind, flags, 0, weight, 1, 4 * n, n, shash,
+                     nwords) > 0:
+        return WAKE
+    code = arrive(ctl, ctl_f64, world, rnd, me, iters, info, mass)
+    if code != OK:
+        return code
+    m = mass[0]
+    if keep_on_empty and kind == 0 and not m > 0.0:
+        return OK  # nothing realized: keep the local tensor
+    inv = np.float32(1.0)
+    if kind == 0 and m > 0.0:
+        inv = np.float32(1.0 / m)
+    reduce_eager_f32(eager, slot_bytes, rnd, world, info[I_CONTRIB], nwords * 8, n, dst, inv,
+                     acc)
+    return OK
+
+
 @njit(cache=True, nogil=True)
 def eager_inplace_f32(addr, n, scale, ctl, ctl_f64, ctl32, eager, slot_bytes, world, me, rnd,
                       kind, flags, weight, shash, nwords, iters, info, mass, acc):
@@ -318,31 +350,21 @@ def eager_inplace_f32(addr, n, scale, ctl, ctl_f64, ctl32, eager, slot_bytes, wo
     reduces the consensus straight back into the tensor. Codes as ``eager_round``; on
     anything but OK the contribution is published and the caller finishes the round.
     """
-    base = (2 * me + (rnd & 1)) * slot_bytes + nwords * 8
-    dst = eager[base:base + 4 * n].view(np.float32)
     src = f32_at(addr, n)
-    if scale == 1.0:
-        for i in range(n):
-            dst[i] = src[i]
-    else:
-        f = np.float32(scale)
-        for i in range(n):
-            dst[i] = src[i] * f
-    if publish_round(ctl, ctl_f64, ctl32, me, rnd, kind, flags, 0, weight, 1, 4 * n, n, shash,
-                     nwords) > 0:
-        return WAKE
-    code = arrive(ctl, ctl_f64, world, rnd, me, iters, info, mass)
-    if code != OK:
-        return code
-    m = mass[0]
-    if kind == 0 and not m > 0.0:
-        return OK  # nothing realized: keep the local tensor
-    inv = np.float32(1.0)
-    if kind == 0:
-        inv = np.float32(1.0 / m)
-    reduce_eager_f32(eager, slot_bytes, rnd, world, info[I_CONTRIB], nwords * 8, n, src, inv,
-                     acc)
-    return OK
+    return _eager_single_f32(src, src, True, scale, ctl, ctl_f64, ctl32, eager, slot_bytes,
+                             world, me, rnd, kind, flags, weight, shash, nwords, iters, info,
+                             mass, acc)
+
+
+@njit(cache=True, nogil=True)
+def eager_copy_f32(addr, n, scale, dst, ctl, ctl_f64, ctl32, eager, slot_bytes, world, me, rnd,
+                   kind, flags, weight, shash, nwords, iters, info, mass, acc):
+    """``eager_inplace_f32`` reducing into ``dst`` (a fresh result, ``n`` f32) instead of
+    the source, always (a round with no accepted mass yields what ``eager_round`` yields:
+    the plain sum of the contributions)."""
+    return _eager_single_f32(f32_at(addr, n), dst, False, scale, ctl, ctl_f64, ctl32, eager,
+                             slot_bytes, world, me, rnd, kind, flags, weight, shash, nwords,
+                             iters, info, mass, acc)
 
 
 def warm_up() -> None:
@@ -374,3 +396,5 @@ def warm_up() -> None:
     for r in range(world):
         eager_inplace_f32(t.ctypes.data, 2, 1.0, ctl, f64, c32, eager, 64, world, r, 4, 0, 0,
                           1.0, 7, 1, 0, info, mass, acc)
+        eager_copy_f32(t.ctypes.data, 2, 1.0, np.zeros(2, np.float32), ctl, f64, c32, eager, 64,
+                       world, r, 5, 0, 0, 1.0, 7, 1, 0, info, mass, acc)
