@@ -506,6 +506,15 @@ class _RankServer(forkserver.ForkServer):
             self._forkserver_pid = None
             raise _server_died(os.waitstatus_to_exitcode(status))
 
+    def kill(self) -> None:
+        """SIGKILL the server now (``stop`` reaps it); the ranks it forked follow it."""
+        pid = self._forkserver_pid
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def stop(self) -> None:
         """Kill and reap the server (every rank it forked is reaped already)."""
         pid, self._forkserver_pid = self._forkserver_pid, None
@@ -722,7 +731,14 @@ class SpawnContext:
                               self._c10d_env),
                         daemon=False)
                     p._rank_server = self._server
-                    p.start()
+                    try:
+                        p.start()
+                    except Exception:
+                        parent_conn.close()
+                        child_conn.close()
+                        if self.arena.ctl[A.G_ABORT]:
+                            break  # stopped while the rank server preloaded (_abort)
+                        raise
                     child_conn.close()
                     self._procs.append(p)
                     conns[r] = parent_conn
@@ -978,6 +994,9 @@ class SpawnContext:
         if not self.arena.ctl[A.G_ABORT]:
             self.arena.ctl[A.G_ABORT] = reason
         self._doorbell.ring()
+        server = self._server
+        if server is not None and not self._started.is_set():
+            server.kill()  # still preloading: the supervisor may be waiting on its fork
         if self._relay is not None:
             self._relay.shutdown()
         threading.Thread(target=self._escalate, name="flodl-shm-escalate", daemon=True).start()

@@ -72,6 +72,50 @@ def test_ctrl_c_while_ranks_import_is_a_clean_keyboard_interrupt(tmp_path):
     assert _segments_of(proc.pid) == []
 
 
+_SLOW_SERVER = """
+import os, time
+if b"_rank_server_main" in open("/proc/self/cmdline", "rb").read():
+    with open(os.environ["SLOW_SERVER_FILE"], "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    time.sleep(600)
+"""
+
+
+def test_ctrl_c_while_the_rank_server_preloads(tmp_path, start_method):
+    """Ctrl-C while the rank server is still importing (held there by a sitecustomize
+    that only the server runs): the launcher stops at once with KeyboardInterrupt
+    instead of waiting for the server's first fork, and the server is gone."""
+    if start_method != "forkserver":
+        pytest.skip("only the forkserver start method has a rank server")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_SLOW_SERVER)
+    marker = tmp_path / "server"
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "spawn_driver.py"), "2"],
+                            env=dict(os.environ, PYTHONPATH=path, SLOW_SERVER_FILE=str(marker),
+                                     DRIVER_READY_FILE=str(tmp_path / "ready")),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (marker.exists() and marker.read_text().split()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        server = int(marker.read_text().split()[0])
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=BOUND_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == -signal.SIGINT, err
+    assert "KeyboardInterrupt" in err and "every rank was stopped" in err, err
+    assert "RankFailed" not in err and "rank server exited" not in err, err
+    assert processes_gone([server], BOUND_S), "the rank server outlived the interrupt"
+    assert _segments_of(proc.pid) == []
+
+
 def test_launcher_killed_while_ranks_import_takes_them_down(tmp_path):
     proc, ranks = _start_importing_driver(tmp_path)
     family = set(ranks) | set(_ranks_of(proc.pid))  # with the rank server, if any
