@@ -53,16 +53,22 @@ def _segments_of(pid: int) -> list[str]:
     return [s.name for s in list_segments() if s.owner_pid == pid]
 
 
-def test_ctrl_c_while_ranks_import_is_a_clean_keyboard_interrupt(tmp_path):
-    proc, ranks = _start_importing_driver(tmp_path)
+def _ctrl_c(proc) -> str:
+    """A terminal's Ctrl-C (SIGINT to the driver's whole process group); the driver's
+    stderr once it exits within ``BOUND_S`` (else its group is SIGKILLed)."""
     try:
-        assert _segments_of(proc.pid)
-        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-        _, err = proc.communicate(timeout=BOUND_S)
+        os.killpg(proc.pid, signal.SIGINT)
+        return proc.communicate(timeout=BOUND_S)[1]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_ctrl_c_while_ranks_import_is_a_clean_keyboard_interrupt(tmp_path):
+    proc, ranks = _start_importing_driver(tmp_path)
+    assert _segments_of(proc.pid)
+    err = _ctrl_c(proc)
     assert proc.returncode == -signal.SIGINT, err  # the shell's 130
     assert "KeyboardInterrupt" in err and "every rank was stopped" in err, err
     assert "Fatal Python error" not in err and "RankFailed" not in err, err
@@ -97,18 +103,13 @@ def test_ctrl_c_while_the_rank_server_preloads(tmp_path, start_method):
                                      DRIVER_READY_FILE=str(tmp_path / "ready")),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (marker.exists() and marker.read_text().split()):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
-        server = int(marker.read_text().split()[0])
-        os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=BOUND_S)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    deadline = time.monotonic() + 120
+    while not (marker.exists() and marker.read_text().split()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"the rank server never started: {_ctrl_c(proc)}")
+        time.sleep(0.05)
+    server = int(marker.read_text().split()[0])
+    err = _ctrl_c(proc)
     assert proc.returncode == -signal.SIGINT, err
     assert "KeyboardInterrupt" in err and "every rank was stopped" in err, err
     assert "RankFailed" not in err and "rank server exited" not in err, err
