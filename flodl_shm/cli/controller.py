@@ -56,12 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-secret", metavar="FILE",
                     help="write a fresh random session secret to FILE (mode 0600) and exit")
     ap.add_argument("--round-timeout", type=float, default=DEFAULT_ROUND_TIMEOUT,
-                    help="seconds a round may wait for live hosts before it is a stall")
+                    help="seconds a round may wait for live hosts before it is a stall "
+                         f"(default {DEFAULT_ROUND_TIMEOUT:g})")
     ap.add_argument("--port-file", help="write the bound port here once listening")
-    ap.add_argument("--outer", choices=("avg", "nesterov"), default="avg",
-                    help="the outer optimizer the ranks use (DiLoCo: nesterov); it runs here")
-    ap.add_argument("--outer-lr", type=float, default=0.7)
-    ap.add_argument("--outer-momentum", type=float, default=0.9)
+    ap.add_argument("--outer", choices=("avg", "none", "nesterov"), default="avg",
+                    help="the outer optimizer the ranks use: avg (or none: the plain "
+                         "average, default) or nesterov (DiLoCo); it runs here")
+    ap.add_argument("--outer-lr", type=float, default=0.7,
+                    help="learning rate of --outer nesterov (default 0.7, the demo's)")
+    ap.add_argument("--outer-momentum", type=float, default=0.9,
+                    help="momentum of --outer nesterov (default 0.9, the demo's)")
     ap.add_argument("--outer-state", metavar="OUTER_FDL",
                     help="resume: the <stem>.outer.fdl momentum of the checkpoint to continue")
     args = ap.parse_args(argv)

@@ -459,6 +459,19 @@ def _check(cfg: DemoConfig) -> list[str]:
         elif not 0 <= cfg.first_rank <= cfg.world_size - cfg.nprocs:
             out.append(f"--first-rank {cfg.first_rank} with --nprocs {cfg.nprocs} does not fit "
                        f"--world-size {cfg.world_size}")
+        from flodl_shm.cluster.link import parse_addr
+        from flodl_shm.cluster.secret import read_secret_file
+
+        try:
+            parse_addr(cfg.controller)
+        except ValueError:
+            out.append(f"--controller {cfg.controller!r} must be HOST:PORT, e.g. "
+                       "127.0.0.1:29500")
+        if cfg.secret_file is not None:
+            try:
+                read_secret_file(cfg.secret_file)
+            except ValueError as e:
+                out.append(f"--secret-file: {e}")
     return out
 
 
@@ -724,16 +737,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    from flodl_shm import latest_checkpoint
+    from flodl_shm.errors import (CohortAborted, RankFailed, ShmSpaceError,
+                                  TrainingAborted)
+
     try:
         run_demo(cfg)
     except KeyboardInterrupt:
-        from flodl_shm import latest_checkpoint
-
         last = latest_checkpoint(cfg.save_path)
         print("\ninterrupted; every rank was stopped. "
               + (f"Last checkpoint {last}: continue with --resume." if last is not None
                  else "No checkpoint was written yet."), file=sys.stderr)
         return 130
+    except (RankFailed, CohortAborted, TrainingAborted, ShmSpaceError, OSError,
+            ValueError) as e:
+        # a failed run (a stall, a dead rank, a refused handshake, no /dev/shm space, a
+        # checkpoint that does not match): the reason, not the launcher's stack
+        last = latest_checkpoint(cfg.save_path)
+        print(f"\npython -m flodl_shm demo: error: {type(e).__name__}: {e}\n"
+              + (f"Last checkpoint {last}: continue with --resume." if last is not None
+                 else "No checkpoint was written."), file=sys.stderr)
+        return 1
     return 0
 
 

@@ -140,10 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("file", help="a .fdl or .fdl.gz file")
     show.add_argument("--json", action="store_true", help="print one JSON object")
     conv = sub.add_parser("convert", help="convert between .fdl, safetensors and torch files")
-    conv.add_argument("src")
-    conv.add_argument("dst")
-    conv.add_argument("--from", dest="src_format", choices=("fdl", "safetensors", "torch"))
-    conv.add_argument("--to", dest="dst_format", choices=("fdl", "safetensors", "torch"))
+    conv.add_argument("src", help="the file to read (.fdl, .fdl.gz, .safetensors, .pt/.pth/.bin)")
+    conv.add_argument("dst", help="the file to write; its format comes from its name, as src's")
+    conv.add_argument("--from", dest="src_format", choices=("fdl", "safetensors", "torch"),
+                      help="src's format when its name does not tell")
+    conv.add_argument("--to", dest="dst_format", choices=("fdl", "safetensors", "torch"),
+                      help="dst's format when its name does not tell")
     conv.add_argument("--keep-keys", action="store_true",
                       help="keep a consensus checkpoint's positional keys p0, p1, ..., b0, ... "
                            "(default: the model's names from the bundle's .names.json)")

@@ -327,7 +327,8 @@ def render(report: dict, mem: HostMemory, segments: Sequence[SegmentInfo],
         model = (f"{inp['params'] / 1e6:.1f}M params = {fmt_bytes(inp['model_bytes'])} f32, "
                  f"{inp['wire']} wire")
     else:
-        model = "not given (--model-bytes SIZE or --params COUNT); model needs shown for 0"
+        model = ("not given (--model-bytes SIZE or --params COUNT): the needs below are for "
+                 "a 0-byte model")
     out.append(f"model        {model}")
     out.append(f"local ranks  {ranks}")
     out.append("")

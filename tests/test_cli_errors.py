@@ -1,0 +1,81 @@
+"""What a person sees when a CLI command fails: one error line naming the cause and the
+fix, an exit status, and no Python traceback (the README's commands, run wrong)."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flodl_shm.engine.segment import list_segments
+
+pytest.importorskip("sklearn", reason="the demo needs scikit-learn (the demo/test extras)")
+
+
+def _flodl(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``python -m flodl_shm ARGS`` to its end (killed past ``timeout``); ``.args`` is
+    its pid, to look for the segments it owned."""
+    proc = subprocess.Popen([sys.executable, "-m", "flodl_shm", *args], cwd=cwd, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    return subprocess.CompletedProcess(proc.pid, proc.returncode, out, err)
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def secret(tmp_path: Path) -> Path:
+    path = tmp_path / "secret.hex"
+    _flodl(["controller", "--new-secret", str(path)], tmp_path, timeout=60).check_returncode()
+    return path
+
+
+def test_demo_with_a_missing_secret_file_is_a_usage_error(tmp_path):
+    r = _flodl(["demo", "--controller", "127.0.0.1:29500", "--world-size", "4",
+                "--secret-file", "missing.hex", "--no-progress"], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "--secret-file: cannot read the session secret file missing.hex" in r.stderr
+    assert "--new-secret missing.hex" in r.stderr  # the fix
+
+
+def test_demo_with_a_controller_address_without_port_is_a_usage_error(tmp_path, secret):
+    r = _flodl(["demo", "--controller", "127.0.0.1", "--world-size", "4",
+                "--secret-file", str(secret), "--no-progress"], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "--controller '127.0.0.1' must be HOST:PORT" in r.stderr
+
+
+@pytest.mark.timeout(180)
+def test_demo_that_fails_in_the_ranks_prints_the_reason_not_a_traceback(tmp_path, secret):
+    # nothing listens at the controller's address: the ranks' first round stalls
+    r = _flodl(["demo", "--controller", f"127.0.0.1:{_closed_port()}", "--world-size", "4",
+                "--secret-file", str(secret), "--timeout", "1", "--no-progress",
+                "--no-plot"], tmp_path, timeout=150)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "python -m flodl_shm demo: error: RankStalled:" in r.stderr, r.stderr
+    assert "No checkpoint was written." in r.stderr
+    assert not [s.name for s in list_segments() if s.owner_pid == r.args], "segments left"
+
+
+def test_controller_help_documents_every_option(tmp_path):
+    r = _flodl(["controller", "--help"], tmp_path, timeout=60)
+    assert r.returncode == 0
+    assert "learning rate of --outer nesterov (default 0.7" in r.stdout
+    assert "momentum of --outer nesterov (default 0.9" in r.stdout
+    assert "(default 300)" in r.stdout  # --round-timeout
