@@ -413,13 +413,16 @@ class _RankProcess(mp_context.SpawnProcess):
 
 def _process_class(start_method: str):
     """The Process class for ranks: on Linux (where ``-c`` command lines and prctl
-    exist) the bootstrapped one for "spawn" and the rank server's for "forkserver",
-    else the context's own."""
+    exist) the bootstrapped one for "spawn" and the rank server's for "forkserver";
+    elsewhere the context's own, and spawned ranks for "forkserver" (a rank forked by
+    multiprocessing's own server would fail its parent check)."""
     if sys.platform.startswith("linux") and not getattr(sys, "frozen", False):
         if start_method == "spawn":
             return _RankProcess
         if start_method == "forkserver":
             return _ServedRankProcess
+    if start_method == "forkserver":
+        return mp.get_context("spawn").Process
     return mp.get_context(start_method).Process
 
 
@@ -1068,9 +1071,10 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
             the supervisor and counts as one failure; past ``max_failures`` the run
             stops with ``RankStalled`` naming the round and the missing ranks.
         save_path: checkpoint stem; dead ranks' ``RankDeathRecord`` goes next to it.
-        start_method: how ranks start: ``"forkserver"`` (default; ranks fork from a
-            single-threaded rank server that preloaded torch, numpy, numba and the
-            kernels, then import the launcher's main module as under "spawn"),
+        start_method: how ranks start: ``"forkserver"`` (default; on Linux ranks fork
+            from a single-threaded rank server that preloaded torch, numpy, numba and
+            the kernels, then import the launcher's main module as under "spawn";
+            elsewhere they are spawned),
             ``"spawn"`` (each rank a fresh interpreter) or ``"fork"`` (from the
             launcher; unsafe once it ran torch operations). See docs/runtime.md,
             "Start-up".

@@ -241,6 +241,17 @@ def test_default_ranks_fork_from_a_single_threaded_rank_server():
     assert processes_gone(parents, 10.0), "the rank server outlived spawn"
 
 
+def test_forkserver_off_linux_spawns_ranks(monkeypatch):
+    """Without the rank server (not Linux), the default start method spawns each rank:
+    multiprocessing's own forkserver would make every rank fail its parent check."""
+    import multiprocessing as mp
+
+    from flodl_shm import launch
+
+    monkeypatch.setattr(launch.sys, "platform", "darwin")
+    assert launch._process_class("forkserver") is mp.get_context("spawn").Process
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="nprocs"):
         spawn(describe, 0)
