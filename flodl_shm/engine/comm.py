@@ -121,6 +121,7 @@ class Comm:
                                    liveness=liveness or (lambda: None))
         if oversubscribed(arena.world):
             self._engine.waiter.yield_budget = YIELD_BUDGET_S
+            self._engine.oversubscribed = True
         self._round = 0
         self._broken: str | None = None
         self._bf16 = False
@@ -748,14 +749,12 @@ class Comm:
                 if hook is not None:
                     hook("arrived", rnd)
                 view = eng.await_arrivals(rnd)
-                eng.reduce_slice(view, self.local_rank,
-                                 direct if view.mass > 0.0 or kind != _MODEL else None)
+                eng.reduce_slices(view, direct if view.mass > 0.0 or kind != _MODEL else None)
                 eng.await_slices(view)
                 mass = eng.await_consensus(view) if eng.relay_mode else view.mass
                 cons = eng.consensus_array(view)
                 if eng.outer_applies(view):
-                    eng.outer_steps += 1
-                    eng.outer_prev_loaded = eng.outer_loaded = None
+                    eng.outer_round_done(view.nelem)
             if tap:
                 self._tap_round(rnd, dtype, plan.shapes, cons, mass, outer)
             return cons, mass
