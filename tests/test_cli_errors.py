@@ -1,5 +1,6 @@
-"""What a person sees when a CLI command fails: one error line naming the cause and the
-fix, an exit status, and no Python traceback (the README's commands, run wrong)."""
+"""What a person sees from the CLI: when a command fails, one error line naming the cause
+and the fix, an exit status, and no Python traceback (the README's commands, run wrong);
+when its output goes to a file, whole lines."""
 from __future__ import annotations
 
 import socket
@@ -79,3 +80,14 @@ def test_controller_help_documents_every_option(tmp_path):
     assert "learning rate of --outer nesterov (default 0.7" in r.stdout
     assert "momentum of --outer nesterov (default 0.9" in r.stdout
     assert "(default 300)" in r.stdout  # --round-timeout
+
+
+@pytest.mark.timeout(180)
+def test_demo_output_to_a_file_has_no_progress_bar_redraws(tmp_path):
+    # a log file or CI capture of the README's demo command: whole lines, no tqdm redraws
+    r = _flodl(["demo", "--epochs", "2", "--log-every", "1", "--no-plot"], tmp_path,
+               timeout=150)
+    assert r.returncode == 0, r.stderr
+    assert "\r" not in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]
+    assert "batch/s" not in r.stderr, r.stderr[-2000:]
+    assert "window    2 (epoch  1/2)" in r.stdout, r.stdout

@@ -390,7 +390,8 @@ def _build_parser() -> argparse.ArgumentParser:
                         "checkpoints (without it the demo refuses and keeps them)")
     o.add_argument("--baseline", action="store_true",
                    help="also train the same model in one process and compare")
-    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is one only when stderr is a terminal)")
     o.add_argument("--log-every", type=int, default=10,
                    help="print a line every N windows; 0: none (default 10)")
     o.add_argument("--eval-every", type=int, default=1,
@@ -579,7 +580,8 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         metrics.write_text("".join(json.dumps(r) + "\n" for r in done_rows), encoding="utf-8")
         (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.recipe(), indent=1) + "\n")
 
-    progress = cfg.progress
+    # the bar redraws one line with carriage returns: on a terminal only, not in a log file
+    progress = cfg.progress and sys.stderr.isatty()
     if progress:
         try:
             import tqdm  # noqa: F401 - the bar is drawn in a rank; check here
