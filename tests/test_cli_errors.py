@@ -91,3 +91,19 @@ def test_demo_output_to_a_file_has_no_progress_bar_redraws(tmp_path):
     assert "\r" not in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]
     assert "batch/s" not in r.stderr, r.stderr[-2000:]
     assert "window    2 (epoch  1/2)" in r.stdout, r.stdout
+
+
+def test_new_secret_in_a_missing_folder_is_one_line(tmp_path):
+    r = _flodl(["controller", "--new-secret", str(tmp_path / "no" / "such" / "s.hex")],
+               tmp_path, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "controller: cannot write the secret file" in r.stderr
+
+
+def test_new_secret_says_when_it_replaces_one(tmp_path, secret):
+    old = secret.read_text()
+    r = _flodl(["controller", "--new-secret", str(secret)], tmp_path, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert secret.read_text() != old
+    assert "it replaced the earlier secret" in r.stdout, r.stdout

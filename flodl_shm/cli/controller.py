@@ -70,8 +70,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="resume: the <stem>.outer.fdl momentum of the checkpoint to continue")
     args = ap.parse_args(argv)
     if args.new_secret:
-        write_secret_file(args.new_secret)
-        print(f"wrote a new session secret to {args.new_secret}; copy it to every host")
+        replaced = Path(args.new_secret).exists()
+        try:
+            write_secret_file(args.new_secret)
+        except OSError as e:
+            print(f"controller: cannot write the secret file {args.new_secret}: {e}",
+                  file=sys.stderr)
+            return 2
+        print(f"wrote a new session secret to {args.new_secret}; copy it to every host"
+              + (" (it replaced the earlier secret: hosts holding that one are refused)"
+                 if replaced else ""))
         return 0
     missing = [f for f in ("bind", "world_size", "secret_file") if getattr(args, f) is None]
     if missing:
