@@ -107,3 +107,10 @@ def test_new_secret_says_when_it_replaces_one(tmp_path, secret):
     assert r.returncode == 0, r.stderr
     assert secret.read_text() != old
     assert "it replaced the earlier secret" in r.stdout, r.stdout
+
+
+def test_ram_with_a_root_without_meminfo_is_one_line(tmp_path):
+    r = _flodl(["ram", "--root", str(tmp_path / "empty_root")], tmp_path, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "ram: error:" in r.stderr and "proc/meminfo is missing" in r.stderr

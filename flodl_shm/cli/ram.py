@@ -268,7 +268,11 @@ def main(argv: Sequence[str] | None = None, prog: str | None = "python -m flodl_
 
     reaped = reap_dead_owner_segments(shm_dir) if a.reap else []
     segments = list_segments(shm_dir)
-    mem = host_memory(root, shm_dir=shm_dir, shm_total_bytes=a.shm_size)
+    try:
+        mem = host_memory(root, shm_dir=shm_dir, shm_total_bytes=a.shm_size)
+    except OSError as e:  # a --root without proc/meminfo, an unreadable --shm-dir
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
     checks = host_checks(mem, staging, a.local_ranks, wire_bf16=a.wire == "bf16",
                          segments=segments, train_bytes=a.train_bytes)
     ok = all(c.ok for c in checks if c.required)
