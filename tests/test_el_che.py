@@ -210,6 +210,12 @@ def test_fit_counts_is_the_one_rule_for_the_cap_and_the_dispatch():
     assert fit_counts([5, 5], 0) == [0, 0]
     # ... while ElChe's ratios keep their floor of 1
     assert fit_counts([10, 20, 40], 2, strict=False) == [1, 1, 1]
+    # the dispatcher's epoch tail: the remainder one batch each, in rank order
+    assert fit_counts([8, 8, 8, 8], 10, remainder="in_order") == [3, 3, 2, 2]
+    assert fit_counts([0, 8, 8, 8], 10, remainder="in_order") == [0, 4, 3, 3]
+    assert fit_counts([8, 8, 8, 8], 10) == [2, 2, 2, 4]          # the window cap's rule
+    with pytest.raises(ValueError, match="remainder must be"):
+        fit_counts([1], 0, remainder="last")
 
 
 # --- trust windows ---------------------------------------------------------------------------

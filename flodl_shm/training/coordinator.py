@@ -293,7 +293,7 @@ class Coordinator:
         if b.finished:
             return None
         bs = self.config.batch_size
-        counts = fit_counts(self.base_counts(), b.pool.remaining() // bs)
+        counts = fit_counts(self.base_counts(), b.pool.remaining() // bs, remainder="in_order")
         chunks: list[tuple[tuple[int, int], ...]] = []
         batches: list[int] = []
         for r in range(self.config.world_size):

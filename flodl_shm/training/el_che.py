@@ -46,14 +46,18 @@ class Phase(str, enum.Enum):
 # the sidecar stores the phase by these names (checkpoint.meta validates them)
 assert tuple(p.value for p in Phase) == ELCHE_PHASES
 
-def fit_counts(counts: Sequence[int], limit: int, *, strict: bool = True) -> list[int]:
+def fit_counts(counts: Sequence[int], limit: int, *, strict: bool = True,
+               remainder: str = "largest") -> list[int]:
     """Scale per-rank batch counts down to at most ``limit`` in total, proportionally.
 
     The runtime's one fitting rule: ElChe's epoch cap and the coordinator's
     dispatch near an epoch's end both use it. Counts that fit are returned
     unchanged. Otherwise each positive count becomes ``max(floor(c * limit /
-    total), 1)`` and what is left of ``limit`` goes to the largest count (on a tie
-    the highest rank, as flodl's ``max_by_key``). Zero counts (dead ranks) stay 0.
+    total), 1)``, and what is left of ``limit`` goes either to the largest count
+    (``remainder="largest"``, flodl's window cap; on a tie the highest rank, as
+    flodl's ``max_by_key``) or one batch each to the live ranks in rank order
+    (``remainder="in_order"``, flodl's ``clamp_total``: an epoch's tail split as
+    evenly as it divides). Zero counts (dead ranks) stay 0.
 
     Args:
         counts: per-rank batch counts (negative values count as 0).
@@ -63,7 +67,10 @@ def fit_counts(counts: Sequence[int], limit: int, *, strict: bool = True) -> lis
             dispatcher cannot hand out batches that do not exist. With
             ``strict=False`` the floor wins: ElChe's counts are ratios that the
             dispatcher apportions later.
+        remainder: ``"largest"`` or ``"in_order"`` (see above).
     """
+    if remainder not in ("largest", "in_order"):
+        raise ValueError(f"remainder must be 'largest' or 'in_order', got {remainder!r}")
     counts = [max(int(c), 0) for c in counts]
     total = sum(counts)
     if total <= limit:
@@ -71,7 +78,11 @@ def fit_counts(counts: Sequence[int], limit: int, *, strict: bool = True) -> lis
     limit = max(int(limit), 0)
     out = [max(math.floor(c * limit / total), 1) if c > 0 else 0 for c in counts]
     rem = limit - sum(out)
-    if rem > 0:
+    live = [i for i, c in enumerate(out) if c > 0]
+    if rem > 0 and remainder == "in_order" and live:
+        for k in range(rem):
+            out[live[k % len(live)]] += 1
+    elif rem > 0:
         largest = max(reversed(range(len(out))), key=lambda i: out[i])
         out[largest] += rem
     if strict:
