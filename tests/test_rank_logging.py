@@ -49,6 +49,29 @@ def test_each_trainer_log_line_appears_once(tmp_path):
     assert [b for b, n in bodies.items() if n > 1] == [], run.stderr
 
 
+TRAIN_ELCHE = f"""
+import logging, sys
+sys.path.insert(0, {HERE!r})
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from trainer_util import make_trainer
+    make_trainer(epochs=1, cadence="elche").run(2)
+"""
+
+
+def test_a_cohort_decision_is_logged_by_one_rank(tmp_path):
+    """ElChe's phase changes are decided identically on every rank; the launcher's log
+    shows each once (from the reporting rank), not once per rank."""
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_ELCHE)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=200)
+    assert run.returncode == 0, run.stderr
+    phases = [ln for ln in run.stderr.splitlines() if "ElChe phase" in ln]
+    assert phases, run.stderr
+    assert all("rank 0: " in ln for ln in phases), phases
+
+
 @pytest.mark.parametrize("cuda", [False, True])
 def test_staging_decision_claims_pinned_memory_only_with_cuda(cuda):
     on = decide_pinned_decode(1 << 20, 2, available_bytes=1 << 40, cuda=cuda, log=False)

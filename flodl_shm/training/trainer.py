@@ -398,6 +398,21 @@ def _setup_rank_logging(level: Optional[int], rank: int) -> None:
     lg.setLevel(level)
 
 
+class _CohortDecisionFilter(logging.Filter):
+    """ElChe's, the convergence guard's and the coordinator's decisions are computed
+    identically on every rank from the same gathered numbers: only the reporting rank
+    (the lowest live one) logs them, so each decision reads once in the launcher's log."""
+
+    MODULES = frozenset({"el_che", "convergence", "coordinator"})
+
+    def __init__(self, is_reporter: Callable[[], bool]) -> None:
+        super().__init__()
+        self.is_reporter = is_reporter
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.module not in self.MODULES or self.is_reporter()
+
+
 def window_seed(seed: int, rank: int, window: int) -> int:
     """The torch RNG seed of ``rank``'s training in ``window`` (a 63-bit hash of the
     three), so stochastic layers replay identically after a resume."""
@@ -472,6 +487,8 @@ class _RankRun:
         self._adopt_initial_weights()
         self.optimizer = tr.optimizer_fn(model.parameters())
         self.coord = self._coordinator(len(self.dataset))
+        logging.getLogger("flodl_shm").addFilter(_CohortDecisionFilter(
+            lambda: bool(self.coord.alive) and self.coord.alive[0] == self.rank))
         self._perm_epoch = -1
         self._perm = None
 
