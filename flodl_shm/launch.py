@@ -932,6 +932,18 @@ class SpawnContext:
                              message=stalled)
         else:
             err = _failure_error(global_rank, out, msg)
+        if self.arena.relay_error() is not None:
+            # the host's link to the controller is gone: no rank of it can continue, so
+            # this is not a rank death to tolerate; one line, then stop
+            with self._lock:
+                first = self._failure is None
+                if first:
+                    self._failure = err
+            if first:
+                logger.error("rank %d failed (%s): this host's relay failed, stopping the "
+                             "cohort", global_rank, out.exc_type or out.signal or out.exitcode)
+            self._abort(A.ABORT_FAILED)
+            return
         if failures > self.max_failures:
             with self._lock:
                 if self._failure is None:

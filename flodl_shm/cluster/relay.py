@@ -43,6 +43,9 @@ from .link import Kind, client_handshake, connect, parse_addr
 from ..engine.protocol import RoundEngine, decode_schema_words
 from .wire import check_salt
 
+#: Seconds between the relay's attempts to reach the controller (it may start later).
+CONNECT_RETRY_S = 0.5
+
 logger = logging.getLogger("flodl_shm")
 
 
@@ -120,7 +123,11 @@ class Relay:
     def _main(self) -> None:
         peer = f"{self.addr[0]}:{self.addr[1]}"
         try:
-            sock = connect(self.addr)
+            # give up connecting while the ranks still wait in their first round, so they
+            # learn "connection refused" rather than time out on a silent relay
+            budget_s = 30.0 if self.timeout is None else max(1.0, 0.5 * float(self.timeout))
+            sock = connect(self.addr, attempts=max(1, int(budget_s / CONNECT_RETRY_S)),
+                           delay=CONNECT_RETRY_S)
             ranks = list(range(self.first_rank, self.first_rank + self.nprocs))
             self._link = client_handshake(sock, self.salt, {
                 "host": self.host, "ranks": ranks, "world_size": self.world_size,
