@@ -55,14 +55,9 @@ def reference(world: int, windows: int, weights, lr=0.7, mu=0.9, bf16=False):
     return out, opt
 
 
-@pytest.mark.parametrize("stolen", [False, True])
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("world", [2, 3])
-def test_slice_steps_equal_the_whole_model_step(world, bf16, stolen):
-    """``stolen``: the last rank sleeps after arriving at the first window, so the others
-    reduce (and outer-step) its slice; it must still count that step like every rank."""
-    import time
-
+def test_slice_steps_equal_the_whole_model_step(world, bf16):
     weights = [3.0, 5.0, 2.0][:world]
     windows = 4
     want, opt = reference(world, windows, weights, bf16=bf16)
@@ -70,10 +65,6 @@ def test_slice_steps_equal_the_whole_model_step(world, bf16, stolen):
     def body(comm):
         comm.set_bf16_wire(bf16)
         comm.set_outer(OuterNesterov(0.7, 0.9))
-        comm._engine.steal = stolen
-        if stolen and comm.rank == world - 1:
-            comm.set_fault_hook(lambda phase, rnd: time.sleep(0.2)
-                                if phase == "arrived" and rnd == 0 else None)
         got = []
         for w in range(windows):
             params = rank_params(comm.rank, w)

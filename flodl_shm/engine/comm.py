@@ -121,7 +121,6 @@ class Comm:
                                    liveness=liveness or (lambda: None))
         if oversubscribed(arena.world):
             self._engine.waiter.yield_budget = YIELD_BUDGET_S
-            self._engine.oversubscribed = True
         self._round = 0
         self._broken: str | None = None
         self._bf16 = False
@@ -749,7 +748,8 @@ class Comm:
                 if hook is not None:
                     hook("arrived", rnd)
                 view = eng.await_arrivals(rnd)
-                eng.reduce_slices(view, direct if view.mass > 0.0 or kind != _MODEL else None)
+                eng.reduce_slice(view, self.local_rank,
+                                 direct if view.mass > 0.0 or kind != _MODEL else None)
                 eng.await_slices(view)
                 mass = eng.await_consensus(view) if eng.relay_mode else view.mass
                 cons = eng.consensus_array(view)

@@ -23,13 +23,10 @@ with a release store and read with acquire loads (``kernels/signals.py``):
        |   itself, in rank order, into private memory. Done: one sync point.
        |
        `-- bulk (large) rounds: reduce-scatter then all-gather.
-    REDUCED    rank j claims slice j (CAS on claim[j] = (N << 16) | j), reduces it
-       |       from every accepted contribution into the shared result region and
-       |       publishes  done[j] = N.  A dead rank's slice is claimed by one survivor
-       |       with a CAS on claim[j] = (N << 16) | taker and reduced by it (bit-
-       |       identical: same inputs, same order). With more ranks than cores, a rank
-       |       done with its own slice also claims every slice whose owner has not
-       |       (descheduled): the owner then finds claim[j] taken and skips it.
+    REDUCED    rank j reduces slice j of every accepted contribution into the
+       |       shared result region and publishes  done[j] = N.  A dead rank's slice
+       |       is claimed by one survivor with a CAS on claim[j] = (N << 16) | taker
+       |       and reduced by it (bit-identical: same inputs, same order).
        |   [cluster: the relay waits for every slice, ships the host partial
        |    (sums, never divided) to the controller and publishes consensus = N
        |    after writing the cohort consensus over the result region.]
@@ -220,10 +217,6 @@ class RoundEngine:
         self.outer_nelem = 0
         self.outer_loaded: np.ndarray | None = None  # momentum restored from a checkpoint
         self.outer_prev_loaded: np.ndarray | None = None  # prev global seeded for step 0
-        # reduce the slices of owners that have not started: None = when oversubscribed
-        # and no fault hook is installed (a hook's test expects each rank on its own slice)
-        self.steal: bool | None = None
-        self.oversubscribed = False
         self._outer_scratch = np.empty(0, np.float32)
         self.last_accepted = 0            # accepted-rank mask of the last completed arrival
         self.direct_slice: tuple[int, int] | None = None  # written to ``direct`` last round
@@ -638,39 +631,6 @@ class RoundEngine:
             np.copyto(out[s:e], new)
         else:
             K.f32_to_bf16(new, out[s:e])
-
-    def reduce_slices(self, view: RoundView, direct: np.ndarray | None = None) -> None:
-        """This rank's share of the reduce: its own slice, claimed first (a thief may have
-        taken it), and with ``steal`` on (more ranks than cores) every other slice whose
-        owner has not claimed it yet - the work of a descheduled owner is done by a rank
-        that is running instead of waited for (``steal`` None: when oversubscribed and no
-        fault hook is installed). ``direct`` as for :meth:`reduce_slice` (own slice
-        only)."""
-        me = self.rank
-        if self._claim(view, me):
-            self.reduce_slice(view, me, direct)
-        else:
-            self.direct_slice = None
-        steal = self.steal
-        if steal is None:
-            steal = self.oversubscribed and self.fault_hook is None
-        if steal:
-            own = self.direct_slice
-            for k in range(1, self.world):
-                j = (me + k) % self.world
-                if self._claim(view, j):
-                    self.reduce_slice(view, j)
-            self.direct_slice = own
-
-    def _claim(self, view: RoundView, j: int) -> bool:
-        """Claim slice ``j`` of round ``view.rnd`` for this rank; False when another rank
-        claimed it this round (or it is done already)."""
-        c = self.ctl
-        idx = A.rank_base(j) + A.R_CLAIM
-        cur = int(signals.load(c, idx))
-        if (cur >> 16) >= view.rnd or int(c[A.rank_base(j) + A.R_DONE]) >= view.rnd:
-            return False
-        return int(signals.cas(c, idx, cur, (view.rnd << 16) | self.rank)) == cur
 
     def _take_over(self, view: RoundView, j: int) -> bool:
         """Claim and reduce slice ``j`` if the rank responsible for it is dead."""
