@@ -212,22 +212,21 @@ class Comm:
     def outer_momentum(self) -> np.ndarray | None:
         """A copy of the outer momentum (flat f32) the next outer round continues from:
         the last outer round's, or the loaded one before the first; None if neither."""
-        eng = self._engine
-        if eng.outer is None:
-            return None
-        if eng.outer_steps == 0:
-            return None if eng.outer_loaded is None else eng.outer_loaded.copy()
-        return eng.outer_momentum().copy()
+        return self._outer_vector(self._engine.outer_loaded, RoundEngine.outer_momentum)
 
     def outer_prev(self) -> np.ndarray | None:
         """A copy of the global the next outer round steps from (flat f32): the last
         outer round's result, or the seeded prev before the first; None if neither."""
+        return self._outer_vector(self._engine.outer_prev_loaded, RoundEngine.outer_prev)
+
+    def _outer_vector(self, seeded: np.ndarray | None,
+                      written: Callable[[RoundEngine], np.ndarray]) -> np.ndarray | None:
         eng = self._engine
         if eng.outer is None:
             return None
         if eng.outer_steps == 0:
-            return None if eng.outer_prev_loaded is None else eng.outer_prev_loaded.copy()
-        return eng.outer_prev().copy()
+            return None if seeded is None else seeded.copy()
+        return written(eng).copy()
 
     def arm_checkpoint(self, path, schema, meta=None) -> None:
         """Capture the next MODEL rounds (the params frame, then the buffers frame: up to
@@ -617,13 +616,20 @@ class Comm:
     def _single_round(self, t: torch.Tensor, plan: RoundPlan, weight, scale: float,
                       out: np.ndarray | None) -> float:
         """Run a ``_single_plan`` round: in place (``out`` None) or into ``out``."""
-        weight = self._begin(weight)
         eng = self._engine
+        return self._eager_call(plan, weight, lambda rnd, w: eng.inplace_round(
+            t.data_ptr(), plan, rnd, w, scale, out))
+
+    def _eager_call(self, plan: RoundPlan, weight, call: Callable[[int, float], float]) -> float:
+        """An eager round's frame: validate the mass, take the round number, prepare the
+        slot, then ``call(round, mass)``; a failure goes through ``_fail`` (naming the
+        round) before it propagates."""
+        weight = self._begin(weight)
         rnd = self._round
-        eng.prepare(rnd, plan, False)
+        self._engine.prepare(rnd, plan, False)
         self._round = rnd + 1
         try:
-            return eng.inplace_round(t.data_ptr(), plan, rnd, weight, scale, out)
+            return call(rnd, weight)
         except BaseException as e:
             self._fail(rnd, e)
             raise
@@ -661,23 +667,18 @@ class Comm:
         ``upcast``). ``broadcast``: the local root of a broadcast round (its slot is
         the only one read; checked to be the only contributor). Returns the accepted
         mass."""
-        weight = self._begin(weight)
         eng = self._engine
-        rnd = self._round
-        eng.prepare(rnd, plan, False)
-        self._round = rnd + 1
-        try:
-            flags = ((A.FLAG_ELIDED if elided else 0) | (A.FLAG_ZERO_COPY if zero_copy else 0)
-                     | (0 if broadcast is None else A.FLAG_BROADCAST))
-            mass = eng.eager_round(plan, rnd, flags, weight,
-                                   count=count, scale=scale, out_f32=out, out_addr=out_addr,
-                                   upcast=upcast)
+        flags = ((A.FLAG_ELIDED if elided else 0) | (A.FLAG_ZERO_COPY if zero_copy else 0)
+                 | (0 if broadcast is None else A.FLAG_BROADCAST))
+
+        def call(rnd: int, w: float) -> float:
+            mass = eng.eager_round(plan, rnd, flags, w, count=count, scale=scale,
+                                   out_f32=out, out_addr=out_addr, upcast=upcast)
             if broadcast is not None:
                 eng.check_broadcast(rnd, eng.last_accepted, eng.last_contributors(), broadcast)
             return mass
-        except BaseException as e:
-            self._fail(rnd, e)
-            raise
+
+        return self._eager_call(plan, weight, call)
 
     def _run(self, plan: RoundPlan, weight: float, write: Callable | None, *,
              elided: bool = False, zero_copy: bool = False, outer: bool = False,

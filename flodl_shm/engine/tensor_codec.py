@@ -254,12 +254,7 @@ def decode_gathered(cons: np.ndarray, dtype: int, plan: RoundPlan,
         plan: the round's plan, its ``addrs`` filled by ``gather`` for ``tensors``.
         tensors: the destinations, in the plan's order.
     """
-    n = plan.ntensors
-    if dtype == DTYPE_F32:
-        skipped = TIO.decode_f32_scatter(cons, plan.addrs, n)
-    else:
-        skipped = TIO.decode_bf16_scatter(cons, plan.addrs, n)
-    if skipped:
+    if TIO.decode_scatter(cons, plan.addrs, plan.ntensors):
         for t, off, k in zip(tensors, plan.offs, plan.numels):
             if t.dtype is BF16:
                 decode_into_tensor(cons[off:off + k], dtype, t)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import carray, njit, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .codec import bf16_scaled_copy, bf16_to_f32, f32_scaled_copy, f32_to_bf16, f32_to_bf16_scaled
 
@@ -102,12 +102,27 @@ def decode_bf16_into(src, addr):
     bf16_to_f32(src, f32_at(addr, n))
 
 
+def _widen_into(src, dst):
+    """``dst[:] = src`` widened to float32 (compiled per source dtype, below)."""
+
+
+@overload(_widen_into)
+def _widen_into_impl(src, dst):
+    if src.dtype == types.uint16:
+        return lambda src, dst: bf16_to_f32(src, dst)
+
+    def copy(src, dst):
+        for k in range(src.shape[0]):
+            dst[k] = src[k]
+    return copy
+
+
 @njit(cache=True, nogil=True)
-def decode_f32_scatter(src, addrs, ntensors):
-    """Copy the consecutive segments of an f32 consensus into the float32 tensors at
-    ``addrs`` (laid out as ``eager_encode_round``'s: addresses, element counts, then 1
-    for a bfloat16 tensor); bfloat16 tensors are skipped for the caller. Returns how
-    many were skipped."""
+def decode_scatter(src, addrs, ntensors):
+    """Write the consecutive segments of a consensus (float32, or uint16 bf16 bits widened
+    exactly) into the float32 tensors at ``addrs`` (laid out as ``eager_encode_round``'s:
+    addresses, element counts, then 1 for a bfloat16 tensor); bfloat16 tensors are
+    skipped for the caller. Returns how many were skipped."""
     off = 0
     skipped = 0
     for i in range(ntensors):
@@ -115,24 +130,7 @@ def decode_f32_scatter(src, addrs, ntensors):
         if addrs[2 * ntensors + i]:
             skipped += 1
         else:
-            dst = f32_at(addrs[i], n)
-            for k in range(n):
-                dst[k] = src[off + k]
-        off += n
-    return skipped
-
-
-@njit(cache=True, nogil=True)
-def decode_bf16_scatter(src, addrs, ntensors):
-    """``decode_f32_scatter`` for a bf16 consensus (uint16 bits), widened exactly."""
-    off = 0
-    skipped = 0
-    for i in range(ntensors):
-        n = addrs[ntensors + i]
-        if addrs[2 * ntensors + i]:
-            skipped += 1
-        else:
-            bf16_to_f32(src[off:off + n], f32_at(addrs[i], n))
+            _widen_into(src[off:off + n], f32_at(addrs[i], n))
         off += n
     return skipped
 
@@ -152,5 +150,5 @@ def warm_up() -> None:
     decode_f32_into(np.zeros(8, np.float32), a)
     decode_bf16_into(np.zeros(8, np.uint16), a)
     addrs = np.array([a, 8, 0], np.int64)
-    decode_f32_scatter(np.zeros(8, np.float32), addrs, 1)
-    decode_bf16_scatter(np.zeros(8, np.uint16), addrs, 1)
+    decode_scatter(np.zeros(8, np.float32), addrs, 1)
+    decode_scatter(np.zeros(8, np.uint16), addrs, 1)
