@@ -156,6 +156,8 @@ class KillLauncherMidWrite(Hook):
 
     def __init__(self, stem: str, min_committed: int) -> None:
         self.stem, self.min_committed = stem, min_committed
+        # built in the launcher: its pid (a rank's parent is the rank server by default)
+        self.launcher_pid = os.getpid()
 
     def on_train_start(self, state) -> None:
         if state.rank == 0:
@@ -170,7 +172,7 @@ class KillLauncherMidWrite(Hook):
             time.sleep(0.01)
         while True:
             if any(in_flight.match(n) for n in os.listdir(folder)):
-                os.kill(os.getppid(), signal.SIGKILL)
+                os.kill(self.launcher_pid, signal.SIGKILL)
                 return  # the launcher's death takes this rank down
             time.sleep(0.0002)
 

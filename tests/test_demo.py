@@ -192,7 +192,11 @@ def test_an_earlier_run_is_kept_unless_overwrite(tmp_path, capsys):
     assert committed_checkpoints(run_dir / "ckpt")[-1][1] == second.train.checkpoint
 
 
-def test_command_line_checks():
+def test_command_line_checks(tmp_path):
+    from flodl_shm.cluster.secret import write_secret_file
+
+    secret = str(tmp_path / "s.hex")
+    write_secret_file(secret)
     with pytest.raises(SystemExit):
         parse_args(["--slow-rank", "1"])
     with pytest.raises(SystemExit):
@@ -203,10 +207,13 @@ def test_command_line_checks():
         parse_args(["--world-size", "4"])             # needs --controller
     with pytest.raises(SystemExit):
         parse_args(["--controller", "127.0.0.1:1", "--world-size", "4", "--first-rank", "3",
-                    "--secret-file", "s.hex"])        # ranks 3-4 of 4
+                    "--secret-file", secret])         # ranks 3-4 of 4
     # on a cluster the outer step runs in the controller (`controller --outer nesterov`)
     assert parse_args(["--controller", "127.0.0.1:1", "--world-size", "4", "--secret-file",
-                       "s.hex", "--outer", "nesterov"]).outer == "nesterov"
+                       secret, "--outer", "nesterov"]).outer == "nesterov"
+    with pytest.raises(SystemExit):                   # an unreadable secret file
+        parse_args(["--controller", "127.0.0.1:1", "--world-size", "4", "--secret-file",
+                    str(tmp_path / "missing.hex")])
     cfg = parse_args(["--slow-rank", "1:2.5", "--bf16-wire", "--outer", "nesterov"])
     assert cfg.slow_rank == (1, 2.5) and cfg.bf16_wire and cfg.outer == "nesterov"
     assert cfg.effective_cadence == "elche"

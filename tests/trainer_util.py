@@ -78,6 +78,8 @@ class KillAt(Hook):
         self.rank, self.window, self.batch = rank, window, batch
         self.target = target
         self.wait_for = None if wait_for is None else os.fspath(wait_for)
+        # built in the launcher: its pid (a rank's parent is the rank server by default)
+        self.launcher_pid = os.getpid()
 
     def on_batch_end(self, state, info) -> None:
         if state.rank != self.rank or info.window != self.window or info.batch != self.batch:
@@ -86,7 +88,7 @@ class KillAt(Hook):
             deadline = time.monotonic() + 30
             while not os.path.exists(self.wait_for) and time.monotonic() < deadline:
                 time.sleep(0.01)
-        pid = os.getppid() if self.target == "launcher" else os.getpid()
+        pid = self.launcher_pid if self.target == "launcher" else os.getpid()
         os.kill(pid, signal.SIGKILL)
         time.sleep(30)  # the launcher's death takes this rank down (PDEATHSIG)
 
