@@ -1,13 +1,14 @@
 """Performance regression guard: every public collective at 4 KiB stays within a
 fixed ratio of the fused in-place path (``all_reduce_``), measured in the same run.
 
-The goal (issue 15) is 1.5x. On a quiet 2-core machine the frame API still measures
-about 2.0-2.5x and the other APIs at most 1.9x (the in-place round is ~8 us; the gap
-is per-call Python: a result tensor's creation, frame checks, payload copies), so the
-guard holds the line at ``LIMIT`` = 2.5x for every API but the frame one, which keeps
-``FRAME_LIMIT`` = 3.0x - a regression past the present state fails - and both are to
-be tightened to ``GOAL`` as the generic path gets cheaper. Under load (load average
-6-9) every API measures 0.9-1.1x: the rounds then wait on futex sleeps, not Python.
+The goal (issue 15) is 1.5x, and the guard enforces it (``LIMIT``) for every API that
+meets it on a quiet 2-core machine: the tensor-returning APIs on one f32 tensor run as one
+compiled call (1.22-1.30x), per-rank 1.09-1.15x, barrier 0.7x. Three are not there yet and
+keep a limit of their own (``LIMITS``) a little above today's quiet figures, so a
+regression past the present state fails: zero-copy 1.43x (limit 1.8x), broadcast
+1.55-1.73x (2.0x), the frame API 1.89-1.99x (2.5x: frame validation and payload copies).
+Under load (load average 6-9) every API measures 0.9-1.1x: the rounds then wait on futex
+sleeps, not Python.
 
 Ratios, never absolute times: the test runs on loaded 2-core machines. Two real
 processes (``spawn``) run every API in interleaved batches (one batch of each API per
@@ -31,10 +32,9 @@ from engine_util import assert_no_leaks  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-GOAL = 1.5   # the target of issue 15, not met yet on a quiet machine
-LIMIT = 2.5  # what the guard enforces today (quiet-machine maximum 1.9x)
-FRAME_LIMIT = 3.0  # all_reduce(RoundFrame): frame validation and payload copies (quiet: 2.5x)
-LIMITS = {"api-frame": FRAME_LIMIT}
+LIMIT = 1.5  # issue 15's target, for every API that meets it on a quiet machine
+# the APIs not there yet: a limit above today's quiet figures (see the module doc)
+LIMITS = {"api-zero-copy": 1.8, "api-broadcast": 2.0, "api-frame": 2.5}
 NBYTES = 4 << 10
 REPS = 25
 BATCH = 40
@@ -86,4 +86,4 @@ def test_every_api_within_limit_of_the_inplace_path():
         if not over:
             return
     raise AssertionError(f"APIs over their limit ({LIMIT}x the in-place path at 4 KiB, "
-                         f"frame {FRAME_LIMIT}x) in two measurements: " + " | ".join(reports))
+                         f"else {LIMITS}) in two measurements: " + " | ".join(reports))
