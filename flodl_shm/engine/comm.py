@@ -486,6 +486,15 @@ class Comm:
         is_root = self.rank == root
         eng = self._engine
         local_root = None if eng.relay_mode else root - (self.rank - self.local_rank)
+        if len(tensors) == 1 and local_root is not None:
+            t = tensors[0]
+            plan = self._single_plan(t, _CONTROL, False)
+            if plan is not None:
+                # the root's copy-in, the round and the copy into a fresh result: one call
+                arr = self._codec.results.take(plan.nelem, np.float32)
+                self._single_round(t, plan, 0.0, 1.0, arr, broadcast=local_root)
+                res = torch.from_numpy(arr)
+                return [res if t.dim() == 1 else res.view(t.shape)]
         plan = self._fused_plan(tensors, _CONTROL, DTYPE_F32, False)
         if plan is not None:  # never in relay mode
             res, out, addr = self._codec.fused_result(plan, None)
@@ -614,11 +623,21 @@ class Comm:
         return plan if plan.eager_fits else None
 
     def _single_round(self, t: torch.Tensor, plan: RoundPlan, weight, scale: float,
-                      out: np.ndarray | None) -> float:
-        """Run a ``_single_plan`` round: in place (``out`` None) or into ``out``."""
+                      out: np.ndarray | None, broadcast: int | None = None) -> float:
+        """Run a ``_single_plan`` round: in place (``out`` None) or into ``out``;
+        ``broadcast``: the local root of a broadcast round into ``out``."""
         eng = self._engine
-        return self._eager_call(plan, weight, lambda rnd, w: eng.inplace_round(
-            t.data_ptr(), plan, rnd, w, scale, out))
+        if broadcast is None:
+            return self._eager_call(plan, weight, lambda rnd, w: eng.inplace_round(
+                t.data_ptr(), plan, rnd, w, scale, out))
+        flags = A.FLAG_BROADCAST | (0 if broadcast == self.local_rank else A.FLAG_ELIDED)
+
+        def call(rnd: int, w: float) -> float:
+            mass = eng.inplace_round(t.data_ptr(), plan, rnd, w, scale, out, flags)
+            eng.check_broadcast(rnd, eng.last_accepted, eng.last_contributors(), broadcast)
+            return mass
+
+        return self._eager_call(plan, weight, call)
 
     def _eager_call(self, plan: RoundPlan, weight, call: Callable[[int, float], float]) -> float:
         """An eager round's frame: validate the mass, take the round number, prepare the

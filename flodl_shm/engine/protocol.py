@@ -412,13 +412,14 @@ class RoundEngine:
         return view.mass
 
     def inplace_round(self, addr: int, plan: RoundPlan, rnd: int, weight: float,
-                      scale: float, out: np.ndarray | None = None) -> float:
+                      scale: float, out: np.ndarray | None = None, flags: int = 0) -> float:
         """The whole small average of one contiguous f32 tensor (at ``addr``,
         ``plan.nelem`` elements, f32 wire; the plan's schema already in the slot): one
         compiled call in the fast case. In place when ``out`` is None (a MODEL round
         that realized nothing then leaves the tensor untouched), else into ``out`` (a
         fresh f32 result of ``plan.nelem``, written whatever the mass, as the general
-        round does). Returns the accepted mass."""
+        round does; with ``flags`` a broadcast's: FLAG_BROADCAST, and FLAG_ELIDED on the
+        readers, whose copy-in nobody reads). Returns the accepted mass."""
         kind = plan.kind
         if out is None:
             code = RK.eager_inplace_f32(addr, plan.nelem, scale, self.ctl, self.ctl_f64,
@@ -429,7 +430,7 @@ class RoundEngine:
         else:
             code = RK.eager_copy_f32(addr, plan.nelem, scale, out, self.ctl, self.ctl_f64,
                                      self.ctl32, self._eager_all, self.arena.eager_bytes,
-                                     self.world, self.rank, rnd, kind, 0, weight, plan.shash,
+                                     self.world, self.rank, rnd, kind, flags, weight, plan.shash,
                                      len(plan.words), self.waiter.spin_iters, self._info,
                                      self._mass, self._acc)
         if code == RK.OK:
