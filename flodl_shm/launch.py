@@ -520,15 +520,12 @@ class _RankServer(forkserver.ForkServer):
 
     def stop(self) -> None:
         """Kill and reap the server (every rank it forked is reaped already)."""
+        self.kill()
         pid, self._forkserver_pid = self._forkserver_pid, None
         if self._forkserver_alive_fd is not None:
             os.close(self._forkserver_alive_fd)
             self._forkserver_alive_fd = None
         if pid is not None:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             try:
                 os.waitpid(pid, 0)
             except ChildProcessError:

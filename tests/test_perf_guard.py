@@ -2,13 +2,12 @@
 fixed ratio of the fused in-place path (``all_reduce_``), measured in the same run.
 
 The goal (issue 15) is 1.5x, and the guard enforces it (``LIMIT``) for every API that
-meets it on a quiet 2-core machine: the tensor-returning APIs on one f32 tensor run as one
-compiled call (1.22-1.30x), and so does ``broadcast_from_root`` (1.27-1.39x), per-rank
-1.09-1.15x, barrier 0.7x. Two are not there yet and keep a limit of their own
-(``LIMITS``) a little above today's quiet figures, so a regression past the present state
-fails: zero-copy 1.33-1.45x (limit 1.8x), the frame API 1.85-2.0x (2.5x: frame validation
-and payload copies).
-Under load (load average 6-9) every API measures 0.9-1.1x: the rounds then wait on futex
+meets it on a quiet 2-core machine: the tensor-returning APIs on one f32 tensor run as
+one compiled call (1.10-1.42x over ten quiet runs), and so does ``broadcast_from_root``
+(1.27-1.39x); per-rank 0.99-1.18x, barrier 0.6-0.8x. Two are not there yet and keep a
+limit of their own (``LIMITS``) a little above today's quiet figures, so a regression
+past the present state fails: zero-copy 1.33-1.53x (limit 1.8x), the frame API
+1.85-2.12x (2.5x: frame validation and payload copies). Under load (load average 6-9) every API measures 0.9-1.1x: the rounds then wait on futex
 sleeps, not Python.
 
 Ratios, never absolute times: the test runs on loaded 2-core machines. Two real

@@ -196,8 +196,9 @@ class ClusterController:
 
     def load_outer_momentum(self, tensors) -> None:
         """Restore the outer momentum (in params order) before the first outer round."""
-        self._outer_loaded = np.concatenate([t.detach().reshape(-1).float().numpy()
-                                             for t in tensors])
+        from ..engine.tensor_codec import flat_f32  # torch: only where tensors come in
+
+        self._outer_loaded = flat_f32(tensors)
 
     # -- accept ----------------------------------------------------------------------
     def _accept_loop(self) -> None:

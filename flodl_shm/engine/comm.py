@@ -75,6 +75,7 @@ from .tensor_codec import (
     check_tensors,
     decode_gathered,
     decode_into_tensor,
+    flat_f32,
     flat_part,
     wire_views,
 )
@@ -205,8 +206,8 @@ class Comm:
             momentum: the outer momentum to continue from; ``None``: fresh momentum.
         """
         eng = self._engine
-        eng.outer_prev_loaded = None if prev is None else _flat_f32(prev)
-        eng.outer_loaded = None if momentum is None else _flat_f32(momentum)
+        eng.outer_prev_loaded = None if prev is None else flat_f32(prev)
+        eng.outer_loaded = None if momentum is None else flat_f32(momentum)
         eng.outer_steps = 0
 
     def outer_momentum(self) -> np.ndarray | None:
@@ -358,14 +359,11 @@ class Comm:
         scale = float(scale)
         outer = outer and kind == _MODEL
         if len(tensors) == 1 and dtype == DTYPE_F32 and armed is None:
-            t = tensors[0]
-            plan = self._single_plan(t, kind, outer)
+            plan = self._single_plan(tensors[0], kind, outer)
             if plan is not None:
                 # copy-in, round and the reduce into a fresh result: one compiled call
-                arr = self._codec.results.take(plan.nelem, np.float32)
-                mass = self._single_round(t, plan, weight, scale, arr)
-                res = torch.from_numpy(arr)
-                return [res if t.dim() == 1 else res.view(t.shape)], mass
+                res, mass = self._single_result(tensors[0], plan, weight, scale)
+                return [res], mass
         plan = self._fused_plan(tensors, kind, dtype, outer)
         if plan is not None:
             res, out, addr = self._codec.fused_result(plan, armed)
@@ -487,14 +485,10 @@ class Comm:
         eng = self._engine
         local_root = None if eng.relay_mode else root - (self.rank - self.local_rank)
         if len(tensors) == 1 and local_root is not None:
-            t = tensors[0]
-            plan = self._single_plan(t, _CONTROL, False)
+            plan = self._single_plan(tensors[0], _CONTROL, False)
             if plan is not None:
                 # the root's copy-in, the round and the copy into a fresh result: one call
-                arr = self._codec.results.take(plan.nelem, np.float32)
-                self._single_round(t, plan, 0.0, 1.0, arr, broadcast=local_root)
-                res = torch.from_numpy(arr)
-                return [res if t.dim() == 1 else res.view(t.shape)]
+                return [self._single_result(tensors[0], plan, 0.0, 1.0, local_root)[0]]
         plan = self._fused_plan(tensors, _CONTROL, DTYPE_F32, False)
         if plan is not None:  # never in relay mode
             res, out, addr = self._codec.fused_result(plan, None)
@@ -638,6 +632,15 @@ class Comm:
             return mass
 
         return self._eager_call(plan, weight, call)
+
+    def _single_result(self, t: torch.Tensor, plan: RoundPlan, weight, scale: float,
+                       broadcast: int | None = None) -> tuple[torch.Tensor, float]:
+        """A ``_single_round`` into a result buffer the caller keeps (the codec's pool),
+        shaped like ``t``; returns (result, accepted mass)."""
+        arr = self._codec.results.take(plan.nelem, np.float32)
+        mass = self._single_round(t, plan, weight, scale, arr, broadcast)
+        res = torch.from_numpy(arr)
+        return (res if t.dim() == 1 else res.view(t.shape)), mass
 
     def _eager_call(self, plan: RoundPlan, weight, call: Callable[[int, float], float]) -> float:
         """An eager round's frame: validate the mass, take the round number, prepare the
@@ -790,12 +793,6 @@ class Comm:
     def __repr__(self) -> str:
         return (f"Comm(rank={self.rank}/{self.world_size}, local={self.local_rank}/"
                 f"{self.local_world_size}, round={self._round}, bf16_wire={self._bf16})")
-
-
-def _flat_f32(tensors: Sequence[torch.Tensor]) -> np.ndarray:
-    """One flat float32 copy of ``tensors`` (in order)."""
-    flat = [t.detach().reshape(-1).to(torch.float32).numpy() for t in tensors]
-    return np.concatenate(flat) if flat else np.empty(0, np.float32)
 
 
 def _write_payloads(payloads, dst: np.ndarray, plan: RoundPlan, np_dtype) -> None:

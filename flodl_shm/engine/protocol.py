@@ -419,7 +419,7 @@ class RoundEngine:
         that realized nothing then leaves the tensor untouched), else into ``out`` (a
         fresh f32 result of ``plan.nelem``, written whatever the mass, as the general
         round does; with ``flags`` a broadcast's: FLAG_BROADCAST, and FLAG_ELIDED on the
-        readers, whose copy-in nobody reads). Returns the accepted mass."""
+        readers, which copy nothing in). Returns the accepted mass."""
         kind = plan.kind
         if out is None:
             code = RK.eager_inplace_f32(addr, plan.nelem, scale, self.ctl, self.ctl_f64,

@@ -242,6 +242,17 @@ def decode_into_tensor(src: np.ndarray, dtype: int, t: torch.Tensor) -> None:
         t.copy_(tmp.view(t.shape))
 
 
+def flat_f32(tensors: Sequence[torch.Tensor]) -> np.ndarray:
+    """One flat float32 copy of ``tensors``, in order (e.g. an outer optimizer's state
+    in the params frame's layout).
+
+    Args:
+        tensors: CPU tensors of any floating dtype.
+    """
+    flat = [t.detach().reshape(-1).to(torch.float32).numpy() for t in tensors]
+    return np.concatenate(flat) if flat else np.empty(0, np.float32)
+
+
 def decode_gathered(cons: np.ndarray, dtype: int, plan: RoundPlan,
                     tensors: Sequence[torch.Tensor]) -> None:
     """Write a fused round's consensus into the tensors ``TensorCodec.gather`` recorded in

@@ -315,7 +315,9 @@ def _eager_single_f32(src, dst, keep_on_empty, scale, ctl, ctl_f64, ctl32, eager
     n = src.shape[0]
     base = (2 * me + (rnd & 1)) * slot_bytes + nwords * 8
     slot = eager[base:base + 4 * n].view(np.float32)
-    if scale == 1.0:
+    if flags & FLAG_ELIDED:
+        pass  # contributes nothing (a broadcast's reader): nobody reads the slot
+    elif scale == 1.0:
         for i in range(n):
             slot[i] = src[i]
     else:

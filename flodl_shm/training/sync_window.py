@@ -32,7 +32,7 @@ identically on these gathered values.
 reduce; the params round's accepted mass says whose work is *in* the consensus.
 They agree unless a rank died in between (after arriving at the gather, before
 arriving at the params round). :attr:`WindowSync.shortfall` flags that case and
-:func:`accepted_ranks` names the ranks whose contribution the params round
+:attr:`WindowSync.accepted` names the ranks whose contribution the params round
 accepted, so the coordinator can settle coverage on what was realized.
 """
 from __future__ import annotations
@@ -59,7 +59,6 @@ __all__ = [
     "ReplicaReduce",
     "SyncWindow",
     "WindowSync",
-    "accepted_ranks",
     "expected_params_mass",
     "gather_columns",
     "gather_counts",
@@ -202,15 +201,6 @@ def expected_params_mass(counts: CohortCounts, gamma: float) -> float:
     return total
 
 
-def accepted_ranks(comm) -> set[int]:
-    """Global ranks whose contribution the last collective round accepted.
-
-    ``Comm.last_accepted_ranks()``: on one host the whole accepted set; on a
-    cluster this host's ranks only.
-    """
-    return {int(r) for r in comm.last_accepted_ranks()}
-
-
 @dataclass(frozen=True)
 class WindowSync:
     """What one rank's reduce did.
@@ -286,9 +276,6 @@ class ReplicaReduce:
         self._pre = ([torch.empty_like(p, dtype=torch.float32) for p in self.params]
                      if drift else None)
         self._together = bool(self._live_buffers) and buffers == "work" and not self.outer
-
-    def tensor_count(self) -> int:
-        return len(self.params) + len(self.buffers)
 
     def align_on(self, comm, root: int = 0) -> None:
         """Overwrite this replica's parameters and floating-point buffers with rank
@@ -389,15 +376,8 @@ class SyncWindow:
     """
 
     def __init__(self, model: torch.nn.Module, *, gamma: float = 1.0, outer: bool = False) -> None:
-        self.model = model
         self.gamma = float(gamma)
-        self.outer = bool(outer)
         self.replica = ReplicaReduce(model, outer=outer, buffers="movers")
-        self.params = self.replica.params
-        self.buffers = self.replica.buffers
-
-    def tensor_count(self) -> int:
-        return self.replica.tensor_count()
 
     def sync(self, comm, batches: int, counts: CohortCounts) -> WindowSync:
         """Reduce and adopt (or keep local when the whole cohort was idle).
