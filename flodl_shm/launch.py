@@ -582,10 +582,10 @@ class _ServedRankProcess(mp_context.ForkServerProcess):
 
 def _warm_kernels(nprocs: int) -> None:
     """Compile (or load) every kernel here, once, so ranks only read numba's cache."""
-    from .kernels import outer_step, permutation, rounds, signals, tensorio, warm_up
+    from .kernels import cma, outer_step, permutation, rounds, signals, tensorio, warm_up
 
     warm_up(max_sources=max(4, nprocs))
-    for module in (signals, rounds, tensorio, outer_step, permutation):
+    for module in (signals, rounds, tensorio, outer_step, permutation, cma):
         module.warm_up()
 
 
@@ -634,7 +634,8 @@ class SpawnContext:
         with _signals_deferred():  # an interrupt now finds the arena owned by a context
             self.arena = A.Arena.create(nprocs, eager_bytes=eager_bytes, first_rank=first_rank,
                                         global_world=world_size,
-                                        relay=relay_factory is not None)
+                                        relay=relay_factory is not None,
+                                        direct=max_failures == 0)
             try:
                 self._doorbell = Doorbell(self.arena.ctl)
                 self.tap = TapServer(self.arena)  # the consensus-checkpoint forge of this host

@@ -31,22 +31,27 @@ class FakeCohort:
         timeout: per-collective deadline passed to every Comm (seconds).
         eager_bytes: size of each eager slot (small-round threshold).
         spin_iters: override the spin budget (iterations) of every Comm.
+        direct: let large rounds run as direct rounds (``engine/direct.py``), as under
+            ``spawn(max_failures=0)``; then no rank may be declared dead mid-run.
     """
 
     def __init__(self, world_size: int, *, timeout: float | None = 60.0,
-                 eager_bytes: int | None = None, spin_iters: int | None = None) -> None:
+                 eager_bytes: int | None = None, spin_iters: int | None = None,
+                 direct: bool = False) -> None:
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         self.world_size = world_size
         self.timeout = timeout
         self.eager_bytes = eager_bytes
         self.spin_iters = spin_iters
+        self.direct = direct
         self.arena: A.Arena | None = None
         self.tap: TapServer | None = None
         self._comms: dict[int, Comm] = {}
 
     def __enter__(self) -> "FakeCohort":
-        self.arena = A.Arena.create(self.world_size, eager_bytes=self.eager_bytes)
+        self.arena = A.Arena.create(self.world_size, eager_bytes=self.eager_bytes,
+                                    direct=self.direct)
         self.tap = TapServer(self.arena)
         return self
 

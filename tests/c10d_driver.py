@@ -179,6 +179,8 @@ def sc_collectives(rank: int, world: int) -> dict:
             errors[what] = str(e)
     res["errors"] = errors
     dist.barrier()  # the errors above left every rank in step
+    group = dist.distributed_c10d._get_default_group()  # the backend object itself
+    res["direct_state"] = group.comm._engine.direct.state
     return res
 
 

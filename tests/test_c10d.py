@@ -63,6 +63,15 @@ def one_host(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def one_host_direct(tmp_path_factory):
+    # every float32 reduce of 64 bytes or more runs as a direct round (engine/direct.py)
+    res = run_group("collectives", 2, tmp_path_factory.mktemp("c10d1d"),
+                    extra_env={"FLODL_SHM_DIRECT_MIN_BYTES": "64"})
+    _no_segments_of(res)
+    return res
+
+
+@pytest.fixture(scope="module")
 def two_hosts(tmp_path_factory):
     # ranks 0 and 2 share host "a", rank 1 is alone on "b": uneven, interleaved hosts
     res = run_group("collectives", 3, tmp_path_factory.mktemp("c10d2"), hosts=["a", "b", "a"],
@@ -142,6 +151,15 @@ def test_every_collective_and_dtype_on_one_host(one_host):
     check_collectives(one_host)
 
 
+def test_every_collective_and_dtype_through_direct_rounds(one_host, one_host_direct):
+    check_collectives(one_host_direct)
+    # the big SUM probed, the big AVG ran direct: the same bits as the shared path
+    assert [r["direct_state"] for r in one_host_direct] == ["ready"] * 2
+    assert [r["direct_state"] for r in one_host] == ["unprobed"] * 2  # nothing that large
+    for a, b in zip(one_host, one_host_direct):
+        assert same_bits(a["all_reduce_big_avg"], b["all_reduce_big_avg"])
+
+
 @pytest.mark.slow
 def test_every_collective_and_dtype_across_two_hosts(two_hosts):
     check_collectives(two_hosts, rank_order_sums=False)
@@ -192,10 +210,13 @@ def test_periodic_model_averager(tmp_path):
         torch.testing.assert_close(p0, g, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["shared", "direct"])
 @pytest.mark.parametrize("victim", [0, 1], ids=["leader_dies", "peer_dies"])
-def test_a_dead_peer_makes_the_others_raise_naming_it(tmp_path, victim):
-    res = run_group("peer_dies", 2, tmp_path, extra_env={"C10D_VICTIM": str(victim),
-                                                          "C10D_TIMEOUT": "30"})
+def test_a_dead_peer_makes_the_others_raise_naming_it(tmp_path, victim, direct):
+    env = {"C10D_VICTIM": str(victim), "C10D_TIMEOUT": "30"}
+    if direct:
+        env["FLODL_SHM_DIRECT_MIN_BYTES"] = "16"
+    res = run_group("peer_dies", 2, tmp_path, extra_env=env)
     survivor = res[1 - victim]
     assert res[victim] is None  # SIGKILLed before writing anything
     assert survivor["error"] is not None

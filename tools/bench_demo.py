@@ -3,6 +3,7 @@
     python tools/bench_demo.py                 # 3 repeats of every variant (~1-2 min)
     python tools/bench_demo.py --repeats 5 --json demo_bench.jsonl
     python tools/bench_demo.py --overhead      # LocalSGD.sync vs all_reduce_, one rank
+    python tools/bench_demo.py --big-model     # LocalSGD sync of a 64 MiB model vs memcpy
 
 Every variant trains the demo's recipe (``flodl_shm.cli.demo``: MLP 64-128-10 on
 scikit-learn digits, batch 32, SGD lr 0.05 momentum 0.9, 30 epochs, seed 42) on 2
@@ -289,6 +290,48 @@ def window_overhead(calls: int = 2000, repeats: int = 5) -> tuple[float, float]:
     return min(lsgd), min(bare)
 
 
+def _big_model_worker(ctx, nbytes: int, syncs: int):
+    """One rank of ``big_model_sync``: per sync, the slowest rank's time comes from the
+    launcher's fold; memcpy of the same bytes in this rank, same run."""
+    import torch
+
+    from flodl_shm import LocalSGD
+
+    torch.set_num_threads(1)
+    width = 2048
+    layers = max(1, nbytes // (4 * width * width))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    sgd = LocalSGD(model, sync_every=1 << 30, comm=ctx.comm)
+    params = sum(p.numel() for p in model.parameters()) * 4
+    times, copies = [], []
+    src = torch.ones(params // 4)
+    dst = torch.empty_like(src)
+    for _ in range(syncs + 2):
+        ctx.comm.barrier()
+        sgd.step(samples=BATCH)
+        t0 = time.perf_counter()
+        sgd.sync()
+        times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        copies.append(time.perf_counter() - t0)
+    return params, times[2:], copies[2:], ctx.comm._engine.direct.state
+
+
+def big_model_sync(nbytes: int = 64 << 20, syncs: int = 15) -> dict:
+    """LocalSGD averaging of a ``nbytes`` model (2048 x 2048 Linear layers) on 2 ranks:
+    median over syncs of the slowest rank's ``sync()``, against one memcpy (torch
+    ``copy_``) of the same bytes in the same ranks (median over ranks and syncs)."""
+    from flodl_shm import spawn
+
+    out = spawn(_big_model_worker, WORLD, (nbytes, syncs))
+    params = out[0][0]
+    sync = statistics.median(max(r[1][i] for r in out) for i in range(syncs))
+    copy = statistics.median(c for r in out for c in r[2])
+    return {"bytes": params, "sync_ms": sync * 1e3, "memcpy_ms": copy * 1e3,
+            "path": out[0][3]}
+
+
 def table(results: dict[str, list[dict]]) -> str:
     def med(rows, key):
         vals = [r[key] for r in rows if r.get(key) is not None]
@@ -317,7 +360,17 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="append one JSON record per run to this file")
     ap.add_argument("--overhead", action="store_true",
                     help="only the per-call cost on one rank: LocalSGD.sync vs all_reduce_")
+    ap.add_argument("--big-model", metavar="MIB", type=int, nargs="?", const=64,
+                    help="only LocalSGD averaging of a MIB-MiB model on 2 ranks (default "
+                         "64) against one memcpy of it")
     args = ap.parse_args(argv)
+    if args.big_model:
+        r = big_model_sync(args.big_model << 20)
+        print(f"LocalSGD sync of a {r['bytes'] / 2**20:.0f} MiB model, {WORLD} ranks "
+              f"(large rounds: {'direct' if r['path'] == 'ready' else 'shared memory'}): "
+              f"{r['sync_ms']:.2f} ms; one memcpy of it {r['memcpy_ms']:.2f} ms: "
+              f"{r['sync_ms'] / r['memcpy_ms']:.2f}x")
+        return 0
     if args.overhead:
         lsgd, bare = window_overhead()
         print(f"one rank, no peer to wait for: LocalSGD step+sync {lsgd:.1f} µs, bare "

@@ -192,7 +192,9 @@ def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
     try:
         if topo.is_leader:
             reap_dead_owner_segments()  # e.g. a leader of torchrun's failed attempt
-            arena = A.Arena.create(len(local), first_rank=0, global_world=len(local))
+            # a dead peer fails the group's collectives: large rounds may go direct
+            arena = A.Arena.create(len(local), first_rank=0, global_world=len(local),
+                                   direct=True)
             store.set(key, pickle.dumps(arena.handle))
         else:
             arena = A.Arena.attach(pickle.loads(store.get(key)))

@@ -150,8 +150,14 @@ class Arena:
     def create(cls, world: int, *, eager_bytes: int | None = None,
                owner_pid: int | None = None, session: str | None = None,
                first_rank: int = 0, global_world: int | None = None,
-               relay: bool = False) -> "Arena":
-        """Create every segment of a new arena (the caller becomes its owner)."""
+               relay: bool = False, direct: bool = False) -> "Arena":
+        """Create every segment of a new arena (the caller becomes its owner).
+
+        ``direct``: a dead rank stops this cohort (nobody continues on realized work),
+        so large rounds may move data between the ranks' private memory
+        (``engine/direct.py``); ``FLODL_SHM_DIRECT=0`` in this process's environment
+        turns it off.
+        """
         import os
 
         if not 1 <= world <= MAX_LOCAL_RANKS:
@@ -202,6 +208,7 @@ class Arena:
         c[G_CONSENSUS] = -1
         c[G_RESULT_CAP] = _PAGE
         c[G_RELAY] = 1 if relay else 0
+        c[G_DIRECT] = 1 if direct and not relay and direct_allowed_by_env() else 0
         c[G_FIRST_RANK] = first_rank
         c[G_GLOBAL_WORLD] = global_world if global_world is not None else world
         c[G_VERSION] = VERSION
@@ -369,6 +376,15 @@ class Arena:
     def __repr__(self) -> str:
         return (f"Arena(session={self.handle.session}, world={self.world}, "
                 f"eager={self.eager_bytes} B, owner={self.owner})")
+
+
+def direct_allowed_by_env() -> bool:
+    """False when ``FLODL_SHM_DIRECT`` is 0/false/no/off (read by an arena's owner at
+    creation: it decides for the whole arena)."""
+    import os
+
+    return os.environ.get("FLODL_SHM_DIRECT", "1").strip().lower() not in ("0", "false", "no",
+                                                                         "off")
 
 
 def slice_bounds(nelem: int, parts: int, index: int, align: int = 16) -> tuple[int, int]:

@@ -369,12 +369,18 @@ class Comm:
             res, out, addr = self._codec.fused_result(plan, armed)
             return res, self._fused_round(plan, weight, len(tensors), scale, out, addr, True)
         plan = self._engine.plan(kind, dtype, tuple(check_tensors(tensors)))
+        how = self._direct_mode(plan, outer)
+        if how == A.FLAG_DIRECT:
+            flat = self._codec.flat_result(plan.nelem, armed)
+            mass = self._direct_call(tensors, plan, weight, scale, flat)
+            return self._codec.views(flat, plan), mass
 
         def write(dst: np.ndarray, plan: RoundPlan) -> None:
             self._codec.encode(tensors, dst, plan, dtype, scale, self._engine.fault_hook,
                                self._round)
 
-        cons, mass = self._run(plan, weight, write, outer=outer)
+        cons, mass = self._run(plan, weight, write, outer=outer,
+                               probe=how == A.FLAG_DIRECT_PROBE)
         return self._codec.decode(cons, dtype, plan, armed), mass
 
     def all_reduce_weighted(self, tensors: Sequence[torch.Tensor], kind=RoundKind.MODEL,
@@ -414,6 +420,9 @@ class Comm:
                             plan, tensors)
             return mass
         plan = eng.plan(kind, dtype, tuple(check_tensors(tensors)))
+        how = self._direct_mode(plan, outer)
+        if how == A.FLAG_DIRECT:
+            return self._direct_call(tensors, plan, weight, scale, None)
 
         def write(dst: np.ndarray, plan: RoundPlan) -> None:
             self._codec.encode(tensors, dst, plan, dtype, scale, eng.fault_hook, self._round)
@@ -422,7 +431,8 @@ class Comm:
         if (len(tensors) == 1 and tensors[0].dtype is F32 and tensors[0].is_cpu
                 and tensors[0].is_contiguous()):
             direct = tensors[0].detach().view(-1).numpy()
-        cons, mass = self._run(plan, weight, write, outer=outer, direct=direct)
+        cons, mass = self._run(plan, weight, write, outer=outer, direct=direct,
+                               probe=how == A.FLAG_DIRECT_PROBE)
         if kind == _MODEL and mass <= 0.0:
             return mass
         done = eng.direct_slice if direct is not None else None
@@ -496,12 +506,16 @@ class Comm:
                               elided=not is_root, broadcast=local_root)
             return res
         plan = eng.plan(_CONTROL, DTYPE_F32, tuple(check_tensors(tensors)))
+        flat = self._codec.flat_result(plan.nelem, None)
+        if local_root is not None and eng.direct.mode(plan, 0) == A.FLAG_DIRECT:
+            self._direct_call(tensors if is_root else None, plan, 0.0, 1.0, flat,
+                              broadcast=local_root)
+            return self._codec.views(flat, plan)
 
         def write(dst: np.ndarray, plan: RoundPlan) -> None:
             self._codec.encode(tensors, dst, plan, DTYPE_F32, 1.0, eng.fault_hook,
                                self._round)
 
-        flat = self._codec.flat_result(plan.nelem, None)
         out = flat.numpy()
         cons, _ = self._run(plan, 0.0, write if is_root else None, elided=not is_root,
                             out=out, broadcast=local_root)
@@ -656,6 +670,58 @@ class Comm:
             self._fail(rnd, e)
             raise
 
+    def _direct_mode(self, plan: RoundPlan, outer: bool) -> int:
+        """FLAG_DIRECT when a round of ``plan`` runs as a direct round
+        (``engine/direct.py``), FLAG_DIRECT_PROBE when it is the shared round that
+        first checks the ranks may, else 0. Decided from what every rank agrees on."""
+        flags = ((A.FLAG_OUTER if outer and self._outer_installed else 0)
+                 | (A.FLAG_TAP if plan.kind == _MODEL and self._ckpt is not None else 0))
+        return self._engine.direct.mode(plan, flags)
+
+    def _direct_call(self, tensors: Sequence[torch.Tensor] | None, plan: RoundPlan, weight,
+                     scale: float, out: torch.Tensor | None, broadcast: int | None = None
+                     ) -> float:
+        """A direct round over ``tensors`` (checked against ``plan``): in place when
+        ``out`` is None (a MODEL round with no accepted mass leaves them untouched),
+        else into ``out`` (a flat f32 result of ``plan.nelem``); ``broadcast``: the
+        local root of a direct broadcast into ``out`` (``tensors`` None on the other
+        ranks). A tensor that is not a contiguous float32 CPU tensor goes through a
+        contiguous float32 copy."""
+        weight = self._begin(weight)
+        nt = plan.ntensors
+        srcs = np.zeros(nt, np.int64)
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, t in enumerate(tensors or ()):
+            if not (t.dtype is F32 and t.is_cpu and t.is_contiguous()):
+                copy = t.detach().to(device="cpu", dtype=torch.float32, copy=True,
+                                     memory_format=torch.contiguous_format)
+                staged.append((t, copy))
+                t = copy
+            srcs[i] = t.data_ptr()
+        if out is None:
+            dsts = srcs
+        else:
+            base = out.data_ptr()
+            dsts = base + 4 * np.asarray(plan.offs, np.int64)
+        eng = self._engine
+        rnd = self._round
+        self._round = rnd + 1
+        try:
+            if broadcast is not None:
+                eng.direct.broadcast(plan, rnd, broadcast, srcs if tensors else None, dsts,
+                                     hook=eng.fault_hook)
+                return 0.0
+            mass = eng.direct.run(plan, rnd, weight, scale, srcs, dsts,
+                                  keep_on_empty=out is None, hook=eng.fault_hook)
+        except BaseException as e:
+            self._fail(rnd, e)
+            raise
+        if out is None and staged and (plan.kind != _MODEL or mass > 0.0):
+            with torch.no_grad():
+                for t, copy in staged:
+                    t.copy_(copy)
+        return mass
+
     def _fusable(self, kind: int, outer: bool) -> bool:
         """Whether a round of ``kind`` may run as one fused eager call on this rank."""
         eng = self._engine
@@ -705,15 +771,16 @@ class Comm:
     def _run(self, plan: RoundPlan, weight: float, write: Callable | None, *,
              elided: bool = False, zero_copy: bool = False, outer: bool = False,
              direct: np.ndarray | None = None, out: np.ndarray | None = None,
-             eager_zero_copy: bool = False, broadcast: int | None = None
-             ) -> tuple[np.ndarray, float]:
+             eager_zero_copy: bool = False, broadcast: int | None = None,
+             probe: bool = False) -> tuple[np.ndarray, float]:
         """One collective round of the general path; returns (consensus in the wire
         dtype, accepted mass). ``write(dst, plan)`` fills the payload (``dst`` typed
         like the wire). The consensus array is only valid until this rank's next round,
         unless it is ``out`` (a wire-typed array of ``plan.nelem`` an eager round may
         reduce into). ``eager_zero_copy``: a zero-copy frame already in the eager slot.
         ``broadcast``: the local root of a one-host broadcast (needs ``out``: every rank
-        copies the root's payload into it; no reduce)."""
+        copies the root's payload into it; no reduce). ``probe``: a bulk round that also
+        checks whether the ranks may run direct rounds (``engine/direct.py``)."""
         weight = self._begin(weight)
         eng = self._engine
         rnd = self._round
@@ -723,7 +790,7 @@ class Comm:
         # cluster the flag travels to the controller, which refuses it if it has none
         outer = outer and self._outer_installed
         # the outer step runs in the slice reduce: outer rounds take the bulk path
-        bulk = ((zero_copy and not eager_zero_copy) or eng.relay_mode or outer
+        bulk = ((zero_copy and not eager_zero_copy) or eng.relay_mode or outer or probe
                 or not plan.eager_fits)
         region = eng.prepare(rnd, plan, bulk, payload=not (elided and broadcast is not None))
         hook = eng.fault_hook
@@ -736,7 +803,8 @@ class Comm:
             write(raw.view(np.float32 if dtype == DTYPE_F32 else np.uint16), plan)
         flags = ((A.FLAG_BULK if bulk else 0) | (A.FLAG_ELIDED if elided else 0)
                  | (A.FLAG_ZERO_COPY if zero_copy else 0) | (A.FLAG_OUTER if outer else 0)
-                 | (A.FLAG_TAP if tap else 0) | (0 if broadcast is None else A.FLAG_BROADCAST))
+                 | (A.FLAG_TAP if tap else 0) | (0 if broadcast is None else A.FLAG_BROADCAST)
+                 | (A.FLAG_DIRECT_PROBE if probe else 0))
         self._round = rnd + 1
         eng.direct_slice = None
         try:
@@ -771,9 +839,13 @@ class Comm:
                 if hook is not None:
                     hook("arrived", rnd)
                 view = eng.await_arrivals(rnd)
+                if probe:
+                    eng.direct.probe(view)
                 eng.reduce_slice(view, self.local_rank,
                                  direct if view.mass > 0.0 or kind != _MODEL else None)
                 eng.await_slices(view)
+                if probe:
+                    eng.direct.settle_probe(view)
                 mass = eng.await_consensus(view) if eng.relay_mode else view.mass
                 cons = eng.consensus_array(view)
                 if eng.outer_applies(view):

@@ -52,6 +52,10 @@ Why a round cannot be confused with the next (buffer reuse):
   not rewritten under a reader; the result region is not used. The root must be the
   only contributor: a root that died before arriving makes every survivor raise
   naming it, ranks naming different roots raise SchemaMismatchError.
+- *A direct round (FLAG_DIRECT) publishes no payload.* Its slice reducers read the
+  contributors' private tensors and write every rank's destination; its states and
+  buffer-reuse argument are in ``direct.py``. The first eligible round is a bulk
+  round flagged FLAG_DIRECT_PROBE, which checks that ranks may do that.
 - Words are monotone (arrived/done only grow), so ``>= N`` is the test and a fast
   rank one round ahead never looks like a slow one.
 
@@ -76,6 +80,7 @@ from ..kernels import reduce as R
 from ..kernels import rounds as RK
 from ..kernels import signals
 from ..kernels.codes import is_terminal
+from .direct import DirectRounds
 from .waiting import Doorbell, Waiter, futex_wake
 
 #: after a rank's own deadline on a cluster round: how long it waits for the
@@ -225,6 +230,8 @@ class RoundEngine:
         self._eager_payloads: dict = {}   # (plan, parity) -> typed payload view
         self._fused_static = (self.ctl, self._eager_all, arena.eager_bytes, self.world, rank,
                               self._info, self._mass, self._work)
+        #: large rounds through the ranks' private memory, when the arena allows them
+        self.direct = DirectRounds(self)
 
     # -- plans ----------------------------------------------------------------------
     def plan(self, kind: int, dtype: int, shapes) -> RoundPlan:
@@ -341,6 +348,8 @@ class RoundEngine:
         kind = RoundKind(int(c[b + A.H_KIND])).name if int(c[b + A.H_KIND]) in (0, 1) else "?"
         path = "zero-copy" if flags & A.FLAG_ZERO_COPY else ("bulk" if flags & A.FLAG_BULK
                                                                else "eager")
+        if flags & A.FLAG_DIRECT:
+            path = "direct"
         if flags & A.FLAG_BROADCAST:
             path = f"broadcast, {path}"
         shapes = "?"

@@ -13,7 +13,7 @@ use it without loading numba.
 from __future__ import annotations
 
 MAGIC = 0x46534D48_41524E41  # "FSMHARNA"
-VERSION = 1
+VERSION = 2  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIRECT*)
 
 # -- global words ---------------------------------------------------------------------
 G_MAGIC = 0
@@ -33,6 +33,9 @@ G_GLOBAL_WORLD = 42   # cohort world size
 G_OUTER_NELEM = 43    # elements of the outer-optimizer state (0: none yet)
 G_TAP_SEQ = 48        # futex word (low 32 bits): checkpoint messages posted to the owner
 G_TAP_ACK = 56        # last checkpoint message the owner consumed
+G_DIRECT = 57         # 1: a dead rank stops the cohort (no survivor re-reduces its slice),
+                      # so large rounds may move data between ranks' private memory
+                      # (engine/direct.py); written once by the owner at creation
 GLOBAL_WORDS = 64
 
 ABORT_NONE = 0
@@ -52,6 +55,9 @@ R_CLAIM = 16          # (round << 16) | responsible rank, for slice takeover
 R_DEAD = 24           # nonzero once the rank's process is gone (DEAD_* code)
 R_PID = 25
 R_DATA_CAP = 26       # bytes the rank's d<r> segment was grown to
+R_PROBE = 27          # address of the rank's private probe word (written once at start)
+R_DIRECT = 28         # round in which the rank could reach every peer's probe word, or
+                      # -(round + 1) when it could not (written once, before its done word)
 R_HDR = 32            # two round headers of HDR_WORDS, indexed by round parity
 HDR_WORDS = 16
 
@@ -65,6 +71,8 @@ H_NBYTES = 6          # payload bytes
 H_SCHEMA_HASH = 7
 H_SCHEMA_WORDS = 8    # int64 words of schema description preceding the payload
 H_NELEM = 9           # payload elements (all tensors share the wire dtype)
+H_SCALE = 10          # f64 bits: the scale of a direct round's contribution (applied by
+                      # the slice reducers, not at copy-in)
 
 DEAD_KILLED = 1       # died (crash, signal, exception) and was fenced by the owner
 DEAD_EXITED = 2       # returned from its function: it will make no further calls
@@ -77,9 +85,13 @@ FLAG_OUTER = 8        # the params round of a window: the outer optimizer steps 
 FLAG_TAP = 16         # captured for a consensus checkpoint
 FLAG_BROADCAST = 32   # a broadcast: the root publishes, the others copy its payload out
                       # (one host; on a cluster a broadcast is an elided reduce)
+FLAG_DIRECT = 64      # a direct round: no payload in shared memory; the slice reducers read
+                      # the contributors' private tensors and write every rank's result
+FLAG_DIRECT_PROBE = 128  # a bulk round that also checks cross-memory attach between ranks
 # every rank of a round must agree on these (a zero-copy round meets only zero-copy
 # rounds: its small frames share the eager path with the copy API's)
-FLAGS_AGREED = FLAG_BULK | FLAG_ZERO_COPY | FLAG_OUTER | FLAG_TAP | FLAG_BROADCAST
+FLAGS_AGREED = (FLAG_BULK | FLAG_ZERO_COPY | FLAG_OUTER | FLAG_TAP | FLAG_BROADCAST | FLAG_DIRECT
+                | FLAG_DIRECT_PROBE)
 
 __all__ = [
     "MAGIC",
@@ -101,6 +113,7 @@ __all__ = [
     "G_OUTER_NELEM",
     "G_TAP_SEQ",
     "G_TAP_ACK",
+    "G_DIRECT",
     "GLOBAL_WORDS",
     "ABORT_NONE",
     "ABORT_FAILED",
@@ -116,6 +129,8 @@ __all__ = [
     "R_DEAD",
     "R_PID",
     "R_DATA_CAP",
+    "R_PROBE",
+    "R_DIRECT",
     "R_HDR",
     "HDR_WORDS",
     "H_ROUND",
@@ -128,6 +143,7 @@ __all__ = [
     "H_SCHEMA_HASH",
     "H_SCHEMA_WORDS",
     "H_NELEM",
+    "H_SCALE",
     "DEAD_KILLED",
     "DEAD_EXITED",
     "FLAG_ELIDED",
@@ -136,5 +152,7 @@ __all__ = [
     "FLAG_OUTER",
     "FLAG_TAP",
     "FLAG_BROADCAST",
+    "FLAG_DIRECT",
+    "FLAG_DIRECT_PROBE",
     "FLAGS_AGREED",
 ]

@@ -1,0 +1,281 @@
+"""Direct rounds: large reduces that move data between the ranks' private tensors.
+
+A bulk round of the shared-memory path (``protocol.py``) passes every byte through
+shared memory three times: each rank copies its tensor into its bulk region, the
+slice reducers write the result region, every rank copies the result back out. A
+**direct round** skips the shared copies: rank j reads slice j of every contributor's
+tensor straight from that process (``process_vm_readv``, ``kernels/cma.py``), sums it
+chunk by chunk in cache, and writes the result into its own destination and into
+every peer's (``process_vm_writev``). Per rank that is about one read and one write of
+the tensor, where the shared path costs about two of each.
+
+Who may use it
+==============
+
+Direct rounds need two things the shared path does not:
+
+- **A dead rank stops the cohort.** The shared path keeps every contribution in
+  shared memory until all slices are done, so a survivor can re-reduce a dead rank's
+  slice. A direct round's contributions live in private memory that dies with its
+  process, so it runs only in arenas whose owner declared that a death ends the
+  cohort (``Arena.create(direct=True)``: ``spawn`` with ``max_failures=0``, the c10d
+  backend); ``FLODL_SHM_DIRECT=0`` in the owner's environment turns it off.
+- **Permission to attach.** The calls need ptrace-attach rights between the ranks.
+  Whether they have them is found out once, in the first eligible round, which runs
+  the shared path with a probe (below); every rank reaches the same verdict.
+
+A round is eligible when every rank agrees on it from the round's schema alone: a
+float32 wire, too large for the eager slots and at least ``DIRECT_MIN_BYTES`` of payload, no outer-optimizer step, no
+checkpoint tap, one host (no relay). ``FLAG_DIRECT`` and ``FLAG_DIRECT_PROBE`` are in
+the agreed flags, so ranks that disagreed would get a ``SchemaMismatchError``, never a
+torn result.
+
+The states of one rank
+======================
+
+::
+
+    UNPROBED   no eligible round yet.
+       |       the first eligible round runs the shared bulk path flagged
+       |       FLAG_DIRECT_PROBE: after the arrival wait each rank reads and writes back
+       |       every peer's private probe word (``R_PROBE``) and records the round in
+       |       R_DIRECT (or -(round + 1) on failure) BEFORE it publishes its done word.
+       |       After the slice wait (every done word >= round) each rank reads every
+       |       accepted rank's R_DIRECT: all equal to the round -> READY, else
+       |       UNAVAILABLE. Same words, read after the same wait: the same verdict.
+       v
+    READY      eligible rounds are direct rounds; UNAVAILABLE: they stay shared.
+
+One direct round ``N``
+======================
+
+::
+
+    PUBLISHED  rank r writes, after its schema words in its eager slot of parity N%2,
+       |       the addresses of its source tensors then of its destinations, its scale
+       |       in H_SCALE, and publishes its header with FLAG_DIRECT (arrived[r] = N).
+       |       No payload is copied anywhere.
+    ARRIVED    every rank waits for every arrival (the arrival wait of protocol.py,
+       |       with its validation); a MODEL round with no accepted mass ends here
+       |       for the in-place call (every rank keeps its tensors).
+    REDUCED    rank j reduces slice j of the frame (kernels/cma.py): for each chunk it
+       |       reads the chunk of every accepted rank's source, in rank order, scales
+       |       and sums it, multiplies by 1/mass, writes its own destination and every
+       |       peer's. Then it publishes done[j] = N.
+    DONE       every rank waits for every done[.] >= N, then returns: its destination
+               holds every slice.
+
+Why no rank reads or writes memory its owner is already reusing:
+
+- rank r's source slice j is read only by rank j, before j publishes done[j]; its
+  destination slice j is written only by rank j, before done[j]. Rank r leaves round
+  N only after every done[.] >= N, so once its call returns nobody touches its
+  tensors: the caller may overwrite them at once.
+- In place (source = destination): rank j reads a chunk of every source before it
+  writes that chunk of any destination, and nobody else touches slice j.
+- The address table sits in the eager slot of the round's parity, rewritten in round
+  N+2 only, after every rank finished N+1 (the eager double-buffering argument of
+  ``protocol.py``).
+
+A direct broadcast (FLAG_DIRECT | FLAG_BROADCAST, READY only) publishes the same
+table; after the arrival wait each reader copies the root's tensors straight into its
+own result and publishes done[reader]; the root copies its own, publishes done[root]
+and leaves only once every reader is done (or dead), so its tensors are never changed
+under a reader.
+
+Failure: a peer whose memory cannot be reached mid-round (its process died) makes the
+reducer raise, naming it; the waits name missing or dead ranks as the shared path
+does. Nothing is taken over.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import numpy as np
+
+from . import arena as A
+from ..frame import DTYPE_F32
+from ..kernels import cma as C
+from ..kernels import signals
+
+#: payload bytes from which an eligible round is direct (below, the shared path's
+#: copies stay in cache and cost less than the calls' page pinning); see BENCHMARKS.md
+DIRECT_MIN_BYTES = int(os.environ.get("FLODL_SHM_DIRECT_MIN_BYTES", 8 << 20))
+
+UNPROBED, READY, UNAVAILABLE = "unprobed", "ready", "unavailable"
+
+
+class DirectRounds:
+    """One rank's direct-round state and driver (owned by its ``RoundEngine``)."""
+
+    def __init__(self, engine) -> None:
+        self.eng = engine
+        arena = engine.arena
+        self.allowed = (bool(arena.ctl[A.G_DIRECT]) and C.AVAILABLE
+                        and not engine.relay_mode and engine.rank >= 0)
+        self.state = UNPROBED if self.allowed else UNAVAILABLE
+        self._iov = np.zeros(C.IOV_WORDS, np.int64)
+        self._scratch: np.ndarray | None = None
+        if engine.rank >= 0:
+            # the word peers read and write back in the probe: nothing else uses it
+            self._probe_word = np.zeros(1, np.int64)
+            arena.ctl[A.rank_base(engine.rank) + A.R_PROBE] = self._probe_word.ctypes.data
+
+    # -- eligibility ---------------------------------------------------------------
+    def mode(self, plan, flags: int) -> int:
+        """The direct flag a round of ``plan`` with these agreed ``flags`` (FLAG_OUTER,
+        FLAG_TAP) carries: FLAG_DIRECT, FLAG_DIRECT_PROBE, or 0."""
+        if (self.state == UNAVAILABLE or plan.dtype != DTYPE_F32 or plan.eager_fits
+                or plan.nbytes < DIRECT_MIN_BYTES or flags & (A.FLAG_OUTER | A.FLAG_TAP)
+                or plan.off + 16 * plan.ntensors > self.eng.arena.eager_bytes):
+            return 0
+        return A.FLAG_DIRECT if self.state == READY else A.FLAG_DIRECT_PROBE
+
+    # -- UNPROBED: the probe inside a shared bulk round ------------------------------
+    def probe(self, view) -> None:
+        """After the arrival wait of a FLAG_DIRECT_PROBE round, before this rank's done
+        word: try every accepted peer's probe word and record the verdict."""
+        ctl, me = self.eng.ctl, self.eng.rank
+        ok = True
+        word = np.zeros(1, np.int64)
+        for r in view.accepted:
+            if r == me:
+                continue
+            b = A.rank_base(r)
+            pid, addr = int(ctl[b + A.R_PID]), int(ctl[b + A.R_PROBE])
+            if not addr or not C.probe(pid, addr, self._iov, word):
+                ok = False
+                break
+        ctl[A.rank_base(me) + A.R_DIRECT] = view.rnd if ok else -(view.rnd + 1)
+
+    def settle_probe(self, view) -> None:
+        """After the slice wait of a probe round: READY when every accepted rank could
+        reach every other, else UNAVAILABLE (the same verdict on every rank)."""
+        ctl = self.eng.ctl
+        ok = all(int(ctl[A.rank_base(r) + A.R_DIRECT]) == view.rnd for r in view.accepted)
+        self.state = READY if ok else UNAVAILABLE
+
+    # -- READY: one direct round ---------------------------------------------------------
+    def _publish(self, plan, rnd: int, weight: float, scale: float, flags: int,
+                 srcs: np.ndarray, dsts: np.ndarray, hook):
+        """PUBLISHED then ARRIVED: the address table, the scale, the header; returns the
+        round's view after the arrival wait."""
+        eng = self.eng
+        nt = plan.ntensors
+        eng.prepare(rnd, plan, False)  # schema words in the eager slot (for diagnostics)
+        table = eng.eager_region(rnd)[plan.off:plan.off + 16 * nt].view(np.int64)
+        table[:nt] = srcs
+        table[nt:] = dsts
+        eng.ctl_f64[A.header_base(eng.rank, rnd) + A.H_SCALE] = scale
+        if hook is not None:
+            hook("before_copy_in", rnd)
+        eng.publish(rnd, plan.kind, flags, plan.dtype, weight, nt, plan.nbytes, plan.nelem,
+                    plan.shash, plan.nwords)
+        if hook is not None:
+            hook("arrived", rnd)
+        view = eng.await_arrivals(rnd)
+        eng.last_accepted = view.accepted_mask
+        return view
+
+    def _table(self, r: int, rnd: int, plan) -> np.ndarray:
+        """Rank r's address table of round ``rnd``: its sources then its destinations."""
+        region = self.eng.arena.eager_slot(r, rnd)
+        return region[plan.off:plan.off + 16 * plan.ntensors].view(np.int64)
+
+    def run(self, plan, rnd: int, weight: float, scale: float, srcs: np.ndarray,
+            dsts: np.ndarray, keep_on_empty: bool,
+            hook: Callable[[str, int], None] | None = None) -> float:
+        """Round ``rnd`` of ``plan`` as a direct round (the caller took the round number):
+        ``srcs``/``dsts`` are int64 addresses of ``plan.ntensors`` contiguous float32
+        tensors of the plan's shapes (the same array when in place), alive and untouched
+        by the caller until this returns. ``keep_on_empty``: a MODEL round with no
+        accepted mass leaves the destinations untouched (else they get the plain sum,
+        as the shared path gives). Returns the accepted mass."""
+        eng = self.eng
+        me, nt = eng.rank, plan.ntensors
+        view = self._publish(plan, rnd, weight, scale, A.FLAG_DIRECT, srcs, dsts, hook)
+        if keep_on_empty and plan.kind == 0 and not view.mass > 0.0:
+            return view.mass
+        accepted = view.accepted
+        k = len(accepted)
+        pids = np.empty(k, np.int64)
+        scales = np.empty(k, np.float64)
+        all_srcs = np.empty(k * nt, np.int64)
+        all_dsts = np.empty(k * nt, np.int64)
+        ctl, f64 = eng.ctl, eng.ctl_f64
+        for i, r in enumerate(accepted):
+            pids[i] = ctl[A.rank_base(r) + A.R_PID]
+            scales[i] = f64[A.header_base(r, rnd) + A.H_SCALE]
+            table = self._table(r, rnd, plan)
+            all_srcs[i * nt:(i + 1) * nt] = table[:nt]
+            all_dsts[i * nt:(i + 1) * nt] = table[nt:]
+        start, stop = A.slice_bounds(plan.nelem, eng.world, me)
+        if hook is not None:
+            hook("reduce", rnd)
+        acc, tmp = self._buffers()
+        bad = C.reduce_slice_direct(accepted.index(me), pids, all_srcs, all_dsts, scales,
+                                    np.asarray(plan.numels, np.int64), start, stop, view.inv,
+                                    acc, tmp, self._iov)
+        if bad >= 0:
+            self._unreachable(rnd, accepted[bad], int(pids[bad]))
+        eng.doorbell.publish(A.rank_base(me) + A.R_DONE, rnd)
+        eng.waiter.wait(lambda it: signals.spin_slices(ctl, eng.world, rnd, me, it),
+                        what="waiting for the direct round's slices", rnd=rnd,
+                        missing_of=lambda: eng.missing_slices(rnd),
+                        on_missing=lambda j: self._dead_reducer(rnd, j))
+        return view.mass
+
+    def broadcast(self, plan, rnd: int, root: int, srcs: np.ndarray | None,
+                  dsts: np.ndarray, hook: Callable[[str, int], None] | None = None) -> None:
+        """Round ``rnd`` as a direct broadcast from local rank ``root``: every reader
+        copies the root's tensors (``srcs`` on the root, None elsewhere) straight into
+        its ``dsts`` and publishes done[reader]; the root copies its own and leaves only
+        once every reader is done or dead (its tensors stay untouched until then)."""
+        import ctypes
+
+        eng = self.eng
+        me = eng.rank
+        mine = me == root
+        flags = A.FLAG_DIRECT | A.FLAG_BROADCAST | (0 if mine else A.FLAG_ELIDED)
+        view = self._publish(plan, rnd, 0.0, 1.0, flags, srcs if mine else dsts, dsts, hook)
+        eng.check_broadcast(rnd, view.accepted_mask, view.contrib_mask, root)
+        nt = plan.ntensors
+        if mine:
+            for t in range(nt):
+                ctypes.memmove(int(dsts[t]), int(srcs[t]), 4 * plan.numels[t])
+            eng.doorbell.publish(A.rank_base(me) + A.R_DONE, rnd)
+            eng.await_readers(view)
+            return
+        pid = int(eng.ctl[A.rank_base(root) + A.R_PID])
+        remote = self._table(root, rnd, plan)[:nt].copy()
+        bad = C.read_into(pid, remote, dsts, np.asarray(plan.numels, np.int64), self._iov)
+        if bad >= 0:
+            self._unreachable(rnd, root, pid)
+        eng.doorbell.publish(A.rank_base(me) + A.R_DONE, rnd)
+
+    def _buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._scratch is None:
+            self._scratch = np.empty(2 * C.CHUNK, np.float32)
+        return self._scratch[:C.CHUNK], self._scratch[C.CHUNK:]
+
+    def _unreachable(self, rnd: int, r: int, pid: int) -> None:
+        """A peer's memory could not be read or written mid-round: its process is gone
+        (the liveness check names it, where the caller installed one) or attach rights
+        were withdrawn."""
+        self.eng.waiter.liveness()
+        raise RuntimeError(
+            f"round {rnd}: local rank {r}'s tensors (pid {pid}) could not be read or "
+            f"written: its process is gone or no longer permits cross-memory attach. A "
+            f"direct round cannot finish without it; restart the job from the last "
+            f"checkpoint (set FLODL_SHM_DIRECT=0 to use shared-memory copies instead)")
+
+    def _dead_reducer(self, rnd: int, j: int) -> bool:
+        """A slice still missing: raise if its reducer is dead (nobody takes it over)."""
+        if self.eng.ctl[A.rank_base(j) + A.R_DEAD]:
+            self.eng.waiter.liveness()
+            raise RuntimeError(
+                f"round {rnd}: local rank {j} died before delivering its slice of a direct "
+                f"round; the round cannot complete (restart from the last checkpoint)")
+        return False
+

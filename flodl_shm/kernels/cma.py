@@ -1,0 +1,193 @@
+"""Cross-memory attach: a rank reads and writes a peer process's private memory.
+
+Linux's ``process_vm_readv`` / ``process_vm_writev`` copy between two address spaces
+in one pass, with no shared-memory staging in between. They need the same permission
+as ``ptrace`` attach (same user; under Yama's ``ptrace_scope`` 1 only a descendant or
+a declared tracer), which ``engine/direct.py`` verifies once per cohort before it
+relies on them. Within one process (ranks run as threads) they read the process's own
+memory, which is always allowed.
+
+The calls are bound by symbol name (resolved when the compiled code is loaded), not
+by address, so the kernels stay cacheable across processes.
+
+``reduce_slice_direct`` is the whole reduce of one rank's slice of a direct round:
+for each cache-sized chunk it reads every contributor's chunk (its own from memory,
+the peers' through ``process_vm_readv``), sums them in rank order with each rank's
+scale, and writes the result into its own destination and, through
+``process_vm_writev``, into every peer's.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import llvmlite.binding as llvm
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .tensorio import f32_at
+
+_SYMBOLS = ("process_vm_readv", "process_vm_writev")
+
+
+def _register_symbols() -> bool:
+    """Tell the JIT linker where libc's calls live in this process; False when the C
+    library has none (not Linux)."""
+    try:
+        libc = ctypes.CDLL(None)
+        for name in _SYMBOLS:
+            llvm.add_symbol(name, ctypes.cast(getattr(libc, name), ctypes.c_void_p).value)
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+#: whether this platform has cross-memory attach at all
+AVAILABLE = _register_symbols()
+
+#: f32 elements per chunk: a chunk and its accumulator stay in L2 between the reads,
+#: the sum and the writes
+CHUNK = 1 << 16
+#: int64 words of the scratch ``iov`` array: two iovecs (local, remote)
+IOV_WORDS = 4
+
+
+def _vm_call(name):
+    @intrinsic
+    def call(typingctx, pid, local_iov, remote_iov):
+        sig = types.int64(pid, local_iov, remote_iov)
+
+        def codegen(context, builder, signature, args):
+            i64 = ir.IntType(64)
+            fnty = ir.FunctionType(i64, [ir.IntType(32), i64, i64, i64, i64, i64])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, name)
+            one = ir.Constant(i64, 1)
+            pid32 = builder.trunc(args[0], ir.IntType(32))
+            return builder.call(fn, [pid32, args[1], one, args[2], one, ir.Constant(i64, 0)])
+
+        return sig, codegen
+
+    return call
+
+
+_readv = _vm_call("process_vm_readv")
+_writev = _vm_call("process_vm_writev")
+
+
+@njit(inline="always")
+def _transfer(write, pid, local, remote, nbytes, iov):
+    """Copy ``nbytes`` between local address ``local`` and ``pid``'s ``remote``;
+    True when every byte moved."""
+    iov[0] = local
+    iov[1] = nbytes
+    iov[2] = remote
+    iov[3] = nbytes
+    a = iov.ctypes.data
+    if write:
+        got = _writev(np.int64(pid), a, a + 16)
+    else:
+        got = _readv(np.int64(pid), a, a + 16)
+    return got == nbytes
+
+
+@njit(cache=True, nogil=True)
+def probe(pid, addr, iov, word):
+    """Read, then write back, the 8-byte word at ``pid``'s ``addr`` (its probe word,
+    which nothing else touches): 1 when both directions are permitted, else 0."""
+    if not _transfer(False, pid, word.ctypes.data, addr, 8, iov):
+        return 0
+    if not _transfer(True, pid, word.ctypes.data, addr, 8, iov):
+        return 0
+    return 1
+
+
+@njit(cache=True, nogil=True)
+def reduce_slice_direct(me, pids, srcs, dsts, scales, numels, start, stop, inv, acc, tmp, iov):
+    """Reduce elements [start, stop) of a direct round and deliver them to every rank.
+
+    ``pids`` (int64, one per accepted rank in rank order; ``me`` indexes this rank),
+    ``srcs``/``dsts`` (int64, ``len(pids) x ntensors`` addresses, row per rank),
+    ``scales`` (f64 per rank), ``numels`` (int64 per tensor). Element k of the frame is
+    element k - offset of the tensor that holds it. The result is
+    ``(sum over ranks in order of f32(x * scale)) * inv`` in f32: bit-identical to the
+    shared-memory path, which scales at copy-in and sums in rank order. Returns -1 on
+    success, else the index (into ``pids``) of the rank whose memory could not be read
+    or written.
+    """
+    nr = pids.shape[0]
+    nt = numels.shape[0]
+    ch = acc.shape[0]
+    f = np.float32(inv)
+    off = 0
+    for t in range(nt):
+        n = numels[t]
+        a = max(start, off) - off
+        b = min(stop, off + n) - off
+        off += n
+        if b <= a:
+            continue
+        for c0 in range(a, b, ch):
+            m = min(c0 + ch, b) - c0
+            for r in range(nr):
+                s = np.float32(scales[r])
+                if r == me:
+                    src = f32_at(srcs[r * nt + t] + 4 * c0, m)
+                else:
+                    if not _transfer(False, pids[r], tmp.ctypes.data, srcs[r * nt + t] + 4 * c0,
+                                     4 * m, iov):
+                        return r
+                    src = tmp
+                if r == 0:
+                    if s == 1.0:
+                        for i in range(m):
+                            acc[i] = src[i]
+                    else:
+                        for i in range(m):
+                            acc[i] = src[i] * s
+                elif s == 1.0:
+                    for i in range(m):
+                        acc[i] += src[i]
+                else:
+                    for i in range(m):
+                        acc[i] += src[i] * s
+            out = f32_at(dsts[me * nt + t] + 4 * c0, m)
+            for i in range(m):
+                out[i] = acc[i] * f
+            for r in range(nr):
+                if r != me and not _transfer(True, pids[r], out.ctypes.data,
+                                             dsts[r * nt + t] + 4 * c0, 4 * m, iov):
+                    return r
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def read_into(pid, remote, local, numels, iov):
+    """Copy ``numels[t]`` f32 from ``pid``'s address ``remote[t]`` to this process's
+    ``local[t]``, for every tensor t; -1 on success, else the first tensor that failed."""
+    for t in range(numels.shape[0]):
+        n = 4 * numels[t]
+        done = 0
+        while done < n:  # the kernel moves at most ~2 GiB per call
+            m = min(n - done, 1 << 30)
+            if not _transfer(False, pid, local[t] + done, remote[t] + done, m, iov):
+                return t
+            done += m
+    return -1
+
+
+def warm_up() -> None:
+    import os
+
+    iov = np.zeros(IOV_WORDS, np.int64)
+    word = np.zeros(1, np.int64)
+    probe(os.getpid(), word.ctypes.data, iov, np.zeros(1, np.int64))
+    x = np.ones(8, np.float32)
+    y = np.zeros(8, np.float32)
+    pids = np.array([os.getpid(), os.getpid()], np.int64)
+    srcs = np.array([x.ctypes.data, x.ctypes.data], np.int64)
+    dsts = np.array([y.ctypes.data, y.ctypes.data], np.int64)
+    reduce_slice_direct(0, pids, srcs, dsts, np.ones(2), np.array([8], np.int64), 0, 8, 0.5,
+                        np.zeros(4, np.float32), np.zeros(4, np.float32), iov)
+    read_into(os.getpid(), srcs[:1], dsts[:1], np.array([8], np.int64), iov)

@@ -1,0 +1,227 @@
+"""Direct rounds (engine/direct.py): large reduces between the ranks' private tensors.
+
+Each result is compared bit for bit with the shared-memory path on the same inputs:
+the two paths must be indistinguishable to a caller.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import flodl_shm
+from flodl_shm import RankFailed, spawn
+from flodl_shm.engine import arena as A
+from flodl_shm.engine import direct as D
+from flodl_shm.testing import FakeCohort
+
+from engine_util import assert_no_leaks
+
+pytestmark = pytest.mark.timeout(180)
+
+N = 70_000  # f32 elements of the big tensor: 280 KB, over the lowered threshold below
+EAGER = 64 << 10  # eager slot bytes: rounds above it take the bulk (or direct) path
+
+
+@pytest.fixture
+def low_threshold(monkeypatch):
+    """Direct rounds from 256 KiB, so thread-rank tests stay small."""
+    monkeypatch.setattr(D, "DIRECT_MIN_BYTES", 256 << 10)
+
+
+def _inputs(rank: int, i: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * rank + i)
+    big = torch.randn(N, generator=g) * (rank + 1)
+    mat = torch.randn(300, 40, generator=g)
+    odd = torch.randn(7, generator=g)
+    return [big, mat, odd]
+
+
+def _session(comm) -> list:
+    """Every direct-capable call, with weights, scales, kinds and awkward tensors."""
+    out = []
+    r = comm.rank
+    for i in range(3):  # round 0 probes; later rounds are direct when allowed
+        ts = _inputs(r, i)
+        mass = comm.all_reduce_(ts, weight=1.0 + r, scale=0.5 + r)
+        out.append(("inplace", [t.clone() for t in ts], mass, comm._engine.direct.state))
+    ts = _inputs(r, 7)
+    mass = comm.all_reduce_(ts, kind=flodl_shm.RoundKind.CONTROL)
+    out.append(("control", [t.clone() for t in ts], mass, None))
+    # a transposed (non-contiguous) tensor and a bfloat16 one go through staging copies
+    ts = _inputs(r, 8)
+    ts[1] = ts[1].t()
+    ts.append(torch.randn(N // 2, generator=torch.Generator().manual_seed(r)).bfloat16())
+    mass = comm.all_reduce_(ts)
+    out.append(("staged", [t.clone() for t in ts], mass, None))
+    res, mass = comm.all_reduce_scaled(_inputs(r, 9), 0.25, weight=2.0 + r)
+    out.append(("scaled", [t.clone() for t in res], mass, None))
+    (res,) = comm.all_reduce_tensors([_inputs(r, 10)[0]])
+    out.append(("tensors", [res.clone()], 1.0, None))
+    ts = _inputs(r, 12)
+    ts[1] = ts[1].t()  # the root's non-contiguous tensor is staged
+    res = comm.broadcast_from_root(ts, root=comm.world_size - 1)
+    out.append(("broadcast", [t.clone() for t in res], 0.0, None))
+    # a window in which nobody realized work: the in-place call keeps local tensors
+    ts = _inputs(r, 11)
+    mass = comm.all_reduce_(ts, weight=0.0)
+    out.append(("empty", [t.clone() for t in ts], mass, None))
+    return out
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return bytes(t.contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def _run(world: int, direct: bool) -> list:
+    with FakeCohort(world, direct=direct, eager_bytes=EAGER) as cohort:
+        return cohort.run(_session)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_direct_rounds_match_the_shared_path_bit_for_bit(low_threshold, world):
+    shared = _run(world, direct=False)
+    direct = _run(world, direct=True)
+    assert [step[3] for step in shared[0][:3]] == ["unavailable"] * 3
+    assert [step[3] for step in direct[0][:3]] == ["ready"] * 3  # probed in round 0
+    for rank in range(world):
+        for a, b in zip(shared[rank], direct[rank]):
+            assert a[0] == b[0] and a[2] == b[2], (a[0], a[2], b[2])
+            for x, y in zip(a[1], b[1]):
+                assert x.dtype == y.dtype and x.shape == y.shape
+                assert _bits(x) == _bits(y), (a[0], rank)
+    for step in range(len(direct[0])):  # every rank holds the same consensus
+        for rank in range(1, world):
+            for x, y in zip(direct[0][step][1], direct[rank][step][1]):
+                if direct[0][step][0] != "empty":
+                    assert _bits(x) == _bits(y)
+    root = _inputs(world - 1, 12)
+    for rank in range(world):
+        got = next(step for step in direct[rank] if step[0] == "broadcast")[1]
+        assert [_bits(t) for t in got] == [_bits(root[0]), _bits(root[1].t()), _bits(root[2])]
+    # nothing realized: every rank kept its own tensors
+    for rank in range(world):
+        empty = direct[rank][-1]
+        assert empty[0] == "empty" and empty[2] == 0.0
+        assert torch.equal(empty[1][0], _inputs(rank, 11)[0])
+
+
+def test_rounds_below_the_threshold_and_outer_rounds_stay_shared(low_threshold):
+    def body(comm):
+        comm.all_reduce_([torch.ones(1000)])  # 4 KB: eager
+        state_small = comm._engine.direct.state
+        comm.all_reduce_([torch.ones(N)])      # probes
+        return state_small, comm._engine.direct.state
+
+    with FakeCohort(2, direct=True, eager_bytes=EAGER) as cohort:
+        assert cohort.run(body) == [("unprobed", "ready")] * 2
+
+
+def test_a_failed_probe_keeps_every_rank_on_the_shared_path(low_threshold):
+    """Rank 1's probe word points at unmapped memory: rank 0 cannot reach it, so the
+    verdict is 'unavailable' on every rank and later large rounds stay shared (and
+    correct)."""
+    def body(comm):
+        if comm.rank == 1:
+            comm.arena.ctl[A.rank_base(1) + A.R_PROBE] = 8  # the zero page: never mapped
+        outs = []
+        for i in range(3):
+            t = torch.full((N,), float(comm.rank + 1) * (i + 1))
+            comm.all_reduce_([t])
+            outs.append((float(t[0]), float(t[-1]), comm._engine.direct.state))
+        return outs
+
+    with FakeCohort(2, direct=True, eager_bytes=EAGER) as cohort:
+        res = cohort.run(body)
+    assert res[0] == res[1] == [(1.5 * (i + 1), 1.5 * (i + 1), "unavailable") for i in range(3)]
+
+
+def test_ranks_that_disagree_on_the_direct_path_get_a_schema_error(low_threshold):
+    """A rank whose state says 'ready' meets one still 'unprobed': the agreed flags
+    differ, so both raise a SchemaMismatchError naming the paths, before any data
+    moves."""
+    def body(comm):
+        if comm.rank == 0:
+            comm._engine.direct.state = D.READY
+        try:
+            comm.all_reduce_([torch.ones(N)])
+        except flodl_shm.SchemaMismatchError as e:
+            return str(e)
+        return None
+
+    with FakeCohort(2, direct=True, eager_bytes=EAGER) as cohort:
+        errs = cohort.run(body)
+    assert all(e is not None and "direct path" in e for e in errs), errs
+
+
+# --- real processes ------------------------------------------------------------------------
+
+BIG = (9 << 20) // 4  # f32 elements: 9 MiB, over the default threshold
+
+
+def rounds(ctx, n_rounds):
+    out = []
+    for i in range(n_rounds):
+        t = torch.full((BIG,), float(ctx.rank + 1) * (i + 1))
+        u = torch.arange(1000, dtype=torch.float32) * (ctx.rank + 1)
+        mass = ctx.comm.all_reduce_([t, u])
+        out.append((float(t[0]), float(t[-1]), float(u[999]), mass))
+    (b,) = ctx.comm.broadcast_from_root([torch.full((BIG,), float(ctx.rank + 7))], root=1)
+    out.append((float(b[0]), float(b[-1])))
+    return out, ctx.comm._engine.direct.state
+
+
+def test_spawn_runs_large_rounds_direct_across_processes():
+    out = spawn(rounds, 2, (3,))
+    for res, state in out:
+        assert state == "ready"
+        assert res[:3] == [(1.5 * (i + 1), 1.5 * (i + 1), 1.5 * 999, 2.0) for i in range(3)]
+        assert res[3] == (8.0, 8.0)  # rank 1's tensor, broadcast directly
+    assert_no_leaks()
+
+
+def test_spawn_with_a_failure_budget_never_goes_direct():
+    """With max_failures > 0 survivors must be able to re-reduce a dead rank's slice,
+    which needs its contribution in shared memory."""
+    out = spawn(rounds, 2, (2,), max_failures=1)
+    assert [state for _, state in out] == ["unavailable"] * 2
+    assert_no_leaks()
+
+
+def killed_mid_direct_round(ctx, victim):
+    if ctx.rank == victim:
+        def hook(where, rnd):
+            if where == "reduce" and rnd == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        ctx.comm.set_fault_hook(hook)
+    return rounds(ctx, 4)
+
+
+def test_a_rank_killed_inside_a_direct_round_stops_the_cohort_naming_it():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        spawn(killed_mid_direct_round, 3, (1,), timeout=30)
+    assert info.value.rank == 1 and info.value.signal == "SIGKILL"
+    assert time.monotonic() - t0 < 60
+    assert_no_leaks()
+
+
+def test_arena_owner_can_turn_direct_rounds_off(monkeypatch):
+    monkeypatch.setenv("FLODL_SHM_DIRECT", "0")
+    arena = A.Arena.create(2, direct=True)
+    try:
+        assert int(arena.ctl[A.G_DIRECT]) == 0
+    finally:
+        arena.close()
+        arena.unlink()
+    monkeypatch.setenv("FLODL_SHM_DIRECT", "1")
+    arena = A.Arena.create(2, direct=True)
+    try:
+        assert int(arena.ctl[A.G_DIRECT]) == 1
+    finally:
+        arena.close()
+        arena.unlink()
