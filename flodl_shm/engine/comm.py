@@ -379,9 +379,15 @@ class Comm:
             self._codec.encode(tensors, dst, plan, dtype, scale, self._engine.fault_hook,
                                self._round)
 
-        cons, mass = self._run(plan, weight, write, outer=outer,
+        # the result memory goes to the round: this rank's own slice lands in it while
+        # the reduce still has it in cache, only the other slices are copied after
+        flat = self._codec.flat_result(plan.nelem, armed)
+        out = flat.numpy()
+        cons, mass = self._run(plan, weight, write, outer=outer, into=out,
                                probe=how == A.FLAG_DIRECT_PROBE)
-        return self._codec.decode(cons, dtype, plan, armed), mass
+        self._copy_out_except_own(cons, dtype, flat)
+        del out
+        return self._codec.views(flat, plan), mass
 
     def all_reduce_weighted(self, tensors: Sequence[torch.Tensor], kind=RoundKind.MODEL,
                             weight: float = 1.0, *, outer: bool = False
@@ -427,21 +433,16 @@ class Comm:
         def write(dst: np.ndarray, plan: RoundPlan) -> None:
             self._codec.encode(tensors, dst, plan, dtype, scale, eng.fault_hook, self._round)
 
-        direct = None
+        into = None
         if (len(tensors) == 1 and tensors[0].dtype is F32 and tensors[0].is_cpu
                 and tensors[0].is_contiguous()):
-            direct = tensors[0].detach().view(-1).numpy()
-        cons, mass = self._run(plan, weight, write, outer=outer, direct=direct,
+            into = tensors[0].detach().view(-1).numpy()
+        cons, mass = self._run(plan, weight, write, outer=outer, into=into,
                                probe=how == A.FLAG_DIRECT_PROBE)
         if kind == _MODEL and mass <= 0.0:
             return mass
-        done = eng.direct_slice if direct is not None else None
-        if done is not None:
-            # this rank's own slice already landed in the tensor during its reduce
-            n = cons.shape[0]
-            for a, b in ((0, done[0]), (done[1], n)):
-                if b > a:
-                    decode_into_tensor(cons[a:b], dtype, flat_part(tensors[0], a, b))
+        if into is not None:
+            self._copy_out_except_own(cons, dtype, tensors[0])
             return mass
         hook = eng.fault_hook
         for i, (t, off, n) in enumerate(zip(tensors, plan.offs, plan.numels)):
@@ -670,6 +671,16 @@ class Comm:
             self._fail(rnd, e)
             raise
 
+    def _copy_out_except_own(self, cons: np.ndarray, dtype: int, t: torch.Tensor) -> None:
+        """Copy the consensus into the flat tensor ``t`` of a round run with ``into=``
+        (``_run``): all of it, or every slice but the one this rank's reduce already
+        wrote there (``RoundEngine.own_slice``)."""
+        n = cons.shape[0]
+        done = self._engine.own_slice or (0, 0)
+        for a, b in ((0, done[0]), (done[1], n)):
+            if b > a:
+                decode_into_tensor(cons[a:b], dtype, flat_part(t, a, b))
+
     def _direct_mode(self, plan: RoundPlan, outer: bool) -> int:
         """FLAG_DIRECT when a round of ``plan`` runs as a direct round
         (``engine/direct.py``), FLAG_DIRECT_PROBE when it is the shared round that
@@ -770,14 +781,17 @@ class Comm:
 
     def _run(self, plan: RoundPlan, weight: float, write: Callable | None, *,
              elided: bool = False, zero_copy: bool = False, outer: bool = False,
-             direct: np.ndarray | None = None, out: np.ndarray | None = None,
+             into: np.ndarray | None = None, out: np.ndarray | None = None,
              eager_zero_copy: bool = False, broadcast: int | None = None,
              probe: bool = False) -> tuple[np.ndarray, float]:
         """One collective round of the general path; returns (consensus in the wire
         dtype, accepted mass). ``write(dst, plan)`` fills the payload (``dst`` typed
         like the wire). The consensus array is only valid until this rank's next round,
         unless it is ``out`` (a wire-typed array of ``plan.nelem`` an eager round may
-        reduce into). ``eager_zero_copy``: a zero-copy frame already in the eager slot.
+        reduce into). ``into``: a private flat f32 array of ``plan.nelem`` (the caller's
+        destination) into which a bulk round's reduce writes this rank's own slice while
+        it is still in cache (``RoundEngine.own_slice`` says which elements, or None).
+        ``eager_zero_copy``: a zero-copy frame already in the eager slot.
         ``broadcast``: the local root of a one-host broadcast (needs ``out``: every rank
         copies the root's payload into it; no reduce). ``probe``: a bulk round that also
         checks whether the ranks may run direct rounds (``engine/direct.py``)."""
@@ -806,7 +820,7 @@ class Comm:
                  | (A.FLAG_TAP if tap else 0) | (0 if broadcast is None else A.FLAG_BROADCAST)
                  | (A.FLAG_DIRECT_PROBE if probe else 0))
         self._round = rnd + 1
-        eng.direct_slice = None
+        eng.own_slice = None
         try:
             if not bulk:
                 if out is None:
@@ -838,11 +852,11 @@ class Comm:
                             plan.nelem, plan.shash, len(plan.words))
                 if hook is not None:
                     hook("arrived", rnd)
-                view = eng.await_arrivals(rnd)
+                view = eng.await_arrivals(rnd, nbytes=plan.nbytes)
                 if probe:
                     eng.direct.probe(view)
                 eng.reduce_slice(view, self.local_rank,
-                                 direct if view.mass > 0.0 or kind != _MODEL else None)
+                                 into if view.mass > 0.0 or kind != _MODEL else None)
                 eng.await_slices(view)
                 if probe:
                     eng.direct.settle_probe(view)

@@ -98,6 +98,7 @@ from . import arena as A
 from ..frame import DTYPE_F32
 from ..kernels import cma as C
 from ..kernels import signals
+from .waiting import WORK_BYTES_PER_S
 
 #: payload bytes from which an eligible round is direct (below, the shared path's
 #: copies stay in cache and cost less than the calls' page pinning); see BENCHMARKS.md
@@ -174,7 +175,7 @@ class DirectRounds:
                     plan.shash, plan.nwords)
         if hook is not None:
             hook("arrived", rnd)
-        view = eng.await_arrivals(rnd)
+        view = eng.await_arrivals(rnd)  # nothing was copied in: no work to spin for
         eng.last_accepted = view.accepted_mask
         return view
 
@@ -223,7 +224,8 @@ class DirectRounds:
         eng.waiter.wait(lambda it: signals.spin_slices(ctl, eng.world, rnd, me, it),
                         what="waiting for the direct round's slices", rnd=rnd,
                         missing_of=lambda: eng.missing_slices(rnd),
-                        on_missing=lambda j: self._dead_reducer(rnd, j))
+                        on_missing=lambda j: self._dead_reducer(rnd, j),
+                        work_s=plan.nbytes / WORK_BYTES_PER_S)
         return view.mass
 
     def broadcast(self, plan, rnd: int, root: int, srcs: np.ndarray | None,

@@ -81,7 +81,7 @@ from ..kernels import rounds as RK
 from ..kernels import signals
 from ..kernels.codes import is_terminal
 from .direct import DirectRounds
-from .waiting import Doorbell, Waiter, futex_wake
+from .waiting import WORK_BYTES_PER_S, Doorbell, Waiter, futex_wake
 
 #: after a rank's own deadline on a cluster round: how long it waits for the
 #: controller's verdict (which names the ranks that never delivered)
@@ -224,7 +224,7 @@ class RoundEngine:
         self.outer_prev_loaded: np.ndarray | None = None  # prev global seeded for step 0
         self._outer_scratch = np.empty(0, np.float32)
         self.last_accepted = 0            # accepted-rank mask of the last completed arrival
-        self.direct_slice: tuple[int, int] | None = None  # written to ``direct`` last round
+        self.own_slice: tuple[int, int] | None = None  # written to ``into`` last round
         self._plans: dict[tuple, RoundPlan] = {}
         self._slot_schema: dict = {}      # eager parity -> the plan whose schema it holds
         self._eager_payloads: dict = {}   # (plan, parity) -> typed payload view
@@ -301,12 +301,16 @@ class RoundEngine:
                      if c[A.rank_base(r) + A.R_ARRIVED] < rnd
                      and not c[A.rank_base(r) + A.R_DEAD])
 
-    def await_arrivals(self, rnd: int, what: str = "waiting for ranks to arrive") -> RoundView:
+    def await_arrivals(self, rnd: int, what: str = "waiting for ranks to arrive",
+                       nbytes: int = 0) -> RoundView:
+        """Wait for every rank's arrival at ``rnd`` (``nbytes``: the payload each copied
+        in before arriving, which sets how long a late peer is spun for)."""
         ctl, f64, world, me, info, mass = (self.ctl, self.ctl_f64, self.world, self.rank,
                                            self._info, self._mass)
         code = self.waiter.wait(lambda it: RK.arrive(ctl, f64, world, rnd, me, it, info, mass),
                                 what=what, rnd=rnd,
-                                missing_of=lambda: self.missing_arrivals(rnd))
+                                missing_of=lambda: self.missing_arrivals(rnd),
+                                work_s=nbytes / WORK_BYTES_PER_S)
         if code != RK.OK:
             raise self._arrival_error(code, rnd)
         (acc_mask, contrib, _ref, _culprit, kind, flags, dtype, ntensors, nbytes, nelem,
@@ -519,29 +523,29 @@ class RoundEngine:
         return raw[:view.nelem * esize].view(np.float32 if view.dtype == DTYPE_F32
                                              else np.uint16)
 
-    def reduce_slice(self, view: RoundView, j: int, direct: np.ndarray | None = None) -> None:
+    def reduce_slice(self, view: RoundView, j: int, into: np.ndarray | None = None) -> None:
         """Reduce slice ``j`` into the result region and publish it.
 
-        ``direct`` (a private flat f32 array of the whole frame) also receives the
+        ``into`` (a private flat f32 array of the whole frame) also receives the
         slice's consensus, chunk by chunk while each chunk is still in cache: the
         caller then copies out only the other slices, saving a memory read of its own.
         """
         start, stop = A.slice_bounds(view.nelem, self.world, j)
         out = self.result_array(view)
-        if direct is not None and self.fault_hook is None and not self.outer_applies(view) \
+        if into is not None and self.fault_hook is None and not self.outer_applies(view) \
                 and not self.relay_mode:
             srcs = tuple(self.payload(view, r) for r in view.contributors)
             for c0 in range(start, stop, DIRECT_CHUNK):
                 c1 = min(c0 + DIRECT_CHUNK, stop)
                 self.reduce_into(view, out, c0, c1, srcs=srcs)
                 if view.dtype == DTYPE_F32:
-                    np.copyto(direct[c0:c1], out[c0:c1])
+                    np.copyto(into[c0:c1], out[c0:c1])
                 else:
-                    K.bf16_to_f32(out[c0:c1], direct[c0:c1])
+                    K.bf16_to_f32(out[c0:c1], into[c0:c1])
             self.doorbell.publish(A.rank_base(j) + A.R_DONE, view.rnd)
-            self.direct_slice = (start, stop)
+            self.own_slice = (start, stop)
             return
-        self.direct_slice = None
+        self.own_slice = None
         if self.fault_hook is None:
             self.reduce_into(view, out, start, stop, partial=self.relay_mode)
         else:  # tests: let a fault land between the two halves of the slice
@@ -738,7 +742,8 @@ class RoundEngine:
         self.waiter.wait(lambda it: signals.spin_slices(ctl, world, rnd, first, it),
                          what="waiting for reduce slices", rnd=rnd,
                          missing_of=lambda: self.missing_slices(rnd),
-                         on_missing=lambda j: self._take_over(view, j))
+                         on_missing=lambda j: self._take_over(view, j),
+                         work_s=view.nbytes / WORK_BYTES_PER_S)
 
     # -- GATHERED (cluster) ------------------------------------------------------------
     def await_consensus(self, view: RoundView) -> float:

@@ -366,17 +366,6 @@ class TensorCodec:
         return [flat[off:off + n].view(s) for s, off, n in zip(plan.shapes, plan.offs,
                                                                 plan.numels)]
 
-    def decode(self, cons: np.ndarray, dtype: int, plan: RoundPlan,
-               armed: int | None) -> list[torch.Tensor]:
-        """The consensus (wire dtype) as f32 tensors in fresh or armed-staging memory."""
-        flat = self.flat_result(plan.nelem, armed)
-        dst = flat.numpy()
-        if dtype == DTYPE_F32:
-            np.copyto(dst, cons[:plan.nelem])
-        else:
-            K.bf16_to_f32(cons[:plan.nelem], dst)
-        return self.views(flat, plan)
-
     def clear(self) -> None:
         """Drop the staging and pooled result buffers."""
         self.staging.clear()

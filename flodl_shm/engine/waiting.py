@@ -48,6 +48,10 @@ LIVENESS_SLICE = 0.05
 SPIN_BUDGET_S = 200e-6
 SPIN_BUDGET_OVERSUBSCRIBED_S = 2e-6
 YIELD_BUDGET_S = 60e-6  # oversubscribed only: hand the core to a runnable peer first
+MAX_WORK_SPIN_S = 5e-3  # the longest spin a large round's expected work may ask for
+#: bytes per second a rank's step of a bulk round moves (copy or slice reduce), at worst:
+#: how long a peer may take before a waiter stops spinning for it (``Waiter.wait``)
+WORK_BYTES_PER_S = 2e9
 
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(
     platform.machine().lower())
@@ -209,16 +213,23 @@ class Waiter:
 
     def wait(self, check: Callable[[int], int], *, what: str, rnd: int,
              missing_of: Callable[[], tuple[int, ...]],
-             on_missing: Callable[[int], bool] | None = None) -> int:
+             on_missing: Callable[[int], bool] | None = None, work_s: float = 0.0) -> int:
         """Wait until ``check(iters)`` returns ``OK`` (done) or a terminal code.
 
         ``check`` is a compiled spin returning a status of ``kernels/codes.py``: ``OK``
         done, ``ABORT`` the cohort aborts (raised here as ``CohortAborted``), >= 0 the
         first item still missing, ``MISMATCH`` and below terminal. ``on_missing(m)``
         may act on the missing item (e.g. take over a dead rank's slice) and return
-        True when it made progress. Returns ``OK`` or the terminal code.
+        True when it made progress. ``work_s``: how long the awaited ranks' step takes
+        (a bulk round's copy or slice): when every rank has a core, the spin lasts at
+        least that long, since a peer that far behind is still working, not gone, and
+        sleeping would add a wake-up to every large round. Returns ``OK`` or the
+        terminal code.
         """
-        r = check(self.spin_iters)
+        iters = self.spin_iters
+        if work_s > 0.0 and not self.yield_budget and self.max_spin:
+            iters = max(iters, int(min(work_s, MAX_WORK_SPIN_S) * 1e9 / relax_ns()))
+        r = check(iters)
         if is_finished(r):
             self.note_spin(True)
             return r

@@ -50,6 +50,8 @@ AVAILABLE = _register_symbols()
 #: f32 elements per chunk: a chunk and its accumulator stay in L2 between the reads,
 #: the sum and the writes
 CHUNK = 1 << 16
+#: bytes per call of ``read_into``
+READ_CHUNK_BYTES = 1 << 20
 #: int64 words of the scratch ``iov`` array: two iovecs (local, remote)
 IOV_WORDS = 4
 
@@ -169,8 +171,8 @@ def read_into(pid, remote, local, numels, iov):
     for t in range(numels.shape[0]):
         n = 4 * numels[t]
         done = 0
-        while done < n:  # the kernel moves at most ~2 GiB per call
-            m = min(n - done, 1 << 30)
+        while done < n:
+            m = min(n - done, READ_CHUNK_BYTES)
             if not _transfer(False, pid, local[t] + done, remote[t] + done, m, iov):
                 return t
             done += m
