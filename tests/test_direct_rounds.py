@@ -210,18 +210,15 @@ def test_a_rank_killed_inside_a_direct_round_stops_the_cohort_naming_it():
     assert_no_leaks()
 
 
-def test_arena_owner_can_turn_direct_rounds_off(monkeypatch):
-    monkeypatch.setenv("FLODL_SHM_DIRECT", "0")
+@pytest.mark.parametrize("env, want", [("0", 0), ("off", 0), ("1", 1), (None, 1)])
+def test_arena_owner_can_turn_direct_rounds_off(monkeypatch, env, want):
+    if env is None:
+        monkeypatch.delenv("FLODL_SHM_DIRECT", raising=False)
+    else:
+        monkeypatch.setenv("FLODL_SHM_DIRECT", env)
     arena = A.Arena.create(2, direct=True)
     try:
-        assert int(arena.ctl[A.G_DIRECT]) == 0
-    finally:
-        arena.close()
-        arena.unlink()
-    monkeypatch.setenv("FLODL_SHM_DIRECT", "1")
-    arena = A.Arena.create(2, direct=True)
-    try:
-        assert int(arena.ctl[A.G_DIRECT]) == 1
+        assert int(arena.ctl[A.G_DIRECT]) == want
     finally:
         arena.close()
         arena.unlink()

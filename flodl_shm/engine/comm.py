@@ -71,6 +71,7 @@ from .staging import (  # noqa: F401 - the slot constants are part of this modul
 )
 from .tensor_codec import (
     F32,
+    POOL_MIN_BYTES,
     TensorCodec,
     check_tensors,
     decode_gathered,
@@ -397,6 +398,10 @@ class Comm:
 
     def all_reduce_tensors(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Equal-weight mean over the accepted ranks."""
+        if len(tensors) == 1 and not self._bf16 and self._armed is None:
+            plan = self._single_plan(tensors[0], _MODEL, False)
+            if plan is not None:  # all_reduce_scaled's first case, without its dispatch
+                return [self._single_result(tensors[0], plan, 1.0, 1.0)[0]]
         return self.all_reduce_scaled(tensors, 1.0, RoundKind.MODEL, 1.0)[0]
 
     def all_reduce_(self, tensors: Sequence[torch.Tensor], *, weight: float = 1.0,
@@ -416,7 +421,7 @@ class Comm:
             plan = self._single_plan(tensors[0], kind, outer)
             if plan is not None:
                 # copy-in, round and copy-out are a single compiled call
-                return self._single_round(tensors[0], plan, weight, scale, None)
+                return self._single_round(tensors[0], plan, weight, scale)
         plan = self._fused_plan(tensors, kind, dtype, outer)
         if plan is not None:
             mass = self._fused_round(plan, weight, len(tensors), scale, None, 0, False)
@@ -632,9 +637,10 @@ class Comm:
         return plan if plan.eager_fits else None
 
     def _single_round(self, t: torch.Tensor, plan: RoundPlan, weight, scale: float,
-                      out: np.ndarray | None, broadcast: int | None = None) -> float:
-        """Run a ``_single_plan`` round: in place (``out`` None) or into ``out``;
-        ``broadcast``: the local root of a broadcast round into ``out``."""
+                      out: int = 0, broadcast: int | None = None) -> float:
+        """Run a ``_single_plan`` round: in place (``out`` 0) or into the ``plan.nelem``
+        f32 at address ``out``; ``broadcast``: the local root of a broadcast round into
+        ``out``."""
         eng = self._engine
         if broadcast is None:
             return self._eager_call(plan, weight, lambda rnd, w: eng.inplace_round(
@@ -650,12 +656,17 @@ class Comm:
 
     def _single_result(self, t: torch.Tensor, plan: RoundPlan, weight, scale: float,
                        broadcast: int | None = None) -> tuple[torch.Tensor, float]:
-        """A ``_single_round`` into a result buffer the caller keeps (the codec's pool),
-        shaped like ``t``; returns (result, accepted mass)."""
-        arr = self._codec.results.take(plan.nelem, np.float32)
-        mass = self._single_round(t, plan, weight, scale, arr, broadcast)
-        res = torch.from_numpy(arr)
-        return (res if t.dim() == 1 else res.view(t.shape)), mass
+        """A ``_single_round`` into a result the caller keeps, shaped like ``t`` (fresh
+        memory; from the codec's pool at pooled sizes); returns (result, accepted
+        mass)."""
+        if plan.nbytes < POOL_MIN_BYTES:
+            res = torch.empty_like(t)  # t: contiguous f32; cheaper than numpy + from_numpy
+        else:
+            res = torch.from_numpy(self._codec.results.take(plan.nelem, np.float32))
+            if t.dim() != 1:
+                res = res.view(t.shape)
+        mass = self._single_round(t, plan, weight, scale, res.data_ptr(), broadcast)
+        return res, mass
 
     def _eager_call(self, plan: RoundPlan, weight, call: Callable[[int, float], float]) -> float:
         """An eager round's frame: validate the mass, take the round number, prepare the

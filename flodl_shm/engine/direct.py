@@ -83,18 +83,24 @@ own result and publishes done[reader]; the root copies its own, publishes done[r
 and leaves only once every reader is done (or dead), so its tensors are never changed
 under a reader.
 
-Failure: a peer whose memory cannot be reached mid-round (its process died) makes the
-reducer raise, naming it; the waits name missing or dead ranks as the shared path
-does. Nothing is taken over.
+Failure: a peer whose memory cannot be reached mid-round (its process died), or a dead
+reducer whose slice is missing, makes the rank that finds out raise. It first gives the
+arena's owner up to ``OWNER_VERDICT_S`` to fence the dead rank and stop the cohort
+(then it raises ``CohortAborted``, and ``spawn``'s ``RankFailed`` names the rank that
+died, not the survivor that noticed), and runs the caller's liveness check (the c10d
+backend's names the dead peer); else a ``RuntimeError`` names the rank. Nothing is
+taken over.
 """
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable
 
 import numpy as np
 
 from . import arena as A
+from ..errors import CohortAborted
 from ..frame import DTYPE_F32
 from ..kernels import cma as C
 from ..kernels import signals
@@ -105,6 +111,9 @@ from .waiting import WORK_BYTES_PER_S
 DIRECT_MIN_BYTES = int(os.environ.get("FLODL_SHM_DIRECT_MIN_BYTES", 8 << 20))
 
 UNPROBED, READY, UNAVAILABLE = "unprobed", "ready", "unavailable"
+
+#: how long a rank that lost a peer mid-round waits for the owner to stop the cohort
+OWNER_VERDICT_S = 2.0
 
 
 class DirectRounds:
@@ -261,11 +270,27 @@ class DirectRounds:
             self._scratch = np.empty(2 * C.CHUNK, np.float32)
         return self._scratch[:C.CHUNK], self._scratch[C.CHUNK:]
 
+    def _owner_verdict(self, rnd: int, r: int) -> None:
+        """Local rank ``r`` failed this round: give the arena's owner (``spawn``'s
+        supervisor) up to ``OWNER_VERDICT_S`` to fence it and stop the cohort, so the
+        error that surfaces names the rank that died, not this survivor. Raises
+        ``CohortAborted`` once the cohort stops; the caller's liveness check raises
+        first where it knows better (the c10d backend names the dead peer)."""
+        ctl = self.eng.ctl
+        deadline = time.monotonic() + OWNER_VERDICT_S
+        while True:
+            if int(ctl[A.G_ABORT]):
+                raise CohortAborted(f"the cohort is shutting down: local rank {r} failed "
+                                    f"during direct round {rnd}")
+            self.eng.waiter.liveness()
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.01)
+
     def _unreachable(self, rnd: int, r: int, pid: int) -> None:
         """A peer's memory could not be read or written mid-round: its process is gone
-        (the liveness check names it, where the caller installed one) or attach rights
-        were withdrawn."""
-        self.eng.waiter.liveness()
+        or attach rights were withdrawn."""
+        self._owner_verdict(rnd, r)
         raise RuntimeError(
             f"round {rnd}: local rank {r}'s tensors (pid {pid}) could not be read or "
             f"written: its process is gone or no longer permits cross-memory attach. A "
@@ -275,7 +300,7 @@ class DirectRounds:
     def _dead_reducer(self, rnd: int, j: int) -> bool:
         """A slice still missing: raise if its reducer is dead (nobody takes it over)."""
         if self.eng.ctl[A.rank_base(j) + A.R_DEAD]:
-            self.eng.waiter.liveness()
+            self._owner_verdict(rnd, j)
             raise RuntimeError(
                 f"round {rnd}: local rank {j} died before delivering its slice of a direct "
                 f"round; the round cannot complete (restart from the last checkpoint)")

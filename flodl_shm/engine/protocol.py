@@ -425,16 +425,16 @@ class RoundEngine:
         return view.mass
 
     def inplace_round(self, addr: int, plan: RoundPlan, rnd: int, weight: float,
-                      scale: float, out: np.ndarray | None = None, flags: int = 0) -> float:
+                      scale: float, out: int = 0, flags: int = 0) -> float:
         """The whole small average of one contiguous f32 tensor (at ``addr``,
         ``plan.nelem`` elements, f32 wire; the plan's schema already in the slot): one
-        compiled call in the fast case. In place when ``out`` is None (a MODEL round
-        that realized nothing then leaves the tensor untouched), else into ``out`` (a
-        fresh f32 result of ``plan.nelem``, written whatever the mass, as the general
-        round does; with ``flags`` a broadcast's: FLAG_BROADCAST, and FLAG_ELIDED on the
-        readers, which copy nothing in). Returns the accepted mass."""
+        compiled call in the fast case. In place when ``out`` is 0 (a MODEL round that
+        realized nothing then leaves the tensor untouched), else into the ``plan.nelem``
+        f32 at address ``out`` (a fresh result, written whatever the mass, as the
+        general round does; with ``flags`` a broadcast's: FLAG_BROADCAST, and
+        FLAG_ELIDED on the readers, which copy nothing in). Returns the accepted mass."""
         kind = plan.kind
-        if out is None:
+        if not out:
             code = RK.eager_inplace_f32(addr, plan.nelem, scale, self.ctl, self.ctl_f64,
                                         self.ctl32, self._eager_all, self.arena.eager_bytes,
                                         self.world, self.rank, rnd, kind, 0, weight,
@@ -449,11 +449,11 @@ class RoundEngine:
         if code == RK.OK:
             return self.eager_done()
         view = self.settle_eager(code, rnd)
-        if out is None:
+        if not out:
             if kind == RoundKind.MODEL and not view.mass > 0.0:
                 return view.mass
-            out = _f32_at(addr, plan.nelem)
-        self.reduce_eager(view, out)
+            out = addr
+        self.reduce_eager(view, _f32_at(out, plan.nelem))
         return view.mass
 
     def eager_done(self) -> float:

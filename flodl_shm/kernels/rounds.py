@@ -359,12 +359,13 @@ def eager_inplace_f32(addr, n, scale, ctl, ctl_f64, ctl32, eager, slot_bytes, wo
 
 
 @njit(cache=True, nogil=True)
-def eager_copy_f32(addr, n, scale, dst, ctl, ctl_f64, ctl32, eager, slot_bytes, world, me, rnd,
-                   kind, flags, weight, shash, nwords, iters, info, mass, acc):
-    """``eager_inplace_f32`` reducing into ``dst`` (a fresh result, ``n`` f32) instead of
-    the source, always (a round with no accepted mass yields what ``eager_round`` yields:
-    the plain sum of the contributions)."""
-    return _eager_single_f32(f32_at(addr, n), dst, False, scale, ctl, ctl_f64, ctl32, eager,
+def eager_copy_f32(addr, n, scale, dst_addr, ctl, ctl_f64, ctl32, eager, slot_bytes, world, me,
+                   rnd, kind, flags, weight, shash, nwords, iters, info, mass, acc):
+    """``eager_inplace_f32`` reducing into the ``n`` f32 at ``dst_addr`` (a fresh result)
+    instead of the source, always (a round with no accepted mass yields what
+    ``eager_round`` yields: the plain sum of the contributions)."""
+    return _eager_single_f32(f32_at(addr, n), f32_at(dst_addr, n), False, scale, ctl, ctl_f64,
+                             ctl32, eager,
                              slot_bytes, world, me, rnd, kind, flags, weight, shash, nwords,
                              iters, info, mass, acc)
 
@@ -398,5 +399,5 @@ def warm_up() -> None:
     for r in range(world):
         eager_inplace_f32(t.ctypes.data, 2, 1.0, ctl, f64, c32, eager, 64, world, r, 4, 0, 0,
                           1.0, 7, 1, 0, info, mass, acc)
-        eager_copy_f32(t.ctypes.data, 2, 1.0, np.zeros(2, np.float32), ctl, f64, c32, eager, 64,
-                       world, r, 5, 0, 0, 1.0, 7, 1, 0, info, mass, acc)
+        eager_copy_f32(t.ctypes.data, 2, 1.0, np.zeros(2, np.float32).ctypes.data, ctl, f64, c32,
+                       eager, 64, world, r, 5, 0, 0, 1.0, 7, 1, 0, info, mass, acc)
