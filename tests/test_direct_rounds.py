@@ -210,6 +210,29 @@ def test_a_rank_killed_inside_a_direct_round_stops_the_cohort_naming_it():
     assert_no_leaks()
 
 
+def hung_in_direct_round(ctx, victim):
+    if ctx.rank == victim:
+        def hook(where, rnd):
+            if where == "reduce" and rnd == 2:
+                time.sleep(600)  # "forever"
+
+        ctx.comm.set_fault_hook(hook)
+    return rounds(ctx, 4)
+
+
+def test_a_rank_hung_inside_a_direct_round_is_the_one_blamed():
+    """Rank 2 hangs before reducing its slice of a direct round (it had arrived): the
+    others' slice wait times out, the supervisor fences rank 2, and spawn raises
+    RankStalled naming it, within the timeout plus the supervisor's grace."""
+    t0 = time.monotonic()
+    with pytest.raises(flodl_shm.RankStalled) as info:
+        spawn(hung_in_direct_round, 3, (2,), timeout=2.0)
+    err = info.value
+    assert err.rank == 2 and err.round == 2 and 2 in err.missing, str(err)
+    assert time.monotonic() - t0 < 60
+    assert_no_leaks()
+
+
 @pytest.mark.parametrize("env, want", [("0", 0), ("off", 0), ("1", 1), (None, 1)])
 def test_arena_owner_can_turn_direct_rounds_off(monkeypatch, env, want):
     if env is None:
