@@ -59,6 +59,9 @@ class RoundKind(enum.IntEnum):
             raise FrameError(f"unknown RoundKind wire byte {byte} (0 = Model, 1 = Control)") from None
 
 
+_WIRE_KINDS = frozenset(int(k) for k in RoundKind)
+
+
 def elem_size(dtype: int) -> int:
     """Bytes per element of a wire dtype tag; ``FrameError`` for an unknown tag."""
     try:
@@ -286,17 +289,27 @@ def round_frame_to_tensors(frame: RoundFrame) -> list:
 
 
 def check_frame(frame: RoundFrame) -> None:
-    """FrameError unless the frame is well-formed (count, kind, weight, byte counts)."""
-    if len(frame.tensors) > MAX_ROUND_FRAME_TENSORS:
+    """FrameError unless the frame is well-formed (count, kind, weight, byte counts).
+
+    On the hot path of every frame round: the common case is a few comparisons, and
+    the detailed checks (with their messages) run only for a frame that fails them."""
+    tensors = frame.tensors
+    if len(tensors) > MAX_ROUND_FRAME_TENSORS:
         raise FrameError(
-            f"frame carries {len(frame.tensors)} tensors; at most {MAX_ROUND_FRAME_TENSORS} "
+            f"frame carries {len(tensors)} tensors; at most {MAX_ROUND_FRAME_TENSORS} "
             f"fit one frame"
         )
-    if not math.isfinite(frame.weight) or frame.weight < 0.0:
+    if not 0.0 <= frame.weight < math.inf:  # also false for NaN
         raise FrameError(
             f"frame weight {frame.weight} is not a finite non-negative realized-work mass"
         )
-    RoundKind.from_wire(int(frame.kind))
-    for i, p in enumerate(frame.tensors):
-        p.check(i)
+    if int(frame.kind) not in _WIRE_KINDS:
+        RoundKind.from_wire(int(frame.kind))  # raises, naming the byte
+    for i, p in enumerate(tensors):
+        try:
+            size = _ELEM_SIZE[p.dtype]
+        except (KeyError, TypeError):
+            size = 0
+        if not size or p.data.nbytes != math.prod(p.shape) * size:
+            p.check(i)  # raises, naming the counts
 
