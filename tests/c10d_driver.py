@@ -239,6 +239,30 @@ def sc_ddp(rank: int, world: int) -> dict:
     return out
 
 
+def sc_ddp_big(rank: int, world: int) -> dict:
+    """DDP whose gradient buckets (~2.4 MiB) take the engine's large-round path, during
+    the backward pass on the group's worker thread; final params and the path taken."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(rank + 1)  # different inits: DDP's broadcast aligns them
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 600), torch.nn.ReLU(),
+                                torch.nn.Linear(600, 4))
+    ddp = DDP(model, bucket_cap_mb=2)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(50 + rank)
+    for _ in range(4):
+        x = torch.randn(8, 1024, generator=g)
+        y = torch.randn(8, 4, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    group = dist.distributed_c10d._get_default_group()
+    return {"pid": os.getpid(), "params": [p.detach().clone() for p in model.parameters()],
+            "direct_state": group.comm._engine.direct.state if hasattr(group, "comm")
+            else None}
+
+
 def sc_averager(rank: int, world: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager

@@ -201,6 +201,18 @@ def test_ddp_matches_gloo_and_is_identical_across_ranks(tmp_path):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=variant)
 
 
+def test_ddp_through_direct_rounds_matches_gloo(tmp_path):
+    # buckets of ~2.4 MiB, past the eager slots; from 1 MiB they go direct (engine/direct.py)
+    shm = run_group("ddp_big", 2, tmp_path,
+                    extra_env={"FLODL_SHM_DIRECT_MIN_BYTES": str(1 << 20)})
+    gloo = run_group("ddp_big", 2, tmp_path, backend="gloo")
+    _no_segments_of(shm)
+    assert [r["direct_state"] for r in shm] == ["ready"] * 2
+    for p0, p1, g in zip(shm[0]["params"], shm[1]["params"], gloo[0]["params"]):
+        assert same_bits(p0, p1)
+        torch.testing.assert_close(p0, g, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_periodic_model_averager(tmp_path):
     shm = run_group("averager", 2, tmp_path)
