@@ -93,6 +93,7 @@ taken over.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from typing import Callable
@@ -122,9 +123,9 @@ class DirectRounds:
     def __init__(self, engine) -> None:
         self.eng = engine
         arena = engine.arena
-        self.allowed = (bool(arena.ctl[A.G_DIRECT]) and C.AVAILABLE
-                        and not engine.relay_mode and engine.rank >= 0)
-        self.state = UNPROBED if self.allowed else UNAVAILABLE
+        allowed = (bool(arena.ctl[A.G_DIRECT]) and C.AVAILABLE and not engine.relay_mode
+                   and engine.rank >= 0)
+        self.state = UNPROBED if allowed else UNAVAILABLE
         self._iov = np.zeros(C.IOV_WORDS, np.int64)
         self._scratch: np.ndarray | None = None
         if engine.rank >= 0:
@@ -243,8 +244,6 @@ class DirectRounds:
         copies the root's tensors (``srcs`` on the root, None elsewhere) straight into
         its ``dsts`` and publishes done[reader]; the root copies its own and leaves only
         once every reader is done or dead (its tensors stay untouched until then)."""
-        import ctypes
-
         eng = self.eng
         me = eng.rank
         mine = me == root
