@@ -110,14 +110,25 @@ def test_direct_rounds_match_the_shared_path_bit_for_bit(low_threshold, world):
 
 
 def test_rounds_below_the_threshold_and_outer_rounds_stay_shared(low_threshold):
+    """Neither a small round nor an outer round (the outer step runs in the shared
+    slice reduce) probes; the first large plain round does. The outer round still
+    steps: its result differs from the plain average."""
     def body(comm):
         comm.all_reduce_([torch.ones(1000)])  # 4 KB: eager
         state_small = comm._engine.direct.state
+        comm.set_outer(flodl_shm.OuterNesterov(lr=0.7, momentum=0.9))
+        prev = torch.full((N,), 2.0)
+        comm.load_outer_state(prev=[prev])
+        t = torch.full((N,), float(comm.rank))  # consensus 0.5, stepped from prev 2.0
+        comm.all_reduce_([t], outer=True)
+        state_outer = comm._engine.direct.state
         comm.all_reduce_([torch.ones(N)])      # probes
-        return state_small, comm._engine.direct.state
+        return state_small, state_outer, comm._engine.direct.state, float(t[0])
 
     with FakeCohort(2, direct=True, eager_bytes=EAGER) as cohort:
-        assert cohort.run(body) == [("unprobed", "ready")] * 2
+        res = cohort.run(body)
+    assert [r[:3] for r in res] == [("unprobed", "unprobed", "ready")] * 2
+    assert res[0][3] == res[1][3] and res[0][3] != 0.5
 
 
 def test_a_failed_probe_keeps_every_rank_on_the_shared_path(low_threshold):

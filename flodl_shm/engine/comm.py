@@ -387,7 +387,6 @@ class Comm:
         cons, mass = self._run(plan, weight, write, outer=outer, into=out,
                                probe=how == A.FLAG_DIRECT_PROBE)
         self._copy_out_except_own(cons, dtype, flat)
-        del out
         return self._codec.views(flat, plan), mass
 
     def all_reduce_weighted(self, tensors: Sequence[torch.Tensor], kind=RoundKind.MODEL,
