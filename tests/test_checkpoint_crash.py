@@ -43,6 +43,7 @@ TEMP = re.compile(r"ckpt\.fdl\.\d+\.[0-9a-f]+\.tmp$")
 
 _WRITER = textwrap.dedent("""
     import sys
+    import time
     import numpy as np
     from flodl_shm.checkpoint.fdl import FdlDtype, RawEntry, write_fdl_raw
 
@@ -52,10 +53,10 @@ _WRITER = textwrap.dedent("""
     while True:
         for b in bufs:
             b.fill(gen)
-        print(f"begin {gen}", flush=True)
+        print(f"begin {gen} {time.monotonic()}", flush=True)
         write_fdl_raw(path, [RawEntry(f"p{i}", (elems,), FdlDtype.F32, b)
                              for i, b in enumerate(bufs)])
-        print(f"done {gen}", flush=True)
+        print(f"done {gen} {time.monotonic()}", flush=True)
         gen += 1
 """)
 
@@ -88,8 +89,12 @@ class Writer:
                 return
 
     def _note(self, line: str) -> None:
-        kind, _, value = line.strip().partition(" ")
-        self.times[line.strip()] = time.monotonic()
+        # "begin|done <gen> <the child's monotonic clock>": the write's duration comes
+        # from the child's own stamps (the parent may read both lines at once)
+        kind, *rest = line.split()
+        value = rest[0] if rest else ""
+        self.times[f"{kind} {value}".strip()] = float(rest[1]) if len(rest) > 1 \
+            else time.monotonic()
         if kind == "begin":
             self.begun.append(int(value))
         elif kind == "done":

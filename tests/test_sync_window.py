@@ -159,3 +159,99 @@ def test_expected_mass_counts_present_ranks_only():
     counts = CohortCounts((3, 0, 4), (1.0, 0.0, 1.0), (0.0, 0.0, 0.0), (True, False, True), False)
     assert expected_params_mass(counts, 1.0) == 7.0
     assert expected_params_mass(counts, 0.0) == 2.0
+
+
+# --- one host: the counts ride in the params round ------------------------------------------
+
+def test_one_round_window_gives_the_seed_numbers_and_the_counts_in_one_params_round():
+    """The seed window again, with the counts in the params round's reports: the same
+    consensus and counts; the params round plus the buffers round, nothing else."""
+    from flodl_shm.training.sync_window import count_column
+
+    plan = {0: (3, 1.0), 1: (5, 2.0), 2: (2, 3.0)}
+
+    def body(comm):
+        n, v = plan[comm.rank]
+        model = Tiny(v)
+        before = comm.round
+        column = count_column(n, 10.0 * (comm.rank + 1), 0.5 * n, stop=comm.rank == 2)
+        sync, counts = SyncWindow(model).sync_reporting(comm, n, column)
+        return counts, sync, comm.round - before, model.w.tolist(), model.stat.tolist()
+
+    with FakeCohort(3) as c:
+        out = c.run(body)
+    for counts, sync, rounds, w, stat in out:
+        assert rounds == 2, "the params round (counts inside) and the buffers round"
+        assert counts.batches == (3, 5, 2) and counts.present == (True, True, True)
+        assert counts.compute_ms == (10.0, 20.0, 30.0) and counts.loss_sum == (1.5, 2.5, 1.0)
+        assert counts.stop and not counts.prev_ack.reported
+        assert sync.params_mass == 10.0 == sync.expected_mass and not sync.shortfall
+        assert all(abs(x - 1.9) < 1e-6 for x in w) and all(abs(x - 2.0) < 1e-6 for x in stat)
+
+
+def test_one_round_window_reads_a_dead_rank_as_absent_and_an_idle_cohort_as_skipped():
+    from flodl_shm.training.sync_window import count_column
+
+    def body(comm):
+        model = Tiny(float(comm.rank + 1), size=4)
+        first = SyncWindow(model).sync_reporting(comm, 2, count_column(2, 1.0))
+        # a window in which nobody trained: the round runs, every replica keeps its state
+        model.w.data.fill_(7.0 + comm.rank)
+        second = SyncWindow(model).sync_reporting(comm, 0, count_column(0, 1.0, prev=first[0]))
+        return first, second, model.w.tolist()
+
+    with FakeCohort(3) as c:
+        c.declare_dead(1)
+        out = c.run(body, ranks=[0, 2])
+    for rank in (0, 2):
+        (s1, c1), (s2, c2), w = out[rank]
+        assert c1.present == (True, False, True) and c1.batches == (2, 0, 2)
+        assert s1.params_mass == 4.0 == s1.expected_mass and not s1.shortfall
+        assert s2.skipped and s2.params_mass == 0.0 and c2.total_batches == 0
+        assert c2.prev_ack.present == (True, False, True)
+        assert w == [7.0 + rank] * 4
+
+
+def test_a_posted_checkpoint_is_the_bundle_the_tap_writes(tmp_path):
+    """The same consensus reaches the forge armed (captured in the round) or posted (by
+    one rank afterwards, from its replica): the two bundles hold the same bytes."""
+    from flodl_shm.checkpoint.forge import load_consensus_checkpoint
+    from flodl_shm.checkpoint.meta import CheckpointMeta, ModelSchema, SaveReason
+    from flodl_shm.training.sync_window import ReplicaReduce
+
+    def body(comm):
+        model = Tiny(float(comm.rank + 1), size=5)
+        comm.set_bf16_wire(True)
+        schema = ModelSchema.from_module(model)
+        meta = CheckpointMeta.new(0, 4, 1, 2, SaveReason.CHECKPOINT)
+        replica = ReplicaReduce(model, buffers="work")
+        comm.arm_checkpoint(tmp_path / "tapped.fdl", schema, meta)
+        r = replica.reduce(comm, 1.0 + comm.rank)
+        if comm.rank == 0:
+            comm.post_checkpoint(tmp_path / "posted.fdl", schema, replica.tensors(),
+                                 mass=r.params_mass, meta=meta)
+        return model.w.tolist()
+
+    with FakeCohort(2) as c:
+        out = c.run(body)
+        assert c.flush_checkpoints()
+    for name in ("tapped", "posted"):
+        model = Tiny(0.0, size=5)
+        report = load_consensus_checkpoint(model, tmp_path / f"{name}.fdl")
+        assert not report.missing and not report.unexpected
+        assert model.w.tolist() == out[0] and model.stat.tolist() == out[0][:2]
+        assert (tmp_path / f"{name}.meta.json").exists()
+    assert (tmp_path / "tapped.fdl").read_bytes() == (tmp_path / "posted.fdl").read_bytes()
+
+
+def test_post_checkpoint_refuses_what_it_cannot_save(tmp_path):
+    from flodl_shm.checkpoint.meta import ModelSchema
+
+    with FakeCohort(1) as c:
+        comm = c.comm(0)
+        model = Tiny(1.0)
+        schema = ModelSchema.from_module(model)
+        with pytest.raises(ValueError, match="schema has 2 tensors"):
+            comm.post_checkpoint(tmp_path / "x.fdl", schema, [model.w], mass=1.0)
+        with pytest.raises(ValueError, match="realized nothing"):
+            comm.post_checkpoint(tmp_path / "x.fdl", schema, [model.w, model.stat], mass=0.0)

@@ -229,6 +229,18 @@ def test_resettle_credits_only_the_accepted_ranks_and_re_saves_next_window():
     assert coord.settle(nxt, counts_for(nxt)).save_reason is None
 
 
+def test_a_settlement_made_on_the_reduces_own_counts_keeps_no_undo_copy():
+    """One host: the counts ride in the reduce, so there is nothing to book again; the
+    books are not copied, and a resettle is refused rather than undoing the wrong thing."""
+    coord = Coordinator(config(world_size=2, checkpoint_every=2, dataset_len=200))
+    plan = coord.plan_window()
+    settled = coord.settle(plan, counts_for(plan), undoable=False)
+    assert settled.realized == (0, 1) and coord.sync_round == 1
+    with pytest.raises(RuntimeError, match="undoable=True"):
+        coord.resettle(plan, counts_for(plan), realized=[0])
+    assert coord.sync_round == 1 and coord.global_step == sum(plan.batches)
+
+
 # --- ElChe cadence ---------------------------------------------------------------------------
 
 def test_elche_gives_the_faster_rank_proportionally_more_batches():

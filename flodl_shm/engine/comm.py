@@ -63,6 +63,7 @@ from ..kernels import signals
 from .checkpoint_tap import post as tap_post
 from .hostmem import HostMemory
 from .protocol import RoundEngine, RoundPlan
+from .round_report import read_reports, write_report
 from .staging import (  # noqa: F401 - the slot constants are part of this module's API too
     DECODE_SLOT_BUFFERS,
     DECODE_SLOT_PARAMS,
@@ -139,6 +140,7 @@ class Comm:
         self._ckpt: TapHead | None = None  # the armed checkpoint cycle's next frame
         self._ckpt_remaining = 0
         self._ckpt_cycle = 0
+        self._reported = -1  # the last round this rank sent a report with
         arena.ctl[A.rank_base(local_rank) + A.R_PID] = _getpid()
 
     # -- settings ----------------------------------------------------------------
@@ -255,6 +257,58 @@ class Comm:
                      np.empty(0, np.uint8), None, wait_ack=self._wait_tap_ack)
             self._wait_tap_ack(int(self.arena.ctl[A.G_TAP_SEQ]))
 
+    def post_checkpoint(self, path, schema, tensors: Sequence[torch.Tensor], *, mass: float,
+                        meta=None, momentum: np.ndarray | None = None) -> None:
+        """Post a consensus this rank holds to the arena owner's forge as a checkpoint
+        (one host; not a collective: one rank calls it).
+
+        The forge writes ``path`` (and ``momentum``, the outer momentum in params order
+        as one flat float32 vector, next to it) off the training path, then ``meta``
+        as the bundle's ``.meta.json`` commit marker, exactly as for frames captured by
+        :meth:`arm_checkpoint`. Use it when the decision to checkpoint comes after the
+        round: right after an in-place MODEL round every replica holds the consensus,
+        so the lowest live rank posts its own. The tensors travel in the wire dtype
+        (bfloat16 with ``set_bf16_wire(True)``: the consensus is bf16-exact then).
+
+        Args:
+            path: the bundle's model path (``<stem>.fdl``).
+            schema: the model's ``ModelSchema``; ``tensors`` are its params then its
+                averaged buffers, in its order.
+            tensors: the consensus.
+            mass: the round's accepted mass (> 0).
+            meta: a ``CheckpointMeta`` (None: no ``.meta.json``).
+            momentum: the outer momentum, or None.
+        """
+        import os
+
+        if self._engine.relay_mode:
+            raise ValueError(
+                "post_checkpoint() hands a consensus to this host's forge, but on a cluster "
+                "the controller forms and writes checkpoints: arm_checkpoint() before the "
+                "round instead")
+        want = schema.tensor_count()
+        if len(tensors) != want:
+            raise ValueError(f"the schema has {want} tensors (params then averaged "
+                             f"buffers), got {len(tensors)}")
+        if not mass > 0.0:
+            raise ValueError(f"mass {mass} realized nothing: there is no consensus to save")
+        wire = torch.bfloat16 if self._bf16 else torch.float32
+        flat = torch.cat([t.detach().reshape(-1).to(wire) for t in tensors])
+        payload = (flat.view(torch.int16).numpy().view(np.uint16) if self._bf16
+                   else flat.numpy())
+        shapes = tuple(tuple(t.shape) for t in tensors)
+        self._ckpt_cycle += 1
+        head = TapHead(cycle=self._ckpt_cycle, part=0, path=os.fspath(path),
+                       param_names=schema.param_names, buffer_names=schema.buffer_names,
+                       meta=None if meta is None else meta.to_dict())
+        nparams = len(schema.param_names)
+        head = head.for_frame(dtype=DTYPE_BF16 if self._bf16 else DTYPE_F32, shapes=shapes,
+                              mass=mass, round=self._round - 1,
+                              momentum_shapes=None if momentum is None else shapes[:nparams])
+        tap_post(self.arena, self._engine.doorbell, head, payload,
+                 None if momentum is None else np.ascontiguousarray(momentum, np.float32),
+                 wait_ack=self._wait_tap_ack)
+
     def _tap_round(self, rnd: int, dtype: int, shapes, cons: np.ndarray, mass: float,
                    outer: bool) -> None:
         head = self._ckpt
@@ -297,6 +351,34 @@ class Comm:
         mask = self._engine.last_accepted
         first = self.rank - self.local_rank
         return [first + i for i in range(self.local_world_size) if (mask >> i) & 1]
+
+    def _write_report(self, values: Sequence[float]) -> None:
+        if self._engine.relay_mode:
+            raise ValueError(
+                "round reports cover the ranks of one host, but this Comm's rounds cross "
+                "hosts through a relay: gather per-rank values with all_reduce_per_rank_f64 "
+                "instead")
+        write_report(self.arena, self.local_rank, self._round, values)
+        self._reported = self._round
+
+    def last_reports(self) -> np.ndarray:
+        """The reports of the last collective (``all_reduce_(report=...)``): a
+        ``[local world, REPORT_VALUES]`` float64 table, row r = local rank r's values
+        (zeros after its own, and for a rank the round did not accept: check
+        :meth:`last_accepted_ranks`).
+
+        Raises:
+            RuntimeError: the last collective carried no report from this rank (read
+                them right after the call, before the next collective), or an accepted
+                rank sent none.
+        """
+        rnd = self._round - 1
+        if self._reported != rnd or rnd < 0:
+            raise RuntimeError(
+                "last_reports() reads the reports of the last collective, which carried "
+                "none from this rank: pass report= to all_reduce_ and read them before the "
+                "next collective call")
+        return read_reports(self.arena, rnd, self._engine.last_accepted)
 
     @property
     def round(self) -> int:
@@ -404,13 +486,21 @@ class Comm:
         return self.all_reduce_scaled(tensors, 1.0, RoundKind.MODEL, 1.0)[0]
 
     def all_reduce_(self, tensors: Sequence[torch.Tensor], *, weight: float = 1.0,
-                    scale: float = 1.0, kind=RoundKind.MODEL, outer: bool = False) -> float:
+                    scale: float = 1.0, kind=RoundKind.MODEL, outer: bool = False,
+                    report: Sequence[float] | None = None) -> float:
         """In place: replace each tensor by the consensus (like ``dist.all_reduce``).
 
         Contributes ``tensors · scale`` with mass ``weight``. When a MODEL round's
         accepted mass is 0 the tensors are left untouched (keep local). Returns the
         accepted mass. Tensors must be float32 or bfloat16.
+
+        ``report``: up to ``REPORT_VALUES`` (8) finite numbers of this rank that ride in
+        the round's header; every rank reads everyone's with :meth:`last_reports` right
+        after the call (``engine/round_report.py``). One host only; every rank of the
+        round must pass one.
         """
+        if report is not None:
+            self._write_report(report)
         kind = _kind(kind)
         dtype = DTYPE_BF16 if (self._bf16 and kind == _MODEL) else DTYPE_F32
         outer = outer and kind == _MODEL

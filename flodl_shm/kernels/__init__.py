@@ -20,6 +20,7 @@ from .codec import (  # noqa: E402
 from .reduce import (  # noqa: E402
     accumulate_bf16,
     accumulate_f32,
+    drift_sums,
     finalize_bf16,
     finalize_f32,
     reduce_bf16,
@@ -36,6 +37,7 @@ __all__ = [
     "bf16_to_f32",
     "cache_dir",
     "configure_numba_cache",
+    "drift_sums",
     "f32_scaled_copy",
     "f32_to_bf16",
     "f32_to_bf16_scaled",
@@ -76,6 +78,9 @@ def warm_up(max_sources: int = 4) -> None:
     accumulate_bf16(f, h, 1.0, s)
     finalize_f32(f, g, 1.0)
     finalize_bf16(f, h, 1.0, s)
+    sums = np.zeros(3, np.float64)
+    drift_sums(f, g, sums)
+    drift_sums(f, h, sums)
     for n in range(1, max(1, max_sources) + 1):
         reduce_f32((f,) * n, g, 0, 8, 1.0, s)
         reduce_bf16((h,) * n, k, 0, 8, 1.0, s, t)

@@ -13,7 +13,8 @@ use it without loading numba.
 from __future__ import annotations
 
 MAGIC = 0x46534D48_41524E41  # "FSMHARNA"
-VERSION = 2  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIRECT*)
+VERSION = 3  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIRECT*);
+             # 3: round reports (H_REPORT, H_REPORT_ROUND)
 
 # -- global words ---------------------------------------------------------------------
 G_MAGIC = 0
@@ -73,6 +74,10 @@ H_SCHEMA_WORDS = 8    # int64 words of schema description preceding the payload
 H_NELEM = 9           # payload elements (all tensors share the wire dtype)
 H_SCALE = 10          # f64 bits: the scale of a direct round's contribution (applied by
                       # the slice reducers, not at copy-in)
+H_REPORT = 11         # REPORT_VALUES float32 (two per word): a rank's report riding in the
+                      # round (``Comm.all_reduce_(report=...)``), read by every rank after it
+H_REPORT_ROUND = 15   # the round whose report words 11..14 hold (-1 until the first)
+REPORT_VALUES = 8
 
 DEAD_KILLED = 1       # died (crash, signal, exception) and was fenced by the owner
 DEAD_EXITED = 2       # returned from its function: it will make no further calls
@@ -144,6 +149,9 @@ __all__ = [
     "H_SCHEMA_WORDS",
     "H_NELEM",
     "H_SCALE",
+    "H_REPORT",
+    "H_REPORT_ROUND",
+    "REPORT_VALUES",
     "DEAD_KILLED",
     "DEAD_EXITED",
     "FLAG_ELIDED",

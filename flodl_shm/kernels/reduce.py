@@ -94,6 +94,27 @@ def finalize_bf16(acc, out, inv, scratch):
         out[i] = to_bf16(acc[i] * f)
 
 
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def drift_sums(pre, post, out):
+    """``out += (Σ pre², Σ post², Σ (pre - post)²)`` in f64, in one pass: the sums of a
+    replica's drift ``||pre - post|| / ||post||``. ``pre`` float32; ``post`` float32 or
+    bf16 bits (uint16); ``out`` float64[3]. The sums may be reassociated (vectorised):
+    a metric, not a reduce whose bits must match across ranks."""
+    a = 0.0
+    b = 0.0
+    c = 0.0
+    for i in range(pre.shape[0]):
+        x = np.float64(pre[i])
+        y = np.float64(load(post, i))
+        d = x - y
+        a += x * x
+        b += y * y
+        c += d * d
+    out[0] += a
+    out[1] += b
+    out[2] += c
+
+
 # --- the engine's multi-source reduce ---------------------------------------------
 #
 # ``srcs`` is a tuple of 1-D arrays (one per accepted contribution, in rank order);

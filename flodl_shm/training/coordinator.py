@@ -2,8 +2,8 @@
 
 flodl runs a coordinator that tells each rank how many batches to train and which
 samples. flodl_shm has no coordinator *process*: every rank runs this same
-deterministic state machine on the same gathered inputs (the count and ack gathers
-of :mod:`flodl_shm.training.sync_window`), so all ranks reach identical decisions without
+deterministic state machine on the same inputs (the window's counts and acks,
+:mod:`flodl_shm.training.sync_window`), so all ranks reach identical decisions without
 a message of their own. Nothing here touches a ``Comm``; it is plain Python, tested
 without processes.
 
@@ -14,15 +14,18 @@ Per window, in this order, on every rank:
    chunks of the epoch's permutation each rank trains, taken from the epoch's
    :class:`~flodl_shm.training.coverage.ChunkPool` in rank order. Every rank runs every
    rank's takes; each trains only its own chunks.
-2. (ranks train, then the count gather)
+2. (ranks train, then exchange their counts: on one host inside the params round,
+   on several hosts in a count gather before it)
 3. :meth:`Coordinator.settle` - completions for the ranks whose work is realized in
    this window's consensus, forfeits for the rest (a dead rank's chunks return to
    the pool and are trained by survivors later), the global step and sync round,
    the epoch boundary, and the decision to stop and/or checkpoint, with the
-   :class:`~flodl_shm.checkpoint.meta.SaveReason`.
-4. (the reduce; a checkpoint is armed before it with :meth:`checkpoint_meta`)
-5. :meth:`Coordinator.report` - ElChe's timing report and the convergence guard's
-   verdict, from the ack gather.
+   :class:`~flodl_shm.checkpoint.meta.SaveReason` (the checkpoint's metadata:
+   :meth:`checkpoint_meta`). On one host this follows the reduce; on several hosts
+   it precedes it (a checkpoint is armed for the controller's forge), and
+   :meth:`resettle` books the window again if a rank died in between.
+4. :meth:`Coordinator.report` - ElChe's timing report and the convergence guard's
+   verdict, from the ack that travels with the counts.
 
 Dispatch order. Each epoch's pool starts as "everything uncovered"
 (``ChunkPool.from_coverage(epoch, total, world, [(0, total)])``), i.e. one front
@@ -311,16 +314,19 @@ class Coordinator:
 
     # -- 3. settle -------------------------------------------------------------------------
     def settle(self, plan: WindowPlan, counts: CohortCounts,
-               realized: Optional[Sequence[int]] = None) -> Settlement:
+               realized: Optional[Sequence[int]] = None, *, undoable: bool = True) -> Settlement:
         """Book the window: completions, forfeits, step, round, epoch, stop, checkpoint.
 
         Args:
             plan: this window's plan.
-            counts: this window's count gather.
+            counts: this window's counts.
             realized: ranks whose params are in the consensus; default: the movers of
                 ``counts`` (what the reduce realizes unless a rank dies in between).
+            undoable: keep a copy of the books for :meth:`resettle` (counts gathered
+                before the reduce); False when the counts came with the reduce and
+                describe what it realized (one host), which saves the copy.
         """
-        self._undo = (copy.deepcopy(self._books), list(self.alive))
+        self._undo = (copy.deepcopy(self._books), list(self.alive)) if undoable else None
         settled = self._settle(plan, counts, realized)
         self._undo_saved = settled.save_reason is not None
         return settled
@@ -332,7 +338,8 @@ class Coordinator:
         and the params round). When the window was checkpointed, the next one is too,
         so the last checkpoint again matches what was realized."""
         if self._undo is None:
-            raise RuntimeError("resettle() needs a settle() of the same window first")
+            raise RuntimeError("resettle() needs a settle(undoable=True) of the same window "
+                               "first")
         books, alive = self._undo
         self._books, self.alive = copy.deepcopy(books), list(alive)
         settled = self._settle(plan, counts, realized)
@@ -403,7 +410,7 @@ class Coordinator:
         pools = [] if b.pool is None else [b.pool]
         return meta.with_coverage(coverage_block(pools, cfg.seed, cfg.batch_size))
 
-    # -- 5. report -------------------------------------------------------------------------
+    # -- 4. report -------------------------------------------------------------------------
     def report(self, counts: CohortCounts, ack: CohortAck,
                realized: Sequence[int]) -> None:
         """Feed ElChe the window's timings and the guard's verdict (cadence mode only;

@@ -46,7 +46,7 @@ class RankState:
         epoch: the epoch being trained.
         window: the window in progress (1-based; ``sync_round`` once it completes).
         global_step: batches realized cohort-wide before this window.
-        live_ranks: ranks alive at the last gather.
+        live_ranks: ranks alive at the last window's sync.
     """
 
     rank: int
@@ -101,16 +101,18 @@ class WindowStats:
         loss: this rank's mean batch loss (NaN when idle); cohort_loss: the mean over
             every batch the cohort trained.
         compute_ms: this rank's training wall time; gather_ms: its wait at the count
-            gather (time spent waiting for slower ranks); sync_ms: this rank's reduce (it
-            ends when the slowest rank's contribution is in); window_ms: this rank's
-            whole window.
+            gather (several hosts: time spent waiting for slower ranks; 0 on one host,
+            where the counts ride in the params round); sync_ms: this rank's reduce (it
+            ends when the slowest rank's contribution is in: on one host it includes
+            the wait for slower ranks); window_ms: this rank's whole window.
         samples_per_s: samples the cohort trained per second of this window.
         bytes_sent: payload bytes this rank put into the window's collectives.
         divergence: this rank's ``||pre - post|| / ||post||``; max_divergence: the
             cohort's largest at the previous window (it travels in this window's count
             gather).
-        live_ranks: ranks alive at the gather. skipped: every rank was idle (no reduce).
-        checkpoint: the checkpoint armed at this window's reduce (path), or None.
+        live_ranks: ranks alive at the window's sync. skipped: every rank was idle
+            (nothing averaged: every replica kept its state).
+        checkpoint: the checkpoint taken at this window (its model path), or None.
         save_reason: its reason (a ``SaveReason`` value), or None.
         next_batches: per rank, the batches planned for the next window (the
             cadence decision; empty after the last window).

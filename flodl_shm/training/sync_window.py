@@ -1,38 +1,44 @@
-"""One sync window on one rank: the count gather and the realized-work reduce
+"""One sync window on one rank: the window's counts and the realized-work reduce
 (flodl 0.7.0's "param bridge", docs/trainer.md, "What happens in a window").
 
-Every rank calls the same collectives in the same order, so a window is two
-steps that all ranks take together:
+Every rank calls the same collectives in the same order. What a window exchanges:
 
-1. **Count gather** (:func:`gather_counts`, one CONTROL round). Each rank fills its
-   column of a small ``[field, world]`` f32 matrix - batches trained this window,
-   compute wall time, loss sum, a *present* flag, a stop request, and the previous
-   window's *ack* (this rank's drift and reduce time) - and every rank receives the
-   whole matrix. A dead rank's column reads 0, so ``present`` separates "dead" from
-   "idle" (alive with 0 batches). Counts are exact in f32 up to 2^24 batches per
-   window. The ack rides one window late so that it costs no round of its own: all
-   ranks still feed ElChe and the guard identical inputs (this window's compute
-   times, the previous window's reduce time and drift).
-2. **Reduce** (:meth:`SyncWindow.sync`). If every rank was idle (``total == 0``,
-   the same on every rank) both reduces are skipped and every replica keeps its
-   local state. Otherwise the parameters are averaged *in place*
-   (``Comm.all_reduce_``, the scale fused into the copy into shared memory) with
-   mass ``gamma_mass(n, gamma)`` (the window's params frame, stepped by the outer
-   optimizer when one is installed), then the floating-point buffers with the 0/1
-   :func:`mover_mass`; integer buffers (``num_batches_tracked``) never leave the
-   rank. A round whose accepted mass is 0 leaves the tensors as they were. The
-   rank's relative drift ``||pre - post|| / ||post||`` is measured for the
-   convergence guard.
+- **Counts** (:func:`count_column`). Each rank's column of a small ``[field, world]``
+  matrix - batches trained this window, compute wall time, loss sum, a *present*
+  flag, a stop request, and the previous window's *ack* (this rank's drift and
+  reduce time). A dead rank's column reads 0, so ``present`` separates "dead" from
+  "idle" (alive with 0 batches). Counts are exact in f32 up to 2^24 batches per
+  window. The ack rides one window late so that it costs no round of its own: all
+  ranks still feed ElChe and the guard identical inputs (this window's compute
+  times, the previous window's reduce time and drift).
+- **Reduce** (:class:`ReplicaReduce`). The parameters are averaged *in place*
+  (``Comm.all_reduce_``, the scale fused into the copy into shared memory) with
+  mass ``gamma_mass(n, gamma)`` (the window's params frame, stepped by the outer
+  optimizer when one is installed), then the floating-point buffers with the 0/1
+  :func:`mover_mass`; integer buffers (``num_batches_tracked``) never leave the
+  rank. A round whose accepted mass is 0 leaves the tensors as they were. The
+  rank's relative drift ``||pre - post|| / ||post||`` is measured for the
+  convergence guard.
+
+How they travel:
+
+- **One host** (:meth:`SyncWindow.sync_reporting`): the counts ride in the params
+  round as the rank's *report* (``Comm.all_reduce_(report=...)``), so a window is one
+  round (two with floating-point buffers) and the counts describe exactly the ranks
+  whose contribution the round accepted.
+- **Several hosts** (:func:`gather_counts`, then :meth:`SyncWindow.sync`): reports
+  cover one host, so the counts go first in a CONTROL round of their own; if every
+  rank was idle (``total == 0``, the same on every rank) the reduce is skipped.
 
 The module holds no cohort-level policy: what to train next, coverage and
 checkpoints belong to :mod:`flodl_shm.training.coordinator`, which every rank runs
-identically on these gathered values.
+identically on these values.
 
-**Realized-work check.** The gather says which ranks were present *before* the
-reduce; the params round's accepted mass says whose work is *in* the consensus.
-They agree unless a rank died in between (after arriving at the gather, before
-arriving at the params round). :attr:`WindowSync.shortfall` flags that case and
-:attr:`WindowSync.accepted` names the ranks whose contribution the params round
+**Realized-work check** (several hosts). The gather says which ranks were present
+*before* the reduce; the params round's accepted mass says whose work is *in* the
+consensus. They agree unless a rank died in between (after arriving at the gather,
+before arriving at the params round). :attr:`WindowSync.shortfall` flags that case
+and :attr:`WindowSync.accepted` names the ranks whose contribution the params round
 accepted, so the coordinator can settle coverage on what was realized.
 """
 from __future__ import annotations
@@ -48,6 +54,7 @@ import torch
 
 from ..checkpoint.meta import averaged_buffers
 from ..frame import RoundKind
+from ..kernels import drift_sums
 from .realized_work import gamma_mass, mover_mass
 
 logger = logging.getLogger("flodl_shm")
@@ -59,6 +66,8 @@ __all__ = [
     "ReplicaReduce",
     "SyncWindow",
     "WindowSync",
+    "count_column",
+    "counts_from",
     "expected_params_mass",
     "gather_columns",
     "gather_counts",
@@ -98,8 +107,14 @@ class CohortAck:
 
     @property
     def sync_ms(self) -> float:
-        """The window's reduce cost: the slowest rank's reduce time."""
-        return max(self.reduce_ms, default=0.0)
+        """The window's reduce cost: the least reduce time of the ranks that reported
+        one. On one host the counts ride in the params round, so a rank's reduce time
+        includes waiting there for the last rank to finish training (load imbalance,
+        which ElChe's batch counts address, not sync overhead); the last rank to arrive
+        waits for nobody, and its time is the collective's own cost. After a count
+        gather (several hosts) the ranks start the reduce together and the times
+        barely differ."""
+        return min((t for t, p in zip(self.reduce_ms, self.present) if p), default=0.0)
 
 
 @dataclass(frozen=True)
@@ -156,12 +171,12 @@ def _gather(comm, rows: int, column: Sequence[float]) -> np.ndarray:
     return out.numpy().astype(np.float64)
 
 
-def gather_counts(comm, batches: int, compute_ms: float, loss_sum: float = 0.0,
-                  stop: bool = False, prev: Optional["WindowSync"] = None) -> CohortCounts:
-    """The window's count gather (one CONTROL round; every rank must call it).
+def count_column(batches: int, compute_ms: float, loss_sum: float = 0.0, stop: bool = False,
+                 prev: Optional["WindowSync"] = None) -> tuple[float, ...]:
+    """This rank's column of the window's counts (what :func:`gather_counts` gathers, or
+    what rides in the params round as its report).
 
     Args:
-        comm: this rank's ``Comm``.
         batches: batches this rank trained since the last sync.
         compute_ms: wall time of that training (ms), ElChe's timing signal.
         loss_sum: sum of this rank's batch losses (for metrics).
@@ -174,20 +189,31 @@ def gather_counts(comm, batches: int, compute_ms: float, loss_sum: float = 0.0,
     loss = float(loss_sum) if math.isfinite(loss_sum) else 0.0
     div = 0.0 if prev is None or not math.isfinite(prev.divergence) else prev.divergence
     reduce_ms = 0.0 if prev is None else max(float(prev.reduce_ms), 0.0)
-    m = _gather(comm, _COUNT_ROWS, (batches, max(float(compute_ms), 0.0), loss, 1.0,
-                                    1.0 if stop else 0.0, 0.0 if prev is None else 1.0,
-                                    div, reduce_ms))
-    present = tuple(bool(v > 0.5) for v in m[_C_PRESENT])
+    return (float(batches), max(float(compute_ms), 0.0), loss, 1.0, 1.0 if stop else 0.0,
+            0.0 if prev is None else 1.0, div, reduce_ms)
+
+
+def counts_from(m: np.ndarray) -> CohortCounts:
+    """The :class:`CohortCounts` of a ``[field, world]`` matrix of :func:`count_column`
+    columns (a dead rank's column all zeros)."""
     return CohortCounts(
         batches=tuple(int(round(v)) for v in m[_C_BATCHES]),
         compute_ms=tuple(float(v) for v in m[_C_COMPUTE_MS]),
         loss_sum=tuple(float(v) for v in m[_C_LOSS]),
-        present=present,
+        present=tuple(bool(v > 0.5) for v in m[_C_PRESENT]),
         stop=bool(np.any(m[_C_STOP] > 0.5)),
         prev_ack=CohortAck(divergence=tuple(float(v) for v in m[_C_DIVERGENCE]),
                            reduce_ms=tuple(float(v) for v in m[_C_REDUCE_MS]),
                            present=tuple(bool(v > 0.5) for v in m[_C_HAS_ACK])),
     )
+
+
+def gather_counts(comm, batches: int, compute_ms: float, loss_sum: float = 0.0,
+                  stop: bool = False, prev: Optional["WindowSync"] = None) -> CohortCounts:
+    """The window's count gather (one CONTROL round; every rank must call it), with
+    :func:`count_column`'s arguments."""
+    column = count_column(batches, compute_ms, loss_sum, stop, prev)
+    return counts_from(_gather(comm, _COUNT_ROWS, column))
 
 
 def expected_params_mass(counts: CohortCounts, gamma: float) -> float:
@@ -275,7 +301,19 @@ class ReplicaReduce:
         self._buffers_numel = sum(b.numel() for b in self.buffers)
         self._pre = ([torch.empty_like(p, dtype=torch.float32) for p in self.params]
                      if drift else None)
+        # flat numpy views for the drift kernel; the parameters' views are kept when
+        # they are stable (contiguous float32/bfloat16), else taken at every reduce
+        self._pre_np = None if self._pre is None else [t.view(-1).numpy() for t in self._pre]
+        stable = all(p.is_contiguous() and p.dtype in (torch.float32, torch.bfloat16)
+                     for p in self._live_params)
+        self._post_np = ([_flat_np(p) for p in self._live_params]
+                         if self._pre is not None and stable else None)
         self._together = bool(self._live_buffers) and buffers == "work" and not self.outer
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The averaged tensors, detached: the parameters, then the floating-point
+        buffers (a ``ModelSchema``'s order)."""
+        return list(self._live_all)
 
     def align_on(self, comm, root: int = 0) -> None:
         """Overwrite this replica's parameters and floating-point buffers with rank
@@ -286,7 +324,8 @@ class ReplicaReduce:
                 for t, src in zip(self._live_all, got):
                     t.copy_(src)
 
-    def reduce(self, comm, weight: float, movers_weight: float = 0.0) -> "ReduceOutcome":
+    def reduce(self, comm, weight: float, movers_weight: float = 0.0,
+               report: Optional[Sequence[float]] = None) -> "ReduceOutcome":
         """Average in place (a collective: every rank calls it with its own masses).
 
         Args:
@@ -294,6 +333,8 @@ class ReplicaReduce:
             weight: this rank's params mass (its realized work, ``gamma_mass``).
             movers_weight: this rank's buffers mass with ``buffers="movers"`` (the 0/1
                 ``mover_mass``); ignored with ``buffers="work"``.
+            report: numbers of this rank that ride in the params round (one host):
+                every rank's come back as ``ReduceOutcome.reports``.
         """
         t0 = time.perf_counter()
         esize = 2 if comm.bf16_wire else 4
@@ -305,8 +346,9 @@ class ReplicaReduce:
         together = self._together
         params_mass = comm.all_reduce_(self._live_all if together else self._live_params,
                                        weight=weight, scale=weight, kind=RoundKind.MODEL,
-                                       outer=self.outer)
+                                       outer=self.outer, report=report)
         accepted = tuple(comm.last_accepted_ranks())
+        reports = None if report is None else comm.last_reports()
         buffers_mass = params_mass if together else 0.0
         if self._live_buffers and not together:
             bw = weight if self.buffer_mass == "work" else movers_weight
@@ -315,11 +357,13 @@ class ReplicaReduce:
         if self._pre is None:
             drift = (0.0, 0.0, 0.0)
         else:
-            with torch.no_grad():
-                drift = _drift(self._pre, self.params)
+            post = self._post_np
+            if post is None:
+                post = [_flat_np(p) for p in self._live_params]
+            drift = _drift(self._pre_np, post)
         return ReduceOutcome(params_mass, buffers_mass, accepted, *drift,
                              (self._params_numel + self._buffers_numel) * esize,
-                             (time.perf_counter() - t0) * 1e3)
+                             (time.perf_counter() - t0) * 1e3, reports)
 
 
 class ReduceOutcome(NamedTuple):
@@ -334,6 +378,8 @@ class ReduceOutcome(NamedTuple):
         pre_norm: ``||pre||``; post_norm: ``||post||``.
         bytes_sent: payload bytes this rank contributed.
         reduce_ms: wall time of the rounds (and the drift measure), ms.
+        reports: with ``report=``, the params round's ``[local world, REPORT_VALUES]``
+            table of every rank's report (``Comm.last_reports``); else None.
     """
 
     params_mass: float
@@ -344,19 +390,25 @@ class ReduceOutcome(NamedTuple):
     post_norm: float
     bytes_sent: int
     reduce_ms: float
+    reports: Optional[np.ndarray] = None
 
 
-def _drift(pre: Sequence[torch.Tensor], post: Sequence[torch.Tensor]) -> tuple[float, float, float]:
+def _flat_np(t: torch.Tensor) -> np.ndarray:
+    """A detached float32 or bfloat16 tensor as a flat numpy array (float32, or uint16
+    bf16 bits): a view when ``t`` is contiguous; other dtypes are converted."""
+    if t.dtype == torch.bfloat16:
+        return t.reshape(-1).view(torch.int16).numpy().view(np.uint16)
+    return t.to(torch.float32).reshape(-1).numpy()
+
+
+def _drift(pre: Sequence[np.ndarray], post: Sequence[np.ndarray]) -> tuple[float, float, float]:
     """``(||pre - post|| / ||post||, ||pre||, ||post||)`` over all tensors (the ratio is 0
-    for a zero ``post``)."""
-    pre_sq = post_sq = diff_sq = 0.0
+    for a zero ``post``): one compiled pass per tensor, no temporaries. ``pre``: flat
+    float32 arrays; ``post``: flat float32 or bf16-bits arrays (:func:`_flat_np`)."""
+    sums = np.zeros(3, np.float64)
     for a, b in zip(pre, post):
-        c = b.detach().to(torch.float32).reshape(-1)
-        a = a.reshape(-1)
-        d = a - c
-        pre_sq += float(torch.dot(a, a))
-        post_sq += float(torch.dot(c, c))
-        diff_sq += float(torch.dot(d, d))
+        drift_sums(a, b, sums)
+    pre_sq, post_sq, diff_sq = sums.tolist()
     post_norm = math.sqrt(post_sq)
     return (math.sqrt(diff_sq) / post_norm if post_norm > 0.0 else 0.0, math.sqrt(pre_sq),
             post_norm)
@@ -398,6 +450,31 @@ class SyncWindow:
         return WindowSync(False, r.params_mass, expected, r.buffers_mass, r.divergence,
                           r.pre_norm, r.post_norm, control_bytes + r.bytes_sent,
                           (time.perf_counter() - t0) * 1e3, r.accepted if short else None)
+
+
+    def sync_reporting(self, comm, batches: int,
+                       column: Sequence[float]) -> tuple[WindowSync, CohortCounts]:
+        """The one-host window as a single round: the counts ride in the params round
+        as this rank's report (``column``, from :func:`count_column`), so they arrive
+        with the consensus and describe exactly the ranks it accepted (no shortfall
+        is possible). An all-idle window still runs the round, whose mass 0 keeps every
+        replica's local state, and reads as ``skipped``. Returns the reduce and the
+        window's counts.
+
+        Args:
+            comm: this rank's ``Comm`` (its rounds must not cross hosts).
+            batches: this rank's batches this window.
+            column: this rank's :func:`count_column`.
+        """
+        t0 = time.perf_counter()
+        r = self.replica.reduce(comm, gamma_mass(batches, self.gamma), mover_mass(batches),
+                                report=column)
+        counts = counts_from(r.reports[:, :_COUNT_ROWS].T)
+        skipped = counts.total_batches == 0
+        return (WindowSync(skipped, r.params_mass, expected_params_mass(counts, self.gamma),
+                           r.buffers_mass, 0.0 if skipped else r.divergence,
+                           r.pre_norm, r.post_norm, r.bytes_sent,
+                           (time.perf_counter() - t0) * 1e3), counts)
 
 
 def _short(mass: float, expected: float) -> bool:

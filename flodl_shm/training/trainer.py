@@ -484,6 +484,9 @@ class _RankRun:
             self.comm.set_outer(tr.outer)
         self.resets_inner = bool(tr.outer is not None and tr.outer.resets_inner())
         self.window = SyncWindow(model, gamma=tr.gamma, outer=tr.outer is not None)
+        # one host: a window is one round (its counts ride in it); several: a count
+        # gather first (_window_cluster)
+        self.one_round = ctx.local_world_size == ctx.world_size
         self._adopt_initial_weights()
         self.optimizer = tr.optimizer_fn(model.parameters())
         self.coord = self._coordinator(len(self.dataset))
@@ -593,9 +596,72 @@ class _RankRun:
             total += float(loss.detach())
         return total
 
-    def run(self) -> dict:
+    # -- the window's sync ------------------------------------------------------------
+    def _window_one_round(self, plan, nb: int, compute_ms: float, loss_sum: float,
+                          state: RankState, prev_sync):
+        """One host: the counts ride in the params round, the coordinator settles on
+        exactly what that round accepted, and a checkpoint is posted afterwards from
+        the lowest live rank's replica (which holds the consensus). One collective
+        (two with floating-point buffers). Returns (counts, settlement, sync,
+        checkpoint path or None)."""
+        from .sync_window import count_column
+
+        column = count_column(nb, compute_ms, loss_sum, state.stop_requested, prev_sync)
+        sync, counts = self.window.sync_reporting(self.comm, nb, column)
+        settled = self.coord.settle(plan, counts, undoable=False)
+        ckpt = None
+        if settled.save_reason is not None and self.trainer.save_path and sync.params_mass > 0:
+            ckpt = self._checkpoint_path()
+            if self.rank == self.coord.alive[0]:
+                self._post_checkpoint(ckpt, settled.save_reason, sync.params_mass)
+        return counts, settled, sync, ckpt
+
+    def _window_cluster(self, plan, nb: int, counts):
+        """Several hosts: the counts were gathered before the params round (the
+        coordinator settles first, so a checkpoint can be armed for the controller's
+        forge to capture); a rank that dies between the gather and the params round is
+        caught by the realized-work check and the window settled again. Returns
+        (counts, settlement, sync, checkpoint path or None)."""
+        coord, comm = self.coord, self.comm
+        settled = coord.settle(plan, counts)
+        ckpt = None
+        if settled.save_reason is not None and self.trainer.save_path \
+                and counts.total_batches > 0:
+            ckpt = self._checkpoint_path()
+            comm.arm_checkpoint(ckpt, self.schema, coord.checkpoint_meta(settled.save_reason))
+        sync = self.window.sync(comm, nb, counts)
+        if sync.shortfall:
+            realized = sorted(r for r in sync.accepted if counts.batches[r] > 0)
+            logger.warning(
+                "window %d: the params round accepted less work than the count gather "
+                "promised (a rank died in between); crediting ranks %s only%s", plan.window,
+                realized, "; the checkpoint armed at this window overstates coverage and "
+                "the next window is checkpointed again" if ckpt else "")
+            settled = coord.resettle(plan, counts, realized)
+        return counts, settled, sync, ckpt
+
+    def _checkpoint_path(self):
+        """This window's bundle path; the reporting rank prunes the series first (the
+        ``keep_checkpoints`` committed bundles survive until this one commits: a crash
+        mid-write still leaves them all; the end of the run prunes exactly)."""
         from ..checkpoint.series import prune_series, round_model_path
+
+        tr = self.trainer
+        if self.rank == self.coord.alive[0]:
+            prune_series(tr.save_path, tr.keep_checkpoints)
+        return round_model_path(tr.save_path, self.coord.sync_round)
+
+    def _post_checkpoint(self, path, reason: SaveReason, mass: float) -> None:
+        """Hand this replica (the consensus, right after the window's rounds) and the
+        outer momentum to the supervisor's forge, with the settled metadata."""
+        replica = self.window.replica
+        momentum = self.comm.outer_momentum() if replica.outer else None
+        self.comm.post_checkpoint(path, self.schema, replica.tensors(), mass=mass,
+                                  meta=self.coord.checkpoint_meta(reason), momentum=momentum)
+
+    def run(self) -> dict:
         from .sync_window import gather_counts
+
 
         tr, coord, comm = self.trainer, self.coord, self.comm
         state = RankState(self.rank, self.ctx.world_size, self.model, self.optimizer,
@@ -617,30 +683,19 @@ class _RankRun:
             state.live_ranks = tuple(coord.alive)
             t_start = time.perf_counter()
             nb, compute_ms, loss_sum, ids = self._train(plan, state)
-            t_gather = time.perf_counter()
-            counts = gather_counts(comm, nb, compute_ms, loss_sum, stop=state.stop_requested,
-                                   prev=prev_sync)
-            gather_ms = (time.perf_counter() - t_gather) * 1e3
-            settled = coord.settle(plan, counts)
+            if self.one_round:
+                counts, settled, sync, ckpt = self._window_one_round(plan, nb, compute_ms,
+                                                                     loss_sum, state, prev_sync)
+                gather_ms = 0.0
+            else:
+                t_gather = time.perf_counter()
+                counts = gather_counts(comm, nb, compute_ms, loss_sum,
+                                       stop=state.stop_requested, prev=prev_sync)
+                gather_ms = (time.perf_counter() - t_gather) * 1e3
+                counts, settled, sync, ckpt = self._window_cluster(plan, nb, counts)
             dead += settled.newly_dead
-            ckpt = None
-            if settled.save_reason is not None and tr.save_path and counts.total_batches > 0:
-                ckpt = round_model_path(tr.save_path, coord.sync_round)
-                if self.rank == coord.alive[0]:
-                    # keep_checkpoints committed bundles survive until this one commits:
-                    # a crash mid-write still leaves them all (the end of run prunes exactly)
-                    prune_series(tr.save_path, tr.keep_checkpoints)
-                comm.arm_checkpoint(ckpt, self.schema, coord.checkpoint_meta(settled.save_reason))
+            if ckpt is not None:
                 last_ckpt = os.fspath(ckpt)
-            sync = self.window.sync(comm, nb, counts)
-            if sync.shortfall:
-                realized = sorted(r for r in sync.accepted if counts.batches[r] > 0)
-                logger.warning(
-                    "window %d: the params round accepted less work than the count gather "
-                    "promised (a rank died in between); crediting ranks %s only%s", plan.window,
-                    realized, "; the checkpoint armed at this window overstates coverage and "
-                    "the next window is checkpointed again" if ckpt else "")
-                settled = coord.resettle(plan, counts, realized)
             prev_sync = sync
             ack = counts.prev_ack
             coord.report(counts, ack, settled.realized)
