@@ -278,6 +278,7 @@ def test_elche_cadence_keeps_every_rank_on_the_same_schedule():
                     return super().check(deltas, k_used, k_max)
 
             sgd = LocalSGD(model, sync_every=2, comm=comm, cadence="elche", guard=Recording())
+            first_round = comm.round
             syncs, windows, n = 0, [], 0
             while syncs < 8:
                 if comm.rank == 1:
@@ -287,6 +288,8 @@ def test_elche_cadence_keeps_every_rank_on_the_same_schedule():
                     syncs += 1
                     windows.append(n)
                     n = 0
+            # one host: ElChe's numbers ride in the params round, one collective a sync
+            assert comm.round - first_round == syncs
             return windows, sgd.el_che.batch_counts(), sgd.cadence, seen
 
         out = cohort.run(body)

@@ -193,6 +193,7 @@ def _fold(per_rank: list[dict], total_s: float) -> dict:
     return {"total_s": total_s, "loop_s": max(r["loop_s"] for r in per_rank),
             "avg_s": statistics.mean(r["avg_s"] for r in per_rank),
             "window_ms": max(r["window_ms"] for r in per_rank),
+            "window_ms_rank0": per_rank[0]["window_ms"],
             "accuracy": next(r["accuracy"] for r in per_rank if r["accuracy"] is not None)}
 
 
@@ -407,6 +408,14 @@ def main(argv=None) -> int:
                   zip(results["flodl_shm LocalSGD"], results["flodl_shm loop"])]
         print(f"\nLocalSGD window / one bare all_reduce_ of the same params: median "
               f"{statistics.median(ratios):.2f}x (per repeat: "
+              f"{', '.join(f'{r:.2f}' for r in ratios)})")
+    if "flodl_shm demo" in results and "flodl_shm loop" in results:
+        # the Trainer's history is its reporting rank's (rank 0): compare with rank 0's
+        # median window of the bare loop
+        ratios = [a["window_ms"] / b["window_ms_rank0"] for a, b in
+                  zip(results["flodl_shm demo"], results["flodl_shm loop"])]
+        print(f"Trainer window (rank 0) / one bare all_reduce_ of the same params (rank 0): "
+              f"median {statistics.median(ratios):.2f}x (per repeat: "
               f"{', '.join(f'{r:.2f}' for r in ratios)})")
     return 0
 

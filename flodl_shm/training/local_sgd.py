@@ -24,9 +24,11 @@ round: the parameters and the floating-point buffers travel in one frame, scaled
 wᵣ on the copy into shared memory, with wᵣ as the frame's mass. The divisor Σwᵣ
 comes back as the round's accepted mass, so nothing else needs exchanging: a dead
 rank's work enters neither the sum nor the divisor, and the survivors continue.
-``cadence="elche"`` adds one small CONTROL round before it (each rank's steps and
-compute time, for ElChe's cadence, plus the previous window's reduce time and drift
-for its overhead rule and the convergence guard: those two arrive one window late).
+``cadence="elche"`` needs each rank's steps and compute time (for ElChe's cadence)
+plus the previous window's sync time and drift (for its overhead rule and the
+convergence guard: those two arrive one window late). On one host they ride in the
+same round, in its header (``Comm.all_reduce_(report=...)``): still one collective.
+Across hosts they take one small CONTROL round before it.
 
 **Outer step.** With ``outer`` set, the parameters' consensus is stepped from the
 previous global (the weights adopted at the last sync, or the broadcast initial
@@ -81,7 +83,7 @@ __all__ = ["DiLoCo", "LocalSGD", "SyncInfo", "rank_state_path"]
 #: Format tag of ``LocalSGD.state_dict()`` (and of the ``.rank<N>.optim`` files).
 STATE_FORMAT = "flodl_shm.LocalSGD/1"
 
-# rows of the ElChe control gather
+# rows of ElChe's numbers (a report in the params round on one host, else a control gather)
 _G_STEPS, _G_COMPUTE_MS, _G_PRESENT, _G_PREV_SYNC_MS, _G_PREV_DIVERGENCE = range(5)
 
 
@@ -318,14 +320,20 @@ class LocalSGD:
         t0 = time.perf_counter()
         compute_ms = (t0 - self._window_t0) * 1e3
         steps, samples = self._steps, self._samples
-        gathered = None
+        gathered = report = None
         if self.el_che is not None:
-            gathered = gather_columns(self.comm, (steps, compute_ms, 1.0, self._prev_sync_ms,
-                                                  self._prev_divergence))
+            column = (steps, compute_ms, 1.0, self._prev_sync_ms, self._prev_divergence)
+            if self.comm.local_world_size == self.world_size:
+                report = column  # one host: ElChe's numbers ride in the params round
+            else:
+                gathered = gather_columns(self.comm, column)
         # one MODEL round, in place: params and float buffers scaled by w, mass w; a round
         # that realized nothing (mass 0) leaves the tensors untouched. With the outer step
         # in the reduce, the params round is stepped and the buffers travel on their own.
-        reduced = self._replica.reduce(self.comm, gamma_mass(samples, self.gamma))
+        reduced = self._replica.reduce(self.comm, gamma_mass(samples, self.gamma),
+                                       report=report)
+        if report is not None:
+            gathered = reduced.reports[:, :len(report)].T
         mass, accepted = reduced.params_mass, reduced.accepted
         divergence = 0.0
         if is_realized(mass):
@@ -417,7 +425,11 @@ class LocalSGD:
         ran = [int(round(m[_G_STEPS][r])) if present[r] else 0 for r in range(self.world_size)]
         if sum(ran) == 0:
             return
-        self.el_che.report_timing(wall, ran, float(np.max(m[_G_PREV_SYNC_MS])))
+        # the previous sync's cost: the least time of the ranks present. Each rank's sync
+        # time includes waiting there for the last one to finish its steps (imbalance,
+        # which the cadence itself corrects); the last to arrive waited for nobody.
+        prev_sync = m[_G_PREV_SYNC_MS][present]
+        self.el_che.report_timing(wall, ran, float(prev_sync.min()) if prev_sync.size else 0.0)
         # the previous window's drift: none at the first sync of a run (every rank's
         # previous sync time is 0 then), whose zeros must not read as "no drift"
         if self.guard is not None and bool(np.any(m[_G_PREV_SYNC_MS] > 0.0)):
