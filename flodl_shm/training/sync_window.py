@@ -196,15 +196,16 @@ def count_column(batches: int, compute_ms: float, loss_sum: float = 0.0, stop: b
 def counts_from(m: np.ndarray) -> CohortCounts:
     """The :class:`CohortCounts` of a ``[field, world]`` matrix of :func:`count_column`
     columns (a dead rank's column all zeros)."""
+    rows = m.tolist()  # Python floats: iterating numpy scalars costs ~10x more
     return CohortCounts(
-        batches=tuple(int(round(v)) for v in m[_C_BATCHES]),
-        compute_ms=tuple(float(v) for v in m[_C_COMPUTE_MS]),
-        loss_sum=tuple(float(v) for v in m[_C_LOSS]),
-        present=tuple(bool(v > 0.5) for v in m[_C_PRESENT]),
-        stop=bool(np.any(m[_C_STOP] > 0.5)),
-        prev_ack=CohortAck(divergence=tuple(float(v) for v in m[_C_DIVERGENCE]),
-                           reduce_ms=tuple(float(v) for v in m[_C_REDUCE_MS]),
-                           present=tuple(bool(v > 0.5) for v in m[_C_HAS_ACK])),
+        batches=tuple(int(round(v)) for v in rows[_C_BATCHES]),
+        compute_ms=tuple(rows[_C_COMPUTE_MS]),
+        loss_sum=tuple(rows[_C_LOSS]),
+        present=tuple(v > 0.5 for v in rows[_C_PRESENT]),
+        stop=any(v > 0.5 for v in rows[_C_STOP]),
+        prev_ack=CohortAck(divergence=tuple(rows[_C_DIVERGENCE]),
+                           reduce_ms=tuple(rows[_C_REDUCE_MS]),
+                           present=tuple(v > 0.5 for v in rows[_C_HAS_ACK])),
     )
 
 
@@ -308,6 +309,7 @@ class ReplicaReduce:
                      for p in self._live_params)
         self._post_np = ([_flat_np(p) for p in self._live_params]
                          if self._pre is not None and stable else None)
+        self._post_f32 = all(p.dtype == torch.float32 for p in self._live_params)
         self._together = bool(self._live_buffers) and buffers == "work" and not self.outer
 
     def tensors(self) -> list[torch.Tensor]:
@@ -339,9 +341,13 @@ class ReplicaReduce:
         t0 = time.perf_counter()
         esize = 2 if comm.bf16_wire else 4
         if self._pre is not None:
-            with torch.no_grad():
-                for dst, p in zip(self._pre, self.params):
-                    dst.copy_(p)
+            if self._post_np is not None and self._post_f32:
+                for dst, src in zip(self._pre_np, self._post_np):
+                    np.copyto(dst, src)  # float32 views: cheaper than torch's copy_
+            else:
+                with torch.no_grad():
+                    for dst, p in zip(self._pre, self.params):
+                        dst.copy_(p)
         # the rounds write through detached views (no autograd involved)
         together = self._together
         params_mass = comm.all_reduce_(self._live_all if together else self._live_params,
