@@ -37,17 +37,29 @@ Failure policy:
 
 Start methods (``spawn(..., start_method=...)``; docs/runtime.md, "Start-up"):
 
-- ``"forkserver"`` (the default on Linux): the supervisor starts one **rank server**
-  per ``spawn`` (a fresh interpreter with the ranks' bootstrap) that imports torch,
-  numpy, numba and this package and loads the kernels once, then forks every rank.
-  Each rank still imports the launcher's main module as ``__mp_main__`` and unpickles
-  ``fn`` as under "spawn", so the programs that work under "spawn" work unchanged.
-  Safe because the server is single-threaded when it forks: it never runs a torch
-  operation (no OpenMP/intra-op or inter-op pool exists in it) and sets
-  ``OMP_NUM_THREADS`` to the ranks' thread count before torch and numpy load.
-  The chain of deaths holds: the server follows the supervisor thread
-  (PDEATHSIG), each rank follows the server from the instant it is forked; the
-  server ignores SIGINT, as do the ranks; it is killed and reaped once every rank is.
+- ``"forkserver"`` (the default on Linux): one **rank server** per ``spawn`` loads
+  torch, numpy, numba, this package and the kernels once, on its one thread, then
+  forks every rank. Where it comes from:
+
+  * **forked from the launcher** when that is safe: at ``spawn``'s entry the calling
+    thread is the main thread and the process runs no other thread but OpenBLAS's
+    pool (which OpenBLAS itself shuts down around a fork) - no user thread, no torch
+    OpenMP (intra-op) or inter-op pool, no CUDA runtime - as in a script that has
+    imported torch and this package and run no torch operation yet. The server then
+    already holds what the launcher imported and only loads the kernels, and its
+    ranks hold the launcher's main module as it was at ``spawn`` (nothing imported
+    again). ``FLODL_SHM_FORK_SERVER=0`` turns this off;
+  * else **a fresh interpreter** with the ranks' bootstrap, started from the
+    supervisor thread, that imports torch itself (with ``OMP_NUM_THREADS`` set to the
+    ranks' thread count first, so not even OpenBLAS starts a pool) and never runs a
+    torch operation. Each rank still imports the launcher's main module as
+    ``__mp_main__`` and unpickles ``fn`` as under "spawn".
+
+  Either way the programs that work under "spawn" work unchanged, and the server is
+  single-threaded when it forks. The chain of deaths holds: the server follows the
+  thread that started it (PDEATHSIG: the launcher's main thread, or the supervisor
+  thread), each rank follows the server from the instant it is forked; the server
+  ignores SIGINT, as do the ranks; it is killed and reaped once every rank is.
 - ``"spawn"``: every rank is a fresh interpreter that imports torch, numba and the
   kernels itself (the launcher compiles or loads them first, so ranks only read
   numba's cache): the slowest start, the fewest assumptions.
@@ -283,6 +295,8 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
     send_lock = threading.Lock()
     handler = _PipeLogHandler(conn, send_lock, log_level)
     lib_logger = logging.getLogger("flodl_shm")
+    for inherited in list(lib_logger.handlers):  # a forked rank has the launcher's: its
+        lib_logger.removeHandler(inherited)      # records reach them through the pipe
     lib_logger.addHandler(handler)
     lib_logger.propagate = False  # the launcher's handlers print it, not the rank's root
     if lib_logger.level == logging.NOTSET or lib_logger.level > log_level:
@@ -430,16 +444,22 @@ def _process_class(start_method: str):
 
 
 def _rank_server_main(listener_fd: int, alive_r: int, nprocs: int, threads: int) -> None:
-    """The rank server's program: on its one thread, import torch, numpy, numba and
-    what a rank runs, load (or compile once) the kernels, run no torch operation;
+    """The fresh rank server's program: on its one thread, import torch, numpy, numba
+    and what a rank runs, load (or compile once) the kernels, run no torch operation;
     then serve forks (multiprocessing's forkserver loop). Started with SIGINT ignored
-    and blocked, and PDEATHSIG set, by ``_BOOTSTRAP``; every child follows the
-    server's death from the instant it is forked (an at-fork hook, before it imports
-    the launcher's main module)."""
+    and blocked, and PDEATHSIG set, by ``_BOOTSTRAP``."""
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # before torch/numpy load
     import numpy  # noqa: F401
     import torch  # noqa: F401
 
+    _serve_ranks(listener_fd, alive_r, nprocs)
+
+
+def _serve_ranks(listener_fd: int, alive_r: int, nprocs: int) -> None:
+    """A rank server's common part: load the kernels and what every rank imports
+    first, then serve forks until the launcher closes ``alive_r``; every child follows
+    the server's death from the instant it is forked (an at-fork hook, before it
+    imports the launcher's main module)."""
     _warm_kernels(nprocs)
     from .engine import comm as _comm  # noqa: F401 - what every rank imports first
 
@@ -454,6 +474,52 @@ def _rank_server_main(listener_fd: int, alive_r: int, nprocs: int, threads: int)
     forkserver.main(listener_fd, alive_r, [], None, None)
 
 
+_OPENBLAS_THREADS = ("openblas_get_num_threads", "openblas_get_num_threads64_",
+                     "scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads")
+
+
+def _openblas_workers() -> int:
+    """Worker threads of the OpenBLAS pools loaded in this process (numpy's starts one
+    at import: its ``num_threads - 1`` workers). OpenBLAS shuts its pool down before
+    every fork (its own ``pthread_atfork`` handler) and restarts it when next needed,
+    so these threads are safe to fork past. 0 for a library it cannot ask."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f
+                     if "openblas" in line.lower() and line.rstrip().split()[-1][:1] == "/"}
+    except OSError:
+        return 0
+    workers = 0
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)  # already loaded: the same handle, no new init
+        except OSError:
+            continue
+        for name in _OPENBLAS_THREADS:
+            get = getattr(lib, name, None)
+            if get is not None:
+                workers += max(int(get()) - 1, 0)
+                break
+    return workers
+
+
+def _fork_safe() -> bool:
+    """Whether forking this process now is safe: the calling thread is the main thread
+    and the only thread besides OpenBLAS's pool (``_openblas_workers``): no user thread,
+    no torch OpenMP (intra-op) or inter-op pool, no CUDA runtime (their threads would
+    count), as when a script has imported torch and this package but run no torch
+    operation yet."""
+    if threading.current_thread() is not threading.main_thread() or threading.active_count() != 1:
+        return False
+    try:
+        native = len(os.listdir("/proc/self/task"))
+    except OSError:
+        return False
+    return native == 1 or native == 1 + _openblas_workers()
+
+
 def _server_threads(pid: int) -> int:
     """Native threads of process ``pid`` (Linux), 0 when it cannot be read."""
     try:
@@ -463,8 +529,80 @@ def _server_threads(pid: int) -> int:
 
 
 class _RankServer(forkserver.ForkServer):
-    """One rank server per ``SpawnContext``: started from the supervisor thread (its
-    PDEATHSIG follows that thread), stopped once every rank is reaped."""
+    """One rank server per ``SpawnContext``, stopped once every rank is reaped: forked
+    from the launcher when that is safe (``fork_from_launcher``), else a fresh
+    interpreter started from the supervisor thread (``start``; its PDEATHSIG follows
+    that thread)."""
+
+    @classmethod
+    def fork_from_launcher(cls, nprocs: int) -> "_RankServer | None":
+        """A server forked from this process, or None when forking it is not safe
+        (``_fork_safe``) or ``FLODL_SHM_FORK_SERVER=0``: the supervisor then starts a
+        fresh one. Forked, the server already holds everything the launcher imported
+        (torch, this package) and only loads the kernels: the second ``import torch`` of
+        the start-up is gone (docs/runtime.md, "Start-up"). Its PDEATHSIG follows the
+        main thread, which outlives every rank (the interpreter waits for its threads
+        there)."""
+        if os.environ.get("FLODL_SHM_FORK_SERVER", "1") == "0":
+            logger.debug("rank server: a fresh interpreter (FLODL_SHM_FORK_SERVER=0)")
+            return None
+        if not _fork_safe():
+            logger.debug("rank server: a fresh interpreter (the launcher runs %d threads)",
+                         threading.active_count())
+            return None
+        server = cls()
+        server._fork(nprocs)
+        logger.debug("rank server: forked from the launcher (pid %d)", server._forkserver_pid)
+        return server
+
+    def _fork(self, nprocs: int) -> None:
+        import socket
+        from multiprocessing import connection, resource_tracker
+
+        resource_tracker.ensure_running()  # a process, not a thread: ranks share it
+        launcher = os.getpid()
+        with socket.socket(socket.AF_UNIX) as listener:
+            address = connection.arbitrary_address("AF_UNIX")
+            listener.bind(address)
+            os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()
+            sys.stdout.flush()  # else the children inherit (and print again) our buffers
+            sys.stderr.flush()
+            # SIGINT/SIGTERM blocked across the fork: the child sets its own dispositions
+            # (SIGINT ignored and kept blocked, as in a fresh server) before it unblocks
+            old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT, signal.SIGTERM])
+            try:
+                pid = os.fork()
+                if pid == 0:
+                    code = 1
+                    try:
+                        os.close(alive_w)
+                        _set_pdeathsig()
+                        if os.getppid() != launcher:
+                            os._exit(1)
+                        signal.signal(signal.SIGINT, signal.SIG_IGN)
+                        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                        signal.pthread_sigmask(signal.SIG_SETMASK,
+                                               (set(old_mask) | {signal.SIGINT})
+                                               - {signal.SIGTERM})
+                        _serve_ranks(listener.fileno(), alive_r, nprocs)
+                        code = 0
+                    except SystemExit:  # the launcher closed alive_w: the normal end
+                        code = 0
+                    except BaseException:
+                        traceback.print_exc()
+                    finally:
+                        os._exit(code)  # never return into the launcher's program
+            except BaseException:
+                os.close(alive_w)
+                raise
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+                os.close(alive_r)
+        self._forkserver_address = address
+        self._forkserver_alive_fd = alive_w
+        self._forkserver_pid = pid
 
     def start(self, nprocs: int, threads: int) -> None:
         import socket
@@ -627,15 +765,30 @@ class SpawnContext:
         self._done = threading.Event()
         self._start_error: BaseException | None = None
         self._lock = threading.Lock()
-        self._server: _RankServer | None = None
+        # the rank server forks from here while this is still the only thread (before
+        # the tap and supervisor threads start); else the supervisor starts a fresh one
+        self._server: _RankServer | None = (_RankServer.fork_from_launcher(nprocs)
+                                            if self._process_cls is _ServedRankProcess
+                                            else None)
+        try:
+            self._setup(nprocs, eager_bytes, relay_factory, interrupts)
+        except BaseException:
+            if self._server is not None:
+                self._server.stop()
+            raise
+
+    def _setup(self, nprocs: int, eager_bytes: int, relay_factory,
+               interrupts: "_InterruptGate | None") -> None:
+        """Create the arena and the tap, start the supervisor, wait for the ranks."""
         reap_dead_owner_segments()
         if self._process_cls is not _ServedRankProcess:
             _warm_kernels(nprocs)  # else the rank server loads them, in parallel with us
         with _signals_deferred():  # an interrupt now finds the arena owned by a context
-            self.arena = A.Arena.create(nprocs, eager_bytes=eager_bytes, first_rank=first_rank,
-                                        global_world=world_size,
+            self.arena = A.Arena.create(nprocs, eager_bytes=eager_bytes,
+                                        first_rank=self.first_rank,
+                                        global_world=self.world_size,
                                         relay=relay_factory is not None,
-                                        direct=max_failures == 0)
+                                        direct=self.max_failures == 0)
             try:
                 self._doorbell = Doorbell(self.arena.ctl)
                 self.tap = TapServer(self.arena)  # the consensus-checkpoint forge of this host
@@ -717,8 +870,9 @@ class SpawnContext:
                 threads = max(1, available_cores() // self.nprocs)
                 parent_pid = os.getpid()
                 if self._process_cls is _ServedRankProcess:
-                    self._server = _RankServer()
-                    self._server.start(self.nprocs, threads)
+                    if self._server is None:
+                        self._server = _RankServer()
+                        self._server.start(self.nprocs, threads)
                     parent_pid = self._server._forkserver_pid  # the ranks' parent
                 for r in range(self.nprocs):
                     if self.arena.ctl[A.G_ABORT]:
@@ -1082,9 +1236,10 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
             stops with ``RankStalled`` naming the round and the missing ranks.
         save_path: checkpoint stem; dead ranks' ``RankDeathRecord`` goes next to it.
         start_method: how ranks start: ``"forkserver"`` (default; on Linux ranks fork
-            from a single-threaded rank server that preloaded torch, numpy, numba and
-            the kernels, then import the launcher's main module as under "spawn";
-            elsewhere they are spawned),
+            from a single-threaded rank server that holds torch, numpy, numba and the
+            kernels: forked from the launcher when it runs no thread pool or thread of
+            its own, else a fresh interpreter whose ranks then import the launcher's
+            main module as under "spawn"; elsewhere they are spawned),
             ``"spawn"`` (each rank a fresh interpreter) or ``"fork"`` (from the
             launcher; unsafe once it ran torch operations). See docs/runtime.md,
             "Start-up".

@@ -36,9 +36,13 @@ def _no_leaks():
 
 @pytest.fixture(autouse=True, params=["forkserver", "spawn"])
 def start_method(request, monkeypatch):
-    """Every test runs under the default ("forkserver": ranks forked by a rank server
-    that preloaded torch, then importing the launcher's main module) and "spawn"."""
+    """Every test runs under "forkserver" with a fresh rank server (ranks forked by a
+    server that imported torch itself, then importing the launcher's main module) and
+    "spawn": the start-ups in which ranks import the launcher's main module. (The rank
+    server forked from a single-threaded launcher, the default for a script, has its
+    own tests at the end: its ranks import nothing.)"""
     monkeypatch.setenv("DRIVER_START_METHOD", request.param)
+    monkeypatch.setenv("FLODL_SHM_FORK_SERVER", "0")
     return request.param
 
 
@@ -194,3 +198,126 @@ def _ranks_of(pid: int) -> list[int]:
     return out
 
 
+
+
+# --- the rank server forked from the launcher ---------------------------------------------
+
+_FORKED_SCRIPT = """
+import os, sys, threading
+import torch
+import flodl_shm
+
+STARTED_IN = os.getpid()  # the launcher's pid, or a rank's when it runs this file again
+
+
+def fn(ctx):
+    ctx.comm.barrier()
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+        parent = f.read().decode().replace("\\0", " ").strip()
+    return os.getppid(), parent, sys.modules["__main__"].STARTED_IN == os.getpid()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "torch-threads":
+        torch.set_num_threads(2)
+        x = torch.randn(512, 512)
+        (x @ x).sum().item()          # torch's OpenMP pool now runs
+    elif sys.argv[1] == "user-thread":
+        threading.Thread(target=threading.Event().wait, daemon=True).start()
+    print("said once before spawn", end="")  # left in stdout's buffer
+    out = flodl_shm.spawn(fn, 2)
+    print()
+    for ppid, parent, reimported in out:
+        print(ppid != os.getpid(), parent, reimported, sep="|")
+"""
+
+
+def _run_forked_script(tmp_path, mode: str, env: dict | None = None) -> tuple[str, list]:
+    script = tmp_path / "launcher.py"
+    script.write_text(_FORKED_SCRIPT)
+    run_env = {k: v for k, v in os.environ.items() if k != "FLODL_SHM_FORK_SERVER"}
+    run_env.update(env or {})
+    done = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True,
+                          timeout=120, env=run_env)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    return lines[0], [line.split("|") for line in lines[1:]]
+
+
+@pytest.mark.parametrize("start_method", ["default"])  # the launcher's own start-up
+def test_a_single_threaded_launcher_forks_its_rank_server(tmp_path, start_method):
+    """A script that imported torch and flodl_shm and ran no torch operation: the rank
+    server is a fork of the launcher (its command line), so its ranks import nothing
+    again; what the launcher left in its stdout buffer is printed once, not per rank."""
+    first, ranks = _run_forked_script(tmp_path, "plain")
+    assert first == "said once before spawn"
+    script = str(tmp_path / "launcher.py")
+    for not_launcher, parent, reimported in ranks:
+        assert not_launcher == "True", "ranks fork from the server, not the launcher"
+        assert script in parent and "_rank_server_main" not in parent, parent
+        assert reimported == "False", "a forked rank has the launcher's main module"
+
+
+@pytest.mark.parametrize("start_method", ["default"])
+@pytest.mark.parametrize("mode, env", [("torch-threads", {}), ("user-thread", {}),
+                                       ("plain", {"FLODL_SHM_FORK_SERVER": "0"})])
+def test_a_launcher_that_runs_threads_gets_a_fresh_rank_server(tmp_path, start_method, mode,
+                                                               env):
+    """Forking a process with torch's OpenMP pool or a thread of its own is not safe: the
+    rank server is then a fresh interpreter (as it is with FLODL_SHM_FORK_SERVER=0)."""
+    first, ranks = _run_forked_script(tmp_path, mode, env)
+    assert first == "said once before spawn"
+    for not_launcher, parent, reimported in ranks:
+        assert not_launcher == "True" and "_rank_server_main" in parent, parent
+        assert reimported == "True", "a fresh server's ranks import the main module"
+
+
+@pytest.mark.parametrize("start_method", ["default"])
+def test_ctrl_c_while_the_forked_rank_server_loads_kernels(tmp_path, start_method):
+    """Ctrl-C while the forked server is still loading the kernels (here: compiling them
+    into an empty numba cache, which takes long): the launcher stops at once with
+    KeyboardInterrupt, and the server is gone."""
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "spawn_driver.py"), "2"],
+                            env=dict({k: v for k, v in os.environ.items()
+                                      if k not in ("FLODL_SHM_FORK_SERVER",
+                                                   "DRIVER_START_METHOD")},
+                                     NUMBA_CACHE_DIR=str(tmp_path / "cold-cache"),
+                                     DRIVER_READY_FILE=str(tmp_path / "ready")),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    server = None
+    while server is None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"the rank server never started: {_ctrl_c(proc)}")
+        for pid in _ranks_of(proc.pid):  # the forked server: the launcher's command line
+            if "spawn_driver.py" in " ".join(psutil.Process(pid).cmdline()):
+                server = pid
+        time.sleep(0.05)
+    time.sleep(0.5)
+    assert not (tmp_path / "ready").exists(), "the kernels compiled before the Ctrl-C"
+    err = _ctrl_c(proc)
+    assert proc.returncode == -signal.SIGINT, err
+    assert "KeyboardInterrupt" in err and "every rank was stopped" in err, err
+    assert "RankFailed" not in err and "rank server exited" not in err, err
+    assert processes_gone([server], BOUND_S), "the rank server outlived the interrupt"
+    assert _segments_of(proc.pid) == []
+
+
+@pytest.mark.parametrize("start_method", ["default"])
+def test_launcher_killed_takes_the_forked_server_and_its_ranks_down(tmp_path, start_method):
+    env = {k: "" for k in ("DRIVER_START_METHOD",)}
+    proc, ranks = start_spawn_driver(tmp_path, 2, env={**env, "FLODL_SHM_FORK_SERVER": "1"})
+    family = set(ranks) | set(_ranks_of(proc.pid))
+    assert len(family) == 3, "two ranks and their (forked) server"
+    try:
+        proc.kill()
+        proc.wait(BOUND_S)
+        assert processes_gone(family, BOUND_S), "the server or a rank outlived the launcher"
+    finally:
+        for pid in family:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert set(_segments_of(proc.pid)) <= {s.name for s in reap_dead_owner_segments()}

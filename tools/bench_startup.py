@@ -20,8 +20,10 @@ and records wall-clock stamps (``time.time()``, one clock for every process):
 
 Prints the phases (median over the repeats) and the ratio launch -> first barrier over
 one ``import torch`` for each start method ("default" is ``spawn(fn, nprocs)`` without
-``start_method``, what a user gets), then the start-up's components, each timed in a
-fresh interpreter in the same repeats (where a rank's, or the rank server's, seconds go).
+``start_method``, what a user gets: here a rank server forked from the launcher;
+"forkserver-fresh" is "forkserver" with ``FLODL_SHM_FORK_SERVER=0``: a fresh server),
+then the start-up's components, each timed in a fresh interpreter in the same repeats
+(where a rank's, or the rank server's, seconds go).
 The machine's load is printed too: on a busy host, compare ratios.
 """
 from __future__ import annotations
@@ -51,7 +53,7 @@ def fn(ctx):
 if __name__ == "__main__":
     called = time.time()
     method = sys.argv[3]
-    kw = {} if method == "default" else {"start_method": method}
+    kw = {} if method == "default" else {"start_method": method.replace("-fresh", "")}
     out = flodl_shm.spawn(fn, int(sys.argv[2]), **kw)
     with open(sys.argv[1], "w") as f:
         json.dump({"imported": imported, "called": called,
@@ -84,7 +86,10 @@ def _spawn_phases(script: str, nprocs: int, method: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="flodl_bench_startup_") as d:
         out = os.path.join(d, "stamps.json")
         t0 = time.time()
-        subprocess.run([sys.executable, script, out, str(nprocs), method], check=True)
+        env = dict(os.environ)
+        if method.endswith("-fresh"):  # a fresh rank server, never one forked from us
+            env["FLODL_SHM_FORK_SERVER"] = "0"
+        subprocess.run([sys.executable, script, out, str(nprocs), method], check=True, env=env)
         end = time.time()
         with open(out) as f:
             st = json.load(f)
@@ -97,9 +102,11 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--nprocs", type=int, default=2)
-    ap.add_argument("--start-methods", default="default,forkserver,spawn,fork",
+    ap.add_argument("--start-methods", default="default,forkserver-fresh,spawn,fork",
                     help="spawn()'s start_method values to compare (comma-separated; "
-                         "'default' passes none)")
+                         "'default' passes none; 'forkserver-fresh' is 'forkserver' with "
+                         "FLODL_SHM_FORK_SERVER=0: a fresh rank server, not one forked from "
+                         "the launcher)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="flodl_bench_startup_") as d:
         script = os.path.join(d, "startup_probe.py")
