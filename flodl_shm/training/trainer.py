@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import logging
 import math
 import os
@@ -414,10 +415,11 @@ class _CohortDecisionFilter(logging.Filter):
 
 
 def window_seed(seed: int, rank: int, window: int) -> int:
-    """The torch RNG seed of ``rank``'s training in ``window`` (a 63-bit hash of the
-    three), so stochastic layers replay identically after a resume."""
-    state = np.random.SeedSequence([int(seed), int(rank), int(window)]).generate_state(2)
-    return (int(state[0]) << 31 | int(state[1])) & ((1 << 63) - 1)
+    """The torch RNG seed of ``rank``'s training in ``window`` (a 63-bit BLAKE2b hash of
+    the three), so stochastic layers replay identically after a resume. (A hash rather
+    than ``numpy.random.SeedSequence``, which cost ~50-80 us of every window.)"""
+    key = b"flodl_shm.window_seed:%d:%d:%d" % (int(seed), int(rank), int(window))
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
 def _accelerators_present() -> bool:
