@@ -206,9 +206,11 @@ class LoggingHook(Hook):
         if stats.window % max(self.every, 1) and stats.checkpoint is None and stats.next_batches:
             return
         loss = "-" if math.isnan(stats.cohort_loss) else f"{stats.cohort_loss:.4f}"
+        # "wait": the count gather's, on several hosts (one host has none: gather_ms 0.0)
+        wait = f", wait {stats.gather_ms:.1f} ms" if stats.gather_ms else ""
         line = (f"epoch {stats.epoch} window {stats.window} step {stats.global_step}: "
                 f"loss {loss}, {stats.samples_per_s:,.0f} samples/s, compute "
-                f"{stats.compute_ms:.1f} ms, wait {stats.gather_ms:.1f} ms, sync "
+                f"{stats.compute_ms:.1f} ms{wait}, sync "
                 f"{stats.sync_ms:.1f} ms, sent {_human_bytes(stats.bytes_sent)}, divergence "
                 f"{stats.max_divergence:.2e}, ranks {len(stats.live_ranks)}, batches "
                 f"{list(stats.cohort_batches)}")
