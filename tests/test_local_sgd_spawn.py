@@ -126,14 +126,21 @@ def _load_consensus_only(ctx, stem: str):
     return _params(model), meta.sync_round, sgd.sync_round, sgd.total_steps
 
 
-def test_a_bundle_without_rank_states_loads_the_consensus(tmp_path):
+@pytest.mark.parametrize("rank_files", ["missing", "a Trainer's"])
+def test_a_bundle_without_rank_states_loads_the_consensus(tmp_path, rank_files):
+    """Without LocalSGD rank states (none, or a Trainer's, whose rank files hold its own
+    format) the consensus is loaded and the rest starts fresh."""
     stem = os.fspath(tmp_path / "ckpt")
     flodl_shm.spawn(_train, 2, args=(4, 4, stem, False, "none"))
     ref = make_model()
     report = flodl_shm.load_consensus_checkpoint(ref, CheckpointBundle.model_path(stem))
     assert not report.missing and not report.unexpected
     for r in range(2):
-        rank_state_path(stem, r).unlink()
+        if rank_files == "missing":
+            rank_state_path(stem, r).unlink()
+        else:
+            torch.save({"format": "flodl_shm.Trainer/1", "optimizer": {}},
+                       rank_state_path(stem, r))
     out = flodl_shm.spawn(_load_consensus_only, 2, args=(stem,))
     expected = {k: v for k, v in ref.state_dict().items() if v.is_floating_point()}
     for params, meta_round, round_, steps in out:

@@ -23,8 +23,8 @@ from flodl_shm.engine.segment import list_segments
 from flodl_shm.training.trainer import TrainingAborted
 
 from trainer_util import (no_leaks,  # noqa: F401 - autouse fixture
-                          KillAt, RecordSamples, assert_each_epoch_once, float_state,
-                          make_trainer, read_samples)
+                          KillAt, RecordSamples, assert_each_epoch_once, make_trainer,
+                          read_samples, sgd_momentum)
 
 pytestmark = pytest.mark.timeout(150)
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -105,17 +105,19 @@ def _run_driver(spec: dict) -> tuple[int, int, str]:
 def test_whole_run_killed_then_resumed_matches_the_uninterrupted_run(tmp_path):
     """The launcher is SIGKILLed in window 11 (its ranks die with it); resuming from the
     window-9 checkpoint replays windows 10-16 exactly: same samples on the same ranks,
-    same seeds, so the final weights are bit-identical to an uninterrupted run's."""
+    same seeds, and each rank's inner optimizer state (SGD momentum) and integer buffers
+    (BatchNorm's num_batches_tracked) from its .rank<N>.optim, so the final state is
+    bit-identical to an uninterrupted run's."""
     for d in ("rec_full", "rec1", "rec2"):
         (tmp_path / d).mkdir()
-    _, code, err = _run_driver({"records": str(tmp_path / "rec_full"),
+    _, code, err = _run_driver({"records": str(tmp_path / "rec_full"), "momentum": True,
                                 "save_path": str(tmp_path / "full"), "every": 3, "nprocs": 2,
                                 "out": str(tmp_path / "full.pt")})
     assert code == 0, err[-3000:]
     stem = tmp_path / "killed"
     pid, code, err = _run_driver({
         "records": str(tmp_path / "rec1"), "save_path": str(stem), "every": 3, "nprocs": 2,
-        "out": str(tmp_path / "never.pt"),
+        "out": str(tmp_path / "never.pt"), "momentum": True,
         "kill": {"rank": 0, "window": 11, "batch": 0, "target": "launcher",
                  "wait_for": str(CheckpointBundle.meta_path(round_model_path(stem, 9)))}})
     assert code == -9, err[-3000:]
@@ -124,8 +126,10 @@ def test_whole_run_killed_then_resumed_matches_the_uninterrupted_run(tmp_path):
         "the killed launcher could not unlink its segments (the next spawn reaps them)"
     assert [r for r, _ in committed_checkpoints(stem)][-1] == 9
 
-    trainer = make_trainer(save_path=stem, checkpoint_every=3, hooks=[RecordSamples(
-        tmp_path / "rec2")])
+    assert {p.name for p in tmp_path.glob("killed-r00000009.rank*.optim")} == \
+        {"killed-r00000009.rank0.optim", "killed-r00000009.rank1.optim"}
+    trainer = make_trainer(sgd_momentum, save_path=stem, checkpoint_every=3,
+                           hooks=[RecordSamples(tmp_path / "rec2")])
     result = trainer.resume()
     assert result.history[0].window == 10 and result.meta.sync_round == 16
     # coverage: run 1 up to its checkpoint, then run 2
@@ -137,8 +141,8 @@ def test_whole_run_killed_then_resumed_matches_the_uninterrupted_run(tmp_path):
     resumed = sorted((w, r, tuple(ids)) for w, _, r, ids in read_samples(tmp_path / "rec2"))
     assert full_tail == resumed
     want = torch.load(tmp_path / "full.pt")
-    got = float_state(result.state_dict)
-    assert sorted(got) == sorted(want)
+    got = result.state_dict
+    assert sorted(got) == sorted(want) and any(not v.is_floating_point() for v in want.values())
     for k in want:
         assert torch.equal(got[k], want[k]), f"{k} differs after resume"
     assert not [s for s in list_segments() if s.owner_pid == pid], \

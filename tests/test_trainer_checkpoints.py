@@ -15,12 +15,14 @@ from flodl_shm.training.trainer import Trainer, window_seed
 pytestmark = pytest.mark.timeout(30)
 
 
-def bundle(stem, rnd, *, meta=True, outer=False, tmp=False):
+def bundle(stem, rnd, *, meta=True, outer=False, tmp=False, ranks=0):
     model = round_model_path(stem, rnd)
     model.parent.mkdir(parents=True, exist_ok=True)
     model.write_bytes(b"model")
     if outer:
         model.with_name(model.name.replace(".fdl", ".outer.fdl")).write_bytes(b"m")
+    for r in range(ranks):  # each rank's own state (the Trainer's and LocalSGD's)
+        model.with_name(model.name.replace(".fdl", f".rank{r}.optim")).write_bytes(b"s")
     if meta:
         CheckpointMeta.new(0, rnd, rnd, 2, SaveReason.CHECKPOINT).write_to_file(
             model.with_name(model.name.replace(".fdl", ".meta.json")))
@@ -60,14 +62,16 @@ def test_latest_is_the_highest_committed_round(tmp_path):
 def test_prune_keeps_the_newest_and_drops_failed_writes(tmp_path):
     stem = tmp_path / "ck"
     for rnd in (2, 4, 6):
-        bundle(stem, rnd, outer=True)
+        bundle(stem, rnd, outer=True, ranks=2 if rnd != 4 else 0)
     bundle(stem, 5, meta=False, tmp=True)       # failed write, older than the newest
-    bundle(stem, 8, meta=False)                 # maybe still being written: untouched
-    assert prune_series(stem, keep=2) == [2, 5]
+    (tmp_path / "ck-r00000003.rank1.optim").write_bytes(b"s")  # a rank's file, nothing else
+    bundle(stem, 8, meta=False, ranks=1)        # maybe still being written: untouched
+    assert prune_series(stem, keep=2) == [2, 3, 5]
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == ["ck-r00000004.fdl", "ck-r00000004.meta.json", "ck-r00000004.outer.fdl",
                     "ck-r00000006.fdl", "ck-r00000006.meta.json", "ck-r00000006.outer.fdl",
-                    "ck-r00000008.fdl"]
+                    "ck-r00000006.rank0.optim", "ck-r00000006.rank1.optim",
+                    "ck-r00000008.fdl", "ck-r00000008.rank0.optim"]
     assert prune_series(stem, keep=0) == [4], "at least the newest is always kept"
     (tmp_path / "ck.rank1.death.json").write_text("{}")
     assert delete_series(stem) == 2

@@ -48,6 +48,7 @@ def make_data(n: int = N_SAMPLES):
 
 
 sgd = functools.partial(torch.optim.SGD, lr=0.05)
+sgd_momentum = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)  # has state
 loss_fn = torch.nn.functional.cross_entropy
 
 
@@ -132,25 +133,27 @@ def float_state(state: dict) -> dict:
     return {k: v for k, v in state.items() if v.is_floating_point()}
 
 
-def make_trainer(**kw):
+def make_trainer(optimizer_fn=sgd, **kw):
     from flodl_shm.training.trainer import Trainer
 
     args = dict(batch_size=8, epochs=2, sync_every=2, log_every=None, timeout=120.0)
     args.update(kw)
-    return Trainer(make_model, sgd, make_data(), loss_fn, **args)
+    return Trainer(make_model, optimizer_fn, make_data(), loss_fn, **args)
 
 
 def drive(spec_json: str) -> None:
     """Driver entry (a subprocess): run ``make_trainer(**spec)`` with hooks built from
-    the spec and write the result's float state to ``spec["out"]``."""
+    the spec (``"momentum": true``: SGD with momentum, an optimizer with state) and write
+    the result's state (integer buffers included) to ``spec["out"]``."""
     spec = json.loads(spec_json)
     hooks = [RecordSamples(spec["records"])]
     if spec.get("kill"):
         hooks.append(KillAt(**spec["kill"]))
-    trainer = make_trainer(save_path=spec["save_path"], checkpoint_every=spec["every"],
+    trainer = make_trainer(sgd_momentum if spec.get("momentum") else sgd,
+                           save_path=spec["save_path"], checkpoint_every=spec["every"],
                            hooks=hooks)
     result = trainer.run(spec["nprocs"])
-    torch.save(float_state(result.state_dict), spec["out"])
+    torch.save(result.state_dict, spec["out"])
 
 
 if __name__ == "__main__":

@@ -55,8 +55,9 @@ def bundle_files(model_path: "str | os.PathLike[str]") -> list[Path]:
 def _rounds(save_path) -> dict[int, Path]:
     """round -> model path of every bundle with any file (or leftover temp) on disk."""
     base = series_base(save_path)
-    pattern = re.compile(re.escape(base.name) + r"-r(\d{%d,})\.(?:fdl|outer\.fdl|meta\.json|names\.json)"
-                         r"(?:(?:\.\d+\.[0-9a-f]+)?%s)?$" % (_ROUND_DIGITS, re.escape(TMP_SUFFIX)))
+    pattern = re.compile(re.escape(base.name)
+                         + r"-r(\d{%d,})\.(?:fdl|outer\.fdl|meta\.json|names\.json|rank\d+\.optim)"
+                           r"(?:(?:\.\d+\.[0-9a-f]+)?%s)?$" % (_ROUND_DIGITS, re.escape(TMP_SUFFIX)))
     folder = base.parent
     out: dict[int, Path] = {}
     try:
@@ -111,9 +112,21 @@ def resolve_checkpoint(path: "str | os.PathLike[str]") -> Path:
     return latest
 
 
+def _rank_files(model: Path) -> list[Path]:
+    """The bundle's ``<stem>.rank<N>.optim`` files (each rank's own state)."""
+    stem = model.name[: -len(".fdl")] if model.name.endswith(".fdl") else model.name
+    pattern = re.compile(re.escape(stem) + r"\.rank\d+\.optim$")
+    try:
+        names = os.listdir(model.parent)
+    except FileNotFoundError:
+        return []
+    return [model.parent / n for n in sorted(names) if pattern.match(n)]
+
+
 def _remove(model: Path) -> None:
-    """Delete the bundle's files and its writers' stale temps (a live writer's temp stays)."""
-    for f in bundle_files(model):
+    """Delete the bundle's files (its ranks' states included) and its writers' stale
+    temps (a live writer's temp stays)."""
+    for f in bundle_files(model) + _rank_files(model):
         try:
             f.unlink()
         except FileNotFoundError:

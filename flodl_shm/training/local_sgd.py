@@ -604,11 +604,18 @@ class LocalSGD:
                                     f"complete checkpoint bundle (the .meta.json is written last)")
         meta = CheckpointMeta.read_from_file(meta_path)
         rank_path = rank_state_path(path, self.rank)
-        if rank_path.exists():
-            self.load_state_dict(torch.load(rank_path, weights_only=False))
+        state = torch.load(rank_path, weights_only=False) if rank_path.exists() else None
+        fmt = state.get("format") if isinstance(state, dict) else None
+        if fmt == STATE_FORMAT:
+            self.load_state_dict(state)
             return meta
-        logger.warning("%s not found: loading the consensus only (inner optimizer, scheduler "
-                       "and cadence state start fresh)", rank_path)
+        if state is None:
+            logger.warning("%s not found: loading the consensus only (inner optimizer, "
+                           "scheduler and cadence state start fresh)", rank_path)
+        else:  # e.g. a Trainer's bundle: its rank files hold the Trainer's own state
+            logger.warning("%s holds a %r state, not a LocalSGD one: loading the consensus "
+                           "only (inner optimizer, scheduler and cadence state start fresh)",
+                           rank_path, fmt)
         report = load_consensus_checkpoint(self.model, CheckpointBundle.model_path(path))
         if report.missing or report.unexpected:
             raise ValueError(f"{CheckpointBundle.model_path(path)} does not match the model: "

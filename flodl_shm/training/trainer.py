@@ -51,6 +51,10 @@ logger = logging.getLogger("flodl_shm")
 
 __all__ = ["Trainer", "TrainResult", "TrainingAborted"]
 
+#: Format tag of a Trainer rank's ``<stem>.rank<N>.optim`` (its inner optimizer state and
+#: integer buffers at a checkpoint).
+RANK_STATE_FORMAT = "flodl_shm.Trainer/1"
+
 
 @dataclass
 class TrainResult:
@@ -491,6 +495,8 @@ class _RankRun:
         self.one_round = ctx.local_world_size == ctx.world_size
         self._adopt_initial_weights()
         self.optimizer = tr.optimizer_fn(model.parameters())
+        if job.model_path is not None:
+            self._load_rank_state(job.model_path)
         self.coord = self._coordinator(len(self.dataset))
         logging.getLogger("flodl_shm").addFilter(_CohortDecisionFilter(
             lambda: bool(self.coord.alive) and self.coord.alive[0] == self.rank))
@@ -532,6 +538,56 @@ class _RankRun:
                     logger.warning("%s not found: the outer momentum restarts from zero", opath)
             return
         self.window.replica.align_on(self.comm, 0)
+
+    # -- each rank's own share of a checkpoint -------------------------------------------
+    def _save_rank_state(self, model_path) -> None:
+        """Write this rank's ``<stem>.rank<N>.optim`` next to the bundle: what the consensus
+        does not hold and an exact resume needs, its inner optimizer's state and its integer
+        buffers (``num_batches_tracked``). Atomic; on the training path, at checkpoint
+        windows only (the optimizer state changes at the next step)."""
+        import torch
+
+        from ..checkpoint._atomic import atomic_write
+        from .local_sgd import rank_state_path
+
+        state = {
+            "format": RANK_STATE_FORMAT, "rank": self.rank, "world_size": self.ctx.world_size,
+            "sync_round": self.coord.sync_round,
+            "optimizer": self.optimizer.state_dict(),
+            "integer_buffers": {name: b.detach().clone()
+                                for name, b in self.model.named_buffers()
+                                if not b.is_floating_point()},
+        }
+        atomic_write(rank_state_path(model_path, self.rank), lambda fh: torch.save(state, fh))
+
+    def _load_rank_state(self, model_path) -> None:
+        """On resume: this rank's inner optimizer state and integer buffers from the
+        bundle's ``.rank<N>.optim``, when it is there and was written by a cohort of the
+        same size; otherwise they start fresh (logged)."""
+        import torch
+
+        from .local_sgd import rank_state_path
+
+        path = rank_state_path(model_path, self.rank)
+        if not path.exists():
+            logger.info("%s not found: rank %d's inner optimizer and integer buffers start "
+                        "fresh", path, self.rank)
+            return
+        state = torch.load(path, weights_only=False)
+        if not isinstance(state, dict) or state.get("format") != RANK_STATE_FORMAT:
+            raise ValueError(f"{path} is not a Trainer rank state (format "
+                             f"{RANK_STATE_FORMAT!r} expected)")
+        if state["world_size"] != self.ctx.world_size:
+            logger.warning("%s was written by a cohort of %d ranks, this one has %d: rank %d's "
+                           "inner optimizer and integer buffers start fresh", path,
+                           state["world_size"], self.ctx.world_size, self.rank)
+            return
+        self.optimizer.load_state_dict(state["optimizer"])
+        buffers = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for name, value in state["integer_buffers"].items():
+                if name in buffers:
+                    buffers[name].copy_(value)
 
     def _permutation(self, epoch: int) -> np.ndarray:
         from .coverage import epoch_permutation
@@ -614,6 +670,10 @@ class _RankRun:
         ckpt = None
         if settled.save_reason is not None and self.trainer.save_path and sync.params_mass > 0:
             ckpt = self._checkpoint_path()
+            # every rank's own state is on disk before the bundle can commit: a bundle
+            # with a .meta.json has every live rank's .optim
+            self._save_rank_state(ckpt)
+            self.comm.barrier()
             if self.rank == self.coord.alive[0]:
                 self._post_checkpoint(ckpt, settled.save_reason, sync.params_mass)
         return counts, settled, sync, ckpt
@@ -632,6 +692,8 @@ class _RankRun:
             ckpt = self._checkpoint_path()
             comm.arm_checkpoint(ckpt, self.schema, coord.checkpoint_meta(settled.save_reason))
         sync = self.window.sync(comm, nb, counts)
+        if ckpt is not None:
+            self._save_rank_state(ckpt)  # the controller commits the bundle on its own
         if sync.shortfall:
             realized = sorted(r for r in sync.accepted if counts.batches[r] > 0)
             logger.warning(
