@@ -556,17 +556,9 @@ class _RankServer(forkserver.ForkServer):
         return server
 
     def _fork(self, nprocs: int) -> None:
-        import socket
-        from multiprocessing import connection, resource_tracker
-
-        resource_tracker.ensure_running()  # a process, not a thread: ranks share it
         launcher = os.getpid()
-        with socket.socket(socket.AF_UNIX) as listener:
-            address = connection.arbitrary_address("AF_UNIX")
-            listener.bind(address)
-            os.chmod(address, 0o600)
-            listener.listen()
-            alive_r, alive_w = os.pipe()
+
+        def fork_server(listener_fd: int, alive_r: int, alive_w: int) -> int:
             sys.stdout.flush()  # else the children inherit (and print again) our buffers
             sys.stderr.flush()
             # SIGINT/SIGTERM blocked across the fork: the child sets its own dispositions
@@ -586,7 +578,7 @@ class _RankServer(forkserver.ForkServer):
                         signal.pthread_sigmask(signal.SIG_SETMASK,
                                                (set(old_mask) | {signal.SIGINT})
                                                - {signal.SIGTERM})
-                        _serve_ranks(listener.fileno(), alive_r, nprocs)
+                        _serve_ranks(listener_fd, alive_r, nprocs)
                         code = 0
                     except SystemExit:  # the launcher closed alive_w: the normal end
                         code = 0
@@ -594,21 +586,38 @@ class _RankServer(forkserver.ForkServer):
                         traceback.print_exc()
                     finally:
                         os._exit(code)  # never return into the launcher's program
-            except BaseException:
-                os.close(alive_w)
-                raise
+                return pid
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-                os.close(alive_r)
-        self._forkserver_address = address
-        self._forkserver_alive_fd = alive_w
-        self._forkserver_pid = pid
+
+        self._open(fork_server)
 
     def start(self, nprocs: int, threads: int) -> None:
+        def spawn_server(listener_fd: int, alive_r: int, alive_w: int) -> int:
+            cmd = (_BOOTSTRAP.format(ppid=os.getpid())
+                   + f"import sys; sys.path[:] = {sys.path!r}; "
+                   + "from flodl_shm.launch import _rank_server_main; "
+                   + f"_rank_server_main({listener_fd}, {alive_r}, {nprocs}, {threads})")
+            exe = mp_spawn.get_executable()
+            args = [exe] + mp_util._args_from_interpreter_flags() + ["-c", cmd]
+            # blocked at the fork (the resource tracker unblocks it in this thread): the
+            # server, and every rank it forks, starts with SIGINT blocked
+            old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+            try:
+                return mp_util.spawnv_passfds(exe, args, [listener_fd, alive_r])
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+        self._open(spawn_server)
+
+    def _open(self, start_server: Callable[[int, int, int], int]) -> None:
+        """Listen on a fresh socket and make the alive pipe, then start the server with
+        ``start_server(listener_fd, alive_r, alive_w) -> pid``; keep the launcher's
+        ends (the server's are closed here)."""
         import socket
         from multiprocessing import connection, resource_tracker
 
-        resource_tracker.ensure_running()
+        resource_tracker.ensure_running()  # a process, not a thread: ranks share it
         with socket.socket(socket.AF_UNIX) as listener:
             address = connection.arbitrary_address("AF_UNIX")
             listener.bind(address)
@@ -616,20 +625,7 @@ class _RankServer(forkserver.ForkServer):
             listener.listen()
             alive_r, alive_w = os.pipe()
             try:
-                cmd = (_BOOTSTRAP.format(ppid=os.getpid())
-                       + f"import sys; sys.path[:] = {sys.path!r}; "
-                       + "from flodl_shm.launch import _rank_server_main; "
-                       + f"_rank_server_main({listener.fileno()}, {alive_r}, {nprocs}, "
-                       + f"{threads})")
-                exe = mp_spawn.get_executable()
-                args = [exe] + mp_util._args_from_interpreter_flags() + ["-c", cmd]
-                # blocked at the fork (the resource tracker unblocks it in this thread):
-                # the server, and every rank it forks, starts with SIGINT blocked
-                old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
-                try:
-                    pid = mp_util.spawnv_passfds(exe, args, [listener.fileno(), alive_r])
-                finally:
-                    signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+                pid = start_server(listener.fileno(), alive_r, alive_w)
             except BaseException:
                 os.close(alive_w)
                 raise

@@ -91,6 +91,17 @@ if b"_rank_server_main" in open("/proc/self/cmdline", "rb").read():
 """
 
 
+def _ctrl_c_stops_the_server(proc, server: int) -> None:
+    """Ctrl-C the launcher whose rank server ``server`` is still preloading: a clean
+    KeyboardInterrupt at once, the server gone, no segment left."""
+    err = _ctrl_c(proc)
+    assert proc.returncode == -signal.SIGINT, err
+    assert "KeyboardInterrupt" in err and "every rank was stopped" in err, err
+    assert "RankFailed" not in err and "rank server exited" not in err, err
+    assert processes_gone([server], BOUND_S), "the rank server outlived the interrupt"
+    assert _segments_of(proc.pid) == []
+
+
 def test_ctrl_c_while_the_rank_server_preloads(tmp_path, start_method):
     """Ctrl-C while the rank server is still importing (held there by a sitecustomize
     that only the server runs): the launcher stops at once with KeyboardInterrupt
@@ -113,12 +124,7 @@ def test_ctrl_c_while_the_rank_server_preloads(tmp_path, start_method):
             raise AssertionError(f"the rank server never started: {_ctrl_c(proc)}")
         time.sleep(0.05)
     server = int(marker.read_text().split()[0])
-    err = _ctrl_c(proc)
-    assert proc.returncode == -signal.SIGINT, err
-    assert "KeyboardInterrupt" in err and "every rank was stopped" in err, err
-    assert "RankFailed" not in err and "rank server exited" not in err, err
-    assert processes_gone([server], BOUND_S), "the rank server outlived the interrupt"
-    assert _segments_of(proc.pid) == []
+    _ctrl_c_stops_the_server(proc, server)
 
 
 def test_launcher_killed_while_ranks_import_takes_them_down(tmp_path):
@@ -296,12 +302,7 @@ def test_ctrl_c_while_the_forked_rank_server_loads_kernels(tmp_path, start_metho
         time.sleep(0.05)
     time.sleep(0.5)
     assert not (tmp_path / "ready").exists(), "the kernels compiled before the Ctrl-C"
-    err = _ctrl_c(proc)
-    assert proc.returncode == -signal.SIGINT, err
-    assert "KeyboardInterrupt" in err and "every rank was stopped" in err, err
-    assert "RankFailed" not in err and "rank server exited" not in err, err
-    assert processes_gone([server], BOUND_S), "the rank server outlived the interrupt"
-    assert _segments_of(proc.pid) == []
+    _ctrl_c_stops_the_server(proc, server)
 
 
 @pytest.mark.parametrize("start_method", ["default"])

@@ -352,6 +352,14 @@ def table(results: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def _print_ratio(what: str, variant: list, loop: list, loop_key: str) -> None:
+    """The per-repeat ratio of ``variant``'s median window to the bare loop's (its
+    ``loop_key``), and their median."""
+    ratios = [a["window_ms"] / b[loop_key] for a, b in zip(variant, loop)]
+    print(f"{what}: median {statistics.median(ratios):.2f}x (per repeat: "
+          f"{', '.join(f'{r:.2f}' for r in ratios)})")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -403,20 +411,15 @@ def main(argv=None) -> int:
                     f.write(json.dumps(r) + "\n")
     print(f"# load average at the end {os.getloadavg()[0]:.2f}\n")
     print(table(results))
-    if "flodl_shm LocalSGD" in results and "flodl_shm loop" in results:
-        ratios = [a["window_ms"] / b["window_ms"] for a, b in
-                  zip(results["flodl_shm LocalSGD"], results["flodl_shm loop"])]
-        print(f"\nLocalSGD window / one bare all_reduce_ of the same params: median "
-              f"{statistics.median(ratios):.2f}x (per repeat: "
-              f"{', '.join(f'{r:.2f}' for r in ratios)})")
-    if "flodl_shm demo" in results and "flodl_shm loop" in results:
+    loop = results.get("flodl_shm loop")
+    if loop and "flodl_shm LocalSGD" in results:
+        _print_ratio("LocalSGD window / one bare all_reduce_ of the same params",
+                     results["flodl_shm LocalSGD"], loop, "window_ms")
+    if loop and "flodl_shm demo" in results:
         # the Trainer's history is its reporting rank's (rank 0): compare with rank 0's
         # median window of the bare loop
-        ratios = [a["window_ms"] / b["window_ms_rank0"] for a, b in
-                  zip(results["flodl_shm demo"], results["flodl_shm loop"])]
-        print(f"Trainer window (rank 0) / one bare all_reduce_ of the same params (rank 0): "
-              f"median {statistics.median(ratios):.2f}x (per repeat: "
-              f"{', '.join(f'{r:.2f}' for r in ratios)})")
+        _print_ratio("Trainer window (rank 0) / one bare all_reduce_ of the same params "
+                     "(rank 0)", results["flodl_shm demo"], loop, "window_ms_rank0")
     return 0
 
 
