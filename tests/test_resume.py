@@ -24,7 +24,7 @@ from flodl_shm.training.trainer import TrainingAborted
 
 from trainer_util import (no_leaks,  # noqa: F401 - autouse fixture
                           KillAt, RecordSamples, assert_each_epoch_once, make_trainer,
-                          read_samples, sgd_momentum)
+                          read_samples, sgd_momentum, step_lr)
 
 pytestmark = pytest.mark.timeout(150)
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -105,19 +105,21 @@ def _run_driver(spec: dict) -> tuple[int, int, str]:
 def test_whole_run_killed_then_resumed_matches_the_uninterrupted_run(tmp_path):
     """The launcher is SIGKILLed in window 11 (its ranks die with it); resuming from the
     window-9 checkpoint replays windows 10-16 exactly: same samples on the same ranks,
-    same seeds, and each rank's inner optimizer state (SGD momentum) and integer buffers
-    (BatchNorm's num_batches_tracked) from its .rank<N>.optim, so the final state is
-    bit-identical to an uninterrupted run's."""
+    same seeds, and each rank's inner optimizer state (SGD momentum), LR schedule (a
+    StepLR stepped per batch) and integer buffers (BatchNorm's num_batches_tracked)
+    from its .rank<N>.optim, so the final state is bit-identical to an uninterrupted
+    run's."""
     for d in ("rec_full", "rec1", "rec2"):
         (tmp_path / d).mkdir()
     _, code, err = _run_driver({"records": str(tmp_path / "rec_full"), "momentum": True,
+                                "scheduler": True,
                                 "save_path": str(tmp_path / "full"), "every": 3, "nprocs": 2,
                                 "out": str(tmp_path / "full.pt")})
     assert code == 0, err[-3000:]
     stem = tmp_path / "killed"
     pid, code, err = _run_driver({
         "records": str(tmp_path / "rec1"), "save_path": str(stem), "every": 3, "nprocs": 2,
-        "out": str(tmp_path / "never.pt"), "momentum": True,
+        "out": str(tmp_path / "never.pt"), "momentum": True, "scheduler": True,
         "kill": {"rank": 0, "window": 11, "batch": 0, "target": "launcher",
                  "wait_for": str(CheckpointBundle.meta_path(round_model_path(stem, 9)))}})
     assert code == -9, err[-3000:]
@@ -128,8 +130,8 @@ def test_whole_run_killed_then_resumed_matches_the_uninterrupted_run(tmp_path):
 
     assert {p.name for p in tmp_path.glob("killed-r00000009.rank*.optim")} == \
         {"killed-r00000009.rank0.optim", "killed-r00000009.rank1.optim"}
-    trainer = make_trainer(sgd_momentum, save_path=stem, checkpoint_every=3,
-                           hooks=[RecordSamples(tmp_path / "rec2")])
+    trainer = make_trainer(sgd_momentum, scheduler_fn=step_lr, save_path=stem,
+                           checkpoint_every=3, hooks=[RecordSamples(tmp_path / "rec2")])
     result = trainer.resume()
     assert result.history[0].window == 10 and result.meta.sync_round == 16
     # coverage: run 1 up to its checkpoint, then run 2

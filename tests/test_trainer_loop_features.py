@@ -1,4 +1,5 @@
-"""Trainer loop features: step_fn, clip_grad_norm, accumulate (real rank processes)."""
+"""Trainer loop features: step_fn, clip_grad_norm, accumulate, scheduler_fn (real rank
+processes)."""
 from __future__ import annotations
 
 import functools
@@ -70,6 +71,24 @@ def test_accumulate_splits_each_batch_into_micro_batches(plain):
         torch.testing.assert_close(acc[k], plain[k], rtol=1e-4, atol=1e-5)
 
 
+def test_scheduler_fn_steps_after_every_optimizer_step(plain, tmp_path):
+    """A StepLR halving the rate every 3 of a rank's batches: after window w (4 batches
+    a window) the rate is 0.1 * 0.5 ** (4w // 3) on every rank; a schedule that keeps the
+    rate gives exactly the plain run."""
+    from trainer_util import RecordLR
+
+    keep = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=3, gamma=1.0)
+    assert _equal(_run(scheduler_fn=keep), plain)
+    halve = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=3, gamma=0.5)
+    assert not _equal(_run(scheduler_fn=halve, hooks=[RecordLR(tmp_path)]), plain)
+    for rank in range(2):
+        lines = (tmp_path / f"lr{rank}.txt").read_text().split("\n")[:-1]
+        assert len(lines) == 4  # 512 samples, 16 a batch, 2 ranks x 4 batches a window
+        for line in lines:
+            window, lr = line.split()
+            assert float(lr) == pytest.approx(0.1 * 0.5 ** (4 * int(window) // 3))
+
+
 def test_loop_feature_arguments_are_checked():
     with pytest.raises(ValueError, match="loss_fn .* or a step_fn"):
         flodl_shm.Trainer(make_model, torch.optim.SGD, make_data, None)
@@ -78,3 +97,5 @@ def test_loop_feature_arguments_are_checked():
                           accumulate=3)
     with pytest.raises(ValueError, match="clip_grad_norm must be a finite number > 0"):
         flodl_shm.Trainer(make_model, torch.optim.SGD, make_data, ce_step, clip_grad_norm=0.0)
+    with pytest.raises(TypeError, match="scheduler_fn must be an optimizer -> LR scheduler"):
+        flodl_shm.Trainer(make_model, torch.optim.SGD, make_data, ce_step, scheduler_fn=0.5)

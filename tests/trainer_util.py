@@ -49,6 +49,7 @@ def make_data(n: int = N_SAMPLES):
 
 sgd = functools.partial(torch.optim.SGD, lr=0.05)
 sgd_momentum = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)  # has state
+step_lr = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=5, gamma=0.7)
 loss_fn = torch.nn.functional.cross_entropy
 
 
@@ -67,6 +68,18 @@ class RecordSamples(Hook):
             ids = ",".join(str(int(i)) for i in stats.sample_ids)
             f.write(f"{stats.window} {stats.epoch} {ids}\n")
             f.flush()
+
+
+class RecordLR(Hook):
+    """Appends ``window lr`` (the inner optimizer's first learning rate) to
+    ``<folder>/lr<r>.txt`` after each window."""
+
+    def __init__(self, folder) -> None:
+        self.folder = os.fspath(folder)
+
+    def on_window_end(self, state, stats) -> None:
+        with open(os.path.join(self.folder, f"lr{state.rank}.txt"), "a") as f:
+            f.write(f"{stats.window} {state.optimizer.param_groups[0]['lr']!r}\n")
 
 
 class KillAt(Hook):
@@ -143,13 +156,15 @@ def make_trainer(optimizer_fn=sgd, **kw):
 
 def drive(spec_json: str) -> None:
     """Driver entry (a subprocess): run ``make_trainer(**spec)`` with hooks built from
-    the spec (``"momentum": true``: SGD with momentum, an optimizer with state) and write
+    the spec (``"momentum": true``: SGD with momentum, an optimizer with state;
+    ``"scheduler": true``: a StepLR stepped per batch) and write
     the result's state (integer buffers included) to ``spec["out"]``."""
     spec = json.loads(spec_json)
     hooks = [RecordSamples(spec["records"])]
     if spec.get("kill"):
         hooks.append(KillAt(**spec["kill"]))
     trainer = make_trainer(sgd_momentum if spec.get("momentum") else sgd,
+                           scheduler_fn=step_lr if spec.get("scheduler") else None,
                            save_path=spec["save_path"], checkpoint_every=spec["every"],
                            hooks=hooks)
     result = trainer.run(spec["nprocs"])

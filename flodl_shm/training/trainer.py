@@ -171,9 +171,14 @@ class Trainer:
         accumulate: split each batch into this many equal micro-batches, each one's
             loss divided by ``accumulate`` and back-propagated before the single
             optimizer step (``batch_size`` must be a multiple of it).
+        scheduler_fn: ``optimizer -> LR scheduler`` (e.g. ``functools.partial(
+            torch.optim.lr_scheduler.CosineAnnealingLR, T_max=1000)``), built in every
+            rank on its inner optimizer and stepped after each optimizer step (so its
+            periods count this rank's batches); its state is in each checkpoint's rank
+            files, so a resume continues the schedule.
 
-    For an LR scheduler, AMP or a ``DataLoader`` with workers, write the loop
-    yourself around :class:`flodl_shm.LocalSGD` (docs/local_sgd.md).
+    For AMP or a ``DataLoader`` with workers, write the loop yourself around
+    :class:`flodl_shm.LocalSGD` (docs/local_sgd.md).
     """
 
     def __init__(self, model_fn: Callable, optimizer_fn: Callable, dataset: Any,
@@ -185,10 +190,14 @@ class Trainer:
                  max_failures: int = 0, seed: int = SHUFFLE_BASE_SEED,
                  hooks: Sequence[Hook] = (), guard=None, log_every: Optional[int] = 1,
                  timeout: Optional[float] = 1800.0, step_fn: Optional[Callable] = None,
-                 clip_grad_norm: Optional[float] = None, accumulate: int = 1) -> None:
+                 clip_grad_norm: Optional[float] = None, accumulate: int = 1,
+                 scheduler_fn: Optional[Callable] = None) -> None:
         if loss_fn is None and step_fn is None:
             raise ValueError("pass a loss_fn (output, target) -> loss, or a step_fn "
                              "(model, batch) -> loss")
+        if scheduler_fn is not None and not callable(scheduler_fn):
+            raise TypeError(f"scheduler_fn must be an optimizer -> LR scheduler callable, got "
+                            f"{type(scheduler_fn).__name__}")
         if not isinstance(accumulate, int) or accumulate < 1 or batch_size % accumulate:
             raise ValueError(f"accumulate must be an int >= 1 dividing batch_size "
                              f"{batch_size}, got {accumulate!r}")
@@ -241,6 +250,7 @@ class Trainer:
         self.step_fn = step_fn
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.accumulate = accumulate
+        self.scheduler_fn = scheduler_fn
 
     def __repr__(self) -> str:
         return (f"Trainer(batch_size={self.batch_size}, epochs={self.epochs}, "
@@ -495,6 +505,7 @@ class _RankRun:
         self.one_round = ctx.local_world_size == ctx.world_size
         self._adopt_initial_weights()
         self.optimizer = tr.optimizer_fn(model.parameters())
+        self.scheduler = None if tr.scheduler_fn is None else tr.scheduler_fn(self.optimizer)
         if job.model_path is not None:
             self._load_rank_state(job.model_path)
         self.coord = self._coordinator(len(self.dataset))
@@ -542,8 +553,8 @@ class _RankRun:
     # -- each rank's own share of a checkpoint -------------------------------------------
     def _save_rank_state(self, model_path) -> None:
         """Write this rank's ``<stem>.rank<N>.optim`` next to the bundle: what the consensus
-        does not hold and an exact resume needs, its inner optimizer's state and its integer
-        buffers (``num_batches_tracked``). Atomic; on the training path, at checkpoint
+        does not hold and an exact resume needs, its inner optimizer's and LR scheduler's
+        states and its integer buffers (``num_batches_tracked``). Atomic; on the training path, at checkpoint
         windows only (the optimizer state changes at the next step)."""
         import torch
 
@@ -554,6 +565,7 @@ class _RankRun:
             "format": RANK_STATE_FORMAT, "rank": self.rank, "world_size": self.ctx.world_size,
             "sync_round": self.coord.sync_round,
             "optimizer": self.optimizer.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "integer_buffers": {name: b.detach().clone()
                                 for name, b in self.model.named_buffers()
                                 if not b.is_floating_point()},
@@ -561,8 +573,8 @@ class _RankRun:
         atomic_write(rank_state_path(model_path, self.rank), lambda fh: torch.save(state, fh))
 
     def _load_rank_state(self, model_path) -> None:
-        """On resume: this rank's inner optimizer state and integer buffers from the
-        bundle's ``.rank<N>.optim``, when it is there and was written by a cohort of the
+        """On resume: this rank's inner optimizer and LR scheduler states and integer
+        buffers from the bundle's ``.rank<N>.optim``, when it is there and was written by a cohort of the
         same size; otherwise they start fresh (logged)."""
         import torch
 
@@ -570,8 +582,8 @@ class _RankRun:
 
         path = rank_state_path(model_path, self.rank)
         if not path.exists():
-            logger.info("%s not found: rank %d's inner optimizer and integer buffers start "
-                        "fresh", path, self.rank)
+            logger.info("%s not found: rank %d's inner optimizer, LR schedule and integer "
+                        "buffers start fresh", path, self.rank)
             return
         state = torch.load(path, weights_only=False)
         if not isinstance(state, dict) or state.get("format") != RANK_STATE_FORMAT:
@@ -579,10 +591,16 @@ class _RankRun:
                              f"{RANK_STATE_FORMAT!r} expected)")
         if state["world_size"] != self.ctx.world_size:
             logger.warning("%s was written by a cohort of %d ranks, this one has %d: rank %d's "
-                           "inner optimizer and integer buffers start fresh", path,
+                           "inner optimizer, LR schedule and integer buffers start fresh", path,
                            state["world_size"], self.ctx.world_size, self.rank)
             return
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None:
+            if state.get("scheduler") is not None:
+                self.scheduler.load_state_dict(state["scheduler"])
+            else:
+                logger.warning("%s holds no LR scheduler state: rank %d's schedule starts "
+                               "over", path, self.rank)
         buffers = dict(self.model.named_buffers())
         with torch.no_grad():
             for name, value in state["integer_buffers"].items():
@@ -624,6 +642,8 @@ class _RankRun:
             if tr.clip_grad_norm is not None:
                 clip_grad_norm_(self.model.parameters(), tr.clip_grad_norm)
             self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
             loss_sum += value
             if tr.hooks:
                 info = BatchInfo(plan.epoch, plan.window, k, ids, value,
