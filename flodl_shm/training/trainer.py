@@ -51,8 +51,8 @@ logger = logging.getLogger("flodl_shm")
 
 __all__ = ["Trainer", "TrainResult", "TrainingAborted"]
 
-#: Format tag of a Trainer rank's ``<stem>.rank<N>.optim`` (its inner optimizer state and
-#: integer buffers at a checkpoint).
+#: Format tag of a Trainer rank's ``<stem>.rank<N>.optim`` (its inner optimizer and LR
+#: scheduler states and integer buffers at a checkpoint).
 RANK_STATE_FORMAT = "flodl_shm.Trainer/1"
 
 
@@ -554,8 +554,8 @@ class _RankRun:
     def _save_rank_state(self, model_path) -> None:
         """Write this rank's ``<stem>.rank<N>.optim`` next to the bundle: what the consensus
         does not hold and an exact resume needs, its inner optimizer's and LR scheduler's
-        states and its integer buffers (``num_batches_tracked``). Atomic; on the training path, at checkpoint
-        windows only (the optimizer state changes at the next step)."""
+        states and its integer buffers (``num_batches_tracked``). Atomic; on the training
+        path, at checkpoint windows only (the optimizer state changes at the next step)."""
         import torch
 
         from ..checkpoint._atomic import atomic_write
@@ -574,8 +574,8 @@ class _RankRun:
 
     def _load_rank_state(self, model_path) -> None:
         """On resume: this rank's inner optimizer and LR scheduler states and integer
-        buffers from the bundle's ``.rank<N>.optim``, when it is there and was written by a cohort of the
-        same size; otherwise they start fresh (logged)."""
+        buffers from the bundle's ``.rank<N>.optim``, when it is there and was written by a
+        cohort of the same size; otherwise they start fresh (logged)."""
         import torch
 
         from .local_sgd import rank_state_path
@@ -745,7 +745,6 @@ class _RankRun:
 
     def run(self) -> dict:
         from .sync_window import gather_counts
-
 
         tr, coord, comm = self.trainer, self.coord, self.comm
         state = RankState(self.rank, self.ctx.world_size, self.model, self.optimizer,
