@@ -11,8 +11,8 @@ process, in the order the hooks were given::
 
 ``state`` is the rank's :class:`RankState` (model, optimizer, counters) and
 ``state.request_stop()`` asks the cohort to stop: the request travels with the
-next count gather, so every rank stops after the same window, which is then
-saved as a ``graceful_shutdown`` checkpoint.
+window's counts, so every rank stops after the same window, which is then saved
+as a ``graceful_shutdown`` checkpoint.
 
 Hooks are pickled to the rank processes: define them at module level, and keep
 in mind that each rank works on its own copy (state a hook accumulates stays in
