@@ -487,10 +487,10 @@ def _openblas_workers() -> int:
 
     try:
         with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f
-                     if "openblas" in line.lower() and line.rstrip().split()[-1][:1] == "/"}
+            fields = [line.split() for line in f if "openblas" in line.lower()]
     except OSError:
         return 0
+    paths = {parts[-1] for parts in fields if parts[-1].startswith("/")}
     workers = 0
     for path in sorted(paths):
         try:
@@ -511,16 +511,14 @@ def _fork_safe() -> bool:
     no torch OpenMP (intra-op) or inter-op pool, no CUDA runtime (their threads would
     count), as when a script has imported torch and this package but run no torch
     operation yet."""
-    if threading.current_thread() is not threading.main_thread() or threading.active_count() != 1:
+    if (threading.current_thread() is not threading.main_thread()
+            or threading.active_count() != 1):
         return False
-    try:
-        native = len(os.listdir("/proc/self/task"))
-    except OSError:
-        return False
-    return native == 1 or native == 1 + _openblas_workers()
+    native = _native_threads(os.getpid())  # 0: unreadable, so not known to be safe
+    return native == 1 or (native > 1 and native == 1 + _openblas_workers())
 
 
-def _server_threads(pid: int) -> int:
+def _native_threads(pid: int) -> int:
     """Native threads of process ``pid`` (Linux), 0 when it cannot be read."""
     try:
         return len(os.listdir(f"/proc/{pid}/task"))
@@ -894,7 +892,7 @@ class SpawnContext:
                     self._procs.append(p)
                     conns[r] = parent_conn
                 if self._server is not None and self._procs:
-                    n = _server_threads(self._server._forkserver_pid)  # done forking now
+                    n = _native_threads(self._server._forkserver_pid)  # done forking now
                     if n > 1:
                         logger.warning(
                             "the rank server ran %d threads while forking ranks (expected 1: "

@@ -21,9 +21,9 @@ round N and this rank's next collective the reports of round N are stable:
 :func:`read_reports` must run in that gap (``Comm.last_reports`` checks it).
 
 Who is in the table. Every accepted rank of the round (the ranks that arrived,
-whatever their mass); a rank that did not arrive (dead, fenced) reads as zeros, and
-:func:`read_reports` returns the accepted mask beside the table so a caller can tell
-"dead" from "reported zeros". Values are float32: integers are exact up to 2^24.
+whatever their mass); a rank that did not arrive (dead, fenced) reads as zeros: a
+caller that must tell "dead" from "reported zeros" checks the round's accepted ranks
+(``Comm.last_accepted_ranks``) or sends a 1.0 "present" value of its own. Values are float32: integers are exact up to 2^24.
 Reports cover the ranks of one arena; on a cluster (a relay completes the rounds)
 they are refused, since the other hosts' ranks are not in this host's headers.
 """

@@ -76,7 +76,7 @@ H_SCALE = 10          # f64 bits: the scale of a direct round's contribution (ap
                       # the slice reducers, not at copy-in)
 H_REPORT = 11         # REPORT_VALUES float32 (two per word): a rank's report riding in the
                       # round (``Comm.all_reduce_(report=...)``), read by every rank after it
-H_REPORT_ROUND = 15   # the round whose report words 11..14 hold (-1 until the first)
+H_REPORT_ROUND = 15   # round + 1 of the report in words 11..14 (0: none yet)
 REPORT_VALUES = 8
 
 DEAD_KILLED = 1       # died (crash, signal, exception) and was fenced by the owner

@@ -365,9 +365,8 @@ def eager_copy_f32(addr, n, scale, dst_addr, ctl, ctl_f64, ctl32, eager, slot_by
     instead of the source, always (a round with no accepted mass yields what
     ``eager_round`` yields: the plain sum of the contributions)."""
     return _eager_single_f32(f32_at(addr, n), f32_at(dst_addr, n), False, scale, ctl, ctl_f64,
-                             ctl32, eager,
-                             slot_bytes, world, me, rnd, kind, flags, weight, shash, nwords,
-                             iters, info, mass, acc)
+                             ctl32, eager, slot_bytes, world, me, rnd, kind, flags, weight,
+                             shash, nwords, iters, info, mass, acc)
 
 
 def warm_up() -> None:
@@ -396,8 +395,9 @@ def warm_up() -> None:
                                0, dtype, 1.0, 1, 8, 2, 7, 1, 0, np.zeros(2, np.float32),
                                np.zeros(2, np.uint16), 0, True)
     t = np.zeros(2, np.float32)
+    dst = np.zeros(2, np.float32)  # held here: the kernel writes through its address
     for r in range(world):
         eager_inplace_f32(t.ctypes.data, 2, 1.0, ctl, f64, c32, eager, 64, world, r, 4, 0, 0,
                           1.0, 7, 1, 0, info, mass, acc)
-        eager_copy_f32(t.ctypes.data, 2, 1.0, np.zeros(2, np.float32).ctypes.data, ctl, f64, c32,
-                       eager, 64, world, r, 5, 0, 0, 1.0, 7, 1, 0, info, mass, acc)
+        eager_copy_f32(t.ctypes.data, 2, 1.0, dst.ctypes.data, ctl, f64, c32, eager, 64,
+                       world, r, 5, 0, 0, 1.0, 7, 1, 0, info, mass, acc)
