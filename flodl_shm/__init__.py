@@ -85,7 +85,6 @@ _EXPORTS = {
     "RankSummary": "flodl_shm.training.hooks",
     "Coordinator": "flodl_shm.training.coordinator",
     "CoordinatorConfig": "flodl_shm.training.coordinator",
-    "SyncWindow": "flodl_shm.training.sync_window",
     "latest_checkpoint": "flodl_shm.checkpoint.series",
     "NoGuard": "flodl_shm.training.convergence",
     "SpawnContext": "flodl_shm.launch",

@@ -131,6 +131,52 @@ def test_an_idle_cohort_keeps_local_state():
     assert torch.equal(out[1][1], torch.full((8,), 1.0))
 
 
+def test_sync_every_none_syncs_only_when_called_and_carries_each_rank_s_report():
+    """The caller decides the windows (the Trainer's coordinator does): step() only
+    counts; sync(report=...) brings every rank's numbers back with the consensus."""
+    with FakeCohort(2) as cohort:
+        def body(comm):
+            model = make_model(seed=0)
+            sgd = LocalSGD(model, sync_every=None, comm=comm, drift=True)
+            answers = _train_steps(model, sgd, comm.rank, 3 + comm.rank, 2, 0)
+            before = comm.round
+            info = sgd.sync(report=[10.0 + comm.rank, 0.5])
+            return answers, sgd.steps_until_sync, info, comm.round - before
+
+        out = cohort.run(body)
+    for rank, (answers, until, info, rounds) in enumerate(out):
+        assert answers == [False] * (3 + rank) and until is None
+        assert rounds == 1, "params, buffers and reports in one round"
+        assert info.mass == 2 * 3 + 2 * 4 and info.local_steps == 3 + rank
+        assert info.reports.shape == (2, 8)
+        assert info.reports[:, :2].tolist() == [[10.0, 0.5], [11.0, 0.5]]
+        assert info.divergence > 0.0 and info.next_steps is None
+    with FakeCohort(1) as cohort:
+        sgd = LocalSGD(make_model(0), sync_every=2, comm=cohort.comm(0))
+        assert sgd.sync().reports is None and sgd.sync().divergence == 0.0, "unmeasured"
+
+
+def test_movers_buffers_take_the_plain_mean_of_the_ranks_that_trained():
+    """buffers="movers" (the Trainer's rule): the BatchNorm statistics are the plain
+    mean over the ranks that trained, whatever their work; an idle rank adopts them."""
+    with FakeCohort(3) as cohort:
+        def body(comm):
+            model = make_model(seed=0)
+            sgd = LocalSGD(model, sync_every=None, comm=comm, buffers="movers")
+            with torch.no_grad():
+                model[1].running_mean.fill_(float(comm.rank + 1))
+            for _ in range((1, 5, 0)[comm.rank]):
+                sgd.step(samples=3)
+            before = comm.round
+            info = sgd.sync()
+            return info.mass, model[1].running_mean.clone(), comm.round - before
+
+        out = cohort.run(body)
+    for mass, mean, rounds in out:
+        assert mass == 18.0 and rounds == 2, "the buffers take a round of their own"
+        torch.testing.assert_close(mean, torch.full((8,), 1.5))
+
+
 def _diloco_run(comm, outer_factory, windows: int = 3):
     model = make_model(seed=0)
     outer = outer_factory(model)
@@ -306,8 +352,13 @@ def test_elche_cadence_keeps_every_rank_on_the_same_schedule():
 def test_errors_name_the_value_and_the_fix():
     with FakeCohort(1) as cohort:
         comm = cohort.comm(0)
-        with pytest.raises(ValueError, match="sync_every must be an int >= 1, got 0"):
+        with pytest.raises(ValueError, match=r"sync_every must be an int >= 1 \(or None: sync "
+                                             r"only when sync\(\) is called\), got 0"):
             LocalSGD(make_model(0), sync_every=0, comm=comm)
+        with pytest.raises(ValueError, match="sync_every=None .* needs cadence='fixed'"):
+            LocalSGD(make_model(0), sync_every=None, comm=comm, cadence="elche")
+        with pytest.raises(ValueError, match="buffers must be 'work' or 'movers', got 'all'"):
+            LocalSGD(make_model(0), sync_every=2, comm=comm, buffers="all")
         with pytest.raises(ValueError, match="cadence must be"):
             LocalSGD(make_model(0), sync_every=2, comm=comm, cadence="fast")
         with pytest.raises(TypeError, match="torch.float64"):

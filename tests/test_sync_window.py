@@ -1,6 +1,7 @@
-"""One sync window on the real single-host engine (thread ranks): the count gather,
-the realized-work reduce of params and buffers, the all-idle skip, the ack (which
-travels in the next window's count gather).
+"""One Trainer window on the real single-host engine (thread ranks): the count gather,
+the realized-work reduce of params and buffers through the Trainer's LocalSGD
+(``sync_every=None``, the movers' buffer mass, the drift measured), an all-idle window,
+the ack (which travels in the next window's count gather).
 
 The numbers are the seed's (spec §2.8): counts [3,5,2] with values [1,2,3] give 1.9;
 rank 2 dead gives counts [3,5,0], params 13/8 = 1.625, buffers (mean of movers) 1.5.
@@ -12,7 +13,8 @@ import math
 import pytest
 import torch
 
-from flodl_shm.training.sync_window import SyncWindow, expected_params_mass, gather_counts
+from flodl_shm import LocalSGD
+from flodl_shm.training.sync_window import expected_params_mass, gather_counts
 from flodl_shm.testing import FakeCohort
 
 pytestmark = pytest.mark.timeout(60)
@@ -28,11 +30,34 @@ class Tiny(torch.nn.Module):
         self.register_buffer("steps", torch.tensor(int(value * 10), dtype=torch.long))
 
 
-def window(comm, model, batches, *, gamma=1.0, stop=False):
+def window_sgd(comm, model, value=None, *, gamma=1.0):
+    """The Trainer's window on ``model`` (a collective: it aligns the replicas on rank
+    0's), then this rank's own ``value`` in its float tensors."""
+    sgd = LocalSGD(model, sync_every=None, comm=comm, gamma=gamma, buffers="movers",
+                   drift=True)
+    if value is not None:
+        with torch.no_grad():
+            model.w.fill_(value)
+            model.stat.fill_(value)
+    return sgd
+
+
+def trained(sgd, batches):
+    for _ in range(batches):
+        assert not sgd.step(1), "sync_every=None never syncs on its own"
+    return sgd
+
+
+def shortfall(sync, counts, gamma=1.0):
+    return sync.mass < expected_params_mass(counts, gamma) * (1.0 - 1e-9)
+
+
+def window(comm, model, batches, value, *, gamma=1.0, stop=False):
     """One window, then the next window's count gather (an idle one) for its ack."""
+    sgd = window_sgd(comm, model, value, gamma=gamma)
     counts = gather_counts(comm, batches, compute_ms=10.0 * (comm.rank + 1),
                            loss_sum=0.5 * batches, stop=stop)
-    sync = SyncWindow(model, gamma=gamma).sync(comm, batches, counts)
+    sync = trained(sgd, batches).sync()
     ack = gather_counts(comm, 0, 0.0, prev=sync).prev_ack
     return counts, sync, ack
 
@@ -43,7 +68,7 @@ def test_seed_window_all_alive():
     def body(comm):
         n, v = plan[comm.rank]
         model = Tiny(v)
-        counts, sync, ack = window(comm, model, n)
+        counts, sync, ack = window(comm, model, n, v)
         return counts, sync, ack, model.w.tolist(), model.stat.tolist(), int(model.steps)
 
     with FakeCohort(3) as c:
@@ -52,8 +77,9 @@ def test_seed_window_all_alive():
         assert counts.batches == (3, 5, 2) and counts.present == (True, True, True)
         assert counts.compute_ms == (10.0, 20.0, 30.0)
         assert counts.loss_sum == (1.5, 2.5, 1.0) and not counts.stop
-        assert not sync.skipped and not sync.shortfall
-        assert sync.params_mass == 10.0 == sync.expected_mass
+        assert not shortfall(sync, counts)
+        assert sync.mass == 10.0 == expected_params_mass(counts, 1.0)
+        assert sync.accepted == (0, 1, 2) and sync.local_steps == plan[r][0]
         assert all(abs(x - 1.9) < 1e-6 for x in w), "params: Σ n·v / Σ n"
         assert all(abs(x - 2.0) < 1e-6 for x in stat), "buffers: plain mean of the movers"
         assert steps == int(plan[r][1] * 10), "integer buffers stay local"
@@ -63,8 +89,8 @@ def test_seed_window_all_alive():
         assert ack.max_divergence == pytest.approx(1.1 / 1.9, rel=1e-6)
         assert counts.prev_ack.present == (False,) * 3, "no window before the first"
         assert ack.present == (True,) * 3
-        # one param of 3 + one float buffer of 2, f32, plus the count gather
-        assert sync.bytes_sent == (3 + 2) * 4 + 8 * 3 * 4
+        # one param of 3 + one float buffer of 2, f32
+        assert sync.bytes_sent == (3 + 2) * 4
 
 
 def test_seed_window_with_a_dead_rank():
@@ -74,45 +100,51 @@ def test_seed_window_with_a_dead_rank():
     def body(comm):
         n, v = plan[comm.rank]
         m1, m2 = Tiny(v), Tiny(v)
-        counts, sync, _ = window(comm, m1, n)
-        _, sync_half, _ = window(comm, m2, n, gamma=0.5)
-        return counts, sync, m1.w.tolist(), m1.stat.tolist(), sync_half, m2.w.tolist()
+        counts, sync, _ = window(comm, m1, n, v)
+        counts_half, sync_half, _ = window(comm, m2, n, v, gamma=0.5)
+        return (counts, sync, m1.w.tolist(), m1.stat.tolist(), counts_half, sync_half,
+                m2.w.tolist())
 
     with FakeCohort(3) as c:
         c.declare_dead(2)
         out = c.run(body, ranks=[0, 1])
-    for counts, sync, w, stat, sync_half, w_half in out[:2]:
+    for counts, sync, w, stat, counts_half, sync_half, w_half in out[:2]:
         assert counts.batches == (3, 5, 0)
         assert counts.present == (True, True, False), "dead reads absent, not idle"
         assert counts.alive() == [0, 1] and counts.movers() == [0, 1]
-        assert sync.params_mass == 8.0 and not sync.shortfall
+        assert sync.mass == 8.0 and not shortfall(sync, counts)
         assert all(abs(x - 1.625) < 1e-6 for x in w)
         assert all(abs(x - 1.5) < 1e-6 for x in stat)
-        assert sync_half.expected_mass == pytest.approx(math.sqrt(3) + math.sqrt(5))
+        assert sync_half.mass == pytest.approx(math.sqrt(3) + math.sqrt(5))
+        assert expected_params_mass(counts_half, 0.5) == pytest.approx(sync_half.mass)
         assert all(abs(x - want_half) < 1e-5 for x in w_half)
 
 
-def test_all_idle_window_skips_both_reduces_and_keeps_local_state():
+def test_all_idle_window_keeps_every_replica_s_local_state():
     def body(comm):
         model = Tiny(comm.rank + 1.0)
+        sgd = window_sgd(comm, model, comm.rank + 1.0)
         before = comm.round
-        counts, sync, ack = window(comm, model, 0)
+        counts = gather_counts(comm, 0, 1.0)
+        sync = sgd.sync()
+        ack = gather_counts(comm, 0, 0.0, prev=sync).prev_ack
         return counts, sync, ack, comm.round - before, model.w.tolist(), model.stat.tolist()
 
     with FakeCohort(2) as c:
         out = c.run(body)
     for r, (counts, sync, ack, rounds, w, stat) in enumerate(out):
         assert counts.total_batches == 0 and counts.present == (True, True)
-        assert sync.skipped and sync.params_mass == 0.0 and not sync.shortfall
-        assert rounds == 2, "only the two count gathers ran (this window's, and the next carrying the ack)"
-        assert w == [r + 1.0] * 3 and stat == [r + 1.0] * 2
+        assert sync.mass == 0.0 and not shortfall(sync, counts)
+        assert rounds == 4, "the two count gathers, the params and the buffers rounds"
+        assert w == [r + 1.0] * 3 and stat == [r + 1.0] * 2, "mass 0 keeps local state"
         assert ack.divergence == (0.0, 0.0)
 
 
 def test_an_idle_rank_adopts_the_consensus_without_voting():
     def body(comm):
-        model = Tiny(4.0 if comm.rank == 0 else 9.0)
-        counts, sync, _ = window(comm, model, 6 if comm.rank == 0 else 0)
+        value = 4.0 if comm.rank == 0 else 9.0
+        model = Tiny(value)
+        counts, sync, _ = window(comm, model, 6 if comm.rank == 0 else 0, value)
         return counts, sync, model.w.tolist(), model.stat.tolist()
 
     with FakeCohort(2) as c:
@@ -125,7 +157,7 @@ def test_an_idle_rank_adopts_the_consensus_without_voting():
 
 def test_stop_request_reaches_every_rank():
     def body(comm):
-        return window(comm, Tiny(1.0), 1, stop=comm.rank == 1)[0].stop
+        return window(comm, Tiny(1.0), 1, 1.0, stop=comm.rank == 1)[0].stop
 
     with FakeCohort(2) as c:
         assert c.run(body) == [True, True]
@@ -137,19 +169,20 @@ def test_shortfall_names_the_ranks_the_params_round_accepted():
     def body(cohort):
         def run(comm):
             model = Tiny(float(comm.rank + 1))
+            sgd = trained(window_sgd(comm, model, float(comm.rank + 1)), 2)
             counts = gather_counts(comm, 2, 1.0)
             if comm.rank == 2:
                 cohort.declare_dead(2)
                 return None
-            return counts, SyncWindow(model).sync(comm, 2, counts), model.w.tolist()
+            return counts, sgd.sync(), model.w.tolist()
         return run
 
     with FakeCohort(3) as c:
         out = c.run(body(c))
     for counts, sync, w in out[:2]:
         assert counts.present == (True, True, True)
-        assert sync.expected_mass == 6.0 and sync.params_mass == 4.0
-        assert sync.shortfall and sync.accepted == (0, 1)
+        assert expected_params_mass(counts, 1.0) == 6.0 and sync.mass == 4.0
+        assert shortfall(sync, counts) and sync.accepted == (0, 1)
         assert all(abs(x - 1.5) < 1e-6 for x in w)
 
 
@@ -166,16 +199,18 @@ def test_expected_mass_counts_present_ranks_only():
 def test_one_round_window_gives_the_seed_numbers_and_the_counts_in_one_params_round():
     """The seed window again, with the counts in the params round's reports: the same
     consensus and counts; the params round plus the buffers round, nothing else."""
-    from flodl_shm.training.sync_window import count_column
+    from flodl_shm.training.sync_window import count_column, counts_from_reports
 
     plan = {0: (3, 1.0), 1: (5, 2.0), 2: (2, 3.0)}
 
     def body(comm):
         n, v = plan[comm.rank]
         model = Tiny(v)
+        sgd = trained(window_sgd(comm, model, v), n)
         before = comm.round
         column = count_column(n, 10.0 * (comm.rank + 1), 0.5 * n, stop=comm.rank == 2)
-        sync, counts = SyncWindow(model).sync_reporting(comm, n, column)
+        sync = sgd.sync(report=column)
+        counts = counts_from_reports(sync.reports)
         return counts, sync, comm.round - before, model.w.tolist(), model.stat.tolist()
 
     with FakeCohort(3) as c:
@@ -185,20 +220,22 @@ def test_one_round_window_gives_the_seed_numbers_and_the_counts_in_one_params_ro
         assert counts.batches == (3, 5, 2) and counts.present == (True, True, True)
         assert counts.compute_ms == (10.0, 20.0, 30.0) and counts.loss_sum == (1.5, 2.5, 1.0)
         assert counts.stop and not counts.prev_ack.reported
-        assert sync.params_mass == 10.0 == sync.expected_mass and not sync.shortfall
+        assert sync.mass == 10.0 == expected_params_mass(counts, 1.0)
         assert all(abs(x - 1.9) < 1e-6 for x in w) and all(abs(x - 2.0) < 1e-6 for x in stat)
 
 
 def test_one_round_window_reads_a_dead_rank_as_absent_and_an_idle_cohort_as_skipped():
-    from flodl_shm.training.sync_window import count_column
+    from flodl_shm.training.sync_window import count_column, counts_from_reports
 
     def body(comm):
         model = Tiny(float(comm.rank + 1), size=4)
-        first = SyncWindow(model).sync_reporting(comm, 2, count_column(2, 1.0))
+        sgd = trained(window_sgd(comm, model, float(comm.rank + 1)), 2)
+        s1 = sgd.sync(report=count_column(2, 1.0))
         # a window in which nobody trained: the round runs, every replica keeps its state
         model.w.data.fill_(7.0 + comm.rank)
-        second = SyncWindow(model).sync_reporting(comm, 0, count_column(0, 1.0, prev=first[0]))
-        return first, second, model.w.tolist()
+        s2 = sgd.sync(report=count_column(0, 1.0, prev=s1))
+        return ((s1, counts_from_reports(s1.reports)), (s2, counts_from_reports(s2.reports)),
+                model.w.tolist())
 
     with FakeCohort(3) as c:
         c.declare_dead(1)
@@ -206,8 +243,8 @@ def test_one_round_window_reads_a_dead_rank_as_absent_and_an_idle_cohort_as_skip
     for rank in (0, 2):
         (s1, c1), (s2, c2), w = out[rank]
         assert c1.present == (True, False, True) and c1.batches == (2, 0, 2)
-        assert s1.params_mass == 4.0 == s1.expected_mass and not s1.shortfall
-        assert s2.skipped and s2.params_mass == 0.0 and c2.total_batches == 0
+        assert s1.mass == 4.0 == expected_params_mass(c1, 1.0) and s1.accepted == (0, 2)
+        assert s2.mass == 0.0 and c2.total_batches == 0
         assert c2.prev_ack.present == (True, False, True)
         assert w == [7.0 + rank] * 4
 

@@ -73,7 +73,7 @@ from ..frame import DTYPE_F32, tensors_to_round_frame
 from .convergence import TrendGuard
 from .el_che import ElChe
 from .outer import OuterOptimizer
-from .realized_work import gamma_mass, is_realized
+from .realized_work import gamma_mass, is_realized, mover_mass
 from .sync_window import ReplicaReduce, gather_columns
 
 logger = logging.getLogger("flodl_shm")
@@ -111,7 +111,13 @@ class SyncInfo(NamedTuple):
         local_samples: samples this rank contributed.
         local_steps: optimizer steps this rank took in the window.
         sync_ms: this rank's wall time in the sync (collectives, adoption, outer step).
-        next_steps: steps this rank trains before the next sync.
+        next_steps: steps this rank trains before the next sync (None with
+            ``sync_every=None``).
+        divergence: this rank's drift ``||pre - post|| / ||post||`` of the parameters
+            (0 unless measured: ``drift=True`` or an ElChe cadence).
+        bytes_sent: payload bytes this rank contributed to the sync's rounds.
+        reports: with ``sync(report=...)``, every rank's report as the params round's
+            ``[world, 8]`` float64 table (zeros for a rank it did not accept); else None.
     """
 
     sync_round: int
@@ -120,7 +126,10 @@ class SyncInfo(NamedTuple):
     local_samples: int
     local_steps: int
     sync_ms: float
-    next_steps: int
+    next_steps: Optional[int]
+    divergence: float = 0.0
+    bytes_sent: int = 0
+    reports: Optional[np.ndarray] = None
 
 
 def _default_comm():
@@ -174,7 +183,9 @@ class LocalSGD:
         model: this rank's replica; parameters and floating-point buffers must be
             float32 or bfloat16 and on the CPU.
         sync_every: optimizer steps per window (``cadence="fixed"``), or the slowest
-            rank's initial steps per window (ElChe's anchor).
+            rank's initial steps per window (ElChe's anchor). ``None`` (fixed cadence
+            only): ``step()`` never syncs; every rank calls ``sync()`` at the windows
+            the caller decides (the Trainer's coordinator does).
         comm: this rank's ``Comm`` (``ctx.comm`` under ``flodl_shm.spawn``); ``None`` takes
             the default torch.distributed process group, which must be a "flodl_shm"
             group.
@@ -188,16 +199,30 @@ class LocalSGD:
         scheduler: an LR scheduler to save and restore with the state (optional).
         gamma: work exponent of the mass: wᵣ = samples**gamma (1: every sample counts).
         guard: the convergence guard advising ElChe (default ``TrendGuard()``).
+        buffers: the floating-point buffers' mass: ``"work"`` (the params mass wᵣ) or
+            ``"movers"`` (1 for every rank that trained since the last sync, else 0:
+            flodl's rule, the Trainer's).
+        drift: measure each sync's drift ``||pre - post|| / ||post||`` into
+            ``SyncInfo.divergence`` (keeps one float32 copy of the parameters; always on
+            with an ElChe cadence, whose convergence guard reads it).
     """
 
-    def __init__(self, model: torch.nn.Module, *, sync_every: int, comm=None, outer=None,
-                 bf16_wire: bool = False, cadence: Union[str, ElChe, Callable] = "fixed",
+    def __init__(self, model: torch.nn.Module, *, sync_every: Optional[int], comm=None,
+                 outer=None, bf16_wire: bool = False,
+                 cadence: Union[str, ElChe, Callable] = "fixed",
                  optimizer: Optional[torch.optim.Optimizer] = None, scheduler=None,
-                 gamma: float = 1.0, guard=None) -> None:
+                 gamma: float = 1.0, guard=None, buffers: str = "work",
+                 drift: bool = False) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
-            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+        if sync_every is None:
+            if cadence != "fixed":
+                raise ValueError(f"sync_every=None (sync only when sync() is called) needs "
+                                 f"cadence='fixed', got cadence={cadence!r}: ElChe needs "
+                                 f"sync_every as its anchor (the slowest rank's steps)")
+        elif not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
+            raise ValueError(f"sync_every must be an int >= 1 (or None: sync only when "
+                             f"sync() is called), got {sync_every!r}")
         if not math.isfinite(gamma):
             raise ValueError(f"gamma must be finite, got {gamma!r}")
         if not (cadence in ("fixed", "elche") or isinstance(cadence, ElChe) or callable(cadence)):
@@ -223,10 +248,11 @@ class LocalSGD:
         self.bf16_wire = bool(bf16_wire)
         self.outer = self._check_outer(outer)
         self.resets_inner = bool(isinstance(outer, OuterOptimizer) and outer.resets_inner())
-        # where the outer step runs: in the cooperative reduce (a stateful flodl_shm outer
-        # on one host), on every rank's replica (torch.optim, or across hosts), or nowhere
+        # where the outer step runs: in the params round (a stateful flodl_shm outer on
+        # one host: the cooperative reduce), on every rank's replica (torch.optim, or
+        # across hosts), or nowhere
         stateful = isinstance(outer, OuterOptimizer) and outer.has_momentum
-        self._outer_in_reduce = stateful and self.comm.local_world_size == self.world_size
+        self._outer_in_reduce = stateful and self._round_steps_outer()
         self._outer_per_rank = outer is not None and (not isinstance(outer, OuterOptimizer)
                                                       or (stateful and not self._outer_in_reduce))
         self.el_che: Optional[ElChe] = None
@@ -243,9 +269,10 @@ class LocalSGD:
                                  f"but the cohort has world_size {self.world_size}")
             self.guard = guard if guard is not None else TrendGuard()
         self.cadence = "fixed" if self.el_che is None else "elche"
-        # the window's rounds (the drift, for the guard, is measured with ElChe only)
+        # the window's rounds (the drift: on request, and for ElChe's guard)
         self._replica = ReplicaReduce(model, outer=self._outer_in_reduce,
-                                      drift=self.guard is not None, buffers="work")
+                                      drift=bool(drift) or self.guard is not None,
+                                      buffers=buffers)
         # counters
         self.sync_round = 0
         self.total_steps = 0
@@ -263,8 +290,19 @@ class LocalSGD:
                              if self._outer_per_rank else None)
         if self._outer_in_reduce:
             self.comm.set_outer(self.outer)
-            self.comm.load_outer_state(prev=[p.detach() for p in self.params])
+            self._seed_outer_round()
         self._window_t0 = time.perf_counter()
+
+    def _round_steps_outer(self) -> bool:
+        """Whether a stateful flodl_shm outer optimizer steps inside the params round:
+        on one host (each rank steps the slice it reduces); across hosts every rank
+        steps its own replica instead."""
+        return self.comm.local_world_size == self.world_size
+
+    def _seed_outer_round(self) -> None:
+        """Seed the in-round outer optimizer: the first outer step starts from the
+        broadcast initial weights (DiLoCo's first outer gradient is initial - consensus)."""
+        self.comm.load_outer_state(prev=[p.detach() for p in self.params])
 
     def _check_outer(self, outer):
         if outer is None or isinstance(outer, OuterOptimizer):
@@ -281,14 +319,14 @@ class LocalSGD:
         raise TypeError(f"outer must be None, an OuterAvg / OuterNesterov, or a "
                         f"torch.optim.Optimizer, got {type(outer).__name__}")
 
-    def _next_target(self) -> int:
+    def _next_target(self) -> Optional[int]:
         return self.sync_every if self.el_che is None else max(1, self.el_che.batches(self.rank))
 
     # -- the loop ------------------------------------------------------------------------
     @property
-    def steps_until_sync(self) -> int:
-        """Steps this rank takes before the next sync."""
-        return max(self._target - self._steps, 0)
+    def steps_until_sync(self) -> Optional[int]:
+        """Steps this rank takes before the next sync (None with ``sync_every=None``)."""
+        return None if self._target is None else max(self._target - self._steps, 0)
 
     def step(self, samples: int = 1) -> bool:
         """Count one optimizer step of ``samples`` samples; sync on every window's last step.
@@ -305,22 +343,31 @@ class LocalSGD:
         self._samples += int(samples)
         self.total_steps += 1
         self.total_samples += int(samples)
-        if self._steps >= self._target:
+        if self._target is not None and self._steps >= self._target:
             self.sync()
             return True
         return False
 
-    def sync(self) -> SyncInfo:
+    def sync(self, report: Optional[Sequence[float]] = None) -> SyncInfo:
         """Sync now (a collective: every rank calls it at the same window).
 
         Replaces the parameters and floating-point buffers in place by the consensus
         of the work realized since the last sync (then the outer step); if no rank
         trained, every replica keeps its state.
+
+        Args:
+            report: up to 8 numbers of this rank that ride in the params round (one
+                host, fixed cadence; every rank passes one or none does): every rank's
+                come back in ``SyncInfo.reports``, describing exactly the ranks whose
+                work the consensus holds.
         """
         t0 = time.perf_counter()
         compute_ms = (t0 - self._window_t0) * 1e3
         steps, samples = self._steps, self._samples
-        gathered = report = None
+        gathered = None
+        if report is not None and self.el_che is not None:
+            raise ValueError("sync(report=...) needs cadence='fixed': with ElChe, its own "
+                             "numbers ride in the params round's report")
         if self.el_che is not None:
             column = (steps, compute_ms, 1.0, self._prev_sync_ms, self._prev_divergence)
             if self.comm.local_world_size == self.world_size:
@@ -331,9 +378,12 @@ class LocalSGD:
         # that realized nothing (mass 0) leaves the tensors untouched. With the outer step
         # in the reduce, the params round is stepped and the buffers travel on their own.
         reduced = self._replica.reduce(self.comm, gamma_mass(samples, self.gamma),
-                                       report=report)
-        if report is not None:
+                                       mover_mass(samples), report=report)
+        reports = None
+        if report is not None and self.el_che is not None:
             gathered = reduced.reports[:, :len(report)].T
+        elif report is not None:
+            reports = reduced.reports
         mass, accepted = reduced.params_mass, reduced.accepted
         divergence = 0.0
         if is_realized(mass):
@@ -355,7 +405,7 @@ class LocalSGD:
         sync_ms = (time.perf_counter() - t0) * 1e3
         self._prev_sync_ms, self._prev_divergence = sync_ms, divergence
         self.last_sync = SyncInfo(self.sync_round, mass, accepted, samples, steps, sync_ms,
-                                  self._target)
+                                  self._target, divergence, reduced.bytes_sent, reports)
         self._window_t0 = time.perf_counter()
         return self.last_sync
 

@@ -1,34 +1,35 @@
-"""One sync window on one rank: the window's counts and the realized-work reduce
-(flodl 0.7.0's "param bridge", docs/trainer.md, "What happens in a window").
+"""The pieces of a sync window (flodl 0.7.0's "param bridge", docs/trainer.md, "What
+happens in a window"): the window's counts and the realized-work reduce. The window
+itself is ``LocalSGD.sync`` (:mod:`flodl_shm.training.local_sgd`); the Trainer runs
+every window through a ``LocalSGD`` and adds its counts.
 
 Every rank calls the same collectives in the same order. What a window exchanges:
 
-- **Counts** (:func:`count_column`). Each rank's column of a small ``[field, world]``
-  matrix - batches trained this window, compute wall time, loss sum, a *present*
-  flag, a stop request, and the previous window's *ack* (this rank's drift and
-  reduce time). A dead rank's column reads 0, so ``present`` separates "dead" from
-  "idle" (alive with 0 batches). Counts are exact in f32 up to 2^24 batches per
-  window. The ack rides one window late so that it costs no round of its own: all
-  ranks still feed ElChe and the guard identical inputs (this window's compute
-  times, the previous window's reduce time and drift).
+- **Counts** (:func:`count_column`, the Trainer's). Each rank's column of a small
+  ``[field, world]`` matrix - batches trained this window, compute wall time, loss
+  sum, a *present* flag, a stop request, and the previous window's *ack* (this rank's
+  drift and sync time). A dead rank's column reads 0, so ``present`` separates
+  "dead" from "idle" (alive with 0 batches). Counts are exact in f32 up to 2^24
+  batches per window. The ack rides one window late so that it costs no round of its
+  own: all ranks still feed ElChe and the guard identical inputs (this window's
+  compute times, the previous window's sync time and drift).
 - **Reduce** (:class:`ReplicaReduce`). The parameters are averaged *in place*
   (``Comm.all_reduce_``, the scale fused into the copy into shared memory) with
   mass ``gamma_mass(n, gamma)`` (the window's params frame, stepped by the outer
-  optimizer when one is installed), then the floating-point buffers with the 0/1
-  :func:`mover_mass`; integer buffers (``num_batches_tracked``) never leave the
-  rank. A round whose accepted mass is 0 leaves the tensors as they were. The
-  rank's relative drift ``||pre - post|| / ||post||`` is measured for the
+  optimizer when one is installed); the floating-point buffers with the same mass
+  or with the 0/1 ``mover_mass``; integer buffers (``num_batches_tracked``) never
+  leave the rank. A round whose accepted mass is 0 leaves the tensors as they were.
+  The rank's relative drift ``||pre - post|| / ||post||`` is measured for the
   convergence guard.
 
-How they travel:
+How the counts travel:
 
-- **One host** (:meth:`SyncWindow.sync_reporting`): the counts ride in the params
-  round as the rank's *report* (``Comm.all_reduce_(report=...)``), so a window is one
+- **One host**: they ride in the params round as the rank's *report*
+  (``LocalSGD.sync(report=...)``, :func:`counts_from_reports`), so a window is one
   round (two with floating-point buffers) and the counts describe exactly the ranks
   whose contribution the round accepted.
-- **Several hosts** (:func:`gather_counts`, then :meth:`SyncWindow.sync`): reports
-  cover one host, so the counts go first in a CONTROL round of their own; if every
-  rank was idle (``total == 0``, the same on every rank) the reduce is skipped.
+- **Several hosts** (:func:`gather_counts`, then the reduce): reports cover one host,
+  so the counts go first in a CONTROL round of their own.
 
 The module holds no cohort-level policy: what to train next, coverage and
 checkpoints belong to :mod:`flodl_shm.training.coordinator`, which every rank runs
@@ -37,9 +38,9 @@ identically on these values.
 **Realized-work check** (several hosts). The gather says which ranks were present
 *before* the reduce; the params round's accepted mass says whose work is *in* the
 consensus. They agree unless a rank died in between (after arriving at the gather,
-before arriving at the params round). :attr:`WindowSync.shortfall` flags that case
-and :attr:`WindowSync.accepted` names the ranks whose contribution the params round
-accepted, so the coordinator can settle coverage on what was realized.
+before arriving at the params round): the accepted mass then falls short of
+:func:`expected_params_mass`, and the coordinator settles coverage on the ranks
+the params round accepted.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -55,19 +56,22 @@ import torch
 from ..checkpoint.meta import averaged_buffers
 from ..frame import RoundKind
 from ..kernels import drift_sums
-from .realized_work import gamma_mass, mover_mass
+from .realized_work import gamma_mass
+
+if TYPE_CHECKING:
+    from .local_sgd import SyncInfo
 
 logger = logging.getLogger("flodl_shm")
 
 __all__ = [
+    "COUNT_ROWS",
     "CohortAck",
     "CohortCounts",
     "ReduceOutcome",
     "ReplicaReduce",
-    "SyncWindow",
-    "WindowSync",
     "count_column",
     "counts_from",
+    "counts_from_reports",
     "expected_params_mass",
     "gather_columns",
     "gather_counts",
@@ -76,7 +80,8 @@ __all__ = [
 # rows of the count gather's [field, world] matrix (the last three: the previous window's ack)
 (_C_BATCHES, _C_COMPUTE_MS, _C_LOSS, _C_PRESENT, _C_STOP, _C_HAS_ACK, _C_DIVERGENCE,
  _C_REDUCE_MS) = range(8)
-_COUNT_ROWS = 8
+#: Numbers in a rank's count column (they fit a round report's 8 values).
+COUNT_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -172,7 +177,7 @@ def _gather(comm, rows: int, column: Sequence[float]) -> np.ndarray:
 
 
 def count_column(batches: int, compute_ms: float, loss_sum: float = 0.0, stop: bool = False,
-                 prev: Optional["WindowSync"] = None) -> tuple[float, ...]:
+                 prev: Optional["SyncInfo"] = None) -> tuple[float, ...]:
     """This rank's column of the window's counts (what :func:`gather_counts` gathers, or
     what rides in the params round as its report).
 
@@ -181,14 +186,15 @@ def count_column(batches: int, compute_ms: float, loss_sum: float = 0.0, stop: b
         compute_ms: wall time of that training (ms), ElChe's timing signal.
         loss_sum: sum of this rank's batch losses (for metrics).
         stop: this rank asks the cohort to stop after this window.
-        prev: what this rank's previous window's reduce did (its drift and reduce
-            time travel as that window's ack); None before the first window.
+        prev: what this rank's previous sync did (``LocalSGD.sync``'s ``SyncInfo``: its
+            drift and sync time travel as that window's ack); None before the first
+            window.
     """
     if batches < 0:
         raise ValueError(f"batches must be >= 0, got {batches}")
     loss = float(loss_sum) if math.isfinite(loss_sum) else 0.0
     div = 0.0 if prev is None or not math.isfinite(prev.divergence) else prev.divergence
-    reduce_ms = 0.0 if prev is None else max(float(prev.reduce_ms), 0.0)
+    reduce_ms = 0.0 if prev is None else max(float(prev.sync_ms), 0.0)
     return (float(batches), max(float(compute_ms), 0.0), loss, 1.0, 1.0 if stop else 0.0,
             0.0 if prev is None else 1.0, div, reduce_ms)
 
@@ -209,12 +215,18 @@ def counts_from(m: np.ndarray) -> CohortCounts:
     )
 
 
+def counts_from_reports(table: np.ndarray) -> CohortCounts:
+    """The :class:`CohortCounts` of a params round that carried :func:`count_column` as
+    every rank's report (``SyncInfo.reports``, ``[world, 8]``)."""
+    return counts_from(table[:, :COUNT_ROWS].T)
+
+
 def gather_counts(comm, batches: int, compute_ms: float, loss_sum: float = 0.0,
-                  stop: bool = False, prev: Optional["WindowSync"] = None) -> CohortCounts:
+                  stop: bool = False, prev: Optional["SyncInfo"] = None) -> CohortCounts:
     """The window's count gather (one CONTROL round; every rank must call it), with
     :func:`count_column`'s arguments."""
     column = count_column(batches, compute_ms, loss_sum, stop, prev)
-    return counts_from(_gather(comm, _COUNT_ROWS, column))
+    return counts_from(_gather(comm, COUNT_ROWS, column))
 
 
 def expected_params_mass(counts: CohortCounts, gamma: float) -> float:
@@ -226,42 +238,6 @@ def expected_params_mass(counts: CohortCounts, gamma: float) -> float:
         if counts.present[r]:
             total += gamma_mass(counts.batches[r], gamma)
     return total
-
-
-@dataclass(frozen=True)
-class WindowSync:
-    """What one rank's reduce did.
-
-    Attributes:
-        skipped: every rank was idle: no reduce ran, local state kept.
-        params_mass: accepted mass of the params round (0 when skipped).
-        expected_mass: the mass the count gather predicted.
-        buffers_mass: accepted mass of the buffers round (0 without float buffers).
-        divergence: ``||pre - post|| / ||post||`` of this rank's parameters.
-        pre_norm: ``||pre||``; post_norm: ``||post||``.
-        bytes_sent: payload bytes this rank contributed to the window's rounds
-            (the count gather included).
-        reduce_ms: wall time of the reduces and the adoption (ms).
-        accepted: on a :attr:`shortfall`, the ranks whose contribution the params
-            round accepted (read right after it); otherwise None.
-    """
-
-    skipped: bool
-    params_mass: float
-    expected_mass: float
-    buffers_mass: float
-    divergence: float
-    pre_norm: float
-    post_norm: float
-    bytes_sent: int
-    reduce_ms: float
-    accepted: Optional[tuple[int, ...]] = None
-
-    @property
-    def shortfall(self) -> bool:
-        """The params round accepted less work than the gather promised: a rank died
-        between the count gather and the params round."""
-        return not self.skipped and _short(self.params_mass, self.expected_mass)
 
 
 class ReplicaReduce:
@@ -418,71 +394,3 @@ def _drift(pre: Sequence[np.ndarray], post: Sequence[np.ndarray]) -> tuple[float
     post_norm = math.sqrt(post_sq)
     return (math.sqrt(diff_sq) / post_norm if post_norm > 0.0 else 0.0, math.sqrt(pre_sq),
             post_norm)
-
-
-class SyncWindow:
-    """The Trainer's reduce half of a window for one rank's model (see the module doc):
-    a :class:`ReplicaReduce` with the params mass ``gamma_mass(batches, gamma)``, the
-    buffers mass ``mover_mass(batches)``, and the all-idle skip.
-
-    Args:
-        model: the rank's replica; its parameters and floating-point buffers must be
-            float32 or bfloat16 (what the wire carries).
-        gamma: the work exponent of the params mass (``gamma_mass``).
-        outer: send the params frame with ``outer=True``: the optimizer installed
-            with ``Comm.set_outer`` steps the consensus into the new global.
-    """
-
-    def __init__(self, model: torch.nn.Module, *, gamma: float = 1.0, outer: bool = False) -> None:
-        self.gamma = float(gamma)
-        self.replica = ReplicaReduce(model, outer=outer, buffers="movers")
-
-    def sync(self, comm, batches: int, counts: CohortCounts) -> WindowSync:
-        """Reduce and adopt (or keep local when the whole cohort was idle).
-
-        Args:
-            comm: this rank's ``Comm``.
-            batches: this rank's batches this window (its column of ``counts``).
-            counts: the window's count gather.
-        """
-        t0 = time.perf_counter()
-        control_bytes = _COUNT_ROWS * comm.world_size * 4
-        expected = expected_params_mass(counts, self.gamma)
-        if counts.total_batches == 0:
-            return WindowSync(True, 0.0, expected, 0.0, 0.0, 0.0, 0.0, control_bytes,
-                              (time.perf_counter() - t0) * 1e3)
-        r = self.replica.reduce(comm, gamma_mass(batches, self.gamma), mover_mass(batches))
-        short = _short(r.params_mass, expected)
-        return WindowSync(False, r.params_mass, expected, r.buffers_mass, r.divergence,
-                          r.pre_norm, r.post_norm, control_bytes + r.bytes_sent,
-                          (time.perf_counter() - t0) * 1e3, r.accepted if short else None)
-
-
-    def sync_reporting(self, comm, batches: int,
-                       column: Sequence[float]) -> tuple[WindowSync, CohortCounts]:
-        """The one-host window as a single round: the counts ride in the params round
-        as this rank's report (``column``, from :func:`count_column`), so they arrive
-        with the consensus and describe exactly the ranks it accepted (no shortfall
-        is possible). An all-idle window still runs the round, whose mass 0 keeps every
-        replica's local state, and reads as ``skipped``. Returns the reduce and the
-        window's counts.
-
-        Args:
-            comm: this rank's ``Comm`` (its rounds must not cross hosts).
-            batches: this rank's batches this window.
-            column: this rank's :func:`count_column`.
-        """
-        t0 = time.perf_counter()
-        r = self.replica.reduce(comm, gamma_mass(batches, self.gamma), mover_mass(batches),
-                                report=column)
-        counts = counts_from(r.reports[:, :_COUNT_ROWS].T)
-        skipped = counts.total_batches == 0
-        return (WindowSync(skipped, r.params_mass, expected_params_mass(counts, self.gamma),
-                           r.buffers_mass, 0.0 if skipped else r.divergence,
-                           r.pre_norm, r.post_norm, r.bytes_sent,
-                           (time.perf_counter() - t0) * 1e3), counts)
-
-
-def _short(mass: float, expected: float) -> bool:
-    return mass < expected * (1.0 - 1e-9)
-

@@ -46,6 +46,7 @@ from ..checkpoint.meta import CheckpointBundle, CheckpointMeta, RankDeathRecord,
 from .coordinator import Coordinator, CoordinatorConfig
 from .coverage import SHUFFLE_BASE_SEED
 from .hooks import BatchInfo, Hook, LoggingHook, RankState, RankSummary, WindowStats
+from .local_sgd import LocalSGD
 
 logger = logging.getLogger("flodl_shm")
 
@@ -301,8 +302,10 @@ class Trainer:
         sync round, ElChe's state with the guard's history, and the data coverage:
         the resumed run trains exactly the samples the checkpoint had not yet
         realized. ``nprocs`` defaults to the ElChe world of the checkpoint (cadence
-        runs must resume on as many ranks), else the ranks alive at the save. The
-        inner optimizer restarts fresh (its state is per rank and not saved).
+        runs must resume on as many ranks), else the ranks alive at the save. Each
+        rank's inner optimizer, LR scheduler and integer buffers come from its
+        ``<stem>.rank<N>.optim`` when the cohort has the same size (else they start
+        fresh, logged).
         ``controller``, ``world_size``, ``first_rank`` and ``salt`` resume a multi-host
         cohort (see :meth:`run`; each host then needs ``nprocs`` and the checkpoint's
         files, which the controller wrote).
@@ -481,7 +484,6 @@ class _RankRun:
 
         from ..checkpoint.meta import ModelSchema
         from .data import resolve_dataset
-        from .sync_window import SyncWindow
 
         self.ctx = ctx
         self.comm = ctx.comm
@@ -495,18 +497,21 @@ class _RankRun:
         self.model = model
         self.dataset = resolve_dataset(tr.dataset)
         self.schema = ModelSchema.from_module(model)
-        self.comm.set_bf16_wire(tr.bf16_wire)
-        if tr.outer is not None:
-            self.comm.set_outer(tr.outer)
-        self.resets_inner = bool(tr.outer is not None and tr.outer.resets_inner())
-        self.window = SyncWindow(model, gamma=tr.gamma, outer=tr.outer is not None)
         # one host: a window is one round (its counts ride in it); several: a count
         # gather first (_window_cluster)
         self.one_round = ctx.local_world_size == ctx.world_size
-        self._adopt_initial_weights()
+        if job.model_path is not None:
+            self._load_consensus(job.model_path)
         self.optimizer = tr.optimizer_fn(model.parameters())
         self.scheduler = None if tr.scheduler_fn is None else tr.scheduler_fn(self.optimizer)
+        # the window itself (counting, the realized-work rounds, the outer step, the
+        # inner reset): a LocalSGD that syncs when the coordinator says so; it aligns
+        # the replicas on rank 0's weights (on a resume they are the checkpoint's)
+        self.sgd = _WindowSGD(model, sync_every=None, comm=self.comm, outer=tr.outer,
+                              bf16_wire=tr.bf16_wire, optimizer=self.optimizer,
+                              gamma=tr.gamma, buffers="movers", drift=True)
         if job.model_path is not None:
+            self._load_outer_momentum(job.model_path)
             self._load_rank_state(job.model_path)
         self.coord = self._coordinator(len(self.dataset))
         logging.getLogger("flodl_shm").addFilter(_CohortDecisionFilter(
@@ -528,27 +533,26 @@ class _RankRun:
             el_che = tr.cadence(self.ctx.world_size)
         return Coordinator(config, el_che=el_che, guard=copy.deepcopy(tr.guard))
 
-    def _adopt_initial_weights(self) -> None:
-        """Resume: load the checkpoint (and the outer momentum). Fresh: align every
-        replica on rank 0's initial weights."""
-        from ..checkpoint.forge import load_consensus_checkpoint, load_outer_momentum, \
-            outer_sidecar_path
+    def _load_consensus(self, path) -> None:
+        """Resume: the checkpoint's consensus into this replica."""
+        from ..checkpoint.forge import load_consensus_checkpoint
 
-        path = self.job.model_path
-        if path is not None:
-            report = load_consensus_checkpoint(self.model, path)
-            if report.missing or report.unexpected:
-                raise ValueError(f"{path} does not match the model built by model_fn: missing "
-                                 f"{report.missing}, unexpected {report.unexpected}")
-            outer = self.trainer.outer
-            if outer is not None and getattr(outer, "has_momentum", False):
-                opath = outer_sidecar_path(path)
-                if opath.exists():
-                    self.comm.load_outer_momentum(load_outer_momentum(self.model, opath))
-                else:
-                    logger.warning("%s not found: the outer momentum restarts from zero", opath)
-            return
-        self.window.replica.align_on(self.comm, 0)
+        report = load_consensus_checkpoint(self.model, path)
+        if report.missing or report.unexpected:
+            raise ValueError(f"{path} does not match the model built by model_fn: missing "
+                             f"{report.missing}, unexpected {report.unexpected}")
+
+    def _load_outer_momentum(self, path) -> None:
+        """Resume: the outer momentum the next outer round continues from."""
+        from ..checkpoint.forge import load_outer_momentum, outer_sidecar_path
+
+        outer = self.trainer.outer
+        if outer is not None and getattr(outer, "has_momentum", False):
+            opath = outer_sidecar_path(path)
+            if opath.exists():
+                self.comm.load_outer_momentum(load_outer_momentum(self.model, opath))
+            else:
+                logger.warning("%s not found: the outer momentum restarts from zero", opath)
 
     # -- each rank's own share of a checkpoint -------------------------------------------
     def _save_rank_state(self, model_path) -> None:
@@ -644,6 +648,7 @@ class _RankRun:
             self.optimizer.step()
             if self.scheduler is not None:
                 self.scheduler.step()
+            self.sgd.step(1)  # a batch's work (the params mass is gamma_mass(batches))
             loss_sum += value
             if tr.hooks:
                 info = BatchInfo(plan.epoch, plan.window, k, ids, value,
@@ -682,20 +687,21 @@ class _RankRun:
         the lowest live rank's replica (which holds the consensus). One collective
         (two with floating-point buffers). Returns (counts, settlement, sync,
         checkpoint path or None)."""
-        from .sync_window import count_column
+        from .sync_window import count_column, counts_from_reports
 
         column = count_column(nb, compute_ms, loss_sum, state.stop_requested, prev_sync)
-        sync, counts = self.window.sync_reporting(self.comm, nb, column)
+        sync = self.sgd.sync(report=column)
+        counts = counts_from_reports(sync.reports)
         settled = self.coord.settle(plan, counts, undoable=False)
         ckpt = None
-        if settled.save_reason is not None and self.trainer.save_path and sync.params_mass > 0:
+        if settled.save_reason is not None and self.trainer.save_path and sync.mass > 0:
             ckpt = self._checkpoint_path()
             # every rank's own state is on disk before the bundle can commit: a bundle
             # with a .meta.json has every live rank's .optim
             self._save_rank_state(ckpt)
             self.comm.barrier()
             if self.rank == self.coord.alive[0]:
-                self._post_checkpoint(ckpt, settled.save_reason, sync.params_mass)
+                self._post_checkpoint(ckpt, settled.save_reason, sync.mass)
         return counts, settled, sync, ckpt
 
     def _window_cluster(self, plan, nb: int, counts):
@@ -704,6 +710,8 @@ class _RankRun:
         forge to capture); a rank that dies between the gather and the params round is
         caught by the realized-work check and the window settled again. Returns
         (counts, settlement, sync, checkpoint path or None)."""
+        from .sync_window import expected_params_mass
+
         coord, comm = self.coord, self.comm
         settled = coord.settle(plan, counts)
         ckpt = None
@@ -711,10 +719,11 @@ class _RankRun:
                 and counts.total_batches > 0:
             ckpt = self._checkpoint_path()
             comm.arm_checkpoint(ckpt, self.schema, coord.checkpoint_meta(settled.save_reason))
-        sync = self.window.sync(comm, nb, counts)
+        sync = self.sgd.sync()
         if ckpt is not None:
             self._save_rank_state(ckpt)  # the controller commits the bundle on its own
-        if sync.shortfall:
+        expected = expected_params_mass(counts, self.trainer.gamma)
+        if counts.total_batches > 0 and sync.mass < expected * (1.0 - 1e-9):
             realized = sorted(r for r in sync.accepted if counts.batches[r] > 0)
             logger.warning(
                 "window %d: the params round accepted less work than the count gather "
@@ -738,15 +747,16 @@ class _RankRun:
     def _post_checkpoint(self, path, reason: SaveReason, mass: float) -> None:
         """Hand this replica (the consensus, right after the window's rounds) and the
         outer momentum to the supervisor's forge, with the settled metadata."""
-        replica = self.window.replica
-        momentum = self.comm.outer_momentum() if replica.outer else None
-        self.comm.post_checkpoint(path, self.schema, replica.tensors(), mass=mass,
-                                  meta=self.coord.checkpoint_meta(reason), momentum=momentum)
+        tensors = [t.detach() for t in (*self.sgd.params, *self.sgd.buffers)]
+        self.comm.post_checkpoint(path, self.schema, tensors, mass=mass,
+                                  meta=self.coord.checkpoint_meta(reason),
+                                  momentum=self.comm.outer_momentum())
 
     def run(self) -> dict:
-        from .sync_window import gather_counts
+        from .sync_window import COUNT_ROWS, gather_counts
 
         tr, coord, comm = self.trainer, self.coord, self.comm
+        count_bytes = COUNT_ROWS * self.ctx.world_size * 4  # a count gather's payload
         state = RankState(self.rank, self.ctx.world_size, self.model, self.optimizer,
                           coord.epoch, coord.sync_round, coord.global_step, tuple(coord.alive))
         for h in tr.hooks:
@@ -782,8 +792,6 @@ class _RankRun:
             prev_sync = sync
             ack = counts.prev_ack
             coord.report(counts, ack, settled.realized)
-            if self.resets_inner and not sync.skipped:
-                self.optimizer.state.clear()
             windows += 1
             window_ms = (time.perf_counter() - t_start) * 1e3
             total = counts.total_batches
@@ -793,12 +801,13 @@ class _RankRun:
                 sample_ids=ids if self.rank in settled.realized else ids[:0],
                 loss=loss_sum / nb if nb else math.nan,
                 cohort_loss=sum(counts.loss_sum) / total if total else math.nan,
-                compute_ms=compute_ms, gather_ms=gather_ms, sync_ms=sync.reduce_ms,
+                compute_ms=compute_ms, gather_ms=gather_ms, sync_ms=sync.sync_ms,
                 window_ms=window_ms,
                 samples_per_s=total * tr.batch_size / (window_ms / 1e3) if window_ms > 0 else 0.0,
-                bytes_sent=sync.bytes_sent, divergence=sync.divergence,
+                bytes_sent=sync.bytes_sent + (0 if self.one_round else count_bytes),
+                divergence=sync.divergence,
                 max_divergence=ack.max_divergence, live_ranks=tuple(coord.alive),
-                skipped=sync.skipped, checkpoint=None if ckpt is None else os.fspath(ckpt),
+                skipped=total == 0, checkpoint=None if ckpt is None else os.fspath(ckpt),
                 save_reason=None if ckpt is None else settled.save_reason.value,
                 next_batches=() if settled.stop else tuple(coord.base_counts()))
             state.global_step = coord.global_step
@@ -825,6 +834,21 @@ class _RankRun:
             "history": history if reporting else None,
             "state_dict": _to_portable(self.model.state_dict()) if reporting else None,
         }
+
+
+class _WindowSGD(LocalSGD):
+    """The Trainer's window: a :class:`LocalSGD` built with ``sync_every=None`` (the
+    coordinator decides when every rank syncs), keeping the Trainer's (flodl's) outer
+    rules. A stateful outer optimizer steps inside the params round on a cluster too,
+    where the controller steps it and its forge writes the checkpoints; and the first
+    outer step of a run or of a resume is a no-op (the previous global is that
+    round's consensus), since a controller cannot know the initial weights."""
+
+    def _round_steps_outer(self) -> bool:
+        return True
+
+    def _seed_outer_round(self) -> None:
+        self.comm.load_outer_state()
 
 
 def _to_portable(state: dict) -> dict:
