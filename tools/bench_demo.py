@@ -3,7 +3,8 @@
     python tools/bench_demo.py                 # 3 repeats of every variant (~1-2 min)
     python tools/bench_demo.py --repeats 5 --json demo_bench.jsonl
     python tools/bench_demo.py --overhead      # LocalSGD.sync vs all_reduce_, one rank
-    python tools/bench_demo.py --big-model     # LocalSGD sync of a 64 MiB model vs memcpy
+    python tools/bench_demo.py --big-model     # LocalSGD sync of a 64 MiB model vs memcpy,
+                                               # the parameters shared, private, copied
 
 Every variant trains the demo's recipe (``flodl_shm.cli.demo``: MLP 64-128-10 on
 scikit-learn digits, batch 32, SGD lr 0.05 momentum 0.9, 30 epochs, seed 42) on 2
@@ -291,7 +292,7 @@ def window_overhead(calls: int = 2000, repeats: int = 5) -> tuple[float, float]:
     return min(lsgd), min(bare)
 
 
-def _big_model_worker(ctx, nbytes: int, syncs: int):
+def _big_model_worker(ctx, nbytes: int, syncs: int, shared: bool):
     """One rank of ``big_model_sync``: per sync, the slowest rank's time comes from the
     launcher's fold; memcpy of the same bytes in this rank, same run."""
     import torch
@@ -302,7 +303,7 @@ def _big_model_worker(ctx, nbytes: int, syncs: int):
     width = 2048
     layers = max(1, nbytes // (4 * width * width))
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
-    sgd = LocalSGD(model, sync_every=1 << 30, comm=ctx.comm)
+    sgd = LocalSGD(model, sync_every=1 << 30, comm=ctx.comm, shared_params=shared)
     params = sum(p.numel() for p in model.parameters()) * 4
     times, copies = [], []
     src = torch.ones(params // 4)
@@ -316,21 +317,63 @@ def _big_model_worker(ctx, nbytes: int, syncs: int):
         t0 = time.perf_counter()
         dst.copy_(src)
         copies.append(time.perf_counter() - t0)
-    return params, times[2:], copies[2:], ctx.comm._engine.direct.state
+    return (params, times[2:], copies[2:], ctx.comm._engine.direct.state,
+            ctx.comm._engine.direct.mapped_rounds)
 
 
-def big_model_sync(nbytes: int = 64 << 20, syncs: int = 15) -> dict:
+#: the parameters' placement, as ``--big-model`` compares them
+BIG_MODEL_PATHS = {
+    "shared parameter block (default)": ({}, None),
+    "private parameters, direct round": ({}, False),
+    "private parameters, shared-memory copies": ({"FLODL_SHM_DIRECT": "0"}, False),
+}
+
+
+def big_model_sync(nbytes: int = 64 << 20, syncs: int = 15, shared=None) -> dict:
     """LocalSGD averaging of a ``nbytes`` model (2048 x 2048 Linear layers) on 2 ranks:
     median over syncs of the slowest rank's ``sync()``, against one memcpy (torch
     ``copy_``) of the same bytes in the same ranks (median over ranks and syncs)."""
     from flodl_shm import spawn
 
-    out = spawn(_big_model_worker, WORLD, (nbytes, syncs))
+    out = spawn(_big_model_worker, WORLD, (nbytes, syncs, shared))
     params = out[0][0]
     sync = statistics.median(max(r[1][i] for r in out) for i in range(syncs))
     copy = statistics.median(c for r in out for c in r[2])
     return {"bytes": params, "sync_ms": sync * 1e3, "memcpy_ms": copy * 1e3,
-            "path": out[0][3]}
+            "path": out[0][3], "mapped": out[0][4]}
+
+
+def big_model_table(nbytes: int, repeats: int) -> str:
+    """Every placement of ``BIG_MODEL_PATHS``, ``repeats`` interleaved runs each: the
+    median sync over one memcpy, per run."""
+    rows: dict[str, list[dict]] = {name: [] for name in BIG_MODEL_PATHS}
+    for rep in range(repeats):
+        names = list(BIG_MODEL_PATHS)
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            env, shared = BIG_MODEL_PATHS[name]
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                r = big_model_sync(nbytes, shared=shared)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+            rows[name].append(r)
+            print(f"  {name:<42} sync {r['sync_ms']:6.2f} ms  memcpy {r['memcpy_ms']:6.2f} ms"
+                  f"  {r['sync_ms'] / r['memcpy_ms']:.2f}x  (direct: {r['path']}, mapped "
+                  f"rounds: {r['mapped']})", flush=True)
+    size = rows[next(iter(rows))][0]["bytes"] / 2**20
+    lines = [f"LocalSGD sync of a {size:.0f} MiB model, {WORLD} ranks, over one memcpy of it "
+             f"(median of {repeats} runs; per run):"]
+    for name, rs in rows.items():
+        ratios = [r["sync_ms"] / r["memcpy_ms"] for r in rs]
+        lines.append(f"  {name:<42} {statistics.median(ratios):.2f}x  "
+                     f"({', '.join(f'{x:.2f}' for x in ratios)}); sync "
+                     f"{statistics.median(r['sync_ms'] for r in rs):.2f} ms")
+    return "\n".join(lines)
 
 
 def table(results: dict[str, list[dict]]) -> str:
@@ -374,11 +417,7 @@ def main(argv=None) -> int:
                          "64) against one memcpy of it")
     args = ap.parse_args(argv)
     if args.big_model:
-        r = big_model_sync(args.big_model << 20)
-        print(f"LocalSGD sync of a {r['bytes'] / 2**20:.0f} MiB model, {WORLD} ranks "
-              f"(large rounds: {'direct' if r['path'] == 'ready' else 'shared memory'}): "
-              f"{r['sync_ms']:.2f} ms; one memcpy of it {r['memcpy_ms']:.2f} ms: "
-              f"{r['sync_ms'] / r['memcpy_ms']:.2f}x")
+        print(big_model_table(args.big_model << 20, args.repeats))
         return 0
     if args.overhead:
         lsgd, bare = window_overhead()

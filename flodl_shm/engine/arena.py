@@ -15,6 +15,11 @@ Segments (names ``fshm_<owner pid>_<session>_<what>``):
     whole contribution of small rounds.
 ``d<r>``
     Rank ``r``'s bulk input region (one per rank; grown by that rank on demand).
+``p<r>``
+    Rank ``r``'s shared parameter block (one per rank; grown by that rank once it
+    places tensors there, ``Comm.shared_tensors``): tensors that live in shared
+    memory, so the slice reducers of a direct round read and write them in place
+    (``engine/direct.py``). Peers map it lazily.
 ``res``
     The bulk result region: the consensus of a large round (and, on a cluster,
     the host partial the relay ships). Grown by whichever rank needs it first.
@@ -144,6 +149,8 @@ class Arena:
         self._data_views: list[np.ndarray | None] = [None] * self.world
         self._extra: dict[str, Segment] = {}
         self._extra_views: dict[str, np.ndarray] = {}
+        self._params: list[Segment | None] = [None] * self.world
+        self._params_views: list[np.ndarray | None] = [None] * self.world
 
     # -- life cycle -------------------------------------------------------------
     @classmethod
@@ -166,7 +173,7 @@ class Arena:
         if eager_bytes is None:
             eager_bytes = default_eager_bytes(world)
         eager_bytes = max(_PAGE, -(-int(eager_bytes) // 64) * 64)
-        need = control_bytes(world, eager_bytes) + (world + 1) * _PAGE
+        need = control_bytes(world, eager_bytes) + (2 * world + 1) * _PAGE
         free = shm_free_bytes()
         if need > free:
             raise space_error(need, free, f"the host arena for {world} ranks")
@@ -188,6 +195,9 @@ class Arena:
                 seg = Segment.create(handle.name(f"d{r}"), _PAGE)
                 made.append(seg)
                 data.append(seg)
+            for r in range(world):
+                made.append(Segment.create(handle.name(f"p{r}"), _PAGE))
+                made[-1].close()
         except BaseException:
             for seg in made:
                 seg.close()
@@ -233,7 +243,9 @@ class Arena:
         self._result_view = None
         self._data_views = [None] * self.world
         self._extra_views = {}
-        for seg in [self._ctl_seg, self._result_seg, *self._data, *self._extra.values()]:
+        self._params_views = [None] * self.world
+        for seg in [self._ctl_seg, self._result_seg, *self._data, *self._extra.values(),
+                    *self._params]:
             if seg is not None:
                 seg.close()
 
@@ -245,6 +257,7 @@ class Arena:
             unlink_name(self.handle.name(what))
         for r in range(self.world):
             unlink_name(self.handle.name(f"d{r}"))
+            unlink_name(self.handle.name(f"p{r}"))
 
     # -- eager slots -------------------------------------------------------------
     def eager_area(self) -> np.ndarray:
@@ -286,6 +299,45 @@ class Arena:
                 )
             view = np.frombuffer(seg.buf, dtype=np.uint8)
             self._data_views[rank] = view
+        return view
+
+    # -- shared parameter blocks -----------------------------------------------------
+    def _params_segment(self, rank: int) -> Segment:
+        seg = self._params[rank]
+        if seg is None:
+            seg = Segment.attach(self.handle.name(f"p{rank}"))
+            self._params[rank] = seg
+        return seg
+
+    def place_params(self, rank: int, nbytes: int) -> np.ndarray:
+        """Rank ``rank``'s own shared parameter block, grown to hold ``nbytes`` (call from
+        that rank, once: the block starts at the segment's first byte): a byte view
+        whose address and ``nbytes`` are published in the rank's ``R_PARAMS_BASE`` /
+        ``R_PARAMS_BYTES``."""
+        seg = self._params_segment(rank)
+        seg.reserve(-(-max(int(nbytes), 1) // _PAGE) * _PAGE)
+        view = np.frombuffer(seg.buf, dtype=np.uint8)
+        self._params_views[rank] = view
+        base = rank_base(rank)
+        self.ctl[base + R_PARAMS_BYTES] = 0
+        self.ctl[base + R_PARAMS_BASE] = view.ctypes.data
+        self.ctl[base + R_PARAMS_BYTES] = int(nbytes)
+        return view
+
+    def params_view(self, rank: int, nbytes: int) -> np.ndarray:
+        """This process's byte view of rank ``rank``'s shared parameter block, covering at
+        least ``nbytes`` (mapped on first use, re-mapped if the rank grew it)."""
+        view = self._params_views[rank]
+        if view is None or view.shape[0] < nbytes:
+            seg = self._params_segment(rank)
+            if seg.nbytes < nbytes:
+                seg.refresh()
+            if seg.nbytes < nbytes:
+                raise RuntimeError(
+                    f"rank {rank}'s shared parameter block holds {seg.nbytes} bytes but its "
+                    f"control words promise {nbytes}: the arena is inconsistent")
+            view = np.frombuffer(seg.buf, dtype=np.uint8)
+            self._params_views[rank] = view
         return view
 
     # -- result region -------------------------------------------------------------

@@ -61,6 +61,7 @@ from ..frame import (
 from ..checkpoint.tap_head import TapHead
 from ..kernels import signals
 from .checkpoint_tap import post as tap_post
+from .direct import UNAVAILABLE
 from .hostmem import HostMemory
 from .protocol import RoundEngine, RoundPlan
 from .round_report import read_reports, write_report
@@ -141,6 +142,7 @@ class Comm:
         self._ckpt_remaining = 0
         self._ckpt_cycle = 0
         self._reported = -1  # the last round this rank sent a report with
+        self._shared_placed = False  # shared_tensors() placed tensors in the block
         arena.ctl[A.rank_base(local_rank) + A.R_PID] = _getpid()
 
     # -- settings ----------------------------------------------------------------
@@ -626,6 +628,60 @@ class Comm:
             self._fused_round(plan, 0.0, 0, 1.0, None, 0, False)
         else:
             self._run(plan, 0.0, None)
+
+    # -- shared tensors ------------------------------------------------------------
+    @property
+    def direct_rounds_available(self) -> bool:
+        """Whether large float32 rounds may run as direct rounds (``engine/direct.py``):
+        one host, an arena whose owner declared that a death ends the cohort (``spawn``
+        with ``max_failures=0``, the c10d backend), and not found unavailable (ranks
+        not permitted to attach to each other, ``FLODL_SHM_DIRECT=0``)."""
+        return self._engine.direct.state != UNAVAILABLE
+
+    def shared_tensors(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of ``tensors`` placed in this rank's shared parameter block (the arena's
+        ``p<r>`` segment), in order, each contiguous and of its tensor's shape.
+
+        A direct round over exactly such tensors reduces them without copies: each slice
+        reducer reads every rank's block and writes the consensus into every rank's
+        block, in place, with plain loads and stores (``engine/direct.py``, MAPPED).
+        ``LocalSGD(shared_params=...)`` moves a model's parameters there. The tensors
+        stay valid for the arena's life. Once per Comm.
+
+        Args:
+            tensors: float32 CPU tensors.
+
+        Raises:
+            RuntimeError: this Comm placed tensors already.
+            ValueError: a tensor is not float32 on the CPU, or the rounds cross hosts.
+        """
+        if self._shared_placed:
+            raise RuntimeError(
+                "this rank's shared parameter block already holds the tensors of an earlier "
+                "shared_tensors() call (one placement per Comm): average those, or build "
+                "the second model's averaging without shared tensors")
+        if self._engine.relay_mode:
+            raise ValueError("shared tensors serve rounds inside one host, but this Comm's "
+                             "rounds cross hosts through a relay")
+        for i, t in enumerate(tensors):
+            if t.dtype is not F32 or not t.is_cpu:
+                raise ValueError(f"tensor {i} is {t.dtype} on {t.device}; shared tensors are "
+                                 f"float32 CPU tensors")
+        # each tensor starts on a 64-byte boundary (16 floats)
+        offs, total = [], 0
+        for t in tensors:
+            offs.append(total)
+            total += -(-t.numel() // 16) * 16
+        block = self._engine.arena.place_params(self._engine.rank, 4 * total)
+        flat = torch.from_numpy(block[:4 * total].view(np.float32))
+        out = []
+        with torch.no_grad():
+            for t, off in zip(tensors, offs):
+                view = flat[off:off + t.numel()].view(t.shape)
+                view.copy_(t)
+                out.append(view)
+        self._shared_placed = True
+        return out
 
     # -- zero-copy ---------------------------------------------------------------
     def zero_copy_inputs(self, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:

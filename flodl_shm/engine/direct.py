@@ -116,6 +116,10 @@ UNPROBED, READY, UNAVAILABLE = "unprobed", "ready", "unavailable"
 #: how long a rank that lost a peer mid-round waits for the owner to stop the cohort
 OWNER_VERDICT_S = 2.0
 
+#: f32 elements per chunk of a mapped reduce (no staging copy: the accumulator alone
+#: stays in L1/L2 between the reads and the writes)
+MAPPED_CHUNK = 1 << 14
+
 
 class DirectRounds:
     """One rank's direct-round state and driver (owned by its ``RoundEngine``)."""
@@ -126,6 +130,9 @@ class DirectRounds:
         allowed = (bool(arena.ctl[A.G_DIRECT]) and C.AVAILABLE and not engine.relay_mode
                    and engine.rank >= 0)
         self.state = UNPROBED if allowed else UNAVAILABLE
+        #: direct rounds whose slice this rank reduced through mapped shared parameter
+        #: blocks (no cross-memory calls)
+        self.mapped_rounds = 0
         self._iov = np.zeros(C.IOV_WORDS, np.int64)
         self._scratch: np.ndarray | None = None
         if engine.rank >= 0:
@@ -225,11 +232,16 @@ class DirectRounds:
         if hook is not None:
             hook("reduce", rnd)
         acc, tmp = self._buffers()
-        bad = C.reduce_slice_direct(accepted.index(me), pids, all_srcs, all_dsts, scales,
-                                    np.asarray(plan.numels, np.int64), start, stop, view.inv,
-                                    acc, tmp, self._iov)
-        if bad >= 0:
-            self._unreachable(rnd, accepted[bad], int(pids[bad]))
+        numels = np.asarray(plan.numels, np.int64)
+        if self._map_peers(accepted, nt, numels, all_srcs, all_dsts):
+            self.mapped_rounds += 1
+            C.reduce_slice_mapped(all_srcs, all_dsts, scales, numels, start, stop, view.inv,
+                                  acc[:MAPPED_CHUNK])
+        else:
+            bad = C.reduce_slice_direct(accepted.index(me), pids, all_srcs, all_dsts, scales,
+                                        numels, start, stop, view.inv, acc, tmp, self._iov)
+            if bad >= 0:
+                self._unreachable(rnd, accepted[bad], int(pids[bad]))
         eng.doorbell.publish(A.rank_base(me) + A.R_DONE, rnd)
         eng.waiter.wait(lambda it: signals.spin_slices(ctl, eng.world, rnd, me, it),
                         what="waiting for the direct round's slices", rnd=rnd,
@@ -237,6 +249,32 @@ class DirectRounds:
                         on_missing=lambda j: self._dead_reducer(rnd, j),
                         work_s=plan.nbytes / WORK_BYTES_PER_S)
         return view.mass
+
+    def _map_peers(self, accepted, nt: int, numels: np.ndarray, srcs: np.ndarray,
+                   dsts: np.ndarray) -> bool:
+        """MAPPED: when every accepted peer's tables point into its shared parameter
+        block, rewrite them (in place) as this process's addresses of those blocks and
+        return True; otherwise leave them as they are (the calls reach them) and return
+        False. This rank's own row is in its own address space already."""
+        ctl, me = self.eng.ctl, self.eng.rank
+        nbytes = 4 * numels
+        local = []
+        for i, r in enumerate(accepted):
+            if r == me:
+                continue
+            b = A.rank_base(r)
+            size = int(ctl[b + A.R_PARAMS_BYTES])
+            base = int(ctl[b + A.R_PARAMS_BASE])
+            row = slice(i * nt, (i + 1) * nt)
+            if (size <= 0 or np.any(srcs[row] < base) or np.any(dsts[row] < base)
+                    or np.any(srcs[row] + nbytes > base + size)
+                    or np.any(dsts[row] + nbytes > base + size)):
+                return False
+            local.append((row, base, self.eng.arena.params_view(r, size).ctypes.data))
+        for row, base, mapped in local:
+            srcs[row] += mapped - base
+            dsts[row] += mapped - base
+        return True
 
     def broadcast(self, plan, rnd: int, root: int, srcs: np.ndarray | None,
                   dsts: np.ndarray, hook: Callable[[str, int], None] | None = None) -> None:

@@ -14,7 +14,9 @@ by address, so the kernels stay cacheable across processes.
 for each cache-sized chunk it reads every contributor's chunk (its own from memory,
 the peers' through ``process_vm_readv``), sums them in rank order with each rank's
 scale, and writes the result into its own destination and, through
-``process_vm_writev``, into every peer's.
+``process_vm_writev``, into every peer's. ``reduce_slice_mapped`` is the same reduce
+when every peer's tensors lie in memory this process has mapped (their shared
+parameter blocks): plain loads and stores, no calls, no staging copy.
 """
 from __future__ import annotations
 
@@ -165,6 +167,53 @@ def reduce_slice_direct(me, pids, srcs, dsts, scales, numels, start, stop, inv, 
 
 
 @njit(cache=True, nogil=True)
+def reduce_slice_mapped(srcs, dsts, scales, numels, start, stop, inv, acc):
+    """``reduce_slice_direct`` over tensors every one of which this process has mapped:
+    ``srcs``/``dsts`` hold this process's addresses of every accepted rank's tensors
+    (``ranks x ntensors``, row per rank, rank order). Same arithmetic, so the result is
+    bit-identical: ``(sum over ranks in order of f32(x * scale)) * inv`` in f32. A chunk
+    of every source is read before that chunk of any destination is written (in place
+    is safe)."""
+    nr = scales.shape[0]
+    nt = numels.shape[0]
+    ch = acc.shape[0]
+    f = np.float32(inv)
+    off = 0
+    for t in range(nt):
+        n = numels[t]
+        a = max(start, off) - off
+        b = min(stop, off + n) - off
+        off += n
+        if b <= a:
+            continue
+        for c0 in range(a, b, ch):
+            m = min(c0 + ch, b) - c0
+            for r in range(nr):
+                s = np.float32(scales[r])
+                src = f32_at(srcs[r * nt + t] + 4 * c0, m)
+                if r == 0:
+                    if s == 1.0:
+                        for i in range(m):
+                            acc[i] = src[i]
+                    else:
+                        for i in range(m):
+                            acc[i] = src[i] * s
+                elif s == 1.0:
+                    for i in range(m):
+                        acc[i] += src[i]
+                else:
+                    for i in range(m):
+                        acc[i] += src[i] * s
+            for i in range(m):
+                acc[i] = acc[i] * f
+            for r in range(nr):
+                out = f32_at(dsts[r * nt + t] + 4 * c0, m)
+                for i in range(m):
+                    out[i] = acc[i]
+    return 0
+
+
+@njit(cache=True, nogil=True)
 def read_into(pid, remote, local, numels, iov):
     """Copy ``numels[t]`` f32 from ``pid``'s address ``remote[t]`` to this process's
     ``local[t]``, for every tensor t; -1 on success, else the first tensor that failed."""
@@ -192,4 +241,6 @@ def warm_up() -> None:
     dsts = np.array([y.ctypes.data, y.ctypes.data], np.int64)
     reduce_slice_direct(0, pids, srcs, dsts, np.ones(2), np.array([8], np.int64), 0, 8, 0.5,
                         np.zeros(4, np.float32), np.zeros(4, np.float32), iov)
+    reduce_slice_mapped(srcs, dsts, np.ones(2), np.array([8], np.int64), 0, 8, 0.5,
+                        np.zeros(4, np.float32))
     read_into(os.getpid(), srcs[:1], dsts[:1], np.array([8], np.int64), iov)

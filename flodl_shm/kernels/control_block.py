@@ -13,8 +13,9 @@ use it without loading numba.
 from __future__ import annotations
 
 MAGIC = 0x46534D48_41524E41  # "FSMHARNA"
-VERSION = 3  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIRECT*);
-             # 3: round reports (H_REPORT, H_REPORT_ROUND)
+VERSION = 4  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIRECT*);
+             # 3: round reports (H_REPORT, H_REPORT_ROUND);
+             # 4: shared parameter blocks (p<r> segments, R_PARAMS_BASE, R_PARAMS_BYTES)
 
 # -- global words ---------------------------------------------------------------------
 G_MAGIC = 0
@@ -59,6 +60,9 @@ R_DATA_CAP = 26       # bytes the rank's d<r> segment was grown to
 R_PROBE = 27          # address of the rank's private probe word (written once at start)
 R_DIRECT = 28         # round in which the rank could reach every peer's probe word, or
                       # -(round + 1) when it could not (written once, before its done word)
+R_PARAMS_BASE = 29    # address, in the rank's own process, of its mapping of its p<r>
+                      # segment (its shared parameter block); 0: none placed
+R_PARAMS_BYTES = 30   # bytes of that block in use (written after R_PARAMS_BASE)
 R_HDR = 32            # two round headers of HDR_WORDS, indexed by round parity
 HDR_WORDS = 16
 
@@ -136,6 +140,8 @@ __all__ = [
     "R_DATA_CAP",
     "R_PROBE",
     "R_DIRECT",
+    "R_PARAMS_BASE",
+    "R_PARAMS_BYTES",
     "R_HDR",
     "HDR_WORDS",
     "H_ROUND",

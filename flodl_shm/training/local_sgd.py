@@ -67,6 +67,7 @@ import numpy as np
 import torch
 
 from ..checkpoint._atomic import atomic_write
+from ..errors import ShmSpaceError
 from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, ElCheState, ModelSchema,
                                SaveReason, averaged_buffers, set_extension)
 from ..frame import DTYPE_F32, tensors_to_round_frame
@@ -205,6 +206,13 @@ class LocalSGD:
         drift: measure each sync's drift ``||pre - post|| / ||post||`` into
             ``SyncInfo.divergence`` (keeps one float32 copy of the parameters; always on
             with an ElChe cadence, whose convergence guard reads it).
+        shared_params: move the averaged tensors into this rank's shared parameter
+            block (``Comm.shared_tensors``), so a sync's direct round reads and writes
+            them in place without copies. ``None`` (default): where it pays, that is
+            when the window's round is a direct round (one host, ``spawn`` with
+            ``max_failures=0`` or the c10d backend, float32 wire and tensors, no outer
+            step in the round, at least ``DIRECT_MIN_BYTES`` = 8 MiB); ``True``: always
+            (a ``ValueError`` says why it cannot); ``False``: never.
     """
 
     def __init__(self, model: torch.nn.Module, *, sync_every: Optional[int], comm=None,
@@ -212,7 +220,7 @@ class LocalSGD:
                  cadence: Union[str, ElChe, Callable] = "fixed",
                  optimizer: Optional[torch.optim.Optimizer] = None, scheduler=None,
                  gamma: float = 1.0, guard=None, buffers: str = "work",
-                 drift: bool = False) -> None:
+                 drift: bool = False, shared_params: Optional[bool] = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if sync_every is None:
@@ -269,6 +277,10 @@ class LocalSGD:
                                  f"but the cohort has world_size {self.world_size}")
             self.guard = guard if guard is not None else TrendGuard()
         self.cadence = "fixed" if self.el_che is None else "elche"
+        if buffers not in ("work", "movers"):
+            raise ValueError(f"buffers must be 'work' or 'movers', got {buffers!r}")
+        #: whether the params round's tensors live in the shared parameter block
+        self.shared_params = self._place_shared(shared_params, buffers)
         # the window's rounds (the drift: on request, and for ElChe's guard)
         self._replica = ReplicaReduce(model, outer=self._outer_in_reduce,
                                       drift=bool(drift) or self.guard is not None,
@@ -292,6 +304,57 @@ class LocalSGD:
             self.comm.set_outer(self.outer)
             self._seed_outer_round()
         self._window_t0 = time.perf_counter()
+
+    def _place_shared(self, want: Optional[bool], buffers: str) -> bool:
+        """Move the params round's tensors (the parameters, and the floating-point
+        buffers when they travel with them) into the shared parameter block, as
+        ``shared_params`` asks; the model's tensors keep their identity (``.data``
+        moves). Returns whether they were moved."""
+        if want is False:
+            return False
+        together = buffers == "work" and not self._outer_in_reduce
+        tensors = self.params + (self.buffers if together else [])
+        why = self._not_shareable(tensors, explicit=bool(want))
+        if why is not None:
+            if want:
+                raise ValueError(f"shared_params=True, but {why}")
+            return False
+        try:
+            placed = self.comm.shared_tensors([t.detach() for t in tensors])
+        except (RuntimeError, ShmSpaceError) as e:
+            if want:
+                raise
+            logger.info("parameters averaged with copies (%s)", e)
+            return False
+        with torch.no_grad():
+            for t, shared in zip(tensors, placed):
+                t.data = shared
+        return True
+
+    def _not_shareable(self, tensors, explicit: bool) -> Optional[str]:
+        """Why the params round cannot run in place in the shared parameter block (None:
+        it can)."""
+        from ..engine.direct import DIRECT_MIN_BYTES
+
+        comm = self.comm
+        if self.world_size < 2:
+            return "a single rank has nothing to average"
+        if comm.local_world_size != self.world_size:
+            return "the rounds cross hosts (shared memory covers one host)"
+        if not getattr(comm, "direct_rounds_available", False):
+            return ("direct rounds are off for this cohort (spawn(max_failures=k) with k > 0, "
+                    "FLODL_SHM_DIRECT=0, or ranks that may not attach to each other)")
+        if self.bf16_wire:
+            return "bf16_wire=True (direct rounds carry a float32 wire)"
+        if self._outer_in_reduce:
+            return "the outer optimizer steps inside the params round (not a direct round)"
+        bad = [i for i, t in enumerate(tensors) if t.dtype != torch.float32]
+        if bad:
+            return f"tensors {bad} of the params round are not float32"
+        nbytes = 4 * sum(t.numel() for t in tensors)
+        if not explicit and nbytes < DIRECT_MIN_BYTES:
+            return f"the params round's {nbytes} bytes are below DIRECT_MIN_BYTES"
+        return None
 
     def _round_steps_outer(self) -> bool:
         """Whether a stateful flodl_shm outer optimizer steps inside the params round:

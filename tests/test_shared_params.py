@@ -1,0 +1,197 @@
+"""Shared parameter blocks: a model whose averaged tensors live in its rank's ``p<r>``
+segment, so a direct round reads and writes them in place (engine/direct.py, MAPPED).
+
+The averaged weights must be bit for bit what the private-parameter paths give (the
+direct round through cross-memory calls, and the shared-memory copies), and a model's
+tensors must really live in the block and keep training there.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flodl_shm
+from flodl_shm import LocalSGD, spawn
+from flodl_shm.engine import direct as D
+from flodl_shm.testing import FakeCohort
+
+from engine_util import assert_no_leaks
+
+pytestmark = pytest.mark.timeout(180)
+
+EAGER = 64 << 10  # eager slot bytes: the window's round takes the bulk or direct path
+
+
+@pytest.fixture
+def low_threshold(monkeypatch):
+    """Direct rounds (and shared parameters where it pays) from 256 KiB."""
+    monkeypatch.setattr(D, "DIRECT_MIN_BYTES", 256 << 10)
+
+
+def make_model(rank: int) -> torch.nn.Module:
+    """~85k f32 (340 KB) of parameters plus BatchNorm statistics, different per rank."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 1200), torch.nn.BatchNorm1d(1200),
+                                torch.nn.ReLU(), torch.nn.Linear(1200, 7))
+    g = torch.Generator().manual_seed(rank)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return bytes(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def _windows(comm, shared, windows: int = 3):
+    """Train with an optimizer built before LocalSGD; each window's replica after the
+    sync (the model is re-seeded per rank after construction's alignment)."""
+    model = make_model(comm.rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    sgd = LocalSGD(model, sync_every=2, comm=comm, shared_params=shared)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), make_model(comm.rank).parameters()):
+            p.copy_(q)
+    moved = {n: p.data_ptr() != before[n] for n, p in model.named_parameters()}
+    trace = []
+    for w in range(windows):
+        for k in range(2):
+            g = torch.Generator().manual_seed(1000 * comm.rank + 10 * w + k)
+            x = torch.randn(16 + comm.rank, 64, generator=g)
+            y = torch.randint(0, 7, (16 + comm.rank,), generator=g)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            sgd.step(samples=16 + comm.rank)
+        trace.append([t.detach().clone() for t in model.state_dict().values()])
+    block = comm._engine.arena.params_view(comm._engine.rank, 1)
+    lo, hi = block.ctypes.data, block.ctypes.data + block.shape[0]
+    inside = all(lo <= p.data_ptr() and p.data_ptr() + 4 * p.numel() <= hi
+                 for p in model.parameters())
+    return (sgd.shared_params, moved, inside, trace, comm._engine.direct.mapped_rounds,
+            sgd.last_sync.mass)
+
+
+def _run(world: int, direct: bool, shared) -> list:
+    with FakeCohort(world, direct=direct, eager_bytes=EAGER) as cohort:
+        return cohort.run(lambda comm: _windows(comm, shared))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shared_parameters_average_in_place_bit_for_bit_like_the_copy_paths(low_threshold,
+                                                                          world):
+    mapped = _run(world, direct=True, shared=None)          # default: where it pays
+    private = _run(world, direct=True, shared=False)        # direct round, private memory
+    copies = _run(world, direct=False, shared=False)        # shared-memory copies
+    for rank in range(world):
+        placed, moved, inside, trace, rounds, mass = mapped[rank]
+        assert placed and inside and all(moved.values()), "the parameters moved to p<r>"
+        assert rounds == 2, "the first window probes; the next two reduce mapped"
+        assert mass == sum(2 * (16 + r) for r in range(world))
+        assert not private[rank][0] and private[rank][4] == 0
+        for step in range(3):
+            for a, b, c in zip(trace[step], private[rank][3][step], copies[rank][3][step]):
+                assert _bits(a) == _bits(b) == _bits(c), (rank, step)
+    for step in range(3):  # every replica holds the same consensus
+        for rank in range(1, world):
+            for a, b in zip(mapped[0][3][step], mapped[rank][3][step]):
+                if a.is_floating_point():
+                    assert _bits(a) == _bits(b)
+
+
+def test_shared_params_only_where_the_round_is_direct(low_threshold):
+    def body(comm):
+        out = {}
+        for what, kwargs, why in (("bf16", dict(bf16_wire=True), "bf16_wire=True"),
+                                  ("diloco", dict(outer=flodl_shm.OuterNesterov()),
+                                   "the outer optimizer steps inside the params round")):
+            out[what] = LocalSGD(make_model(0), sync_every=2, comm=comm, **kwargs).shared_params
+            with pytest.raises(ValueError, match=f"shared_params=True, but {why}"):
+                LocalSGD(make_model(0), sync_every=2, comm=comm, shared_params=True, **kwargs)
+        comm.set_outer(None)
+        out["default"] = LocalSGD(make_model(0), sync_every=2, comm=comm).shared_params
+        return out
+
+    with FakeCohort(2, direct=True) as cohort:
+        out = cohort.run(body)
+    assert out == [{"bf16": False, "diloco": False, "default": True}] * 2
+
+    def no_direct(comm):
+        with pytest.raises(ValueError, match="direct rounds are off for this cohort"):
+            LocalSGD(make_model(0), sync_every=2, comm=comm, shared_params=True)
+        return LocalSGD(make_model(0), sync_every=2, comm=comm).shared_params
+
+    with FakeCohort(2, direct=False) as cohort:
+        assert cohort.run(no_direct) == [False, False]
+
+
+def test_a_small_model_is_placed_only_on_request_and_still_averages(monkeypatch):
+    monkeypatch.setattr(D, "DIRECT_MIN_BYTES", 8 << 20)
+
+    def body(comm):
+        auto = LocalSGD(make_model(comm.rank), sync_every=1, comm=comm)
+        model = make_model(comm.rank)
+        asked = LocalSGD(model, sync_every=1, comm=comm, shared_params=True)
+        with torch.no_grad():
+            model[0].bias.fill_(float(comm.rank))
+        asked.step(samples=1 + comm.rank)
+        return auto.shared_params, asked.shared_params, model[0].bias.clone()
+
+    with FakeCohort(2, direct=True) as cohort:
+        out = cohort.run(body)
+    for auto, asked, bias in out:
+        assert not auto and asked
+        torch.testing.assert_close(bias, torch.full((1200,), 2.0 / 3.0))
+
+
+def test_shared_tensors_are_placed_once_per_comm(low_threshold):
+    """Rank 0's block already holds other tensors, so its LocalSGD averages private
+    parameters while rank 1's are shared: each reducer maps what it can and calls
+    across for the rest, and the consensus is the same."""
+    def body(comm):
+        if comm.rank == 0:
+            with pytest.raises(ValueError, match="torch.float64 on cpu; shared tensors are "
+                                                 "float32"):
+                comm.shared_tensors([torch.zeros(3, dtype=torch.float64)])
+            a, b = comm.shared_tensors([torch.arange(5.0), torch.ones(2, 3)])
+            assert a.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0] and b.shape == (2, 3)
+            assert b.data_ptr() - a.data_ptr() == 64, "each tensor starts on 64 bytes"
+            with pytest.raises(RuntimeError, match="already holds the tensors of an earlier"):
+                comm.shared_tensors([torch.zeros(1)])
+        model = make_model(comm.rank)
+        sgd = LocalSGD(model, sync_every=1, comm=comm)
+        for _ in range(3):  # the first round probes
+            with torch.no_grad():
+                model[0].bias.fill_(float(comm.rank))
+            sgd.step(samples=1 + comm.rank)
+        return sgd.shared_params, model[0].bias.clone()
+
+    with FakeCohort(2, direct=True) as cohort:
+        out = cohort.run(body)
+    assert [placed for placed, _ in out] == [False, True]
+    for _, bias in out:
+        torch.testing.assert_close(bias, torch.full((1200,), 2.0 / 3.0))
+
+
+def big_windows(ctx):
+    """A 9 MiB model over the default threshold, two windows, across processes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1536, 1536))
+    sgd = LocalSGD(model, sync_every=1, comm=ctx.comm)
+    out = []
+    for w in range(3):
+        with torch.no_grad():
+            model[0].weight.fill_(float(ctx.rank + w))
+        sgd.step(samples=1 + ctx.rank)
+        out.append(float(model[0].weight[7, 9]))
+    return sgd.shared_params, ctx.comm._engine.direct.mapped_rounds, out
+
+
+def test_spawn_averages_shared_parameters_across_processes():
+    out = spawn(big_windows, 2)
+    want = [(1 * w + 2 * (w + 1)) / 3 for w in range(3)]
+    for shared, rounds, got in out:
+        assert shared and rounds == 2
+        assert got == pytest.approx(want, rel=1e-6)
+    assert_no_leaks()
