@@ -50,11 +50,11 @@ def test_live_owner_whose_pid_looks_dead_keeps_its_arena():
         session = owner.stdout.readline().strip()
         assert session, "the owner process did not create its arena"
         segs = _sessions(FOREIGN_PID, session)
-        assert len(segs) == 6  # ctl, res, out, tap, d0, d1
+        assert len(segs) == 8  # ctl, res, out, tap, d0, d1, p0, p1
         assert all(s.locked and s.owner_alive for s in segs)
         reaped = reap_dead_owner_segments()
         assert not [s for s in reaped if s.session == session], "a live owner's arena was reaped"
-        assert len(_sessions(FOREIGN_PID, session)) == 6
+        assert len(_sessions(FOREIGN_PID, session)) == 8
         # the owner dies without cleaning up: its lock goes with it, and the next reap
         # takes the arena
         owner.send_signal(signal.SIGKILL)

@@ -77,6 +77,20 @@ Why no rank reads or writes memory its owner is already reusing:
   N+2 only, after every rank finished N+1 (the eager double-buffering argument of
   ``protocol.py``).
 
+MAPPED: tensors in shared parameter blocks
+==========================================
+
+A rank may keep the tensors it averages in its shared parameter block, the arena's
+``p<r>`` segment (``Comm.shared_tensors``; ``LocalSGD`` does so where it pays), and
+publishes the block's address and size in its ``R_PARAMS_BASE`` / ``R_PARAMS_BYTES``.
+In REDUCED, a reducer whose accepted peers' address tables all point into their
+blocks maps those blocks (once) and rewrites the tables as its own addresses of them;
+``kernels.cma.reduce_slice_mapped`` then does the same reduce with plain loads and
+stores: no calls, no page pinning, no staging copy. Any address outside its rank's
+block sends the reducer through the calls instead, so ranks may differ in placement
+and every reducer still computes the same bits. The protocol, its states and its
+failure rules are the ones above: only where the bytes are read from changes.
+
 A direct broadcast (FLAG_DIRECT | FLAG_BROADCAST, READY only) publishes the same
 table; after the arrival wait each reader copies the root's tensors straight into its
 own result and publishes done[reader]; the root copies its own, publishes done[root]
