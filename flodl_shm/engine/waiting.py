@@ -169,8 +169,8 @@ class Waiter:
         doorbell: the arena's doorbell.
         spin_iters: compiled spin iterations before blocking.
         timeout: per-wait deadline in seconds (``None``: no deadline, liveness only).
-        liveness: called after every sleep slice; raises if this rank must stop
-            (launcher gone, cohort aborting).
+        liveness: called after every sleep slice that did not end the wait; raises if
+            this rank must stop (launcher gone, cohort aborting, a peer dead).
     """
 
     def __init__(self, doorbell: Doorbell, spin_iters: int, timeout: float | None,
@@ -275,7 +275,10 @@ class Waiter:
                 slice_s = min(slice_s, left)
             self.sleeps += 1
             self.doorbell.sleep(seen, slice_s)
-            self.liveness()
+            # the wait's own condition first: a peer that finished this step and then
+            # died (or a launcher that went away after it) must not fail a wait that
+            # is complete; liveness answers for the peers still missing
             r = check(self.spin_iters // 8)
             if is_finished(r):
                 return r
+            self.liveness()
