@@ -138,6 +138,11 @@ class Relay:
         except BaseException as e:  # noqa: BLE001 - recorded; ranks learn it from the arena
             if self._stop.is_set() and not isinstance(e, (FrameError, TimeoutError)):
                 return
+            if isinstance(e, (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)):
+                # a send or receive that found the socket gone: name who went away
+                e = ConnectionError(f"lost the connection to the controller at {peer} "
+                                    f"({type(e).__name__}: {e}); it stopped or its host is "
+                                    f"unreachable")
             self.error = e
             logger.error("relay %s: %s: %s", self.host, type(e).__name__, e)
             self._fail(e)

@@ -287,19 +287,8 @@ class Arena:
 
     def data_view(self, rank: int, nbytes: int) -> np.ndarray:
         """A byte view of rank ``rank``'s bulk region covering at least ``nbytes``."""
-        view = self._data_views[rank]
-        if view is None or view.shape[0] < nbytes:
-            seg = self._data_segment(rank)
-            if seg.nbytes < nbytes:
-                seg.refresh()
-            if seg.nbytes < nbytes:
-                raise RuntimeError(
-                    f"rank {rank}'s bulk region holds {seg.nbytes} bytes but its round "
-                    f"header promises {nbytes}: the arena is inconsistent"
-                )
-            view = np.frombuffer(seg.buf, dtype=np.uint8)
-            self._data_views[rank] = view
-        return view
+        return _covering(self._data_views, rank, nbytes, self._data_segment,
+                         "bulk region", "its round header promises")
 
     # -- shared parameter blocks -----------------------------------------------------
     def _params_segment(self, rank: int) -> Segment:
@@ -327,18 +316,8 @@ class Arena:
     def params_view(self, rank: int, nbytes: int) -> np.ndarray:
         """This process's byte view of rank ``rank``'s shared parameter block, covering at
         least ``nbytes`` (mapped on first use, re-mapped if the rank grew it)."""
-        view = self._params_views[rank]
-        if view is None or view.shape[0] < nbytes:
-            seg = self._params_segment(rank)
-            if seg.nbytes < nbytes:
-                seg.refresh()
-            if seg.nbytes < nbytes:
-                raise RuntimeError(
-                    f"rank {rank}'s shared parameter block holds {seg.nbytes} bytes but its "
-                    f"control words promise {nbytes}: the arena is inconsistent")
-            view = np.frombuffer(seg.buf, dtype=np.uint8)
-            self._params_views[rank] = view
-        return view
+        return _covering(self._params_views, rank, nbytes, self._params_segment,
+                         "shared parameter block", "its control words promise")
 
     # -- result region -------------------------------------------------------------
     def result_view(self, nbytes: int) -> np.ndarray:
@@ -428,6 +407,23 @@ class Arena:
     def __repr__(self) -> str:
         return (f"Arena(session={self.handle.session}, world={self.world}, "
                 f"eager={self.eager_bytes} B, owner={self.owner})")
+
+
+def _covering(views: list, rank: int, nbytes: int, segment, what: str,
+              promise: str) -> np.ndarray:
+    """``views[rank]`` if it covers ``nbytes``, else a byte view of ``segment(rank)``
+    re-mapped at its current size (a peer grew it), cached in ``views``."""
+    view = views[rank]
+    if view is None or view.shape[0] < nbytes:
+        seg = segment(rank)
+        if seg.nbytes < nbytes:
+            seg.refresh()
+        if seg.nbytes < nbytes:
+            raise RuntimeError(f"rank {rank}'s {what} holds {seg.nbytes} bytes but {promise} "
+                               f"{nbytes}: the arena is inconsistent")
+        view = np.frombuffer(seg.buf, dtype=np.uint8)
+        views[rank] = view
+    return view
 
 
 def direct_allowed_by_env() -> bool:

@@ -142,7 +142,6 @@ class Comm:
         self._ckpt_remaining = 0
         self._ckpt_cycle = 0
         self._reported = -1  # the last round this rank sent a report with
-        self._shared_placed = False  # shared_tensors() placed tensors in the block
         arena.ctl[A.rank_base(local_rank) + A.R_PID] = _getpid()
 
     # -- settings ----------------------------------------------------------------
@@ -646,19 +645,21 @@ class Comm:
         reducer reads every rank's block and writes the consensus into every rank's
         block, in place, with plain loads and stores (``engine/direct.py``, MAPPED).
         ``LocalSGD(shared_params=...)`` moves a model's parameters there. The tensors
-        stay valid for the arena's life. Once per Comm.
+        stay valid for the arena's life. Once per rank of an arena (the block starts at
+        its segment's first byte).
 
         Args:
             tensors: float32 CPU tensors.
 
         Raises:
-            RuntimeError: this Comm placed tensors already.
+            RuntimeError: this rank placed tensors already.
             ValueError: a tensor is not float32 on the CPU, or the rounds cross hosts.
         """
-        if self._shared_placed:
+        me = A.rank_base(self._engine.rank)
+        if self._engine.arena.ctl[me + A.R_PARAMS_BYTES] > 0:
             raise RuntimeError(
                 "this rank's shared parameter block already holds the tensors of an earlier "
-                "shared_tensors() call (one placement per Comm): average those, or build "
+                "shared_tensors() call (one placement per rank): average those, or build "
                 "the second model's averaging without shared tensors")
         if self._engine.relay_mode:
             raise ValueError("shared tensors serve rounds inside one host, but this Comm's "
@@ -680,7 +681,6 @@ class Comm:
                 view = flat[off:off + t.numel()].view(t.shape)
                 view.copy_(t)
                 out.append(view)
-        self._shared_placed = True
         return out
 
     # -- zero-copy ---------------------------------------------------------------

@@ -107,6 +107,25 @@ def probe(pid, addr, iov, word):
     return 1
 
 
+@njit(inline="always")
+def _accumulate(acc, src, m, s, first):
+    """``acc[:m] (=|+=) f32(src[:m] * s)``: one rank's chunk into the running sum, in
+    rank order (``first``: the first rank of the sum)."""
+    if first:
+        if s == 1.0:
+            for i in range(m):
+                acc[i] = src[i]
+        else:
+            for i in range(m):
+                acc[i] = src[i] * s
+    elif s == 1.0:
+        for i in range(m):
+            acc[i] += src[i]
+    else:
+        for i in range(m):
+            acc[i] += src[i] * s
+
+
 @njit(cache=True, nogil=True)
 def reduce_slice_direct(me, pids, srcs, dsts, scales, numels, start, stop, inv, acc, tmp, iov):
     """Reduce elements [start, stop) of a direct round and deliver them to every rank.
@@ -143,19 +162,7 @@ def reduce_slice_direct(me, pids, srcs, dsts, scales, numels, start, stop, inv, 
                                      4 * m, iov):
                         return r
                     src = tmp
-                if r == 0:
-                    if s == 1.0:
-                        for i in range(m):
-                            acc[i] = src[i]
-                    else:
-                        for i in range(m):
-                            acc[i] = src[i] * s
-                elif s == 1.0:
-                    for i in range(m):
-                        acc[i] += src[i]
-                else:
-                    for i in range(m):
-                        acc[i] += src[i] * s
+                _accumulate(acc, src, m, s, r == 0)
             out = f32_at(dsts[me * nt + t] + 4 * c0, m)
             for i in range(m):
                 out[i] = acc[i] * f
@@ -191,19 +198,7 @@ def reduce_slice_mapped(srcs, dsts, scales, numels, start, stop, inv, acc):
             for r in range(nr):
                 s = np.float32(scales[r])
                 src = f32_at(srcs[r * nt + t] + 4 * c0, m)
-                if r == 0:
-                    if s == 1.0:
-                        for i in range(m):
-                            acc[i] = src[i]
-                    else:
-                        for i in range(m):
-                            acc[i] = src[i] * s
-                elif s == 1.0:
-                    for i in range(m):
-                        acc[i] += src[i]
-                else:
-                    for i in range(m):
-                        acc[i] += src[i] * s
+                _accumulate(acc, src, m, s, r == 0)
             for i in range(m):
                 acc[i] = acc[i] * f
             for r in range(nr):
