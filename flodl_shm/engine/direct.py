@@ -85,8 +85,8 @@ A rank may keep the tensors it averages in its shared parameter block, the arena
 publishes the block's address and size in its ``R_PARAMS_BASE`` / ``R_PARAMS_BYTES``.
 In REDUCED, a reducer whose accepted peers' address tables all point into their
 blocks maps those blocks (once) and rewrites the tables as its own addresses of them;
-``kernels.cma.reduce_slice_mapped`` then does the same reduce with plain loads and
-stores: no calls, no page pinning, no staging copy. Any address outside its rank's
+``kernels.cma.reduce_slice_direct(..., mapped=True)`` then does the same reduce with
+plain loads and stores: no calls, no page pinning, no staging copy. Any address outside its rank's
 block sends the reducer through the calls instead, so ranks may differ in placement
 and every reducer still computes the same bits. The protocol, its states and its
 failure rules are the ones above: only where the bytes are read from changes.
@@ -247,15 +247,14 @@ class DirectRounds:
             hook("reduce", rnd)
         acc, tmp = self._buffers()
         numels = np.asarray(plan.numels, np.int64)
-        if self._map_peers(accepted, nt, numels, all_srcs, all_dsts):
+        mapped = self._map_peers(accepted, nt, numels, all_srcs, all_dsts)
+        if mapped:
             self.mapped_rounds += 1
-            C.reduce_slice_mapped(all_srcs, all_dsts, scales, numels, start, stop, view.inv,
-                                  acc[:MAPPED_CHUNK])
-        else:
-            bad = C.reduce_slice_direct(accepted.index(me), pids, all_srcs, all_dsts, scales,
-                                        numels, start, stop, view.inv, acc, tmp, self._iov)
-            if bad >= 0:
-                self._unreachable(rnd, accepted[bad], int(pids[bad]))
+            acc = acc[:MAPPED_CHUNK]
+        bad = C.reduce_slice_direct(accepted.index(me), pids, all_srcs, all_dsts, scales,
+                                    numels, start, stop, view.inv, acc, tmp, self._iov, mapped)
+        if bad >= 0:
+            self._unreachable(rnd, accepted[bad], int(pids[bad]))
         eng.doorbell.publish(A.rank_base(me) + A.R_DONE, rnd)
         eng.waiter.wait(lambda it: signals.spin_slices(ctl, eng.world, rnd, me, it),
                         what="waiting for the direct round's slices", rnd=rnd,

@@ -14,9 +14,8 @@ by address, so the kernels stay cacheable across processes.
 for each cache-sized chunk it reads every contributor's chunk (its own from memory,
 the peers' through ``process_vm_readv``), sums them in rank order with each rank's
 scale, and writes the result into its own destination and, through
-``process_vm_writev``, into every peer's. ``reduce_slice_mapped`` is the same reduce
-when every peer's tensors lie in memory this process has mapped (their shared
-parameter blocks): plain loads and stores, no calls, no staging copy.
+``process_vm_writev``, into every peer's; or, when every peer's tensors lie in memory
+this process has mapped (their shared parameter blocks), with plain loads and stores.
 """
 from __future__ import annotations
 
@@ -127,7 +126,8 @@ def _accumulate(acc, src, m, s, first):
 
 
 @njit(cache=True, nogil=True)
-def reduce_slice_direct(me, pids, srcs, dsts, scales, numels, start, stop, inv, acc, tmp, iov):
+def reduce_slice_direct(me, pids, srcs, dsts, scales, numels, start, stop, inv, acc, tmp, iov,
+                        mapped):
     """Reduce elements [start, stop) of a direct round and deliver them to every rank.
 
     ``pids`` (int64, one per accepted rank in rank order; ``me`` indexes this rank),
@@ -138,6 +138,11 @@ def reduce_slice_direct(me, pids, srcs, dsts, scales, numels, start, stop, inv, 
     shared-memory path, which scales at copy-in and sums in rank order. Returns -1 on
     success, else the index (into ``pids``) of the rank whose memory could not be read
     or written.
+
+    ``mapped``: every address is this process's (the peers' tensors lie in shared
+    parameter blocks mapped here): plain loads and stores, no calls, no staging copy.
+    A chunk of every source is read before that chunk of any destination is written,
+    so in place is safe either way.
     """
     nr = pids.shape[0]
     nt = numels.shape[0]
@@ -155,7 +160,7 @@ def reduce_slice_direct(me, pids, srcs, dsts, scales, numels, start, stop, inv, 
             m = min(c0 + ch, b) - c0
             for r in range(nr):
                 s = np.float32(scales[r])
-                if r == me:
+                if mapped or r == me:
                     src = f32_at(srcs[r * nt + t] + 4 * c0, m)
                 else:
                     if not _transfer(False, pids[r], tmp.ctypes.data, srcs[r * nt + t] + 4 * c0,
@@ -167,45 +172,16 @@ def reduce_slice_direct(me, pids, srcs, dsts, scales, numels, start, stop, inv, 
             for i in range(m):
                 out[i] = acc[i] * f
             for r in range(nr):
-                if r != me and not _transfer(True, pids[r], out.ctypes.data,
-                                             dsts[r * nt + t] + 4 * c0, 4 * m, iov):
+                if r == me:
+                    continue
+                if mapped:
+                    peer = f32_at(dsts[r * nt + t] + 4 * c0, m)
+                    for i in range(m):
+                        peer[i] = out[i]
+                elif not _transfer(True, pids[r], out.ctypes.data, dsts[r * nt + t] + 4 * c0,
+                                   4 * m, iov):
                     return r
     return -1
-
-
-@njit(cache=True, nogil=True)
-def reduce_slice_mapped(srcs, dsts, scales, numels, start, stop, inv, acc):
-    """``reduce_slice_direct`` over tensors every one of which this process has mapped:
-    ``srcs``/``dsts`` hold this process's addresses of every accepted rank's tensors
-    (``ranks x ntensors``, row per rank, rank order). Same arithmetic, so the result is
-    bit-identical: ``(sum over ranks in order of f32(x * scale)) * inv`` in f32. A chunk
-    of every source is read before that chunk of any destination is written (in place
-    is safe)."""
-    nr = scales.shape[0]
-    nt = numels.shape[0]
-    ch = acc.shape[0]
-    f = np.float32(inv)
-    off = 0
-    for t in range(nt):
-        n = numels[t]
-        a = max(start, off) - off
-        b = min(stop, off + n) - off
-        off += n
-        if b <= a:
-            continue
-        for c0 in range(a, b, ch):
-            m = min(c0 + ch, b) - c0
-            for r in range(nr):
-                s = np.float32(scales[r])
-                src = f32_at(srcs[r * nt + t] + 4 * c0, m)
-                _accumulate(acc, src, m, s, r == 0)
-            for i in range(m):
-                acc[i] = acc[i] * f
-            for r in range(nr):
-                out = f32_at(dsts[r * nt + t] + 4 * c0, m)
-                for i in range(m):
-                    out[i] = acc[i]
-    return 0
 
 
 @njit(cache=True, nogil=True)
@@ -234,8 +210,7 @@ def warm_up() -> None:
     pids = np.array([os.getpid(), os.getpid()], np.int64)
     srcs = np.array([x.ctypes.data, x.ctypes.data], np.int64)
     dsts = np.array([y.ctypes.data, y.ctypes.data], np.int64)
-    reduce_slice_direct(0, pids, srcs, dsts, np.ones(2), np.array([8], np.int64), 0, 8, 0.5,
-                        np.zeros(4, np.float32), np.zeros(4, np.float32), iov)
-    reduce_slice_mapped(srcs, dsts, np.ones(2), np.array([8], np.int64), 0, 8, 0.5,
-                        np.zeros(4, np.float32))
+    for mapped in (False, True):
+        reduce_slice_direct(0, pids, srcs, dsts, np.ones(2), np.array([8], np.int64), 0, 8,
+                            0.5, np.zeros(4, np.float32), np.zeros(4, np.float32), iov, mapped)
     read_into(os.getpid(), srcs[:1], dsts[:1], np.array([8], np.int64), iov)
