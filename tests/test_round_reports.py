@@ -136,3 +136,10 @@ def test_bad_reports_are_refused_before_the_round():
         assert comm.round == 0  # nothing was published
         comm.all_reduce_([torch.ones(4)], report=(3.0,))
         assert comm.last_reports()[0, 0] == 3.0
+        # a call refused before its round (a bad weight) leaves no report behind for
+        # a report-less call of the same round number to read
+        with pytest.raises(ValueError, match="weight -1.0 is not a finite"):
+            comm.all_reduce_([torch.ones(4)], weight=-1.0, report=(5.0,))
+        comm.all_reduce_([torch.ones(4)])
+        with pytest.raises(RuntimeError, match="carried none"):
+            comm.last_reports()

@@ -500,8 +500,19 @@ class Comm:
         after the call (``engine/round_report.py``). One host only; every rank of the
         round must pass one.
         """
-        if report is not None:
-            self._write_report(report)
+        if report is None:
+            return self._all_reduce_in_place(tensors, weight, scale, kind, outer)
+        rnd = self._round
+        self._write_report(report)
+        try:
+            return self._all_reduce_in_place(tensors, weight, scale, kind, outer)
+        except BaseException:
+            if self._round == rnd:  # refused before the round: the report went nowhere
+                self._reported = -1
+            raise
+
+    def _all_reduce_in_place(self, tensors: Sequence[torch.Tensor], weight: float,
+                             scale: float, kind, outer: bool) -> float:
         kind = _kind(kind)
         dtype = DTYPE_BF16 if (self._bf16 and kind == _MODEL) else DTYPE_F32
         outer = outer and kind == _MODEL
