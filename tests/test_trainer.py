@@ -43,6 +43,9 @@ def test_run_trains_every_sample_once_per_epoch_and_saves(tmp_path):
     assert all(math.isfinite(s.cohort_loss) and s.samples_per_s > 0 and s.bytes_sent > 0
                for s in result.history)
     assert result.history[-1].cohort_loss < result.history[0].cohort_loss, "it learns"
+    # the window's time outside training: its averaging part holds the reduce
+    assert all(0 < s.sync_ms <= s.averaging_ms <= s.window_ms - s.compute_ms
+               for s in result.history)
     assert_each_epoch_once(read_samples(rec), epochs=2, batch_size=8)
     # where it ended, and the checkpoint that says so
     meta = result.meta

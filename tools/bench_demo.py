@@ -187,6 +187,7 @@ def run_demo_variant(data, epochs) -> dict:
     return {"total_s": total, "loop_s": sum(s.window_ms for s in hist) / 1e3,
             "avg_s": sum(outside) / 1e3, "window_ms": statistics.median(outside),
             "reduce_ms": statistics.median(s.sync_ms for s in hist),
+            "averaging_ms": statistics.median(s.averaging_ms for s in hist),
             "accuracy": res.accuracy}
 
 
@@ -395,10 +396,11 @@ def table(results: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def _print_ratio(what: str, variant: list, loop: list, loop_key: str) -> None:
-    """The per-repeat ratio of ``variant``'s median window to the bare loop's (its
-    ``loop_key``), and their median."""
-    ratios = [a["window_ms"] / b[loop_key] for a, b in zip(variant, loop)]
+def _print_ratio(what: str, variant: list, loop: list, loop_key: str,
+                 key: str = "window_ms") -> None:
+    """The per-repeat ratio of ``variant``'s median window (its ``key``) to the bare
+    loop's (its ``loop_key``), and their median."""
+    ratios = [a[key] / b[loop_key] for a, b in zip(variant, loop)]
     print(f"{what}: median {statistics.median(ratios):.2f}x (per repeat: "
           f"{', '.join(f'{r:.2f}' for r in ratios)})")
 
@@ -459,6 +461,8 @@ def main(argv=None) -> int:
         # median window of the bare loop
         _print_ratio("Trainer window (rank 0) / one bare all_reduce_ of the same params "
                      "(rank 0)", results["flodl_shm demo"], loop, "window_ms_rank0")
+        _print_ratio("  its averaging part alone (end of training to settled books)",
+                     results["flodl_shm demo"], loop, "window_ms_rank0", key="averaging_ms")
     return 0
 
 

@@ -116,6 +116,10 @@ class WindowStats:
         save_reason: its reason (a ``SaveReason`` value), or None.
         next_batches: per rank, the batches planned for the next window (the
             cadence decision; empty after the last window).
+        averaging_ms: this rank's time from the end of its training to the window's
+            settled books: the count gather (several hosts), the reduce (``sync_ms``),
+            and the coordinator's settlement (coverage, cadence, checkpoint). The rest
+            of ``window_ms - compute_ms`` is the window's data setup before training.
     """
 
     rank: int
@@ -140,6 +144,7 @@ class WindowStats:
     checkpoint: Optional[str] = None
     save_reason: Optional[str] = None
     next_batches: tuple[int, ...] = ()
+    averaging_ms: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -776,6 +776,7 @@ class _RankRun:
             state.live_ranks = tuple(coord.alive)
             t_start = time.perf_counter()
             nb, compute_ms, loss_sum, ids = self._train(plan, state)
+            t_trained = time.perf_counter()
             if self.one_round:
                 counts, settled, sync, ckpt = self._window_one_round(plan, nb, compute_ms,
                                                                      loss_sum, state, prev_sync)
@@ -793,7 +794,8 @@ class _RankRun:
             ack = counts.prev_ack
             coord.report(counts, ack, settled.realized)
             windows += 1
-            window_ms = (time.perf_counter() - t_start) * 1e3
+            t_end = time.perf_counter()
+            window_ms = (t_end - t_start) * 1e3
             total = counts.total_batches
             stats = WindowStats(
                 rank=self.rank, epoch=plan.epoch, window=plan.window,
@@ -809,7 +811,8 @@ class _RankRun:
                 max_divergence=ack.max_divergence, live_ranks=tuple(coord.alive),
                 skipped=total == 0, checkpoint=None if ckpt is None else os.fspath(ckpt),
                 save_reason=None if ckpt is None else settled.save_reason.value,
-                next_batches=() if settled.stop else tuple(coord.base_counts()))
+                next_batches=() if settled.stop else tuple(coord.base_counts()),
+                averaging_ms=(t_end - t_trained) * 1e3)
             state.global_step = coord.global_step
             state.live_ranks = tuple(coord.alive)
             for h in tr.hooks:
