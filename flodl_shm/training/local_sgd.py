@@ -44,6 +44,12 @@ on its own replica with ``grad = prev_global - consensus`` (identical inputs and
 arithmetic keep the replicas bit-identical); so is an ``OuterNesterov`` on a
 cluster, where the rounds cross hosts through the relay.
 
+**Large models.** Where the window's round is a direct round (one host,
+``max_failures=0``, float32, at least 8 MiB: ``engine/direct.py``), construction moves
+the round's tensors into the rank's shared parameter block (``shared_params``;
+``param.data`` moves, the parameters keep their identity), and the slice reducers
+read and write every rank's parameters in place with plain loads and stores.
+
 **Checkpoints.** ``save(stem)`` (a collective, at a sync boundary) writes the
 consensus bundle (``<stem>.fdl``, ``<stem>.outer.fdl`` for outer momentum,
 ``<stem>.meta.json`` last as the commit marker) and one ``<stem>.rank<N>.optim``
