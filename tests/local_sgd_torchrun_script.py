@@ -1,7 +1,9 @@
 """LocalSGD with comm=None on a "flodl_shm" default process group, as torchrun runs it
 (tests/test_local_sgd_torchrun.py). Writes ``<out>/rank<R>.pt``: the weights after
-construction, the weights entering the sync, the consensus and the sync's mass.
-``python -m torch.distributed.run ... local_sgd_torchrun_script.py OUT``."""
+construction, the weights entering the last sync, the consensus and the sync's mass.
+``python -m torch.distributed.run ... local_sgd_torchrun_script.py OUT [big]``: ``big``
+trains a 9 MiB model (its parameters go to the shared parameter blocks) for two windows
+(the first direct-eligible round probes; the second reduces in the blocks)."""
 import os
 import sys
 
@@ -13,20 +15,28 @@ import flodl_shm
 torch.set_num_threads(1)
 dist.init_process_group("flodl_shm")
 rank = dist.get_rank()
+big = sys.argv[2:] == ["big"]
 torch.manual_seed(rank)                     # different inits: construction aligns them
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+width = 1536 if big else 16
+layers = [torch.nn.Linear(8, width), torch.nn.ReLU()]
+if big:
+    layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 2))
 sgd = flodl_shm.LocalSGD(model, sync_every=2)          # comm=None: the default group
 init = [p.detach().clone() for p in model.parameters()]
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 g = torch.Generator().manual_seed(100 + rank)
-opt.zero_grad()
-torch.nn.functional.mse_loss(model(torch.randn(4, 8, generator=g)),
-                             torch.randn(4, 2, generator=g)).backward()
-opt.step()
-assert sgd.step(samples=3 + rank) is False
-local = [p.detach().clone() for p in model.parameters()]
-assert sgd.step(samples=3 + rank) is True              # the window's last step: sync
+for window in range(2 if big else 1):
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(torch.randn(4, 8, generator=g)),
+                                 torch.randn(4, 2, generator=g)).backward()
+    opt.step()
+    assert sgd.step(samples=3 + rank) is False
+    local = [p.detach().clone() for p in model.parameters()]
+    assert sgd.step(samples=3 + rank) is True          # the window's last step: sync
 torch.save({"init": init, "local": local, "after": [p.detach().clone() for p in model.parameters()],
-            "mass": sgd.last_sync.mass, "accepted": sgd.last_sync.accepted, "pid": os.getpid()},
+            "mass": sgd.last_sync.mass, "accepted": sgd.last_sync.accepted, "pid": os.getpid(),
+            "shared_params": sgd.shared_params,
+            "mapped_rounds": sgd.comm._engine.direct.mapped_rounds},
            os.path.join(sys.argv[1], f"rank{rank}.pt"))
 dist.destroy_process_group()

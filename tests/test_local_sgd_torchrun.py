@@ -22,11 +22,16 @@ pytestmark = [pytest.mark.timeout(240),
               pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")]
 
 
-def test_local_sgd_on_the_default_process_group_under_torchrun(tmp_path):
+@pytest.mark.parametrize("size", ["small", "big"])
+def test_local_sgd_on_the_default_process_group_under_torchrun(tmp_path, size):
+    """``big``: a 9 MiB model, whose parameters the group's direct rounds average in
+    the ranks' shared parameter blocks (mapped by every rank at the rendezvous, before
+    the segment names are unlinked)."""
     env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1")
     env.pop("FLODL_SHM_HOST", None)
     proc = subprocess.Popen([str(TORCHRUN), "--standalone", "--nproc-per-node", "2",
-                             str(HERE / "local_sgd_torchrun_script.py"), str(tmp_path)],
+                             str(HERE / "local_sgd_torchrun_script.py"), str(tmp_path),
+                             size],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     _finish([proc], 150)
@@ -35,6 +40,8 @@ def test_local_sgd_on_the_default_process_group_under_torchrun(tmp_path):
     w = [2.0 * (3 + r) for r in range(2)]
     for r in res:
         assert r["mass"] == sum(w) and r["accepted"] == (0, 1)
+        assert (r["shared_params"], r["mapped_rounds"]) == ((True, 1) if size == "big"
+                                                            else (False, 0))
         for a, b in zip(r["init"], res[0]["init"]):
             assert torch.equal(a, b)                   # rank 0's weights everywhere
         for a, b in zip(r["after"], res[0]["after"]):

@@ -199,7 +199,10 @@ def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
         else:
             arena = A.Arena.attach(pickle.loads(store.get(key)))
         for r in range(len(local)):
-            arena.data_view(r, 0)  # map every bulk region now, while the names exist
+            # map every per-rank segment now, while the names exist: the bulk regions
+            # and the shared parameter blocks (placed later through the open descriptors)
+            arena.data_view(r, 0)
+            arena.params_view(r, 0)
         store.set(f"mapped/{rank}", b"1")
         if topo.is_leader:
             store.wait([f"mapped/{r}" for r in local])
