@@ -86,9 +86,9 @@ publishes the block's address and size in its ``R_PARAMS_BASE`` / ``R_PARAMS_BYT
 In REDUCED, a reducer whose accepted peers' address tables all point into their
 blocks maps those blocks (once) and rewrites the tables as its own addresses of them;
 ``kernels.cma.reduce_slice_direct(..., mapped=True)`` then does the same reduce with
-plain loads and stores: no calls, no page pinning, no staging copy. Any address outside its rank's
-block sends the reducer through the calls instead, so ranks may differ in placement
-and every reducer still computes the same bits. The protocol, its states and its
+plain loads and stores: no calls, no page pinning, no staging copy. Any address
+outside its rank's block sends the reducer through the calls instead, so ranks may
+differ in placement and every reducer still computes the same bits. The protocol, its states and its
 failure rules are the ones above: only where the bytes are read from changes.
 
 A direct broadcast (FLAG_DIRECT | FLAG_BROADCAST, READY only) publishes the same
