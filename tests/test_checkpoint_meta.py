@@ -56,6 +56,11 @@ def test_rank_death_path_is_per_rank_and_shares_stem():
         "/tmp/run/ckpt.rank0.death.json")
     # Distinct ranks never collide.
     assert CheckpointBundle.rank_death_path("ckpt", 0) != CheckpointBundle.rank_death_path("ckpt", 1)
+    # each rank's resume state follows the same rule
+    assert CheckpointBundle.rank_state_path("/tmp/run/ckpt.fdl", 3) == Path(
+        "/tmp/run/ckpt.rank3.optim")
+    with pytest.raises(ValueError):
+        CheckpointBundle.rank_state_path("ckpt", -1)
 
 
 def test_bundle_paths_share_stem():

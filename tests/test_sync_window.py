@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flodl_shm import LocalSGD
-from flodl_shm.training.sync_window import expected_params_mass, gather_counts
+from flodl_shm.training.sync_window import expected_params_mass, falls_short, gather_counts
 from flodl_shm.testing import FakeCohort
 
 pytestmark = pytest.mark.timeout(60)
@@ -49,7 +49,7 @@ def trained(sgd, batches):
 
 
 def shortfall(sync, counts, gamma=1.0):
-    return sync.mass < expected_params_mass(counts, gamma) * (1.0 - 1e-9)
+    return falls_short(sync.mass, counts, gamma)
 
 
 def window(comm, model, batches, value, *, gamma=1.0, stop=False):

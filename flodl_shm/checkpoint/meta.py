@@ -125,9 +125,20 @@ class CheckpointBundle:
         Per rank, unlike the shared ``.meta.json``: several ranks may die
         independently and none may clobber another's record.
         """
-        rank = _check_uint(rank, "rank")
-        base = set_extension(stem, "")
-        return base.with_name(f"{base.name}.rank{rank}.death.json")
+        return _rank_file(stem, rank, "death.json")
+
+    @staticmethod
+    def rank_state_path(stem: "str | os.PathLike[str]", rank: int) -> Path:
+        """A rank's own resume state in a bundle (its inner optimizer, LR scheduler...):
+        ``<stem>.rank<N>.optim``."""
+        return _rank_file(stem, rank, "optim")
+
+
+def _rank_file(stem: "str | os.PathLike[str]", rank: int, what: str) -> Path:
+    """``<stem>.rank<N>.<what>`` (one extension of ``stem`` dropped first)."""
+    rank = _check_uint(rank, "rank")
+    base = set_extension(stem, "")
+    return base.with_name(f"{base.name}.rank{rank}.{what}")
 
 
 def names_sidecar_path(model_path: "str | os.PathLike[str]") -> Path:

@@ -114,7 +114,7 @@ def resolve_checkpoint(path: "str | os.PathLike[str]") -> Path:
 
 def _rank_files(model: Path) -> list[Path]:
     """The bundle's ``<stem>.rank<N>.optim`` files (each rank's own state)."""
-    stem = model.name[: -len(".fdl")] if model.name.endswith(".fdl") else model.name
+    stem = set_extension(model, "").name  # CheckpointBundle.rank_state_path's rule
     pattern = re.compile(re.escape(stem) + r"\.rank\d+\.optim$")
     try:
         names = os.listdir(model.parent)

@@ -308,7 +308,6 @@ class Arena:
         view = np.frombuffer(seg.buf, dtype=np.uint8)
         self._params_views[rank] = view
         base = rank_base(rank)
-        self.ctl[base + R_PARAMS_BYTES] = 0
         self.ctl[base + R_PARAMS_BASE] = view.ctypes.data
         self.ctl[base + R_PARAMS_BYTES] = int(nbytes)
         return view

@@ -23,7 +23,8 @@ round N and this rank's next collective the reports of round N are stable:
 Who is in the table. Every accepted rank of the round (the ranks that arrived,
 whatever their mass); a rank that did not arrive (dead, fenced) reads as zeros: a
 caller that must tell "dead" from "reported zeros" checks the round's accepted ranks
-(``Comm.last_accepted_ranks``) or sends a 1.0 "present" value of its own. Values are float32: integers are exact up to 2^24.
+(``Comm.last_accepted_ranks``) or sends a 1.0 "present" value of its own. Values are
+float32: integers are exact up to 2^24.
 Reports cover the ranks of one arena; on a cluster (a relay completes the rounds)
 they are refused, since the other hosts' ranks are not in this host's headers.
 """

@@ -75,13 +75,13 @@ import torch
 from ..checkpoint._atomic import atomic_write
 from ..errors import ShmSpaceError
 from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, ElCheState, ModelSchema,
-                               SaveReason, averaged_buffers, set_extension)
+                               SaveReason, averaged_buffers)
 from ..frame import DTYPE_F32, tensors_to_round_frame
 from .convergence import TrendGuard
 from .el_che import ElChe
 from .outer import OuterOptimizer
 from .realized_work import gamma_mass, is_realized, mover_mass
-from .sync_window import ReplicaReduce, gather_columns
+from .sync_window import ReplicaReduce, gather_columns, params_round_carries_buffers
 
 logger = logging.getLogger("flodl_shm")
 
@@ -94,17 +94,8 @@ STATE_FORMAT = "flodl_shm.LocalSGD/1"
 _G_STEPS, _G_COMPUTE_MS, _G_PRESENT, _G_PREV_SYNC_MS, _G_PREV_DIVERGENCE = range(5)
 
 
-def rank_state_path(stem: "str | os.PathLike[str]", rank: int) -> Path:
-    """A rank's resume state in a bundle: ``<stem>.rank<N>.optim``.
-
-    Args:
-        stem: the bundle's stem (one extension such as ``.fdl`` is dropped first).
-        rank: the global rank.
-    """
-    if not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"rank must be an int >= 0, got {rank!r}")
-    base = set_extension(stem, "")
-    return base.with_name(f"{base.name}.rank{rank}.optim")
+#: A rank's resume state in a bundle: ``<stem>.rank<N>.optim``.
+rank_state_path = CheckpointBundle.rank_state_path
 
 
 class SyncInfo(NamedTuple):
@@ -283,8 +274,6 @@ class LocalSGD:
                                  f"but the cohort has world_size {self.world_size}")
             self.guard = guard if guard is not None else TrendGuard()
         self.cadence = "fixed" if self.el_che is None else "elche"
-        if buffers not in ("work", "movers"):
-            raise ValueError(f"buffers must be 'work' or 'movers', got {buffers!r}")
         #: whether the params round's tensors live in the shared parameter block
         self.shared_params = self._place_shared(shared_params, buffers)
         # the window's rounds (the drift: on request, and for ElChe's guard)
@@ -316,10 +305,10 @@ class LocalSGD:
         buffers when they travel with them) into the shared parameter block, as
         ``shared_params`` asks; the model's tensors keep their identity (``.data``
         moves). Returns whether they were moved."""
+        carries = params_round_carries_buffers(buffers, self._outer_in_reduce)
         if want is False:
             return False
-        together = buffers == "work" and not self._outer_in_reduce
-        tensors = self.params + (self.buffers if together else [])
+        tensors = self.params + (self.buffers if carries else [])
         why = self._not_shareable(tensors, explicit=bool(want))
         if why is not None:
             if want:
@@ -347,7 +336,7 @@ class LocalSGD:
             return "a single rank has nothing to average"
         if comm.local_world_size != self.world_size:
             return "the rounds cross hosts (shared memory covers one host)"
-        if not getattr(comm, "direct_rounds_available", False):
+        if not comm.direct_rounds_available:
             return ("direct rounds are off for this cohort (spawn(max_failures=k) with k > 0, "
                     "FLODL_SHM_DIRECT=0, or ranks that may not attach to each other)")
         if self.bf16_wire:

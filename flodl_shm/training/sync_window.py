@@ -73,6 +73,8 @@ __all__ = [
     "counts_from",
     "counts_from_reports",
     "expected_params_mass",
+    "falls_short",
+    "params_round_carries_buffers",
     "gather_columns",
     "gather_counts",
 ]
@@ -240,6 +242,27 @@ def expected_params_mass(counts: CohortCounts, gamma: float) -> float:
     return total
 
 
+def falls_short(mass: float, counts: CohortCounts, gamma: float) -> bool:
+    """Whether a params round whose accepted mass is ``mass`` realized less work than the
+    count gather ``counts`` promised (:func:`expected_params_mass`): a rank died between
+    the gather and the round. Never for an all-idle window."""
+    if counts.total_batches == 0:
+        return False
+    return mass < expected_params_mass(counts, gamma) * (1.0 - 1e-9)
+
+
+def params_round_carries_buffers(buffers: str, outer: bool) -> bool:
+    """Whether the floating-point buffers travel in the params round (``buffers="work"``
+    without an outer step in the round) rather than in a round of their own.
+
+    Raises:
+        ValueError: ``buffers`` is neither ``"work"`` nor ``"movers"``.
+    """
+    if buffers not in ("work", "movers"):
+        raise ValueError(f"buffers must be 'work' or 'movers', got {buffers!r}")
+    return buffers == "work" and not outer
+
+
 class ReplicaReduce:
     """The reduce half of a window, shared by the Trainer and ``LocalSGD``: average a
     replica's parameters and floating-point buffers in place, weighted by realized work.
@@ -265,8 +288,7 @@ class ReplicaReduce:
 
     def __init__(self, model: torch.nn.Module, *, outer: bool = False, drift: bool = True,
                  buffers: str = "work") -> None:
-        if buffers not in ("work", "movers"):
-            raise ValueError(f"buffers must be 'work' or 'movers', got {buffers!r}")
+        carries = params_round_carries_buffers(buffers, bool(outer))
         self.params = [p for p in model.parameters()]
         self.buffers = [b for _, b in averaged_buffers(model)]
         self.outer = bool(outer)
@@ -285,8 +307,13 @@ class ReplicaReduce:
                      for p in self._live_params)
         self._post_np = ([_flat_np(p) for p in self._live_params]
                          if self._pre is not None and stable else None)
-        self._post_f32 = all(p.dtype == torch.float32 for p in self._live_params)
-        self._together = bool(self._live_buffers) and buffers == "work" and not self.outer
+        # the pre-reduce snapshot by numpy where every parameter is a float32 view
+        # (cheaper than torch's copy_), else by torch
+        self._pre_copies = (list(zip(self._pre_np, self._post_np))
+                            if self._post_np is not None
+                            and all(p.dtype == torch.float32 for p in self._live_params)
+                            else None)
+        self._together = bool(self._live_buffers) and carries
 
     def tensors(self) -> list[torch.Tensor]:
         """The averaged tensors, detached: the parameters, then the floating-point
@@ -317,9 +344,9 @@ class ReplicaReduce:
         t0 = time.perf_counter()
         esize = 2 if comm.bf16_wire else 4
         if self._pre is not None:
-            if self._post_np is not None and self._post_f32:
-                for dst, src in zip(self._pre_np, self._post_np):
-                    np.copyto(dst, src)  # float32 views: cheaper than torch's copy_
+            if self._pre_copies is not None:
+                for dst, src in self._pre_copies:
+                    np.copyto(dst, src)
             else:
                 with torch.no_grad():
                     for dst, p in zip(self._pre, self.params):

@@ -563,7 +563,6 @@ class _RankRun:
         import torch
 
         from ..checkpoint._atomic import atomic_write
-        from .local_sgd import rank_state_path
 
         state = {
             "format": RANK_STATE_FORMAT, "rank": self.rank, "world_size": self.ctx.world_size,
@@ -574,7 +573,8 @@ class _RankRun:
                                 for name, b in self.model.named_buffers()
                                 if not b.is_floating_point()},
         }
-        atomic_write(rank_state_path(model_path, self.rank), lambda fh: torch.save(state, fh))
+        atomic_write(CheckpointBundle.rank_state_path(model_path, self.rank),
+                     lambda fh: torch.save(state, fh))
 
     def _load_rank_state(self, model_path) -> None:
         """On resume: this rank's inner optimizer and LR scheduler states and integer
@@ -582,9 +582,7 @@ class _RankRun:
         cohort of the same size; otherwise they start fresh (logged)."""
         import torch
 
-        from .local_sgd import rank_state_path
-
-        path = rank_state_path(model_path, self.rank)
+        path = CheckpointBundle.rank_state_path(model_path, self.rank)
         if not path.exists():
             logger.info("%s not found: rank %d's inner optimizer, LR schedule and integer "
                         "buffers start fresh", path, self.rank)
@@ -704,13 +702,13 @@ class _RankRun:
                 self._post_checkpoint(ckpt, settled.save_reason, sync.mass)
         return counts, settled, sync, ckpt
 
-    def _window_cluster(self, plan, nb: int, counts):
+    def _window_cluster(self, plan, counts):
         """Several hosts: the counts were gathered before the params round (the
         coordinator settles first, so a checkpoint can be armed for the controller's
         forge to capture); a rank that dies between the gather and the params round is
         caught by the realized-work check and the window settled again. Returns
         (counts, settlement, sync, checkpoint path or None)."""
-        from .sync_window import expected_params_mass
+        from .sync_window import falls_short
 
         coord, comm = self.coord, self.comm
         settled = coord.settle(plan, counts)
@@ -722,8 +720,7 @@ class _RankRun:
         sync = self.sgd.sync()
         if ckpt is not None:
             self._save_rank_state(ckpt)  # the controller commits the bundle on its own
-        expected = expected_params_mass(counts, self.trainer.gamma)
-        if counts.total_batches > 0 and sync.mass < expected * (1.0 - 1e-9):
+        if falls_short(sync.mass, counts, self.trainer.gamma):
             realized = sorted(r for r in sync.accepted if counts.batches[r] > 0)
             logger.warning(
                 "window %d: the params round accepted less work than the count gather "
@@ -786,7 +783,7 @@ class _RankRun:
                 counts = gather_counts(comm, nb, compute_ms, loss_sum,
                                        stop=state.stop_requested, prev=prev_sync)
                 gather_ms = (time.perf_counter() - t_gather) * 1e3
-                counts, settled, sync, ckpt = self._window_cluster(plan, nb, counts)
+                counts, settled, sync, ckpt = self._window_cluster(plan, counts)
             dead += settled.newly_dead
             if ckpt is not None:
                 last_ckpt = os.fspath(ckpt)
