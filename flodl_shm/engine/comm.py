@@ -825,12 +825,11 @@ class Comm:
         return res, mass
 
     def _eager_call(self, plan: RoundPlan, weight, call: Callable[[int, float], float]) -> float:
-        """An eager round's frame: validate the mass, take the round number, prepare the
-        slot, then ``call(round, mass)``; a failure goes through ``_fail`` (naming the
-        round) before it propagates."""
+        """An eager round's frame: validate the mass, take the round number, then
+        ``call(round, mass)`` (a fused call: it writes the slot's schema words itself); a
+        failure goes through ``_fail`` (naming the round) before it propagates."""
         weight = self._begin(weight)
         rnd = self._round
-        self._engine.prepare(rnd, plan, False)
         self._round = rnd + 1
         try:
             return call(rnd, weight)

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import math
 from typing import Callable
 
@@ -116,17 +117,24 @@ def decode_schema_words(words: np.ndarray) -> tuple[int, int, list[tuple[int, ..
     return kind, dtype, shapes
 
 
+_plan_ids = itertools.count(1)  # RoundPlan.pid (0: no plan)
+
+
 class RoundPlan:
     """Everything about a round that depends only on (kind, dtype, shapes): cached per
     engine (``RoundEngine.plan``), so a repeated call rebuilds nothing.
 
-    ``addrs`` (int64, ``3 * ntensors``: the tensors' addresses, their element counts,
-    then 1 per bfloat16 source) is the fused round's per-call input; the caller
-    refills the addresses and source flags before every fused round.
+    ``call`` is what the fused calls read of the plan (``kernels/rounds.py``, ``P_*``):
+    its header fields, schema words and address table. ``addrs`` (a view of the table,
+    int64, ``3 * ntensors``: the tensors' addresses, their element counts, then 1 per
+    bfloat16 source) is the fused round's per-call input; the caller refills the
+    addresses and source flags before every fused round. ``pid`` is unique to the plan
+    (which schema an eager slot holds).
     """
 
     __slots__ = ("kind", "dtype", "shapes", "words", "shash", "offs", "numels", "nelem",
-                 "nbytes", "off", "total", "eager_fits", "addrs", "ntensors", "nwords")
+                 "nbytes", "off", "total", "eager_fits", "addrs", "ntensors", "nwords",
+                 "pid", "call")
 
     def __init__(self, kind: int, dtype: int, shapes: list[tuple[int, ...]],
                  eager_bytes: int) -> None:
@@ -142,7 +150,10 @@ class RoundPlan:
         self.eager_fits = self.total <= eager_bytes
         self.ntensors = len(shapes)
         self.nwords = len(self.words)
-        self.addrs = np.zeros(3 * self.ntensors, np.int64)
+        self.pid = next(_plan_ids)
+        self.call = RK.plan_words(self.pid, kind, dtype, self.ntensors, self.nbytes,
+                                  self.nelem, self.shash, self.words)
+        self.addrs = self.call[RK.P_WORDS + self.nwords:]
         self.addrs[self.ntensors:2 * self.ntensors] = self.numels
 
 
@@ -206,13 +217,20 @@ class RoundEngine:
         self._work = np.empty(RK.WORK_WORDS, np.float32)
         self._acc = self._work[:SCRATCH_ELEMS]
         self._tmp = self._work[SCRATCH_ELEMS:2 * SCRATCH_ELEMS]
-        self._info = np.zeros(RK.I_WORDS, np.int64)
-        self._mass = np.zeros(1, np.float64)
         self._eager_all = arena.eager_area()
         # private reduce outputs of eager rounds, both views of one buffer
         eager_out = np.empty(arena.eager_bytes, np.uint8)
         self.eager_f32 = eager_out.view(np.float32)
         self.eager_u16 = eager_out.view(np.uint16)
+        # the fused calls' inputs and outcome (kernels/rounds.py, C_*): it holds the
+        # addresses of arrays this engine keeps, and the spin budget the Waiter adapts
+        w = self.waiter
+        self._call = RK.call_block(self.ctl, self._eager_all, arena.eager_bytes, self.world,
+                                   rank, self._work, eager_out, w.spin_iters, w.min_spin,
+                                   w.max_spin)
+        w.share_spin(self._call[RK.C_SPIN:RK.C_SPIN + 1])
+        self._info = self._call[:RK.I_WORDS]
+        self._mass = self._call[RK.C_MASS:RK.C_MASS + 1].view(np.float64)
         self.relay_mode = bool(arena.ctl[A.G_RELAY])
         #: tests only: ``hook(phase, round)`` called at fault-injection points
         self.fault_hook: Callable[[str, int], None] | None = None
@@ -226,10 +244,7 @@ class RoundEngine:
         self.last_accepted = 0            # accepted-rank mask of the last completed arrival
         self.own_slice: tuple[int, int] | None = None  # written to ``into`` last round
         self._plans: dict[tuple, RoundPlan] = {}
-        self._slot_schema: dict = {}      # eager parity -> the plan whose schema it holds
         self._eager_payloads: dict = {}   # (plan, parity) -> typed payload view
-        self._fused_static = (self.ctl, self._eager_all, arena.eager_bytes, self.world, rank,
-                              self._info, self._mass, self._work)
         #: large rounds through the ranks' private memory, when the arena allows them
         self.direct = DirectRounds(self)
 
@@ -242,7 +257,6 @@ class RoundEngine:
         if got is None:
             if len(self._plans) > 64:
                 self._plans.clear()
-                self._slot_schema.clear()
             got = RoundPlan(kind, dtype, [tuple(int(d) for d in s) for s in shapes],
                             self.arena.eager_bytes)
             self._plans[key] = got
@@ -261,9 +275,10 @@ class RoundEngine:
             region = self.bulk_region(plan.total if payload else plan.off)
             region[:plan.off].view(np.int64)[:] = plan.words
             return region
-        if self._slot_schema.get(rnd & 1) is not plan:
+        held = RK.C_SCHEMA + (rnd & 1)
+        if self._call[held] != plan.pid:
             self.eager_region(rnd)[:plan.off].view(np.int64)[:] = plan.words
-            self._slot_schema[rnd & 1] = plan
+            self._call[held] = plan.pid
         return None
 
     # -- COPY-IN destinations ------------------------------------------------------
@@ -407,10 +422,8 @@ class RoundEngine:
             out_f32 = self.eager_f32
         if out_u16 is None:
             out_u16 = self.eager_u16  # aliases eager_f32: upcast only into other memory
-        code = RK.eager_encode_round(*self._fused_static, plan.addrs, count, scale, rnd,
-                                     plan.kind, flags, plan.dtype, weight, plan.ntensors,
-                                     plan.nbytes, plan.nelem, plan.shash, plan.nwords,
-                                     self.waiter.spin_iters, out_f32, out_u16, out_addr, upcast)
+        code = RK.eager_encode_round(self._call, plan.call, rnd, weight, flags, count, scale,
+                                     out_addr, upcast, out_f32, out_u16)
         if code == RK.OK:
             return self.eager_done()
         view = self.settle_eager(code, rnd)
@@ -433,32 +446,23 @@ class RoundEngine:
         f32 at address ``out`` (a fresh result, written whatever the mass, as the
         general round does; with ``flags`` a broadcast's: FLAG_BROADCAST, and
         FLAG_ELIDED on the readers, which copy nothing in). Returns the accepted mass."""
-        kind = plan.kind
         if not out:
-            code = RK.eager_inplace_f32(addr, plan.nelem, scale, self.ctl, self.ctl_f64,
-                                        self.ctl32, self._eager_all, self.arena.eager_bytes,
-                                        self.world, self.rank, rnd, kind, 0, weight,
-                                        plan.shash, len(plan.words), self.waiter.spin_iters,
-                                        self._info, self._mass, self._acc)
+            code = RK.eager_inplace_f32(self._call, plan.call, addr, rnd, weight, scale)
         else:
-            code = RK.eager_copy_f32(addr, plan.nelem, scale, out, self.ctl, self.ctl_f64,
-                                     self.ctl32, self._eager_all, self.arena.eager_bytes,
-                                     self.world, self.rank, rnd, kind, flags, weight, plan.shash,
-                                     len(plan.words), self.waiter.spin_iters, self._info,
-                                     self._mass, self._acc)
+            code = RK.eager_copy_f32(self._call, plan.call, addr, out, rnd, flags, weight,
+                                     scale)
         if code == RK.OK:
             return self.eager_done()
         view = self.settle_eager(code, rnd)
         if not out:
-            if kind == RoundKind.MODEL and not view.mass > 0.0:
+            if plan.kind == RoundKind.MODEL and not view.mass > 0.0:
                 return view.mass
             out = addr
         self.reduce_eager(view, _f32_at(out, plan.nelem))
         return view.mass
 
     def eager_done(self) -> float:
-        """A fused eager call returned OK: note the caught spin; the accepted mass."""
-        self.waiter.note_spin(True)
+        """A fused eager call returned OK (it noted the caught spin): the accepted mass."""
         self.last_accepted = int(self._info[RK.I_ACCEPTED])
         return float(self._mass[0])
 

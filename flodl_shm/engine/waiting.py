@@ -179,7 +179,7 @@ class Waiter:
         self.yield_budget = 0.0  # set by the owner when ranks outnumber cores
         self.max_spin = max(0, int(spin_iters))
         self.min_spin = min(self.max_spin, 16)
-        self.spin_iters = self.max_spin
+        self._spin = np.full(1, self.max_spin, np.int64)  # see ``share_spin``
         # the whole spin budget in seconds: a wait that ended within it after a missed
         # spin would have been caught by spinning longer
         self.max_spin_s = self.max_spin * relax_ns() * 1e-9 if self.max_spin else 0.0
@@ -198,6 +198,22 @@ class Waiter:
             os.sched_yield()
             r = check(8)
         return r
+
+    @property
+    def spin_iters(self) -> int:
+        """The current spin budget in iterations (adapted by ``note_spin``)."""
+        return int(self._spin[0])
+
+    @spin_iters.setter
+    def spin_iters(self, iters: int) -> None:
+        self._spin[0] = iters
+
+    def share_spin(self, cell: np.ndarray) -> None:
+        """Keep the spin budget in ``cell`` (one int64 word), e.g. a word of the engine's
+        call block, where the fused calls read it and double it themselves after a
+        caught round (``kernels/rounds.py``, ``C_SPIN``): same rule as ``note_spin``."""
+        cell[0] = self._spin[0]
+        self._spin = cell
 
     def note_spin(self, succeeded: bool) -> None:
         """Adapt the spin budget (like glibc's adaptive mutex): halve it after a wait

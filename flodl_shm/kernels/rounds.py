@@ -23,7 +23,7 @@ from .codec import bf16_bits_rne, bf16_to_f32
 # re-exported so the engine reads them as RK.OK, RK.WAKE, ...
 from .codes import ABORT, EXITED, MISMATCH, OK, OUT_OF_STEP, WAKE  # noqa: F401
 from .tensorio import (encode_bf16_to_bf16, encode_bf16_to_f32, encode_f32_to_bf16,
-                       encode_f32_to_f32, f32_at)
+                       encode_f32_to_f32, f32_at, i64_at, u8_at)
 
 # info slots filled by arrive()
 I_ACCEPTED = 0   # bitmask of accepted ranks (world <= 63)
@@ -248,44 +248,111 @@ def eager_round(ctl, ctl_f64, ctl32, eager, slot_bytes, world, me, rnd, kind, fl
     return OK
 
 
-# f32 words of the ``work`` array of ``eager_encode_round``: reduce accumulator, reduce
+# f32 words of the ``work`` scratch of the fused calls: reduce accumulator, reduce
 # temporary, encode scratch (f32), then encode scratch16 (uint16, half the words)
 WORK_CHUNK = 4096
 WORK_WORDS = 3 * WORK_CHUNK + WORK_CHUNK // 2
 
+# -- the call block and the plan words ---------------------------------------------
+# numba's dispatch costs ~70 ns per argument, and a fused call once took two dozen (a
+# third of a 4 KiB round's CPU). So what a call needs besides its per-call values lives
+# in two private int64 arrays: the engine's call block (``CALL_WORDS``: the arena's
+# addresses and the spin budget in, the round's outcome out) and each round plan's
+# words (``P_*``: its header fields, schema words and tensor address table).
+C_MASS = I_WORDS          # the accepted mass of the last call (float64 bits)
+C_SPIN = I_WORDS + 1      # spin budget in iterations (the Waiter's; a caught round doubles it)
+C_MIN_SPIN = I_WORDS + 2  # the budget's bounds
+C_MAX_SPIN = I_WORDS + 3
+C_CTL = I_WORDS + 4       # address and int64 words of the control block
+C_CTL_WORDS = I_WORDS + 5
+C_EAGER = I_WORDS + 6     # address and bytes of the eager area (every rank's two slots)
+C_EAGER_BYTES = I_WORDS + 7
+C_SLOT_BYTES = I_WORDS + 8
+C_WORLD = I_WORDS + 9
+C_ME = I_WORDS + 10
+C_WORK = I_WORDS + 11     # address of WORK_WORDS float32 of scratch
+C_OUT = I_WORDS + 12      # address of the default output (``RoundEngine.eager_f32``)
+C_OUT_BYTES = I_WORDS + 13
+C_SCHEMA = I_WORDS + 14   # 2 words: the id of the plan whose schema each slot parity holds
+CALL_WORDS = I_WORDS + 16
+
+P_ID = 0                  # unique per plan (0: none): the slot-schema cache key
+P_KIND = 1
+P_DTYPE = 2
+P_NTENSORS = 3
+P_NBYTES = 4
+P_NELEM = 5
+P_SHASH = 6
+P_NWORDS = 7
+P_WORDS = 8               # the schema words, then the address table (3 * ntensors)
+
+
+@njit(inline="always")
+def _call_views(blk):
+    """The control block (with its f64 and i32 views), the eager area, info and mass."""
+    ctl = i64_at(blk[C_CTL], blk[C_CTL_WORDS])
+    eager = u8_at(blk[C_EAGER], blk[C_EAGER_BYTES])
+    return (ctl, ctl.view(np.float64), ctl.view(np.int32), eager, blk[:I_WORDS],
+            blk[C_MASS:C_MASS + 1].view(np.float64))
+
+
+@njit(inline="always")
+def _put_schema(blk, pl, eager, rnd):
+    """COPY-IN setup of an eager round: the slot of ``rnd``'s parity holds ``pl``'s
+    schema words (rewritten only when it last held another plan's)."""
+    par = rnd & 1
+    if blk[C_SCHEMA + par] != pl[P_ID]:
+        nw = pl[P_NWORDS]
+        start = (2 * blk[C_ME] + par) * blk[C_SLOT_BYTES]
+        words = eager[start:start + 8 * nw].view(np.int64)
+        for i in range(nw):
+            words[i] = pl[P_WORDS + i]
+        blk[C_SCHEMA + par] = pl[P_ID]
+
+
+@njit(inline="always")
+def _spin_caught(blk):
+    """``Waiter.note_spin(True)``: the spin caught the round, so double the budget."""
+    blk[C_SPIN] = min(blk[C_MAX_SPIN], max(blk[C_MIN_SPIN], 2 * blk[C_SPIN]))
+
 
 @njit(cache=True, nogil=True)
-def eager_encode_round(ctl, eager, slot_bytes, world, me, info, mass, work, addrs, count, scale,
-                       rnd, kind, flags, dtype, weight, ntensors, nbytes, nelem, shash, nwords,
-                       iters, out_f32, out_u16, out_addr, upcast):
-    """``eager_round`` preceded by the copy-in of ``count`` tensors, by address.
+def eager_encode_round(blk, pl, rnd, weight, flags, count, scale, out_addr, upcast, out_f32,
+                       out_u16):
+    """``eager_round`` of plan ``pl`` preceded by its COPY-IN setup (``_put_schema``) and
+    the copy-in of the first ``count`` tensors of its address table.
 
-    ``addrs`` holds, for the round's ``ntensors`` tensors: their addresses, then their
-    element counts, then 1 where the source is bfloat16 (else float32). The first
-    ``count`` tensors go, times ``scale`` (bit-identical to encoding ``t.mul(scale)``),
-    into their places in this rank's eager slot (whose schema words the caller
-    wrote); ``count`` 0 means the payload is already written (or elided). The f32
-    output is ``out_f32``, or the ``nelem`` float32 at ``out_addr`` when non-zero (a
-    fresh tensor's memory). On OK with ``upcast`` and a bf16 wire, the consensus is
-    also widened into the f32 output. ``work`` is ``WORK_WORDS`` f32 of scratch. The
-    static arguments come first (one tuple on the caller's side), and the control
-    block's f64/i32 views are made here, to keep the call's dispatch cheap.
-    Codes as ``eager_round``.
+    The table (``pl[P_WORDS + nwords:]``) holds, for the round's ``ntensors`` tensors:
+    their addresses, then their element counts, then 1 where the source is bfloat16
+    (else float32). The first ``count`` go, times ``scale`` (bit-identical to encoding
+    ``t.mul(scale)``), into their places in this rank's eager slot; ``count`` 0 means
+    the payload is already written (or elided). The f32 output is ``out_f32``, or the
+    ``nelem`` float32 at ``out_addr`` when non-zero (a fresh tensor's memory). On OK
+    with ``upcast`` and a bf16 wire, the consensus is also widened into the f32 output.
+    Codes as ``eager_round``; the accepted mass in ``blk[C_MASS]``.
     """
-    ctl_f64 = ctl.view(np.float64)
-    ctl32 = ctl.view(np.int32)
+    ctl, ctl_f64, ctl32, eager, info, mass = _call_views(blk)
+    work = f32_at(blk[C_WORK], WORK_WORDS)
     acc = work[:WORK_CHUNK]
     tmp = work[WORK_CHUNK:2 * WORK_CHUNK]
     scratch = work[2 * WORK_CHUNK:3 * WORK_CHUNK]
     scratch16 = work[3 * WORK_CHUNK:].view(np.uint16)
+    _put_schema(blk, pl, eager, rnd)
+    me = blk[C_ME]
+    slot_bytes = blk[C_SLOT_BYTES]
+    dtype = pl[P_DTYPE]
+    nt = pl[P_NTENSORS]
+    nelem = pl[P_NELEM]
+    nwords = pl[P_NWORDS]
+    addrs = pl[P_WORDS + nwords:]
     dst = out_f32 if out_addr == 0 else f32_at(out_addr, nelem)
     base = (2 * me + (rnd & 1)) * slot_bytes + nwords * 8
     off = 0
     if dtype == 0:
         dst32 = eager[base:base + 4 * nelem].view(np.float32)
         for i in range(count):
-            n = addrs[ntensors + i]
-            if addrs[2 * ntensors + i]:
+            n = addrs[nt + i]
+            if addrs[2 * nt + i]:
                 encode_bf16_to_f32(addrs[i], n, dst32[off:off + n], scale, scratch, scratch16)
             else:
                 encode_f32_to_f32(addrs[i], n, dst32[off:off + n], scale)
@@ -293,26 +360,31 @@ def eager_encode_round(ctl, eager, slot_bytes, world, me, info, mass, work, addr
     else:
         dst16 = eager[base:base + 2 * nelem].view(np.uint16)
         for i in range(count):
-            n = addrs[ntensors + i]
-            if addrs[2 * ntensors + i]:
+            n = addrs[nt + i]
+            if addrs[2 * nt + i]:
                 encode_bf16_to_bf16(addrs[i], n, dst16[off:off + n], scale, scratch)
             else:
                 encode_f32_to_bf16(addrs[i], n, dst16[off:off + n], scale, scratch)
             off += n
-    code = eager_round(ctl, ctl_f64, ctl32, eager, slot_bytes, world, me, rnd, kind, flags,
-                       dtype, weight, ntensors, nbytes, nelem, shash, nwords, iters, info, mass,
-                       dst, out_u16, acc, tmp)
-    if code == OK and upcast and dtype != 0:
-        bf16_to_f32(out_u16[:nelem], dst[:nelem])
+    code = eager_round(ctl, ctl_f64, ctl32, eager, slot_bytes, blk[C_WORLD], me, rnd,
+                       pl[P_KIND], flags, dtype, weight, nt, pl[P_NBYTES], nelem, pl[P_SHASH],
+                       nwords, blk[C_SPIN], info, mass, dst, out_u16, acc, tmp)
+    if code == OK:
+        _spin_caught(blk)
+        if upcast and dtype != 0:
+            bf16_to_f32(out_u16[:nelem], dst[:nelem])
     return code
 
 
 @njit(inline="always")
-def _eager_single_f32(src, dst, keep_on_empty, scale, ctl, ctl_f64, ctl32, eager, slot_bytes,
-                      world, me, rnd, kind, flags, weight, shash, nwords, iters, info, mass,
-                      acc):
+def _eager_single_f32(blk, pl, src, dst, keep_on_empty, scale, rnd, flags, weight):
     """The body of ``eager_inplace_f32`` / ``eager_copy_f32`` (see them)."""
+    ctl, ctl_f64, ctl32, eager, info, mass = _call_views(blk)
+    _put_schema(blk, pl, eager, rnd)
     n = src.shape[0]
+    nwords = pl[P_NWORDS]
+    slot_bytes = blk[C_SLOT_BYTES]
+    me = blk[C_ME]
     base = (2 * me + (rnd & 1)) * slot_bytes + nwords * 8
     slot = eager[base:base + 4 * n].view(np.float32)
     if flags & FLAG_ELIDED:
@@ -324,49 +396,73 @@ def _eager_single_f32(src, dst, keep_on_empty, scale, ctl, ctl_f64, ctl32, eager
         f = np.float32(scale)
         for i in range(n):
             slot[i] = src[i] * f
-    if publish_round(ctl, ctl_f64, ctl32, me, rnd, kind, flags, 0, weight, 1, 4 * n, n, shash,
-                     nwords) > 0:
+    kind = pl[P_KIND]
+    if publish_round(ctl, ctl_f64, ctl32, me, rnd, kind, flags, 0, weight, 1, 4 * n, n,
+                     pl[P_SHASH], nwords) > 0:
         return WAKE
-    code = arrive(ctl, ctl_f64, world, rnd, me, iters, info, mass)
+    code = arrive(ctl, ctl_f64, blk[C_WORLD], rnd, me, blk[C_SPIN], info, mass)
     if code != OK:
         return code
+    _spin_caught(blk)
     m = mass[0]
     if keep_on_empty and kind == 0 and not m > 0.0:
         return OK  # nothing realized: keep the local tensor
     inv = np.float32(1.0)
     if kind == 0 and m > 0.0:
         inv = np.float32(1.0 / m)
-    reduce_eager_f32(eager, slot_bytes, rnd, world, info[I_CONTRIB], nwords * 8, n, dst, inv,
-                     acc)
+    reduce_eager_f32(eager, slot_bytes, rnd, blk[C_WORLD], info[I_CONTRIB], nwords * 8, n, dst,
+                     inv, f32_at(blk[C_WORK], WORK_CHUNK))
     return OK
 
 
 @njit(cache=True, nogil=True)
-def eager_inplace_f32(addr, n, scale, ctl, ctl_f64, ctl32, eager, slot_bytes, world, me, rnd,
-                      kind, flags, weight, shash, nwords, iters, info, mass, acc):
-    """The whole small in-place average of ONE contiguous f32 tensor, in one call.
+def eager_inplace_f32(blk, pl, addr, rnd, weight, scale):
+    """The whole small in-place average of ONE contiguous f32 tensor of plan ``pl`` (at
+    ``addr``), in one call.
 
-    Copies ``tensor * scale`` (at ``addr``, ``n`` elements) into this rank's eager slot
-    (whose schema words the caller wrote), publishes, spins for the arrivals,
-    validates, and - when the round realized work (MODEL with mass > 0, or CONTROL) -
-    reduces the consensus straight back into the tensor. Codes as ``eager_round``; on
-    anything but OK the contribution is published and the caller finishes the round.
+    Writes the slot's schema words when needed, copies ``tensor * scale`` into this
+    rank's eager slot, publishes, spins for the arrivals, validates, and - when the
+    round realized work (MODEL with mass > 0, or CONTROL) - reduces the consensus
+    straight back into the tensor. Codes as ``eager_round``; on anything but OK the
+    contribution is published and the caller finishes the round.
     """
-    src = f32_at(addr, n)
-    return _eager_single_f32(src, src, True, scale, ctl, ctl_f64, ctl32, eager, slot_bytes,
-                             world, me, rnd, kind, flags, weight, shash, nwords, iters, info,
-                             mass, acc)
+    src = f32_at(addr, pl[P_NELEM])
+    return _eager_single_f32(blk, pl, src, src, True, scale, rnd, 0, weight)
 
 
 @njit(cache=True, nogil=True)
-def eager_copy_f32(addr, n, scale, dst_addr, ctl, ctl_f64, ctl32, eager, slot_bytes, world, me,
-                   rnd, kind, flags, weight, shash, nwords, iters, info, mass, acc):
-    """``eager_inplace_f32`` reducing into the ``n`` f32 at ``dst_addr`` (a fresh result)
+def eager_copy_f32(blk, pl, addr, dst_addr, rnd, flags, weight, scale):
+    """``eager_inplace_f32`` reducing into the f32 at ``dst_addr`` (a fresh result)
     instead of the source, always (a round with no accepted mass yields what
-    ``eager_round`` yields: the plain sum of the contributions)."""
-    return _eager_single_f32(f32_at(addr, n), f32_at(dst_addr, n), False, scale, ctl, ctl_f64,
-                             ctl32, eager, slot_bytes, world, me, rnd, kind, flags, weight,
-                             shash, nwords, iters, info, mass, acc)
+    ``eager_round`` yields: the plain sum of the contributions); ``flags`` as
+    ``publish_round``'s (a broadcast's)."""
+    n = pl[P_NELEM]
+    return _eager_single_f32(blk, pl, f32_at(addr, n), f32_at(dst_addr, n), False, scale, rnd,
+                             flags, weight)
+
+
+def call_block(ctl: np.ndarray, eager: np.ndarray, slot_bytes: int, world: int, me: int,
+               work: np.ndarray, out: np.ndarray, spin: int, min_spin: int,
+               max_spin: int) -> np.ndarray:
+    """A call block over these arrays (the caller keeps them alive as long as it)."""
+    blk = np.zeros(CALL_WORDS, np.int64)
+    blk[C_SPIN], blk[C_MIN_SPIN], blk[C_MAX_SPIN] = spin, min_spin, max_spin
+    blk[C_CTL], blk[C_CTL_WORDS] = ctl.ctypes.data, ctl.shape[0]
+    blk[C_EAGER], blk[C_EAGER_BYTES] = eager.ctypes.data, eager.nbytes
+    blk[C_SLOT_BYTES], blk[C_WORLD], blk[C_ME] = slot_bytes, world, me
+    assert work.dtype == np.float32 and work.shape[0] >= WORK_WORDS
+    blk[C_WORK] = work.ctypes.data
+    blk[C_OUT], blk[C_OUT_BYTES] = out.ctypes.data, out.nbytes
+    return blk
+
+
+def plan_words(pid: int, kind: int, dtype: int, ntensors: int, nbytes: int, nelem: int,
+               shash: int, words: np.ndarray) -> np.ndarray:
+    """A plan's words (``P_*``), with a zeroed address table of ``3 * ntensors``."""
+    pl = np.zeros(P_WORDS + len(words) + 3 * ntensors, np.int64)
+    pl[:P_WORDS] = (pid, kind, dtype, ntensors, nbytes, nelem, shash, len(words))
+    pl[P_WORDS:P_WORDS + len(words)] = words
+    return pl
 
 
 def warm_up() -> None:
@@ -384,20 +480,19 @@ def warm_up() -> None:
     tmp = np.zeros(8, np.float32)
     reduce_eager_f32(eager, 64, 0, world, 3, 0, 2, np.zeros(2, np.float32), 1.0, acc)
     reduce_eager_bf16(eager, 64, 0, world, 3, 0, 2, np.zeros(2, np.uint16), 1.0, acc, tmp)
-    for r in range(world):
-        eager_round(ctl, f64, c32, eager, 64, world, r, 1, 0, 0, 0, 1.0, 1, 8, 2, 7, 1, 0,
-                    info, mass, np.zeros(2, np.float32), np.zeros(2, np.uint16), acc, tmp)
-    addrs = np.zeros(3, np.int64)
     work = np.zeros(WORK_WORDS, np.float32)
-    for r in range(world):
-        for dtype in (0, 1):
-            eager_encode_round(ctl, eager, 64, world, r, info, mass, work, addrs, 0, 1.0, 3, 0,
-                               0, dtype, 1.0, 1, 8, 2, 7, 1, 0, np.zeros(2, np.float32),
-                               np.zeros(2, np.uint16), 0, True)
+    out = np.zeros(16, np.float32)
+    blks = [call_block(ctl, eager, 64, world, r, work, out, 0, 0, 0) for r in range(world)]
+    words = np.array([1, 0, 0, 1, 2], np.int64)
+    u16 = out.view(np.uint16)
+    for i, dtype in enumerate((0, 1)):
+        pl = plan_words(i + 1, 0, dtype, 1, 8, 2, 7, words)
+        for r in range(world):
+            eager_encode_round(blks[r], pl, 2 + i, 1.0, 0, 0, 1.0, 0, True, out, u16)
+    pl = plan_words(3, 0, 0, 1, 8, 2, 7, words)
     t = np.zeros(2, np.float32)
     dst = np.zeros(2, np.float32)  # held here: the kernel writes through its address
     for r in range(world):
-        eager_inplace_f32(t.ctypes.data, 2, 1.0, ctl, f64, c32, eager, 64, world, r, 4, 0, 0,
-                          1.0, 7, 1, 0, info, mass, acc)
-        eager_copy_f32(t.ctypes.data, 2, 1.0, dst.ctypes.data, ctl, f64, c32, eager, 64,
-                       world, r, 5, 0, 0, 1.0, 7, 1, 0, info, mass, acc)
+        eager_inplace_f32(blks[r], pl, t.ctypes.data, 4, 1.0, 1.0)
+    for r in range(world):
+        eager_copy_f32(blks[r], pl, t.ctypes.data, dst.ctypes.data, 5, 0, 1.0, 1.0)

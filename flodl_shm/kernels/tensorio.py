@@ -43,6 +43,16 @@ def u16_at(addr, n):
     return carray(_voidptr(addr), (n,), np.uint16)
 
 
+@njit(inline="always")
+def u8_at(addr, n):
+    return carray(_voidptr(addr), (n,), np.uint8)
+
+
+@njit(inline="always")
+def i64_at(addr, n):
+    return carray(_voidptr(addr), (n,), np.int64)
+
+
 @njit(cache=True, nogil=True)
 def encode_f32_to_f32(addr, n, dst, scale):
     src = f32_at(addr, n)
