@@ -88,6 +88,7 @@ logger = logging.getLogger("flodl_shm")
 
 _MODEL = int(RoundKind.MODEL)
 _CONTROL = int(RoundKind.CONTROL)
+_INF = math.inf
 
 
 def _kind(kind) -> int:
@@ -136,6 +137,8 @@ class Comm:
         self._zc_outputs: dict = {}  # plan -> (memory, consensus views)
         self._per_rank = np.zeros(max(1, self.world_size), np.float32)
         self._per_rank_addr = self._per_rank.ctypes.data
+        self._per_rank_plan = self._engine.plan(_CONTROL, DTYPE_F32, ((self.world_size,),))
+        self._barrier_plan = self._engine.plan(_CONTROL, DTYPE_F32, ())
         self._outer_installed = False
         self._fast: tuple | None = None  # (shape, kind, plan) of the last fused in-place call
         self._ckpt: TapHead | None = None  # the armed checkpoint cycle's next frame
@@ -567,7 +570,7 @@ class Comm:
                              f"({self.world_size})")
         src = self._per_rank
         src[:] = vec
-        plan = self._engine.plan(_CONTROL, DTYPE_F32, ((self.world_size,),))
+        plan = self._per_rank_plan
         if plan.eager_fits and self._fusable(_CONTROL, False):
             plan.addrs[0] = self._per_rank_addr  # a float32 source (flag word stays 0)
             self._fused_round(plan, 0.0, 1, 1.0, None, 0, False)
@@ -633,7 +636,7 @@ class Comm:
 
     def barrier(self) -> None:
         """Return once every live rank has entered the barrier."""
-        plan = self._engine.plan(_CONTROL, DTYPE_F32, ())
+        plan = self._barrier_plan
         if self._fusable(_CONTROL, False):
             self._fused_round(plan, 0.0, 0, 1.0, None, 0, False)
         else:
@@ -766,7 +769,7 @@ class Comm:
         if self._broken is not None:
             raise RuntimeError(f"this Comm is unusable: {self._broken}")
         weight = float(weight)
-        if not 0.0 <= weight < math.inf:
+        if not 0.0 <= weight < _INF:
             raise FrameError(f"weight {weight} is not a finite non-negative realized-work mass")
         return weight
 

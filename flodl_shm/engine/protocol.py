@@ -88,6 +88,7 @@ from .waiting import WORK_BYTES_PER_S, Doorbell, Waiter, futex_wake
 #: controller's verdict (which names the ranks that never delivered)
 RELAY_VERDICT_S = 5.0
 
+_OK = RK.OK
 SCRATCH_ELEMS = RK.WORK_CHUNK  # f32 elements per reduce scratch (16 KiB: L1-resident)
 DIRECT_CHUNK = 1 << 18  # elements reduced before their copy to the caller (1 MiB: in L2)
 
@@ -231,6 +232,7 @@ class RoundEngine:
         w.share_spin(self._call[RK.C_SPIN:RK.C_SPIN + 1])
         self._info = self._call[:RK.I_WORDS]
         self._mass = self._call[RK.C_MASS:RK.C_MASS + 1].view(np.float64)
+        self._mass_cell = memoryview(self._mass)  # reads as a Python float, cheaply
         self.relay_mode = bool(arena.ctl[A.G_RELAY])
         #: tests only: ``hook(phase, round)`` called at fault-injection points
         self.fault_hook: Callable[[str, int], None] | None = None
@@ -241,12 +243,21 @@ class RoundEngine:
         self.outer_loaded: np.ndarray | None = None  # momentum restored from a checkpoint
         self.outer_prev_loaded: np.ndarray | None = None  # prev global seeded for step 0
         self._outer_scratch = np.empty(0, np.float32)
-        self.last_accepted = 0            # accepted-rank mask of the last completed arrival
         self.own_slice: tuple[int, int] | None = None  # written to ``into`` last round
         self._plans: dict[tuple, RoundPlan] = {}
         self._eager_payloads: dict = {}   # (plan, parity) -> typed payload view
         #: large rounds through the ranks' private memory, when the arena allows them
         self.direct = DirectRounds(self)
+
+    @property
+    def last_accepted(self) -> int:
+        """The accepted-rank mask of the last completed arrival (every arrival check
+        writes it into the call block's info words)."""
+        return int(self._info[RK.I_ACCEPTED])
+
+    @last_accepted.setter
+    def last_accepted(self, mask: int) -> None:
+        self._info[RK.I_ACCEPTED] = mask
 
     # -- plans ----------------------------------------------------------------------
     def plan(self, kind: int, dtype: int, shapes) -> RoundPlan:
@@ -330,7 +341,6 @@ class RoundEngine:
             raise self._arrival_error(code, rnd)
         (acc_mask, contrib, _ref, _culprit, kind, flags, dtype, ntensors, nbytes, nelem,
          nwords) = info.tolist()
-        self.last_accepted = acc_mask
         m = float(mass[0])
         if self.relay_mode or kind != RoundKind.MODEL or m <= 0.0:
             inv = 1.0
@@ -424,8 +434,8 @@ class RoundEngine:
             out_u16 = self.eager_u16  # aliases eager_f32: upcast only into other memory
         code = RK.eager_encode_round(self._call, plan.call, rnd, weight, flags, count, scale,
                                      out_addr, upcast, out_f32, out_u16)
-        if code == RK.OK:
-            return self.eager_done()
+        if code == _OK:
+            return self._mass_cell[0]
         view = self.settle_eager(code, rnd)
         if out_addr:
             out_f32 = _f32_at(out_addr, plan.nelem)
@@ -451,8 +461,8 @@ class RoundEngine:
         else:
             code = RK.eager_copy_f32(self._call, plan.call, addr, out, rnd, flags, weight,
                                      scale)
-        if code == RK.OK:
-            return self.eager_done()
+        if code == _OK:
+            return self._mass_cell[0]
         view = self.settle_eager(code, rnd)
         if not out:
             if plan.kind == RoundKind.MODEL and not view.mass > 0.0:
@@ -460,11 +470,6 @@ class RoundEngine:
             out = addr
         self.reduce_eager(view, _f32_at(out, plan.nelem))
         return view.mass
-
-    def eager_done(self) -> float:
-        """A fused eager call returned OK (it noted the caught spin): the accepted mass."""
-        self.last_accepted = int(self._info[RK.I_ACCEPTED])
-        return float(self._mass[0])
 
     def settle_eager(self, code: int, rnd: int) -> RoundView:
         """A fused eager call published but could not finish (peers asleep, a late
