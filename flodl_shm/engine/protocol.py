@@ -448,22 +448,27 @@ class RoundEngine:
         return view.mass
 
     def inplace_round(self, addr: int, plan: RoundPlan, rnd: int, weight: float,
-                      scale: float, out: int = 0, flags: int = 0) -> float:
+                      scale: float, out: int = 0, flags: int = 0, root: int = -1) -> float:
         """The whole small average of one contiguous f32 tensor (at ``addr``,
         ``plan.nelem`` elements, f32 wire; the plan's schema already in the slot): one
         compiled call in the fast case. In place when ``out`` is 0 (a MODEL round that
         realized nothing then leaves the tensor untouched), else into the ``plan.nelem``
         f32 at address ``out`` (a fresh result, written whatever the mass, as the
         general round does; with ``flags`` a broadcast's: FLAG_BROADCAST, and
-        FLAG_ELIDED on the readers, which copy nothing in). Returns the accepted mass."""
+        FLAG_ELIDED on the readers, which copy nothing in, and ``root`` its local root,
+        checked to be the only contributor). Returns the accepted mass."""
         if not out:
             code = RK.eager_inplace_f32(self._call, plan.call, addr, rnd, weight, scale)
         else:
             code = RK.eager_copy_f32(self._call, plan.call, addr, out, rnd, flags, weight,
-                                     scale)
+                                     scale, root)
         if code == _OK:
             return self._mass_cell[0]
+        if code == RK.NOT_ROOT:
+            self.check_broadcast(rnd, self.last_accepted, self.last_contributors(), root)
         view = self.settle_eager(code, rnd)
+        if root >= 0:
+            self.check_broadcast(rnd, view.accepted_mask, view.contrib_mask, root)
         if not out:
             if plan.kind == RoundKind.MODEL and not view.mass > 0.0:
                 return view.mass

@@ -23,9 +23,10 @@ MISMATCH = -3     # accepted ranks published different schemas
 EXITED = -4       # a rank returned from its function while others wait for it
 OUT_OF_STEP = -5  # a header is for another round (a rank skipped a collective)
 WAKE = -6         # a fused round published but peers sleep: wake them, then wait
+NOT_ROOT = -7     # a fused broadcast completed, but its root is not its only contributor
 
 NAMES = {OK: "OK", ABORT: "ABORT", MISMATCH: "MISMATCH", EXITED: "EXITED",
-         OUT_OF_STEP: "OUT_OF_STEP", WAKE: "WAKE"}
+         OUT_OF_STEP: "OUT_OF_STEP", WAKE: "WAKE", NOT_ROOT: "NOT_ROOT"}
 
 
 def is_terminal(code: int) -> bool:

@@ -21,7 +21,7 @@ from .atomics import cpu_relax, fetch_add, load_acquire, store_release
 from .codec import bf16_bits_rne, bf16_to_f32
 # result codes of arrive() and the fused rounds (>= 0: the first rank still missing);
 # re-exported so the engine reads them as RK.OK, RK.WAKE, ...
-from .codes import ABORT, EXITED, MISMATCH, OK, OUT_OF_STEP, WAKE  # noqa: F401
+from .codes import ABORT, EXITED, MISMATCH, NOT_ROOT, OK, OUT_OF_STEP, WAKE  # noqa: F401
 from .tensorio import (encode_bf16_to_bf16, encode_bf16_to_f32, encode_f32_to_bf16,
                        encode_f32_to_f32, f32_at, i64_at, u8_at)
 
@@ -377,7 +377,7 @@ def eager_encode_round(blk, pl, rnd, weight, flags, count, scale, out_addr, upca
 
 
 @njit(inline="always")
-def _eager_single_f32(blk, pl, src, dst, keep_on_empty, scale, rnd, flags, weight):
+def _eager_single_f32(blk, pl, src, dst, keep_on_empty, scale, rnd, flags, weight, root):
     """The body of ``eager_inplace_f32`` / ``eager_copy_f32`` (see them)."""
     ctl, ctl_f64, ctl32, eager, info, mass = _call_views(blk)
     _put_schema(blk, pl, eager, rnd)
@@ -404,6 +404,8 @@ def _eager_single_f32(blk, pl, src, dst, keep_on_empty, scale, rnd, flags, weigh
     if code != OK:
         return code
     _spin_caught(blk)
+    if root >= 0 and info[I_CONTRIB] != 1 << root:
+        return NOT_ROOT  # the caller raises, naming what the ranks disagree on
     m = mass[0]
     if keep_on_empty and kind == 0 and not m > 0.0:
         return OK  # nothing realized: keep the local tensor
@@ -427,18 +429,19 @@ def eager_inplace_f32(blk, pl, addr, rnd, weight, scale):
     contribution is published and the caller finishes the round.
     """
     src = f32_at(addr, pl[P_NELEM])
-    return _eager_single_f32(blk, pl, src, src, True, scale, rnd, 0, weight)
+    return _eager_single_f32(blk, pl, src, src, True, scale, rnd, 0, weight, -1)
 
 
 @njit(cache=True, nogil=True)
-def eager_copy_f32(blk, pl, addr, dst_addr, rnd, flags, weight, scale):
+def eager_copy_f32(blk, pl, addr, dst_addr, rnd, flags, weight, scale, root):
     """``eager_inplace_f32`` reducing into the f32 at ``dst_addr`` (a fresh result)
     instead of the source, always (a round with no accepted mass yields what
     ``eager_round`` yields: the plain sum of the contributions); ``flags`` as
-    ``publish_round``'s (a broadcast's)."""
+    ``publish_round``'s. ``root`` >= 0: a broadcast round from that local rank, which
+    returns NOT_ROOT (reducing nothing) unless the root is its only contributor."""
     n = pl[P_NELEM]
     return _eager_single_f32(blk, pl, f32_at(addr, n), f32_at(dst_addr, n), False, scale, rnd,
-                             flags, weight)
+                             flags, weight, root)
 
 
 def call_block(ctl: np.ndarray, eager: np.ndarray, slot_bytes: int, world: int, me: int,
@@ -495,4 +498,4 @@ def warm_up() -> None:
     for r in range(world):
         eager_inplace_f32(blks[r], pl, t.ctypes.data, 4, 1.0, 1.0)
     for r in range(world):
-        eager_copy_f32(blks[r], pl, t.ctypes.data, dst.ctypes.data, 5, 0, 1.0, 1.0)
+        eager_copy_f32(blks[r], pl, t.ctypes.data, dst.ctypes.data, 5, 0, 1.0, 1.0, -1)
