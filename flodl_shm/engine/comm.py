@@ -93,6 +93,8 @@ _INF = math.inf
 
 def _kind(kind) -> int:
     """A round kind as an int; ValueError (from ``RoundKind``) when it is none."""
+    if kind is RoundKind.MODEL:  # the default: skip the enum's int conversion
+        return _MODEL
     k = int(kind)
     if k != _MODEL and k != _CONTROL:
         RoundKind(k)  # raises, naming the value
