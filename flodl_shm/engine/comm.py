@@ -404,7 +404,7 @@ class Comm:
                 if p.dtype != dtype:
                     raise FrameError("all tensors of one frame must share a wire dtype, got "
                                      f"{sorted({q.dtype for q in payloads})} (0 = f32, 1 = bf16)")
-        kind = int(frame.kind)  # validated by check_frame
+        kind = _kind(frame.kind)  # validated by check_frame
         eng = self._engine
         plan = eng.plan(kind, dtype, tuple([p.shape for p in payloads]))
         np_dtype = np.float32 if dtype == DTYPE_F32 else np.uint16
@@ -413,8 +413,9 @@ class Comm:
         out = self._codec.results.take(plan.nelem, np_dtype)
         if plan.eager_fits and self._fusable(kind, False):
             _write_payloads(payloads, eng.eager_payload(self._round, plan), plan, np_dtype)
-            if dtype == DTYPE_F32:
-                mass = self._fused_round(plan, frame.weight, 0, 1.0, out, 0, False)
+            if dtype == DTYPE_F32:  # the payload is in the slot: publish, wait, reduce
+                mass = self._eager_call(plan, frame.weight, lambda rnd, w: eng.eager_round(
+                    plan, rnd, 0, w, out_f32=out))
             else:
                 mass = self._fused_round(plan, frame.weight, 0, 1.0, None, 0, False)
                 np.copyto(out, eng.eager_u16[:plan.nelem])
@@ -443,17 +444,15 @@ class Comm:
         optimizer (``set_outer``) steps the consensus into the new global before it is
         returned (every rank must pass the same flag)."""
         kind = _kind(kind)
+        if not outer:
+            got = self._single_fast(tensors, kind, weight, scale)
+            if got is not None:
+                return [got[0]], got[1]
         dtype = DTYPE_BF16 if (self._bf16 and kind == _MODEL) else DTYPE_F32
         armed = self._armed if kind == _MODEL else None
         self._armed = None
         scale = float(scale)
         outer = outer and kind == _MODEL
-        if len(tensors) == 1 and dtype == DTYPE_F32 and armed is None:
-            plan = self._single_plan(tensors[0], kind, outer)
-            if plan is not None:
-                # copy-in, round and the reduce into a fresh result: one compiled call
-                res, mass = self._single_result(tensors[0], plan, weight, scale)
-                return [res], mass
         plan = self._fused_plan(tensors, kind, dtype, outer)
         if plan is not None:
             res, out, addr = self._codec.fused_result(plan, armed)
@@ -482,15 +481,31 @@ class Comm:
                             weight: float = 1.0, *, outer: bool = False
                             ) -> tuple[list[torch.Tensor], float]:
         """Tensors already scaled by the caller; returns (Σ/Σw, accepted mass Σw)."""
+        if not outer:
+            got = self._single_fast(tensors, _kind(kind), weight, 1.0)
+            if got is not None:
+                return [got[0]], got[1]
         return self.all_reduce_scaled(tensors, 1.0, kind, weight, outer=outer)
 
     def all_reduce_tensors(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Equal-weight mean over the accepted ranks."""
-        if len(tensors) == 1 and not self._bf16 and self._armed is None:
-            plan = self._single_plan(tensors[0], _MODEL, False)
-            if plan is not None:  # all_reduce_scaled's first case, without its dispatch
-                return [self._single_result(tensors[0], plan, 1.0, 1.0)[0]]
+        got = self._single_fast(tensors, _MODEL, 1.0, 1.0)
+        if got is not None:
+            return [got[0]]
         return self.all_reduce_scaled(tensors, 1.0, RoundKind.MODEL, 1.0)[0]
+
+    def _single_fast(self, tensors: Sequence[torch.Tensor], kind: int, weight,
+                     scale) -> tuple[torch.Tensor, float] | None:
+        """The first case of the tensor-returning reduces, checked once for all three:
+        one float32 tensor on an f32 wire and no pinned result armed, so copy-in, round
+        and the reduce into a fresh result are one compiled call; returns (result,
+        accepted mass), or None for the general paths."""
+        if len(tensors) != 1 or (self._bf16 and kind == _MODEL) or self._armed is not None:
+            return None
+        plan = self._single_plan(tensors[0], kind, False)
+        if plan is None:
+            return None
+        return self._single_result(tensors[0], plan, weight, float(scale))
 
     def all_reduce_(self, tensors: Sequence[torch.Tensor], *, weight: float = 1.0,
                     scale: float = 1.0, kind=RoundKind.MODEL, outer: bool = False,
