@@ -14,10 +14,11 @@ zero-copy 1.56-2.02x, frame 2.01-2.79x (after its check got cheaper; 2.33-3.01x 
 of machine and still fails on a real regression: the paths before the fused rounds
 measured 2.9-8x (BENCHMARKS.md, "Every public collective against its OpenMPI peer").
 Since the fused calls take a call block instead of two dozen arguments, the in-place
-path itself costs about 40% less, so every other API's ratio rose for the same code; with
-the cuts that followed (sixth session, six measurements): tensors/weighted/scaled
-1.27-1.58x, per-rank 1.18-1.39x, broadcast 1.29-1.48x, zero-copy 1.50-1.64x, frame
-2.24-2.77x, barrier 0.54-0.63x, the in-place round 6.6-9.9 us.
+path itself costs about 40% less, so every other API's ratio rose for the same code
+(frame up to 2.97x, broadcast 1.87x); after the cuts that followed (sixth session, three
+measurements): tensors/weighted/scaled 1.38-1.56x, per-rank 1.17-1.31x, broadcast
+1.38-1.53x, zero-copy 1.64-1.78x, frame 2.53-2.61x, barrier 0.55-0.60x, with the in-place
+round at 7.1-9.8 us (15.7 us before the call block, same guest).
 
 Ratios, never absolute times: the test runs on loaded 2-core machines. Two real
 processes (``spawn``) run every API in interleaved batches (one batch of each API per
