@@ -270,12 +270,16 @@ class Arena:
         return self._eager[start:start + self.eager_bytes]
 
     # -- bulk data regions ---------------------------------------------------------
-    def _data_segment(self, rank: int) -> Segment:
-        seg = self._data[rank]
+    def _rank_segment(self, attached: list, what: str, rank: int) -> Segment:
+        """Rank ``rank``'s segment ``<what><rank>`` (``d`` bulk input, ``p`` parameter
+        block), attached by name on first use and kept in ``attached``."""
+        seg = attached[rank]
         if seg is None:
-            seg = Segment.attach(self.handle.name(f"d{rank}"))
-            self._data[rank] = seg
+            seg = attached[rank] = Segment.attach(self.handle.name(f"{what}{rank}"))
         return seg
+
+    def _data_segment(self, rank: int) -> Segment:
+        return self._rank_segment(self._data, "d", rank)
 
     def grow_data(self, rank: int, nbytes: int) -> None:
         """Grow rank ``rank``'s own bulk region to hold ``nbytes`` (call from that rank)."""
@@ -292,11 +296,7 @@ class Arena:
 
     # -- shared parameter blocks -----------------------------------------------------
     def _params_segment(self, rank: int) -> Segment:
-        seg = self._params[rank]
-        if seg is None:
-            seg = Segment.attach(self.handle.name(f"p{rank}"))
-            self._params[rank] = seg
-        return seg
+        return self._rank_segment(self._params, "p", rank)
 
     def place_params(self, rank: int, nbytes: int) -> np.ndarray:
         """Rank ``rank``'s own shared parameter block, grown to hold ``nbytes`` (call from
