@@ -110,10 +110,44 @@ def _signature(what: str, *parts) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
 
 
+class _DoneWork(dist.Work):
+    """The ``Work`` of a collective that completed in the call: ``wait()`` returns at
+    once and ``get_future()`` holds ``result``, made only when asked for (DDP's comm
+    hooks ask; a plain ``dist.all_reduce`` never does). A third of the cost of wrapping
+    a completed future, which at 4 KiB was half a round."""
+
+    def __init__(self, result) -> None:
+        super().__init__()
+        self._result = result
+        self._future: torch.futures.Future | None = None
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self):
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def result(self):
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            self._future = torch.futures.Future()
+            self._future.set_result(self._result)
+        return self._future
+
+
 def _done(result) -> dist.Work:
-    fut = torch.futures.Future()
-    fut.set_result(result)
-    return _create_work_from_future(fut)
+    return _DoneWork(result)
 
 
 def _nbytes(t: torch.Tensor) -> int:
