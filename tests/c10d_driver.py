@@ -114,10 +114,13 @@ def sc_collectives(rank: int, world: int) -> dict:
     bigavg = rank_input(rank, torch.float32, n=(3 << 20) // 4 + 5, salt=1)
     dist.all_reduce(bigavg, op=dist.ReduceOp.AVG)
     res["all_reduce_big_avg"] = bigavg
+    bigb = rank_input(rank, torch.float32, n=(3 << 20) // 4 + 5, salt=2)
+    dist.broadcast(bigb, src=0)  # the bulk path of an in-place broadcast
+    res["broadcast_big"] = bigb
     prem = rank_input(rank, torch.float64)
     dist.all_reduce(prem, op=dist._make_nccl_premul_sum(0.5))
     res["premul"] = prem
-    for dt in (torch.float64, torch.int32, torch.bool, torch.bfloat16):
+    for dt in (torch.float64, torch.int32, torch.bool, torch.bfloat16, torch.float32):
         t = rank_input(rank, dt) if rank == 1 % world else torch.zeros(37, dtype=dt)
         dist.broadcast(t, src=1 % world)
         res[("broadcast", str(dt))] = t

@@ -69,6 +69,55 @@ def test_broadcast_is_bit_identical_to_the_root_on_every_path(size, dtype, conti
                 assert np.array_equal(bits, ref)
 
 
+@pytest.mark.parametrize("size", [64, BIG], ids=["eager", "bulk"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("general", [False, True], ids=["fused", "hooked"])
+def test_in_place_broadcast_gives_every_rank_the_roots_bits(size, dtype, contiguous, general):
+    """``broadcast_`` writes the root's values into every reader's own tensors (whatever
+    their dtype and layout) and leaves the root's tensors as they are, on every path:
+    one compiled call (one tensor), the fused multi-tensor call, the general round."""
+    root = 1
+    want = [_bits(t) for t in _root_tensors(size, dtype, contiguous)]
+
+    def body(comm):
+        if general:
+            comm.set_fault_hook(lambda phase, rnd: None)  # the general round
+        if comm.rank == root:
+            mine = _root_tensors(size, dtype, contiguous)
+        else:  # the readers' own tensors: other values, same dtypes and layouts
+            mine = [torch.full_like(t, 3.0) for t in _root_tensors(size, dtype, contiguous)]
+        ptrs = [t.data_ptr() for t in mine]
+        single = [mine[0]]  # one tensor alone: the one-call path when it is f32
+        comm.broadcast_(single, root=root)
+        comm.broadcast_(mine, root=root)
+        comm.broadcast_(mine, root=root)  # the slot or region reused next round
+        assert [t.data_ptr() for t in mine] == ptrs  # in place
+        assert [t.dtype for t in mine] == [dtype, dtype]
+        return [_bits(t) for t in mine]
+
+    with FakeCohort(3) as c:
+        for got in c.run(body):
+            for bits, ref in zip(got, want):
+                assert np.array_equal(bits, ref)
+
+
+def test_in_place_broadcast_refuses_what_broadcast_from_root_refuses():
+    def body(comm):
+        with pytest.raises(ValueError, match="is not a rank of this cohort"):
+            comm.broadcast_([torch.zeros(8)], root=-1)
+        with pytest.raises(SchemaMismatchError, match="disagree on the broadcast root"):
+            comm.broadcast_([torch.zeros(8)], root=comm.rank)  # each its own
+        with pytest.raises(SchemaMismatchError, match="disagree on the broadcast root"):
+            comm.broadcast_([torch.zeros(8), torch.zeros(2, 3)], root=comm.rank)
+        t = torch.full((BIG,), float(comm.rank))
+        comm.broadcast_([t], root=1)  # still in step
+        return float(t[0]), float(t[-1])
+
+    with FakeCohort(2) as c:
+        assert c.run(body) == [(1.0, 1.0)] * 2
+
+
 def test_bulk_broadcast_reads_the_roots_region_without_a_reduce():
     """Readers publish no payload (their bulk regions stay small) and nobody writes the
     result region: the root's copy-in and each rank's copy-out are the only copies."""

@@ -113,8 +113,11 @@ def check_collectives(res: list[dict], *, rank_order_sums: bool = True) -> None:
     torch.testing.assert_close(res[0]["all_reduce_big_avg"], reference("AVG", big))
     torch.testing.assert_close(res[0]["premul"], reference(
         "SUM", [rank_input(r, torch.float64) * 0.5 for r in range(world)]))
+    for r in res:
+        assert same_bits(r["broadcast_big"],
+                         rank_input(0, torch.float32, n=(3 << 20) // 4 + 5, salt=2))
     src = 1 % world
-    for dt in (torch.float64, torch.int32, torch.bool, torch.bfloat16):
+    for dt in (torch.float64, torch.int32, torch.bool, torch.bfloat16, torch.float32):
         for r in res:
             assert same_bits(r[("broadcast", str(dt))], rank_input(src, dt))
             for k in range(world):

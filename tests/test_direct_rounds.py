@@ -65,6 +65,10 @@ def _session(comm) -> list:
     ts[1] = ts[1].t()  # the root's non-contiguous tensor is staged
     res = comm.broadcast_from_root(ts, root=comm.world_size - 1)
     out.append(("broadcast", [t.clone() for t in res], 0.0, None))
+    ts = _inputs(r, 13)
+    ts[1] = ts[1].t()  # staged on every rank, written back on the readers
+    comm.broadcast_(ts, root=0)  # in place: the root copies nothing
+    out.append(("broadcast_", [t.clone() for t in ts], 0.0, None))
     # a window in which nobody realized work: the in-place call keeps local tensors
     ts = _inputs(r, 11)
     mass = comm.all_reduce_(ts, weight=0.0)
@@ -98,10 +102,12 @@ def test_direct_rounds_match_the_shared_path_bit_for_bit(low_threshold, world):
             for x, y in zip(direct[0][step][1], direct[rank][step][1]):
                 if direct[0][step][0] != "empty":
                     assert _bits(x) == _bits(y)
-    root = _inputs(world - 1, 12)
-    for rank in range(world):
-        got = next(step for step in direct[rank] if step[0] == "broadcast")[1]
-        assert [_bits(t) for t in got] == [_bits(root[0]), _bits(root[1].t()), _bits(root[2])]
+    for name, root_rank, i in (("broadcast", world - 1, 12), ("broadcast_", 0, 13)):
+        root = _inputs(root_rank, i)
+        for rank in range(world):
+            got = next(step for step in direct[rank] if step[0] == name)[1]
+            assert [_bits(t) for t in got] == [_bits(root[0]), _bits(root[1].t()),
+                                               _bits(root[2])], (name, rank)
     # nothing realized: every rank kept its own tensors
     for rank in range(world):
         empty = direct[rank][-1]
@@ -182,6 +188,9 @@ def rounds(ctx, n_rounds):
         out.append((float(t[0]), float(t[-1]), float(u[999]), mass))
     (b,) = ctx.comm.broadcast_from_root([torch.full((BIG,), float(ctx.rank + 7))], root=1)
     out.append((float(b[0]), float(b[-1])))
+    b = torch.full((BIG,), float(ctx.rank + 20))
+    ctx.comm.broadcast_([b], root=0)
+    out.append((float(b[0]), float(b[-1])))
     return out, ctx.comm._engine.direct.state
 
 
@@ -191,6 +200,7 @@ def test_spawn_runs_large_rounds_direct_across_processes():
         assert state == "ready"
         assert res[:3] == [(1.5 * (i + 1), 1.5 * (i + 1), 1.5 * 999, 2.0) for i in range(3)]
         assert res[3] == (8.0, 8.0)  # rank 1's tensor, broadcast directly
+        assert res[4] == (20.0, 20.0)  # rank 0's, in place
     assert_no_leaks()
 
 

@@ -66,6 +66,7 @@ LABELS = {
     "api-frame": "all_reduce(RoundFrame)",
     "api-zero-copy": "zero_copy_inputs + all_reduce_zero_copy",
     "api-broadcast": "broadcast_from_root([t])",
+    "api-broadcast-inplace": "broadcast_([t]) (in place)",
     "api-per-rank": "all_reduce_per_rank_f64 (world values)",
     "api-barrier": "barrier()",
 }
@@ -193,6 +194,7 @@ API_PEERS = {
     "api-frame": "mpi",          # comm.all_reduce(RoundFrame)
     "api-zero-copy": "mpi",      # zero_copy_inputs + all_reduce_zero_copy
     "api-broadcast": "mpi-bcast",  # comm.broadcast_from_root([t])
+    "api-broadcast-inplace": "mpi-bcast",  # comm.broadcast_([t])
     "api-per-rank": "mpi-small",  # comm.all_reduce_per_rank_f64 (world values)
     "api-barrier": "mpi-barrier",  # comm.barrier()
 }
@@ -241,6 +243,11 @@ def api_ops(comm, n: int, rank: int) -> dict:
     def broadcast():
         last["b"] = comm.broadcast_from_root([src])
 
+    dst = torch.full((n,), val)  # rank 0's 1.0 after the first call, on every rank
+
+    def broadcast_inplace():
+        comm.broadcast_([dst])
+
     vec = np.zeros(world)
     vec[rank] = val
 
@@ -262,6 +269,7 @@ def api_ops(comm, n: int, rank: int) -> dict:
         "api-frame": (frame_op, lambda: bool(np.all(last["f"].tensors[0].as_array() == mean))),
         "api-zero-copy": (zero_copy, lambda: same(last["z"][0][0], mean)),
         "api-broadcast": (broadcast, lambda: same(last["b"][0], 1.0)),
+        "api-broadcast-inplace": (broadcast_inplace, lambda: same(dst, 1.0)),
         "api-per-rank": (per_rank, lambda: last["p"].tolist() == [float(r + 1)
                                                                  for r in range(world)]),
         "api-barrier": (barrier, lambda: True),

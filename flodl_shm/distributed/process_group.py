@@ -518,6 +518,13 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     def broadcast(self, tensors, opts) -> dist.Work:
         tensors = _checked(tensors, "broadcast")
         root = int(opts.rootRank)
+        link = self._link
+        if (link is not None and tensors and not self._topo.multi_host
+                and all(t.dtype in (_F32, torch.bfloat16) for t in tensors)):
+            # the engine's in-place broadcast: one compiled call when small, the root's
+            # tensors read straight into the others' when large (engine/comm.py)
+            link.comm.broadcast_(tensors, root)
+            return _done(tensors)
         offs, total = _layout(tensors)
 
         def consume(views: list[np.ndarray]) -> None:

@@ -616,12 +616,8 @@ class Comm:
                 give the shapes).
             root: the global rank whose tensors every rank receives.
         """
-        if not 0 <= int(root) < self.world_size:
-            raise ValueError(f"broadcast root {root} >= world_size {self.world_size}")
-        root = int(root)
-        is_root = self.rank == root
+        is_root, local_root = self._broadcast_root(root)
         eng = self._engine
-        local_root = None if eng.relay_mode else root - (self.rank - self.local_rank)
         if len(tensors) == 1 and local_root is not None:
             plan = self._single_plan(tensors[0], _CONTROL, False)
             if plan is not None:
@@ -651,6 +647,74 @@ class Comm:
             np.copyto(out, cons[:plan.nelem])
         del out
         return self._codec.views(flat, plan)
+
+    def broadcast_(self, tensors: Sequence[torch.Tensor], root: int = 0) -> None:
+        """In place: every rank's ``tensors`` take ``root``'s values, bit for bit (like
+        ``dist.broadcast``); the root's tensors keep theirs.
+
+        The in-place form of :meth:`broadcast_from_root`, for tensors the call may
+        overwrite: the root makes no copy for itself. Small tensors on one host are one
+        compiled call per rank (the readers reduce the root's eager slot straight into
+        their tensors); float32 rounds that run as direct rounds (large, one host,
+        ``max_failures=0``: ``Comm.direct_rounds_available``) have each reader copy the
+        root's tensors straight into its own, and the root copy nothing. Otherwise the
+        round is :meth:`broadcast_from_root`'s, copied into the readers' tensors. Errors
+        as :meth:`broadcast_from_root`'s.
+
+        Args:
+            tensors: float32/bfloat16 CPU tensors of the same shapes on every rank.
+            root: the global rank whose values every rank takes.
+        """
+        is_root, local_root = self._broadcast_root(root)
+        eng = self._engine
+        if local_root is not None:
+            if len(tensors) == 1:
+                t = tensors[0]
+                plan = self._single_plan(t, _CONTROL, False)
+                if plan is not None:  # the root reduces its own slot into its tensor: same bits
+                    self._single_round(t, plan, 0.0, 1.0, t.data_ptr(), local_root)
+                    return
+            plan = self._fused_plan(tensors, _CONTROL, DTYPE_F32, False)
+            if plan is not None:
+                self._fused_round(plan, 0.0, len(tensors) if is_root else 0, 1.0, None, 0,
+                                  False, elided=not is_root, broadcast=local_root)
+                if not is_root:
+                    decode_gathered(eng.eager_f32, DTYPE_F32, plan, tensors)
+                return
+            plan = eng.plan(_CONTROL, DTYPE_F32, tuple(check_tensors(tensors)))
+            if eng.direct.mode(plan, 0) == A.FLAG_DIRECT:
+                self._direct_call(tensors, plan, 0.0, 1.0, None, broadcast=local_root)
+                return
+            t = tensors[0]
+            if len(tensors) == 1 and t.dtype is F32 and t.is_cpu and t.is_contiguous():
+                # the general round: each reader copies the root's payload straight into
+                # its tensor; the root copies its tensor in and nothing out
+                def write(dst: np.ndarray, plan: RoundPlan) -> None:
+                    self._codec.encode(tensors, dst, plan, DTYPE_F32, 1.0, eng.fault_hook,
+                                       self._round)
+
+                self._run(plan, 0.0, write if is_root else None, elided=not is_root,
+                          out=None if is_root else t.detach().view(-1).numpy(),
+                          broadcast=local_root)
+                return
+        got = self.broadcast_from_root(tensors, root)
+        if not is_root:
+            with torch.no_grad():
+                for t, r in zip(tensors, got):
+                    t.copy_(r)
+
+    def _broadcast_root(self, root: int) -> tuple[bool, int | None]:
+        """(whether this rank is ``root``, the root's local rank on this host or None on
+        a cluster, where a broadcast is a reduce); ValueError for a root that is not a
+        rank of the cohort."""
+        if not 0 <= int(root) < self.world_size:
+            raise ValueError(f"broadcast root {root} is not a rank of this cohort (0 to "
+                             f"{self.world_size - 1}): pass the global rank whose tensors "
+                             f"every rank should receive")
+        root = int(root)
+        local_root = (None if self._engine.relay_mode
+                      else root - (self.rank - self.local_rank))
+        return self.rank == root, local_root
 
     def barrier(self) -> None:
         """Return once every live rank has entered the barrier."""
@@ -882,8 +946,9 @@ class Comm:
         """A direct round over ``tensors`` (checked against ``plan``): in place when
         ``out`` is None (a MODEL round with no accepted mass leaves them untouched),
         else into ``out`` (a flat f32 result of ``plan.nelem``); ``broadcast``: the
-        local root of a direct broadcast into ``out`` (``tensors`` None on the other
-        ranks). A tensor that is not a contiguous float32 CPU tensor goes through a
+        local root of a direct broadcast, into ``out`` (``tensors`` None on the other
+        ranks) or, ``out`` None, into every rank's ``tensors`` (the root's stay as they
+        are). A tensor that is not a contiguous float32 CPU tensor goes through a
         contiguous float32 copy."""
         weight = self._begin(weight)
         nt = plan.ntensors
@@ -906,11 +971,12 @@ class Comm:
         self._round = rnd + 1
         try:
             if broadcast is not None:
+                mass = 0.0
                 eng.direct.broadcast(plan, rnd, broadcast, srcs if tensors else None, dsts,
                                      hook=eng.fault_hook)
-                return 0.0
-            mass = eng.direct.run(plan, rnd, weight, scale, srcs, dsts,
-                                  keep_on_empty=out is None, hook=eng.fault_hook)
+            else:
+                mass = eng.direct.run(plan, rnd, weight, scale, srcs, dsts,
+                                      keep_on_empty=out is None, hook=eng.fault_hook)
         except BaseException as e:
             self._fail(rnd, e)
             raise
@@ -979,8 +1045,9 @@ class Comm:
         destination) into which a bulk round's reduce writes this rank's own slice while
         it is still in cache (``RoundEngine.own_slice`` says which elements, or None).
         ``eager_zero_copy``: a zero-copy frame already in the eager slot.
-        ``broadcast``: the local root of a one-host broadcast (needs ``out``: every rank
-        copies the root's payload into it; no reduce). ``probe``: a bulk round that also
+        ``broadcast``: the local root of a one-host broadcast (every rank copies the
+        root's payload into ``out``; no reduce; the root of an in-place broadcast passes
+        no ``out``: its tensors hold the payload). ``probe``: a bulk round that also
         checks whether the ranks may run direct rounds (``engine/direct.py``)."""
         weight = self._begin(weight)
         eng = self._engine

@@ -292,9 +292,10 @@ class DirectRounds:
     def broadcast(self, plan, rnd: int, root: int, srcs: np.ndarray | None,
                   dsts: np.ndarray, hook: Callable[[str, int], None] | None = None) -> None:
         """Round ``rnd`` as a direct broadcast from local rank ``root``: every reader
-        copies the root's tensors (``srcs`` on the root, None elsewhere) straight into
-        its ``dsts`` and publishes done[reader]; the root copies its own and leaves only
-        once every reader is done or dead (its tensors stay untouched until then)."""
+        copies the root's tensors (``srcs`` on the root; ignored elsewhere) straight
+        into its ``dsts`` and publishes done[reader]; the root copies its own (none when
+        ``dsts`` are its ``srcs``: an in-place broadcast) and leaves only once every
+        reader is done or dead (its tensors stay untouched until then)."""
         eng = self.eng
         me = eng.rank
         mine = me == root
@@ -304,7 +305,8 @@ class DirectRounds:
         nt = plan.ntensors
         if mine:
             for t in range(nt):
-                ctypes.memmove(int(dsts[t]), int(srcs[t]), 4 * plan.numels[t])
+                if dsts[t] != srcs[t]:
+                    ctypes.memmove(int(dsts[t]), int(srcs[t]), 4 * plan.numels[t])
             eng.doorbell.publish(A.rank_base(me) + A.R_DONE, rnd)
             eng.await_readers(view)
             return

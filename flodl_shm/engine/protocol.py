@@ -707,19 +707,21 @@ class RoundEngine:
             f"published as root, this rank expects local rank {root} (every rank must pass "
             f"the same root)")
 
-    def broadcast_copy(self, view: RoundView, root: int, out: np.ndarray) -> None:
-        """Bulk broadcast: copy root's payload into ``out`` (flat, wire-typed, private),
-        then publish done[self] = round (the root's region may be rewritten after it)."""
-        src = self.payload(view, root)
-        hook = self.fault_hook
-        if hook is None:
-            np.copyto(out[:view.nelem], src)
-        else:  # tests: let a fault land between the two halves of the copy
-            mid = view.nelem // 2
-            np.copyto(out[:mid], src[:mid])
-            hook("mid_copy_out", view.rnd)
-            np.copyto(out[mid:view.nelem], src[mid:])
-        del src
+    def broadcast_copy(self, view: RoundView, root: int, out: np.ndarray | None) -> None:
+        """Bulk broadcast: copy root's payload into ``out`` (flat, wire-typed, private;
+        None: the root of an in-place broadcast, which has nothing to copy), then
+        publish done[self] = round (the root's region may be rewritten after it)."""
+        if out is not None:
+            src = self.payload(view, root)
+            hook = self.fault_hook
+            if hook is None:
+                np.copyto(out[:view.nelem], src)
+            else:  # tests: let a fault land between the two halves of the copy
+                mid = view.nelem // 2
+                np.copyto(out[:mid], src[:mid])
+                hook("mid_copy_out", view.rnd)
+                np.copyto(out[mid:view.nelem], src[mid:])
+            del src
         self.doorbell.publish(A.rank_base(self.rank) + A.R_DONE, view.rnd)
 
     def await_readers(self, view: RoundView) -> None:
