@@ -102,6 +102,41 @@ def test_in_place_broadcast_gives_every_rank_the_roots_bits(size, dtype, contigu
                 assert np.array_equal(bits, ref)
 
 
+# a signaling NaN, a quiet one with a payload, and negative ones: a reduce times 1.0
+# would quiet the first; a broadcast must copy them all as they are
+NAN_BITS = np.array([0x7F800001, 0x7FC12345, 0xFFC00001, 0xFF800002], np.uint32)
+
+
+@pytest.mark.parametrize("size", [64, BIG], ids=["eager", "bulk"])
+@pytest.mark.parametrize("general", [False, True], ids=["fused", "hooked"])
+def test_broadcasts_carry_nan_payloads_bit_for_bit(size, general):
+    def tensors(rank: int) -> list[torch.Tensor]:
+        if rank != 0:
+            return [torch.zeros(size), torch.zeros(6)]
+        a = torch.arange(size, dtype=torch.float32)
+        a.numpy().view(np.uint32)[:4] = NAN_BITS
+        b = torch.from_numpy(np.concatenate([NAN_BITS, NAN_BITS[:2]]).view(np.float32))
+        return [a, b]
+
+    want = [_bits(t) for t in tensors(0)]
+
+    def body(comm):
+        if general:
+            comm.set_fault_hook(lambda phase, rnd: None)  # the general round
+        got = [comm.broadcast_from_root(tensors(comm.rank)[:1], root=0),
+               comm.broadcast_from_root(tensors(comm.rank), root=0)]
+        for mine in (tensors(comm.rank)[:1], tensors(comm.rank)):
+            comm.broadcast_(mine, root=0)
+            got.append(mine)
+        return [[_bits(t) for t in ts] for ts in got]
+
+    with FakeCohort(2) as c:
+        for per_call in c.run(body):
+            for bits in per_call:
+                for b, ref in zip(bits, want):
+                    assert np.array_equal(b, ref)
+
+
 def test_in_place_broadcast_refuses_what_broadcast_from_root_refuses():
     def body(comm):
         with pytest.raises(ValueError, match="is not a rank of this cohort"):

@@ -520,9 +520,10 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         root = int(opts.rootRank)
         link = self._link
         if (link is not None and tensors and not self._topo.multi_host
-                and all(t.dtype in (_F32, torch.bfloat16) for t in tensors)):
+                and all(t.dtype is _F32 for t in tensors)):
             # the engine's in-place broadcast: one compiled call when small, the root's
-            # tensors read straight into the others' when large (engine/comm.py)
+            # tensors read straight into the others' when large (engine/comm.py); float32
+            # only: its bfloat16 path widens and rounds, which canonicalizes NaN payloads
             link.comm.broadcast_(tensors, root)
             return _done(tensors)
         offs, total = _layout(tensors)

@@ -488,8 +488,14 @@ class RoundEngine:
 
     def reduce_eager(self, view: RoundView, out: np.ndarray) -> None:
         """Eager rounds: reduce every contribution into private ``out`` (typed like the
-        wire: float32, or uint16 bf16 bits)."""
-        if view.dtype == DTYPE_F32:
+        wire: float32, or uint16 bf16 bits); a broadcast's one contribution is copied
+        bit for bit."""
+        c = view.contrib_mask
+        root = c.bit_length() - 1 if view.flags & A.FLAG_BROADCAST and c & (c - 1) == 0 else -1
+        if view.dtype == DTYPE_F32 and root >= 0:
+            RK.copy_eager_f32(self._eager_all, self.arena.eager_bytes, view.rnd, root,
+                              view.nwords * 8, view.nelem, out)
+        elif view.dtype == DTYPE_F32:
             RK.reduce_eager_f32(self._eager_all, self.arena.eager_bytes, view.rnd, self.world,
                                 view.contrib_mask, view.nwords * 8, view.nelem, out, view.inv,
                                 self._acc)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .control_block import (DEAD_EXITED, FLAG_ELIDED, FLAGS_AGREED, G_ABORT, G_DOORBELL,
+from .control_block import (DEAD_EXITED, FLAG_BROADCAST, FLAG_ELIDED, FLAGS_AGREED, G_ABORT, G_DOORBELL,
                      G_SLEEPERS, GLOBAL_WORDS, H_DTYPE, H_FLAGS, H_KIND, H_NBYTES, H_NELEM,
                      H_NTENSORS, H_ROUND, H_SCHEMA_HASH, H_SCHEMA_WORDS, H_WEIGHT, HDR_WORDS,
                      R_ARRIVED, R_DEAD, R_HDR, RANK_WORDS)
@@ -181,6 +181,28 @@ def reduce_eager_f32(eager, slot_bytes, rnd, world, contrib, off, nelem, out, in
 
 
 @njit(cache=True, nogil=True)
+def copy_eager_f32(eager, slot_bytes, rnd, src, off, nelem, out):
+    """A broadcast: ``out[:nelem]`` = rank ``src``'s f32 eager payload, bit for bit (a
+    copy, not a reduce times 1.0, which would quiet a signaling NaN)."""
+    start = (2 * src + (rnd & 1)) * slot_bytes + off
+    s = eager[start:start + 4 * nelem].view(np.uint32)
+    o = out[:nelem].view(np.uint32)
+    for i in range(nelem):
+        o[i] = s[i]
+
+
+@njit(inline="always")
+def sole_contributor(contrib, world):
+    """The rank whose bit is the only one set in ``contrib``, else -1."""
+    if contrib == 0 or contrib & (contrib - 1) != 0:
+        return -1
+    for r in range(world):
+        if (contrib >> r) & 1:
+            return r
+    return -1
+
+
+@njit(cache=True, nogil=True)
 def reduce_eager_bf16(eager, slot_bytes, rnd, world, contrib, off, nelem, out, inv, acc, tmp):
     """bf16 eager reduce into uint16 ``out`` (one RNE rounding of sum * inv)."""
     f = np.float32(inv)
@@ -239,7 +261,10 @@ def eager_round(ctl, ctl_f64, ctl32, eager, slot_bytes, world, me, rnd, kind, fl
     inv = np.float32(1.0)
     if kind == 0 and m > 0.0:
         inv = np.float32(1.0 / m)
-    if dtype == 0:
+    root = sole_contributor(info[I_CONTRIB], world) if flags & FLAG_BROADCAST else -1
+    if dtype == 0 and root >= 0:
+        copy_eager_f32(eager, slot_bytes, rnd, root, nwords * 8, nelem, out_f32)
+    elif dtype == 0:
         reduce_eager_f32(eager, slot_bytes, rnd, world, info[I_CONTRIB], nwords * 8, nelem,
                          out_f32, inv, acc)
     else:
@@ -404,8 +429,11 @@ def _eager_single_f32(blk, pl, src, dst, keep_on_empty, scale, rnd, flags, weigh
     if code != OK:
         return code
     _spin_caught(blk)
-    if root >= 0 and info[I_CONTRIB] != 1 << root:
-        return NOT_ROOT  # the caller raises, naming what the ranks disagree on
+    if root >= 0:
+        if info[I_CONTRIB] != 1 << root:
+            return NOT_ROOT  # the caller raises, naming what the ranks disagree on
+        copy_eager_f32(eager, slot_bytes, rnd, root, nwords * 8, n, dst)
+        return OK
     m = mass[0]
     if keep_on_empty and kind == 0 and not m > 0.0:
         return OK  # nothing realized: keep the local tensor
@@ -483,6 +511,7 @@ def warm_up() -> None:
     tmp = np.zeros(8, np.float32)
     reduce_eager_f32(eager, 64, 0, world, 3, 0, 2, np.zeros(2, np.float32), 1.0, acc)
     reduce_eager_bf16(eager, 64, 0, world, 3, 0, 2, np.zeros(2, np.uint16), 1.0, acc, tmp)
+    copy_eager_f32(eager, 64, 0, 1, 0, 2, np.zeros(2, np.float32))
     work = np.zeros(WORK_WORDS, np.float32)
     out = np.zeros(16, np.float32)
     blks = [call_block(ctl, eager, 64, world, r, work, out, 0, 0, 0) for r in range(world)]
