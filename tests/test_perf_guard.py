@@ -18,7 +18,8 @@ path itself costs about 40% less, so every other API's ratio rose for the same c
 (frame up to 2.97x, broadcast 1.87x); after the cuts that followed (sixth session, three
 measurements): tensors/weighted/scaled 1.38-1.56x, per-rank 1.17-1.31x, broadcast
 1.38-1.53x, zero-copy 1.64-1.78x, frame 2.53-2.61x, barrier 0.55-0.60x, with the in-place
-round at 7.1-9.8 us (15.7 us before the call block, same guest).
+round at 7.1-9.8 us (15.7 us before the call block, same guest). The in-place broadcast
+(``broadcast_``, added then) measured 0.87-0.98x and keeps the default 1.5x.
 
 Ratios, never absolute times: the test runs on loaded 2-core machines. Two real
 processes (``spawn``) run every API in interleaved batches (one batch of each API per

@@ -17,7 +17,7 @@ flodl_shm variants:
                 (``zero_copy_inputs``) and the consensus is read as a view
   shm-*-bf16    the same with ``set_bf16_wire(True)`` (half the bytes in shared memory)
   api-*         one row per public collective (``api_ops``: all_reduce_, _tensors,
-                _weighted, _scaled, all_reduce(frame), zero-copy, broadcast_from_root,
+                _weighted, _scaled, all_reduce(frame), zero-copy, broadcast_from_root, broadcast_,
                 all_reduce_per_rank_f64, barrier), printed as a second table with each
                 row's ratio to the OpenMPI call doing the same job (``API_PEERS``)
 Peers: torch.distributed gloo (TCP over loopback; gloo has no shared-memory

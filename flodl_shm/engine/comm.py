@@ -659,7 +659,9 @@ class Comm:
         ``max_failures=0``: ``Comm.direct_rounds_available``) have each reader copy the
         root's tensors straight into its own, and the root copy nothing. Otherwise the
         round is :meth:`broadcast_from_root`'s, copied into the readers' tensors. Errors
-        as :meth:`broadcast_from_root`'s.
+        as :meth:`broadcast_from_root`'s. Float32 values arrive bit for bit; bfloat16
+        ones too, except that a NaN arrives as the canonical bfloat16 NaN (the round
+        carries float32, and torch rounds it back).
 
         Args:
             tensors: float32/bfloat16 CPU tensors of the same shapes on every rank.
