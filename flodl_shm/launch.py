@@ -1103,10 +1103,10 @@ class SpawnContext:
                            "survivors (%d of max_failures=%d used)", global_rank,
                            out.exc_type or out.signal or f"exit code {out.exitcode}", failures,
                            self.max_failures)
+        if self._relay is not None:  # queued first: a relay that sees the death sends it
+            self._relay.rank_died(global_rank)
         self.arena.ctl[A.rank_base(r) + A.R_DEAD] = A.DEAD_KILLED
         self._doorbell.ring()
-        if self._relay is not None:
-            self._relay.rank_died(global_rank)
         if self.save_path:
             self._write_death_record(global_rank, err)
 

@@ -184,6 +184,46 @@ def test_realized_work_after_a_death_on_another_host():
     assert ctl.dead_ranks.is_dead(2) and ctl.dead_ranks.alive() == [0, 1]
 
 
+def test_ranks_dead_before_the_cohort_is_complete_stay_dead():
+    """Host B's only rank dies before host A has joined, so host B's supervisor reports
+    the death and leaves before the cohort is complete. The controller keeps rank 2
+    claimed and dead (instead of freeing it for a relaunch that never comes), so host A
+    runs the rounds on realized work, as when the death comes later. Under load the
+    test above ran into this order by chance (host A then waited 120 s for rank 2)."""
+    ctl = ClusterController.start("127.0.0.1:0", 3, SALT, round_timeout=60.0)
+    out: dict = {}
+
+    def host(name: str, nprocs: int, first: int) -> None:
+        try:
+            out[name] = spawn(realized_after_death, nprocs, (),
+                              controller=f"127.0.0.1:{ctl.port}", world_size=3,
+                              first_rank=first, salt=SALT, timeout=60.0, max_failures=1)
+        except BaseException as e:  # noqa: BLE001 - inspected below
+            out[name] = e
+
+    try:
+        b = threading.Thread(target=host, args=("b", 1, 2))
+        b.start()
+        deadline = time.monotonic() + 60.0
+        while not ctl.dead_ranks.is_dead(2) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ctl.dead_ranks.is_dead(2), "host B's dead rank was forgotten, not counted"
+        b.join(60.0)
+        assert out["b"] == [None]
+        host("a", 2, 0)
+    finally:
+        ctl.shutdown()
+    assert not isinstance(out["a"], BaseException), out["a"]
+    want_half = (math.sqrt(3) + 2 * math.sqrt(5)) / (math.sqrt(3) + math.sqrt(5))
+    for (counts, adopted, raw), buf, (_, adopted_h, _) in out["a"]:
+        assert counts == [3.0, 5.0, 0.0]
+        assert abs(adopted - 1.625) < 1e-6 and abs(raw - 1.625) < 1e-6
+        assert abs(buf - 1.5) < 1e-6
+        assert abs(adopted_h - want_half) < 1e-5
+    assert ctl.dead_ranks.alive() == [0, 1]
+    assert_no_leaks()
+
+
 def test_a_rank_dying_mid_run_is_excluded_cohort_wide():
     out, errors, ctl = run_hosts(rank_dies_mid_run, [2, 2], max_failures=1)
     assert not errors

@@ -355,7 +355,9 @@ class ClusterController:
     # -- reduce ----------------------------------------------------------------------
     def _forget_departed(self) -> None:
         """Before the cohort is complete: forget every host whose link closed (its
-        ranks and name become free again, so a relaunch is admitted)."""
+        ranks and name become free again, so a relaunch is admitted), except the ranks
+        it reported dead before it left (a host whose every rank died exits): those
+        stay claimed, and dead, so the cohort completes without them."""
         with self._lock:
             if self._complete.is_set() or not self._hosts:
                 return
@@ -367,13 +369,37 @@ class ClusterController:
             except OSError:
                 return
             for h in [h for h in self._hosts if h.link.sock.fileno() in gone]:
+                dead = self._reported_dead(h)
                 self._hosts.remove(h)
-                for r in h.ranks:
+                free = [r for r in h.ranks if r not in dead]
+                for r in free:
                     self._claimed.pop(r, None)
+                for r in sorted(dead):
+                    self.dead_ranks.declare_dead(r)  # announced once the cohort is complete
                 h.link.close()
-                logger.warning("controller: host %r left before the cohort was complete; its "
-                               "ranks %s are free for a relaunch (%d/%d ranks claimed)", h.name,
-                               h.ranks, len(self._claimed), self.world_size)
+                if dead:
+                    logger.warning("controller: ranks %s of host %r died before the cohort was "
+                                   "complete; the cohort goes on without them", sorted(dead),
+                                   h.name)
+                if free:
+                    logger.warning("controller: host %r left before the cohort was complete; "
+                                   "its ranks %s are free for a relaunch (%d/%d ranks claimed)",
+                                   h.name, free, len(self._claimed), self.world_size)
+
+    def _reported_dead(self, h: _Host) -> set[int]:
+        """Of a host whose link closed: its ranks its last records declared dead
+        (``RANK_DEAD``, which its supervisor sends before it leaves)."""
+        dead: set[int] = set()
+        while True:
+            try:
+                got = h.link.recv(None, timeout=1.0)  # buffered, then the end of stream
+            except Exception:  # noqa: BLE001 - a torn or refused stream ends the reading
+                return dead
+            if got is None:
+                return dead
+            kind, _flags, body = got
+            if kind == Kind.CTRL and body.get("type") == Ctrl.RANK_DEAD:
+                dead.update(int(r) for r in body.get("ranks", []) if int(r) in h.ranks)
 
     def _reduce_main(self) -> None:
         try:
@@ -382,6 +408,9 @@ class ClusterController:
                     return
                 self._forget_departed()
             logger.info("controller: cohort complete (%d hosts); reducing", len(self._hosts))
+            early = self.dead_ranks.dead()
+            if early:  # ranks that died before every host had joined
+                self._broadcast_ctrl(ctrl_message(Ctrl.DECLARE_DEAD, ranks=early))
             rnd = 0
             while not self._stop.is_set():
                 live = [h for h in self._hosts if h.alive and not h.done]
