@@ -414,7 +414,7 @@ class Comm:
         if plan.eager_fits and self._fusable(kind, False):
             _write_payloads(payloads, eng.eager_payload(self._round, plan), plan, np_dtype)
             if dtype == DTYPE_F32:  # the payload is in the slot: publish, wait, reduce
-                mass = self._eager_call(plan, frame.weight, lambda rnd, w: eng.eager_round(
+                mass = self._eager_call(frame.weight, lambda rnd, w: eng.eager_round(
                     plan, rnd, 0, w, out_f32=out))
             else:
                 mass = self._fused_round(plan, frame.weight, 0, 1.0, None, 0, False)
@@ -654,7 +654,7 @@ class Comm:
 
         The in-place form of :meth:`broadcast_from_root`, for tensors the call may
         overwrite: the root makes no copy for itself. Small tensors on one host are one
-        compiled call per rank (the readers reduce the root's eager slot straight into
+        compiled call per rank (the readers copy the root's eager slot straight into
         their tensors); float32 rounds that run as direct rounds (large, one host,
         ``max_failures=0``: ``Comm.direct_rounds_available``) have each reader copy the
         root's tensors straight into its own, and the root copy nothing. Otherwise the
@@ -673,7 +673,7 @@ class Comm:
             if len(tensors) == 1:
                 t = tensors[0]
                 plan = self._single_plan(t, _CONTROL, False)
-                if plan is not None:  # the root reduces its own slot into its tensor: same bits
+                if plan is not None:  # the root copies its slot back into its tensor: same bits
                     self._single_round(t, plan, 0.0, 1.0, t.data_ptr(), local_root)
                     return
             plan = self._fused_plan(tensors, _CONTROL, DTYPE_F32, False)
@@ -891,10 +891,10 @@ class Comm:
         ``out``."""
         eng = self._engine
         if broadcast is None:
-            return self._eager_call(plan, weight, lambda rnd, w: eng.inplace_round(
+            return self._eager_call(weight, lambda rnd, w: eng.inplace_round(
                 t.data_ptr(), plan, rnd, w, scale, out))
         flags = A.FLAG_BROADCAST | (0 if broadcast == self.local_rank else A.FLAG_ELIDED)
-        return self._eager_call(plan, weight, lambda rnd, w: eng.inplace_round(
+        return self._eager_call(weight, lambda rnd, w: eng.inplace_round(
             t.data_ptr(), plan, rnd, w, scale, out, flags, broadcast))
 
     def _single_result(self, t: torch.Tensor, plan: RoundPlan, weight, scale: float,
@@ -911,7 +911,7 @@ class Comm:
         mass = self._single_round(t, plan, weight, scale, res.data_ptr(), broadcast)
         return res, mass
 
-    def _eager_call(self, plan: RoundPlan, weight, call: Callable[[int, float], float]) -> float:
+    def _eager_call(self, weight, call: Callable[[int, float], float]) -> float:
         """An eager round's frame: validate the mass, take the round number, then
         ``call(round, mass)`` (a fused call: it writes the slot's schema words itself); a
         failure goes through ``_fail`` (naming the round) before it propagates."""
@@ -1032,7 +1032,7 @@ class Comm:
                 eng.check_broadcast(rnd, eng.last_accepted, eng.last_contributors(), broadcast)
             return mass
 
-        return self._eager_call(plan, weight, call)
+        return self._eager_call(weight, call)
 
     def _run(self, plan: RoundPlan, weight: float, write: Callable | None, *,
              elided: bool = False, zero_copy: bool = False, outer: bool = False,
