@@ -107,7 +107,8 @@ def test_broadcast_multi_tensor_distinct_shapes():
 def test_broadcast_keeps_negative_zero_and_rejects_bad_root():
     def body(comm):
         out = comm.broadcast_from_root([torch.tensor([-0.0, 1.0]) * (comm.rank + 1)], 0)
-        with pytest.raises(ValueError, match=r"broadcast root 7 is not a rank of this cohort \(0 to 1\)"):
+        with pytest.raises(ValueError,
+                           match=r"broadcast root 7 is not a rank of this cohort \(0 to 1\)"):
             comm.broadcast_from_root([torch.zeros(2)], 7)
         return out
 

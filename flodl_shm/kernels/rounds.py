@@ -13,10 +13,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .control_block import (DEAD_EXITED, FLAG_BROADCAST, FLAG_ELIDED, FLAGS_AGREED, G_ABORT, G_DOORBELL,
-                     G_SLEEPERS, GLOBAL_WORDS, H_DTYPE, H_FLAGS, H_KIND, H_NBYTES, H_NELEM,
-                     H_NTENSORS, H_ROUND, H_SCHEMA_HASH, H_SCHEMA_WORDS, H_WEIGHT, HDR_WORDS,
-                     R_ARRIVED, R_DEAD, R_HDR, RANK_WORDS)
+from .control_block import (DEAD_EXITED, FLAG_BROADCAST, FLAG_ELIDED, FLAGS_AGREED, G_ABORT,
+                            G_DOORBELL, G_SLEEPERS, GLOBAL_WORDS, H_DTYPE, H_FLAGS, H_KIND,
+                            H_NBYTES, H_NELEM, H_NTENSORS, H_ROUND, H_SCHEMA_HASH,
+                            H_SCHEMA_WORDS, H_WEIGHT, HDR_WORDS, R_ARRIVED, R_DEAD, R_HDR,
+                            RANK_WORDS)
 from .atomics import cpu_relax, fetch_add, load_acquire, store_release
 from .codec import bf16_bits_rne, bf16_to_f32
 # result codes of arrive() and the fused rounds (>= 0: the first rank still missing);
