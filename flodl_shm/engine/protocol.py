@@ -227,8 +227,7 @@ class RoundEngine:
         # addresses of arrays this engine keeps, and the spin budget the Waiter adapts
         w = self.waiter
         self._call = RK.call_block(self.ctl, self._eager_all, arena.eager_bytes, self.world,
-                                   rank, self._work, eager_out, w.spin_iters, w.min_spin,
-                                   w.max_spin)
+                                   rank, self._work, w.spin_iters, w.min_spin, w.max_spin)
         w.share_spin(self._call[RK.C_SPIN:RK.C_SPIN + 1])
         self._info = self._call[:RK.I_WORDS]
         self._mass = self._call[RK.C_MASS:RK.C_MASS + 1].view(np.float64)
@@ -490,8 +489,8 @@ class RoundEngine:
         """Eager rounds: reduce every contribution into private ``out`` (typed like the
         wire: float32, or uint16 bf16 bits); a broadcast's one contribution is copied
         bit for bit."""
-        c = view.contrib_mask
-        root = c.bit_length() - 1 if view.flags & A.FLAG_BROADCAST and c & (c - 1) == 0 else -1
+        root = (RK.sole_contributor(view.contrib_mask, self.world)
+                if view.flags & A.FLAG_BROADCAST else -1)
         if view.dtype == DTYPE_F32 and root >= 0:
             RK.copy_eager_f32(self._eager_all, self.arena.eager_bytes, view.rnd, root,
                               view.nwords * 8, view.nelem, out)

@@ -192,7 +192,7 @@ def copy_eager_f32(eager, slot_bytes, rnd, src, off, nelem, out):
         o[i] = s[i]
 
 
-@njit(inline="always")
+@njit(cache=True, nogil=True)
 def sole_contributor(contrib, world):
     """The rank whose bit is the only one set in ``contrib``, else -1."""
     if contrib == 0 or contrib & (contrib - 1) != 0:
@@ -297,10 +297,8 @@ C_SLOT_BYTES = I_WORDS + 8
 C_WORLD = I_WORDS + 9
 C_ME = I_WORDS + 10
 C_WORK = I_WORDS + 11     # address of WORK_WORDS float32 of scratch
-C_OUT = I_WORDS + 12      # address of the default output (``RoundEngine.eager_f32``)
-C_OUT_BYTES = I_WORDS + 13
-C_SCHEMA = I_WORDS + 14   # 2 words: the id of the plan whose schema each slot parity holds
-CALL_WORDS = I_WORDS + 16
+C_SCHEMA = I_WORDS + 12   # 2 words: the id of the plan whose schema each slot parity holds
+CALL_WORDS = I_WORDS + 14
 
 P_ID = 0                  # unique per plan (0: none): the slot-schema cache key
 P_KIND = 1
@@ -474,8 +472,7 @@ def eager_copy_f32(blk, pl, addr, dst_addr, rnd, flags, weight, scale, root):
 
 
 def call_block(ctl: np.ndarray, eager: np.ndarray, slot_bytes: int, world: int, me: int,
-               work: np.ndarray, out: np.ndarray, spin: int, min_spin: int,
-               max_spin: int) -> np.ndarray:
+               work: np.ndarray, spin: int, min_spin: int, max_spin: int) -> np.ndarray:
     """A call block over these arrays (the caller keeps them alive as long as it)."""
     blk = np.zeros(CALL_WORDS, np.int64)
     blk[C_SPIN], blk[C_MIN_SPIN], blk[C_MAX_SPIN] = spin, min_spin, max_spin
@@ -484,7 +481,6 @@ def call_block(ctl: np.ndarray, eager: np.ndarray, slot_bytes: int, world: int, 
     blk[C_SLOT_BYTES], blk[C_WORLD], blk[C_ME] = slot_bytes, world, me
     assert work.dtype == np.float32 and work.shape[0] >= WORK_WORDS
     blk[C_WORK] = work.ctypes.data
-    blk[C_OUT], blk[C_OUT_BYTES] = out.ctypes.data, out.nbytes
     return blk
 
 
@@ -513,9 +509,10 @@ def warm_up() -> None:
     reduce_eager_f32(eager, 64, 0, world, 3, 0, 2, np.zeros(2, np.float32), 1.0, acc)
     reduce_eager_bf16(eager, 64, 0, world, 3, 0, 2, np.zeros(2, np.uint16), 1.0, acc, tmp)
     copy_eager_f32(eager, 64, 0, 1, 0, 2, np.zeros(2, np.float32))
+    sole_contributor(2, world)
     work = np.zeros(WORK_WORDS, np.float32)
     out = np.zeros(16, np.float32)
-    blks = [call_block(ctl, eager, 64, world, r, work, out, 0, 0, 0) for r in range(world)]
+    blks = [call_block(ctl, eager, 64, world, r, work, 0, 0, 0) for r in range(world)]
     words = np.array([1, 0, 0, 1, 2], np.int64)
     u16 = out.view(np.uint16)
     for i, dtype in enumerate((0, 1)):
