@@ -1097,7 +1097,8 @@ class Comm:
                             plan.nelem, plan.shash, len(plan.words))
                 if hook is not None:
                     hook("arrived", rnd)
-                view = eng.await_arrivals(rnd)
+                # the root copies its payload in before it arrives: spin for that long
+                view = eng.await_arrivals(rnd, nbytes=plan.nbytes)
                 eng.check_broadcast(rnd, view.accepted_mask, view.contrib_mask, broadcast)
                 eng.broadcast_copy(view, broadcast, out)
                 if self.local_rank == broadcast:

@@ -731,7 +731,7 @@ class RoundEngine:
 
     def await_readers(self, view: RoundView) -> None:
         """The root of a bulk broadcast: wait until every rank copied its payload out
-        (done[.] >= round) or is dead. A dead reader's done word is raised to the round
+        (done[.] >= round) or is dead, spinning for as long as that copy takes. A dead reader's done word is raised to the round
         by the root (compare-and-swap, never lowered: a survivor may already be in a
         later round's takeover of that rank's slice)."""
         ctl, world, rnd = self.ctl, self.world, view.rnd
@@ -751,7 +751,7 @@ class RoundEngine:
         self.waiter.wait(lambda it: signals.spin_slices(ctl, world, rnd, self.rank, it),
                          what="waiting for the broadcast's readers to copy the root's tensors",
                          rnd=rnd, missing_of=lambda: self.missing_slices(rnd),
-                         on_missing=dead_reader)
+                         on_missing=dead_reader, work_s=view.nbytes / WORK_BYTES_PER_S)
 
     def missing_slices(self, rnd: int) -> tuple[int, ...]:
         return tuple(j for j in range(self.world)
