@@ -26,6 +26,13 @@ world-length ``Allreduce`` for the API table) via mpi4py (run under mpirun; skip
 with a note when mpirun or mpi4py is missing: the API table then has no ratios).
 
     python tools/bench_allreduce.py --methods api --sizes 4KiB --worlds 2   # API rows only
+    python tools/bench_allreduce.py --pages huge        # every buffer on huge pages
+
+Every peer's buffers come from one allocator (``_bench_common.buffer``) on one kind of
+page, ``--pages 4k`` (default: what torch gives a tensor) or ``huge`` (transparent
+huge pages, as numpy gives arrays of 4 MiB and more): a cross-memory copy, which
+OpenMPI's large messages and flodl_shm's direct rounds both use, costs about twice as
+much on 4 KiB pages, so peers on different pages would not be compared like for like.
 """
 from __future__ import annotations
 
@@ -40,8 +47,8 @@ import time
 
 import numpy as np
 
-from _bench_common import (KiB, MiB, append_json, collect, exit_code, human, parse_size,
-                           summarize)
+from _bench_common import (PAGES, KiB, MiB, append_json, buffer, collect, exit_code, human,
+                           parse_size, summarize, tensor_buffer)
 from _bench_common import bench_gloo as _bench_gloo
 
 SIZES = [4 * KiB, 256 * KiB, 4 * MiB, 64 * MiB, 256 * MiB]
@@ -81,11 +88,11 @@ def schedule(nbytes: int, world: int, scale: float) -> tuple[int, int]:
 
 # --- memcpy baseline ------------------------------------------------------------------
 
-def bench_memcpy(sizes, scale) -> list[dict]:
+def bench_memcpy(sizes, scale, pages) -> list[dict]:
     out = []
     for nbytes in sizes:
-        a = np.full(nbytes // 4, 1.0, np.float32)
-        c = np.zeros_like(a)
+        a = buffer(nbytes // 4, 1.0, pages)
+        c = buffer(nbytes // 4, 0.0, pages)
         warm, iters = schedule(nbytes, 1, scale)
         for _ in range(max(warm, 3)):
             np.copyto(c, a)
@@ -128,7 +135,7 @@ def _timed(comm, op, check, warm: int, iters: int) -> tuple:
     return times, ok, waits
 
 
-def _shm_worker(ctx, sizes, methods, scale):
+def _shm_worker(ctx, sizes, methods, scale, pages):
     """Every flodl_shm row of the run, in ONE cohort (so the main table's
     ``all_reduce_`` and the API table's in-place row share processes, core placement
     and spin calibration): per size, the main-table methods, then the API rows."""
@@ -139,13 +146,13 @@ def _shm_worker(ctx, sizes, methods, scale):
     for nbytes in sizes:
         for rows, fn in ((shm, _shm_rows), (apis, _api_rows)):
             if rows:
-                r, w = fn(ctx, comm, nbytes, rows, scale, min(sizes))
+                r, w = fn(ctx, comm, nbytes, rows, scale, min(sizes), pages)
                 results += r
                 waits += w
     return results, waits
 
 
-def _shm_rows(ctx, comm, nbytes, methods, scale, _smallest):
+def _shm_rows(ctx, comm, nbytes, methods, scale, _smallest, pages):
     import torch
 
     world = ctx.world_size
@@ -156,7 +163,7 @@ def _shm_rows(ctx, comm, nbytes, methods, scale, _smallest):
     for method in methods:
         comm.set_bf16_wire(method.endswith("bf16"))
         if method.startswith("shm-copy"):
-            t = torch.full((n,), float(ctx.rank + 1))
+            t = tensor_buffer(n, float(ctx.rank + 1), pages)
 
             def op(t=t):
                 comm.all_reduce_([t])
@@ -203,10 +210,11 @@ API_METHODS = list(API_PEERS)
 API_FIXED = ("api-per-rank", "api-barrier")
 
 
-def api_ops(comm, n: int, rank: int) -> dict:
+def api_ops(comm, n: int, rank: int, pages: str = "4k") -> dict:
     """One callable per public collective over ``n`` float32 elements, each paired
     with a check of its last result (every rank contributes ``rank + 1`` with mass 1:
-    the consensus is the mean). Shared by the benchmark and tests/test_perf_guard.py."""
+    the consensus is the mean); the tensors sit on ``pages`` (``_bench_common.buffer``).
+    Shared by the benchmark and tests/test_perf_guard.py."""
     import torch
 
     from flodl_shm import RoundFrame, RoundKind, TensorPayload
@@ -214,9 +222,9 @@ def api_ops(comm, n: int, rank: int) -> dict:
     world = comm.world_size
     mean = (world + 1) / 2.0
     val = float(rank + 1)
-    t = torch.full((n,), val)
-    src = torch.full((n,), val)
-    frame = RoundFrame([TensorPayload(0, (n,), np.full(n, val, np.float32))], 1.0,
+    t = tensor_buffer(n, val, pages)
+    src = tensor_buffer(n, val, pages)
+    frame = RoundFrame([TensorPayload(0, (n,), buffer(n, val, pages))], 1.0,
                        RoundKind.MODEL)
     last = {}
 
@@ -243,7 +251,7 @@ def api_ops(comm, n: int, rank: int) -> dict:
     def broadcast():
         last["b"] = comm.broadcast_from_root([src])
 
-    dst = torch.full((n,), val)  # rank 0's 1.0 after the first call, on every rank
+    dst = tensor_buffer(n, val, pages)  # rank 0's 1.0 after the first call, on every rank
 
     def broadcast_inplace():
         comm.broadcast_([dst])
@@ -276,11 +284,11 @@ def api_ops(comm, n: int, rank: int) -> dict:
     }
 
 
-def _api_rows(ctx, comm, nbytes, methods, scale, smallest):
+def _api_rows(ctx, comm, nbytes, methods, scale, smallest, pages):
     results, waits = [], []
     n = nbytes // 4
     warm, iters = schedule(nbytes, ctx.world_size, scale)
-    ops = api_ops(comm, n, ctx.rank)
+    ops = api_ops(comm, n, ctx.rank, pages)
     for method in methods:
         if method in API_FIXED and nbytes != smallest:
             continue
@@ -302,18 +310,18 @@ def _collect_waits(per_rank, world) -> list[dict]:
     return out
 
 
-def bench_shm(world, sizes, methods, scale) -> list[dict]:
+def bench_shm(world, sizes, methods, scale, pages) -> list[dict]:
     """The main-table methods and API rows in ``methods``, one cohort (``_shm_worker``)."""
     from flodl_shm import spawn
 
-    per_rank = spawn(_shm_worker, world, (sizes, methods, scale), timeout=1200)
+    per_rank = spawn(_shm_worker, world, (sizes, methods, scale, pages), timeout=1200)
     return _collect_waits(per_rank, world)
 
 
 # --- gloo ---------------------------------------------------------------------------
 
-def bench_gloo(world, sizes, scale) -> list[dict]:
-    return _bench_gloo(world, [(n, *schedule(n, world, scale)) for n in sizes])
+def bench_gloo(world, sizes, scale, pages) -> list[dict]:
+    return _bench_gloo(world, [(n, *schedule(n, world, scale)) for n in sizes], pages)
 
 
 # --- OpenMPI ------------------------------------------------------------------------
@@ -327,7 +335,7 @@ def mpi_available() -> tuple[bool, str]:
     return True, ""
 
 
-def _mpi_worker_main(sizes, scale) -> None:
+def _mpi_worker_main(sizes, scale, pages) -> None:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -355,7 +363,7 @@ def _mpi_worker_main(sizes, scale) -> None:
                   flush=True)
 
     for nbytes in sizes:
-        buf = np.full(nbytes // 4, rank + 1, dtype=np.float32)
+        buf = buffer(nbytes // 4, rank + 1, pages)
         warm, iters = schedule(nbytes, world, scale)
 
         def avg(buf=buf):
@@ -364,7 +372,7 @@ def _mpi_worker_main(sizes, scale) -> None:
 
         measure("mpi", nbytes, avg, lambda buf=buf: bool(np.all(buf == expected)), warm, iters)
         # the peer of broadcast_from_root: root's buffer to every rank
-        got = np.full(nbytes // 4, 1.0 if rank == 0 else 0.0, dtype=np.float32)
+        got = buffer(nbytes // 4, 1.0 if rank == 0 else 0.0, pages)
 
         def bcast(got=got):
             comm.Bcast(got, root=0)
@@ -387,10 +395,10 @@ def _mpi_worker_main(sizes, scale) -> None:
     comm.Barrier()
 
 
-def bench_mpi(world, sizes, scale) -> list[dict]:
+def bench_mpi(world, sizes, scale, pages) -> list[dict]:
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np",
            str(world), sys.executable, os.path.abspath(__file__), "--mpi-worker",
-           "--sizes", ",".join(map(str, sizes)), "--iter-scale", str(scale)]
+           "--sizes", ",".join(map(str, sizes)), "--iter-scale", str(scale), "--pages", pages]
     env = dict(os.environ, OMPI_MCA_btl_vader_single_copy_mechanism="cma")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     out = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -513,6 +521,10 @@ def main(argv=None) -> int:
                          "mpi, api (every public collective, one row each) or api-<name>")
     ap.add_argument("--iter-scale", type=float, default=1.0)
     ap.add_argument("--quick", action="store_true", help="tiny schedule (smoke test)")
+    ap.add_argument("--pages", choices=PAGES, default="4k",
+                    help="the page kind of every peer's buffers: 4k (torch's default for a "
+                         "tensor) or huge (transparent huge pages, as numpy gives large "
+                         "arrays and torch does with THP_MEM_ALLOC_ENABLE=1); default 4k")
     ap.add_argument("--json", help="append RESULT records to this JSONL file")
     ap.add_argument("--plot", help="write a bandwidth-vs-size PNG (needs matplotlib)")
     ap.add_argument("--mpi-worker", action="store_true", help=argparse.SUPPRESS)
@@ -525,7 +537,7 @@ def main(argv=None) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     scale = 0.05 if args.quick else args.iter_scale
     if args.mpi_worker:
-        _mpi_worker_main(sizes, scale)
+        _mpi_worker_main(sizes, scale, args.pages)
         return 0
     worlds = [int(w) for w in args.worlds.split(",")]
     methods = (["memcpy", *SHM_METHODS, "api", "gloo", "mpi"] if args.methods == "all"
@@ -536,24 +548,25 @@ def main(argv=None) -> int:
     if apis and "mpi" not in methods:
         methods.append("mpi")  # the API table's ratio column
     print(f"# host: {os.cpu_count()} cores; sizes {', '.join(human(s) for s in sizes)}; "
-          f"worlds {worlds}; iteration scale {scale}", flush=True)
+          f"worlds {worlds}; iteration scale {scale}; every buffer on {args.pages} pages",
+          flush=True)
     results = []
     if "memcpy" in methods:
-        results += bench_memcpy(sizes, scale)
+        results += bench_memcpy(sizes, scale, args.pages)
     have_mpi, why = mpi_available()
     for world in worlds:
         shm = [m for m in methods if m in SHM_METHODS or m in API_PEERS]
         if shm:
             print(f"# flodl_shm (main-table methods and API rows, one cohort), world {world} ...",
                   flush=True)
-            results += bench_shm(world, sizes, shm, scale)
+            results += bench_shm(world, sizes, shm, scale, args.pages)
         if "gloo" in methods:
             print(f"# gloo, world {world} ...", flush=True)
-            results += bench_gloo(world, sizes, scale)
+            results += bench_gloo(world, sizes, scale, args.pages)
         if "mpi" in methods:
             if have_mpi:
                 print(f"# OpenMPI, world {world} ...", flush=True)
-                results += bench_mpi(world, sizes, scale)
+                results += bench_mpi(world, sizes, scale, args.pages)
             else:
                 print(f"# OpenMPI skipped: {why}", flush=True)
     memcpy = {r["bytes"]: r["median_us"] for r in results if r["method"] == "memcpy"}
