@@ -64,7 +64,7 @@ from .checkpoint_tap import post as tap_post
 from .direct import UNAVAILABLE
 from .hostmem import HostMemory
 from .protocol import RoundEngine, RoundPlan
-from .round_report import read_reports, write_report
+from .round_report import RoundReports
 from .staging import (  # noqa: F401 - the slot constants are part of this module's API too
     DECODE_SLOT_BUFFERS,
     DECODE_SLOT_PARAMS,
@@ -75,9 +75,11 @@ from .tensor_codec import (
     F32,
     POOL_MIN_BYTES,
     TensorCodec,
+    add_drift,
     check_tensors,
     decode_gathered,
     decode_into_tensor,
+    drift_snapshot,
     flat_f32,
     flat_part,
     wire_views,
@@ -89,6 +91,18 @@ logger = logging.getLogger("flodl_shm")
 _MODEL = int(RoundKind.MODEL)
 _CONTROL = int(RoundKind.CONTROL)
 _INF = math.inf
+
+
+def _check_drift(drift, ntensors: int) -> None:
+    """ValueError unless ``drift`` is a writable float64 numpy array of shape
+    ``(ntensors, 3)`` (``all_reduce_``'s drift sums)."""
+    if not (isinstance(drift, np.ndarray) and drift.dtype == np.float64
+            and drift.shape == (ntensors, 3) and drift.flags.writeable):
+        got = (f"{drift.dtype} array of shape {drift.shape}" if isinstance(drift, np.ndarray)
+               else type(drift).__name__)
+        raise ValueError(f"drift must be a writable float64 numpy array of shape "
+                         f"(len(tensors), 3) = ({ntensors}, 3), got a {got}: allocate it "
+                         f"with np.zeros(({ntensors}, 3))")
 
 
 def _kind(kind) -> int:
@@ -147,6 +161,8 @@ class Comm:
         self._ckpt: TapHead | None = None  # the armed checkpoint cycle's next frame
         self._ckpt_remaining = 0
         self._ckpt_cycle = 0
+        self._reports = RoundReports(arena)
+        self._all_local = (1 << arena.world) - 1  # every local rank's bit
         self._reported = -1  # the last round this rank sent a report with
         arena.ctl[A.rank_base(local_rank) + A.R_PID] = _getpid()
 
@@ -357,6 +373,8 @@ class Comm:
         ranks only; remote ranks are known to the controller (its ``dead_ranks``)."""
         mask = self._engine.last_accepted
         first = self.rank - self.local_rank
+        if mask == self._all_local:
+            return list(range(first, first + self.local_world_size))
         return [first + i for i in range(self.local_world_size) if (mask >> i) & 1]
 
     def _write_report(self, values: Sequence[float]) -> None:
@@ -365,7 +383,7 @@ class Comm:
                 "round reports cover the ranks of one host, but this Comm's rounds cross "
                 "hosts through a relay: gather per-rank values with all_reduce_per_rank_f64 "
                 "instead")
-        write_report(self.arena, self.local_rank, self._round, values)
+        self._reports.write(self.local_rank, self._round, values)
         self._reported = self._round
 
     def last_reports(self) -> np.ndarray:
@@ -385,7 +403,7 @@ class Comm:
                 "last_reports() reads the reports of the last collective, which carried "
                 "none from this rank: pass report= to all_reduce_ and read them before the "
                 "next collective call")
-        return read_reports(self.arena, rnd, self._engine.last_accepted)
+        return self._reports.read(rnd, self._engine.last_accepted)
 
     @property
     def round(self) -> int:
@@ -509,7 +527,8 @@ class Comm:
 
     def all_reduce_(self, tensors: Sequence[torch.Tensor], *, weight: float = 1.0,
                     scale: float = 1.0, kind=RoundKind.MODEL, outer: bool = False,
-                    report: Sequence[float] | None = None) -> float:
+                    report: Sequence[float] | None = None,
+                    drift: np.ndarray | None = None) -> float:
         """In place: replace each tensor by the consensus (like ``dist.all_reduce``).
 
         Contributes ``tensors · scale`` with mass ``weight``. When a MODEL round's
@@ -520,26 +539,36 @@ class Comm:
         the round's header; every rank reads everyone's with :meth:`last_reports` right
         after the call (``engine/round_report.py``). One host only; every rank of the
         round must pass one.
+
+        ``drift``: a float64 numpy array of shape ``(len(tensors), 3)``; row ``i`` gets
+        ``(Σ old², Σ new², Σ (old - new)²)`` of tensor ``i`` added (old: its values
+        before the call, new: after; a tensor left untouched adds its norm twice and
+        0), e.g. a replica's drift ``||old - new|| / ||new||``. A small round takes the
+        sums while it writes the consensus (no snapshot, no second pass); the others
+        snapshot the tensors first.
         """
+        if drift is not None:
+            _check_drift(drift, len(tensors))
         if report is None:
-            return self._all_reduce_in_place(tensors, weight, scale, kind, outer)
+            return self._all_reduce_in_place(tensors, weight, scale, kind, outer, drift)
         rnd = self._round
         self._write_report(report)
         try:
-            return self._all_reduce_in_place(tensors, weight, scale, kind, outer)
+            return self._all_reduce_in_place(tensors, weight, scale, kind, outer, drift)
         except BaseException:
             if self._round == rnd:  # refused before the round: the report went nowhere
                 self._reported = -1
             raise
 
     def _all_reduce_in_place(self, tensors: Sequence[torch.Tensor], weight: float,
-                             scale: float, kind, outer: bool) -> float:
+                             scale: float, kind, outer: bool,
+                             drift: np.ndarray | None = None) -> float:
         kind = _kind(kind)
         dtype = DTYPE_BF16 if (self._bf16 and kind == _MODEL) else DTYPE_F32
         outer = outer and kind == _MODEL
         scale = float(scale)
         eng = self._engine
-        if len(tensors) == 1 and dtype == DTYPE_F32:
+        if len(tensors) == 1 and dtype == DTYPE_F32 and drift is None:
             plan = self._single_plan(tensors[0], kind, outer)
             if plan is not None:
                 # copy-in, round and copy-out are a single compiled call
@@ -548,11 +577,27 @@ class Comm:
         if plan is not None:
             mass = self._fused_round(plan, weight, len(tensors), scale, None, 0, False)
             if kind == _MODEL and not mass > 0.0:
+                if drift is not None:  # untouched: old == new
+                    add_drift(drift_snapshot(tensors, plan.nelem, self._codec.results),
+                              tensors, drift)
                 return mass
             decode_gathered(eng.eager_f32 if dtype == DTYPE_F32 else eng.eager_u16, dtype,
-                            plan, tensors)
+                            plan, tensors, drift)
             return mass
         plan = eng.plan(kind, dtype, tuple(check_tensors(tensors)))
+        if drift is None:
+            return self._all_reduce_planned(tensors, plan, weight, scale, kind, outer, dtype)
+        old = drift_snapshot(tensors, plan.nelem, self._codec.results)
+        mass = self._all_reduce_planned(tensors, plan, weight, scale, kind, outer, dtype)
+        add_drift(old, tensors, drift)
+        return mass
+
+    def _all_reduce_planned(self, tensors: Sequence[torch.Tensor], plan: RoundPlan,
+                            weight: float, scale: float, kind: int, outer: bool,
+                            dtype: int) -> float:
+        """``all_reduce_``'s rounds beyond one compiled call: direct, or the general
+        round (bulk or eager) with the consensus copied back into ``tensors``."""
+        eng = self._engine
         how = self._direct_mode(plan, outer)
         if how == A.FLAG_DIRECT:
             return self._direct_call(tensors, plan, weight, scale, None)

@@ -30,58 +30,73 @@ they are refused, since the other hosts' ranks are not in this host's headers.
 """
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import numpy as np
 
 from . import arena as A
 
-__all__ = ["REPORT_VALUES", "read_reports", "write_report"]
+__all__ = ["REPORT_VALUES", "RoundReports"]
 
 REPORT_VALUES = A.REPORT_VALUES
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
-def write_report(arena: A.Arena, local_rank: int, rnd: int, values: Sequence[float]) -> None:
-    """Write this rank's report for round ``rnd`` (before the round publishes).
+class RoundReports:
+    """The report words of every rank's two round headers in one arena, as numpy views
+    made once (a round's header is chosen by its parity), so a write or a read is a
+    few vector operations.
 
-    Raises:
-        ValueError: more than ``REPORT_VALUES`` values, or a value that is not finite.
+    Args:
+        arena: the arena whose headers carry the reports.
     """
-    n = len(values)
-    if n > REPORT_VALUES:
-        raise ValueError(f"a round report holds at most {REPORT_VALUES} values, got {n}: "
-                         f"send the rest in a CONTROL round (comm.all_reduce_per_rank_f64)")
-    slots = np.zeros(REPORT_VALUES, np.float32)
-    for i, v in enumerate(values):
-        v = float(v)
-        if not math.isfinite(v):
-            raise ValueError(f"report value {i} is {v}: reports carry finite numbers only")
-        slots[i] = v
-    base = A.header_base(local_rank, rnd)
-    words = arena.ctl[base + A.H_REPORT:base + A.H_REPORT + REPORT_VALUES // 2]
-    words.view(np.float32)[:] = slots
-    arena.ctl[base + A.H_REPORT_ROUND] = rnd + 1
 
+    def __init__(self, arena: A.Arena) -> None:
+        world = arena.world
+        ranks = arena.ctl[A.rank_base(0):A.rank_base(world)].reshape(world, A.RANK_WORDS)
+        f32 = ranks.view(np.float32)  # two float32 per word, rank by rank
+        self._values, self._tags = [], []
+        for parity in (0, 1):
+            hdr = A.R_HDR + parity * A.HDR_WORDS
+            self._values.append(f32[:, 2 * (hdr + A.H_REPORT):
+                                    2 * (hdr + A.H_REPORT) + REPORT_VALUES])
+            self._tags.append(ranks[:, hdr + A.H_REPORT_ROUND])
 
-def read_reports(arena: A.Arena, rnd: int, accepted_mask: int) -> np.ndarray:
-    """Every rank's report of round ``rnd`` as a ``[world, REPORT_VALUES]`` float64
-    table (zeros for ranks outside ``accepted_mask``).
+    def write(self, local_rank: int, rnd: int, values: Sequence[float]) -> None:
+        """Write this rank's report for round ``rnd`` (before the round publishes).
 
-    Raises:
-        RuntimeError: an accepted rank sent no report with that round (every rank must
-            pass ``report=`` to the same call).
-    """
-    world = arena.world
-    out = np.zeros((world, REPORT_VALUES), np.float64)
-    ctl = arena.ctl
-    for r in range(world):
-        if not (accepted_mask >> r) & 1:
-            continue
-        base = A.header_base(r, rnd)
-        if int(ctl[base + A.H_REPORT_ROUND]) != rnd + 1:
-            raise RuntimeError(
-                f"round {rnd}: rank {r} sent no report with it: every rank must pass "
-                f"report= to the same collective call")
-        out[r] = ctl[base + A.H_REPORT:base + A.H_REPORT + REPORT_VALUES // 2].view(np.float32)
-    return out
+        Raises:
+            ValueError: more than ``REPORT_VALUES`` values, or a value that is not a
+                finite float32.
+        """
+        n = len(values)
+        if n > REPORT_VALUES:
+            raise ValueError(f"a round report holds at most {REPORT_VALUES} values, got {n}: "
+                             f"send the rest in a CONTROL round (comm.all_reduce_per_rank_f64)")
+        for i, v in enumerate(values):
+            if not -_F32_MAX <= v <= _F32_MAX:  # NaN fails both
+                raise ValueError(f"report value {i} is {float(v)}: reports carry finite "
+                                 f"float32 numbers only")
+        slots = self._values[rnd & 1][local_rank]
+        slots[:n] = values
+        slots[n:] = 0.0
+        self._tags[rnd & 1][local_rank] = rnd + 1
+
+    def read(self, rnd: int, accepted_mask: int) -> np.ndarray:
+        """Every rank's report of round ``rnd`` as a ``[world, REPORT_VALUES]`` float64
+        table (zeros for ranks outside ``accepted_mask``).
+
+        Raises:
+            RuntimeError: an accepted rank sent no report with that round (every rank must
+                pass ``report=`` to the same call).
+        """
+        out = self._values[rnd & 1].astype(np.float64)
+        tags = self._tags[rnd & 1]
+        for r, tag in enumerate(tags.tolist()):
+            if not (accepted_mask >> r) & 1:
+                out[r] = 0.0
+            elif tag != rnd + 1:
+                raise RuntimeError(
+                    f"round {rnd}: rank {r} sent no report with it: every rank must pass "
+                    f"report= to the same collective call")
+        return out

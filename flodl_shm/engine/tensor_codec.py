@@ -30,6 +30,7 @@ import torch
 
 from ..frame import DTYPE_BF16, DTYPE_F32, RoundKind, check_tensor_dtype
 from ..kernels import codec as K
+from ..kernels import reduce as RK
 from ..kernels import tensorio as TIO
 from .hostmem import HostMemory, host_memory
 from .protocol import RoundPlan
@@ -254,7 +255,7 @@ def flat_f32(tensors: Sequence[torch.Tensor]) -> np.ndarray:
 
 
 def decode_gathered(cons: np.ndarray, dtype: int, plan: RoundPlan,
-                    tensors: Sequence[torch.Tensor]) -> None:
+                    tensors: Sequence[torch.Tensor], drift: np.ndarray | None = None) -> None:
     """Write a fused round's consensus into the tensors ``TensorCodec.gather`` recorded in
     ``plan.addrs``, in place: the float32 ones in one compiled call, the bfloat16 ones
     through :func:`decode_into_tensor` (torch's rounding).
@@ -264,11 +265,52 @@ def decode_gathered(cons: np.ndarray, dtype: int, plan: RoundPlan,
         dtype: the wire dtype.
         plan: the round's plan, its ``addrs`` filled by ``gather`` for ``tensors``.
         tensors: the destinations, in the plan's order.
+        drift: a float64 ``[len(tensors), 3]`` array: row ``i`` gets tensor ``i``'s
+            :func:`add_drift` sums, taken while the float32 ones are written.
     """
-    if TIO.decode_scatter(cons, plan.addrs, plan.ntensors):
-        for t, off, k in zip(tensors, plan.offs, plan.numels):
+    if drift is None:
+        skipped = TIO.decode_scatter(cons, plan.addrs, plan.ntensors)
+    else:
+        skipped = TIO.decode_scatter_drift(cons, plan.addrs, plan.ntensors, drift)
+    if skipped:
+        for i, (t, off, k) in enumerate(zip(tensors, plan.offs, plan.numels)):
             if t.dtype is BF16:
+                old = None if drift is None else t.detach().reshape(-1).float().numpy()
                 decode_into_tensor(cons[off:off + k], dtype, t)
+                if old is not None:
+                    RK.drift_sums(old, flat_values(t), drift[i])
+
+
+def flat_values(t: torch.Tensor) -> np.ndarray:
+    """A float32 or bfloat16 tensor's values as a flat numpy array: float32, or the
+    bfloat16 bits as uint16 (a view when ``t`` is contiguous, else a copy)."""
+    t = t.detach()
+    if t.dtype is BF16:
+        return t.reshape(-1).view(torch.int16).numpy().view(np.uint16)
+    return t.reshape(-1).numpy()
+
+
+def drift_snapshot(tensors: Sequence[torch.Tensor], nelem: int, pool: "ResultPool") -> np.ndarray:
+    """The tensors' current values, one after the other, as ``nelem`` float32 (a pooled
+    buffer): the "old" side of :func:`add_drift` for a round that writes in place."""
+    buf = pool.take(nelem, np.float32)
+    off = 0
+    for t in tensors:
+        n = t.numel()
+        torch.from_numpy(buf[off:off + n]).copy_(t.detach().reshape(-1))
+        off += n
+    return buf
+
+
+def add_drift(old: np.ndarray, tensors: Sequence[torch.Tensor], drift: np.ndarray) -> None:
+    """Add ``(Σ old², Σ new², Σ (old - new)²)`` per tensor to the rows of ``drift``
+    (float64 ``[len(tensors), 3]``): ``old`` from :func:`drift_snapshot`, new the
+    tensors' values now."""
+    off = 0
+    for i, t in enumerate(tensors):
+        n = t.numel()
+        RK.drift_sums(old[off:off + n], flat_values(t), drift[i])
+        off += n
 
 
 def wire_views(flat: np.ndarray, dtype: int, plan: RoundPlan) -> list[torch.Tensor]:

@@ -18,6 +18,7 @@ from numba import carray, njit, types
 from numba.extending import intrinsic, overload
 
 from .codec import bf16_scaled_copy, bf16_to_f32, f32_scaled_copy, f32_to_bf16, f32_to_bf16_scaled
+from .reduce import drift_sums
 
 
 @intrinsic
@@ -145,6 +146,28 @@ def decode_scatter(src, addrs, ntensors):
     return skipped
 
 
+@njit(cache=True, nogil=True)
+def decode_scatter_drift(src, addrs, ntensors, sums):
+    """:func:`decode_scatter` that also adds, for each float32 tensor ``i``, the sums
+    ``(Σ old², Σ new², Σ (old - new)²)`` to row ``i`` of ``sums`` (float64
+    ``[ntensors, 3]``), taken just before the consensus (new) is written over the
+    tensor's values (old), while they are in cache: a replica's drift without a
+    snapshot (``reduce.drift_sums``). bfloat16 tensors are skipped for the caller,
+    rows and all. Returns how many were skipped."""
+    off = 0
+    skipped = 0
+    for i in range(ntensors):
+        n = addrs[ntensors + i]
+        if addrs[2 * ntensors + i]:
+            skipped += 1
+        else:
+            dst = f32_at(addrs[i], n)
+            drift_sums(dst, src[off:off + n], sums[i])  # old and new, while in cache
+            _widen_into(src[off:off + n], dst)
+        off += n
+    return skipped
+
+
 def warm_up() -> None:
     buf = np.zeros(8, np.float32)
     b16 = np.zeros(8, np.uint16)
@@ -162,3 +185,5 @@ def warm_up() -> None:
     addrs = np.array([a, 8, 0], np.int64)
     decode_scatter(np.zeros(8, np.float32), addrs, 1)
     decode_scatter(np.zeros(8, np.uint16), addrs, 1)
+    decode_scatter_drift(np.zeros(8, np.float32), addrs, 1, np.zeros((1, 3)))
+    decode_scatter_drift(np.zeros(8, np.uint16), addrs, 1, np.zeros((1, 3)))

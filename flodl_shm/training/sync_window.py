@@ -55,7 +55,6 @@ import torch
 
 from ..checkpoint.meta import averaged_buffers
 from ..frame import RoundKind
-from ..kernels import drift_sums
 from .realized_work import gamma_mass
 
 if TYPE_CHECKING:
@@ -281,8 +280,8 @@ class ReplicaReduce:
             bfloat16, on the CPU.
         outer: send the params round with ``outer=True`` (the optimizer installed with
             ``Comm.set_outer`` steps the consensus into the new global).
-        drift: measure ``||pre - post|| / ||post||`` of the parameters (keeps one
-            float32 copy of them).
+        drift: measure ``||pre - post|| / ||post||`` of the parameters (the
+            engine's drift sums, ``Comm.all_reduce_(drift=...)``).
         buffers: ``"work"`` or ``"movers"`` (see above).
     """
 
@@ -298,21 +297,11 @@ class ReplicaReduce:
         self._live_all = self._live_params + self._live_buffers
         self._params_numel = sum(p.numel() for p in self.params)
         self._buffers_numel = sum(b.numel() for b in self.buffers)
-        self._pre = ([torch.empty_like(p, dtype=torch.float32) for p in self.params]
-                     if drift else None)
-        # flat numpy views for the drift kernel; the parameters' views are kept when
-        # they are stable (contiguous float32/bfloat16), else taken at every reduce
-        self._pre_np = None if self._pre is None else [t.view(-1).numpy() for t in self._pre]
-        stable = all(p.is_contiguous() and p.dtype in (torch.float32, torch.bfloat16)
-                     for p in self._live_params)
-        self._post_np = ([_flat_np(p) for p in self._live_params]
-                         if self._pre is not None and stable else None)
-        # the pre-reduce snapshot by numpy where every parameter is a float32 view
-        # (cheaper than torch's copy_), else by torch
-        self._pre_copies = (list(zip(self._pre_np, self._post_np))
-                            if self._post_np is not None
-                            and all(p.dtype == torch.float32 for p in self._live_params)
-                            else None)
+        # the drift sums of the params round: one row per tensor it carries (the
+        # parameters' rows first), filled by the engine while it writes the consensus
+        self._drift = (np.zeros((len(self._live_params) + (len(self._live_buffers) if carries
+                                                             else 0), 3))
+                       if drift else None)
         self._together = bool(self._live_buffers) and carries
 
     def tensors(self) -> list[torch.Tensor]:
@@ -343,19 +332,14 @@ class ReplicaReduce:
         """
         t0 = time.perf_counter()
         esize = 2 if comm.bf16_wire else 4
-        if self._pre is not None:
-            if self._pre_copies is not None:
-                for dst, src in self._pre_copies:
-                    np.copyto(dst, src)
-            else:
-                with torch.no_grad():
-                    for dst, p in zip(self._pre, self.params):
-                        dst.copy_(p)
+        sums = self._drift
+        if sums is not None:
+            sums.fill(0.0)
         # the rounds write through detached views (no autograd involved)
         together = self._together
         params_mass = comm.all_reduce_(self._live_all if together else self._live_params,
                                        weight=weight, scale=weight, kind=RoundKind.MODEL,
-                                       outer=self.outer, report=report)
+                                       outer=self.outer, report=report, drift=sums)
         accepted = tuple(comm.last_accepted_ranks())
         reports = None if report is None else comm.last_reports()
         buffers_mass = params_mass if together else 0.0
@@ -363,13 +347,7 @@ class ReplicaReduce:
             bw = weight if self.buffer_mass == "work" else movers_weight
             buffers_mass = comm.all_reduce_(self._live_buffers, weight=bw, scale=bw,
                                             kind=RoundKind.MODEL)
-        if self._pre is None:
-            drift = (0.0, 0.0, 0.0)
-        else:
-            post = self._post_np
-            if post is None:
-                post = [_flat_np(p) for p in self._live_params]
-            drift = _drift(self._pre_np, post)
+        drift = (0.0, 0.0, 0.0) if sums is None else _drift(sums[:len(self._live_params)])
         return ReduceOutcome(params_mass, buffers_mass, accepted, *drift,
                              (self._params_numel + self._buffers_numel) * esize,
                              (time.perf_counter() - t0) * 1e3, reports)
@@ -402,22 +380,14 @@ class ReduceOutcome(NamedTuple):
     reports: Optional[np.ndarray] = None
 
 
-def _flat_np(t: torch.Tensor) -> np.ndarray:
-    """A detached float32 or bfloat16 tensor as a flat numpy array (float32, or uint16
-    bf16 bits): a view when ``t`` is contiguous; other dtypes are converted."""
-    if t.dtype == torch.bfloat16:
-        return t.reshape(-1).view(torch.int16).numpy().view(np.uint16)
-    return t.to(torch.float32).reshape(-1).numpy()
-
-
-def _drift(pre: Sequence[np.ndarray], post: Sequence[np.ndarray]) -> tuple[float, float, float]:
+def _drift(rows: np.ndarray) -> tuple[float, float, float]:
     """``(||pre - post|| / ||post||, ||pre||, ||post||)`` over all tensors (the ratio is 0
-    for a zero ``post``): one compiled pass per tensor, no temporaries. ``pre``: flat
-    float32 arrays; ``post``: flat float32 or bf16-bits arrays (:func:`_flat_np`)."""
-    sums = np.zeros(3, np.float64)
-    for a, b in zip(pre, post):
-        drift_sums(a, b, sums)
-    pre_sq, post_sq, diff_sq = sums.tolist()
+    for a zero ``post``) from ``all_reduce_``'s per-tensor drift sums."""
+    pre_sq = post_sq = diff_sq = 0.0
+    for a, b, c in rows.tolist():
+        pre_sq += a
+        post_sq += b
+        diff_sq += c
     post_norm = math.sqrt(post_sq)
     return (math.sqrt(diff_sq) / post_norm if post_norm > 0.0 else 0.0, math.sqrt(pre_sq),
             post_norm)

@@ -1,0 +1,145 @@
+"""``Comm.all_reduce_(drift=...)``: per tensor, ``(Σ old², Σ new², Σ (old - new)²)`` of
+the values before and after the call, on every path: the small fused round (taken while
+the consensus is written), the single tensor, bfloat16 tensors, the bf16 wire, the
+shared bulk round and the direct round (from a snapshot), a round that accepted no mass
+(tensors untouched), non-contiguous tensors; and a bad array is refused by name.
+
+Ranks are threads over a real arena (``FakeCohort``).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flodl_shm.engine import direct as D
+from flodl_shm.testing import FakeCohort
+
+pytestmark = pytest.mark.timeout(120)
+
+EAGER = 64 << 10
+
+
+def _tensors(rank: int, shapes, dtype=torch.float32) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(11 + rank)
+    return [torch.randn(s, generator=g).to(dtype) for s in shapes]
+
+
+def _reference(old: list[torch.Tensor], new: list[torch.Tensor]) -> np.ndarray:
+    rows = []
+    for a, b in zip(old, new):
+        x = a.double().reshape(-1).numpy()
+        y = b.double().reshape(-1).numpy()
+        rows.append([(x * x).sum(), (y * y).sum(), ((x - y) ** 2).sum()])
+    return np.asarray(rows)
+
+
+def _round(comm, ts, weight=None, **kw):
+    old = [t.clone() for t in ts]
+    drift = np.zeros((len(ts), 3))
+    w = 1.0 + comm.rank if weight is None else weight
+    comm.all_reduce_(ts, weight=w, scale=w, drift=drift, **kw)
+    return drift, _reference(old, ts)
+
+
+CASES = {
+    "one tensor": [(96,)],
+    "several tensors, eager": [(40, 3), (17,), (5,)],
+    "bulk, shared memory": [(70_000,), (5,)],
+}
+
+
+@pytest.mark.parametrize("bf16_wire", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_drift_sums_match_the_values_before_and_after_on_every_path(bf16_wire, dtype):
+    def body(comm):
+        comm.set_bf16_wire(bf16_wire)
+        return [_round(comm, _tensors(comm.rank, shapes, dtype)) for shapes in CASES.values()]
+
+    with FakeCohort(2, eager_bytes=EAGER) as cohort:
+        results = cohort.run(body)
+    for rank_results in results:
+        for (got, want), name in zip(rank_results, CASES):
+            np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=name)
+            assert (got[:, 2] > 0).all(), name  # the replicas differed: every tensor moved
+
+
+def test_drift_sums_of_a_direct_round(monkeypatch):
+    monkeypatch.setattr(D, "DIRECT_MIN_BYTES", 256 << 10)
+
+    def body(comm):
+        out = []
+        for _ in range(3):  # round 0 probes, then the rounds go direct
+            out.append(_round(comm, _tensors(comm.rank, [(70_000,), (70_001,)])))
+            out[-1] += (comm._engine.direct.state,)
+        return out
+
+    with FakeCohort(2, direct=True, eager_bytes=EAGER) as cohort:
+        results = cohort.run(body)
+    for rank_results in results:
+        assert rank_results[-1][2] == D.READY
+        for got, want, _ in rank_results:
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_an_untouched_round_adds_each_norm_twice_and_no_difference():
+    def body(comm):
+        out = []
+        for shapes in CASES.values():
+            ts = _tensors(comm.rank, shapes)
+            drift, want = _round(comm, ts, weight=0.0)  # no mass: keep local
+            out.append((drift, want))
+        return out
+
+    with FakeCohort(2, eager_bytes=EAGER) as cohort:
+        results = cohort.run(body)
+    for rank_results in results:
+        for got, want in rank_results:
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+            assert (got[:, 2] == 0).all() and (got[:, 0] == got[:, 1]).all()
+
+
+def test_non_contiguous_tensors_and_accumulation():
+    def body(comm):
+        base = _tensors(comm.rank, [(6, 9), (30,)])
+        ts = [base[0].t(), base[1][::2]]  # a transposed view and a strided one
+        old = [t.clone() for t in ts]
+        drift = np.ones((2, 3))  # sums are added, not assigned
+        comm.all_reduce_(ts, drift=drift)
+        return drift - 1.0, _reference(old, ts)
+
+    with FakeCohort(2, eager_bytes=EAGER) as cohort:
+        for got, want in cohort.run(body):
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [np.zeros((1, 3)), np.zeros((2, 3), np.float32),
+                                 np.zeros(6), [[0.0] * 3] * 2])
+def test_a_bad_drift_array_is_refused_by_name(bad):
+    def body(comm):
+        with pytest.raises(ValueError, match=r"drift must be a writable float64 numpy array "
+                                             r"of shape \(len\(tensors\), 3\) = \(2, 3\)"):
+            comm.all_reduce_([torch.zeros(4), torch.zeros(5)], drift=bad)
+        comm.all_reduce_([torch.zeros(4), torch.zeros(5)])  # still in step
+        return True
+
+    with FakeCohort(2) as cohort:
+        assert cohort.run(body) == [True, True]
+
+
+def test_a_small_round_takes_the_sums_without_a_snapshot(monkeypatch):
+    from flodl_shm.engine import comm as C
+
+    snapshots = []
+    real = C.drift_snapshot
+    monkeypatch.setattr(C, "drift_snapshot",
+                        lambda *a: snapshots.append(a[1]) or real(*a))
+
+    def body(comm):
+        for shapes in CASES.values():
+            _round(comm, _tensors(comm.rank, shapes))
+        return True
+
+    with FakeCohort(2, eager_bytes=EAGER) as cohort:
+        cohort.run(body)
+    assert snapshots == [70_005, 70_005]  # the bulk round's, on each rank; none else
