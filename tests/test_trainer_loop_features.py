@@ -89,6 +89,34 @@ def test_scheduler_fn_steps_after_every_optimizer_step(plain, tmp_path):
             assert float(lr) == pytest.approx(0.1 * 0.5 ** (4 * int(window) // 3))
 
 
+def make_model_with_frozen_dropout():
+    model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(32, 3))
+    model[1].eval()  # frozen by the user: no dropout in training
+    return model
+
+
+@pytest.mark.parametrize("evaluate", [False, True], ids=["frozen submodule", "eval hook"])
+def test_training_mode_is_restored_but_a_frozen_submodule_stays(evaluate, tmp_path):
+    """A hook that leaves the model in eval mode gets it back in training mode at the
+    next window (every submodule with it); without such a hook, a submodule the user
+    froze in eval mode stays frozen."""
+    from trainer_util import RecordModes
+
+    trainer = flodl_shm.Trainer(make_model_with_frozen_dropout,
+                                functools.partial(torch.optim.SGD, lr=0.1), make_data,
+                                torch.nn.functional.cross_entropy, batch_size=16, epochs=1,
+                                sync_every=4, log_every=None,
+                                hooks=[RecordModes(tmp_path, evaluate)])
+    trainer.run(nprocs=2)
+    for rank in range(2):
+        lines = (tmp_path / f"mode{rank}.txt").read_text().split("\n")[:-1]
+        assert len(lines) == 16
+        first, later = lines[:4], lines[4:]
+        assert first == ["True False"] * 4  # as model_fn left it
+        assert later == (["True True"] * 12 if evaluate else ["True False"] * 12)
+
+
 def test_loop_feature_arguments_are_checked():
     with pytest.raises(ValueError, match="loss_fn .* or a step_fn"):
         flodl_shm.Trainer(make_model, torch.optim.SGD, make_data, None)

@@ -173,3 +173,21 @@ def drive(spec_json: str) -> None:
 
 if __name__ == "__main__":
     drive(sys.argv[1])
+
+
+class RecordModes(Hook):
+    """Appends ``<model.training> <model[1].training>`` to ``<folder>/mode<r>.txt`` at
+    every batch; with ``evaluate``, leaves the model in eval mode after every window (as
+    a careless validation hook would)."""
+
+    def __init__(self, folder, evaluate: bool) -> None:
+        self.folder = os.fspath(folder)
+        self.evaluate = evaluate
+
+    def on_batch_end(self, state, info) -> None:
+        with open(os.path.join(self.folder, f"mode{state.rank}.txt"), "a") as f:
+            f.write(f"{state.model.training} {state.model[1].training}\n")
+
+    def on_window_end(self, state, stats) -> None:
+        if self.evaluate:
+            state.model.eval()

@@ -40,13 +40,17 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
+from torch.nn.utils import clip_grad_norm_
 
 from ..errors import TrainingAborted
 from ..checkpoint.meta import CheckpointBundle, CheckpointMeta, RankDeathRecord, SaveReason
 from .coordinator import Coordinator, CoordinatorConfig
-from .coverage import SHUFFLE_BASE_SEED
+from .coverage import SHUFFLE_BASE_SEED, epoch_permutation
+from .data import fetch_batch
 from .hooks import BatchInfo, Hook, LoggingHook, RankState, RankSummary, WindowStats
 from .local_sgd import LocalSGD
+from .sync_window import (COUNT_ROWS, count_column, counts_from_reports, falls_short,
+                          gather_counts)
 
 logger = logging.getLogger("flodl_shm")
 
@@ -610,8 +614,6 @@ class _RankRun:
                     buffers[name].copy_(value)
 
     def _permutation(self, epoch: int) -> np.ndarray:
-        from .coverage import epoch_permutation
-
         if epoch != self._perm_epoch:
             self._perm = epoch_permutation(self.trainer.seed, epoch, len(self.dataset))
             self._perm_epoch = epoch
@@ -620,10 +622,6 @@ class _RankRun:
     def _train(self, plan, state: RankState) -> tuple[int, float, float, np.ndarray]:
         """Train this rank's chunks of the window; returns (batches, compute ms, loss
         sum, sample ids)."""
-        from torch.nn.utils import clip_grad_norm_
-
-        from .data import fetch_batch
-
         tr = self.trainer
         bs = tr.batch_size
         perm = self._permutation(plan.epoch)
@@ -632,7 +630,8 @@ class _RankRun:
                    else np.empty(0, np.int64))
         nb = plan.batches[self.rank]
         _seed_torch(window_seed(tr.seed, self.rank, plan.window))
-        self.model.train()
+        if not self.model.training:  # a hook evaluated it and left it in eval mode
+            self.model.train()  # (~10-90 µs a window for nothing otherwise)
         t0 = time.perf_counter()
         loss_sum = 0.0
         for k in range(nb):
@@ -685,8 +684,6 @@ class _RankRun:
         the lowest live rank's replica (which holds the consensus). One collective
         (two with floating-point buffers). Returns (counts, settlement, sync,
         checkpoint path or None)."""
-        from .sync_window import count_column, counts_from_reports
-
         column = count_column(nb, compute_ms, loss_sum, state.stop_requested, prev_sync)
         sync = self.sgd.sync(report=column)
         counts = counts_from_reports(sync.reports)
@@ -708,8 +705,6 @@ class _RankRun:
         forge to capture); a rank that dies between the gather and the params round is
         caught by the realized-work check and the window settled again. Returns
         (counts, settlement, sync, checkpoint path or None)."""
-        from .sync_window import falls_short
-
         coord, comm = self.coord, self.comm
         settled = coord.settle(plan, counts)
         ckpt = None
@@ -750,8 +745,6 @@ class _RankRun:
                                   momentum=self.comm.outer_momentum())
 
     def run(self) -> dict:
-        from .sync_window import COUNT_ROWS, gather_counts
-
         tr, coord, comm = self.trainer, self.coord, self.comm
         count_bytes = COUNT_ROWS * self.ctx.world_size * 4  # a count gather's payload
         state = RankState(self.rank, self.ctx.world_size, self.model, self.optimizer,
