@@ -138,3 +138,40 @@ def test_zero_copy_inputs_must_be_reduced_by_the_next_collective():
 
     with FakeCohort(2) as cohort:
         assert cohort.run(body) == [[0.5] * 4] * 2
+
+
+def test_barrier_waits_for_a_late_rank_skips_a_dead_one_and_names_a_mismatch():
+    """The barrier's one compiled call: a rank 50 ms late is waited for (the spin
+    misses, the futex path finishes the round), a fenced dead rank is not, and a rank
+    whose peer calls another collective at that round raises a schema mismatch there
+    and stays in step."""
+    import time
+
+    from flodl_shm import SchemaMismatchError
+
+    def late(comm):
+        if comm.rank == 1:
+            time.sleep(0.05)
+        t0 = time.perf_counter()
+        comm.barrier()
+        return time.perf_counter() - t0, comm._engine.waiter.missed
+
+    with FakeCohort(2) as c:
+        (waited, missed), _ = c.run(late)
+    assert waited >= 0.04 and missed >= 1
+
+    with FakeCohort(3) as c:
+        c.declare_dead(2)
+        assert c.run(lambda comm: comm.barrier() or comm.round, ranks=[0, 1])[:2] == [1, 1]
+
+    def mismatch(comm):
+        with pytest.raises(SchemaMismatchError):
+            if comm.rank == 0:
+                comm.barrier()
+            else:
+                comm.all_reduce_weighted([torch.ones(3)], RoundKind.CONTROL, 1.0)
+        comm.barrier()  # still in step
+        return True
+
+    with FakeCohort(2) as c:
+        assert c.run(mismatch) == [True, True]

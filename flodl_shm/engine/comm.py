@@ -765,11 +765,13 @@ class Comm:
 
     def barrier(self) -> None:
         """Return once every live rank has entered the barrier."""
-        plan = self._barrier_plan
         if self._fusable(_CONTROL, False):
-            self._fused_round(plan, 0.0, 0, 1.0, None, 0, False)
+            self._eager_call(0.0, self._barrier_call)
         else:
-            self._run(plan, 0.0, None)
+            self._run(self._barrier_plan, 0.0, None)
+
+    def _barrier_call(self, rnd: int, _weight: float) -> float:
+        return self._engine.barrier_round(self._barrier_plan, rnd)
 
     # -- shared tensors ------------------------------------------------------------
     @property

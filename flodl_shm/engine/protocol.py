@@ -415,6 +415,16 @@ class RoundEngine:
         return raw.view(np.float32 if view.dtype == DTYPE_F32 else np.uint16)
 
     # -- REDUCED ---------------------------------------------------------------------
+    def barrier_round(self, plan: RoundPlan, rnd: int) -> float:
+        """:meth:`eager_round` of the empty CONTROL ``plan`` (a barrier), its fast case
+        one compiled call with three arguments; returns the accepted mass (0)."""
+        code = RK.barrier_round(self._call, plan.call, rnd)
+        if code == _OK:
+            return self._mass_cell[0]
+        view = self.settle_eager(code, rnd)
+        self.reduce_eager(view, self.eager_f32)
+        return view.mass
+
     def eager_round(self, plan: RoundPlan, rnd: int, flags: int, weight: float, *,
                     count: int = 0, scale: float = 1.0, out_f32: np.ndarray | None = None,
                     out_u16: np.ndarray | None = None, out_addr: int = 0,
