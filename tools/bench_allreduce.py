@@ -214,7 +214,11 @@ def api_ops(comm, n: int, rank: int, pages: str = "4k") -> dict:
     """One callable per public collective over ``n`` float32 elements, each paired
     with a check of its last result (every rank contributes ``rank + 1`` with mass 1:
     the consensus is the mean); the tensors sit on ``pages`` (``_bench_common.buffer``).
-    Shared by the benchmark and tests/test_perf_guard.py."""
+    A call drops every result kept before it (``last.clear()``), as a loop that keeps
+    only its latest result does: the result pool (``engine/tensor_codec.py``) then
+    hands back warm memory, where results kept by the other rows would make it take
+    fresh, page-faulting memory every call. Shared by the benchmark and
+    tests/test_perf_guard.py."""
     import torch
 
     from flodl_shm import RoundFrame, RoundKind, TensorPayload
@@ -232,23 +236,29 @@ def api_ops(comm, n: int, rank: int, pages: str = "4k") -> dict:
         comm.all_reduce_([t])
 
     def tensors():
+        last.clear()
         last["t"] = comm.all_reduce_tensors([src])
 
     def weighted():
+        last.clear()
         last["w"] = comm.all_reduce_weighted([src], weight=1.0)
 
     def scaled():
+        last.clear()
         last["s"] = comm.all_reduce_scaled([src], 1.0)
 
     def frame_op():
+        last.clear()
         last["f"] = comm.all_reduce(frame)
 
     def zero_copy():
         (buf,) = comm.zero_copy_inputs([(n,)])
         buf.fill_(val)
+        last.clear()
         last["z"] = comm.all_reduce_zero_copy()
 
     def broadcast():
+        last.clear()
         last["b"] = comm.broadcast_from_root([src])
 
     dst = tensor_buffer(n, val, pages)  # rank 0's 1.0 after the first call, on every rank
@@ -260,6 +270,7 @@ def api_ops(comm, n: int, rank: int, pages: str = "4k") -> dict:
     vec[rank] = val
 
     def per_rank():
+        last.clear()
         last["p"] = comm.all_reduce_per_rank_f64(vec)
 
     def barrier():
