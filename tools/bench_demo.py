@@ -3,6 +3,8 @@
     python tools/bench_demo.py                 # 3 repeats of every variant (~1-2 min)
     python tools/bench_demo.py --repeats 5 --json demo_bench.jsonl
     python tools/bench_demo.py --overhead      # LocalSGD.sync vs all_reduce_, one rank
+    python tools/bench_demo.py --ranks 1 --only "flodl_shm demo,flodl_shm loop"
+                                               # what the Trainer's window adds, no peer
     python tools/bench_demo.py --big-model     # LocalSGD sync of a 64 MiB model vs memcpy,
                                                # the parameters shared, private, copied
 
@@ -163,7 +165,7 @@ def _gloo_worker(rank, world, init, data, epochs, flat, queue):
 # --- variants -----------------------------------------------------------------------------
 
 
-def run_one_process(data, epochs) -> dict:
+def run_one_process(data, epochs, world) -> dict:
     from flodl_shm.cli.demo import train_one_process
 
     t0 = time.perf_counter()
@@ -172,12 +174,12 @@ def run_one_process(data, epochs) -> dict:
             "window_ms": 0.0, "accuracy": acc}
 
 
-def run_demo_variant(data, epochs) -> dict:
+def run_demo_variant(data, epochs, world) -> dict:
     from flodl_shm.cli.demo import DemoConfig, run_demo
 
     with tempfile.TemporaryDirectory(prefix="flodl_bench_demo_") as d:
         cfg = DemoConfig(epochs=epochs, run_dir=d, progress=False, log_every=0, eval_every=0,
-                         plot=False, seed=SEED)
+                         plot=False, seed=SEED, nprocs=world)
         t0 = time.perf_counter()
         with contextlib.redirect_stdout(io.StringIO()):
             res = run_demo(cfg)
@@ -199,23 +201,23 @@ def _fold(per_rank: list[dict], total_s: float) -> dict:
             "accuracy": next(r["accuracy"] for r in per_rank if r["accuracy"] is not None)}
 
 
-def _run_spawned(worker, data, epochs) -> dict:
+def _run_spawned(worker, data, epochs, world) -> dict:
     from flodl_shm import spawn
 
     t0 = time.perf_counter()
-    per_rank = spawn(worker, WORLD, (data, epochs), timeout=300)
+    per_rank = spawn(worker, world, (data, epochs), timeout=300)
     return _fold(per_rank, time.perf_counter() - t0)
 
 
-def run_shm_loop(data, epochs) -> dict:
-    return _run_spawned(_shm_worker, data, epochs)
+def run_shm_loop(data, epochs, world) -> dict:
+    return _run_spawned(_shm_worker, data, epochs, world)
 
 
-def run_local_sgd(data, epochs) -> dict:
-    return _run_spawned(_local_sgd_worker, data, epochs)
+def run_local_sgd(data, epochs, world) -> dict:
+    return _run_spawned(_local_sgd_worker, data, epochs, world)
 
 
-def _run_gloo(data, epochs, flat: bool) -> dict:
+def _run_gloo(data, epochs, world, flat: bool) -> dict:
     import multiprocessing as mp
 
     from _bench_common import free_port
@@ -224,8 +226,8 @@ def _run_gloo(data, epochs, flat: bool) -> dict:
     queue = ctx.Queue()
     init = f"tcp://127.0.0.1:{free_port()}"
     t0 = time.perf_counter()
-    procs = [ctx.Process(target=_gloo_worker, args=(r, WORLD, init, data, epochs, flat, queue))
-             for r in range(WORLD)]
+    procs = [ctx.Process(target=_gloo_worker, args=(r, world, init, data, epochs, flat, queue))
+             for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -240,15 +242,15 @@ def _run_gloo(data, epochs, flat: bool) -> dict:
                 p.join()
     if any(p.exitcode != 0 for p in procs):
         raise RuntimeError(f"gloo workers exited with {[p.exitcode for p in procs]}")
-    return _fold([got[r] for r in range(WORLD)], total)
+    return _fold([got[r] for r in range(world)], total)
 
 
-def run_gloo_flat(data, epochs) -> dict:
-    return _run_gloo(data, epochs, True)
+def run_gloo_flat(data, epochs, world) -> dict:
+    return _run_gloo(data, epochs, world, True)
 
 
-def run_gloo_per_param(data, epochs) -> dict:
-    return _run_gloo(data, epochs, False)
+def run_gloo_per_param(data, epochs, world) -> dict:
+    return _run_gloo(data, epochs, world, False)
 
 
 VARIANTS = {
@@ -411,6 +413,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=EPOCHS)
     ap.add_argument("--only", help="comma-separated variants (default: all)")
+    ap.add_argument("--ranks", type=int, default=WORLD,
+                    help=f"ranks of the training variants (default {WORLD}); with 1 a window "
+                         f"has no peer to wait for, so the Trainer's ratio to the bare loop is "
+                         f"what its window adds, without the peer's scheduling")
     ap.add_argument("--json", help="append one JSON record per run to this file")
     ap.add_argument("--overhead", action="store_true",
                     help="only the per-call cost on one rank: LocalSGD.sync vs all_reduce_")
@@ -437,12 +443,12 @@ def main(argv=None) -> int:
     results: dict[str, list[dict]] = {n: [] for n in names}
     load = os.getloadavg()[0]
     print(f"# {os.cpu_count()} cores, load average {load:.2f}; {args.epochs} epochs, batch "
-          f"{BATCH}, {WORLD} ranks averaging every {SYNC_EVERY} batches; {args.repeats} "
+          f"{BATCH}, {args.ranks} ranks averaging every {SYNC_EVERY} batches; {args.repeats} "
           f"repeats, interleaved", flush=True)
     for rep in range(args.repeats):
         order = names[rep % len(names):] + names[:rep % len(names)]
         for name in order:
-            r = VARIANTS[name](data, args.epochs)
+            r = VARIANTS[name](data, args.epochs, args.ranks)
             r.update(variant=name, repeat=rep)
             results[name].append(r)
             print(f"  {name:<15} total {r['total_s']:6.2f} s  loop {r['loop_s']:6.3f} s  "
