@@ -114,11 +114,12 @@ def test_non_contiguous_tensors_and_accumulation():
 
 
 @pytest.mark.parametrize("bad", [np.zeros((1, 3)), np.zeros((2, 3), np.float32),
-                                 np.zeros(6), [[0.0] * 3] * 2])
+                                 np.zeros(6), [[0.0] * 3] * 2, np.zeros((2, 4))[:, :3]])
 def test_a_bad_drift_array_is_refused_by_name(bad):
     def body(comm):
-        with pytest.raises(ValueError, match=r"drift must be a writable float64 numpy array "
-                                             r"of shape \(len\(tensors\), 3\) = \(2, 3\)"):
+        with pytest.raises(ValueError, match=r"drift must be a writable, C-contiguous float64 "
+                                             r"numpy array of shape \(len\(tensors\), 3\) = "
+                                             r"\(2, 3\)"):
             comm.all_reduce_([torch.zeros(4), torch.zeros(5)], drift=bad)
         comm.all_reduce_([torch.zeros(4), torch.zeros(5)])  # still in step
         return True

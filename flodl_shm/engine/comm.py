@@ -94,15 +94,16 @@ _INF = math.inf
 
 
 def _check_drift(drift, ntensors: int) -> None:
-    """ValueError unless ``drift`` is a writable float64 numpy array of shape
-    ``(ntensors, 3)`` (``all_reduce_``'s drift sums)."""
+    """ValueError unless ``drift`` is a writable, C-contiguous float64 numpy array of
+    shape ``(ntensors, 3)`` (``all_reduce_``'s drift sums)."""
     if not (isinstance(drift, np.ndarray) and drift.dtype == np.float64
-            and drift.shape == (ntensors, 3) and drift.flags.writeable):
+            and drift.shape == (ntensors, 3) and drift.flags.writeable
+            and drift.flags.c_contiguous):
         got = (f"{drift.dtype} array of shape {drift.shape}" if isinstance(drift, np.ndarray)
                else type(drift).__name__)
-        raise ValueError(f"drift must be a writable float64 numpy array of shape "
-                         f"(len(tensors), 3) = ({ntensors}, 3), got a {got}: allocate it "
-                         f"with np.zeros(({ntensors}, 3))")
+        raise ValueError(f"drift must be a writable, C-contiguous float64 numpy array of "
+                         f"shape (len(tensors), 3) = ({ntensors}, 3), got a {got}: allocate "
+                         f"it with np.zeros(({ntensors}, 3))")
 
 
 def _kind(kind) -> int:

@@ -47,6 +47,7 @@ BY_ADDRESS_MAX = 256 << 10
 # allocations from fresh mmaps, whose first touch page-faults every 4 KiB.
 POOL_MIN_BYTES = 128 << 10
 _SCRATCH = 4096
+_NO_DRIFT = np.zeros((0, 3))  # decode_scatter's "no drift sums"
 _HUGE_PAGE = 2 << 20
 
 
@@ -287,11 +288,7 @@ def decode_gathered(cons: np.ndarray, dtype: int, plan: RoundPlan,
         drift: a float64 ``[len(tensors), 3]`` array: row ``i`` gets tensor ``i``'s
             :func:`add_drift` sums, taken while the float32 ones are written.
     """
-    if drift is None:
-        skipped = TIO.decode_scatter(cons, plan.addrs, plan.ntensors)
-    else:
-        skipped = TIO.decode_scatter_drift(cons, plan.addrs, plan.ntensors, drift)
-    if skipped:
+    if TIO.decode_scatter(cons, plan.addrs, plan.ntensors, _NO_DRIFT if drift is None else drift):
         for i, (t, off, k) in enumerate(zip(tensors, plan.offs, plan.numels)):
             if t.dtype is BF16:
                 old = None if drift is None else t.detach().reshape(-1).float().numpy()

@@ -129,31 +129,16 @@ def _widen_into_impl(src, dst):
 
 
 @njit(cache=True, nogil=True)
-def decode_scatter(src, addrs, ntensors):
+def decode_scatter(src, addrs, ntensors, sums):
     """Write the consecutive segments of a consensus (float32, or uint16 bf16 bits widened
     exactly) into the float32 tensors at ``addrs`` (laid out as ``eager_encode_round``'s:
     addresses, element counts, then 1 for a bfloat16 tensor); bfloat16 tensors are
-    skipped for the caller. Returns how many were skipped."""
-    off = 0
-    skipped = 0
-    for i in range(ntensors):
-        n = addrs[ntensors + i]
-        if addrs[2 * ntensors + i]:
-            skipped += 1
-        else:
-            _widen_into(src[off:off + n], f32_at(addrs[i], n))
-        off += n
-    return skipped
+    skipped for the caller. Returns how many were skipped.
 
-
-@njit(cache=True, nogil=True)
-def decode_scatter_drift(src, addrs, ntensors, sums):
-    """:func:`decode_scatter` that also adds, for each float32 tensor ``i``, the sums
-    ``(Σ old², Σ new², Σ (old - new)²)`` to row ``i`` of ``sums`` (float64
-    ``[ntensors, 3]``), taken just before the consensus (new) is written over the
-    tensor's values (old), while they are in cache: a replica's drift without a
-    snapshot (``reduce.drift_sums``). bfloat16 tensors are skipped for the caller,
-    rows and all. Returns how many were skipped."""
+    With a float64 ``sums`` of ``[ntensors, 3]`` (``[0, 3]``: none), also adds each float32
+    tensor ``i``'s ``(Σ old², Σ new², Σ (old - new)²)`` to row ``i``, taken just before
+    the consensus (new) is written over the tensor's values (old), while they are in
+    cache: a replica's drift without a snapshot (``reduce.drift_sums``)."""
     off = 0
     skipped = 0
     for i in range(ntensors):
@@ -162,7 +147,8 @@ def decode_scatter_drift(src, addrs, ntensors, sums):
             skipped += 1
         else:
             dst = f32_at(addrs[i], n)
-            drift_sums(dst, src[off:off + n], sums[i])  # old and new, while in cache
+            if sums.shape[0]:
+                drift_sums(dst, src[off:off + n], sums[i])
             _widen_into(src[off:off + n], dst)
         off += n
     return skipped
@@ -183,7 +169,6 @@ def warm_up() -> None:
     decode_f32_into(np.zeros(8, np.float32), a)
     decode_bf16_into(np.zeros(8, np.uint16), a)
     addrs = np.array([a, 8, 0], np.int64)
-    decode_scatter(np.zeros(8, np.float32), addrs, 1)
-    decode_scatter(np.zeros(8, np.uint16), addrs, 1)
-    decode_scatter_drift(np.zeros(8, np.float32), addrs, 1, np.zeros((1, 3)))
-    decode_scatter_drift(np.zeros(8, np.uint16), addrs, 1, np.zeros((1, 3)))
+    for sums in (np.zeros((0, 3)), np.zeros((1, 3))):
+        decode_scatter(np.zeros(8, np.float32), addrs, 1, sums)
+        decode_scatter(np.zeros(8, np.uint16), addrs, 1, sums)
