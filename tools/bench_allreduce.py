@@ -406,7 +406,7 @@ def _mpi_worker_main(sizes, scale, pages) -> None:
     comm.Barrier()
 
 
-def bench_mpi(world, sizes, scale, pages) -> list[dict]:
+def bench_mpi(world, sizes, scale, pages="4k") -> list[dict]:
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np",
            str(world), sys.executable, os.path.abspath(__file__), "--mpi-worker",
            "--sizes", ",".join(map(str, sizes)), "--iter-scale", str(scale), "--pages", pages]

@@ -27,7 +27,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench_common import MiB, collect, human, parse_size, tcp_connections  # noqa: E402
+from _bench_common import (MiB, collect, human, parse_size, tcp_connections,  # noqa: E402
+                           tensor_buffer)
 from bench_allreduce import bench_mpi, mpi_available, schedule  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,7 +74,7 @@ def _worker(backend: str, rank: int, world: int, port: int, plan: list[tuple[int
     rows, tcp = [], []
     probe = (lambda: tcp[-1].append(tcp_connections())) if "tcp" in flags else None
     for nbytes, warm, iters in plan:
-        t = torch.full((nbytes // 4,), float(rank + 1))
+        t = tensor_buffer(nbytes // 4, float(rank + 1), "4k")  # the MPI peer's pages too
 
         def reset_and_check() -> bool:
             t.fill_(float(rank + 1))
