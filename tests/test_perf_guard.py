@@ -19,7 +19,10 @@ path itself costs about 40% less, so every other API's ratio rose for the same c
 measurements): tensors/weighted/scaled 1.38-1.56x, per-rank 1.17-1.31x, broadcast
 1.38-1.53x, zero-copy 1.64-1.78x, frame 2.53-2.61x, barrier 0.55-0.60x, with the in-place
 round at 7.1-9.8 us (15.7 us before the call block, same guest). The in-place broadcast
-(``broadcast_``, added then) measured 0.87-0.98x and keeps the default 1.5x.
+(``broadcast_``, added then) measured 0.87-0.98x and keeps the default 1.5x. Seventh
+session, three measurements, the barrier now one three-argument call: tensors/weighted/
+scaled 1.36-1.51x, per-rank 1.16-1.29x, broadcast 1.34-1.55x, in-place broadcast
+0.85-0.95x, zero-copy 1.63-1.74x, frame 2.43-2.71x, barrier 0.35-0.39x (in-place 7.3-9.2 us).
 
 Ratios, never absolute times: the test runs on loaded 2-core machines. Two real
 processes (``spawn``) run every API in interleaved batches (one batch of each API per
