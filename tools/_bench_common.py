@@ -9,7 +9,6 @@ loopback, inside ``flodl_shm.spawn``.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import socket
 import statistics
@@ -26,8 +25,8 @@ PAGES = ("4k", "huge")
 
 
 def buffer(n: int, value: float, pages: str) -> np.ndarray:
-    """``n`` float32 set to ``value``, in a fresh anonymous mapping on pages of the kind
-    ``pages`` names. Every peer of a run takes its buffers from here, so flodl_shm's
+    """``n`` float32 set to ``value``, in a mapping of its own on pages of the kind
+    ``pages`` names (``flodl_shm.engine.tensor_codec.fresh_array``). Every peer of a run takes its buffers from here, so flodl_shm's
     tensors (``torch.from_numpy`` of one), OpenMPI's, gloo's and the memcpy's all sit on
     the same kind of page.
 
@@ -39,11 +38,10 @@ def buffer(n: int, value: float, pages: str) -> np.ndarray:
     (where the kernel has huge pages to give)."""
     if pages not in PAGES:
         raise ValueError(f"pages must be one of {PAGES}, got {pages!r}")
-    mm = mmap.mmap(-1, max(4 * n, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    # advised before the first touch: the fill below faults the pages in
-    mm.madvise(mmap.MADV_HUGEPAGE if pages == "huge" else mmap.MADV_NOHUGEPAGE)
-    a = np.frombuffer(mm, np.float32, count=n)  # keeps the mapping alive
-    a.fill(value)
+    from flodl_shm.engine.tensor_codec import fresh_array
+
+    a = fresh_array(n, np.float32, huge=pages == "huge")
+    a.fill(value)  # faults the pages in, as advised
     return a
 
 

@@ -741,9 +741,10 @@ class RoundEngine:
 
     def await_readers(self, view: RoundView) -> None:
         """The root of a bulk broadcast: wait until every rank copied its payload out
-        (done[.] >= round) or is dead, spinning for as long as that copy takes. A dead reader's done word is raised to the round
-        by the root (compare-and-swap, never lowered: a survivor may already be in a
-        later round's takeover of that rank's slice)."""
+        (done[.] >= round) or is dead, spinning for as long as that copy takes. A dead
+        reader's done word is raised to the round by the root (compare-and-swap, never
+        lowered: a survivor may already be in a later round's takeover of that rank's
+        slice)."""
         ctl, world, rnd = self.ctl, self.world, view.rnd
 
         def dead_reader(j: int) -> bool:

@@ -61,21 +61,25 @@ def _refcount_at(bucket: list, i: int) -> int:
 _FREE_REFS = _refcount_at([np.empty(1, np.float32)], 0)
 
 
-def fresh_array(nelem: int, dtype) -> np.ndarray:
-    """A flat array of ``nelem`` elements of ``dtype`` in its own private anonymous
-    mapping, advised onto transparent huge pages (``MADV_HUGEPAGE``; contents zero).
+def fresh_array(nelem: int, dtype, huge: bool | None = None) -> np.ndarray:
+    """A flat array of ``nelem`` elements of ``dtype`` (contents zero) in a private
+    anonymous mapping of its own, advised (before any page is touched) onto transparent
+    huge pages (``huge`` True: ``MADV_HUGEPAGE``), off them (False: ``MADV_NOHUGEPAGE``),
+    or by default onto them from 2 MiB up. The mapping is freed with the array.
 
-    Why not ``np.empty``: a large numpy allocation is a malloc'd mapping that numpy
-    advises onto huge pages itself, and as the destination of a cross-memory copy
-    (``process_vm_readv`` / ``_writev``, the direct rounds' reads and writes) it
-    measured 2-3x slower than a mapping of its own, whatever the source's pages
-    (64 MiB read from a 4 KiB-page tensor: 55 ms into ``np.empty``, 16 ms into this,
-    17 ms into a 4 KiB mapping). The mapping is freed with the array."""
+    Why the result pool does not use ``np.empty``: a large numpy allocation is a
+    malloc'd mapping that numpy advises onto huge pages itself, and as the destination
+    of a cross-memory copy (``process_vm_readv`` / ``_writev``, the direct rounds'
+    reads and writes) it measured 2-3x slower than a mapping of its own, whatever the
+    source's pages (64 MiB read from a 4 KiB-page tensor: 55 ms into ``np.empty``,
+    16 ms into this, 17 ms into a 4 KiB mapping)."""
     nbytes = nelem * np.dtype(dtype).itemsize
     mm = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if nbytes >= _HUGE_PAGE and hasattr(mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-        mm.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(mm, dtype, count=nelem)
+    if huge is None:
+        huge = True if nbytes >= _HUGE_PAGE else None
+    if huge is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        mm.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(mm, dtype, count=nelem)  # keeps the mapping alive
 
 
 class ResultPool:
