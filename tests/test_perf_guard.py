@@ -23,6 +23,11 @@ round at 7.1-9.8 us (15.7 us before the call block, same guest). The in-place br
 session, three measurements, the barrier now one three-argument call: tensors/weighted/
 scaled 1.36-1.51x, per-rank 1.16-1.29x, broadcast 1.34-1.55x, in-place broadcast
 0.85-0.95x, zero-copy 1.63-1.74x, frame 2.43-2.71x, barrier 0.35-0.39x (in-place 7.3-9.2 us).
+Under load every Python-heavy API's ratio rises together (frame 2.32-3.24x within one
+quarter hour, with tensors 1.37-1.61x, the code unchanged: its one-rank CPU per call
+matched the session start's), and one full-suite run failed both measurements at frame
+3.05-3.09x; so the guard measures up to ``ATTEMPTS`` times and fails only when every
+measurement is over a limit.
 
 Ratios, never absolute times: the test runs on loaded 2-core machines. Two real
 processes (``spawn``) run every API in interleaved batches (one batch of each API per
@@ -90,9 +95,13 @@ def _ratios() -> tuple[dict, float]:
     return {n: med[n] / base for n in names}, base
 
 
+#: measurements before the guard fails (each about 10 s; a passing run stops at the first)
+ATTEMPTS = 3
+
+
 def test_every_api_within_limit_of_the_inplace_path():
     reports = []
-    for _attempt in range(2):  # a real regression fails twice; a burst of load rarely does
+    for _attempt in range(ATTEMPTS):  # a real regression fails every time; load rarely does
         ratios, base = _ratios()
         report = ", ".join(f"{n[4:]} {r:.2f}x" for n, r in ratios.items())
         print(f"\n4 KiB, world 2, x the in-place path ({base / 1e3:.1f} us): {report}")
@@ -101,4 +110,4 @@ def test_every_api_within_limit_of_the_inplace_path():
         if not over:
             return
     raise AssertionError(f"APIs over their limit ({LIMIT}x the in-place path at 4 KiB, "
-                         f"else {LIMITS}) in two measurements: " + " | ".join(reports))
+                         f"else {LIMITS}) in {ATTEMPTS} measurements: " + " | ".join(reports))
