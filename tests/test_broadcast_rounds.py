@@ -15,6 +15,7 @@ import torch
 
 from flodl_shm import RoundFrame, RoundKind, SchemaMismatchError, TensorPayload
 from flodl_shm.engine import arena as A
+from flodl_shm.engine import direct as D
 from flodl_shm.frame import DTYPE_F32
 from flodl_shm.testing import FakeCohort
 
@@ -23,6 +24,7 @@ from engine_util import our_segments
 pytestmark = pytest.mark.timeout(120)
 
 BIG = 1 << 19  # 2 MiB of f32: beyond the default eager slot (the bulk path)
+DIRECT_N = 70_000  # 280 KB of f32: a direct round with a lowered threshold and 64 KiB slots
 
 
 @pytest.fixture(autouse=True)
@@ -109,14 +111,22 @@ def test_in_place_broadcast_gives_every_rank_the_roots_bits(size, dtype, contigu
 NAN_BITS = np.array([0x7F800001, 0x7FC12345, 0xFFC00001, 0xFF800002], np.uint32)
 
 
-@pytest.mark.parametrize("size", [64, BIG], ids=["eager", "bulk"])
-@pytest.mark.parametrize("general", [False, True], ids=["fused", "hooked"])
-def test_broadcasts_carry_nan_payloads_bit_for_bit(size, general):
+@pytest.mark.parametrize("size, general", [(64, False), (64, True), (BIG, False), (BIG, True),
+                                           (DIRECT_N, False)],
+                         ids=["eager-fused", "eager-hooked", "bulk-fused", "bulk-hooked", "direct"])
+def test_broadcasts_carry_nan_payloads_bit_for_bit(size, general, monkeypatch):
+    """Every path copies the root's bits; the direct one (each rank delivers a slice of
+    the frame, ``engine/direct.py``) has NaNs in both ranks' slices."""
+    direct = size == DIRECT_N
+    if direct:
+        monkeypatch.setattr(D, "DIRECT_MIN_BYTES", 256 << 10)
+
     def tensors(rank: int) -> list[torch.Tensor]:
         if rank != 0:
             return [torch.zeros(size), torch.zeros(6)]
         a = torch.arange(size, dtype=torch.float32)
         a.numpy().view(np.uint32)[:4] = NAN_BITS
+        a.numpy().view(np.uint32)[-4:] = NAN_BITS
         b = torch.from_numpy(np.concatenate([NAN_BITS, NAN_BITS[:2]]).view(np.float32))
         return [a, b]
 
@@ -125,15 +135,18 @@ def test_broadcasts_carry_nan_payloads_bit_for_bit(size, general):
     def body(comm):
         if general:
             comm.set_fault_hook(lambda phase, rnd: None)  # the general round
+        if direct:  # broadcasts go direct once a reduce has probed the ranks
+            comm.all_reduce_([torch.ones(DIRECT_N)])
         got = [comm.broadcast_from_root(tensors(comm.rank)[:1], root=0),
                comm.broadcast_from_root(tensors(comm.rank), root=0)]
         for mine in (tensors(comm.rank)[:1], tensors(comm.rank)):
             comm.broadcast_(mine, root=0)
             got.append(mine)
-        return [[_bits(t) for t in ts] for ts in got]
+        return [[_bits(t) for t in ts] for ts in got], comm._engine.direct.state
 
-    with FakeCohort(2) as c:
-        for per_call in c.run(body):
+    with FakeCohort(2, direct=direct, eager_bytes=64 << 10 if direct else None) as c:
+        for per_call, state in c.run(body):
+            assert state == ("ready" if direct else "unavailable")
             for bits in per_call:
                 for b, ref in zip(bits, want):
                     assert np.array_equal(b, ref)

@@ -212,20 +212,24 @@ def test_spawn_with_a_failure_budget_never_goes_direct():
     assert_no_leaks()
 
 
-def killed_mid_direct_round(ctx, victim):
+def killed_mid_direct_round(ctx, victim, at):
     if ctx.rank == victim:
         def hook(where, rnd):
-            if where == "reduce" and rnd == 2:
+            if where == "reduce" and rnd == at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         ctx.comm.set_fault_hook(hook)
     return rounds(ctx, 4)
 
 
-def test_a_rank_killed_inside_a_direct_round_stops_the_cohort_naming_it():
+@pytest.mark.parametrize("at", [2, 5], ids=["reduce", "broadcast"])
+def test_a_rank_killed_inside_a_direct_round_stops_the_cohort_naming_it(at):
+    """Rank 1 dies before delivering its slice of a direct reduce (round 2), or of the
+    in-place direct broadcast from rank 0 (round 5: rank 1 is a reader that owes the
+    other reader its slice)."""
     t0 = time.monotonic()
     with pytest.raises(RankFailed) as info:
-        spawn(killed_mid_direct_round, 3, (1,), timeout=30)
+        spawn(killed_mid_direct_round, 3, (1, at), timeout=30)
     assert info.value.rank == 1 and info.value.signal == "SIGKILL"
     assert time.monotonic() - t0 < 60
     assert_no_leaks()

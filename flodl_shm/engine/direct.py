@@ -92,10 +92,13 @@ differ in placement and every reducer still computes the same bits. The protocol
 failure rules are the ones above: only where the bytes are read from changes.
 
 A direct broadcast (FLAG_DIRECT | FLAG_BROADCAST, READY only) publishes the same
-table; after the arrival wait each reader copies the root's tensors straight into its
-own result and publishes done[reader]; the root copies its own, publishes done[root]
-and leaves only once every reader is done (or dead), so its tensors are never changed
-under a reader.
+table; after the arrival wait rank j delivers slice j: a reader reads it from the
+root's tensors straight into its own destination, the root takes it from its own
+tensors, and either writes it into every other reader's destination. Each rank moves
+1/world of the bytes, where a reader that read everything alone would move all of
+them. Every rank then publishes done[j] and leaves once every slice is done, so the
+root's tensors are never changed under a reader. A dead rank's slice is never
+delivered: the others raise, as in a direct reduce.
 
 Failure: a peer whose memory cannot be reached mid-round (its process died), or a dead
 reducer whose slice is missing, makes the rank that finds out raise. It first gives the
@@ -121,9 +124,11 @@ from ..kernels import cma as C
 from ..kernels import signals
 from .waiting import WORK_BYTES_PER_S
 
-#: payload bytes from which an eligible round is direct (below, the shared path's
-#: copies stay in cache and cost less than the calls' page pinning); see BENCHMARKS.md
-DIRECT_MIN_BYTES = int(os.environ.get("FLODL_SHM_DIRECT_MIN_BYTES", 8 << 20))
+#: payload bytes from which an eligible round is direct. Measured on 2 ranks (BENCHMARKS.md,
+#: "Eighth session"): from 4 MiB direct rounds win on either kind of page; at 2-3 MiB
+#: they win on huge pages only (on 4 KiB pages the calls' page pinning costs what the
+#: saved shared copies gain)
+DIRECT_MIN_BYTES = int(os.environ.get("FLODL_SHM_DIRECT_MIN_BYTES", 4 << 20))
 
 UNPROBED, READY, UNAVAILABLE = "unprobed", "ready", "unavailable"
 
@@ -255,12 +260,7 @@ class DirectRounds:
                                     numels, start, stop, view.inv, acc, tmp, self._iov, mapped)
         if bad >= 0:
             self._unreachable(rnd, accepted[bad], int(pids[bad]))
-        eng.doorbell.publish(A.rank_base(me) + A.R_DONE, rnd)
-        eng.waiter.wait(lambda it: signals.spin_slices(ctl, eng.world, rnd, me, it),
-                        what="waiting for the direct round's slices", rnd=rnd,
-                        missing_of=lambda: eng.missing_slices(rnd),
-                        on_missing=lambda j: self._dead_reducer(rnd, j),
-                        work_s=plan.nbytes / WORK_BYTES_PER_S)
+        self._finish(rnd, plan)
         return view.mass
 
     def _map_peers(self, accepted, nt: int, numels: np.ndarray, srcs: np.ndarray,
@@ -291,11 +291,14 @@ class DirectRounds:
 
     def broadcast(self, plan, rnd: int, root: int, srcs: np.ndarray | None,
                   dsts: np.ndarray, hook: Callable[[str, int], None] | None = None) -> None:
-        """Round ``rnd`` as a direct broadcast from local rank ``root``: every reader
-        copies the root's tensors (``srcs`` on the root; ignored elsewhere) straight
-        into its ``dsts`` and publishes done[reader]; the root copies its own (none when
-        ``dsts`` are its ``srcs``: an in-place broadcast) and leaves only once every
-        reader is done or dead (its tensors stay untouched until then)."""
+        """Round ``rnd`` as a direct broadcast from local rank ``root`` (``srcs``: the
+        root's tensors; ignored elsewhere). Every rank delivers its slice of the frame
+        (``kernels.cma.broadcast_slice_direct``): a reader reads it from the root's
+        tensors into its own ``dsts``, the root takes it from its ``srcs``, and either
+        writes it into every other reader's ``dsts``. The root also copies its own
+        ``dsts`` whole (none when they are its ``srcs``: an in-place broadcast). Then
+        every rank waits for every slice, so the root's tensors stay untouched until
+        every reader is done, and a reader's hold every slice when the call returns."""
         eng = self.eng
         me = eng.rank
         mine = me == root
@@ -303,19 +306,38 @@ class DirectRounds:
         view = self._publish(plan, rnd, 0.0, 1.0, flags, srcs if mine else dsts, dsts, hook)
         eng.check_broadcast(rnd, view.accepted_mask, view.contrib_mask, root)
         nt = plan.ntensors
+        numels = np.asarray(plan.numels, np.int64)
         if mine:
             for t in range(nt):
                 if dsts[t] != srcs[t]:
                     ctypes.memmove(int(dsts[t]), int(srcs[t]), 4 * plan.numels[t])
-            eng.doorbell.publish(A.rank_base(me) + A.R_DONE, rnd)
-            eng.await_readers(view)
-            return
-        pid = int(eng.ctl[A.rank_base(root) + A.R_PID])
-        remote = self._table(root, rnd, plan)[:nt].copy()
-        bad = C.read_into(pid, remote, dsts, np.asarray(plan.numels, np.int64), self._iov)
+        accepted = view.accepted
+        pids = np.empty(len(accepted), np.int64)
+        all_dsts = np.empty(len(accepted) * nt, np.int64)
+        ctl = eng.ctl
+        for i, r in enumerate(accepted):
+            pids[i] = ctl[A.rank_base(r) + A.R_PID]
+            all_dsts[i * nt:(i + 1) * nt] = self._table(r, rnd, plan)[nt:]
+        root_srcs = self._table(root, rnd, plan)[:nt].copy()
+        start, stop = A.slice_bounds(plan.nelem, eng.world, me)
+        if hook is not None:
+            hook("reduce", rnd)
+        bad = C.broadcast_slice_direct(accepted.index(me), accepted.index(root), pids,
+                                       root_srcs, all_dsts, numels, start, stop, self._iov)
         if bad >= 0:
-            self._unreachable(rnd, root, pid)
+            self._unreachable(rnd, accepted[bad], int(pids[bad]))
+        self._finish(rnd, plan)
+
+    def _finish(self, rnd: int, plan) -> None:
+        """DONE: publish this rank's done word, then wait for every slice (a dead
+        rank's is never delivered: the round raises, naming it)."""
+        eng, me = self.eng, self.eng.rank
         eng.doorbell.publish(A.rank_base(me) + A.R_DONE, rnd)
+        eng.waiter.wait(lambda it: signals.spin_slices(eng.ctl, eng.world, rnd, me, it),
+                        what="waiting for the direct round's slices", rnd=rnd,
+                        missing_of=lambda: eng.missing_slices(rnd),
+                        on_missing=lambda j: self._dead_reducer(rnd, j),
+                        work_s=plan.nbytes / WORK_BYTES_PER_S)
 
     def _buffers(self) -> tuple[np.ndarray, np.ndarray]:
         if self._scratch is None:

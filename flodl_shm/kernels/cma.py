@@ -16,6 +16,9 @@ the peers' through ``process_vm_readv``), sums them in rank order with each rank
 scale, and writes the result into its own destination and, through
 ``process_vm_writev``, into every peer's; or, when every peer's tensors lie in memory
 this process has mapped (their shared parameter blocks), with plain loads and stores.
+``broadcast_slice_direct`` is a direct broadcast's share of one rank: it copies one
+slice of the root's tensors into every reader's, so every rank moves 1/world of the
+bytes (a reader alone would move all of them).
 """
 from __future__ import annotations
 
@@ -51,8 +54,6 @@ AVAILABLE = _register_symbols()
 #: f32 elements per chunk: a chunk and its accumulator stay in L2 between the reads,
 #: the sum and the writes
 CHUNK = 1 << 16
-#: bytes per call of ``read_into``
-READ_CHUNK_BYTES = 1 << 20
 #: int64 words of the scratch ``iov`` array: two iovecs (local, remote)
 IOV_WORDS = 4
 
@@ -185,17 +186,42 @@ def reduce_slice_direct(me, pids, srcs, dsts, scales, numels, start, stop, inv, 
 
 
 @njit(cache=True, nogil=True)
-def read_into(pid, remote, local, numels, iov):
-    """Copy ``numels[t]`` f32 from ``pid``'s address ``remote[t]`` to this process's
-    ``local[t]``, for every tensor t; -1 on success, else the first tensor that failed."""
-    for t in range(numels.shape[0]):
-        n = 4 * numels[t]
-        done = 0
-        while done < n:
-            m = min(n - done, READ_CHUNK_BYTES)
-            if not _transfer(False, pid, local[t] + done, remote[t] + done, m, iov):
-                return t
-            done += m
+def broadcast_slice_direct(me, root, pids, srcs, dsts, numels, start, stop, iov):
+    """Deliver elements [start, stop) of a direct broadcast to every reader.
+
+    ``pids`` (int64, one per accepted rank in rank order; ``me`` and ``root`` index it),
+    ``srcs`` (int64, the root's ``ntensors`` source addresses, in its process),
+    ``dsts`` (int64, ``len(pids) x ntensors`` destination addresses, row per rank),
+    ``numels`` (int64 per tensor). A reader first reads each chunk of the root's
+    sources into its own destination (``process_vm_readv``); the root uses its source.
+    Either then writes that chunk into every other reader's destination
+    (``process_vm_writev``), while it is still in cache. The root's own destination is
+    not written here (the root copies its own, or has none: in place). Bits are copied,
+    never computed (a signaling NaN stays signaling). Returns -1 on success, else the
+    index (into ``pids``) of the rank whose memory could not be read or written.
+    """
+    nr = pids.shape[0]
+    nt = numels.shape[0]
+    off = 0
+    for t in range(nt):
+        n = numels[t]
+        a = max(start, off) - off
+        b = min(stop, off + n) - off
+        off += n
+        if b <= a:
+            continue
+        for c0 in range(a, b, CHUNK):
+            m = 4 * (min(c0 + CHUNK, b) - c0)
+            if me == root:
+                local = srcs[t] + 4 * c0
+            else:
+                local = dsts[me * nt + t] + 4 * c0
+                if not _transfer(False, pids[root], local, srcs[t] + 4 * c0, m, iov):
+                    return root
+            for r in range(nr):
+                if r != me and r != root:
+                    if not _transfer(True, pids[r], local, dsts[r * nt + t] + 4 * c0, m, iov):
+                        return r
     return -1
 
 
@@ -213,4 +239,4 @@ def warm_up() -> None:
     for mapped in (False, True):
         reduce_slice_direct(0, pids, srcs, dsts, np.ones(2), np.array([8], np.int64), 0, 8,
                             0.5, np.zeros(4, np.float32), np.zeros(4, np.float32), iov, mapped)
-    read_into(os.getpid(), srcs[:1], dsts[:1], np.array([8], np.int64), iov)
+    broadcast_slice_direct(1, 0, pids, srcs[:1], dsts, np.array([8], np.int64), 0, 8, iov)

@@ -208,7 +208,7 @@ class LocalSGD:
             them in place without copies. ``None`` (default): where it pays, that is
             when the window's round is a direct round (one host, ``spawn`` with
             ``max_failures=0`` or the c10d backend, float32 wire and tensors, no outer
-            step in the round, at least ``DIRECT_MIN_BYTES`` = 8 MiB); ``True``: always
+            step in the round, at least ``DIRECT_MIN_BYTES`` = 4 MiB); ``True``: always
             (a ``ValueError`` says why it cannot); ``False``: never.
     """
 
