@@ -636,9 +636,10 @@ class Comm:
         src[:] = vec
         plan = self._per_rank_plan
         if plan.eager_fits and self._fusable(_CONTROL, False):
-            plan.addrs[0] = self._per_rank_addr  # a float32 source (flag word stays 0)
-            self._fused_round(plan, 0.0, 1, 1.0, None, 0, False)
-            return self._engine.eager_f32[:self.world_size].astype(np.float64)
+            # summed in place in the f32 staging array: one compiled call
+            eng, addr = self._engine, self._per_rank_addr
+            self._eager_call(0.0, lambda rnd, w: eng.inplace_round(addr, plan, rnd, w, 1.0))
+            return src.astype(np.float64)
 
         def write(dst: np.ndarray, plan: RoundPlan) -> None:
             np.copyto(dst[:self.world_size], src)
