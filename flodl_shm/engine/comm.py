@@ -163,6 +163,7 @@ class Comm:
         self._ckpt_remaining = 0
         self._ckpt_cycle = 0
         self._reports = RoundReports(arena)
+        self._drift_checked: tuple[np.ndarray | None, int] = (None, 0)
         self._all_local = (1 << arena.world) - 1  # every local rank's bit
         self._reported = -1  # the last round this rank sent a report with
         arena.ctl[A.rank_base(local_rank) + A.R_PID] = _getpid()
@@ -398,13 +399,25 @@ class Comm:
                 them right after the call, before the next collective), or an accepted
                 rank sent none.
         """
+        return self._reports.read(self._reported_round("last_reports"),
+                                  self._engine.last_accepted)
+
+    def last_report_rows(self) -> tuple[tuple[float, ...], ...]:
+        """:meth:`last_reports` as one tuple of ``REPORT_VALUES`` floats per local rank,
+        without numpy (a training window reads them when a numpy call costs several
+        times a ``struct`` one). Same values, same checks."""
+        return self._reports.rows(self._reported_round("last_report_rows"),
+                                  self._engine.last_accepted)
+
+    def _reported_round(self, what: str) -> int:
+        """The last round, which must have carried this rank's report."""
         rnd = self._round - 1
         if self._reported != rnd or rnd < 0:
             raise RuntimeError(
-                "last_reports() reads the reports of the last collective, which carried "
+                f"{what}() reads the reports of the last collective, which carried "
                 "none from this rank: pass report= to all_reduce_ and read them before the "
                 "next collective call")
-        return self._reports.read(rnd, self._engine.last_accepted)
+        return rnd
 
     @property
     def round(self) -> int:
@@ -548,8 +561,10 @@ class Comm:
         sums while it writes the consensus (no snapshot, no second pass); the others
         snapshot the tensors first.
         """
-        if drift is not None:
-            _check_drift(drift, len(tensors))
+        if drift is not None and (drift is not self._drift_checked[0]
+                                  or len(tensors) != self._drift_checked[1]):
+            _check_drift(drift, len(tensors))  # once per array: a window reuses its own
+            self._drift_checked = (drift, len(tensors))
         if report is None:
             return self._all_reduce_in_place(tensors, weight, scale, kind, outer, drift)
         rnd = self._round

@@ -129,13 +129,13 @@ class RoundPlan:
     its header fields, schema words and address table. ``addrs`` (a view of the table,
     int64, ``3 * ntensors``: the tensors' addresses, their element counts, then 1 per
     bfloat16 source) is the fused round's per-call input; the caller refills the
-    addresses and source flags before every fused round. ``pid`` is unique to the plan
+    addresses and source flags before every fused round (through ``addr_words``). ``pid`` is unique to the plan
     (which schema an eager slot holds).
     """
 
     __slots__ = ("kind", "dtype", "shapes", "words", "shash", "offs", "numels", "nelem",
-                 "nbytes", "off", "total", "eager_fits", "addrs", "ntensors", "nwords",
-                 "pid", "call")
+                 "nbytes", "off", "total", "eager_fits", "addrs", "addr_words", "ntensors",
+                 "nwords", "pid", "call")
 
     def __init__(self, kind: int, dtype: int, shapes: list[tuple[int, ...]],
                  eager_bytes: int) -> None:
@@ -156,6 +156,9 @@ class RoundPlan:
                                   self.nelem, self.shash, self.words)
         self.addrs = self.call[RK.P_WORDS + self.nwords:]
         self.addrs[self.ntensors:2 * self.ntensors] = self.numels
+        #: ``addrs`` as a memoryview: the per-call refill sets items through it, a
+        #: fraction of a numpy item assignment's cost
+        self.addr_words = memoryview(self.addrs)
 
 
 class RoundView:

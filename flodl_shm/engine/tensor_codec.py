@@ -377,7 +377,7 @@ class TensorCodec:
         """Fill ``plan.addrs`` with the tensors' addresses and source dtypes for the
         fused round; False (nothing usable) when a tensor is not a contiguous
         float32/bfloat16 CPU tensor — the general path then runs."""
-        addrs = plan.addrs
+        addrs = plan.addr_words
         flag = 2 * plan.ntensors
         i = 0
         for t in tensors:

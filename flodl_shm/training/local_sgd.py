@@ -114,8 +114,9 @@ class SyncInfo(NamedTuple):
         divergence: this rank's drift ``||pre - post|| / ||post||`` of the parameters
             (0 unless measured: ``drift=True`` or an ElChe cadence).
         bytes_sent: payload bytes this rank contributed to the sync's rounds.
-        reports: with ``sync(report=...)``, every rank's report as the params round's
-            ``[world, 8]`` float64 table (zeros for a rank it did not accept); else None.
+        report_rows: with ``sync(report=...)``, every rank's report in the params
+            round, one tuple of 8 floats per rank (zeros for a rank it did not accept);
+            else None. ``reports`` makes them the ``[world, 8]`` float64 table.
     """
 
     sync_round: int
@@ -127,7 +128,12 @@ class SyncInfo(NamedTuple):
     next_steps: Optional[int]
     divergence: float = 0.0
     bytes_sent: int = 0
-    reports: Optional[np.ndarray] = None
+    report_rows: Optional[tuple[tuple[float, ...], ...]] = None
+
+    @property
+    def reports(self) -> Optional[np.ndarray]:
+        """``report_rows`` as a ``[world, 8]`` float64 table (made on each access)."""
+        return None if self.report_rows is None else np.array(self.report_rows, np.float64)
 
 
 def _default_comm():
@@ -416,8 +422,8 @@ class LocalSGD:
         Args:
             report: up to 8 numbers of this rank that ride in the params round (one
                 host, fixed cadence; every rank passes one or none does): every rank's
-                come back in ``SyncInfo.reports``, describing exactly the ranks whose
-                work the consensus holds.
+                come back in ``SyncInfo.report_rows`` (``SyncInfo.reports`` as a table),
+                describing exactly the ranks whose work the consensus holds.
         """
         t0 = time.perf_counter()
         compute_ms = (t0 - self._window_t0) * 1e3
@@ -439,7 +445,7 @@ class LocalSGD:
                                        mover_mass(samples), report=report)
         reports = None
         if report is not None and self.el_che is not None:
-            gathered = reduced.reports[:, :len(report)].T
+            gathered = np.array(reduced.reports, np.float64)[:, :len(report)].T
         elif report is not None:
             reports = reduced.reports
         mass, accepted = reduced.params_mass, reduced.accepted

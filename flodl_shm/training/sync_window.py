@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import math
+import struct
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
@@ -203,23 +204,30 @@ def count_column(batches: int, compute_ms: float, loss_sum: float = 0.0, stop: b
 def counts_from(m: np.ndarray) -> CohortCounts:
     """The :class:`CohortCounts` of a ``[field, world]`` matrix of :func:`count_column`
     columns (a dead rank's column all zeros)."""
-    rows = m.tolist()  # Python floats: iterating numpy scalars costs ~10x more
-    return CohortCounts(
-        batches=tuple(int(round(v)) for v in rows[_C_BATCHES]),
-        compute_ms=tuple(rows[_C_COMPUTE_MS]),
-        loss_sum=tuple(rows[_C_LOSS]),
-        present=tuple(v > 0.5 for v in rows[_C_PRESENT]),
-        stop=any(v > 0.5 for v in rows[_C_STOP]),
-        prev_ack=CohortAck(divergence=tuple(rows[_C_DIVERGENCE]),
-                           reduce_ms=tuple(rows[_C_REDUCE_MS]),
-                           present=tuple(v > 0.5 for v in rows[_C_HAS_ACK])),
-    )
+    return _counts(m.tolist())  # Python floats: iterating numpy scalars costs ~10x more
 
 
-def counts_from_reports(table: np.ndarray) -> CohortCounts:
+def counts_from_reports(reports) -> CohortCounts:
     """The :class:`CohortCounts` of a params round that carried :func:`count_column` as
-    every rank's report (``SyncInfo.reports``, ``[world, 8]``)."""
-    return counts_from(table[:, :COUNT_ROWS].T)
+    every rank's report: its ``[world, 8]`` table (``SyncInfo.reports``) or, cheaper,
+    its rows (``SyncInfo.report_rows``: one tuple per rank)."""
+    rows = reports.tolist() if isinstance(reports, np.ndarray) else reports
+    return _counts(list(zip(*rows)))
+
+
+def _counts(fields: Sequence[Sequence[float]]) -> CohortCounts:
+    """:class:`CohortCounts` of ``fields[k][r]``: field k of :func:`count_column` for rank r."""
+    # list comprehensions, not generators: a window builds these right after training
+    return CohortCounts(
+        batches=tuple([int(round(v)) for v in fields[_C_BATCHES]]),
+        compute_ms=tuple(fields[_C_COMPUTE_MS]),
+        loss_sum=tuple(fields[_C_LOSS]),
+        present=tuple([v > 0.5 for v in fields[_C_PRESENT]]),
+        stop=max(fields[_C_STOP]) > 0.5,
+        prev_ack=CohortAck(divergence=tuple(fields[_C_DIVERGENCE]),
+                           reduce_ms=tuple(fields[_C_REDUCE_MS]),
+                           present=tuple([v > 0.5 for v in fields[_C_HAS_ACK]])),
+    )
 
 
 def gather_counts(comm, batches: int, compute_ms: float, loss_sum: float = 0.0,
@@ -302,6 +310,12 @@ class ReplicaReduce:
         self._drift = (np.zeros((len(self._live_params) + (len(self._live_buffers) if carries
                                                              else 0), 3))
                        if drift else None)
+        if self._drift is not None:
+            # zeroed and read through struct, not numpy: a window runs right after
+            # training has evicted the caches, where a numpy call costs 15-30 µs
+            self._drift_bytes = memoryview(self._drift).cast("B")
+            self._drift_zeros = bytes(self._drift.nbytes)
+            self._drift_params = struct.Struct(f"={3 * len(self._live_params)}d")
         self._together = bool(self._live_buffers) and carries
 
     def tensors(self) -> list[torch.Tensor]:
@@ -334,20 +348,21 @@ class ReplicaReduce:
         esize = 2 if comm.bf16_wire else 4
         sums = self._drift
         if sums is not None:
-            sums.fill(0.0)
+            self._drift_bytes[:] = self._drift_zeros
         # the rounds write through detached views (no autograd involved)
         together = self._together
         params_mass = comm.all_reduce_(self._live_all if together else self._live_params,
                                        weight=weight, scale=weight, kind=RoundKind.MODEL,
                                        outer=self.outer, report=report, drift=sums)
         accepted = tuple(comm.last_accepted_ranks())
-        reports = None if report is None else comm.last_reports()
+        reports = None if report is None else comm.last_report_rows()
         buffers_mass = params_mass if together else 0.0
         if self._live_buffers and not together:
             bw = weight if self.buffer_mass == "work" else movers_weight
             buffers_mass = comm.all_reduce_(self._live_buffers, weight=bw, scale=bw,
                                             kind=RoundKind.MODEL)
-        drift = (0.0, 0.0, 0.0) if sums is None else _drift(sums[:len(self._live_params)])
+        drift = ((0.0, 0.0, 0.0) if sums is None
+                 else _drift(self._drift_params.unpack_from(self._drift_bytes)))
         return ReduceOutcome(params_mass, buffers_mass, accepted, *drift,
                              (self._params_numel + self._buffers_numel) * esize,
                              (time.perf_counter() - t0) * 1e3, reports)
@@ -365,8 +380,9 @@ class ReduceOutcome(NamedTuple):
         pre_norm: ``||pre||``; post_norm: ``||post||``.
         bytes_sent: payload bytes this rank contributed.
         reduce_ms: wall time of the rounds (and the drift measure), ms.
-        reports: with ``report=``, the params round's ``[local world, REPORT_VALUES]``
-            table of every rank's report (``Comm.last_reports``); else None.
+        reports: with ``report=``, every rank's report in the params round, one
+            tuple of ``REPORT_VALUES`` floats per local rank (``Comm.last_report_rows``);
+            else None.
     """
 
     params_mass: float
@@ -377,17 +393,18 @@ class ReduceOutcome(NamedTuple):
     post_norm: float
     bytes_sent: int
     reduce_ms: float
-    reports: Optional[np.ndarray] = None
+    reports: Optional[tuple[tuple[float, ...], ...]] = None
 
 
-def _drift(rows: np.ndarray) -> tuple[float, float, float]:
+def _drift(sums: Sequence[float]) -> tuple[float, float, float]:
     """``(||pre - post|| / ||post||, ||pre||, ||post||)`` over all tensors (the ratio is 0
-    for a zero ``post``) from ``all_reduce_``'s per-tensor drift sums."""
+    for a zero ``post``) from ``all_reduce_``'s per-tensor drift sums, flat (three per
+    tensor)."""
     pre_sq = post_sq = diff_sq = 0.0
-    for a, b, c in rows.tolist():
-        pre_sq += a
-        post_sq += b
-        diff_sq += c
+    for i in range(0, len(sums), 3):
+        pre_sq += sums[i]
+        post_sq += sums[i + 1]
+        diff_sq += sums[i + 2]
     post_norm = math.sqrt(post_sq)
     return (math.sqrt(diff_sq) / post_norm if post_norm > 0.0 else 0.0, math.sqrt(pre_sq),
             post_norm)

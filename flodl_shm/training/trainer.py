@@ -686,7 +686,7 @@ class _RankRun:
         checkpoint path or None)."""
         column = count_column(nb, compute_ms, loss_sum, state.stop_requested, prev_sync)
         sync = self.sgd.sync(report=column)
-        counts = counts_from_reports(sync.reports)
+        counts = counts_from_reports(sync.report_rows)
         settled = self.coord.settle(plan, counts, undoable=False)
         ckpt = None
         if settled.save_reason is not None and self.trainer.save_path and sync.mass > 0:
