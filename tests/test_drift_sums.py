@@ -1,12 +1,14 @@
 """``Comm.all_reduce_(drift=...)``: per tensor, ``(Σ old², Σ new², Σ (old - new)²)`` of
 the values before and after the call, on every path: the small fused round (taken while
-the consensus is written), the single tensor, bfloat16 tensors, the bf16 wire, the
+the consensus is written, or after it when a late peer sent the call to the blocking path), the single tensor, bfloat16 tensors, the bf16 wire, the
 shared bulk round and the direct round (from a snapshot), a round that accepted no mass
 (tensors untouched), non-contiguous tensors; and a bad array is refused by name.
 
 Ranks are threads over a real arena (``FakeCohort``).
 """
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
@@ -42,9 +44,11 @@ def _round(comm, ts, weight=None, **kw):
     return drift, _reference(old, ts)
 
 
+LATE = "several tensors, a late peer"  # the other rank's one-call round falls back
 CASES = {
     "one tensor": [(96,)],
     "several tensors, eager": [(40, 3), (17,), (5,)],
+    LATE: [(40, 3), (17,), (5,)],
     "bulk, shared memory": [(70_000,), (5,)],
 }
 
@@ -54,7 +58,12 @@ CASES = {
 def test_drift_sums_match_the_values_before_and_after_on_every_path(bf16_wire, dtype):
     def body(comm):
         comm.set_bf16_wire(bf16_wire)
-        return [_round(comm, _tensors(comm.rank, shapes, dtype)) for shapes in CASES.values()]
+        out = []
+        for name, shapes in CASES.items():
+            if name == LATE and comm.rank == 0:
+                time.sleep(0.05)  # rank 1 sleeps on the doorbell: the blocking path
+            out.append(_round(comm, _tensors(comm.rank, shapes, dtype)))
+        return out
 
     with FakeCohort(2, eager_bytes=EAGER) as cohort:
         results = cohort.run(body)

@@ -73,6 +73,7 @@ from .staging import (  # noqa: F401 - the slot constants are part of this modul
 )
 from .tensor_codec import (
     F32,
+    NO_DRIFT,
     POOL_MIN_BYTES,
     TensorCodec,
     add_drift,
@@ -591,14 +592,18 @@ class Comm:
                 return self._single_round(tensors[0], plan, weight, scale)
         plan = self._fused_plan(tensors, kind, dtype, outer)
         if plan is not None:
-            mass = self._fused_round(plan, weight, len(tensors), scale, None, 0, False)
+            # copy-in, round and the write-back of the float32 tensors: one compiled call
+            sums = NO_DRIFT if drift is None else drift
+            mass = self._eager_call(weight, lambda rnd, w: eng.tensors_round(plan, rnd, w, scale,
+                                                                             sums))
             if kind == _MODEL and not mass > 0.0:
                 if drift is not None:  # untouched: old == new
                     add_drift(drift_snapshot(tensors, plan.nelem, self._codec.results),
                               tensors, drift)
                 return mass
-            decode_gathered(eng.eager_f32 if dtype == DTYPE_F32 else eng.eager_u16, dtype,
-                            plan, tensors, drift)
+            if not eng.decoded or plan.bf16_sources:
+                decode_gathered(eng.eager_f32 if dtype == DTYPE_F32 else eng.eager_u16, dtype,
+                                plan, tensors, drift, floats_done=eng.decoded)
             return mass
         plan = eng.plan(kind, dtype, tuple(check_tensors(tensors)))
         if drift is None:

@@ -135,7 +135,7 @@ class RoundPlan:
 
     __slots__ = ("kind", "dtype", "shapes", "words", "shash", "offs", "numels", "nelem",
                  "nbytes", "off", "total", "eager_fits", "addrs", "addr_words", "ntensors",
-                 "nwords", "pid", "call")
+                 "nwords", "pid", "call", "bf16_sources")
 
     def __init__(self, kind: int, dtype: int, shapes: list[tuple[int, ...]],
                  eager_bytes: int) -> None:
@@ -159,6 +159,7 @@ class RoundPlan:
         #: ``addrs`` as a memoryview: the per-call refill sets items through it, a
         #: fraction of a numpy item assignment's cost
         self.addr_words = memoryview(self.addrs)
+        self.bf16_sources = 0  # bfloat16 tensors among the last gathered (``gather``)
 
 
 class RoundView:
@@ -246,6 +247,7 @@ class RoundEngine:
         self.outer_prev_loaded: np.ndarray | None = None  # prev global seeded for step 0
         self._outer_scratch = np.empty(0, np.float32)
         self.own_slice: tuple[int, int] | None = None  # written to ``into`` last round
+        self.decoded = False  # whether the last ``tensors_round`` wrote the tensors
         self._plans: dict[tuple, RoundPlan] = {}
         self._eager_payloads: dict = {}   # (plan, parity) -> typed payload view
         #: large rounds through the ranks' private memory, when the arena allows them
@@ -457,6 +459,25 @@ class RoundEngine:
             self.reduce_eager(view, out_u16)
             if upcast:
                 K.bf16_to_f32(out_u16[:plan.nelem], out_f32[:plan.nelem])
+        return view.mass
+
+    def tensors_round(self, plan: RoundPlan, rnd: int, weight: float, scale: float,
+                      sums: np.ndarray) -> float:
+        """An in-place small round over every tensor of ``plan``'s address table (filled
+        by ``TensorCodec.gather``): copy-in times ``scale``, the round, and, when it
+        realized work, the consensus written back into the float32 tensors with their
+        drift added to ``sums`` (``[0, 3]``: none), in one compiled call. Returns the
+        accepted mass; ``decoded`` then says whether the float32 tensors were written
+        (False: the caller decodes ``eager_f32``/``eager_u16`` itself; bfloat16 tensors
+        are always the caller's)."""
+        code = RK.eager_tensors_round(self._call, plan.call, rnd, weight, scale,
+                                      self.eager_f32, self.eager_u16, sums)
+        if code == _OK:
+            self.decoded = True
+            return self._mass_cell[0]
+        self.decoded = False
+        view = self.settle_eager(code, rnd)
+        self.reduce_eager(view, self.eager_f32 if plan.dtype == DTYPE_F32 else self.eager_u16)
         return view.mass
 
     def inplace_round(self, addr: int, plan: RoundPlan, rnd: int, weight: float,

@@ -47,7 +47,7 @@ BY_ADDRESS_MAX = 256 << 10
 # allocations from fresh mmaps, whose first touch page-faults every 4 KiB.
 POOL_MIN_BYTES = 128 << 10
 _SCRATCH = 4096
-_NO_DRIFT = np.zeros((0, 3))  # decode_scatter's "no drift sums"
+NO_DRIFT = np.zeros((0, 3))  # decode_scatter's "no drift sums"
 _HUGE_PAGE = 2 << 20
 
 
@@ -279,7 +279,8 @@ def flat_f32(tensors: Sequence[torch.Tensor]) -> np.ndarray:
 
 
 def decode_gathered(cons: np.ndarray, dtype: int, plan: RoundPlan,
-                    tensors: Sequence[torch.Tensor], drift: np.ndarray | None = None) -> None:
+                    tensors: Sequence[torch.Tensor], drift: np.ndarray | None = None,
+                    floats_done: bool = False) -> None:
     """Write a fused round's consensus into the tensors ``TensorCodec.gather`` recorded in
     ``plan.addrs``, in place: the float32 ones in one compiled call, the bfloat16 ones
     through :func:`decode_into_tensor` (torch's rounding).
@@ -291,8 +292,13 @@ def decode_gathered(cons: np.ndarray, dtype: int, plan: RoundPlan,
         tensors: the destinations, in the plan's order.
         drift: a float64 ``[len(tensors), 3]`` array: row ``i`` gets tensor ``i``'s
             :func:`add_drift` sums, taken while the float32 ones are written.
+        floats_done: the float32 tensors were written already (with their drift): only
+            the bfloat16 ones are left.
     """
-    if TIO.decode_scatter(cons, plan.addrs, plan.ntensors, _NO_DRIFT if drift is None else drift):
+    if floats_done and not plan.bf16_sources:
+        return
+    if floats_done or TIO.decode_scatter(cons, plan.addrs, plan.ntensors,
+                                         NO_DRIFT if drift is None else drift):
         for i, (t, off, k) in enumerate(zip(tensors, plan.offs, plan.numels)):
             if t.dtype is BF16:
                 old = None if drift is None else t.detach().reshape(-1).float().numpy()
@@ -375,23 +381,25 @@ class TensorCodec:
     @staticmethod
     def gather(tensors: Sequence[torch.Tensor], plan: RoundPlan) -> bool:
         """Fill ``plan.addrs`` with the tensors' addresses and source dtypes for the
-        fused round; False (nothing usable) when a tensor is not a contiguous
+        fused round (and ``plan.bf16_sources`` with how many are bfloat16); False (nothing usable) when a tensor is not a contiguous
         float32/bfloat16 CPU tensor — the general path then runs."""
         addrs = plan.addr_words
         flag = 2 * plan.ntensors
-        i = 0
+        i = bf16 = 0
         for t in tensors:
             dt = t.dtype
             if dt is F32:
                 addrs[flag + i] = 0
             elif dt is BF16:
                 addrs[flag + i] = 1
+                bf16 += 1
             else:
                 return False
             if not t.is_cpu or not t.is_contiguous():
                 return False
             addrs[i] = t.data_ptr()
             i += 1
+        plan.bf16_sources = bf16
         return True
 
     def flat_result(self, nelem: int, armed: int | None) -> torch.Tensor:

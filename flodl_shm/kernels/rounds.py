@@ -23,8 +23,8 @@ from .codec import bf16_bits_rne, bf16_to_f32
 # result codes of arrive() and the fused rounds (>= 0: the first rank still missing);
 # re-exported so the engine reads them as RK.OK, RK.WAKE, ...
 from .codes import ABORT, EXITED, MISMATCH, NOT_ROOT, OK, OUT_OF_STEP, WAKE  # noqa: F401
-from .tensorio import (encode_bf16_to_bf16, encode_bf16_to_f32, encode_f32_to_bf16,
-                       encode_f32_to_f32, f32_at, i64_at, u8_at)
+from .tensorio import (decode_scatter, encode_bf16_to_bf16, encode_bf16_to_f32,
+                       encode_f32_to_bf16, encode_f32_to_f32, f32_at, i64_at, u8_at)
 
 # info slots filled by arrive()
 I_ACCEPTED = 0   # bitmask of accepted ranks (world <= 63)
@@ -401,6 +401,29 @@ def eager_encode_round(blk, pl, rnd, weight, flags, count, scale, out_addr, upca
 
 
 @njit(cache=True, nogil=True)
+def eager_tensors_round(blk, pl, rnd, weight, scale, out_f32, out_u16, sums):
+    """``eager_encode_round`` of every tensor of plan ``pl``'s address table, then, when
+    the round realized work (CONTROL, or MODEL with mass > 0), the consensus written
+    back into the float32 ones (``tensorio.decode_scatter``, adding their drift to
+    ``sums``: ``[ntensors, 3]`` float64, or ``[0, 3]`` for none); bfloat16 sources are
+    left to the caller. An in-place ``all_reduce_`` of several tensors in one call.
+    Codes as ``eager_round``: on OK the float32 tensors hold the consensus, or were
+    left untouched (MODEL, mass 0: ``blk[C_MASS]`` tells)."""
+    code = eager_encode_round(blk, pl, rnd, weight, 0, pl[P_NTENSORS], scale, 0, False, out_f32,
+                              out_u16)
+    if code != OK:
+        return code
+    if pl[P_KIND] == 0 and not blk[C_MASS:C_MASS + 1].view(np.float64)[0] > 0.0:
+        return OK
+    addrs = pl[P_WORDS + pl[P_NWORDS]:]
+    if pl[P_DTYPE] == 0:
+        decode_scatter(out_f32, addrs, pl[P_NTENSORS], sums)
+    else:
+        decode_scatter(out_u16, addrs, pl[P_NTENSORS], sums)
+    return OK
+
+
+@njit(cache=True, nogil=True)
 def barrier_round(blk, pl, rnd):
     """``eager_encode_round`` of an empty CONTROL plan ``pl`` (a barrier: publish, wait
     for every rank, validate) with three arguments instead of eleven: numba's dispatch
@@ -539,3 +562,7 @@ def warm_up() -> None:
     empty = plan_words(4, 1, 0, 0, 0, 0, 9, words[:0])
     for r in range(world):
         barrier_round(blks[r], empty, 6)
+    pl = plan_words(5, 0, 0, 1, 8, 2, 7, words)
+    pl[P_WORDS + len(words):] = (t.ctypes.data, 2, 0)  # one f32 tensor: address, numel
+    for r in range(world):
+        eager_tensors_round(blks[r], pl, 7, 1.0, 1.0, out, u16, np.zeros((0, 3)))
