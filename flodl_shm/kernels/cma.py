@@ -108,6 +108,28 @@ def probe(pid, addr, iov, word):
 
 
 @njit(inline="always")
+def _spans(numels, start, stop):
+    """The parts of frame elements [start, stop) that each tensor holds (the frame is the
+    tensors end to end, ``numels`` elements each): rows of (tensor, first, end) in the
+    tensor's own element indices, tensors the slice misses left out."""
+    nt = numels.shape[0]
+    out = np.empty((nt, 3), np.int64)
+    k = 0
+    off = 0
+    for t in range(nt):
+        n = numels[t]
+        a = max(start, off) - off
+        b = min(stop, off + n) - off
+        off += n
+        if b > a:
+            out[k, 0] = t
+            out[k, 1] = a
+            out[k, 2] = b
+            k += 1
+    return out[:k]
+
+
+@njit(inline="always")
 def _accumulate(acc, src, m, s, first):
     """``acc[:m] (=|+=) f32(src[:m] * s)``: one rank's chunk into the running sum, in
     rank order (``first``: the first rank of the sum)."""
@@ -149,14 +171,9 @@ def reduce_slice_direct(me, pids, srcs, dsts, scales, numels, start, stop, inv, 
     nt = numels.shape[0]
     ch = acc.shape[0]
     f = np.float32(inv)
-    off = 0
-    for t in range(nt):
-        n = numels[t]
-        a = max(start, off) - off
-        b = min(stop, off + n) - off
-        off += n
-        if b <= a:
-            continue
+    spans = _spans(numels, start, stop)
+    for k in range(spans.shape[0]):
+        t, a, b = spans[k, 0], spans[k, 1], spans[k, 2]
         for c0 in range(a, b, ch):
             m = min(c0 + ch, b) - c0
             for r in range(nr):
@@ -202,14 +219,9 @@ def broadcast_slice_direct(me, root, pids, srcs, dsts, numels, start, stop, iov)
     """
     nr = pids.shape[0]
     nt = numels.shape[0]
-    off = 0
-    for t in range(nt):
-        n = numels[t]
-        a = max(start, off) - off
-        b = min(stop, off + n) - off
-        off += n
-        if b <= a:
-            continue
+    spans = _spans(numels, start, stop)
+    for k in range(spans.shape[0]):
+        t, a, b = spans[k, 0], spans[k, 1], spans[k, 2]
         for c0 in range(a, b, CHUNK):
             m = 4 * (min(c0 + CHUNK, b) - c0)
             if me == root:
