@@ -480,6 +480,19 @@ class RoundEngine:
         self.reduce_eager(view, self.eager_f32 if plan.dtype == DTYPE_F32 else self.eager_u16)
         return view.mass
 
+    def arrays_round(self, plan: RoundPlan, src: np.ndarray, dst: np.ndarray, rnd: int,
+                     weight: float) -> float:
+        """A small f32 round of one tensor given as arrays: ``src`` (``plan.nelem``
+        float32, aligned, writable memory: one compiled type) copied in, the consensus
+        reduced into ``dst`` whatever the mass (as the general round does). Returns the
+        accepted mass."""
+        code = RK.eager_arrays_f32(self._call, plan.call, src, dst, rnd, weight)
+        if code == _OK:
+            return self._mass_cell[0]
+        view = self.settle_eager(code, rnd)
+        self.reduce_eager(view, dst)
+        return view.mass
+
     def inplace_round(self, addr: int, plan: RoundPlan, rnd: int, weight: float,
                       scale: float, out: int = 0, flags: int = 0, root: int = -1) -> float:
         """The whole small average of one contiguous f32 tensor (at ``addr``,

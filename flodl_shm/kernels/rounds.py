@@ -493,6 +493,15 @@ def eager_inplace_f32(blk, pl, addr, rnd, weight, scale):
 
 
 @njit(cache=True, nogil=True)
+def eager_arrays_f32(blk, pl, src, dst, rnd, weight):
+    """``eager_copy_f32`` (no scale, no broadcast) over f32 arrays instead of addresses:
+    ``src`` (the plan's ``nelem`` values, e.g. a frame's payload) is copied in and the
+    round reduced into ``dst``. An array over foreign memory has no cheap address in
+    Python (``ctypes.data`` costs about 2 µs), so the frame API passes the arrays."""
+    return _eager_single_f32(blk, pl, src, dst, False, 1.0, rnd, 0, weight, -1)
+
+
+@njit(cache=True, nogil=True)
 def eager_copy_f32(blk, pl, addr, dst_addr, rnd, flags, weight, scale, root):
     """``eager_inplace_f32`` reducing into the f32 at ``dst_addr`` (a fresh result)
     instead of the source, always (a round with no accepted mass yields what
@@ -566,3 +575,6 @@ def warm_up() -> None:
     pl[P_WORDS + len(words):] = (t.ctypes.data, 2, 0)  # one f32 tensor: address, numel
     for r in range(world):
         eager_tensors_round(blks[r], pl, 7, 1.0, 1.0, out, u16, np.zeros((0, 3)))
+    pl = plan_words(6, 0, 0, 1, 8, 2, 7, words)
+    for r in range(world):
+        eager_arrays_f32(blks[r], pl, t, dst, 8, 1.0)
