@@ -450,16 +450,8 @@ class Comm:
             if not src.flags.aligned:
                 src = None  # another compiled type: the copy below instead
         if src is not None and plan.eager_fits and self._fusable(kind, False):
-            # copy-in, round and reduce into the reply: one compiled call, the eager
-            # frame inlined (this is the 4 KiB call)
-            weight = self._begin(frame.weight)
-            rnd = self._round
-            self._round = rnd + 1
-            try:
-                mass = eng.arrays_round(plan, src, out, rnd, weight)
-            except BaseException as e:
-                self._fail(rnd, e)
-                raise
+            # copy-in, round and reduce into the reply: one compiled call
+            mass = self._eager_call(frame.weight, eng.arrays_round, plan, src, out)
         elif plan.eager_fits and self._fusable(kind, False):
             _write_payloads(payloads, eng.eager_payload(self._round, plan), plan, np_dtype)
             if dtype == DTYPE_F32:  # the payload is in the slot: publish, wait, reduce
@@ -929,7 +921,7 @@ class Comm:
             plan = self._engine.plan(kind, plan.dtype, tuple(plan.shapes))
         eng = self._engine
         if eager and self._fusable(kind, False):
-            mass = self._fused_round(plan, weight, 0, 1.0, None, 0, False, zero_copy=True)
+            mass = self._eager_call(weight, eng.zero_copy_round, plan)
             cons = eng.eager_f32 if plan.dtype == DTYPE_F32 else eng.eager_u16
         else:
             cons, mass = self._run(plan, weight, None, zero_copy=True, eager_zero_copy=eager)
@@ -1008,15 +1000,16 @@ class Comm:
         mass = self._single_round(t, plan, weight, scale, res.data_ptr(), broadcast)
         return res, mass
 
-    def _eager_call(self, weight, call: Callable[[int, float], float]) -> float:
+    def _eager_call(self, weight, call: Callable[..., float], *args) -> float:
         """An eager round's frame: validate the mass, take the round number, then
-        ``call(round, mass)`` (a fused call: it writes the slot's schema words itself); a
+        ``call(round, mass, *args)`` (a fused call: it writes the slot's schema words
+        itself; an engine method with its arguments costs less than a closure); a
         failure goes through ``_fail`` (naming the round) before it propagates."""
         weight = self._begin(weight)
         rnd = self._round
         self._round = rnd + 1
         try:
-            return call(rnd, weight)
+            return call(rnd, weight, *args)
         except BaseException as e:
             self._fail(rnd, e)
             raise
@@ -1109,8 +1102,7 @@ class Comm:
 
     def _fused_round(self, plan: RoundPlan, weight, count: int, scale: float,
                      out: np.ndarray | None, out_addr: int, upcast: bool, *,
-                     elided: bool = False, zero_copy: bool = False,
-                     broadcast: int | None = None) -> float:
+                     elided: bool = False, broadcast: int | None = None) -> float:
         """One eager round as a single compiled call: copy-in of the first ``count``
         gathered tensors, publish, wait, validate, reduce into ``out`` or the
         ``plan.nelem`` f32 at ``out_addr`` (neither: the engine's ``eager_f32``;
@@ -1119,8 +1111,7 @@ class Comm:
         the only one read; checked to be the only contributor). Returns the accepted
         mass."""
         eng = self._engine
-        flags = ((A.FLAG_ELIDED if elided else 0) | (A.FLAG_ZERO_COPY if zero_copy else 0)
-                 | (0 if broadcast is None else A.FLAG_BROADCAST))
+        flags = (A.FLAG_ELIDED if elided else 0) | (0 if broadcast is None else A.FLAG_BROADCAST)
 
         def call(rnd: int, w: float) -> float:
             mass = eng.eager_round(plan, rnd, flags, w, count=count, scale=scale,

@@ -480,8 +480,12 @@ class RoundEngine:
         self.reduce_eager(view, self.eager_f32 if plan.dtype == DTYPE_F32 else self.eager_u16)
         return view.mass
 
-    def arrays_round(self, plan: RoundPlan, src: np.ndarray, dst: np.ndarray, rnd: int,
-                     weight: float) -> float:
+    def zero_copy_round(self, rnd: int, weight: float, plan: RoundPlan) -> float:
+        """:meth:`eager_round` of a zero-copy frame already in this rank's eager slot."""
+        return self.eager_round(plan, rnd, A.FLAG_ZERO_COPY, weight)
+
+    def arrays_round(self, rnd: int, weight: float, plan: RoundPlan, src: np.ndarray,
+                     dst: np.ndarray) -> float:
         """A small f32 round of one tensor given as arrays: ``src`` (``plan.nelem``
         float32, aligned, writable memory: one compiled type) copied in, the consensus
         reduced into ``dst`` whatever the mass (as the general round does). Returns the
