@@ -602,8 +602,7 @@ class Comm:
         if plan is not None:
             # copy-in, round and the write-back of the float32 tensors: one compiled call
             sums = NO_DRIFT if drift is None else drift
-            mass = self._eager_call(weight, lambda rnd, w: eng.tensors_round(plan, rnd, w, scale,
-                                                                             sums))
+            mass = self._eager_call(weight, eng.tensors_round, plan, scale, sums)
             if kind == _MODEL and not mass > 0.0:
                 if drift is not None:  # untouched: old == new
                     add_drift(drift_snapshot(tensors, plan.nelem, self._codec.results),

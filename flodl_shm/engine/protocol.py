@@ -461,7 +461,7 @@ class RoundEngine:
                 K.bf16_to_f32(out_u16[:plan.nelem], out_f32[:plan.nelem])
         return view.mass
 
-    def tensors_round(self, plan: RoundPlan, rnd: int, weight: float, scale: float,
+    def tensors_round(self, rnd: int, weight: float, plan: RoundPlan, scale: float,
                       sums: np.ndarray) -> float:
         """An in-place small round over every tensor of ``plan``'s address table (filled
         by ``TensorCodec.gather``): copy-in times ``scale``, the round, and, when it
