@@ -80,6 +80,7 @@ from ..kernels import codec as K
 from ..kernels import reduce as R
 from ..kernels import rounds as RK
 from ..kernels import signals
+from ..kernels import tensorio as TIO
 from ..kernels.codes import is_terminal
 from .direct import DirectRounds
 from .waiting import WORK_BYTES_PER_S, Doorbell, Waiter, futex_wake
@@ -129,8 +130,8 @@ class RoundPlan:
     its header fields, schema words and address table. ``addrs`` (a view of the table,
     int64, ``3 * ntensors``: the tensors' addresses, their element counts, then 1 per
     bfloat16 source) is the fused round's per-call input; the caller refills the
-    addresses and source flags before every fused round (through ``addr_words``). ``pid`` is unique to the plan
-    (which schema an eager slot holds).
+    addresses and source flags before every fused round (through ``addr_words``).
+    ``pid`` is unique to the plan (which schema an eager slot holds).
     """
 
     __slots__ = ("kind", "dtype", "shapes", "words", "shash", "offs", "numels", "nelem",
@@ -247,7 +248,6 @@ class RoundEngine:
         self.outer_prev_loaded: np.ndarray | None = None  # prev global seeded for step 0
         self._outer_scratch = np.empty(0, np.float32)
         self.own_slice: tuple[int, int] | None = None  # written to ``into`` last round
-        self.decoded = False  # whether the last ``tensors_round`` wrote the tensors
         self._plans: dict[tuple, RoundPlan] = {}
         self._eager_payloads: dict = {}   # (plan, parity) -> typed payload view
         #: large rounds through the ranks' private memory, when the arena allows them
@@ -420,7 +420,7 @@ class RoundEngine:
         return raw.view(np.float32 if view.dtype == DTYPE_F32 else np.uint16)
 
     # -- REDUCED ---------------------------------------------------------------------
-    def barrier_round(self, plan: RoundPlan, rnd: int) -> float:
+    def barrier_round(self, rnd: int, _weight: float, plan: RoundPlan) -> float:
         """:meth:`eager_round` of the empty CONTROL ``plan`` (a barrier), its fast case
         one compiled call with three arguments; returns the accepted mass (0)."""
         code = RK.barrier_round(self._call, plan.call, rnd)
@@ -466,18 +466,19 @@ class RoundEngine:
         """An in-place small round over every tensor of ``plan``'s address table (filled
         by ``TensorCodec.gather``): copy-in times ``scale``, the round, and, when it
         realized work, the consensus written back into the float32 tensors with their
-        drift added to ``sums`` (``[0, 3]``: none), in one compiled call. Returns the
-        accepted mass; ``decoded`` then says whether the float32 tensors were written
-        (False: the caller decodes ``eager_f32``/``eager_u16`` itself; bfloat16 tensors
-        are always the caller's)."""
+        drift added to ``sums`` (``[0, 3]``: none): one compiled call in the fast case,
+        the blocking path's reduce and the same write-back otherwise. The bfloat16
+        tensors are left to the caller (the consensus stays in ``eager_f32`` /
+        ``eager_u16``). Returns the accepted mass."""
         code = RK.eager_tensors_round(self._call, plan.call, rnd, weight, scale,
                                       self.eager_f32, self.eager_u16, sums)
         if code == _OK:
-            self.decoded = True
             return self._mass_cell[0]
-        self.decoded = False
         view = self.settle_eager(code, rnd)
-        self.reduce_eager(view, self.eager_f32 if plan.dtype == DTYPE_F32 else self.eager_u16)
+        cons = self.eager_f32 if plan.dtype == DTYPE_F32 else self.eager_u16
+        self.reduce_eager(view, cons)
+        if plan.kind != RoundKind.MODEL or view.mass > 0.0:
+            TIO.decode_scatter(cons, plan.addrs, plan.ntensors, sums)
         return view.mass
 
     def zero_copy_round(self, rnd: int, weight: float, plan: RoundPlan) -> float:
@@ -497,7 +498,7 @@ class RoundEngine:
         self.reduce_eager(view, dst)
         return view.mass
 
-    def inplace_round(self, addr: int, plan: RoundPlan, rnd: int, weight: float,
+    def inplace_round(self, rnd: int, weight: float, addr: int, plan: RoundPlan,
                       scale: float, out: int = 0, flags: int = 0, root: int = -1) -> float:
         """The whole small average of one contiguous f32 tensor (at ``addr``,
         ``plan.nelem`` elements, f32 wire; the plan's schema already in the slot): one

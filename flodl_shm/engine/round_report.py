@@ -114,5 +114,4 @@ class RoundReports:
 
     def read(self, rnd: int, accepted_mask: int) -> np.ndarray:
         """:meth:`rows` as a ``[world, REPORT_VALUES]`` float64 table."""
-        return np.array(self.rows(rnd, accepted_mask), dtype=np.float64).reshape(
-            self._world, REPORT_VALUES)
+        return np.array(self.rows(rnd, accepted_mask), dtype=np.float64)

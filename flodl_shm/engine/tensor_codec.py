@@ -295,8 +295,6 @@ def decode_gathered(cons: np.ndarray, dtype: int, plan: RoundPlan,
         floats_done: the float32 tensors were written already (with their drift): only
             the bfloat16 ones are left.
     """
-    if floats_done and not plan.bf16_sources:
-        return
     if floats_done or TIO.decode_scatter(cons, plan.addrs, plan.ntensors,
                                          NO_DRIFT if drift is None else drift):
         for i, (t, off, k) in enumerate(zip(tensors, plan.offs, plan.numels)):
@@ -381,8 +379,9 @@ class TensorCodec:
     @staticmethod
     def gather(tensors: Sequence[torch.Tensor], plan: RoundPlan) -> bool:
         """Fill ``plan.addrs`` with the tensors' addresses and source dtypes for the
-        fused round (and ``plan.bf16_sources`` with how many are bfloat16); False (nothing usable) when a tensor is not a contiguous
-        float32/bfloat16 CPU tensor — the general path then runs."""
+        fused round (and ``plan.bf16_sources`` with how many are bfloat16); False
+        (nothing usable) when a tensor is not a contiguous float32/bfloat16 CPU tensor:
+        the general path then runs."""
         addrs = plan.addr_words
         flag = 2 * plan.ntensors
         i = bf16 = 0
