@@ -44,3 +44,76 @@ def test_a_wait_still_missing_a_dead_peer_raises_through_liveness():
     with pytest.raises(PeerDied, match="rank 0 died"):
         waiter.wait(lambda iters: 0, what="waiting for ranks to arrive", rnd=1,
                     missing_of=lambda: (0,))
+
+
+_PEER = r"""
+import mmap, os, sys
+import numpy as np
+from flodl_shm.kernels import rounds as RK
+from flodl_shm.kernels import signals
+core, path, words = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+os.sched_setaffinity(0, {core})
+with open(path, "r+b") as f:
+    mem = mmap.mmap(f.fileno(), 0)
+ctl = np.frombuffer(mem, np.int64, words)
+flag = np.frombuffer(mem, np.int64, 2, offset=8 * words)  # [ready, go]
+RK.publish_round(ctl, ctl.view(np.float64), ctl.view(np.int32), 1, 0, 0, 0, 0, 1.0, 0, 0, 0,
+                 7, 0)
+signals.load(flag, 1)  # both calls compiled or loaded before saying ready
+flag[0] = 1
+while signals.load(flag, 1) == 0:
+    pass  # runnable all along: it holds the shared core whenever it has it
+RK.publish_round(ctl, ctl.view(np.float64), ctl.view(np.int32), 1, 1, 0, 0, 0, 1.0, 0, 0, 0,
+                 7, 0)
+"""
+
+
+def test_a_fused_wait_hands_the_core_to_a_runnable_peer(tmp_path):
+    """Ranks outnumber cores: the peer that has not arrived is runnable on this very
+    core, and the compiled wait (``arrive`` with yields, as the fused calls run it)
+    gives it the core with ``sched_yield`` and catches the round, without leaving the
+    call. Both processes are pinned to one core, so only a yield lets the peer run
+    within the wait."""
+    import mmap
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from flodl_shm.engine.waiting import YIELDS_PER_CALL
+    from flodl_shm.kernels import rounds as RK
+
+    world = 2
+    words = RK.GLOBAL_WORDS + world * RK.RANK_WORDS
+    path = tmp_path / "ctl"
+    path.write_bytes(bytes(8 * (words + 2)))
+    core = min(os.sched_getaffinity(0))
+    saved = os.sched_getaffinity(0)
+    with open(path, "r+b") as f:
+        mem = mmap.mmap(f.fileno(), 0)
+    ctl = np.frombuffer(mem, np.int64, words)
+    flag = np.frombuffer(mem, np.int64, 2, offset=8 * words)
+    f64, c32 = ctl.view(np.float64), ctl.view(np.int32)
+    info = np.zeros(RK.I_WORDS, np.int64)
+    mass = np.zeros(1, np.float64)
+    RK.publish_round(ctl, f64, c32, 0, 0, 0, 0, 0, 1.0, 0, 0, 0, 7, 0)
+    # loaded now: a first call loads the compiled code (milliseconds) and the peer
+    # would run meanwhile
+    assert RK.arrive(ctl, f64, world, 1, 0, 0, 0, info, mass) == 0
+    peer = subprocess.Popen([sys.executable, "-c", _PEER, str(core), str(path), str(words)])
+    try:
+        deadline = time.monotonic() + 60
+        while flag[0] == 0:
+            assert peer.poll() is None, "the peer process failed to start"
+            assert time.monotonic() < deadline, "the peer never got ready"
+            time.sleep(0.01)
+        os.sched_setaffinity(0, {core})
+        RK.publish_round(ctl, f64, c32, 0, 1, 0, 0, 0, 1.0, 0, 0, 0, 7, 0)
+        flag[1] = 1
+        code = RK.arrive(ctl, f64, world, 1, 0, 0, YIELDS_PER_CALL, info, mass)
+    finally:
+        os.sched_setaffinity(0, saved)
+        flag[1] = 1
+        peer.wait(timeout=30)
+    assert code == OK, f"the wait returned {code} (1: the peer still missing after the yields)"
+    assert mass[0] == 2.0

@@ -85,7 +85,7 @@ from .tensor_codec import (
     flat_part,
     wire_views,
 )
-from .waiting import YIELD_BUDGET_S, Waiter, oversubscribed, spin_iterations
+from .waiting import Waiter, oversubscribed, spin_iterations
 
 logger = logging.getLogger("flodl_shm")
 
@@ -143,7 +143,7 @@ class Comm:
         self._engine = RoundEngine(arena, local_rank, timeout=timeout, spin_iters=spin_iters,
                                    liveness=liveness or (lambda: None))
         if oversubscribed(arena.world):
-            self._engine.waiter.yield_budget = YIELD_BUDGET_S
+            self._engine.yield_when_waiting()
         self._round = 0
         self._broken: str | None = None
         self._bf16 = False

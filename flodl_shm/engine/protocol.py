@@ -83,7 +83,8 @@ from ..kernels import signals
 from ..kernels import tensorio as TIO
 from ..kernels.codes import is_terminal
 from .direct import DirectRounds
-from .waiting import WORK_BYTES_PER_S, Doorbell, Waiter, futex_wake
+from .waiting import (WORK_BYTES_PER_S, YIELD_BUDGET_S, YIELDS_PER_CALL, Doorbell, Waiter,
+                      futex_wake)
 
 #: after a rank's own deadline on a cluster round: how long it waits for the
 #: controller's verdict (which names the ranks that never delivered)
@@ -264,6 +265,13 @@ class RoundEngine:
         self._info[RK.I_ACCEPTED] = mask
 
     # -- plans ----------------------------------------------------------------------
+    def yield_when_waiting(self) -> None:
+        """Ranks outnumber this host's cores: a wait that outlasts its (short) spin
+        gives the core away before it sleeps, in the fused calls' compiled wait
+        (``YIELDS_PER_CALL`` yields) and then in the ``Waiter`` (``YIELD_BUDGET_S``)."""
+        self.waiter.yield_budget = YIELD_BUDGET_S
+        self._call[RK.C_YIELDS] = YIELDS_PER_CALL
+
     def plan(self, kind: int, dtype: int, shapes) -> RoundPlan:
         """The cached plan of a round of ``kind``/``dtype`` over ``shapes`` (a tuple of
         shape tuples or ``torch.Size``: hashed and compared as tuples)."""
@@ -337,7 +345,9 @@ class RoundEngine:
         in before arriving, which sets how long a late peer is spun for)."""
         ctl, f64, world, me, info, mass = (self.ctl, self.ctl_f64, self.world, self.rank,
                                            self._info, self._mass)
-        code = self.waiter.wait(lambda it: RK.arrive(ctl, f64, world, rnd, me, it, info, mass),
+        # no compiled yields: the Waiter yields itself once the spin missed
+        code = self.waiter.wait(lambda it: RK.arrive(ctl, f64, world, rnd, me, it, 0, info,
+                                                     mass),
                                 what=what, rnd=rnd,
                                 missing_of=lambda: self.missing_arrivals(rnd),
                                 work_s=nbytes / WORK_BYTES_PER_S)

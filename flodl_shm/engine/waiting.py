@@ -9,7 +9,9 @@ late rank needs when ranks outnumber cores (4 ranks on 2 cores made spin-then-
    every rank has a core, ~2 µs when oversubscribed; then, **when ranks outnumber
    cores, yield** (``sched_yield``) for up to ~60 µs: the late rank is usually
    *runnable* on this core, not asleep, and a yield hands it the core at once,
-   where sleeping would cost every waiter a ~35 µs wake-up per round;
+   where sleeping would cost every waiter a ~35 µs wake-up per round. The fused
+   eager calls make their first ``YIELDS_PER_CALL`` yields in compiled code
+   (``kernels/rounds.py``, ``arrive``) before they return to this waiter;
 2. **block** on the arena's doorbell futex. Every publication bumps the doorbell
    (a seq_cst RMW, i.e. a full fence) and wakes sleepers only if the sleeper count
    is non-zero. A waiter reads the doorbell *before* re-checking its condition and
@@ -48,6 +50,11 @@ LIVENESS_SLICE = 0.05
 SPIN_BUDGET_S = 200e-6
 SPIN_BUDGET_OVERSUBSCRIBED_S = 2e-6
 YIELD_BUDGET_S = 60e-6  # oversubscribed only: hand the core to a runnable peer first
+#: oversubscribed only: ``sched_yield`` calls a fused round's compiled wait makes after its
+#: spin, before it returns to the Python waiter (~0.5 µs each when nobody else is runnable,
+#: so about ``YIELD_BUDGET_S``): leaving the call first cost a barrier 40-55 µs instead of
+#: 7-20 on 4 ranks and 2 cores (BENCHMARKS.md, ninth session)
+YIELDS_PER_CALL = 64
 MAX_WORK_SPIN_S = 5e-3  # the longest spin a large round's expected work may ask for
 #: bytes per second a rank's step of a bulk round moves (copy or slice reduce), at worst:
 #: how long a peer may take before a waiter stops spinning for it (``Waiter.wait``)

@@ -12,7 +12,9 @@ explicit orderings:
 - ``fetch_add(a, i, v)``: sequentially consistent read-modify-write (a full fence);
 - ``compare_exchange(a, i, expected, new)``: seq_cst CAS, returns the old value;
 - ``fence()``: a sequentially consistent fence (store->load ordering, Dekker-style);
-- ``cpu_relax()``: the spin-wait hint (``pause`` on x86-64; nothing elsewhere).
+- ``cpu_relax()``: the spin-wait hint (``pause`` on x86-64; nothing elsewhere);
+- ``os_yield()``: ``sched_yield(2)``, handing the core to another runnable process (a
+  wait on a host whose ranks outnumber its cores), bound by symbol name (``bind_libc``).
 
 On x86-64 acquire/release compile to plain ``mov`` (TSO gives them for free); the
 point is to stop the *compiler* from reordering or caching. Arrays must be
@@ -20,8 +22,10 @@ naturally aligned (our control block aligns every word to its size).
 """
 from __future__ import annotations
 
+import ctypes
 import platform
 
+import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -29,6 +33,23 @@ from numba.extending import intrinsic
 
 _IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 _IS_ARM64 = platform.machine().lower() in ("aarch64", "arm64")
+
+
+def bind_libc(*names: str) -> bool:
+    """Tell the JIT linker where these C library calls live in this process, so compiled
+    code calls them by symbol name (resolved when it is loaded, not baked in as an
+    address: the kernels stay cacheable across processes); False when the C library
+    lacks one of them (not Linux)."""
+    try:
+        libc = ctypes.CDLL(None)
+        for name in names:
+            llvm.add_symbol(name, ctypes.cast(getattr(libc, name), ctypes.c_void_p).value)
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+_HAVE_SCHED_YIELD = bind_libc("sched_yield")
 
 
 def _element_pointer(context, builder, arrty, arr, idx):
@@ -128,6 +149,25 @@ def cpu_relax(typingctx):
             fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(32)])
             fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.aarch64.hint")
             builder.call(fn, [ir.Constant(ir.IntType(32), 1)])  # YIELD
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def os_yield(typingctx):
+    """``sched_yield()``: give the core to another runnable process, if there is one
+    (a spin hint where the call does not exist)."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        if _HAVE_SCHED_YIELD:
+            fnty = ir.FunctionType(ir.IntType(32), [])
+            builder.call(cgutils.get_or_insert_function(builder.module, fnty, "sched_yield"), [])
+        elif _IS_X86:
+            fnty = ir.FunctionType(ir.VoidType(), [])
+            builder.call(cgutils.get_or_insert_function(builder.module, fnty,
+                                                        "llvm.x86.sse2.pause"), [])
         return context.get_dummy_value()
 
     return sig, codegen

@@ -22,34 +22,17 @@ bytes (a reader alone would move all of them).
 """
 from __future__ import annotations
 
-import ctypes
-
-import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .atomics import bind_libc
 from .tensorio import f32_at
 
-_SYMBOLS = ("process_vm_readv", "process_vm_writev")
-
-
-def _register_symbols() -> bool:
-    """Tell the JIT linker where libc's calls live in this process; False when the C
-    library has none (not Linux)."""
-    try:
-        libc = ctypes.CDLL(None)
-        for name in _SYMBOLS:
-            llvm.add_symbol(name, ctypes.cast(getattr(libc, name), ctypes.c_void_p).value)
-    except (OSError, AttributeError):
-        return False
-    return True
-
-
 #: whether this platform has cross-memory attach at all
-AVAILABLE = _register_symbols()
+AVAILABLE = bind_libc("process_vm_readv", "process_vm_writev")
 
 #: f32 elements per chunk: a chunk and its accumulator stay in L2 between the reads,
 #: the sum and the writes

@@ -18,7 +18,7 @@ from .control_block import (DEAD_EXITED, FLAG_BROADCAST, FLAG_ELIDED, FLAGS_AGRE
                             H_NBYTES, H_NELEM, H_NTENSORS, H_ROUND, H_SCHEMA_HASH,
                             H_SCHEMA_WORDS, H_WEIGHT, HDR_WORDS, R_ARRIVED, R_DEAD, R_HDR,
                             RANK_WORDS)
-from .atomics import cpu_relax, fetch_add, load_acquire, store_release
+from .atomics import cpu_relax, fetch_add, load_acquire, os_yield, store_release
 from .codec import bf16_bits_rne, bf16_to_f32
 # result codes of arrive() and the fused rounds (>= 0: the first rank still missing);
 # re-exported so the engine reads them as RK.OK, RK.WAKE, ...
@@ -122,13 +122,19 @@ def _validate(ctl, ctl_f64, world, rnd, me, info, mass):
 
 
 @njit(cache=True, nogil=True)
-def arrive(ctl, ctl_f64, world, rnd, me, iters, info, mass):
+def arrive(ctl, ctl_f64, world, rnd, me, iters, yields, info, mass):
     """Spin until every rank arrived at ``rnd`` or is dead, then validate.
 
+    The wait spins ``iters`` times, then gives the core away (``sched_yield``) up to
+    ``yields`` times between checks: where ranks outnumber cores the missing rank is
+    usually runnable on this very core, and a yield from compiled code hands it over
+    without first leaving the call for the Python waiter.
+
     Returns OK (info/mass filled), ABORT, MISMATCH, EXITED, OUT_OF_STEP, or the
-    first missing rank (>= 0) when ``iters`` ran out.
+    first missing rank (>= 0) when the spins and yields ran out.
     """
     it = 0
+    budget = iters + yields
     while True:
         if load_acquire(ctl, G_ABORT) != 0:
             return ABORT
@@ -141,10 +147,13 @@ def arrive(ctl, ctl_f64, world, rnd, me, iters, info, mass):
                     break
         if missing == OK:
             return _validate(ctl, ctl_f64, world, rnd, me, info, mass)
-        if it >= iters:
+        if it >= budget:
             return missing
         it += 1
-        cpu_relax()
+        if it > iters:
+            os_yield()
+        else:
+            cpu_relax()
 
 
 @njit(cache=True, nogil=True)
@@ -241,8 +250,8 @@ def reduce_eager_bf16(eager, slot_bytes, rnd, world, contrib, off, nelem, out, i
 
 @njit(cache=True, nogil=True)
 def eager_round(ctl, ctl_f64, ctl32, eager, slot_bytes, world, me, rnd, kind, flags, dtype,
-                weight, ntensors, nbytes, nelem, shash, nwords, iters, info, mass, out_f32,
-                out_u16, acc, tmp):
+                weight, ntensors, nbytes, nelem, shash, nwords, iters, yields, info, mass,
+                out_f32, out_u16, acc, tmp):
     """A whole small round in one call: publish, spin for the arrivals, validate, reduce
     (``FLAGS_AGREED`` of every accepted header must match the first's).
 
@@ -255,7 +264,7 @@ def eager_round(ctl, ctl_f64, ctl32, eager, slot_bytes, world, me, rnd, kind, fl
     if publish_round(ctl, ctl_f64, ctl32, me, rnd, kind, flags, dtype, weight, ntensors,
                      nbytes, nelem, shash, nwords) > 0:
         return WAKE
-    code = arrive(ctl, ctl_f64, world, rnd, me, iters, info, mass)
+    code = arrive(ctl, ctl_f64, world, rnd, me, iters, yields, info, mass)
     if code != OK:
         return code
     m = mass[0]
@@ -298,7 +307,8 @@ C_WORLD = I_WORDS + 9
 C_ME = I_WORDS + 10
 C_WORK = I_WORDS + 11     # address of WORK_WORDS float32 of scratch
 C_SCHEMA = I_WORDS + 12   # 2 words: the id of the plan whose schema each slot parity holds
-CALL_WORDS = I_WORDS + 14
+C_YIELDS = I_WORDS + 14   # sched_yield calls after the spin (0 unless ranks outnumber cores)
+CALL_WORDS = I_WORDS + 15
 
 P_ID = 0                  # unique per plan (0: none): the slot-schema cache key
 P_KIND = 1
@@ -392,7 +402,7 @@ def eager_encode_round(blk, pl, rnd, weight, flags, count, scale, out_addr, upca
             off += n
     code = eager_round(ctl, ctl_f64, ctl32, eager, slot_bytes, blk[C_WORLD], me, rnd,
                        pl[P_KIND], flags, dtype, weight, nt, pl[P_NBYTES], nelem, pl[P_SHASH],
-                       nwords, blk[C_SPIN], info, mass, dst, out_u16, acc, tmp)
+                       nwords, blk[C_SPIN], blk[C_YIELDS], info, mass, dst, out_u16, acc, tmp)
     if code == OK:
         _spin_caught(blk)
         if upcast and dtype != 0:
@@ -457,7 +467,7 @@ def _eager_single_f32(blk, pl, src, dst, keep_on_empty, scale, rnd, flags, weigh
     if publish_round(ctl, ctl_f64, ctl32, me, rnd, kind, flags, 0, weight, 1, 4 * n, n,
                      pl[P_SHASH], nwords) > 0:
         return WAKE
-    code = arrive(ctl, ctl_f64, blk[C_WORLD], rnd, me, blk[C_SPIN], info, mass)
+    code = arrive(ctl, ctl_f64, blk[C_WORLD], rnd, me, blk[C_SPIN], blk[C_YIELDS], info, mass)
     if code != OK:
         return code
     _spin_caught(blk)
@@ -544,7 +554,7 @@ def warm_up() -> None:
     mass = np.zeros(1, np.float64)
     for r in range(world):
         publish_round(ctl, f64, c32, r, 0, 0, 0, 0, 1.0, 1, 8, 2, 7, 4)
-    arrive(ctl, f64, world, 0, 0, 0, info, mass)
+    arrive(ctl, f64, world, 0, 0, 0, 0, info, mass)
     eager = np.zeros(4 * 64, np.uint8)
     acc = np.zeros(8, np.float32)
     tmp = np.zeros(8, np.float32)
