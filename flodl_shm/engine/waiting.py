@@ -6,7 +6,7 @@ late rank needs when ranks outnumber cores (4 ranks on 2 cores made spin-then-
 ``sched_yield`` rounds take over a millisecond, BENCHMARKS.md). So:
 
 1. **spin** in compiled code (``kernels/signals.py``) for a time budget: ~50 µs when
-   every rank has a core, ~2 µs when oversubscribed; then, **when ranks outnumber
+   every rank has a core, none when oversubscribed; then, **when ranks outnumber
    cores, yield** (``sched_yield``) for up to ~60 µs: the late rank is usually
    *runnable* on this core, not asleep, and a yield hands it the core at once,
    where sleeping would cost every waiter a ~35 µs wake-up per round. The fused
@@ -48,7 +48,10 @@ LIVENESS_SLICE = 0.05
 # the pair settles in a sleep/wake ping-pong (seen under torch.distributed: 100 µs per
 # 4 KiB round instead of 11 µs; a 200 µs budget breaks the cycle).
 SPIN_BUDGET_S = 200e-6
-SPIN_BUDGET_OVERSUBSCRIBED_S = 2e-6
+# oversubscribed: no spin, a yield at once. The rank a wait misses is then most often
+# runnable on this very core, where a spin only delays it (4 ranks on 2 cores: a 2 µs
+# spin made a 4 KiB all_reduce_ 37-60 µs against 25-28 without, BENCHMARKS.md)
+SPIN_BUDGET_OVERSUBSCRIBED_S = 0.0
 YIELD_BUDGET_S = 60e-6  # oversubscribed only: hand the core to a runnable peer first
 #: oversubscribed only: ``sched_yield`` calls a fused round's compiled wait makes after its
 #: spin, before it returns to the Python waiter (~0.5 µs each when nobody else is runnable,
