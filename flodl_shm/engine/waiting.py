@@ -201,8 +201,8 @@ class Waiter:
         self.missed = 0
         self.sleeps = 0
 
-    def _yield_phase(self, check: Callable[[int], int]) -> int:
-        end = time.perf_counter() + self.yield_budget
+    def _yield_phase(self, check: Callable[[int], int], work_s: float) -> int:
+        end = time.perf_counter() + max(self.yield_budget, min(work_s, MAX_WORK_SPIN_S))
         r = check(0)
         while r >= 0 and time.perf_counter() < end:
             os.sched_yield()
@@ -247,10 +247,10 @@ class Waiter:
         first item still missing, ``MISMATCH`` and below terminal. ``on_missing(m)``
         may act on the missing item (e.g. take over a dead rank's slice) and return
         True when it made progress. ``work_s``: how long the awaited ranks' step takes
-        (a bulk round's copy or slice): when every rank has a core, the spin lasts at
-        least that long, since a peer that far behind is still working, not gone, and
-        sleeping would add a wake-up to every large round. Returns ``OK`` or the
-        terminal code.
+        (a bulk round's copy or slice): the spin (when every rank has a core) or the
+        yields (when ranks outnumber cores) last at least that long, since a peer that
+        far behind is still working, not gone, and sleeping would add a wake-up to
+        every large round. Returns ``OK`` or the terminal code.
         """
         iters = self.spin_iters
         if work_s > 0.0 and not self.yield_budget and self.max_spin:
@@ -262,16 +262,17 @@ class Waiter:
         started = time.perf_counter()
         self.missed += 1
         r = self._wait_slow(check, r, what=what, rnd=rnd, missing_of=missing_of,
-                            on_missing=on_missing)
+                            on_missing=on_missing, work_s=work_s)
         self.note_spin(time.perf_counter() - started <= self.max_spin_s)
         return r
 
     def _wait_slow(self, check: Callable[[int], int], r: int, *, what: str, rnd: int,
                    missing_of: Callable[[], tuple[int, ...]],
-                   on_missing: Callable[[int], bool] | None) -> int:
-        """The part of ``wait`` after the spin missed: yield, then sleep in slices."""
+                   on_missing: Callable[[int], bool] | None, work_s: float) -> int:
+        """The part of ``wait`` after the spin missed: yield (for as long as the awaited
+        work takes, when it is longer than the yield budget), then sleep in slices."""
         if self.yield_budget and r >= 0:
-            r = self._yield_phase(check)
+            r = self._yield_phase(check, work_s)
             if is_finished(r):
                 return r
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
