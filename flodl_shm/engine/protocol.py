@@ -266,9 +266,10 @@ class RoundEngine:
 
     # -- plans ----------------------------------------------------------------------
     def yield_when_waiting(self) -> None:
-        """Ranks outnumber this host's cores: a wait that outlasts its (short) spin
-        gives the core away before it sleeps, in the fused calls' compiled wait
-        (``YIELDS_PER_CALL`` yields) and then in the ``Waiter`` (``YIELD_BUDGET_S``)."""
+        """Ranks outnumber this host's cores: a wait that is not over at once gives
+        the core away before it sleeps, in the fused calls' compiled wait
+        (``YIELDS_PER_CALL`` yields), then in the ``Waiter`` (``YIELD_BUDGET_S``, or
+        as long as a bulk round's awaited copy takes)."""
         self.waiter.yield_budget = YIELD_BUDGET_S
         self._call[RK.C_YIELDS] = YIELDS_PER_CALL
 

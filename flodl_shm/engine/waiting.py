@@ -53,10 +53,10 @@ SPIN_BUDGET_S = 200e-6
 # spin made a 4 KiB all_reduce_ 37-60 µs against 25-28 without, BENCHMARKS.md)
 SPIN_BUDGET_OVERSUBSCRIBED_S = 0.0
 YIELD_BUDGET_S = 60e-6  # oversubscribed only: hand the core to a runnable peer first
-#: oversubscribed only: ``sched_yield`` calls a fused round's compiled wait makes after its
-#: spin, before it returns to the Python waiter (~0.5 µs each when nobody else is runnable,
-#: so about ``YIELD_BUDGET_S``): leaving the call first cost a barrier 40-55 µs instead of
-#: 7-20 on 4 ranks and 2 cores (BENCHMARKS.md, ninth session)
+#: oversubscribed only: ``sched_yield`` calls a fused round's compiled wait makes before it
+#: returns to the Python waiter (~0.5 µs each when nobody else is runnable, so about
+#: ``YIELD_BUDGET_S``): leaving the call first made a barrier on 4 ranks and 2 cores cost
+#: 26-45 µs instead of 14-28 (BENCHMARKS.md, ninth session)
 YIELDS_PER_CALL = 64
 MAX_WORK_SPIN_S = 5e-3  # the longest spin a large round's expected work may ask for
 #: bytes per second a rank's step of a bulk round moves (copy or slice reduce), at worst:

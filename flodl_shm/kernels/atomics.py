@@ -157,7 +157,7 @@ def cpu_relax(typingctx):
 @intrinsic
 def os_yield(typingctx):
     """``sched_yield()``: give the core to another runnable process, if there is one
-    (a spin hint where the call does not exist)."""
+    (where the C library has no such call: ``pause`` on x86-64, nothing elsewhere)."""
     sig = types.void()
 
     def codegen(context, builder, signature, args):
