@@ -82,6 +82,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing import context as mp_context
+from multiprocessing import process as mp_process
 from multiprocessing import forkserver, popen_forkserver, popen_spawn_posix
 from multiprocessing import reduction as mp_reduction
 from multiprocessing import spawn as mp_spawn
@@ -158,15 +159,25 @@ def _signal_name(exitcode: int | None) -> str | None:
         return f"signal {-exitcode}"
 
 
+def _main_file() -> str | None:
+    """The launcher's main script, or None when ``__main__`` has no file a rank could
+    import (``python -c``, ``python -`` reading stdin, an interactive session)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path:
+        return None
+    if not os.path.isabs(path) and mp_process.ORIGINAL_DIR is not None:
+        path = os.path.join(mp_process.ORIGINAL_DIR, path)
+    return path if os.path.isfile(path) else None
+
+
 def _check_picklable(fn: Callable, args: Sequence) -> bytes:
-    if getattr(fn, "__module__", None) == "__main__":
-        main = sys.modules.get("__main__")
-        if main is not None and not getattr(main, "__file__", None):
-            raise TypeError(
-                f"spawn: fn {getattr(fn, '__qualname__', fn)!r} is defined in an interactive "
-                f"__main__ (no file), which spawned ranks cannot import; put it in a module "
-                f"or a script file"
-            )
+    if getattr(fn, "__module__", None) == "__main__" and _main_file() is None:
+        raise TypeError(
+            f"spawn: fn {getattr(fn, '__qualname__', fn)!r} is defined in a __main__ that "
+            f"has no file (python -c, python - reading stdin, or an interactive session), "
+            f"which the ranks cannot import; put it in a script file or a module"
+        )
     try:
         return pickle.dumps((fn, tuple(args)), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:  # pickle raises several types
@@ -371,9 +382,14 @@ def _child_data(popen, process_obj) -> io.BytesIO:
     """What multiprocessing writes to a new child: its preparation data and the process
     object, pickled with ``popen`` as the spawning popen (fds it duplicates)."""
     fp = io.BytesIO()
+    data = mp_spawn.get_preparation_data(process_obj._name)
+    if "init_main_from_path" in data and _main_file() is None:
+        # a main read from stdin: a rank would fail to import "<stdin>"; fn is not in it
+        # (``_check_picklable``), so the rank needs no main module
+        del data["init_main_from_path"]
     mp_context.set_spawning_popen(popen)
     try:
-        mp_reduction.dump(mp_spawn.get_preparation_data(process_obj._name), fp)
+        mp_reduction.dump(data, fp)
         mp_reduction.dump(process_obj, fp)
     finally:
         mp_context.set_spawning_popen(None)
@@ -479,10 +495,12 @@ _OPENBLAS_THREADS = ("openblas_get_num_threads", "openblas_get_num_threads64_",
 
 
 def _openblas_workers() -> int:
-    """Worker threads of the OpenBLAS pools loaded in this process (numpy's starts one
-    at import: its ``num_threads - 1`` workers). OpenBLAS shuts its pool down before
-    every fork (its own ``pthread_atfork`` handler) and restarts it when next needed,
-    so these threads are safe to fork past. 0 for a library it cannot ask."""
+    """Worker threads of the OpenBLAS pools running in this process (numpy's starts one
+    at import: its ``num_threads - 1`` workers; scipy's, which numba loads, another).
+    OpenBLAS shuts its pool down before every fork (its own ``pthread_atfork``
+    handler) and restarts it only when next needed, so these threads are safe to fork
+    past, and a pool that is down has none: a library counts only while its
+    ``blas_server_avail`` flag is set. 0 for a library it cannot ask."""
     import ctypes
 
     try:
@@ -497,6 +515,11 @@ def _openblas_workers() -> int:
             lib = ctypes.CDLL(path)  # already loaded: the same handle, no new init
         except OSError:
             continue
+        try:
+            if not ctypes.c_int.in_dll(lib, "blas_server_avail").value:
+                continue  # the pool is down (after a fork, until its next use)
+        except ValueError:
+            pass  # a build that does not export the flag: count its configured pool
         for name in _OPENBLAS_THREADS:
             get = getattr(lib, name, None)
             if get is not None:
@@ -516,6 +539,20 @@ def _fork_safe() -> bool:
         return False
     native = _native_threads(os.getpid())  # 0: unreadable, so not known to be safe
     return native == 1 or (native > 1 and native == 1 + _openblas_workers())
+
+
+def _fork_safe_soon(checks: int = 5, pause_s: float = 0.004) -> bool:
+    """``_fork_safe``, asked again a few times over a few milliseconds while this is
+    the only Python thread: a thread an earlier ``spawn`` joined can still be in its
+    native exit for a moment after ``join`` returns."""
+    for _ in range(checks - 1):
+        if _fork_safe():
+            return True
+        if (threading.current_thread() is not threading.main_thread()
+                or threading.active_count() != 1):
+            return False
+        time.sleep(pause_s)
+    return _fork_safe()
 
 
 def _native_threads(pid: int) -> int:
@@ -544,9 +581,11 @@ class _RankServer(forkserver.ForkServer):
         if os.environ.get("FLODL_SHM_FORK_SERVER", "1") == "0":
             logger.debug("rank server: a fresh interpreter (FLODL_SHM_FORK_SERVER=0)")
             return None
-        if not _fork_safe():
-            logger.debug("rank server: a fresh interpreter (the launcher runs %d threads)",
-                         threading.active_count())
+        if not _fork_safe_soon():
+            logger.debug("rank server: a fresh interpreter (the launcher runs %d Python "
+                         "threads, %d native threads besides its OpenBLAS workers)",
+                         threading.active_count(),
+                         _native_threads(os.getpid()) - _openblas_workers())
             return None
         server = cls()
         server._fork(nprocs)

@@ -2,8 +2,17 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from flodl_shm.cluster import wire
+
+# The test process is the launcher of most tests' ranks. A launcher whose torch has started
+# its OpenMP pool is not safe to fork, so every spawn after the first multi-threaded torch
+# operation here would start its rank server as a fresh interpreter (about 2 s more per test,
+# docs/runtime.md "Start-up"). One intra-op thread keeps this process fork-safe, so the
+# suite's spawns take the start-up a user's script gets; the fresh-server start-up keeps its
+# own tests (test_spawn_startup.py). Ranks set their own thread counts.
+torch.set_num_threads(1)
 
 
 @pytest.fixture

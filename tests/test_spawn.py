@@ -33,6 +33,11 @@ def _no_leaks():
 
 # --- rank functions (module level: they are pickled to the ranks) ---------------------------
 
+def rank_and_world(ctx):
+    ctx.comm.barrier()
+    return ctx.rank, ctx.world_size
+
+
 def describe(ctx, n):
     out = ctx.comm.all_reduce_tensors([torch.full((n,), float(ctx.rank + 1))])
     env = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
@@ -175,6 +180,44 @@ def test_unpicklable_function_is_refused_up_front():
     local = 3
     with pytest.raises(TypeError, match="module top level"):
         spawn(lambda ctx: local, 1)
+
+
+_STDIN_LAUNCHER = """
+import sys
+import flodl_shm
+from test_spawn import rank_and_world
+
+
+def here(ctx):
+    return ctx.rank
+
+
+print(flodl_shm.spawn(rank_and_world, 2, start_method=sys.argv[1]))
+try:
+    flodl_shm.spawn(here, 2, start_method=sys.argv[1])
+except TypeError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_launcher_read_from_stdin(method):
+    """``python - < script``: the ranks cannot import a main module read from stdin. A
+    function from a module runs anyway (the ranks skip the main module), and one defined
+    in that stdin script is refused up front, saying why, instead of every rank dying on
+    a missing "<stdin>" file."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run([sys.executable, "-", method], input=_STDIN_LAUNCHER, text=True,
+                          capture_output=True, timeout=120, cwd=here,
+                          env=dict(os.environ, PYTHONPATH=here))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "[(0, 2), (1, 2)]", done.stdout + done.stderr
+    assert lines[1].startswith("refused:") and "has no file" in lines[1], lines[1]
+    assert "Traceback" not in done.stderr, done.stderr
 
 
 def test_ranks_return_tensors_by_value():

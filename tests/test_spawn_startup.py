@@ -209,7 +209,7 @@ def _ranks_of(pid: int) -> list[int]:
 # --- the rank server forked from the launcher ---------------------------------------------
 
 _FORKED_SCRIPT = """
-import os, sys, threading
+import os, sys, threading, time
 import torch
 import flodl_shm
 
@@ -230,6 +230,9 @@ if __name__ == "__main__":
         (x @ x).sum().item()          # torch's OpenMP pool now runs
     elif sys.argv[1] == "user-thread":
         threading.Thread(target=threading.Event().wait, daemon=True).start()
+    elif sys.argv[1] == "second-spawn":
+        flodl_shm.spawn(fn, 2)        # loads the kernels here, then forks past OpenBLAS
+        time.sleep(0.2)               # its threads' native exits are over
     print("said once before spawn", end="")  # left in stdout's buffer
     out = flodl_shm.spawn(fn, 2)
     print()
@@ -251,11 +254,15 @@ def _run_forked_script(tmp_path, mode: str, env: dict | None = None) -> tuple[st
 
 
 @pytest.mark.parametrize("start_method", ["default"])  # the launcher's own start-up
-def test_a_single_threaded_launcher_forks_its_rank_server(tmp_path, start_method):
+@pytest.mark.parametrize("mode", ["plain", "second-spawn"])
+def test_a_single_threaded_launcher_forks_its_rank_server(tmp_path, start_method, mode):
     """A script that imported torch and flodl_shm and ran no torch operation: the rank
     server is a fork of the launcher (its command line), so its ranks import nothing
-    again; what the launcher left in its stdout buffer is printed once, not per rank."""
-    first, ranks = _run_forked_script(tmp_path, "plain")
+    again; what the launcher left in its stdout buffer is printed once, not per rank.
+    So is a second ``spawn`` of the same script: the first one's threads are gone, and
+    the OpenBLAS pools that loading the kernels started were stopped by the first fork
+    (a stopped pool has no thread to fork past)."""
+    first, ranks = _run_forked_script(tmp_path, mode)
     assert first == "said once before spawn"
     script = str(tmp_path / "launcher.py")
     for not_launcher, parent, reimported in ranks:
