@@ -394,6 +394,45 @@ def outer_and_checkpoint(ctx, path):
     return got
 
 
+def rounds_of_values(ctx):
+    """Three rounds of one schema, each rank contributing 10·rank + round."""
+    out = []
+    for k in range(3):
+        (t,), mass = ctx.comm.all_reduce_scaled([torch.full((4,), 10.0 * ctx.rank + k)], 1.0,
+                                               RoundKind.MODEL, 1.0)
+        out.append((t.tolist(), mass))
+    return out
+
+
+def test_the_first_round_waits_for_a_host_still_finishing_its_handshake(monkeypatch):
+    """Host 0's handshake thread is held between its acknowledgement and joining the
+    cohort while host 1 joins: every rank is claimed, yet host 0 is not a member yet.
+    The cohort is complete only once both are, so round 0 takes both frames (and every
+    round its own: before, host 0's round-k frame went into round k+1 and both hosts got
+    a wrong consensus, silently when the rounds share a schema)."""
+    from flodl_shm.cluster import controller as controller_module
+
+    real = controller_module.server_handshake
+    host0_admitted = threading.Event()
+
+    def held_handshake(sock, salt, peer, admit):
+        link, hello = real(sock, salt, peer, admit)
+        if 0 in hello["ranks"]:
+            host0_admitted.set()
+            time.sleep(1.0)  # this thread descheduled right after the ack
+        else:
+            host0_admitted.wait(30)
+        return link, hello
+
+    monkeypatch.setattr(controller_module, "server_handshake", held_handshake)
+    out, errors, ctl = run_hosts(rounds_of_values, [1, 1], join_timeout=60.0, timeout=20.0,
+                                 round_timeout=20.0)
+    assert not errors, errors
+    for host in out:
+        assert host[0] == [([5.0 + k] * 4, 2.0) for k in range(3)], host[0]
+    assert ctl.error is None
+
+
 def test_outer_step_and_checkpoint_at_the_controller(tmp_path):
     """On a cluster the controller steps the outer optimizer once on the whole params
     frame and its forge writes the checkpoint a rank armed (model, momentum, meta)."""

@@ -347,7 +347,10 @@ class ClusterController:
             self._hosts.append(_Host(link, str(hello["host"]), ranks,
                                      None if timeout is None else float(timeout)))
             self._hosts.sort(key=lambda h: h.first)
-            if len(self._claimed) == self.world_size:
+            # complete once every rank is claimed AND every claiming host is a member: a
+            # host admitted (its ranks claimed) whose thread has not reached this line
+            # yet would miss round 0 and send its round-k frame into round k+1
+            if len(self._claimed) == self.world_size and not self._admitted:
                 self._complete.set()
         logger.info("controller: host %r joined with ranks %s (%d/%d ranks)", hello["host"],
                     ranks, len(self._claimed), self.world_size)
@@ -594,7 +597,8 @@ class ClusterController:
         kind, shapes = schema[0], [s for _, s in schema[1]]
         dtype = schema[1][0][0] if schema[1] else DTYPE_F32
         out = self._finish(kind, dtype, shapes, offs, mass, flags)
-        self._scatter(OutgoingFrame(out, self.salt))
+        # the consensus goes to the hosts of this round only (every live one delivered)
+        self._scatter(OutgoingFrame(out, self.salt), [h for h in live if h.alive and not h.done])
         if self.forge is not None and flags & FLAG_TAP and kind == RoundKind.MODEL:
             self._tap(out, flags)
         self.stats.rounds += 1
@@ -602,13 +606,12 @@ class ClusterController:
         self._note_rss()
         return True
 
-    def _scatter(self, prepared: OutgoingFrame) -> None:
-        """Send the consensus (split and hashed once) to every live host; large frames
-        go to the hosts concurrently, one thread per link (each link keeps a single
-        writer). A host whose link breaks is declared dead and the others still get
-        the frame."""
+    def _scatter(self, prepared: OutgoingFrame, targets: list[_Host]) -> None:
+        """Send the consensus (split and hashed once) to the round's hosts; large
+        frames go to the hosts concurrently, one thread per link (each link keeps a
+        single writer). A host whose link breaks is declared dead and the others still
+        get the frame."""
         out = prepared.frame
-        targets = [h for h in self._hosts if h.alive and not h.done]
         errors: dict[int, BaseException] = {}
 
         def send(i: int, h: _Host) -> None:
