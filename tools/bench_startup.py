@@ -21,7 +21,9 @@ and records wall-clock stamps (``time.time()``, one clock for every process):
 Prints the phases (median over the repeats) and the ratio launch -> first barrier over
 one ``import torch`` for each start method ("default" is ``spawn(fn, nprocs)`` without
 ``start_method``, what a user gets: here a rank server forked from the launcher;
-"forkserver-fresh" is "forkserver" with ``FLODL_SHM_FORK_SERVER=0``: a fresh server),
+"forkserver-fresh" is "forkserver" with ``FLODL_SHM_FORK_SERVER=0``: a fresh server;
+"default-again" times the script's second ``spawn``, as a sweep or a notebook makes it:
+read its "spawn called -> first collective" row),
 then the start-up's components, each timed in a fresh interpreter in the same repeats
 (where a rank's, or the rank server's, seconds go).
 The machine's load is printed too: on a busy host, compare ratios.
@@ -51,9 +53,13 @@ def fn(ctx):
 
 
 if __name__ == "__main__":
-    called = time.time()
     method = sys.argv[3]
-    kw = {} if method == "default" else {"start_method": method.replace("-fresh", "")}
+    kw = ({} if method.startswith("default")
+          else {"start_method": method.replace("-fresh", "")})
+    if method.endswith("-again"):  # the timed spawn is this script's second one
+        flodl_shm.spawn(fn, int(sys.argv[2]), **kw)
+        time.sleep(0.2)
+    called = time.time()
     out = flodl_shm.spawn(fn, int(sys.argv[2]), **kw)
     with open(sys.argv[1], "w") as f:
         json.dump({"imported": imported, "called": called,
@@ -102,9 +108,10 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--nprocs", type=int, default=2)
-    ap.add_argument("--start-methods", default="default,forkserver-fresh,spawn,fork",
+    ap.add_argument("--start-methods", default="default,default-again,forkserver-fresh,spawn,fork",
                     help="spawn()'s start_method values to compare (comma-separated; "
-                         "'default' passes none; 'forkserver-fresh' is 'forkserver' with "
+                         "'default' passes none; 'default-again' times a second spawn of "
+                         "the same launcher; 'forkserver-fresh' is 'forkserver' with "
                          "FLODL_SHM_FORK_SERVER=0: a fresh rank server, not one forked from "
                          "the launcher)")
     args = ap.parse_args(argv)
@@ -137,7 +144,11 @@ def main(argv=None) -> int:
     ratios = [statistics.median(p["barrier"] / t for p, t in zip(phases[m], torch_s))
               for m in methods]
     print("| launch -> first collective / import torch | "
-          + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
+          + " | ".join("—" if m.endswith("-again") else f"{r:.2f}x"
+                       for m, r in zip(methods, ratios)) + " |")
+    spans = [statistics.median(p["barrier"] - p["called"] for p in phases[m]) for m in methods]
+    print("| spawn called -> first collective (s) | "
+          + " | ".join(f"{v:.2f}" for v in spans) + " |")
     print("\n| component, in a fresh interpreter (cumulative) | s | step |")
     print("|---|---:|---:|")
     prev = 0.0
