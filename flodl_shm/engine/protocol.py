@@ -236,6 +236,9 @@ class RoundEngine:
                                    rank, self._work, w.spin_iters, w.min_spin, w.max_spin)
         w.share_spin(self._call[RK.C_SPIN:RK.C_SPIN + 1])
         self._info = self._call[:RK.I_WORDS]
+        # its words read as Python ints through a memoryview: a window reads the accepted
+        # mask right after training, where one numpy item read costs several microseconds
+        self._info_words = memoryview(self._info)
         self._mass = self._call[RK.C_MASS:RK.C_MASS + 1].view(np.float64)
         self._mass_cell = memoryview(self._mass)  # reads as a Python float, cheaply
         self.relay_mode = bool(arena.ctl[A.G_RELAY])
@@ -258,11 +261,11 @@ class RoundEngine:
     def last_accepted(self) -> int:
         """The accepted-rank mask of the last completed arrival (every arrival check
         writes it into the call block's info words)."""
-        return int(self._info[RK.I_ACCEPTED])
+        return self._info_words[RK.I_ACCEPTED]
 
     @last_accepted.setter
     def last_accepted(self, mask: int) -> None:
-        self._info[RK.I_ACCEPTED] = mask
+        self._info_words[RK.I_ACCEPTED] = int(mask)
 
     # -- plans ----------------------------------------------------------------------
     def yield_when_waiting(self) -> None:
@@ -757,7 +760,7 @@ class RoundEngine:
 
     def last_contributors(self) -> int:
         """The contributor mask (accepted, not elided) of the last arrival wait."""
-        return int(self._info[RK.I_CONTRIB])
+        return self._info_words[RK.I_CONTRIB]
 
     def check_broadcast(self, rnd: int, accepted: int, contrib: int, root: int) -> None:
         """Raise unless local rank ``root`` is round ``rnd``'s only contributor: a root
