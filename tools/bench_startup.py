@@ -22,7 +22,7 @@ Prints the phases (median over the repeats) and the ratio launch -> first barrie
 one ``import torch`` for each start method ("default" is ``spawn(fn, nprocs)`` without
 ``start_method``, what a user gets: here a rank server forked from the launcher;
 "forkserver-fresh" is "forkserver" with ``FLODL_SHM_FORK_SERVER=0``: a fresh server;
-"default-again" times the script's second ``spawn``, as a sweep or a notebook makes it:
+"default-again" times the script's second ``spawn``, as a sweep over settings makes it:
 read its "spawn called -> first collective" row),
 then the start-up's components, each timed in a fresh interpreter in the same repeats
 (where a rank's, or the rank server's, seconds go).
