@@ -178,12 +178,16 @@ class Relay:
                 break
             try:
                 view = eng.await_arrivals(rnd, "relay: waiting for the local ranks")
+            except CohortAborted:
+                # this host's cohort is stopping (a rank failed past max_failures, an
+                # interrupt): the launcher reports why; the relay just leaves. (Caught
+                # before RuntimeError, its base: reported as the relay's own failure, it
+                # hid the rank's error behind "the cohort is shutting down".)
+                return
             except RuntimeError:
                 if self._local_gone():
                     break
                 raise
-            except CohortAborted:
-                return
             eng.await_slices(view)
             self._flush_upstream()  # deaths and checkpoint arms go before the frame
             up = self._partial_frame(eng, view)
