@@ -137,3 +137,54 @@ def test_diloco_outer_nesterov_saves_its_momentum(tmp_path):
     w = result.state_dict["0.weight"]
     assert torch.equal(w, w.to(torch.bfloat16).float())
     assert math.isfinite(result.history[-1].cohort_loss)
+
+
+def _resume_two_hosts(tmp_path, bundles):
+    """Resume a 2-rank cohort as 2 hosts of 1 rank on loopback, host i from bundles[i];
+    (results by host, exceptions by host)."""
+    import threading
+
+    from flodl_shm import ClusterController
+
+    from cluster_util import SALT
+
+    ctl = ClusterController.start("127.0.0.1:0", 2, SALT, round_timeout=60.0)
+    results, errors = {}, {}
+
+    def host(i):
+        try:
+            trainer = make_trainer(save_path=tmp_path / f"host{i}" / "run")
+            results[i] = trainer.resume(bundles[i], 1, controller=f"127.0.0.1:{ctl.port}",
+                                        world_size=2, first_rank=i, salt=SALT)
+        except BaseException as e:  # noqa: BLE001 - inspected by the test
+            errors[i] = e
+
+    threads = [threading.Thread(target=host, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(100)
+    ctl.shutdown()
+    assert not any(t.is_alive() for t in threads), "a host did not finish"
+    return results, errors
+
+
+def test_hosts_resuming_from_different_checkpoints_are_refused(tmp_path):
+    """Each host of a cluster resumes from its own copy of the bundles. From the same
+    one, the cohort continues where it stopped; from different ones (a host holding an
+    older copy), every rank refuses at once, naming who starts from which round,
+    instead of training with books that disagree."""
+    stem = tmp_path / "ck" / "run"
+    make_trainer(save_path=stem, checkpoint_every=4, keep_checkpoints=4).run(2)
+    done = committed_checkpoints(stem)
+    (old_round, old), (new_round, new) = done[-3], done[-1]
+    results, errors = _resume_two_hosts(tmp_path, [new, new])
+    assert not errors, errors
+    assert results[0].meta.sync_round == new_round  # nothing was left to train: it ends there
+    results, errors = _resume_two_hosts(tmp_path, [old, new])
+    assert set(errors) == {0, 1}, (results, errors)
+    for e in errors.values():
+        text = f"{e} {getattr(e, 'traceback', '')}"
+        assert "start from different checkpoints" in text, text
+        assert f"from sync round {old_round}: ranks [0]" in text, text
+        assert f"from sync round {new_round}: ranks [1]" in text, text

@@ -508,6 +508,8 @@ class _RankRun:
             self._load_consensus(job.model_path)
         self.optimizer = tr.optimizer_fn(model.parameters())
         self.scheduler = None if tr.scheduler_fn is None else tr.scheduler_fn(self.optimizer)
+        if not self.one_round:
+            self._check_same_start()
         # the window itself (counting, the realized-work rounds, the outer step, the
         # inner reset): a LocalSGD that syncs when the coordinator says so; it aligns
         # the replicas on rank 0's weights (on a resume they are the checkpoint's)
@@ -522,6 +524,33 @@ class _RankRun:
             lambda: bool(self.coord.alive) and self.coord.alive[0] == self.rank))
         self._perm_epoch = -1
         self._perm = None
+
+    def _check_same_start(self) -> None:
+        """Several hosts: every rank starts from the same checkpoint, or every rank from
+        scratch (one small collective before the first). Each host resumes from its own
+        copy of the bundles; a host holding an older one would otherwise take rank 0's
+        weights at the alignment and keep its own books (data coverage, epoch, cadence),
+        and the ranks would plan different windows.
+
+        Raises:
+            ValueError: on every rank, naming which ranks start from which round.
+        """
+        meta = self.job.resume_meta
+        world = self.ctx.world_size
+        mine = [0.0] * world
+        mine[self.rank] = 0.0 if meta is None else float(meta.sync_round + 1)
+        got = [int(round(v)) for v in self.comm.all_reduce_per_rank_f64(mine)]
+        if len(set(got)) == 1:
+            return
+        by_start: dict[int, list[int]] = {}
+        for r, v in enumerate(got):
+            by_start.setdefault(v, []).append(r)
+        starts = "; ".join(("from scratch" if v == 0 else f"from sync round {v - 1}")
+                           + f": ranks {ranks}" for v, ranks in sorted(by_start.items()))
+        raise ValueError(
+            f"the hosts start from different checkpoints ({starts}); give every host the same "
+            f"bundle (the controller writes them: copy its latest .fdl, .meta.json and "
+            f".outer.fdl next to each host's rank files) and resume every host from it")
 
     def _coordinator(self, dataset_len: int) -> Coordinator:
         tr = self.trainer
