@@ -171,16 +171,20 @@ def _resume_two_hosts(tmp_path, bundles):
 
 def test_hosts_resuming_from_different_checkpoints_are_refused(tmp_path):
     """Each host of a cluster resumes from its own copy of the bundles. From the same
-    one, the cohort continues where it stopped; from different ones (a host holding an
-    older copy), every rank refuses at once, naming who starts from which round,
-    instead of training with books that disagree."""
+    one, the cohort trains on to where the uninterrupted run ended; from different ones
+    (a host holding an older copy), every rank refuses at once, naming who starts from
+    which round, instead of training with books that disagree."""
     stem = tmp_path / "ck" / "run"
-    make_trainer(save_path=stem, checkpoint_every=4, keep_checkpoints=4).run(2)
+    full = make_trainer(save_path=stem, checkpoint_every=4, keep_checkpoints=4).run(2)
     done = committed_checkpoints(stem)
     (old_round, old), (new_round, new) = done[-3], done[-1]
-    results, errors = _resume_two_hosts(tmp_path, [new, new])
+    assert old_round < new_round == full.meta.sync_round
+    results, errors = _resume_two_hosts(tmp_path, [old, old])
     assert not errors, errors
-    assert results[0].meta.sync_round == new_round  # nothing was left to train: it ends there
+    for host in results.values():
+        assert (host.meta.sync_round, host.meta.global_step) == \
+            (full.meta.sync_round, full.meta.global_step)
+        assert [s.window for s in host.history] == list(range(old_round + 1, new_round + 1))
     results, errors = _resume_two_hosts(tmp_path, [old, new])
     assert set(errors) == {0, 1}, (results, errors)
     for e in errors.values():
