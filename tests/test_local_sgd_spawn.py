@@ -198,6 +198,47 @@ def test_local_sgd_across_two_hosts_and_each_host_gets_its_bundle(tmp_path):
     assert_no_leaks(10)
 
 
+def _cluster_save_then_load(ctx, root: str, which: dict):
+    """Two synced windows, each saved to this host's own disk (``ckpt0``, ``ckpt1``),
+    then a fresh LocalSGD per rank loads this host's ``ckpt<which[host]>``: its sync
+    round, or the ValueError's message."""
+    model = make_model()
+    sgd = flodl_shm.LocalSGD(model, sync_every=1, comm=ctx.comm)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    host = ctx.rank - ctx.local_rank
+    for k in range(2):
+        x, y = _batch(ctx.rank, k)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        assert sgd.step(samples=len(x))
+        sgd.save(os.path.join(root, f"host{host}", f"ckpt{k}"))
+    fresh = flodl_shm.LocalSGD(make_model(), sync_every=1, comm=ctx.comm)
+    try:
+        return fresh.load(os.path.join(root, f"host{host}", f"ckpt{which[host]}")).sync_round
+    except ValueError as e:
+        return str(e)
+
+
+def test_hosts_loading_different_bundles_are_refused(tmp_path):
+    """On several hosts each host loads its own copy of a bundle: the same one loads
+    everywhere; an older copy on one host makes every rank's load raise, naming who
+    loaded which round, instead of averaging replicas whose counters disagree."""
+    from cluster_util import run_hosts
+
+    out, errors, _ = run_hosts(_cluster_save_then_load, [2, 1],
+                               args=(os.fspath(tmp_path / "same"), {0: 1, 2: 1}))
+    assert not errors, errors
+    assert [r for host in out for r in host] == [2, 2, 2]
+    out, errors, _ = run_hosts(_cluster_save_then_load, [2, 1],
+                               args=(os.fspath(tmp_path / "mixed"), {0: 0, 2: 1}))
+    assert not errors, errors
+    for got in (r for host in out for r in host):
+        assert "start from different checkpoints" in got, got
+        assert "from sync round 1: ranks [0, 1]; from sync round 2: ranks [2]" in got, got
+    assert_no_leaks(10)
+
+
 # --- state_dict round trip with ElChe ------------------------------------------------
 
 

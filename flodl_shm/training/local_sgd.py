@@ -81,7 +81,8 @@ from .convergence import TrendGuard
 from .el_che import ElChe
 from .outer import OuterOptimizer
 from .realized_work import gamma_mass, is_realized, mover_mass
-from .sync_window import ReplicaReduce, gather_columns, params_round_carries_buffers
+from .sync_window import (ReplicaReduce, check_same_start, gather_columns,
+                          params_round_carries_buffers)
 
 logger = logging.getLogger("flodl_shm")
 
@@ -699,7 +700,8 @@ class LocalSGD:
         self.checkpoint_meta().write_to_file(CheckpointBundle.meta_path(path))
 
     def load(self, path: "str | os.PathLike[str]") -> CheckpointMeta:
-        """Restore a bundle written by :meth:`save` (every rank calls it; no collective).
+        """Restore a bundle written by :meth:`save` (every rank calls it; on one host no
+        collective).
 
         With this rank's ``<stem>.rank<N>.optim`` the resume is exact
         (:meth:`load_state_dict`). Without it (another world size, or a bundle from the
@@ -707,9 +709,24 @@ class LocalSGD:
         the ``.meta.json``, and the inner optimizer, scheduler and ElChe start fresh.
         Returns the bundle's metadata.
 
+        On several hosts, where each host loads its own copy of the bundle, it ends with
+        one small collective that checks every rank loaded the same sync round.
+
         Args:
             path: the bundle's stem or its ``.fdl``.
+
+        Raises:
+            ValueError: on several hosts, the ranks loaded bundles of different sync
+                rounds (every rank raises, naming which).
         """
+        meta = self._load(path)
+        if self.comm.local_world_size != self.world_size:
+            check_same_start(self.comm, self.sync_round,
+                             "give every host a copy of the same bundle and load it on every "
+                             "rank")
+        return meta
+
+    def _load(self, path) -> CheckpointMeta:
         from ..checkpoint.forge import load_consensus_checkpoint, load_outer_momentum
 
         meta_path = CheckpointBundle.meta_path(path)

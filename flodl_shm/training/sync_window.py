@@ -178,6 +178,29 @@ def _gather(comm, rows: int, column: Sequence[float]) -> np.ndarray:
     return out.numpy().astype(np.float64)
 
 
+def check_same_start(comm, start_round: Optional[int], fix: str) -> None:
+    """Check that every rank starts from the same checkpoint (a collective: one small
+    per-rank round). ``start_round`` is the sync round of the bundle this rank loaded, or
+    None when it starts from scratch. On several hosts each host loads its own copy of
+    the bundles: a host left with an older one would average with the others while its
+    counters and books say otherwise.
+
+    Raises:
+        ValueError: on every rank, naming which ranks start from which round, then ``fix``.
+    """
+    mine = [0.0] * comm.world_size
+    mine[comm.rank] = 0.0 if start_round is None else float(start_round + 1)
+    got = [int(round(v)) for v in comm.all_reduce_per_rank_f64(mine)]
+    if len(set(got)) == 1:
+        return
+    by_start: dict[int, list[int]] = {}
+    for r, v in enumerate(got):
+        by_start.setdefault(v, []).append(r)
+    starts = "; ".join(("from scratch" if v == 0 else f"from sync round {v - 1}")
+                       + f": ranks {ranks}" for v, ranks in sorted(by_start.items()))
+    raise ValueError(f"the hosts start from different checkpoints ({starts}); {fix}")
+
+
 def count_column(batches: int, compute_ms: float, loss_sum: float = 0.0, stop: bool = False,
                  prev: Optional["SyncInfo"] = None) -> tuple[float, ...]:
     """This rank's column of the window's counts (what :func:`gather_counts` gathers, or

@@ -49,8 +49,8 @@ from .coverage import SHUFFLE_BASE_SEED, epoch_permutation
 from .data import fetch_batch
 from .hooks import BatchInfo, Hook, LoggingHook, RankState, RankSummary, WindowStats
 from .local_sgd import LocalSGD
-from .sync_window import (COUNT_ROWS, count_column, counts_from_reports, falls_short,
-                          gather_counts)
+from .sync_window import (COUNT_ROWS, check_same_start, count_column, counts_from_reports,
+                          falls_short, gather_counts)
 
 logger = logging.getLogger("flodl_shm")
 
@@ -527,30 +527,14 @@ class _RankRun:
 
     def _check_same_start(self) -> None:
         """Several hosts: every rank starts from the same checkpoint, or every rank from
-        scratch (one small collective before the first). Each host resumes from its own
-        copy of the bundles; a host holding an older one would otherwise take rank 0's
-        weights at the alignment and keep its own books (data coverage, epoch, cadence),
-        and the ranks would plan different windows.
-
-        Raises:
-            ValueError: on every rank, naming which ranks start from which round.
-        """
+        scratch (``check_same_start``). A host left with an older bundle would take rank
+        0's weights at the alignment and keep its own books (data coverage, epoch,
+        cadence), and the ranks would plan different windows."""
         meta = self.job.resume_meta
-        world = self.ctx.world_size
-        mine = [0.0] * world
-        mine[self.rank] = 0.0 if meta is None else float(meta.sync_round + 1)
-        got = [int(round(v)) for v in self.comm.all_reduce_per_rank_f64(mine)]
-        if len(set(got)) == 1:
-            return
-        by_start: dict[int, list[int]] = {}
-        for r, v in enumerate(got):
-            by_start.setdefault(v, []).append(r)
-        starts = "; ".join(("from scratch" if v == 0 else f"from sync round {v - 1}")
-                           + f": ranks {ranks}" for v, ranks in sorted(by_start.items()))
-        raise ValueError(
-            f"the hosts start from different checkpoints ({starts}); give every host the same "
-            f"bundle (the controller writes them: copy its latest .fdl, .meta.json and "
-            f".outer.fdl next to each host's rank files) and resume every host from it")
+        check_same_start(self.comm, None if meta is None else meta.sync_round,
+                         "give every host the same bundle (the controller writes them: copy "
+                         "its latest .fdl, .meta.json and .outer.fdl next to each host's rank "
+                         "files) and resume every host from it")
 
     def _coordinator(self, dataset_len: int) -> Coordinator:
         tr = self.trainer
