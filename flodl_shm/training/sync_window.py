@@ -183,20 +183,22 @@ def check_same_start(comm, start_round: Optional[int], fix: str) -> None:
     per-rank round). ``start_round`` is the sync round of the bundle this rank loaded, or
     None when it starts from scratch. On several hosts each host loads its own copy of
     the bundles: a host left with an older one would average with the others while its
-    counters and books say otherwise.
+    counters and books say otherwise. A rank already dead (its slot reads 0) is left out.
 
     Raises:
         ValueError: on every rank, naming which ranks start from which round, then ``fix``.
     """
+    # 1: from scratch, 2 + round: from a bundle; a dead rank's slot reads 0 (ignored)
     mine = [0.0] * comm.world_size
-    mine[comm.rank] = 0.0 if start_round is None else float(start_round + 1)
+    mine[comm.rank] = 1.0 if start_round is None else float(start_round + 2)
     got = [int(round(v)) for v in comm.all_reduce_per_rank_f64(mine)]
-    if len(set(got)) == 1:
+    if len({v for v in got if v}) <= 1:
         return
     by_start: dict[int, list[int]] = {}
     for r, v in enumerate(got):
-        by_start.setdefault(v, []).append(r)
-    starts = "; ".join(("from scratch" if v == 0 else f"from sync round {v - 1}")
+        if v:
+            by_start.setdefault(v, []).append(r)
+    starts = "; ".join(("from scratch" if v == 1 else f"from sync round {v - 2}")
                        + f": ranks {ranks}" for v, ranks in sorted(by_start.items()))
     raise ValueError(f"the hosts start from different checkpoints ({starts}); {fix}")
 
