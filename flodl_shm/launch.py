@@ -534,8 +534,7 @@ def _fork_safe() -> bool:
     no torch OpenMP (intra-op) or inter-op pool, no CUDA runtime (their threads would
     count), as when a script has imported torch and this package but run no torch
     operation yet."""
-    if (threading.current_thread() is not threading.main_thread()
-            or threading.active_count() != 1):
+    if not _only_python_thread():
         return False
     native = _native_threads(os.getpid())  # 0: unreadable, so not known to be safe
     return native == 1 or (native > 1 and native == 1 + _openblas_workers())
@@ -548,11 +547,16 @@ def _fork_safe_soon(checks: int = 5, pause_s: float = 0.004) -> bool:
     for _ in range(checks - 1):
         if _fork_safe():
             return True
-        if (threading.current_thread() is not threading.main_thread()
-                or threading.active_count() != 1):
-            return False
+        if not _only_python_thread():
+            return False  # a Python thread does not go away by waiting
         time.sleep(pause_s)
     return _fork_safe()
+
+
+def _only_python_thread() -> bool:
+    """The caller is the main thread and Python runs no other thread."""
+    return (threading.current_thread() is threading.main_thread()
+            and threading.active_count() == 1)
 
 
 def _native_threads(pid: int) -> int:

@@ -85,20 +85,31 @@ def run_hosts(fn, layout, *, args=(), salt=SALT, round_timeout=60.0, timeout=60.
     world = sum(layout)
     ctl = ClusterController.start("127.0.0.1:0", world, salt, round_timeout=round_timeout,
                                   **(controller_kwargs or {}))
-    results: dict[int, object] = {}
-    errors: dict[int, BaseException] = {}
     firsts = [sum(layout[:i]) for i in range(len(layout))]
 
-    def host(i: int) -> None:
+    def host(i: int):
         mf = max_failures[i] if isinstance(max_failures, (list, tuple)) else max_failures
+        return spawn(fn, layout[i], args, controller=f"127.0.0.1:{ctl.port}",
+                     world_size=world, first_rank=firsts[i], salt=salt, timeout=timeout,
+                     max_failures=mf)
+
+    results, errors = run_host_threads(ctl, host, len(layout), join_timeout)
+    return results, errors, ctl
+
+
+def run_host_threads(ctl, host, hosts: int, join_timeout: float = 150.0):
+    """Run ``host(i)`` for each host i in a thread of its own, then shut ``ctl`` down;
+    return (results by host, exceptions by host). Fails if a host does not finish."""
+    results: dict[int, object] = {}
+    errors: dict[int, BaseException] = {}
+
+    def run(i: int) -> None:
         try:
-            results[i] = spawn(fn, layout[i], args, controller=f"127.0.0.1:{ctl.port}",
-                               world_size=world, first_rank=firsts[i], salt=salt,
-                               timeout=timeout, max_failures=mf)
+            results[i] = host(i)
         except BaseException as e:  # noqa: BLE001 - inspected by the test
             errors[i] = e
 
-    threads = [threading.Thread(target=host, args=(i,), name=f"host{i}") for i in range(len(layout))]
+    threads = [threading.Thread(target=run, args=(i,), name=f"host{i}") for i in range(hosts)]
     for t in threads:
         t.start()
     for t in threads:
@@ -106,4 +117,4 @@ def run_hosts(fn, layout, *, args=(), salt=SALT, round_timeout=60.0, timeout=60.
     stuck = [t.name for t in threads if t.is_alive()]
     ctl.shutdown()
     assert not stuck, f"hosts {stuck} did not finish"
-    return [results.get(i) for i in range(len(layout))], errors, ctl
+    return [results.get(i) for i in range(hosts)], errors

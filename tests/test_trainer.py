@@ -142,31 +142,19 @@ def test_diloco_outer_nesterov_saves_its_momentum(tmp_path):
 def _resume_two_hosts(tmp_path, bundles):
     """Resume a 2-rank cohort as 2 hosts of 1 rank on loopback, host i from bundles[i];
     (results by host, exceptions by host)."""
-    import threading
-
     from flodl_shm import ClusterController
 
-    from cluster_util import SALT
+    from cluster_util import SALT, run_host_threads
 
     ctl = ClusterController.start("127.0.0.1:0", 2, SALT, round_timeout=60.0)
-    results, errors = {}, {}
 
     def host(i):
-        try:
-            trainer = make_trainer(save_path=tmp_path / f"host{i}" / "run")
-            results[i] = trainer.resume(bundles[i], 1, controller=f"127.0.0.1:{ctl.port}",
-                                        world_size=2, first_rank=i, salt=SALT)
-        except BaseException as e:  # noqa: BLE001 - inspected by the test
-            errors[i] = e
+        trainer = make_trainer(save_path=tmp_path / f"host{i}" / "run")
+        return trainer.resume(bundles[i], 1, controller=f"127.0.0.1:{ctl.port}", world_size=2,
+                              first_rank=i, salt=SALT)
 
-    threads = [threading.Thread(target=host, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(100)
-    ctl.shutdown()
-    assert not any(t.is_alive() for t in threads), "a host did not finish"
-    return results, errors
+    results, errors = run_host_threads(ctl, host, 2, join_timeout=100.0)
+    return dict(enumerate(results)), errors
 
 
 def test_hosts_resuming_from_different_checkpoints_are_refused(tmp_path):
