@@ -87,7 +87,7 @@ def test_elche_gives_the_fast_rank_more_batches_and_resumes_its_state(tmp_path):
         return Trainer(make_model, sgd, make_data(2048), loss_fn, batch_size=8, epochs=1,
                        sync_every=2, cadence="elche", log_every=None, timeout=120.0,
                        save_path=stem, hooks=[SimulatedSlowdown(rank=1, factor=4.0,
-                                                                extra_ms=2.0), *hooks])
+                                                                batch_ms=3.0), *hooks])
 
     first = trainer([StopAt(rank=0, window=8)]).run(2)
     assert [s.window for s in first.history] == list(range(1, 9))

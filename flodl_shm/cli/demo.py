@@ -486,9 +486,9 @@ def _trainer(cfg: DemoConfig, hook, train_set):
     hooks = [hook]
     if cfg.slow_rank is not None:
         rank, factor = cfg.slow_rank
-        # extra_ms gives every batch a floor of ~1 ms, so the slowdown dominates the
-        # scheduling noise of a 0.2 ms batch
-        hooks.insert(0, SimulatedSlowdown(rank=rank, factor=factor, extra_ms=1.0))
+        # every batch lasts at least 2 ms (about twice a demo batch's own time here),
+        # so the ranks' compute jitter does not skew the factor
+        hooks.insert(0, SimulatedSlowdown(rank=rank, factor=factor, batch_ms=2.0))
     outer = flodl_shm.OuterNesterov(lr=0.7, momentum=0.9) if cfg.outer == "nesterov" else None
     return flodl_shm.Trainer(
         model_fn=make_model, optimizer_fn=make_optimizer, dataset=train_set,

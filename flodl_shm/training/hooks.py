@@ -226,24 +226,29 @@ class LoggingHook(Hook):
 
 @dataclass
 class SimulatedSlowdown(Hook):
-    """Make one rank ``factor`` times slower (it sleeps after each batch), to try the
-    ElChe cadence on a homogeneous host. ``extra_ms`` adds a fixed sleep per batch
-    on every rank (so the slowdown dominates timing noise in small demos).
+    """Make one rank ``factor`` times slower per batch (it sleeps after each batch), to
+    try the ElChe cadence on a homogeneous host.
+
+    ``batch_ms`` pads every rank's batch to at least that much wall time, and the slowed
+    rank's to ``factor`` times it. A floor above the model's own batch time makes the
+    ratio hold on a busy machine: below the floor a rank's compute jitter is absorbed rather
+    than multiplied by ``factor`` (docs/trainer.md, "Cadence: fixed or ElChe"). A batch that outlasts the
+    floor is stretched to ``factor`` times its own length.
 
     Args:
         rank: the rank to slow down.
         factor: its per-batch wall time multiplier (>= 1).
-        extra_ms: a per-batch sleep applied to every rank first.
+        batch_ms: every rank's per-batch wall time floor, in ms (0: none).
     """
 
     rank: int
     factor: float = 2.0
-    extra_ms: float = 0.0
+    batch_ms: float = 0.0
 
     def on_batch_end(self, state: RankState, info: BatchInfo) -> None:
-        base = info.compute_ms + self.extra_ms
-        sleep_ms = self.extra_ms
+        length = max(info.compute_ms, self.batch_ms)
         if state.rank == self.rank:
-            sleep_ms += base * (max(self.factor, 1.0) - 1.0)
+            length *= max(self.factor, 1.0)
+        sleep_ms = length - info.compute_ms
         if sleep_ms > 0:
             time.sleep(sleep_ms / 1e3)
