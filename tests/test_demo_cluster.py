@@ -39,24 +39,25 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> str:
     raise AssertionError(f"the controller did not write {path.name}")
 
 
-def test_two_host_demo_on_loopback(tmp_path):
-    secret = tmp_path / "secret.hex"
-    subprocess.run([sys.executable, "-m", "flodl_shm", "controller", "--new-secret", str(secret)],
-                   check=True, timeout=60, capture_output=True)
+def _cohort(tmp_path: Path, secret: Path, tag: str, extra=()) -> dict:
+    """A controller in ``tmp_path`` and two demo hosts of 2 ranks, host A in ``tmp_path``
+    (beside the controller) and host B in ``tmp_path/b`` (a folder of its own, as on a
+    machine of its own), each given ``extra``; their logs, once all three exited 0."""
     procs: list[subprocess.Popen] = []
-    logs = {name: tmp_path / f"{name}.log" for name in ("controller", "host_a", "host_b")}
+    logs = {name: tmp_path / f"{tag}_{name}.log" for name in ("controller", "host_a", "host_b")}
+    port_file = tmp_path / f"{tag}_port.txt"
     try:
         ctl = _start(["controller", "--bind", "127.0.0.1:0", "--world-size", "4",
-                      "--secret-file", str(secret), "--port-file", "port.txt"], tmp_path,
+                      "--secret-file", str(secret), "--port-file", port_file.name], tmp_path,
                      logs["controller"])
         procs.append(ctl)
-        port = _wait_for(tmp_path / "port.txt", ctl, 60)
+        port = _wait_for(port_file, ctl, 60)
         common = ["demo", "--controller", f"127.0.0.1:{port}", "--world-size", "4",
                   "--nprocs", "2", "--secret-file", str(secret), "--no-progress",
-                  "--log-every", "0", "--timeout", "120"]
-        host_a = _start(common + ["--first-rank", "0"], tmp_path, logs["host_a"])
-        host_b = _start(common + ["--first-rank", "2"], tmp_path, logs["host_b"])
-        procs += [host_a, host_b]
+                  "--log-every", "0", "--timeout", "120", *extra]
+        (tmp_path / "b").mkdir(exist_ok=True)
+        procs.append(_start(common + ["--first-rank", "0"], tmp_path, logs["host_a"]))
+        procs.append(_start(common + ["--first-rank", "2"], tmp_path / "b", logs["host_b"]))
         deadline = time.monotonic() + DEADLINE_S
         for p in procs:
             p.wait(max(1.0, deadline - time.monotonic()))
@@ -69,6 +70,14 @@ def test_two_host_demo_on_loopback(tmp_path):
                 p.wait(10)
     pids = {p.pid for p in procs}
     assert not [s.name for s in list_segments() if s.owner_pid in pids], "segments left behind"
+    return text
+
+
+def test_two_host_demo_on_loopback(tmp_path):
+    secret = tmp_path / "secret.hex"
+    subprocess.run([sys.executable, "-m", "flodl_shm", "controller", "--new-secret", str(secret)],
+                   check=True, timeout=60, capture_output=True)
+    text = _cohort(tmp_path, secret, "first")
 
     # only the host carrying rank 0 prints the summary, on the consensus model
     a, b = text["host_a"], text["host_b"]
@@ -78,9 +87,26 @@ def test_two_host_demo_on_loopback(tmp_path):
     assert "ranks 0-1 of 4" in a and "windows" in a
     assert "test accuracy" not in b and "the summary prints on the host with rank 0" in b
     assert "cohort finished" in text["controller"]
-    # the controller's forge wrote the checkpoints (paths relative to its working directory)
+    # the checkpoints, relative to each process's working directory: the controller's
+    # forge and host A share one folder; host B keeps its own copy of each bundle, with
+    # its ranks' .optim, so each host resumes from its own disk
     done = committed_checkpoints(tmp_path / "runs" / "demo" / "ckpt")
     assert done, os.listdir(tmp_path / "runs" / "demo")
     meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(done[-1][1]))
     assert (meta.epoch, meta.global_step, meta.world_size_at_save) == (30, 30 * 42, 4)
     assert (tmp_path / "runs" / "demo" / "windows.jsonl").exists()
+    theirs = committed_checkpoints(tmp_path / "b" / "runs" / "demo" / "ckpt")
+    assert [r for r, _ in theirs] == [r for r, _ in done], os.listdir(tmp_path / "b" / "runs")
+    last = theirs[-1][1]
+    assert last.read_bytes() == done[-1][1].read_bytes()
+    assert CheckpointMeta.read_from_file(CheckpointBundle.meta_path(last)) == meta
+    assert sorted(p.name for p in last.parent.glob(f"{last.stem}.rank*.optim")) == \
+        [f"{last.stem}.rank2.optim", f"{last.stem}.rank3.optim"]
+
+    # --resume on each host continues from that host's own folder, nothing copied
+    text = _cohort(tmp_path, secret, "again", ["--resume", "--epochs", "32"])
+    assert "resuming runs/demo/ckpt-r" in text["host_a"], text["host_a"]
+    for folder in (tmp_path, tmp_path / "b"):
+        last = committed_checkpoints(folder / "runs" / "demo" / "ckpt")[-1][1]
+        meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(last))
+        assert (meta.epoch, meta.global_step) == (32, 32 * 42), folder

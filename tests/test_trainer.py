@@ -12,7 +12,8 @@ import torch
 from flodl_shm import load_consensus_checkpoint
 from flodl_shm.checkpoint.forge import load_outer_momentum, outer_sidecar_path
 from flodl_shm.checkpoint.meta import CheckpointBundle, CheckpointMeta, SaveReason
-from flodl_shm.checkpoint.series import committed_checkpoints, latest_checkpoint
+from flodl_shm.checkpoint.series import (committed_checkpoints, latest_checkpoint,
+                                         round_model_path)
 from flodl_shm.training.hooks import SimulatedSlowdown
 from flodl_shm.training.outer import OuterNesterov
 from flodl_shm.training.trainer import Trainer
@@ -139,9 +140,10 @@ def test_diloco_outer_nesterov_saves_its_momentum(tmp_path):
     assert math.isfinite(result.history[-1].cohort_loss)
 
 
-def _resume_two_hosts(tmp_path, bundles):
-    """Resume a 2-rank cohort as 2 hosts of 1 rank on loopback, host i from bundles[i];
-    (results by host, exceptions by host)."""
+def _two_hosts(tmp_path, call):
+    """A 2-rank cohort as 2 hosts of 1 rank on loopback: ``call(trainer, i, **cluster)``
+    on host i, whose Trainer saves under ``tmp_path/host<i>`` (its own disk); (results
+    by host, exceptions by host)."""
     from flodl_shm import ClusterController
 
     from cluster_util import SALT, run_host_threads
@@ -149,34 +151,55 @@ def _resume_two_hosts(tmp_path, bundles):
     ctl = ClusterController.start("127.0.0.1:0", 2, SALT, round_timeout=60.0)
 
     def host(i):
-        trainer = make_trainer(save_path=tmp_path / f"host{i}" / "run")
-        return trainer.resume(bundles[i], 1, controller=f"127.0.0.1:{ctl.port}", world_size=2,
-                              first_rank=i, salt=SALT)
+        trainer = make_trainer(save_path=tmp_path / f"host{i}" / "run", checkpoint_every=4,
+                               keep_checkpoints=4)
+        return call(trainer, i, controller=f"127.0.0.1:{ctl.port}", world_size=2,
+                    first_rank=i, salt=SALT)
 
     results, errors = run_host_threads(ctl, host, 2, join_timeout=100.0)
     return dict(enumerate(results)), errors
 
 
-def test_hosts_resuming_from_different_checkpoints_are_refused(tmp_path):
-    """Each host of a cluster resumes from its own copy of the bundles. From the same
-    one, the cohort trains on to where the uninterrupted run ended; from different ones
-    (a host holding an older copy), every rank refuses at once, naming who starts from
-    which round, instead of training with books that disagree."""
-    stem = tmp_path / "ck" / "run"
-    full = make_trainer(save_path=stem, checkpoint_every=4, keep_checkpoints=4).run(2)
-    done = committed_checkpoints(stem)
-    (old_round, old), (new_round, new) = done[-3], done[-1]
-    assert old_round < new_round == full.meta.sync_round
-    results, errors = _resume_two_hosts(tmp_path, [old, old])
+def test_each_host_keeps_its_own_checkpoints_and_resumes_from_them(tmp_path):
+    """On a cluster every host writes its own copy of each bundle (the consensus model,
+    the metadata, its ranks' .optim), so it resumes from its own disk. From the same
+    round, the resumed cohort ends exactly where the uninterrupted one did; from
+    different rounds (a host holding an older copy), every rank refuses at once, naming
+    who starts from which round, instead of training with books that disagree."""
+    full, errors = _two_hosts(tmp_path / "full", lambda t, i, **c: t.run(1, **c))
     assert not errors, errors
-    for host in results.values():
+    rounds = [r for r, _ in committed_checkpoints(tmp_path / "full" / "host1" / "run")]
+    assert rounds == [4, 8, 12, 16], "host 1 (not the controller's) has every bundle"
+    assert full[1].checkpoint == latest_checkpoint(tmp_path / "full" / "host1" / "run")
+    for rnd in rounds:
+        here, there = (round_model_path(tmp_path / "full" / f"host{i}" / "run", rnd)
+                       for i in (0, 1))
+        # host 0's folder also takes the controller's copy (rank 0 named that path)
+        assert here.read_bytes() == there.read_bytes(), f"round {rnd}: the models differ"
+        metas = [CheckpointMeta.read_from_file(CheckpointBundle.meta_path(p))
+                 for p in (here, there)]
+        assert metas[0] == metas[1] and metas[1].sync_round == rnd
+        assert [p.name for p in sorted(there.parent.glob(f"{there.stem}.rank*.optim"))] == \
+            [f"{there.stem}.rank1.optim"], "each host holds its own ranks' files"
+    for host in full.values():
+        assert host.meta.sync_round == 16
+
+    def resume_from(rnd):
+        return lambda t, i, **c: t.resume(
+            round_model_path(tmp_path / "full" / f"host{i}" / "run", rnd[i]), 1, **c)
+
+    results, errors = _two_hosts(tmp_path / "again", resume_from([8, 8]))
+    assert not errors, errors
+    for i, host in results.items():
         assert (host.meta.sync_round, host.meta.global_step) == \
-            (full.meta.sync_round, full.meta.global_step)
-        assert [s.window for s in host.history] == list(range(old_round + 1, new_round + 1))
-    results, errors = _resume_two_hosts(tmp_path, [old, new])
+            (full[i].meta.sync_round, full[i].meta.global_step)
+        assert [s.window for s in host.history] == list(range(9, 17))
+        for k, v in host.state_dict.items():
+            assert torch.equal(v, full[i].state_dict[k]), f"{k}: the resume is not exact"
+    results, errors = _two_hosts(tmp_path / "mixed", resume_from([8, 16]))
     assert set(errors) == {0, 1}, (results, errors)
     for e in errors.values():
         text = f"{e} {getattr(e, 'traceback', '')}"
         assert "start from different checkpoints" in text, text
-        assert f"from sync round {old_round}: ranks [0]" in text, text
-        assert f"from sync round {new_round}: ranks [1]" in text, text
+        assert "from sync round 8: ranks [0]" in text, text
+        assert "from sync round 16: ranks [1]" in text, text

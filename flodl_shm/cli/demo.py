@@ -578,7 +578,9 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     if cfg.summary_host:
         # the metrics file holds exactly the windows of the checkpoint's history
         metrics.write_text("".join(json.dumps(r) + "\n" for r in done_rows), encoding="utf-8")
-        (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.recipe(), indent=1) + "\n")
+    # every host keeps its own bundles and the options they were trained with: --resume
+    # on any host continues from its own run folder
+    (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.recipe(), indent=1) + "\n")
 
     # the bar redraws one line with carriage returns: on a terminal only, not in a log file
     progress = cfg.progress and sys.stderr.isatty()
@@ -667,8 +669,7 @@ def _summary(out: DemoResult) -> None:
         print(f"  one process, same model/optimizer/samples: test accuracy {b_acc:.2f}% "
               f"(difference {out.accuracy - b_acc:+.2f} points)", flush=True)
     if res.checkpoint is not None:
-        where = "" if cfg.controller is None else " (written by the controller)"
-        print(f"  checkpoint: {res.checkpoint}{where}; continue with --resume", flush=True)
+        print(f"  checkpoint: {res.checkpoint}; continue with --resume", flush=True)
     print(f"  metrics:    {Path(cfg.run_dir) / METRICS_FILE}", flush=True)
     if out.plot is not None:
         print(f"  plot:       {out.plot}", flush=True)

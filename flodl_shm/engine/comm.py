@@ -286,7 +286,9 @@ class Comm:
     def post_checkpoint(self, path, schema, tensors: Sequence[torch.Tensor], *, mass: float,
                         meta=None, momentum: np.ndarray | None = None) -> None:
         """Post a consensus this rank holds to the arena owner's forge as a checkpoint
-        (one host; not a collective: one rank calls it).
+        (not a collective: one rank calls it). On a cluster this writes the host's own
+        copy; the controller's forge writes its copy of frames :meth:`arm_checkpoint`
+        captured.
 
         The forge writes ``path`` (and ``momentum``, the outer momentum in params order
         as one flat float32 vector, next to it) off the training path, then ``meta``
@@ -307,11 +309,6 @@ class Comm:
         """
         import os
 
-        if self._engine.relay_mode:
-            raise ValueError(
-                "post_checkpoint() hands a consensus to this host's forge, but on a cluster "
-                "the controller forms and writes checkpoints: arm_checkpoint() before the "
-                "round instead")
         want = schema.tensor_count()
         if len(tensors) != want:
             raise ValueError(f"the schema has {want} tensors (params then averaged "

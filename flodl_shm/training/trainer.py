@@ -271,10 +271,12 @@ class Trainer:
         With ``controller="host:port"`` this host joins a multi-host cohort as
         ``spawn`` does: it carries global ranks ``first_rank .. first_rank+nprocs-1``
         of ``world_size``, authenticated by the 16-byte session ``salt``; every host
-        runs the same Trainer. Checkpoints are then written by the controller's forge
-        (on the controller's machine), and each host's ``TrainResult`` comes from its
-        lowest live rank (the consensus and the cohort-wide history are the same on
-        every host).
+        runs the same Trainer. Every host then writes its own copy of each checkpoint
+        bundle under ``save_path`` (the consensus model, the metadata, its ranks'
+        ``.optim``), and the controller's forge writes one more, with the outer
+        momentum, at rank 0's path on the controller's machine. Each host's
+        ``TrainResult`` comes from its lowest live rank (the consensus and the
+        cohort-wide history are the same on every host).
 
         Raises:
             FileExistsError: ``save_path`` already holds checkpoints (resume them, or
@@ -311,8 +313,8 @@ class Trainer:
         ``<stem>.rank<N>.optim`` when the cohort has the same size (else they start
         fresh, logged).
         ``controller``, ``world_size``, ``first_rank`` and ``salt`` resume a multi-host
-        cohort (see :meth:`run`; each host then needs ``nprocs`` and the checkpoint's
-        files, which the controller wrote).
+        cohort (see :meth:`run`; each host then needs ``nprocs``, and resumes from its
+        own copy of the bundle; the outer momentum is the controller's to load).
         """
         from ..checkpoint.series import resolve_checkpoint
 
@@ -532,9 +534,9 @@ class _RankRun:
         cadence), and the ranks would plan different windows."""
         meta = self.job.resume_meta
         check_same_start(self.comm, None if meta is None else meta.sync_round,
-                         "give every host the same bundle (the controller writes them: copy "
-                         "its latest .fdl, .meta.json and .outer.fdl next to each host's rank "
-                         "files) and resume every host from it")
+                         "resume every host from the same checkpoint round (each host "
+                         "writes its own copy of every bundle; a host that lost its copy "
+                         "can take the controller's .fdl and .meta.json of that round)")
 
     def _coordinator(self, dataset_len: int) -> Coordinator:
         tr = self.trainer
@@ -564,6 +566,8 @@ class _RankRun:
         from ..checkpoint.forge import load_outer_momentum, outer_sidecar_path
 
         outer = self.trainer.outer
+        if not self.one_round:
+            return  # on a cluster the controller steps the outer optimizer (--outer-state)
         if outer is not None and getattr(outer, "has_momentum", False):
             opath = outer_sidecar_path(path)
             if opath.exists():
@@ -708,7 +712,7 @@ class _RankRun:
             # with a .meta.json has every live rank's .optim
             self._save_rank_state(ckpt)
             self.comm.barrier()
-            if self.rank == self.coord.alive[0]:
+            if self._is_host_lead():
                 self._post_checkpoint(ckpt, settled.save_reason, sync.mass)
         return counts, settled, sync, ckpt
 
@@ -720,14 +724,14 @@ class _RankRun:
         (counts, settlement, sync, checkpoint path or None)."""
         coord, comm = self.coord, self.comm
         settled = coord.settle(plan, counts)
-        ckpt = None
+        ckpt = reason = None
         if settled.save_reason is not None and self.trainer.save_path \
                 and counts.total_batches > 0:
-            ckpt = self._checkpoint_path()
-            comm.arm_checkpoint(ckpt, self.schema, coord.checkpoint_meta(settled.save_reason))
+            ckpt, reason = self._checkpoint_path(), settled.save_reason
+            comm.arm_checkpoint(ckpt, self.schema, coord.checkpoint_meta(reason))
         sync = self.sgd.sync()
         if ckpt is not None:
-            self._save_rank_state(ckpt)  # the controller commits the bundle on its own
+            self._save_rank_state(ckpt)
         if falls_short(sync.mass, counts, self.trainer.gamma):
             realized = sorted(r for r in sync.accepted if counts.batches[r] > 0)
             logger.warning(
@@ -736,26 +740,42 @@ class _RankRun:
                 realized, "; the checkpoint armed at this window overstates coverage and "
                 "the next window is checkpointed again" if ckpt else "")
             settled = coord.resettle(plan, counts, realized)
+        if ckpt is not None and sync.mass > 0:
+            # each host keeps its own copy of the bundle, so it resumes from its own disk:
+            # the controller's forge writes the controller's (with the outer momentum),
+            # and the host's lead rank posts its replica of the consensus to this host's
+            # forge once every rank's .optim is on disk (as on one host)
+            comm.barrier()
+            if self._is_host_lead():
+                self._post_checkpoint(ckpt, reason, sync.mass)
         return counts, settled, sync, ckpt
 
+    def _is_host_lead(self) -> bool:
+        """Whether this rank is the lowest live rank of its host (on one host: of the
+        cohort): the one that prunes, posts and reports for its host."""
+        first = self.rank - self.ctx.local_rank
+        here = [r for r in self.coord.alive if first <= r < first + self.ctx.local_world_size]
+        return bool(here) and self.rank == here[0]
+
     def _checkpoint_path(self):
-        """This window's bundle path; the reporting rank prunes the series first (the
+        """This window's bundle path; each host's lead rank prunes its series first (the
         ``keep_checkpoints`` committed bundles survive until this one commits: a crash
         mid-write still leaves them all; the end of the run prunes exactly)."""
         from ..checkpoint.series import prune_series, round_model_path
 
         tr = self.trainer
-        if self.rank == self.coord.alive[0]:
+        if self._is_host_lead():
             prune_series(tr.save_path, tr.keep_checkpoints)
         return round_model_path(tr.save_path, self.coord.sync_round)
 
     def _post_checkpoint(self, path, reason: SaveReason, mass: float) -> None:
-        """Hand this replica (the consensus, right after the window's rounds) and the
-        outer momentum to the supervisor's forge, with the settled metadata."""
+        """Hand this replica (the consensus, right after the window's rounds) and, on one
+        host, the outer momentum to this host's forge, with the settled metadata. (On a
+        cluster the momentum lives in the controller, which writes it with its copy.)"""
         tensors = [t.detach() for t in (*self.sgd.params, *self.sgd.buffers)]
-        self.comm.post_checkpoint(path, self.schema, tensors, mass=mass,
-                                  meta=self.coord.checkpoint_meta(reason),
-                                  momentum=self.comm.outer_momentum())
+        self.comm.post_checkpoint(
+            path, self.schema, tensors, mass=mass, meta=self.coord.checkpoint_meta(reason),
+            momentum=self.comm.outer_momentum() if self.one_round else None)
 
     def run(self) -> dict:
         tr, coord, comm = self.trainer, self.coord, self.comm
@@ -829,9 +849,7 @@ class _RankRun:
         for h in tr.hooks:
             h.on_train_end(state, summary)
         # each host reports from its lowest live rank (on one host: the reporting rank)
-        first = self.rank - self.ctx.local_rank
-        here = [r for r in coord.alive if first <= r < first + self.ctx.local_world_size]
-        reporting = bool(here) and self.rank == here[0]
+        reporting = self._is_host_lead()
         return {
             "summary": summary,
             "dead_ranks": tuple(dead),
