@@ -286,6 +286,8 @@ class Coordinator:
             raw = self.el_che.batch_counts()
         else:
             raw = [self.config.sync_every] * world
+        if len(self.alive) == world:
+            return list(raw)
         alive = set(self.alive)
         return [raw[r] if r in alive else 0 for r in range(world)]
 
@@ -353,15 +355,17 @@ class Coordinator:
         if counts.world_size != cfg.world_size:
             raise ValueError(f"count gather has {counts.world_size} ranks, expected "
                              f"{cfg.world_size}")
-        present = set(counts.alive())
-        newly_dead = tuple(r for r in self.alive if r not in present)
+        present = counts.present
+        newly_dead = tuple([r for r in self.alive if not present[r]])
         if newly_dead:
             logger.warning("rank(s) %s left the cohort at window %d; %d of %d ranks remain",
-                           list(newly_dead), plan.window, len(present), cfg.world_size)
-        self.alive = [r for r in self.alive if r in present]
-        done = set(counts.movers()) if realized is None else set(realized) & present
-        if counts.total_batches == 0:
-            done = set()
+                           list(newly_dead), plan.window, sum(present), cfg.world_size)
+            self.alive = [r for r in self.alive if present[r]]
+        batches = counts.batches
+        if realized is None:
+            done = {r for r in range(cfg.world_size) if present[r] and batches[r] > 0}
+        else:
+            done = {r for r in realized if present[r]} if sum(batches) else set()
         credited: list[int] = []
         forfeited = [0] * cfg.world_size
         pool = b.pool
@@ -369,7 +373,7 @@ class Coordinator:
             if not plan.chunks[r]:
                 continue
             if r in done:
-                n = min(counts.batches[r], plan.batches[r])
+                n = min(batches[r], plan.batches[r])
                 if n != plan.batches[r]:
                     logger.warning("rank %d trained %d of its %d planned batches at window %d",
                                    r, n, plan.batches[r], plan.window)

@@ -205,14 +205,19 @@ class ChunkPool:
 
     def residue(self, rank: int) -> int:
         """Unassigned offsets left in ``rank``'s own span."""
-        r = self._rank(rank)
-        return max(self._spans[r][1] - self._cursor[r], 0)
+        return self._residue(self._rank(rank))
+
+    def _residue(self, r: int) -> int:
+        # the pool's own queries call this with ranks they enumerate: a coordinator asks
+        # several of them per window, right after training (no validation, no max())
+        left = self._spans[r][1] - self._cursor[r]
+        return left if left > 0 else 0
 
     def reservation(self, rank: int) -> tuple[int, int]:
         """``(next_offset, length)`` of the rank's unassigned span front: what it will
         train next unless someone steals the tail."""
         r = self._rank(rank)
-        return self._cursor[r], self.residue(r)
+        return self._cursor[r], self._residue(r)
 
     def in_flight(self, rank: int) -> int:
         """Samples dispatched to ``rank`` and not yet reported done."""
@@ -221,18 +226,22 @@ class ChunkPool:
 
     def remaining(self) -> int:
         """Samples not assigned to any rank: every span residue plus reclaimed ranges."""
-        return sum(self.residue(r) for r in range(self.world_size)) + sum(
-            s for _, s in self._reclaimed
-        )
+        total = 0
+        for r in range(len(self._spans)):
+            total += self._residue(r)
+        for _, size in self._reclaimed:
+            total += size
+        return total
 
     def is_epoch_done(self) -> bool:
         """All offsets dispatched, nothing reclaimed waiting, every rank's dispatch
         completed."""
-        return (
-            all(self.residue(r) == 0 for r in range(self.world_size))
-            and not self._reclaimed
-            and all(c >= d for c, d in zip(self._completed, self._dispatched))
-        )
+        if self._reclaimed:
+            return False
+        for r in range(len(self._spans)):
+            if self._residue(r) or self._completed[r] < self._dispatched[r]:
+                return False
+        return True
 
     def uncovered_ranges(self) -> list[tuple[int, int]]:
         """The offsets NOT trained into the consensus yet, sorted and coalesced.
@@ -243,7 +252,7 @@ class ChunkPool:
         """
         ranges: list[tuple[int, int]] = []
         for r in range(self.world_size):
-            res = self.residue(r)
+            res = self._residue(r)
             if res > 0:
                 ranges.append((self._cursor[r], res))
         for q in self._outstanding:
@@ -280,7 +289,7 @@ class ChunkPool:
             if n < rsize:
                 self._reclaimed.appendleft((off + n, rsize - n))
             return self._dispatch(r, off, n)
-        res = self.residue(r)
+        res = self._residue(r)
         if res > 0:
             n = min(size, res)
             off = self._cursor[r]
@@ -289,7 +298,7 @@ class ChunkPool:
         donor, best = -1, 0
         for d in range(self.world_size):
             if d != r:
-                dres = self.residue(d)
+                dres = self._residue(d)
                 if dres > 0 and dres >= best:  # ties: the highest rank, as flodl's max_by_key
                     donor, best = d, dres
         if donor < 0:
