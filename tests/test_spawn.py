@@ -289,10 +289,10 @@ def test_forkserver_off_linux_spawns_ranks(monkeypatch):
     multiprocessing's own forkserver would make every rank fail its parent check."""
     import multiprocessing as mp
 
-    from flodl_shm import launch
+    from flodl_shm.launch import supervisor
 
-    monkeypatch.setattr(launch.sys, "platform", "darwin")
-    assert launch._process_class("forkserver") is mp.get_context("spawn").Process
+    monkeypatch.setattr(supervisor.sys, "platform", "darwin")
+    assert supervisor._process_class("forkserver") is mp.get_context("spawn").Process
 
 
 def test_bad_arguments():

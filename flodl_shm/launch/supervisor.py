@@ -1,75 +1,11 @@
-"""The launcher: ``spawn`` runs a function on N rank processes of this host, supervised.
-
-(This module is ``launch``, not ``spawn``: a submodule named like the function would
-replace ``flodl_shm.spawn`` by the module once imported.)
-
-The calling process becomes the **supervisor**: it owns the host arena (creates and
-unlinks every shared-memory segment), starts the ranks, watches them, fences the
-dead, and — on a cluster — hosts the relay to the controller. A monitor thread does the watching, so ``spawn`` may be called from
-any thread and with ``join=False``; rank processes are started from that thread
-(``PR_SET_PDEATHSIG`` is per thread) and every one is reaped before ``spawn``
-returns or raises.
-
-Failure policy:
-
-- a rank that raises, or dies by a signal, counts as a failure;
-- up to ``max_failures`` failures are tolerated: the dead rank is fenced in the
-  arena (survivors finish the round, and later ones, over realized work), its
-  result is ``None``, and a ``RankDeathRecord`` is written next to ``save_path``;
-- one more, and the cohort is stopped (waiting ranks raise ``CohortAborted``, busy
-  ones get SIGTERM then SIGKILL), every segment is unlinked and ``spawn`` raises
-  ``RankFailed`` for the first failure (rank, exception type, remote traceback,
-  signal name);
-- with a ``timeout``, a rank that leaves the others waiting in a round for longer
-  is the culprit, not the waiters: the supervisor (which watches every rank's
-  arrival and slice words) kills it and counts it as one failure — fenced within
-  ``max_failures``, else the cohort stops and ``spawn`` raises ``RankStalled`` (a
-  ``ReduceStall`` and a ``RankFailed``) naming the round and the missing ranks.
-  Ranks get a later backstop deadline of their own (``timeout`` + ``stall_grace``)
-  so the supervisor's verdict comes first;
-- Ctrl-C / SIGTERM of the launcher stop every rank and clean up the same way
-  (handlers are installed only when ``spawn`` runs on the main thread, before the
-  arena exists); ranks still starting up are stopped at once, and every exit
-  after an interrupt is its casualty (``spawn`` raises ``KeyboardInterrupt``).
-  Ranks start with SIGINT blocked and ignore it (the launcher decides), and follow
-  the launcher's death from their first line of Python (PDEATHSIG is set by a
-  bootstrap before any import, not after the user's imports).
-
-Start methods (``spawn(..., start_method=...)``; docs/runtime.md, "Start-up"):
-
-- ``"forkserver"`` (the default on Linux): one **rank server** per ``spawn`` loads
-  torch, numpy, numba, this package and the kernels once, on its one thread, then
-  forks every rank. Where it comes from:
-
-  * **forked from the launcher** when that is safe: at ``spawn``'s entry the calling
-    thread is the main thread and the process runs no other thread but OpenBLAS's
-    pool (which OpenBLAS itself shuts down around a fork) - no user thread, no torch
-    OpenMP (intra-op) or inter-op pool, no CUDA runtime - as in a script that has
-    imported torch and this package and run no torch operation yet. The server then
-    already holds what the launcher imported and only loads the kernels, and its
-    ranks hold the launcher's main module as it was at ``spawn`` (nothing imported
-    again). ``FLODL_SHM_FORK_SERVER=0`` turns this off;
-  * else **a fresh interpreter** with the ranks' bootstrap, started from the
-    supervisor thread, that imports torch itself (with ``OMP_NUM_THREADS`` set to the
-    ranks' thread count first, so not even OpenBLAS starts a pool) and never runs a
-    torch operation. Each rank still imports the launcher's main module as
-    ``__mp_main__`` and unpickles ``fn`` as under "spawn".
-
-  Either way the programs that work under "spawn" work unchanged, and the server is
-  single-threaded when it forks. The chain of deaths holds: the server follows the
-  thread that started it (PDEATHSIG: the launcher's main thread, or the supervisor
-  thread), each rank follows the server from the instant it is forked; the server
-  ignores SIGINT, as do the ranks; it is killed and reaped once every rank is.
-- ``"spawn"``: every rank is a fresh interpreter that imports torch, numba and the
-  kernels itself (the launcher compiles or loads them first, so ranks only read
-  numba's cache): the slowest start, the fewest assumptions.
-- ``"fork"``: ranks fork from the launcher's supervisor thread. Fastest, and unsafe
-  once the launcher has run torch operations (its OpenMP pool does not survive a
-  fork; GNU OpenMP may deadlock in the child) or started threads of its own.
+"""``spawn`` and ``SpawnContext``: the launcher's side of a run. The calling process
+becomes the supervisor: it owns the host arena, starts the ranks (through the rank
+server, or as fresh interpreters, or forks), watches them, fences the dead, applies
+the failure policy and, on a cluster, hosts the relay (the package docstring has the
+policy and the start methods).
 """
 from __future__ import annotations
 
-import io
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -79,24 +15,20 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass
-from multiprocessing import context as mp_context
-from multiprocessing import process as mp_process
-from multiprocessing import forkserver, popen_forkserver, popen_spawn_posix
-from multiprocessing import reduction as mp_reduction
-from multiprocessing import spawn as mp_spawn
-from multiprocessing import util as mp_util
 from typing import Any, Callable, Sequence
 
-from .engine import arena as A
-from .errors import CohortAborted, RankFailed, RankStalled, ReduceStall
-from .engine.checkpoint_tap import TapServer
-from .engine.hostmem import host_memory
-from .engine.segment import reap_dead_owner_segments, space_error
-from .engine.waiting import Doorbell, available_cores
+from ..engine import arena as A
+from ..errors import RankFailed, RankStalled, ReduceStall
+from ..engine.checkpoint_tap import TapServer
+from ..engine.hostmem import host_memory
+from ..engine.segment import reap_dead_owner_segments, space_error
+from ..engine.waiting import Doorbell, available_cores
+from .rank import _RankProcess, _forward_level, _main_file, _rank_main, _recv
+from .rank_server import _RankServer, _ServedRankProcess, _native_threads, _warm_kernels
 
 logger = logging.getLogger("flodl_shm")
+
 
 ABORT_GRACE_S = 2.0   # voluntary exit after the abort flag, before SIGTERM
 TERM_GRACE_S = 5.0    # after SIGTERM, before SIGKILL
@@ -109,22 +41,6 @@ def stall_grace(timeout: float) -> float:
     gives up by itself. A rank still starting up (not yet in ``fn``: importing torch
     on a busy host) is given half of it on top of ``timeout`` before it is blamed."""
     return max(10.0, float(timeout))
-
-
-@dataclass
-class RankContext:
-    """What ``fn`` receives as its first argument in each rank."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    comm: Any
-    save_path: str | None = None
-
-    def __repr__(self) -> str:
-        return (f"RankContext(rank={self.rank}, local_rank={self.local_rank}, "
-                f"world_size={self.world_size}, local_world_size={self.local_world_size})")
 
 
 @dataclass
@@ -159,18 +75,6 @@ def _signal_name(exitcode: int | None) -> str | None:
         return f"signal {-exitcode}"
 
 
-def _main_file() -> str | None:
-    """The launcher's main script, or None when ``__main__`` has no file a rank could
-    import (``python -c``, ``python -`` reading stdin, an interactive session)."""
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if not path:
-        return None
-    if not os.path.isabs(path) and mp_process.ORIGINAL_DIR is not None:
-        path = os.path.join(mp_process.ORIGINAL_DIR, path)
-    return path if os.path.isfile(path) else None
-
-
 def _check_picklable(fn: Callable, args: Sequence) -> bytes:
     if getattr(fn, "__module__", None) == "__main__" and _main_file() is None:
         raise TypeError(
@@ -188,87 +92,6 @@ def _check_picklable(fn: Callable, args: Sequence) -> bytes:
         ) from e
 
 
-# --- the rank side -----------------------------------------------------------------
-
-
-def _set_pdeathsig() -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-
-
-def _send(conn, msg: tuple) -> None:
-    """Rank -> launcher message, pickled by value with the standard pickler.
-
-    ``Connection.send`` uses multiprocessing's ForkingPickler, for which torch
-    registers reductions that ship tensors as shared-memory handles; those die with
-    the rank process, so a returned tensor would arrive dangling. Plain pickle copies
-    the data.
-    """
-    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def _recv(conn) -> tuple:
-    return pickle.loads(conn.recv_bytes())
-
-
-class _PipeLogHandler(logging.Handler):
-    """Rank side: forward flodl_shm's records (INFO+, or the launcher's level when lower)
-    to the launcher, which logs them under its own handlers as "rank N: ...".
-
-    This is the ranks' one way to log: code running in a rank must not add handlers
-    of its own to ``flodl_shm`` (each line would print twice); ``rank_logs_forwarded``
-    tells it that this handler is there."""
-
-    def __init__(self, conn, send_lock: threading.Lock, level: int = logging.INFO) -> None:
-        super().__init__(level)
-        self.conn = conn
-        self.send_lock = send_lock  # not ``lock``: that is logging.Handler's own RLock
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            text = self.format(record)
-            with self.send_lock:
-                _send(self.conn, ("log", record.levelno, text))
-        except Exception:  # a closed pipe at exit must never raise into the rank
-            pass
-
-
-class _Terminated(BaseException):
-    """Raised in a rank by SIGTERM from the supervisor."""
-
-
-def _on_sigterm(signum, frame):
-    raise _Terminated()
-
-
-def rank_logs_forwarded() -> bool:
-    """True in a ``spawn`` rank, whose ``flodl_shm`` records already reach the
-    launcher's handlers: adding a handler there would print each line twice."""
-    return any(isinstance(h, _PipeLogHandler) for h in logging.getLogger("flodl_shm").handlers)
-
-
-def _forward_level() -> int:
-    """The level ranks forward at: INFO, or lower when the launcher logs lower."""
-    return min(logging.INFO, logging.getLogger("flodl_shm").getEffectiveLevel())
-
-
-def _error_message(global_rank: int, first_rank: int, e: BaseException) -> tuple:
-    """The ("error", ...) message of a rank whose function raised ``e``; a
-    ``ReduceStall`` also carries its round, missing ranks (global) and timeout."""
-    msg = ("error", type(e).__name__, traceback.format_exc())
-    if isinstance(e, ReduceStall):
-        missing = [first_rank + m if isinstance(m, int) else m for m in e.missing]
-        msg += ({"round": e.round, "missing": missing, "timeout": e.timeout,
-                 "text": str(e)},)
-    return msg
-
-
 def _torch_distributed_env() -> dict[str, str]:
     """``MASTER_ADDR``/``MASTER_PORT`` for ranks that call ``dist.init_process_group`` with
     ``env://`` (e.g. backend ``"flodl_shm"``): a loopback port free now, which rank 0's
@@ -279,166 +102,6 @@ def _torch_distributed_env() -> dict[str, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-
-
-def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_size: int,
-               payload: bytes, conn, parent_pid: int, timeout: float | None,
-               save_path: str | None, threads: int, pinned_decode: bool,
-               log_level: int = logging.INFO, c10d_env: dict | None = None) -> None:
-    """Entry point of a rank process (runs under multiprocessing's spawn)."""
-    _set_pdeathsig()
-    if os.getppid() != parent_pid:  # the launcher died before we could ask to follow it
-        os._exit(1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])  # ignored from now on
-    os.environ.update({
-        "RANK": str(global_rank), "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(handle.world),
-    })
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    if forkserver.get_inherited_fds() is not None and "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()  # forked from the rank server: fresh entropy,
-        # as a spawned rank's numpy has (Python's random reseeds itself at fork)
-    for key, value in (c10d_env or {}).items():  # the caller's own MASTER_* win
-        os.environ.setdefault(key, value)
-    code = 0
-    comm = None
-    send_lock = threading.Lock()
-    handler = _PipeLogHandler(conn, send_lock, log_level)
-    lib_logger = logging.getLogger("flodl_shm")
-    for inherited in list(lib_logger.handlers):  # a forked rank has the launcher's: its
-        lib_logger.removeHandler(inherited)      # records reach them through the pipe
-    lib_logger.addHandler(handler)
-    lib_logger.propagate = False  # the launcher's handlers print it, not the rank's root
-    if lib_logger.level == logging.NOTSET or lib_logger.level > log_level:
-        lib_logger.setLevel(log_level)
-    signal.signal(signal.SIGTERM, _on_sigterm)  # SIGTERM now ends fn cleanly (_Terminated)
-    try:
-        import torch
-
-        torch.set_num_threads(threads)
-        from .engine.arena import Arena
-        from .engine.comm import Comm
-
-        def liveness() -> None:
-            if os.getppid() != parent_pid:
-                raise CohortAborted(f"the launcher (pid {parent_pid}) died; rank {global_rank} "
-                                    f"stops")
-
-        from .engine.hostmem import host_memory
-
-        memory = host_memory()  # before the run's own working set (the staging gate)
-        arena = Arena.attach(handle)
-        comm = Comm(arena, local_rank, global_rank=global_rank, world_size=world_size,
-                    timeout=timeout, liveness=liveness, memory=memory)
-        comm.set_pinned_decode(pinned_decode)
-        fn, args = pickle.loads(payload)
-        ctx = RankContext(global_rank, local_rank, world_size, handle.world, comm, save_path)
-        with send_lock:
-            _send(conn, ("running",))  # start-up is over: stall clocks apply in full, and
-            # a stop grants fn a grace before SIGTERM
-        result = fn(ctx, *args)
-        lib_logger.removeHandler(handler)
-        try:
-            with send_lock:
-                _send(conn, ("ok", result))
-        except Exception as e:  # the result did not pickle
-            _send(conn, ("error", type(e).__name__,
-                       f"rank {global_rank} returned a value that cannot be sent back to the "
-                       f"launcher: {type(e).__name__}: {e}\n" + traceback.format_exc()))
-            code = 1
-    except _Terminated:
-        code = 143
-    except BaseException as e:  # noqa: BLE001 - reported to the launcher
-        code = 1
-        lib_logger.removeHandler(handler)
-        try:
-            with send_lock:
-                _send(conn, _error_message(global_rank, global_rank - local_rank, e))
-        except Exception:
-            pass
-    finally:
-        try:
-            conn.close()
-        except Exception:
-            pass
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip interpreter teardown (no atexit surprises in ranks)
-
-
-# --- starting a rank ------------------------------------------------------------------
-
-# Runs first in a rank process, before multiprocessing imports the launcher's main module
-# and this package (seconds on a busy host): follow the launcher's death (PDEATHSIG, or
-# exit if it is already gone) and ignore SIGINT, which the forking thread blocked so
-# that a Ctrl-C during the interpreter's own start-up cannot reach it either.
-_BOOTSTRAP = ("import os, signal, ctypes; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-              "ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0); "
-              "os.getppid() == {ppid} or os._exit(1); ")
-
-
-def _child_data(popen, process_obj) -> io.BytesIO:
-    """What multiprocessing writes to a new child: its preparation data and the process
-    object, pickled with ``popen`` as the spawning popen (fds it duplicates)."""
-    fp = io.BytesIO()
-    data = mp_spawn.get_preparation_data(process_obj._name)
-    if "init_main_from_path" in data and _main_file() is None:
-        # a main read from stdin: a rank would fail to import "<stdin>"; fn is not in it
-        # (``_check_picklable``), so the rank needs no main module
-        del data["init_main_from_path"]
-    mp_context.set_spawning_popen(popen)
-    try:
-        mp_reduction.dump(data, fp)
-        mp_reduction.dump(process_obj, fp)
-    finally:
-        mp_context.set_spawning_popen(None)
-    return fp
-
-
-class _RankPopen(popen_spawn_posix.Popen):
-    """multiprocessing's spawn launch with ``_BOOTSTRAP`` ahead of its ``spawn_main``
-    (same pipes, same preparation data; only the ``-c`` program gains a prefix)."""
-
-    def _launch(self, process_obj):  # mirrors popen_spawn_posix.Popen._launch
-        from multiprocessing import resource_tracker
-
-        tracker_fd = resource_tracker.getfd()
-        self._fds.append(tracker_fd)
-        fp = _child_data(self, process_obj)
-        parent_r = child_w = child_r = parent_w = None
-        try:
-            parent_r, child_w = os.pipe()
-            child_r, parent_w = os.pipe()
-            cmd = mp_spawn.get_command_line(tracker_fd=tracker_fd, pipe_handle=child_r)
-            i = cmd.index("-c") + 1
-            cmd[i] = _BOOTSTRAP.format(ppid=os.getpid()) + cmd[i]
-            self._fds.extend([child_r, child_w])
-            # the child inherits this mask through exec: SIGINT stays pending until the
-            # bootstrap ignores it (blocked here, at the last moment, because starting
-            # the resource tracker above unblocks SIGINT in the calling thread)
-            old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
-            try:
-                self.pid = mp_util.spawnv_passfds(mp_spawn.get_executable(), cmd, self._fds)
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-            self.sentinel = parent_r
-            with open(parent_w, "wb", closefd=False) as f:
-                f.write(fp.getbuffer())
-        finally:
-            self.finalizer = mp_util.Finalize(
-                self, mp_util.close_fds, [fd for fd in (parent_r, parent_w) if fd is not None])
-            for fd in (child_r, child_w):
-                if fd is not None:
-                    os.close(fd)
-
-
-class _RankProcess(mp_context.SpawnProcess):
-    """A spawn-method process started through ``_RankPopen`` (Linux)."""
-
-    @staticmethod
-    def _Popen(process_obj):
-        return _RankPopen(process_obj)
 
 
 def _process_class(start_method: str):
@@ -454,314 +117,6 @@ def _process_class(start_method: str):
     if start_method == "forkserver":
         return mp.get_context("spawn").Process
     return mp.get_context(start_method).Process
-
-
-# --- the rank server ("forkserver"; why forking from it is safe: module docstring) -----
-
-
-def _rank_server_main(listener_fd: int, alive_r: int, nprocs: int, threads: int) -> None:
-    """The fresh rank server's program: on its one thread, import torch, numpy, numba
-    and what a rank runs, load (or compile once) the kernels, run no torch operation;
-    then serve forks (multiprocessing's forkserver loop). Started with SIGINT ignored
-    and blocked, and PDEATHSIG set, by ``_BOOTSTRAP``."""
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # before torch/numpy load
-    import numpy  # noqa: F401
-    import torch  # noqa: F401
-
-    _serve_ranks(listener_fd, alive_r, nprocs)
-
-
-def _serve_ranks(listener_fd: int, alive_r: int, nprocs: int) -> None:
-    """A rank server's common part: load the kernels and what every rank imports
-    first, then serve forks until the launcher closes ``alive_r``; every child follows
-    the server's death from the instant it is forked (an at-fork hook, before it
-    imports the launcher's main module)."""
-    _warm_kernels(nprocs)
-    from .engine import comm as _comm  # noqa: F401 - what every rank imports first
-
-    server_pid = os.getpid()
-
-    def follow_server() -> None:  # in each child, right after the fork
-        _set_pdeathsig()
-        if os.getppid() != server_pid:
-            os._exit(1)
-
-    os.register_at_fork(after_in_child=follow_server)
-    forkserver.main(listener_fd, alive_r, [], None, None)
-
-
-_OPENBLAS_THREADS = ("openblas_get_num_threads", "openblas_get_num_threads64_",
-                     "scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads")
-
-
-def _openblas_workers() -> int:
-    """Worker threads of the OpenBLAS pools running in this process (numpy's starts one
-    at import: its ``num_threads - 1`` workers; scipy's, which numba loads, another).
-    OpenBLAS shuts its pool down before every fork (its own ``pthread_atfork``
-    handler) and restarts it only when next needed, so these threads are safe to fork
-    past, and a pool that is down has none: a library counts only while its
-    ``blas_server_avail`` flag is set. 0 for a library it cannot ask."""
-    import ctypes
-
-    try:
-        with open("/proc/self/maps") as f:
-            fields = [line.split() for line in f if "openblas" in line.lower()]
-    except OSError:
-        return 0
-    paths = {parts[-1] for parts in fields if parts[-1].startswith("/")}
-    workers = 0
-    for path in sorted(paths):
-        try:
-            lib = ctypes.CDLL(path)  # already loaded: the same handle, no new init
-        except OSError:
-            continue
-        try:
-            if not ctypes.c_int.in_dll(lib, "blas_server_avail").value:
-                continue  # the pool is down (after a fork, until its next use)
-        except ValueError:
-            pass  # a build that does not export the flag: count its configured pool
-        for name in _OPENBLAS_THREADS:
-            get = getattr(lib, name, None)
-            if get is not None:
-                workers += max(int(get()) - 1, 0)
-                break
-    return workers
-
-
-def _fork_safe() -> bool:
-    """Whether forking this process now is safe: the calling thread is the main thread
-    and the only thread besides OpenBLAS's pool (``_openblas_workers``): no user thread,
-    no torch OpenMP (intra-op) or inter-op pool, no CUDA runtime (their threads would
-    count), as when a script has imported torch and this package but run no torch
-    operation yet."""
-    if not _only_python_thread():
-        return False
-    native = _native_threads(os.getpid())  # 0: unreadable, so not known to be safe
-    return native == 1 or (native > 1 and native == 1 + _openblas_workers())
-
-
-def _fork_safe_soon(checks: int = 5, pause_s: float = 0.004) -> bool:
-    """``_fork_safe``, asked again a few times over a few milliseconds while this is
-    the only Python thread: a thread an earlier ``spawn`` joined can still be in its
-    native exit for a moment after ``join`` returns."""
-    for _ in range(checks - 1):
-        if _fork_safe():
-            return True
-        if not _only_python_thread():
-            return False  # a Python thread does not go away by waiting
-        time.sleep(pause_s)
-    return _fork_safe()
-
-
-def _only_python_thread() -> bool:
-    """The caller is the main thread and Python runs no other thread."""
-    return (threading.current_thread() is threading.main_thread()
-            and threading.active_count() == 1)
-
-
-def _native_threads(pid: int) -> int:
-    """Native threads of process ``pid`` (Linux), 0 when it cannot be read."""
-    try:
-        return len(os.listdir(f"/proc/{pid}/task"))
-    except OSError:
-        return 0
-
-
-class _RankServer(forkserver.ForkServer):
-    """One rank server per ``SpawnContext``, stopped once every rank is reaped: forked
-    from the launcher when that is safe (``fork_from_launcher``), else a fresh
-    interpreter started from the supervisor thread (``start``; its PDEATHSIG follows
-    that thread)."""
-
-    @classmethod
-    def fork_from_launcher(cls, nprocs: int) -> "_RankServer | None":
-        """A server forked from this process, or None when forking it is not safe
-        (``_fork_safe``) or ``FLODL_SHM_FORK_SERVER=0``: the supervisor then starts a
-        fresh one. Forked, the server already holds everything the launcher imported
-        (torch, this package) and only loads the kernels: the second ``import torch`` of
-        the start-up is gone (docs/runtime.md, "Start-up"). Its PDEATHSIG follows the
-        main thread, which outlives every rank (the interpreter waits for its threads
-        there)."""
-        if os.environ.get("FLODL_SHM_FORK_SERVER", "1") == "0":
-            logger.debug("rank server: a fresh interpreter (FLODL_SHM_FORK_SERVER=0)")
-            return None
-        if not _fork_safe_soon():
-            logger.debug("rank server: a fresh interpreter (the launcher runs %d Python "
-                         "threads, %d native threads besides its OpenBLAS workers)",
-                         threading.active_count(),
-                         _native_threads(os.getpid()) - _openblas_workers())
-            return None
-        server = cls()
-        server._fork(nprocs)
-        logger.debug("rank server: forked from the launcher (pid %d)", server._forkserver_pid)
-        return server
-
-    def _fork(self, nprocs: int) -> None:
-        launcher = os.getpid()
-
-        def fork_server(listener_fd: int, alive_r: int, alive_w: int) -> int:
-            sys.stdout.flush()  # else the children inherit (and print again) our buffers
-            sys.stderr.flush()
-            # SIGINT/SIGTERM blocked across the fork: the child sets its own dispositions
-            # (SIGINT ignored and kept blocked, as in a fresh server) before it unblocks
-            old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT, signal.SIGTERM])
-            try:
-                pid = os.fork()
-                if pid == 0:
-                    code = 1
-                    try:
-                        os.close(alive_w)
-                        _set_pdeathsig()
-                        if os.getppid() != launcher:
-                            os._exit(1)
-                        signal.signal(signal.SIGINT, signal.SIG_IGN)
-                        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                        signal.pthread_sigmask(signal.SIG_SETMASK,
-                                               (set(old_mask) | {signal.SIGINT})
-                                               - {signal.SIGTERM})
-                        _serve_ranks(listener_fd, alive_r, nprocs)
-                        code = 0
-                    except SystemExit:  # the launcher closed alive_w: the normal end
-                        code = 0
-                    except BaseException:
-                        traceback.print_exc()
-                    finally:
-                        os._exit(code)  # never return into the launcher's program
-                return pid
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-
-        self._open(fork_server)
-
-    def start(self, nprocs: int, threads: int) -> None:
-        def spawn_server(listener_fd: int, alive_r: int, alive_w: int) -> int:
-            cmd = (_BOOTSTRAP.format(ppid=os.getpid())
-                   + f"import sys; sys.path[:] = {sys.path!r}; "
-                   + "from flodl_shm.launch import _rank_server_main; "
-                   + f"_rank_server_main({listener_fd}, {alive_r}, {nprocs}, {threads})")
-            exe = mp_spawn.get_executable()
-            args = [exe] + mp_util._args_from_interpreter_flags() + ["-c", cmd]
-            # blocked at the fork (the resource tracker unblocks it in this thread): the
-            # server, and every rank it forks, starts with SIGINT blocked
-            old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
-            try:
-                return mp_util.spawnv_passfds(exe, args, [listener_fd, alive_r])
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-
-        self._open(spawn_server)
-
-    def _open(self, start_server: Callable[[int, int, int], int]) -> None:
-        """Listen on a fresh socket and make the alive pipe, then start the server with
-        ``start_server(listener_fd, alive_r, alive_w) -> pid``; keep the launcher's
-        ends (the server's are closed here)."""
-        import socket
-        from multiprocessing import connection, resource_tracker
-
-        resource_tracker.ensure_running()  # a process, not a thread: ranks share it
-        with socket.socket(socket.AF_UNIX) as listener:
-            address = connection.arbitrary_address("AF_UNIX")
-            listener.bind(address)
-            os.chmod(address, 0o600)
-            listener.listen()
-            alive_r, alive_w = os.pipe()
-            try:
-                pid = start_server(listener.fileno(), alive_r, alive_w)
-            except BaseException:
-                os.close(alive_w)
-                raise
-            finally:
-                os.close(alive_r)
-        self._forkserver_address = address
-        self._forkserver_alive_fd = alive_w
-        self._forkserver_pid = pid
-
-    def ensure_running(self) -> None:  # called by connect_to_new_process
-        if self._forkserver_pid is None:
-            raise RuntimeError("the rank server is not running")
-        pid, status = os.waitpid(self._forkserver_pid, os.WNOHANG)
-        if pid:
-            self._forkserver_pid = None
-            raise _server_died(os.waitstatus_to_exitcode(status))
-
-    def kill(self) -> None:
-        """SIGKILL the server now (``stop`` reaps it); the ranks it forked follow it."""
-        pid = self._forkserver_pid
-        if pid is not None:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    def stop(self) -> None:
-        """Kill and reap the server (every rank it forked is reaped already)."""
-        self.kill()
-        pid, self._forkserver_pid = self._forkserver_pid, None
-        if self._forkserver_alive_fd is not None:
-            os.close(self._forkserver_alive_fd)
-            self._forkserver_alive_fd = None
-        if pid is not None:
-            try:
-                os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass
-        if self._forkserver_address:
-            try:
-                os.unlink(self._forkserver_address)
-            except OSError:
-                pass
-            self._forkserver_address = None
-
-
-class _ServedRankPopen(popen_forkserver.Popen):
-    """multiprocessing's forkserver launch, asking this run's ``_RankServer``."""
-
-    def _launch(self, process_obj):  # mirrors popen_forkserver.Popen._launch
-        buf = _child_data(self, process_obj)
-        self.sentinel, w = process_obj._rank_server.connect_to_new_process(self._fds)
-        _parent_w = os.dup(w)
-        self.finalizer = mp_util.Finalize(self, mp_util.close_fds, (_parent_w, self.sentinel))
-        with open(w, "wb", closefd=True) as f:
-            f.write(buf.getbuffer())
-        try:
-            self.pid = forkserver.read_signed(self.sentinel)
-        except EOFError:  # the server died before forking this rank
-            raise _server_died(None) from None
-
-
-def _server_died(exitcode: int | None) -> RuntimeError:
-    return RuntimeError(
-        f"spawn: the rank server exited (exit code {exitcode}) before forking every rank: "
-        f"its preload of torch, numpy, numba and flodl_shm failed (its traceback is on "
-        f"stderr); fix that import, or pass start_method='spawn'")
-
-
-class _ServedRankProcess(mp_context.ForkServerProcess):
-    """A rank forked by the run's ``_RankServer`` (set as ``_rank_server`` before
-    ``start``; not pickled to the rank)."""
-
-    _rank_server: _RankServer | None = None
-
-    @staticmethod
-    def _Popen(process_obj):
-        return _ServedRankPopen(process_obj)
-
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state.pop("_rank_server", None)
-        return state
-
-
-# --- the supervisor side -----------------------------------------------------------
-
-
-def _warm_kernels(nprocs: int) -> None:
-    """Compile (or load) every kernel here, once, so ranks only read numba's cache."""
-    from .kernels import cma, outer_step, permutation, rounds, signals, tensorio, warm_up
-
-    warm_up(max_sources=max(4, nprocs))
-    for module in (signals, rounds, tensorio, outer_step, permutation, cma):
-        module.warm_up()
 
 
 class SpawnContext:
@@ -1186,7 +541,7 @@ class SpawnContext:
 
     def _write_death_record(self, rank: int, err: RankFailed) -> None:
         try:
-            from .checkpoint.meta import CheckpointBundle, RankDeathRecord
+            from ..checkpoint.meta import CheckpointBundle, RankDeathRecord
 
             rec = RankDeathRecord.new(rank, self.world_size, str(err))
             rec.write_to_file(CheckpointBundle.rank_death_path(self.save_path, rank))
@@ -1322,7 +677,7 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
                                           f"{shm_bytes_hint}-byte frames")
     relay_factory = None
     if controller is not None:
-        from .cluster.relay import relay_factory as _relay_factory
+        from ..cluster.relay import relay_factory as _relay_factory
 
         relay_factory = _relay_factory(controller, salt, world, first_rank, nprocs)
     def start(interrupts: _InterruptGate | None = None) -> SpawnContext:

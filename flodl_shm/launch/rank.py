@@ -1,0 +1,294 @@
+"""A rank process's side of ``spawn``: its bootstrap (the first line it runs follows the
+launcher's death and ignores SIGINT), its entry point ``_rank_main`` (attach the arena,
+build the ``Comm``, run ``fn``, report the outcome), the messages it sends the launcher
+over its pipe, and the forwarding of its ``flodl_shm`` log records.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import signal
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from multiprocessing import context as mp_context
+from multiprocessing import process as mp_process
+from multiprocessing import forkserver, popen_spawn_posix
+from multiprocessing import reduction as mp_reduction
+from multiprocessing import spawn as mp_spawn
+from multiprocessing import util as mp_util
+from typing import Any
+
+from ..engine import arena as A
+from ..errors import CohortAborted, ReduceStall
+
+
+
+@dataclass
+class RankContext:
+    """What ``fn`` receives as its first argument in each rank."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    comm: Any
+    save_path: str | None = None
+
+    def __repr__(self) -> str:
+        return (f"RankContext(rank={self.rank}, local_rank={self.local_rank}, "
+                f"world_size={self.world_size}, local_world_size={self.local_world_size})")
+
+
+def _main_file() -> str | None:
+    """The launcher's main script, or None when ``__main__`` has no file a rank could
+    import (``python -c``, ``python -`` reading stdin, an interactive session)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path:
+        return None
+    if not os.path.isabs(path) and mp_process.ORIGINAL_DIR is not None:
+        path = os.path.join(mp_process.ORIGINAL_DIR, path)
+    return path if os.path.isfile(path) else None
+
+
+def _set_pdeathsig() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
+def _send(conn, msg: tuple) -> None:
+    """Rank -> launcher message, pickled by value with the standard pickler.
+
+    ``Connection.send`` uses multiprocessing's ForkingPickler, for which torch
+    registers reductions that ship tensors as shared-memory handles; those die with
+    the rank process, so a returned tensor would arrive dangling. Plain pickle copies
+    the data.
+    """
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn) -> tuple:
+    return pickle.loads(conn.recv_bytes())
+
+
+class _PipeLogHandler(logging.Handler):
+    """Rank side: forward flodl_shm's records (INFO+, or the launcher's level when lower)
+    to the launcher, which logs them under its own handlers as "rank N: ...".
+
+    This is the ranks' one way to log: code running in a rank must not add handlers
+    of its own to ``flodl_shm`` (each line would print twice); ``rank_logs_forwarded``
+    tells it that this handler is there."""
+
+    def __init__(self, conn, send_lock: threading.Lock, level: int = logging.INFO) -> None:
+        super().__init__(level)
+        self.conn = conn
+        self.send_lock = send_lock  # not ``lock``: that is logging.Handler's own RLock
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = self.format(record)
+            with self.send_lock:
+                _send(self.conn, ("log", record.levelno, text))
+        except Exception:  # a closed pipe at exit must never raise into the rank
+            pass
+
+
+class _Terminated(BaseException):
+    """Raised in a rank by SIGTERM from the supervisor."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
+def rank_logs_forwarded() -> bool:
+    """True in a ``spawn`` rank, whose ``flodl_shm`` records already reach the
+    launcher's handlers: adding a handler there would print each line twice."""
+    return any(isinstance(h, _PipeLogHandler) for h in logging.getLogger("flodl_shm").handlers)
+
+
+def _forward_level() -> int:
+    """The level ranks forward at: INFO, or lower when the launcher logs lower."""
+    return min(logging.INFO, logging.getLogger("flodl_shm").getEffectiveLevel())
+
+
+def _error_message(global_rank: int, first_rank: int, e: BaseException) -> tuple:
+    """The ("error", ...) message of a rank whose function raised ``e``; a
+    ``ReduceStall`` also carries its round, missing ranks (global) and timeout."""
+    msg = ("error", type(e).__name__, traceback.format_exc())
+    if isinstance(e, ReduceStall):
+        missing = [first_rank + m if isinstance(m, int) else m for m in e.missing]
+        msg += ({"round": e.round, "missing": missing, "timeout": e.timeout,
+                 "text": str(e)},)
+    return msg
+
+
+def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_size: int,
+               payload: bytes, conn, parent_pid: int, timeout: float | None,
+               save_path: str | None, threads: int, pinned_decode: bool,
+               log_level: int = logging.INFO, c10d_env: dict | None = None) -> None:
+    """Entry point of a rank process (runs under multiprocessing's spawn)."""
+    _set_pdeathsig()
+    if os.getppid() != parent_pid:  # the launcher died before we could ask to follow it
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])  # ignored from now on
+    os.environ.update({
+        "RANK": str(global_rank), "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(handle.world),
+    })
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    if forkserver.get_inherited_fds() is not None and "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()  # forked from the rank server: fresh entropy,
+        # as a spawned rank's numpy has (Python's random reseeds itself at fork)
+    for key, value in (c10d_env or {}).items():  # the caller's own MASTER_* win
+        os.environ.setdefault(key, value)
+    code = 0
+    comm = None
+    send_lock = threading.Lock()
+    handler = _PipeLogHandler(conn, send_lock, log_level)
+    lib_logger = logging.getLogger("flodl_shm")
+    for inherited in list(lib_logger.handlers):  # a forked rank has the launcher's: its
+        lib_logger.removeHandler(inherited)      # records reach them through the pipe
+    lib_logger.addHandler(handler)
+    lib_logger.propagate = False  # the launcher's handlers print it, not the rank's root
+    if lib_logger.level == logging.NOTSET or lib_logger.level > log_level:
+        lib_logger.setLevel(log_level)
+    signal.signal(signal.SIGTERM, _on_sigterm)  # SIGTERM now ends fn cleanly (_Terminated)
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        from ..engine.arena import Arena
+        from ..engine.comm import Comm
+
+        def liveness() -> None:
+            if os.getppid() != parent_pid:
+                raise CohortAborted(f"the launcher (pid {parent_pid}) died; rank {global_rank} "
+                                    f"stops")
+
+        from ..engine.hostmem import host_memory
+
+        memory = host_memory()  # before the run's own working set (the staging gate)
+        arena = Arena.attach(handle)
+        comm = Comm(arena, local_rank, global_rank=global_rank, world_size=world_size,
+                    timeout=timeout, liveness=liveness, memory=memory)
+        comm.set_pinned_decode(pinned_decode)
+        fn, args = pickle.loads(payload)
+        ctx = RankContext(global_rank, local_rank, world_size, handle.world, comm, save_path)
+        with send_lock:
+            _send(conn, ("running",))  # start-up is over: stall clocks apply in full, and
+            # a stop grants fn a grace before SIGTERM
+        result = fn(ctx, *args)
+        lib_logger.removeHandler(handler)
+        try:
+            with send_lock:
+                _send(conn, ("ok", result))
+        except Exception as e:  # the result did not pickle
+            _send(conn, ("error", type(e).__name__,
+                       f"rank {global_rank} returned a value that cannot be sent back to the "
+                       f"launcher: {type(e).__name__}: {e}\n" + traceback.format_exc()))
+            code = 1
+    except _Terminated:
+        code = 143
+    except BaseException as e:  # noqa: BLE001 - reported to the launcher
+        code = 1
+        lib_logger.removeHandler(handler)
+        try:
+            with send_lock:
+                _send(conn, _error_message(global_rank, global_rank - local_rank, e))
+        except Exception:
+            pass
+    finally:
+        try:
+            conn.close()
+        except Exception:
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown (no atexit surprises in ranks)
+
+
+# --- starting a rank ------------------------------------------------------------------
+
+
+# Runs first in a rank process, before multiprocessing imports the launcher's main module
+# and this package (seconds on a busy host): follow the launcher's death (PDEATHSIG, or
+# exit if it is already gone) and ignore SIGINT, which the forking thread blocked so
+# that a Ctrl-C during the interpreter's own start-up cannot reach it either.
+_BOOTSTRAP = ("import os, signal, ctypes; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+              "ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0); "
+              "os.getppid() == {ppid} or os._exit(1); ")
+
+
+def _child_data(popen, process_obj) -> io.BytesIO:
+    """What multiprocessing writes to a new child: its preparation data and the process
+    object, pickled with ``popen`` as the spawning popen (fds it duplicates)."""
+    fp = io.BytesIO()
+    data = mp_spawn.get_preparation_data(process_obj._name)
+    if "init_main_from_path" in data and _main_file() is None:
+        # a main read from stdin: a rank would fail to import "<stdin>"; fn is not in it
+        # (``_check_picklable``), so the rank needs no main module
+        del data["init_main_from_path"]
+    mp_context.set_spawning_popen(popen)
+    try:
+        mp_reduction.dump(data, fp)
+        mp_reduction.dump(process_obj, fp)
+    finally:
+        mp_context.set_spawning_popen(None)
+    return fp
+
+
+class _RankPopen(popen_spawn_posix.Popen):
+    """multiprocessing's spawn launch with ``_BOOTSTRAP`` ahead of its ``spawn_main``
+    (same pipes, same preparation data; only the ``-c`` program gains a prefix)."""
+
+    def _launch(self, process_obj):  # mirrors popen_spawn_posix.Popen._launch
+        from multiprocessing import resource_tracker
+
+        tracker_fd = resource_tracker.getfd()
+        self._fds.append(tracker_fd)
+        fp = _child_data(self, process_obj)
+        parent_r = child_w = child_r = parent_w = None
+        try:
+            parent_r, child_w = os.pipe()
+            child_r, parent_w = os.pipe()
+            cmd = mp_spawn.get_command_line(tracker_fd=tracker_fd, pipe_handle=child_r)
+            i = cmd.index("-c") + 1
+            cmd[i] = _BOOTSTRAP.format(ppid=os.getpid()) + cmd[i]
+            self._fds.extend([child_r, child_w])
+            # the child inherits this mask through exec: SIGINT stays pending until the
+            # bootstrap ignores it (blocked here, at the last moment, because starting
+            # the resource tracker above unblocks SIGINT in the calling thread)
+            old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+            try:
+                self.pid = mp_util.spawnv_passfds(mp_spawn.get_executable(), cmd, self._fds)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+            self.sentinel = parent_r
+            with open(parent_w, "wb", closefd=False) as f:
+                f.write(fp.getbuffer())
+        finally:
+            self.finalizer = mp_util.Finalize(
+                self, mp_util.close_fds, [fd for fd in (parent_r, parent_w) if fd is not None])
+            for fd in (child_r, child_w):
+                if fd is not None:
+                    os.close(fd)
+
+
+class _RankProcess(mp_context.SpawnProcess):
+    """A spawn-method process started through ``_RankPopen`` (Linux)."""
+
+    @staticmethod
+    def _Popen(process_obj):
+        return _RankPopen(process_obj)
