@@ -565,18 +565,17 @@ class SpawnContext:
         for r, p in enumerate(self._procs):
             if r not in self._running and p.is_alive():
                 p.terminate()  # still starting up (fn not entered): nothing to finish
-        deadline = time.monotonic() + ABORT_GRACE_S
+        self._after_grace(ABORT_GRACE_S, lambda p: p.terminate())  # SIGTERM
+        self._after_grace(TERM_GRACE_S, lambda p: p.kill())  # SIGKILL
+
+    def _after_grace(self, grace_s: float, action: Callable[[Any], None]) -> None:
+        """Wait up to ``grace_s`` for every rank to exit, then ``action`` each still alive."""
+        deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(p.is_alive() for p in self._procs):
             time.sleep(0.02)
         for p in self._procs:
             if p.is_alive():
-                p.terminate()
-        deadline = time.monotonic() + TERM_GRACE_S
-        while time.monotonic() < deadline and any(p.is_alive() for p in self._procs):
-            time.sleep(0.02)
-        for p in self._procs:
-            if p.is_alive():
-                p.kill()
+                action(p)
 
     def _reap_all(self) -> None:
         for p in self._procs:
