@@ -231,9 +231,9 @@ class SimulatedSlowdown(Hook):
 
     ``batch_ms`` pads every rank's batch to at least that much wall time, and the slowed
     rank's to ``factor`` times it. A floor above the model's own batch time makes the
-    ratio hold on a busy machine: below the floor a rank's compute jitter is absorbed rather
-    than multiplied by ``factor`` (docs/trainer.md, "Cadence: fixed or ElChe"). A batch that outlasts the
-    floor is stretched to ``factor`` times its own length.
+    ratio hold on a busy machine: below the floor a rank's compute jitter is absorbed
+    rather than multiplied by ``factor`` (docs/trainer.md, "Cadence: fixed or ElChe").
+    A batch that outlasts the floor is stretched to ``factor`` times its own length.
 
     Args:
         rank: the rank to slow down.

@@ -719,12 +719,7 @@ class _RankRun:
         ckpt = None
         if settled.save_reason is not None and self.trainer.save_path and sync.mass > 0:
             ckpt = self._checkpoint_path()
-            # every rank's own state is on disk before the bundle can commit: a bundle
-            # with a .meta.json has every live rank's .optim
-            self._save_rank_state(ckpt)
-            self.comm.barrier()
-            if self._is_host_lead():
-                self._post_checkpoint(ckpt, settled.save_reason, sync.mass)
+            self._write_bundle(ckpt, settled.save_reason, sync.mass)
         return counts, settled, sync, ckpt
 
     def _window_cluster(self, plan, counts):
@@ -741,8 +736,6 @@ class _RankRun:
             ckpt, reason = self._checkpoint_path(), settled.save_reason
             comm.arm_checkpoint(ckpt, self.schema, coord.checkpoint_meta(reason))
         sync = self.sgd.sync()
-        if ckpt is not None:
-            self._save_rank_state(ckpt)
         if falls_short(sync.mass, counts, self.trainer.gamma):
             realized = sorted(r for r in sync.accepted if counts.batches[r] > 0)
             logger.warning(
@@ -752,14 +745,21 @@ class _RankRun:
                 "the next window is checkpointed again" if ckpt else "")
             settled = coord.resettle(plan, counts, realized)
         if ckpt is not None and sync.mass > 0:
-            # each host keeps its own copy of the bundle, so it resumes from its own disk:
-            # the controller's forge writes the controller's (with the outer momentum),
-            # and the host's lead rank posts its replica of the consensus to this host's
-            # forge once every rank's .optim is on disk (as on one host)
-            comm.barrier()
-            if self._is_host_lead():
-                self._post_checkpoint(ckpt, reason, sync.mass)
+            # each host keeps its own copy of the bundle, so it resumes from its own disk
+            # (the controller's forge writes the controller's, with the outer momentum)
+            self._write_bundle(ckpt, reason, sync.mass)
         return counts, settled, sync, ckpt
+
+    def _write_bundle(self, ckpt, reason: SaveReason, mass: float) -> None:
+        """This host's copy of the window's bundle: every rank writes its own
+        ``.optim``, then, after a barrier, the host's lead rank posts its replica (the
+        consensus) to this host's forge, so a bundle with a ``.meta.json`` has every
+        live rank's ``.optim``. Right after the window's sync: the optimizer state
+        changes at the next step."""
+        self._save_rank_state(ckpt)
+        self.comm.barrier()
+        if self._is_host_lead():
+            self._post_checkpoint(ckpt, reason, mass)
 
     def _is_host_lead(self) -> bool:
         """Whether this rank is the lowest live rank of its host (on one host: of the
