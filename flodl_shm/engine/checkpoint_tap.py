@@ -20,20 +20,28 @@ through the arena's ``tap`` segment — a one-slot mailbox:
    the ``.meta.json`` commit marker.
 
 Ranks never wait for disk: only for the owner's copy of the previous message.
+
+The rank side is a ``TapClient`` (one per ``Comm``): the armed cycle, the frames it
+posts after captured rounds, and the consensus a rank posts on its own
+(``Comm.post_checkpoint``). The owner side is a ``TapServer``.
 """
 from __future__ import annotations
 
 import logging
+import os
 import threading
+from dataclasses import replace
+from typing import Sequence
 
 import numpy as np
+import torch
 
 from . import arena as A
 from ..checkpoint.forge import arm_from_head
 from ..checkpoint.tap_head import TapHead
-from ..frame import DTYPE_F32, RoundFrame, RoundKind, TensorPayload, elem_size
+from ..frame import DTYPE_BF16, DTYPE_F32, RoundFrame, RoundKind, TensorPayload, elem_size
 from ..kernels import signals
-from .waiting import Doorbell, futex_wait, futex_wake
+from .waiting import Doorbell, Waiter, futex_wait, futex_wake
 
 logger = logging.getLogger("flodl_shm")
 
@@ -68,6 +76,110 @@ def post(arena: A.Arena, doorbell: Doorbell, head: TapHead, payload: np.ndarray,
     futex_wake(arena.ctl.ctypes.data + A.G_TAP_SEQ * 8)
     logger.debug("tap: posted message %d (%s part %s, %d bytes)", seq, head.path, head.part,
                  total)
+
+
+class TapClient:
+    """A rank's side of the tap: the checkpoint cycle it armed and the messages it posts.
+
+    ``armed`` is the head of the next frame to capture (None: nothing armed). While it
+    is set, the rank's MODEL rounds are flagged ``FLAG_TAP`` and take the general round
+    path, which hands each one's consensus to :meth:`captured`.
+
+    Args:
+        arena: the host arena (its ``tap`` mailbox and words).
+        engine: the rank's ``RoundEngine`` (doorbell, waiter, the last round's accepted
+            ranks, the outer momentum, relay mode).
+        rank: the rank's global rank; local_rank: its index on this host.
+    """
+
+    #: seconds a rank waits for the owner to take the previous message
+    ACK_TIMEOUT_S = 300.0
+
+    def __init__(self, arena: A.Arena, engine, *, rank: int, local_rank: int) -> None:
+        self.arena = arena
+        self._engine = engine
+        self._rank = rank
+        self._local_rank = local_rank
+        self.armed: TapHead | None = None
+        self._remaining = 0  # tensors of the armed cycle still to capture
+        self._cycle = 0
+
+    def _head(self, path, schema, meta) -> TapHead:
+        """The first head of a new cycle for ``path``."""
+        self._cycle += 1
+        return TapHead(cycle=self._cycle, part=0, path=os.fspath(path),
+                       param_names=schema.param_names, buffer_names=schema.buffer_names,
+                       meta=None if meta is None else meta.to_dict())
+
+    def arm(self, path, schema, meta, last_round: int) -> None:
+        """Capture the next MODEL rounds (up to ``schema.tensor_count()`` tensors) as the
+        checkpoint at ``path`` (``Comm.arm_checkpoint``). On a cluster, rank 0 first
+        tells the controller's forge where, through this host's relay."""
+        head = self._head(path, schema, meta)
+        self.armed = head
+        self._remaining = head.tensor_count
+        if self._engine.relay_mode and self._rank == 0:
+            def wait_ack(target: int) -> None:
+                self._wait_ack(target, last_round)
+
+            post(self.arena, self._engine.doorbell, replace(head, arm_only=True),
+                 np.empty(0, np.uint8), None, wait_ack=wait_ack)
+            wait_ack(int(self.arena.ctl[A.G_TAP_SEQ]))
+
+    def post_consensus(self, path, schema, tensors: Sequence[torch.Tensor], *, mass: float,
+                       meta, momentum: np.ndarray | None, bf16: bool,
+                       last_round: int) -> None:
+        """Post a consensus this rank holds as a checkpoint (``Comm.post_checkpoint``,
+        which documents the arguments); ``last_round``: the round that formed it."""
+        want = schema.tensor_count()
+        if len(tensors) != want:
+            raise ValueError(f"the schema has {want} tensors (params then averaged "
+                             f"buffers), got {len(tensors)}")
+        if not mass > 0.0:
+            raise ValueError(f"mass {mass} realized nothing: there is no consensus to save")
+        wire = torch.bfloat16 if bf16 else torch.float32
+        flat = torch.cat([t.detach().reshape(-1).to(wire) for t in tensors])
+        payload = flat.view(torch.int16).numpy().view(np.uint16) if bf16 else flat.numpy()
+        shapes = tuple(tuple(t.shape) for t in tensors)
+        nparams = len(schema.param_names)
+        head = self._head(path, schema, meta).for_frame(
+            dtype=DTYPE_BF16 if bf16 else DTYPE_F32, shapes=shapes, mass=mass,
+            round=last_round, momentum_shapes=None if momentum is None else shapes[:nparams])
+        post(self.arena, self._engine.doorbell, head, payload,
+             None if momentum is None else np.ascontiguousarray(momentum, np.float32),
+             wait_ack=lambda target: self._wait_ack(target, last_round))
+
+    def captured(self, rnd: int, dtype: int, shapes, cons: np.ndarray, mass: float,
+                 outer: bool) -> None:
+        """Round ``rnd`` of the armed cycle formed ``cons``: the lowest accepted rank of
+        a single host posts it (with the outer momentum after an outer params round);
+        a round that realized nothing cancels the cycle."""
+        head = self.armed
+        eng = self._engine
+        if mass <= 0.0:
+            logger.info("checkpoint %s: round %d realized nothing (mass 0); cycle cancelled",
+                        head.path, rnd)
+            self.armed = None
+            return
+        lowest = (eng.last_accepted & -eng.last_accepted).bit_length() - 1
+        if lowest == self._local_rank and not eng.relay_mode:
+            momentum = eng.outer_momentum() if outer and eng.outer is not None else None
+            frame = head.for_frame(dtype=dtype, shapes=shapes, mass=mass, round=rnd,
+                                   momentum_shapes=shapes if momentum is not None else None)
+            post(self.arena, eng.doorbell, frame, cons, momentum,
+                 wait_ack=lambda target: self._wait_ack(target, rnd))
+        self._remaining -= len(shapes)
+        self.armed = head.next_part() if self._remaining > 0 else None
+
+    def _wait_ack(self, target: int, rnd: int) -> None:
+        """Wait until the owner took message ``target`` (the mailbox is free)."""
+        ctl = self.arena.ctl
+        eng = self._engine
+        waiter = Waiter(eng.doorbell, eng.waiter.spin_iters, self.ACK_TIMEOUT_S,
+                        eng.waiter.liveness)
+        waiter.wait(lambda it: signals.spin_word_ge(ctl, A.G_TAP_ACK, target, it),
+                    what="waiting for the owner to take the previous checkpoint frame",
+                    rnd=rnd, missing_of=lambda: ("checkpoint owner",))
 
 
 class TapServer:

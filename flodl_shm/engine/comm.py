@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -58,9 +57,7 @@ from ..frame import (
     TensorPayload,
     check_frame,
 )
-from ..checkpoint.tap_head import TapHead
-from ..kernels import signals
-from .checkpoint_tap import post as tap_post
+from .checkpoint_tap import TapClient
 from .direct import UNAVAILABLE
 from .hostmem import HostMemory
 from .protocol import RoundEngine, RoundPlan
@@ -85,7 +82,7 @@ from .tensor_codec import (
     flat_part,
     wire_views,
 )
-from .waiting import Waiter, oversubscribed, spin_iterations
+from .waiting import oversubscribed, spin_iterations
 
 logger = logging.getLogger("flodl_shm")
 
@@ -160,10 +157,8 @@ class Comm:
         self._barrier_plan = self._engine.plan(_CONTROL, DTYPE_F32, ())
         self._outer_installed = False
         self._fast: tuple | None = None  # (shape, kind, plan) of the last fused in-place call
-        self._ckpt: TapHead | None = None  # the armed checkpoint cycle's next frame
-        self._ckpt_remaining = 0
-        self._ckpt_cycle = 0
         self._reports = RoundReports(arena)
+        self._tap = TapClient(arena, self._engine, rank=self.rank, local_rank=local_rank)
         self._drift_checked: tuple[np.ndarray | None, int] = (None, 0)
         self._all_local = (1 << arena.world) - 1  # every local rank's bit
         self._reported = -1  # the last round this rank sent a report with
@@ -268,20 +263,7 @@ class Comm:
         ``CheckpointMeta``) as the bundle's ``.meta.json`` commit marker. A round
         whose accepted mass is 0 cancels the cycle (nothing was realized).
         """
-        import os
-
-        self._ckpt_cycle += 1
-        head = TapHead(cycle=self._ckpt_cycle, part=0, path=os.fspath(path),
-                       param_names=schema.param_names, buffer_names=schema.buffer_names,
-                       meta=None if meta is None else meta.to_dict())
-        self._ckpt = head
-        self._ckpt_remaining = head.tensor_count
-        if self._engine.relay_mode and self.rank == 0:
-            # on a cluster the controller's forge taps the consensus; rank 0 tells it where
-            # (through this host's relay) before the captured rounds start
-            tap_post(self.arena, self._engine.doorbell, replace(head, arm_only=True),
-                     np.empty(0, np.uint8), None, wait_ack=self._wait_tap_ack)
-            self._wait_tap_ack(int(self.arena.ctl[A.G_TAP_SEQ]))
+        self._tap.arm(path, schema, meta, self._round - 1)
 
     def post_checkpoint(self, path, schema, tensors: Sequence[torch.Tensor], *, mass: float,
                         meta=None, momentum: np.ndarray | None = None) -> None:
@@ -307,58 +289,9 @@ class Comm:
             meta: a ``CheckpointMeta`` (None: no ``.meta.json``).
             momentum: the outer momentum, or None.
         """
-        import os
-
-        want = schema.tensor_count()
-        if len(tensors) != want:
-            raise ValueError(f"the schema has {want} tensors (params then averaged "
-                             f"buffers), got {len(tensors)}")
-        if not mass > 0.0:
-            raise ValueError(f"mass {mass} realized nothing: there is no consensus to save")
-        wire = torch.bfloat16 if self._bf16 else torch.float32
-        flat = torch.cat([t.detach().reshape(-1).to(wire) for t in tensors])
-        payload = (flat.view(torch.int16).numpy().view(np.uint16) if self._bf16
-                   else flat.numpy())
-        shapes = tuple(tuple(t.shape) for t in tensors)
-        self._ckpt_cycle += 1
-        head = TapHead(cycle=self._ckpt_cycle, part=0, path=os.fspath(path),
-                       param_names=schema.param_names, buffer_names=schema.buffer_names,
-                       meta=None if meta is None else meta.to_dict())
-        nparams = len(schema.param_names)
-        head = head.for_frame(dtype=DTYPE_BF16 if self._bf16 else DTYPE_F32, shapes=shapes,
-                              mass=mass, round=self._round - 1,
-                              momentum_shapes=None if momentum is None else shapes[:nparams])
-        tap_post(self.arena, self._engine.doorbell, head, payload,
-                 None if momentum is None else np.ascontiguousarray(momentum, np.float32),
-                 wait_ack=self._wait_tap_ack)
-
-    def _tap_round(self, rnd: int, dtype: int, shapes, cons: np.ndarray, mass: float,
-                   outer: bool) -> None:
-        head = self._ckpt
-        if mass <= 0.0:
-            logger.info("checkpoint %s: round %d realized nothing (mass 0); cycle cancelled",
-                        head.path, rnd)
-            self._ckpt = None
-            return
-        lowest = (self._engine.last_accepted & -self._engine.last_accepted).bit_length() - 1
-        if lowest == self.local_rank and not self._engine.relay_mode:
-            momentum = None
-            if outer and self._engine.outer is not None:
-                momentum = self._engine.outer_momentum()
-            frame = head.for_frame(dtype=dtype, shapes=shapes, mass=mass, round=rnd,
-                                   momentum_shapes=shapes if momentum is not None else None)
-            tap_post(self.arena, self._engine.doorbell, frame, cons, momentum,
-                     wait_ack=self._wait_tap_ack)
-        self._ckpt_remaining -= len(shapes)
-        self._ckpt = head.next_part() if self._ckpt_remaining > 0 else None
-
-    def _wait_tap_ack(self, target: int) -> None:
-        ctl = self.arena.ctl
-        waiter = Waiter(self._engine.doorbell, self._engine.waiter.spin_iters, 300.0,
-                        self._engine.waiter.liveness)
-        waiter.wait(lambda it: signals.spin_word_ge(ctl, A.G_TAP_ACK, target, it),
-                    what="waiting for the owner to take the previous checkpoint frame",
-                    rnd=self._round - 1, missing_of=lambda: ("checkpoint owner",))
+        self._tap.post_consensus(path, schema, tensors, mass=mass, meta=meta,
+                                 momentum=momentum, bf16=self._bf16,
+                                 last_round=self._round - 1)
 
     def set_fault_hook(self, hook: Callable[[str, int], None] | None) -> None:
         """Tests only: call ``hook(phase, round)`` at the fault-injection points
@@ -1021,7 +954,7 @@ class Comm:
         (``engine/direct.py``), FLAG_DIRECT_PROBE when it is the shared round that
         first checks the ranks may, else 0. Decided from what every rank agrees on."""
         flags = ((A.FLAG_OUTER if outer and self._outer_installed else 0)
-                 | (A.FLAG_TAP if plan.kind == _MODEL and self._ckpt is not None else 0))
+                 | (A.FLAG_TAP if plan.kind == _MODEL and self._tap.armed is not None else 0))
         return self._engine.direct.mode(plan, flags)
 
     def _direct_call(self, tensors: Sequence[torch.Tensor] | None, plan: RoundPlan, weight,
@@ -1075,7 +1008,7 @@ class Comm:
         eng = self._engine
         return not (self._broken is not None or eng.relay_mode or eng.fault_hook is not None
                     or (outer and self._outer_installed)
-                    or (kind == _MODEL and self._ckpt is not None))
+                    or (kind == _MODEL and self._tap.armed is not None))
 
     def _fused_plan(self, tensors: Sequence[torch.Tensor], kind: int, dtype: int,
                     outer: bool) -> RoundPlan | None:
@@ -1135,7 +1068,7 @@ class Comm:
         eng = self._engine
         rnd = self._round
         kind, dtype = plan.kind, plan.dtype
-        tap = kind == _MODEL and self._ckpt is not None
+        tap = kind == _MODEL and self._tap.armed is not None
         # only a stateful outer optimizer steps (OuterAvg is the plain consensus); on a
         # cluster the flag travels to the controller, which refuses it if it has none
         outer = outer and self._outer_installed
@@ -1202,7 +1135,7 @@ class Comm:
                 if eng.outer_applies(view):
                     eng.outer_round_done(view.nelem)
             if tap:
-                self._tap_round(rnd, dtype, plan.shapes, cons, mass, outer)
+                self._tap.captured(rnd, dtype, plan.shapes, cons, mass, outer)
             return cons, mass
         except BaseException as e:
             self._fail(rnd, e)
