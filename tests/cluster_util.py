@@ -16,10 +16,11 @@ SALT = bytes(range(16))
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def join_raw(port: int, hello: dict, salt=SALT) -> Link:
-    """A hand-driven relay: the real handshake, then the test sends what it likes."""
+def join_raw(port: int, hello: dict, salt=SALT, on_ack=None) -> Link:
+    """A hand-driven relay: the real handshake (``on_ack`` gets the controller's
+    ``hello_ack``), then the test sends what it likes."""
     sock = connect(("127.0.0.1", port), attempts=5, delay=0.1)
-    return client_handshake(sock, salt, hello, f"127.0.0.1:{port}")
+    return client_handshake(sock, salt, hello, f"127.0.0.1:{port}", on_ack=on_ack)
 
 
 def quick_average(ctx):

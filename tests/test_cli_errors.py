@@ -118,3 +118,47 @@ def test_ram_with_a_root_without_meminfo_is_one_line(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     assert "ram: error:" in r.stderr and "proc/meminfo is missing" in r.stderr
+
+
+def _outer_state(folder: Path, sync_round: int, committed: bool) -> Path:
+    """A controller's ``.outer.fdl`` of round ``sync_round``, with the bundle's
+    ``.meta.json`` beside it when ``committed``."""
+    import numpy as np
+
+    from flodl_shm import TensorPayload
+    from flodl_shm.checkpoint.forge import outer_sidecar_path, write_outer_momentum_fdl
+    from flodl_shm.checkpoint.meta import CheckpointBundle, CheckpointMeta, SaveReason
+    from flodl_shm.checkpoint.series import round_model_path
+    from flodl_shm.frame import DTYPE_F32
+
+    model = round_model_path(folder / "ckpt", sync_round)
+    outer = outer_sidecar_path(model)
+    write_outer_momentum_fdl([TensorPayload(DTYPE_F32, (3, 2), np.ones(6, np.float32))], outer)
+    if committed:
+        CheckpointMeta.new(1, 40, sync_round, 4, SaveReason.CHECKPOINT).write_to_file(
+            CheckpointBundle.meta_path(model))
+    return outer
+
+
+def test_controller_outer_state_names_its_round_or_refuses_a_lone_file(tmp_path, secret):
+    """``--outer-state`` takes the sync round from the bundle's .meta.json (hosts resuming
+    another round are then refused); an .outer.fdl without it is refused at once."""
+    lone = _outer_state(tmp_path, 4, committed=False)
+    r = _flodl(["controller", "--bind", "127.0.0.1:0", "--world-size", "2", "--secret-file",
+                str(secret), "--outer", "nesterov", "--outer-state", str(lone)], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "ckpt-r00000004.meta.json is not beside it" in r.stderr, r.stderr
+    good = _outer_state(tmp_path, 8, committed=True)
+    proc = subprocess.Popen([sys.executable, "-m", "flodl_shm", "controller", "--bind",
+                             "127.0.0.1:0", "--world-size", "2", "--secret-file", str(secret),
+                             "--outer", "nesterov", "--outer-state", str(good)],
+                            cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        line = proc.stdout.readline()
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+    assert "controller listening on port" in line and "outer momentum of sync round 8" in line, \
+        line

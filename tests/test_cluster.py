@@ -261,6 +261,35 @@ def test_handshake_refusals_are_named_on_both_ends(caplog):
     assert "world_size 4" in logged and "overlapping" in logged and "duplicate host" in logged
 
 
+def test_hello_ack_says_where_the_controllers_outer_momentum_starts():
+    """A controller that steps a stateful outer optimizer tells each admitted host where
+    its momentum starts (fresh: -1, or the sync round of the checkpoint it loaded), so
+    resuming ranks can refuse another round's; with no outer step, or a momentum loaded
+    without its round, there is nothing to check and the field is absent."""
+    from flodl_shm import OuterNesterov
+
+    momentum = [torch.zeros(3)]
+    setups = {
+        "plain average": {},
+        "fresh momentum": {"outer": OuterNesterov(0.7, 0.9)},
+        "round 8": {"outer": OuterNesterov(0.7, 0.9), "outer_momentum": momentum,
+                    "outer_round": 8},
+        "unknown round": {"outer": OuterNesterov(0.7, 0.9), "outer_momentum": momentum},
+    }
+    starts = {}
+    for name, kw in setups.items():
+        ctl = ClusterController.start("127.0.0.1:0", 2, SALT, **kw)
+        try:
+            acks = []
+            join_raw(ctl.port, {"host": "a", "ranks": [0], "world_size": 2},
+                     on_ack=acks.append).close()
+            starts[name] = acks[0].get("outer_start_round", "absent")
+        finally:
+            ctl.shutdown()
+    assert starts == {"plain average": "absent", "fresh momentum": -1, "round 8": 8,
+                      "unknown round": "absent"}
+
+
 def test_world_size_disagreement_refused_through_spawn():
     ctl = ClusterController.start("127.0.0.1:0", 2, SALT)
     try:
@@ -415,8 +444,8 @@ def test_the_first_round_waits_for_a_host_still_finishing_its_handshake(monkeypa
     real = controller_module.server_handshake
     host0_admitted = threading.Event()
 
-    def held_handshake(sock, salt, peer, admit):
-        link, hello = real(sock, salt, peer, admit)
+    def held_handshake(sock, salt, peer, admit, ack=None):
+        link, hello = real(sock, salt, peer, admit, ack)
         if 0 in hello["ranks"]:
             host0_admitted.set()
             time.sleep(1.0)  # this thread descheduled right after the ack

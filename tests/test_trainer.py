@@ -140,19 +140,24 @@ def test_diloco_outer_nesterov_saves_its_momentum(tmp_path):
     assert math.isfinite(result.history[-1].cohort_loss)
 
 
-def _two_hosts(tmp_path, call):
+def _two_hosts(tmp_path, call, outer=False, **controller):
     """A 2-rank cohort as 2 hosts of 1 rank on loopback: ``call(trainer, i, **cluster)``
     on host i, whose Trainer saves under ``tmp_path/host<i>`` (its own disk); (results
-    by host, exceptions by host)."""
+    by host, exceptions by host). ``outer``: DiLoCo (an outer Nesterov the controller
+    steps); ``controller``: more arguments of ``ClusterController.start``."""
     from flodl_shm import ClusterController
 
     from cluster_util import SALT, run_host_threads
 
-    ctl = ClusterController.start("127.0.0.1:0", 2, SALT, round_timeout=60.0)
+    def nesterov():
+        return OuterNesterov(lr=0.7, momentum=0.9) if outer else None
+
+    ctl = ClusterController.start("127.0.0.1:0", 2, SALT, round_timeout=60.0,
+                                  outer=nesterov(), **controller)
 
     def host(i):
         trainer = make_trainer(save_path=tmp_path / f"host{i}" / "run", checkpoint_every=4,
-                               keep_checkpoints=4)
+                               keep_checkpoints=4, outer=nesterov())
         return call(trainer, i, controller=f"127.0.0.1:{ctl.port}", world_size=2,
                     first_rank=i, salt=SALT)
 
@@ -203,3 +208,47 @@ def test_each_host_keeps_its_own_checkpoints_and_resumes_from_them(tmp_path):
         assert "start from different checkpoints" in text, text
         assert "from sync round 8: ranks [0]" in text, text
         assert "from sync round 16: ranks [1]" in text, text
+
+
+def _error_texts(errors) -> list[str]:
+    return [f"{e} {getattr(e, 'traceback', '')}" for e in errors.values()]
+
+
+def test_a_diloco_cluster_resumes_only_with_the_controllers_momentum_of_that_round(tmp_path):
+    """On a cluster the controller steps the outer optimizer and keeps its momentum
+    (``.outer.fdl``, written with its copy of each bundle). Resuming hosts must find the
+    controller holding the momentum of the round they continue: a controller holding
+    another round's, fresh momentum, or one when the hosts start from scratch would
+    silently step a different outer trajectory. Every rank refuses at its start,
+    naming both rounds and the file to load; with the right one the run continues."""
+    full, errors = _two_hosts(tmp_path / "full", lambda t, i, **c: t.run(1, **c), outer=True)
+    assert not errors, errors
+    # the controller's copies are in host 0's folder: rank 0 named that path
+    saved = {rnd: load_outer_momentum(make_model(), outer_sidecar_path(
+        round_model_path(tmp_path / "full" / "host0" / "run", rnd))) for rnd in (8, 12)}
+    assert list((tmp_path / "full" / "host1").rglob("*.outer.fdl")) == [], \
+        "a host steps no outer optimizer: only the controller saves its momentum"
+
+    def resume_8(t, i, **c):
+        return t.resume(round_model_path(tmp_path / "full" / f"host{i}" / "run", 8), 1, **c)
+
+    _, errors = _two_hosts(tmp_path / "other", resume_8, outer=True,
+                           outer_momentum=saved[12], outer_round=12)
+    assert set(errors) == {0, 1}, errors
+    for text in _error_texts(errors):
+        assert "resume from sync round 8" in text and "sync round 12" in text, text
+        assert "run-r00000008.outer.fdl" in text, text
+    _, errors = _two_hosts(tmp_path / "fresh", resume_8, outer=True)
+    assert set(errors) == {0, 1}, errors
+    assert all("fresh outer momentum" in text for text in _error_texts(errors))
+    _, errors = _two_hosts(tmp_path / "scratch", lambda t, i, **c: t.run(1, **c), outer=True,
+                           outer_momentum=saved[8], outer_round=8)
+    assert set(errors) == {0, 1}, errors
+    assert all("start from scratch" in text and "without --outer-state" in text
+               for text in _error_texts(errors))
+    results, errors = _two_hosts(tmp_path / "right", resume_8, outer=True,
+                                 outer_momentum=saved[8], outer_round=8)
+    assert not errors, errors
+    for i, host in results.items():
+        assert [s.window for s in host.history] == list(range(9, 17))
+        assert host.meta.sync_round == full[i].meta.sync_round == 16

@@ -28,21 +28,42 @@ def _read_momentum(path: str) -> list:
     return out
 
 
+def _read_outer_state(path: str) -> tuple[list, int]:
+    """``--outer-state``: the momentum of an ``.outer.fdl`` and the sync round of the
+    checkpoint it was saved with (its bundle's ``.meta.json``, beside it). Hosts that
+    resume from another round are refused at their start."""
+    from ..checkpoint.meta import CheckpointBundle, CheckpointMeta
+
+    p = Path(path)
+    for suffix, model_suffix in ((".outer.fdl", ".fdl"), (".outer.fdl.gz", ".fdl.gz")):
+        if p.name.endswith(suffix) and len(p.name) > len(suffix):
+            model = p.with_name(p.name[:-len(suffix)] + model_suffix)
+            break
+    else:
+        raise ValueError(f"--outer-state {path} is not a <stem>.outer.fdl: pass the outer "
+                         f"momentum file a controller wrote with a checkpoint")
+    meta = CheckpointBundle.meta_path(model)
+    if not meta.exists():
+        raise ValueError(f"--outer-state {path}: {meta.name} is not beside it, so the "
+                         f"checkpoint it belongs to was not completed (or the file was "
+                         f"copied alone); pass the .outer.fdl of a complete bundle, with its "
+                         f".meta.json")
+    return _read_momentum(path), CheckpointMeta.read_from_file(meta).sync_round
+
+
 def _start(args) -> ClusterController:
     """Read the secret (and the momentum to resume), bind, serve."""
     salt = read_secret_file(args.secret_file)
-    outer = momentum = None
+    outer = momentum = sync_round = None
     if args.outer == "nesterov":
         from ..training.outer import OuterNesterov
 
         outer = OuterNesterov(args.outer_lr, args.outer_momentum)
     if args.outer_state:
-        momentum = _read_momentum(args.outer_state)
-    ctl = ClusterController.start(args.bind, args.world_size, salt,
-                                  round_timeout=args.round_timeout, outer=outer)
-    if momentum is not None:
-        ctl.load_outer_momentum(momentum)
-    return ctl
+        momentum, sync_round = _read_outer_state(args.outer_state)
+    return ClusterController.start(args.bind, args.world_size, salt,
+                                   round_timeout=args.round_timeout, outer=outer,
+                                   outer_momentum=momentum, outer_round=sync_round)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--outer-momentum", type=float, default=0.9,
                     help="momentum of --outer nesterov (default 0.9, the demo's)")
     ap.add_argument("--outer-state", metavar="OUTER_FDL",
-                    help="resume: the <stem>.outer.fdl momentum of the checkpoint to continue")
+                    help="resume: the <stem>.outer.fdl momentum of the checkpoint the hosts "
+                         "continue (its .meta.json beside it; hosts resuming another round "
+                         "are refused)")
     args = ap.parse_args(argv)
     if args.new_secret:
         replaced = Path(args.new_secret).exists()
@@ -93,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # bad secret file, address in use, bad momentum file
         print(f"controller: cannot start: {e}", file=sys.stderr)
         return 2
-    print(f"controller listening on port {ctl.port} for {args.world_size} ranks", flush=True)
+    resumes = ("" if ctl.outer_round is None
+               else f"; outer momentum of sync round {ctl.outer_round}")
+    print(f"controller listening on port {ctl.port} for {args.world_size} ranks{resumes}",
+          flush=True)
     if args.port_file:
         Path(args.port_file).write_text(f"{ctl.port}\n")
     try:

@@ -104,7 +104,7 @@ class ClusterController:
 
     def __init__(self, sock: socket.socket, world_size: int, salt: bytes, *,
                  round_timeout: float | None, dead_ranks: DeadRanks, forge=None,
-                 outer=None) -> None:
+                 outer=None, outer_momentum=None, outer_round: int | None = None) -> None:
         self._sock = sock
         self.port = sock.getsockname()[1]
         self.world_size = world_size
@@ -131,6 +131,9 @@ class ClusterController:
         self._prev: np.ndarray | None = None
         self._mom: np.ndarray | None = None
         self._outer_loaded: np.ndarray | None = None
+        self._outer_round: int | None = None  # the sync round _outer_loaded was saved at
+        if outer_momentum is not None:  # before any host can be acknowledged
+            self.load_outer_momentum(outer_momentum, sync_round=outer_round)
         self._accept_thread = threading.Thread(target=self._accept_loop,
                                                name="flodl-shm-controller-accept", daemon=True)
         self._reduce_thread = threading.Thread(target=self._reduce_main,
@@ -140,9 +143,14 @@ class ClusterController:
 
     @classmethod
     def start(cls, addr, world_size: int, salt, *, round_timeout: float | None = DEFAULT_ROUND_TIMEOUT,
-              dead_ranks: DeadRanks | None = None, forge=None, outer=None) -> "ClusterController":
+              dead_ranks: DeadRanks | None = None, forge=None, outer=None,
+              outer_momentum=None, outer_round: int | None = None) -> "ClusterController":
         """Bind ``addr`` ("host:port" or (host, port); port 0 = any free port) and serve a
-        cohort of ``world_size`` ranks authenticated by the 16-byte ``salt``."""
+        cohort of ``world_size`` ranks authenticated by the 16-byte ``salt``.
+
+        ``outer`` is the outer optimizer the ranks' params rounds step here; to resume,
+        ``outer_momentum`` (tensors in params order) is the momentum of the checkpoint
+        saved at sync round ``outer_round`` (``load_outer_momentum``)."""
         if int(world_size) <= 0:
             raise ValueError(f"ClusterController: world_size must be > 0, got {world_size}")
         salt = check_salt(salt)
@@ -158,7 +166,8 @@ class ClusterController:
         logger.debug("controller listening on %s:%d for %d ranks", host, sock.getsockname()[1],
                      world_size)
         return cls(sock, int(world_size), salt, round_timeout=round_timeout,
-                   dead_ranks=dead_ranks, forge=forge, outer=outer)
+                   dead_ranks=dead_ranks, forge=forge, outer=outer,
+                   outer_momentum=outer_momentum, outer_round=outer_round)
 
     # -- public ----------------------------------------------------------------------
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -194,11 +203,32 @@ class ClusterController:
         with self._lock:
             return [(h.name, list(h.ranks), h.alive and not h.done) for h in self._hosts]
 
-    def load_outer_momentum(self, tensors) -> None:
-        """Restore the outer momentum (in params order) before the first outer round."""
+    def load_outer_momentum(self, tensors, *, sync_round: int | None = None) -> None:
+        """Restore the outer momentum (in params order) before the first outer round.
+
+        ``sync_round``: the sync round of the checkpoint it was saved with. Hosts that
+        join afterwards learn it at the handshake, and a Trainer refuses to resume from
+        any other round; without it nothing is checked. Call it before hosts join
+        (``start(outer_momentum=...)`` does)."""
         from ..engine.tensor_codec import flat_f32  # torch: only where tensors come in
 
-        self._outer_loaded = flat_f32(tensors)
+        with self._lock:
+            self._outer_loaded = flat_f32(tensors)
+            self._outer_round = None if sync_round is None else int(sync_round)
+
+    @property
+    def outer_round(self) -> int | None:
+        """The sync round of the loaded outer momentum (None: fresh, or unknown)."""
+        return self._outer_round
+
+    def _ack_fields(self) -> dict:
+        """The ``hello_ack`` fields (``control.py``): where the outer momentum starts."""
+        with self._lock:
+            if self.outer is None or (self._outer_loaded is not None
+                                      and self._outer_round is None):
+                return {}  # no outer step here, or momentum of an unknown round
+            return {"outer_start_round": -1 if self._outer_loaded is None
+                    else self._outer_round}
 
     # -- accept ----------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -321,7 +351,8 @@ class ClusterController:
     def _handshake(self, conn: socket.socket, peer: str) -> None:
         hello = None
         try:
-            link, hello = server_handshake(conn, self.salt, peer, self._admit)
+            link, hello = server_handshake(conn, self.salt, peer, self._admit,
+                                           self._ack_fields())
         except HandshakeRejected as e:
             logger.error("controller: %s", e)
             return

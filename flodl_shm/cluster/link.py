@@ -414,8 +414,10 @@ def _link_key(salt: bytes, nonce_r: bytes, nonce_c: bytes) -> bytes:
     return _mac(salt, b"flodl_shm link", nonce_r, nonce_c)[:16]
 
 
-def client_handshake(sock: socket.socket, salt: bytes, hello: dict, peer: str) -> Link:
-    """Relay side: prove the secret, check the controller's proof, announce the host."""
+def client_handshake(sock: socket.socket, salt: bytes, hello: dict, peer: str, *,
+                     on_ack: Callable[[dict], None] | None = None) -> Link:
+    """Relay side: prove the secret, check the controller's proof, announce the host;
+    ``on_ack`` gets the controller's ``hello_ack`` message (its fields: ``control.py``)."""
     salt = check_salt(salt)
     deadline = time.monotonic() + handshake_deadline_s()
     nonce_r = os.urandom(NONCE_BYTES)
@@ -448,15 +450,18 @@ def client_handshake(sock: socket.socket, salt: bytes, hello: dict, peer: str) -
         raise FrameError(f"handshake: expected hello_ack from {peer}, got {kind.name} {msg}")
     if msg["type"] == Ctrl.REJECT:
         raise HandshakeRejected(f"the controller at {peer} refused this host: {msg.get('reason')}")
+    if on_ack is not None:
+        on_ack(msg)
     return link
 
 
 def server_handshake(sock: socket.socket, salt: bytes, peer: str,
-                     admit: Callable[[dict, "Link"], str | None]) -> tuple[Link, dict]:
+                     admit: Callable[[dict, "Link"], str | None],
+                     ack: dict | None = None) -> tuple[Link, dict]:
     """Controller side: check the relay's proof and hello. ``admit(hello, link)``
     validates and registers the host atomically, returning a refusal reason or None;
-    only an admitted host is acknowledged. Raises on failure (after telling the relay
-    why, when it proved the secret)."""
+    only an admitted host is acknowledged, with ``ack``'s fields in the ``hello_ack``.
+    Raises on failure (after telling the relay why, when it proved the secret)."""
     deadline = time.monotonic() + handshake_deadline_s()
     first = _recv_exact(sock, _HELLO.size, f"handshake from {peer}", deadline)
     magic, version, _, nonce_r = _HELLO.unpack_from(first)
@@ -494,7 +499,7 @@ def server_handshake(sock: socket.socket, salt: bytes, peer: str,
         finally:
             link.close()
         raise HandshakeRejected(f"refused host {hello.get('host')!r} from {peer}: {reason}")
-    link.send_ctrl(ctrl_message(Ctrl.HELLO_ACK))
+    link.send_ctrl(ctrl_message(Ctrl.HELLO_ACK, **(ack or {})))
     return link, hello
 
 

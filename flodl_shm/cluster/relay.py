@@ -120,6 +120,15 @@ class Relay:
                                  f"this host delivered its round")
             self._control(body)
 
+    def _take_ack(self, msg: dict) -> None:
+        """The controller admitted this host: publish where its outer momentum starts
+        (``G_CONTROLLER_OUTER``) before any round is relayed, so a rank that reads it
+        after its first cross-host round sees it."""
+        start = msg.get("outer_start_round")
+        if start is not None:
+            start = int(start)
+            self.arena.ctl[A.G_CONTROLLER_OUTER] = 1 if start < 0 else 2 + start
+
     def _main(self) -> None:
         peer = f"{self.addr[0]}:{self.addr[1]}"
         try:
@@ -131,7 +140,8 @@ class Relay:
             ranks = list(range(self.first_rank, self.first_rank + self.nprocs))
             self._link = client_handshake(sock, self.salt, {
                 "host": self.host, "ranks": ranks, "world_size": self.world_size,
-                "timeout": self.timeout, "protocol": "flodl_shm-relay"}, peer)
+                "timeout": self.timeout, "protocol": "flodl_shm-relay"}, peer,
+                on_ack=self._take_ack)
             logger.info("relay %s: joined the controller at %s with ranks %s", self.host, peer,
                         ranks)
             self._rounds()

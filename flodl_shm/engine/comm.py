@@ -253,6 +253,15 @@ class Comm:
             return None if seeded is None else seeded.copy()
         return written(eng).copy()
 
+    def controller_outer_round(self) -> int | None:
+        """On a cluster whose controller steps a stateful outer optimizer, where its
+        outer momentum starts: the sync round of the checkpoint it loaded the momentum
+        from, or -1 for fresh momentum. None on one host, when the controller steps no
+        outer optimizer, or loaded a momentum without its round. The relay learns it at
+        its handshake, before it relays any round: read it after a cross-host round."""
+        word = int(self.arena.ctl[A.G_CONTROLLER_OUTER])
+        return None if word == 0 else word - 2
+
     def arm_checkpoint(self, path, schema, meta=None) -> None:
         """Capture the next MODEL rounds (the params frame, then the buffers frame: up to
         ``schema.tensor_count()`` tensors) as a consensus checkpoint at ``path``.

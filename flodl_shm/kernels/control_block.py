@@ -13,9 +13,10 @@ use it without loading numba.
 from __future__ import annotations
 
 MAGIC = 0x46534D48_41524E41  # "FSMHARNA"
-VERSION = 4  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIRECT*);
+VERSION = 5  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIRECT*);
              # 3: round reports (H_REPORT, H_REPORT_ROUND);
-             # 4: shared parameter blocks (p<r> segments, R_PARAMS_BASE, R_PARAMS_BYTES)
+             # 4: shared parameter blocks (p<r> segments, R_PARAMS_BASE, R_PARAMS_BYTES);
+             # 5: the controller's outer start (G_CONTROLLER_OUTER)
 
 # -- global words ---------------------------------------------------------------------
 G_MAGIC = 0
@@ -33,6 +34,9 @@ G_RESULT_CAP = 40     # current byte size the result segment was grown to
 G_FIRST_RANK = 41     # global rank of local rank 0
 G_GLOBAL_WORLD = 42   # cohort world size
 G_OUTER_NELEM = 43    # elements of the outer-optimizer state (0: none yet)
+G_CONTROLLER_OUTER = 44  # on a cluster, where the controller's outer momentum starts (the
+                      # relay writes it after the handshake, before any round): 0 nothing
+                      # to check, 1 fresh, 2 + R the momentum saved at sync round R
 G_TAP_SEQ = 48        # futex word (low 32 bits): checkpoint messages posted to the owner
 G_TAP_ACK = 56        # last checkpoint message the owner consumed
 G_DIRECT = 57         # 1: a dead rank stops the cohort (no survivor re-reduces its slice),
@@ -120,6 +124,7 @@ __all__ = [
     "G_FIRST_RANK",
     "G_GLOBAL_WORLD",
     "G_OUTER_NELEM",
+    "G_CONTROLLER_OUTER",
     "G_TAP_SEQ",
     "G_TAP_ACK",
     "G_DIRECT",

@@ -203,6 +203,30 @@ def check_same_start(comm, start_round: Optional[int], fix: str) -> None:
     raise ValueError(f"the hosts start from different checkpoints ({starts}); {fix}")
 
 
+def check_controller_outer(comm, start_round: Optional[int], outer_name: Optional[str]) -> None:
+    """On a cluster: check that the controller's outer momentum starts where this rank
+    does (``Comm.controller_outer_round``). Call it after a cross-host round.
+    ``start_round`` is the sync round of the bundle this rank resumes from, or None
+    from scratch; ``outer_name`` the file name of that bundle's outer momentum (what
+    the controller should load), or None from scratch.
+
+    Raises:
+        ValueError: naming both starts and the controller option that fixes it.
+    """
+    held = comm.controller_outer_round()
+    if held is None or held == (-1 if start_round is None else start_round):
+        return
+    have = ("fresh outer momentum" if held < 0
+            else f"the outer momentum of sync round {held} (--outer-state)")
+    if start_round is None:
+        raise ValueError(f"the hosts start from scratch, but the controller holds {have}: "
+                         f"restart the controller without --outer-state")
+    raise ValueError(f"the hosts resume from sync round {start_round}, but the controller "
+                     f"holds {have}: restart the controller with --outer-state naming its "
+                     f"copy of {outer_name}, the momentum saved with that round, so the "
+                     f"outer optimizer continues where the hosts do")
+
+
 def count_column(batches: int, compute_ms: float, loss_sum: float = 0.0, stop: bool = False,
                  prev: Optional["SyncInfo"] = None) -> tuple[float, ...]:
     """This rank's column of the window's counts (what :func:`gather_counts` gathers, or
