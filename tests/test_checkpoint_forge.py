@@ -304,9 +304,21 @@ def test_gzip_is_decided_by_the_final_path_and_the_sidecar_follows(tmp_path):
         assert parsed.structural_hash == bytes(32)
 
 
+def test_a_missing_folder_is_created(tmp_path):
+    """A controller on a machine of its own writes its copy under the path the ranks
+    named (``runs/demo/...``, relative to where it runs): the folder is made."""
+    forge = CheckpointForge(ModelSchema(["w"], []))
+    path = tmp_path / "runs" / "demo" / "c.fdl"
+    forge.arm(path)
+    forge.accumulate(frame(t([1, 2], (2,))))
+    assert forge.flush(FLUSH_S)
+    assert forge.writes_completed == 1 and path.exists()
+
+
 def test_writer_errors_are_logged_never_raised(tmp_path, caplog):
     forge = CheckpointForge(ModelSchema(["w"], []))
-    forge.arm(tmp_path / "no_such_dir" / "c.fdl")
+    (tmp_path / "a_file").write_text("not a folder")
+    forge.arm(tmp_path / "a_file" / "c.fdl")
     with caplog.at_level(logging.ERROR, logger="flodl_shm"):
         forge.accumulate(frame(t([1], (1,))))  # returns: the failure happens off-thread
         assert forge.flush(FLUSH_S)

@@ -162,3 +162,23 @@ def test_controller_outer_state_names_its_round_or_refuses_a_lone_file(tmp_path,
         proc.communicate(timeout=30)
     assert "controller listening on port" in line and "outer momentum of sync round 8" in line, \
         line
+
+
+def test_a_rank_that_raised_is_reported_by_its_own_line_not_its_traceback():
+    """A rank's exception names the cause and the fix (a refused start, say): the demo
+    prints the rank and that line, not the remote traceback; a rank killed by a signal,
+    or any other error, prints as the exception itself."""
+    from flodl_shm.cli.demo import _reason
+    from flodl_shm.errors import RankFailed
+
+    tb = ('Traceback (most recent call last):\n  File "trainer.py", line 1, in run\n'
+          '    check()\nValueError: the hosts resume from sync round 16, but the controller '
+          'holds fresh outer momentum: restart the controller with --outer-state\n')
+    said = _reason(RankFailed(1, "ValueError", tb))
+    assert said == ("rank 1 raised ValueError: the hosts resume from sync round 16, but the "
+                    "controller holds fresh outer momentum: restart the controller with "
+                    "--outer-state")
+    assert "Traceback" not in said
+    killed = RankFailed(0, None, "", "SIGKILL", -9)
+    assert _reason(killed) == f"RankFailed: {killed}"
+    assert _reason(OSError("disk full")) == "OSError: disk full"

@@ -375,6 +375,9 @@ class CheckpointForge:
 
     def _run_job(self, job: _WriteJob) -> None:
         try:
+            # the bundle's folder may not exist where this forge runs: a controller on a
+            # machine of its own writes its copy under the path the ranks named
+            Path(job.path).parent.mkdir(parents=True, exist_ok=True)
             # the names first: a present .fdl implies its .names.json (for converters)
             job.schema.write_to_file(names_sidecar_path(job.path))
             write_consensus_fdl(job.schema, job.payloads, job.path)

@@ -734,6 +734,19 @@ def plot_training(rows: Sequence[dict], path: "str | os.PathLike[str]", *,
 # --- command line ------------------------------------------------------------------------
 
 
+def _reason(e: BaseException) -> str:
+    """What a failed run prints: the exception, and for a rank that raised, the rank and
+    its exception's own line (its message names the cause and the fix), not the
+    remote traceback."""
+    from flodl_shm.errors import RankFailed
+
+    if isinstance(e, RankFailed) and e.exc_type is not None and e.traceback:
+        last = e.traceback.strip().splitlines()[-1]
+        if last.split(":", 1)[0].rsplit(".", 1)[-1] == e.exc_type:  # "[module.]Type: text"
+            return f"rank {e.rank} raised {last}"
+    return f"{type(e).__name__}: {e}"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     import logging
@@ -757,7 +770,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # a failed run (a stall, a dead rank, a refused handshake, no /dev/shm space, a
         # checkpoint that does not match): the reason, not the launcher's stack
         last = latest_checkpoint(cfg.save_path)
-        print(f"\npython -m flodl_shm demo: error: {type(e).__name__}: {e}\n"
+        print(f"\npython -m flodl_shm demo: error: {_reason(e)}\n"
               + (f"Last checkpoint {last}: continue with --resume." if last is not None
                  else "No checkpoint was written."), file=sys.stderr)
         return 1
