@@ -27,6 +27,7 @@ _EXPORTS = {
     "ShmSpaceError": "flodl_shm.errors",
     "HandshakeRejected": "flodl_shm.errors",
     "TrainingAborted": "flodl_shm.errors",
+    "StartRefused": "flodl_shm.errors",
     # frames
     "DTYPE_F32": "flodl_shm.frame",
     "DTYPE_BF16": "flodl_shm.frame",

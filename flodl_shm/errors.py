@@ -128,6 +128,13 @@ class HandshakeRejected(ConnectionError):
     """The controller refused this host (world size, rank set, duplicate host...)."""
 
 
+class StartRefused(ValueError):
+    """The cohort cannot start as asked, and every rank finds so at the same point (ranks
+    resuming from different checkpoints, a controller holding another round's outer
+    momentum). Not a rank death for ``max_failures`` to tolerate: ``spawn`` stops the
+    cohort at the first, with the message, which names the fix."""
+
+
 class TrainingAborted(RuntimeError):
     """More ranks died than ``max_failures`` allows. The survivors saved a
     ``max_failure_exceeded`` checkpoint first (``checkpoint``); continue with

@@ -179,6 +179,9 @@ def test_a_rank_that_raised_is_reported_by_its_own_line_not_its_traceback():
                     "controller holds fresh outer momentum: restart the controller with "
                     "--outer-state")
     assert "Traceback" not in said
+    qualified = tb.replace("\nValueError:", "\nflodl_shm.errors.StartRefused:")
+    assert _reason(RankFailed(0, "StartRefused", qualified)).startswith(
+        "rank 0 raised StartRefused: the hosts resume from sync round 16")
     killed = RankFailed(0, None, "", "SIGKILL", -9)
     assert _reason(killed) == f"RankFailed: {killed}"
     assert _reason(OSError("disk full")) == "OSError: disk full"

@@ -53,6 +53,14 @@ def raise_on_rank_one(ctx):
     return ctx.rank
 
 
+def refuse_on_rank_one(ctx):
+    ctx.comm.barrier()
+    if ctx.rank == 1:
+        raise flodl_shm.StartRefused("rank one cannot start from here")
+    ctx.comm.barrier()  # survives rank 1 only if its refusal counts as a tolerated death
+    return ctx.rank
+
+
 def kill_self_on_rank(ctx, victim, sig):
     ctx.comm.barrier()
     if ctx.rank == victim:
@@ -172,6 +180,18 @@ def test_max_failures_continues_on_realized_work(tmp_path):
     record = flodl_shm.RankDeathRecord.read_from_file(
         flodl_shm.CheckpointBundle.rank_death_path(stem, 2))
     assert record.rank == 2 and record.world_size == 3 and "SIGKILL" in record.error
+
+
+def test_a_refused_start_stops_the_cohort_whatever_max_failures(caplog):
+    """``StartRefused`` is the same refusal on every rank (a checkpoint or controller the
+    cohort cannot start from), not a rank death: the run stops at the first, naming it,
+    instead of continuing on the survivors as ``max_failures`` would for a death."""
+    with pytest.raises(RankFailed) as info:
+        spawn(refuse_on_rank_one, 2, max_failures=1)
+    assert info.value.exc_type == "StartRefused" and info.value.rank == 1
+    assert "rank one cannot start from here" in str(info.value)
+    assert "rank 1 refused to start; stopping the cohort" in caplog.text
+    assert "continuing on realized work" not in caplog.text
 
 
 def test_unpicklable_function_is_refused_up_front():

@@ -741,9 +741,9 @@ def _reason(e: BaseException) -> str:
     from flodl_shm.errors import RankFailed
 
     if isinstance(e, RankFailed) and e.exc_type is not None and e.traceback:
-        last = e.traceback.strip().splitlines()[-1]
-        if last.split(":", 1)[0].rsplit(".", 1)[-1] == e.exc_type:  # "[module.]Type: text"
-            return f"rank {e.rank} raised {last}"
+        head, colon, text = e.traceback.strip().splitlines()[-1].partition(":")
+        if colon and head.rsplit(".", 1)[-1] == e.exc_type:  # "[module.]Type: text"
+            return f"rank {e.rank} raised {e.exc_type}:{text}"
     return f"{type(e).__name__}: {e}"
 
 

@@ -462,8 +462,8 @@ class SpawnContext:
         aborting = bool(reason)
         if reason == A.ABORT_INTERRUPT and self._interrupted:
             return  # stopped by the user's interrupt, whatever it was doing
-        if aborting and out.exc_type in ("CohortAborted", "_Terminated"):
-            return  # a casualty of the teardown, not a cause
+        if aborting and out.exc_type in ("CohortAborted", "_Terminated", "StartRefused"):
+            return  # a casualty of the teardown (or the same refusal again), not a cause
         if aborting and out.kind == "died" and out.signal in ("SIGTERM", "SIGKILL"):
             return
         if aborting and out.exitcode == 143:
@@ -486,6 +486,14 @@ class SpawnContext:
             if first:
                 logger.error("rank %d failed (%s): this host's relay failed, stopping the "
                              "cohort", global_rank, out.exc_type or out.signal or out.exitcode)
+            self._abort(A.ABORT_FAILED)
+            return
+        if out.exc_type == "StartRefused":
+            # every rank refuses at the same point: no death to tolerate, the run stops
+            with self._lock:
+                if self._failure is None:
+                    self._failure = err
+            logger.error("rank %d refused to start; stopping the cohort", global_rank)
             self._abort(A.ABORT_FAILED)
             return
         if failures > self.max_failures:

@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from ..checkpoint.meta import averaged_buffers
+from ..errors import StartRefused
 from ..frame import RoundKind
 from .realized_work import gamma_mass
 
@@ -186,7 +187,8 @@ def check_same_start(comm, start_round: Optional[int], fix: str) -> None:
     counters and books say otherwise. A rank already dead (its slot reads 0) is left out.
 
     Raises:
-        ValueError: on every rank, naming which ranks start from which round, then ``fix``.
+        StartRefused: (a ``ValueError``) on every rank, naming which ranks start from
+            which round, then ``fix``.
     """
     # 1: from scratch, 2 + round: from a bundle; a dead rank's slot reads 0 (ignored)
     mine = [0.0] * comm.world_size
@@ -200,7 +202,7 @@ def check_same_start(comm, start_round: Optional[int], fix: str) -> None:
             by_start.setdefault(v, []).append(r)
     starts = "; ".join(("from scratch" if v == 1 else f"from sync round {v - 2}")
                        + f": ranks {ranks}" for v, ranks in sorted(by_start.items()))
-    raise ValueError(f"the hosts start from different checkpoints ({starts}); {fix}")
+    raise StartRefused(f"the hosts start from different checkpoints ({starts}); {fix}")
 
 
 def check_controller_outer(comm, start_round: Optional[int], outer_name: Optional[str]) -> None:
@@ -211,7 +213,8 @@ def check_controller_outer(comm, start_round: Optional[int], outer_name: Optiona
     the controller should load), or None from scratch.
 
     Raises:
-        ValueError: naming both starts and the controller option that fixes it.
+        StartRefused: (a ``ValueError``) on every rank, naming both starts and the
+            controller option that fixes it.
     """
     held = comm.controller_outer_round()
     if held is None or held == (-1 if start_round is None else start_round):
@@ -219,9 +222,9 @@ def check_controller_outer(comm, start_round: Optional[int], outer_name: Optiona
     have = ("fresh outer momentum" if held < 0
             else f"the outer momentum of sync round {held} (--outer-state)")
     if start_round is None:
-        raise ValueError(f"the hosts start from scratch, but the controller holds {have}: "
+        raise StartRefused(f"the hosts start from scratch, but the controller holds {have}: "
                          f"restart the controller without --outer-state")
-    raise ValueError(f"the hosts resume from sync round {start_round}, but the controller "
+    raise StartRefused(f"the hosts resume from sync round {start_round}, but the controller "
                      f"holds {have}: restart the controller with --outer-state naming its "
                      f"copy of {outer_name}, the momentum saved with that round, so the "
                      f"outer optimizer continues where the hosts do")
