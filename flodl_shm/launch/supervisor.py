@@ -151,6 +151,7 @@ class SpawnContext:
         self._outcomes: dict[int, _Outcome] = {}
         self._procs: list = []
         self._failure: RankFailed | None = None
+        self._failure_inferred = False  # _failure only says other hosts' ranks died
         self._cohort_dead: set[int] = set()  # global ranks the controller declared dead
         self._interrupted = False
         self._started = threading.Event()
@@ -462,8 +463,8 @@ class SpawnContext:
         aborting = bool(reason)
         if reason == A.ABORT_INTERRUPT and self._interrupted:
             return  # stopped by the user's interrupt, whatever it was doing
-        if aborting and out.exc_type in ("CohortAborted", "_Terminated", "StartRefused"):
-            return  # a casualty of the teardown (or the same refusal again), not a cause
+        if aborting and out.exc_type in ("CohortAborted", "_Terminated"):
+            return  # a casualty of the teardown, not a cause
         if aborting and out.kind == "died" and out.signal in ("SIGTERM", "SIGKILL"):
             return
         if aborting and out.exitcode == 143:
@@ -476,6 +477,18 @@ class SpawnContext:
                              message=stalled)
         else:
             err = _failure_error(global_rank, out, msg)
+        if out.exc_type == "StartRefused":
+            # every rank refuses at the same point: no death to tolerate, the run stops.
+            # The refusal names the cause, so it also replaces a failure this host only
+            # inferred from other hosts' deaths (their ranks refused first)
+            with self._lock:
+                first = self._failure is None or self._failure_inferred
+                if first:
+                    self._failure, self._failure_inferred = err, False
+            if first:
+                logger.error("rank %d refused to start; stopping the cohort", global_rank)
+            self._abort(A.ABORT_FAILED)
+            return
         if self.arena.relay_error() is not None:
             # the host's link to the controller is gone: no rank of it can continue, so
             # this is not a rank death to tolerate; one line, then stop
@@ -486,14 +499,6 @@ class SpawnContext:
             if first:
                 logger.error("rank %d failed (%s): this host's relay failed, stopping the "
                              "cohort", global_rank, out.exc_type or out.signal or out.exitcode)
-            self._abort(A.ABORT_FAILED)
-            return
-        if out.exc_type == "StartRefused":
-            # every rank refuses at the same point: no death to tolerate, the run stops
-            with self._lock:
-                if self._failure is None:
-                    self._failure = err
-            logger.error("rank %d refused to start; stopping the cohort", global_rank)
             self._abort(A.ABORT_FAILED)
             return
         if failures > self.max_failures:
@@ -543,7 +548,7 @@ class SpawnContext:
             f"failures exceed max_failures={self.max_failures}: stopping this host too"))
         with self._lock:
             if self._failure is None:
-                self._failure = err
+                self._failure, self._failure_inferred = err, True
         logger.error("%s", err)
         self._abort(A.ABORT_FAILED)
 
