@@ -223,11 +223,11 @@ def check_controller_outer(comm, start_round: Optional[int], outer_name: Optiona
             else f"the outer momentum of sync round {held} (--outer-state)")
     if start_round is None:
         raise StartRefused(f"the hosts start from scratch, but the controller holds {have}: "
-                         f"restart the controller without --outer-state")
+                           f"restart the controller without --outer-state")
     raise StartRefused(f"the hosts resume from sync round {start_round}, but the controller "
-                     f"holds {have}: restart the controller with --outer-state naming its "
-                     f"copy of {outer_name}, the momentum saved with that round, so the "
-                     f"outer optimizer continues where the hosts do")
+                       f"holds {have}: restart the controller with --outer-state naming its "
+                       f"copy of {outer_name}, the momentum saved with that round, so the "
+                       f"outer optimizer continues where the hosts do")
 
 
 def count_column(batches: int, compute_ms: float, loss_sum: float = 0.0, stop: bool = False,
