@@ -119,12 +119,10 @@ class TapClient:
         self.armed = head
         self._remaining = head.tensor_count
         if self._engine.relay_mode and self._rank == 0:
-            def wait_ack(target: int) -> None:
-                self._wait_ack(target, last_round)
-
             post(self.arena, self._engine.doorbell, replace(head, arm_only=True),
-                 np.empty(0, np.uint8), None, wait_ack=wait_ack)
-            wait_ack(int(self.arena.ctl[A.G_TAP_SEQ]))
+                 np.empty(0, np.uint8), None,
+                 wait_ack=lambda target: self._wait_ack(target, last_round))
+            self._wait_ack(int(self.arena.ctl[A.G_TAP_SEQ]), last_round)
 
     def post_consensus(self, path, schema, tensors: Sequence[torch.Tensor], *, mass: float,
                        meta, momentum: np.ndarray | None, bf16: bool,

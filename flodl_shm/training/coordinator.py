@@ -363,9 +363,9 @@ class Coordinator:
             self.alive = [r for r in self.alive if present[r]]
         batches = counts.batches
         if realized is None:
-            done = {r for r in range(cfg.world_size) if present[r] and batches[r] > 0}
+            done = set(counts.movers())
         else:
-            done = {r for r in realized if present[r]} if sum(batches) else set()
+            done = {r for r in realized if present[r]} if counts.total_batches else set()
         credited: list[int] = []
         forfeited = [0] * cfg.world_size
         pool = b.pool
