@@ -251,9 +251,17 @@ def api_ops(comm, n: int, rank: int, pages: str = "4k") -> dict:
         last.clear()
         last["f"] = comm.all_reduce(frame)
 
+    # The fill stands for the caller writing its data into the inputs; through a cached
+    # numpy view it costs 0.6 us at 4 KiB, where torch's fill_ costs 1.6 us of dispatch,
+    # a quarter of a whole round, that would be counted as the API's.
+    views = {}
+
     def zero_copy():
         (buf,) = comm.zero_copy_inputs([(n,)])
-        buf.fill_(val)
+        arr = views.get(buf)
+        if arr is None:
+            arr = views[buf] = buf.numpy()
+        arr.fill(val)
         last.clear()
         last["z"] = comm.all_reduce_zero_copy()
 
