@@ -36,9 +36,10 @@ def records_up_to(records, last_window):
     return [r for r in records if r[0] <= last_window]
 
 
-def test_a_rank_killed_mid_epoch_is_covered_by_the_survivors(tmp_path):
+def test_a_rank_killed_mid_epoch_is_covered_by_the_survivors(tmp_path, caplog):
     """max_failures=1: rank 1 dies in the middle of window 3; its unrealized chunk goes
     back to the pool and rank 0 trains it later in the epoch."""
+    caplog.set_level("WARNING", logger="flodl_shm")
     rec = tmp_path / "rec"
     rec.mkdir()
     trainer = make_trainer(epochs=1, max_failures=1, save_path=tmp_path / "ck",
@@ -46,6 +47,8 @@ def test_a_rank_killed_mid_epoch_is_covered_by_the_survivors(tmp_path):
                            hooks=[RecordSamples(rec), KillAt(rank=1, window=3, batch=1)])
     result = trainer.run(2)
     assert result.dead_ranks == (1,)
+    assert "rank 1 failed (SIGKILL); continuing on realized work with the survivors (1 of " \
+        "max_failures=1 used)" in caplog.text
     records = read_samples(rec)
     assert {w for w, _, r, _ in records if r == 1} == {1, 2}, "rank 1 realized windows 1-2"
     assert_each_epoch_once(records, epochs=1, batch_size=8)
@@ -62,10 +65,12 @@ def test_a_rank_killed_mid_epoch_is_covered_by_the_survivors(tmp_path):
     assert meta4.coverage.per_epoch[0].uncovered_ranges == [(80, 16), (112, 144)]
 
 
-def test_too_many_deaths_save_then_resume_covers_the_rest_once(tmp_path):
+def test_too_many_deaths_save_then_resume_covers_the_rest_once(tmp_path, caplog):
     """max_failures=0: rank 1 dies in window 3; the survivor saves a
     max_failure_exceeded checkpoint at that very window and the run raises; resuming
-    on two ranks trains exactly the samples not yet realized."""
+    on two ranks trains exactly the samples not yet realized. The launcher's line
+    names the Trainer's budget, not the one it keeps the survivor running with."""
+    caplog.set_level("WARNING", logger="flodl_shm")
     rec = tmp_path / "rec"
     rec.mkdir()
     stem = tmp_path / "ck"
@@ -76,6 +81,9 @@ def test_too_many_deaths_save_then_resume_covers_the_rest_once(tmp_path):
     err = info.value
     assert err.dead_ranks == (1,) and err.checkpoint.name == "ck-r00000003.fdl"
     assert "max_failures=0" in str(err) and "SIGKILL" in str(err)
+    assert "rank 1 failed (SIGKILL); 1 failure(s), more than max_failures=0: the survivors " \
+        "save a checkpoint of the realized work and stop" in caplog.text
+    assert "max_failures=1" not in caplog.text and "continuing" not in caplog.text
     meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(err.checkpoint))
     assert meta.save_reason is SaveReason.MAX_FAILURE_EXCEEDED
     assert (meta.epoch, meta.global_step, meta.sync_round, meta.world_size_at_save) == \

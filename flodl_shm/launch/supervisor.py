@@ -125,12 +125,18 @@ class SpawnContext:
     def __init__(self, fn, nprocs: int, args: Sequence, *, world_size: int, first_rank: int,
                  max_failures: int, timeout: float | None, save_path: str | None,
                  start_method: str, eager_bytes: int, relay_factory,
-                 pinned_decode: bool = True, interrupts: "_InterruptGate | None" = None) -> None:
+                 pinned_decode: bool = True, interrupts: "_InterruptGate | None" = None,
+                 survivors_save: bool = False) -> None:
         self.nprocs = nprocs
         self.pinned_decode = pinned_decode
         self.world_size = world_size
         self.first_rank = first_rank
+        #: the failure budget the caller asked for (what the messages name)
         self.max_failures = max_failures
+        #: failures after which the launcher stops the cohort: the budget, or with
+        #: ``survivors_save`` all but one local rank (past the budget the survivors save
+        #: and stop on their own)
+        self.tolerated = nprocs - 1 if survivors_save else max_failures
         self.timeout = timeout
         # the ranks' own deadline: a backstop behind the supervisor's stall verdict
         self._rank_timeout = None if timeout is None else timeout + stall_grace(timeout)
@@ -181,7 +187,7 @@ class SpawnContext:
                                         first_rank=self.first_rank,
                                         global_world=self.world_size,
                                         relay=relay_factory is not None,
-                                        direct=self.max_failures == 0)
+                                        direct=self.tolerated == 0)
             try:
                 self._doorbell = Doorbell(self.arena.ctl)
                 self.tap = TapServer(self.arena)  # the consensus-checkpoint forge of this host
@@ -421,7 +427,7 @@ class SpawnContext:
                f"the collective, or wedged)")
         stall = RankStalled(why, round=rnd, missing=missing, timeout=self.timeout)
         used = len(self.dead_ranks())
-        fatal = used + len(culprits) > self.max_failures
+        fatal = used + len(culprits) > self.tolerated
         with self._lock:
             for r in culprits:
                 self._stalled[r] = why
@@ -431,9 +437,8 @@ class SpawnContext:
             logger.error("%s; %d failure(s) exceed max_failures=%d: stopping the cohort", why,
                          used + len(culprits), self.max_failures)
         else:
-            logger.warning("%s; fencing them and continuing on realized work with the "
-                           "survivors (%d of max_failures=%d used)", why, used + len(culprits),
-                           self.max_failures)
+            logger.warning("%s; fencing them and %s", why,
+                           self._survivors_go_on(used + len(culprits)))
         for r in culprits:
             try:
                 os.kill(self._procs[r].pid, signal.SIGKILL)
@@ -501,7 +506,7 @@ class SpawnContext:
                              "cohort", global_rank, out.exc_type or out.signal or out.exitcode)
             self._abort(A.ABORT_FAILED)
             return
-        if failures > self.max_failures:
+        if failures > self.tolerated:
             with self._lock:
                 if self._failure is None:
                     self._failure = err
@@ -510,16 +515,23 @@ class SpawnContext:
             self._abort(A.ABORT_FAILED)
             return
         if stalled is None:
-            logger.warning("rank %d failed (%s); continuing on realized work with the "
-                           "survivors (%d of max_failures=%d used)", global_rank,
-                           out.exc_type or out.signal or f"exit code {out.exitcode}", failures,
-                           self.max_failures)
+            logger.warning("rank %d failed (%s); %s", global_rank,
+                           out.exc_type or out.signal or f"exit code {out.exitcode}",
+                           self._survivors_go_on(failures))
         if self._relay is not None:  # queued first: a relay that sees the death sends it
             self._relay.rank_died(global_rank)
         self.arena.ctl[A.rank_base(r) + A.R_DEAD] = A.DEAD_KILLED
         self._doorbell.ring()
         if self.save_path:
             self._write_death_record(global_rank, err)
+
+    def _survivors_go_on(self, failures: int) -> str:
+        """What the survivors of ``failures`` tolerated failures do, for the log line."""
+        if failures > self.max_failures:  # only with survivors_save
+            return (f"{failures} failure(s), more than max_failures={self.max_failures}: the "
+                    f"survivors save a checkpoint of the realized work and stop")
+        return (f"continuing on realized work with the survivors ({failures} of "
+                f"max_failures={self.max_failures} used)")
 
     def dead_ranks(self) -> list[int]:
         """The global ranks dead so far, cohort-wide: this host's failed ranks and, on a
@@ -538,9 +550,9 @@ class SpawnContext:
             self._cohort_dead.update(int(r) for r in ranks)
         dead = self.dead_ranks()
         remote = [r for r in dead if not self.first_rank <= r < self.first_rank + self.nprocs]
-        if len(dead) <= self.max_failures:
-            logger.warning("ranks %s of other hosts are dead; continuing on realized work "
-                           "(%d of max_failures=%d used)", remote, len(dead), self.max_failures)
+        if len(dead) <= self.tolerated:
+            logger.warning("ranks %s of other hosts are dead; %s", remote,
+                           self._survivors_go_on(len(dead)))
             return
         err = RankFailed(remote[0] if remote else dead[0], message=(
             f"ranks {dead} of the cohort are dead (ranks {remote} on other hosts, declared by "
@@ -622,7 +634,8 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
           timeout: float | None = None, save_path: str | os.PathLike | None = None,
           start_method: str = "forkserver", eager_bytes: int | None = None,
           shm_bytes_hint: int | None = None,
-          pinned_decode: bool = True) -> list[Any] | SpawnContext:
+          pinned_decode: bool = True, survivors_save: bool = False
+          ) -> list[Any] | SpawnContext:
     """Run ``fn(ctx, *args)`` on ``nprocs`` new rank processes of this host.
 
     Args:
@@ -634,6 +647,11 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
             cohort (this host carries global ranks ``first_rank .. first_rank+nprocs-1``
             of ``world_size``); ``salt`` is then the 16-byte session secret.
         max_failures: ranks allowed to die while the rest continue on realized work.
+        survivors_save: past ``max_failures``, leave the survivors running instead of
+            stopping the cohort: ``fn`` sees the deaths itself (the Trainer's ranks save
+            a ``max_failure_exceeded`` checkpoint, then return), and ``spawn`` returns.
+            The launcher still stops the cohort (``RankFailed``) once the failures
+            (cohort-wide on a cluster) reach ``nprocs``.
         timeout: bound on each collective wait, in seconds: a rank that leaves the
             others waiting longer (hung, or stuck outside the collectives) is killed by
             the supervisor and counts as one failure; past ``max_failures`` the run
@@ -698,7 +716,7 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
                             save_path=None if save_path is None else os.fspath(save_path),
                             start_method=start_method, eager_bytes=eager_bytes,
                             relay_factory=relay_factory, pinned_decode=pinned_decode,
-                            interrupts=interrupts)
+                            interrupts=interrupts, survivors_save=survivors_save)
 
     if not join:
         return start()

@@ -352,9 +352,9 @@ class Trainer:
         # With a save_path the survivors of too many deaths save before stopping, so
         # spawn must let them run; without one there is nothing to save and spawn's
         # own failure policy (RankFailed with the traceback) is the right answer.
-        spawn_failures = nprocs - 1 if self.save_path else self.max_failures
         try:
-            results = spawn(_rank_main, nprocs, (job,), max_failures=spawn_failures,
+            results = spawn(_rank_main, nprocs, (job,), max_failures=self.max_failures,
+                            survivors_save=bool(self.save_path),
                             timeout=self.timeout, save_path=self.save_path,
                             **(job.cluster.spawn_kwargs() if job.cluster else {}))
         finally:
