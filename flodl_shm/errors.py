@@ -138,10 +138,16 @@ class StartRefused(ValueError):
 class TrainingAborted(RuntimeError):
     """More ranks died than ``max_failures`` allows. The survivors saved a
     ``max_failure_exceeded`` checkpoint first (``checkpoint``); continue with
-    ``Trainer.resume(save_path)``. ``result`` is the partial ``TrainResult``."""
+    ``Trainer.resume(save_path)``. ``result`` is the partial ``TrainResult``.
 
-    def __init__(self, message: str, result) -> None:
-        super().__init__(message)
+    The message is ``summary`` (what died and why, what was saved) followed by
+    ``resume_hint`` (the API call that continues; empty without a checkpoint), so a
+    command-line tool can print the first with its own way to continue."""
+
+    def __init__(self, summary: str, result, resume_hint: str = "") -> None:
+        super().__init__(f"{summary}\n{resume_hint}" if resume_hint else summary)
+        self.summary = summary
+        self.resume_hint = resume_hint
         self.result = result
         self.checkpoint = result.checkpoint
         self.dead_ranks = result.dead_ranks

@@ -185,3 +185,21 @@ def test_a_rank_that_raised_is_reported_by_its_own_line_not_its_traceback():
     killed = RankFailed(0, None, "", "SIGKILL", -9)
     assert _reason(killed) == f"RankFailed: {killed}"
     assert _reason(OSError("disk full")) == "OSError: disk full"
+
+
+def test_too_many_deaths_print_what_was_saved_without_the_api_call():
+    """The Trainer's TrainingAborted ends with the API call that continues; the demo
+    prints what died and what was saved, and says --resume itself."""
+    from pathlib import Path
+
+    from flodl_shm.cli.demo import _reason
+    from flodl_shm.errors import TrainingAborted
+    from flodl_shm.training.trainer import TrainResult
+
+    summary = ("1 rank(s) died ([1]), more than max_failures=0.\nThe survivors saved "
+               "runs/demo/ckpt-r00000003.fdl (max_failure_exceeded).\nrank 1: killed by SIGKILL")
+    result = TrainResult({}, [], None, Path("runs/demo/ckpt-r00000003.fdl"), (1,))
+    err = TrainingAborted(summary, result, "Continue with trainer.resume('runs/demo/ckpt').")
+    assert str(err) == summary + "\nContinue with trainer.resume('runs/demo/ckpt')."
+    assert _reason(err) == f"TrainingAborted: {summary}"
+    assert err.checkpoint == result.checkpoint and err.dead_ranks == (1,)

@@ -81,6 +81,8 @@ def test_too_many_deaths_save_then_resume_covers_the_rest_once(tmp_path, caplog)
     err = info.value
     assert err.dead_ranks == (1,) and err.checkpoint.name == "ck-r00000003.fdl"
     assert "max_failures=0" in str(err) and "SIGKILL" in str(err)
+    assert str(err).endswith(f"\nContinue with trainer.resume({str(stem)!r}).")
+    assert "trainer.resume" not in err.summary and err.resume_hint in str(err)
     assert "rank 1 failed (SIGKILL); 1 failure(s), more than max_failures=0: the survivors " \
         "save a checkpoint of the realized work and stop" in caplog.text
     assert "max_failures=1" not in caplog.text and "continuing" not in caplog.text

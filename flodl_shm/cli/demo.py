@@ -737,9 +737,12 @@ def plot_training(rows: Sequence[dict], path: "str | os.PathLike[str]", *,
 def _reason(e: BaseException) -> str:
     """What a failed run prints: the exception, and for a rank that raised, the rank and
     its exception's own line (its message names the cause and the fix), not the
-    remote traceback."""
-    from flodl_shm.errors import RankFailed
+    remote traceback; for too many deaths, what died and was saved, without the API
+    call that continues (the caller says ``--resume``)."""
+    from flodl_shm.errors import RankFailed, TrainingAborted
 
+    if isinstance(e, TrainingAborted):
+        return f"TrainingAborted: {e.summary}"
     if isinstance(e, RankFailed) and e.exc_type is not None and e.traceback:
         head, colon, text = e.traceback.strip().splitlines()[-1].partition(":")
         if colon and head.rsplit(".", 1)[-1] == e.exc_type:  # "[module.]Type: text"

@@ -378,15 +378,16 @@ class Trainer:
                              None if ckpt is None else Path(ckpt), dead,
                              [None if r is None else r["summary"] for r in results])
         if result.reason == SaveReason.MAX_FAILURE_EXCEEDED:
-            raise TrainingAborted(self._abort_message(result), result)
+            raise TrainingAborted(self._abort_message(result), result,
+                                  f"Continue with trainer.resume({self.save_path!r})."
+                                  if result.checkpoint is not None else "")
         return result
 
     def _abort_message(self, result: TrainResult) -> str:
         lines = [f"{len(result.dead_ranks)} rank(s) died ({list(result.dead_ranks)}), more "
                  f"than max_failures={self.max_failures}."]
         if result.checkpoint is not None:
-            lines.append(f"The survivors saved {result.checkpoint} (max_failure_exceeded); "
-                         f"continue with trainer.resume({self.save_path!r}).")
+            lines.append(f"The survivors saved {result.checkpoint} (max_failure_exceeded).")
         for r in result.dead_ranks:
             path = CheckpointBundle.rank_death_path(self.save_path, r)
             try:
