@@ -19,7 +19,7 @@ from flodl_shm.training.outer import OuterNesterov
 from flodl_shm.training.trainer import Trainer
 
 from trainer_util import (no_leaks,  # noqa: F401 - autouse fixture
-                          RecordSamples, StopAt, assert_each_epoch_once, float_state,
+                          KillAt, RecordSamples, StopAt, assert_each_epoch_once, float_state,
                           make_data, make_model, make_trainer, read_samples, sgd, loss_fn)
 
 pytestmark = pytest.mark.timeout(120)
@@ -163,6 +163,30 @@ def _two_hosts(tmp_path, call, outer=False, **controller):
 
     results, errors = run_host_threads(ctl, host, 2, join_timeout=100.0)
     return dict(enumerate(results)), errors
+
+
+def test_a_host_past_max_failures_after_another_hosts_death_saves_before_it_stops(tmp_path):
+    """Two hosts of one rank, max_failures=0: host 1's rank dies in window 3. Host 0's
+    launcher keeps its rank running through the controller's death declaration (it
+    used to stop it unsaved, counting the remote death against its nprocs - 1 = 0
+    spare ranks): the rank sees the death in the window's counts, saves a
+    max_failure_exceeded bundle on host 0's disk, and the run raises TrainingAborted
+    there; host 1 raises RankFailed."""
+    from flodl_shm.errors import RankFailed, TrainingAborted
+
+    def call(trainer, i, **cluster):
+        if i == 1:
+            trainer.hooks = [*trainer.hooks, KillAt(rank=1, window=3, batch=0)]
+        return trainer.run(1, **cluster)
+
+    _, errors = _two_hosts(tmp_path, call)
+    assert isinstance(errors.get(1), RankFailed) and errors[1].rank == 1, errors
+    err = errors.get(0)
+    assert isinstance(err, TrainingAborted), errors
+    assert err.dead_ranks == (1,) and err.checkpoint is not None
+    meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(err.checkpoint))
+    assert meta.save_reason is SaveReason.MAX_FAILURE_EXCEEDED and meta.sync_round >= 2
+    assert err.checkpoint.parent == tmp_path / "host0"
 
 
 def test_each_host_keeps_its_own_checkpoints_and_resumes_from_them(tmp_path):

@@ -131,12 +131,10 @@ class SpawnContext:
         self.pinned_decode = pinned_decode
         self.world_size = world_size
         self.first_rank = first_rank
-        #: the failure budget the caller asked for (what the messages name)
         self.max_failures = max_failures
-        #: failures after which the launcher stops the cohort: the budget, or with
-        #: ``survivors_save`` all but one local rank (past the budget the survivors save
-        #: and stop on their own)
-        self.tolerated = nprocs - 1 if survivors_save else max_failures
+        #: past ``max_failures`` the survivors save and stop on their own: the launcher
+        #: stops the cohort only once no rank of this host is left (``_stops``)
+        self.survivors_save = survivors_save
         self.timeout = timeout
         # the ranks' own deadline: a backstop behind the supervisor's stall verdict
         self._rank_timeout = None if timeout is None else timeout + stall_grace(timeout)
@@ -187,7 +185,9 @@ class SpawnContext:
                                         first_rank=self.first_rank,
                                         global_world=self.world_size,
                                         relay=relay_factory is not None,
-                                        direct=self.tolerated == 0)
+                                        # a death must not end the cohort at once
+                                        direct=(self.nprocs == 1 if self.survivors_save
+                                                else self.max_failures == 0))
             try:
                 self._doorbell = Doorbell(self.arena.ctl)
                 self.tap = TapServer(self.arena)  # the consensus-checkpoint forge of this host
@@ -426,8 +426,9 @@ class SpawnContext:
                f"them; the launcher killed the missing rank(s) (alive but silent: stuck outside "
                f"the collective, or wedged)")
         stall = RankStalled(why, round=rnd, missing=missing, timeout=self.timeout)
-        used = len(self.dead_ranks())
-        fatal = used + len(culprits) > self.tolerated
+        dead = self.dead_ranks()
+        used = len(dead)
+        fatal = self._stops(used + len(culprits), len(self._local(dead)) + len(culprits))
         with self._lock:
             for r in culprits:
                 self._stalled[r] = why
@@ -475,7 +476,8 @@ class SpawnContext:
         if aborting and out.exitcode == 143:
             return
         global_rank = self.first_rank + r
-        failures = len(self.dead_ranks())
+        dead = self.dead_ranks()
+        failures = len(dead)
         stalled = self._stalled.get(r)
         if stalled is not None:  # killed by the stall check, which already said why
             err = RankFailed(global_rank, "ReduceStall", "", out.signal, out.exitcode,
@@ -506,7 +508,7 @@ class SpawnContext:
                              "cohort", global_rank, out.exc_type or out.signal or out.exitcode)
             self._abort(A.ABORT_FAILED)
             return
-        if failures > self.tolerated:
+        if self._stops(failures, len(self._local(dead))):
             with self._lock:
                 if self._failure is None:
                     self._failure = err
@@ -525,9 +527,21 @@ class SpawnContext:
         if self.save_path:
             self._write_death_record(global_rank, err)
 
+    def _local(self, ranks: Sequence[int]) -> list[int]:
+        """The global ranks of ``ranks`` that run on this host."""
+        return [r for r in ranks if self.first_rank <= r < self.first_rank + self.nprocs]
+
+    def _stops(self, failures: int, local: int) -> bool:
+        """Whether ``failures`` dead ranks cohort-wide, ``local`` of them this host's, stop
+        the cohort: past ``max_failures``, or with ``survivors_save`` only once no rank
+        of this host is left (the survivors see the deaths, save and stop themselves)."""
+        if self.survivors_save:
+            return local >= self.nprocs
+        return failures > self.max_failures
+
     def _survivors_go_on(self, failures: int) -> str:
         """What the survivors of ``failures`` tolerated failures do, for the log line."""
-        if failures > self.max_failures:  # only with survivors_save
+        if failures > self.max_failures:  # only with survivors_save (``_stops``)
             return (f"{failures} failure(s), more than max_failures={self.max_failures}: the "
                     f"survivors save a checkpoint of the realized work and stop")
         return (f"continuing on realized work with the survivors ({failures} of "
@@ -544,13 +558,14 @@ class SpawnContext:
 
     def cohort_deaths(self, ranks: list[int]) -> None:
         """On a cluster (the relay calls this): the controller declared ``ranks`` dead.
-        Past ``max_failures`` cohort-wide, this host stops with ``RankFailed`` naming
-        the dead ranks."""
+        Past ``max_failures`` cohort-wide (with ``survivors_save``: only when none of
+        this host's ranks is left), this host stops with ``RankFailed`` naming the dead
+        ranks."""
         with self._lock:
             self._cohort_dead.update(int(r) for r in ranks)
         dead = self.dead_ranks()
         remote = [r for r in dead if not self.first_rank <= r < self.first_rank + self.nprocs]
-        if len(dead) <= self.tolerated:
+        if not self._stops(len(dead), len(self._local(dead))):
             logger.warning("ranks %s of other hosts are dead; %s", remote,
                            self._survivors_go_on(len(dead)))
             return
@@ -650,8 +665,8 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
         survivors_save: past ``max_failures``, leave the survivors running instead of
             stopping the cohort: ``fn`` sees the deaths itself (the Trainer's ranks save
             a ``max_failure_exceeded`` checkpoint, then return), and ``spawn`` returns.
-            The launcher still stops the cohort (``RankFailed``) once the failures
-            (cohort-wide on a cluster) reach ``nprocs``.
+            The launcher still stops the cohort (``RankFailed``) once no rank of this
+            host is left; other hosts' deaths alone never stop it.
         timeout: bound on each collective wait, in seconds: a rank that leaves the
             others waiting longer (hung, or stuck outside the collectives) is killed by
             the supervisor and counts as one failure; past ``max_failures`` the run
