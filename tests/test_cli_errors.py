@@ -53,6 +53,15 @@ def test_demo_with_a_missing_secret_file_is_a_usage_error(tmp_path):
     assert "--new-secret missing.hex" in r.stderr  # the fix
 
 
+def test_demo_resume_without_a_checkpoint_is_refused_before_anything_starts(tmp_path):
+    r = _flodl(["demo", "--resume", "--run-dir", "nothing", "--no-progress"], tmp_path)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr == ("python -m flodl_shm demo: error: --resume: no complete checkpoint "
+                        "under nothing (run the demo without --resume first)\n")
+    assert r.stdout == "", "no banner for a run that does not start"
+    assert not (tmp_path / "nothing").exists()
+
+
 def test_demo_with_a_controller_address_without_port_is_a_usage_error(tmp_path, secret):
     r = _flodl(["demo", "--controller", "127.0.0.1", "--world-size", "4",
                 "--secret-file", str(secret), "--no-progress"], tmp_path)

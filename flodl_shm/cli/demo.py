@@ -60,6 +60,7 @@ METRICS_FILE = "windows.jsonl"
 CONFIG_FILE = "demo_config.json"
 PLOT_FILE = "training.png"
 CKPT_STEM = "ckpt"
+_PROG = "python -m flodl_shm demo"  # how the command names itself in usage and errors
 
 DEFAULTS = {
     "nprocs": 2, "epochs": 30, "batch_size": 32, "sync_every": 8, "cadence": None,
@@ -352,7 +353,7 @@ def _slow_rank(text: str) -> tuple[int, float]:
 
 def _build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m flodl_shm demo",
+        prog=_PROG,
         description="Train an MLP on scikit-learn's digits with local SGD on N ranks "
                     "(flodl_shm.Trainer): progress, per-window throughput and all-reduce "
                     "time, test accuracy of the consensus, checkpoints under --run-dir.")
@@ -540,12 +541,17 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     """Run the demo as configured (prints as the command does) and return its figures."""
     from flodl_shm import latest_checkpoint
 
+    # refused before anything is printed or started (SystemExit: the message, exit 1)
     earlier = None if cfg.resume else latest_checkpoint(cfg.save_path)
     if earlier is not None and not cfg.overwrite:
         raise SystemExit(
-            f"{cfg.run_dir} holds the checkpoints of an earlier run (last: {earlier}); they are "
-            f"kept. Continue that run with --resume, start over with --overwrite (deletes "
-            f"them), or pass another --run-dir")
+            f"{_PROG}: error: {cfg.run_dir} holds the checkpoints of an earlier run (last: "
+            f"{earlier}); they are kept. Continue that run with --resume, start over with "
+            f"--overwrite (deletes them), or pass another --run-dir")
+    ckpt = latest_checkpoint(cfg.save_path) if cfg.resume else None
+    if cfg.resume and ckpt is None:
+        raise SystemExit(f"{_PROG}: error: --resume: no complete checkpoint under "
+                         f"{cfg.run_dir} (run the demo without --resume first)")
     xtr, ytr, xte, yte = digits_split()
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -554,11 +560,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
 
     initial = 0
     meta = None
-    if cfg.resume:
-        ckpt = latest_checkpoint(cfg.save_path)
-        if ckpt is None:
-            raise SystemExit(f"--resume: no complete checkpoint under {run_dir} (run the demo "
-                             f"without --resume first)")
+    if ckpt is not None:
         from flodl_shm import CheckpointBundle, CheckpointMeta
 
         meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(ckpt))
@@ -773,7 +775,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # a failed run (a stall, a dead rank, a refused handshake, no /dev/shm space, a
         # checkpoint that does not match): the reason, not the launcher's stack
         last = latest_checkpoint(cfg.save_path)
-        print(f"\npython -m flodl_shm demo: error: {_reason(e)}\n"
+        print(f"\n{_PROG}: error: {_reason(e)}\n"
               + (f"Last checkpoint {last}: continue with --resume." if last is not None
                  else "No checkpoint was written."), file=sys.stderr)
         return 1
