@@ -62,6 +62,14 @@ def test_demo_resume_without_a_checkpoint_is_refused_before_anything_starts(tmp_
     assert not (tmp_path / "nothing").exists()
 
 
+def test_demo_with_a_batch_larger_than_the_data_is_refused_before_anything_starts(tmp_path):
+    r = _flodl(["demo", "--batch-size", "100000", "--no-progress"], tmp_path)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr == ("python -m flodl_shm demo: error: --batch-size 100000 is more than the "
+                        "1347 training images; pass at most 1347\n")
+    assert r.stdout == ""
+
+
 def test_demo_with_a_controller_address_without_port_is_a_usage_error(tmp_path, secret):
     r = _flodl(["demo", "--controller", "127.0.0.1", "--world-size", "4",
                 "--secret-file", str(secret), "--no-progress"], tmp_path)

@@ -553,6 +553,9 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         raise SystemExit(f"{_PROG}: error: --resume: no complete checkpoint under "
                          f"{cfg.run_dir} (run the demo without --resume first)")
     xtr, ytr, xte, yte = digits_split()
+    if cfg.batch_size > len(xtr):
+        raise SystemExit(f"{_PROG}: error: --batch-size {cfg.batch_size} is more than the "
+                         f"{len(xtr)} training images; pass at most {len(xtr)}")
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics = run_dir / METRICS_FILE
