@@ -185,7 +185,8 @@ class SpawnContext:
                                         first_rank=self.first_rank,
                                         global_world=self.world_size,
                                         relay=relay_factory is not None,
-                                        # a death must not end the cohort at once
+                                        # a death in a direct round ends the cohort:
+                                        # only where no failure is to be survived
                                         direct=(self.nprocs == 1 if self.survivors_save
                                                 else self.max_failures == 0))
             try:
@@ -564,8 +565,9 @@ class SpawnContext:
         with self._lock:
             self._cohort_dead.update(int(r) for r in ranks)
         dead = self.dead_ranks()
-        remote = [r for r in dead if not self.first_rank <= r < self.first_rank + self.nprocs]
-        if not self._stops(len(dead), len(self._local(dead))):
+        local = self._local(dead)
+        remote = [r for r in dead if r not in local]
+        if not self._stops(len(dead), len(local)):
             logger.warning("ranks %s of other hosts are dead; %s", remote,
                            self._survivors_go_on(len(dead)))
             return
