@@ -127,3 +127,25 @@ def test_loop_feature_arguments_are_checked():
         flodl_shm.Trainer(make_model, torch.optim.SGD, make_data, ce_step, clip_grad_norm=0.0)
     with pytest.raises(TypeError, match="scheduler_fn must be an optimizer -> LR scheduler"):
         flodl_shm.Trainer(make_model, torch.optim.SGD, make_data, ce_step, scheduler_fn=0.5)
+
+
+def test_an_argument_that_cannot_reach_the_ranks_is_named():
+    """Everything given to the Trainer travels to the ranks by pickling: a lambda, or a
+    dataset that cannot be pickled, is named with its fix before any rank starts."""
+    def args(**kw):
+        return dict(dict(model_fn=make_model, optimizer_fn=functools.partial(
+            torch.optim.SGD, lr=0.1), dataset=make_data, loss_fn=ce_step), **kw)
+
+    cases = [
+        (args(model_fn=lambda: make_model()), "Trainer: model_fn cannot be pickled .* define "
+                                              "it at module top level"),
+        (args(scheduler_fn=lambda opt: None), "Trainer: scheduler_fn cannot be pickled"),
+        (args(dataset=(x for x in ())), "Trainer: dataset cannot be pickled .* pass a "
+                                        "picklable dataset, or a module-level function"),
+        (dict(args(), hooks=[flodl_shm.LoggingHook(every=1), lambda: None]),
+         r"Trainer: hooks\[1\] cannot be pickled"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(TypeError, match=message):
+            flodl_shm.Trainer(batch_size=16, epochs=1, log_every=None, **kwargs).run(nprocs=2)
+    assert_no_leaks()

@@ -357,6 +357,8 @@ class Trainer:
                             survivors_save=bool(self.save_path),
                             timeout=self.timeout, save_path=self.save_path,
                             **(job.cluster.spawn_kwargs() if job.cluster else {}))
+        except TypeError as e:  # spawn could not pickle the job: name the argument
+            raise self._unpicklable(e) from e
         finally:
             if self.save_path is not None:
                 # every write has landed (spawn flushed the forge): prune exactly
@@ -364,6 +366,26 @@ class Trainer:
 
                 prune_series(self.save_path, self.keep_checkpoints)
         return self._collect(results, nprocs)
+
+    def _unpicklable(self, error: TypeError) -> TypeError:
+        """``error`` (spawn's, for a job it could not pickle) restated with the first
+        Trainer argument that cannot be pickled, when one alone cannot."""
+        import pickle
+
+        parts = [(name, getattr(self, name)) for name in _PICKLED_ARGS]
+        parts += [(f"hooks[{i}]", h) for i, h in enumerate(self.hooks)]
+        for name, value in parts:
+            try:
+                pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as e:  # pickle raises several types
+                fix = ("pass a picklable dataset, or a module-level function that builds it "
+                       "(each rank calls it)" if name == "dataset" else
+                       "define it at module top level, or pass functools.partial of a "
+                       "module-level function (lambdas and local functions cannot be "
+                       "pickled)")
+                return TypeError(f"Trainer: {name} cannot be pickled to the rank processes "
+                                 f"({type(e).__name__}: {e}); {fix}")
+        return error
 
     def _collect(self, results: list, nprocs: int) -> TrainResult:
         reporting = next((r for r in results if r is not None and r["state_dict"] is not None),
@@ -395,6 +417,11 @@ class Trainer:
             except Exception:
                 pass
         return "\n".join(lines)
+
+
+#: the Trainer's arguments that travel to every rank by pickling (besides ``hooks``)
+_PICKLED_ARGS = ("model_fn", "optimizer_fn", "loss_fn", "step_fn", "scheduler_fn", "cadence",
+                 "outer", "guard", "dataset")
 
 
 def _log_level() -> Optional[int]:
