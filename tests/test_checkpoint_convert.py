@@ -242,6 +242,15 @@ def test_cli_reports_corrupt_files_with_status_1(tmp_path, capsys):
     assert cli.main(["show", str(path)]) == 1
     assert "unsupported checkpoint version 9" in capsys.readouterr().err
     assert cli.main(["show", str(tmp_path / "missing.fdl")]) == 1
+    assert capsys.readouterr().err.startswith("python -m flodl_shm fdl: error: cannot open ")
+    good = tmp_path / "good.fdl"
+    save_tensors(good, [("w", torch.ones(2))])
+    # the destination the user named, not the writer's temp file next to it
+    assert cli.main(["convert", str(good), str(tmp_path / "no" / "dir" / "m.pt")]) == 1
+    assert capsys.readouterr().err == (f"python -m flodl_shm fdl: error: [Errno 2] No such "
+                                       f"file or directory: '{tmp_path / 'no' / 'dir' / 'm.pt'}'\n")
+    assert cli.main(["convert", str(good), str(tmp_path / "m.npz")]) == 1
+    assert "pass the format (fdl convert --from/--to" in capsys.readouterr().err
     assert cli.main(["frobnicate"]) == 2
 
 

@@ -77,6 +77,8 @@ def _create_locked_temp(final: Path) -> tuple[int, Path]:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         except FileExistsError:
             continue
+        except OSError as e:  # name the file the caller asked for, not our temp
+            raise type(e)(e.errno, e.strerror, os.fspath(final)) from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as e:

@@ -392,7 +392,8 @@ def detect_format(path: "str | os.PathLike[str]") -> str:
         return "torch"
     raise CheckpointError(
         f"cannot tell the format of {os.fspath(path)!r} from its name; use a .fdl, .fdl.gz, "
-        f".safetensors or .pt/.pth/.bin name, or pass the format explicitly")
+        f".safetensors or .pt/.pth/.bin name, or pass the format (fdl convert --from/--to, "
+        f"convert(src_format=, dst_format=))")
 
 
 def read_any(path: "str | os.PathLike[str]", fmt: Optional[str] = None,

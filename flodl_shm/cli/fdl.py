@@ -169,7 +169,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             pass
         return 0
     except (CheckpointError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 1
 
 
