@@ -95,6 +95,14 @@ def test_demo_that_fails_in_the_ranks_prints_the_reason_not_a_traceback(tmp_path
     assert not [s.name for s in list_segments() if s.owner_pid == r.args], "segments left"
 
 
+def test_controller_with_a_port_out_of_range_is_one_line(tmp_path, secret):
+    r = _flodl(["controller", "--bind", "127.0.0.1:99999", "--world-size", "2",
+                "--secret-file", str(secret)], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == ("controller: cannot start: address '127.0.0.1:99999': port 99999 is "
+                        "outside 0-65535 (0: any free port when binding)\n")
+
+
 def test_controller_help_documents_every_option(tmp_path):
     r = _flodl(["controller", "--help"], tmp_path, timeout=60)
     assert r.returncode == 0

@@ -505,15 +505,21 @@ def server_handshake(sock: socket.socket, salt: bytes, peer: str,
 
 def parse_addr(addr) -> tuple[str, int]:
     """``"host:port"`` or ``(host, port)`` -> (host, port); ValueError naming the input."""
+    host = port = None
     if isinstance(addr, (tuple, list)) and len(addr) == 2:
-        return str(addr[0]), int(addr[1])
-    if isinstance(addr, str) and ":" in addr:
-        host, _, port = addr.rpartition(":")
+        host, port = str(addr[0]), int(addr[1])
+    elif isinstance(addr, str) and ":" in addr:
+        head, _, tail = addr.rpartition(":")
         try:
-            return host.strip("[]") or "127.0.0.1", int(port)
+            host, port = head.strip("[]") or "127.0.0.1", int(tail)
         except ValueError:
             pass
-    raise ValueError(f"address {addr!r} must be 'host:port' or a (host, port) tuple")
+    if port is None:
+        raise ValueError(f"address {addr!r} must be 'host:port' or a (host, port) tuple")
+    if not 0 <= port <= 65535:
+        raise ValueError(f"address {addr!r}: port {port} is outside 0-65535 (0: any free port "
+                         f"when binding)")
+    return host, port
 
 
 def connect(addr, *, attempts: int = 60, delay: float = 0.5) -> socket.socket:
