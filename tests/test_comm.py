@@ -330,7 +330,7 @@ def test_barrier_and_world_of_one():
 
 # --- errors ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("case", ["shape", "count", "bf16_mix", "kind", "path"])
+@pytest.mark.parametrize("case", ["shape", "count", "bf16_mix", "kind", "path", "barrier"])
 def test_schema_mismatch_raises_on_every_rank_and_comm_stays_in_step(case):
     def body(comm):
         r = comm.rank
@@ -344,6 +344,11 @@ def test_schema_mismatch_raises_on_every_rank_and_comm_stays_in_step(case):
                 comm.all_reduce_tensors([torch.ones(3)])
             elif case == "kind":
                 comm.all_reduce_weighted([torch.ones(3)], RoundKind.CONTROL if r else RoundKind.MODEL)
+            elif case == "barrier":  # e.g. a save() that only rank 0 calls
+                if r == 0:
+                    comm.barrier()
+                else:
+                    comm.all_reduce_tensors([torch.ones(3)])
             else:  # a zero-copy (bulk) round against a copy (eager) round
                 if r == 0:
                     comm.zero_copy_inputs([(3,)])[0].fill_(1.0)
@@ -364,6 +369,8 @@ def test_schema_mismatch_raises_on_every_rank_and_comm_stays_in_step(case):
         assert msg is not None and "different frame schemas" in msg
         assert "rank 0" in msg and "rank 1" in msg
         assert after == [0.5, 0.5], "the cohort stays usable after a mismatch"
+        if case == "barrier":
+            assert "rank 0: CONTROL round without tensors (as barrier() sends)" in msg, msg
 
 
 def test_bad_dtype_is_refused_before_publishing():

@@ -408,7 +408,10 @@ class RoundEngine:
                 shapes += f", ... ({len(sh)} tensors)"
         except Exception:  # a description must never mask the mismatch itself
             pass
-        return (f"rank {r}: {kind} round, {int(c[b + A.H_NTENSORS])} tensor(s) "
+        ntensors = int(c[b + A.H_NTENSORS])
+        if ntensors == 0:  # what a barrier() sends
+            return f"rank {r}: {kind} round without tensors (as barrier() sends), {path} path"
+        return (f"rank {r}: {kind} round, {ntensors} tensor(s) "
                 f"{dtype_name(int(c[b + A.H_DTYPE]))} shapes {shapes}, "
                 f"{int(c[b + A.H_NBYTES])} bytes, {path} path")
 
