@@ -542,13 +542,13 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     from flodl_shm import latest_checkpoint
 
     # refused before anything is printed or started (SystemExit: the message, exit 1)
-    earlier = None if cfg.resume else latest_checkpoint(cfg.save_path)
-    if earlier is not None and not cfg.overwrite:
+    last = latest_checkpoint(cfg.save_path)
+    if last is not None and not cfg.resume and not cfg.overwrite:
         raise SystemExit(
             f"{_PROG}: error: {cfg.run_dir} holds the checkpoints of an earlier run (last: "
-            f"{earlier}); they are kept. Continue that run with --resume, start over with "
+            f"{last}); they are kept. Continue that run with --resume, start over with "
             f"--overwrite (deletes them), or pass another --run-dir")
-    ckpt = latest_checkpoint(cfg.save_path) if cfg.resume else None
+    ckpt = last if cfg.resume else None
     if cfg.resume and ckpt is None:
         raise SystemExit(f"{_PROG}: error: --resume: no complete checkpoint under "
                          f"{cfg.run_dir} (run the demo without --resume first)")
@@ -576,9 +576,9 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
                       f"batches done; continuing in epoch {meta.epoch + 1}")
         done_rows = [r for r in _read_rows(metrics) if r["window"] <= meta.sync_round]
     else:
-        if earlier is not None:
+        if last is not None:  # with --overwrite (refused above otherwise)
             _say(cfg, f"  --overwrite: deleting the earlier run's checkpoints in {run_dir} "
-                      f"(last: {earlier.name}) and starting over")
+                      f"(last: {last.name}) and starting over")
         done_rows = []
     if cfg.summary_host:
         # the metrics file holds exactly the windows of the checkpoint's history

@@ -429,7 +429,7 @@ class SpawnContext:
         stall = RankStalled(why, round=rnd, missing=missing, timeout=self.timeout)
         dead = self.dead_ranks()
         used = len(dead)
-        fatal = self._stops(used + len(culprits), len(self._local(dead)) + len(culprits))
+        fatal = self._stops(dead, len(culprits))
         with self._lock:
             for r in culprits:
                 self._stalled[r] = why
@@ -509,7 +509,7 @@ class SpawnContext:
                              "cohort", global_rank, out.exc_type or out.signal or out.exitcode)
             self._abort(A.ABORT_FAILED)
             return
-        if self._stops(failures, len(self._local(dead))):
+        if self._stops(dead):
             with self._lock:
                 if self._failure is None:
                     self._failure = err
@@ -532,13 +532,14 @@ class SpawnContext:
         """The global ranks of ``ranks`` that run on this host."""
         return [r for r in ranks if self.first_rank <= r < self.first_rank + self.nprocs]
 
-    def _stops(self, failures: int, local: int) -> bool:
-        """Whether ``failures`` dead ranks cohort-wide, ``local`` of them this host's, stop
-        the cohort: past ``max_failures``, or with ``survivors_save`` only once no rank
-        of this host is left (the survivors see the deaths, save and stop themselves)."""
+    def _stops(self, dead: Sequence[int], local_more: int = 0) -> bool:
+        """Whether the ``dead`` ranks (cohort-wide) and ``local_more`` ranks of this host
+        about to be killed stop the cohort: past ``max_failures``, or with
+        ``survivors_save`` only once no rank of this host is left (the survivors see the
+        deaths, save and stop themselves)."""
         if self.survivors_save:
-            return local >= self.nprocs
-        return failures > self.max_failures
+            return len(self._local(dead)) + local_more >= self.nprocs
+        return len(dead) + local_more > self.max_failures
 
     def _survivors_go_on(self, failures: int) -> str:
         """What the survivors of ``failures`` tolerated failures do, for the log line."""
@@ -567,7 +568,7 @@ class SpawnContext:
         dead = self.dead_ranks()
         local = self._local(dead)
         remote = [r for r in dead if r not in local]
-        if not self._stops(len(dead), len(local)):
+        if not self._stops(dead):
             logger.warning("ranks %s of other hosts are dead; %s", remote,
                            self._survivors_go_on(len(dead)))
             return

@@ -358,7 +358,10 @@ class Trainer:
                             timeout=self.timeout, save_path=self.save_path,
                             **(job.cluster.spawn_kwargs() if job.cluster else {}))
         except TypeError as e:  # spawn could not pickle the job: name the argument
-            raise self._unpicklable(e) from e
+            named = self._unpicklable()
+            if named is None:
+                raise
+            raise named from e
         finally:
             if self.save_path is not None:
                 # every write has landed (spawn flushed the forge): prune exactly
@@ -367,9 +370,9 @@ class Trainer:
                 prune_series(self.save_path, self.keep_checkpoints)
         return self._collect(results, nprocs)
 
-    def _unpicklable(self, error: TypeError) -> TypeError:
-        """``error`` (spawn's, for a job it could not pickle) restated with the first
-        Trainer argument that cannot be pickled, when one alone cannot."""
+    def _unpicklable(self) -> Optional[TypeError]:
+        """The error naming the first Trainer argument that cannot be pickled on its own
+        (after spawn could not pickle the job), or None when each one can."""
         import pickle
 
         parts = [(name, getattr(self, name)) for name in _PICKLED_ARGS]
@@ -385,7 +388,7 @@ class Trainer:
                        "pickled)")
                 return TypeError(f"Trainer: {name} cannot be pickled to the rank processes "
                                  f"({type(e).__name__}: {e}); {fix}")
-        return error
+        return None
 
     def _collect(self, results: list, nprocs: int) -> TrainResult:
         reporting = next((r for r in results if r is not None and r["state_dict"] is not None),
