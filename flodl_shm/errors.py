@@ -151,3 +151,6 @@ class TrainingAborted(RuntimeError):
         self.result = result
         self.checkpoint = result.checkpoint
         self.dead_ranks = result.dead_ranks
+
+    def __reduce__(self):  # pickles (a job system, a process pool) with its result
+        return (TrainingAborted, (self.summary, self.result, self.resume_hint))

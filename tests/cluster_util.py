@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
+import pickle
+import select
+import signal
+import stat
 import sys
-import threading
 import time
 
 import torch
@@ -13,7 +15,6 @@ from flodl_shm import ClusterController, RoundKind, spawn
 from flodl_shm.cluster.link import Link, client_handshake, connect
 
 SALT = bytes(range(16))
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def join_raw(port: int, hello: dict, salt=SALT, on_ack=None) -> Link:
@@ -37,52 +38,63 @@ def survivor_rounds(ctx):
     raise AssertionError("host 1 was never excluded")
 
 
+def loop_forever(ctx, ready: str):
+    """Host 1's rank of ``kill_a_host_mid_run``: all-reduces until killed, touching
+    ``ready`` after a few rounds."""
+    i = 0
+    while True:
+        ctx.comm.all_reduce_scaled([torch.full((1000,), float(ctx.rank))], 1.0, RoundKind.MODEL,
+                                   1.0)
+        if i == 3:
+            open(ready, "w").close()
+        i += 1
+        time.sleep(0.01)
+
+
 def kill_a_host_mid_run(tmp_path, max_failures):
-    """Host 1 (rank 2 of 3, its own launcher process: ``cluster_driver.py``) is
-    SIGKILLed mid-run while host 0 (ranks 0-1) runs ``survivor_rounds``. Returns
-    ({"out": host 0's results} or {"error": its exception}, and "dead": the launcher's
-    cohort-wide ``dead_ranks()``; the controller)."""
+    """Host 1 (rank 2 of 3, its own launcher process) is SIGKILLed mid-run while host 0
+    (ranks 0-1) runs ``survivor_rounds``. Returns ({"out": host 0's results} or
+    {"error": its exception}, and "dead": the launcher's cohort-wide ``dead_ranks()``;
+    the controller)."""
     ctl = ClusterController.start("127.0.0.1:0", 3, SALT)
     ready = tmp_path / "ready"
-    env = dict(os.environ, DRIVER_READY_FILE=str(ready), CLUSTER_PORT=str(ctl.port),
-               CLUSTER_SALT=SALT.hex())
-    driver = subprocess.Popen([sys.executable, os.path.join(HERE, "cluster_driver.py")], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    box = {}
 
     def host0():
         ctx = spawn(survivor_rounds, 2, controller=f"127.0.0.1:{ctl.port}", world_size=3,
                     first_rank=0, salt=SALT, timeout=120, max_failures=max_failures, join=False)
+        box = {}
         try:
             box["out"] = ctx.join()
         except BaseException as e:  # noqa: BLE001 - inspected by the test
             box["error"] = e
         box["dead"] = ctx.dead_ranks()
+        return box
 
-    t = threading.Thread(target=host0)
-    t.start()
+    def host1():
+        spawn(loop_forever, 1, (str(ready),), controller=f"127.0.0.1:{ctl.port}", world_size=3,
+              first_rank=2, salt=SALT, timeout=120)
+
+    hosts = [HostProcess(host0, "host0"), HostProcess(host1, "host1")]
     try:
         deadline = time.monotonic() + 90
-        while not ready.exists() and time.monotonic() < deadline and driver.poll() is None:
+        while not ready.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert ready.exists(), driver.communicate(timeout=5)
-        driver.kill()
-        driver.wait(30)
-        t.join(120)
+        assert ready.exists(), "host 1 never ran its rounds"
+        hosts[1].kill()  # SIGKILL: its rank server and rank follow (PDEATHSIG)
+        ok, box = hosts[0].join(120)
     finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait(10)
-        driver.stderr.close()
+        for h in hosts:
+            h.kill()
         ctl.shutdown()
-    assert not t.is_alive(), "host 0 did not finish"
+    assert ok, box
     return box, ctl
 
 
 def run_hosts(fn, layout, *, args=(), salt=SALT, round_timeout=60.0, timeout=60.0,
               max_failures=0, controller_kwargs=None, join_timeout=150.0):
     """Start a controller and one spawn group per entry of ``layout`` (local rank counts),
-    in threads; return (results by host, exceptions by host, controller)."""
+    each in a host process of its own (``run_host_processes``); return (results by
+    host, exceptions by host, controller)."""
     world = sum(layout)
     ctl = ClusterController.start("127.0.0.1:0", world, salt, round_timeout=round_timeout,
                                   **(controller_kwargs or {}))
@@ -94,28 +106,109 @@ def run_hosts(fn, layout, *, args=(), salt=SALT, round_timeout=60.0, timeout=60.
                      world_size=world, first_rank=firsts[i], salt=salt, timeout=timeout,
                      max_failures=mf)
 
-    results, errors = run_host_threads(ctl, host, len(layout), join_timeout)
+    results, errors = run_host_processes(ctl, host, len(layout), join_timeout)
     return results, errors, ctl
 
 
-def run_host_threads(ctl, host, hosts: int, join_timeout: float = 150.0):
-    """Run ``host(i)`` for each host i in a thread of its own, then shut ``ctl`` down;
-    return (results by host, exceptions by host). Fails if a host does not finish."""
-    results: dict[int, object] = {}
-    errors: dict[int, BaseException] = {}
+class HostProcess:
+    """``fn()`` run in a host process of its own, forked from this test process at once.
 
-    def run(i: int) -> None:
+    A host is a launcher process of its own. Forked from this (single-threaded,
+    fork-safe) process, its ``spawn`` forks its rank server from it, as a user's script
+    does, instead of starting a fresh interpreter (importing torch: seconds a host) as a
+    spawn from a thread of the test must. The child first drops the sockets it inherited
+    (a controller's, a test's hand-driven links), so only this process holds them, and
+    sends its outcome back pickled; ``join`` returns it."""
+
+    def __init__(self, fn, name: str = "host") -> None:
+        self.name = name
+        r, w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the host: never returns into the test
+            os.close(r)
+            _host_child(fn, w)
+        os.close(w)
+        self._r = r
+        self._chunks: list[bytes] = []
+
+    def join(self, timeout: float):
+        """(True, fn's result) or (False, its exception); AssertionError naming the host
+        when it has not finished within ``timeout`` s (it is then killed)."""
+        return join_hosts([self], time.monotonic() + timeout)[0]
+
+    def kill(self) -> None:
+        if self._r < 0:
+            return
         try:
-            results[i] = host(i)
-        except BaseException as e:  # noqa: BLE001 - inspected by the test
-            errors[i] = e
+            os.kill(self.pid, signal.SIGKILL)  # a no-op on a host that already finished
+        except ProcessLookupError:
+            pass
+        os.waitpid(self.pid, 0)
+        os.close(self._r)
+        self._r = -1
 
-    threads = [threading.Thread(target=run, args=(i,), name=f"host{i}") for i in range(hosts)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(join_timeout)
-    stuck = [t.name for t in threads if t.is_alive()]
-    ctl.shutdown()
+
+def join_hosts(procs: list[HostProcess], deadline: float) -> list[tuple[bool, object]]:
+    """Every host's (ok, result or exception), read until each closes its pipe; the hosts
+    are reaped (and killed past ``deadline``: AssertionError naming them)."""
+    pending = {p._r: p for p in procs}
+    try:
+        while pending and time.monotonic() < deadline:
+            ready, _, _ = select.select(list(pending), [], [],
+                                        max(0.0, deadline - time.monotonic()))
+            for fd in ready:
+                chunk = os.read(fd, 1 << 20)
+                if chunk:
+                    pending[fd]._chunks.append(chunk)
+                else:
+                    del pending[fd]
+    finally:
+        for p in procs:
+            p.kill()
+    stuck = [p.name for p in pending.values()]
     assert not stuck, f"hosts {stuck} did not finish"
-    return [results.get(i) for i in range(hosts)], errors
+    return [pickle.loads(b"".join(p._chunks)) for p in procs]
+
+
+def run_host_processes(ctl, host, hosts: int, join_timeout: float = 150.0):
+    """Run ``host(i)`` for each host i in a ``HostProcess``, then shut ``ctl`` down;
+    return (results by host, exceptions by host). Fails if a host does not finish."""
+    try:
+        procs = [HostProcess(lambda i=i: host(i), f"host{i}") for i in range(hosts)]
+        outcomes = join_hosts(procs, time.monotonic() + join_timeout)
+    finally:
+        ctl.shutdown()
+    results = [value if ok else None for ok, value in outcomes]
+    errors = {i: value for i, (ok, value) in enumerate(outcomes) if not ok}
+    return results, errors
+
+
+def _host_child(fn, w: int) -> None:
+    """The forked host: run ``fn()``, write (ok, result or exception) pickled to ``w``,
+    and leave without running the test process's exit handlers."""
+    code = 1
+    try:
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            try:
+                if fd != devnull and stat.S_ISSOCK(os.fstat(fd).st_mode):
+                    os.dup2(devnull, fd)  # the number stays taken: no object closes a reuse
+            except OSError:
+                pass
+        try:
+            out = (True, fn())
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            out = (False, e)
+        try:
+            data = pickle.dumps(out)
+        except Exception as e:  # noqa: BLE001
+            data = pickle.dumps((False, RuntimeError(f"the host's outcome does not pickle "
+                                                     f"({e}): {out[1]!r}")))
+        with os.fdopen(w, "wb") as f:
+            f.write(data)
+        code = 0
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

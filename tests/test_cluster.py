@@ -23,7 +23,8 @@ from flodl_shm import (DECODE_SLOT_BUFFERS, DECODE_SLOT_PARAMS, ClusterControlle
 from flodl_shm.frame import DTYPE_F32, TensorPayload
 from flodl_shm.cluster.link import HandshakeRejected, Kind
 
-from cluster_util import SALT, join_raw, kill_a_host_mid_run, quick_average, run_hosts
+from cluster_util import (SALT, HostProcess, join_raw, kill_a_host_mid_run, quick_average,
+                          run_hosts)
 from engine_util import assert_no_leaks
 
 pytestmark = pytest.mark.timeout(240)
@@ -191,27 +192,22 @@ def test_ranks_dead_before_the_cohort_is_complete_stay_dead():
     runs the rounds on realized work, as when the death comes later. Under load the
     test above ran into this order by chance (host A then waited 120 s for rank 2)."""
     ctl = ClusterController.start("127.0.0.1:0", 3, SALT, round_timeout=60.0)
+
+    def host(nprocs: int, first: int):
+        return spawn(realized_after_death, nprocs, (), controller=f"127.0.0.1:{ctl.port}",
+                     world_size=3, first_rank=first, salt=SALT, timeout=60.0, max_failures=1)
+
     out: dict = {}
-
-    def host(name: str, nprocs: int, first: int) -> None:
-        try:
-            out[name] = spawn(realized_after_death, nprocs, (),
-                              controller=f"127.0.0.1:{ctl.port}", world_size=3,
-                              first_rank=first, salt=SALT, timeout=60.0, max_failures=1)
-        except BaseException as e:  # noqa: BLE001 - inspected below
-            out[name] = e
-
+    b = HostProcess(lambda: host(1, 2), "b")
     try:
-        b = threading.Thread(target=host, args=("b", 1, 2))
-        b.start()
         deadline = time.monotonic() + 60.0
         while not ctl.dead_ranks.is_dead(2) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert ctl.dead_ranks.is_dead(2), "host B's dead rank was forgotten, not counted"
-        b.join(60.0)
-        assert out["b"] == [None]
-        host("a", 2, 0)
+        assert b.join(60.0) == (True, [None])
+        _, out["a"] = HostProcess(lambda: host(2, 0), "a").join(120.0)
     finally:
+        b.kill()
         ctl.shutdown()
     assert not isinstance(out["a"], BaseException), out["a"]
     want_half = (math.sqrt(3) + 2 * math.sqrt(5)) / (math.sqrt(3) + math.sqrt(5))
@@ -293,11 +289,12 @@ def test_hello_ack_says_where_the_controllers_outer_momentum_starts():
 def test_world_size_disagreement_refused_through_spawn():
     ctl = ClusterController.start("127.0.0.1:0", 2, SALT)
     try:
-        with pytest.raises(ConnectionError, match="world_size 3"):
-            spawn(quick_average, 1, controller=f"127.0.0.1:{ctl.port}", world_size=3,
-                  first_rank=0, salt=SALT, timeout=30)
+        ok, err = HostProcess(lambda: spawn(
+            quick_average, 1, controller=f"127.0.0.1:{ctl.port}", world_size=3, first_rank=0,
+            salt=SALT, timeout=30)).join(60.0)
     finally:
         ctl.shutdown()
+    assert not ok and isinstance(err, ConnectionError) and "world_size 3" in str(err), err
 
 
 def test_local_validation_happens_before_any_traffic():
@@ -328,15 +325,10 @@ def test_controller_survives_silence_garbage_and_a_tampered_frame(monkeypatch):
         garbage.sendall(os.urandom(4096))
         fake = join_raw(ctl.port, {"host": "fake", "ranks": [1], "world_size": 2})
 
-        box = {}
-
-        def real_host():
-            # the tampered host is declared dead: one failure of the cohort's budget
-            box["out"] = spawn(quick_average, 1, controller=f"127.0.0.1:{ctl.port}", world_size=2,
-                               first_rank=0, salt=SALT, timeout=60, max_failures=1)
-
-        t = threading.Thread(target=real_host)
-        t.start()
+        # the tampered host is declared dead: one failure of the cohort's budget
+        real_host = HostProcess(lambda: spawn(
+            quick_average, 1, controller=f"127.0.0.1:{ctl.port}", world_size=2, first_rank=0,
+            salt=SALT, timeout=60, max_failures=1), "real")
         frame = frame_with([1000.0, 1000.0, 1000.0])
         frame.kind = RoundKind.MODEL
         # a valid record header with a frame whose payload was altered after tagging
@@ -351,8 +343,8 @@ def test_controller_survives_silence_garbage_and_a_tampered_frame(monkeypatch):
         monkeypatch.setattr(mux, "write_round_frame", tamper)
         fake.send_frame(Kind.FRAME_UP, frame)
         monkeypatch.setattr(mux, "write_round_frame", orig)
-        t.join(120)
-        assert box["out"] == [[0.0, 0.0, 0.0]], "the tampered contribution leaked in"
+        assert real_host.join(120) == (True, [[0.0, 0.0, 0.0]]), \
+            "the tampered contribution leaked in"
         assert ctl.dead_ranks.is_dead(1)
         silent.close()
         garbage.close()

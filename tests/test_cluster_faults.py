@@ -25,7 +25,8 @@ from flodl_shm.cluster.link import HandshakeRejected, Kind, split_frame
 from flodl_shm.cluster.secret import write_secret_file
 from flodl_shm.frame import DTYPE_BF16, DTYPE_F32, RoundFrame, RoundKind, TensorPayload
 
-from cluster_util import SALT, join_raw, kill_a_host_mid_run, quick_average, run_hosts
+from cluster_util import (SALT, HostProcess, join_hosts, join_raw, kill_a_host_mid_run,
+                          quick_average, run_hosts)
 from engine_util import assert_no_leaks
 
 pytestmark = pytest.mark.timeout(240)
@@ -182,7 +183,7 @@ def test_the_lone_relaunched_host_waits_for_the_cohort_instead_of_training_alone
     """A left after delivering a round's partial; then B joins: B must not train on
     its own ranks with A's declared dead; A's relaunch completes the cohort."""
     ctl = ClusterController.start("127.0.0.1:0", 2, SALT)
-    box = {}
+    hosts: list[HostProcess] = []
     try:
         a = join_raw(ctl.port, _hello("a", [0], 2))
         _await_hosts(ctl, ["a"])
@@ -191,21 +192,20 @@ def test_the_lone_relaunched_host_waits_for_the_cohort_instead_of_training_alone
         a.close()
         _await_hosts(ctl, [])
 
-        def host(first, key):
-            box[key] = spawn(quick_average, 1, controller=f"127.0.0.1:{ctl.port}",
-                             world_size=2, first_rank=first, salt=SALT, timeout=60)
+        def host(first):
+            return spawn(quick_average, 1, controller=f"127.0.0.1:{ctl.port}",
+                         world_size=2, first_rank=first, salt=SALT, timeout=60)
 
-        tb = threading.Thread(target=host, args=(1, "b"))
-        tb.start()
+        hosts.append(HostProcess(lambda: host(1), "b"))
         time.sleep(1.0)
         assert not ctl.dead_ranks.dead(), "rank 0 was declared dead with its host forgotten"
-        ta = threading.Thread(target=host, args=(0, "a"))
-        ta.start()
-        ta.join(120)
-        tb.join(120)
+        hosts.append(HostProcess(lambda: host(0), "a"))
+        got = join_hosts(hosts, time.monotonic() + 120)
     finally:
+        for h in hosts:
+            h.kill()
         ctl.shutdown()
-    assert box == {"a": [[0.5, 0.5, 0.5]], "b": [[0.5, 0.5, 0.5]]}, box
+    assert got == [(True, [[0.5, 0.5, 0.5]])] * 2, got
 
 
 # --- a lost host counts against max_failures -----------------------------------------------
@@ -229,29 +229,26 @@ def rounds_until_cut(ctx):
 
 def test_losing_the_controller_stops_every_host():
     ctl = ClusterController.start("127.0.0.1:0", 2, SALT)
-    errors = {}
 
     def host(i):
-        try:
-            spawn(rounds_until_cut, 1, controller=f"127.0.0.1:{ctl.port}", world_size=2,
-                  first_rank=i, salt=SALT, timeout=60)
-        except BaseException as e:  # noqa: BLE001 - inspected by the test
-            errors[i] = e
+        spawn(rounds_until_cut, 1, controller=f"127.0.0.1:{ctl.port}", world_size=2,
+              first_rank=i, salt=SALT, timeout=60)
 
-    threads = [threading.Thread(target=host, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 90
-    while ctl.stats.rounds < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert ctl.stats.rounds >= 3
-    ctl.shutdown()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a host outlived its controller"
-    assert set(errors) == {0, 1}
-    for e in errors.values():
-        assert isinstance(e, ConnectionError) and "controller" in str(e), repr(e)
+    hosts = [HostProcess(lambda i=i: host(i), f"host{i}") for i in range(2)]
+    try:
+        deadline = time.monotonic() + 90
+        while ctl.stats.rounds < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ctl.stats.rounds >= 3
+        ctl.shutdown()
+        # fails naming any host that outlives its controller by a minute
+        outcomes = join_hosts(hosts, time.monotonic() + 60)
+    finally:
+        ctl.shutdown()
+        for h in hosts:
+            h.kill()
+    for ok, e in outcomes:
+        assert not ok and isinstance(e, ConnectionError) and "controller" in str(e), repr(e)
 
 
 # --- frames above the frame ceiling ----------------------------------------------------------

@@ -147,7 +147,7 @@ def _two_hosts(tmp_path, call, outer=False, **controller):
     steps); ``controller``: more arguments of ``ClusterController.start``."""
     from flodl_shm import ClusterController
 
-    from cluster_util import SALT, run_host_threads
+    from cluster_util import SALT, run_host_processes
 
     def nesterov():
         return OuterNesterov(lr=0.7, momentum=0.9) if outer else None
@@ -161,7 +161,7 @@ def _two_hosts(tmp_path, call, outer=False, **controller):
         return call(trainer, i, controller=f"127.0.0.1:{ctl.port}", world_size=2,
                     first_rank=i, salt=SALT)
 
-    results, errors = run_host_threads(ctl, host, 2, join_timeout=100.0)
+    results, errors = run_host_processes(ctl, host, 2, join_timeout=100.0)
     return dict(enumerate(results)), errors
 
 

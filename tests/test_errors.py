@@ -1,0 +1,31 @@
+"""Every error that carries more than a message pickles back whole: a process pool or a
+job system (and the launchers' own pipes) hands it to another process."""
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+
+from flodl_shm.errors import RankFailed, RankStalled, ReduceStall, TrainingAborted
+from flodl_shm.training.trainer import TrainResult
+
+
+def _errors():
+    result = TrainResult({}, [], None, Path("runs/demo/ckpt-r00000003.fdl"), (1,))
+    return [
+        ReduceStall("round 7 stalled", round=7, missing=(1, 2), timeout=3.0),
+        RankFailed(1, "ValueError", "Traceback ...\nValueError: bad"),
+        RankFailed(2, None, "", "SIGKILL", -9),
+        RankStalled("ranks [1] stalled", round=4, missing=(1,), timeout=2.0),
+        TrainingAborted("1 rank(s) died ([1])", result, "Continue with trainer.resume('r')."),
+    ]
+
+
+@pytest.mark.parametrize("err", _errors(), ids=lambda e: type(e).__name__)
+def test_an_error_pickles_back_with_its_message_and_attributes(err):
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is type(err) and str(back) == str(err)
+    for name in ("round", "missing", "timeout", "rank", "exc_type", "traceback", "signal",
+                 "exitcode", "summary", "resume_hint", "checkpoint", "dead_ranks"):
+        assert getattr(back, name, None) == getattr(err, name, None), name
