@@ -1,24 +1,22 @@
 """Rank programs for the c10d backend tests, run as real processes.
 
-``python tests/c10d_driver.py SCENARIO RANK WORLD PORT OUT [BACKEND]`` joins a
-``tcp://127.0.0.1:PORT`` group and writes the scenario's result (a dict, with
-``torch.save``) to ``OUT``. ``run_group`` (the test side) starts the ranks, bounds
-them with a deadline, and kills every one that outlives it.
+``run_group`` (the test side) forks the ranks; each joins a ``tcp://127.0.0.1:PORT``
+group (``run_rank``) and writes its scenario's result (a dict, with ``torch.save``).
+The deadline bounds them: every rank that outlives it is killed.
 """
 from __future__ import annotations
 
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+from forked import drop_inherited_sockets, leave, wait_children
+
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8, torch.int16,
           torch.int32, torch.int64, torch.uint8, torch.bool]
 
@@ -45,51 +43,66 @@ def run_group(scenario: str, world: int, tmp: Path, *, backend: str = "flodl_shm
               extra_env: dict | None = None) -> list[dict | None]:
     """Run ``scenario`` on ``world`` rank processes; results by rank (None: no result).
 
+    The ranks are forked from the test process (``forked.py``: torch and the kernels
+    already loaded), each with its own environment and its output in a log.
     ``hosts[r]`` sets rank r's FLODL_SHM_HOST. Ranks still running at the deadline are
     killed (then a TimeoutError names them)."""
     port = free_port()
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-        env.pop("FLODL_SHM_HOST", None)
-        if hosts is not None:
-            env["FLODL_SHM_HOST"] = hosts[r]
-        env.update(extra_env or {})
-        out = tmp / f"{scenario}_{backend}_{r}.pt"
-        procs.append(subprocess.Popen(
-            [sys.executable, str(HERE / "c10d_driver.py"), scenario, str(r), str(world),
-             str(port), str(out), backend], env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout
-    logs = []
-    stuck = []
-    for r, p in enumerate(procs):
-        try:
-            out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            stuck.append(r)
-            p.kill()
-            out, _ = p.communicate()
-        logs.append(out.decode(errors="replace"))
-    if stuck:
-        raise TimeoutError(f"ranks {stuck} of {scenario} did not finish in {timeout} s:\n"
-                           + "\n".join(logs))
     pids = []
     for r in range(world):
-        pf = tmp / f"{scenario}_{backend}_{r}.pt.pid"
-        if pf.exists():
-            pids.append(int(pf.read_text()))
+        env = {"OMP_NUM_THREADS": "1", "FLODL_SHM_HOST": None if hosts is None else hosts[r],
+               **(extra_env or {})}
+        out = tmp / f"{scenario}_{backend}_{r}.pt"
+        pid = os.fork()
+        if pid == 0:  # the rank: never returns into the test
+            _forked_rank(scenario, r, world, port, str(out), backend, env)
+        pids.append(pid)
+    codes, stuck = wait_children(pids, time.monotonic() + timeout)
+    logs = [_log(tmp / f"{scenario}_{backend}_{r}.pt.log") for r in range(world)]
+    if stuck:
+        raise TimeoutError(f"ranks {[pids.index(p) for p in stuck]} of {scenario} did not "
+                           f"finish in {timeout} s:\n" + "\n".join(logs))
     results = []
     for r in range(world):
         f = tmp / f"{scenario}_{backend}_{r}.pt"
         results.append(torch.load(f, weights_only=False) if f.exists() else None)
         if results[-1] is not None:
             results[-1]["log"] = logs[r]
-            results[-1]["returncode"] = procs[r].returncode
+            results[-1]["returncode"] = codes[pids[r]]
             results[-1]["all_pids"] = pids
     if all(x is None for x in results):
         raise RuntimeError(f"no rank of {scenario} wrote a result:\n" + "\n".join(logs))
     return results
+
+
+def _log(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _forked_rank(scenario: str, rank: int, world: int, port: int, out: str, backend: str,
+                 env: dict) -> None:
+    """A forked rank: its environment (None removes a variable) and its log, then
+    ``run_rank``; leaves with 0, or 1 after printing what it raised."""
+    code = 1
+    try:
+        drop_inherited_sockets()
+        log = os.open(out + ".log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        for key, value in env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        from flodl_shm.engine import direct  # read at import: this process imported it
+        direct.DIRECT_MIN_BYTES = int(os.environ.get("FLODL_SHM_DIRECT_MIN_BYTES",
+                                                     4 << 20))
+        run_rank(scenario, rank, world, port, out, backend)
+        code = 0
+    except BaseException:  # noqa: BLE001 - printed to the rank's log
+        traceback.print_exc()
+    finally:
+        leave(code)
 
 
 # --- scenarios (run inside the rank processes) ---------------------------------------
@@ -323,7 +336,9 @@ def sc_destroy_recreate(rank: int, world: int) -> dict:
     return {"pid": os.getpid(), "t": t, "u": u, "after_destroy": after}
 
 def sc_stall(rank: int, world: int) -> dict:
-    """The last rank skips a collective (alive, sleeping): the others time out naming it."""
+    """The last rank skips a collective (alive, sleeping): the others time out naming it.
+    A rank that timed out stays up C10D_LINGER seconds, as a process that raised takes a
+    while to exit (else a peer whose deadline is a moment later sees it die first)."""
     import torch.distributed as dist
 
     err = None
@@ -332,16 +347,17 @@ def sc_stall(rank: int, world: int) -> dict:
             dist.all_reduce(torch.ones(4))
         except Exception as e:  # noqa: BLE001 - the test inspects what was raised
             err = f"{type(e).__name__}: {e}"
+            time.sleep(float(os.environ.get("C10D_LINGER", "0")))
     else:
         time.sleep(float(os.environ["C10D_TIMEOUT"]) + 4)
     return {"pid": os.getpid(), "error": err}
 
 
 
-def main() -> None:
-    scenario, rank, world, port, out = sys.argv[1:6]
-    backend = sys.argv[6] if len(sys.argv) > 6 else "flodl_shm"
-    rank, world = int(rank), int(world)
+def run_rank(scenario: str, rank: int, world: int, port: int, out: str,
+             backend: str = "flodl_shm") -> None:
+    """Join a ``tcp://127.0.0.1:port`` group as ``rank`` and write the scenario's result
+    (a dict, with ``torch.save``) to ``out``."""
     Path(out + ".pid").write_text(str(os.getpid()))
     torch.set_num_threads(1)
     import flodl_shm  # noqa: F401 - registers the backend
@@ -357,10 +373,6 @@ def main() -> None:
     os.replace(tmp, out)
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
 
 
 def spawn_rank(ctx) -> dict:

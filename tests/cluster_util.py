@@ -5,14 +5,14 @@ import os
 import pickle
 import select
 import signal
-import stat
-import sys
 import time
 
 import torch
 
 from flodl_shm import ClusterController, RoundKind, spawn
 from flodl_shm.cluster.link import Link, client_handshake, connect
+
+from forked import drop_inherited_sockets, leave
 
 SALT = bytes(range(16))
 
@@ -111,14 +111,10 @@ def run_hosts(fn, layout, *, args=(), salt=SALT, round_timeout=60.0, timeout=60.
 
 
 class HostProcess:
-    """``fn()`` run in a host process of its own, forked from this test process at once.
-
-    A host is a launcher process of its own. Forked from this (single-threaded,
-    fork-safe) process, its ``spawn`` forks its rank server from it, as a user's script
-    does, instead of starting a fresh interpreter (importing torch: seconds a host) as a
-    spawn from a thread of the test must. The child first drops the sockets it inherited
-    (a controller's, a test's hand-driven links), so only this process holds them, and
-    sends its outcome back pickled; ``join`` returns it."""
+    """``fn()`` run in a host process of its own, forked from this test process at once
+    (``forked.py``: a host is a launcher process of its own; a spawn from a thread of
+    the test would start a fresh interpreter for its rank server). The child drops the
+    sockets it inherited and sends its outcome back pickled; ``join`` returns it."""
 
     def __init__(self, fn, name: str = "host") -> None:
         self.name = name
@@ -188,14 +184,7 @@ def _host_child(fn, w: int) -> None:
     and leave without running the test process's exit handlers."""
     code = 1
     try:
-        devnull = os.open(os.devnull, os.O_RDWR)
-        for name in os.listdir("/proc/self/fd"):
-            fd = int(name)
-            try:
-                if fd != devnull and stat.S_ISSOCK(os.fstat(fd).st_mode):
-                    os.dup2(devnull, fd)  # the number stays taken: no object closes a reuse
-            except OSError:
-                pass
+        drop_inherited_sockets()
         try:
             out = (True, fn())
         except BaseException as e:  # noqa: BLE001 - the test inspects it
@@ -209,6 +198,4 @@ def _host_child(fn, w: int) -> None:
             f.write(data)
         code = 0
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        leave(code)

@@ -259,18 +259,19 @@ def test_a_dead_non_leader_makes_the_other_hosts_raise_naming_it(tmp_path):
     # staying up after its error, must still tell host "a" at once (through the leaders'
     # agreement step), not leave it waiting for the timeout or for rank 2's exit
     res = run_group("peer_dies", 4, tmp_path, hosts=["a", "a", "b", "b"],
-                    extra_env={"C10D_VICTIM": "3", "C10D_TIMEOUT": "8", "C10D_LINGER": "10"},
+                    extra_env={"C10D_VICTIM": "3", "C10D_TIMEOUT": "4", "C10D_LINGER": "5"},
                     timeout=150)
     assert res[3] is None
     for r in res[:3]:
         assert r["error"] is not None and "rank 3 (pid" in r["error"], r["error"]
-        # before the collective timeout (8 s) and before rank 2 exits (after 10 s)
-        assert "died" in r["error"] and r["seconds"] < 8, r
+        # before the collective timeout (4 s) and before rank 2 exits (after 5 s)
+        assert "died" in r["error"] and r["seconds"] < 4, r
     _no_segments_of(res)
 
 
 def test_a_rank_that_skips_a_collective_makes_the_others_time_out_naming_it(tmp_path):
-    res = run_group("stall", 3, tmp_path, extra_env={"C10D_TIMEOUT": "3"}, timeout=120)
+    res = run_group("stall", 3, tmp_path, extra_env={"C10D_TIMEOUT": "3", "C10D_LINGER": "1"},
+                    timeout=120)
     for r in res[:2]:
         assert r["error"].startswith("RuntimeError") and "timed out after 3 s" in r["error"]
         assert "group rank(s) [2]" in r["error"], r["error"]
