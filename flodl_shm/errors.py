@@ -51,6 +51,49 @@ class CohortAborted(RuntimeError):
     ``max_failures``, the launcher was interrupted, or the launcher died)."""
 
 
+class PeerDied(RuntimeError):
+    """A host peer of a rank waiting in a c10d collective is gone: ``rank`` (group rank)
+    and ``pid`` name it.
+
+    ``missing``: the group ranks of this host that had not arrived at the collective
+    either, when the wait knew them (``with_missing``). A peer that timed out waiting
+    for them and then exited is seen here as a death; the ranks it waited for are the
+    cause, so the message names them too.
+    """
+
+    def __init__(self, message: str, rank: int, pid: int, *,
+                 host_ranks: tuple[int, ...] = (), missing: tuple[int, ...] | None = None
+                 ) -> None:
+        super().__init__(message)
+        self.rank, self.pid = rank, pid
+        self.host_ranks = tuple(host_ranks)  # group rank of each local rank of this host
+        self.missing = missing
+
+    def with_missing(self, local: tuple) -> "PeerDied":
+        """This error, naming the host's local ranks ``local`` (as a wait lists the ranks
+        it still waits for) that had not arrived, besides the dead one."""
+        ranks = tuple(self.host_ranks[m] for m in local
+                      if isinstance(m, int) and 0 <= m < len(self.host_ranks))
+        ranks = tuple(r for r in ranks if r != self.rank)
+        if not ranks:
+            return PeerDied(str(self), self.rank, self.pid, host_ranks=self.host_ranks,
+                            missing=())
+        return PeerDied(
+            f"{self}. Group rank(s) {list(ranks)} of this host had not arrived at this "
+            f"collective either: if rank {self.rank} timed out waiting for them and exited, "
+            f"they are the cause (alive but elsewhere: every rank must make the same "
+            f"sequence of collective calls)", self.rank, self.pid,
+            host_ranks=self.host_ranks, missing=ranks)
+
+    def __reduce__(self):
+        return (_rebuild_peer_died, (str(self), self.rank, self.pid, self.host_ranks,
+                                     self.missing))
+
+
+def _rebuild_peer_died(message, rank, pid, host_ranks, missing):
+    return PeerDied(message, rank, pid, host_ranks=host_ranks, missing=missing)
+
+
 class RankFailed(RuntimeError):
     """A rank of a ``spawn`` failed: it raised, or it was killed by a signal.
 

@@ -338,11 +338,13 @@ def sc_destroy_recreate(rank: int, world: int) -> dict:
 def sc_stall(rank: int, world: int) -> dict:
     """The last rank skips a collective (alive, sleeping): the others time out naming it.
     A rank that timed out stays up C10D_LINGER seconds, as a process that raised takes a
-    while to exit (else a peer whose deadline is a moment later sees it die first)."""
+    while to exit (else a peer whose deadline is later sees it die first)."""
     import torch.distributed as dist
 
     err = None
     if rank != world - 1:
+        if rank == 1:  # C10D_LATE: rank 1 enters that much later than rank 0
+            time.sleep(float(os.environ.get("C10D_LATE", "0")))
         try:
             dist.all_reduce(torch.ones(4))
         except Exception as e:  # noqa: BLE001 - the test inspects what was raised

@@ -278,6 +278,17 @@ def test_a_rank_that_skips_a_collective_makes_the_others_time_out_naming_it(tmp_
     _no_segments_of(res)
 
 
+def test_a_rank_that_sees_a_timed_out_peer_exit_names_the_rank_both_waited_for(tmp_path):
+    # rank 1 enters 1.5 s after rank 0, so rank 0 times out first and exits at once:
+    # rank 1 sees a death before its own deadline, and must still point at rank 2
+    res = run_group("stall", 3, tmp_path, extra_env={"C10D_TIMEOUT": "3", "C10D_LATE": "1.5"},
+                    timeout=120)
+    assert "timed out after 3 s" in res[0]["error"] and "group rank(s) [2]" in res[0]["error"]
+    assert "rank 0 (pid" in res[1]["error"] and "died" in res[1]["error"], res[1]["error"]
+    assert "Group rank(s) [2] of this host had not arrived" in res[1]["error"], res[1]["error"]
+    _no_segments_of(res)
+
+
 def test_destroy_then_a_new_group(tmp_path):
     res = run_group("destroy_recreate", 2, tmp_path)
     for r in res:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_shm.errors import RankFailed, RankStalled, ReduceStall, TrainingAborted
+from flodl_shm.errors import PeerDied, RankFailed, RankStalled, ReduceStall, TrainingAborted
 from flodl_shm.training.trainer import TrainResult
 
 
@@ -19,6 +19,7 @@ def _errors():
         RankFailed(2, None, "", "SIGKILL", -9),
         RankStalled("ranks [1] stalled", round=4, missing=(1,), timeout=2.0),
         TrainingAborted("1 rank(s) died ([1])", result, "Continue with trainer.resume('r')."),
+        PeerDied("rank 0 (pid 7) died", 0, 7, host_ranks=(0, 1, 2)).with_missing((2,)),
     ]
 
 
@@ -27,5 +28,6 @@ def test_an_error_pickles_back_with_its_message_and_attributes(err):
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is type(err) and str(back) == str(err)
     for name in ("round", "missing", "timeout", "rank", "exc_type", "traceback", "signal",
-                 "exitcode", "summary", "resume_hint", "checkpoint", "dead_ranks"):
+                 "exitcode", "summary", "resume_hint", "checkpoint", "dead_ranks", "pid",
+                 "host_ranks"):
         assert getattr(back, name, None) == getattr(err, name, None), name

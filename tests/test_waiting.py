@@ -5,13 +5,10 @@ import numpy as np
 import pytest
 
 from flodl_shm.engine.waiting import Doorbell, Waiter
+from flodl_shm.errors import PeerDied
 from flodl_shm.kernels.codes import OK
 
 pytestmark = pytest.mark.timeout(30)
-
-
-class PeerDied(RuntimeError):
-    pass
 
 
 def test_a_wait_that_completed_during_a_sleep_returns_even_if_a_peer_then_died():
@@ -38,12 +35,32 @@ def test_a_wait_still_missing_a_dead_peer_raises_through_liveness():
     ctl = np.zeros(64, np.int64)
 
     def liveness():
-        raise PeerDied("rank 0 died")
+        raise PeerDied("rank 0 died", 0, 1234, host_ranks=(0, 1))
 
     waiter = Waiter(Doorbell(ctl), spin_iters=0, timeout=5.0, liveness=liveness)
-    with pytest.raises(PeerDied, match="rank 0 died"):
+    with pytest.raises(PeerDied) as info:
         waiter.wait(lambda iters: 0, what="waiting for ranks to arrive", rnd=1,
                     missing_of=lambda: (0,))
+    assert str(info.value) == "rank 0 died" and info.value.missing == ()
+
+
+def test_a_peer_death_names_the_ranks_that_had_not_arrived_either():
+    """Rank 0 (local 0) timed out waiting for rank 5 (local 2) and exited; the wait of
+    rank 3 (local 1), whose deadline was a moment later, sees the death. Its error names
+    rank 5 too: the cause, not only the rank that gave up on it."""
+    ctl = np.zeros(64, np.int64)
+
+    def liveness():
+        raise PeerDied("rank 0 (pid 1234) died", 0, 1234, host_ranks=(0, 3, 5))
+
+    waiter = Waiter(Doorbell(ctl), spin_iters=0, timeout=5.0, liveness=liveness)
+    with pytest.raises(PeerDied) as info:
+        waiter.wait(lambda iters: 2, what="waiting for ranks to arrive", rnd=1,
+                    missing_of=lambda: (2,))
+    e = info.value
+    assert (e.rank, e.pid, e.missing) == (0, 1234, (5,))
+    assert str(e).startswith("rank 0 (pid 1234) died. Group rank(s) [5] of this host had "
+                             "not arrived at this collective either"), str(e)
 
 
 _PEER = r"""

@@ -37,11 +37,11 @@ from torch._C._distributed_c10d import _create_work_from_future
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 
 from ..engine.byte_exchange import exchange_bytes
-from ..errors import FrameError, ReduceStall
+from ..errors import FrameError, PeerDied, ReduceStall
 from ..frame import RoundKind
 from .overlap import CollectiveWorker
 from .reduce_ops import check_dtype, check_op, op_name, op_type, reduce_in_order
-from .rendezvous import HostLink, PeerDied, rendezvous
+from .rendezvous import HostLink, rendezvous
 
 logger = logging.getLogger("flodl_shm")
 

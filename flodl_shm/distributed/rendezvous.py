@@ -46,6 +46,7 @@ from datetime import timedelta
 from ..engine import arena as A
 from ..engine.comm import Comm
 from ..engine.segment import reap_dead_owner_segments
+from ..errors import PeerDied
 
 logger = logging.getLogger("flodl_shm")
 
@@ -109,21 +110,15 @@ def topology_from_identities(rank: int, identities: list[str]) -> Topology:
     return Topology(rank, len(identities), hosts, idx)
 
 
-class PeerDied(RuntimeError):
-    """A host peer of a waiting rank is gone: ``rank`` (group rank) and ``pid`` name it."""
-
-    def __init__(self, message: str, rank: int, pid: int) -> None:
-        super().__init__(message)
-        self.rank, self.pid = rank, pid
-
-
 class PeerWatch:
     """The liveness check a waiting rank runs after every sleep slice: raises
     ``PeerDied`` (a ``RuntimeError``) naming the first host peer whose process is gone."""
 
-    def __init__(self, pids: dict[int, int], what: str) -> None:
+    def __init__(self, pids: dict[int, int], what: str, host_ranks: tuple[int, ...] = ()
+                 ) -> None:
         self.pids = dict(pids)
         self.what = what
+        self.host_ranks = tuple(host_ranks)  # group rank of each local rank, for the waits
 
     def __call__(self) -> None:
         for rank, pid in self.pids.items():
@@ -131,7 +126,8 @@ class PeerWatch:
                 raise PeerDied(
                     f"{self.what}: rank {rank} (pid {pid}) died; the collective cannot "
                     f"complete. Destroy the process group and restart the job (e.g. "
-                    f"torchrun --max-restarts) from the last checkpoint", rank, pid)
+                    f"torchrun --max-restarts) from the last checkpoint", rank, pid,
+                    host_ranks=self.host_ranks)
 
 
 def _process_running(pid: int) -> bool:
@@ -214,7 +210,7 @@ def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
             arena.close()
         raise
     pids = {r: int(store.get(f"pid/{r}")) for r in local if r != rank}
-    watch = PeerWatch(pids, f"flodl_shm process group (rank {rank} of {world})")
+    watch = PeerWatch(pids, f"flodl_shm process group (rank {rank} of {world})", local)
     comm = Comm(arena, topo.local_rank, global_rank=rank, world_size=len(local),
                 timeout=timeout.total_seconds(), liveness=watch)
     leaders = None

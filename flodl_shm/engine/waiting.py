@@ -38,7 +38,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import CohortAborted, ReduceStall
+from ..errors import CohortAborted, PeerDied, ReduceStall
 from ..kernels import signals
 from ..kernels.codes import ABORT, is_finished
 
@@ -308,4 +308,9 @@ class Waiter:
             r = check(self.spin_iters // 8)
             if is_finished(r):
                 return r
-            self.liveness()
+            try:
+                self.liveness()
+            except PeerDied as e:  # name who else had not arrived: maybe why it left
+                if e.missing is not None:
+                    raise
+                raise e.with_missing(missing_of()) from None
