@@ -304,6 +304,28 @@ def test_default_ranks_fork_from_a_single_threaded_rank_server():
     assert processes_gone(parents, 10.0), "the rank server outlived spawn"
 
 
+def forks_of_its_own(ctx):
+    """A rank that forks: a bare child, and a DataLoader whose workers are forks."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(7)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    data = DataLoader(TensorDataset(torch.arange(16.0)), batch_size=4, num_workers=2,
+                      multiprocessing_context="fork")
+    return code, sum(float(b[0].sum()) for b in data)
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_rank_forks_children_of_its_own(method):
+    """The rank server's at-fork hook (a rank follows the server's death from the instant
+    it is forked) is inherited by the ranks; it must leave their own forks alone. It
+    used to end every one at once with exit code 1: no DataLoader with forked workers,
+    no fork-based Pool inside a rank."""
+    assert spawn(forks_of_its_own, 2, start_method=method, timeout=60) == [(7, 120.0)] * 2
+
+
 def test_forkserver_off_linux_spawns_ranks(monkeypatch):
     """Without the rank server (not Linux), the default start method spawns each rank:
     multiprocessing's own forkserver would make every rank fail its parent check."""

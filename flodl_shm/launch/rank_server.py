@@ -41,13 +41,18 @@ def _serve_ranks(listener_fd: int, alive_r: int, nprocs: int) -> None:
     """A rank server's common part: load the kernels and what every rank imports
     first, then serve forks until the launcher closes ``alive_r``; every child follows
     the server's death from the instant it is forked (an at-fork hook, before it
-    imports the launcher's main module)."""
+    imports the launcher's main module). The ranks inherit the hook; in them it does
+    nothing, so their own forks (a DataLoader's workers, a Pool) run as anywhere."""
     _warm_kernels(nprocs)
     from ..engine import comm as _comm  # noqa: F401 - what every rank imports first
 
     server_pid = os.getpid()
+    forking = {"server": True}  # per process: False in a rank, which forks as it likes
 
     def follow_server() -> None:  # in each child, right after the fork
+        if not forking["server"]:
+            return  # a rank's own fork (a DataLoader worker, a Pool): not a rank
+        forking["server"] = False
         _set_pdeathsig()
         if os.getppid() != server_pid:
             os._exit(1)
