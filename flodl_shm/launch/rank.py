@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import logging
+import multiprocessing
 import os
 import pickle
 import signal
@@ -136,8 +137,15 @@ def _error_message(global_rank: int, first_rank: int, e: BaseException) -> tuple
 def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_size: int,
                payload: bytes, conn, parent_pid: int, timeout: float | None,
                save_path: str | None, threads: int, pinned_decode: bool,
-               log_level: int = logging.INFO, c10d_env: dict | None = None) -> None:
-    """Entry point of a rank process (runs under multiprocessing's spawn)."""
+               log_level: int = logging.INFO, c10d_env: dict | None = None,
+               mp_start_method: str | None = None) -> None:
+    """Entry point of a rank process (runs under multiprocessing's spawn).
+
+    ``mp_start_method``: the launcher's default multiprocessing start method, made the
+    rank's (multiprocessing gives a child the method that started it, forkserver or
+    spawn): a rank's own children (a DataLoader's workers) start as they would in the
+    user's script or under torchrun (forked on Linux: a DataLoader's first batch in
+    about 0.05 s, against 2 s per epoch through a fresh forkserver of the rank)."""
     _set_pdeathsig()
     if os.getppid() != parent_pid:  # the launcher died before we could ask to follow it
         os._exit(1)
@@ -148,6 +156,8 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
         "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(handle.world),
     })
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    if mp_start_method is not None:
+        multiprocessing.set_start_method(mp_start_method, force=True)
     if forkserver.get_inherited_fds() is not None and "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()  # forked from the rank server: fresh entropy,
         # as a spawned rank's numpy has (Python's random reseeds itself at fork)

@@ -145,6 +145,10 @@ class SpawnContext:
         self.save_path = save_path
         self._payload = _check_picklable(fn, args)
         self._mp = mp.get_context(start_method)
+        # the ranks' own default (a DataLoader's workers): this launcher's, not the
+        # method that started them; read without fixing the launcher's default
+        self._child_start_method = (mp.get_start_method(allow_none=True)
+                                    or mp.get_all_start_methods()[0])
         self._process_cls = _process_class(start_method)
         self._log_level = _forward_level()
         # single host: ranks may also call dist.init_process_group("flodl_shm") (env://)
@@ -283,7 +287,7 @@ class SpawnContext:
                         args=(self.arena.handle, r, self.first_rank + r, self.world_size,
                               self._payload, child_conn, parent_pid, self._rank_timeout,
                               self.save_path, threads, self.pinned_decode, self._log_level,
-                              self._c10d_env),
+                              self._c10d_env, self._child_start_method),
                         daemon=False)
                     p._rank_server = self._server
                     try:
