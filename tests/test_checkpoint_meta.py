@@ -100,6 +100,14 @@ def test_bundle_path_without_file_name_is_a_clear_error():
         CheckpointBundle.model_path("")
 
 
+def test_a_stem_that_ends_with_a_separator_is_refused_naming_a_stem_inside():
+    """'runs/job/' reads as a directory, but the files would land beside it
+    (runs/job.fdl): refused, with the stem to pass instead."""
+    with pytest.raises(ValueError, match=r"ends with a separator.*'runs/job/ckpt'"):
+        CheckpointBundle.model_path("runs/job/")
+    assert CheckpointBundle.model_path(Path("runs/job/")) == Path("runs/job.fdl")  # no slash
+
+
 # --- save reason ---------------------------------------------------------------
 
 

@@ -93,6 +93,8 @@ def test_trainer_arguments_are_checked_up_front(tmp_path):
         Trainer(*args, batch_size=0)
     with pytest.raises(ValueError, match="max_failures"):
         Trainer(*args, max_failures=-1)
+    with pytest.raises(ValueError, match="ends with a separator"):
+        Trainer(*args, save_path=f"{tmp_path}/runs/")
     with pytest.raises(ValueError, match="needs a save_path"):
         Trainer(*args).resume()
     bundle(tmp_path / "ck", 4)

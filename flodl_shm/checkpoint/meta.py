@@ -64,14 +64,23 @@ def set_extension(path: "str | os.PathLike[str]", ext: str) -> Path:
     ``a/ckpt.tar.gz`` -> ``a/ckpt.tar.ext``; a leading dot is not an extension
     (``.ckpt`` -> ``.ckpt.ext``); ``ext == ""`` only drops the extension.
 
-    Raises ``ValueError`` when the path has no file name (``""``, ``"."``, ``"/"``).
+    Raises ``ValueError`` when the path has no file name (``""``, ``"."``, ``"/"``) or
+    ends with a separator (``"runs/job/"`` names a directory: the files would land
+    beside it as ``runs/job.fdl``).
     """
-    p = Path(os.fspath(path))
+    raw = os.fspath(path)
+    p = Path(raw)
     name = p.name
     if not name or name in (".", ".."):
         raise ValueError(
-            f"checkpoint stem {os.fspath(path)!r} has no file name; pass a stem such as "
+            f"checkpoint stem {raw!r} has no file name; pass a stem such as "
             f"'runs/job/ckpt' (the bundle files are named after it)"
+        )
+    if isinstance(raw, str) and raw.endswith(("/", os.sep)):
+        raise ValueError(
+            f"checkpoint stem {raw!r} ends with a separator, as a directory does, but the "
+            f"bundle files are named after the stem ({name}.fdl beside that directory); "
+            f"pass a stem inside it, such as {raw + 'ckpt'!r}"
         )
     dot = name.rfind(".")
     stem = name[:dot] if dot > 0 else name

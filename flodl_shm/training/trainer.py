@@ -42,7 +42,8 @@ import numpy as np
 from torch.nn.utils import clip_grad_norm_
 
 from ..errors import TrainingAborted
-from ..checkpoint.meta import CheckpointBundle, CheckpointMeta, RankDeathRecord, SaveReason
+from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, RankDeathRecord, SaveReason,
+                               set_extension)
 from .coordinator import Coordinator, CoordinatorConfig
 from .coverage import SHUFFLE_BASE_SEED, epoch_permutation
 from .data import fetch_batch
@@ -243,6 +244,8 @@ class Trainer:
         self.bf16_wire = bool(bf16_wire)
         self.checkpoint_every = checkpoint_every
         self.save_path = None if save_path is None else os.fspath(save_path)
+        if self.save_path is not None:
+            set_extension(self.save_path, "")  # a stem with a file name, or ValueError now
         self.keep_checkpoints = keep_checkpoints
         self.max_failures = max_failures
         self.seed = int(seed)
