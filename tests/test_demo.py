@@ -199,6 +199,10 @@ def test_command_line_checks(tmp_path):
     write_secret_file(secret)
     with pytest.raises(SystemExit):
         parse_args(["--slow-rank", "1"])
+    for flag, bad in (("--checkpoint-every", "-1"), ("--timeout", "0")):  # were API errors
+        with pytest.raises(SystemExit):                                  # after the banner
+            parse_args([flag, bad])
+    assert parse_args(["--checkpoint-every", "0"]).checkpoint_every is None  # at the end only
     with pytest.raises(SystemExit):
         parse_args(["--slow-rank", "2:3"])            # 2 ranks: ranks 0 and 1
     with pytest.raises(SystemExit):

@@ -448,6 +448,10 @@ def _check(cfg: DemoConfig) -> list[str]:
             out.append(f"--{name.replace('_', '-')} must be >= 1")
     if cfg.epochs < 0:
         out.append("--epochs must be >= 0")
+    if cfg.checkpoint_every is not None and cfg.checkpoint_every < 1:
+        out.append("--checkpoint-every must be >= 0 (0: only at the end)")
+    if not cfg.timeout > 0:
+        out.append(f"--timeout must be > 0 seconds, got {cfg.timeout:g}")
     if cfg.slow_rank is not None and cfg.slow_rank[0] >= cfg.total_world:
         out.append(f"--slow-rank {cfg.slow_rank[0]} is not a rank of a {cfg.total_world}-rank "
                    f"run")
