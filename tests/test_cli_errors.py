@@ -103,6 +103,27 @@ def test_controller_with_a_port_out_of_range_is_one_line(tmp_path, secret):
                         "outside 0-65535 (0: any free port when binding)\n")
 
 
+@pytest.mark.parametrize("extra, said", [
+    (["--world-size", "0"], "--world-size must be >= 1"),
+    (["--world-size", "2", "--round-timeout", "0"], "--round-timeout must be > 0 seconds, got 0"),
+    (["--world-size", "2", "--round-timeout", "-3"], "--round-timeout must be > 0 seconds"),
+])
+def test_controller_numbers_out_of_range_are_usage_errors(secret, capsys, extra, said):
+    """They used to start a controller (a round timeout of 0 or less stalls every round
+    at once) or fail naming the API's ClusterController."""
+    from flodl_shm.cli.controller import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--bind", "127.0.0.1:0", "--secret-file", str(secret), *extra])
+    assert info.value.code == 2
+    assert said in capsys.readouterr().err
+    from flodl_shm import ClusterController
+    from flodl_shm.cluster.secret import read_secret_file
+
+    with pytest.raises(ValueError, match="round_timeout must be > 0 seconds or None"):
+        ClusterController.start("127.0.0.1:0", 2, read_secret_file(secret), round_timeout=0.0)
+
+
 def test_controller_help_documents_every_option(tmp_path):
     r = _flodl(["controller", "--help"], tmp_path, timeout=60)
     assert r.returncode == 0

@@ -110,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
                  + ", ".join("--" + m.replace("_", "-") for m in missing))
     if args.outer_state and args.outer != "nesterov":
         ap.error("--outer-state needs --outer nesterov")
+    if args.world_size < 1:
+        ap.error(f"--world-size must be >= 1 (every rank of every host), got {args.world_size}")
+    if not args.round_timeout > 0:
+        ap.error(f"--round-timeout must be > 0 seconds, got {args.round_timeout:g}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         ctl = _start(args)

@@ -153,6 +153,9 @@ class ClusterController:
         saved at sync round ``outer_round`` (``load_outer_momentum``)."""
         if int(world_size) <= 0:
             raise ValueError(f"ClusterController: world_size must be > 0, got {world_size}")
+        if round_timeout is not None and not round_timeout > 0:
+            raise ValueError(f"ClusterController: round_timeout must be > 0 seconds or None "
+                             f"(no deadline of its own), got {round_timeout}")
         salt = check_salt(salt)
         if dead_ranks is None:
             dead_ranks = DeadRanks(world_size)
