@@ -146,9 +146,15 @@ def test_shape_mismatches_are_named():
         opt.outer_step([torch.zeros(2, dtype=torch.float64)], [torch.zeros(2, dtype=torch.float64)])
 
 
-def test_non_finite_hyperparameters_are_refused():
+def test_non_finite_or_out_of_range_hyperparameters_are_refused():
     with pytest.raises(ValueError, match="lr must be finite"):
         OuterNesterov(lr=float("nan"))
+    with pytest.raises(ValueError, match="lr must be >= 0, got -0.7"):
+        OuterNesterov(lr=-0.7)
+    for mu in (1.0, 1.5, -0.1):  # from 1 up the velocity grows without bound
+        with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\)"):
+            OuterNesterov(lr=0.7, momentum=mu)
+    OuterNesterov(lr=0.0, momentum=0.0)  # the edges: no outer movement, no momentum
 
 
 # --- the flat kernel: bit-exact forms -------------------------------------------------------

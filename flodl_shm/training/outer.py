@@ -148,6 +148,13 @@ class OuterNesterov(OuterOptimizer):
                     f"OuterNesterov {name} must be finite, got {value!r}; "
                     "DiLoCo's reference is lr=0.7, momentum=0.9"
                 )
+        if lr < 0:
+            raise ValueError(f"OuterNesterov lr must be >= 0, got {lr!r} (a negative one steps "
+                             f"away from the consensus); DiLoCo's reference is lr=0.7")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"OuterNesterov momentum must be in [0, 1), got {momentum!r} (from "
+                             f"1 up the velocity grows without bound); DiLoCo's reference "
+                             f"is momentum=0.9")
         self.lr = float(lr)
         self.mu = float(momentum)
         self._velocity: Optional[list] = None
