@@ -83,10 +83,13 @@ def test_container_limit_below_host_ram_fails_the_ram_check(tmp_path, capsys):
     assert not gate["ok"] and not gate["required"]
     assert (gate["need_bytes"], gate["have_bytes"]) == (staging * 12, 2 * GB - 512 * MB)
 
-    # the same model on the bare 24 GiB host fits, staging included
-    code, rep = run_json(capsys, "--root", fake_host(tmp_path / "bare"), "--shm-size", "8GiB",
-                         "--params", "190M", "--local-ranks", "2")
-    assert code == 0 and rep["ok"] and check(rep, "pinned_decode_staging")["ok"]
+    # the same model on the bare 24 GiB host fits, staging included; --nprocs (the
+    # demo's name for the ranks on this host) says the same as --local-ranks
+    for ranks in ("--local-ranks", "--nprocs"):
+        code, rep = run_json(capsys, "--root", fake_host(tmp_path / ranks), "--shm-size",
+                             "8GiB", "--params", "190M", ranks, "2")
+        assert code == 0 and rep["ok"] and check(rep, "pinned_decode_staging")["ok"]
+        assert rep["needs"]["gate_need_bytes"] == staging * 2 * 6
 
 
 def test_docker_default_64mib_dev_shm(tmp_path, capsys):

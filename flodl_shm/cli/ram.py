@@ -211,8 +211,8 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
                    help="f32 model size (Σ numel × 4), e.g. 727MiB or 760MB")
     g.add_argument("--params", type=_argtype(parse_count), metavar="COUNT",
                    help="number of parameters, e.g. 190M (K/M/B suffixes)")
-    p.add_argument("--local-ranks", type=int, default=1, metavar="N",
-                   help="ranks on this host (default 1)")
+    p.add_argument("--local-ranks", "--nprocs", type=int, default=1, metavar="N",
+                   help="ranks on this host (default 1; --nprocs as in the demo)")
     p.add_argument("--wire", choices=("f32", "bf16"), default="f32",
                    help="wire dtype of model frames (default f32)")
     p.add_argument("--train-bytes", type=_argtype(parse_size), default=0, metavar="SIZE",
