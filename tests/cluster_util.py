@@ -126,6 +126,7 @@ class HostProcess:
         os.close(w)
         self._r = r
         self._chunks: list[bytes] = []
+        self.exit_code: int | None = None
 
     def join(self, timeout: float):
         """(True, fn's result) or (False, its exception); AssertionError naming the host
@@ -133,15 +134,23 @@ class HostProcess:
         return join_hosts([self], time.monotonic() + timeout)[0]
 
     def kill(self) -> None:
+        """SIGKILL the host (its rank server and ranks follow it) and reap it; once."""
         if self._r < 0:
             return
         try:
             os.kill(self.pid, signal.SIGKILL)  # a no-op on a host that already finished
         except ProcessLookupError:
             pass
-        os.waitpid(self.pid, 0)
+        self.exit_code = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
         os.close(self._r)
         self._r = -1
+
+    def outcome(self) -> tuple[bool, object]:
+        """What the host sent back, once it is reaped: (ok, result or exception)."""
+        if not self._chunks:
+            return False, RuntimeError(f"{self.name} ended without sending its outcome "
+                                       f"(exit code {self.exit_code})")
+        return pickle.loads(b"".join(self._chunks))
 
 
 def join_hosts(procs: list[HostProcess], deadline: float) -> list[tuple[bool, object]]:
@@ -163,7 +172,7 @@ def join_hosts(procs: list[HostProcess], deadline: float) -> list[tuple[bool, ob
             p.kill()
     stuck = [p.name for p in pending.values()]
     assert not stuck, f"hosts {stuck} did not finish"
-    return [pickle.loads(b"".join(p._chunks)) for p in procs]
+    return [p.outcome() for p in procs]
 
 
 def run_host_processes(ctl, host, hosts: int, join_timeout: float = 150.0):
