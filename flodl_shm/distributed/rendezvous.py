@@ -31,8 +31,10 @@ the leaders combine their hosts' partials.
 
 Peer liveness: with no supervisor to fence a dead rank, a waiting rank checks after
 every sleep slice that its host peers' processes still exist; a gone peer makes the
-wait raise ``RuntimeError`` naming its rank (``PeerDied``, see ``PeerWatch``); on a
-multi-host group the leader passes that to the other hosts (``process_group.py``).
+wait raise ``RuntimeError`` naming its rank and the host ranks that had not arrived
+either (``PeerDied``, see ``PeerWatch``: a peer that timed out waiting for them and
+exited is seen as a death); on a multi-host group the leader passes that to the other
+hosts (``process_group.py``).
 """
 from __future__ import annotations
 
