@@ -72,18 +72,16 @@ class PeerDied(RuntimeError):
     def with_missing(self, local: tuple) -> "PeerDied":
         """This error, naming the host's local ranks ``local`` (as a wait lists the ranks
         it still waits for) that had not arrived, besides the dead one."""
-        ranks = tuple(self.host_ranks[m] for m in local
-                      if isinstance(m, int) and 0 <= m < len(self.host_ranks))
-        ranks = tuple(r for r in ranks if r != self.rank)
-        if not ranks:
-            return PeerDied(str(self), self.rank, self.pid, host_ranks=self.host_ranks,
-                            missing=())
-        return PeerDied(
+        ranks = tuple(r for r in (self.host_ranks[m] for m in local
+                                  if isinstance(m, int) and 0 <= m < len(self.host_ranks))
+                      if r != self.rank)
+        message = str(self) if not ranks else (
             f"{self}. Group rank(s) {list(ranks)} of this host had not arrived at this "
             f"collective either: if rank {self.rank} timed out waiting for them and exited, "
             f"they are the cause (alive but elsewhere: every rank must make the same "
-            f"sequence of collective calls)", self.rank, self.pid,
-            host_ranks=self.host_ranks, missing=ranks)
+            f"sequence of collective calls)")
+        return PeerDied(message, self.rank, self.pid, host_ranks=self.host_ranks,
+                        missing=ranks)
 
     def __reduce__(self):
         return (_rebuild_peer_died, (str(self), self.rank, self.pid, self.host_ranks,

@@ -96,7 +96,7 @@ def _forked_rank(scenario: str, rank: int, world: int, port: int, out: str, back
                 os.environ[key] = value
         from flodl_shm.engine import direct  # read at import: this process imported it
         direct.DIRECT_MIN_BYTES = int(os.environ.get("FLODL_SHM_DIRECT_MIN_BYTES",
-                                                     4 << 20))
+                                                     direct.DIRECT_MIN_BYTES))
         run_rank(scenario, rank, world, port, out, backend)
         code = 0
     except BaseException:  # noqa: BLE001 - printed to the rank's log

@@ -311,6 +311,4 @@ class Waiter:
             try:
                 self.liveness()
             except PeerDied as e:  # name who else had not arrived: maybe why it left
-                if e.missing is not None:
-                    raise
                 raise e.with_missing(missing_of()) from None

@@ -47,12 +47,13 @@ def _serve_ranks(listener_fd: int, alive_r: int, nprocs: int) -> None:
     from ..engine import comm as _comm  # noqa: F401 - what every rank imports first
 
     server_pid = os.getpid()
-    forking = {"server": True}  # per process: False in a rank, which forks as it likes
+    in_server = True  # per process: False in a rank, which forks as it likes
 
     def follow_server() -> None:  # in each child, right after the fork
-        if not forking["server"]:
+        nonlocal in_server
+        if not in_server:
             return  # a rank's own fork (a DataLoader worker, a Pool): not a rank
-        forking["server"] = False
+        in_server = False
         _set_pdeathsig()
         if os.getppid() != server_pid:
             os._exit(1)
