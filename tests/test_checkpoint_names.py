@@ -69,6 +69,7 @@ def test_the_forge_writes_the_names_with_the_model(tmp_path):
     assert doc["param_names"] == ["0.weight", "0.bias", "1.weight", "1.bias", "3.weight",
                                   "3.bias"]
     assert doc["buffer_names"] == ["1.running_mean", "1.running_var"]
+    assert "tied" not in doc  # only a model that shares tensors has the field
     # the .fdl itself is unchanged: flodl's positional keys, nothing else
     assert [e.name for e in read_fdl(path).entries] == [f"p{i}" for i in range(6)] + ["b0", "b1"]
     assert load_consensus_checkpoint(make_model(1), path).complete
@@ -165,3 +166,53 @@ def test_series_prunes_the_names_with_the_bundle(tmp_path):
     assert prune_series(stem, keep=1) == [1, 2]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "run-r00000003.fdl", "run-r00000003.meta.json", "run-r00000003.names.json"]
+
+
+class TiedHead(torch.nn.Module):
+    """An output head that reuses the embedding's weight (as GPT-2 and most small LMs
+    do): ``parameters()`` lists it once, ``state_dict()`` under both names."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = torch.nn.Embedding(10, 4)
+        self.norm = torch.nn.BatchNorm1d(4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.norm(self.emb(x)))
+
+
+def test_tied_names_are_recorded_and_validated(tmp_path):
+    schema = ModelSchema.from_module(TiedHead())
+    assert schema.param_names == ["emb.weight", "norm.weight", "norm.bias"]
+    assert schema.tied == {"head.weight": "emb.weight"}
+    forge_checkpoint(TiedHead(), tmp_path / "c.fdl")
+    assert json.loads((tmp_path / "c.names.json").read_text())["tied"] == {
+        "head.weight": "emb.weight"}
+    assert ModelSchema.read_from_file(tmp_path / "c.names.json") == schema
+    with pytest.raises(CheckpointError, match=r"tied\['x'\] = 'nope'.*one it carries"):
+        ModelSchema(["w"], [], tied={"x": "nope"})
+    with pytest.raises(CheckpointError, match="tied must map names to names"):
+        ModelSchema.from_dict({"param_names": ["w"], "buffer_names": [], "tied": ["w"]})
+
+
+@pytest.mark.parametrize("dst", ["c.pt", "c.safetensors"])
+def test_a_model_with_tied_weights_converts_to_a_strictly_loadable_state_dict(tmp_path, dst):
+    model = TiedHead()
+    model(torch.randint(0, 10, (8,)))  # BatchNorm statistics away from their init
+    forge_checkpoint(model, tmp_path / "c.fdl")
+    assert cli.main(["convert", str(tmp_path / "c.fdl"), str(tmp_path / dst)]) == 0
+    state = (torch.load(tmp_path / dst) if dst.endswith(".pt")
+             else load_safetensors(tmp_path / dst)[0])
+    assert torch.equal(state["head.weight"], state["emb.weight"])
+    fresh = TiedHead(seed=1)
+    fresh.load_state_dict(state)  # strict: the tied name is there too
+    assert fresh.head.weight is fresh.emb.weight
+    assert_same_state(model, fresh)
+    # a model's own state_dict, tied names included, goes back into a consensus file
+    state_dict_to_consensus_fdl(model.state_dict(), model, tmp_path / "s.fdl")
+    assert [e.name for e in read_fdl(tmp_path / "s.fdl").entries] == ["p0", "p1", "p2", "b0",
+                                                                      "b1"]
+    TiedHead(seed=2).load_state_dict(consensus_state_dict(tmp_path / "s.fdl"))

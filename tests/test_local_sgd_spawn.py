@@ -9,6 +9,7 @@ import torch
 
 import flodl_shm
 from flodl_shm import CheckpointBundle, CheckpointMeta, LocalSGD
+from flodl_shm.checkpoint.convert import consensus_state_dict
 from flodl_shm.training.local_sgd import rank_state_path
 
 from engine_util import assert_no_leaks
@@ -105,7 +106,7 @@ def _train(ctx, stop: int, save_at: int | None, stem: str | None, load: bool, ou
 def test_resume_from_a_full_state_bundle_is_bit_identical(tmp_path, outer):
     stem = os.fspath(tmp_path / "ckpt")
     straight = flodl_shm.spawn(_train, 2, args=(12, None, None, False, outer))
-    flodl_shm.spawn(_train, 2, args=(6, 6, stem, False, outer))
+    saved = flodl_shm.spawn(_train, 2, args=(6, 6, stem, False, outer))
     resumed = flodl_shm.spawn(_train, 2, args=(12, None, stem, True, outer))
     for (p_a, round_a, lr_a), (p_b, round_b, lr_b) in zip(straight, resumed):
         assert (round_a, lr_a) == (round_b, lr_b)
@@ -116,6 +117,11 @@ def test_resume_from_a_full_state_bundle_is_bit_identical(tmp_path, outer):
     assert (meta.global_step, meta.sync_round, meta.world_size_at_save) == (6, 3, 2)
     assert rank_state_path(stem, 0).exists() and rank_state_path(stem, 1).exists()
     assert CheckpointBundle.outer_path(stem).exists() == (outer == "nesterov")
+    # the model's names travel with it: the converted consensus loads strictly
+    fresh = make_model()
+    fresh.load_state_dict(consensus_state_dict(CheckpointBundle.model_path(stem)))
+    assert all(torch.equal(a, b) for a, b in zip(_params(fresh), saved[0][0])
+               if a.is_floating_point())
     assert_no_leaks()
 
 

@@ -191,3 +191,18 @@ def test_a_checkpoint_posted_just_before_the_end_is_written(tmp_path):
             sumcount_reduce(comm, [p.detach() for p in model.parameters()], 1.0,
                             DECODE_SLOT_PARAMS)
         assert path.exists(), f"checkpoint {i} lost at close"
+
+
+def test_the_tap_carries_a_tied_models_names_to_the_bundle(tmp_path):
+    """A head that reuses the embedding: the bundle's names say so (the converters then
+    emit both names), through the tap's mailbox to the host's forge."""
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    model[1].weight = model[0].weight
+    schema = ModelSchema.from_module(model)
+    path = tmp_path / "tied.fdl"
+    with FakeCohort(1) as c:
+        comm = c.comm(0)
+        comm.arm_checkpoint(path, schema, None)
+        sumcount_reduce(comm, [p.detach() for p in model.parameters()], 1.0, DECODE_SLOT_PARAMS)
+        assert c.flush_checkpoints(60)
+    assert ModelSchema.read_from_file(tmp_path / "tied.names.json").tied == {"1.weight": "0.weight"}

@@ -52,6 +52,8 @@ def test_arm_fields_round_trip_through_a_control_message():
                  "shapes": [[1, "x"]]}).encode(), "shapes"),
     (json.dumps({"cycle": 1, "part": 0, "path": "p", "param_names": [], "buffer_names": [],
                  "meta": 5}).encode(), "meta"),
+    (json.dumps({"cycle": 1, "part": 0, "path": "p", "param_names": [], "buffer_names": [],
+                 "tied": 5}).encode(), "tied must map names to names"),
 ])
 def test_malformed_heads_name_the_field(text, needle):
     with pytest.raises(FrameError, match=needle):
@@ -70,3 +72,14 @@ def test_arm_from_head_reuses_or_rebuilds_the_forge(tmp_path):
     assert f3 is not f1 and f3.schema == ModelSchema(["w"], ["rm"]) and f3.is_armed()
     for f in (f1, f3):
         f.close(5)
+
+
+def test_tied_names_travel_to_the_forge_by_tap_and_by_arm_message(tmp_path):
+    h = _head(path=str(tmp_path / "t.fdl"), tied={"head.w": "w"})
+    assert h.tied == (("head.w", "w"),)
+    assert TapHead.from_json(h.to_json()) == h
+    assert TapHead.from_arm_fields({"type": "arm", **h.arm_fields()}).tied == h.tied
+    assert TapHead.from_json(_head().to_json()).tied == ()
+    forge = arm_from_head(None, h)
+    assert forge.schema == ModelSchema(["w", "b"], ["rm"], tied={"head.w": "w"})
+    forge.close(5)

@@ -5,8 +5,8 @@
     python tools/bench_allreduce.py --plot bw.png        # also draw bandwidth vs size
 
 Every method times the same operation: an in-place *average* of a float32 buffer
-across the ranks (sum, then scale by 1/world, inside the timed region), like the
-anchor scripts in ../shared/anchors. Per iteration the time is the MAX over ranks
+across the ranks (sum, then scale by 1/world, inside the timed region), as the
+peers' own benchmarks do (BENCHMARKS.md). Per iteration the time is the MAX over ranks
 (the collective is done when the slowest rank is), then the median over
 iterations. GB/s is algorithmic bandwidth (buffer bytes / time); "x memcpy" divides
 by one single-process ``np.copyto`` of the same buffer measured in the same run.

@@ -2,7 +2,7 @@
 """Benchmark: writing a consensus checkpoint, side by side with its peers, in one run.
 
 Writes the same model (default 1 GiB of f32 as 16 x 4096 x 4096 tensors, the
-shape of ``shared/anchors/ckpt_write.py``) as:
+peers' checkpoint-write benchmark shape, BENCHMARKS.md "Checkpoint writes") as:
 
 - ``forge .fdl (f32 payloads)``: ``write_consensus_fdl`` from the consensus
   frame's payload bytes — the path ``CheckpointForge`` runs on its writer thread

@@ -15,9 +15,9 @@ ranks of this host (one thread each) that average their weights every 8 batches:
   one process        the same model, optimizer and samples in one process, no averaging
                      (``flodl_shm.cli.demo.train_one_process``): the floor
   flodl_shm demo     ``flodl_shm.cli.demo.run_demo`` as ``python -m flodl_shm demo`` runs it
-                     (the Trainer: count gather, weighted params reduce, ack gather per
-                     window; checkpoints every 20 windows), without progress bar and
-                     with the test accuracy evaluated at the end only
+                     (the Trainer: one params round per window that carries the
+                     ranks' counts; checkpoints every 20 windows), without progress bar
+                     and with the test accuracy evaluated at the end only
   flodl_shm loop     a plain local-SGD loop: each rank trains its 8 batches, then
                      ``comm.all_reduce_(params)`` (one shared-memory round per window)
   flodl_shm LocalSGD the same loop with ``flodl_shm.LocalSGD``: ``step(samples)`` after
@@ -26,8 +26,8 @@ ranks of this host (one thread each) that average their weights every 8 batches:
                      the output is its per-window time over the bare ``all_reduce_``'s
   gloo loop          the same loop with ``torch.distributed`` gloo over 127.0.0.1: one
                      ``dist.all_reduce`` of the flattened params, then ``div_``
-  gloo per-param     the same with one ``dist.all_reduce`` per parameter tensor, as in
-                     ``shared/anchors/digits_reference.py``
+  gloo per-param     the same with one ``dist.all_reduce`` per parameter tensor, as a
+                     plain DDP-less script averages a model
 
 The loops dispatch the data like the Trainer: each epoch a permutation shared by the
 ranks, cut into windows of 2 x 8 batches (the epoch's tail window split evenly).
@@ -37,7 +37,7 @@ What is measured, per variant, median over the repeats (interleaved):
   loop s       the ranks' training loop, first batch to last average (slowest rank)
   averaging s  the time the ranks spend in the averaging calls, waits for the peer
                included (mean over ranks); for the demo: each window's time outside
-               the rank's own batches (count gather, reduce, ack gather)
+               the rank's own batches (the round and the coordinator's bookkeeping)
   share        averaging s / loop s
   per window   median time of one window's averaging
   accuracy     test accuracy of the final (averaged) model

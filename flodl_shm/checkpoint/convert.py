@@ -255,7 +255,9 @@ def rename_positional(tensors: Mapping[str, object], schema: ModelSchema,
 
     The keys must be exactly the schema's (a consensus model), or exactly its
     ``p{i}`` (an outer-momentum sidecar, one tensor per parameter). Raises
-    ``CheckpointError`` naming the missing and unexpected keys otherwise.
+    ``CheckpointError`` naming the missing and unexpected keys otherwise. Each of the
+    schema's ``tied`` names maps to the same tensor as the name it shares, as in the
+    model's own ``state_dict()``.
     """
     names = schema.positional_names()
     params = {consensus_param_key(i) for i in range(len(schema.param_names))}
@@ -267,7 +269,7 @@ def rename_positional(tensors: Mapping[str, object], schema: ModelSchema,
             f"{len(schema.buffer_names)} buffers): missing {missing}, unexpected {unexpected}; "
             f"pass the model it was saved from, or keep the file's keys (names=None, "
             f"fdl convert --keep-keys)")
-    return {names[k]: tensors[k] for k in names if k in tensors}
+    return schema.with_tied({names[k]: tensors[k] for k in names if k in tensors})
 
 
 def consensus_state_dict(path: "str | os.PathLike[str]", schema_or_module=None) -> dict:

@@ -249,21 +249,48 @@ class ModelSchema:
     :func:`averaged_buffers`). The consensus frames carry params first, then
     these buffers; a checkpoint writer pairs them positionally: the i-th
     parameter is key ``p{i}``, the j-th averaged buffer ``b{j}``.
+
+    ``tied`` maps each further name of a shared tensor to the name it is carried
+    under: a model whose output head reuses its embedding lists the head's weight
+    once in ``param_names`` (as ``parameters()`` does), while its ``state_dict()``
+    has both keys. The converters emit the tied names too, so the result loads with
+    a strict ``load_state_dict``.
     """
 
     param_names: list[str] = field(default_factory=list)
     buffer_names: list[str] = field(default_factory=list)
+    tied: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.param_names = [str(n) for n in self.param_names]
         self.buffer_names = [str(n) for n in self.buffer_names]
+        self.tied = {str(a): str(n) for a, n in dict(self.tied).items()}
+        carried = set(self.param_names) | set(self.buffer_names)
+        for alias, name in self.tied.items():
+            if name not in carried or alias in carried:
+                raise CheckpointError(
+                    f"ModelSchema.tied[{alias!r}] = {name!r}: a tied name must map a name "
+                    f"the schema does not carry to one it carries (params and buffers: "
+                    f"{sorted(carried)})")
 
     @classmethod
     def from_module(cls, module) -> "ModelSchema":
         """Capture the schema of a torch ``nn.Module`` (names only; no weights read)."""
+        tied: dict[str, str] = {}
+        params = module.named_parameters(remove_duplicate=False)
+        floats = ((n, b) for n, b in module.named_buffers(remove_duplicate=False)
+                  if b.is_floating_point())  # integer buffers are not carried
+        for named in (params, floats):
+            first: dict[int, str] = {}
+            for n, t in named:
+                if id(t) in first:
+                    tied[n] = first[id(t)]
+                else:
+                    first[id(t)] = n
         return cls(
             param_names=[n for n, _ in module.named_parameters()],
             buffer_names=[n for n, _ in averaged_buffers(module)],
+            tied=tied,
         )
 
     def tensor_count(self) -> int:
@@ -277,9 +304,19 @@ class ModelSchema:
         names.update({consensus_buffer_key(j): n for j, n in enumerate(self.buffer_names)})
         return names
 
+    def with_tied(self, named: dict) -> dict:
+        """``named`` (qualified names to tensors) plus each tied name whose tensor is in
+        it, as the same tensor object (``torch.save`` stores it once)."""
+        out = dict(named)
+        for alias, name in self.tied.items():
+            if name in out:
+                out[alias] = out[name]
+        return out
+
     def write_to_file(self, path: "str | os.PathLike[str]") -> None:
         """Commit the names as pretty JSON (``schema_version``, ``param_names``,
-        ``buffer_names``) to ``path`` atomically: a bundle's ``.names.json``."""
+        ``buffer_names``, and ``tied`` when the model shares tensors) to ``path``
+        atomically: a bundle's ``.names.json``."""
         p = Path(os.fspath(path))
         obj = {"schema_version": MODEL_NAMES_SCHEMA_VERSION, **self.to_dict()}
         atomic_write_bytes(p, _dump_json(obj, "ModelSchema", p))
@@ -293,7 +330,10 @@ class ModelSchema:
         return cls.from_dict(obj)
 
     def to_dict(self) -> dict:
-        return {"param_names": list(self.param_names), "buffer_names": list(self.buffer_names)}
+        d = {"param_names": list(self.param_names), "buffer_names": list(self.buffer_names)}
+        if self.tied:  # absent for the common untied model: its files stay as they were
+            d["tied"] = dict(self.tied)
+        return d
 
     @classmethod
     def from_dict(cls, obj: dict) -> "ModelSchema":
@@ -305,7 +345,11 @@ class ModelSchema:
                 if not isinstance(n, str):
                     raise CheckpointError(f"{where}.{key}[{i}] must be a string, got {n!r}")
             names[key] = items
-        return cls(**names)
+        tied = obj.get("tied", {})
+        if not isinstance(tied, dict) or not all(isinstance(a, str) and isinstance(n, str)
+                                                 for a, n in tied.items()):
+            raise CheckpointError(f"{where}.tied must map names to names, got {tied!r}")
+        return cls(**names, tied=tied)
 
 
 # --- save reason ----------------------------------------------------------------

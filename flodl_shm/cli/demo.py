@@ -50,7 +50,7 @@ from flodl_shm.training.hooks import Hook
 __all__ = ["DemoConfig", "DemoResult", "accuracy", "digits_split", "main", "make_model",
            "parse_args", "plot_training", "run_demo", "train_one_process"]
 
-# The demo's fixed recipe (the reference's: shared/anchors/digits_reference.py).
+# The demo's fixed recipe, as the README's demo section states it.
 HIDDEN = 128
 LR = 0.05
 MOMENTUM = 0.9

@@ -23,7 +23,7 @@ During the run:
   host counts them against its ``max_failures``.
 - ``host_done`` relay -> controller: every rank of this host finished.
 - ``arm`` relay -> controller: a rank armed a consensus checkpoint: ``path``,
-  ``meta``, ``param_names``, ``buffer_names``.
+  ``meta``, ``param_names``, ``buffer_names``, ``tied``.
 - ``stall`` controller -> every relay: the round did not complete in time:
   ``round``, ``missing`` (the global ranks that never delivered), ``timeout``.
   Ranks raise ``ReduceStall(round, missing, timeout)``.

@@ -659,9 +659,10 @@ class LocalSGD:
         after a sync). Returns the bundle's model path.
 
         Every rank writes its ``<stem>.rank<N>.optim`` (:meth:`state_dict`); then the
-        lowest live rank of each host writes the consensus ``<stem>.fdl``, the outer
-        momentum ``<stem>.outer.fdl`` (``OuterNesterov``) and ``<stem>.meta.json`` last
-        (its presence marks the bundle complete). Files are written atomically.
+        lowest live rank of each host writes the model's names ``<stem>.names.json``, the
+        consensus ``<stem>.fdl``, the outer momentum ``<stem>.outer.fdl``
+        (``OuterNesterov``) and ``<stem>.meta.json`` last (its presence marks the bundle
+        complete). Files are written atomically.
 
         Args:
             path: the bundle's stem (``runs/exp/ckpt`` or ``runs/exp/ckpt.fdl``).
@@ -691,6 +692,8 @@ class LocalSGD:
 
         tensors = [p.detach().to(torch.float32) for p in self.params]
         tensors += [b.detach().to(torch.float32) for b in self.buffers]
+        # the names first, as the forge writes them: a present .fdl implies its .names.json
+        self.schema.write_to_file(CheckpointBundle.names_path(path))
         write_consensus_fdl(self.schema, tensors_to_round_frame(tensors, DTYPE_F32).tensors,
                             CheckpointBundle.model_path(path))
         _, momentum = self.outer_state()
