@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
 import struct
 import tracemalloc
 
@@ -226,18 +227,18 @@ def test_huge_claimed_payload_fails_without_allocating(tmp_path):
             read_fdl(path)
 
 
-def test_every_truncation_is_a_checkpoint_error(tmp_path):
+def test_every_truncation_is_a_checkpoint_error_naming_the_file(tmp_path):
     blob = fdl_bytes([("weight", (2, 2), 3, F32_1234), ("n", (), 6, bytes(8))])
     path = tmp_path / "t.fdl"
     for cut in range(len(blob)):
         path.write_bytes(blob[:cut])
-        with pytest.raises(CheckpointError):
+        with pytest.raises(CheckpointError, match=re.escape(str(path))):
             read_fdl(path)
     gz = tmp_path / "t.fdl.gz"
     packed = gzip.compress(blob)
     for cut in range(len(packed)):
         gz.write_bytes(packed[:cut])
-        with pytest.raises(CheckpointError):
+        with pytest.raises(CheckpointError, match=re.escape(str(gz))):
             read_fdl(gz)
 
 

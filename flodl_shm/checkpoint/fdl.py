@@ -456,11 +456,13 @@ class _Source:
     ``GZIP_MAX_RATIO`` x the compressed size for gzip.
     """
 
-    def __init__(self, fh: BinaryIO, size: Optional[int], seekable: bool, limit: int) -> None:
+    def __init__(self, fh: BinaryIO, size: Optional[int], seekable: bool, limit: int,
+                 label: str) -> None:
         self.fh = fh
         self.size = size
         self.seekable = seekable
         self.limit = limit
+        self.label = label  # the file, for the errors
         self.pos = 0
 
     def read_exact(self, n: int, what: str) -> bytes:
@@ -469,7 +471,8 @@ class _Source:
         self.pos += got
         if got != n:
             raise CheckpointError(
-                f"corrupt checkpoint: file ends inside {what} (needed {n} bytes, {got} present)"
+                f"corrupt checkpoint: {self.label} ends inside {what} (needed {n} bytes, "
+                f"{got} present)"
             )
         return buf
 
@@ -520,8 +523,8 @@ def _open_source(path: Path):
     size = os.fstat(raw.fileno()).st_size
     if is_gzip_path(path):
         zf = gzip.GzipFile(fileobj=raw, mode="rb")
-        return raw, zf, _Source(zf, None, False, size * GZIP_MAX_RATIO)
-    return raw, None, _Source(raw, size, True, size)
+        return raw, zf, _Source(zf, None, False, size * GZIP_MAX_RATIO, str(path))
+    return raw, None, _Source(raw, size, True, size, str(path))
 
 
 class FdlReader:
