@@ -28,6 +28,7 @@ _EXPORTS = {
     "HandshakeRejected": "flodl_shm.errors",
     "TrainingAborted": "flodl_shm.errors",
     "StartRefused": "flodl_shm.errors",
+    "SeriesInUse": "flodl_shm.errors",
     # frames
     "DTYPE_F32": "flodl_shm.frame",
     "DTYPE_BF16": "flodl_shm.frame",

@@ -195,3 +195,22 @@ class TrainingAborted(RuntimeError):
 
     def __reduce__(self):  # pickles (a job system, a process pool) with its result
         return (TrainingAborted, (self.summary, self.result, self.resume_hint))
+
+
+class SeriesInUse(RuntimeError):
+    """Another run holds the checkpoint series this run would write
+    (``checkpoint/run_lock.py``): two runs on one save path would overwrite each
+    other's bundles. ``lock`` is the series' lock file, ``holder`` who holds it (pid,
+    host and start time)."""
+
+    def __init__(self, lock: str, holder: str) -> None:
+        super().__init__(
+            f"the checkpoint series of {lock.removesuffix('.lock')} is in use by another run "
+            f"({holder}; lock file {lock}): two runs writing one series would overwrite each "
+            f"other's checkpoints. Wait for that run to end or stop it, or give this run "
+            f"another save path")
+        self.lock = lock
+        self.holder = holder
+
+    def __reduce__(self):
+        return (SeriesInUse, (self.lock, self.holder))

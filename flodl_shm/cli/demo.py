@@ -542,7 +542,24 @@ def _read_rows(path: Path) -> list[dict]:
 
 
 def run_demo(cfg: DemoConfig) -> DemoResult:
-    """Run the demo as configured (prints as the command does) and return its figures."""
+    """Run the demo as configured (prints as the command does) and return its figures.
+
+    The run holds its checkpoint series' run lock from before it writes anything in
+    ``run_dir`` to its end: a second demo on the same ``--run-dir`` is refused."""
+    from flodl_shm import SeriesInUse
+    from flodl_shm.checkpoint.run_lock import RunLock
+
+    try:
+        with RunLock(cfg.save_path):
+            return _run_demo(cfg)
+    except SeriesInUse as e:
+        raise SystemExit(
+            f"{_PROG}: error: --run-dir {cfg.run_dir} is in use by another run ({e.holder}); "
+            f"two runs in one folder would overwrite each other's checkpoints. Wait for it "
+            f"to end, or pass another --run-dir") from None
+
+
+def _run_demo(cfg: DemoConfig) -> DemoResult:
     from flodl_shm import latest_checkpoint
 
     # refused before anything is printed or started (SystemExit: the message, exit 1)

@@ -28,6 +28,7 @@ module-level functions (or ``functools.partial`` of them), not lambdas.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -280,9 +281,13 @@ class Trainer:
         ``TrainResult`` comes from its lowest live rank (the consensus and the
         cohort-wide history are the same on every host).
 
+        With ``save_path``, the run holds the series' run lock from here to its end
+        (``checkpoint/run_lock.py``): a second run on the same save path is refused.
+
         Raises:
             FileExistsError: ``save_path`` already holds checkpoints (resume them, or
                 pass ``overwrite=True`` to delete them first).
+            SeriesInUse: another run is writing ``save_path``'s series.
             TrainingAborted: more than ``max_failures`` ranks died (with ``save_path``;
                 the survivors saved first).
             RankFailed: a rank failed and no checkpoint could be saved.
@@ -290,14 +295,23 @@ class Trainer:
         from ..checkpoint.series import committed_checkpoints, delete_series
 
         cluster = _Cluster.of(controller, world_size, first_rank, salt, int(nprocs))
-        if self.save_path is not None and committed_checkpoints(self.save_path):
-            if not overwrite:
-                raise FileExistsError(
-                    f"{self.save_path} already holds checkpoints of an earlier run; continue it "
-                    f"with trainer.resume({self.save_path!r}), or pass overwrite=True to "
-                    f"delete them and start over")
-            delete_series(self.save_path)
-        return self._launch(_Job(self, int(nprocs), None, None, _log_level(), cluster))
+        with self._run_lock():
+            if self.save_path is not None and committed_checkpoints(self.save_path):
+                if not overwrite:
+                    raise FileExistsError(
+                        f"{self.save_path} already holds checkpoints of an earlier run; "
+                        f"continue it with trainer.resume({self.save_path!r}), or pass "
+                        f"overwrite=True to delete them and start over")
+                delete_series(self.save_path)
+            return self._launch(_Job(self, int(nprocs), None, None, _log_level(), cluster))
+
+    def _run_lock(self):
+        """The run lock of ``save_path``'s series, or nothing to hold without one."""
+        if self.save_path is None:
+            return contextlib.nullcontext()
+        from ..checkpoint.run_lock import RunLock
+
+        return RunLock(self.save_path)
 
     def resume(self, save_path: "str | os.PathLike[str] | None" = None,
                nprocs: Optional[int] = None, *, controller=None,
@@ -317,12 +331,18 @@ class Trainer:
         ``controller``, ``world_size``, ``first_rank`` and ``salt`` resume a multi-host
         cohort (see :meth:`run`; each host then needs ``nprocs``, and resumes from its
         own copy of the bundle; the outer momentum is the controller's to load).
+        Like :meth:`run`, it holds the run lock of this trainer's ``save_path``
+        (``SeriesInUse`` when another run holds it).
         """
-        from ..checkpoint.series import resolve_checkpoint
-
         target = save_path if save_path is not None else self.save_path
         if target is None:
             raise ValueError("resume() needs a save_path (this Trainer has none)")
+        with self._run_lock():  # the series this run writes, as run() holds it
+            return self._resume(target, nprocs, controller, world_size, first_rank, salt)
+
+    def _resume(self, target, nprocs, controller, world_size, first_rank, salt) -> TrainResult:
+        from ..checkpoint.series import resolve_checkpoint
+
         model_path = resolve_checkpoint(target)
         meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(model_path))
         saved_world = (len(meta.elche_state.smoothed_ms_per_batch)

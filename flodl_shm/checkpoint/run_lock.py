@@ -1,0 +1,138 @@
+"""One run at a time per checkpoint series: an exclusive lock on ``<series>.lock``.
+
+Two runs given the same save path would write one series between them: the second
+one's ``overwrite`` deletes the bundles the first is still writing, their windows
+interleave in the same file names, and both report success. So the process that
+launches a run holds this lock on the series for the whole run, and a second run on
+the same series is refused before it touches a file (``SeriesInUse``, naming the
+holder's pid, host and start time).
+
+Ownership
+=========
+
+The lock is an ``fcntl.flock`` on the file ``<series base>.lock`` (``runs/ckpt`` ->
+``runs/ckpt.lock``), taken without waiting. It belongs to the open file of the
+process that acquired it:
+
+- **Released by the kernel** when that process exits, however it exits (a crash, a
+  SIGKILL): there is never a stale lock to clear by hand. A ``.lock`` file left by
+  a crash is only a file; the next run locks it and removes it at its end.
+- **Re-entrant within the process**: the demo takes it before it writes its run
+  folder, then its ``Trainer.run`` takes it again; the holder counts and releases at
+  the outermost exit.
+- **Shared with forked children** (the ranks inherit the open file), which never
+  release it: only the acquiring process does (the count is per pid).
+- **Removed by its holder, under the lock.** An acquirer that finds the path gone or
+  pointing at another file after its ``flock`` (the holder removed it in between)
+  opens it again, so two runs never hold locks on two different files of one path.
+  Folders the lock created for itself go too when they are empty by then: a run
+  refused before it wrote anything leaves no trace.
+
+The file holds one JSON line (pid, host, start time) for the refusal message.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from ..errors import SeriesInUse
+from .meta import set_extension
+
+__all__ = ["RunLock", "run_lock_path"]
+
+#: lock files this process holds: resolved path -> (pid, open file, depth, folders it made)
+_HELD: dict[str, tuple[int, int, int, tuple[Path, ...]]] = {}
+
+
+def run_lock_path(save_path: "str | os.PathLike[str]") -> Path:
+    """``<save_path with one extension dropped>.lock``: the series' lock file."""
+    base = set_extension(save_path, "")
+    return base.with_name(base.name + ".lock")
+
+
+class RunLock:
+    """Hold the run lock of the series at ``save_path`` (a context manager).
+
+    Raises ``SeriesInUse`` on entry when another process holds it.
+    """
+
+    def __init__(self, save_path: "str | os.PathLike[str]") -> None:
+        self.path = run_lock_path(save_path)
+        self._key = os.path.realpath(self.path)
+
+    def __enter__(self) -> "RunLock":
+        held = _HELD.get(self._key)
+        if held is not None and held[0] == os.getpid():
+            _HELD[self._key] = (held[0], held[1], held[2] + 1, held[3])
+            return self
+        made = tuple(d for d in (self.path.parent, *self.path.parent.parents)
+                     if not d.exists())  # deepest first
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = self._acquire()
+        except BaseException:
+            _remove_empty(made)
+            raise
+        _HELD[self._key] = (os.getpid(), fd, 1, made)
+        return self
+
+    def _acquire(self) -> int:
+        """Open and lock the file (see the module doc); returns its descriptor."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise SeriesInUse(os.fspath(self.path), holder) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # its holder removed it after we opened it: take the new one
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                   "started": time.strftime("%Y-%m-%d %H:%M:%S")})
+                       + "\n").encode(), 0)
+        return fd
+
+    def __exit__(self, *exc) -> None:
+        pid, fd, depth, made = _HELD[self._key]
+        if depth > 1:
+            _HELD[self._key] = (pid, fd, depth - 1, made)
+            return
+        del _HELD[self._key]
+        try:
+            os.unlink(self.path)  # still locked: no one else holds this file
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # releases the lock
+        _remove_empty(made)
+
+
+def _remove_empty(folders: tuple[Path, ...]) -> None:
+    """Remove ``folders`` (deepest first) while they are empty."""
+    for d in folders:
+        try:
+            d.rmdir()
+        except OSError:
+            return
+
+
+def _read_holder(fd: int) -> str:
+    """'pid N on host H since T' from the holder's line, or a plainer phrase."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {info['pid']} on host {info['host']} since {info['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that has not written its details yet"

@@ -1,0 +1,128 @@
+"""One run per checkpoint series: the run lock (``checkpoint/run_lock.py``).
+
+Another process holds the lock here, as another run would: a real process, a real
+``flock``, killed for real where the test needs the kernel to release it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from flodl_shm import SeriesInUse
+from flodl_shm.checkpoint.run_lock import RunLock, run_lock_path
+from flodl_shm.cli.demo import DemoConfig, run_demo
+
+pytestmark = pytest.mark.timeout(60)
+
+_HOLDER = textwrap.dedent("""
+    import sys
+    from flodl_shm.checkpoint.run_lock import RunLock
+    with RunLock(sys.argv[1]):
+        print("held", flush=True)
+        sys.stdin.readline()
+""")
+
+
+class Holder:
+    """Another process holding the run lock of ``save_path`` until released or killed."""
+
+    def __init__(self, save_path) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _HOLDER, os.fspath(save_path)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "held"
+
+    def release(self) -> None:
+        self.proc.communicate("\n", timeout=30)
+        assert self.proc.returncode == 0
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+
+def test_the_lock_file_sits_beside_the_series():
+    assert run_lock_path("runs/demo/ckpt") == run_lock_path("runs/demo/ckpt.fdl")
+    assert str(run_lock_path("runs/demo/ckpt")) == "runs/demo/ckpt.lock"
+
+
+def test_a_second_holder_is_refused_naming_the_first(tmp_path):
+    stem = tmp_path / "ckpt"
+    holder = Holder(stem)
+    try:
+        with pytest.raises(SeriesInUse, match=rf"pid {holder.proc.pid} on host .* since .*"
+                                              rf"ckpt.lock.*another save path") as err:
+            with RunLock(stem):
+                pass
+        assert err.value.lock == os.fspath(tmp_path / "ckpt.lock")
+    finally:
+        holder.release()
+    with RunLock(stem):  # released: free again
+        assert run_lock_path(stem).exists()
+    assert not run_lock_path(stem).exists()  # removed by its holder at the end
+
+
+def test_the_lock_is_reentrant_in_its_process(tmp_path):
+    stem = tmp_path / "ckpt"
+    with RunLock(stem):
+        with RunLock(stem):  # the demo holds it, then its Trainer.run takes it again
+            pass
+        assert run_lock_path(stem).exists()
+        holder = subprocess.run([sys.executable, "-c", _HOLDER, os.fspath(stem)], input="\n",
+                                capture_output=True, text=True, timeout=30)
+        assert holder.returncode != 0 and "SeriesInUse" in holder.stderr  # still held
+    assert not run_lock_path(stem).exists()
+
+
+def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
+    stem = tmp_path / "ckpt"
+    Holder(stem).kill()
+    assert run_lock_path(stem).exists()  # the file stays; the kernel dropped the lock
+    with RunLock(stem):
+        pass
+    assert not run_lock_path(stem).exists()
+
+
+def test_trainer_run_on_a_series_in_use_deletes_nothing(tmp_path):
+    from trainer_util import make_trainer
+
+    stem = tmp_path / "ckpt"
+    (tmp_path / "ckpt-r00000004.fdl").write_bytes(b"the other run's")
+    (tmp_path / "ckpt-r00000004.meta.json").write_text("{}")
+    holder = Holder(stem)
+    try:
+        trainer = make_trainer(epochs=1, save_path=stem)
+        with pytest.raises(SeriesInUse):
+            trainer.run(2, overwrite=True)
+        with pytest.raises(SeriesInUse):
+            trainer.resume()
+    finally:
+        holder.release()
+    assert (tmp_path / "ckpt-r00000004.fdl").read_bytes() == b"the other run's"
+
+
+def test_a_second_demo_on_one_run_dir_is_a_usage_error(tmp_path, capsys):
+    run_dir = tmp_path / "demo"
+    holder = Holder(run_dir / "ckpt")
+    try:
+        with pytest.raises(SystemExit, match=rf"--run-dir {run_dir} is in use by another run "
+                                             rf"\(pid {holder.proc.pid}.*another --run-dir"):
+            run_demo(DemoConfig(run_dir=os.fspath(run_dir), overwrite=True, plot=False,
+                                progress=False))
+    finally:
+        holder.release()
+    assert capsys.readouterr().out == ""  # refused before its banner
+    assert not run_dir.exists()  # the holder made it empty and took it away: nothing written
+
+
+def test_folders_the_lock_made_go_with_it_when_empty(tmp_path):
+    with RunLock(tmp_path / "a" / "b" / "ckpt"):
+        assert (tmp_path / "a" / "b").is_dir()
+    assert not (tmp_path / "a").exists()  # a run refused before writing leaves no trace
+    with RunLock(tmp_path / "c" / "ckpt"):
+        (tmp_path / "c" / "ckpt-r00000001.fdl").write_bytes(b"")
+    assert (tmp_path / "c" / "ckpt-r00000001.fdl").exists()  # what the run wrote stays
