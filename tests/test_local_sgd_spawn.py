@@ -10,6 +10,7 @@ import torch
 import flodl_shm
 from flodl_shm import CheckpointBundle, CheckpointMeta, LocalSGD
 from flodl_shm.checkpoint.convert import consensus_state_dict
+from flodl_shm.checkpoint.series import latest_checkpoint
 from flodl_shm.training.local_sgd import rank_state_path
 
 from engine_util import assert_no_leaks
@@ -112,16 +113,60 @@ def test_resume_from_a_full_state_bundle_is_bit_identical(tmp_path, outer):
         assert (round_a, lr_a) == (round_b, lr_b)
         for a, b in zip(p_a, p_b):
             assert torch.equal(a, b)
-    # the bundle: consensus model, per-rank states, metadata written last
-    meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(stem))
+    # the bundle of sync round 3: consensus model, per-rank states, metadata written last
+    bundle = latest_checkpoint(stem)
+    assert bundle == tmp_path / "ckpt-r00000003.fdl"
+    meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(bundle))
     assert (meta.global_step, meta.sync_round, meta.world_size_at_save) == (6, 3, 2)
-    assert rank_state_path(stem, 0).exists() and rank_state_path(stem, 1).exists()
-    assert CheckpointBundle.outer_path(stem).exists() == (outer == "nesterov")
+    assert rank_state_path(bundle, 0).exists() and rank_state_path(bundle, 1).exists()
+    assert CheckpointBundle.outer_path(bundle).exists() == (outer == "nesterov")
     # the model's names travel with it: the converted consensus loads strictly
     fresh = make_model()
-    fresh.load_state_dict(consensus_state_dict(CheckpointBundle.model_path(stem)))
+    fresh.load_state_dict(consensus_state_dict(bundle))
     assert all(torch.equal(a, b) for a, b in zip(_params(fresh), saved[0][0])
                if a.is_floating_point())
+    assert_no_leaks()
+
+
+def _save_every_sync(ctx, stem: str, stop: int, load: bool, keep: int):
+    """Sync every 2 steps and save after each sync (``keep`` bundles), resuming from
+    ``stem`` first when ``load``; returns where it started and ended."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sgd = LocalSGD(model, sync_every=2, comm=ctx.comm, optimizer=opt)
+    if load:
+        sgd.load(stem)
+    start = (sgd.sync_round, sgd.total_steps)
+    while sgd.total_steps < stop:
+        x, y = _batch(ctx.rank, sgd.total_steps)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if sgd.step(samples=len(x)):
+            sgd.save(stem, keep=keep)
+    return start, (sgd.sync_round, sgd.total_steps)
+
+
+def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_bundle(tmp_path):
+    """Each save is a bundle of its own: a save cut short (rank 0's state written, the
+    commit marker never) leaves the previous one whole, and the ranks resume from it in
+    step. (Overwriting one stem in place left rank 0 at round 3 and rank 1 at round 2:
+    the resumed ranks then waited for each other at different collectives.)"""
+    stem = os.fspath(tmp_path / "ckpt")
+    flodl_shm.spawn(_save_every_sync, 2, args=(stem, 8, False, 3))
+    names = sorted(p.name for p in tmp_path.glob("ckpt-r*.meta.json"))
+    assert names == [f"ckpt-r0000000{r}.meta.json" for r in (2, 3, 4)]  # keep=3
+    # the save of round 4 as a crash leaves it: rank 0's state written, nothing else
+    for f in tmp_path.glob("ckpt-r00000004.*"):
+        if not f.name.endswith(".rank0.optim"):
+            f.unlink()
+    out = flodl_shm.spawn(_save_every_sync, 2, args=(stem, 12, True, 2))
+    assert [start for start, _ in out] == [(3, 6), (3, 6)]  # round 3, on both ranks
+    assert [end for _, end in out] == [(6, 12), (6, 12)]
+    # the resumed run saved rounds 4 (over the cut one), 5 and 6, keeping the newest 2
+    assert sorted(p.name for p in tmp_path.glob("ckpt-r*")) == sorted(
+        f"ckpt-r0000000{r}.{ext}" for r in (5, 6)
+        for ext in ("fdl", "meta.json", "names.json", "rank0.optim", "rank1.optim"))
     assert_no_leaks()
 
 
@@ -138,15 +183,16 @@ def test_a_bundle_without_rank_states_loads_the_consensus(tmp_path, rank_files):
     format) the consensus is loaded and the rest starts fresh."""
     stem = os.fspath(tmp_path / "ckpt")
     flodl_shm.spawn(_train, 2, args=(4, 4, stem, False, "none"))
+    bundle = latest_checkpoint(stem)
     ref = make_model()
-    report = flodl_shm.load_consensus_checkpoint(ref, CheckpointBundle.model_path(stem))
+    report = flodl_shm.load_consensus_checkpoint(ref, bundle)
     assert not report.missing and not report.unexpected
     for r in range(2):
         if rank_files == "missing":
-            rank_state_path(stem, r).unlink()
+            rank_state_path(bundle, r).unlink()
         else:
             torch.save({"format": "flodl_shm.Trainer/1", "optimizer": {}},
-                       rank_state_path(stem, r))
+                       rank_state_path(bundle, r))
     out = flodl_shm.spawn(_load_consensus_only, 2, args=(stem,))
     expected = {k: v for k, v in ref.state_dict().items() if v.is_floating_point()}
     for params, meta_round, round_, steps in out:
@@ -195,12 +241,12 @@ def test_local_sgd_across_two_hosts_and_each_host_gets_its_bundle(tmp_path):
             assert torch.equal(a, b)
             torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
     for host, own in ((0, (0, 1)), (2, (2,))):
-        stem = tmp_path / f"host{host}" / "ckpt"
-        for path in (CheckpointBundle.model_path(stem), CheckpointBundle.outer_path(stem),
-                     CheckpointBundle.meta_path(stem)):
+        bundle = tmp_path / f"host{host}" / "ckpt-r00000001.fdl"
+        for path in (bundle, CheckpointBundle.outer_path(bundle),
+                     CheckpointBundle.meta_path(bundle)):
             assert path.exists(), path
-        assert sorted(p.name for p in stem.parent.glob("*.optim")) == \
-            [f"ckpt.rank{r}.optim" for r in own]
+        assert sorted(p.name for p in bundle.parent.glob("*.optim")) == \
+            [f"ckpt-r00000001.rank{r}.optim" for r in own]
     assert_no_leaks(10)
 
 

@@ -50,13 +50,15 @@ the round's tensors into the rank's shared parameter block (``shared_params``;
 ``param.data`` moves, the parameters keep their identity), and the slice reducers
 read and write every rank's parameters in place with plain loads and stores.
 
-**Checkpoints.** ``save(stem)`` (a collective, at a sync boundary) writes the
-consensus bundle (``<stem>.fdl``, ``<stem>.outer.fdl`` for outer momentum,
-``<stem>.meta.json`` last as the commit marker) and one ``<stem>.rank<N>.optim``
-per rank with everything a bit-exact resume needs: the rank's model state, inner
-optimizer and LR scheduler, step counters, outer and ElChe state, RNG states.
-``load(stem)`` restores it; without the rank file it loads the consensus and the
-outer momentum and restarts the inner state fresh.
+**Checkpoints.** ``save(stem)`` (a collective, at a sync boundary) writes one bundle
+per save, ``<stem>-r<sync round>`` (the Trainer's series, ``checkpoint/series.py``):
+the model's names, the consensus ``.fdl``, ``.outer.fdl`` for outer momentum,
+``.meta.json`` last as the commit marker, and one ``.rank<N>.optim`` per rank with
+everything a bit-exact resume needs: the rank's model state, inner optimizer and LR
+scheduler, step counters, outer and ElChe state, RNG states. Older bundles go only
+once the new one is complete, so a crash mid-save leaves the previous one whole.
+``load(stem)`` restores the newest complete bundle; without the rank file it loads the
+consensus and the outer momentum and restarts the inner state fresh.
 """
 from __future__ import annotations
 
@@ -95,7 +97,7 @@ STATE_FORMAT = "flodl_shm.LocalSGD/1"
 _G_STEPS, _G_COMPUTE_MS, _G_PRESENT, _G_PREV_SYNC_MS, _G_PREV_DIVERGENCE = range(5)
 
 
-#: A rank's resume state in a bundle: ``<stem>.rank<N>.optim``.
+#: A rank's resume state in a bundle: ``<bundle stem>.rank<N>.optim``.
 rank_state_path = CheckpointBundle.rank_state_path
 
 
@@ -654,36 +656,49 @@ class LocalSGD:
             meta = meta.with_elche_state(st)
         return meta
 
-    def save(self, path: "str | os.PathLike[str]") -> Path:
+    def save(self, path: "str | os.PathLike[str]", *, keep: int = 2) -> Path:
         """Write a full-state checkpoint bundle (a collective: every rank calls it, right
         after a sync). Returns the bundle's model path.
 
-        Every rank writes its ``<stem>.rank<N>.optim`` (:meth:`state_dict`); then the
-        lowest live rank of each host writes the model's names ``<stem>.names.json``, the
-        consensus ``<stem>.fdl``, the outer momentum ``<stem>.outer.fdl``
-        (``OuterNesterov``) and ``<stem>.meta.json`` last (its presence marks the bundle
-        complete). Files are written atomically.
+        Each save is a bundle of its own, named by the sync round: ``save("runs/exp/ckpt")``
+        at sync round 8 writes ``runs/exp/ckpt-r00000008.*``, the series the Trainer
+        writes too. Every rank writes its ``.rank<N>.optim`` (:meth:`state_dict`); then
+        the lowest live rank of each host writes the model's names (``.names.json``),
+        the consensus ``.fdl``, the outer momentum ``.outer.fdl`` (``OuterNesterov``)
+        and ``.meta.json`` last (its presence marks the bundle complete), and only then
+        deletes the series' older bundles beyond the newest ``keep`` complete ones. So
+        a crash in the middle of a save leaves the previous bundle whole, and
+        :meth:`load` of the stem takes the newest complete one. Files are written
+        atomically.
 
         Args:
-            path: the bundle's stem (``runs/exp/ckpt`` or ``runs/exp/ckpt.fdl``).
+            path: the series' stem (``runs/exp/ckpt``; ``runs/exp/ckpt.fdl`` names the
+                same series).
+            keep: complete bundles kept (at least 1).
 
         Raises:
             ValueError: called mid-window (the replicas differ from the consensus then):
-                save right after ``step()`` returned True, or after ``sync()``.
+                save right after ``step()`` returned True, or after ``sync()``; or
+                ``keep`` below 1.
         """
         if self._steps:
             raise ValueError(
                 f"save() mid-window ({self._steps} steps since the last sync): the replicas "
                 f"are not the consensus yet; save right after step() returned True, or call "
                 f"sync() first")
-        model_path = CheckpointBundle.model_path(path)
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an int >= 1 (complete bundles kept), got {keep!r}")
+        from ..checkpoint.series import prune_series, round_model_path
+
+        model_path = round_model_path(path, self.sync_round)
         model_path.parent.mkdir(parents=True, exist_ok=True)
         state = self.state_dict()
-        atomic_write(rank_state_path(path, self.rank), lambda fh: torch.save(state, fh))
+        atomic_write(rank_state_path(model_path, self.rank), lambda fh: torch.save(state, fh))
         self.comm.barrier()
         writers = self.comm.last_accepted_ranks()
         if writers and self.rank == min(writers):
-            self._write_consensus_bundle(path)
+            self._write_consensus_bundle(model_path)
+            prune_series(path, keep)  # after the commit: the previous bundle outlives a crash
         self.comm.barrier()
         return model_path
 
@@ -703,8 +718,9 @@ class LocalSGD:
         self.checkpoint_meta().write_to_file(CheckpointBundle.meta_path(path))
 
     def load(self, path: "str | os.PathLike[str]") -> CheckpointMeta:
-        """Restore a bundle written by :meth:`save` (every rank calls it; on one host no
-        collective).
+        """Restore the newest complete bundle of the series :meth:`save` wrote under the
+        stem ``path``, or the bundle ``path`` names (its ``.fdl`` or ``.meta.json``, a
+        Trainer's included). Every rank calls it; on one host no collective.
 
         With this rank's ``<stem>.rank<N>.optim`` the resume is exact
         (:meth:`load_state_dict`). Without it (another world size, or a bundle from the
@@ -716,13 +732,14 @@ class LocalSGD:
         one small collective that checks every rank loaded the same sync round.
 
         Args:
-            path: the bundle's stem or its ``.fdl``.
+            path: the series' stem, or a bundle's ``.fdl`` / ``.meta.json``.
 
         Raises:
+            FileNotFoundError: no complete bundle is there.
             ValueError: on several hosts, the ranks loaded bundles of different sync
                 rounds (every rank raises, naming which).
         """
-        meta = self._load(path)
+        meta = self._load(_resolve_bundle(path))
         if self.comm.local_world_size != self.world_size:
             check_same_start(self.comm, self.sync_round,
                              "give every host a copy of the same bundle and load it on every "
@@ -741,6 +758,12 @@ class LocalSGD:
         state = torch.load(rank_path, weights_only=False) if rank_path.exists() else None
         fmt = state.get("format") if isinstance(state, dict) else None
         if fmt == STATE_FORMAT:
+            saved = state["counters"]["sync_round"]
+            if saved != meta.sync_round:
+                raise ValueError(
+                    f"{rank_path} holds sync round {saved} but {meta_path} marks round "
+                    f"{meta.sync_round} complete: the files come from different saves; load "
+                    f"a bundle that save() wrote whole (its stem: the newest complete one)")
             self.load_state_dict(state)
             return meta
         if state is None:
@@ -796,3 +819,16 @@ class DiLoCo(LocalSGD):
                             "outer_momentum)); use LocalSGD(outer=...) for another one")
         super().__init__(model, sync_every=sync_every,
                          outer=OuterNesterov(lr=outer_lr, momentum=outer_momentum), **kwargs)
+
+
+def _resolve_bundle(path: "str | os.PathLike[str]") -> Path:
+    """The model path of the bundle :meth:`LocalSGD.load` restores: the newest complete
+    one of the series ``path`` names, else the single bundle at ``path`` (its stem,
+    ``.fdl`` or ``.meta.json``: a Trainer's bundle, or an earlier release's save)."""
+    from ..checkpoint.series import latest_checkpoint, resolve_checkpoint
+
+    p = Path(os.fspath(path))
+    if (not p.name.endswith((".fdl", ".meta.json")) and latest_checkpoint(p) is None
+            and CheckpointBundle.meta_path(p).exists()):
+        return CheckpointBundle.model_path(p)
+    return resolve_checkpoint(p)
