@@ -3,6 +3,7 @@ max_failures, and full-state save/load whose resume is bit-identical."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -167,6 +168,53 @@ def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_bundle(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("ckpt-r*")) == sorted(
         f"ckpt-r0000000{r}.{ext}" for r in (5, 6)
         for ext in ("fdl", "meta.json", "names.json", "rank0.optim", "rank1.optim"))
+    assert_no_leaks()
+
+
+def _save_and_hold(ctx, stem: str, flags: str, seed: int):
+    """Sync, then save into ``stem``. With ``seed`` 0 (the first job): mark the save done
+    and stay up until the second job is through; else return the SeriesInUse message."""
+    torch.manual_seed(seed + ctx.rank)
+    model = make_model()
+    sgd = LocalSGD(model, sync_every=1, comm=ctx.comm)
+    with torch.no_grad():
+        model[0].weight.add_(float(seed + ctx.rank))
+    sgd.step(samples=1)
+    try:
+        sgd.save(stem)
+    except flodl_shm.SeriesInUse as e:
+        return str(e)
+    if seed == 0:
+        if ctx.rank == 0:
+            open(os.path.join(flags, "saved"), "w").close()
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(flags, "other_done")):
+            assert time.monotonic() < deadline, "the second job never finished"
+            time.sleep(0.02)
+    return "saved"
+
+
+def test_a_second_job_saving_into_a_series_in_use_is_refused_before_writing(tmp_path):
+    """Two own-loop jobs given one stem would write each other's rounds: the second is
+    refused, on every rank, before any of them writes a file."""
+    stem = os.fspath(tmp_path / "ckpt")
+    first = flodl_shm.spawn(_save_and_hold, 2, args=(stem, os.fspath(tmp_path), 0),
+                            join=False)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "saved").exists():
+            assert time.monotonic() < deadline, "the first job never saved"
+            time.sleep(0.02)
+        files = {p.name: p.read_bytes() for p in tmp_path.glob("ckpt-r*")}
+        assert "ckpt-r00000001.rank1.optim" in files
+        second = flodl_shm.spawn(_save_and_hold, 2, args=(stem, os.fspath(tmp_path), 10))
+    finally:
+        (tmp_path / "other_done").touch()
+        assert first.join(60) == ["saved", "saved"]
+    for message in second:
+        assert "is in use by another run (pid" in message and "ckpt.lock" in message
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("ckpt-r*")} == files
+    assert not (tmp_path / "ckpt.lock").exists()  # the first job's lead released it
     assert_no_leaks()
 
 

@@ -22,6 +22,10 @@ process that acquired it:
   the outermost exit.
 - **Shared with forked children** (the ranks inherit the open file), which never
   release it: only the acquiring process does (the count is per pid).
+- **Released at the end of its process's work** when nothing exited it: ``LocalSGD``'s
+  lead rank holds the lock of a series it saves into for the rest of its life, and
+  ``release_held`` lets it go when the rank's function returns (``launch/rank.py``)
+  or at interpreter exit (``atexit``, e.g. under torchrun).
 - **Removed by its holder, under the lock.** An acquirer that finds the path gone or
   pointing at another file after its ``flock`` (the holder removed it in between)
   opens it again, so two runs never hold locks on two different files of one path.
@@ -32,6 +36,7 @@ The file holds one JSON line (pid, host, start time) for the refusal message.
 """
 from __future__ import annotations
 
+import atexit
 import fcntl
 import json
 import os
@@ -42,10 +47,21 @@ from pathlib import Path
 from ..errors import SeriesInUse
 from .meta import set_extension
 
-__all__ = ["RunLock", "run_lock_path"]
+__all__ = ["RunLock", "lock_holder", "release_held", "run_lock_path"]
 
 #: lock files this process holds: resolved path -> (pid, open file, depth, folders it made)
 _HELD: dict[str, tuple[int, int, int, tuple[Path, ...]]] = {}
+
+
+def release_held() -> None:
+    """Release every run lock this process holds, however deep (a rank whose function
+    returned, an interpreter at exit)."""
+    for key, held in list(_HELD.items()):
+        if held[0] == os.getpid():
+            _release(key)
+
+
+atexit.register(release_held)
 
 
 def run_lock_path(save_path: "str | os.PathLike[str]") -> Path:
@@ -107,17 +123,26 @@ class RunLock:
         return fd
 
     def __exit__(self, *exc) -> None:
-        pid, fd, depth, made = _HELD[self._key]
+        held = _HELD.get(self._key)
+        if held is None or held[0] != os.getpid():
+            return  # released already (release_held)
+        pid, fd, depth, made = held
         if depth > 1:
             _HELD[self._key] = (pid, fd, depth - 1, made)
             return
-        del _HELD[self._key]
-        try:
-            os.unlink(self.path)  # still locked: no one else holds this file
-        except FileNotFoundError:
-            pass
-        os.close(fd)  # releases the lock
-        _remove_empty(made)
+        _release(self._key)
+
+
+def _release(key: str) -> None:
+    """Remove the lock file ``key`` while it is still locked (no one else holds that
+    file), then close it, which drops the lock."""
+    _, fd, _, made = _HELD.pop(key)
+    try:
+        os.unlink(key)
+    except FileNotFoundError:
+        pass
+    os.close(fd)
+    _remove_empty(made)
 
 
 def _remove_empty(folders: tuple[Path, ...]) -> None:
@@ -127,6 +152,18 @@ def _remove_empty(folders: tuple[Path, ...]) -> None:
             d.rmdir()
         except OSError:
             return
+
+
+def lock_holder(lock: "str | os.PathLike[str]") -> str:
+    """Who holds the lock file ``lock``, as the refusal names it (read without locking)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return "a process that has released it since"
+    try:
+        return _read_holder(fd)
+    finally:
+        os.close(fd)
 
 
 def _read_holder(fd: int) -> str:

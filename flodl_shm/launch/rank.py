@@ -224,6 +224,9 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
             conn.close()
         except Exception:
             pass
+    locks = sys.modules.get("flodl_shm.checkpoint.run_lock")
+    if locks is not None:  # run locks the rank's function took (LocalSGD.save)
+        locks.release_held()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip interpreter teardown (no atexit surprises in ranks)

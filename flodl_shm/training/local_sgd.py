@@ -75,7 +75,7 @@ import numpy as np
 import torch
 
 from ..checkpoint._atomic import atomic_write
-from ..errors import ShmSpaceError
+from ..errors import SeriesInUse, ShmSpaceError
 from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, ElCheState, ModelSchema,
                                SaveReason, averaged_buffers)
 from ..frame import DTYPE_F32, tensors_to_round_frame
@@ -258,6 +258,7 @@ class LocalSGD:
         for name, b in named_buffers:
             _check_averaged(f"buffer {name!r}", b)
         self.schema = ModelSchema.from_module(model)
+        self._series_locks: dict[str, object] = {}  # series -> the RunLock this rank holds
         self.comm.set_bf16_wire(bool(bf16_wire))
         self.bf16_wire = bool(bf16_wire)
         self.outer = self._check_outer(outer)
@@ -676,10 +677,15 @@ class LocalSGD:
                 same series).
             keep: complete bundles kept (at least 1).
 
+        The first save into a series takes its run lock (``checkpoint/run_lock.py``:
+        each host's lead rank holds it until its process's work ends), so another job
+        saving into the same stem is refused before it writes anything.
+
         Raises:
             ValueError: called mid-window (the replicas differ from the consensus then):
                 save right after ``step()`` returned True, or after ``sync()``; or
                 ``keep`` below 1.
+            SeriesInUse: another job holds the series (on every rank of this one).
         """
         if self._steps:
             raise ValueError(
@@ -691,6 +697,7 @@ class LocalSGD:
         from ..checkpoint.series import prune_series, round_model_path
 
         model_path = round_model_path(path, self.sync_round)
+        self._claim_series(path)
         model_path.parent.mkdir(parents=True, exist_ok=True)
         state = self.state_dict()
         atomic_write(rank_state_path(model_path, self.rank), lambda fh: torch.save(state, fh))
@@ -701,6 +708,33 @@ class LocalSGD:
             prune_series(path, keep)  # after the commit: the previous bundle outlives a crash
         self.comm.barrier()
         return model_path
+
+    def _claim_series(self, path) -> None:
+        """At the first save into a series, before any rank writes a file: each host's
+        lead rank takes the series' run lock (``checkpoint/run_lock.py``) and keeps it;
+        one small collective tells every rank whether a host found it held by another
+        job, and then every rank raises ``SeriesInUse``."""
+        from ..checkpoint.run_lock import RunLock, lock_holder, run_lock_path
+
+        key = os.fspath(run_lock_path(path))
+        if key in self._series_locks:
+            return
+        writers = self.comm.last_accepted_ranks()
+        refused = 0.0
+        if writers and self.rank == min(writers):
+            lock = RunLock(path)
+            try:
+                lock.__enter__()
+                self._series_locks[key] = lock
+            except SeriesInUse:
+                refused = 1.0
+        votes = np.zeros(self.world_size)
+        votes[self.rank] = refused
+        if self.comm.all_reduce_per_rank_f64(votes).any():
+            if key in self._series_locks:
+                self._series_locks.pop(key).__exit__(None, None, None)
+            raise SeriesInUse(key, lock_holder(key))
+        self._series_locks.setdefault(key, None)  # claimed (held by this host's lead)
 
     def _write_consensus_bundle(self, path) -> None:
         from ..checkpoint.forge import write_consensus_fdl, write_outer_momentum_fdl
