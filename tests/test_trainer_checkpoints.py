@@ -57,6 +57,11 @@ def test_latest_is_the_highest_committed_round(tmp_path):
         resolve_checkpoint(round_model_path(stem, 9))
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         resolve_checkpoint(tmp_path / "nothing")
+    # given the folder (or a wrong stem), the error names the series it holds
+    for wrong in (tmp_path, tmp_path / "nothing"):
+        with pytest.raises(FileNotFoundError, match=rf"not its folder.*holds the series "
+                                                    rf"'{tmp_path / 'ck'}', '{tmp_path / 'other'}'"):
+            resolve_checkpoint(wrong)
 
 
 def test_prune_keeps_the_newest_and_drops_failed_writes(tmp_path):

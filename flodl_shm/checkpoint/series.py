@@ -106,10 +106,26 @@ def resolve_checkpoint(path: "str | os.PathLike[str]") -> Path:
         return p
     latest = latest_checkpoint(p)
     if latest is None:
+        folder = p if p.is_dir() else p.parent
+        found = _series_in(folder)
+        hint = (f"; {folder} holds the series {', '.join(repr(f) for f in found)}"
+                if found else "")
         raise FileNotFoundError(
             f"no complete checkpoint under {series_base(p)}-r*.fdl (each needs its .fdl and "
-            f".meta.json); pass the save_path the run was started with, or a bundle's .fdl")
+            f".meta.json); pass the save_path the run was started with (a stem such as "
+            f"runs/exp/ckpt, not its folder), or a bundle's .fdl{hint}")
     return latest
+
+
+def _series_in(folder: Path) -> list[str]:
+    """The stems (``folder/<name>``) of the series with a complete bundle in ``folder``."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    pattern = re.compile(r"(.+)-r\d{%d,}\.meta\.json$" % _ROUND_DIGITS)
+    stems = sorted({m.group(1) for m in map(pattern.match, names) if m})
+    return [os.fspath(folder / s) for s in stems if latest_checkpoint(folder / s) is not None]
 
 
 def _rank_files(model: Path) -> list[Path]:
