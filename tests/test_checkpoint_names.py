@@ -216,3 +216,16 @@ def test_a_model_with_tied_weights_converts_to_a_strictly_loadable_state_dict(tm
     assert [e.name for e in read_fdl(tmp_path / "s.fdl").entries] == ["p0", "p1", "p2", "b0",
                                                                       "b1"]
     TiedHead(seed=2).load_state_dict(consensus_state_dict(tmp_path / "s.fdl"))
+
+
+def test_fdl_given_a_series_stem_names_its_newest_bundle(tmp_path, capsys):
+    stem = tmp_path / "run"
+    for rnd in (4, 8):
+        forge_checkpoint(make_model(), round_model_path(stem, rnd))
+        (tmp_path / f"run-r{rnd:08d}.meta.json").write_text("{}")
+    assert cli.main(["show", str(stem)]) == 1
+    err = capsys.readouterr().err
+    assert f"{stem} names a checkpoint series, whose newest bundle is " \
+           f"{round_model_path(stem, 8)}" in err
+    assert cli.main(["show", str(tmp_path / "none.fdl")]) == 1
+    assert "checkpoint series" not in capsys.readouterr().err

@@ -169,8 +169,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             pass
         return 0
     except (CheckpointError, OSError) as e:
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        print(f"{parser.prog}: error: {e}{_series_hint(args)}", file=sys.stderr)
         return 1
+
+
+def _series_hint(args) -> str:
+    """When the file given does not exist but names a checkpoint series (the stem a
+    Trainer or ``LocalSGD.save`` was given), the newest bundle's path, to pass instead."""
+    from ..checkpoint.series import latest_checkpoint
+
+    path = args.file if args.command == "show" else args.src
+    if os.path.exists(path):
+        return ""
+    latest = latest_checkpoint(path)
+    return "" if latest is None else (f"; {path} names a checkpoint series, whose newest "
+                                      f"bundle is {latest}")
 
 
 if __name__ == "__main__":
