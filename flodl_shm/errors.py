@@ -201,9 +201,9 @@ class SeriesInUse(RuntimeError):
     """Another run holds the checkpoint series this run would write
     (``checkpoint/run_lock.py``): two runs on one save path would overwrite each
     other's bundles. ``lock`` is the series' lock file, ``holder`` who holds it (pid,
-    host and start time)."""
+    host and start time), ``job`` the holder's job identity (or None)."""
 
-    def __init__(self, lock: str, holder: str) -> None:
+    def __init__(self, lock: str, holder: str, job: str | None = None) -> None:
         super().__init__(
             f"the checkpoint series of {lock.removesuffix('.lock')} is in use by another run "
             f"({holder}; lock file {lock}): two runs writing one series would overwrite each "
@@ -211,6 +211,7 @@ class SeriesInUse(RuntimeError):
             f"another save path")
         self.lock = lock
         self.holder = holder
+        self.job = job  # the holder's job identity, when it gave one
 
     def __reduce__(self):
-        return (SeriesInUse, (self.lock, self.holder))
+        return (SeriesInUse, (self.lock, self.holder, self.job))

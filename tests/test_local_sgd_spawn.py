@@ -254,7 +254,7 @@ def test_a_bundle_without_rank_states_loads_the_consensus(tmp_path, rank_files):
 # --- several hosts -------------------------------------------------------------------
 
 
-def _cluster_window(ctx, root: str):
+def _cluster_window(ctx, root: str, shared_folder: bool = False):
     model = make_model()
     sgd = flodl_shm.DiLoCo(model, sync_every=2, comm=ctx.comm)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -268,7 +268,7 @@ def _cluster_window(ctx, root: str):
     local = [p.detach().clone() for p in model.parameters()]
     assert sgd.step(samples=4 + ctx.rank)
     host = ctx.rank - ctx.local_rank                 # each host saves to its own disk
-    sgd.save(os.path.join(root, f"host{host}", "ckpt"))
+    sgd.save(os.path.join(root, "shared" if shared_folder else f"host{host}", "ckpt"))
     return local, [p.detach().clone() for p in model.parameters()], sgd.last_sync.mass
 
 
@@ -295,6 +295,21 @@ def test_local_sgd_across_two_hosts_and_each_host_gets_its_bundle(tmp_path):
             assert path.exists(), path
         assert sorted(p.name for p in bundle.parent.glob("*.optim")) == \
             [f"ckpt-r00000001.rank{r}.optim" for r in own]
+    assert_no_leaks(10)
+
+
+def test_hosts_saving_into_one_shared_folder_share_the_series(tmp_path):
+    """A cluster whose hosts save into one shared file system (NFS): the run lock of
+    the series is the job's on every host, so no host is refused (another job would
+    be), and the bundle holds every rank's state."""
+    from cluster_util import run_hosts
+
+    out, errors, _ = run_hosts(_cluster_window, [2, 1], args=(os.fspath(tmp_path), True))
+    assert not errors, errors
+    bundle = tmp_path / "shared" / "ckpt-r00000001.fdl"
+    assert CheckpointBundle.meta_path(bundle).exists()
+    assert sorted(p.name for p in bundle.parent.glob("*.optim")) == \
+        [f"ckpt-r00000001.rank{r}.optim" for r in range(3)]
     assert_no_leaks(10)
 
 

@@ -22,18 +22,20 @@ pytestmark = pytest.mark.timeout(60)
 _HOLDER = textwrap.dedent("""
     import sys
     from flodl_shm.checkpoint.run_lock import RunLock
-    with RunLock(sys.argv[1]):
+    with RunLock(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None):
         print("held", flush=True)
         sys.stdin.readline()
 """)
 
 
 class Holder:
-    """Another process holding the run lock of ``save_path`` until released or killed."""
+    """Another process holding the run lock of ``save_path`` (for ``job``) until released
+    or killed."""
 
-    def __init__(self, save_path) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", _HOLDER, os.fspath(save_path)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    def __init__(self, save_path, job: str | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _HOLDER, os.fspath(save_path), *([job] if job else [])],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout.readline().strip() == "held"
 
     def release(self) -> None:
@@ -126,3 +128,23 @@ def test_folders_the_lock_made_go_with_it_when_empty(tmp_path):
     with RunLock(tmp_path / "c" / "ckpt"):
         (tmp_path / "c" / "ckpt-r00000001.fdl").write_bytes(b"")
     assert (tmp_path / "c" / "ckpt-r00000001.fdl").exists()  # what the run wrote stays
+
+
+def test_another_host_of_the_same_job_goes_on_without_holding(tmp_path):
+    """Hosts of one cluster whose save paths are one shared folder: the same job shares
+    the lock, another job (or none given) is refused."""
+    stem = tmp_path / "ckpt"
+    holder = Holder(stem, job="cafe")
+    try:
+        lock = RunLock(stem, "cafe")
+        with lock:
+            assert lock.shared
+        assert run_lock_path(stem).exists()  # still the holder's
+        for job in ("beef", None):
+            with pytest.raises(SeriesInUse) as err:
+                with RunLock(stem, job):
+                    pass
+            assert err.value.job == "cafe"
+    finally:
+        holder.release()
+    assert not run_lock_path(stem).exists()

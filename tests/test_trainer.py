@@ -140,10 +140,11 @@ def test_diloco_outer_nesterov_saves_its_momentum(tmp_path):
     assert math.isfinite(result.history[-1].cohort_loss)
 
 
-def _two_hosts(tmp_path, call, outer=False, **controller):
+def _two_hosts(tmp_path, call, outer=False, shared_folder=False, **controller):
     """A 2-rank cohort as 2 hosts of 1 rank on loopback: ``call(trainer, i, **cluster)``
-    on host i, whose Trainer saves under ``tmp_path/host<i>`` (its own disk); (results
-    by host, exceptions by host). ``outer``: DiLoCo (an outer Nesterov the controller
+    on host i, whose Trainer saves under ``tmp_path/host<i>`` (its own disk; with
+    ``shared_folder`` both save under ``tmp_path/shared``, as on NFS); (results by
+    host, exceptions by host). ``outer``: DiLoCo (an outer Nesterov the controller
     steps); ``controller``: more arguments of ``ClusterController.start``."""
     from flodl_shm import ClusterController
 
@@ -156,7 +157,8 @@ def _two_hosts(tmp_path, call, outer=False, **controller):
                                   outer=nesterov(), **controller)
 
     def host(i):
-        trainer = make_trainer(save_path=tmp_path / f"host{i}" / "run", checkpoint_every=4,
+        folder = tmp_path / ("shared" if shared_folder else f"host{i}")
+        trainer = make_trainer(save_path=folder / "run", checkpoint_every=4,
                                keep_checkpoints=4, outer=nesterov())
         return call(trainer, i, controller=f"127.0.0.1:{ctl.port}", world_size=2,
                     first_rank=i, salt=SALT)
@@ -187,6 +189,18 @@ def test_a_host_past_max_failures_after_another_hosts_death_saves_before_it_stop
     meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(err.checkpoint))
     assert meta.save_reason is SaveReason.MAX_FAILURE_EXCEEDED and meta.sync_round >= 2
     assert err.checkpoint.parent == tmp_path / "host0"
+
+
+def test_hosts_saving_into_one_shared_folder_share_its_run_lock(tmp_path):
+    """Hosts of one cluster whose save paths are one shared folder (NFS): both hold the
+    job's run lock (a digest of the session salt), so neither is refused; every rank's
+    state lands in the shared bundles."""
+    out, errors = _two_hosts(tmp_path, lambda t, i, **c: t.run(1, **c), shared_folder=True)
+    assert not errors, errors
+    last = out[0].checkpoint
+    assert last is not None and last.parent == tmp_path / "shared"
+    assert CheckpointBundle.rank_state_path(last, 0).exists()
+    assert CheckpointBundle.rank_state_path(last, 1).exists()
 
 
 def test_each_host_keeps_its_own_checkpoints_and_resumes_from_them(tmp_path):

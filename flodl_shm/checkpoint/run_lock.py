@@ -22,6 +22,10 @@ process that acquired it:
   the outermost exit.
 - **Shared with forked children** (the ranks inherit the open file), which never
   release it: only the acquiring process does (the count is per pid).
+- **Shared by the hosts of one job.** Hosts of a cluster whose save paths lie on one
+  shared file system (NFS) would otherwise refuse each other: a lock taken with a
+  ``job`` identity (the Trainer's: a digest of the cluster's session salt; LocalSGD's:
+  a token its rank 0 draws) lets a process of the same job proceed without holding it.
 - **Released at the end of its process's work** when nothing exited it: ``LocalSGD``'s
   lead rank holds the lock of a series it saves into for the rest of its life, and
   ``release_held`` lets it go when the rank's function returns (``launch/rank.py``)
@@ -73,14 +77,19 @@ def run_lock_path(save_path: "str | os.PathLike[str]") -> Path:
 class RunLock:
     """Hold the run lock of the series at ``save_path`` (a context manager).
 
-    Raises ``SeriesInUse`` on entry when another process holds it.
+    Raises ``SeriesInUse`` on entry when another process holds it, unless that process
+    took it for the same ``job`` (another host of this job, on a shared file system):
+    then this one goes on without holding it (``shared`` is True).
     """
 
-    def __init__(self, save_path: "str | os.PathLike[str]") -> None:
+    def __init__(self, save_path: "str | os.PathLike[str]", job: str | None = None) -> None:
         self.path = run_lock_path(save_path)
+        self.job = job
+        self.shared = False
         self._key = os.path.realpath(self.path)
 
     def __enter__(self) -> "RunLock":
+        self.shared = False
         held = _HELD.get(self._key)
         if held is not None and held[0] == os.getpid():
             _HELD[self._key] = (held[0], held[1], held[2] + 1, held[3])
@@ -90,6 +99,12 @@ class RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             fd = self._acquire()
+        except SeriesInUse as e:
+            _remove_empty(made)
+            if self.job is not None and e.job == self.job:
+                self.shared = True  # this job's other host holds it
+                return self
+            raise
         except BaseException:
             _remove_empty(made)
             raise
@@ -103,9 +118,10 @@ class RunLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _read_holder(fd)
+                info = _read_info(fd)
                 os.close(fd)
-                raise SeriesInUse(os.fspath(self.path), holder) from None
+                raise SeriesInUse(os.fspath(self.path), _describe(info),
+                                  info.get("job")) from None
             except BaseException:
                 os.close(fd)
                 raise
@@ -118,11 +134,13 @@ class RunLock:
             os.close(fd)  # its holder removed it after we opened it: take the new one
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                   "started": time.strftime("%Y-%m-%d %H:%M:%S")})
-                       + "\n").encode(), 0)
+                                   "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                   "job": self.job}) + "\n").encode(), 0)
         return fd
 
     def __exit__(self, *exc) -> None:
+        if self.shared:
+            return
         held = _HELD.get(self._key)
         if held is None or held[0] != os.getpid():
             return  # released already (release_held)
@@ -161,15 +179,23 @@ def lock_holder(lock: "str | os.PathLike[str]") -> str:
     except OSError:
         return "a process that has released it since"
     try:
-        return _read_holder(fd)
+        return _describe(_read_info(fd))
     finally:
         os.close(fd)
 
 
-def _read_holder(fd: int) -> str:
-    """'pid N on host H since T' from the holder's line, or a plainer phrase."""
+def _read_info(fd: int) -> dict:
+    """The holder's line (pid, host, start time, job), or {} before it is written."""
     try:
         info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _describe(info: dict) -> str:
+    """'pid N on host H since T', or a plainer phrase."""
+    try:
         return f"pid {info['pid']} on host {info['host']} since {info['started']}"
-    except (OSError, ValueError, KeyError, TypeError):
+    except KeyError:
         return "a process that has not written its details yet"

@@ -719,10 +719,17 @@ class LocalSGD:
         key = os.fspath(run_lock_path(path))
         if key in self._series_locks:
             return
+        job = None
+        if self.comm.local_world_size != self.world_size:
+            # hosts may share one file system: the lock is this job's on all of them
+            token = np.zeros(self.world_size)
+            if self.rank == 0:
+                token[0] = random.SystemRandom().randrange(1, 1 << 24)  # exact as f32
+            job = f"local_sgd-{int(self.comm.all_reduce_per_rank_f64(token)[0])}"
         writers = self.comm.last_accepted_ranks()
         refused = 0.0
         if writers and self.rank == min(writers):
-            lock = RunLock(path)
+            lock = RunLock(path, job)
             try:
                 lock.__enter__()
                 self._series_locks[key] = lock

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import logging
 import math
 import os
@@ -295,7 +296,7 @@ class Trainer:
         from ..checkpoint.series import committed_checkpoints, delete_series
 
         cluster = _Cluster.of(controller, world_size, first_rank, salt, int(nprocs))
-        with self._run_lock():
+        with self._run_lock(controller, salt):
             if self.save_path is not None and committed_checkpoints(self.save_path):
                 if not overwrite:
                     raise FileExistsError(
@@ -305,13 +306,19 @@ class Trainer:
                 delete_series(self.save_path)
             return self._launch(_Job(self, int(nprocs), None, None, _log_level(), cluster))
 
-    def _run_lock(self):
-        """The run lock of ``save_path``'s series, or nothing to hold without one."""
+    def _run_lock(self, controller, salt):
+        """The run lock of ``save_path``'s series, or nothing to hold without one. The
+        hosts of one cluster share it (their save paths may be one shared folder): the
+        job is a digest of the session salt, which they all hold."""
         if self.save_path is None:
             return contextlib.nullcontext()
         from ..checkpoint.run_lock import RunLock
 
-        return RunLock(self.save_path)
+        job = None
+        if controller is not None:
+            job = hashlib.blake2b(salt or str(controller).encode(), digest_size=8,
+                                  person=b"flodl_shm.lock").hexdigest()
+        return RunLock(self.save_path, job)
 
     def resume(self, save_path: "str | os.PathLike[str] | None" = None,
                nprocs: Optional[int] = None, *, controller=None,
@@ -337,7 +344,7 @@ class Trainer:
         target = save_path if save_path is not None else self.save_path
         if target is None:
             raise ValueError("resume() needs a save_path (this Trainer has none)")
-        with self._run_lock():  # the series this run writes, as run() holds it
+        with self._run_lock(controller, salt):  # the series this run writes, as run() does
             return self._resume(target, nprocs, controller, world_size, first_rank, salt)
 
     def _resume(self, target, nprocs, controller, world_size, first_rank, salt) -> TrainResult:
