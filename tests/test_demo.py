@@ -152,13 +152,17 @@ def test_resume_continues_the_run(tmp_path, capsys):
     assert_clean()
     assert first.train.meta.global_step == 2 * 42
     windows = len(first.train.history)
+    # a run killed in the middle of a metrics line left it torn: the resume goes on
+    with open(run_dir / "windows.jsonl", "a") as f:
+        f.write('{"window": 99, "loss": 0.1')
     # --resume inherits the saved options; --epochs raises the total
     cfg = parse_args(["--run-dir", str(run_dir), "--resume", "--epochs", "4", "--no-progress",
                       "--log-every", "0", "--no-plot"])
     assert (cfg.checkpoint_every, cfg.seed, cfg.epochs) == (3, 42, 4)
     second = run_demo(cfg)
     assert_clean()
-    assert "resuming" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "resuming" in out and f"skipping line {windows + 1} of" in out
     hist = second.train.history
     assert hist[0].window == windows + 1 and hist[0].epoch == 2
     assert second.train.meta.global_step == 4 * 42 and sum(second.rank_batches) == 2 * 42

@@ -532,12 +532,24 @@ def _header(cfg: DemoConfig, n_train: int, n_test: int) -> None:
 
 
 def _read_rows(path: Path) -> list[dict]:
+    """The metrics file's window rows. A line that is not a whole row (a run killed in
+    the middle of writing it) is skipped with a note: the file is a log, and a resume
+    rewrites it from the checkpoint's windows anyway."""
     if not path.exists():
         return []
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            rows.append(json.loads(line))
+    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if not isinstance(row, dict) or not isinstance(row.get("window"), int):
+            print(f"  (skipping line {n} of {path}: not a whole window row, e.g. from a run "
+                  f"stopped while writing it)", flush=True)
+            continue
+        rows.append(row)
     return rows
 
 
