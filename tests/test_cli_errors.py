@@ -62,6 +62,16 @@ def test_demo_resume_without_a_checkpoint_is_refused_before_anything_starts(tmp_
     assert not (tmp_path / "nothing").exists()
 
 
+def test_demo_resume_with_a_torn_options_file_is_a_usage_error(tmp_path):
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "demo_config.json").write_text('{"epochs": 3')  # killed mid-write
+    r = _flodl(["demo", "--resume", "--run-dir", "runs", "--no-progress"], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "--resume: runs/demo_config.json is unreadable" in r.stderr
+    assert "pass the run's options again" in r.stderr
+
+
 def test_demo_with_a_batch_larger_than_the_data_is_refused_before_anything_starts(tmp_path):
     r = _flodl(["demo", "--batch-size", "100000", "--no-progress"], tmp_path)
     assert r.returncode == 1, r.stderr

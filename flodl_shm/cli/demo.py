@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from flodl_shm.checkpoint._atomic import atomic_write_bytes
 from flodl_shm.training.hooks import Hook
 
 __all__ = ["DemoConfig", "DemoResult", "accuracy", "digits_split", "main", "make_model",
@@ -422,7 +423,15 @@ def parse_args(argv: Sequence[str]) -> DemoConfig:
     if a.resume:
         path = Path(a.run_dir) / CONFIG_FILE
         if path.exists():
-            saved = json.loads(path.read_text())
+            try:
+                saved = json.loads(path.read_text())
+            except (ValueError, OSError) as e:
+                ap.error(f"--resume: {path} is unreadable ({e}); pass the run's options "
+                         f"again (e.g. --epochs, --sync-every), or delete the file to take "
+                         f"the defaults")
+            if not isinstance(saved, dict):
+                ap.error(f"--resume: {path} does not hold the run's options; delete it to "
+                         f"take the defaults")
     values = dict(DEFAULTS)
     values.update({k: v for k, v in saved.items() if k in DEFAULTS})
     values.update(given)
@@ -615,10 +624,10 @@ def _run_demo(cfg: DemoConfig) -> DemoResult:
         done_rows = []
     if cfg.summary_host:
         # the metrics file holds exactly the windows of the checkpoint's history
-        metrics.write_text("".join(json.dumps(r) + "\n" for r in done_rows), encoding="utf-8")
+        atomic_write_bytes(metrics, "".join(json.dumps(r) + "\n" for r in done_rows).encode())
     # every host keeps its own bundles and the options they were trained with: --resume
     # on any host continues from its own run folder
-    (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.recipe(), indent=1) + "\n")
+    atomic_write_bytes(run_dir / CONFIG_FILE, (json.dumps(cfg.recipe(), indent=1) + "\n").encode())
 
     # the bar redraws one line with carriage returns: on a terminal only, not in a log file
     progress = cfg.progress and sys.stderr.isatty()
