@@ -11,6 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
+from ..checkpoint._atomic import atomic_write_bytes
 from ..cluster.controller import DEFAULT_ROUND_TIMEOUT, ClusterController
 from ..cluster.secret import read_secret_file, write_secret_file
 
@@ -124,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                else f"; outer momentum of sync round {ctl.outer_round}")
     print(f"controller listening on port {ctl.port} for {args.world_size} ranks{resumes}",
           flush=True)
-    if args.port_file:
-        Path(args.port_file).write_text(f"{ctl.port}\n")
+    if args.port_file:  # whole or absent: a script polling for it never reads half a port
+        atomic_write_bytes(args.port_file, f"{ctl.port}\n".encode())
     try:
         ctl.join()
     except KeyboardInterrupt:
