@@ -148,3 +148,38 @@ def test_another_host_of_the_same_job_goes_on_without_holding(tmp_path):
     finally:
         holder.release()
     assert not run_lock_path(stem).exists()
+
+
+def test_a_demo_host_of_the_same_cluster_shares_the_folder(tmp_path, capsys):
+    """Two demo hosts of one cluster on one shared folder: the lock's job is a digest
+    of the session secret, so the second host gets past it (and here fails on to the
+    controller nobody runs); a host with another secret is refused before its banner."""
+    import socket
+
+    from flodl_shm.checkpoint.run_lock import cluster_job
+    from flodl_shm.cluster.secret import read_secret_file, write_secret_file
+
+    secret, other = tmp_path / "s.hex", tmp_path / "other.hex"
+    write_secret_file(os.fspath(secret))
+    write_secret_file(os.fspath(other))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        controller = f"127.0.0.1:{s.getsockname()[1]}"  # closed once this block ends
+    run_dir = tmp_path / "shared"
+    holder = Holder(run_dir / "ckpt", job=cluster_job(read_secret_file(os.fspath(secret)),
+                                                     controller))
+
+    def host(secret_file):
+        return DemoConfig(run_dir=os.fspath(run_dir), controller=controller, world_size=4,
+                          first_rank=2, secret_file=os.fspath(secret_file), plot=False,
+                          progress=False, timeout=5.0)
+
+    try:
+        with pytest.raises(SystemExit, match="in use by another run"):
+            run_demo(host(other))
+        assert capsys.readouterr().out == ""
+        with pytest.raises(ConnectionError, match="connect to"):
+            run_demo(host(secret))
+        assert "ranks 2-3 of 4" in capsys.readouterr().out  # past the lock
+    finally:
+        holder.release()

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import hashlib
 import json
 import os
 import socket
@@ -51,7 +52,7 @@ from pathlib import Path
 from ..errors import SeriesInUse
 from .meta import set_extension
 
-__all__ = ["RunLock", "lock_holder", "release_held", "run_lock_path"]
+__all__ = ["RunLock", "cluster_job", "lock_holder", "release_held", "run_lock_path"]
 
 #: lock files this process holds: resolved path -> (pid, open file, depth, folders it made)
 _HELD: dict[str, tuple[int, int, int, tuple[Path, ...]]] = {}
@@ -66,6 +67,13 @@ def release_held() -> None:
 
 
 atexit.register(release_held)
+
+
+def cluster_job(salt: bytes | None, controller) -> str:
+    """The job identity the hosts of one cluster lock with: a digest of the session salt
+    they all hold (never the salt itself), else of the controller's address."""
+    return hashlib.blake2b(salt or str(controller).encode(), digest_size=8,
+                           person=b"flodl_shm.lock").hexdigest()
 
 
 def run_lock_path(save_path: "str | os.PathLike[str]") -> Path:

@@ -568,10 +568,15 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     The run holds its checkpoint series' run lock from before it writes anything in
     ``run_dir`` to its end: a second demo on the same ``--run-dir`` is refused."""
     from flodl_shm import SeriesInUse
-    from flodl_shm.checkpoint.run_lock import RunLock
+    from flodl_shm.checkpoint.run_lock import RunLock, cluster_job
 
+    job = None
+    if cfg.controller is not None:  # the hosts may share one folder: the job's lock
+        from flodl_shm import read_secret_file
+
+        job = cluster_job(read_secret_file(cfg.secret_file), cfg.controller)
     try:
-        with RunLock(cfg.save_path):
+        with RunLock(cfg.save_path, job):
             return _run_demo(cfg)
     except SeriesInUse as e:
         raise SystemExit(

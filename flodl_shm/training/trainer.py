@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import hashlib
 import logging
 import math
 import os
@@ -312,13 +311,10 @@ class Trainer:
         job is a digest of the session salt, which they all hold."""
         if self.save_path is None:
             return contextlib.nullcontext()
-        from ..checkpoint.run_lock import RunLock
+        from ..checkpoint.run_lock import RunLock, cluster_job
 
-        job = None
-        if controller is not None:
-            job = hashlib.blake2b(salt or str(controller).encode(), digest_size=8,
-                                  person=b"flodl_shm.lock").hexdigest()
-        return RunLock(self.save_path, job)
+        return RunLock(self.save_path,
+                       None if controller is None else cluster_job(salt, controller))
 
     def resume(self, save_path: "str | os.PathLike[str] | None" = None,
                nprocs: Optional[int] = None, *, controller=None,
