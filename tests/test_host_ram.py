@@ -92,10 +92,11 @@ def test_container_limit_below_host_ram_fails_the_ram_check(tmp_path, capsys):
         assert rep["needs"]["gate_need_bytes"] == staging * 2 * 6
 
 
-def test_docker_default_64mib_dev_shm(tmp_path, capsys):
+@pytest.mark.parametrize("size_flag", ["--model-bytes", "--model-size"])
+def test_docker_default_64mib_dev_shm(tmp_path, capsys, size_flag):
     root = fake_host(tmp_path)
     code, rep = run_json(capsys, "--root", root, "--shm-size", "64MiB",
-                         "--model-bytes", "100MiB", "--local-ranks", "2", "--wire", "bf16")
+                         size_flag, "100MiB", "--local-ranks", "2", "--wire", "bf16")
     assert code == 1 and not rep["ok"]
     frame = 50 * MB  # bf16 halves the frames; staging stays f32
     assert rep["needs"]["frame_bytes"] == frame

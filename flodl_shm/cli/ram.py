@@ -207,8 +207,9 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
         "Prints RAM (bounded by the container's memory cgroup), swap, /dev/shm, our shared-"
         "memory segments, and a verdict per check. Exit 0 when everything fits, 1 when not.")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--model-bytes", type=_argtype(parse_size), metavar="SIZE",
-                   help="f32 model size (Σ numel × 4), e.g. 727MiB or 760MB")
+    g.add_argument("--model-bytes", "--model-size", type=_argtype(parse_size), metavar="SIZE",
+                   help="f32 model size (Σ numel × 4), e.g. 727MiB or 760MB (--model-size "
+                        "is the same)")
     g.add_argument("--params", type=_argtype(parse_count), metavar="COUNT",
                    help="number of parameters, e.g. 190M (K/M/B suffixes)")
     p.add_argument("--local-ranks", "--nprocs", type=int, default=1, metavar="N",
