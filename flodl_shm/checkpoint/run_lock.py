@@ -36,7 +36,8 @@ process that acquired it:
   Folders the lock created for itself go too when they are empty by then: a run
   refused before it wrote anything leaves no trace.
 
-The file holds one JSON line (pid, host, start time) for the refusal message.
+The file holds one JSON line (pid, host, start time, job) for the refusal message and
+the job check.
 """
 from __future__ import annotations
 
