@@ -258,7 +258,8 @@ class LocalSGD:
         for name, b in named_buffers:
             _check_averaged(f"buffer {name!r}", b)
         self.schema = ModelSchema.from_module(model)
-        self._series_locks: dict[str, object] = {}  # series -> the RunLock this rank holds
+        # series lock file -> the RunLock this rank holds (None: its host's lead holds it)
+        self._series_locks: dict[str, Any] = {}
         self.comm.set_bf16_wire(bool(bf16_wire))
         self.bf16_wire = bool(bf16_wire)
         self.outer = self._check_outer(outer)
@@ -672,14 +673,14 @@ class LocalSGD:
         :meth:`load` of the stem takes the newest complete one. Files are written
         atomically.
 
+        The first save into a series takes its run lock (``checkpoint/run_lock.py``:
+        each host's lead rank holds it until its process's work ends), so another job
+        saving into the same stem is refused before it writes anything.
+
         Args:
             path: the series' stem (``runs/exp/ckpt``; ``runs/exp/ckpt.fdl`` names the
                 same series).
             keep: complete bundles kept (at least 1).
-
-        The first save into a series takes its run lock (``checkpoint/run_lock.py``:
-        each host's lead rank holds it until its process's work ends), so another job
-        saving into the same stem is refused before it writes anything.
 
         Raises:
             ValueError: called mid-window (the replicas differ from the consensus then):
