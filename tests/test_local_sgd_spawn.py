@@ -171,6 +171,55 @@ def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_bundle(tmp_path):
     assert_no_leaks()
 
 
+def _save_once(ctx, stem: str, load_from, overwrite: bool):
+    """Two steps, one sync, one save into ``stem`` (after loading ``load_from``, when
+    given): the saved bundle's name, or the refusal's type and message."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sgd = LocalSGD(model, sync_every=2, comm=ctx.comm, optimizer=opt)
+    if load_from is not None:
+        sgd.load(load_from)
+    for _ in range(2):
+        x, y = _batch(ctx.rank, sgd.total_steps)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        sgd.step(samples=len(x))
+    try:
+        return sgd.save(stem, overwrite=overwrite).name
+    except FileExistsError as e:
+        return f"FileExistsError: {e}"
+
+
+def test_saves_beside_another_runs_bundles_are_refused_unless_overwrite(tmp_path):
+    """A fresh run saving into a stem that holds an earlier run's bundles (rounds 3 and
+    4) would have its saves pruned at once against those newer rounds; a run resumed
+    from round 3 would lose its saves to round 4 the same way. Both are refused on
+    every rank before anything is written; overwrite=True deletes what the run does
+    not continue."""
+    stem = os.fspath(tmp_path / "ckpt")
+    flodl_shm.spawn(_save_every_sync, 2, args=(stem, 8, False, 2))
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("ckpt-r*")}
+    assert {n for n in before if n.endswith(".meta.json")} == {
+        "ckpt-r00000003.meta.json", "ckpt-r00000004.meta.json"}
+    r3 = os.fspath(tmp_path / "ckpt-r00000003.fdl")
+    for load_from in (None, r3):
+        out = flodl_shm.spawn(_save_once, 2, args=(stem, load_from, False))
+        for message in out:
+            assert message.startswith("FileExistsError: ") and "ckpt-r00000004.fdl" in message
+            assert "overwrite=True" in message
+        assert {p.name: p.read_bytes() for p in tmp_path.glob("ckpt-r*")} == before
+    # resumed from round 3, overwriting: round 4 goes, the run saves its own round 4
+    assert flodl_shm.spawn(_save_once, 2, args=(stem, r3, True)) == ["ckpt-r00000004.fdl"] * 2
+    assert (tmp_path / "ckpt-r00000004.rank0.optim").read_bytes() != \
+        before["ckpt-r00000004.rank0.optim"]
+    # a fresh run, overwriting: every earlier bundle goes
+    assert flodl_shm.spawn(_save_once, 2, args=(stem, None, True)) == ["ckpt-r00000001.fdl"] * 2
+    assert sorted(p.name for p in tmp_path.glob("ckpt-r*.meta.json")) == [
+        "ckpt-r00000001.meta.json"]
+    assert_no_leaks()
+
+
 def _save_and_hold(ctx, stem: str, flags: str, seed: int):
     """Sync, then save into ``stem``. With ``seed`` 0 (the first job): mark the save done
     and stay up until the second job is through; else return the SeriesInUse message."""

@@ -29,8 +29,9 @@ from .meta import CheckpointBundle, names_sidecar_path, set_extension
 
 logger = logging.getLogger("flodl_shm")
 
-__all__ = ["bundle_files", "committed_checkpoints", "delete_series", "latest_checkpoint",
-           "prune_series", "resolve_checkpoint", "round_model_path", "series_base"]
+__all__ = ["bundle_files", "committed_checkpoints", "delete_rounds", "delete_series",
+           "latest_checkpoint", "prune_series", "resolve_checkpoint", "round_model_path",
+           "series_base", "series_of"]
 
 _ROUND_DIGITS = 8
 
@@ -44,6 +45,14 @@ def round_model_path(save_path: "str | os.PathLike[str]", sync_round: int) -> Pa
     """The consensus model path of the checkpoint taken at window ``sync_round``."""
     base = series_base(save_path)
     return base.with_name(f"{base.name}-r{int(sync_round):0{_ROUND_DIGITS}d}.fdl")
+
+
+def series_of(model_path: "str | os.PathLike[str]") -> Optional[tuple[Path, int]]:
+    """``(series base, sync round)`` of a bundle of a series (``runs/ckpt-r00000012.fdl``
+    -> ``(runs/ckpt, 12)``), or None for a bundle that belongs to no series."""
+    p = Path(os.fspath(model_path))
+    m = re.fullmatch(r"(.+)-r(\d{%d,})\.fdl" % _ROUND_DIGITS, p.name)
+    return None if m is None else (p.with_name(m.group(1)), int(m.group(2)))
 
 
 def bundle_files(model_path: "str | os.PathLike[str]") -> list[Path]:
@@ -168,6 +177,15 @@ def prune_series(save_path: "str | os.PathLike[str]", keep: int) -> list[int]:
     for rnd in sorted(set(doomed)):
         _remove(paths[rnd])
     return sorted(set(doomed))
+
+
+def delete_rounds(save_path: "str | os.PathLike[str]", after: int) -> list[int]:
+    """Delete the series' bundles (complete or not) of rounds above ``after``; returns
+    their rounds."""
+    doomed = sorted((rnd, model) for rnd, model in _rounds(save_path).items() if rnd > after)
+    for _, model in doomed:
+        _remove(model)
+    return [rnd for rnd, _ in doomed]
 
 
 def delete_series(save_path: "str | os.PathLike[str]") -> int:

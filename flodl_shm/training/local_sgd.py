@@ -260,6 +260,7 @@ class LocalSGD:
         self.schema = ModelSchema.from_module(model)
         # series lock file -> the RunLock this rank holds (None: its host's lead holds it)
         self._series_locks: dict[str, Any] = {}
+        self._resumed_from: Optional[tuple[Path, int]] = None  # (series, round) of load()
         self.comm.set_bf16_wire(bool(bf16_wire))
         self.bf16_wire = bool(bf16_wire)
         self.outer = self._check_outer(outer)
@@ -658,7 +659,8 @@ class LocalSGD:
             meta = meta.with_elche_state(st)
         return meta
 
-    def save(self, path: "str | os.PathLike[str]", *, keep: int = 2) -> Path:
+    def save(self, path: "str | os.PathLike[str]", *, keep: int = 2,
+             overwrite: bool = False) -> Path:
         """Write a full-state checkpoint bundle (a collective: every rank calls it, right
         after a sync). Returns the bundle's model path.
 
@@ -675,18 +677,25 @@ class LocalSGD:
 
         The first save into a series takes its run lock (``checkpoint/run_lock.py``:
         each host's lead rank holds it until its process's work ends), so another job
-        saving into the same stem is refused before it writes anything.
+        saving into the same stem is refused before it writes anything. It also refuses
+        a series that holds complete bundles this run does not continue (an earlier
+        run's, or newer than the bundle :meth:`load` took): the pruning would keep
+        those and delete this run's saves. ``overwrite=True`` deletes them instead.
 
         Args:
             path: the series' stem (``runs/exp/ckpt``; ``runs/exp/ckpt.fdl`` names the
                 same series).
             keep: complete bundles kept (at least 1).
+            overwrite: at the first save into the series, delete its bundles that this
+                run does not continue.
 
         Raises:
             ValueError: called mid-window (the replicas differ from the consensus then):
                 save right after ``step()`` returned True, or after ``sync()``; or
                 ``keep`` below 1.
             SeriesInUse: another job holds the series (on every rank of this one).
+            FileExistsError: the series holds another run's bundles (on every rank; at
+                the first save into it, before anything is written).
         """
         if self._steps:
             raise ValueError(
@@ -698,7 +707,7 @@ class LocalSGD:
         from ..checkpoint.series import prune_series, round_model_path
 
         model_path = round_model_path(path, self.sync_round)
-        self._claim_series(path)
+        self._claim_series(path, overwrite)
         model_path.parent.mkdir(parents=True, exist_ok=True)
         state = self.state_dict()
         atomic_write(rank_state_path(model_path, self.rank), lambda fh: torch.save(state, fh))
@@ -710,12 +719,15 @@ class LocalSGD:
         self.comm.barrier()
         return model_path
 
-    def _claim_series(self, path) -> None:
+    def _claim_series(self, path, overwrite: bool) -> None:
         """At the first save into a series, before any rank writes a file: each host's
-        lead rank takes the series' run lock (``checkpoint/run_lock.py``) and keeps it;
-        one small collective tells every rank whether a host found it held by another
-        job, and then every rank raises ``SeriesInUse``."""
+        lead rank takes the series' run lock (``checkpoint/run_lock.py``) and keeps it,
+        and looks for complete bundles this run does not continue (``save``); one small
+        collective tells every rank whether a host found the series held by another
+        job (then every rank raises ``SeriesInUse``) or such bundles (FileExistsError,
+        unless ``overwrite``: the lead deletes them)."""
         from ..checkpoint.run_lock import RunLock, lock_holder, run_lock_path
+        from ..checkpoint.series import committed_checkpoints, delete_rounds, series_base
 
         key = os.fspath(run_lock_path(path))
         if key in self._series_locks:
@@ -727,21 +739,38 @@ class LocalSGD:
             if self.rank == 0:
                 token[0] = random.SystemRandom().randrange(1, 1 << 24)  # exact as f32
             job = f"local_sgd-{int(self.comm.all_reduce_per_rank_f64(token)[0])}"
+        base = series_base(path)
+        resumed = self._resumed_from
+        after = resumed[1] if resumed is not None and resumed[0] == base else 0
         writers = self.comm.last_accepted_ranks()
-        refused = 0.0
+        verdict = _SERIES_OK
         if writers and self.rank == min(writers):
             lock = RunLock(path, job)
             try:
                 lock.__enter__()
                 self._series_locks[key] = lock
+                stale = [rnd for rnd, _ in committed_checkpoints(path) if rnd > after]
+                if stale and overwrite:
+                    delete_rounds(path, after)
+                elif stale:
+                    verdict = _SERIES_STALE
             except SeriesInUse:
-                refused = 1.0
+                verdict = _SERIES_IN_USE
         votes = np.zeros(self.world_size)
-        votes[self.rank] = refused
-        if self.comm.all_reduce_per_rank_f64(votes).any():
+        votes[self.rank] = verdict
+        votes = self.comm.all_reduce_per_rank_f64(votes)
+        if votes.any():
             if key in self._series_locks:
                 self._series_locks.pop(key).__exit__(None, None, None)
-            raise SeriesInUse(key, lock_holder(key))
+            if (votes == _SERIES_IN_USE).any():
+                raise SeriesInUse(key, lock_holder(key))
+            last = committed_checkpoints(path)
+            newest = f" (newest: {last[-1][1].name})" if last else ""
+            raise FileExistsError(
+                f"{base} already holds checkpoints this run does not continue{newest}: "
+                f"saving beside them would keep those and prune this run's. Continue that "
+                f"run with load({os.fspath(base)!r}) before the first save, pass another "
+                f"stem, or save(..., overwrite=True) to delete them")
         self._series_locks.setdefault(key, None)  # claimed (held by this host's lead)
 
     def _write_consensus_bundle(self, path) -> None:
@@ -781,7 +810,11 @@ class LocalSGD:
             ValueError: on several hosts, the ranks loaded bundles of different sync
                 rounds (every rank raises, naming which).
         """
-        meta = self._load(_resolve_bundle(path))
+        from ..checkpoint.series import series_of
+
+        bundle = _resolve_bundle(path)
+        meta = self._load(bundle)
+        self._resumed_from = series_of(bundle)
         if self.comm.local_world_size != self.world_size:
             check_same_start(self.comm, self.sync_round,
                              "give every host a copy of the same bundle and load it on every "
@@ -861,6 +894,10 @@ class DiLoCo(LocalSGD):
                             "outer_momentum)); use LocalSGD(outer=...) for another one")
         super().__init__(model, sync_every=sync_every,
                          outer=OuterNesterov(lr=outer_lr, momentum=outer_momentum), **kwargs)
+
+
+#: a host lead's verdict on a series at the first save into it (``_claim_series``)
+_SERIES_OK, _SERIES_IN_USE, _SERIES_STALE = 0.0, 1.0, 2.0
 
 
 def _resolve_bundle(path: "str | os.PathLike[str]") -> Path:
