@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -18,7 +19,8 @@ import pytest
 import torch
 
 from flodl_shm.checkpoint.meta import CheckpointBundle, CheckpointMeta, SaveReason
-from flodl_shm.checkpoint.series import committed_checkpoints, round_model_path
+from flodl_shm.checkpoint.series import (committed_checkpoints, latest_checkpoint,
+                                         round_model_path)
 from flodl_shm.engine.segment import list_segments
 from flodl_shm.training.trainer import TrainingAborted
 
@@ -159,3 +161,26 @@ def test_whole_run_killed_then_resumed_matches_the_uninterrupted_run(tmp_path):
         assert torch.equal(got[k], want[k]), f"{k} differs after resume"
     assert not [s for s in list_segments() if s.owner_pid == pid], \
         "resume's spawn reaped the dead launcher's segments"
+
+
+def test_resuming_from_an_older_bundle_refuses_the_newer_ones_unless_overwrite(tmp_path):
+    """A run resumed from an older bundle of its own series would keep the newer ones
+    (an abandoned branch) outranking its own checkpoints: a crash before it passed
+    their rounds would resume the old branch. Refused, naming the newest, unless
+    overwrite=True, which deletes them."""
+    stem = tmp_path / "ck"
+    make_trainer(epochs=2, save_path=stem, checkpoint_every=3, keep_checkpoints=8).run(2)
+    rounds = [r for r, _ in committed_checkpoints(stem)]
+    assert rounds[:2] == [3, 6] and rounds[-1] > 6
+    old = round_model_path(stem, 3)
+    second = make_trainer(epochs=2, save_path=stem, checkpoint_every=3, keep_checkpoints=8)
+    newest = round_model_path(stem, rounds[-1]).name
+    with pytest.raises(FileExistsError, match=rf"newest: {re.escape(newest)}.*overwrite=True"):
+        second.resume(old, nprocs=2)
+    assert [r for r, _ in committed_checkpoints(stem)] == rounds  # nothing touched
+    result = second.resume(old, nprocs=2, overwrite=True)
+    assert result.history[0].window == 4
+    after = [r for r, _ in committed_checkpoints(stem)]
+    assert after[0] == 3 and after[-1] == rounds[-1]  # the branch's own, up to the end
+    meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(result.checkpoint))
+    assert meta.sync_round == rounds[-1] and result.checkpoint == latest_checkpoint(stem)

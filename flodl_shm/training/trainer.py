@@ -305,6 +305,27 @@ class Trainer:
                 delete_series(self.save_path)
             return self._launch(_Job(self, int(nprocs), None, None, _log_level(), cluster))
 
+    def _clear_beyond(self, model_path: Path, overwrite: bool) -> None:
+        """Before resuming from ``model_path``: refuse (or, with ``overwrite``, delete)
+        the complete bundles of ``save_path``'s series this run does not continue."""
+        if self.save_path is None:
+            return
+        from ..checkpoint.series import (committed_checkpoints, delete_rounds, series_base,
+                                         series_of)
+
+        own = series_of(model_path)
+        after = own[1] if own is not None and own[0] == series_base(self.save_path) else 0
+        beyond = [m for r, m in committed_checkpoints(self.save_path) if r > after]
+        if not beyond:
+            return
+        if not overwrite:
+            raise FileExistsError(
+                f"{self.save_path} holds checkpoints this resume from {model_path.name} would "
+                f"not continue (newest: {beyond[-1].name}); they would outrank its own. "
+                f"Resume from the newest (trainer.resume() with no path), or pass "
+                f"overwrite=True to delete them")
+        delete_rounds(self.save_path, after)
+
     def _run_lock(self, controller, salt):
         """The run lock of ``save_path``'s series, or nothing to hold without one. The
         hosts of one cluster share it (their save paths may be one shared folder): the
@@ -319,7 +340,7 @@ class Trainer:
     def resume(self, save_path: "str | os.PathLike[str] | None" = None,
                nprocs: Optional[int] = None, *, controller=None,
                world_size: Optional[int] = None, first_rank: int = 0,
-               salt: Optional[bytes] = None) -> TrainResult:
+               salt: Optional[bytes] = None, overwrite: bool = False) -> TrainResult:
         """Continue from the last complete checkpoint of ``save_path`` (default: this
         trainer's), or from a bundle named by its ``.fdl`` / ``.meta.json``.
 
@@ -335,18 +356,25 @@ class Trainer:
         cohort (see :meth:`run`; each host then needs ``nprocs``, and resumes from its
         own copy of the bundle; the outer momentum is the controller's to load).
         Like :meth:`run`, it holds the run lock of this trainer's ``save_path``
-        (``SeriesInUse`` when another run holds it).
+        (``SeriesInUse`` when another run holds it). It refuses a ``save_path`` that
+        holds complete bundles this run does not continue (``FileExistsError``): newer
+        ones than the bundle it resumes from (an abandoned branch, which would outrank
+        this run's checkpoints), or any, when the bundle comes from another series.
+        ``overwrite=True`` deletes them first.
         """
         target = save_path if save_path is not None else self.save_path
         if target is None:
             raise ValueError("resume() needs a save_path (this Trainer has none)")
         with self._run_lock(controller, salt):  # the series this run writes, as run() does
-            return self._resume(target, nprocs, controller, world_size, first_rank, salt)
+            return self._resume(target, nprocs, controller, world_size, first_rank, salt,
+                                overwrite)
 
-    def _resume(self, target, nprocs, controller, world_size, first_rank, salt) -> TrainResult:
+    def _resume(self, target, nprocs, controller, world_size, first_rank, salt,
+                overwrite) -> TrainResult:
         from ..checkpoint.series import resolve_checkpoint
 
         model_path = resolve_checkpoint(target)
+        self._clear_beyond(model_path, overwrite)
         meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(model_path))
         saved_world = (len(meta.elche_state.smoothed_ms_per_batch)
                        if meta.elche_state is not None else None)
