@@ -21,7 +21,8 @@ def _errors():
         RankStalled("ranks [1] stalled", round=4, missing=(1,), timeout=2.0),
         TrainingAborted("1 rank(s) died ([1])", result, "Continue with trainer.resume('r')."),
         PeerDied("rank 0 (pid 7) died", 0, 7, host_ranks=(0, 1, 2)).with_missing((2,)),
-        SeriesInUse("runs/demo/ckpt.lock", "pid 7 on host a since 2026-12-02 21:00:00"),
+        SeriesInUse("runs/demo/ckpt.lock", "pid 7 on host a since 2026-12-02 21:00:00",
+                    "cafe"),
     ]
 
 
@@ -31,5 +32,5 @@ def test_an_error_pickles_back_with_its_message_and_attributes(err):
     assert type(back) is type(err) and str(back) == str(err)
     for name in ("round", "missing", "timeout", "rank", "exc_type", "traceback", "signal",
                  "exitcode", "summary", "resume_hint", "checkpoint", "dead_ranks", "pid",
-                 "host_ranks", "lock", "holder"):
+                 "host_ranks", "lock", "holder", "job"):
         assert getattr(back, name, None) == getattr(err, name, None), name

@@ -9,7 +9,8 @@ import torch
 
 from flodl_shm.checkpoint.meta import CheckpointMeta, SaveReason
 from flodl_shm.checkpoint.series import (committed_checkpoints, delete_series, latest_checkpoint,
-                                         prune_series, resolve_checkpoint, round_model_path)
+                                         not_continued, prune_series, resolve_checkpoint,
+                                         round_model_path)
 from flodl_shm.training.trainer import Trainer, window_seed
 
 pytestmark = pytest.mark.timeout(30)
@@ -112,3 +113,20 @@ def test_window_seeds_are_distinct_and_stable():
     assert len(seeds) == 4 * 49
     assert window_seed(42, 1, 7) == window_seed(42, 1, 7)
     assert all(0 <= s < 2 ** 63 for s in seeds)
+
+
+def test_what_a_run_does_not_continue(tmp_path, monkeypatch):
+    """A fresh run continues nothing; a run resumed from round 3 of the series continues
+    it after round 3, however either path is spelled; a bundle of another series
+    continues nothing of this one."""
+    stem = tmp_path / "ck"
+    for rnd in (3, 6, 9):
+        bundle(stem, rnd)
+    bundle(tmp_path / "other", 12)
+    models = [round_model_path(stem, r) for r in (3, 6, 9)]
+    assert not_continued(stem) == (0, models)
+    assert not_continued(stem, models[0]) == (3, models[1:])
+    assert not_continued(stem, models[2]) == (9, [])
+    monkeypatch.chdir(tmp_path)  # a relative save path, an absolute bundle path
+    assert not_continued("ck", models[0])[0] == 3
+    assert not_continued(stem, round_model_path(tmp_path / "other", 12)) == (0, models)

@@ -49,21 +49,32 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from ..errors import SeriesInUse
 from .meta import set_extension
 
 __all__ = ["RunLock", "cluster_job", "lock_holder", "release_held", "run_lock_path"]
 
-#: lock files this process holds: resolved path -> (pid, open file, depth, folders it made)
-_HELD: dict[str, tuple[int, int, int, tuple[Path, ...]]] = {}
+class _Held(NamedTuple):
+    """A lock this process took: who took it, its open file, how deep it is held, and
+    the folders it created (deepest first)."""
+
+    pid: int
+    fd: int
+    depth: int
+    made: tuple[Path, ...]
+
+
+#: lock files this process holds, by resolved path
+_HELD: dict[str, _Held] = {}
 
 
 def release_held() -> None:
     """Release every run lock this process holds, however deep (a rank whose function
     returned, an interpreter at exit)."""
     for key, held in list(_HELD.items()):
-        if held[0] == os.getpid():
+        if held.pid == os.getpid():
             _release(key)
 
 
@@ -100,8 +111,8 @@ class RunLock:
     def __enter__(self) -> "RunLock":
         self.shared = False
         held = _HELD.get(self._key)
-        if held is not None and held[0] == os.getpid():
-            _HELD[self._key] = (held[0], held[1], held[2] + 1, held[3])
+        if held is not None and held.pid == os.getpid():
+            _HELD[self._key] = held._replace(depth=held.depth + 1)
             return self
         made = tuple(d for d in (self.path.parent, *self.path.parent.parents)
                      if not d.exists())  # deepest first
@@ -117,7 +128,7 @@ class RunLock:
         except BaseException:
             _remove_empty(made)
             raise
-        _HELD[self._key] = (os.getpid(), fd, 1, made)
+        _HELD[self._key] = _Held(os.getpid(), fd, 1, made)
         return self
 
     def _acquire(self) -> int:
@@ -151,11 +162,10 @@ class RunLock:
         if self.shared:
             return
         held = _HELD.get(self._key)
-        if held is None or held[0] != os.getpid():
+        if held is None or held.pid != os.getpid():
             return  # released already (release_held)
-        pid, fd, depth, made = held
-        if depth > 1:
-            _HELD[self._key] = (pid, fd, depth - 1, made)
+        if held.depth > 1:
+            _HELD[self._key] = held._replace(depth=held.depth - 1)
             return
         _release(self._key)
 
@@ -163,13 +173,13 @@ class RunLock:
 def _release(key: str) -> None:
     """Remove the lock file ``key`` while it is still locked (no one else holds that
     file), then close it, which drops the lock."""
-    _, fd, _, made = _HELD.pop(key)
+    held = _HELD.pop(key)
     try:
         os.unlink(key)
     except FileNotFoundError:
         pass
-    os.close(fd)
-    _remove_empty(made)
+    os.close(held.fd)
+    _remove_empty(held.made)
 
 
 def _remove_empty(folders: tuple[Path, ...]) -> None:

@@ -30,8 +30,8 @@ from .meta import CheckpointBundle, names_sidecar_path, set_extension
 logger = logging.getLogger("flodl_shm")
 
 __all__ = ["bundle_files", "committed_checkpoints", "delete_rounds", "delete_series",
-           "latest_checkpoint", "prune_series", "resolve_checkpoint", "round_model_path",
-           "series_base", "series_of"]
+           "latest_checkpoint", "not_continued", "prune_series", "resolve_checkpoint",
+           "round_model_path", "series_base", "series_of"]
 
 _ROUND_DIGITS = 8
 
@@ -177,6 +177,20 @@ def prune_series(save_path: "str | os.PathLike[str]", keep: int) -> list[int]:
     for rnd in sorted(set(doomed)):
         _remove(paths[rnd])
     return sorted(set(doomed))
+
+
+def not_continued(save_path: "str | os.PathLike[str]",
+                  resumed_from: "str | os.PathLike[str] | None" = None
+                  ) -> tuple[int, list[Path]]:
+    """What a run that starts from the bundle ``resumed_from`` (None: a fresh run) does
+    not continue in the series of ``save_path``: ``(round, bundles)``, the round it
+    continues after (the bundle's, when it belongs to this very series; else 0) and the
+    complete bundles above it, which would outrank the run's own checkpoints."""
+    own = None if resumed_from is None else series_of(resumed_from)
+    same = own is not None and (os.path.realpath(own[0])
+                                == os.path.realpath(series_base(save_path)))
+    after = own[1] if same else 0
+    return after, [model for rnd, model in committed_checkpoints(save_path) if rnd > after]
 
 
 def delete_rounds(save_path: "str | os.PathLike[str]", after: int) -> list[int]:

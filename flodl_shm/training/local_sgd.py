@@ -260,7 +260,7 @@ class LocalSGD:
         self.schema = ModelSchema.from_module(model)
         # series lock file -> the RunLock this rank holds (None: its host's lead holds it)
         self._series_locks: dict[str, Any] = {}
-        self._resumed_from: Optional[tuple[Path, int]] = None  # (series, round) of load()
+        self._resumed_from: Optional[Path] = None  # the bundle load() took
         self.comm.set_bf16_wire(bool(bf16_wire))
         self.bf16_wire = bool(bf16_wire)
         self.outer = self._check_outer(outer)
@@ -727,7 +727,7 @@ class LocalSGD:
         job (then every rank raises ``SeriesInUse``) or such bundles (FileExistsError,
         unless ``overwrite``: the lead deletes them)."""
         from ..checkpoint.run_lock import RunLock, lock_holder, run_lock_path
-        from ..checkpoint.series import committed_checkpoints, delete_rounds, series_base
+        from ..checkpoint.series import delete_rounds, not_continued, series_base
 
         key = os.fspath(run_lock_path(path))
         if key in self._series_locks:
@@ -740,8 +740,6 @@ class LocalSGD:
                 token[0] = random.SystemRandom().randrange(1, 1 << 24)  # exact as f32
             job = f"local_sgd-{int(self.comm.all_reduce_per_rank_f64(token)[0])}"
         base = series_base(path)
-        resumed = self._resumed_from
-        after = resumed[1] if resumed is not None and resumed[0] == base else 0
         writers = self.comm.last_accepted_ranks()
         verdict = _SERIES_OK
         if writers and self.rank == min(writers):
@@ -749,7 +747,7 @@ class LocalSGD:
             try:
                 lock.__enter__()
                 self._series_locks[key] = lock
-                stale = [rnd for rnd, _ in committed_checkpoints(path) if rnd > after]
+                after, stale = not_continued(path, self._resumed_from)
                 if stale and overwrite:
                     delete_rounds(path, after)
                 elif stale:
@@ -764,8 +762,8 @@ class LocalSGD:
                 self._series_locks.pop(key).__exit__(None, None, None)
             if (votes == _SERIES_IN_USE).any():
                 raise SeriesInUse(key, lock_holder(key))
-            last = committed_checkpoints(path)
-            newest = f" (newest: {last[-1][1].name})" if last else ""
+            stale = not_continued(path, self._resumed_from)[1]
+            newest = f" (newest: {stale[-1].name})" if stale else ""
             raise FileExistsError(
                 f"{base} already holds checkpoints this run does not continue{newest}: "
                 f"saving beside them would keep those and prune this run's. Continue that "
@@ -810,11 +808,9 @@ class LocalSGD:
             ValueError: on several hosts, the ranks loaded bundles of different sync
                 rounds (every rank raises, naming which).
         """
-        from ..checkpoint.series import series_of
-
         bundle = _resolve_bundle(path)
         meta = self._load(bundle)
-        self._resumed_from = series_of(bundle)
+        self._resumed_from = bundle
         if self.comm.local_world_size != self.world_size:
             check_same_start(self.comm, self.sync_round,
                              "give every host a copy of the same bundle and load it on every "

@@ -310,12 +310,9 @@ class Trainer:
         the complete bundles of ``save_path``'s series this run does not continue."""
         if self.save_path is None:
             return
-        from ..checkpoint.series import (committed_checkpoints, delete_rounds, series_base,
-                                         series_of)
+        from ..checkpoint.series import delete_rounds, not_continued
 
-        own = series_of(model_path)
-        after = own[1] if own is not None and own[0] == series_base(self.save_path) else 0
-        beyond = [m for r, m in committed_checkpoints(self.save_path) if r > after]
+        after, beyond = not_continued(self.save_path, model_path)
         if not beyond:
             return
         if not overwrite:
