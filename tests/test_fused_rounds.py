@@ -175,3 +175,48 @@ def test_barrier_waits_for_a_late_rank_skips_a_dead_one_and_names_a_mismatch():
 
     with FakeCohort(2) as c:
         assert c.run(mismatch) == [True, True]
+
+
+def test_per_rank_gather_finishes_late_dead_and_mismatched_rounds():
+    """``all_reduce_per_rank_f64``'s one compiled call: a rank 50 ms late is waited for
+    (the spin misses, the futex path finishes and reduces), a fenced dead rank reads 0,
+    and a peer that calls a barrier at that round makes both raise a schema mismatch
+    and stay in step."""
+    import time
+
+    import numpy as np
+
+    from flodl_shm import SchemaMismatchError
+
+    def values(comm):
+        v = np.zeros(comm.world_size)
+        v[comm.rank] = 10.0 + comm.rank
+        return v
+
+    def late(comm):
+        if comm.rank == 1:
+            time.sleep(0.05)
+        got = comm.all_reduce_per_rank_f64(values(comm))
+        return got.tolist(), comm._engine.waiter.missed
+
+    with FakeCohort(2) as c:
+        out = c.run(late)
+    assert [got for got, _ in out] == [[10.0, 11.0]] * 2
+    assert out[0][1] >= 1  # rank 0 finished on the blocking path
+
+    with FakeCohort(3) as c:
+        c.declare_dead(2)
+        got = c.run(lambda comm: comm.all_reduce_per_rank_f64(values(comm)).tolist(),
+                    ranks=[0, 1])
+    assert got[:2] == [[10.0, 11.0, 0.0]] * 2
+
+    def mismatch(comm):
+        with pytest.raises(SchemaMismatchError):
+            if comm.rank == 0:
+                comm.all_reduce_per_rank_f64(values(comm))
+            else:
+                comm.barrier()
+        return comm.all_reduce_per_rank_f64(values(comm)).tolist()  # still in step
+
+    with FakeCohort(2) as c:
+        assert c.run(mismatch) == [[10.0, 11.0]] * 2

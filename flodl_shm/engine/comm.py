@@ -49,6 +49,7 @@ import torch
 
 from . import arena as A
 from ..errors import CohortAborted, FrameError
+from ..kernels.rounds import WORK_CHUNK as PER_RANK_FUSED_MAX
 from ..frame import (
     DTYPE_BF16,
     DTYPE_F32,
@@ -151,9 +152,10 @@ class Comm:
         self._zc_inputs: dict = {}  # (plan, slot parity or "bulk") -> (region, views)
         self._zc_outputs: dict = {}  # plan -> (memory, consensus views)
         self._zc_plan: tuple | None = None  # (wire dtype, shapes, plan) of the last inputs
-        self._per_rank = np.zeros(max(1, self.world_size), np.float32)
-        self._per_rank_addr = self._per_rank.ctypes.data
+        self._per_rank = np.zeros(max(1, self.world_size), np.float64)  # values in, sums out
         self._per_rank_plan = self._engine.plan(_CONTROL, DTYPE_F32, ((self.world_size,),))
+        self._per_rank_fused = (self._per_rank_plan.eager_fits
+                                and self.world_size <= PER_RANK_FUSED_MAX)
         self._barrier_plan = self._engine.plan(_CONTROL, DTYPE_F32, ())
         self._outer_installed = False
         self._fast: tuple | None = None  # (shape, kind, plan) of the last fused in-place call
@@ -591,23 +593,34 @@ class Comm:
         """Gather one float64 per rank: each rank fills its own slot (zeros elsewhere);
         every rank gets the summed vector (dead ranks read 0). Values travel as f32
         (exact for integers up to 2^24), as in flodl."""
-        vec = np.asarray(values, dtype=np.float64).reshape(-1)
-        if vec.shape[0] != self.world_size:
-            raise ValueError(f"vector len ({vec.shape[0]}) must equal world_size "
-                             f"({self.world_size})")
+        world = self.world_size
         src = self._per_rank
-        src[:] = vec
+        if type(values) is np.ndarray and values.shape == (world,):
+            src[:] = values  # the common case, without asarray's copy
+        else:
+            vec = np.asarray(values, dtype=np.float64).reshape(-1)
+            if vec.shape[0] != world:
+                raise ValueError(f"vector len ({vec.shape[0]}) must equal world_size "
+                                 f"({world})")
+            src[:] = vec
         plan = self._per_rank_plan
-        if plan.eager_fits and self._fusable(_CONTROL, False):
-            # summed in place in the f32 staging array: one compiled call
-            self._eager_call(0.0, self._engine.inplace_round, self._per_rank_addr, plan, 1.0)
-            return src.astype(np.float64)
+        if self._per_rank_fused and self._fusable(_CONTROL, False):
+            # into and out of the float64 staging: one compiled call (``_eager_call``
+            # inlined, as in ``barrier``; its checks are ``_fusable``'s)
+            rnd = self._round
+            self._round = rnd + 1
+            try:
+                self._engine.per_rank_round(rnd, plan, src)
+            except BaseException as e:
+                self._fail(rnd, e)
+                raise
+            return src.copy()
 
         def write(dst: np.ndarray, plan: RoundPlan) -> None:
-            np.copyto(dst[:self.world_size], src)
+            np.copyto(dst[:world], src, casting="same_kind")
 
         cons, _ = self._run(plan, 0.0, write)
-        return cons[:self.world_size].astype(np.float64)
+        return cons[:world].astype(np.float64)
 
     def broadcast_from_root(self, tensors: Sequence[torch.Tensor], root: int = 0) -> list[torch.Tensor]:
         """Every rank receives ``root``'s tensors (byte-exact, f32), e.g. to align

@@ -235,6 +235,7 @@ class RoundEngine:
         self._call = RK.call_block(self.ctl, self._eager_all, arena.eager_bytes, self.world,
                                    rank, self._work, w.spin_iters, w.min_spin, w.max_spin)
         w.share_spin(self._call[RK.C_SPIN:RK.C_SPIN + 1])
+        self._fused = RK.fused_calls()  # typed once: their calls skip numba's dispatch
         self._info = self._call[:RK.I_WORDS]
         # its words read as Python ints through a memoryview: a window reads the accepted
         # mask right after training, where one numpy item read costs several microseconds
@@ -440,12 +441,25 @@ class RoundEngine:
     def barrier_round(self, rnd: int, _weight: float, plan: RoundPlan) -> float:
         """:meth:`eager_round` of the empty CONTROL ``plan`` (a barrier), its fast case
         one compiled call with three arguments; returns the accepted mass (0)."""
-        code = RK.barrier_round(self._call, plan.call, rnd)
+        code = self._fused.barrier(self._call, plan.call, rnd)
         if code == _OK:
             return self._mass_cell[0]
         view = self.settle_eager(code, rnd)
         self.reduce_eager(view, self.eager_f32)
         return view.mass
+
+    def per_rank_round(self, rnd: int, plan: RoundPlan, values: np.ndarray) -> None:
+        """The CONTROL round of ``Comm.all_reduce_per_rank_f64`` over ``plan``
+        (``plan.nelem`` float32 on the wire): ``values``, the Comm's own float64
+        staging, go in and their sums over the accepted ranks come back into it. One
+        compiled call in the fast case."""
+        code = self._fused.per_rank(self._call, plan.call, rnd, values)
+        if code == _OK:
+            return
+        view = self.settle_eager(code, rnd)
+        sums = self.eager_f32[:plan.nelem]
+        self.reduce_eager(view, sums)
+        values[:] = sums
 
     def eager_round(self, plan: RoundPlan, rnd: int, flags: int, weight: float, *,
                     count: int = 0, scale: float = 1.0, out_f32: np.ndarray | None = None,
@@ -526,9 +540,9 @@ class RoundEngine:
         FLAG_ELIDED on the readers, which copy nothing in, and ``root`` its local root,
         checked to be the only contributor). Returns the accepted mass."""
         if not out:
-            code = RK.eager_inplace_f32(self._call, plan.call, addr, rnd, weight, scale)
+            code = self._fused.inplace_f32(self._call, plan.call, addr, rnd, weight, scale)
         else:
-            code = RK.eager_copy_f32(self._call, plan.call, addr, out, rnd, flags, weight,
+            code = self._fused.copy_f32(self._call, plan.call, addr, out, rnd, flags, weight,
                                      scale, root)
         if code == _OK:
             return self._mass_cell[0]

@@ -10,8 +10,11 @@ Word offsets come from ``flodl_shm/kernels/control_block.py``, the one definitio
 """
 from __future__ import annotations
 
+import functools
+from typing import Callable, NamedTuple
+
 import numpy as np
-from numba import njit
+from numba import njit, types
 
 from .control_block import (DEAD_EXITED, FLAG_BROADCAST, FLAG_ELIDED, FLAGS_AGREED, G_ABORT,
                             G_DOORBELL, G_SLEEPERS, GLOBAL_WORDS, H_DTYPE, H_FLAGS, H_KIND,
@@ -435,12 +438,55 @@ def eager_tensors_round(blk, pl, rnd, weight, scale, out_f32, out_u16, sums):
 
 @njit(cache=True, nogil=True)
 def barrier_round(blk, pl, rnd):
-    """``eager_encode_round`` of an empty CONTROL plan ``pl`` (a barrier: publish, wait
-    for every rank, validate) with three arguments instead of eleven: numba's dispatch
-    costs about 70 ns an argument, which is a third of a barrier's own work. Codes as
-    ``eager_round``."""
-    none = f32_at(blk[C_WORK], 0)
-    return eager_encode_round(blk, pl, rnd, 0.0, 0, 0, 1.0, 0, False, none, none.view(np.uint16))
+    """The round of an empty CONTROL plan ``pl`` (a barrier): publish its header, spin
+    for every rank, validate. What ``eager_encode_round`` does for such a plan, without
+    its copy-in and reduce set-up (which cost a barrier about 80 ns of its ~200), and
+    with three arguments instead of eleven. Codes as ``eager_round``."""
+    ctl, ctl_f64, ctl32, eager, info, mass = _call_views(blk)
+    _put_schema(blk, pl, eager, rnd)
+    me = blk[C_ME]
+    if publish_round(ctl, ctl_f64, ctl32, me, rnd, pl[P_KIND], 0, pl[P_DTYPE], 0.0,
+                     pl[P_NTENSORS], pl[P_NBYTES], pl[P_NELEM], pl[P_SHASH],
+                     pl[P_NWORDS]) > 0:
+        return WAKE
+    code = arrive(ctl, ctl_f64, blk[C_WORLD], rnd, me, blk[C_SPIN], blk[C_YIELDS], info, mass)
+    if code == OK:
+        _spin_caught(blk)
+    return code
+
+
+@njit(cache=True, nogil=True)
+def per_rank_round(blk, pl, rnd, values):
+    """The CONTROL round of ``Comm.all_reduce_per_rank_f64`` in one call: the float64
+    ``values`` (``pl``'s ``nelem`` of them, at most ``WORK_CHUNK``) go into this rank's
+    eager slot as float32; publish, spin, validate; then the float32 sums over the
+    contributors, in rank order, come back into ``values`` widened to float64. Codes as
+    ``eager_round``; on any code but OK ``values`` still holds the input (the caller
+    finishes the round and reduces)."""
+    ctl, ctl_f64, ctl32, eager, info, mass = _call_views(blk)
+    _put_schema(blk, pl, eager, rnd)
+    me = blk[C_ME]
+    slot_bytes = blk[C_SLOT_BYTES]
+    nelem = pl[P_NELEM]
+    nwords = pl[P_NWORDS]
+    base = (2 * me + (rnd & 1)) * slot_bytes + nwords * 8
+    slot = eager[base:base + 4 * nelem].view(np.float32)
+    for i in range(nelem):
+        slot[i] = np.float32(values[i])
+    if publish_round(ctl, ctl_f64, ctl32, me, rnd, pl[P_KIND], 0, pl[P_DTYPE], 0.0,
+                     pl[P_NTENSORS], pl[P_NBYTES], nelem, pl[P_SHASH], nwords) > 0:
+        return WAKE
+    code = arrive(ctl, ctl_f64, blk[C_WORLD], rnd, me, blk[C_SPIN], blk[C_YIELDS], info, mass)
+    if code != OK:
+        return code
+    _spin_caught(blk)
+    work = f32_at(blk[C_WORK], WORK_WORDS)
+    sums = work[WORK_CHUNK:WORK_CHUNK + nelem]
+    reduce_eager_f32(eager, slot_bytes, rnd, blk[C_WORLD], info[I_CONTRIB], nwords * 8, nelem,
+                     sums, 1.0, work[:WORK_CHUNK])
+    for i in range(nelem):
+        values[i] = sums[i]
+    return OK
 
 
 @njit(inline="always")
@@ -581,6 +627,10 @@ def warm_up() -> None:
     empty = plan_words(4, 1, 0, 0, 0, 0, 9, words[:0])
     for r in range(world):
         barrier_round(blks[r], empty, 6)
+    per_rank = plan_words(7, 1, 0, 1, 8, 2, 7, words)
+    values = np.zeros(2, np.float64)
+    for r in range(world):
+        per_rank_round(blks[r], per_rank, 9, values)
     pl = plan_words(5, 0, 0, 1, 8, 2, 7, words)
     pl[P_WORDS + len(words):] = (t.ctypes.data, 2, 0)  # one f32 tensor: address, numel
     for r in range(world):
@@ -588,3 +638,30 @@ def warm_up() -> None:
     pl = plan_words(6, 0, 0, 1, 8, 2, 7, words)
     for r in range(world):
         eager_arrays_f32(blks[r], pl, t, dst, 8, 1.0)
+
+
+class FusedCalls(NamedTuple):
+    """Fused calls as compiled functions of the one signature the engine calls them with.
+
+    Calling a numba function types every argument to pick its compiled version (about
+    50 ns a call beyond the unboxing, a sixth of a whole barrier's compiled work);
+    these skip that. So they take arguments of exactly these types and no others: the
+    engine's call block and a plan's words (1-D C int64 arrays), Python ints and
+    floats, and, for ``per_rank``, the Comm's own 1-D C float64 staging array.
+    """
+
+    barrier: Callable        # barrier_round(blk, pl, rnd)
+    per_rank: Callable       # per_rank_round(blk, pl, rnd, values)
+    inplace_f32: Callable    # eager_inplace_f32(blk, pl, addr, rnd, weight, scale)
+    copy_f32: Callable       # eager_copy_f32(blk, pl, addr, out, rnd, flags, weight, scale, root)
+
+
+@functools.cache
+def fused_calls() -> FusedCalls:
+    """The engine's fused calls, compiled (or loaded from the cache) once per process."""
+    words, i64, f64 = types.int64[::1], types.int64, types.float64
+    return FusedCalls(
+        barrier=barrier_round.compile((words, words, i64)),
+        per_rank=per_rank_round.compile((words, words, i64, types.float64[::1])),
+        inplace_f32=eager_inplace_f32.compile((words, words, i64, i64, f64, f64)),
+        copy_f32=eager_copy_f32.compile((words, words, i64, i64, i64, i64, f64, f64, i64)))
