@@ -100,7 +100,7 @@ def test_demo_that_fails_in_the_ranks_prints_the_reason_not_a_traceback(tmp_path
     assert ("python -m flodl_shm demo: error: ConnectionError: this host's relay failed: "
             "connect to 127.0.0.1:") in r.stderr, r.stderr
     assert "continuing on realized work" not in r.stderr, "a dead link is no rank death"
-    assert r.stderr.count("stopping the cohort") == 1, r.stderr
+    assert r.stderr.count("connect to 127.0.0.1:") == 1, r.stderr  # said once, not three times
     assert "No checkpoint was written." in r.stderr
     assert not [s.name for s in list_segments() if s.owner_pid == r.args], "segments left"
 

@@ -154,7 +154,9 @@ class Relay:
                                     f"({type(e).__name__}: {e}); it stopped or its host is "
                                     f"unreachable")
             self.error = e
-            logger.error("relay %s: %s: %s", self.host, type(e).__name__, e)
+            # spawn raises it once every rank stopped (``ConnectionError: this host's relay
+            # failed: ...``): logged here it would print the same news twice
+            logger.debug("relay %s: %s: %s", self.host, type(e).__name__, e)
             self._fail(e)
         finally:
             if self._link is not None:

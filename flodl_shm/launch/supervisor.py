@@ -508,8 +508,8 @@ class SpawnContext:
                 first = self._failure is None
                 if first:
                     self._failure = err
-            if first:
-                logger.error("rank %d failed (%s): this host's relay failed, stopping the "
+            if first:  # the relay's error, which ``wait`` raises, is the news
+                logger.debug("rank %d failed (%s): this host's relay failed, stopping the "
                              "cohort", global_rank, out.exc_type or out.signal or out.exitcode)
             self._abort(A.ABORT_FAILED)
             return
