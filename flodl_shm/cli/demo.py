@@ -535,9 +535,6 @@ def _header(cfg: DemoConfig, n_train: int, n_test: int) -> None:
               f"batches ({cadence}{slow}), SGD lr {LR} momentum {MOMENTUM}, "
               f"{'bf16' if cfg.bf16_wire else 'f32'} wire, outer "
               f"{'Nesterov (DiLoCo)' if cfg.outer == 'nesterov' else 'average'}", flush=True)
-    if cfg.controller is not None and cfg.outer == "nesterov":
-        print("  the outer Nesterov step runs in the controller: start it with --outer nesterov "
-              "(its defaults are this demo's lr 0.7, momentum 0.9)", flush=True)
 
 
 def _read_rows(path: Path) -> list[dict]:
