@@ -206,6 +206,61 @@ def _mlp(seed: int) -> torch.nn.Module:
                                torch.nn.ReLU(), torch.nn.Linear(64, 4))
 
 
+def sc_layouts(rank: int, world: int) -> dict:
+    """Tensors of every memory layout, chosen per rank, and half-precision sums through
+    every transport. World 3: ranks contribute 1, 2^-8, 2^-8 (bfloat16) and 1, 2^-11,
+    2^-11 (float16), whose per-step sum rounds to 1 and whose float32 sum rounded once
+    does not."""
+    import torch.distributed as dist
+
+    res: dict = {"pid": os.getpid()}
+    one = torch.tensor([10 * rank + 1, -1], dtype=torch.int64)[::2]  # 1 element, stride 2
+    dist.all_reduce(one)  # a byte round
+    res["one_strided_sum"] = one.clone()
+    outs = [torch.empty(1) for _ in range(world)]
+    dist.all_gather(outs, torch.tensor([float(rank), -1.0])[::2])
+    res["one_strided_gather"] = outs
+    # only rank 1 sends a one-element strided chunk: a rank-local layout
+    ins = [torch.full((2,), float(rank)) for _ in range(world)]
+    if rank == 1:
+        ins[0] = torch.tensor([7.0, -1.0, 7.0])[::2]
+    outs = [torch.empty(2) for _ in range(world)]
+    dist.all_to_all(outs, ins)
+    res["all_to_all"] = outs
+    out = torch.zeros(4, world * 3).t()  # a transposed output
+    dist.all_gather_into_tensor(out, torch.arange(12.).view(3, 4) + 100 * rank)
+    res["gather_into_transposed"] = out.clone()
+    out = torch.zeros(3, 2, dtype=torch.int64).t()
+    dist.reduce_scatter_tensor(out, (torch.arange(world * 6) + rank).view(world * 2, 3))
+    res["reduce_scatter_into_transposed"] = out.clone()
+    t = torch.zeros(12)[::2]  # every rank strided; reduce clones on the non-roots
+    t.copy_(torch.arange(6.) + rank)
+    dist.reduce(t, dst=0)
+    res["reduce_strided"] = t.clone()
+    base = torch.arange(12.).view(3, 4) + rank
+    t = base.t().contiguous().t() if rank == 0 else base.clone()  # rank 0: transposed memory
+    dist.all_reduce(t)
+    res["all_reduce_mixed_layouts"] = t.clone()
+    for dt, small in ((torch.bfloat16, 2.0 ** -8), (torch.float16, 2.0 ** -11)):
+        val = 1.0 if rank == 0 else small
+        got = {}
+        t = torch.full((4,), val, dtype=dt)
+        dist.all_reduce(t)
+        got["all_reduce"] = t[0].item()
+        t = torch.zeros(8, dtype=dt)[::2]
+        t.fill_(val)
+        dist.all_reduce(t)
+        got["all_reduce_strided"] = t[0].item()
+        o = torch.zeros(2, dtype=dt)
+        dist.reduce_scatter_tensor(o, torch.full((2 * world,), val, dtype=dt))
+        got["reduce_scatter_tensor"] = o[0].item()
+        o = torch.zeros(2, dtype=dt)
+        dist.reduce_scatter(o, [torch.full((2,), val, dtype=dt) for _ in range(world)])
+        got["reduce_scatter"] = o[0].item()
+        res[("half_sums", str(dt))] = got
+    return res
+
+
 def sc_ddp(rank: int, world: int) -> dict:
     """DDP with a different init per rank (the init broadcast aligns them), small
     buckets, no_sync steps, then the fp16 and PowerSGD hooks; final params."""

@@ -178,6 +178,34 @@ def test_mismatched_calls_raise_on_every_rank_of_every_host(two_hosts):
     assert "another host" in two_hosts[1]["errors"]["mismatch"]
 
 
+def test_any_memory_layout_on_any_rank_and_half_sums_rounded_once(tmp_path):
+    """A tensor's layout is each rank's own business: one-element tensors of stride 2,
+    non-contiguous outputs, a transposed tensor on one rank only; and bfloat16/float16
+    sums are summed in float32 and rounded once whichever transport a collective takes."""
+    res = run_group("layouts", 3, tmp_path)
+    _no_segments_of(res)
+    assert all(r is not None and r["returncode"] == 0 for r in res), [r and r["log"] for r in res]
+    world = 3
+    for me, r in enumerate(res):
+        assert r["one_strided_sum"].tolist() == [1 + 11 + 21]
+        assert [o.tolist() for o in r["one_strided_gather"]] == [[0.0], [1.0], [2.0]]
+        want = [[7.0, 7.0] if (s == 1 and me == 0) else [float(s)] * 2 for s in range(world)]
+        assert [o.tolist() for o in r["all_to_all"]] == want
+        assert torch.equal(r["gather_into_transposed"],
+                           torch.cat([torch.arange(12.).view(3, 4) + 100 * k for k in range(3)]))
+        full = sum(torch.arange(world * 6) + k for k in range(world)).view(world * 2, 3)
+        assert torch.equal(r["reduce_scatter_into_transposed"], full.chunk(world)[me])
+        assert same_bits(r["all_reduce_mixed_layouts"],
+                         reference("SUM", [torch.arange(12.).view(3, 4) + k for k in range(3)]))
+        assert r[("half_sums", "torch.bfloat16")] == dict.fromkeys(
+            ("all_reduce", "all_reduce_strided", "reduce_scatter_tensor", "reduce_scatter"),
+            1.0078125)  # 1 + 2^-7: not 1.0, the per-step bfloat16 sum
+        assert r[("half_sums", "torch.float16")] == dict.fromkeys(
+            ("all_reduce", "all_reduce_strided", "reduce_scatter_tensor", "reduce_scatter"),
+            1.0009765625)  # 1 + 2^-10
+    assert res[0]["reduce_strided"].tolist() == [3.0 * i + 3 for i in range(6)]
+
+
 def test_unsupported_ops_and_dtypes_raise_naming_the_supported_set(one_host):
     errs = one_host[0]["errors"]
     assert "BAND" in errs["band"] and "SUM, AVG, PRODUCT, MIN, MAX" in errs["band"]

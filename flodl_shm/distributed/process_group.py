@@ -175,8 +175,27 @@ def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
-    flat = t.detach().contiguous().reshape(-1)
+    flat = t.detach().reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:
+        # torch counts a one-element tensor of any stride as contiguous, but its bytes
+        # can only be viewed at stride 1
+        flat = flat.clone(memory_format=torch.contiguous_format)
     return flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
+
+
+def _dense_outputs(outputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Callable]:
+    """Outputs a collective can write through a flat view: each of ``outputs`` itself
+    when contiguous, else a contiguous stand-in; and the function that copies the
+    stand-ins back into the caller's tensors once the collective is done."""
+    dense = [o if o.is_contiguous() else torch.empty(o.shape, dtype=o.dtype) for o in outputs]
+
+    def copy_back() -> None:
+        with torch.no_grad():
+            for o, d in zip(outputs, dense):
+                if d is not o:
+                    o.copy_(d)
+
+    return dense, copy_back
 
 
 def _write(dst: np.ndarray, tensors: Sequence[torch.Tensor], offs: Sequence[int]) -> None:
@@ -473,8 +492,9 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             check_dtype(t, what)
             check_op(op, t.dtype, what)
         name = op_name(op_type(op))
-        fast = [t for t in tensors if t.dtype in (torch.float32, torch.bfloat16)
-                and t.is_contiguous()]
+        # the transport follows from what every rank shares (op, dtypes), never from a
+        # rank's own memory layout: ranks on different transports could not meet
+        fast = [t for t in tensors if t.dtype in (torch.float32, torch.bfloat16)]
         if name in ("SUM", "AVG") and len(fast) == len(tensors) and tensors and (
                 not self._topo.multi_host or all(t.dtype is torch.float32 for t in tensors)):
             self._sum_f32(tensors, name == "AVG")
@@ -563,9 +583,11 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     _allgather_base = all_gather_single
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        dense, copy_back = _dense_outputs(outputs)
         lists = [list(o.view(-1).chunk(self._size)) if o.numel() else [o] * self._size
-                 for o in outputs]
+                 for o in dense]
         self.allgather_coalesced(lists, [i.reshape(-1) for i in inputs], opts)
+        copy_back()
         return _done(list(outputs))
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
@@ -603,7 +625,9 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             if len(lst) != self._size or i.numel() % self._size:
                 raise RuntimeError(f"flodl_shm reduce_scatter_tensor: input of {i.numel()} "
                                    f"elements does not split into {self._size} equal parts")
-        self.reduce_scatter([o.view(-1) for o in outputs], lists, opts)
+        dense, copy_back = _dense_outputs(outputs)
+        self.reduce_scatter([o.view(-1) for o in dense], lists, opts)
+        copy_back()
         return _done(list(outputs))
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts) -> dist.Work:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8,
                     torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool)
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
 _R = dist.ReduceOp.RedOpType
 SUPPORTED_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "PREMUL_SUM")
 
@@ -78,9 +79,23 @@ def premul_factor(op) -> float | None:
 def reduce_in_order(parts: Sequence[torch.Tensor], op, out: torch.Tensor) -> None:
     """``out`` = parts[0] (op) parts[1] (op) ... in this order (AVG divides the sum by
     ``len(parts)``; PREMUL_SUM multiplies each part by its factor first). The parts
-    must not alias ``out``: it is the accumulator, written from the first step on."""
+    must not alias ``out``: it is the accumulator, written from the first step on.
+
+    bfloat16 and float16 sums (SUM, AVG, PREMUL_SUM) accumulate in float32 and round
+    once at the end, as the engine's reduce rounds do: the same data gives the same
+    bits whichever transport a collective takes."""
     name = op_name(op_type(op))
     factor = premul_factor(op)
+    if name in ("SUM", "AVG", "PREMUL_SUM") and out.dtype in _HALF_DTYPES:
+        with torch.no_grad():
+            acc = torch.zeros(out.shape, dtype=torch.float32)
+            for p in parts:
+                p = p.view(out.shape).to(torch.float32)
+                acc.add_(p if factor is None else p * factor)
+            if name == "AVG":
+                acc.div_(len(parts))
+            out.copy_(acc)
+        return
     if factor is not None:
         parts = [p * factor for p in parts]
     acc = out
