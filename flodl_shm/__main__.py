@@ -5,6 +5,7 @@ Each command lives in its own module exposing ``main(argv) -> int``.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -15,26 +16,49 @@ COMMANDS = {
 }
 
 
-def _usage() -> str:
-    lines = ["usage: python -m flodl_shm <command> [options]", "", "commands:"]
+def _prog() -> str:
+    """How the command was invoked: the console script's name (``flodl-shm``), else
+    ``python -m flodl_shm``."""
+    name = os.path.basename(sys.argv[0] if sys.argv and sys.argv[0] else "")
+    if name.startswith("flodl") and not name.endswith(".py"):
+        return name
+    return "python -m flodl_shm"
+
+
+def _usage(prog: str) -> str:
+    lines = [f"usage: {prog} <command> [options]", "", "commands:"]
     for name, (_, help_text) in COMMANDS.items():
         lines.append(f"  {name:<11} {help_text}")
     lines.append("")
-    lines.append("Run `python -m flodl_shm <command> --help` for a command's options.")
+    lines.append(f"Run `{prog} <command> --help` for a command's options.")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help", "help"):
-        print(_usage())
+    """Run the command; returns its exit status (2 for a usage error, as argparse)."""
+    try:
+        try:
+            return _dispatch(list(sys.argv[1:] if argv is None else argv))
+        finally:
+            sys.stdout.flush()  # now, not at exit: a reader that left is handled below
+    except BrokenPipeError:  # `... | head`: the reader left before the output ended
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so that the flush at exit does not fail
+        return 1
+
+
+def _dispatch(args: list[str]) -> int:
+    prog = _prog()
+    if args and args[0] in ("-h", "--help", "help"):
+        print(_usage(prog))
         return 0
-    name, rest = args[0], args[1:]
-    if name not in COMMANDS:
-        print(f"unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+    if not args or args[0] not in COMMANDS:
+        what = (f"unknown command {args[0]!r}" if args else "no command given")
+        print(f"{_usage(prog)}\n\n{prog}: error: {what}; choose one of "
+              f"{', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    module = importlib.import_module(COMMANDS[args[0]][0])
+    return int(module.main(args[1:]) or 0)
 
 
 if __name__ == "__main__":

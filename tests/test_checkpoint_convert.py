@@ -249,8 +249,10 @@ def test_cli_reports_corrupt_files_with_status_1(tmp_path, capsys):
     assert cli.main(["convert", str(good), str(tmp_path / "no" / "dir" / "m.pt")]) == 1
     assert capsys.readouterr().err == (f"python -m flodl_shm fdl: error: [Errno 2] No such "
                                        f"file or directory: '{tmp_path / 'no' / 'dir' / 'm.pt'}'\n")
-    assert cli.main(["convert", str(good), str(tmp_path / "m.npz")]) == 1
-    assert "pass the format (fdl convert --from/--to" in capsys.readouterr().err
+    # a name that does not tell the format is a usage error (2), said with the CLI's flags
+    assert cli.main(["convert", str(good), str(tmp_path / "m.npz")]) == 2
+    err = capsys.readouterr().err
+    assert "or pass --to fdl|safetensors|torch" in err and "convert(" not in err, err
     assert cli.main(["frobnicate"]) == 2
 
 

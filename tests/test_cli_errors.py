@@ -3,9 +3,12 @@ and the fix, an exit status, and no Python traceback (the README's commands, run
 when its output goes to a file, whole lines."""
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,12 +18,14 @@ from flodl_shm.engine.segment import list_segments
 pytest.importorskip("sklearn", reason="the demo needs scikit-learn (the demo/test extras)")
 
 
-def _flodl(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+def _flodl(args: list[str], cwd: Path, timeout: float = 120,
+           env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m flodl_shm ARGS`` to its end (killed past ``timeout``); ``.args`` is
-    its pid, to look for the segments it owned."""
+    its pid, to look for the segments it owned. ``env``: variables added to this one's."""
     proc = subprocess.Popen([sys.executable, "-m", "flodl_shm", *args], cwd=cwd, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL)
+                            stdin=subprocess.DEVNULL,
+                            env=None if env is None else {**os.environ, **env})
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
@@ -74,7 +79,7 @@ def test_demo_resume_with_a_torn_options_file_is_a_usage_error(tmp_path):
 
 def test_demo_with_a_batch_larger_than_the_data_is_refused_before_anything_starts(tmp_path):
     r = _flodl(["demo", "--batch-size", "100000", "--no-progress"], tmp_path)
-    assert r.returncode == 1, r.stderr
+    assert r.returncode == 2, r.stderr  # a usage error, as the other numbers' checks
     assert r.stderr == ("python -m flodl_shm demo: error: --batch-size 100000 is more than the "
                         "1347 training images; pass at most 1347\n")
     assert r.stdout == ""
@@ -170,10 +175,15 @@ def test_new_secret_says_when_it_replaces_one(tmp_path, secret):
 
 
 def test_ram_with_a_root_without_meminfo_is_one_line(tmp_path):
+    (tmp_path / "empty_root").mkdir()
     r = _flodl(["ram", "--root", str(tmp_path / "empty_root")], tmp_path, timeout=60)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     assert "ram: error:" in r.stderr and "proc/meminfo is missing" in r.stderr
+    # in the command's terms, not the API's (host_memory(root=...), root='/')
+    assert f"--root {tmp_path / 'empty_root'}:" in r.stderr, r.stderr
+    assert "leave --root out" in r.stderr, r.stderr
+    assert "host_memory" not in r.stderr and "root=" not in r.stderr, r.stderr
 
 
 def _outer_state(folder: Path, sync_round: int, committed: bool) -> Path:
@@ -259,3 +269,173 @@ def test_too_many_deaths_print_what_was_saved_without_the_api_call():
     assert str(err) == summary + "\nContinue with trainer.resume('runs/demo/ckpt')."
     assert _reason(err) == f"TrainingAborted: {summary}"
     assert err.checkpoint == result.checkpoint and err.dead_ranks == (1,)
+
+
+# --- usage errors found walking through the docs: one line in the command's terms, exit 2 ----
+
+
+@pytest.mark.parametrize("run_dir, extra, said", [
+    ("afile", [], "--run-dir afile is a file, not a folder"),
+    ("afile/sub", [], "--run-dir afile/sub: afile is a file, not a folder"),
+    ("afile", ["--resume"], "--run-dir afile is a file, not a folder"),
+])
+def test_demo_run_dir_that_is_a_file_is_a_usage_error(tmp_path, run_dir, extra, said):
+    """It used to print the run lock's FileExistsError, then a NotADirectoryError."""
+    (tmp_path / "afile").write_text("mine\n")
+    r = _flodl(["demo", "--run-dir", run_dir, "--no-progress", *extra], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert f"python -m flodl_shm demo: error: {said}; pass a folder" in r.stderr, r.stderr
+    assert r.stdout == ""
+    assert (tmp_path / "afile").read_text() == "mine\n"
+
+
+def test_demo_without_scikit_learn_is_one_line(tmp_path):
+    """A scikit-learn that cannot be imported (a stub package raising as a missing one
+    does) is the one line that says how to install it, not its chained traceback."""
+    stub = tmp_path / "stub" / "sklearn"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'sklearn'\", name='sklearn')\n")
+    path = os.pathsep.join(filter(None, [str(stub.parent), os.environ.get("PYTHONPATH")]))
+    r = _flodl(["demo", "--run-dir", "runs/x", "--no-progress"], tmp_path,
+               env={"PYTHONPATH": path})
+    assert r.returncode == 1, r.stderr
+    assert r.stderr == ("python -m flodl_shm demo: error: the demo needs scikit-learn (its "
+                        "digits dataset): pip install -e \".[demo]\"\n")
+    assert r.stdout == ""
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("extra, said", [
+    (["--log-every", "-1"], "--log-every must be >= 0 (0: none), got -1"),
+    (["--eval-every", "-1"], "--eval-every must be >= 0 (0: only at the end), got -1"),
+    (["--epochs", "0"], "--epochs must be >= 1, got 0"),
+])
+def test_demo_numbers_out_of_range_are_refused_before_anything_starts(tmp_path, extra, said):
+    """--log-every/--eval-every -1 were taken as 0; --epochs 0 started the ranks, trained
+    nothing and left demo_config.json and windows.jsonl behind."""
+    r = _flodl(["demo", "--epochs", "1", "--no-progress", "--no-plot", *extra], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert f"python -m flodl_shm demo: error: {said}" in r.stderr, r.stderr
+    assert r.stdout == ""
+    assert not (tmp_path / "runs").exists()
+
+
+def test_controller_outer_state_that_does_not_exist_is_a_usage_error(tmp_path, secret):
+    """It used to say the missing file's .meta.json was not beside it."""
+    r = _flodl(["controller", "--bind", "127.0.0.1:0", "--world-size", "2", "--secret-file",
+                str(secret), "--outer", "nesterov", "--outer-state", "nothere.outer.fdl"],
+               tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert ("python -m flodl_shm controller: error: --outer-state nothere.outer.fdl: no such "
+            "file") in r.stderr, r.stderr
+    assert "meta.json" not in r.stderr, r.stderr
+
+
+def _listening_controller(cwd: Path, secret: Path) -> subprocess.Popen:
+    """A controller on a free loopback port, returned once it says it listens."""
+    proc = subprocess.Popen([sys.executable, "-m", "flodl_shm", "controller", "--bind",
+                             "127.0.0.1:0", "--world-size", "2", "--secret-file", str(secret)],
+                            cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL)
+    line = proc.stdout.readline()
+    if "controller listening on port" not in line:
+        proc.kill()
+        raise AssertionError(f"the controller did not start: {line!r} "
+                             f"{proc.communicate(timeout=30)}")
+    return proc
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("repeat", [False, True], ids=["once", "again_while_stopping"])
+def test_controller_ctrl_c_says_interrupted_and_exits_130(tmp_path, secret, repeat):
+    """Ctrl-C used to print "cohort finished" and exit 0; a second one during the shutdown
+    printed a KeyboardInterrupt traceback from a thread join."""
+    proc = _listening_controller(tmp_path, secret)
+    try:
+        proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 10
+        while repeat and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+            proc.send_signal(signal.SIGINT)  # Ctrl-C again while it stops (no-op once gone)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "controller: interrupted after 0 rounds" in err, err
+    assert "cohort finished" not in out, out
+
+
+def test_fdl_convert_to_an_unknown_format_is_a_usage_error_in_cli_terms(tmp_path):
+    import torch
+
+    from flodl_shm.checkpoint.convert import state_dict_to_fdl
+
+    state_dict_to_fdl({"w": torch.ones(3)}, tmp_path / "m.fdl")
+    r = _flodl(["fdl", "convert", "m.fdl", "model.txt"], tmp_path, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("python -m flodl_shm fdl convert: error: cannot tell the format "
+                               "of model.txt from its name"), r.stderr
+    assert "--to fdl|safetensors|torch" in r.stderr, r.stderr
+    assert "convert(" not in r.stderr and "src_format" not in r.stderr, r.stderr
+    assert not (tmp_path / "model.txt").exists()
+    r = _flodl(["fdl", "convert", "m.fdl", "model.txt", "--to", "torch"], tmp_path, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("flag", ["--shm-dir", "--root"])
+def test_ram_with_a_folder_that_does_not_exist_is_a_usage_error(tmp_path, flag):
+    """--shm-dir used to be measured as an empty /dev/shm (0 B, [FAIL] with Docker
+    advice); --root, to name the API (host_memory(root=...))."""
+    missing = tmp_path / "nonexistent"
+    r = _flodl(["ram", flag, str(missing), "--params", "1M"], tmp_path, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert f"python -m flodl_shm ram: error: {flag} {missing} does not exist" in r.stderr, \
+        r.stderr
+    assert r.stdout == ""
+
+
+def test_no_command_is_a_usage_error(tmp_path):
+    r = _flodl([], tmp_path, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stdout == ""
+    assert r.stderr.startswith("usage: python -m flodl_shm <command>"), r.stderr
+    assert r.stderr.endswith("python -m flodl_shm: error: no command given; choose one of "
+                             "demo, controller, ram, fdl\n"), r.stderr
+
+
+def test_console_script_usage_names_the_script(tmp_path):
+    import shutil
+
+    script = shutil.which("flodl-shm", path=str(Path(sys.executable).parent))
+    if script is None:
+        pytest.skip("the flodl-shm console script is not installed (pip install -e .)")
+    r = subprocess.run([script, "--help"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: flodl-shm <command>"), r.stdout
+    assert "python -m" not in r.stdout, r.stdout
+
+
+def test_help_into_a_closed_pipe_is_quiet(tmp_path):
+    """`python -m flodl_shm -h | head -2`: a reader that left before the output ended is
+    no error of ours (it used to print a BrokenPipeError traceback)."""
+    proc = subprocess.Popen([sys.executable, "-m", "flodl_shm", "--help"], cwd=tmp_path,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL)
+    proc.stdout.close()  # the reader is gone before the command writes
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert err == "", err
+    assert proc.returncode == 1  # as Python's own recipe: the output did not all go out

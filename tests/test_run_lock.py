@@ -183,3 +183,17 @@ def test_a_demo_host_of_the_same_cluster_shares_the_folder(tmp_path, capsys):
         assert "ranks 2-3 of 4" in capsys.readouterr().out  # past the lock
     finally:
         holder.release()
+
+
+@pytest.mark.parametrize("under", ["afile", "afile/sub"])
+def test_a_save_path_under_a_file_is_refused_naming_the_file(tmp_path, under):
+    """The lock's folder cannot be made under a file: the error names the file, not
+    mkdir's FileExistsError / NotADirectoryError on the folder."""
+    import re
+
+    (tmp_path / "afile").write_text("mine\n")
+    with pytest.raises(NotADirectoryError,
+                       match=re.escape(f"{tmp_path / 'afile'} is a file, not a folder")):
+        with RunLock(tmp_path / under / "ckpt"):
+            pass
+    assert (tmp_path / "afile").read_text() == "mine\n"

@@ -116,6 +116,7 @@ class RunLock:
             return self
         made = tuple(d for d in (self.path.parent, *self.path.parent.parents)
                      if not d.exists())  # deepest first
+        _check_folders(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             fd = self._acquire()
@@ -180,6 +181,19 @@ def _release(key: str) -> None:
         pass
     os.close(held.fd)
     _remove_empty(held.made)
+
+
+def _check_folders(lock: Path) -> None:
+    """Raise ``NotADirectoryError`` naming the file when a folder of ``lock``'s path is
+    a file, rather than mkdir's ``FileExistsError`` / ``NotADirectoryError``."""
+    for d in lock.parents:  # deepest first, up to the first that exists
+        if d.exists():
+            if not d.is_dir():
+                raise NotADirectoryError(
+                    f"{d} is a file, not a folder: the run lock {lock} and the series' "
+                    f"checkpoints cannot go under it; give a save path in a folder (one "
+                    f"that does not exist yet is created)")
+            return
 
 
 def _remove_empty(folders: tuple[Path, ...]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -67,6 +68,21 @@ def _start(args) -> ClusterController:
                                    outer_momentum=momentum, outer_round=sync_round)
 
 
+def _first_interrupt_only() -> list:
+    """Make the first SIGINT (Ctrl-C) raise ``KeyboardInterrupt`` and ignore any later one,
+    which would interrupt the shutdown it started (or kill the interpreter as it exits).
+    Returns the list the handler appends the signal to."""
+    received: list = []
+
+    def handler(signum, frame):
+        received.append(signum)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+    return received
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flodl_shm controller",
                                  description="Serve a multi-host flodl_shm cohort.")
@@ -111,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
                  + ", ".join("--" + m.replace("_", "-") for m in missing))
     if args.outer_state and args.outer != "nesterov":
         ap.error("--outer-state needs --outer nesterov")
+    if args.outer_state and not Path(args.outer_state).is_file():
+        ap.error(f"--outer-state {args.outer_state}"
+                 + (" is a folder, not a file" if Path(args.outer_state).is_dir()
+                    else ": no such file")
+                 + "; pass the <stem>.outer.fdl written beside the checkpoint the hosts resume")
     if args.world_size < 1:
         ap.error(f"--world-size must be >= 1 (every rank of every host), got {args.world_size}")
     if not args.round_timeout > 0:
@@ -123,16 +144,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     resumes = ("" if ctl.outer_round is None
                else f"; outer momentum of sync round {ctl.outer_round}")
-    print(f"controller listening on port {ctl.port} for {args.world_size} ranks{resumes}",
-          flush=True)
-    if args.port_file:  # whole or absent: a script polling for it never reads half a port
-        atomic_write_bytes(args.port_file, f"{ctl.port}\n".encode())
+    old_handler = signal.getsignal(signal.SIGINT)
+    interrupts = _first_interrupt_only()
     try:
+        print(f"controller listening on port {ctl.port} for {args.world_size} ranks{resumes}",
+              flush=True)
+        if args.port_file:  # whole or absent: a script polling for it never reads half a port
+            atomic_write_bytes(args.port_file, f"{ctl.port}\n".encode())
         ctl.join()
     except KeyboardInterrupt:
         pass
     finally:
-        ctl.shutdown()
+        try:
+            ctl.shutdown()  # a checkpoint being written is finished first
+        except KeyboardInterrupt:  # the first Ctrl-C came as it stopped: stop, uninterrupted
+            ctl.shutdown()
+    if not interrupts:
+        signal.signal(signal.SIGINT, old_handler)
+    else:  # SIGINT stays ignored to the end: a late Ctrl-C is no traceback
+        print(f"controller: interrupted after {ctl.stats.rounds} rounds; its hosts lose their "
+              f"link to it and stop. To continue, restart the controller (with --outer-state "
+              f"under --outer nesterov), then every host with --resume", file=sys.stderr,
+              flush=True)
+        return 130
     if ctl.error is not None:
         print(f"controller: the cohort ended with an error: {ctl.error}", file=sys.stderr)
         return 1

@@ -438,8 +438,8 @@ def parse_args(argv: Sequence[str]) -> DemoConfig:
     if values.get("slow_rank") is not None:
         values["slow_rank"] = tuple(values["slow_rank"])
     cfg = DemoConfig(**values, run_dir=a.run_dir, resume=a.resume, overwrite=a.overwrite,
-                     progress=not a.no_progress, log_every=max(a.log_every, 0),
-                     eval_every=max(a.eval_every, 0), plot=not a.no_plot,
+                     progress=not a.no_progress, log_every=a.log_every,
+                     eval_every=a.eval_every, plot=not a.no_plot,
                      baseline=a.baseline, controller=a.controller, world_size=a.world_size,
                      first_rank=a.first_rank, secret_file=a.secret_file, timeout=a.timeout)
     problems = _check(cfg)
@@ -455,8 +455,20 @@ def _check(cfg: DemoConfig) -> list[str]:
     for name in ("nprocs", "batch_size", "sync_every"):
         if getattr(cfg, name) < 1:
             out.append(f"--{name.replace('_', '-')} must be >= 1")
-    if cfg.epochs < 0:
+    if cfg.resume and cfg.epochs < 0:  # the new total: one already reached trains nothing
         out.append("--epochs must be >= 0")
+    elif not cfg.resume and cfg.epochs < 1:
+        out.append(f"--epochs must be >= 1, got {cfg.epochs}")
+    for name, zero in (("log_every", "none"), ("eval_every", "only at the end")):
+        if getattr(cfg, name) < 0:
+            out.append(f"--{name.replace('_', '-')} must be >= 0 (0: {zero}), got "
+                       f"{getattr(cfg, name)}")
+    bad_dir = _file_in_the_way(cfg.run_dir)
+    if bad_dir is not None:
+        out.append(f"--run-dir {cfg.run_dir} is a file, not a folder"
+                   if bad_dir == Path(cfg.run_dir)
+                   else f"--run-dir {cfg.run_dir}: {bad_dir} is a file, not a folder")
+        out[-1] += "; pass a folder (one that does not exist yet is created)"
     if cfg.checkpoint_every is not None and cfg.checkpoint_every < 1:
         out.append("--checkpoint-every must be >= 0 (0: only at the end)")
     if not cfg.timeout > 0:
@@ -488,6 +500,15 @@ def _check(cfg: DemoConfig) -> list[str]:
             except ValueError as e:
                 out.append(f"--secret-file: {e}")
     return out
+
+
+def _file_in_the_way(run_dir: str) -> Optional[Path]:
+    """``run_dir`` or the first of its existing parents, when that is not a folder (the
+    run lock, ``checkpoint.run_lock``, would refuse it too, past the banner)."""
+    for d in (Path(run_dir), *Path(run_dir).parents):
+        if d.exists():
+            return None if d.is_dir() else d
+    return None
 
 
 # --- the run -----------------------------------------------------------------------------
@@ -597,9 +618,10 @@ def _run_demo(cfg: DemoConfig) -> DemoResult:
         raise SystemExit(f"{_PROG}: error: --resume: no complete checkpoint under "
                          f"{cfg.run_dir} (run the demo without --resume first)")
     xtr, ytr, xte, yte = digits_split()
-    if cfg.batch_size > len(xtr):
-        raise SystemExit(f"{_PROG}: error: --batch-size {cfg.batch_size} is more than the "
-                         f"{len(xtr)} training images; pass at most {len(xtr)}")
+    if cfg.batch_size > len(xtr):  # a usage error (exit 2), known once the data is
+        print(f"{_PROG}: error: --batch-size {cfg.batch_size} is more than the {len(xtr)} "
+              f"training images; pass at most {len(xtr)}", file=sys.stderr)
+        raise SystemExit(2)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics = run_dir / METRICS_FILE
@@ -809,6 +831,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from flodl_shm.errors import (CohortAborted, RankFailed, ShmSpaceError,
                                   TrainingAborted)
 
+    try:
+        digits_split()  # the data first: without scikit-learn, one line before anything starts
+    except ImportError as e:
+        print(f"{_PROG}: error: {e}", file=sys.stderr)
+        return 1
     try:
         run_demo(cfg)
     except KeyboardInterrupt:

@@ -158,6 +158,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as e:  # argparse exits 2 on usage errors, 0 on --help
         return int(e.code or 0)
+    if args.command == "convert":
+        problem = _unknown_format(args)
+        if problem:
+            print(f"{parser.prog} convert: error: {problem}", file=sys.stderr)
+            return 2
     try:
         if args.command == "show":
             return _show(args.file, args.json)
@@ -171,6 +176,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (CheckpointError, OSError) as e:
         print(f"{parser.prog}: error: {e}{_series_hint(args)}", file=sys.stderr)
         return 1
+
+
+def _unknown_format(args) -> str:
+    """A usage error in the command's own terms when ``convert`` cannot tell a file's
+    format from its name and no ``--from`` / ``--to`` gives it ("" otherwise)."""
+    from ..checkpoint.convert import detect_format
+
+    for path, fmt, flag in ((args.src, args.src_format, "--from"),
+                            (args.dst, args.dst_format, "--to")):
+        if fmt is None:
+            try:
+                detect_format(path)
+            except CheckpointError:
+                return (f"cannot tell the format of {path} from its name; name it .fdl, "
+                        f".fdl.gz, .safetensors or .pt/.pth/.bin/.ckpt, or pass {flag} "
+                        f"fdl|safetensors|torch")
+    return ""
 
 
 def _series_hint(args) -> str:

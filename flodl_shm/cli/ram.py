@@ -234,6 +234,15 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     return p
 
 
+def _folder_problem(flag: str, path: Path) -> str:
+    """Why the folder given to ``flag`` cannot be inspected ("" when it can)."""
+    if not path.exists():
+        return f"{flag} {path} does not exist; pass an existing folder"
+    if not path.is_dir():
+        return f"{flag} {path} is a file, not a folder; pass a folder"
+    return ""
+
+
 def _argtype(fn):
     def conv(text: str):
         try:
@@ -256,6 +265,17 @@ def main(argv: Sequence[str] | None = None, prog: str | None = "python -m flodl_
         print(f"{p.prog}: error: --local-ranks {a.local_ranks} must be >= 1", file=sys.stderr)
         return 2
     root = Path(a.root)
+    problem = _folder_problem("--root", root)
+    if not problem and a.shm_dir:
+        problem = _folder_problem("--shm-dir", Path(a.shm_dir))
+    if not problem and root.resolve() != Path("/") and not (root / "proc" / "meminfo").is_file():
+        problem = (f"--root {a.root}: {root / 'proc' / 'meminfo'} is missing; --root stands in "
+                   f"for / and needs a proc/meminfo (MemTotal and MemAvailable in kB): put one "
+                   f"there, or leave --root out to inspect this host")
+    if problem:
+        p.print_usage(sys.stderr)
+        print(f"{p.prog}: error: {problem}", file=sys.stderr)
+        return 2
     shm_dir = Path(a.shm_dir) if a.shm_dir else (SHM_DIR if root.resolve() == Path("/")
                                                  else root / "dev" / "shm")
     if a.params is not None:
