@@ -240,3 +240,53 @@ def test_console_entry_points():
         pytest.skip("the flodl-shm console script is not installed (pip install -e .)")
     out = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "demo" in out.stdout
+
+
+def test_resume_refuses_what_it_cannot_continue_before_writing_anything(tmp_path, capsys):
+    """--resume with another rank count on an ElChe run, another --batch-size, or a
+    --run-dir whose checkpoint is not a demo's: a usage error (exit 2) naming the flag
+    and the value that works, before the run writes its options or metrics (which would
+    make the next --resume fail the same way) or starts a rank."""
+    import torch
+
+    from flodl_shm.checkpoint.fdl import save_tensors
+    from flodl_shm.checkpoint.meta import ModelSchema, SaveReason, names_sidecar_path
+    from flodl_shm.checkpoint.series import round_model_path
+
+    run_dir = tmp_path / "elche"
+    run_demo(quiet(run_dir, epochs=1, slow_rank=(1, 1.5)))
+    assert_clean()
+    files = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+
+    def refused(*flags) -> str:
+        capsys.readouterr()
+        cfg = parse_args(["--resume", "--no-progress", "--log-every", "0", "--no-plot",
+                          "--epochs", "2", *flags])
+        with pytest.raises(SystemExit) as info:
+            run_demo(cfg)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("python -m flodl_shm demo: error: ") and err.count("\n") == 1
+        return err
+
+    err = refused("--run-dir", str(run_dir), "--nprocs", "3")
+    assert "ElChe cadence on 2 ranks" in err and "resume it with --nprocs 2" in err, err
+    err = refused("--run-dir", str(run_dir), "--batch-size", "64")
+    assert "--batch-size cannot change on --resume" in err and "pass --batch-size 32" in err, err
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == files, "the refusal wrote"
+
+    other = tmp_path / "not_demo"  # a Trainer run of another model in a folder of its own
+    model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    path = round_model_path(other / "ckpt", 40)
+    other.mkdir()
+    ModelSchema.from_module(model).write_to_file(names_sidecar_path(path))
+    save_tensors(path, [(f"p{i}", p.detach()) for i, p in enumerate(model.parameters())])
+    CheckpointMeta.new(3, 384, 40, 2, SaveReason.GRACEFUL_SHUTDOWN).write_to_file(
+        CheckpointBundle.meta_path(path))
+    before = sorted(p.name for p in other.iterdir())
+    err = refused("--run-dir", str(other))
+    assert f"{other} does not hold a demo run: its checkpoint ckpt-r00000040.fdl is of another " \
+        "model (parameter '0.weight' is [64, 20] in the checkpoint and [128, 64] in the " \
+        "model" in err, err
+    assert sorted(p.name for p in other.iterdir()) == before, "the refusal wrote into it"
+    assert_clean()

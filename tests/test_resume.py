@@ -184,3 +184,18 @@ def test_resuming_from_an_older_bundle_refuses_the_newer_ones_unless_overwrite(t
     assert after[0] == 3 and after[-1] == rounds[-1]  # the branch's own, up to the end
     meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(result.checkpoint))
     assert meta.sync_round == rounds[-1] and result.checkpoint == latest_checkpoint(stem)
+
+
+def test_resuming_a_finished_run_says_so_and_returns_its_checkpoint(tmp_path, caplog):
+    """A resume of a run that trained all its epochs trains nothing: it says so (and how
+    to continue), and its result names the bundle it resumed from."""
+    caplog.set_level("INFO", logger="flodl_shm")
+    stem = tmp_path / "ck"
+    first = make_trainer(epochs=1, save_path=stem).run(2)
+    again = make_trainer(epochs=1, save_path=stem).resume()
+    assert again.history == [] and again.checkpoint == first.checkpoint
+    assert again.meta.global_step == first.meta.global_step
+    assert f"{first.checkpoint} finished 1 epoch(s), and this Trainer has epochs=1: nothing " \
+        "left to train (pass a larger epochs to continue)" in caplog.text
+    for k, v in again.state_dict.items():
+        assert torch.equal(v, first.state_dict[k]) or not v.is_floating_point(), k

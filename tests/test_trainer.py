@@ -290,3 +290,33 @@ def test_a_diloco_cluster_resumes_only_with_the_controllers_momentum_of_that_rou
     for i, host in results.items():
         assert [s.window for s in host.history] == list(range(9, 17))
         assert host.meta.sync_round == full[i].meta.sync_round == 16
+
+
+def test_a_rank_that_cannot_start_stops_the_run_and_leaves_no_death_record(tmp_path, caplog):
+    """What only a rank can find (here: a dataset factory's data shorter than one batch)
+    stops the run at once whatever max_failures allows, as StartRefused with the rank's
+    error: nothing was trained, so nothing is saved, no death record is written and the
+    launcher does not announce a survivors' checkpoint. A fresh run on the same save
+    path then removes the death records an earlier run left, next to its own bundles."""
+    from flodl_shm.checkpoint.meta import RankDeathRecord
+    from flodl_shm.errors import RankFailed, StartRefused
+
+    caplog.set_level("WARNING", logger="flodl_shm")
+    stem = tmp_path / "ck"
+    tiny = Trainer(make_model, sgd, functools.partial(make_data, 4), loss_fn, batch_size=8,
+                   sync_every=2, max_failures=1, save_path=stem, log_every=None, timeout=60.0)
+    with pytest.raises(StartRefused, match=r"^rank \d could not start training: ValueError: the "
+                                           r"dataset has 4 samples, fewer than one batch of 8") \
+            as info:
+        tiny.run(2)
+    assert isinstance(info.value.__cause__, RankFailed), "the rank's traceback is the cause"
+    assert "refused to start; stopping the cohort" in caplog.text
+    assert "survivors" not in caplog.text and "continuing" not in caplog.text, caplog.text
+    assert list(tmp_path.glob("*.death.json")) == [], "a rank that never trained has no record"
+
+    stale = CheckpointBundle.rank_death_path(stem, 1)  # an earlier run's rank 1 died
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    RankDeathRecord.new(1, 2, "rank 1 was killed by signal SIGKILL").write_to_file(stale)
+    result = make_trainer(epochs=1, save_path=stem).run(2)
+    assert result.checkpoint is not None and result.checkpoint.exists()
+    assert not stale.exists(), "an earlier run's death record outlived a fresh run"

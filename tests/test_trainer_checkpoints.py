@@ -3,6 +3,7 @@ argument checks - files and objects only, no processes."""
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -130,3 +131,132 @@ def test_what_a_run_does_not_continue(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a relative save path, an absolute bundle path
     assert not_continued("ck", models[0])[0] == 3
     assert not_continued(stem, round_model_path(tmp_path / "other", 12)) == (0, models)
+
+
+def test_integer_arguments_are_checked_for_their_type_too(tmp_path):
+    """An int argument given as a str (or a float, or a bool) is named with its value and
+    its limit, not left to fail on arithmetic (``batch_size % accumulate``)."""
+    args = (make_model, functools.partial(torch.optim.SGD, lr=0.1),
+            (torch.zeros(8, 2), torch.zeros(8, dtype=torch.long)), torch.nn.functional.mse_loss)
+    for name, bad, limit in (("batch_size", "32", ">= 1"), ("epochs", 1.5, ">= 0"),
+                             ("sync_every", True, ">= 1"), ("accumulate", "2", ">= 1"),
+                             ("keep_checkpoints", 2.0, ">= 1"), ("max_failures", "1", ">= 0"),
+                             ("seed", "42", ">= 0"), ("log_every", 0, ">= 1 or None")):
+        with pytest.raises(ValueError, match=rf"^{name} must be an int {limit}, got "
+                                             rf"{re.escape(repr(bad))}$"):
+            Trainer(*args, **{name: bad})
+    with pytest.raises(ValueError, match=r"^checkpoint_every must be an int >= 1 or None, "
+                                         r"got '5'$"):
+        Trainer(*args, checkpoint_every="5", save_path=tmp_path / "ck")
+    for name, bad in (("timeout", "60"), ("gamma", "1"), ("clip_grad_norm", "1.0")):
+        with pytest.raises(ValueError, match=rf"^{name} must be a .*number.*got '"):
+            Trainer(*args, **{name: bad})
+    with pytest.raises(ValueError, match=r"^nprocs must be an int >= 1, got '2'$"):
+        Trainer(*args, batch_size=4).run("2")
+    import numpy as np
+
+    assert Trainer(*args, batch_size=np.int64(4)).batch_size == 4  # numpy ints are ints
+
+
+def test_resume_names_the_path_that_does_not_exist(tmp_path):
+    """A bundle path that is not there is named as such (with the series' newest bundle
+    when there is one), and a missing folder is named, instead of a series pattern
+    made from the file name."""
+    args = (make_model, functools.partial(torch.optim.SGD, lr=0.1),
+            (torch.zeros(8, 2), torch.zeros(8, dtype=torch.long)), torch.nn.functional.mse_loss)
+    trainer = Trainer(*args, batch_size=4, save_path=tmp_path / "mine" / "ck")
+    missing = tmp_path / "does_not_exist" / "ck-r00000010.fdl"
+    with pytest.raises(FileNotFoundError, match=rf"^cannot resume from {re.escape(str(missing))}: "
+                                                rf"the folder {re.escape(str(missing.parent))} "
+                                                r"does not exist"):
+        trainer.resume(missing)
+    with pytest.raises(FileNotFoundError, match="folder .*does_not_exist does not exist"):
+        trainer.resume(tmp_path / "does_not_exist" / "ck")
+    newest = bundle(tmp_path / "ck", 4)
+    gone = round_model_path(tmp_path / "ck", 10)
+    with pytest.raises(FileNotFoundError, match=rf"^{re.escape(str(gone))} does not exist; the "
+                                                rf"newest complete checkpoint of that series "
+                                                rf"is {re.escape(str(newest))}"):
+        trainer.resume(gone)
+    with pytest.raises(FileNotFoundError, match=r"ck-r00000010\.meta\.json does not exist"):
+        trainer.resume(gone.with_name("ck-r00000010.meta.json"))
+
+
+def real_bundle(stem, rnd, model, *, batch_size, samples, epoch=0):
+    """A complete bundle of ``model`` as a Trainer writes it (positional .fdl, names,
+    metadata with the coverage of an epoch of ``samples`` in batches of ``batch_size``)
+    - files only, no run."""
+    from flodl_shm.checkpoint.fdl import save_tensors
+    from flodl_shm.checkpoint.meta import (CheckpointBundle, CoverageBlock, EpochCoverage,
+                                           ModelSchema, names_sidecar_path)
+
+    path = round_model_path(stem, rnd)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ModelSchema.from_module(model).write_to_file(names_sidecar_path(path))
+    save_tensors(path, [(f"p{i}", p.detach()) for i, p in enumerate(model.parameters())])
+    cover = CoverageBlock(42, batch_size, [EpochCoverage(epoch, samples, [(batch_size,
+                                                                           samples - batch_size)])])
+    CheckpointMeta.new(epoch, 1, rnd, 2, SaveReason.CHECKPOINT).with_coverage(cover) \
+        .write_to_file(CheckpointBundle.meta_path(path))
+    return path
+
+
+def elche_for_three(world_size):
+    from flodl_shm import ElChe
+
+    return ElChe(3, anchor=2)
+
+
+def test_what_the_launcher_knows_is_refused_before_any_rank_starts(tmp_path):
+    """The dataset against batch_size, a dataset of the wrong kind, a cadence factory
+    that ignores its world size, and on a resume a checkpoint of another model, batch
+    size or epoch size: each raised by run/resume itself, naming the value and the fix,
+    with no rank started and nothing deleted (overwrite=True included)."""
+    from flodl_shm.errors import CheckpointError
+
+    from engine_util import live_children
+
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    data = (torch.zeros(8, 2), torch.zeros(8, dtype=torch.long))
+
+    def trainer(**kw):
+        args = dict(model_fn=make_model, optimizer_fn=sgd, dataset=data,
+                    loss_fn=torch.nn.functional.mse_loss, batch_size=4, log_every=None,
+                    save_path=tmp_path / "ck")
+        args.update(kw)
+        return Trainer(**args)
+
+    with pytest.raises(ValueError, match=r"^the dataset has 8 samples, fewer than one batch of "
+                                         r"batch_size=16; pass a batch_size of at most 8$"):
+        trainer(batch_size=16).run(2)
+    with pytest.raises(TypeError, match=r"^dataset item 0 is of type int: with a loss_fn, each "
+                                        r"item must be an \(input\.\.\., target\) tuple"):
+        trainer(dataset=[1, 2, 3] * 4).run(2)
+    with pytest.raises(TypeError, match=r"^dataset element 1 is of type list: a dataset of "
+                                        r"tensors needs every element to be a tensor"):
+        trainer(dataset=(torch.zeros(8, 2), [0] * 8)).run(2)
+    with pytest.raises(ValueError, match=r"^the cadence factory built an ElChe for world_size 3, "
+                                         r"but the run has 2 ranks"):
+        trainer(cadence=elche_for_three).run(2)
+    assert not (tmp_path / "ck").parent.joinpath("ck.lock").exists()
+
+    ckpt = real_bundle(tmp_path / "ck", 4, make_model(), batch_size=4, samples=8)
+    newer = real_bundle(tmp_path / "ck", 6, make_model(), batch_size=4, samples=8)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    other = functools.partial(torch.nn.Linear, 3, 2)
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(ckpt))} is not a checkpoint of "
+                                              r"the model model_fn builds: parameter 'weight' is "
+                                              r"\[2, 2\] in the checkpoint and \[2, 3\] in the "
+                                              r"model\. Resume it with the model_fn that trained"):
+        trainer(model_fn=other).resume(ckpt, overwrite=True)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(ckpt))} was trained with batch_size 4 "
+                                         r"and this Trainer has batch_size=2: resume with "
+                                         r"batch_size=4"):
+        trainer(batch_size=2).resume(ckpt, overwrite=True)
+    more = (torch.zeros(12, 2), torch.zeros(12, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"trained on epochs of 8 samples, and this Trainer's "
+                                         r"are 12 \(12 samples in batches of 4\): resume with "
+                                         r"the dataset it was trained on"):
+        trainer(dataset=more).resume(ckpt, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before, "a refused resume deleted"
+    assert newer.exists() and live_children() == [], "a rank was started"

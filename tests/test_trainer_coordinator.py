@@ -310,3 +310,22 @@ def test_config_validation_names_the_value():
         config(cadence="fast")
     with pytest.raises(ValueError, match="sync_every"):
         config(sync_every=0)
+
+
+def test_a_guard_holding_growth_is_logged_once_a_spell_not_every_window(caplog):
+    """The trend guard advises every window; a rising divergence can hold for most of a
+    run. ElChe says at INFO when it holds its growth and when stable windows re-arm it,
+    once each; the guard's per-window verdict is DEBUG."""
+    caplog.set_level("INFO", logger="flodl_shm")
+    coord = Coordinator(config(cadence="elche", dataset_len=100_000, epochs=1))
+    rising = [0.02 * (k + 1) for k in range(10)]
+    for d in rising + [0.5] * 6:  # 10 windows trending up, then 6 stable ones
+        plan = coord.plan_window()
+        c = counts_for(plan, ms=[1.0, 2.0])
+        s = coord.settle(plan, c)
+        coord.report(c, ack_for(2, d), s.realized)
+    info = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert not [m for m in info if m.startswith("weight-space divergence")], info
+    assert len([m for m in info if "ElChe anchor growth held" in m]) == 1, info
+    assert len([m for m in info if "ElChe anchor growth re-armed" in m]) == 1, info
+    assert coord.el_che.growth_enabled

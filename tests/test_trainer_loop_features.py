@@ -136,12 +136,21 @@ def test_an_argument_that_cannot_reach_the_ranks_is_named():
         return dict(dict(model_fn=make_model, optimizer_fn=functools.partial(
             torch.optim.SGD, lr=0.1), dataset=make_data, loss_fn=ce_step), **kw)
 
+    class Local(torch.utils.data.Dataset):  # a class local to a function cannot be pickled
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            return torch.zeros(4), 0
+
     cases = [
         (args(model_fn=lambda: make_model()), "Trainer: model_fn cannot be pickled .* define "
                                               "it at module top level"),
         (args(scheduler_fn=lambda opt: None), "Trainer: scheduler_fn cannot be pickled"),
-        (args(dataset=(x for x in ())), "Trainer: dataset cannot be pickled .* pass a "
-                                        "picklable dataset, or a module-level function"),
+        (args(dataset=Local()), "Trainer: dataset cannot be pickled .* pass a "
+                                "picklable dataset, or a module-level function"),
+        # not a dataset at all: said as such, before the pickling
+        (args(dataset=(x for x in ())), "dataset must be a map-style dataset .* got generator"),
         (dict(args(), hooks=[flodl_shm.LoggingHook(every=1), lambda: None]),
          r"Trainer: hooks\[1\] cannot be pickled"),
     ]

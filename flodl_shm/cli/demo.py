@@ -603,6 +603,37 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
             f"to end, or pass another --run-dir") from None
 
 
+def _resume_problems(cfg: DemoConfig, ckpt: Path) -> list[str]:
+    """Why ``--resume`` cannot continue ``ckpt``, the last checkpoint of ``--run-dir``, with
+    these options: known from its model and metadata, so said before the run writes or
+    starts anything (the ranks would find it only at their start, and the options file
+    the run writes first would make the next ``--resume`` fail the same way)."""
+    from flodl_shm import CheckpointBundle, CheckpointMeta
+    from flodl_shm.training.trainer import model_mismatch
+
+    why = model_mismatch(ckpt, make_model)
+    if why is not None:
+        return [f"--resume: {cfg.run_dir} does not hold a demo run: its checkpoint {ckpt.name} "
+                f"is of another model ({why}); pass the --run-dir of a demo run"]
+    meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(ckpt))
+    out = []
+    saved = None if meta.coverage is None else meta.coverage.batch_size
+    if saved is not None and saved != cfg.batch_size:
+        out.append(f"--batch-size cannot change on --resume: the run in {cfg.run_dir} trained "
+                   f"with --batch-size {saved} (its checkpoint counts the samples still to "
+                   f"train in batches of {saved}), got {cfg.batch_size}; pass --batch-size "
+                   f"{saved}")
+    if meta.elche_state is not None and cfg.effective_cadence == "elche":
+        world = len(meta.elche_state.smoothed_ms_per_batch)
+        if world != cfg.total_world:
+            flag = "--nprocs" if cfg.controller is None else "--world-size"
+            out.append(f"--resume: the run in {cfg.run_dir} trained with the ElChe cadence on "
+                       f"{world} ranks and its checkpoint's cadence state is per rank, got "
+                       f"{flag} {cfg.total_world}; resume it with {flag} {world} (or with "
+                       f"--cadence fixed on {cfg.total_world})")
+    return out
+
+
 def _run_demo(cfg: DemoConfig) -> DemoResult:
     from flodl_shm import latest_checkpoint
 
@@ -617,6 +648,10 @@ def _run_demo(cfg: DemoConfig) -> DemoResult:
     if cfg.resume and ckpt is None:
         raise SystemExit(f"{_PROG}: error: --resume: no complete checkpoint under "
                          f"{cfg.run_dir} (run the demo without --resume first)")
+    problems = [] if ckpt is None else _resume_problems(cfg, ckpt)
+    if problems:  # usage errors (exit 2), before anything is written or started
+        print(f"{_PROG}: error: " + "; ".join(problems), file=sys.stderr)
+        raise SystemExit(2)
     xtr, ytr, xte, yte = digits_split()
     if cfg.batch_size > len(xtr):  # a usage error (exit 2), known once the data is
         print(f"{_PROG}: error: --batch-size {cfg.batch_size} is more than the {len(xtr)} "

@@ -198,7 +198,9 @@ class TrendGuard(ConvergenceGuard):
             return Stable()
         a, b, c = h[-3], h[-2], h[-1]
         if c > b > a and c > self.threshold:
-            logger.info(
+            # DEBUG: it can hold for many windows in a row; ElChe says at INFO when it
+            # holds its anchor's growth and when it re-arms it
+            logger.debug(
                 "weight-space divergence trending up (history %s, threshold %g): suppressing "
                 "anchor growth", [round(v, 6) for v in h], self.threshold,
             )
@@ -332,7 +334,7 @@ class MsfGuard(ConvergenceGuard):
             return NudgeDown(self.nudge_factor)
         if self._suppress_streak >= self.suppress_sustain:
             self._suppress_streak = 0
-            logger.info(
+            logger.debug(  # ElChe says at INFO when it holds growth and when it re-arms it
                 "divergence rate lambda_ema=%.4e sustained above %.4e: suppressing growth",
                 lema, self.suppress_threshold,
             )

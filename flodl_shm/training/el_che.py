@@ -465,6 +465,9 @@ class ElChe:
         re-arming growth (5 consecutive Stable verdicts re-arm it)."""
         self._consecutive_stable += 1
         if self._consecutive_stable >= GROWTH_REARM_STABLE:
+            if not self._growth_enabled:
+                logger.info("ElChe anchor growth re-armed: %d stable windows in a row",
+                            self._consecutive_stable)
             self._growth_enabled = True
         if self._proposed_anchor is not None:
             new = self._proposed_anchor
@@ -475,7 +478,12 @@ class ElChe:
 
     def veto_proposed_growth(self) -> None:
         """Divergence is trending up (``SuppressGrowth``): drop a pending growth and
-        latch growth off until 5 consecutive Stable verdicts re-arm it."""
+        latch growth off until 5 consecutive Stable verdicts re-arm it. Logged once when
+        the latch closes (the guard may say so many windows in a row)."""
+        if self._growth_enabled:
+            logger.info("ElChe anchor growth held at anchor %d: the convergence guard reports "
+                        "the replicas' divergence trending up (re-armed after %d stable "
+                        "windows in a row)", self._anchor, GROWTH_REARM_STABLE)
         self._proposed_anchor = None
         self._consecutive_stable = 0
         self._growth_enabled = False

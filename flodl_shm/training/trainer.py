@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 from torch.nn.utils import clip_grad_norm_
 
-from ..errors import TrainingAborted
+from ..errors import RankFailed, StartRefused, TrainingAborted
 from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, RankDeathRecord, SaveReason,
                                set_extension)
 from .coordinator import Coordinator, CoordinatorConfig
@@ -74,7 +74,8 @@ class TrainResult:
         meta: where the run ended, as checkpoint metadata (epoch, global step,
             sync round, live ranks, reason, ElChe state, coverage).
         checkpoint: the model path of the last checkpoint armed (None without
-            ``save_path``); it is on disk when ``run`` returns.
+            ``save_path``); it is on disk when ``run`` returns. A resume with nothing
+            left to train: the bundle it resumed from.
         dead_ranks: ranks lost during the run.
         summaries: every rank's ``RankSummary`` (None for dead ranks).
     """
@@ -204,60 +205,60 @@ class Trainer:
         if scheduler_fn is not None and not callable(scheduler_fn):
             raise TypeError(f"scheduler_fn must be an optimizer -> LR scheduler callable, got "
                             f"{type(scheduler_fn).__name__}")
-        if not isinstance(accumulate, int) or accumulate < 1 or batch_size % accumulate:
+        # every integer argument is checked for its type first: a str batch_size would
+        # otherwise fail on the arithmetic below with Python's own message
+        for name, value in (("batch_size", batch_size), ("sync_every", sync_every),
+                            ("keep_checkpoints", keep_checkpoints), ("accumulate", accumulate)):
+            _check_int(name, value, 1)
+        _check_int("epochs", epochs, 0)
+        _check_int("max_failures", max_failures, 0)
+        _check_int("seed", seed, 0)
+        _check_int("checkpoint_every", checkpoint_every, 1, optional=True)
+        _check_int("log_every", log_every, 1, optional=True)
+        if batch_size % accumulate:
             raise ValueError(f"accumulate must be an int >= 1 dividing batch_size "
                              f"{batch_size}, got {accumulate!r}")
-        if clip_grad_norm is not None and not (math.isfinite(clip_grad_norm)
+        if clip_grad_norm is not None and not (_is_real(clip_grad_norm)
+                                               and math.isfinite(clip_grad_norm)
                                                and clip_grad_norm > 0):
             raise ValueError(f"clip_grad_norm must be a finite number > 0 or None, got "
                              f"{clip_grad_norm!r}")
-        for name, value in (("batch_size", batch_size), ("sync_every", sync_every),
-                            ("keep_checkpoints", keep_checkpoints)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if not isinstance(epochs, int) or epochs < 0:
-            raise ValueError(f"epochs must be an int >= 0, got {epochs!r}")
-        if checkpoint_every is not None and (not isinstance(checkpoint_every, int)
-                                             or checkpoint_every < 1):
-            raise ValueError(f"checkpoint_every must be an int >= 1 or None, got "
-                             f"{checkpoint_every!r}")
+        if timeout is not None and not (_is_real(timeout) and timeout > 0):
+            raise ValueError(f"timeout must be a number of seconds > 0 or None, got "
+                             f"{timeout!r}")
         if checkpoint_every is not None and save_path is None:
             raise ValueError("checkpoint_every needs a save_path to write the checkpoints to")
         if not (cadence in ("fixed", "elche") or callable(cadence)):
             raise ValueError(f"cadence must be 'fixed', 'elche' or a world_size -> ElChe "
                              f"factory, got {cadence!r}")
-        if max_failures < 0:
-            raise ValueError(f"max_failures must be >= 0, got {max_failures}")
-        if not math.isfinite(gamma):
-            raise ValueError(f"gamma must be finite, got {gamma!r}")
-        if seed < 0:
-            raise ValueError(f"seed must be >= 0, got {seed}")
+        if not (_is_real(gamma) and math.isfinite(gamma)):
+            raise ValueError(f"gamma must be a finite number, got {gamma!r}")
         self.model_fn = model_fn
         self.optimizer_fn = optimizer_fn
         self.dataset = dataset
         self.loss_fn = loss_fn
-        self.batch_size = batch_size
-        self.epochs = epochs
-        self.sync_every = sync_every
+        self.batch_size = int(batch_size)
+        self.epochs = int(epochs)
+        self.sync_every = int(sync_every)
         self.cadence = cadence
         self.gamma = float(gamma)
         self.outer = outer
         self.bf16_wire = bool(bf16_wire)
-        self.checkpoint_every = checkpoint_every
+        self.checkpoint_every = None if checkpoint_every is None else int(checkpoint_every)
         self.save_path = None if save_path is None else os.fspath(save_path)
         if self.save_path is not None:
             set_extension(self.save_path, "")  # a stem with a file name, or ValueError now
-        self.keep_checkpoints = keep_checkpoints
-        self.max_failures = max_failures
+        self.keep_checkpoints = int(keep_checkpoints)
+        self.max_failures = int(max_failures)
         self.seed = int(seed)
         self.hooks = list(hooks)
         if log_every is not None:
             self.hooks.append(LoggingHook(every=log_every))
         self.guard = guard
-        self.timeout = timeout
+        self.timeout = None if timeout is None else float(timeout)
         self.step_fn = step_fn
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
-        self.accumulate = accumulate
+        self.accumulate = int(accumulate)
         self.scheduler_fn = scheduler_fn
 
     def __repr__(self) -> str:
@@ -284,9 +285,18 @@ class Trainer:
         With ``save_path``, the run holds the series' run lock from here to its end
         (``checkpoint/run_lock.py``): a second run on the same save path is refused.
 
+        A fresh run starts its series over: the rank death records and unfinished
+        bundle files an earlier run left under ``save_path`` are deleted.
+
         Raises:
             FileExistsError: ``save_path`` already holds checkpoints (resume them, or
                 pass ``overwrite=True`` to delete them first).
+            ValueError, TypeError: before any rank starts, what the launcher can check
+                (``nprocs``; a dataset that is not a factory, against ``batch_size``;
+                the ElChe a cadence factory builds), naming the value and the fix.
+            StartRefused: a rank's setup failed (a dataset factory's data, ``model_fn``
+                ...): the run stops at once, saving nothing; the rank's error is the
+                message, its ``RankFailed`` (with the traceback) the cause.
             SeriesInUse: another run is writing ``save_path``'s series.
             TrainingAborted: more than ``max_failures`` ranks died (with ``save_path``;
                 the survivors saved first).
@@ -294,14 +304,20 @@ class Trainer:
         """
         from ..checkpoint.series import committed_checkpoints, delete_series
 
+        _check_int("nprocs", nprocs, 1)
         cluster = _Cluster.of(controller, world_size, first_rank, salt, int(nprocs))
         with self._run_lock(controller, salt):
-            if self.save_path is not None and committed_checkpoints(self.save_path):
-                if not overwrite:
-                    raise FileExistsError(
-                        f"{self.save_path} already holds checkpoints of an earlier run; "
-                        f"continue it with trainer.resume({self.save_path!r}), or pass "
-                        f"overwrite=True to delete them and start over")
+            if self.save_path is not None and committed_checkpoints(self.save_path) \
+                    and not overwrite:
+                raise FileExistsError(
+                    f"{self.save_path} already holds checkpoints of an earlier run; "
+                    f"continue it with trainer.resume({self.save_path!r}), or pass "
+                    f"overwrite=True to delete them and start over")
+            self._check_setup(int(nprocs) if cluster is None else cluster.world_size)
+            if self.save_path is not None:
+                # a fresh run starts the series over: what an earlier run left there (its
+                # bundles, with overwrite; a failed run's death records and unfinished
+                # bundles) would read as this run's
                 delete_series(self.save_path)
             return self._launch(_Job(self, int(nprocs), None, None, _log_level(), cluster))
 
@@ -357,7 +373,15 @@ class Trainer:
         holds complete bundles this run does not continue (``FileExistsError``): newer
         ones than the bundle it resumes from (an abandoned branch, which would outrank
         this run's checkpoints), or any, when the bundle comes from another series.
-        ``overwrite=True`` deletes them first.
+        ``overwrite=True`` deletes them first, once the checks below have passed.
+
+        Before any rank starts it checks, as :meth:`run` does, and against the
+        checkpoint: a path that does not exist (``FileNotFoundError`` naming it), the
+        model ``model_fn`` builds (``CheckpointError`` naming the tensors that differ;
+        ``model_fn`` is called here on torch's meta device), ``batch_size`` and the
+        epoch size (``ValueError``), ElChe's world size. A finished checkpoint (its
+        epoch reached ``epochs``) trains nothing: logged, and the result's
+        ``checkpoint`` is the bundle.
         """
         target = save_path if save_path is not None else self.save_path
         if target is None:
@@ -370,8 +394,7 @@ class Trainer:
                 overwrite) -> TrainResult:
         from ..checkpoint.series import resolve_checkpoint
 
-        model_path = resolve_checkpoint(target)
-        self._clear_beyond(model_path, overwrite)
+        model_path = resolve_checkpoint(_existing(target))
         meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(model_path))
         saved_world = (len(meta.elche_state.smoothed_ms_per_batch)
                        if meta.elche_state is not None else None)
@@ -379,16 +402,99 @@ class Trainer:
             if controller is not None:
                 raise ValueError("resume() on a cluster needs nprocs (this host's ranks)")
             nprocs = saved_world or max(meta.world_size_at_save, 1)
+        _check_int("nprocs", nprocs, 1)
         cluster = _Cluster.of(controller, world_size, first_rank, salt, int(nprocs))
         world = int(nprocs) if cluster is None else cluster.world_size
         if saved_world is not None and self.cadence != "fixed" and world != saved_world:
             raise ValueError(
                 f"the checkpoint's ElChe state is for world_size {saved_world}; resume a "
                 f"cadence='elche' run on {saved_world} ranks (got {world})")
-        logger.info("resuming from %s: epoch %d, step %d, round %d (%s)", model_path,
-                    meta.epoch, meta.global_step, meta.sync_round, meta.save_reason)
+        self._check_setup(world, meta, model_path)
+        self._clear_beyond(model_path, overwrite)  # only once the resume can start
+        if meta.epoch >= self.epochs:
+            logger.info("%s finished %d epoch(s), and this Trainer has epochs=%d: nothing "
+                        "left to train (pass a larger epochs to continue)", model_path,
+                        meta.epoch, self.epochs)
+        else:
+            logger.info("resuming from %s: epoch %d, step %d, round %d (%s)", model_path,
+                        meta.epoch, meta.global_step, meta.sync_round, meta.save_reason)
         return self._launch(_Job(self, int(nprocs), meta, os.fspath(model_path), _log_level(),
                                  cluster))
+
+    # -- what the ranks would find only at their start, checked before any starts --------
+    def _check_setup(self, world: int, meta: Optional[CheckpointMeta] = None,
+                     model_path: Optional[Path] = None) -> None:
+        """Raise (``ValueError``, ``TypeError``) what a rank would otherwise find only in
+        its setup, where the information is here: the dataset's kind and length against
+        ``batch_size`` (unless it is a factory, which only the ranks call), the ElChe a
+        cadence factory builds for ``world`` ranks and, on a resume, the checkpoint's
+        batch size, epoch size and model against this Trainer's."""
+        n = self._dataset_len()
+        if n is not None and n < self.batch_size:
+            raise ValueError(f"the dataset has {n} samples, fewer than one batch of "
+                             f"batch_size={self.batch_size}; pass a batch_size of at most {n}")
+        if callable(self.cadence) and world >= 2:
+            from .el_che import ElChe
+
+            el_che = self.cadence(world)
+            if not isinstance(el_che, ElChe):
+                raise TypeError(f"the cadence factory must return an ElChe, got "
+                                f"{type(el_che).__name__}")
+            if el_che.world_size != world:
+                raise ValueError(f"the cadence factory built an ElChe for world_size "
+                                 f"{el_che.world_size}, but the run has {world} ranks; build "
+                                 f"it for the world_size it is called with")
+        if meta is None:
+            return
+        cov = meta.coverage
+        if cov is not None and meta.epoch < self.epochs:  # what the ranks' coordinator reads
+            if cov.batch_size != self.batch_size:
+                raise ValueError(
+                    f"{model_path} was trained with batch_size {cov.batch_size} and this "
+                    f"Trainer has batch_size={self.batch_size}: resume with batch_size="
+                    f"{cov.batch_size} (its record of the samples still to train counts "
+                    f"whole batches of {cov.batch_size})")
+            per_epoch = None if n is None else (n // self.batch_size) * self.batch_size
+            for ec in cov.per_epoch:
+                if ec.epoch == meta.epoch and per_epoch not in (None, ec.total_samples):
+                    raise ValueError(
+                        f"{model_path} was trained on epochs of {ec.total_samples} samples, "
+                        f"and this Trainer's are {per_epoch} ({n} samples in batches of "
+                        f"{self.batch_size}): resume with the dataset it was trained on")
+        why = model_mismatch(model_path, self.model_fn)
+        if why is not None:
+            from ..errors import CheckpointError
+
+            raise CheckpointError(
+                f"{model_path} is not a checkpoint of the model model_fn builds: {why}. "
+                f"Resume it with the model_fn that trained it, or resume this model from a "
+                f"checkpoint of its own")
+
+    def _dataset_len(self) -> Optional[int]:
+        """The dataset's sample count, or None for a factory (called in the ranks only, so
+        that a large dataset is never built here); raises for a dataset of the wrong
+        kind as the ranks would."""
+        from .data import resolve_dataset
+
+        ds = self.dataset
+        if callable(ds) and not hasattr(ds, "__getitem__"):
+            return None
+        if isinstance(ds, (tuple, list)) and ds:
+            import torch
+
+            kinds = [isinstance(t, torch.Tensor) for t in ds]
+            if any(kinds) and not all(kinds):
+                bad = kinds.index(False)
+                raise TypeError(f"dataset element {bad} is of type {type(ds[bad]).__name__}: a "
+                                f"dataset of tensors needs every element to be a tensor "
+                                f"(inputs..., target), each with one row per sample")
+            if not any(kinds) and self.step_fn is None \
+                    and not isinstance(ds[0], (tuple, list)):
+                raise TypeError(f"dataset item 0 is of type {type(ds[0]).__name__}: with a "
+                                f"loss_fn, each item must be an (input..., target) tuple; "
+                                f"pass a tuple of tensors (inputs..., targets), or a list of "
+                                f"such items")
+        return len(resolve_dataset(ds))
 
     def _launch(self, job: _Job) -> TrainResult:
         from ..launch import spawn
@@ -413,13 +519,19 @@ class Trainer:
             if named is None:
                 raise
             raise named from e
+        except RankFailed as e:
+            if e.exc_type != "StartRefused":
+                raise
+            # a rank could not start (its setup failed, or the cohort's starts disagree):
+            # the refusal's own message, with the rank's traceback as its cause
+            raise StartRefused(_refusal(e)) from e
         finally:
             if self.save_path is not None:
                 # every write has landed (spawn flushed the forge): prune exactly
                 from ..checkpoint.series import prune_series
 
                 prune_series(self.save_path, self.keep_checkpoints)
-        return self._collect(results, nprocs)
+        return self._collect(results, job)
 
     def _unpicklable(self) -> Optional[TypeError]:
         """The error naming the first Trainer argument that cannot be pickled on its own
@@ -441,7 +553,7 @@ class Trainer:
                                  f"({type(e).__name__}: {e}); {fix}")
         return None
 
-    def _collect(self, results: list, nprocs: int) -> TrainResult:
+    def _collect(self, results: list, job: _Job) -> TrainResult:
         reporting = next((r for r in results if r is not None and r["state_dict"] is not None),
                          None)
         if reporting is None:
@@ -449,6 +561,8 @@ class Trainer:
         dead = tuple(sorted(set(reporting["dead_ranks"])
                             | {r for r, out in enumerate(results) if out is None}))
         ckpt = reporting["checkpoint"]
+        if ckpt is None and job.model_path is not None and not reporting["summary"].windows:
+            ckpt = job.model_path  # a resume with nothing left to train: its last checkpoint
         result = TrainResult(_from_portable(reporting["state_dict"]), reporting["history"],
                              reporting["meta"],
                              None if ckpt is None else Path(ckpt), dead,
@@ -476,6 +590,103 @@ class Trainer:
 #: the Trainer's arguments that travel to every rank by pickling (besides ``hooks``)
 _PICKLED_ARGS = ("model_fn", "optimizer_fn", "loss_fn", "step_fn", "scheduler_fn", "cadence",
                  "outer", "guard", "dataset")
+
+
+def _existing(target) -> "str | os.PathLike[str]":
+    """``target`` (a series stem, a bundle's ``.fdl`` or ``.meta.json``) when it can name a
+    checkpoint; ``FileNotFoundError`` naming the folder or the file that does not exist."""
+    from ..checkpoint.series import latest_checkpoint, series_of
+
+    p = Path(os.fspath(target))
+    if p.is_dir():
+        return target
+    if not p.parent.is_dir():
+        raise FileNotFoundError(f"cannot resume from {p}: the folder {p.parent} does not "
+                                f"exist; pass the save_path of the run (a stem such as "
+                                f"runs/exp/ckpt) or one of its bundles' .fdl")
+    if p.name.endswith((".fdl", ".fdl.gz", ".meta.json")) and not p.exists():
+        series = series_of(p.with_name(p.name[:-len(".meta.json")] + ".fdl")
+                           if p.name.endswith(".meta.json") else p)
+        newest = None if series is None else latest_checkpoint(series[0])
+        hint = ("" if newest is None else f"; the newest complete checkpoint of that series "
+                f"is {newest} (resume({os.fspath(series[0])!r}) continues from it)")
+        raise FileNotFoundError(f"{p} does not exist{hint}")
+    return target
+
+
+def model_mismatch(model_path: "str | os.PathLike[str]", model_fn: Callable) -> Optional[str]:
+    """Why the consensus checkpoint ``model_path`` cannot load into the model ``model_fn``
+    builds (a parameter or averaged buffer missing, extra, or of another shape; the
+    message calls them "the checkpoint" and "the model"), or None when it fits.
+
+    Reads the ``.fdl``'s headers only, and the bundle's ``.names.json`` to name the
+    tensors; ``model_fn`` is called once here, on torch's meta device (no memory, no
+    draw from torch's RNG, no torch thread pool started in the launcher). A model that
+    cannot be built there is left to the ranks' own load to check (None)."""
+    import torch
+
+    from ..checkpoint.fdl import FdlReader
+    from ..checkpoint.forge import consensus_targets
+    from ..checkpoint.meta import ModelSchema, names_sidecar_path
+    from ..errors import CheckpointError
+
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model = model_fn()
+    except Exception:  # model_fn needs real tensors: the ranks' load checks it
+        return None
+    if not isinstance(model, torch.nn.Module):
+        return None  # the ranks raise the TypeError naming it
+    mine = {t.key: (t.label, tuple(t.tensor.shape)) for t in consensus_targets(model)}
+    with FdlReader(model_path) as reader:
+        saved = {e.name: tuple(e.shape) for e in reader.entries(False)}
+    try:
+        names = ModelSchema.read_from_file(names_sidecar_path(model_path)).positional_names()
+    except (CheckpointError, OSError):
+        names = {}  # no names (an older bundle): the positions name them
+
+    def kind(key: str) -> str:
+        return "buffer" if key.startswith("b") else "parameter"
+
+    problems = []
+    for key, (label, shape) in mine.items():
+        theirs = names.get(key, label)
+        if key not in saved:
+            problems.append(f"the model's {kind(key)} {label!r} {list(shape)} is not in the "
+                            f"checkpoint")
+        elif saved[key] != shape and theirs == label:
+            problems.append(f"{kind(key)} {label!r} is {list(saved[key])} in the checkpoint "
+                            f"and {list(shape)} in the model")
+        elif saved[key] != shape:
+            problems.append(f"{kind(key)} {key} is {theirs!r} {list(saved[key])} in the "
+                            f"checkpoint and {label!r} {list(shape)} in the model")
+    problems += [f"the checkpoint's {kind(key)} {names.get(key, key)!r} {list(shape)} has no "
+                 f"place in the model" for key, shape in saved.items() if key not in mine]
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
+    counts = (f"{len(saved)} tensors in the checkpoint, {len(mine)} in the model; "
+              if len(saved) != len(mine) else "")
+    return counts + "; ".join(problems[:2]) + more
+
+
+def _is_real(value) -> bool:
+    """A real number, not a bool or a string."""
+    import numbers
+
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value, minimum: int, *, optional: bool = False) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is an int (numpy's too, not a bool
+    or a str) of at least ``minimum`` (or None, when ``optional``)."""
+    import numbers
+
+    if optional and value is None:
+        return
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}"
+                         f"{' or None' if optional else ''}, got {value!r}")
 
 
 def _log_level() -> Optional[int]:
@@ -595,6 +806,7 @@ class _RankRun:
             raise TypeError(f"model_fn must return a torch.nn.Module, got {type(model).__name__}")
         self.model = model
         self.dataset = resolve_dataset(tr.dataset)
+        self.coord = self._coordinator(len(self.dataset))  # checks the data against the run
         self.schema = ModelSchema.from_module(model)
         # one host: a window is one round (its counts ride in it); several: a count
         # gather first (_window_cluster)
@@ -614,7 +826,6 @@ class _RankRun:
         if job.model_path is not None:
             self._load_outer_momentum(job.model_path)
             self._load_rank_state(job.model_path)
-        self.coord = self._coordinator(len(self.dataset))
         logging.getLogger("flodl_shm").addFilter(_CohortDecisionFilter(
             lambda: bool(self.coord.alive) and self.coord.alive[0] == self.rank))
         self._perm_epoch = -1
@@ -1006,4 +1217,30 @@ def _from_portable(state: dict) -> dict:
 def _rank_main(ctx, job: _Job) -> dict:
     """The function ``spawn`` runs in every rank."""
     _setup_rank_logging(job.log_level, ctx.rank)
-    return _RankRun(ctx, job).run()
+    with _refused_if_it_fails(ctx.rank):
+        run = _RankRun(ctx, job)
+    return run.run()
+
+
+@contextlib.contextmanager
+def _refused_if_it_fails(rank: int):
+    """A rank's setup (its model, data, checkpoint, optimizer, books: everything before
+    its first window): an error there is raised as ``StartRefused``, which stops the
+    cohort at once whatever ``max_failures`` allows (no death to tolerate, no death
+    record, no survivors' checkpoint: nothing was trained), naming the error. What the
+    setup's collectives raise (another rank's failure, a stall, a lost link) passes."""
+    from ..errors import CohortAborted, PeerDied, ReduceStall
+
+    try:
+        yield
+    except (StartRefused, CohortAborted, ReduceStall, PeerDied, ConnectionError):
+        raise
+    except Exception as e:
+        raise StartRefused(f"rank {rank} could not start training: {type(e).__name__}: "
+                           f"{e}") from e
+
+
+def _refusal(err: RankFailed) -> str:
+    """The message of the ``StartRefused`` a rank raised, from its remote traceback."""
+    _, found, text = (err.traceback or "").rstrip().rpartition("StartRefused: ")
+    return text if found else str(err)
