@@ -258,6 +258,52 @@ def sc_layouts(rank: int, world: int) -> dict:
         dist.reduce_scatter(o, [torch.full((2,), val, dtype=dt) for _ in range(world)])
         got["reduce_scatter"] = o[0].item()
         res[("half_sums", str(dt))] = got
+    # the same bits whatever the layout: ties of -0.0 and 0.0, a NaN's sign
+    zeros = torch.tensor([-0.0, 0.0, -0.0, 0.0] if rank % 2 else [0.0, -0.0, -0.0, 0.0])
+    for name, op in (("MIN", dist.ReduceOp.MIN), ("MAX", dist.ReduceOp.MAX)):
+        t = torch.zeros(8)[::2] if rank == 1 else torch.zeros(4)
+        t.copy_(zeros)
+        dist.all_reduce(t, op=op)
+        res[("signed_zeros", name)] = t.clone().view(torch.int32).tolist()
+    t = torch.zeros(4, dtype=torch.bfloat16)[::2] if rank == 1 else \
+        torch.zeros(2, dtype=torch.bfloat16)
+    t.copy_(torch.tensor([float("inf") if rank == 0 else float("-inf"), 1.0]))
+    dist.all_reduce(t)
+    res["nan_bits"] = t.clone().view(torch.int16).tolist()
+    t = torch.zeros(0, 3)  # an empty float32 broadcast: nothing to move, on every rank
+    dist.broadcast(t, src=1)
+    c = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64) * (rank + 1)
+    dist.reduce(c, dst=0)
+    res["complex_reduce"] = c.clone()
+    o = torch.zeros(1, dtype=torch.complex64)
+    dist.reduce_scatter_tensor(o, torch.arange(world).to(torch.complex64) * (1 + 1j))
+    res["complex_reduce_scatter"] = o.clone()
+    # misuse: every rank raises a RuntimeError naming it, and the group stays usable
+    errors = {}
+    for what, call in {
+        "all_gather_count": lambda: dist.all_gather([torch.empty(2)] * (world + 1),
+                                                    torch.ones(2)),
+        "gather_into_size": lambda: dist.all_gather_into_tensor(torch.empty(7), torch.ones(3)),
+        "reduce_scatter_size": lambda: dist.reduce_scatter_tensor(torch.empty(3),
+                                                                  torch.ones(4 * world)),
+        "alltoall_splits": lambda: dist.all_to_all_single(
+            torch.empty(world + (2 if rank == 0 else 0)), torch.ones(world),
+            output_split_sizes=[3 if (rank == 0 and s == 1) else 1 for s in range(world)]
+            if rank == 0 else None),
+        "scatter_list": lambda: dist.scatter(
+            torch.empty(4), [torch.ones(3)] * world if rank == 0 else None, src=0),
+        "complex_max": lambda: dist.reduce(torch.ones(2, dtype=torch.complex64), dst=0,
+                                           op=dist.ReduceOp.MAX),
+    }.items():
+        try:
+            call()
+            errors[what] = None
+        except RuntimeError as e:
+            errors[what] = str(e)
+        t = torch.ones(2)
+        dist.all_reduce(t)  # still in step
+        errors[what + " then"] = t.tolist()
+    res["errors"] = errors
     return res
 
 

@@ -178,10 +178,12 @@ def test_mismatched_calls_raise_on_every_rank_of_every_host(two_hosts):
     assert "another host" in two_hosts[1]["errors"]["mismatch"]
 
 
-def test_any_memory_layout_on_any_rank_and_half_sums_rounded_once(tmp_path):
+def test_layouts_half_sums_empty_complex_and_misuse(tmp_path):
     """A tensor's layout is each rank's own business: one-element tensors of stride 2,
-    non-contiguous outputs, a transposed tensor on one rank only; and bfloat16/float16
-    sums are summed in float32 and rounded once whichever transport a collective takes."""
+    non-contiguous outputs, a transposed tensor on one rank only, the same bits on every
+    rank (signed zeros, NaN signs); bfloat16/float16 sums are summed in float32 and
+    rounded once whichever transport a collective takes; empty and complex tensors; and
+    a misused collective raises on every rank and leaves the group usable."""
     res = run_group("layouts", 3, tmp_path)
     _no_segments_of(res)
     assert all(r is not None and r["returncode"] == 0 for r in res), [r and r["log"] for r in res]
@@ -204,6 +206,20 @@ def test_any_memory_layout_on_any_rank_and_half_sums_rounded_once(tmp_path):
             ("all_reduce", "all_reduce_strided", "reduce_scatter_tensor", "reduce_scatter"),
             1.0009765625)  # 1 + 2^-10
     assert res[0]["reduce_strided"].tolist() == [3.0 * i + 3 for i in range(6)]
+    for key in (("signed_zeros", "MIN"), ("signed_zeros", "MAX"), "nan_bits"):
+        assert res[0][key] == res[1][key] == res[2][key], key  # whatever the layout
+    assert res[0]["complex_reduce"].tolist() == [6 + 12j, 18 - 6j]
+    assert [r["complex_reduce_scatter"].tolist() for r in res] == [[0j], [3 + 3j], [6 + 6j]]
+    for r in res:
+        errs = r["errors"]
+        for what in ("all_gather_count", "gather_into_size", "reduce_scatter_size",
+                     "alltoall_splits", "scatter_list", "complex_max"):
+            assert errs[what] is not None, (what, r["log"])
+            assert errs[what + " then"] == [3.0, 3.0], what  # the group stays usable
+    assert "rank 1 sends 4 bytes to rank 0, whose output 1 holds 12" in \
+        res[2]["errors"]["alltoall_splits"]
+    assert "the root, rank 0, passed a scatter_list" in res[1]["errors"]["scatter_list"]
+    assert "complex tensors take SUM or AVG" in res[0]["errors"]["complex_max"]
 
 
 def test_unsupported_ops_and_dtypes_raise_naming_the_supported_set(one_host):

@@ -40,7 +40,8 @@ from ..engine.byte_exchange import exchange_bytes
 from ..errors import FrameError, PeerDied, ReduceStall
 from ..frame import RoundKind
 from .overlap import CollectiveWorker
-from .reduce_ops import check_dtype, check_op, op_name, op_type, reduce_in_order
+from .reduce_ops import (check_dtype, check_op, op_name, op_type, real_views,
+                         reduce_in_order)
 from .rendezvous import HostLink, rendezvous
 
 logger = logging.getLogger("flodl_shm")
@@ -181,6 +182,24 @@ def _bytes_of(t: torch.Tensor) -> np.ndarray:
         # can only be viewed at stride 1
         flat = flat.clone(memory_format=torch.contiguous_format)
     return flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
+
+
+def _misfit(out: torch.Tensor, like: torch.Tensor, what: str) -> str | None:
+    """Why ``out`` cannot receive a copy of ``like`` (another dtype or element count),
+    or None."""
+    if out.dtype != like.dtype or out.numel() != like.numel():
+        return (f"flodl_shm {what}: an output of {out.numel()} {out.dtype} elements for "
+                f"{like.numel()} {like.dtype} elements; pass outputs of the inputs' dtype "
+                f"and size")
+    return None
+
+
+def _refuse(problem: str | None) -> None:
+    """Raise ``problem`` (a caller's argument error) inside a byte round's ``consume``:
+    the round completes on every rank, so the group stays usable, and nothing is
+    written."""
+    if problem is not None:
+        raise RuntimeError(problem)
 
 
 def _dense_outputs(outputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Callable]:
@@ -530,7 +549,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     @_collective
     def reduce(self, tensors, opts) -> dist.Work:
         root = int(opts.rootRank)
-        work = [t if self._rank == root else t.clone() for t in tensors]
+        work = real_views([t if self._rank == root else t.clone() for t in tensors],
+                          opts.reduceOp, "reduce")
         self._allreduce_list(work, opts.reduceOp, "reduce")
         return _done(list(tensors))
 
@@ -564,29 +584,49 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists, input_tensors, opts=None) -> dist.Work:
         """``output_lists[i][r]`` receives rank r's ``input_tensors[i]``."""
         inputs = _checked(input_tensors, "allgather")
+        problem = None
+        for outs, t in zip(output_lists, inputs):
+            if len(outs) != self._size:
+                problem = (f"flodl_shm allgather: {len(outs)} output tensors for a group of "
+                           f"{self._size}; pass one per rank")
+                break
+            problem = next((p for p in (_misfit(o, t, "allgather") for o in outs) if p), None)
+            if problem:
+                break
+        self._allgather(output_lists, inputs, problem)
+        return _done([t for outs in output_lists for t in outs])
+
+    def _allgather(self, output_lists, inputs, problem: str | None) -> None:
+        """The byte round of an all-gather; ``problem``: the caller's argument error, raised
+        by every rank that has one once the round completed (the group stays usable)."""
         offs, total = _layout(inputs)
 
         def consume(views: list[np.ndarray]) -> None:
+            _refuse(problem)
             for outs, t, o in zip(output_lists, inputs, offs):
-                if len(outs) != self._size:
-                    raise RuntimeError(f"flodl_shm allgather: {len(outs)} output tensors for "
-                                       f"a group of {self._size}")
                 for r, out in enumerate(outs):
                     _copy_into(out, _tensor_at(views[r], o, t))
 
         self._exchange_tensors(inputs, offs, total, consume, _signature("allgather", inputs))
-        return _done([t for outs in output_lists for t in outs])
 
     def all_gather_single(self, output, input, opts=None) -> dist.Work:
         return self.allgather_into_tensor_coalesced([output], [input], opts)
 
     _allgather_base = all_gather_single
 
+    @_collective
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        inputs = _checked([i.reshape(-1) for i in inputs], "all_gather_into_tensor")
+        problem = next((f"flodl_shm all_gather_into_tensor: an output of {o.numel()} {o.dtype} "
+                        f"elements for a group of {self._size} inputs of {i.numel()} {i.dtype}; "
+                        f"pass an output of {self._size * i.numel()} {i.dtype} elements"
+                        for o, i in zip(outputs, inputs)
+                        if o.dtype != i.dtype or o.numel() != self._size * i.numel()), None)
         dense, copy_back = _dense_outputs(outputs)
-        lists = [list(o.view(-1).chunk(self._size)) if o.numel() else [o] * self._size
-                 for o in dense]
-        self.allgather_coalesced(lists, [i.reshape(-1) for i in inputs], opts)
+        lists = ([[i] * self._size for i in inputs] if problem else  # not written
+                 [list(o.view(-1).chunk(self._size)) if o.numel() else [o] * self._size
+                  for o in dense])
+        self._allgather(lists, inputs, problem)
         copy_back()
         return _done(list(outputs))
 
@@ -596,15 +636,27 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     @_collective
     def reduce_scatter(self, output_tensors, input_lists, opts) -> dist.Work:
         """``output_tensors[i]`` = reduce over ranks of their ``input_lists[i][rank]``."""
-        outs = list(output_tensors)
+        outs = real_views(output_tensors, opts.reduceOp, "reduce_scatter")
+        input_lists = [real_views(lst, opts.reduceOp, "reduce_scatter") for lst in input_lists]
         flat_in = [t for lst in input_lists for t in lst]
         for t in flat_in + outs:
             check_dtype(t, "reduce_scatter")
             check_op(opts.reduceOp, t.dtype, "reduce_scatter")
         offs, total = _layout(flat_in)
         me = self._rank
+        problem = None
+        for out, lst in zip(outs, input_lists):
+            if len(lst) != self._size:
+                problem = (f"flodl_shm reduce_scatter: {len(lst)} input tensors for a group "
+                           f"of {self._size}; pass one per rank")
+                break
+            problem = next((p for p in (_misfit(out, t, "reduce_scatter") for t in lst)
+                            if p), None)
+            if problem:
+                break
 
         def consume(views: list[np.ndarray]) -> None:
+            _refuse(problem)
             for i, out in enumerate(outs):
                 k = i * self._size + me
                 t, o = flat_in[k], offs[k]
@@ -620,6 +672,9 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts) -> dist.Work:
+        what = "reduce_scatter_tensor"
+        given, outputs = outputs, real_views(outputs, opts.reduceOp, what)
+        inputs = real_views(inputs, opts.reduceOp, what)
         lists = [list(i.reshape(-1).chunk(self._size)) for i in inputs]
         for i, lst in zip(inputs, lists):
             if len(lst) != self._size or i.numel() % self._size:
@@ -628,7 +683,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         dense, copy_back = _dense_outputs(outputs)
         self.reduce_scatter([o.view(-1) for o in dense], lists, opts)
         copy_back()
-        return _done(list(outputs))
+        return _done(list(given))
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts) -> dist.Work:
         return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
@@ -638,8 +693,18 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         root = int(opts.rootRank)
         inputs = _checked(input_tensors, "gather")
         offs, total = _layout(inputs)
+        problem = None
+        if self._rank == root:
+            outs = output_lists[0] if output_lists else []
+            if len(outs) != self._size:
+                problem = (f"flodl_shm gather: a gather_list of {len(outs)} tensors on the "
+                           f"root, for a group of {self._size}; pass one per rank")
+            else:
+                problem = next((p for p in (_misfit(o, inputs[0], "gather") for o in outs)
+                                if p), None)
 
         def consume(views: list[np.ndarray]) -> None:
+            _refuse(problem)
             if self._rank == root:
                 for r, out in enumerate(output_lists[0]):
                     _copy_into(out, _tensor_at(views[r], offs[0], inputs[0]))
@@ -653,13 +718,35 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         outs = _checked(output_tensors, "scatter")
         chunks = [outs[0]] * self._size  # every rank knows the chunk shape: its output's
         offs, total = _layout(chunks)
-        mine = input_lists[0] if self._rank == root else None
         me = self._rank
+        problem = None
+        if me == root:
+            mine = list(input_lists[0]) if input_lists else []
+            if len(mine) != self._size:
+                problem = (f"flodl_shm scatter: a scatter_list of {len(mine)} tensors on the "
+                           f"root, for a group of {self._size}; pass one per rank")
+            else:
+                problem = next((p for p in (_misfit(outs[0], t, "scatter") for t in mine)
+                                if p), None)
+        # the root's bytes start with a status word: whether its scatter_list fits, so
+        # that every rank refuses a list that does not (the others cannot check it)
+        head = _ALIGN
+
+        def fill(dst: np.ndarray) -> None:
+            dst[:8].view(np.int64)[0] = int(problem is not None)
+            if problem is None:
+                _write(dst[head:], mine, offs)
 
         def consume(views: list[np.ndarray]) -> None:
-            _copy_into(outs[0], _tensor_at(views[root], offs[me], outs[0]))
+            _refuse(problem)
+            if int(views[root][:8].view(np.int64)[0]):
+                raise RuntimeError(f"flodl_shm scatter: the root, rank {root}, passed a "
+                                   f"scatter_list that does not fit the outputs ({self._size} "
+                                   f"tensors of {outs[0].numel()} {outs[0].dtype} elements)")
+            _copy_into(outs[0], _tensor_at(views[root], head + offs[me], outs[0]))
 
-        self._exchange_tensors(mine, offs, total, consume, _signature("scatter", root, outs))
+        self._exchange(head + total, fill if me == root else None, consume,
+                       _signature("scatter", root, outs))
         return _done(outs)
 
     @_collective
@@ -668,28 +755,48 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         outs, ins = list(output_tensors), list(input_tensors)
         for t in outs + ins:
             check_dtype(t, "alltoall")
-        # phase 1: every rank's chunk byte sizes, so each knows where its chunks sit
-        sizes = np.asarray([_aligned(_nbytes(t)) for t in ins], np.int64)
-        table = np.zeros((self._size, self._size), np.int64)
+        n, me = self._size, self._rank
+        if len(ins) != n or len(outs) != n:
+            problem = (f"flodl_shm alltoall: {len(ins)} input and {len(outs)} output tensors "
+                       f"for a group of {n}; pass one of each per rank")
+            ins, outs = (ins + [ins[0] if ins else torch.empty(0)] * n)[:n], outs[:n]
+        else:
+            problem = None
+        # phase 1: every rank's exact chunk sizes, sent and expected, so that every rank
+        # checks every pair and knows where its chunks sit
+        sizes = np.asarray([_nbytes(t) for t in ins] + [_nbytes(t) for t in outs]
+                           + [0] * (n - len(outs)) + [int(problem is not None)], np.int64)
+        sent = np.zeros((n, n), np.int64)
+        expected = np.zeros((n, n), np.int64)
+        bad = []
 
         def read_sizes(views: list[np.ndarray]) -> None:
             for s, v in enumerate(views):
-                table[s] = v.view(np.int64)
+                row = v.view(np.int64)
+                sent[s], expected[s] = row[:n], row[n:2 * n]
+                if row[2 * n]:
+                    bad.append(s)
 
         self._exchange(sizes.nbytes, lambda dst: np.copyto(dst, sizes.view(np.uint8)),
                        read_sizes, _signature("alltoall sizes"))
-        total = int(table.sum(axis=1).max()) if self._size else 0
-        offs = [int(x) for x in np.concatenate([[0], np.cumsum(sizes)[:-1]])]
-        me = self._rank
+        _refuse(problem)
+        if bad:
+            raise RuntimeError(f"flodl_shm alltoall: rank(s) {bad} passed input/output lists "
+                               f"not of one tensor per rank")
+        wrong = [(s, r) for s in range(n) for r in range(n) if sent[s, r] != expected[r, s]]
+        if wrong:  # every rank sees the same tables: every rank raises, in step
+            s, r = wrong[0]
+            raise RuntimeError(f"flodl_shm alltoall: rank {s} sends {sent[s, r]} bytes to rank "
+                               f"{r}, whose output {s} holds {expected[r, s]}"
+                               + (f" ({len(wrong) - 1} more pairs differ)" if len(wrong) > 1
+                                  else "") + "; the split sizes must agree")
+        table = (sent + _ALIGN - 1) // _ALIGN * _ALIGN
+        total = int(table.sum(axis=1).max()) if n else 0
+        offs = [int(x) for x in np.concatenate([[0], np.cumsum(table[me])[:-1]])]
 
         def consume(views: list[np.ndarray]) -> None:
             for s, out in enumerate(outs):
-                start = int(table[s, :me].sum())
-                if int(table[s, me]) != _aligned(_nbytes(out)):
-                    raise RuntimeError(f"flodl_shm alltoall: rank {s} sends "
-                                       f"{int(table[s, me])} bytes to rank {me}, whose output "
-                                       f"{s} holds {_nbytes(out)}")
-                _copy_into(out, _tensor_at(views[s], start, out))
+                _copy_into(out, _tensor_at(views[s], int(table[s, :me].sum()), out))
 
         self._exchange_tensors(ins, offs, total, consume,
                                _signature("alltoall", [str(t.dtype) for t in ins + outs]))

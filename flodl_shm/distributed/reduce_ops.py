@@ -78,8 +78,8 @@ def premul_factor(op) -> float | None:
 
 def reduce_in_order(parts: Sequence[torch.Tensor], op, out: torch.Tensor) -> None:
     """``out`` = parts[0] (op) parts[1] (op) ... in this order (AVG divides the sum by
-    ``len(parts)``; PREMUL_SUM multiplies each part by its factor first). The parts
-    must not alias ``out``: it is the accumulator, written from the first step on.
+    ``len(parts)``; PREMUL_SUM multiplies each part by its factor first), computed in a
+    contiguous tensor of its own and then copied into ``out``.
 
     bfloat16 and float16 sums (SUM, AVG, PREMUL_SUM) accumulate in float32 and round
     once at the end, as the engine's reduce rounds do: the same data gives the same
@@ -98,7 +98,10 @@ def reduce_in_order(parts: Sequence[torch.Tensor], op, out: torch.Tensor) -> Non
         return
     if factor is not None:
         parts = [p * factor for p in parts]
-    acc = out
+    # accumulated in a contiguous tensor of its own, then copied: torch's kernels for
+    # strided outputs may keep the other operand of a tie (MIN/MAX of -0.0 and 0.0),
+    # and every rank must get the same bits whatever its tensor's layout
+    acc = torch.empty(out.shape, dtype=out.dtype)
     with torch.no_grad():
         acc.copy_(parts[0].view(out.shape))
         for p in parts[1:]:
@@ -119,3 +122,22 @@ def reduce_in_order(parts: Sequence[torch.Tensor], op, out: torch.Tensor) -> Non
                 torch.maximum(acc, p, out=acc)
         if name == "AVG":
             acc.div_(len(parts))
+        out.copy_(acc)
+
+
+def real_views(tensors: Sequence[torch.Tensor], op, what: str) -> list[torch.Tensor]:
+    """``tensors`` with each complex one replaced by its float view
+    (``torch.view_as_real``, same memory), as torch itself passes complex tensors to
+    ``all_reduce``; its other reduces (``reduce``, ``reduce_scatter``) hand them over
+    as they are. Complex tensors take SUM and AVG only (elementwise on the real and
+    imaginary parts); other ops raise ``RuntimeError`` naming them."""
+    out = []
+    for t in tensors:
+        if t.is_complex():
+            name = op_name(op_type(op))
+            if name not in ("SUM", "AVG"):
+                raise RuntimeError(f"flodl_shm {what}: reduce op {name} on the complex dtype "
+                                   f"{t.dtype}; complex tensors take SUM or AVG")
+            t = torch.view_as_real(t)
+        out.append(t)
+    return out

@@ -69,8 +69,9 @@ def exchange_bytes(comm, nbytes: int, fill: Callable[[np.ndarray], None] | None,
 
     Raises:
         FrameError: ranks passed different ``nbytes`` or ``signature`` (raised on every
-            rank), or ``consume`` raised one (re-raised after the round completed, so
-            the ranks stay in step).
+            rank).
+        Exception: what ``consume`` raised (``KeyboardInterrupt`` aside), re-raised after
+            the round completed, so this rank stays in step with the others.
         RuntimeError: a rank is dead or the round was left out of step.
         ReduceStall / CohortAborted: the waits' deadline or the cohort's abort.
     """
@@ -104,16 +105,16 @@ def exchange_bytes(comm, nbytes: int, fill: Callable[[np.ndarray], None] | None,
         refused = None
         try:
             consume(views)
-        except FrameError as e:  # the caller refuses what it read (on every rank): in step
-            refused = e
+        except Exception as e:  # noqa: BLE001 - the caller refused what it read (an
+            refused = e         # output that does not fit...): the round itself completed
         finally:
             del views
             eng.doorbell.publish(A.rank_base(me) + A.R_DONE, rnd)
         eng.await_slices(view)
-        if refused is not None:
-            raise refused
     except FrameError:
         raise  # a schema mismatch is raised on every rank at the same point: in step
     except BaseException as e:
         comm._broken = f"byte round {rnd} failed with {type(e).__name__}: {e}"
         raise
+    if refused is not None:
+        raise refused  # after the round: this rank stays in step with the others

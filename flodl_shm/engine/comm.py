@@ -912,7 +912,8 @@ class Comm:
         if fast is None or fast[0] != t.shape or fast[1] != kind:
             fast = self._fast = (t.shape, kind, self._engine.plan(kind, DTYPE_F32, (t.shape,)))
         plan = fast[2]
-        return plan if plan.eager_fits else None
+        # not for an empty tensor: its address is 0, which the call reads as "in place"
+        return plan if plan.eager_fits and plan.nelem else None
 
     def _single_round(self, t: torch.Tensor, plan: RoundPlan, weight, scale: float,
                       out: int = 0, broadcast: int | None = None) -> float:

@@ -259,7 +259,13 @@ def decode_into_tensor(src: np.ndarray, dtype: int, t: torch.Tensor) -> None:
         else:
             K.bf16_to_f32(src, dst)
         return
-    if dtype == DTYPE_F32:
+    if dtype == DTYPE_F32 and t.dtype is torch.bfloat16:
+        # narrowed by the engine's kernel, as the contiguous paths narrow (a NaN keeps its
+        # sign; torch's copy_ would make every NaN +NaN): the same bits whatever the layout
+        bits = np.empty(src.shape[0], np.uint16)
+        K.f32_to_bf16(src, bits)
+        tmp = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+    elif dtype == DTYPE_F32:
         tmp = torch.from_numpy(src)
     else:
         tmp = torch.from_numpy(src.view(np.int16)).view(torch.bfloat16)
