@@ -273,6 +273,8 @@ def test_resume_refuses_what_it_cannot_continue_before_writing_anything(tmp_path
     assert "ElChe cadence on 2 ranks" in err and "resume it with --nprocs 2" in err, err
     err = refused("--run-dir", str(run_dir), "--batch-size", "64")
     assert "--batch-size cannot change on --resume" in err and "pass --batch-size 32" in err, err
+    err = refused("--run-dir", str(run_dir), "--seed", "7")
+    assert "--seed cannot change on --resume" in err and "pass --seed 42" in err, err
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == files, "the refusal wrote"
 
     other = tmp_path / "not_demo"  # a Trainer run of another model in a folder of its own

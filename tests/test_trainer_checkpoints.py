@@ -253,6 +253,9 @@ def test_what_the_launcher_knows_is_refused_before_any_rank_starts(tmp_path):
                                          r"and this Trainer has batch_size=2: resume with "
                                          r"batch_size=4"):
         trainer(batch_size=2).resume(ckpt, overwrite=True)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(ckpt))} was trained with seed 42 and "
+                                         r"this Trainer has seed=7: resume with seed=42"):
+        trainer(seed=7).resume(ckpt, overwrite=True)
     more = (torch.zeros(12, 2), torch.zeros(12, dtype=torch.long))
     with pytest.raises(ValueError, match=r"trained on epochs of 8 samples, and this Trainer's "
                                          r"are 12 \(12 samples in batches of 4\): resume with "

@@ -618,6 +618,11 @@ def _resume_problems(cfg: DemoConfig, ckpt: Path) -> list[str]:
     meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(ckpt))
     out = []
     saved = None if meta.coverage is None else meta.coverage.batch_size
+    seed = None if meta.coverage is None else meta.coverage.seed
+    if seed is not None and seed != cfg.seed:
+        out.append(f"--seed cannot change on --resume: the run in {cfg.run_dir} shuffles with "
+                   f"--seed {seed} (its checkpoint counts the samples still to train in that "
+                   f"order), got {cfg.seed}; pass --seed {seed}")
     if saved is not None and saved != cfg.batch_size:
         out.append(f"--batch-size cannot change on --resume: the run in {cfg.run_dir} trained "
                    f"with --batch-size {saved} (its checkpoint counts the samples still to "

@@ -448,6 +448,12 @@ class Trainer:
             return
         cov = meta.coverage
         if cov is not None and meta.epoch < self.epochs:  # what the ranks' coordinator reads
+            if cov.seed != self.seed:
+                raise ValueError(
+                    f"{model_path} was trained with seed {cov.seed} and this Trainer has "
+                    f"seed={self.seed}: resume with seed={cov.seed} (its record of the samples "
+                    f"still to train refers to that seed's shuffle; another would train some "
+                    f"samples twice and skip others)")
             if cov.batch_size != self.batch_size:
                 raise ValueError(
                     f"{model_path} was trained with batch_size {cov.batch_size} and this "
