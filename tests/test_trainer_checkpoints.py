@@ -59,6 +59,12 @@ def test_latest_is_the_highest_committed_round(tmp_path):
         resolve_checkpoint(round_model_path(stem, 9))
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         resolve_checkpoint(tmp_path / "nothing")
+    # a round's bundle that is not there is named, with the series' newest (every caller:
+    # Trainer.resume, LocalSGD.load)
+    with pytest.raises(FileNotFoundError, match=rf"ck-r00000012\.fdl does not exist; the newest "
+                                                rf"complete checkpoint of that series is "
+                                                rf"{re.escape(str(round_model_path(stem, 6)))}$"):
+        resolve_checkpoint(round_model_path(stem, 12))
     # given the folder (or a wrong stem), the error names the series it holds
     for wrong in (tmp_path, tmp_path / "nothing"):
         with pytest.raises(FileNotFoundError, match=rf"not its folder.*holds the series "

@@ -102,9 +102,22 @@ def resolve_checkpoint(path: "str | os.PathLike[str]") -> Path:
     good checkpoint of the series ``path`` names.
 
     Raises:
-        FileNotFoundError: no complete checkpoint is there.
+        FileNotFoundError: no complete checkpoint is there; a bundle file or a folder
+            that does not exist is named as such.
     """
     p = Path(os.fspath(path))
+    if not p.is_dir() and not p.parent.is_dir():
+        raise FileNotFoundError(f"cannot resume from {p}: the folder {p.parent} does not "
+                                f"exist; pass the save_path of the run (a stem such as "
+                                f"runs/exp/ckpt) or one of its bundles' .fdl")
+    series = (series_of(p.with_name(p.name[:-len(".meta.json")] + ".fdl")
+                        if p.name.endswith(".meta.json") else p)
+              if p.name.endswith((".fdl", ".fdl.gz", ".meta.json")) else None)
+    if series is not None and not p.exists():  # one round's bundle, named but not there
+        newest = latest_checkpoint(series[0])
+        hint = ("" if newest is None else
+                f"; the newest complete checkpoint of that series is {newest}")
+        raise FileNotFoundError(f"{p} does not exist{hint}")
     if p.name.endswith(".meta.json") and p.is_file():
         p = p.with_name(p.name[: -len(".meta.json")] + ".fdl")
     if p.name.endswith(".fdl") and p.is_file():

@@ -394,7 +394,7 @@ class Trainer:
                 overwrite) -> TrainResult:
         from ..checkpoint.series import resolve_checkpoint
 
-        model_path = resolve_checkpoint(_existing(target))
+        model_path = resolve_checkpoint(target)
         meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(model_path))
         saved_world = (len(meta.elche_state.smoothed_ms_per_batch)
                        if meta.elche_state is not None else None)
@@ -596,28 +596,6 @@ class Trainer:
 #: the Trainer's arguments that travel to every rank by pickling (besides ``hooks``)
 _PICKLED_ARGS = ("model_fn", "optimizer_fn", "loss_fn", "step_fn", "scheduler_fn", "cadence",
                  "outer", "guard", "dataset")
-
-
-def _existing(target) -> "str | os.PathLike[str]":
-    """``target`` (a series stem, a bundle's ``.fdl`` or ``.meta.json``) when it can name a
-    checkpoint; ``FileNotFoundError`` naming the folder or the file that does not exist."""
-    from ..checkpoint.series import latest_checkpoint, series_of
-
-    p = Path(os.fspath(target))
-    if p.is_dir():
-        return target
-    if not p.parent.is_dir():
-        raise FileNotFoundError(f"cannot resume from {p}: the folder {p.parent} does not "
-                                f"exist; pass the save_path of the run (a stem such as "
-                                f"runs/exp/ckpt) or one of its bundles' .fdl")
-    if p.name.endswith((".fdl", ".fdl.gz", ".meta.json")) and not p.exists():
-        series = series_of(p.with_name(p.name[:-len(".meta.json")] + ".fdl")
-                           if p.name.endswith(".meta.json") else p)
-        newest = None if series is None else latest_checkpoint(series[0])
-        hint = ("" if newest is None else f"; the newest complete checkpoint of that series "
-                f"is {newest} (resume({os.fspath(series[0])!r}) continues from it)")
-        raise FileNotFoundError(f"{p} does not exist{hint}")
-    return target
 
 
 def model_mismatch(model_path: "str | os.PathLike[str]", model_fn: Callable) -> Optional[str]:
