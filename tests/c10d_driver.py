@@ -108,6 +108,22 @@ def _forked_rank(scenario: str, rank: int, world: int, port: int, out: str, back
 # --- scenarios (run inside the rank processes) ---------------------------------------
 
 
+def _errors_of(calls: dict, then=None) -> dict:
+    """Each call's RuntimeError message (None when it did not raise); with ``then``,
+    also ``what + " then"``: what ``then()`` returns after it (a collective that shows
+    the group still works)."""
+    errors = {}
+    for what, call in calls.items():
+        try:
+            call()
+            errors[what] = None
+        except RuntimeError as e:
+            errors[what] = str(e)
+        if then is not None:
+            errors[what + " then"] = then()
+    return errors
+
+
 def sc_collectives(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
@@ -177,8 +193,7 @@ def sc_collectives(rank: int, world: int) -> dict:
     dist.all_gather_object(objs, {"rank": rank})
     res["all_gather_object"] = objs
     dist.barrier()
-    errors = {}
-    for what, call in {
+    errors = _errors_of({
         "band": lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32),
                                         op=dist.ReduceOp.BAND),
         "avg_int": lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32),
@@ -187,12 +202,7 @@ def sc_collectives(rank: int, world: int) -> dict:
         "send": lambda: dist.send(torch.ones(1), dst=(rank + 1) % world),
         "mismatch": lambda: dist.all_reduce(torch.ones(3 + rank)),  # every rank raises
         "mismatch_bytes": lambda: dist.all_reduce(torch.ones(3 + rank, dtype=torch.int64)),
-    }.items():
-        try:
-            call()
-            errors[what] = None
-        except RuntimeError as e:
-            errors[what] = str(e)
+    })
     res["errors"] = errors
     dist.barrier()  # the errors above left every rank in step
     group = dist.distributed_c10d._get_default_group()  # the backend object itself
@@ -279,8 +289,12 @@ def sc_layouts(rank: int, world: int) -> dict:
     dist.reduce_scatter_tensor(o, torch.arange(world).to(torch.complex64) * (1 + 1j))
     res["complex_reduce_scatter"] = o.clone()
     # misuse: every rank raises a RuntimeError naming it, and the group stays usable
-    errors = {}
-    for what, call in {
+    def ones_summed() -> list:
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    errors = _errors_of({
         "all_gather_count": lambda: dist.all_gather([torch.empty(2)] * (world + 1),
                                                     torch.ones(2)),
         "gather_into_size": lambda: dist.all_gather_into_tensor(torch.empty(7), torch.ones(3)),
@@ -294,15 +308,7 @@ def sc_layouts(rank: int, world: int) -> dict:
             torch.empty(4), [torch.ones(3)] * world if rank == 0 else None, src=0),
         "complex_max": lambda: dist.reduce(torch.ones(2, dtype=torch.complex64), dst=0,
                                            op=dist.ReduceOp.MAX),
-    }.items():
-        try:
-            call()
-            errors[what] = None
-        except RuntimeError as e:
-            errors[what] = str(e)
-        t = torch.ones(2)
-        dist.all_reduce(t)  # still in step
-        errors[what + " then"] = t.tolist()
+    }, then=ones_summed)  # still in step, still usable
     res["errors"] = errors
     return res
 

@@ -584,17 +584,20 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists, input_tensors, opts=None) -> dist.Work:
         """``output_lists[i][r]`` receives rank r's ``input_tensors[i]``."""
         inputs = _checked(input_tensors, "allgather")
-        problem = None
-        for outs, t in zip(output_lists, inputs):
-            if len(outs) != self._size:
-                problem = (f"flodl_shm allgather: {len(outs)} output tensors for a group of "
-                           f"{self._size}; pass one per rank")
-                break
-            problem = next((p for p in (_misfit(o, t, "allgather") for o in outs) if p), None)
-            if problem:
-                break
+        problem = self._per_rank_lists("allgather", "output", output_lists, [
+            (o, t) for outs, t in zip(output_lists, inputs) for o in outs])
         self._allgather(output_lists, inputs, problem)
         return _done([t for outs in output_lists for t in outs])
+
+    def _per_rank_lists(self, what: str, noun: str, lists, pairs) -> str | None:
+        """The first argument error of a collective over per-rank ``lists`` of tensors: a
+        list that is not one ``noun`` tensor per rank, or an (output, input) of ``pairs``
+        that cannot take the other (``_misfit``); None when they fit."""
+        short = next((lst for lst in lists if len(lst) != self._size), None)
+        if short is not None:
+            return (f"flodl_shm {what}: {len(short)} {noun} tensors for a group of "
+                    f"{self._size}; pass one per rank")
+        return next((p for p in (_misfit(o, i, what) for o, i in pairs) if p), None)
 
     def _allgather(self, output_lists, inputs, problem: str | None) -> None:
         """The byte round of an all-gather; ``problem``: the caller's argument error, raised
@@ -644,16 +647,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             check_op(opts.reduceOp, t.dtype, "reduce_scatter")
         offs, total = _layout(flat_in)
         me = self._rank
-        problem = None
-        for out, lst in zip(outs, input_lists):
-            if len(lst) != self._size:
-                problem = (f"flodl_shm reduce_scatter: {len(lst)} input tensors for a group "
-                           f"of {self._size}; pass one per rank")
-                break
-            problem = next((p for p in (_misfit(out, t, "reduce_scatter") for t in lst)
-                            if p), None)
-            if problem:
-                break
+        problem = self._per_rank_lists("reduce_scatter", "input", input_lists, [
+            (out, t) for out, lst in zip(outs, input_lists) for t in lst])
 
         def consume(views: list[np.ndarray]) -> None:
             _refuse(problem)
