@@ -219,7 +219,7 @@ def test_layouts_half_sums_empty_complex_and_misuse(tmp_path):
     assert "rank 1 sends 4 bytes to rank 0, whose output 1 holds 12" in \
         res[2]["errors"]["alltoall_splits"]
     assert "the root, rank 0, passed a scatter_list" in res[1]["errors"]["scatter_list"]
-    assert "complex tensors take SUM or AVG" in res[0]["errors"]["complex_max"]
+    assert "complex tensors take SUM, AVG or PREMUL_SUM" in res[0]["errors"]["complex_max"]
 
 
 def test_unsupported_ops_and_dtypes_raise_naming_the_supported_set(one_host):

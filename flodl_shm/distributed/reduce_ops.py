@@ -129,15 +129,16 @@ def real_views(tensors: Sequence[torch.Tensor], op, what: str) -> list[torch.Ten
     """``tensors`` with each complex one replaced by its float view
     (``torch.view_as_real``, same memory), as torch itself passes complex tensors to
     ``all_reduce``; its other reduces (``reduce``, ``reduce_scatter``) hand them over
-    as they are. Complex tensors take SUM and AVG only (elementwise on the real and
-    imaginary parts); other ops raise ``RuntimeError`` naming them."""
+    as they are. Complex tensors take SUM, AVG and PREMUL_SUM, as torch's ``all_reduce``
+    does (elementwise on the real and imaginary parts); other ops raise ``RuntimeError``
+    naming them."""
     out = []
     for t in tensors:
         if t.is_complex():
             name = op_name(op_type(op))
-            if name not in ("SUM", "AVG"):
+            if name not in ("SUM", "AVG", "PREMUL_SUM"):
                 raise RuntimeError(f"flodl_shm {what}: reduce op {name} on the complex dtype "
-                                   f"{t.dtype}; complex tensors take SUM or AVG")
+                                   f"{t.dtype}; complex tensors take SUM, AVG or PREMUL_SUM")
             t = torch.view_as_real(t)
         out.append(t)
     return out
