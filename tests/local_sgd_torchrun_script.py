@@ -1,9 +1,10 @@
 """LocalSGD with comm=None on a "flodl_shm" default process group, as torchrun runs it
 (tests/test_local_sgd_torchrun.py). Writes ``<out>/rank<R>.pt``: the weights after
 construction, the weights entering the last sync, the consensus and the sync's mass.
-``python -m torch.distributed.run ... local_sgd_torchrun_script.py OUT [big]``: ``big``
+``python -m torch.distributed.run ... local_sgd_torchrun_script.py OUT [big|diloco]``: ``big``
 trains a 9 MiB model (its parameters go to the shared parameter blocks) for two windows
-(the first direct-eligible round probes; the second reduces in the blocks)."""
+(the first direct-eligible round probes; the second reduces in the blocks); ``diloco``
+syncs through ``DiLoCo`` (its outer step in the reduce, in the arena's outer segment)."""
 import os
 import sys
 
@@ -16,13 +17,15 @@ torch.set_num_threads(1)
 dist.init_process_group("flodl_shm")
 rank = dist.get_rank()
 big = sys.argv[2:] == ["big"]
+diloco = sys.argv[2:] == ["diloco"]  # DiLoCo: the outer step runs in the group's reduce
 torch.manual_seed(rank)                     # different inits: construction aligns them
 width = 1536 if big else 16
 layers = [torch.nn.Linear(8, width), torch.nn.ReLU()]
 if big:
     layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
 model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 2))
-sgd = flodl_shm.LocalSGD(model, sync_every=2)          # comm=None: the default group
+sgd = (flodl_shm.DiLoCo(model, sync_every=2) if diloco    # comm=None: the default group
+       else flodl_shm.LocalSGD(model, sync_every=2))
 init = [p.detach().clone() for p in model.parameters()]
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 g = torch.Generator().manual_seed(100 + rank)

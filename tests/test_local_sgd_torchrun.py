@@ -22,11 +22,12 @@ pytestmark = [pytest.mark.timeout(240),
               pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")]
 
 
-@pytest.mark.parametrize("size", ["small", "big"])
+@pytest.mark.parametrize("size", ["small", "big", "diloco"])
 def test_local_sgd_on_the_default_process_group_under_torchrun(tmp_path, size):
     """``big``: a 9 MiB model, whose parameters the group's direct rounds average in
     the ranks' shared parameter blocks (mapped by every rank at the rendezvous, before
-    the segment names are unlinked)."""
+    the segment names are unlinked). ``diloco``: the outer step in the reduce, whose
+    state lives in the arena's outer segment (mapped at the rendezvous too)."""
     env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1")
     env.pop("FLODL_SHM_HOST", None)
     proc = subprocess.Popen([str(TORCHRUN), "--standalone", "--nproc-per-node", "2",
@@ -46,5 +47,23 @@ def test_local_sgd_on_the_default_process_group_under_torchrun(tmp_path, size):
             assert torch.equal(a, b)                   # rank 0's weights everywhere
         for a, b in zip(r["after"], res[0]["after"]):
             assert torch.equal(a, b)                   # identical replicas after the sync
-    for got, l0, l1 in zip(res[0]["after"], res[0]["local"], res[1]["local"]):
-        torch.testing.assert_close(got, (l0 * w[0] + l1 * w[1]) / sum(w), rtol=1e-6, atol=1e-7)
+    for got, init, l0, l1 in zip(res[0]["after"], res[0]["init"], res[0]["local"],
+                                 res[1]["local"]):
+        mean = (l0 * w[0] + l1 * w[1]) / sum(w)
+        if size == "diloco":  # the first outer step from the initial global (0.7, 0.9)
+            mean = _nesterov_first_step(init, mean, lr=0.7, mu=0.9)
+        torch.testing.assert_close(got, mean, rtol=1e-6, atol=1e-6)
+
+
+def _nesterov_first_step(prev: torch.Tensor, consensus: torch.Tensor, *, lr: float,
+                         mu: float) -> torch.Tensor:
+    """The outer Nesterov step from ``prev`` with a fresh momentum (kernels/outer_step.py)."""
+    import numpy as np
+
+    from flodl_shm.kernels.outer_step import nesterov_step_flat
+
+    p = prev.reshape(-1).numpy().astype(np.float32)
+    c = consensus.reshape(-1).numpy().astype(np.float32)
+    out, momentum = np.empty_like(p), np.empty_like(p)
+    nesterov_step_flat(p, c, momentum, lr, mu, True, out)
+    return torch.from_numpy(out).reshape(prev.shape)

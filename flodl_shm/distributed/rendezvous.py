@@ -196,11 +196,9 @@ def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
             store.set(key, pickle.dumps(arena.handle))
         else:
             arena = A.Arena.attach(pickle.loads(store.get(key)))
-        for r in range(len(local)):
-            # map every per-rank segment now, while the names exist: the bulk regions
-            # and the shared parameter blocks (placed later through the open descriptors)
-            arena.data_view(r, 0)
-            arena.params_view(r, 0)
+        # every segment mapped while the names exist (the outer state too, which an
+        # outer optimizer in the reduce grows later through its open descriptor)
+        arena.map_every_segment()
         store.set(f"mapped/{rank}", b"1")
         if topo.is_leader:
             store.wait([f"mapped/{r}" for r in local])

@@ -338,6 +338,18 @@ class Arena:
             self._result_view = view
         return view
 
+    def map_every_segment(self) -> None:
+        """Map every segment of the arena now, while the names exist: each rank's bulk
+        region and parameter block, the outer state (``out``) and the checkpoint mailbox
+        (``tap``). An owner that unlinks the names once every rank did this (the c10d
+        backend) leaves nothing in /dev/shm, and every segment can still grow later
+        through its open descriptor."""
+        for r in range(self.world):
+            self.data_view(r, 0)
+            self.params_view(r, 0)
+        for what in ("out", "tap"):
+            self._growable(what)
+
     # -- outer state and checkpoint mailbox -----------------------------------------------
     def _growable(self, what: str) -> Segment:
         seg = self._extra.get(what)
