@@ -397,3 +397,61 @@ def test_load_state_dict_refuses_a_state_of_another_cadence():
                 other.load_state_dict({"format": "x"})
 
         cohort.run(body)
+
+
+def test_a_state_of_sync_every_none_loads_and_a_refused_one_changes_nothing():
+    """A LocalSGD whose caller decides when to sync (``sync_every=None``) has no target:
+    its state loads; a state whose outer optimizer is of another kind is refused before
+    the model or the counters are touched."""
+    with FakeCohort(2) as cohort:
+        def body(comm):
+            sgd = LocalSGD(make_model(0), sync_every=None, comm=comm)
+            sgd.step(samples=2)
+            state = sgd.state_dict()
+            again = LocalSGD(make_model(0), sync_every=None, comm=comm)
+            again.load_state_dict(state)
+            loaded = (again.total_steps, again.sync_round)
+            model = make_model(0)
+            flodl_outer = LocalSGD(model, sync_every=2, comm=comm, outer=OuterNesterov(0.7, 0.9))
+            flodl_outer.step(samples=1)
+            flodl_outer.step(samples=1)  # a sync: the outer state is set
+            plain = make_model(0)
+            torch_outer = LocalSGD(plain, sync_every=2, comm=comm,
+                                   outer=torch.optim.SGD(plain.parameters(), lr=0.7))
+            before = [p.detach().clone() for p in torch_outer.model.parameters()]
+            with pytest.raises(ValueError, match="a flodl_shm one; this LocalSGD's is SGD"):
+                torch_outer.load_state_dict(flodl_outer.state_dict())
+            after = [p.detach().clone() for p in torch_outer.model.parameters()]
+            return loaded, all(torch.equal(a, b) for a, b in zip(before, after)), \
+                torch_outer.total_steps
+
+        for loaded, untouched, steps in cohort.run(body):
+            assert loaded == (1, 0) and untouched and steps == 0
+
+
+def test_windows_sharing_a_comm_keep_their_own_wire_and_refuse_a_lost_outer_state():
+    """A Comm holds one wire setting and one in-reduce outer state: each window syncs
+    on its own wire whatever a later one set, and a DiLoCo whose outer state a later
+    DiLoCo on the same Comm took over refuses to sync (it would step the other's
+    model) instead of averaging garbage."""
+    with FakeCohort(2) as cohort:
+        def body(comm):
+            exact = make_model(0)
+            f32 = LocalSGD(exact, sync_every=1, comm=comm)
+            LocalSGD(make_model(0), sync_every=1, comm=comm, bf16_wire=True)  # set it on
+            with torch.no_grad():
+                for p in exact.parameters():
+                    p.fill_(0.1005 * (comm.rank + 1))
+            f32.step(samples=1)
+            mean = [p.detach().clone() for p in exact.parameters()]
+            first = flodl_shm.DiLoCo(make_model(0), sync_every=1, comm=comm)
+            second = flodl_shm.DiLoCo(make_model(0), sync_every=1, comm=comm)
+            with pytest.raises(RuntimeError, match="another LocalSGD built on this Comm"):
+                first.step(samples=1)
+            return mean, second.step(samples=1)
+
+        for mean, synced in cohort.run(body):
+            a, b = (torch.tensor(0.1005 * k, dtype=torch.float32) for k in (1, 2))
+            want = (a + b) * 0.5  # the float32 mean, not its bfloat16 rounding
+            assert all(torch.equal(m, torch.full_like(m, want)) for m in mean), mean
+            assert synced is True

@@ -158,6 +158,7 @@ class Comm:
                                 and self.world_size <= PER_RANK_FUSED_MAX)
         self._barrier_plan = self._engine.plan(_CONTROL, DTYPE_F32, ())
         self._outer_installed = False
+        self._outer_claims = 0
         self._fast: tuple | None = None  # (shape, kind, plan) of the last fused in-place call
         self._reports = RoundReports(arena)
         self._tap = TapClient(arena, self._engine, rank=self.rank, local_rank=local_rank)
@@ -216,6 +217,12 @@ class Comm:
         stateful = outer is not None and getattr(outer, "has_momentum", False)
         self._engine.outer = outer if stateful else None
         self._outer_installed = stateful
+        self._outer_claims += 1
+
+    def outer_claim(self) -> int:
+        """How many times an outer optimizer was installed (``set_outer``): a caller that
+        installed one compares it later to know its state is still the Comm's."""
+        return self._outer_claims
 
     def load_outer_momentum(self, tensors: Sequence[torch.Tensor]) -> None:
         """Restore the outer momentum (``load_outer_momentum``'s tensors, in params

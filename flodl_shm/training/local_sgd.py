@@ -45,7 +45,7 @@ arithmetic keep the replicas bit-identical); so is an ``OuterNesterov`` on a
 cluster, where the rounds cross hosts through the relay.
 
 **Large models.** Where the window's round is a direct round (one host,
-``max_failures=0``, float32, at least 8 MiB: ``engine/direct.py``), construction moves
+``max_failures=0``, float32, at least 4 MiB: ``engine/direct.py``), construction moves
 the round's tensors into the rank's shared parameter block (``shared_params``;
 ``param.data`` moves, the parameters keep their identity), and the slice reducers
 read and write every rank's parameters in place with plain loads and stores.
@@ -261,7 +261,6 @@ class LocalSGD:
         # series lock file -> the RunLock this rank holds (None: its host's lead holds it)
         self._series_locks: dict[str, Any] = {}
         self._resumed_from: Optional[Path] = None  # the bundle load() took
-        self.comm.set_bf16_wire(bool(bf16_wire))
         self.bf16_wire = bool(bf16_wire)
         self.outer = self._check_outer(outer)
         self.resets_inner = bool(isinstance(outer, OuterOptimizer) and outer.resets_inner())
@@ -272,6 +271,7 @@ class LocalSGD:
         self._outer_in_reduce = stateful and self._round_steps_outer()
         self._outer_per_rank = outer is not None and (not isinstance(outer, OuterOptimizer)
                                                       or (stateful and not self._outer_in_reduce))
+        self.comm.set_bf16_wire(self.bf16_wire)
         self.el_che: Optional[ElChe] = None
         self.guard = None
         if cadence != "fixed" and self.world_size >= 2:
@@ -309,6 +309,7 @@ class LocalSGD:
                              if self._outer_per_rank else None)
         if self._outer_in_reduce:
             self.comm.set_outer(self.outer)
+            self._outer_claim = self.comm.outer_claim()  # see sync()
             self._seed_outer_round()
         self._window_t0 = time.perf_counter()
 
@@ -444,6 +445,15 @@ class LocalSGD:
                 report = column  # one host: ElChe's numbers ride in the params round
             else:
                 gathered = gather_columns(self.comm, column)
+        # the Comm holds one wire setting and one in-reduce outer state for every window on
+        # it: this window's wire, and its outer state unless a later window took it over
+        self.comm.set_bf16_wire(self.bf16_wire)
+        if self._outer_in_reduce and self.comm.outer_claim() != self._outer_claim:
+            raise RuntimeError(
+                "another LocalSGD built on this Comm since this one installed its outer "
+                "optimizer: the Comm holds one outer state (previous global, momentum), now "
+                "that one's. Keep one LocalSGD with an outer optimizer per Comm (wrap the "
+                "models in one nn.ModuleList), or give each its own process group")
         # one MODEL round, in place: params and float buffers scaled by w, mass w; a round
         # that realized nothing (mass 0) leaves the tensors untouched. With the outer step
         # in the reduce, the params round is stepped and the buffers travel on their own.
@@ -613,18 +623,21 @@ class LocalSGD:
             raise ValueError("the state was saved with"
                              f"{'out' if state['outer'] is None else ''} an outer optimizer; "
                              "build LocalSGD with the same outer argument")
+        outer = state["outer"]
+        if outer is not None and (outer["kind"] == "flodl_shm") != isinstance(
+                self.outer, OuterOptimizer):  # refused before anything is applied
+            kind = "a flodl_shm one" if outer["kind"] == "flodl_shm" else "a torch.optim one"
+            raise ValueError(f"the state's outer optimizer is {kind}; this LocalSGD's is "
+                             f"{type(self.outer).__name__}: build it with the same kind")
         self.model.load_state_dict(state["model"])
         c = state["counters"]
         self.sync_round, self.total_steps = int(c["sync_round"]), int(c["total_steps"])
         self.total_samples, self.realized_mass = int(c["total_samples"]), float(c["realized_mass"])
-        self._steps, self._samples, self._target = int(c["steps"]), int(c["samples"]), int(c["target"])
+        self._steps, self._samples = int(c["steps"]), int(c["samples"])
+        self._target = None if c["target"] is None else int(c["target"])  # sync_every=None
         self._prev_sync_ms, self._prev_divergence = c["prev_sync_ms"], c["prev_divergence"]
-        outer = state["outer"]
         if outer is not None:
             if outer["kind"] == "flodl_shm":
-                if not isinstance(self.outer, OuterOptimizer):
-                    raise ValueError("the state's outer optimizer is a flodl_shm one; this "
-                                     f"LocalSGD's is {type(self.outer).__name__}")
                 saved = outer["object"]
                 momentum = outer.get("momentum", saved.checkpoint_state())
                 self.outer.__dict__.update(copy.deepcopy(saved.__dict__))
