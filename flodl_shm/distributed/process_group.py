@@ -691,12 +691,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         problem = None
         if self._rank == root:
             outs = output_lists[0] if output_lists else []
-            if len(outs) != self._size:
-                problem = (f"flodl_shm gather: a gather_list of {len(outs)} tensors on the "
-                           f"root, for a group of {self._size}; pass one per rank")
-            else:
-                problem = next((p for p in (_misfit(o, inputs[0], "gather") for o in outs)
-                                if p), None)
+            problem = self._per_rank_lists("gather", "gather_list", [outs],
+                                           [(o, inputs[0]) for o in outs])
 
         def consume(views: list[np.ndarray]) -> None:
             _refuse(problem)
@@ -717,12 +713,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         problem = None
         if me == root:
             mine = list(input_lists[0]) if input_lists else []
-            if len(mine) != self._size:
-                problem = (f"flodl_shm scatter: a scatter_list of {len(mine)} tensors on the "
-                           f"root, for a group of {self._size}; pass one per rank")
-            else:
-                problem = next((p for p in (_misfit(outs[0], t, "scatter") for t in mine)
-                                if p), None)
+            problem = self._per_rank_lists("scatter", "scatter_list", [mine],
+                                           [(outs[0], t) for t in mine])
         # the root's bytes start with a status word: whether its scatter_list fits, so
         # that every rank refuses a list that does not (the others cannot check it)
         head = _ALIGN

@@ -442,8 +442,16 @@ def barrier_round(blk, pl, rnd):
     for every rank, validate. What ``eager_encode_round`` does for such a plan, without
     its copy-in and reduce set-up (which cost a barrier about 80 ns of its ~200), and
     with three arguments instead of eleven. Codes as ``eager_round``."""
+    _put_schema(blk, pl, _call_views(blk)[3], rnd)
+    return _publish_and_arrive(blk, pl, rnd)
+
+
+@njit(inline="always")
+def _publish_and_arrive(blk, pl, rnd):
+    """Publish this rank's CONTROL header of plan ``pl`` for ``rnd`` (weight 0, no
+    flags; its payload, if any, already in the slot), spin for every rank and
+    validate; a caught round doubles the spin budget. Codes as ``eager_round``."""
     ctl, ctl_f64, ctl32, eager, info, mass = _call_views(blk)
-    _put_schema(blk, pl, eager, rnd)
     me = blk[C_ME]
     if publish_round(ctl, ctl_f64, ctl32, me, rnd, pl[P_KIND], 0, pl[P_DTYPE], 0.0,
                      pl[P_NTENSORS], pl[P_NBYTES], pl[P_NELEM], pl[P_SHASH],
@@ -463,23 +471,18 @@ def per_rank_round(blk, pl, rnd, values):
     contributors, in rank order, come back into ``values`` widened to float64. Codes as
     ``eager_round``; on any code but OK ``values`` still holds the input (the caller
     finishes the round and reduces)."""
-    ctl, ctl_f64, ctl32, eager, info, mass = _call_views(blk)
+    eager, info = _call_views(blk)[3:5]
     _put_schema(blk, pl, eager, rnd)
-    me = blk[C_ME]
     slot_bytes = blk[C_SLOT_BYTES]
     nelem = pl[P_NELEM]
     nwords = pl[P_NWORDS]
-    base = (2 * me + (rnd & 1)) * slot_bytes + nwords * 8
+    base = (2 * blk[C_ME] + (rnd & 1)) * slot_bytes + nwords * 8
     slot = eager[base:base + 4 * nelem].view(np.float32)
     for i in range(nelem):
         slot[i] = np.float32(values[i])
-    if publish_round(ctl, ctl_f64, ctl32, me, rnd, pl[P_KIND], 0, pl[P_DTYPE], 0.0,
-                     pl[P_NTENSORS], pl[P_NBYTES], nelem, pl[P_SHASH], nwords) > 0:
-        return WAKE
-    code = arrive(ctl, ctl_f64, blk[C_WORLD], rnd, me, blk[C_SPIN], blk[C_YIELDS], info, mass)
+    code = _publish_and_arrive(blk, pl, rnd)
     if code != OK:
         return code
-    _spin_caught(blk)
     work = f32_at(blk[C_WORK], WORK_WORDS)
     sums = work[WORK_CHUNK:WORK_CHUNK + nelem]
     reduce_eager_f32(eager, slot_bytes, rnd, blk[C_WORLD], info[I_CONTRIB], nwords * 8, nelem,

@@ -48,9 +48,15 @@ def resolve_dataset(dataset: Any):
     anything else."""
     if callable(dataset) and not hasattr(dataset, "__getitem__"):
         dataset = dataset()
-    if isinstance(dataset, (tuple, list)) and dataset and all(
-            isinstance(t, torch.Tensor) for t in dataset):
-        return _Tensors(dataset)
+    if isinstance(dataset, (tuple, list)) and dataset:
+        kinds = [isinstance(t, torch.Tensor) for t in dataset]
+        if all(kinds):
+            return _Tensors(dataset)
+        if any(kinds):
+            bad = kinds.index(False)
+            raise TypeError(f"dataset element {bad} is of type {type(dataset[bad]).__name__}: "
+                            f"a dataset of tensors needs every element to be a tensor "
+                            f"(inputs..., target), each with one row per sample")
     if isinstance(dataset, torch.utils.data.TensorDataset):
         return _Tensors(dataset.tensors)
     if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):

@@ -485,22 +485,14 @@ class Trainer:
         ds = self.dataset
         if callable(ds) and not hasattr(ds, "__getitem__"):
             return None
+        ds = resolve_dataset(ds)  # raises for a dataset of the wrong kind, as the ranks would
         if isinstance(ds, (tuple, list)) and ds:
-            import torch
-
-            kinds = [isinstance(t, torch.Tensor) for t in ds]
-            if any(kinds) and not all(kinds):
-                bad = kinds.index(False)
-                raise TypeError(f"dataset element {bad} is of type {type(ds[bad]).__name__}: a "
-                                f"dataset of tensors needs every element to be a tensor "
-                                f"(inputs..., target), each with one row per sample")
-            if not any(kinds) and self.step_fn is None \
-                    and not isinstance(ds[0], (tuple, list)):
+            if self.step_fn is None and not isinstance(ds[0], (tuple, list)):
                 raise TypeError(f"dataset item 0 is of type {type(ds[0]).__name__}: with a "
                                 f"loss_fn, each item must be an (input..., target) tuple; "
                                 f"pass a tuple of tensors (inputs..., targets), or a list of "
                                 f"such items")
-        return len(resolve_dataset(ds))
+        return len(ds)
 
     def _launch(self, job: _Job) -> TrainResult:
         from ..launch import spawn
