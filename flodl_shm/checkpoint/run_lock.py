@@ -139,7 +139,7 @@ class RunLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                info = _read_info(fd)
+                info = _holder_info(fd)
                 os.close(fd)
                 raise SeriesInUse(os.fspath(self.path), _describe(info),
                                   info.get("job")) from None
@@ -224,6 +224,22 @@ def _read_info(fd: int) -> dict:
     except (OSError, ValueError):
         return {}
     return info if isinstance(info, dict) else {}
+
+
+#: how long an acquirer waits for the holder's line: a holder writes it right after its
+#: flock, and its job decides whether this process may go on (another host of its job)
+HOLDER_LINE_WAIT_S = 2.0
+
+
+def _holder_info(fd: int) -> dict:
+    """The holder's line, waiting up to ``HOLDER_LINE_WAIT_S`` for a holder that has
+    locked the file but not written it yet ({} if it never does)."""
+    deadline = time.monotonic() + HOLDER_LINE_WAIT_S
+    info = _read_info(fd)
+    while not info and time.monotonic() < deadline:
+        time.sleep(0.005)
+        info = _read_info(fd)
+    return info
 
 
 def _describe(info: dict) -> str:
