@@ -377,6 +377,45 @@ def test_errors_name_the_value_and_the_fix():
             sgd.save("unused")
 
 
+@pytest.mark.parametrize("change, named", [
+    (lambda m: m.bfloat16(), "parameter '0.weight', parameter '0.bias', parameter '1.weight' "
+                             "and 5 more of the model were replaced"),
+    (lambda m: setattr(m[0].weight, "data", torch.zeros(8, 6)), "parameter '0.weight' of the "
+                                                               "model was replaced"),
+    (lambda m: setattr(m[3], "bias", torch.nn.Parameter(torch.zeros(3))),
+     "parameter '3.bias' of the model was replaced"),
+    (lambda m: setattr(m[1], "running_mean", torch.zeros(8)),
+     "buffer '1.running_mean' of the model was replaced"),
+], ids=["bfloat16", "data", "new-parameter", "new-buffer"])
+def test_tensors_replaced_after_construction_are_refused_not_left_out(change, named):
+    """A sync used to average the tensors LocalSGD was built on and report success while
+    the model, holding other tensors, kept its own weights on every rank."""
+    with FakeCohort(2) as cohort:
+        def body(comm):
+            model = make_model(seed=comm.rank)
+            sgd = LocalSGD(model, sync_every=1, comm=comm)
+            change(model)
+            with pytest.raises(RuntimeError, match=named + r" after LocalSGD was built on it"):
+                sgd.sync()
+            return True
+
+        assert cohort.run(body) == [True, True]
+
+
+def test_values_changed_in_place_after_construction_are_averaged():
+    with FakeCohort(2) as cohort:
+        def body(comm):
+            model = make_model(seed=0)
+            sgd = LocalSGD(model, sync_every=1, comm=comm)
+            with torch.no_grad():
+                model[0].weight.fill_(float(comm.rank))
+                model[1].running_mean.fill_(2.0 * comm.rank)
+            assert sgd.step(samples=1)
+            return model[0].weight[0, 0].item(), model[1].running_mean[0].item()
+
+        assert cohort.run(body) == [(0.5, 1.0), (0.5, 1.0)]
+
+
 def test_comm_none_without_a_process_group_names_what_to_pass():
     import torch.distributed as dist
 

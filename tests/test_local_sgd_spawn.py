@@ -300,6 +300,61 @@ def test_a_bundle_without_rank_states_loads_the_consensus(tmp_path, rank_files):
     assert_no_leaks()
 
 
+def _load_each(ctx, stem: str, mode: str):
+    """Each rank loads what ``mode`` gives it; returns the type and text of what it
+    raised (None: no error)."""
+    model = make_model()
+    sgd = LocalSGD(model, sync_every=1, comm=ctx.comm)
+    bundles = sorted(p for p in os.listdir(os.path.dirname(stem)) if p.endswith(".fdl"))
+    try:
+        if mode == "different rounds":
+            sgd.load(os.path.join(os.path.dirname(stem), bundles[ctx.rank]))
+        elif mode == "one rank cannot load":
+            sgd.load(stem if ctx.rank == 0 else stem + "-missing")
+        elif mode == "only rank 0 loads":
+            if ctx.rank == 0:
+                sgd.load(stem)
+            sgd.sync()
+        else:
+            sgd.load(stem)
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_ranks_that_load_different_bundles_or_fail_to_load_all_raise(tmp_path):
+    """On one host load() used to run no collective: a rank that loaded another bundle,
+    could not load, or skipped load() (`if rank == 0: sgd.load(...)`) trained on with its
+    own counters and weights, averaged silently with the others, or left them waiting
+    for the timeout."""
+    stem = os.fspath(tmp_path / "ckpt")
+    flodl_shm.spawn(_save_twice, 2, args=(stem,))
+    assert flodl_shm.spawn(_load_each, 2, args=(stem, "same")) == [None, None]
+    out = flodl_shm.spawn(_load_each, 2, args=(stem, "different rounds"))
+    for kind, text in out:
+        assert kind == "StartRefused"
+        assert ("the ranks start from different checkpoints (from sync round 1: ranks [0]; "
+                "from sync round 2: ranks [1]); call load() with the same bundle on every "
+                "rank") in text
+    (kind0, text0), (kind1, text1) = flodl_shm.spawn(_load_each, 2,
+                                                     args=(stem, "one rank cannot load"))
+    assert kind0 == "StartRefused" and "could not load (see their error): ranks [1]" in text0
+    assert kind1 == "FileNotFoundError" and "ckpt-missing" in text1
+    (kind0, text0), (kind1, text1) = flodl_shm.spawn(_load_each, 2,
+                                                     args=(stem, "only rank 0 loads"))
+    assert kind0 == kind1 == "SchemaMismatchError"
+    assert "load() is a collective" in text0 and "CONTROL round" in text0
+    assert_no_leaks()
+
+
+def _save_twice(ctx, stem: str):
+    model = make_model()
+    sgd = LocalSGD(model, sync_every=1, comm=ctx.comm)
+    for _ in range(2):
+        sgd.step(samples=4)
+        sgd.save(stem, keep=2)
+
+
 # --- several hosts -------------------------------------------------------------------
 
 

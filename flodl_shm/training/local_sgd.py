@@ -75,7 +75,7 @@ import numpy as np
 import torch
 
 from ..checkpoint._atomic import atomic_write
-from ..errors import SeriesInUse, ShmSpaceError
+from ..errors import SchemaMismatchError, SeriesInUse, ShmSpaceError
 from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, ElCheState, ModelSchema,
                                SaveReason, averaged_buffers)
 from ..frame import DTYPE_F32, tensors_to_round_frame
@@ -802,7 +802,7 @@ class LocalSGD:
     def load(self, path: "str | os.PathLike[str]") -> CheckpointMeta:
         """Restore the newest complete bundle of the series :meth:`save` wrote under the
         stem ``path``, or the bundle ``path`` names (its ``.fdl`` or ``.meta.json``, a
-        Trainer's included). Every rank calls it; on one host no collective.
+        Trainer's included). A collective: every rank calls it.
 
         With this rank's ``<stem>.rank<N>.optim`` the resume is exact
         (:meth:`load_state_dict`). Without it (another world size, or a bundle from the
@@ -810,25 +810,40 @@ class LocalSGD:
         the ``.meta.json``, and the inner optimizer, scheduler and ElChe start fresh.
         Returns the bundle's metadata.
 
-        On several hosts, where each host loads its own copy of the bundle, it ends with
-        one small collective that checks every rank loaded the same sync round.
+        It ends with one small round that checks every rank loaded the same sync round
+        (on several hosts each host loads its own copy of the bundle), and tells every
+        rank when one could not load.
 
         Args:
             path: the series' stem, or a bundle's ``.fdl`` / ``.meta.json``.
 
         Raises:
             FileNotFoundError: no complete bundle is there.
-            ValueError: on several hosts, the ranks loaded bundles of different sync
-                rounds (every rank raises, naming which).
+            StartRefused: (a ``ValueError``) the ranks loaded bundles of different sync
+                rounds, or another rank could not load (every rank raises, naming which
+                ranks start from where; the rank that could not load raises its own
+                error).
         """
-        bundle = _resolve_bundle(path)
-        meta = self._load(bundle)
+        try:
+            bundle = _resolve_bundle(path)
+            meta = self._load(bundle)
+        except Exception as e:  # the peers hear of it now, not as a stall at their next sync
+            self._agree_on_start(failed=e)
+            raise  # (_agree_on_start raised e)
+        self._agree_on_start()
         self._resumed_from = bundle
-        if self.comm.local_world_size != self.world_size:
-            check_same_start(self.comm, self.sync_round,
-                             "give every host a copy of the same bundle and load it on every "
-                             "rank")
         return meta
+
+    def _agree_on_start(self, failed: Optional[Exception] = None) -> None:
+        """``load()``'s closing round (``check_same_start``)."""
+        try:
+            check_same_start(self.comm, self.sync_round,
+                             "call load() with the same bundle on every rank (on several "
+                             "hosts, give every host a copy of it)", failed=failed)
+        except SchemaMismatchError as e:
+            raise SchemaMismatchError(
+                f"{e}\nload() is a collective: a rank whose collective differs did not call "
+                f"it (call load() on every rank, not under `if rank == 0`)") from None
 
     def _load(self, path) -> CheckpointMeta:
         from ..checkpoint.forge import load_consensus_checkpoint, load_outer_momentum

@@ -179,30 +179,39 @@ def _gather(comm, rows: int, column: Sequence[float]) -> np.ndarray:
     return out.numpy().astype(np.float64)
 
 
-def check_same_start(comm, start_round: Optional[int], fix: str) -> None:
+def check_same_start(comm, start_round: Optional[int], fix: str,
+                     failed: Optional[Exception] = None) -> None:
     """Check that every rank starts from the same checkpoint (a collective: one small
     per-rank round). ``start_round`` is the sync round of the bundle this rank loaded, or
-    None when it starts from scratch. On several hosts each host loads its own copy of
-    the bundles: a host left with an older one would average with the others while its
-    counters and books say otherwise. A rank already dead (its slot reads 0) is left out.
+    None when it starts from scratch; ``failed`` the error this rank's load raised (its
+    peers are told, instead of waiting for it at their next round). On several hosts
+    each host loads its own copy of the bundles: a host left with an older one would
+    average with the others while its counters and books say otherwise. A rank already
+    dead (its slot reads 0) is left out.
 
     Raises:
-        StartRefused: (a ``ValueError``) on every rank, naming which ranks start from
-            which round, then ``fix``.
+        ``failed`` itself on the rank that failed.
+        StartRefused: (a ``ValueError``) on every other rank, naming which ranks start
+            from which round or could not load, then ``fix``.
     """
-    # 1: from scratch, 2 + round: from a bundle; a dead rank's slot reads 0 (ignored)
+    # -1: this rank's load failed, 1: from scratch, 2 + round: from a bundle; a dead
+    # rank's slot reads 0 (ignored)
     mine = [0.0] * comm.world_size
-    mine[comm.rank] = 1.0 if start_round is None else float(start_round + 2)
+    mine[comm.rank] = (-1.0 if failed is not None else
+                       1.0 if start_round is None else float(start_round + 2))
     got = [int(round(v)) for v in comm.all_reduce_per_rank_f64(mine)]
+    if failed is not None:
+        raise failed
     if len({v for v in got if v}) <= 1:
         return
     by_start: dict[int, list[int]] = {}
     for r, v in enumerate(got):
         if v:
             by_start.setdefault(v, []).append(r)
-    starts = "; ".join(("from scratch" if v == 1 else f"from sync round {v - 2}")
+    starts = "; ".join(("could not load (see their error)" if v < 0 else
+                        "from scratch" if v == 1 else f"from sync round {v - 2}")
                        + f": ranks {ranks}" for v, ranks in sorted(by_start.items()))
-    raise StartRefused(f"the hosts start from different checkpoints ({starts}); {fix}")
+    raise StartRefused(f"the ranks start from different checkpoints ({starts}); {fix}")
 
 
 def check_controller_outer(comm, start_round: Optional[int], outer_name: Optional[str]) -> None:
@@ -369,6 +378,11 @@ class ReplicaReduce:
             self._drift_zeros = bytes(self._drift.nbytes)
             self._drift_params = struct.Struct(f"={3 * len(self._live_params)}d")
         self._together = bool(self._live_buffers) and carries
+        # what each averaged tensor must still be at a sync: its module's entry, on this
+        # storage (a model.bfloat16(), a `p.data = ...` or a new nn.Parameter after the
+        # window was built would leave the rounds averaging stale copies)
+        self._held = tuple(_held_entries(model, "parameter", model.named_parameters())
+                           + _held_entries(model, "buffer", averaged_buffers(model)))
 
     def tensors(self) -> list[torch.Tensor]:
         """The averaged tensors, detached: the parameters, then the floating-point
@@ -397,6 +411,9 @@ class ReplicaReduce:
                 every rank's come back as ``ReduceOutcome.reports``.
         """
         t0 = time.perf_counter()
+        for entries, key, held, ptr, _ in self._held:
+            if entries.get(key) is not held or held.data_ptr() != ptr:
+                self._refuse_replaced()
         esize = 2 if comm.bf16_wire else 4
         sums = self._drift
         if sums is not None:
@@ -418,6 +435,32 @@ class ReplicaReduce:
         return ReduceOutcome(params_mass, buffers_mass, accepted, *drift,
                              (self._params_numel + self._buffers_numel) * esize,
                              (time.perf_counter() - t0) * 1e3, reports)
+
+
+    def _refuse_replaced(self) -> None:
+        """Raise naming the averaged tensors the model no longer holds."""
+        gone = [f"{what} {name!r}" for entries, key, held, ptr, (what, name) in self._held
+                if entries.get(key) is not held or held.data_ptr() != ptr]
+        raise RuntimeError(
+            f"{', '.join(gone[:3])}{f' and {len(gone) - 3} more' if len(gone) > 3 else ''} "
+            f"of the model {'was' if len(gone) == 1 else 'were'} replaced after LocalSGD was "
+            f"built on it (model.to(dtype), .bfloat16(), `p.data = ...`, or a new "
+            f"nn.Parameter or buffer assigned): syncs average the tensors LocalSGD was built "
+            f"on, so this one would leave the model out. Give the model its final dtype, "
+            f"device and tensors before building LocalSGD (for a Trainer: in model_fn), and "
+            f"change values in place (with torch.no_grad(): p.copy_(...))")
+
+
+def _held_entries(model: torch.nn.Module, what: str, named) -> list:
+    """``(module's dict, key, tensor, storage address, (what, qualified name))`` of each
+    named tensor of ``model``: what :meth:`ReplicaReduce.reduce` checks is unchanged."""
+    out = []
+    for name, t in named:
+        owner, _, key = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        entries = module._parameters if what == "parameter" else module._buffers
+        out.append((entries, key, t, t.data_ptr(), (what, name)))
+    return out
 
 
 class ReduceOutcome(NamedTuple):
