@@ -416,6 +416,57 @@ def test_values_changed_in_place_after_construction_are_averaged():
         assert cohort.run(body) == [(0.5, 1.0), (0.5, 1.0)]
 
 
+def test_ranks_built_with_different_settings_or_models_are_refused_naming_them():
+    """Ranks built with another sync_every paired their k-th syncs over different amounts
+    of work, silently; other differences failed in the engine's terms (frame schemas) or
+    not at all. Construction now compares the settings and the averaged tensors."""
+    def build(comm, **kw):
+        try:
+            LocalSGD(kw.pop("model", None) or make_model(0), comm=comm, **kw)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    with FakeCohort(3) as cohort:
+        out = cohort.run(lambda comm: build(comm, sync_every=4 if comm.rank < 2 else 5,
+                                            gamma=0.5 if comm.rank == 1 else 1.0))
+        assert out[0] == ("the ranks differ in sync_every (rank 0 (as on ranks [0, 1]): 4; "
+                          "ranks [2] passed another); gamma (rank 0 (as on ranks [0, 2]): "
+                          "1.0; ranks [1] passed another): build LocalSGD with the same "
+                          "arguments, on the same model, on every rank")
+        assert out[2].startswith("the ranks differ in sync_every (rank 2: 5; ranks [0, 1] "
+                                 "passed another); gamma (rank 2 (as on ranks [0, 2]): 1.0;")
+        out = cohort.run(lambda comm: build(
+            comm, sync_every=4, outer=OuterNesterov(lr=0.7 if comm.rank else 0.5),
+            bf16_wire=comm.rank == 2))
+        assert "outer (rank 0: ('OuterNesterov', 0.5, 0.9); ranks [1, 2] passed another)" \
+            in out[0]
+        assert "bf16_wire (rank 2: True; ranks [0, 1] passed another)" in out[2]
+
+        def other_model(comm):
+            model = make_model(0)
+            if comm.rank == 2:
+                model[3] = torch.nn.Linear(8, 4)
+            return build(comm, sync_every=4, model=model)
+
+        out = cohort.run(other_model)
+        assert out[0].startswith("the ranks' models differ: on rank 0 (as on ranks [0, 1]), "
+                                 "tensor 4 is parameter '3.weight', shape (3, 8) "
+                                 "torch.float32; ranks [2] have another")
+        assert "on rank 2, tensor 4 is parameter '3.weight', shape (4, 8)" in out[2]
+
+        def fewer(comm):
+            model = make_model(0)
+            if comm.rank == 1:
+                model[1] = torch.nn.Identity()
+            return build(comm, sync_every=4, model=model)
+
+        out = cohort.run(fewer)
+        assert "on rank 1, tensor 2 is parameter '3.weight'" in out[1], out[1]
+        assert "tensor 2 is parameter '1.weight', shape (8,)" in out[0]
+        assert cohort.run(lambda comm: build(comm, sync_every=4)) == [None] * 3
+
+
 def test_comm_none_without_a_process_group_names_what_to_pass():
     import torch.distributed as dist
 

@@ -79,12 +79,12 @@ from ..errors import SchemaMismatchError, SeriesInUse, ShmSpaceError
 from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, ElCheState, ModelSchema,
                                SaveReason, averaged_buffers)
 from ..frame import DTYPE_F32, tensors_to_round_frame
+from .agreement import check_same_model, check_same_settings, check_same_start
 from .convergence import TrendGuard
 from .el_che import ElChe
 from .outer import OuterOptimizer
 from .realized_work import gamma_mass, is_realized, mover_mass
-from .sync_window import (ReplicaReduce, check_same_start, gather_columns,
-                          params_round_carries_buffers)
+from .sync_window import ReplicaReduce, gather_columns, params_round_carries_buffers
 
 logger = logging.getLogger("flodl_shm")
 
@@ -172,6 +172,16 @@ def _default_comm():
             f"process group spans {hosts} hosts; for several hosts run the ranks with "
             f"flodl_shm.spawn(..., controller='host:port') and pass comm=ctx.comm")
     return group.comm
+
+
+def _outer_settings(outer) -> Any:
+    """What of ``outer`` every rank must agree on: its kind and hyper-parameters."""
+    if outer is None:
+        return None
+    if isinstance(outer, torch.optim.Optimizer):
+        return (type(outer).__name__, [{k: v for k, v in g.items() if k != "params"}
+                                       for g in outer.param_groups])
+    return (type(outer).__name__, getattr(outer, "lr", None), getattr(outer, "mu", None))
 
 
 def _check_averaged(name: str, t: torch.Tensor) -> None:
@@ -286,6 +296,7 @@ class LocalSGD:
                                  f"but the cohort has world_size {self.world_size}")
             self.guard = guard if guard is not None else TrendGuard()
         self.cadence = "fixed" if self.el_che is None else "elche"
+        self._check_same_settings(buffers, shared_params)
         #: whether the params round's tensors live in the shared parameter block
         self.shared_params = self._place_shared(shared_params, buffers)
         # the window's rounds (the drift: on request, and for ElChe's guard)
@@ -312,6 +323,21 @@ class LocalSGD:
             self._outer_claim = self.comm.outer_claim()  # see sync()
             self._seed_outer_round()
         self._window_t0 = time.perf_counter()
+
+    def _check_same_settings(self, buffers: str, shared_params: Optional[bool]) -> None:
+        """Every rank built its LocalSGD with the same settings, on the same tensors
+        (``agreement.py``), before the broadcast that aligns the replicas."""
+        fix = "build LocalSGD with the same arguments, on the same model, on every rank"
+        check_same_settings(self.comm, {
+            "sync_every": self.sync_every, "gamma": self.gamma, "cadence": self.cadence,
+            "outer": _outer_settings(self.outer), "bf16_wire": self.bf16_wire,
+            "buffers": buffers, "shared_params": shared_params,
+            "the LocalSGD subclass": type(self).__name__}, fix)
+        check_same_model(self.comm, [
+            (f"parameter {name!r}", f"shape {tuple(t.shape)} {t.dtype}")
+            for name, t in self.model.named_parameters()] + [
+            (f"buffer {name!r}", f"shape {tuple(t.shape)} {t.dtype}")
+            for name, t in averaged_buffers(self.model)], fix)
 
     def _place_shared(self, want: Optional[bool], buffers: str) -> bool:
         """Move the params round's tensors (the parameters, and the floating-point

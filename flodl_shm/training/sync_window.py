@@ -55,7 +55,6 @@ import numpy as np
 import torch
 
 from ..checkpoint.meta import averaged_buffers
-from ..errors import StartRefused
 from ..frame import RoundKind
 from .realized_work import gamma_mass
 
@@ -177,66 +176,6 @@ def _gather(comm, rows: int, column: Sequence[float]) -> np.ndarray:
     mat[:, comm.rank] = torch.tensor([float(v) for v in column], dtype=torch.float32)
     (out,), _ = comm.all_reduce_weighted([mat], RoundKind.CONTROL, 0.0)
     return out.numpy().astype(np.float64)
-
-
-def check_same_start(comm, start_round: Optional[int], fix: str,
-                     failed: Optional[Exception] = None) -> None:
-    """Check that every rank starts from the same checkpoint (a collective: one small
-    per-rank round). ``start_round`` is the sync round of the bundle this rank loaded, or
-    None when it starts from scratch; ``failed`` the error this rank's load raised (its
-    peers are told, instead of waiting for it at their next round). On several hosts
-    each host loads its own copy of the bundles: a host left with an older one would
-    average with the others while its counters and books say otherwise. A rank already
-    dead (its slot reads 0) is left out.
-
-    Raises:
-        ``failed`` itself on the rank that failed.
-        StartRefused: (a ``ValueError``) on every other rank, naming which ranks start
-            from which round or could not load, then ``fix``.
-    """
-    # -1: this rank's load failed, 1: from scratch, 2 + round: from a bundle; a dead
-    # rank's slot reads 0 (ignored)
-    mine = [0.0] * comm.world_size
-    mine[comm.rank] = (-1.0 if failed is not None else
-                       1.0 if start_round is None else float(start_round + 2))
-    got = [int(round(v)) for v in comm.all_reduce_per_rank_f64(mine)]
-    if failed is not None:
-        raise failed
-    if len({v for v in got if v}) <= 1:
-        return
-    by_start: dict[int, list[int]] = {}
-    for r, v in enumerate(got):
-        if v:
-            by_start.setdefault(v, []).append(r)
-    starts = "; ".join(("could not load (see their error)" if v < 0 else
-                        "from scratch" if v == 1 else f"from sync round {v - 2}")
-                       + f": ranks {ranks}" for v, ranks in sorted(by_start.items()))
-    raise StartRefused(f"the ranks start from different checkpoints ({starts}); {fix}")
-
-
-def check_controller_outer(comm, start_round: Optional[int], outer_name: Optional[str]) -> None:
-    """On a cluster: check that the controller's outer momentum starts where this rank
-    does (``Comm.controller_outer_round``). Call it after a cross-host round.
-    ``start_round`` is the sync round of the bundle this rank resumes from, or None
-    from scratch; ``outer_name`` the file name of that bundle's outer momentum (what
-    the controller should load), or None from scratch.
-
-    Raises:
-        StartRefused: (a ``ValueError``) on every rank, naming both starts and the
-            controller option that fixes it.
-    """
-    held = comm.controller_outer_round()
-    if held is None or held == (-1 if start_round is None else start_round):
-        return
-    have = ("fresh outer momentum" if held < 0
-            else f"the outer momentum of sync round {held} (--outer-state)")
-    if start_round is None:
-        raise StartRefused(f"the hosts start from scratch, but the controller holds {have}: "
-                           f"restart the controller without --outer-state")
-    raise StartRefused(f"the hosts resume from sync round {start_round}, but the controller "
-                       f"holds {have}: restart the controller with --outer-state naming its "
-                       f"copy of {outer_name}, the momentum saved with that round, so the "
-                       f"outer optimizer continues where the hosts do")
 
 
 def count_column(batches: int, compute_ms: float, loss_sum: float = 0.0, stop: bool = False,

@@ -45,13 +45,14 @@ from torch.nn.utils import clip_grad_norm_
 from ..errors import RankFailed, StartRefused, TrainingAborted
 from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, RankDeathRecord, SaveReason,
                                set_extension)
+from .agreement import check_controller_outer, check_same_start
 from .coordinator import Coordinator, CoordinatorConfig
 from .coverage import SHUFFLE_BASE_SEED, epoch_permutation
 from .data import fetch_batch
 from .hooks import BatchInfo, Hook, LoggingHook, RankState, RankSummary, WindowStats
 from .local_sgd import LocalSGD
-from .sync_window import (COUNT_ROWS, check_controller_outer, check_same_start, count_column,
-                          counts_from_reports, falls_short, gather_counts)
+from .sync_window import (COUNT_ROWS, count_column, counts_from_reports, falls_short,
+                          gather_counts)
 
 logger = logging.getLogger("flodl_shm")
 

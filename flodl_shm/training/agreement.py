@@ -1,0 +1,172 @@
+"""What the ranks must agree on before they average, each checked in one small
+collective (``Comm.all_reduce_per_rank_f64``) that raises on every rank, naming who
+differs and the fix, before a window could average replicas that disagree:
+
+- **the same settings** (:func:`check_same_settings`): ``LocalSGD``'s construction
+  compares its settings and the model's tensors across ranks before the broadcast that
+  aligns the replicas. Ranks built with different ``sync_every`` would pair their
+  k-th syncs over different amounts of work, different ``gamma`` weigh it differently,
+  and a different outer optimizer, cadence or buffers rule runs other rounds;
+  different models would fail in the engine's terms (frame schemas) instead of naming
+  the parameter.
+- **the same start** (:func:`check_same_start`): every rank resumes from the same
+  checkpoint round, or every rank starts from scratch; a rank that could not load
+  tells the others.
+- **the controller's outer state** (:func:`check_controller_outer`, several hosts): the
+  controller's outer momentum starts where the hosts do.
+
+A dead rank's slot reads 0 and is left out of every comparison.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Optional
+
+from ..errors import StartRefused
+
+__all__ = ["check_controller_outer", "check_same_model", "check_same_settings", "check_same_start",
+           "digest24"]
+
+
+def digest24(value: Any) -> int:
+    """A digest of ``repr(value)`` in 1 .. 2^24 - 1: exact on the per-rank round's f32
+    wire, and never 0 (a dead rank's slot)."""
+    h = int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=4).digest(), "little")
+    return h % 0xFFFFFF + 1
+
+
+def check_same_settings(comm, settings: dict[str, Any], fix: str) -> None:
+    """Check that every rank passes the same ``settings`` (a collective: one small
+    per-rank round; one more per setting when they differ, to name which).
+
+    Args:
+        comm: this rank's ``Comm``.
+        settings: name -> value (compared through ``repr``; the same names, in the same
+            order, on every rank).
+        fix: what the message ends with.
+
+    Raises:
+        ValueError: on every rank, naming each setting that differs, this rank's value
+            and the ranks that hold it, then ``fix``.
+    """
+    if comm.world_size < 2:
+        return
+    got = _per_rank(comm, digest24(tuple(settings.items())))
+    if len({v for v in got if v}) <= 1:
+        return
+    differ = []
+    for name, value in settings.items():
+        got = _per_rank(comm, digest24(value))
+        mine = got[comm.rank]
+        if len({v for v in got if v}) > 1:
+            same = [r for r, v in enumerate(got) if v == mine]
+            others = [r for r, v in enumerate(got) if v and v != mine]
+            differ.append(f"{name} (rank {comm.rank}{_also(comm.rank, same)}: {value!r}; "
+                          f"ranks {others} passed another)")
+    raise ValueError(f"the ranks differ in {'; '.join(differ)}: {fix}")
+
+
+def check_same_model(comm, tensors: list[tuple[str, str]], fix: str) -> None:
+    """Check that every rank averages the same tensors (a collective: one small per-rank
+    round; when they differ, one more per tensor to name the first that differs).
+
+    Args:
+        comm: this rank's ``Comm``.
+        tensors: ``(name, description)`` of each averaged tensor in round order, e.g.
+            ``("parameter 'fc.weight'", "shape (4, 3) torch.float32")``.
+        fix: what the message ends with.
+
+    Raises:
+        ValueError: on every rank, naming the first tensor that differs (this rank's
+            name and description, and the ranks that agree with it), then ``fix``.
+    """
+    if comm.world_size < 2:
+        return
+    got = _per_rank(comm, digest24(tuple(tensors)))
+    if len({v for v in got if v}) <= 1:
+        return
+    counts = _per_rank(comm, len(tensors) + 1)
+    for i in range(max(counts) - 1):
+        entry = tensors[i] if i < len(tensors) else None
+        got = _per_rank(comm, digest24(entry))
+        mine = got[comm.rank]
+        if len({v for v in got if v}) > 1:
+            same = [r for r, v in enumerate(got) if v == mine]
+            others = [r for r, v in enumerate(got) if v and v != mine]
+            what = (f"tensor {i} is {entry[0]}, {entry[1]}" if entry is not None
+                    else f"the model averages {len(tensors)} tensors, none at {i}")
+            raise ValueError(f"the ranks' models differ: on rank {comm.rank}"
+                             f"{_also(comm.rank, same)}, {what}; ranks {others} have "
+                             f"another: {fix}")
+    raise ValueError(f"the ranks' models differ (the same tensors in another order): {fix}")
+
+
+def _also(rank: int, same: list[int]) -> str:
+    """``" (as on ranks [...])"`` when ranks other than ``rank`` agree with it."""
+    return "" if same == [rank] else f" (as on ranks {same})"
+
+
+def _per_rank(comm, value: int) -> list[int]:
+    mine = [0.0] * comm.world_size
+    mine[comm.rank] = float(value)
+    return [int(round(v)) for v in comm.all_reduce_per_rank_f64(mine)]
+
+
+def check_same_start(comm, start_round: Optional[int], fix: str,
+                     failed: Optional[Exception] = None) -> None:
+    """Check that every rank starts from the same checkpoint (a collective: one small
+    per-rank round). ``start_round`` is the sync round of the bundle this rank loaded, or
+    None when it starts from scratch; ``failed`` the error this rank's load raised (its
+    peers are told, instead of waiting for it at their next round). On several hosts
+    each host loads its own copy of the bundles: a host left with an older one would
+    average with the others while its counters and books say otherwise. A rank already
+    dead (its slot reads 0) is left out.
+
+    Raises:
+        ``failed`` itself on the rank that failed.
+        StartRefused: (a ``ValueError``) on every other rank, naming which ranks start
+            from which round or could not load, then ``fix``.
+    """
+    # -1: this rank's load failed, 1: from scratch, 2 + round: from a bundle; a dead
+    # rank's slot reads 0 (ignored)
+    mine = [0.0] * comm.world_size
+    mine[comm.rank] = (-1.0 if failed is not None else
+                       1.0 if start_round is None else float(start_round + 2))
+    got = [int(round(v)) for v in comm.all_reduce_per_rank_f64(mine)]
+    if failed is not None:
+        raise failed
+    if len({v for v in got if v}) <= 1:
+        return
+    by_start: dict[int, list[int]] = {}
+    for r, v in enumerate(got):
+        if v:
+            by_start.setdefault(v, []).append(r)
+    starts = "; ".join(("could not load (see their error)" if v < 0 else
+                        "from scratch" if v == 1 else f"from sync round {v - 2}")
+                       + f": ranks {ranks}" for v, ranks in sorted(by_start.items()))
+    raise StartRefused(f"the ranks start from different checkpoints ({starts}); {fix}")
+
+
+def check_controller_outer(comm, start_round: Optional[int], outer_name: Optional[str]) -> None:
+    """On a cluster: check that the controller's outer momentum starts where this rank
+    does (``Comm.controller_outer_round``). Call it after a cross-host round.
+    ``start_round`` is the sync round of the bundle this rank resumes from, or None
+    from scratch; ``outer_name`` the file name of that bundle's outer momentum (what
+    the controller should load), or None from scratch.
+
+    Raises:
+        StartRefused: (a ``ValueError``) on every rank, naming both starts and the
+            controller option that fixes it.
+    """
+    held = comm.controller_outer_round()
+    if held is None or held == (-1 if start_round is None else start_round):
+        return
+    have = ("fresh outer momentum" if held < 0
+            else f"the outer momentum of sync round {held} (--outer-state)")
+    if start_round is None:
+        raise StartRefused(f"the hosts start from scratch, but the controller holds {have}: "
+                           f"restart the controller without --outer-state")
+    raise StartRefused(f"the hosts resume from sync round {start_round}, but the controller "
+                       f"holds {have}: restart the controller with --outer-state naming its "
+                       f"copy of {outer_name}, the momentum saved with that round, so the "
+                       f"outer optimizer continues where the hosts do")
