@@ -306,6 +306,8 @@ def sc_layouts(rank: int, world: int) -> dict:
             if rank == 0 else None),
         "scatter_list": lambda: dist.scatter(
             torch.empty(4), [torch.ones(3)] * world if rank == 0 else None, src=0),
+        "gather_list": lambda: dist.gather(
+            torch.ones(3), [torch.empty(3)] * (world - 1) if rank == 0 else None, dst=0),
         "complex_max": lambda: dist.reduce(torch.ones(2, dtype=torch.complex64), dst=0,
                                            op=dist.ReduceOp.MAX),
     }, then=ones_summed)  # still in step, still usable

@@ -213,12 +213,13 @@ def test_layouts_half_sums_empty_complex_and_misuse(tmp_path):
     for r in res:
         errs = r["errors"]
         for what in ("all_gather_count", "gather_into_size", "reduce_scatter_size",
-                     "alltoall_splits", "scatter_list", "complex_max"):
+                     "alltoall_splits", "scatter_list", "gather_list", "complex_max"):
             assert errs[what] is not None, (what, r["log"])
             assert errs[what + " then"] == [3.0, 3.0], what  # the group stays usable
     assert "rank 1 sends 4 bytes to rank 0, whose output 1 holds 12" in \
         res[2]["errors"]["alltoall_splits"]
     assert "the root, rank 0, passed a scatter_list" in res[1]["errors"]["scatter_list"]
+    assert "the root, rank 0, passed a gather_list" in res[2]["errors"]["gather_list"]
     assert "complex tensors take SUM, AVG or PREMUL_SUM" in res[0]["errors"]["complex_max"]
 
 

@@ -693,14 +693,27 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             outs = output_lists[0] if output_lists else []
             problem = self._per_rank_lists("gather", "gather_list", [outs],
                                            [(o, inputs[0]) for o in outs])
+        # every rank's bytes start with a status word, the root's saying whether its
+        # gather_list fits, so that every rank refuses a list that does not (the others
+        # cannot check it; scatter does the same)
+        head = _ALIGN
+
+        def fill(dst: np.ndarray) -> None:
+            dst[:8].view(np.int64)[0] = int(problem is not None)
+            _write(dst[head:], inputs, offs)
 
         def consume(views: list[np.ndarray]) -> None:
             _refuse(problem)
+            if int(views[root][:8].view(np.int64)[0]):
+                raise RuntimeError(f"flodl_shm gather: the root, rank {root}, passed a "
+                                   f"gather_list that does not fit the inputs ({self._size} "
+                                   f"tensors of {inputs[0].numel()} {inputs[0].dtype} "
+                                   f"elements)")
             if self._rank == root:
                 for r, out in enumerate(output_lists[0]):
-                    _copy_into(out, _tensor_at(views[r], offs[0], inputs[0]))
+                    _copy_into(out, _tensor_at(views[r], head + offs[0], inputs[0]))
 
-        self._exchange_tensors(inputs, offs, total, consume, _signature("gather", root, inputs))
+        self._exchange(head + total, fill, consume, _signature("gather", root, inputs))
         return _done([t for lst in output_lists for t in lst] or inputs)
 
     @_collective
