@@ -8,21 +8,14 @@ import importlib
 import os
 import sys
 
+from .cli import invoked_as
+
 COMMANDS = {
     "demo": ("flodl_shm.cli.demo", "train the demo MLP on scikit-learn digits with N ranks"),
     "controller": ("flodl_shm.cli.controller", "run a cluster controller for multi-host cohorts"),
     "ram": ("flodl_shm.cli.ram", "is this host big enough? RAM, cgroup, /dev/shm, segments"),
     "fdl": ("flodl_shm.cli.fdl", "inspect and convert .fdl checkpoints"),
 }
-
-
-def _prog() -> str:
-    """How the command was invoked: the console script's name (``flodl-shm``), else
-    ``python -m flodl_shm``."""
-    name = os.path.basename(sys.argv[0] if sys.argv and sys.argv[0] else "")
-    if name.startswith("flodl") and not name.endswith(".py"):
-        return name
-    return "python -m flodl_shm"
 
 
 def _usage(prog: str) -> str:
@@ -48,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: list[str]) -> int:
-    prog = _prog()
+    prog = invoked_as()
     if args and args[0] in ("-h", "--help", "help"):
         print(_usage(prog))
         return 0

@@ -60,7 +60,7 @@ def test_demo_with_a_missing_secret_file_is_a_usage_error(tmp_path):
 
 def test_demo_resume_without_a_checkpoint_is_refused_before_anything_starts(tmp_path):
     r = _flodl(["demo", "--resume", "--run-dir", "nothing", "--no-progress"], tmp_path)
-    assert r.returncode == 1, r.stderr
+    assert r.returncode == 2, r.stderr  # a usage error, as the others
     assert r.stderr == ("python -m flodl_shm demo: error: --resume: no complete checkpoint "
                         "under nothing (run the demo without --resume first)\n")
     assert r.stdout == "", "no banner for a run that does not start"
@@ -422,6 +422,11 @@ def test_console_script_usage_names_the_script(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("usage: flodl-shm <command>"), r.stdout
     assert "python -m" not in r.stdout, r.stdout
+    for command in ("demo", "controller", "ram", "fdl"):  # each command's own usage too
+        r = subprocess.run([script, command, "--help"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith(f"usage: flodl-shm {command} "), r.stdout
 
 
 def test_help_into_a_closed_pipe_is_quiet(tmp_path):

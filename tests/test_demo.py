@@ -9,6 +9,7 @@ each run must still reach 95 % on its own.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import statistics
 import subprocess
@@ -182,8 +183,11 @@ def test_an_earlier_run_is_kept_unless_overwrite(tmp_path, capsys):
 
     kept = checkpoint_files()
     assert first.train.checkpoint.name in kept
-    with pytest.raises(SystemExit, match="earlier run.*kept.*--resume.*--overwrite"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
         run_demo(quiet(run_dir, epochs=1))
+    assert refused.value.code == 2  # a usage error
+    assert re.search("earlier run.*kept.*--resume.*--overwrite", capsys.readouterr().err)
     assert checkpoint_files() == kept, "the refused run touched the earlier checkpoints"
     assert_clean()
     with pytest.raises(SystemExit):

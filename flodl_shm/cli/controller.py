@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from ..checkpoint._atomic import atomic_write_bytes
+from . import invoked_as
 from ..cluster.controller import DEFAULT_ROUND_TIMEOUT, ClusterController
 from ..cluster.secret import read_secret_file, write_secret_file
 
@@ -84,7 +85,7 @@ def _first_interrupt_only() -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flodl_shm controller",
+    ap = argparse.ArgumentParser(prog=f"{invoked_as()} controller",
                                  description="Serve a multi-host flodl_shm cohort.")
     ap.add_argument("--bind", help="HOST:PORT to listen on (port 0: any)")
     ap.add_argument("--world-size", type=int, help="ranks in the whole cohort")

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from flodl_shm.checkpoint._atomic import atomic_write_bytes
+from flodl_shm.cli import invoked_as
 from flodl_shm.training.hooks import Hook
 
 __all__ = ["DemoConfig", "DemoResult", "accuracy", "digits_split", "main", "make_model",
@@ -61,7 +62,11 @@ METRICS_FILE = "windows.jsonl"
 CONFIG_FILE = "demo_config.json"
 PLOT_FILE = "training.png"
 CKPT_STEM = "ckpt"
-_PROG = "python -m flodl_shm demo"  # how the command names itself in usage and errors
+
+
+def _prog() -> str:
+    """How the command names itself in usage and errors."""
+    return f"{invoked_as()} demo"
 
 DEFAULTS = {
     "nprocs": 2, "epochs": 30, "batch_size": 32, "sync_every": 8, "cadence": None,
@@ -354,7 +359,7 @@ def _slow_rank(text: str) -> tuple[int, float]:
 
 def _build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog=_PROG,
+        prog=_prog(),
         description="Train an MLP on scikit-learn's digits with local SGD on N ranks "
                     "(flodl_shm.Trainer): progress, per-window throughput and all-reduce "
                     "time, test accuracy of the consensus, checkpoints under --run-dir.")
@@ -598,7 +603,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
             return _run_demo(cfg)
     except SeriesInUse as e:
         raise SystemExit(
-            f"{_PROG}: error: --run-dir {cfg.run_dir} is in use by another run ({e.holder}); "
+            f"{_prog()}: error: --run-dir {cfg.run_dir} is in use by another run ({e.holder}); "
             f"two runs in one folder would overwrite each other's checkpoints. Wait for it "
             f"to end, or pass another --run-dir") from None
 
@@ -642,24 +647,24 @@ def _resume_problems(cfg: DemoConfig, ckpt: Path) -> list[str]:
 def _run_demo(cfg: DemoConfig) -> DemoResult:
     from flodl_shm import latest_checkpoint
 
-    # refused before anything is printed or started (SystemExit: the message, exit 1)
+    # usage errors (exit 2), before anything is printed, written or started
     last = latest_checkpoint(cfg.save_path)
+    problems = []
     if last is not None and not cfg.resume and not cfg.overwrite:
-        raise SystemExit(
-            f"{_PROG}: error: {cfg.run_dir} holds the checkpoints of an earlier run (last: "
-            f"{last}); they are kept. Continue that run with --resume, start over with "
-            f"--overwrite (deletes them), or pass another --run-dir")
+        problems.append(f"{cfg.run_dir} holds the checkpoints of an earlier run (last: "
+                        f"{last}); they are kept. Continue that run with --resume, start "
+                        f"over with --overwrite (deletes them), or pass another --run-dir")
     ckpt = last if cfg.resume else None
     if cfg.resume and ckpt is None:
-        raise SystemExit(f"{_PROG}: error: --resume: no complete checkpoint under "
-                         f"{cfg.run_dir} (run the demo without --resume first)")
-    problems = [] if ckpt is None else _resume_problems(cfg, ckpt)
-    if problems:  # usage errors (exit 2), before anything is written or started
-        print(f"{_PROG}: error: " + "; ".join(problems), file=sys.stderr)
+        problems.append(f"--resume: no complete checkpoint under {cfg.run_dir} (run the demo "
+                        f"without --resume first)")
+    problems += [] if ckpt is None else _resume_problems(cfg, ckpt)
+    if problems:
+        print(f"{_prog()}: error: " + "; ".join(problems), file=sys.stderr)
         raise SystemExit(2)
     xtr, ytr, xte, yte = digits_split()
     if cfg.batch_size > len(xtr):  # a usage error (exit 2), known once the data is
-        print(f"{_PROG}: error: --batch-size {cfg.batch_size} is more than the {len(xtr)} "
+        print(f"{_prog()}: error: --batch-size {cfg.batch_size} is more than the {len(xtr)} "
               f"training images; pass at most {len(xtr)}", file=sys.stderr)
         raise SystemExit(2)
     run_dir = Path(cfg.run_dir)
@@ -874,7 +879,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         digits_split()  # the data first: without scikit-learn, one line before anything starts
     except ImportError as e:
-        print(f"{_PROG}: error: {e}", file=sys.stderr)
+        print(f"{_prog()}: error: {e}", file=sys.stderr)
         return 1
     try:
         run_demo(cfg)
@@ -889,7 +894,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # a failed run (a stall, a dead rank, a refused handshake, no /dev/shm space, a
         # checkpoint that does not match): the reason, not the launcher's stack
         last = latest_checkpoint(cfg.save_path)
-        print(f"\n{_PROG}: error: {_reason(e)}\n"
+        print(f"\n{_prog()}: error: {_reason(e)}\n"
               + (f"Last checkpoint {last}: continue with --resume." if last is not None
                  else "No checkpoint was written."), file=sys.stderr)
         return 1

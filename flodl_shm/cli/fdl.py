@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 
 from ..checkpoint.meta import names_sidecar_path
 from ..errors import CheckpointError
+from . import invoked_as
 
 
 def _fmt_bytes(n: int) -> str:
@@ -133,7 +134,7 @@ def _convert(src: str, dst: str, src_fmt: Optional[str], dst_fmt: Optional[str],
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m flodl_shm fdl",
+    parser = argparse.ArgumentParser(prog=f"{invoked_as()} fdl",
                                      description="Inspect and convert .fdl checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
     show = sub.add_parser("show", help="print a .fdl's header and entries")

@@ -47,6 +47,7 @@ from ..engine.arena import shm_need_bytes
 from ..engine.hostmem import HostMemory, host_memory
 from ..engine.segment import SHM_DIR, SegmentInfo, fmt_bytes, list_segments, reap_dead_owner_segments
 from ..engine.staging import GATE_FACTOR, decide_pinned_decode
+from . import invoked_as
 
 SIZE_UNITS = {
     "": 1, "b": 1,
@@ -253,9 +254,9 @@ def _argtype(fn):
     return conv
 
 
-def main(argv: Sequence[str] | None = None, prog: str | None = "python -m flodl_shm ram") -> int:
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """Run the tool; returns the exit status (0 fits, 1 does not, 2 usage error)."""
-    p = _parser(prog)
+    p = _parser(prog or f"{invoked_as()} ram")
     try:
         a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as e:  # --help (0) or a usage error (2)
