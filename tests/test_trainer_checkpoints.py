@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from flodl_shm.checkpoint.meta import CheckpointMeta, SaveReason
+from flodl_shm.checkpoint.meta import CheckpointBundle, CheckpointMeta, SaveReason
 from flodl_shm.checkpoint.series import (committed_checkpoints, delete_series, latest_checkpoint,
                                          not_continued, prune_series, resolve_checkpoint,
                                          round_model_path)
@@ -267,5 +267,14 @@ def test_what_the_launcher_knows_is_refused_before_any_rank_starts(tmp_path):
                                          r"are 12 \(12 samples in batches of 4\): resume with "
                                          r"the dataset it was trained on"):
         trainer(dataset=more).resume(ckpt, overwrite=True)
+    from flodl_shm import ElChe
+
+    elche = CheckpointBundle.meta_path(ckpt)
+    CheckpointMeta.read_from_file(elche).with_elche_state(ElChe(3, 2).to_state()) \
+        .write_to_file(elche)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(ckpt))} holds an ElChe cadence state "
+                                         r"for 3 ranks and this run has 2: resume an ElChe run "
+                                         r"on 3 ranks, or with cadence='fixed'"):
+        trainer(cadence="elche").resume(ckpt, nprocs=2, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == before, "a refused resume deleted"
     assert newer.exists() and live_children() == [], "a rank was started"

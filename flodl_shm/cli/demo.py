@@ -614,7 +614,7 @@ def _resume_problems(cfg: DemoConfig, ckpt: Path) -> list[str]:
     starts anything (the ranks would find it only at their start, and the options file
     the run writes first would make the next ``--resume`` fail the same way)."""
     from flodl_shm import CheckpointBundle, CheckpointMeta
-    from flodl_shm.training.trainer import model_mismatch
+    from flodl_shm.training.trainer import model_mismatch, resume_conflicts
 
     why = model_mismatch(ckpt, make_model)
     if why is not None:
@@ -622,25 +622,18 @@ def _resume_problems(cfg: DemoConfig, ckpt: Path) -> list[str]:
                 f"is of another model ({why}); pass the --run-dir of a demo run"]
     meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(ckpt))
     out = []
-    saved = None if meta.coverage is None else meta.coverage.batch_size
-    seed = None if meta.coverage is None else meta.coverage.seed
-    if seed is not None and seed != cfg.seed:
-        out.append(f"--seed cannot change on --resume: the run in {cfg.run_dir} shuffles with "
-                   f"--seed {seed} (its checkpoint counts the samples still to train in that "
-                   f"order), got {cfg.seed}; pass --seed {seed}")
-    if saved is not None and saved != cfg.batch_size:
-        out.append(f"--batch-size cannot change on --resume: the run in {cfg.run_dir} trained "
-                   f"with --batch-size {saved} (its checkpoint counts the samples still to "
-                   f"train in batches of {saved}), got {cfg.batch_size}; pass --batch-size "
-                   f"{saved}")
-    if meta.elche_state is not None and cfg.effective_cadence == "elche":
-        world = len(meta.elche_state.smoothed_ms_per_batch)
-        if world != cfg.total_world:
-            flag = "--nprocs" if cfg.controller is None else "--world-size"
+    flag = "--nprocs" if cfg.controller is None else "--world-size"
+    for c in resume_conflicts(meta, seed=cfg.seed, batch_size=cfg.batch_size,
+                              epochs=cfg.epochs, dataset_len=None, world=cfg.total_world,
+                              elche=cfg.effective_cadence == "elche"):
+        if c.setting == "world_size":
             out.append(f"--resume: the run in {cfg.run_dir} trained with the ElChe cadence on "
-                       f"{world} ranks and its checkpoint's cadence state is per rank, got "
-                       f"{flag} {cfg.total_world}; resume it with {flag} {world} (or with "
-                       f"--cadence fixed on {cfg.total_world})")
+                       f"{c.saved} ranks {c.why}, got {flag} {c.given}; resume it with "
+                       f"{flag} {c.saved} (or with --cadence fixed on {c.given})")
+        else:  # the seed or the batch size (the demo's dataset is fixed)
+            name = "--" + c.setting.replace("_", "-")
+            out.append(f"{name} cannot change on --resume: the run in {cfg.run_dir} trained "
+                       f"with {name} {c.saved} {c.why}, got {c.given}; pass {name} {c.saved}")
     return out
 
 

@@ -406,10 +406,6 @@ class Trainer:
         _check_int("nprocs", nprocs, 1)
         cluster = _Cluster.of(controller, world_size, first_rank, salt, int(nprocs))
         world = int(nprocs) if cluster is None else cluster.world_size
-        if saved_world is not None and self.cadence != "fixed" and world != saved_world:
-            raise ValueError(
-                f"the checkpoint's ElChe state is for world_size {saved_world}; resume a "
-                f"cadence='elche' run on {saved_world} ranks (got {world})")
         self._check_setup(world, meta, model_path)
         self._clear_beyond(model_path, overwrite)  # only once the resume can start
         if meta.epoch >= self.epochs:
@@ -447,27 +443,20 @@ class Trainer:
                                  f"it for the world_size it is called with")
         if meta is None:
             return
-        cov = meta.coverage
-        if cov is not None and meta.epoch < self.epochs:  # what the ranks' coordinator reads
-            if cov.seed != self.seed:
-                raise ValueError(
-                    f"{model_path} was trained with seed {cov.seed} and this Trainer has "
-                    f"seed={self.seed}: resume with seed={cov.seed} (its record of the samples "
-                    f"still to train refers to that seed's shuffle; another would train some "
-                    f"samples twice and skip others)")
-            if cov.batch_size != self.batch_size:
-                raise ValueError(
-                    f"{model_path} was trained with batch_size {cov.batch_size} and this "
-                    f"Trainer has batch_size={self.batch_size}: resume with batch_size="
-                    f"{cov.batch_size} (its record of the samples still to train counts "
-                    f"whole batches of {cov.batch_size})")
-            per_epoch = None if n is None else (n // self.batch_size) * self.batch_size
-            for ec in cov.per_epoch:
-                if ec.epoch == meta.epoch and per_epoch not in (None, ec.total_samples):
-                    raise ValueError(
-                        f"{model_path} was trained on epochs of {ec.total_samples} samples, "
-                        f"and this Trainer's are {per_epoch} ({n} samples in batches of "
-                        f"{self.batch_size}): resume with the dataset it was trained on")
+        for c in resume_conflicts(meta, seed=self.seed, batch_size=self.batch_size,
+                                  epochs=self.epochs, dataset_len=n, world=world,
+                                  elche=self.cadence != "fixed"):
+            if c.setting == "dataset":
+                raise ValueError(f"{model_path} was trained on epochs of {c.saved} samples, "
+                                 f"and this Trainer's are {c.given} {c.why}: resume with the "
+                                 f"dataset it was trained on")
+            if c.setting == "world_size":
+                raise ValueError(f"{model_path} holds an ElChe cadence state for {c.saved} "
+                                 f"ranks and this run has {c.given}: resume an ElChe run "
+                                 f"on {c.saved} ranks, or with cadence='fixed'")
+            raise ValueError(f"{model_path} was trained with {c.setting} {c.saved} and this "
+                             f"Trainer has {c.setting}={c.given}: resume with {c.setting}="
+                             f"{c.saved} {c.why}")
         why = model_mismatch(model_path, self.model_fn)
         if why is not None:
             from ..errors import CheckpointError
@@ -589,6 +578,63 @@ class Trainer:
 #: the Trainer's arguments that travel to every rank by pickling (besides ``hooks``)
 _PICKLED_ARGS = ("model_fn", "optimizer_fn", "loss_fn", "step_fn", "scheduler_fn", "cadence",
                  "outer", "guard", "dataset")
+
+
+@dataclass(frozen=True)
+class ResumeConflict:
+    """A setting of the resuming run that cannot continue a checkpoint: the checkpoint's
+    value (``saved``) and the run's (``given``). ``setting`` is ``"seed"``,
+    ``"batch_size"``, ``"world_size"`` (an ElChe cadence state is per rank) or
+    ``"dataset"`` (its epoch size, in samples); ``why`` says, in parentheses, what binds
+    the saved value (for the dataset: how the run's epoch size comes about)."""
+
+    setting: str
+    saved: Any
+    given: Any
+    why: str
+
+
+def resume_conflicts(meta: CheckpointMeta, *, seed: int, batch_size: int, epochs: int,
+                     dataset_len: Optional[int], world: int, elche: bool
+                     ) -> list[ResumeConflict]:
+    """What keeps a run with these settings from continuing the checkpoint ``meta``
+    describes (empty: nothing), known before any rank starts: the shuffle seed and the
+    batch size its record of the samples still to train refers to, the epoch size, and
+    the world size of an ElChe cadence state. A finished checkpoint (``meta.epoch >=
+    epochs``: nothing left to train) binds no seed, batch size or epoch size.
+
+    Args:
+        meta: the checkpoint's metadata.
+        seed, batch_size, epochs: the resuming run's.
+        dataset_len: its dataset's length (None: unknown, a factory).
+        world: its number of ranks.
+        elche: whether it runs the ElChe cadence.
+    """
+    out = []
+    cov = meta.coverage
+    if cov is not None and meta.epoch < epochs:  # what the ranks' coordinator reads
+        if cov.seed != seed:
+            out.append(ResumeConflict(
+                "seed", cov.seed, seed, "(its record of the samples still to train refers "
+                "to that seed's shuffle; another would train some samples twice and skip "
+                "others)"))
+        if cov.batch_size != batch_size:
+            out.append(ResumeConflict(
+                "batch_size", cov.batch_size, batch_size, f"(its record of the samples "
+                f"still to train counts whole batches of {cov.batch_size})"))
+        per_epoch = (None if dataset_len is None
+                     else (dataset_len // batch_size) * batch_size)
+        for ec in cov.per_epoch:
+            if ec.epoch == meta.epoch and per_epoch not in (None, ec.total_samples):
+                out.append(ResumeConflict(
+                    "dataset", ec.total_samples, per_epoch, f"({dataset_len} samples in "
+                    f"batches of {batch_size})"))
+    if meta.elche_state is not None and elche:
+        saved_world = len(meta.elche_state.smoothed_ms_per_batch)
+        if saved_world != world:
+            out.append(ResumeConflict(
+                "world_size", saved_world, world, "(its ElChe cadence state is per rank)"))
+    return out
 
 
 def model_mismatch(model_path: "str | os.PathLike[str]", model_fn: Callable) -> Optional[str]:
