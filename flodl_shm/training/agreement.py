@@ -51,19 +51,16 @@ def check_same_settings(comm, settings: dict[str, Any], fix: str) -> None:
     """
     if comm.world_size < 2:
         return
-    got = _per_rank(comm, digest24(tuple(settings.items())))
-    if len({v for v in got if v}) <= 1:
+    if _split(comm.rank, _per_rank(comm, digest24(tuple(settings.items())))) is None:
         return
     differ = []
     for name, value in settings.items():
-        got = _per_rank(comm, digest24(value))
-        mine = got[comm.rank]
-        if len({v for v in got if v}) > 1:
-            same = [r for r, v in enumerate(got) if v == mine]
-            others = [r for r, v in enumerate(got) if v and v != mine]
+        split = _split(comm.rank, _per_rank(comm, digest24(value)))
+        if split is not None:
+            same, others = split
             differ.append(f"{name} (rank {comm.rank}{_also(comm.rank, same)}: {value!r}; "
                           f"ranks {others} passed another)")
-    raise ValueError(f"the ranks differ in {'; '.join(differ)}: {fix}")
+    raise ValueError(f"the ranks differ in {'; '.join(differ) or 'their settings'}: {fix}")
 
 
 def check_same_model(comm, tensors: list[tuple[str, str]], fix: str) -> None:
@@ -82,23 +79,30 @@ def check_same_model(comm, tensors: list[tuple[str, str]], fix: str) -> None:
     """
     if comm.world_size < 2:
         return
-    got = _per_rank(comm, digest24(tuple(tensors)))
-    if len({v for v in got if v}) <= 1:
+    if _split(comm.rank, _per_rank(comm, digest24(tuple(tensors)))) is None:
         return
     counts = _per_rank(comm, len(tensors) + 1)
     for i in range(max(counts) - 1):
         entry = tensors[i] if i < len(tensors) else None
-        got = _per_rank(comm, digest24(entry))
-        mine = got[comm.rank]
-        if len({v for v in got if v}) > 1:
-            same = [r for r, v in enumerate(got) if v == mine]
-            others = [r for r, v in enumerate(got) if v and v != mine]
+        split = _split(comm.rank, _per_rank(comm, digest24(entry)))
+        if split is not None:
+            same, others = split
             what = (f"tensor {i} is {entry[0]}, {entry[1]}" if entry is not None
                     else f"the model averages {len(tensors)} tensors, none at {i}")
             raise ValueError(f"the ranks' models differ: on rank {comm.rank}"
                              f"{_also(comm.rank, same)}, {what}; ranks {others} have "
                              f"another: {fix}")
     raise ValueError(f"the ranks' models differ (the same tensors in another order): {fix}")
+
+
+def _split(rank: int, got: list[int]) -> Optional[tuple[list[int], list[int]]]:
+    """``(ranks with rank's value, live ranks with another)``, or None when every live
+    rank (non-zero slot) has the same value."""
+    if len({v for v in got if v}) <= 1:
+        return None
+    mine = got[rank]
+    return ([r for r, v in enumerate(got) if v == mine],
+            [r for r, v in enumerate(got) if v and v != mine])
 
 
 def _also(rank: int, same: list[int]) -> str:
