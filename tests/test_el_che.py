@@ -576,6 +576,21 @@ def test_restore_reseeds_each_window_with_one_sample():
     assert el.calibration_count() == 8
 
 
+def test_a_restored_state_sets_the_cadence_of_the_first_window():
+    """The first window after a resume used to run the fresh [anchor0] * world counts:
+    restore_from_state restored the speeds but recomputed nothing until the next report."""
+    el = ElChe(2, 4)
+    el.restore_from_state(ElCheState(anchor=8, anchor_rank=1, smoothed_ms_per_batch=[3.0, 12.0],
+                                     phase=Phase.STABLE, calibration_count=10))
+    assert el.batch_counts() == [32, 8]  # rank 0 4x faster, at once (no max_batch_diff steps)
+    saved = ElChe(3, 8)
+    for _ in range(3):
+        saved.report_timing([5.0, 7.0, 6.0], [8, 8, 8], 0.5)
+    fresh = ElChe(3, 8)
+    fresh.restore_from_state(saved.to_state())
+    assert fresh.batch_counts() == saved.batch_counts() == [11, 8, 9]
+
+
 def test_restore_of_an_uncalibrated_snapshot():
     el = ElChe(2, 10)
     el.restore_from_state(ElChe(2, 10).to_state())

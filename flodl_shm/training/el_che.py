@@ -722,6 +722,9 @@ class ElChe:
             if ms > 0.0:
                 self._windows[r].append(float(ms))
         self._calibrated = any(ms > 0.0 for ms in saved)
+        slow_ms = self._slow_ms()
+        if slow_ms > 0.0:  # the saved cadence applies from the first window on
+            self._recompute_batch_counts(slow_ms, jump=True)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -806,13 +809,13 @@ class ElChe:
         if slow_ms > 0.0:
             self._recompute_batch_counts(slow_ms)
 
-    def _recompute_batch_counts(self, slow_ms: float) -> None:
+    def _recompute_batch_counts(self, slow_ms: float, jump: bool = False) -> None:
         """The anchor rank gets ``anchor``; rank r gets ``round(anchor * min(slow/ms_r,
         64))`` (>= 1), minus its staged callback slack. A count moves only when the
-        target differs by more than 5% (or before calibration, or under slack), and
-        once calibrated by at most ``max_batch_diff`` per update. Then the window
-        cap scales everything to fit one epoch (:func:`fit_counts`, the floor of 1
-        per rank winning over the cap)."""
+        target differs by more than 5% (or before calibration, or under slack, or on a
+        ``jump``: a restored state), and once calibrated by at most ``max_batch_diff``
+        per update (unless on a ``jump``). Then the window cap scales everything to fit
+        one epoch (:func:`fit_counts`, the floor of 1 per rank winning over the cap)."""
         for r in range(self._world_size):
             ms = self._smoothed(r)
             if ms <= 0.0 or abs(ms - slow_ms) < 1e-6:
@@ -825,9 +828,10 @@ class ElChe:
             target = max(target - slack_batches, 1)
 
             current = self._batch_counts[r]
-            if abs(target - current) > current * DEAD_ZONE or not self._calibrated or slack_batches > 0:
+            if (jump or abs(target - current) > current * DEAD_ZONE or not self._calibrated
+                    or slack_batches > 0):
                 d = self._max_batch_diff
-                if d is not None and self._calibrated:
+                if d is not None and self._calibrated and not jump:
                     if target > current:
                         target = min(current + d, target)
                     else:
