@@ -143,6 +143,10 @@ def test_an_argument_that_cannot_reach_the_ranks_is_named():
         def __getitem__(self, i):
             return torch.zeros(4), 0
 
+    class LocalHook:  # a duck-typed hook (any of the methods will do), local: unpicklable
+        def on_window_end(self, state, stats):
+            pass
+
     cases = [
         (args(model_fn=lambda: make_model()), "Trainer: model_fn cannot be pickled .* define "
                                               "it at module top level"),
@@ -151,10 +155,77 @@ def test_an_argument_that_cannot_reach_the_ranks_is_named():
                                 "picklable dataset, or a module-level function"),
         # not a dataset at all: said as such, before the pickling
         (args(dataset=(x for x in ())), "dataset must be a map-style dataset .* got generator"),
-        (dict(args(), hooks=[flodl_shm.LoggingHook(every=1), lambda: None]),
+        (dict(args(), hooks=[flodl_shm.LoggingHook(every=1), LocalHook()]),
          r"Trainer: hooks\[1\] cannot be pickled"),
+        # not a hook at all: said as such, at construction
+        (dict(args(), hooks=[flodl_shm.LoggingHook(every=1), lambda: None]),
+         r"hooks\[1\] \(a function\) has none of the hook methods on_train_start, "
+         r"on_batch_end, on_window_end, on_train_end: subclass flodl_shm.training.hooks.Hook"),
     ]
     for kwargs, message in cases:
         with pytest.raises(TypeError, match=message):
             flodl_shm.Trainer(batch_size=16, epochs=1, log_every=None, **kwargs).run(nprocs=2)
+    assert_no_leaks()
+
+
+class WindowCounter:
+    """A duck-typed hook: only on_window_end, no Hook base (the docs: 'an object with any
+    of these methods')."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def on_window_end(self, state, stats) -> None:
+        with open(f"{self.path}.rank{state.rank}", "a") as fh:
+            fh.write(f"{stats.window}\n")
+
+
+class Samples(torch.utils.data.Dataset):
+    """A map-style dataset whose class is the dataset factory (zero arguments)."""
+
+    def __init__(self) -> None:
+        self.x, self.y = make_data(64)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def test_a_duck_typed_hook_and_a_dataset_class_as_factory(tmp_path):
+    """A hook with only some of the methods crashed every rank (AttributeError:
+    on_train_start); a Dataset class given as the factory was taken for a dataset
+    ('object of type type has no len()')."""
+    trainer = flodl_shm.Trainer(make_model, functools.partial(torch.optim.SGD, lr=0.1),
+                                Samples, torch.nn.functional.cross_entropy, batch_size=8,
+                                epochs=1, sync_every=2, log_every=None,
+                                hooks=[WindowCounter(tmp_path / "windows")])
+    result = trainer.run(nprocs=2)
+    windows = [s.window for s in result.history]
+    assert windows == list(range(1, len(windows) + 1)) and len(windows) == 2
+    for r in range(2):
+        assert (tmp_path / f"windows.rank{r}").read_text().split() == [str(w) for w in windows]
+    assert_no_leaks()
+
+
+class FailsAtStart(flodl_shm.Hook):
+    def on_train_start(self, state) -> None:
+        if state.rank == 1:
+            raise RuntimeError("the hook's own set-up failed")
+
+
+def test_a_hook_failing_at_train_start_refuses_the_start(tmp_path):
+    """on_train_start is the last step of a rank's set-up: its failure was counted as a
+    rank death (a death record, a survivors' checkpoint with max_failures=1)."""
+    from flodl_shm.errors import StartRefused
+
+    trainer = flodl_shm.Trainer(make_model, functools.partial(torch.optim.SGD, lr=0.1),
+                                make_data, torch.nn.functional.cross_entropy, batch_size=16,
+                                epochs=1, sync_every=4, log_every=None, max_failures=1,
+                                save_path=tmp_path / "ck", hooks=[FailsAtStart()])
+    with pytest.raises(StartRefused, match=r"^rank 1 could not start training: RuntimeError: "
+                                           r"the hook's own set-up failed"):
+        trainer.run(nprocs=2)
+    assert list(tmp_path.glob("*.death.json")) == [] and list(tmp_path.glob("ck-r*")) == []
     assert_no_leaks()

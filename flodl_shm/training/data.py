@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["fetch_batch", "resolve_dataset"]
+__all__ = ["fetch_batch", "is_dataset_factory", "resolve_dataset"]
 
 
 class _Tensors:
@@ -43,10 +43,17 @@ class _Tensors:
         return tuple(t[ids] for t in self.tensors)
 
 
+def is_dataset_factory(dataset: Any) -> bool:
+    """Whether ``dataset`` is a zero-argument callable that builds the dataset (a
+    function, a ``functools.partial``, a Dataset class) rather than a dataset."""
+    return callable(dataset) and (isinstance(dataset, type)
+                                  or not hasattr(dataset, "__getitem__"))
+
+
 def resolve_dataset(dataset: Any):
     """The dataset the rank trains on (see the module doc); raises ``TypeError`` for
     anything else."""
-    if callable(dataset) and not hasattr(dataset, "__getitem__"):
+    if is_dataset_factory(dataset):
         dataset = dataset()
     if isinstance(dataset, (tuple, list)) and dataset:
         kinds = [isinstance(t, torch.Tensor) for t in dataset]

@@ -167,6 +167,10 @@ class RankSummary:
     last_checkpoint: Optional[str] = None
 
 
+#: the methods a hook may define (``Hook`` defines them all as no-ops)
+HOOK_METHODS = ("on_train_start", "on_batch_end", "on_window_end", "on_train_end")
+
+
 class Hook:
     """Base class: every callback is a no-op; override the ones you need."""
 

@@ -48,8 +48,9 @@ from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, RankDeathRecord
 from .agreement import check_controller_outer, check_same_start
 from .coordinator import Coordinator, CoordinatorConfig
 from .coverage import SHUFFLE_BASE_SEED, epoch_permutation
-from .data import fetch_batch
-from .hooks import BatchInfo, Hook, LoggingHook, RankState, RankSummary, WindowStats
+from .data import fetch_batch, is_dataset_factory
+from .hooks import (HOOK_METHODS, BatchInfo, Hook, LoggingHook, RankState, RankSummary,
+                    WindowStats)
 from .local_sgd import LocalSGD
 from .sync_window import (COUNT_ROWS, count_column, counts_from_reports, falls_short,
                           gather_counts)
@@ -253,6 +254,11 @@ class Trainer:
         self.max_failures = int(max_failures)
         self.seed = int(seed)
         self.hooks = list(hooks)
+        for i, h in enumerate(self.hooks):
+            if not any(callable(getattr(h, name, None)) for name in HOOK_METHODS):
+                raise TypeError(f"hooks[{i}] (a {type(h).__name__}) has none of the hook "
+                                f"methods {', '.join(HOOK_METHODS)}: subclass flodl_shm."
+                                f"training.hooks.Hook and override the ones you need")
         if log_every is not None:
             self.hooks.append(LoggingHook(every=log_every))
         self.guard = guard
@@ -473,7 +479,7 @@ class Trainer:
         from .data import resolve_dataset
 
         ds = self.dataset
-        if callable(ds) and not hasattr(ds, "__getitem__"):
+        if is_dataset_factory(ds):
             return None
         ds = resolve_dataset(ds)  # raises for a dataset of the wrong kind, as the ranks would
         if isinstance(ds, (tuple, list)) and ds:
@@ -829,6 +835,7 @@ class _RankRun:
             raise TypeError(f"model_fn must return a torch.nn.Module, got {type(model).__name__}")
         self.model = model
         self.dataset = resolve_dataset(tr.dataset)
+        self._on_batch_end = _hook_calls(tr.hooks, "on_batch_end")
         self.coord = self._coordinator(len(self.dataset))  # checks the data against the run
         self.schema = ModelSchema.from_module(model)
         # one host: a window is one round (its counts ride in it); several: a count
@@ -1000,11 +1007,11 @@ class _RankRun:
                 self.scheduler.step()
             self.sgd.step(1)  # a batch's work (the params mass is gamma_mass(batches))
             loss_sum += value
-            if tr.hooks:
+            if self._on_batch_end:
                 info = BatchInfo(plan.epoch, plan.window, k, ids, value,
                                  (time.perf_counter() - tb) * 1e3)
-                for h in tr.hooks:
-                    h.on_batch_end(state, info)
+                for call in self._on_batch_end:
+                    call(state, info)
         return nb, (time.perf_counter() - t0) * 1e3, loss_sum, ids_all
 
     def _loss(self, batch):
@@ -1113,13 +1120,20 @@ class _RankRun:
             path, self.schema, tensors, mass=mass, meta=self.coord.checkpoint_meta(reason),
             momentum=self.comm.outer_momentum() if self.one_round else None)
 
-    def run(self) -> dict:
-        tr, coord, comm = self.trainer, self.coord, self.comm
-        count_bytes = COUNT_ROWS * self.ctx.world_size * 4  # a count gather's payload
+    def start(self) -> RankState:
+        """The rank's state at the start, handed to the hooks' ``on_train_start`` (the
+        last step of the rank's setup)."""
+        coord = self.coord
         state = RankState(self.rank, self.ctx.world_size, self.model, self.optimizer,
                           coord.epoch, coord.sync_round, coord.global_step, tuple(coord.alive))
-        for h in tr.hooks:
-            h.on_train_start(state)
+        for call in _hook_calls(self.trainer.hooks, "on_train_start"):
+            call(state)
+        return state
+
+    def run(self, state: RankState) -> dict:
+        tr, coord, comm = self.trainer, self.coord, self.comm
+        count_bytes = COUNT_ROWS * self.ctx.world_size * 4  # a count gather's payload
+        on_window_end = _hook_calls(tr.hooks, "on_window_end")
         history: list[WindowStats] = []
         dead: list[int] = []
         last_ckpt: Optional[str] = None
@@ -1174,16 +1188,16 @@ class _RankRun:
                 averaging_ms=(t_end - t_trained) * 1e3)
             state.global_step = coord.global_step
             state.live_ranks = tuple(coord.alive)
-            for h in tr.hooks:
-                h.on_window_end(state, stats)
+            for call in on_window_end:
+                call(state, stats)
             history.append(dataclasses.replace(stats, sample_ids=None))
             if settled.stop:
                 reason = settled.save_reason
                 break
         summary = RankSummary(self.rank, windows, coord.global_step, coord.epoch,
                               None if reason is None else reason.value, tuple(dead), last_ckpt)
-        for h in tr.hooks:
-            h.on_train_end(state, summary)
+        for call in _hook_calls(tr.hooks, "on_train_end"):
+            call(state, summary)
         # each host reports from its lowest live rank (on one host: the reporting rank)
         reporting = self._is_host_lead()
         return {
@@ -1242,7 +1256,13 @@ def _rank_main(ctx, job: _Job) -> dict:
     _setup_rank_logging(job.log_level, ctx.rank)
     with _refused_if_it_fails(ctx.rank):
         run = _RankRun(ctx, job)
-    return run.run()
+        state = run.start()
+    return run.run(state)
+
+
+def _hook_calls(hooks: Sequence[Any], name: str) -> list[Callable]:
+    """The hooks' ``name`` methods, in order (a hook may define any of them)."""
+    return [m for m in (getattr(h, name, None) for h in hooks) if callable(m)]
 
 
 @contextlib.contextmanager
