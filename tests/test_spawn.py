@@ -61,6 +61,12 @@ def refuse_on_rank_one(ctx):
     return ctx.rank
 
 
+def fail_in_turn(ctx):
+    ctx.comm.barrier()
+    time.sleep(0.5 * ctx.rank)  # rank 0 fails first (tolerated), then rank 1: none left
+    raise ValueError(f"rank {ctx.rank} gives up")
+
+
 def kill_self_on_rank(ctx, victim, sig):
     ctx.comm.barrier()
     if ctx.rank == victim:
@@ -180,6 +186,17 @@ def test_max_failures_continues_on_realized_work(tmp_path):
     record = flodl_shm.RankDeathRecord.read_from_file(
         flodl_shm.CheckpointBundle.rank_death_path(stem, 2))
     assert record.rank == 2 and record.world_size == 3 and "SIGKILL" in record.error
+
+
+def test_when_no_rank_is_left_within_max_failures_the_last_failure_is_raised(caplog):
+    """Every rank failing within max_failures used to end as [None, None]: a Trainer then
+    said only 'no rank returned the final model', every rank's error lost."""
+    with pytest.raises(RankFailed) as info:
+        spawn(fail_in_turn, 2, max_failures=2)
+    assert info.value.rank == 1 and info.value.exc_type == "ValueError"
+    assert "rank 1 gives up" in info.value.traceback
+    assert "rank 0 failed (ValueError); continuing on realized work" in caplog.text
+    assert "rank 1 failed (ValueError); stopping the cohort (no rank is left)" in caplog.text
 
 
 def test_a_refused_start_stops_the_cohort_whatever_max_failures(caplog):

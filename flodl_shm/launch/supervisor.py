@@ -440,8 +440,10 @@ class SpawnContext:
             if fatal and self._failure is None:
                 self._failure = stall
         if fatal:
-            logger.error("%s; %d failure(s) exceed max_failures=%d: stopping the cohort", why,
-                         used + len(culprits), self.max_failures)
+            n = used + len(culprits)
+            logger.error("%s; %s: stopping the cohort", why,
+                         f"{n} failure(s) exceed max_failures={self.max_failures}"
+                         if n > self.max_failures else "no rank is left")
         else:
             logger.warning("%s; fencing them and %s", why,
                            self._survivors_go_on(used + len(culprits)))
@@ -517,8 +519,10 @@ class SpawnContext:
             with self._lock:
                 if self._failure is None:
                     self._failure = err
-            logger.error("rank %d failed (%s); stopping the cohort (max_failures=%d)",
-                         global_rank, out.exc_type or out.signal or out.exitcode, self.max_failures)
+            why = (f"max_failures={self.max_failures}" if failures > self.max_failures
+                   else "no rank is left")
+            logger.error("rank %d failed (%s); stopping the cohort (%s)", global_rank,
+                         out.exc_type or out.signal or out.exitcode, why)
             self._abort(A.ABORT_FAILED)
             return
         if stalled is None:
@@ -538,12 +542,14 @@ class SpawnContext:
 
     def _stops(self, dead: Sequence[int], local_more: int = 0) -> bool:
         """Whether the ``dead`` ranks (cohort-wide) and ``local_more`` ranks of this host
-        about to be killed stop the cohort: past ``max_failures``, or with
+        about to be killed stop the cohort: past ``max_failures``, or once no rank of the
+        cohort is left (nobody continues: the last failure is the news), or with
         ``survivors_save`` only once no rank of this host is left (the survivors see the
         deaths, save and stop themselves)."""
         if self.survivors_save:
             return len(self._local(dead)) + local_more >= self.nprocs
-        return len(dead) + local_more > self.max_failures
+        n = len(dead) + local_more
+        return n > self.max_failures or n >= self.world_size
 
     def _survivors_go_on(self, failures: int) -> str:
         """What the survivors of ``failures`` tolerated failures do, for the log line."""
