@@ -42,7 +42,7 @@ class RankState:
     Attributes:
         rank: this rank; world_size: ranks at launch.
         model: the rank's replica (the consensus right after a sync).
-        optimizer: the rank's inner optimizer.
+        optimizer: the rank's inner optimizer; scheduler: its LR scheduler (or None).
         epoch: the epoch being trained.
         window: the window in progress (1-based; ``sync_round`` once it completes).
         global_step: batches realized cohort-wide before this window.
@@ -58,6 +58,7 @@ class RankState:
     global_step: int = 0
     live_ranks: tuple[int, ...] = ()
     stop_requested: bool = False
+    scheduler: Any = None
 
     @property
     def is_reporting_rank(self) -> bool:

@@ -82,6 +82,7 @@ from ..frame import DTYPE_F32, tensors_to_round_frame
 from .agreement import check_same_model, check_same_settings, check_same_start
 from .convergence import TrendGuard
 from .el_che import ElChe
+from .inner_state import restore_inner
 from .outer import OuterOptimizer
 from .realized_work import gamma_mass, is_realized, mover_mass
 from .sync_window import ReplicaReduce, gather_columns, params_round_carries_buffers
@@ -671,10 +672,12 @@ class LocalSGD:
                 momentum = None
                 self.outer.load_state_dict(outer["state"])
             self._load_outer_state(state["prev_global"], momentum)
+        restore_inner(self.optimizer, self.scheduler, state["optimizer"], state["scheduler"],
+                      f"the LocalSGD state of rank {state['rank']}",
+                      "set them after load() / load_state_dict() (optimizer.param_groups)",
+                      say=self.rank == 0)  # the ranks' settings agree: one line, not one a rank
         for name, obj in (("optimizer", self.optimizer), ("scheduler", self.scheduler)):
-            if obj is not None and state[name] is not None:
-                obj.load_state_dict(state[name])
-            elif obj is not None:
+            if obj is not None and state[name] is None:
                 logger.warning("the LocalSGD state holds no %s state: it starts fresh", name)
         if self.el_che is not None:
             self.el_che.__dict__.update(copy.deepcopy(state["el_che"].__dict__))

@@ -51,6 +51,7 @@ from .coverage import SHUFFLE_BASE_SEED, epoch_permutation
 from .data import fetch_batch, is_dataset_factory
 from .hooks import (HOOK_METHODS, BatchInfo, Hook, LoggingHook, RankState, RankSummary,
                     WindowStats)
+from .inner_state import restore_inner
 from .local_sgd import LocalSGD
 from .sync_window import (COUNT_ROWS, count_column, counts_from_reports, falls_short,
                           gather_counts)
@@ -960,13 +961,14 @@ class _RankRun:
                            "inner optimizer, LR schedule and integer buffers start fresh", path,
                            state["world_size"], self.ctx.world_size, self.rank)
             return
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None:
-            if state.get("scheduler") is not None:
-                self.scheduler.load_state_dict(state["scheduler"])
-            else:
-                logger.warning("%s holds no LR scheduler state: rank %d's schedule starts "
-                               "over", path, self.rank)
+        restore_inner(self.optimizer, self.scheduler, state["optimizer"],
+                      state.get("scheduler"), str(path),
+                      "set them in a hook's on_train_start (state.optimizer.param_groups, "
+                      "state.scheduler)",
+                      say=self.rank == self.coord.alive[0])  # the ranks' settings agree
+        if self.scheduler is not None and state.get("scheduler") is None:
+            logger.warning("%s holds no LR scheduler state: rank %d's schedule starts over",
+                           path, self.rank)
         buffers = dict(self.model.named_buffers())
         with torch.no_grad():
             for name, value in state["integer_buffers"].items():
@@ -1125,7 +1127,8 @@ class _RankRun:
         last step of the rank's setup)."""
         coord = self.coord
         state = RankState(self.rank, self.ctx.world_size, self.model, self.optimizer,
-                          coord.epoch, coord.sync_round, coord.global_step, tuple(coord.alive))
+                          coord.epoch, coord.sync_round, coord.global_step, tuple(coord.alive),
+                          scheduler=self.scheduler)
         for call in _hook_calls(self.trainer.hooks, "on_train_start"):
             call(state)
         return state

@@ -1,0 +1,95 @@
+"""Restoring a rank's inner optimizer and LR scheduler from a checkpoint, saying what the
+checkpoint overrides.
+
+torch's ``Optimizer.load_state_dict`` and ``LRScheduler.load_state_dict`` restore the
+saved hyper-parameters (``lr``, ``momentum``, ``T_max``, ...) over the ones the
+optimizer and the scheduler were just built with: that is what makes a resume continue
+the saved run exactly. A user who resumes with a new learning rate or schedule would
+otherwise see it ignored silently, so :func:`restore_inner` logs each setting the
+checkpoint replaces, with the way to apply new ones (set them after the restore). An
+optimizer of another kind than the one that saved the state (its parameter groups carry
+other settings: SGD's ``momentum`` against Adam's ``betas``) is refused before anything
+is loaded, naming both; torch would load it and fail at the first step.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+logger = logging.getLogger("flodl_shm")
+
+__all__ = ["restore_inner"]
+
+#: scheduler state entries that record progress, not settings
+_PROGRESS = frozenset({"last_epoch", "base_lrs"})
+
+
+def restore_inner(optimizer, scheduler, optimizer_state: Optional[dict],
+                  scheduler_state: Optional[dict], where: str, override: str,
+                  say: bool = True) -> None:
+    """Load ``optimizer_state`` / ``scheduler_state`` (each skipped when None or when its
+    object is None) and log the settings they replace.
+
+    Args:
+        optimizer: the optimizer built now; ``scheduler``: the LR scheduler (or None).
+        where: the checkpoint, for messages (e.g. its ``.rank0.optim`` path).
+        override: how to apply new settings after the restore, for the log line.
+        say: log the replaced settings (one rank of a cohort whose ranks agree says it).
+
+    Raises:
+        ValueError: the saved optimizer state is of another kind or shape (parameter
+            groups, their settings) than ``optimizer``, naming both.
+    """
+    changed = []
+    if optimizer is not None and optimizer_state is not None:
+        changed += _optimizer_changes(optimizer, optimizer_state, where)
+        optimizer.load_state_dict(optimizer_state)
+    if scheduler is not None and scheduler_state is not None:
+        fresh = scheduler.state_dict()
+        changed += [f"scheduler {k} {v!r} (built now: {fresh[k]!r})"
+                    for k, v in scheduler_state.items()
+                    if k in fresh and not k.startswith("_") and k not in _PROGRESS
+                    and _differs(v, fresh[k])]
+        scheduler.load_state_dict(scheduler_state)
+    if changed and say:
+        logger.warning("%s restores the saved inner settings over the ones built now: %s. "
+                       "The resume continues the saved run exactly; to train with new "
+                       "settings, %s", where, ", ".join(changed), override)
+
+
+def _optimizer_changes(optimizer, state: dict, where: str) -> list[str]:
+    """The saved settings that differ from ``optimizer``'s; raises for a state of
+    another optimizer kind or group layout."""
+    saved, fresh = state.get("param_groups", []), optimizer.param_groups
+    kind = type(optimizer).__name__
+    if len(saved) != len(fresh):
+        raise ValueError(f"{where} holds an optimizer state of {len(saved)} parameter groups; "
+                         f"the {kind} built now has {len(fresh)}: resume with the optimizer "
+                         f"that saved it")
+    out = []
+    for i, (s, f) in enumerate(zip(saved, fresh)):
+        # under a scheduler, lr is where the schedule was; initial_lr is the setting
+        scheduled = "initial_lr" in s and "initial_lr" in f
+        skip = {"params", "param_names", "lr" if scheduled else "initial_lr"}
+        keys_s, keys_f = set(s) - skip, set(f) - skip
+        if keys_s - keys_f and keys_f - keys_s:  # (one-sided: a torch version's new default)
+            raise ValueError(
+                f"{where} holds the state of another kind of optimizer than the {kind} built "
+                f"now (its parameter group {i} has {', '.join(sorted(keys_s - keys_f))} where "
+                f"the {kind} has {', '.join(sorted(keys_f - keys_s))}): resume with the "
+                f"optimizer that saved it")
+        if len(s.get("params", ())) != len(f["params"]):
+            raise ValueError(f"{where} holds an optimizer state whose parameter group {i} has "
+                             f"{len(s['params'])} tensors; the {kind} built now has "
+                             f"{len(f['params'])}: resume with the optimizer that saved it")
+        group = f" (group {i})" if len(fresh) > 1 else ""
+        out += [f"{k}{group} {s[k]!r} (built now: {f[k]!r})" for k in sorted(keys_f & keys_s)
+                if _differs(s[k], f[k])]
+    return out
+
+
+def _differs(a: Any, b: Any) -> bool:
+    try:
+        return bool(a != b)
+    except Exception:  # e.g. tensors of another shape: a difference worth naming
+        return True

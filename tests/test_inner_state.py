@@ -1,0 +1,80 @@
+"""Restoring the inner optimizer and scheduler (training/inner_state.py): a resume used to
+apply the checkpoint's learning rate, momentum and schedule over the ones the run was built
+with, silently; an optimizer of another kind failed at its first step (KeyError)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from flodl_shm.training.inner_state import restore_inner
+
+
+def _saved(make_opt, make_sched=None, steps: int = 3):
+    model = torch.nn.Linear(3, 2)
+    opt = make_opt(model.parameters())
+    sched = None if make_sched is None else make_sched(opt)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+    return opt.state_dict(), None if sched is None else sched.state_dict()
+
+
+def _fresh(make_opt, make_sched=None):
+    opt = make_opt(torch.nn.Linear(3, 2).parameters())
+    return opt, None if make_sched is None else make_sched(opt)
+
+
+def sgd(lr=0.1, momentum=0.9):
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)
+
+
+def cosine(t_max):
+    return lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=t_max)
+
+
+def test_the_settings_a_restore_replaces_are_named(caplog):
+    caplog.set_level(logging.WARNING, logger="flodl_shm")
+    opt_state, _ = _saved(sgd(lr=0.1, momentum=0.9))
+    opt, _ = _fresh(sgd(lr=0.001, momentum=0.0))
+    restore_inner(opt, None, opt_state, None, "ck.rank0.optim", "set them after load()")
+    assert opt.param_groups[0]["lr"] == 0.1  # torch's semantics: the saved run continues
+    assert ("ck.rank0.optim restores the saved inner settings over the ones built now: "
+            "lr 0.1 (built now: 0.001), momentum 0.9 (built now: 0.0). The resume continues "
+            "the saved run exactly; to train with new settings, set them after load()"
+            ) in caplog.text
+
+
+def test_a_schedule_compares_its_settings_not_where_it_was(caplog):
+    caplog.set_level(logging.WARNING, logger="flodl_shm")
+    opt_state, sched_state = _saved(sgd(), cosine(20))
+    opt, sched = _fresh(sgd(), cosine(60))
+    restore_inner(opt, sched, opt_state, sched_state, "ck", "...")
+    assert sched.T_max == 20
+    assert "settings over the ones built now: scheduler T_max 20 (built now: 60)." in caplog.text
+    assert "lr " not in caplog.text  # the scheduled lr moved; its initial_lr did not
+    caplog.clear()
+    opt, sched = _fresh(sgd(), cosine(20))
+    restore_inner(opt, sched, opt_state, sched_state, "ck", "...")
+    opt, _ = _fresh(sgd(lr=0.5))
+    restore_inner(opt, None, opt_state, None, "ck", "...", say=False)
+    assert caplog.text == ""  # the same settings, or another rank says it
+
+
+def test_an_optimizer_of_another_kind_is_refused_before_loading():
+    opt_state, _ = _saved(sgd())
+    adam = torch.optim.Adam(torch.nn.Linear(3, 2).parameters(), lr=0.01)
+    with pytest.raises(ValueError, match=r"^ck holds the state of another kind of optimizer "
+                                         r"than the Adam built now \(its parameter group 0 has "
+                                         r"dampening, momentum, nesterov where the Adam has "
+                                         r"amsgrad, betas, .*\): resume with the optimizer"):
+        restore_inner(adam, None, opt_state, None, "ck", "...")
+    assert adam.param_groups[0]["lr"] == 0.01 and not adam.state  # nothing loaded
+    two = torch.nn.Linear(3, 2)
+    grouped = torch.optim.SGD([{"params": [two.weight]}, {"params": [two.bias]}], lr=0.1)
+    with pytest.raises(ValueError, match="1 parameter groups; the SGD built now has 2"):
+        restore_inner(grouped, None, opt_state, None, "ck", "...")
