@@ -101,6 +101,7 @@ class RankFailed(RuntimeError):
         traceback: the remote traceback text ("" when killed by a signal).
         signal: the signal name (e.g. ``"SIGKILL"``) or ``None``.
         exitcode: the process exit code when known.
+        error: the first line of the exception's own message ("" when unknown).
     """
 
     def __init__(self, rank: int, exc_type: str | None = None, traceback: str = "",
@@ -111,12 +112,15 @@ class RankFailed(RuntimeError):
         self.traceback = traceback
         self.signal = signal
         self.exitcode = exitcode
+        #: the first line of the exception's own message ("" when killed or unknown)
+        self.error = _error_line(traceback, exc_type) if exc_type else ""
         if message is None:
             if signal is not None:
                 message = (f"rank {rank} was killed by signal {signal}"
                            f" (exit code {exitcode}); no Python traceback is available")
             elif exc_type is not None:
-                message = f"rank {rank} raised {exc_type}"
+                message = f"rank {rank} raised {exc_type}" + (f": {self.error}"
+                                                              if self.error else "")
             else:
                 message = f"rank {rank} exited with code {exitcode} without a result"
             if exc_type is None and signal is None:
@@ -130,6 +134,17 @@ class RankFailed(RuntimeError):
     def __reduce__(self):
         return (RankFailed, (self.rank, self.exc_type, self.traceback, self.signal,
                              self.exitcode, str(self)))
+
+
+def _error_line(traceback: str, exc_type: str, limit: int = 300) -> str:
+    """The first line of the error's own message in a traceback's text (what follows
+    ``<exc_type>: `` on its last such line), cut at ``limit`` characters ("" if none)."""
+    for line in reversed(traceback.splitlines()):
+        head, sep, text = line.partition(": ")
+        if sep and (head == exc_type or head.endswith("." + exc_type)):
+            text = text.strip()
+            return text if len(text) <= limit else text[:limit - 3] + "..."
+    return ""
 
 
 class RankStalled(ReduceStall, RankFailed):

@@ -195,6 +195,10 @@ def test_when_no_rank_is_left_within_max_failures_the_last_failure_is_raised(cap
         spawn(fail_in_turn, 2, max_failures=2)
     assert info.value.rank == 1 and info.value.exc_type == "ValueError"
     assert "rank 1 gives up" in info.value.traceback
+    # the first line says what the rank raised, not only its type
+    assert str(info.value).splitlines()[0] == ("rank 1 raised ValueError: rank 1 gives up "
+                                               "(exc_type=ValueError, signal=None)")
+    assert info.value.error == "rank 1 gives up"
     assert "rank 0 failed (ValueError); continuing on realized work" in caplog.text
     assert "rank 1 failed (ValueError); stopping the cohort (no rank is left)" in caplog.text
 

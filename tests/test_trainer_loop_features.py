@@ -229,3 +229,39 @@ def test_a_hook_failing_at_train_start_refuses_the_start(tmp_path):
         trainer.run(nprocs=2)
     assert list(tmp_path.glob("*.death.json")) == [] and list(tmp_path.glob("ck-r*")) == []
     assert_no_leaks()
+
+
+def make_wide_on_rank_one():
+    import os
+
+    rank = int(os.environ.get("RANK", "0"))  # spawn sets it for each rank
+    width = 32 if rank == 0 else 16
+    return torch.nn.Sequential(torch.nn.Linear(10, width), torch.nn.ReLU(),
+                               torch.nn.Linear(width, 3))
+
+
+def test_set_up_misuse_is_named_in_the_trainer_s_terms():
+    """From a user probe: a ReduceLROnPlateau crashed mid-run (its step() needs a metric);
+    an empty dataset was told to use 'a batch_size of at most 0'; a model_fn building
+    other shapes on another rank was told to 'build LocalSGD' the same way."""
+    from flodl_shm.errors import StartRefused
+
+    def trainer(**kw):
+        args = dict(model_fn=make_model, optimizer_fn=functools.partial(torch.optim.SGD,
+                                                                          lr=0.1),
+                    dataset=make_data, loss_fn=torch.nn.functional.cross_entropy,
+                    batch_size=16, epochs=1, log_every=None)
+        return flodl_shm.Trainer(**dict(args, **kw))
+
+    plateau = functools.partial(torch.optim.lr_scheduler.ReduceLROnPlateau, patience=2)
+    with pytest.raises(StartRefused, match=r"ReduceLROnPlateau, which steps on a metric.*"
+                                           r"build it in on_train_start"):
+        trainer(scheduler_fn=plateau).run(nprocs=2)
+    empty = (torch.zeros(0, 10), torch.zeros(0, dtype=torch.long))
+    with pytest.raises(ValueError, match="^the dataset is empty: pass one with samples$"):
+        trainer(dataset=empty).run(nprocs=2)
+    with pytest.raises(StartRefused, match=r"the ranks' models differ: on rank \d, tensor 0 is "
+                                           r"parameter '0.weight'.*: make model_fn build the "
+                                           r"same model on every rank"):
+        trainer(model_fn=make_wide_on_rank_one).run(nprocs=2)
+    assert_no_leaks()

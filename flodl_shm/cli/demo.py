@@ -852,10 +852,8 @@ def _reason(e: BaseException) -> str:
 
     if isinstance(e, TrainingAborted):
         return f"TrainingAborted: {e.summary}"
-    if isinstance(e, RankFailed) and e.exc_type is not None and e.traceback:
-        head, colon, text = e.traceback.strip().splitlines()[-1].partition(":")
-        if colon and head.rsplit(".", 1)[-1] == e.exc_type:  # "[module.]Type: text"
-            return f"rank {e.rank} raised {e.exc_type}:{text}"
+    if isinstance(e, RankFailed) and e.error:
+        return f"rank {e.rank} raised {e.exc_type}: {e.error}"
     return f"{type(e).__name__}: {e}"
 
 

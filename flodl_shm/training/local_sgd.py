@@ -325,10 +325,13 @@ class LocalSGD:
             self._seed_outer_round()
         self._window_t0 = time.perf_counter()
 
+    #: the fix a setting or model that differs between ranks is refused with
+    _same_setup_fix = "build LocalSGD with the same arguments, on the same model, on every rank"
+
     def _check_same_settings(self, buffers: str, shared_params: Optional[bool]) -> None:
         """Every rank built its LocalSGD with the same settings, on the same tensors
         (``agreement.py``), before the broadcast that aligns the replicas."""
-        fix = "build LocalSGD with the same arguments, on the same model, on every rank"
+        fix = self._same_setup_fix
         check_same_settings(self.comm, {
             "sync_every": self.sync_every, "gamma": self.gamma, "cadence": self.cadence,
             "outer": _outer_settings(self.outer), "bf16_wire": self.bf16_wire,

@@ -435,7 +435,8 @@ class Trainer:
         batch size, epoch size and model against this Trainer's."""
         n = self._dataset_len()
         if n is not None and n < self.batch_size:
-            raise ValueError(f"the dataset has {n} samples, fewer than one batch of "
+            raise ValueError("the dataset is empty: pass one with samples" if n == 0 else
+                             f"the dataset has {n} samples, fewer than one batch of "
                              f"batch_size={self.batch_size}; pass a batch_size of at most {n}")
         if callable(self.cadence) and world >= 2:
             from .el_che import ElChe
@@ -846,6 +847,13 @@ class _RankRun:
             self._load_consensus(job.model_path)
         self.optimizer = tr.optimizer_fn(model.parameters())
         self.scheduler = None if tr.scheduler_fn is None else tr.scheduler_fn(self.optimizer)
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise TypeError(
+                "scheduler_fn built a ReduceLROnPlateau, which steps on a metric; the Trainer "
+                "steps its scheduler after every optimizer step, without one. Pass no "
+                "scheduler_fn and drive it from a hook: build it in on_train_start "
+                "(ReduceLROnPlateau(state.optimizer)) and step it in on_window_end with "
+                "your metric (e.g. stats.cohort_loss)")
         if not self.one_round:
             self._check_same_start()
         # the window itself (counting, the realized-work rounds, the outer step, the
@@ -1220,6 +1228,8 @@ class _WindowSGD(LocalSGD):
     where the controller steps it and its forge writes the checkpoints; and the first
     outer step of a run or of a resume is a no-op (the previous global is that
     round's consensus), since a controller cannot know the initial weights."""
+
+    _same_setup_fix = "make model_fn build the same model on every rank"
 
     def _round_steps_outer(self) -> bool:
         return True
