@@ -361,6 +361,28 @@ def sc_ddp(rank: int, world: int) -> dict:
     works[0].wait()
     out["hook_allreduce"] = works[0].get_future().value()[0].tolist()
     out["after"] = after.tolist()
+    # collectives built on others, called without async_op inside a backward pass: done
+    # on return (they returned before their queued round ran, outputs unwritten, errors
+    # lost: FSDP2's gradients were garbage), and their argument errors raised
+    seen: dict = {}
+
+    def in_backward(g):
+        rs = torch.full((4,), -1.0)
+        dist.reduce_scatter_tensor(rs, torch.arange(4.0 * world) + rank)
+        seen["reduce_scatter_tensor"] = rs.tolist()
+        a2a = torch.full((2 * world,), -1.0)
+        dist.all_to_all_single(a2a, torch.arange(2.0 * world) + 10 * rank)
+        seen["all_to_all_single"] = a2a.tolist()
+        try:
+            dist.reduce_scatter_tensor(torch.empty(3), torch.ones(4 * world))
+        except RuntimeError as e:
+            seen["bad_output"] = str(e)
+        return g
+
+    y = torch.ones(3, requires_grad=True)
+    y.register_hook(in_backward)
+    (y * 2).sum().backward()
+    out["in_backward"] = seen
     return out
 
 
@@ -404,6 +426,29 @@ def sc_averager(rank: int, world: int) -> dict:
         avg.average_parameters(model.parameters())
     dist.barrier()
     return {"pid": os.getpid(), "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def sc_fsdp2(rank: int, world: int) -> dict:
+    """FSDP2 (fully_shard on a CPU mesh): its gradient reduce-scatters run during the
+    backward pass; the full parameters after 5 SGD steps."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = _mlp(seed=1)
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(50 + rank)
+    for _ in range(5):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(torch.randn(8, 16, generator=g)),
+                                     torch.randn(8, 4, generator=g)).backward()
+        opt.step()
+    params = [v.full_tensor().clone() for v in model.state_dict().values()]
+    dist.barrier()
+    return {"pid": os.getpid(), "params": params}
 
 
 def sc_peer_dies(rank: int, world: int) -> dict:

@@ -242,6 +242,12 @@ def test_ddp_matches_gloo_and_is_identical_across_ranks(tmp_path):
     assert all(r["overlapped"] for r in shm)
     for r in shm:
         assert r["hook_allreduce"] == [6.0] * 3 and r["after"] == [1.0, 1.0]
+    for rank, (mine, theirs) in enumerate(zip(shm, gloo)):  # in a backward pass, as gloo
+        seen = mine["in_backward"]
+        for key in ("reduce_scatter_tensor", "all_to_all_single"):
+            assert seen[key] == theirs["in_backward"][key], (rank, key, seen[key])
+        assert seen["reduce_scatter_tensor"] == [2.0 * (4 * rank + i) + 1 for i in range(4)]
+        assert "an output of 3 torch.float32 elements" in seen.get("bad_output", ""), seen
     for variant in ("plain", "fp16", "powersgd"):
         for p0, p1 in zip(shm[0][variant], shm[1][variant]):
             assert same_bits(p0, p1), variant
@@ -265,6 +271,17 @@ def test_ddp_through_direct_rounds_matches_gloo(tmp_path):
 def test_periodic_model_averager(tmp_path):
     shm = run_group("averager", 2, tmp_path)
     gloo = run_group("averager", 2, tmp_path, backend="gloo")
+    for p0, p1, g in zip(shm[0]["params"], shm[1]["params"], gloo[0]["params"]):
+        assert same_bits(p0, p1)
+        torch.testing.assert_close(p0, g, rtol=1e-5, atol=1e-6)
+
+
+def test_fsdp2_on_a_cpu_mesh_matches_gloo(tmp_path):
+    """FSDP2's gradient reduce-scatters run during the backward pass, queued on the
+    group's worker: they returned before their round ran, and the model trained to NaN."""
+    shm = run_group("fsdp2", 2, tmp_path)
+    gloo = run_group("fsdp2", 2, tmp_path, backend="gloo")
+    _no_segments_of(shm)
     for p0, p1, g in zip(shm[0]["params"], shm[1]["params"], gloo[0]["params"]):
         assert same_bits(p0, p1)
         torch.testing.assert_close(p0, g, rtol=1e-5, atol=1e-6)

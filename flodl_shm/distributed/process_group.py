@@ -32,7 +32,6 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 
@@ -64,6 +63,10 @@ def _collective(method):
     - Overlap (``overlap.py``): issued during a backward pass, or while earlier ones
       are still queued, the collective is queued on the group's worker thread and the
       returned ``Work`` completes later; otherwise it runs now, in the caller's thread.
+      A collective built on another one must be decorated as a whole (the inner call
+      then runs inline): one that called a decorated collective and returned its own
+      completed ``Work`` would return before a queued round ran, its outputs unwritten
+      and its errors lost.
     - A wait past the group's timeout raises ``RuntimeError`` (as gloo's does) naming the
       group ranks that had not arrived (the engine counts ranks per host).
     """
@@ -88,7 +91,7 @@ def _collective(method):
                                                           and worker.pending()):
             worker = self._start_worker()
             fut = worker.submit(lambda: run(self, args, kwargs).get_future().value())
-            return _create_work_from_future(fut)
+            return _QueuedWork(fut)
         with self._engine_lock:
             return run(self, args, kwargs)
 
@@ -149,6 +152,49 @@ class _DoneWork(dist.Work):
 
 def _done(result) -> dist.Work:
     return _DoneWork(result)
+
+
+class _QueuedWork(dist.Work):
+    """The ``Work`` of a collective queued on the group's worker (``overlap.py``):
+    ``wait()`` blocks until it ran and raises what it raised. (torch's
+    ``_create_work_from_future`` returns a Work whose ``wait()`` swallows the future's
+    exception: a queued collective's errors were lost.)"""
+
+    def __init__(self, future: torch.futures.Future) -> None:
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._future.wait()  # raises the collective's error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        if not self._future.done():
+            return False
+        try:
+            self._future.value()
+        except Exception:
+            return False
+        return True
+
+    def exception(self):
+        try:
+            self._future.value()
+        except Exception as e:
+            return e
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def result(self):
+        return self._future.value()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -666,6 +712,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
+    @_collective  # whole: queued, its output copy must follow the round (see _collective)
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts) -> dist.Work:
         what = "reduce_scatter_tensor"
         given, outputs = outputs, real_views(outputs, opts.reduceOp, what)
@@ -802,6 +849,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                                _signature("alltoall", [str(t.dtype) for t in ins + outs]))
         return _done(outs)
 
+    @_collective  # whole, as reduce_scatter_tensor_coalesced
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                           opts=None) -> dist.Work:
         def split(t: torch.Tensor, sizes) -> list[torch.Tensor]:
