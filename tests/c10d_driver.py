@@ -467,9 +467,18 @@ def sc_peer_dies(rank: int, world: int) -> dict:
     except Exception as e:  # noqa: BLE001 - the test inspects what was raised
         err = f"{type(e).__name__}: {e}"
     seconds = time.monotonic() - t0
-    if err is not None:   # a survivor that stays up after its error (C10D_LINGER seconds)
+    again, again_seconds = None, 0.0
+    if err is not None:   # the group is unusable now: a further call raises at once
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(8))
+        except Exception as e:  # noqa: BLE001
+            again = f"{type(e).__name__}: {e}"
+        again_seconds = time.monotonic() - t0
+        # a survivor that stays up after its error (C10D_LINGER seconds)
         time.sleep(float(os.environ.get("C10D_LINGER", "0")))
-    return {"pid": os.getpid(), "error": err, "seconds": seconds}
+    return {"pid": os.getpid(), "error": err, "seconds": seconds, "again": again,
+            "again_seconds": again_seconds}
 
 
 def sc_destroy_recreate(rank: int, world: int) -> dict:

@@ -312,6 +312,10 @@ def test_a_dead_host_makes_the_other_hosts_raise_naming_its_leader(tmp_path):
     for r in res[:2]:
         assert r["error"] is not None and "group rank(s) [2]" in r["error"], r["error"]
         assert r["seconds"] < 60
+        # unusable on every rank now: the healthy host's leader used to go back into the
+        # leaders' gloo step and block there until the timeout
+        assert "this flodl_shm process group is unusable" in r["again"], r["again"]
+        assert r["again_seconds"] < 5, r
     _no_segments_of(res)
 
 
@@ -337,6 +341,20 @@ def test_a_rank_that_skips_a_collective_makes_the_others_time_out_naming_it(tmp_
     for r in res[:2]:
         assert r["error"].startswith("RuntimeError") and "timed out after 3 s" in r["error"]
         assert "group rank(s) [2]" in r["error"], r["error"]
+    _no_segments_of(res)
+
+
+@pytest.mark.slow
+def test_a_host_that_skips_a_collective_is_named_by_every_rank_of_the_others(tmp_path):
+    """Rank 2, alone on host "b", skips a collective. Rank 1 waited for its leader with
+    the leader's own timeout and blamed it ('group rank(s) [0] of this host had not
+    arrived'); rank 0 then saw rank 1 exit and blamed it. Now the leader's verdict
+    arrives first and both name the other host's leader."""
+    res = run_group("stall", 3, tmp_path, hosts=["a", "a", "b"],
+                    extra_env={"C10D_TIMEOUT": "3", "C10D_LINGER": "1"}, timeout=120)
+    for r in res[:2]:
+        assert "the leader(s) of the other hosts, group rank(s) [2], did not complete this " \
+            "collective" in r["error"], r["error"]
     _no_segments_of(res)
 
 

@@ -52,6 +52,9 @@ _AVG = dist.ReduceOp.RedOpType.AVG
 _CONTROL = RoundKind.CONTROL
 _MODEL = RoundKind.MODEL
 _ALIGN = 64  # byte offset alignment of each tensor inside a byte round
+#: how long past their leader's gloo deadlines a multi-host group's other ranks wait for
+#: its verdict (``_across_hosts``)
+LEADER_VERDICT_S = 5.0
 
 
 def _collective(method):
@@ -298,6 +301,9 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         self._topo = self._link.topology
         self._engine_lock = threading.RLock()
         self._worker: CollectiveWorker | None = None
+        # the first failure that left the group unusable across hosts (a dead rank, the
+        # leaders' exchange failed): every later call raises naming it
+        self._unusable: str | None = None
         # FLODL_SHM_C10D_OVERLAP=0 runs every collective in the caller's thread
         self._overlap = os.environ.get("FLODL_SHM_C10D_OVERLAP", "1") != "0"
 
@@ -354,6 +360,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         if self._link is None:
             raise RuntimeError("this flodl_shm process group was shut down "
                                "(destroy_process_group); create a new one")
+        if self._unusable is not None:
+            raise RuntimeError(f"this flodl_shm process group is unusable: {self._unusable}")
         return self._link
 
     def shutdown(self) -> None:
@@ -437,6 +445,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         try:
             local_round()
         except (FrameError, PeerDied) as e:
+            if isinstance(e, PeerDied):
+                self._unusable = f"{e}"
             if not topo.is_leader:
                 raise  # the leader tells the other hosts, then raises too
             local_error = e
@@ -476,18 +486,23 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         def read(views: list[np.ndarray]) -> None:
             code, lost = (int(x) for x in views[0][:16].view(np.int64))
             if code == 4:
+                self._unusable = (
+                    f"rank {lost >> 32} (pid {lost & 0xFFFFFFFF}) died on the host of leader "
+                    f"rank {topo.leaders[topo.host_of(lost >> 32)]}")
                 raise RuntimeError(
-                    f"flodl_shm: rank {lost >> 32} (pid {lost & 0xFFFFFFFF}) died on the host "
-                    f"of leader rank {topo.leaders[topo.host_of(lost >> 32)]}; the collective "
-                    f"cannot complete. Destroy the process group and restart the job (e.g. "
-                    f"torchrun --max-restarts) from the last checkpoint")
+                    f"flodl_shm: {self._unusable}; the collective cannot complete. Destroy the "
+                    f"process group and restart the job (e.g. torchrun --max-restarts) from "
+                    f"the last checkpoint")
             if code == 3:
-                raise RuntimeError(
-                    f"flodl_shm: the host leaders' exchange failed on this host's leader (rank "
+                self._unusable = (
+                    f"the exchange between host leaders failed on this host's leader (rank "
                     f"{topo.local_ranks[0]}): the leader(s) of the other hosts, group rank(s) "
-                    f"{others}, died or left (their host's ranks may have died); the group is "
-                    f"unusable, destroy it and restart"
-                    + (f". gloo said: {leaders_error}" if leaders_error is not None else ""))
+                    f"{others}, did not complete this collective (they died, left, or are in "
+                    f"another collective: every rank must make the same sequence of calls)")
+                raise RuntimeError(
+                    f"flodl_shm: {self._unusable}; the group is unusable, destroy it and "
+                    f"restart" + (f". gloo said: {leaders_error}" if leaders_error is not None
+                                  else ""))
             if code:
                 why = ("a rank on another host failed this collective" if code == 1 else
                        "the hosts called different collectives or shapes")
@@ -495,8 +510,14 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                                  f"rank must make the same sequence of collective calls")
             take(views[0][16:16 + out_nbytes])
 
-        exchange_bytes(link.comm, 16 + out_nbytes, fill if topo.is_leader else None, read,
-                       signature)  # the leader raises here too when the leaders failed
+        if topo.is_leader:  # it raises here too when the leaders failed
+            exchange_bytes(link.comm, 16 + out_nbytes, fill, read, signature)
+            return
+        # the leader may spend its own timeout in each of the leaders' two gloo steps:
+        # outwait them, so that its verdict (naming the other hosts) arrives first; a
+        # leader that dies is seen at once (liveness), not at the deadline
+        with link.comm.longer_waits(2 * self._timeout.total_seconds() + LEADER_VERDICT_S):
+            exchange_bytes(link.comm, 16 + out_nbytes, None, read, signature)
 
     def _exchange_tensors(self, tensors: Sequence[torch.Tensor] | None, offs: Sequence[int],
                           total: int, consume: Callable[[list[np.ndarray]], None],

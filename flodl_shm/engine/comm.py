@@ -40,6 +40,7 @@ round (``_run``). The torch <-> wire conversions live in ``tensor_codec.py``.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from typing import Callable, Sequence
@@ -171,6 +172,21 @@ class Comm:
     @property
     def bf16_wire(self) -> bool:
         return self._bf16
+
+    @contextlib.contextmanager
+    def longer_waits(self, extra_s: float):
+        """Within the block, a wait of this rank gives up ``extra_s`` seconds later than
+        the timeout says: for a round whose peer itself waits, with the same timeout, on
+        something further away (a host leader in the exchange between hosts), so that the
+        peer's own deadline fires first and it can say what it waited for."""
+        waiter = self._engine.waiter
+        before = waiter.timeout
+        if before is not None:
+            waiter.timeout = before + float(extra_s)
+        try:
+            yield
+        finally:
+            waiter.timeout = before
 
     def set_bf16_wire(self, on: bool) -> None:
         """Send MODEL rounds as bf16 (half the bytes); sums still accumulate in f32.
