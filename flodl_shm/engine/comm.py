@@ -165,6 +165,8 @@ class Comm:
         self._tap = TapClient(arena, self._engine, rank=self.rank, local_rank=local_rank)
         self._drift_checked: tuple[np.ndarray | None, int] = (None, 0)
         self._all_local = (1 << arena.world) - 1  # every local rank's bit
+        first = self.rank - self.local_rank
+        self._every_local = tuple(range(first, first + self.local_world_size))
         self._reported = -1  # the last round this rank sent a report with
         arena.ctl[A.rank_base(local_rank) + A.R_PID] = _getpid()
 
@@ -338,11 +340,16 @@ class Comm:
 
         On one host that is the whole accepted set. On a cluster it covers this host's
         ranks only; remote ranks are known to the controller (its ``dead_ranks``)."""
+        return list(self.last_accepted())
+
+    def last_accepted(self) -> tuple[int, ...]:
+        """:meth:`last_accepted_ranks` as a tuple (the same one every round that accepted
+        every local rank: a training window's sync reads it)."""
         mask = self._engine.last_accepted
-        first = self.rank - self.local_rank
         if mask == self._all_local:
-            return list(range(first, first + self.local_world_size))
-        return [first + i for i in range(self.local_world_size) if (mask >> i) & 1]
+            return self._every_local
+        first = self.rank - self.local_rank
+        return tuple([first + i for i in range(self.local_world_size) if (mask >> i) & 1])
 
     def _write_report(self, values: Sequence[float]) -> None:
         if self._engine.relay_mode:

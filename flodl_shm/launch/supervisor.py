@@ -429,7 +429,8 @@ class SpawnContext:
         why = (f"round {rnd} stalled: rank(s) {list(missing)} did not {what} the round within "
                f"the {self.timeout:g} s collective timeout while rank(s) {waiting} waited for "
                f"them; the launcher killed the missing rank(s) (alive but silent: stuck outside "
-               f"the collective, or wedged)")
+               f"the collective, or wedged; if they were only slow, e.g. a long first batch, "
+               f"pass a larger timeout)")
         stall = RankStalled(why, round=rnd, missing=missing, timeout=self.timeout)
         dead = self.dead_ranks()
         used = len(dead)

@@ -438,13 +438,17 @@ class LocalSGD:
         Args:
             samples: samples this step trained (its share of the realized work).
         """
-        if not isinstance(samples, (int, np.integer)) or isinstance(samples, bool) or samples < 0:
-            raise ValueError(f"samples must be an int >= 0, got {samples!r}")
-        self._steps += 1
-        self._samples += int(samples)
+        if type(samples) is not int or samples < 0:  # (a plain int: the common case, fast)
+            if not isinstance(samples, (int, np.integer)) or isinstance(samples, bool) \
+                    or samples < 0:
+                raise ValueError(f"samples must be an int >= 0, got {samples!r}")
+            samples = int(samples)
+        self._steps = steps = self._steps + 1
+        self._samples += samples
         self.total_steps += 1
-        self.total_samples += int(samples)
-        if self._target is not None and self._steps >= self._target:
+        self.total_samples += samples
+        target = self._target
+        if target is not None and steps >= target:
             self.sync()
             return True
         return False
@@ -512,11 +516,11 @@ class LocalSGD:
         self._steps = 0
         self._samples = 0
         self._target = self._next_target()
-        sync_ms = (time.perf_counter() - t0) * 1e3
+        self._window_t0 = t1 = time.perf_counter()  # the next window starts now
+        sync_ms = (t1 - t0) * 1e3
         self._prev_sync_ms, self._prev_divergence = sync_ms, divergence
         self.last_sync = SyncInfo(self.sync_round, mass, accepted, samples, steps, sync_ms,
                                   self._target, divergence, reduced.bytes_sent, reports)
-        self._window_t0 = time.perf_counter()
         return self.last_sync
 
     def _outer_step(self) -> None:

@@ -47,7 +47,6 @@ from __future__ import annotations
 import logging
 import math
 import struct
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
 
@@ -303,8 +302,7 @@ class ReplicaReduce:
         self._live_params = [p.detach() for p in self.params]
         self._live_buffers = [b.detach() for b in self.buffers]
         self._live_all = self._live_params + self._live_buffers
-        self._params_numel = sum(p.numel() for p in self.params)
-        self._buffers_numel = sum(b.numel() for b in self.buffers)
+        self._numel = sum(t.numel() for t in self.params + self.buffers)  # elements sent
         # the drift sums of the params round: one row per tensor it carries (the
         # parameters' rows first), filled by the engine while it writes the consensus
         self._drift = (np.zeros((len(self._live_params) + (len(self._live_buffers) if carries
@@ -349,11 +347,9 @@ class ReplicaReduce:
             report: numbers of this rank that ride in the params round (one host):
                 every rank's come back as ``ReduceOutcome.reports``.
         """
-        t0 = time.perf_counter()
         for entries, key, held, ptr, _ in self._held:
             if entries.get(key) is not held or held.data_ptr() != ptr:
                 self._refuse_replaced()
-        esize = 2 if comm.bf16_wire else 4
         sums = self._drift
         if sums is not None:
             self._drift_bytes[:] = self._drift_zeros
@@ -362,18 +358,17 @@ class ReplicaReduce:
         params_mass = comm.all_reduce_(self._live_all if together else self._live_params,
                                        weight=weight, scale=weight, kind=RoundKind.MODEL,
                                        outer=self.outer, report=report, drift=sums)
-        accepted = tuple(comm.last_accepted_ranks())
+        accepted = comm.last_accepted()
         reports = None if report is None else comm.last_report_rows()
         buffers_mass = params_mass if together else 0.0
         if self._live_buffers and not together:
             bw = weight if self.buffer_mass == "work" else movers_weight
             buffers_mass = comm.all_reduce_(self._live_buffers, weight=bw, scale=bw,
                                             kind=RoundKind.MODEL)
-        drift = ((0.0, 0.0, 0.0) if sums is None
-                 else _drift(self._drift_params.unpack_from(self._drift_bytes)))
-        return ReduceOutcome(params_mass, buffers_mass, accepted, *drift,
-                             (self._params_numel + self._buffers_numel) * esize,
-                             (time.perf_counter() - t0) * 1e3, reports)
+        divergence = (0.0 if sums is None
+                      else _divergence(self._drift_params.unpack_from(self._drift_bytes)))
+        return ReduceOutcome(params_mass, buffers_mass, accepted, divergence,
+                             self._numel * (2 if comm.bf16_wire else 4), reports)
 
 
     def _refuse_replaced(self) -> None:
@@ -411,9 +406,7 @@ class ReduceOutcome(NamedTuple):
         accepted: ranks whose contribution the params round accepted (on a cluster:
             this host's only).
         divergence: ``||pre - post|| / ||post||`` of the parameters (0 unmeasured).
-        pre_norm: ``||pre||``; post_norm: ``||post||``.
         bytes_sent: payload bytes this rank contributed.
-        reduce_ms: wall time of the rounds (and the drift measure), ms.
         reports: with ``report=``, every rank's report in the params round, one
             tuple of ``REPORT_VALUES`` floats per local rank (``Comm.last_report_rows``);
             else None.
@@ -423,22 +416,16 @@ class ReduceOutcome(NamedTuple):
     buffers_mass: float
     accepted: tuple[int, ...]
     divergence: float
-    pre_norm: float
-    post_norm: float
     bytes_sent: int
-    reduce_ms: float
     reports: Optional[tuple[tuple[float, ...], ...]] = None
 
 
-def _drift(sums: Sequence[float]) -> tuple[float, float, float]:
-    """``(||pre - post|| / ||post||, ||pre||, ||post||)`` over all tensors (the ratio is 0
-    for a zero ``post``) from ``all_reduce_``'s per-tensor drift sums, flat (three per
-    tensor)."""
-    pre_sq = post_sq = diff_sq = 0.0
+def _divergence(sums: Sequence[float]) -> float:
+    """``||pre - post|| / ||post||`` over all tensors (0 for a zero ``post``) from
+    ``all_reduce_``'s per-tensor drift sums, flat (three per tensor: pre², post², diff²)."""
+    post_sq = diff_sq = 0.0
     for i in range(0, len(sums), 3):
-        pre_sq += sums[i]
         post_sq += sums[i + 1]
         diff_sq += sums[i + 2]
     post_norm = math.sqrt(post_sq)
-    return (math.sqrt(diff_sq) / post_norm if post_norm > 0.0 else 0.0, math.sqrt(pre_sq),
-            post_norm)
+    return math.sqrt(diff_sq) / post_norm if post_norm > 0.0 else 0.0
