@@ -403,10 +403,13 @@ def test_tensors_replaced_after_construction_are_refused_not_left_out(change, na
 
 
 def test_values_changed_in_place_after_construction_are_averaged():
+    """In place, or with the storage moved under the tensors (share_memory: their
+    addresses change, the window's views follow) is no replacement."""
     with FakeCohort(2) as cohort:
         def body(comm):
             model = make_model(seed=0)
             sgd = LocalSGD(model, sync_every=1, comm=comm)
+            model.share_memory()
             with torch.no_grad():
                 model[0].weight.fill_(float(comm.rank))
                 model[1].running_mean.fill_(2.0 * comm.rank)

@@ -349,7 +349,8 @@ class ReplicaReduce:
         """
         for entries, key, held, ptr, _ in self._held:
             if entries.get(key) is not held or held.data_ptr() != ptr:
-                self._refuse_replaced()
+                self._check_held()
+                break
         sums = self._drift
         if sums is not None:
             self._drift_bytes[:] = self._drift_zeros
@@ -370,11 +371,20 @@ class ReplicaReduce:
         return ReduceOutcome(params_mass, buffers_mass, accepted, divergence,
                              self._numel * (2 if comm.bf16_wire else 4), reports)
 
-
-    def _refuse_replaced(self) -> None:
-        """Raise naming the averaged tensors the model no longer holds."""
-        gone = [f"{what} {name!r}" for entries, key, held, ptr, (what, name) in self._held
-                if entries.get(key) is not held or held.data_ptr() != ptr]
+    def _check_held(self) -> None:
+        """The per-sync check's slow path, when a tensor's entry or address changed: a
+        tensor whose storage moved under both it and the window's view of it (e.g.
+        ``model.share_memory()``) is still the window's (its address is updated); a
+        tensor the model no longer holds raises, naming it."""
+        gone, now = [], []
+        for (entries, key, held, ptr, (what, name)), live in zip(self._held, self._live_all):
+            address = held.data_ptr()
+            if entries.get(key) is not held or (address != ptr and live.data_ptr() != address):
+                gone.append(f"{what} {name!r}")
+            now.append((entries, key, held, address, (what, name)))
+        if not gone:
+            self._held = tuple(now)
+            return
         raise RuntimeError(
             f"{', '.join(gone[:3])}{f' and {len(gone) - 3} more' if len(gone) > 3 else ''} "
             f"of the model {'was' if len(gone) == 1 else 'were'} replaced after LocalSGD was "
