@@ -265,3 +265,27 @@ def test_set_up_misuse_is_named_in_the_trainer_s_terms():
                                            r"same model on every rank"):
         trainer(model_fn=make_wide_on_rank_one).run(nprocs=2)
     assert_no_leaks()
+
+
+class FailsAtEnd(flodl_shm.Hook):
+    def on_train_end(self, state, summary) -> None:
+        if state.rank == 1:
+            raise RuntimeError("the hook's own wrap-up failed")
+
+
+def test_a_rank_failing_after_the_last_window_is_raised_with_a_save_path_too(tmp_path):
+    """Without a save_path, a hook failing in on_train_end made run raise RankFailed; with
+    one, run returned as if nothing happened (dead_ranks (1,), max_failures=0)."""
+    from flodl_shm.errors import RankFailed
+
+    trainer = flodl_shm.Trainer(make_model, functools.partial(torch.optim.SGD, lr=0.1),
+                                make_data, torch.nn.functional.cross_entropy, batch_size=16,
+                                epochs=1, sync_every=4, log_every=None,
+                                save_path=tmp_path / "ck", hooks=[FailsAtEnd()])
+    with pytest.raises(RankFailed, match=r"^rank 1 failed after the run's last window, past "
+                                         r"max_failures=0; the run finished \(its last "
+                                         r"checkpoint: .*ck-r\d+\.fdl\)\.\n.*wrap-up failed"
+                       ) as info:
+        trainer.run(nprocs=2)
+    assert info.value.rank == 1
+    assert_no_leaks()

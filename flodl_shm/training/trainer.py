@@ -567,6 +567,19 @@ class Trainer:
             raise TrainingAborted(self._abort_message(result), result,
                                   f"Continue with trainer.resume({self.save_path!r})."
                                   if result.checkpoint is not None else "")
+        late = [r for r in dead if r not in reporting["dead_ranks"]]
+        if late and len(dead) > self.max_failures:
+            # failed after the last window (e.g. in a hook's on_train_end), past
+            # max_failures: raised as without a save_path, where spawn raises it
+            record = CheckpointBundle.rank_death_path(self.save_path, late[0])
+            try:
+                why = RankDeathRecord.read_from_file(record).error
+            except Exception:  # noqa: BLE001 - the record is the detail, not the news
+                why = "see the log"
+            raise RankFailed(late[0], message=(
+                f"rank {late[0]} failed after the run's last window, past max_failures="
+                f"{self.max_failures}; the run finished"
+                f"{f' (its last checkpoint: {ckpt})' if ckpt else ''}.\n{why}"))
         return result
 
     def _abort_message(self, result: TrainResult) -> str:
