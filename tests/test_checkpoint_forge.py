@@ -351,6 +351,40 @@ def test_back_to_back_cycles_are_all_written_in_order(tmp_path):
         assert read_fdl(tmp_path / f"c{i}.fdl").entries[0].to_numpy()[0] == i
 
 
+def test_writes_falling_behind_are_said_once_per_spell(tmp_path, caplog, monkeypatch):
+    """With a checkpoint every window of a fast model, every checkpoint used to log the
+    'cadence outpaces the disk' warning."""
+    import flodl_shm.checkpoint.forge as forge_module
+
+    gate = threading.Event()
+    write = forge_module.CheckpointForge._run_job
+    monkeypatch.setattr(forge_module.CheckpointForge, "_run_job",
+                        lambda self, job: (gate.wait(FLUSH_S), write(self, job)))
+    caplog.set_level(logging.DEBUG, logger="flodl_shm")
+    forge = CheckpointForge(ModelSchema(["w"], []))
+
+    def cycle(i):
+        forge.arm(tmp_path / f"c{i}.fdl")
+        forge.accumulate(frame(t([float(i)] * 10, (10,))))
+
+    def warnings():
+        return [r for r in caplog.records if "outpaces the disk" in r.getMessage()
+                and r.levelno == logging.WARNING]
+
+    for i in range(4):  # the first write blocks: three queue behind it
+        cycle(i)
+    assert len(warnings()) == 1
+    gate.set()
+    assert forge.flush(FLUSH_S)  # caught up
+    gate.clear()
+    cycle(4)
+    cycle(5)  # behind again: news again
+    gate.set()
+    assert forge.flush(FLUSH_S)
+    assert len(warnings()) == 2
+    assert sorted(p.name for p in tmp_path.glob("c*.fdl")) == [f"c{i}.fdl" for i in range(6)]
+
+
 def test_no_schema_means_no_model_write(tmp_path):
     forge = CheckpointForge(None)
     assert not forge.can_write_model()

@@ -204,6 +204,7 @@ class CheckpointForge:
         self._writer_cond = threading.Condition(threading.Lock())
         self._jobs: collections.deque[_WriteJob] = collections.deque()
         self._outstanding = 0  # queued + running
+        self._lag_said = False  # the writes fell behind since the queue last drained
         self._worker: Optional[threading.Thread] = None
         #: Checkpoints committed / failed since construction.
         self.writes_completed = 0
@@ -330,10 +331,12 @@ class CheckpointForge:
     def _submit(self, job: _WriteJob) -> None:
         with self._writer_cond:
             if self._outstanding:
-                logger.warning(
-                    "checkpoint forge: %d checkpoint write(s) still in flight; %s queued "
-                    "behind them (the checkpoint cadence outpaces the disk)",
-                    self._outstanding, job.path)
+                # said once per spell (until the queue drains), not at every checkpoint
+                logger.log(logging.DEBUG if self._lag_said else logging.WARNING,
+                           "checkpoint forge: %d checkpoint write(s) still in flight; %s "
+                           "queued behind them (the checkpoint cadence outpaces the disk; "
+                           "said once until the writes catch up)", self._outstanding, job.path)
+                self._lag_said = True
             self._jobs.append(job)
             self._outstanding += 1
             if self._worker is not None:
@@ -361,6 +364,7 @@ class CheckpointForge:
             with self._writer_cond:
                 if not self._jobs:
                     self._worker = None
+                    self._lag_said = False  # caught up: a later lag is news again
                     self._writer_cond.notify_all()
                     return
                 job = self._jobs.popleft()
