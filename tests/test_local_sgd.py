@@ -522,6 +522,24 @@ def test_a_state_of_sync_every_none_loads_and_a_refused_one_changes_nothing():
             assert loaded == (1, 0) and untouched and steps == 0
 
 
+def test_a_state_of_another_inner_optimizer_kind_is_refused_before_anything_loads():
+    with FakeCohort(1) as cohort:
+        comm = cohort.comm(0)
+        model = make_model(0)
+        sgd = LocalSGD(model, sync_every=1, comm=comm,
+                       optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        _train_steps(model, sgd, 0, 2, samples=4, window=0)
+        state = sgd.state_dict()
+        other = make_model(1)
+        adam = LocalSGD(other, sync_every=1, comm=comm,
+                        optimizer=torch.optim.Adam(other.parameters(), lr=0.01))
+        before = _snapshot(other)
+        with pytest.raises(ValueError, match="another kind of optimizer than the Adam built now"):
+            adam.load_state_dict(state)
+        assert all(torch.equal(before[k], v) for k, v in _snapshot(other).items())
+        assert adam.total_steps == 0
+
+
 def test_windows_sharing_a_comm_keep_their_own_wire_and_refuse_a_lost_outer_state():
     """A Comm holds one wire setting and one in-reduce outer state: each window syncs
     on its own wire whatever a later one set, and a DiLoCo whose outer state a later

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 logger = logging.getLogger("flodl_shm")
 
-__all__ = ["restore_inner"]
+__all__ = ["check_optimizer_state", "restore_inner"]
 
 #: scheduler state entries that record progress, not settings
 _PROGRESS = frozenset({"last_epoch", "base_lrs"})
@@ -42,7 +42,7 @@ def restore_inner(optimizer, scheduler, optimizer_state: Optional[dict],
     """
     changed = []
     if optimizer is not None and optimizer_state is not None:
-        changed += _optimizer_changes(optimizer, optimizer_state, where)
+        changed += check_optimizer_state(optimizer, optimizer_state, where)
         optimizer.load_state_dict(optimizer_state)
     if scheduler is not None and scheduler_state is not None:
         fresh = scheduler.state_dict()
@@ -57,9 +57,10 @@ def restore_inner(optimizer, scheduler, optimizer_state: Optional[dict],
                        "settings, %s", where, ", ".join(changed), override)
 
 
-def _optimizer_changes(optimizer, state: dict, where: str) -> list[str]:
-    """The saved settings that differ from ``optimizer``'s; raises for a state of
-    another optimizer kind or group layout."""
+def check_optimizer_state(optimizer, state: dict, where: str) -> list[str]:
+    """The settings of the saved optimizer ``state`` that differ from ``optimizer``'s
+    (described for the log); raises ``ValueError`` for a state of another optimizer
+    kind or group layout (call it before changing anything, to refuse a load whole)."""
     saved, fresh = state.get("param_groups", []), optimizer.param_groups
     kind = type(optimizer).__name__
     if len(saved) != len(fresh):

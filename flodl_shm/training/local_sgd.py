@@ -82,7 +82,7 @@ from ..frame import DTYPE_F32, tensors_to_round_frame
 from .agreement import check_same_model, check_same_settings, check_same_start
 from .convergence import TrendGuard
 from .el_che import ElChe
-from .inner_state import restore_inner
+from .inner_state import check_optimizer_state, restore_inner
 from .outer import OuterOptimizer
 from .realized_work import gamma_mass, is_realized, mover_mass
 from .sync_window import ReplicaReduce, gather_columns, params_round_carries_buffers
@@ -663,6 +663,9 @@ class LocalSGD:
             kind = "a flodl_shm one" if outer["kind"] == "flodl_shm" else "a torch.optim one"
             raise ValueError(f"the state's outer optimizer is {kind}; this LocalSGD's is "
                              f"{type(self.outer).__name__}: build it with the same kind")
+        if self.optimizer is not None and state["optimizer"] is not None:
+            check_optimizer_state(self.optimizer, state["optimizer"],  # refused up front
+                                  f"the LocalSGD state of rank {state['rank']}")
         self.model.load_state_dict(state["model"])
         c = state["counters"]
         self.sync_round, self.total_steps = int(c["sync_round"]), int(c["total_steps"])
