@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+import flodl_shm
 from flodl_shm import load_consensus_checkpoint
 from flodl_shm.checkpoint.forge import load_outer_momentum, outer_sidecar_path
 from flodl_shm.checkpoint.meta import CheckpointBundle, CheckpointMeta, SaveReason
@@ -189,6 +190,42 @@ def test_a_host_past_max_failures_after_another_hosts_death_saves_before_it_stop
     meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(err.checkpoint))
     assert meta.save_reason is SaveReason.MAX_FAILURE_EXCEEDED and meta.sync_round >= 2
     assert err.checkpoint.parent == tmp_path / "host0"
+
+
+class SleepAtEnd(flodl_shm.Hook):
+    """Linger after the last window (an evaluation, say): no more collectives."""
+
+    def on_train_end(self, state, summary) -> None:
+        import time
+
+        time.sleep(2.0)
+
+
+def test_a_host_past_rank_0_counts_its_dead_by_global_rank(tmp_path):
+    """Host 1 carries global ranks 1-2 and loses rank 2 within max_failures=1.
+    - Its run counted spawn's local index (1) as the dead rank next to the coordinator's
+      global 2: dead_ranks (1, 2), or a RankFailed naming live rank 1.
+    - Its relay, finding a fenced rank at the end, closed the link without saying the host
+      was done: the controller declared ranks 1 and 2 dead, and host 0, still in its
+      hooks, stopped with RankFailed past max_failures."""
+    from flodl_shm import ClusterController
+
+    from cluster_util import SALT, run_host_processes
+
+    ctl = ClusterController.start("127.0.0.1:0", 3, SALT, round_timeout=60.0)
+
+    def host(i):
+        trainer = make_trainer(save_path=tmp_path / f"host{i}" / "run", max_failures=1,
+                               hooks=[KillAt(rank=2, window=3, batch=0)] if i
+                               else [SleepAtEnd()])
+        return trainer.run(1 + i, controller=f"127.0.0.1:{ctl.port}", world_size=3,
+                           first_rank=i, salt=SALT)
+
+    results, errors = run_host_processes(ctl, host, 2, join_timeout=120.0)
+    assert not errors, errors
+    for result in results:
+        assert result.dead_ranks == (2,), result.dead_ranks
+        assert result.meta.global_step == results[0].meta.global_step
 
 
 def test_hosts_saving_into_one_shared_folder_share_its_run_lock(tmp_path):

@@ -554,8 +554,10 @@ class Trainer:
                          None)
         if reporting is None:
             raise RuntimeError("no rank returned the final model (every rank failed)")
+        # the coordinator's dead ranks are global; spawn's results are this host's ranks
+        first = 0 if job.cluster is None else job.cluster.first_rank
         dead = tuple(sorted(set(reporting["dead_ranks"])
-                            | {r for r, out in enumerate(results) if out is None}))
+                            | {first + r for r, out in enumerate(results) if out is None}))
         ckpt = reporting["checkpoint"]
         if ckpt is None and job.model_path is not None and not reporting["summary"].windows:
             ckpt = job.model_path  # a resume with nothing left to train: its last checkpoint
