@@ -38,6 +38,18 @@ def survivor_rounds(ctx):
     raise AssertionError("host 1 was never excluded")
 
 
+def one_dies_then_host_1_lingers(ctx):
+    """Layout [2, 1]: rank 1 exits after its second round (tolerated), the survivors go on;
+    rank 2 (host 1) then stays up 2 s after its last round, as in an evaluation."""
+    for i in range(3):
+        ctx.comm.all_reduce_scaled([torch.full((4,), 1.0)], 1.0, RoundKind.MODEL, 1.0)
+        if ctx.rank == 1 and i == 1:
+            os._exit(3)
+    if ctx.rank == 2:
+        time.sleep(2.0)
+    return ctx.rank
+
+
 def loop_forever(ctx, ready: str):
     """Host 1's rank of ``kill_a_host_mid_run``: all-reduces until killed, touching
     ``ready`` after a few rounds."""

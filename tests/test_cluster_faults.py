@@ -347,3 +347,16 @@ def test_controller_command_with_a_missing_secret_file_prints_one_line(tmp_path)
     assert "Traceback" not in p.stderr, p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "nonexistent" in lines[0] and "--new-secret" in lines[0], p.stderr
+
+
+def test_a_host_done_after_a_tolerated_death_is_not_taken_for_a_lost_host():
+    """Host 0 loses rank 1 within max_failures=1 and finishes. Its relay, finding a fenced
+    rank, closed the link without saying the host was done: the controller declared ranks
+    0 and 1 dead, and host 1, still in its function, stopped with RankFailed (2 deaths past
+    max_failures=1) and lost its result."""
+    from cluster_util import one_dies_then_host_1_lingers, run_hosts
+
+    results, errors, ctl = run_hosts(one_dies_then_host_1_lingers, [2, 1], max_failures=1)
+    assert not errors, errors
+    assert results == [[0, None], [2]]
+    assert ctl.dead_ranks.alive() == [0, 2], ctl.dead_ranks.alive()

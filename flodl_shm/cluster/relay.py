@@ -213,7 +213,11 @@ class Relay:
             rnd += 1
         self._flush_upstream()
         c = self.arena.ctl
-        if all(c[A.rank_base(r) + A.R_DEAD] == A.DEAD_EXITED for r in range(self.arena.world)):
+        # done once every local rank returned or died and was fenced (a tolerated death,
+        # already sent upstream by _flush_upstream): the controller must not take the
+        # closing link for a lost host and declare the ranks that finished dead
+        if all(c[A.rank_base(r) + A.R_DEAD] in (A.DEAD_EXITED, A.DEAD_KILLED)
+               for r in range(self.arena.world)):
             link.send_ctrl(ctrl_message(Ctrl.HOST_DONE))
             logger.info("relay %s: every local rank finished after %d rounds", self.host, rnd)
 
