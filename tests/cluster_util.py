@@ -50,6 +50,14 @@ def one_dies_then_host_1_lingers(ctx):
     return ctx.rank
 
 
+def root_dies_before_broadcast(ctx):
+    """Rank 0 exits before a broadcast from it; the others' broadcast must not return."""
+    ctx.comm.barrier()
+    if ctx.rank == 0:
+        os._exit(3)
+    return ctx.comm.broadcast_from_root([torch.full((4,), 7.0)], root=0)[0].tolist()
+
+
 def loop_forever(ctx, ready: str):
     """Host 1's rank of ``kill_a_host_mid_run``: all-reduces until killed, touching
     ``ready`` after a few rounds."""

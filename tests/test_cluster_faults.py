@@ -360,3 +360,17 @@ def test_a_host_done_after_a_tolerated_death_is_not_taken_for_a_lost_host():
     assert not errors, errors
     assert results == [[0, None], [2]]
     assert ctl.dead_ranks.alive() == [0, 2], ctl.dead_ranks.alive()
+
+
+def test_a_broadcast_whose_root_died_raises_on_the_other_hosts():
+    """On a cluster a broadcast is a reduce to which only the root contributes: with the
+    root dead before it arrived, the others received the sum of nothing, zeros, as the
+    root's tensors (a Trainer's replicas then trained from zeroed weights, silently)."""
+    from flodl_shm import RankFailed
+
+    from cluster_util import root_dies_before_broadcast, run_hosts
+
+    results, errors, _ = run_hosts(root_dies_before_broadcast, [1, 1], max_failures=1)
+    assert results[0] == [None], results
+    assert isinstance(errors.get(1), RankFailed), (results, errors)
+    assert "the root, rank 0, died before its tensors arrived" in str(errors[1])

@@ -661,7 +661,8 @@ class Comm:
         (no reduce, no result region). A root that died before publishing makes every
         other rank raise a RuntimeError naming it; ranks passing different roots raise
         ``SchemaMismatchError``. On a cluster it is a reduce to which only the root
-        contributes.
+        contributes (with mass 1); a root that died before its tensors arrived makes every
+        rank raise a RuntimeError naming it.
 
         Args:
             tensors: float32/bfloat16 tensors (the root's are sent; the others only
@@ -693,8 +694,15 @@ class Comm:
                                self._round)
 
         out = flat.numpy()
-        cons, _ = self._run(plan, 0.0, write if is_root else None, elided=not is_root,
-                            out=out, broadcast=local_root)
+        # on a cluster, a reduce to which only the root contributes, with mass 1: a round
+        # that accepted no mass lost its root (it died before its tensors arrived), and
+        # its sum is zeros, not the root's tensors
+        cons, mass = self._run(plan, 1.0 if is_root else 0.0, write if is_root else None,
+                               elided=not is_root, out=out, broadcast=local_root)
+        if local_root is None and not mass > 0.0:
+            raise RuntimeError(
+                f"broadcast_from_root: the root, rank {root}, died before its tensors "
+                f"arrived; no rank received them. Broadcast from a live rank")
         if cons is not out:  # a cluster round: the consensus is in the result region
             np.copyto(out, cons[:plan.nelem])
         del out
