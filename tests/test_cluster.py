@@ -501,3 +501,23 @@ def test_an_outer_step_the_controller_cannot_run_is_refused_loudly():
     for e in errors.values():
         assert "outer" in str(e) and "--outer nesterov" in str(e), str(e)
     assert ctl.error is not None and "outer" in str(ctl.error)
+
+
+def one_outer_round(ctx):
+    from flodl_shm import OuterNesterov
+
+    ctx.comm.set_outer(OuterNesterov())
+    return sumcount_reduce(ctx.comm, [torch.ones(5)], 1.0, DECODE_SLOT_PARAMS, outer=True)
+
+
+def test_outer_momentum_of_another_model_is_refused_not_replaced_by_fresh_momentum():
+    """A controller given the momentum of another model (--outer-state of another run)
+    started from fresh momentum instead, silently, under a resume that had asked for it."""
+    from flodl_shm import OuterNesterov
+
+    out, errors, ctl = run_hosts(one_outer_round, [1, 1], controller_kwargs=dict(
+        outer=OuterNesterov(), outer_momentum=[torch.zeros(7)]))
+    assert set(errors) == {0, 1}, (out, errors)
+    for e in errors.values():
+        assert "holds 7 values and the model's parameters 5" in str(e), str(e)
+    assert ctl.error is not None and "another model" in str(ctl.error)

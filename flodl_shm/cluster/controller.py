@@ -715,9 +715,18 @@ class ClusterController:
         n = cons.shape[0]
         fresh = False
         if self._prev is None or self._prev.shape[0] != n:
+            loaded = self._outer_loaded
+            if loaded is not None and loaded.shape[0] != n and self._mom is None:
+                # another model's momentum: refused (the hosts hear it), never replaced by
+                # fresh momentum behind a resume that asked for this one
+                raise ValueError(
+                    f"the loaded outer momentum holds {loaded.shape[0]} values and the "
+                    f"model's parameters {n}: it belongs to another model. Restart the "
+                    f"controller with the .outer.fdl saved with the checkpoint the hosts "
+                    f"resume from (--outer-state)")
             self._prev = cons.copy()
-            if self._outer_loaded is not None and self._outer_loaded.shape[0] == n:
-                self._mom = self._outer_loaded.copy()
+            if loaded is not None and loaded.shape[0] == n:
+                self._mom = loaded.copy()
             else:
                 self._mom = np.zeros(n, np.float32)
                 fresh = True
