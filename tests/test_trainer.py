@@ -228,6 +228,26 @@ def test_a_host_past_rank_0_counts_its_dead_by_global_rank(tmp_path):
         assert result.meta.global_step == results[0].meta.global_step
 
 
+def test_hosts_built_with_different_settings_are_refused_before_training(tmp_path):
+    """Another seed on one host trained some samples twice and others never (1,540 of
+    2,048 distinct in a probe), another batch size or epoch count stopped a host early
+    and had it taken for dead: silently, or as a false death."""
+    from flodl_shm.errors import StartRefused
+
+    def call(trainer, i, **cluster):
+        if i == 1:
+            trainer.seed, trainer.epochs = 7, 3
+        return trainer.run(1, **cluster)
+
+    _, errors = _two_hosts(tmp_path, call)
+    assert set(errors) == {0, 1}, errors
+    for i, e in errors.items():
+        assert isinstance(e, StartRefused), e
+        assert "the ranks differ in seed (rank" in str(e) and "; epochs (rank" in str(e), e
+        assert "build the same Trainer, with the same dataset, on every host" in str(e)
+    assert not list(tmp_path.glob("host*/run-r*")), "nothing was trained or saved"
+
+
 def test_hosts_saving_into_one_shared_folder_share_its_run_lock(tmp_path):
     """Hosts of one cluster whose save paths are one shared folder (NFS): both hold the
     job's run lock (a digest of the session salt), so neither is refused; every rank's

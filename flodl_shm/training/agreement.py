@@ -25,7 +25,7 @@ from typing import Any, Optional
 from ..errors import StartRefused
 
 __all__ = ["check_controller_outer", "check_same_model", "check_same_settings", "check_same_start",
-           "digest24"]
+           "digest24", "outer_settings"]
 
 
 def digest24(value: Any) -> int:
@@ -93,6 +93,19 @@ def check_same_model(comm, tensors: list[tuple[str, str]], fix: str) -> None:
                              f"{_also(comm.rank, same)}, {what}; ranks {others} have "
                              f"another: {fix}")
     raise ValueError(f"the ranks' models differ (the same tensors in another order): {fix}")
+
+
+def outer_settings(outer) -> Any:
+    """What of an outer optimizer every rank must agree on: its kind and its
+    hyper-parameters (a ``torch.optim`` optimizer's parameter groups without their
+    tensors; an ``OuterNesterov``'s lr and momentum); None for none."""
+    if outer is None:
+        return None
+    groups = getattr(outer, "param_groups", None)
+    if groups is not None:
+        return (type(outer).__name__, [{k: v for k, v in g.items() if k != "params"}
+                                       for g in groups])
+    return (type(outer).__name__, getattr(outer, "lr", None), getattr(outer, "mu", None))
 
 
 def _split(rank: int, got: list[int]) -> Optional[tuple[list[int], list[int]]]:

@@ -79,7 +79,7 @@ from ..errors import SchemaMismatchError, SeriesInUse, ShmSpaceError
 from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, ElCheState, ModelSchema,
                                SaveReason, averaged_buffers)
 from ..frame import DTYPE_F32, tensors_to_round_frame
-from .agreement import check_same_model, check_same_settings, check_same_start
+from .agreement import check_same_model, check_same_settings, check_same_start, outer_settings
 from .convergence import TrendGuard
 from .el_che import ElChe
 from .inner_state import check_optimizer_state, restore_inner
@@ -173,16 +173,6 @@ def _default_comm():
             f"process group spans {hosts} hosts; for several hosts run the ranks with "
             f"flodl_shm.spawn(..., controller='host:port') and pass comm=ctx.comm")
     return group.comm
-
-
-def _outer_settings(outer) -> Any:
-    """What of ``outer`` every rank must agree on: its kind and hyper-parameters."""
-    if outer is None:
-        return None
-    if isinstance(outer, torch.optim.Optimizer):
-        return (type(outer).__name__, [{k: v for k, v in g.items() if k != "params"}
-                                       for g in outer.param_groups])
-    return (type(outer).__name__, getattr(outer, "lr", None), getattr(outer, "mu", None))
 
 
 def _check_averaged(name: str, t: torch.Tensor) -> None:
@@ -334,7 +324,7 @@ class LocalSGD:
         fix = self._same_setup_fix
         check_same_settings(self.comm, {
             "sync_every": self.sync_every, "gamma": self.gamma, "cadence": self.cadence,
-            "outer": _outer_settings(self.outer), "bf16_wire": self.bf16_wire,
+            "outer": outer_settings(self.outer), "bf16_wire": self.bf16_wire,
             "buffers": buffers, "shared_params": shared_params,
             "the LocalSGD subclass": type(self).__name__}, fix)
         check_same_model(self.comm, [

@@ -45,7 +45,8 @@ from torch.nn.utils import clip_grad_norm_
 from ..errors import RankFailed, StartRefused, TrainingAborted
 from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, RankDeathRecord, SaveReason,
                                set_extension)
-from .agreement import check_controller_outer, check_same_start
+from .agreement import (check_controller_outer, check_same_settings, check_same_start,
+                        outer_settings)
 from .coordinator import Coordinator, CoordinatorConfig
 from .coverage import SHUFFLE_BASE_SEED, epoch_permutation
 from .data import fetch_batch, is_dataset_factory
@@ -870,6 +871,7 @@ class _RankRun:
                 "(ReduceLROnPlateau(state.optimizer)) and step it in on_window_end with "
                 "your metric (e.g. stats.cohort_loss)")
         if not self.one_round:
+            self._check_same_trainer()
             self._check_same_start()
         # the window itself (counting, the realized-work rounds, the outer step, the
         # inner reset): a LocalSGD that syncs when the coordinator says so; it aligns
@@ -884,6 +886,21 @@ class _RankRun:
             lambda: bool(self.coord.alive) and self.coord.alive[0] == self.rank))
         self._perm_epoch = -1
         self._perm = None
+
+    def _check_same_trainer(self) -> None:
+        """Several hosts: every host built the same Trainer (``check_same_settings``).
+        Hosts with another seed, batch size or epoch count plan other windows from the
+        same books: samples trained twice or never, or a host that stops early taken for
+        dead. (On one host every rank gets the same pickled Trainer.)"""
+        tr = self.trainer
+        cadence = tr.cadence if isinstance(tr.cadence, str) else type(tr.cadence).__name__
+        check_same_settings(self.comm, {
+            "seed": tr.seed, "batch_size": tr.batch_size, "epochs": tr.epochs,
+            "sync_every": tr.sync_every, "cadence": cadence, "gamma": tr.gamma,
+            "checkpoint_every": tr.checkpoint_every, "max_failures": tr.max_failures,
+            "bf16_wire": tr.bf16_wire, "outer": outer_settings(tr.outer),
+            "the dataset's length": len(self.dataset)},
+            "build the same Trainer, with the same dataset, on every host")
 
     def _check_same_start(self) -> None:
         """Several hosts: every rank starts from the same checkpoint, or every rank from
