@@ -248,6 +248,35 @@ def test_hosts_built_with_different_settings_are_refused_before_training(tmp_pat
     assert not list(tmp_path.glob("host*/run-r*")), "nothing was trained or saved"
 
 
+def test_the_controller_keeps_checkpointing_after_rank_0_died(tmp_path):
+    """Only global rank 0 armed the controller's forge: once it was dead, the controller
+    wrote no more bundles (with DiLoCo, the only copies of the outer momentum), and the
+    run could resume only from before the death. The lowest live rank arms it now."""
+    from flodl_shm import ClusterController
+
+    from cluster_util import SALT, run_host_processes
+
+    ctl = ClusterController.start("127.0.0.1:0", 2, SALT, round_timeout=60.0)
+    written = []
+
+    def host(i):
+        trainer = make_trainer(save_path=tmp_path / f"host{i}" / "run", max_failures=1,
+                               checkpoint_every=4, keep_checkpoints=10,
+                               hooks=[KillAt(rank=0, window=6, batch=0)] if i == 0 else [])
+        return trainer.run(1, controller=f"127.0.0.1:{ctl.port}", world_size=2,
+                           first_rank=i, salt=SALT)
+
+    original = ctl.forge
+    results, errors = run_host_processes(ctl, host, 2, join_timeout=120.0)
+    assert set(errors) == {0} and results[1].dead_ranks == (0,), (results, errors)
+    assert results[1].meta.sync_round > 8
+    forge = ctl.forge or original
+    # the controller's last copy is the host's last bundle, past the death at window 6
+    assert forge is not None and forge.writes_completed >= 3, forge
+    last = results[1].checkpoint
+    assert CheckpointMeta.read_from_file(CheckpointBundle.meta_path(last)).sync_round > 8
+
+
 def test_hosts_saving_into_one_shared_folder_share_its_run_lock(tmp_path):
     """Hosts of one cluster whose save paths are one shared folder (NFS): both hold the
     job's run lock (a digest of the session salt), so neither is refused; every rank's

@@ -111,14 +111,15 @@ class TapClient:
                        param_names=schema.param_names, buffer_names=schema.buffer_names,
                        tied=schema.tied, meta=None if meta is None else meta.to_dict())
 
-    def arm(self, path, schema, meta, last_round: int) -> None:
+    def arm(self, path, schema, meta, last_round: int, tells_controller: bool) -> None:
         """Capture the next MODEL rounds (up to ``schema.tensor_count()`` tensors) as the
-        checkpoint at ``path`` (``Comm.arm_checkpoint``). On a cluster, rank 0 first
-        tells the controller's forge where, through this host's relay."""
+        checkpoint at ``path`` (``Comm.arm_checkpoint``). On a cluster, the one rank that
+        ``tells_controller`` first tells the controller's forge where, through this host's
+        relay."""
         head = self._head(path, schema, meta)
         self.armed = head
         self._remaining = head.tensor_count
-        if self._engine.relay_mode and self._rank == 0:
+        if self._engine.relay_mode and tells_controller:
             post(self.arena, self._engine.doorbell, replace(head, arm_only=True),
                  np.empty(0, np.uint8), None,
                  wait_ack=lambda target: self._wait_ack(target, last_round))

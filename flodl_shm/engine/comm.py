@@ -289,7 +289,8 @@ class Comm:
         word = int(self.arena.ctl[A.G_CONTROLLER_OUTER])
         return None if word == 0 else word - 2
 
-    def arm_checkpoint(self, path, schema, meta=None) -> None:
+    def arm_checkpoint(self, path, schema, meta=None, *,
+                       tells_controller: bool | None = None) -> None:
         """Capture the next MODEL rounds (the params frame, then the buffers frame: up to
         ``schema.tensor_count()`` tensors) as a consensus checkpoint at ``path``.
 
@@ -298,8 +299,13 @@ class Comm:
         momentum next to it) off the training path, then ``meta`` (a
         ``CheckpointMeta``) as the bundle's ``.meta.json`` commit marker. A round
         whose accepted mass is 0 cancels the cycle (nothing was realized).
+
+        ``tells_controller``: on a cluster, whether this rank arms the controller's forge
+        too; exactly one live rank of the cohort must (default: global rank 0, which
+        must then be alive; a caller that tracks deaths names the lowest live rank).
         """
-        self._tap.arm(path, schema, meta, self._round - 1)
+        tells = self.rank == 0 if tells_controller is None else bool(tells_controller)
+        self._tap.arm(path, schema, meta, self._round - 1, tells)
 
     def post_checkpoint(self, path, schema, tensors: Sequence[torch.Tensor], *, mass: float,
                         meta=None, momentum: np.ndarray | None = None) -> None:

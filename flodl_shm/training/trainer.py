@@ -1108,7 +1108,9 @@ class _RankRun:
         if settled.save_reason is not None and self.trainer.save_path \
                 and counts.total_batches > 0:
             ckpt, reason = self._checkpoint_path(), settled.save_reason
-            comm.arm_checkpoint(ckpt, self.schema, coord.checkpoint_meta(reason))
+            # the lowest live rank arms the controller's forge (rank 0 may be gone)
+            comm.arm_checkpoint(ckpt, self.schema, coord.checkpoint_meta(reason),
+                                tells_controller=self.rank == coord.alive[0])
         sync = self.sgd.sync()
         if falls_short(sync.mass, counts, self.trainer.gamma):
             realized = sorted(r for r in sync.accepted if counts.batches[r] > 0)
