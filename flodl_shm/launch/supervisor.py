@@ -580,8 +580,9 @@ class SpawnContext:
         local = self._local(dead)
         remote = [r for r in dead if r not in local]
         if not self._stops(dead):
-            logger.warning("ranks %s of other hosts are dead; %s", remote,
-                           self._survivors_go_on(len(dead)))
+            if remote:  # (the controller also echoes this host's own deaths, said already)
+                logger.warning("ranks %s of other hosts are dead; %s", remote,
+                               self._survivors_go_on(len(dead)))
             return
         err = RankFailed(remote[0] if remote else dead[0], message=(
             f"ranks {dead} of the cohort are dead (ranks {remote} on other hosts, declared by "
