@@ -216,6 +216,19 @@ def _mlp(seed: int) -> torch.nn.Module:
                                torch.nn.ReLU(), torch.nn.Linear(64, 4))
 
 
+def _sgd_steps(model: torch.nn.Module, rank: int, steps: int, after_step=None) -> None:
+    """``steps`` SGD steps of ``_mlp``'s regression on data fixed by ``rank``."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(50 + rank)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(torch.randn(8, 16, generator=g)),
+                                     torch.randn(8, 4, generator=g)).backward()
+        opt.step()
+        if after_step is not None:
+            after_step()
+
+
 def sc_layouts(rank: int, world: int) -> dict:
     """Tensors of every memory layout, chosen per rank, and half-precision sums through
     every transport. World 3: ranks contribute 1, 2^-8, 2^-8 (bfloat16) and 1, 2^-11,
@@ -415,15 +428,9 @@ def sc_averager(rank: int, world: int) -> dict:
     from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
     model = _mlp(seed=rank + 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
     avg = PeriodicModelAverager(period=2, warmup_steps=0)
-    g = torch.Generator().manual_seed(50 + rank)
-    for _ in range(5):  # averages at the 1st, 3rd and 5th call (period 2, from step 0)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(torch.randn(8, 16, generator=g)),
-                                     torch.randn(8, 4, generator=g)).backward()
-        opt.step()
-        avg.average_parameters(model.parameters())
+    # averages at the 1st, 3rd and 5th call (period 2, from step 0)
+    _sgd_steps(model, rank, 5, lambda: avg.average_parameters(model.parameters()))
     dist.barrier()
     return {"pid": os.getpid(), "params": [p.detach().clone() for p in model.parameters()]}
 
@@ -439,13 +446,7 @@ def sc_fsdp2(rank: int, world: int) -> dict:
     model = _mlp(seed=1)
     fully_shard(model[0], mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    g = torch.Generator().manual_seed(50 + rank)
-    for _ in range(5):
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(torch.randn(8, 16, generator=g)),
-                                     torch.randn(8, 4, generator=g)).backward()
-        opt.step()
+    _sgd_steps(model, rank, 5)
     params = [v.full_tensor().clone() for v in model.state_dict().values()]
     dist.barrier()
     return {"pid": os.getpid(), "params": params}
