@@ -651,7 +651,8 @@ def _run_demo(cfg: DemoConfig) -> DemoResult:
     if cfg.resume and ckpt is None:
         problems.append(f"--resume: no complete checkpoint under {cfg.run_dir} (run the demo "
                         f"without --resume first)")
-    problems += [] if ckpt is None else _resume_problems(cfg, ckpt)
+    if ckpt is not None:
+        problems += _resume_problems(cfg, ckpt)
     if problems:
         print(f"{_prog()}: error: " + "; ".join(problems), file=sys.stderr)
         raise SystemExit(2)

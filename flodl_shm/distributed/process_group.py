@@ -175,13 +175,7 @@ class _QueuedWork(dist.Work):
         return self._future.done()
 
     def is_success(self) -> bool:
-        if not self._future.done():
-            return False
-        try:
-            self._future.value()
-        except Exception:
-            return False
-        return True
+        return self._future.done() and self.exception() is None
 
     def exception(self):
         try:
@@ -198,6 +192,13 @@ class _QueuedWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future:
         return self._future
+
+
+def _put_status(dst: np.ndarray, problem: str | None) -> None:
+    """The status word in front of a gather's or a scatter's bytes: whether the root's
+    list fits, so that every rank refuses one that does not (only the root can check
+    it); read by ``_refuse_root_list``."""
+    dst[:8].view(np.int64)[0] = int(problem is not None)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -656,6 +657,15 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         self._allgather(output_lists, inputs, problem)
         return _done([t for outs in output_lists for t in outs])
 
+    def _refuse_root_list(self, views: list[np.ndarray], root: int, what: str, fit: str,
+                          t: torch.Tensor) -> None:
+        """Raise, on every rank, when the root's status word (``_put_status``) says its
+        ``<what>_list`` did not fit ``fit`` (one tensor like ``t`` per rank)."""
+        if int(views[root][:8].view(np.int64)[0]):
+            raise RuntimeError(f"flodl_shm {what}: the root, rank {root}, passed a {what}_list "
+                               f"that does not fit {fit} ({self._size} tensors of "
+                               f"{t.numel()} {t.dtype} elements)")
+
     def _per_rank_lists(self, what: str, noun: str, lists, pairs) -> str | None:
         """The first argument error of a collective over per-rank ``lists`` of tensors: a
         list that is not one ``noun`` tensor per rank, or an (output, input) of ``pairs``
@@ -761,22 +771,15 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             outs = output_lists[0] if output_lists else []
             problem = self._per_rank_lists("gather", "gather_list", [outs],
                                            [(o, inputs[0]) for o in outs])
-        # every rank's bytes start with a status word, the root's saying whether its
-        # gather_list fits, so that every rank refuses a list that does not (the others
-        # cannot check it; scatter does the same)
-        head = _ALIGN
+        head = _ALIGN  # every rank's bytes start with a status word (_put_status)
 
         def fill(dst: np.ndarray) -> None:
-            dst[:8].view(np.int64)[0] = int(problem is not None)
+            _put_status(dst, problem)
             _write(dst[head:], inputs, offs)
 
         def consume(views: list[np.ndarray]) -> None:
             _refuse(problem)
-            if int(views[root][:8].view(np.int64)[0]):
-                raise RuntimeError(f"flodl_shm gather: the root, rank {root}, passed a "
-                                   f"gather_list that does not fit the inputs ({self._size} "
-                                   f"tensors of {inputs[0].numel()} {inputs[0].dtype} "
-                                   f"elements)")
+            self._refuse_root_list(views, root, "gather", "the inputs", inputs[0])
             if self._rank == root:
                 for r, out in enumerate(output_lists[0]):
                     _copy_into(out, _tensor_at(views[r], head + offs[0], inputs[0]))
@@ -796,21 +799,16 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             mine = list(input_lists[0]) if input_lists else []
             problem = self._per_rank_lists("scatter", "scatter_list", [mine],
                                            [(outs[0], t) for t in mine])
-        # the root's bytes start with a status word: whether its scatter_list fits, so
-        # that every rank refuses a list that does not (the others cannot check it)
-        head = _ALIGN
+        head = _ALIGN  # the root's bytes start with a status word (_put_status)
 
         def fill(dst: np.ndarray) -> None:
-            dst[:8].view(np.int64)[0] = int(problem is not None)
+            _put_status(dst, problem)
             if problem is None:
                 _write(dst[head:], mine, offs)
 
         def consume(views: list[np.ndarray]) -> None:
             _refuse(problem)
-            if int(views[root][:8].view(np.int64)[0]):
-                raise RuntimeError(f"flodl_shm scatter: the root, rank {root}, passed a "
-                                   f"scatter_list that does not fit the outputs ({self._size} "
-                                   f"tensors of {outs[0].numel()} {outs[0].dtype} elements)")
+            self._refuse_root_list(views, root, "scatter", "the outputs", outs[0])
             _copy_into(outs[0], _tensor_at(views[root], head + offs[me], outs[0]))
 
         self._exchange(head + total, fill if me == root else None, consume,

@@ -441,10 +441,8 @@ class SpawnContext:
             if fatal and self._failure is None:
                 self._failure = stall
         if fatal:
-            n = used + len(culprits)
             logger.error("%s; %s: stopping the cohort", why,
-                         f"{n} failure(s) exceed max_failures={self.max_failures}"
-                         if n > self.max_failures else "no rank is left")
+                         self._why_stop(used + len(culprits)))
         else:
             logger.warning("%s; fencing them and %s", why,
                            self._survivors_go_on(used + len(culprits)))
@@ -520,10 +518,8 @@ class SpawnContext:
             with self._lock:
                 if self._failure is None:
                     self._failure = err
-            why = (f"max_failures={self.max_failures}" if failures > self.max_failures
-                   else "no rank is left")
             logger.error("rank %d failed (%s); stopping the cohort (%s)", global_rank,
-                         out.exc_type or out.signal or out.exitcode, why)
+                         out.exc_type or out.signal or out.exitcode, self._why_stop(failures))
             self._abort(A.ABORT_FAILED)
             return
         if stalled is None:
@@ -551,6 +547,12 @@ class SpawnContext:
             return len(self._local(dead)) + local_more >= self.nprocs
         n = len(dead) + local_more
         return n > self.max_failures or n >= self.world_size
+
+    def _why_stop(self, failures: int) -> str:
+        """Why ``failures`` failures stop the cohort (``_stops`` said they do), for the log."""
+        if failures > self.max_failures:
+            return f"{failures} failure(s) exceed max_failures={self.max_failures}"
+        return "no rank is left"
 
     def _survivors_go_on(self, failures: int) -> str:
         """What the survivors of ``failures`` tolerated failures do, for the log line."""
