@@ -257,11 +257,13 @@ def test_handshake_refusals_are_named_on_both_ends(caplog):
     assert "world_size 4" in logged and "overlapping" in logged and "duplicate host" in logged
 
 
-def test_hello_ack_says_where_the_controllers_outer_momentum_starts():
-    """A controller that steps a stateful outer optimizer tells each admitted host where
-    its momentum starts (fresh: -1, or the sync round of the checkpoint it loaded), so
-    resuming ranks can refuse another round's; with no outer step, or a momentum loaded
-    without its round, there is nothing to check and the field is absent."""
+def test_hello_ack_says_which_outer_optimizer_the_controller_steps_and_where_it_starts():
+    """A controller tells each admitted host the outer optimizer it steps (none, or
+    Nesterov with its lr and momentum), so ranks built with another can refuse; one
+    that steps a stateful outer optimizer also says where its momentum starts (fresh:
+    -1, or the sync round of the checkpoint it loaded), so resuming ranks can refuse
+    another round's. With no outer step, or a momentum loaded without its round, there
+    is no start to check and that field is absent."""
     from flodl_shm import OuterNesterov
 
     momentum = [torch.zeros(3)]
@@ -272,7 +274,7 @@ def test_hello_ack_says_where_the_controllers_outer_momentum_starts():
                     "outer_round": 8},
         "unknown round": {"outer": OuterNesterov(0.7, 0.9), "outer_momentum": momentum},
     }
-    starts = {}
+    starts, outers = {}, {}
     for name, kw in setups.items():
         ctl = ClusterController.start("127.0.0.1:0", 2, SALT, **kw)
         try:
@@ -280,10 +282,14 @@ def test_hello_ack_says_where_the_controllers_outer_momentum_starts():
             join_raw(ctl.port, {"host": "a", "ranks": [0], "world_size": 2},
                      on_ack=acks.append).close()
             starts[name] = acks[0].get("outer_start_round", "absent")
+            outers[name] = acks[0]["outer"]
         finally:
             ctl.shutdown()
     assert starts == {"plain average": "absent", "fresh momentum": -1, "round 8": 8,
                       "unknown round": "absent"}
+    nesterov = {"kind": "nesterov", "lr": 0.7, "momentum": 0.9}
+    assert outers == {"plain average": {"kind": "none"}, "fresh momentum": nesterov,
+                      "round 8": nesterov, "unknown round": nesterov}
 
 
 def test_world_size_disagreement_refused_through_spawn():

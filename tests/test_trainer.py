@@ -140,12 +140,14 @@ def test_diloco_outer_nesterov_saves_its_momentum(tmp_path):
     assert math.isfinite(result.history[-1].cohort_loss)
 
 
-def _two_hosts(tmp_path, call, outer=False, shared_folder=False, **controller):
+def _two_hosts(tmp_path, call, outer=False, shared_folder=False, controller_outer="same",
+               **controller):
     """A 2-rank cohort as 2 hosts of 1 rank on loopback: ``call(trainer, i, **cluster)``
     on host i, whose Trainer saves under ``tmp_path/host<i>`` (its own disk; with
     ``shared_folder`` both save under ``tmp_path/shared``, as on NFS); (results by
     host, exceptions by host). ``outer``: DiLoCo (an outer Nesterov the controller
-    steps); ``controller``: more arguments of ``ClusterController.start``."""
+    steps); ``controller_outer``: the controller's own outer optimizer when it differs
+    from the hosts'; ``controller``: more arguments of ``ClusterController.start``."""
     from flodl_shm import ClusterController
 
     from cluster_util import SALT, run_host_processes
@@ -154,7 +156,8 @@ def _two_hosts(tmp_path, call, outer=False, shared_folder=False, **controller):
         return OuterNesterov(lr=0.7, momentum=0.9) if outer else None
 
     ctl = ClusterController.start("127.0.0.1:0", 2, SALT, round_timeout=60.0,
-                                  outer=nesterov(), **controller)
+                                  outer=nesterov() if controller_outer == "same"
+                                  else controller_outer, **controller)
 
     def host(i):
         folder = tmp_path / ("shared" if shared_folder else f"host{i}")
@@ -165,6 +168,34 @@ def _two_hosts(tmp_path, call, outer=False, shared_folder=False, **controller):
 
     results, errors = run_host_processes(ctl, host, 2, join_timeout=100.0)
     return dict(enumerate(results)), errors
+
+
+def test_a_cluster_whose_controller_steps_another_outer_optimizer_is_refused(tmp_path):
+    """On a cluster the controller steps the Trainer's outer optimizer with its own
+    settings (``--outer-lr`` / ``--outer-momentum``). A controller with another lr, with
+    none while the Trainer asks for DiLoCo, or with one the Trainer's rounds never ask
+    for, would silently train another outer trajectory than the one the Trainer was
+    built with: every rank refuses at its start, naming both and the controller flags
+    that fix it."""
+    def run(t, i, **c):
+        return t.run(1, **c)
+
+    cases = {
+        "other lr": (True, OuterNesterov(lr=0.5, momentum=0.9),
+                     ["OuterNesterov(lr=0.7, momentum=0.9)", "OuterNesterov(lr=0.5, momentum=0.9)",
+                      "--outer-lr 0.7 --outer-momentum 0.9"]),
+        "none at the controller": (True, None, ["the controller steps none",
+                                                "--outer nesterov --outer-lr 0.7"]),
+        "none in the Trainer": (False, OuterNesterov(lr=0.7, momentum=0.9),
+                                ["rounds have no outer optimizer",
+                                 "without --outer nesterov"]),
+    }
+    for name, (outer, at_controller, expected) in cases.items():
+        _, errors = _two_hosts(tmp_path / name.replace(" ", "_"), run, outer=outer,
+                               controller_outer=at_controller)
+        assert set(errors) == {0, 1}, (name, errors)
+        for text in _error_texts(errors):
+            assert all(part in text for part in expected), (name, text)
 
 
 def test_a_host_past_max_failures_after_another_hosts_death_saves_before_it_stops(tmp_path):

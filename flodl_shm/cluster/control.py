@@ -8,11 +8,14 @@ Handshake (once per link, ``link.client_handshake`` / ``link.server_handshake``)
 
 - ``hello`` relay -> controller: ``host`` (name), ``ranks`` (global ranks this
   host carries), ``world_size``, ``protocol``.
-- ``hello_ack`` controller -> relay: the host is admitted. A controller with a stateful
-  outer optimizer adds ``outer_start_round``: -1 when its outer momentum starts fresh,
-  else the sync round of the checkpoint whose momentum it loaded; the relay writes it
-  into the arena (``G_CONTROLLER_OUTER``) for the ranks to check against the round they
-  resume from. Absent: nothing to check.
+- ``hello_ack`` controller -> relay: the host is admitted. ``outer``: the outer
+  optimizer the controller steps, ``{"kind": "none"}`` or ``{"kind": "nesterov",
+  "lr": LR, "momentum": MU}``. A controller with a stateful outer optimizer adds
+  ``outer_start_round``: -1 when its outer momentum starts fresh, else the sync round
+  of the checkpoint whose momentum it loaded (absent: a momentum loaded without its
+  round, nothing to check). The relay writes both into the arena
+  (``G_CONTROLLER_OUTER*``) for the ranks to check against their own outer optimizer
+  and the round they resume from.
 - ``reject`` controller -> relay: ``reason`` (why the host was refused).
 
 During the run:

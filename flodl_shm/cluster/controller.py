@@ -225,13 +225,18 @@ class ClusterController:
         return self._outer_round
 
     def _ack_fields(self) -> dict:
-        """The ``hello_ack`` fields (``control.py``): where the outer momentum starts."""
+        """The ``hello_ack`` fields (``control.py``): the outer optimizer stepped here and
+        where its momentum starts."""
         with self._lock:
-            if self.outer is None or (self._outer_loaded is not None
-                                      and self._outer_round is None):
-                return {}  # no outer step here, or momentum of an unknown round
-            return {"outer_start_round": -1 if self._outer_loaded is None
-                    else self._outer_round}
+            if self.outer is None:
+                return {"outer": {"kind": "none"}}
+            fields = {"outer": {"kind": "nesterov", "lr": float(self.outer.lr),
+                                "momentum": float(self.outer.mu)}}
+            if self._outer_loaded is None or self._outer_round is not None:
+                # (a momentum loaded without its round has no start to check)
+                fields["outer_start_round"] = (-1 if self._outer_loaded is None
+                                               else self._outer_round)
+            return fields
 
     # -- accept ----------------------------------------------------------------------
     def _accept_loop(self) -> None:

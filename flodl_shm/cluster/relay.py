@@ -121,13 +121,20 @@ class Relay:
             self._control(body)
 
     def _take_ack(self, msg: dict) -> None:
-        """The controller admitted this host: publish where its outer momentum starts
-        (``G_CONTROLLER_OUTER``) before any round is relayed, so a rank that reads it
-        after its first cross-host round sees it."""
+        """The controller admitted this host: publish the outer optimizer it steps and
+        where its momentum starts (``G_CONTROLLER_OUTER*``) before any round is relayed,
+        so a rank that reads them after its first cross-host round sees them."""
         start = msg.get("outer_start_round")
         if start is not None:
             start = int(start)
             self.arena.ctl[A.G_CONTROLLER_OUTER] = 1 if start < 0 else 2 + start
+        outer = msg.get("outer")
+        if isinstance(outer, dict) and outer.get("kind") == "nesterov":
+            self.arena.ctl_f64[A.G_CONTROLLER_OUTER_LR] = float(outer["lr"])
+            self.arena.ctl_f64[A.G_CONTROLLER_OUTER_MU] = float(outer["momentum"])
+            self.arena.ctl[A.G_CONTROLLER_OUTER_KIND] = 2
+        elif isinstance(outer, dict) and outer.get("kind") == "none":
+            self.arena.ctl[A.G_CONTROLLER_OUTER_KIND] = 1
 
     def _main(self) -> None:
         peer = f"{self.addr[0]}:{self.addr[1]}"

@@ -289,6 +289,18 @@ class Comm:
         word = int(self.arena.ctl[A.G_CONTROLLER_OUTER])
         return None if word == 0 else word - 2
 
+    def controller_outer(self) -> dict | None:
+        """On a cluster, the outer optimizer the controller steps, as its handshake said:
+        ``{"kind": "none"}`` or ``{"kind": "nesterov", "lr": LR, "momentum": MU}``. None
+        on one host, or before the relay's handshake: read it after a cross-host round."""
+        kind = int(self.arena.ctl[A.G_CONTROLLER_OUTER_KIND])
+        if kind == 0:
+            return None
+        if kind == 1:
+            return {"kind": "none"}
+        return {"kind": "nesterov", "lr": float(self.arena.ctl_f64[A.G_CONTROLLER_OUTER_LR]),
+                "momentum": float(self.arena.ctl_f64[A.G_CONTROLLER_OUTER_MU])}
+
     def arm_checkpoint(self, path, schema, meta=None, *,
                        tells_controller: bool | None = None) -> None:
         """Capture the next MODEL rounds (the params frame, then the buffers frame: up to

@@ -13,10 +13,11 @@ use it without loading numba.
 from __future__ import annotations
 
 MAGIC = 0x46534D48_41524E41  # "FSMHARNA"
-VERSION = 5  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIRECT*);
+VERSION = 6  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIRECT*);
              # 3: round reports (H_REPORT, H_REPORT_ROUND);
              # 4: shared parameter blocks (p<r> segments, R_PARAMS_BASE, R_PARAMS_BYTES);
-             # 5: the controller's outer start (G_CONTROLLER_OUTER)
+             # 5: the controller's outer start (G_CONTROLLER_OUTER);
+             # 6: the controller's outer settings (G_CONTROLLER_OUTER_KIND, _LR, _MU)
 
 # -- global words ---------------------------------------------------------------------
 G_MAGIC = 0
@@ -37,6 +38,11 @@ G_OUTER_NELEM = 43    # elements of the outer-optimizer state (0: none yet)
 G_CONTROLLER_OUTER = 44  # on a cluster, where the controller's outer momentum starts (the
                       # relay writes it after the handshake, before any round): 0 nothing
                       # to check, 1 fresh, 2 + R the momentum saved at sync round R
+G_CONTROLLER_OUTER_KIND = 45  # on a cluster, the outer optimizer the controller steps (the
+                      # relay writes it with G_CONTROLLER_OUTER): 0 unknown (no handshake
+                      # yet), 1 none, 2 Nesterov momentum (lr and momentum in the next words)
+G_CONTROLLER_OUTER_LR = 46  # f64 bits: its learning rate
+G_CONTROLLER_OUTER_MU = 47  # f64 bits: its momentum coefficient
 G_TAP_SEQ = 48        # futex word (low 32 bits): checkpoint messages posted to the owner
 G_TAP_ACK = 56        # last checkpoint message the owner consumed
 G_DIRECT = 57         # 1: a dead rank stops the cohort (no survivor re-reduces its slice),
@@ -125,6 +131,9 @@ __all__ = [
     "G_GLOBAL_WORLD",
     "G_OUTER_NELEM",
     "G_CONTROLLER_OUTER",
+    "G_CONTROLLER_OUTER_KIND",
+    "G_CONTROLLER_OUTER_LR",
+    "G_CONTROLLER_OUTER_MU",
     "G_TAP_SEQ",
     "G_TAP_ACK",
     "G_DIRECT",

@@ -12,8 +12,9 @@ differs and the fix, before a window could average replicas that disagree:
 - **the same start** (:func:`check_same_start`): every rank resumes from the same
   checkpoint round, or every rank starts from scratch; a rank that could not load
   tells the others.
-- **the controller's outer state** (:func:`check_controller_outer`, several hosts): the
-  controller's outer momentum starts where the hosts do.
+- **the controller's outer optimizer** (:func:`check_controller_outer`, several hosts):
+  the controller steps the hosts' outer optimizer, with their settings, and its outer
+  momentum starts where the hosts do.
 
 A dead rank's slot reads 0 and is left out of every comparison.
 """
@@ -164,17 +165,22 @@ def check_same_start(comm, start_round: Optional[int], fix: str,
     raise StartRefused(f"the ranks start from different checkpoints ({starts}); {fix}")
 
 
-def check_controller_outer(comm, start_round: Optional[int], outer_name: Optional[str]) -> None:
-    """On a cluster: check that the controller's outer momentum starts where this rank
-    does (``Comm.controller_outer_round``). Call it after a cross-host round.
-    ``start_round`` is the sync round of the bundle this rank resumes from, or None
-    from scratch; ``outer_name`` the file name of that bundle's outer momentum (what
-    the controller should load), or None from scratch.
+def check_controller_outer(comm, outer, start_round: Optional[int],
+                           outer_name: Optional[str]) -> None:
+    """On a cluster whose controller steps the outer optimizer: check that it steps
+    this rank's ``outer`` (kind, lr, momentum: ``Comm.controller_outer``) and that
+    its outer momentum starts where this rank does (``Comm.controller_outer_round``).
+    Call it after a cross-host round. ``start_round`` is the sync round of the bundle
+    this rank resumes from, or None from scratch; ``outer_name`` the file name of that
+    bundle's outer momentum (what the controller should load), or None from scratch.
 
     Raises:
-        StartRefused: (a ``ValueError``) on every rank, naming both starts and the
+        StartRefused: (a ``ValueError``) on every rank, naming both sides and the
             controller option that fixes it.
     """
+    _check_controller_steps(comm.controller_outer(), outer)
+    if not getattr(outer, "has_momentum", False):
+        return
     held = comm.controller_outer_round()
     if held is None or held == (-1 if start_round is None else start_round):
         return
@@ -187,3 +193,34 @@ def check_controller_outer(comm, start_round: Optional[int], outer_name: Optiona
                        f"holds {have}: restart the controller with --outer-state naming its "
                        f"copy of {outer_name}, the momentum saved with that round, so the "
                        f"outer optimizer continues where the hosts do")
+
+
+def _check_controller_steps(held: Optional[dict], outer) -> None:
+    """The controller steps the outer optimizer of the ranks' rounds: the one the
+    ranks were built with, or none when theirs has no state (refusing either way)."""
+    if held is None:
+        return  # one host, or a controller that says nothing
+    if getattr(outer, "has_momentum", False):
+        mine = {"kind": "nesterov", "lr": float(outer.lr), "momentum": float(outer.mu)}
+    else:
+        mine = {"kind": "none"}
+    if held == mine:
+        return
+    if held["kind"] == "none":
+        raise StartRefused(
+            f"this rank's outer optimizer is OuterNesterov(lr={mine['lr']:g}, "
+            f"momentum={mine['momentum']:g}), which the controller steps on a cluster, but "
+            f"the controller steps none: restart it with --outer nesterov --outer-lr "
+            f"{mine['lr']:g} --outer-momentum {mine['momentum']:g}")
+    theirs = f"OuterNesterov(lr={held['lr']:g}, momentum={held['momentum']:g})"
+    if mine["kind"] == "none":
+        raise StartRefused(
+            f"the controller steps {theirs}, but this rank's rounds have no outer "
+            f"optimizer ({type(outer).__name__ if outer is not None else 'outer=None'}), "
+            f"so the controller's would never run: build the ranks with outer={theirs}, "
+            f"or restart the controller without --outer nesterov")
+    raise StartRefused(
+        f"this rank's outer optimizer is OuterNesterov(lr={mine['lr']:g}, "
+        f"momentum={mine['momentum']:g}), but the controller, which steps it on a cluster, "
+        f"has {theirs}: restart the controller with --outer-lr {mine['lr']:g} "
+        f"--outer-momentum {mine['momentum']:g} (or build the ranks with {theirs})")

@@ -906,21 +906,20 @@ class _RankRun:
         """Several hosts: every rank starts from the same checkpoint, or every rank from
         scratch (``check_same_start``). A host left with an older bundle would take rank
         0's weights at the alignment and keep its own books (data coverage, epoch,
-        cadence), and the ranks would plan different windows. With a stateful outer
-        optimizer, the controller's outer momentum must start from that round too
-        (``check_controller_outer``)."""
+        cadence), and the ranks would plan different windows. The controller must step
+        this Trainer's outer optimizer, and with a stateful one its outer momentum must
+        start from that round too (``check_controller_outer``)."""
         meta = self.job.resume_meta
         start = None if meta is None else meta.sync_round
         check_same_start(self.comm, start,
                          "resume every host from the same checkpoint round (each host "
                          "writes its own copy of every bundle; a host that lost its copy "
                          "can take the controller's .fdl and .meta.json of that round)")
-        if getattr(self.trainer.outer, "has_momentum", False):
-            # the controller steps the outer optimizer: its momentum must be this round's
-            from ..checkpoint.forge import outer_sidecar_path
+        # the controller steps the outer optimizer: this one, from this round's momentum
+        from ..checkpoint.forge import outer_sidecar_path
 
-            check_controller_outer(self.comm, start, None if start is None else
-                                   outer_sidecar_path(self.job.model_path).name)
+        check_controller_outer(self.comm, self.trainer.outer, start, None if start is None
+                               else outer_sidecar_path(self.job.model_path).name)
 
     def _coordinator(self, dataset_len: int) -> Coordinator:
         tr = self.trainer
