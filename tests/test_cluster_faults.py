@@ -1,7 +1,8 @@
 """Faults of a multi-host cohort (docs/failure-model.md, "Several hosts").
 
 Connection floods (with few file descriptors and beyond the pending-handshake
-cap), a wrong secret named on both ends, a host leaving before the cohort forms,
+cap), a wrong secret named on both ends, a host leaving before the cohort forms, a
+host that never joins,
 a lost host counted against ``max_failures``, frames above the frame ceiling, and the ``controller`` command's start-up errors.
 """
 from __future__ import annotations
@@ -206,6 +207,29 @@ def test_the_lone_relaunched_host_waits_for_the_cohort_instead_of_training_alone
             h.kill()
         ctl.shutdown()
     assert got == [(True, [[0.5, 0.5, 0.5]])] * 2, got
+
+
+def test_a_host_waiting_for_a_host_that_never_joins_is_told_why_and_freed():
+    """Host 0 never joins (not started, refused): the host that did is told, once the
+    deadline it announced passes, that round 0 stalled because ranks [0] never joined the
+    cohort; its ranks stop with that reason (not a later 'alive but silent' from their
+    own deadline), and its ranks are free for a relaunch."""
+    ctl = ClusterController.start("127.0.0.1:0", 2, SALT)
+    started = time.monotonic()
+    try:
+        ok, err = HostProcess(lambda: spawn(
+            quick_average, 1, controller=f"127.0.0.1:{ctl.port}", world_size=2,
+            first_rank=1, salt=SALT, timeout=4)).join(90.0)
+        elapsed = time.monotonic() - started
+        _await_hosts(ctl, [])  # its ranks are free again
+    finally:
+        ctl.shutdown()
+    assert not ok, err
+    text = f"{err} {getattr(err, 'traceback', '')}"
+    # the deadline the host announced: timeout 4 s + half the launcher's 10 s grace
+    assert "round 0 stalled at the controller after 9.0 s" in text, text
+    assert "ranks [0] never joined the cohort" in text and "alive but silent" not in text, text
+    assert elapsed < 30.0, elapsed
 
 
 # --- a lost host counts against max_failures -----------------------------------------------

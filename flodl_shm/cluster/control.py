@@ -29,7 +29,9 @@ During the run:
   ``meta``, ``param_names``, ``buffer_names``, ``tied``.
 - ``stall`` controller -> every relay: the round did not complete in time:
   ``round``, ``missing`` (the global ranks that never delivered), ``timeout``.
-  Ranks raise ``ReduceStall(round, missing, timeout)``.
+  Ranks raise ``ReduceStall(round, missing, timeout)``. Before the cohort is complete
+  it goes to each host that waited past its deadline alone, for round 0, with
+  ``reason``: why the missing ranks did not deliver (they never joined).
 - ``error`` controller -> every relay: ``message``; the controller's reduce loop
   failed and the cohort ends.
 - ``frame_parts`` either way: the next ``parts`` frame records carry one round

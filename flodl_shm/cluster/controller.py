@@ -72,6 +72,8 @@ class _Host:
     name: str
     ranks: list[int]
     timeout: float | None = None  # the ranks' collective timeout, as announced
+    joined: float = field(default_factory=time.monotonic)
+    told_unformed: bool = False  # told the cohort did not form within its deadline
     alive: bool = True
     done: bool = False
     sent: int = 0          # wire bytes received from this host (frames)
@@ -428,6 +430,34 @@ class ClusterController:
                                    "its ranks %s are free for a relaunch (%d/%d ranks claimed)",
                                    h.name, free, len(self._claimed), self.world_size)
 
+    def _stall_unformed(self) -> None:
+        """Before the cohort is complete: a host that has waited past the deadline it
+        announced (its ranks' collective timeout, plus half their launcher's grace) for
+        ranks no host carries is told its round 0 stalled, naming those ranks, so its
+        ranks stop with that reason rather than give up moments later with none. Its
+        link then closes and ``_forget_departed`` frees its ranks for a relaunch.
+        (``round_timeout`` bounds rounds among joined hosts: how long to wait for hosts
+        still starting is each host's to say.)"""
+        now = time.monotonic()
+        with self._lock:
+            missing = [r for r in range(self.world_size) if r not in self._claimed]
+            if not missing or self._admitted:
+                return  # every rank is claimed: the cohort is forming now
+            for h in self._hosts:
+                limit = h.timeout
+                if limit is None or h.told_unformed or now - h.joined < limit:
+                    continue
+                h.told_unformed = True
+                logger.error("controller: host %r waited %g s for ranks %s, which no host "
+                             "carries; told it the cohort did not form", h.name, limit, missing)
+                try:
+                    h.link.send_ctrl(ctrl_message(
+                        Ctrl.STALL, round=0, missing=missing, timeout=limit,
+                        reason="never joined the cohort (their host was not started, is "
+                               "still starting, or was refused: see the controller's log)"))
+                except OSError:
+                    pass  # its link closed: _forget_departed frees its ranks
+
     def _reported_dead(self, h: _Host) -> set[int]:
         """Of a host whose link closed: its ranks its last records declared dead
         (``RANK_DEAD``, which its supervisor sends before it leaves)."""
@@ -449,6 +479,7 @@ class ClusterController:
                 if self._stop.is_set():
                     return
                 self._forget_departed()
+                self._stall_unformed()
             logger.info("controller: cohort complete (%d hosts); reducing", len(self._hosts))
             early = self.dead_ranks.dead()
             if early:  # ranks that died before every host had joined

@@ -291,9 +291,10 @@ class Relay:
             if self.on_dead is not None:
                 self.on_dead(ranks)
         elif kind == Ctrl.STALL:
+            why = msg.get("reason") or "had not delivered"
             raise ReduceStall(
                 f"round {msg['round']} stalled at the controller after {msg.get('timeout')} s; "
-                f"ranks that had not delivered: {msg['missing']}", round=int(msg["round"]),
+                f"ranks {msg['missing']} {why}", round=int(msg["round"]),
                 missing=tuple(int(r) for r in msg["missing"]), timeout=msg.get("timeout"))
         elif kind == Ctrl.ERROR:
             raise ConnectionError(f"the controller ended the cohort: {msg.get('message')}")
