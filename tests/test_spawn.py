@@ -325,6 +325,35 @@ def test_default_ranks_fork_from_a_single_threaded_rank_server():
     assert processes_gone(parents, 10.0), "the rank server outlived spawn"
 
 
+def kills_its_rank_server(ctx):
+    """Rank 0 kills the rank server (its parent) as an OOM kill would; both ranks keep
+    averaging until they die with it."""
+    if ctx.rank == 0:
+        time.sleep(0.5)
+        os.kill(os.getppid(), signal.SIGKILL)
+    for _ in range(3000):
+        ctx.comm.all_reduce_tensors([torch.ones(4)])
+        time.sleep(0.01)
+    raise AssertionError("the ranks outlived their rank server")
+
+
+@pytest.mark.parametrize("max_failures", [0, 1])
+def test_ranks_that_die_with_their_rank_server_are_reported_as_its_death(max_failures, caplog):
+    """Killing the rank server (an OOM kill, a kill of the wrong pid) takes every rank of
+    the host with it; the launcher reads each one's exit code as 255. It used to say
+    'rank N exited with code 255 without a result' for each rank; it names the server,
+    how it ended, and that every rank died with it, once, whatever max_failures."""
+    caplog.set_level("WARNING", logger="flodl_shm")
+    with pytest.raises(RankFailed) as info:
+        spawn(kills_its_rank_server, 2, max_failures=max_failures, timeout=60)
+    text = str(info.value)
+    assert text.startswith("the rank server (pid ") and "was killed by SIGKILL" in text, text
+    assert "every other rank of this host died with it" in text, text
+    assert info.value.signal == "SIGKILL" and "255" not in text, text
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "every rank of this host died with it" in lines[0], lines
+
+
 def forks_of_its_own(ctx):
     """A rank that forks: a bare child, and DataLoaders whose workers are forks (asked
     for, and by the rank's default start method)."""

@@ -148,6 +148,8 @@ class _RankServer(forkserver.ForkServer):
     interpreter started from the supervisor thread (``start``; its PDEATHSIG follows
     that thread)."""
 
+    _died: str | None = None  # see ``died``
+
     @classmethod
     def fork_from_launcher(cls, nprocs: int) -> "_RankServer | None":
         """A server forked from this process, or None when forking it is not safe
@@ -258,6 +260,28 @@ class _RankServer(forkserver.ForkServer):
         if pid:
             self._forkserver_pid = None
             raise _server_died(os.waitstatus_to_exitcode(status))
+
+    def died(self) -> str | None:
+        """How the server ended, when it died on its own while serving (killed, OOM-killed,
+        crashed), as a sentence naming it; None while it runs. Every rank it forked
+        dies with it (PDEATHSIG), and the launcher then reads each one's exit code as 255:
+        this is what to say instead."""
+        if self._died is not None or self._forkserver_pid is None:
+            return self._died
+        try:
+            pid, status = os.waitpid(self._forkserver_pid, os.WNOHANG)
+        except ChildProcessError:
+            return None
+        if pid:
+            self._forkserver_pid = None  # reaped: nothing left for ``stop`` to wait for
+            code = os.waitstatus_to_exitcode(status)
+            try:
+                how = (f"was killed by {signal.Signals(-code).name}" if code < 0
+                       else f"exited with code {code}")
+            except ValueError:
+                how = f"was killed by signal {-code}"
+            self._died = f"the rank server (pid {pid}), which forks this host's ranks, {how}"
+        return self._died
 
     def kill(self) -> None:
         """SIGKILL the server now (``stop`` reaps it); the ranks it forked follow it."""

@@ -482,6 +482,11 @@ class SpawnContext:
         if aborting and out.exitcode == 143:
             return
         global_rank = self.first_rank + r
+        server_death = (self._server.died() if out.kind == "died" and out.exitcode == 255
+                        and self._server is not None else None)
+        if server_death is not None:
+            self._died_with_server(global_rank, server_death)
+            return
         dead = self.dead_ranks()
         failures = len(dead)
         stalled = self._stalled.get(r)
@@ -532,6 +537,25 @@ class SpawnContext:
         self._doorbell.ring()
         if self.save_path:
             self._write_death_record(global_rank, err)
+
+    def _died_with_server(self, global_rank: int, how: str) -> None:
+        """Rank ``global_rank`` died with the rank server (``_RankServer.died`` says how
+        the server ended): every rank of this host dies with it, so the host stops at
+        the first, with one line naming the server rather than one 'exit code 255' per
+        rank."""
+        err = RankFailed(global_rank, None, "", "SIGKILL", None, message=(
+            f"{how}; rank {global_rank} and every other rank of this host died with it "
+            f"(exc_type=None, signal=SIGKILL: the server's death signal to its ranks). An "
+            f"OOM kill? See the kernel log (`dmesg`); resume from the last checkpoint"))
+        with self._lock:
+            first = self._failure is None
+            if first:
+                self._failure = err
+        if first:
+            logger.error("%s: every rank of this host died with it; stopping", how)
+        if self.save_path:
+            self._write_death_record(global_rank, err)
+        self._abort(A.ABORT_FAILED)
 
     def _local(self, ranks: Sequence[int]) -> list[int]:
         """The global ranks of ``ranks`` that run on this host."""
