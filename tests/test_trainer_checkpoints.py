@@ -12,7 +12,8 @@ from flodl_shm.checkpoint.meta import CheckpointBundle, CheckpointMeta, SaveReas
 from flodl_shm.checkpoint.series import (committed_checkpoints, delete_series, latest_checkpoint,
                                          not_continued, prune_series, resolve_checkpoint,
                                          round_model_path)
-from flodl_shm.training.trainer import Trainer, window_seed
+from flodl_shm.training.rank_run import window_seed
+from flodl_shm.training.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -614,7 +614,7 @@ def _resume_problems(cfg: DemoConfig, ckpt: Path) -> list[str]:
     starts anything (the ranks would find it only at their start, and the options file
     the run writes first would make the next ``--resume`` fail the same way)."""
     from flodl_shm import CheckpointBundle, CheckpointMeta
-    from flodl_shm.training.trainer import model_mismatch, resume_conflicts
+    from flodl_shm.training.resume_rules import model_mismatch, resume_conflicts
 
     why = model_mismatch(ckpt, make_model)
     if why is not None:
