@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from flodl_shm.checkpoint.meta import CheckpointBundle, CheckpointMeta, SaveReason
-from flodl_shm.checkpoint.series import (committed_checkpoints, delete_series, latest_checkpoint,
-                                         not_continued, prune_series, resolve_checkpoint,
-                                         round_model_path)
+from flodl_shm.checkpoint.run_lock import run_lock_path
+from flodl_shm.checkpoint.series import (committed_checkpoints, death_record_path, delete_series,
+                                         latest_checkpoint, not_continued, prune_series,
+                                         resolve_checkpoint, round_model_path)
 from flodl_shm.training.rank_run import window_seed
 from flodl_shm.training.trainer import Trainer
 
@@ -40,6 +41,23 @@ def test_round_paths_share_a_stem_whatever_the_extension(tmp_path):
     dotted = tmp_path / "run.v2" / "ck"
     assert round_model_path(dotted, 3) == dotted.parent / "ck-r00000003.fdl"
     assert round_model_path(tmp_path / "ck", 123_456_789).name == "ck-r123456789.fdl"
+
+
+def test_save_paths_that_differ_after_a_dot_are_two_series(tmp_path):
+    """Only a model extension is dropped from a save path: a sweep's ``runs/lr0.1`` and
+    ``runs/lr0.01`` used to be one series ``runs/lr0-r*`` (the second run refused as
+    'an earlier run's', or deleting the first's bundles with overwrite=True), sharing
+    one run lock and one set of death records."""
+    a, b = tmp_path / "lr0.1", tmp_path / "lr0.01"
+    assert round_model_path(a, 4).name == "lr0.1-r00000004.fdl"
+    assert round_model_path(b, 4).name == "lr0.01-r00000004.fdl"
+    assert run_lock_path(a) != run_lock_path(b)
+    assert death_record_path(a, 1).name == "lr0.1.rank1.death.json"
+    assert death_record_path(tmp_path / "ck.fdl", 1).name == "ck.rank1.death.json"
+    bundle(a, 4)
+    assert latest_checkpoint(b) is None and not_continued(b) == (0, [])
+    assert latest_checkpoint(a) == round_model_path(a, 4)
+    assert delete_series(b) == 0 and latest_checkpoint(a) is not None
 
 
 def test_latest_is_the_highest_committed_round(tmp_path):

@@ -52,7 +52,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import SeriesInUse
-from .meta import set_extension
 
 __all__ = ["RunLock", "cluster_job", "lock_holder", "release_held", "run_lock_path"]
 
@@ -89,8 +88,10 @@ def cluster_job(salt: bytes | None, controller) -> str:
 
 
 def run_lock_path(save_path: "str | os.PathLike[str]") -> Path:
-    """``<save_path with one extension dropped>.lock``: the series' lock file."""
-    base = set_extension(save_path, "")
+    """``<series base>.lock``: the series' lock file (``series.series_base``)."""
+    from .series import series_base
+
+    base = series_base(save_path)
     return base.with_name(base.name + ".lock")
 
 

@@ -11,8 +11,8 @@ step. So every checkpointed window gets its own stem::
     <save_path>-r00000012.names.json     the model's parameter and buffer names (first)
     <save_path>-r00000012.meta.json      CheckpointMeta (written last)
 
-(``<save_path>`` with one extension dropped, so ``runs/ckpt`` and ``runs/ckpt.fdl``
-name the same series). The last good checkpoint is the highest round whose
+(``<save_path>`` less a ``.fdl`` extension, so ``runs/ckpt`` and ``runs/ckpt.fdl``
+name the same series; any other dot is part of the name). The last good checkpoint is the highest round whose
 ``.meta.json`` and ``.fdl`` both exist; older bundles are pruned to ``keep``.
 """
 from __future__ import annotations
@@ -29,16 +29,38 @@ from .meta import CheckpointBundle, names_sidecar_path, set_extension
 
 logger = logging.getLogger("flodl_shm")
 
-__all__ = ["bundle_files", "committed_checkpoints", "delete_rounds", "delete_series",
+__all__ = ["bundle_files", "committed_checkpoints", "death_record_path", "delete_rounds",
+           "delete_series",
            "latest_checkpoint", "not_continued", "prune_series", "resolve_checkpoint",
            "round_model_path", "series_base", "series_of"]
 
 _ROUND_DIGITS = 8
 
 
+#: what ``series_base`` drops from a save path: a bundle's own model extensions only
+_MODEL_SUFFIXES = (".fdl.gz", ".fdl")
+
+
 def series_base(save_path: "str | os.PathLike[str]") -> Path:
-    """``save_path`` with one extension dropped: the prefix of every bundle stem."""
-    return set_extension(save_path, "")
+    """The prefix of every bundle stem of the series at ``save_path``: ``save_path``
+    itself, less a model extension (``runs/ckpt.fdl`` names the series of ``runs/ckpt``).
+    Any other dot is part of the name: ``runs/lr0.1`` and ``runs/lr0.01`` are two
+    series. ``ValueError`` for a path without a file name or ending with a separator
+    (``set_extension``'s rules)."""
+    set_extension(save_path, "")  # the stem's checks
+    p = Path(os.fspath(save_path))
+    for suffix in _MODEL_SUFFIXES:
+        if p.name.endswith(suffix) and len(p.name) > len(suffix):
+            return p.with_name(p.name[:-len(suffix)])
+    return p
+
+
+def death_record_path(save_path: "str | os.PathLike[str]", rank: int) -> Path:
+    """The death record of ``rank`` in the series at ``save_path``:
+    ``<series base>.rank<N>.death.json`` (``CheckpointBundle.rank_death_path``'s name,
+    on the series' base)."""
+    base = series_base(save_path)
+    return CheckpointBundle.rank_death_path(base.with_name(base.name + ".fdl"), rank)
 
 
 def round_model_path(save_path: "str | os.PathLike[str]", sync_round: int) -> Path:

@@ -622,10 +622,11 @@ class SpawnContext:
 
     def _write_death_record(self, rank: int, err: RankFailed) -> None:
         try:
-            from ..checkpoint.meta import CheckpointBundle, RankDeathRecord
+            from ..checkpoint.meta import RankDeathRecord
+            from ..checkpoint.series import death_record_path
 
             rec = RankDeathRecord.new(rank, self.world_size, str(err))
-            rec.write_to_file(CheckpointBundle.rank_death_path(self.save_path, rank))
+            rec.write_to_file(death_record_path(self.save_path, rank))
         except Exception as e:  # forensic, best effort
             logger.warning("could not write the death record of rank %d: %s", rank, e)
 

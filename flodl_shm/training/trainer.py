@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from ..errors import RankFailed, StartRefused, TrainingAborted
 from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, RankDeathRecord, SaveReason,
                                set_extension)
+from ..checkpoint.series import death_record_path
 from .coverage import SHUFFLE_BASE_SEED
 from .data import is_dataset_factory
 from .hooks import HOOK_METHODS, Hook, LoggingHook
@@ -557,7 +558,7 @@ class Trainer:
         if late and len(dead) > self.max_failures:
             # failed after the last window (e.g. in a hook's on_train_end), past
             # max_failures: raised as without a save_path, where spawn raises it
-            record = CheckpointBundle.rank_death_path(self.save_path, late[0])
+            record = death_record_path(self.save_path, late[0])
             try:
                 why = RankDeathRecord.read_from_file(record).error
             except Exception:  # noqa: BLE001 - the record is the detail, not the news
@@ -574,7 +575,7 @@ class Trainer:
         if result.checkpoint is not None:
             lines.append(f"The survivors saved {result.checkpoint} (max_failure_exceeded).")
         for r in result.dead_ranks:
-            path = CheckpointBundle.rank_death_path(self.save_path, r)
+            path = death_record_path(self.save_path, r)
             try:
                 lines.append(f"rank {r}: " + RankDeathRecord.read_from_file(path).error)
             except Exception:
