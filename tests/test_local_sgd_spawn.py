@@ -171,6 +171,27 @@ def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_bundle(tmp_path):
     assert_no_leaks()
 
 
+def test_a_later_save_of_a_cut_short_round_drops_the_ranks_files_it_left(tmp_path):
+    """A 2-rank save of round 4 cut short leaves both ranks' state files; a 1-rank run
+    resuming round 3 then commits round 4 again, with its own rank 0 file only. Rank 1's
+    stale file (the earlier run's replica and optimizer) used to stay in that committed
+    bundle, and a later 2-rank load gave rank 1 those weights: the replicas started
+    apart, with no warning. The save removes it before its commit."""
+    stem = os.fspath(tmp_path / "ckpt")
+    flodl_shm.spawn(_save_every_sync, 2, args=(stem, 8, False, 3))
+    for f in tmp_path.glob("ckpt-r00000004.*"):  # cut short: the ranks' states only
+        if not f.name.endswith((".rank0.optim", ".rank1.optim")):
+            f.unlink()
+    assert flodl_shm.spawn(_save_every_sync, 1, args=(stem, 8, True, 3)) == [((3, 6), (4, 8))]
+    assert sorted(p.name for p in tmp_path.glob("ckpt-r00000004.*")) == [
+        f"ckpt-r00000004.{ext}" for ext in ("fdl", "meta.json", "names.json", "rank0.optim")]
+    loaded = flodl_shm.spawn(_load_consensus_only, 2, args=(stem,))
+    assert [(m, r) for _, m, r, _ in loaded] == [(4, 4), (4, 4)]
+    for a, b in zip(loaded[0][0], loaded[1][0]):  # (rank 1 has no state: its counts start over)
+        assert not a.is_floating_point() or torch.equal(a, b), "the ranks resumed apart"
+    assert_no_leaks()
+
+
 def _save_once(ctx, stem: str, load_from, overwrite: bool):
     """Two steps, one sync, one save into ``stem`` (after loading ``load_from``, when
     given): the saved bundle's name, or the refusal's type and message."""

@@ -186,6 +186,25 @@ def test_resuming_from_an_older_bundle_refuses_the_newer_ones_unless_overwrite(t
     assert meta.sync_round == rounds[-1] and result.checkpoint == latest_checkpoint(stem)
 
 
+def test_a_checkpoint_cut_short_leaves_no_rank_state_in_its_rounds_next_commit(tmp_path):
+    """A 2-rank checkpoint of round 6 cut short leaves both ranks' .optim; a 1-rank resume
+    of round 3 commits round 6 again. Rank 1's file of the cut-short save used to stay in
+    that bundle, for a later 2-rank resume to restore as rank 1's optimizer state; the
+    lead rank removes it before the commit."""
+    stem = tmp_path / "ck"
+    make_trainer(epochs=1, save_path=stem, checkpoint_every=3, keep_checkpoints=8).run(2)
+    assert [r for r, _ in committed_checkpoints(stem)] == [3, 6, 8]
+    for f in tmp_path.glob("ck-r0000000[68].*"):  # killed while saving round 6: its
+        if not f.name.startswith("ck-r00000006.rank"):  # ranks' states only, no round 8
+            f.unlink()
+    assert {f.name[-11:] for f in tmp_path.glob("ck-r00000006.*")} == {"rank0.optim",
+                                                                        "rank1.optim"}
+    make_trainer(epochs=1, save_path=stem, checkpoint_every=3, keep_checkpoints=8).resume(
+        stem, nprocs=1)
+    assert (tmp_path / "ck-r00000006.meta.json").exists()
+    assert not (tmp_path / "ck-r00000006.rank1.optim").exists()
+
+
 def test_resuming_a_finished_run_says_so_and_returns_its_checkpoint(tmp_path, caplog):
     """A resume of a run that trained all its epochs trains nothing: it says so (and how
     to continue), and its result names the bundle it resumed from."""

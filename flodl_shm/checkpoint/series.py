@@ -31,7 +31,8 @@ logger = logging.getLogger("flodl_shm")
 
 __all__ = ["bundle_files", "committed_checkpoints", "death_record_path", "delete_rounds",
            "delete_series",
-           "latest_checkpoint", "not_continued", "prune_series", "resolve_checkpoint",
+           "latest_checkpoint", "not_continued", "prune_series", "remove_other_rank_states",
+           "resolve_checkpoint",
            "round_model_path", "series_base", "series_of"]
 
 _ROUND_DIGITS = 8
@@ -181,6 +182,29 @@ def _rank_files(model: Path) -> list[Path]:
     except FileNotFoundError:
         return []
     return [model.parent / n for n in sorted(names) if pattern.match(n)]
+
+
+def remove_other_rank_states(model_path: "str | os.PathLike[str]", ranks) -> list[Path]:
+    """Delete the ``.rank<N>.optim`` files of the bundle at ``model_path`` whose rank is
+    not in ``ranks`` (the ranks that wrote theirs in this save); returns them. Before the
+    bundle's commit: a save cut short by a crash leaves its ranks' files behind, and a
+    later save of that round by fewer ranks would commit them with the new bundle, for a
+    later resume to load as its own. Not another writer's live temp file."""
+    keep = {int(r) for r in ranks}
+    gone = []
+    for f in _rank_files(Path(os.fspath(model_path))):
+        rank = int(f.name[:-len(".optim")].rpartition(".rank")[2])
+        if rank in keep:
+            continue
+        try:
+            f.unlink()
+            gone.append(f)
+        except FileNotFoundError:
+            pass
+    if gone:
+        logger.info("removed %s: left by an earlier save of this round that did not "
+                    "finish", ", ".join(f.name for f in gone))
+    return gone
 
 
 def _remove(model: Path) -> None:

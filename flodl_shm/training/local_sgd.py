@@ -746,7 +746,8 @@ class LocalSGD:
                 f"sync() first")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an int >= 1 (complete bundles kept), got {keep!r}")
-        from ..checkpoint.series import prune_series, round_model_path
+        from ..checkpoint.series import (prune_series, remove_other_rank_states,
+                                         round_model_path)
 
         model_path = round_model_path(path, self.sync_round)
         self._claim_series(path, overwrite)
@@ -756,6 +757,7 @@ class LocalSGD:
         self.comm.barrier()
         writers = self.comm.last_accepted_ranks()
         if writers and self.rank == min(writers):
+            remove_other_rank_states(model_path, writers)  # a cut-short save's, of this round
             self._write_consensus_bundle(model_path)
             prune_series(path, keep)  # after the commit: the previous bundle outlives a crash
         self.comm.barrier()
