@@ -231,6 +231,18 @@ def test_meta_type_roundtrip():
         pools_from_coverage(block, 3, batch_size=64)
 
 
+def test_a_coverage_record_of_partial_batches_is_refused_not_trained_forever():
+    """The pool hands out whole batches: a hand-edited record whose range is not whole
+    batches (offset 5 of batches of 32) was planned as empty windows over and over, and
+    the resume never ended."""
+    for ranges in ([(5, 95)], [(32, 40)]):
+        block = CoverageBlock(seed=42, batch_size=32, per_epoch=[EpochCoverage(0, 1024, ranges)])
+        with pytest.raises(ValueError, match=r"not a whole number of batches of 32.*edited"):
+            pools_from_coverage(block, 2, batch_size=32)
+    ok = CoverageBlock(seed=42, batch_size=32, per_epoch=[EpochCoverage(0, 1024, [(64, 96)])])
+    assert pools_from_coverage(ok, 2, batch_size=32)[0].remaining() == 96
+
+
 def test_merge_ranges():
     assert merge_ranges([(10, 5), (0, 10), (20, 0), (15, 1), (30, 2)]) == [(0, 16), (30, 2)]
 

@@ -433,8 +433,9 @@ def pools_from_coverage(block: "CoverageBlock", world_size: int,
             for that size.
 
     Raises:
-        ValueError: the batch size differs, an epoch appears twice, or a record is
-            inconsistent (see :meth:`ChunkPool.from_coverage`).
+        ValueError: the batch size differs, an epoch appears twice, a range is not
+            whole batches, or a record is inconsistent (see
+            :meth:`ChunkPool.from_coverage`).
     """
     if batch_size is not None and int(batch_size) != int(block.batch_size):
         raise ValueError(
@@ -442,8 +443,17 @@ def pools_from_coverage(block: "CoverageBlock", world_size: int,
             f"{batch_size}; resume with the saved batch size (offsets are batch-aligned to it)"
         )
     pools: dict[int, ChunkPool] = {}
+    bs = int(block.batch_size)
     for ec in block.per_epoch:
         if ec.epoch in pools:
             raise ValueError(f"coverage record lists epoch {ec.epoch} twice; it is corrupt")
+        unaligned = [(o, n) for o, n in [(0, ec.total_samples), *ec.uncovered_ranges]
+                     if bs < 1 or o % bs or n % bs]
+        if unaligned:  # the pool hands out whole batches: such a range would never drain
+            o, n = unaligned[0]
+            raise ValueError(
+                f"coverage record of epoch {ec.epoch}: (offset {o}, size {n}) is not a whole "
+                f"number of batches of {bs} (the record's batch_size); the record is corrupt "
+                f"or was edited: resume from another checkpoint of the run")
         pools[ec.epoch] = ChunkPool.from_epoch_coverage(ec, world_size)
     return pools
