@@ -218,6 +218,47 @@ def test_a_model_with_tied_weights_converts_to_a_strictly_loadable_state_dict(tm
     TiedHead(seed=2).load_state_dict(consensus_state_dict(tmp_path / "s.fdl"))
 
 
+class Rotary(torch.nn.Module):
+    """A float buffer registered with ``persistent=False`` (a rotary embedding's
+    ``inv_freq``), inside a submodule: carried and averaged, absent from state_dict()."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = torch.nn.Linear(4, 3)
+        self.rope = torch.nn.Module()
+        self.rope.register_buffer("inv_freq", torch.rand(2), persistent=False)
+
+
+@pytest.mark.parametrize("dst", ["c.pt", "c.safetensors"])
+def test_non_persistent_buffers_are_carried_but_left_out_of_converted_state_dicts(tmp_path, dst):
+    """The converters emit what ``state_dict()`` holds: a model with a non-persistent
+    buffer used to get a file its strict ``load_state_dict`` refused ('Unexpected
+    key(s): rope.inv_freq'), and its own state_dict could not become a consensus file
+    ('state_dict has no entry')."""
+    model = Rotary()
+    schema = ModelSchema.from_module(model)
+    assert schema.buffer_names == ["rope.inv_freq"] and schema.non_persistent == ["rope.inv_freq"]
+    forge_checkpoint(model, tmp_path / "c.fdl")
+    assert ModelSchema.read_from_file(tmp_path / "c.names.json") == schema
+    assert cli.main(["convert", str(tmp_path / "c.fdl"), str(tmp_path / dst)]) == 0
+    state = (torch.load(tmp_path / dst) if dst.endswith(".pt")
+             else load_safetensors(tmp_path / dst)[0])
+    assert sorted(state) == ["lin.bias", "lin.weight"]
+    Rotary(seed=1).load_state_dict(state)  # strict
+    Rotary(seed=1).load_state_dict(consensus_state_dict(tmp_path / "c.fdl"))
+    fresh = Rotary(seed=1)  # the checkpoint still carries the buffer for a resume
+    assert not load_consensus_checkpoint(fresh, tmp_path / "c.fdl").missing
+    assert torch.equal(fresh.rope.inv_freq, model.rope.inv_freq)
+    # a model's own state_dict goes back into a consensus file, the buffer from the model
+    state_dict_to_consensus_fdl(model.state_dict(), model, tmp_path / "s.fdl")
+    assert [e.name for e in read_fdl(tmp_path / "s.fdl").entries] == ["p0", "p1", "b0"]
+    with pytest.raises(CheckpointError, match="non-persistent buffer.*pass the model itself"):
+        state_dict_to_consensus_fdl(model.state_dict(), schema, tmp_path / "t.fdl")
+    with pytest.raises(CheckpointError, match="not among its buffers"):
+        ModelSchema(["w"], [], non_persistent=["x"])
+
+
 def test_fdl_given_a_series_stem_names_its_newest_bundle(tmp_path, capsys):
     stem = tmp_path / "run"
     for rnd in (4, 8):

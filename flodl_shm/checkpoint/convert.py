@@ -256,8 +256,8 @@ def rename_positional(tensors: Mapping[str, object], schema: ModelSchema,
     The keys must be exactly the schema's (a consensus model), or exactly its
     ``p{i}`` (an outer-momentum sidecar, one tensor per parameter). Raises
     ``CheckpointError`` naming the missing and unexpected keys otherwise. Each of the
-    schema's ``tied`` names maps to the same tensor as the name it shares, as in the
-    model's own ``state_dict()``.
+    schema's ``tied`` names maps to the same tensor as the name it shares, and its
+    non-persistent buffers are left out, as in the model's own ``state_dict()``.
     """
     names = schema.positional_names()
     params = {consensus_param_key(i) for i in range(len(schema.param_names))}
@@ -269,7 +269,7 @@ def rename_positional(tensors: Mapping[str, object], schema: ModelSchema,
             f"{len(schema.buffer_names)} buffers): missing {missing}, unexpected {unexpected}; "
             f"pass the model it was saved from, or keep the file's keys (names=None, "
             f"fdl convert --keep-keys)")
-    return schema.with_tied({names[k]: tensors[k] for k in names if k in tensors})
+    return schema.as_state_dict({names[k]: tensors[k] for k in names if k in tensors})
 
 
 def consensus_state_dict(path: "str | os.PathLike[str]", schema_or_module=None) -> dict:
@@ -295,17 +295,28 @@ def state_dict_to_consensus_fdl(state_dict: Mapping[str, object], schema_or_modu
                                 path: "str | os.PathLike[str]") -> int:
     """Write a named state_dict as a consensus ``.fdl`` (positional keys, f32) and its
     ``.names.json``, e.g. to start a flodl_shm run from a torch checkpoint. Every
-    schema name must be present."""
+    schema name must be present, except a non-persistent buffer (which ``state_dict()``
+    leaves out) when ``schema_or_module`` is the module: its own value is taken."""
     torch = _torch()
     schema = _schema_of(schema_or_module)
+    own = ({} if isinstance(schema_or_module, ModelSchema)
+           else dict(schema_or_module.named_buffers()))
     entries = []
     for key_of, names in ((consensus_param_key, schema.param_names),
                           (consensus_buffer_key, schema.buffer_names)):
         for i, n in enumerate(names):
-            if n not in state_dict:
+            value = state_dict.get(n)
+            if value is None and n in schema.non_persistent:
+                value = own.get(n)
+                if value is None:
+                    raise CheckpointError(
+                        f"state_dict has no entry {n!r}, a non-persistent buffer (needed for "
+                        f"{key_of(i)}; state_dict() leaves it out): pass the model itself "
+                        f"rather than its ModelSchema, and its value is taken from it")
+            if value is None:
                 raise CheckpointError(f"state_dict has no entry {n!r} (needed for "
                                       f"{key_of(i)}); it does not match the schema")
-            t = state_dict[n].detach().to(torch.float32)
+            t = value.detach().to(torch.float32)
             entries.append(RawEntry(key_of(i), tuple(t.shape), tag_for_torch_dtype(t.dtype),
                                     _tensor_bytes(t)))
     schema.write_to_file(names_sidecar_path(path))

@@ -255,16 +255,27 @@ class ModelSchema:
     once in ``param_names`` (as ``parameters()`` does), while its ``state_dict()``
     has both keys. The converters emit the tied names too, so the result loads with
     a strict ``load_state_dict``.
+
+    ``non_persistent`` lists the carried buffers registered with
+    ``persistent=False`` (a rotary embedding's ``inv_freq``): averaged and checkpointed
+    like the others, but left out of what the converters emit, as ``state_dict()``
+    leaves them out.
     """
 
     param_names: list[str] = field(default_factory=list)
     buffer_names: list[str] = field(default_factory=list)
     tied: dict[str, str] = field(default_factory=dict)
+    non_persistent: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.param_names = [str(n) for n in self.param_names]
         self.buffer_names = [str(n) for n in self.buffer_names]
         self.tied = {str(a): str(n) for a, n in dict(self.tied).items()}
+        self.non_persistent = [str(n) for n in self.non_persistent]
+        stray = [n for n in self.non_persistent if n not in self.buffer_names]
+        if stray:
+            raise CheckpointError(f"ModelSchema.non_persistent names {stray}, which are not "
+                                  f"among its buffers {self.buffer_names}")
         carried = set(self.param_names) | set(self.buffer_names)
         for alias, name in self.tied.items():
             if name not in carried or alias in carried:
@@ -287,10 +298,14 @@ class ModelSchema:
                     tied[n] = first[id(t)]
                 else:
                     first[id(t)] = n
+        buffer_names = [n for n, _ in averaged_buffers(module)]
+        hidden = {f"{prefix}.{b}" if prefix else b for prefix, m in module.named_modules()
+                  for b in getattr(m, "_non_persistent_buffers_set", ())}
         return cls(
             param_names=[n for n, _ in module.named_parameters()],
-            buffer_names=[n for n, _ in averaged_buffers(module)],
+            buffer_names=buffer_names,
             tied=tied,
+            non_persistent=[n for n in buffer_names if n in hidden],
         )
 
     def tensor_count(self) -> int:
@@ -304,10 +319,11 @@ class ModelSchema:
         names.update({consensus_buffer_key(j): n for j, n in enumerate(self.buffer_names)})
         return names
 
-    def with_tied(self, named: dict) -> dict:
-        """``named`` (qualified names to tensors) plus each tied name whose tensor is in
-        it, as the same tensor object (``torch.save`` stores it once)."""
-        out = dict(named)
+    def as_state_dict(self, named: dict) -> dict:
+        """``named`` (qualified names to tensors) as the model's ``state_dict()`` has
+        them: each tied name whose tensor is in it added, as the same tensor object
+        (``torch.save`` stores it once), and the non-persistent buffers left out."""
+        out = {n: t for n, t in named.items() if n not in self.non_persistent}
         for alias, name in self.tied.items():
             if name in out:
                 out[alias] = out[name]
@@ -333,6 +349,8 @@ class ModelSchema:
         d = {"param_names": list(self.param_names), "buffer_names": list(self.buffer_names)}
         if self.tied:  # absent for the common untied model: its files stay as they were
             d["tied"] = dict(self.tied)
+        if self.non_persistent:  # likewise
+            d["non_persistent"] = list(self.non_persistent)
         return d
 
     @classmethod
@@ -349,7 +367,11 @@ class ModelSchema:
         if not isinstance(tied, dict) or not all(isinstance(a, str) and isinstance(n, str)
                                                  for a, n in tied.items()):
             raise CheckpointError(f"{where}.tied must map names to names, got {tied!r}")
-        return cls(**names, tied=tied)
+        hidden = obj.get("non_persistent", [])
+        if not isinstance(hidden, list) or not all(isinstance(n, str) for n in hidden):
+            raise CheckpointError(f"{where}.non_persistent must be a list of names, got "
+                                  f"{hidden!r}")
+        return cls(**names, tied=tied, non_persistent=hidden)
 
 
 # --- save reason ----------------------------------------------------------------
