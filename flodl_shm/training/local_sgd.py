@@ -367,7 +367,7 @@ class LocalSGD:
         comm = self.comm
         if self.world_size < 2:
             return "a single rank has nothing to average"
-        if comm.local_world_size != self.world_size:
+        if comm.spans_hosts:
             return "the rounds cross hosts (shared memory covers one host)"
         if not comm.direct_rounds_available:
             return ("direct rounds are off for this cohort (spawn(max_failures=k) with k > 0, "
@@ -388,7 +388,7 @@ class LocalSGD:
         """Whether a stateful flodl_shm outer optimizer steps inside the params round:
         on one host (each rank steps the slice it reduces); across hosts every rank
         steps its own replica instead."""
-        return self.comm.local_world_size == self.world_size
+        return not self.comm.spans_hosts
 
     def _seed_outer_round(self) -> None:
         """Seed the in-round outer optimizer: the first outer step starts from the
@@ -465,7 +465,7 @@ class LocalSGD:
                              "numbers ride in the params round's report")
         if self.el_che is not None:
             column = (steps, compute_ms, 1.0, self._prev_sync_ms, self._prev_divergence)
-            if self.comm.local_world_size == self.world_size:
+            if not self.comm.spans_hosts:
                 report = column  # one host: ElChe's numbers ride in the params round
             else:
                 gathered = gather_columns(self.comm, column)
@@ -499,7 +499,7 @@ class LocalSGD:
                 self.optimizer.state.clear()
             self.realized_mass += mass
         self.sync_round += 1
-        if self.comm.local_world_size == self.world_size:
+        if not self.comm.spans_hosts:
             self.live_ranks = accepted
         if gathered is not None:
             self._report_elche(gathered)
@@ -757,7 +757,12 @@ class LocalSGD:
         self.comm.barrier()
         writers = self.comm.last_accepted_ranks()
         if writers and self.rank == min(writers):
-            remove_other_rank_states(model_path, writers)  # a cut-short save's, of this round
+            # a cut-short save's files of this round: of this host's ranks that did not
+            # write, or of no rank of this cohort (other hosts' leads see to theirs)
+            first = self.rank - self.comm.local_rank
+            remote = [r for r in range(self.world_size)
+                      if not first <= r < first + self.comm.local_world_size]
+            remove_other_rank_states(model_path, writers + remote)
             self._write_consensus_bundle(model_path)
             prune_series(path, keep)  # after the commit: the previous bundle outlives a crash
         self.comm.barrier()
@@ -777,7 +782,7 @@ class LocalSGD:
         if key in self._series_locks:
             return
         job = None
-        if self.comm.local_world_size != self.world_size:
+        if self.comm.spans_hosts:
             # hosts may share one file system: the lock is this job's on all of them
             token = np.zeros(self.world_size)
             if self.rank == 0:
