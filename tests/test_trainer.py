@@ -170,6 +170,28 @@ def _two_hosts(tmp_path, call, outer=False, shared_folder=False, controller_oute
     return dict(enumerate(results)), errors
 
 
+def test_one_host_joined_to_a_controller_trains_like_one_host(tmp_path):
+    """A controller whose world is this one host's ranks (a cluster of one, e.g. the
+    README's walk-through before the second host is added) trains as on one host. It
+    used to fail every rank at the first window: the window took itself for one host
+    (ranks == world) and sent a round report, which a round through a relay refuses."""
+    from flodl_shm import ClusterController
+
+    from cluster_util import SALT, run_host_processes
+
+    ctl = ClusterController.start("127.0.0.1:0", 2, SALT, round_timeout=60.0)
+    alone = make_trainer(epochs=1).run(2)
+
+    def host(_):
+        return make_trainer(epochs=1).run(2, controller=f"127.0.0.1:{ctl.port}",
+                                          world_size=2, salt=SALT)
+
+    (result,), errors = run_host_processes(ctl, host, 1, join_timeout=100.0)
+    assert not errors, errors
+    assert [s.window for s in result.history] == [s.window for s in alone.history]
+    assert result.dead_ranks == () and len(result.history) > 0
+
+
 def test_a_cluster_whose_controller_steps_another_outer_optimizer_is_refused(tmp_path):
     """On a cluster the controller steps the Trainer's outer optimizer with its own
     settings (``--outer-lr`` / ``--outer-momentum``). A controller with another lr, with

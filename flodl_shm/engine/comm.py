@@ -812,6 +812,13 @@ class Comm:
         else:
             self._run(self._barrier_plan, 0.0, None)
 
+    @property
+    def spans_hosts(self) -> bool:
+        """Whether the rounds go through this host's relay to a controller (``spawn`` with
+        ``controller=``): several hosts, or one host joined to a controller. Round
+        reports and the in-reduce outer step are single-host features."""
+        return bool(self._engine.relay_mode)
+
     # -- shared tensors ------------------------------------------------------------
     @property
     def direct_rounds_available(self) -> bool:

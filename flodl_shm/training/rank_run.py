@@ -155,9 +155,10 @@ class _RankRun:
         self._on_batch_end = _hook_calls(tr.hooks, "on_batch_end")
         self.coord = self._coordinator(len(self.dataset))  # checks the data against the run
         self.schema = ModelSchema.from_module(model)
-        # one host: a window is one round (its counts ride in it); several: a count
-        # gather first (_window_cluster)
-        self.one_round = ctx.local_world_size == ctx.world_size
+        # one host: a window is one round (its counts ride in it); through a controller
+        # (several hosts, or one joined to a controller): a count gather first
+        # (_window_cluster)
+        self.one_round = not ctx.comm.spans_hosts
         if job.model_path is not None:
             self._load_consensus(job.model_path)
         self.optimizer = tr.optimizer_fn(model.parameters())
