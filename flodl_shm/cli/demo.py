@@ -689,8 +689,12 @@ def _run_demo(cfg: DemoConfig) -> DemoResult:
         # the metrics file holds exactly the windows of the checkpoint's history
         atomic_write_bytes(metrics, "".join(json.dumps(r) + "\n" for r in done_rows).encode())
     # every host keeps its own bundles and the options they were trained with: --resume
-    # on any host continues from its own run folder
-    atomic_write_bytes(run_dir / CONFIG_FILE, (json.dumps(cfg.recipe(), indent=1) + "\n").encode())
+    # on any host continues from its own run folder. A resume of a finished run trains
+    # nothing: its options stay those it was trained with (else a --seed given there
+    # would be taken for the run's and refuse the next --resume)
+    if meta is None or meta.epoch < cfg.epochs:
+        atomic_write_bytes(run_dir / CONFIG_FILE,
+                           (json.dumps(cfg.recipe(), indent=1) + "\n").encode())
 
     # the bar redraws one line with carriage returns: on a terminal only, not in a log file
     progress = cfg.progress and sys.stderr.isatty()
@@ -779,7 +783,8 @@ def _summary(out: DemoResult) -> None:
         print(f"  one process, same model/optimizer/samples: test accuracy {b_acc:.2f}% "
               f"(difference {out.accuracy - b_acc:+.2f} points)", flush=True)
     if res.checkpoint is not None:
-        print(f"  checkpoint: {res.checkpoint}; continue with --resume", flush=True)
+        print(f"  checkpoint: {res.checkpoint}; to train on, --resume with a larger "
+              f"--epochs", flush=True)
     print(f"  metrics:    {Path(cfg.run_dir) / METRICS_FILE}", flush=True)
     if out.plot is not None:
         print(f"  plot:       {out.plot}", flush=True)
