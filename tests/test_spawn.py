@@ -174,7 +174,7 @@ def test_signal_death_is_named_and_fails_fast():
 
 
 def test_max_failures_continues_on_realized_work(tmp_path):
-    stem = tmp_path / "ckpt"
+    stem = tmp_path / "not_made_yet" / "ckpt"  # the death record makes its folder
     out = spawn(kill_self_on_rank, 3, (2, signal.SIGKILL), max_failures=1, save_path=stem)
     assert out[2] is None
     vals0, counts0 = out[0]

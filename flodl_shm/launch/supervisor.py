@@ -626,7 +626,9 @@ class SpawnContext:
             from ..checkpoint.series import death_record_path
 
             rec = RankDeathRecord.new(rank, self.world_size, str(err))
-            rec.write_to_file(death_record_path(self.save_path, rank))
+            path = death_record_path(self.save_path, rank)
+            path.parent.mkdir(parents=True, exist_ok=True)  # a run that saved nothing yet
+            rec.write_to_file(path)
         except Exception as e:  # forensic, best effort
             logger.warning("could not write the death record of rank %d: %s", rank, e)
 
