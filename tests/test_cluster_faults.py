@@ -373,6 +373,28 @@ def test_controller_command_with_a_missing_secret_file_prints_one_line(tmp_path)
     assert len(lines) == 1 and "nonexistent" in lines[0] and "--new-secret" in lines[0], p.stderr
 
 
+def raises_at_once(ctx):
+    raise ValueError("this host's run fails")
+
+
+def test_the_controller_command_fails_when_no_rank_is_left(tmp_path):
+    """The only host's ranks fail: the controller declares them dead and its loop ends.
+    It used to print 'cohort finished' and exit 0, so a script chaining on its status
+    took a failed run for a finished one."""
+    proc, port, log = _start_cli(tmp_path, 1)
+    try:
+        with pytest.raises(RankFailed, match="this host's run fails"):
+            spawn(raises_at_once, 1, controller=f"127.0.0.1:{port}", world_size=1, salt=SALT,
+                  timeout=30)
+        assert proc.wait(60) == 1, log.read_text()
+    finally:
+        proc.kill()
+        proc.wait(10)
+    text = log.read_text()
+    assert "with no rank left: every rank died or its host was lost" in text, text
+    assert "cohort finished" not in text, text
+
+
 def test_a_host_done_after_a_tolerated_death_is_not_taken_for_a_lost_host():
     """Host 0 loses rank 1 within max_failures=1 and finishes. Its relay, finding a fenced
     rank, closed the link without saying the host was done: the controller declared ranks

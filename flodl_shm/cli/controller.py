@@ -171,5 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     if ctl.error is not None:
         print(f"controller: the cohort ended with an error: {ctl.error}", file=sys.stderr)
         return 1
-    print(f"controller: cohort finished after {ctl.stats.rounds} rounds", flush=True)
+    dead = ctl.dead_ranks.dead()
+    if len(dead) >= args.world_size:
+        print(f"controller: the cohort ended after {ctl.stats.rounds} rounds with no rank "
+              f"left: every rank died or its host was lost (see the hosts' output)",
+              file=sys.stderr)
+        return 1
+    print(f"controller: cohort finished after {ctl.stats.rounds} rounds"
+          + (f", without ranks {dead} (they died, or their host was lost)" if dead else ""),
+          flush=True)
     return 0
