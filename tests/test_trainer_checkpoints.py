@@ -114,6 +114,15 @@ def make_model():
     return torch.nn.Linear(2, 2)
 
 
+class GateModel(torch.nn.Module):
+    """make_model's shapes (a [2, 2] weight and a [2] bias) under other names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Parameter(torch.zeros(2, 2))
+        self.shift = torch.nn.Parameter(torch.zeros(2))
+
+
 def test_trainer_arguments_are_checked_up_front(tmp_path):
     args = (make_model, functools.partial(torch.optim.SGD, lr=0.1),
             (torch.zeros(8, 2), torch.zeros(8, dtype=torch.long)), torch.nn.functional.mse_loss)
@@ -274,6 +283,12 @@ def test_what_the_launcher_knows_is_refused_before_any_rank_starts(tmp_path):
                                               r"\[2, 2\] in the checkpoint and \[2, 3\] in the "
                                               r"model\. Resume it with the model_fn that trained"):
         trainer(model_fn=other).resume(ckpt, overwrite=True)
+    # the same shapes under other names: another model (it used to resume and train)
+    with pytest.raises(CheckpointError, match=r"parameter p0 \[2, 2\] is 'weight' in the "
+                                              r"checkpoint and 'gate' in the model; parameter p1 "
+                                              r"\[2\] is 'bias'.*renamed modules, delete the "
+                                              r"bundle's ck-r00000004\.names\.json"):
+        trainer(model_fn=GateModel).resume(ckpt, overwrite=True)
     with pytest.raises(ValueError, match=rf"^{re.escape(str(ckpt))} was trained with batch_size 4 "
                                          r"and this Trainer has batch_size=2: resume with "
                                          r"batch_size=4"):

@@ -71,8 +71,9 @@ def resume_conflicts(meta: CheckpointMeta, *, seed: int, batch_size: int, epochs
 
 def model_mismatch(model_path: "str | os.PathLike[str]", model_fn: Callable) -> Optional[str]:
     """Why the consensus checkpoint ``model_path`` cannot load into the model ``model_fn``
-    builds (a parameter or averaged buffer missing, extra, or of another shape; the
-    message calls them "the checkpoint" and "the model"), or None when it fits.
+    builds (a parameter or averaged buffer missing, extra, of another shape, or, with
+    the bundle's names, of another name; the message calls them "the checkpoint" and
+    "the model"), or None when it fits.
 
     Reads the ``.fdl``'s headers only, and the bundle's ``.names.json`` to name the
     tensors; ``model_fn`` is called once here, on torch's meta device (no memory, no
@@ -103,7 +104,7 @@ def model_mismatch(model_path: "str | os.PathLike[str]", model_fn: Callable) -> 
     def kind(key: str) -> str:
         return "buffer" if key.startswith("b") else "parameter"
 
-    problems = []
+    problems, renamed = [], []
     for key, (label, shape) in mine.items():
         theirs = names.get(key, label)
         if key not in saved:
@@ -115,8 +116,16 @@ def model_mismatch(model_path: "str | os.PathLike[str]", model_fn: Callable) -> 
         elif saved[key] != shape:
             problems.append(f"{kind(key)} {key} is {theirs!r} {list(saved[key])} in the "
                             f"checkpoint and {label!r} {list(shape)} in the model")
+        elif theirs != label:
+            renamed.append(f"{kind(key)} {key} {list(shape)} is {theirs!r} in the checkpoint "
+                           f"and {label!r} in the model")
     problems += [f"the checkpoint's {kind(key)} {names.get(key, key)!r} {list(shape)} has no "
                  f"place in the model" for key, shape in saved.items() if key not in mine]
+    if not problems and renamed:  # same shapes, other names: another model, or renamed
+        more = f" (and {len(renamed) - 2} more)" if len(renamed) > 2 else ""
+        return ("; ".join(renamed[:2]) + more + f" (if it is the same model with renamed "
+                f"modules, delete the bundle's {names_sidecar_path(model_path).name} to load "
+                f"it by position)")
     if not problems:
         return None
     more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
