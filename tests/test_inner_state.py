@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from flodl_shm.training.inner_state import restore_inner
+from flodl_shm.training.inner_state import read_rank_state, restore_inner
 
 
 def _saved(make_opt, make_sched=None, steps: int = 3):
@@ -78,3 +78,18 @@ def test_an_optimizer_of_another_kind_is_refused_before_loading():
     grouped = torch.optim.SGD([{"params": [two.weight]}, {"params": [two.bias]}], lr=0.1)
     with pytest.raises(ValueError, match="1 parameter groups; the SGD built now has 2"):
         restore_inner(grouped, None, opt_state, None, "ck", "...")
+
+
+def test_a_damaged_rank_state_file_is_named_with_the_ways_on(tmp_path):
+    """torch.load of a truncated file says 'PytorchStreamReader failed reading zip
+    archive', naming neither the file nor what to do."""
+    from flodl_shm.errors import CheckpointError
+
+    path = tmp_path / "ck-r00000004.rank0.optim"
+    torch.save({"format": "x", "optimizer": {"state": {}}}, path)
+    assert read_rank_state(path)["format"] == "x"
+    path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(CheckpointError, match=rf"^{path} cannot be read \(.*\): the file is "
+                                              r"damaged or truncated\. Resume from the bundle "
+                                              r"before this one, or delete this file"):
+        read_rank_state(path)

@@ -492,6 +492,20 @@ def test_load_state_dict_refuses_a_state_of_another_cadence():
         cohort.run(body)
 
 
+def test_a_state_of_another_model_names_its_tensors_on_one_line():
+    """torch's load_state_dict error starts 'Error(s) in loading state_dict for
+    Sequential:' and names the tensors on the lines after, which a RankFailed (its
+    first line) lost: the message says them on one line."""
+    with FakeCohort(1) as cohort:
+        state = LocalSGD(make_model(0), sync_every=2, comm=cohort.comm(0)).state_dict()
+        wide = torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.ReLU(),
+                                   torch.nn.Linear(32, 2))
+        with pytest.raises(ValueError, match=r"^the state of rank 0 does not fit this model: "
+                                             r".*size mismatch for 0\.weight") as info:
+            LocalSGD(wide, sync_every=2, comm=cohort.comm(0)).load_state_dict(state)
+        assert "\n" not in str(info.value)
+
+
 def test_a_state_of_sync_every_none_loads_and_a_refused_one_changes_nothing():
     """A LocalSGD whose caller decides when to sync (``sync_every=None``) has no target:
     its state loads; a state whose outer optimizer is of another kind is refused before

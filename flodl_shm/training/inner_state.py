@@ -18,7 +18,27 @@ from typing import Any, Optional
 
 logger = logging.getLogger("flodl_shm")
 
-__all__ = ["check_optimizer_state", "restore_inner"]
+__all__ = ["check_optimizer_state", "read_rank_state", "restore_inner"]
+
+def read_rank_state(path) -> Any:
+    """A rank's state file of a checkpoint bundle (``<stem>.rank<N>.optim``), read with
+    ``torch.load``; a file that cannot be read raises ``CheckpointError`` naming it and
+    the ways on, where torch's own error names neither (``PytorchStreamReader failed
+    reading zip archive``)."""
+    import torch
+
+    from ..errors import CheckpointError
+
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - torch raises several kinds for a damaged file
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(
+            f"{path} cannot be read ({type(e).__name__}: {first}): the file is damaged or "
+            f"truncated. Resume from the bundle before this one, or delete this file to load "
+            f"the consensus with this rank's inner optimizer, schedule and counters fresh"
+        ) from e
+
 
 #: scheduler state entries that record progress, not settings
 _PROGRESS = frozenset({"last_epoch", "base_lrs"})

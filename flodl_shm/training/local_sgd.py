@@ -82,7 +82,7 @@ from ..frame import DTYPE_F32, tensors_to_round_frame
 from .agreement import check_same_model, check_same_settings, check_same_start, outer_settings
 from .convergence import TrendGuard
 from .el_che import ElChe
-from .inner_state import check_optimizer_state, restore_inner
+from .inner_state import check_optimizer_state, read_rank_state, restore_inner
 from .outer import OuterOptimizer
 from .realized_work import gamma_mass, is_realized, mover_mass
 from .sync_window import ReplicaReduce, gather_columns, params_round_carries_buffers
@@ -656,7 +656,12 @@ class LocalSGD:
         if self.optimizer is not None and state["optimizer"] is not None:
             check_optimizer_state(self.optimizer, state["optimizer"],  # refused up front
                                   f"the LocalSGD state of rank {state['rank']}")
-        self.model.load_state_dict(state["model"])
+        try:
+            self.model.load_state_dict(state["model"])
+        except RuntimeError as e:  # torch's first line names no tensor: say them in one
+            lines = [ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()]
+            raise ValueError(f"the state of rank {state['rank']} does not fit this model: "
+                             + " ".join(lines)) from e
         c = state["counters"]
         self.sync_round, self.total_steps = int(c["sync_round"]), int(c["total_steps"])
         self.total_samples, self.realized_mass = int(c["total_samples"]), float(c["realized_mass"])
@@ -890,7 +895,7 @@ class LocalSGD:
                                     f"complete checkpoint bundle (the .meta.json is written last)")
         meta = CheckpointMeta.read_from_file(meta_path)
         rank_path = rank_state_path(path, self.rank)
-        state = torch.load(rank_path, weights_only=False) if rank_path.exists() else None
+        state = read_rank_state(rank_path) if rank_path.exists() else None
         fmt = state.get("format") if isinstance(state, dict) else None
         if fmt == STATE_FORMAT:
             saved = state["counters"]["sync_round"]

@@ -29,7 +29,7 @@ from .coordinator import Coordinator, CoordinatorConfig
 from .coverage import epoch_permutation
 from .data import fetch_batch
 from .hooks import BatchInfo, RankState, RankSummary, WindowStats
-from .inner_state import restore_inner
+from .inner_state import read_rank_state, restore_inner
 from .local_sgd import LocalSGD
 from .sync_window import (COUNT_ROWS, count_column, counts_from_reports, falls_short,
                           gather_counts)
@@ -291,7 +291,7 @@ class _RankRun:
             logger.info("%s not found: rank %d's inner optimizer, LR schedule and integer "
                         "buffers start fresh", path, self.rank)
             return
-        state = torch.load(path, weights_only=False)
+        state = read_rank_state(path)
         if not isinstance(state, dict) or state.get("format") != RANK_STATE_FORMAT:
             raise ValueError(f"{path} is not a Trainer rank state (format "
                              f"{RANK_STATE_FORMAT!r} expected)")
