@@ -205,6 +205,18 @@ def test_a_checkpoint_cut_short_leaves_no_rank_state_in_its_rounds_next_commit(t
     assert not (tmp_path / "ck-r00000006.rank1.optim").exists()
 
 
+def test_a_resume_by_a_trainer_without_save_path_warns_it_saves_nothing(tmp_path, caplog):
+    """Trainer(save_path=None).resume(stem) trains on with no checkpoint: a crash loses
+    the whole resumed run, which used to happen without a word."""
+    caplog.set_level("WARNING", logger="flodl_shm")
+    stem = tmp_path / "ck"
+    make_trainer(epochs=1, save_path=stem).run(1)
+    result = make_trainer(epochs=2).resume(stem, nprocs=1)
+    assert result.checkpoint is None and len(result.history) > 0
+    assert (f"this Trainer has no save_path: the resumed run writes no checkpoint, so a crash "
+            f"loses all of it; build the Trainer with save_path={str(stem)!r}") in caplog.text
+
+
 def test_resuming_a_finished_run_says_so_and_returns_its_checkpoint(tmp_path, caplog):
     """A resume of a run that trained all its epochs trains nothing: it says so (and how
     to continue), and its result names the bundle it resumed from."""

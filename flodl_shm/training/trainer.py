@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from ..errors import RankFailed, StartRefused, TrainingAborted
 from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, RankDeathRecord, SaveReason,
                                set_extension)
-from ..checkpoint.series import death_record_path
+from ..checkpoint.series import death_record_path, series_of
 from .coverage import SHUFFLE_BASE_SEED
 from .data import is_dataset_factory
 from .hooks import HOOK_METHODS, Hook, LoggingHook
@@ -407,6 +407,12 @@ class Trainer:
         else:
             logger.info("resuming from %s: epoch %d, step %d, round %d (%s)", model_path,
                         meta.epoch, meta.global_step, meta.sync_round, meta.save_reason)
+            if self.save_path is None:
+                logger.warning("this Trainer has no save_path: the resumed run writes no "
+                               "checkpoint, so a crash loses all of it; build the Trainer "
+                               "with save_path=%r to continue that series",
+                               os.fspath(series_of(model_path)[0])
+                               if series_of(model_path) else os.fspath(model_path))
         return self._launch(_Job(self, int(nprocs), meta, os.fspath(model_path), _log_level(),
                                  cluster))
 
