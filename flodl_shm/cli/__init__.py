@@ -12,3 +12,8 @@ def invoked_as() -> str:
     if name.startswith("flodl") and not name.endswith(".py"):
         return name
     return "python -m flodl_shm"
+
+
+def plural(n: int, word: str) -> str:
+    """``"1 rank"``, ``"2 ranks"``: a count and its noun, as a reader says them."""
+    return f"{n} {word}" + ("" if n == 1 else "s")

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from ..checkpoint._atomic import atomic_write_bytes
-from . import invoked_as
+from . import invoked_as, plural
 from ..cluster.controller import DEFAULT_ROUND_TIMEOUT, ClusterController
 from ..cluster.secret import read_secret_file, write_secret_file
 
@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     old_handler = signal.getsignal(signal.SIGINT)
     interrupts = _first_interrupt_only()
     try:
-        print(f"controller listening on port {ctl.port} for {args.world_size} ranks{resumes}",
+        print(f"controller listening on port {ctl.port} for {plural(args.world_size, 'rank')}"
+              f"{resumes}",
               flush=True)
         if args.port_file:  # whole or absent: a script polling for it never reads half a port
             atomic_write_bytes(args.port_file, f"{ctl.port}\n".encode())

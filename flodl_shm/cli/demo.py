@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from flodl_shm.checkpoint._atomic import atomic_write_bytes
-from flodl_shm.cli import invoked_as
+from flodl_shm.cli import invoked_as, plural
 from flodl_shm.training.hooks import Hook
 
 __all__ = ["DemoConfig", "DemoResult", "accuracy", "digits_split", "main", "make_model",
@@ -555,9 +555,9 @@ def _header(cfg: DemoConfig, n_train: int, n_test: int) -> None:
     slow = "" if cfg.slow_rank is None else (f", rank {cfg.slow_rank[0]} slowed "
                                              f"{cfg.slow_rank[1]:g}x")
     print(f"flodl_shm demo: MLP 64-{HIDDEN}-10 on scikit-learn digits ({n_train} train / "
-          f"{n_test} test), {cfg.nprocs} ranks on this host{hosts}", flush=True)
+          f"{n_test} test), {plural(cfg.nprocs, 'rank')} on this host{hosts}", flush=True)
     if cfg.summary_host:
-        print(f"  {cfg.epochs} epochs, batch {cfg.batch_size}, sync every {cfg.sync_every} "
+        print(f"  {plural(cfg.epochs, 'epoch')}, batch {cfg.batch_size}, sync every {cfg.sync_every} "
               f"batches ({cadence}{slow}), SGD lr {LR} momentum {MOMENTUM}, "
               f"{'bf16' if cfg.bf16_wire else 'f32'} wire, outer "
               f"{'Nesterov (DiLoCo)' if cfg.outer == 'nesterov' else 'average'}", flush=True)
@@ -674,7 +674,7 @@ def _run_demo(cfg: DemoConfig) -> DemoResult:
         meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(ckpt))
         initial = meta.global_step
         if meta.epoch >= cfg.epochs:
-            _say(cfg, f"  {ckpt} finished {meta.epoch} epochs: nothing left to train (pass a "
+            _say(cfg, f"  {ckpt} finished {plural(meta.epoch, 'epoch')}: nothing left to train (pass a "
                       f"larger --epochs to continue)")
         else:
             _say(cfg, f"  resuming {ckpt}: window {meta.sync_round}, {meta.global_step} "
@@ -756,7 +756,7 @@ def _maybe_plot(rows: list[dict], path: Path, cfg: DemoConfig) -> Optional[Path]
         return None
     slow = "" if cfg.slow_rank is None else (f", rank {cfg.slow_rank[0]} slowed "
                                              f"{cfg.slow_rank[1]:g}x")
-    subtitle = (f"{cfg.total_world} ranks, {_CADENCE[cfg.effective_cadence]}{slow}, "
+    subtitle = (f"{plural(cfg.total_world, 'rank')}, {_CADENCE[cfg.effective_cadence]}{slow}, "
                 f"{'bf16' if cfg.bf16_wire else 'f32'} wire"
                 f"{', outer Nesterov' if cfg.outer == 'nesterov' else ''}")
     return plot_training(rows, path, per_rank=cfg.effective_cadence == "elche",

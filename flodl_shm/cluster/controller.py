@@ -480,7 +480,9 @@ class ClusterController:
                     return
                 self._forget_departed()
                 self._stall_unformed()
-            logger.info("controller: cohort complete (%d hosts); reducing", len(self._hosts))
+            n = len(self._hosts)
+            logger.info("controller: cohort complete (%d host%s); reducing", n,
+                        "" if n == 1 else "s")
             early = self.dead_ranks.dead()
             if early:  # ranks that died before every host had joined
                 self._broadcast_ctrl(ctrl_message(Ctrl.DECLARE_DEAD, ranks=early))
