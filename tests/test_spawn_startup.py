@@ -285,6 +285,37 @@ def test_a_launcher_that_runs_threads_gets_a_fresh_rank_server(tmp_path, start_m
         assert reimported == "True", "a fresh server's ranks import the main module"
 
 
+_UNGUARDED_SCRIPT = """
+import torch
+import flodl_shm
+
+torch.randn(256, 256) @ torch.randn(256, 256)  # a fresh rank server: ranks import this file
+
+
+def fn(ctx):
+    return ctx.rank
+
+
+print(flodl_shm.spawn(fn, 2))  # no __main__ guard: every rank runs this line again
+"""
+
+
+@pytest.mark.parametrize("start_method", ["default"])
+def test_a_script_without_a_main_guard_is_told_what_to_guard(tmp_path, start_method):
+    """The classic first mistake: ranks import the launcher's script, and an unguarded
+    spawn there fails them while they start. spawn said only 'rank 0 exited with code 1
+    without a result'; it now says the rank died starting, where its traceback went and
+    what to put under ``if __name__ == "__main__":``."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(_UNGUARDED_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert "exited with code 1 while starting, before it ran fn" in last, done.stderr[-3000:]
+    assert 'if __name__ == "__main__":' in last, last
+
+
 @pytest.mark.parametrize("start_method", ["default"])
 def test_ctrl_c_while_the_forked_rank_server_loads_kernels(tmp_path, start_method):
     """Ctrl-C while the forked server is still loading the kernels (here: compiling them

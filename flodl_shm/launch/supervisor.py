@@ -54,15 +54,24 @@ class _Outcome:
     when: float = 0.0
 
 
-def _failure_error(global_rank: int, out: "_Outcome", msg: tuple | None) -> RankFailed:
+def _failure_error(global_rank: int, out: "_Outcome", msg: tuple | None,
+                   started: bool = True) -> RankFailed:
     """The error ``spawn`` raises for rank ``global_rank``'s failure: a ``RankStalled``
     when the rank gave up waiting on ranks that never came (its own backstop deadline),
-    else a ``RankFailed``."""
+    else a ``RankFailed``; one that exited with Python's error status before it ran
+    ``fn`` (``started`` False) says where its traceback went and the usual cause."""
     stall = msg[3] if msg is not None and msg[0] == "error" and len(msg) > 3 else None
     if stall and stall["missing"] and all(isinstance(m, int) for m in stall["missing"]):
         return RankStalled(f"rank {global_rank} gave up waiting: {stall['text']}",
                            round=int(stall["round"]), missing=tuple(stall["missing"]),
                            timeout=stall["timeout"], signal=None)
+    if not started and out.kind == "died" and out.exitcode == 1:
+        return RankFailed(global_rank, None, "", None, 1, message=(
+            f"rank {global_rank} exited with code 1 while starting, before it ran fn "
+            f"(exc_type=None, signal=None); its Python traceback is on stderr. Each rank "
+            f"imports the launcher's script: code there that runs at import (a spawn call, "
+            f"torch work, reading files by relative path) runs in every rank; put it under "
+            f"`if __name__ == \"__main__\":`"))
     return RankFailed(global_rank, out.exc_type, out.tb, out.signal, out.exitcode)
 
 
@@ -494,7 +503,7 @@ class SpawnContext:
             err = RankFailed(global_rank, "ReduceStall", "", out.signal, out.exitcode,
                              message=stalled)
         else:
-            err = _failure_error(global_rank, out, msg)
+            err = _failure_error(global_rank, out, msg, started=r in self._running)
         if out.exc_type == "StartRefused":
             # every rank refuses at the same point: no death to tolerate, the run stops.
             # The refusal names the cause, so it also replaces a failure this host only
