@@ -246,6 +246,23 @@ def test_console_entry_points():
     assert out.returncode == 0 and "demo" in out.stdout
 
 
+def test_a_reader_that_stops_reading_does_not_stop_the_run(tmp_path):
+    """``demo | head -3``: once the pipe's reader is gone, the output goes nowhere and the
+    run trains on to its end. The ranks used to fail with BrokenPipeError: a
+    max_failure_exceeded checkpoint, a death record, exit status 1."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "flodl_shm", "demo", "--run-dir",
+                             str(run_dir), "--no-plot", "--no-progress", "--epochs", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # as head does after its lines
+    _, err = proc.communicate(timeout=240)
+    assert first.startswith(b"flodl_shm demo:") and proc.returncode == 0, err.decode()
+    assert not list(run_dir.glob("*.death.json")) and b"Error" not in err, err.decode()
+    meta = json.loads(next(run_dir.glob("ckpt-r*.meta.json")).read_text())
+    assert meta["save_reason"] != "max_failure_exceeded" and meta["epoch"] == 2, meta
+
+
 def test_resume_refuses_what_it_cannot_continue_before_writing_anything(tmp_path, capsys):
     """--resume with another rank count on an ElChe run, another --batch-size, or a
     --run-dir whose checkpoint is not a demo's: a usage error (exit 2) naming the flag

@@ -242,7 +242,7 @@ class DemoHook(Hook):
         if self._bar is not None:
             self._bar.write(line, file=sys.stdout)
         else:
-            print(line, flush=True)
+            _out(line)
 
     def on_train_end(self, state, summary) -> None:
         if self._bar is not None:
@@ -542,9 +542,21 @@ def _trainer(cfg: DemoConfig, hook, train_set):
 _CADENCE = {"fixed": "fixed cadence", "elche": "ElChe cadence"}
 
 
+def _out(text: str = "") -> None:
+    """Print a line of the demo's output (launcher or rank). Once stdout's reader has
+    gone (``demo | head``), the rest goes to /dev/null and the run goes on: a closed
+    pipe is no reason to stop training (it used to fail the ranks with BrokenPipeError)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
 def _say(cfg: DemoConfig, text: str = "") -> None:
     if cfg.summary_host:
-        print(text, flush=True)
+        _out(text)
 
 
 def _header(cfg: DemoConfig, n_train: int, n_test: int) -> None:
@@ -554,13 +566,13 @@ def _header(cfg: DemoConfig, n_train: int, n_test: int) -> None:
     cadence = _CADENCE[cfg.effective_cadence]
     slow = "" if cfg.slow_rank is None else (f", rank {cfg.slow_rank[0]} slowed "
                                              f"{cfg.slow_rank[1]:g}x")
-    print(f"flodl_shm demo: MLP 64-{HIDDEN}-10 on scikit-learn digits ({n_train} train / "
-          f"{n_test} test), {plural(cfg.nprocs, 'rank')} on this host{hosts}", flush=True)
+    _out(f"flodl_shm demo: MLP 64-{HIDDEN}-10 on scikit-learn digits ({n_train} train / "
+         f"{n_test} test), {plural(cfg.nprocs, 'rank')} on this host{hosts}")
     if cfg.summary_host:
-        print(f"  {plural(cfg.epochs, 'epoch')}, batch {cfg.batch_size}, sync every {cfg.sync_every} "
-              f"batches ({cadence}{slow}), SGD lr {LR} momentum {MOMENTUM}, "
-              f"{'bf16' if cfg.bf16_wire else 'f32'} wire, outer "
-              f"{'Nesterov (DiLoCo)' if cfg.outer == 'nesterov' else 'average'}", flush=True)
+        _out(f"  {plural(cfg.epochs, 'epoch')}, batch {cfg.batch_size}, sync every {cfg.sync_every} "
+             f"batches ({cadence}{slow}), SGD lr {LR} momentum {MOMENTUM}, "
+             f"{'bf16' if cfg.bf16_wire else 'f32'} wire, outer "
+             f"{'Nesterov (DiLoCo)' if cfg.outer == 'nesterov' else 'average'}")
 
 
 def _read_rows(path: Path) -> list[dict]:
@@ -578,8 +590,8 @@ def _read_rows(path: Path) -> list[dict]:
         except ValueError:
             row = None
         if not isinstance(row, dict) or not isinstance(row.get("window"), int):
-            print(f"  (skipping line {n} of {path}: not a whole window row, e.g. from a run "
-                  f"stopped while writing it)", flush=True)
+            _out(f"  (skipping line {n} of {path}: not a whole window row, e.g. from a run "
+                 f"stopped while writing it)")
             continue
         rows.append(row)
     return rows
@@ -732,9 +744,9 @@ def _run_demo(cfg: DemoConfig) -> DemoResult:
             rank_batches[r] += n
     out = DemoResult(cfg, acc, result, wall_s=wall, rank_batches=rank_batches)
     if not cfg.summary_host:
-        print(f"host with ranks {cfg.first_rank}-{cfg.first_rank + cfg.nprocs - 1}: done in "
-              f"{wall:.1f} s ({len(result.history)} windows); the summary prints on the host "
-              f"with rank 0", flush=True)
+        _out(f"host with ranks {cfg.first_rank}-{cfg.first_rank + cfg.nprocs - 1}: done in "
+             f"{wall:.1f} s ({len(result.history)} windows); the summary prints on the host "
+             f"with rank 0")
         return out
     out.rows = [r for r in _read_rows(metrics) if r["window"] > (meta.sync_round if meta
                                                                    else 0)]
@@ -750,7 +762,7 @@ def _maybe_plot(rows: list[dict], path: Path, cfg: DemoConfig) -> Optional[Path]
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print("  (no plot: matplotlib is not installed; pip install -e \".[plot]\")", flush=True)
+        _out("  (no plot: matplotlib is not installed; pip install -e \".[plot]\")")
         return None
     if not rows:
         return None
@@ -766,28 +778,27 @@ def _maybe_plot(rows: list[dict], path: Path, cfg: DemoConfig) -> Optional[Path]
 def _summary(out: DemoResult) -> None:
     cfg, res = out.config, out.train
     hist = res.history
-    print(f"done in {out.wall_s:.1f} s: {len(hist)} windows, "
-          f"{sum(out.rank_batches)} batches; test accuracy {out.accuracy:.2f}% (consensus "
-          f"model, {len(digits_split()[2])} test images)", flush=True)
+    _out(f"done in {out.wall_s:.1f} s: {len(hist)} windows, "
+         f"{sum(out.rank_batches)} batches; test accuracy {out.accuracy:.2f}% (consensus "
+         f"model, {len(digits_split()[2])} test images)")
     if hist:
         sps = statistics.median(s.samples_per_s for s in hist)
         red = [s.sync_ms for s in hist]
         share = sum(red) / max(sum(s.window_ms for s in hist), 1e-9)
-        print(f"  throughput {sps:,.0f} samples/s (median window); all-reduce "
-              f"{statistics.median(red):.2f} ms median, {share:.1%} of the windows' time",
-              flush=True)
+        _out(f"  throughput {sps:,.0f} samples/s (median window); all-reduce "
+             f"{statistics.median(red):.2f} ms median, {share:.1%} of the windows' time")
     if cfg.effective_cadence == "elche" and cfg.total_world > 1:
-        print(f"  batches per rank: {out.rank_batches} (ElChe cadence)", flush=True)
+        _out(f"  batches per rank: {out.rank_batches} (ElChe cadence)")
     if out.baseline is not None:
         b_acc, b_s = out.baseline
-        print(f"  one process, same model/optimizer/samples: test accuracy {b_acc:.2f}% "
-              f"(difference {out.accuracy - b_acc:+.2f} points)", flush=True)
+        _out(f"  one process, same model/optimizer/samples: test accuracy {b_acc:.2f}% "
+             f"(difference {out.accuracy - b_acc:+.2f} points)")
     if res.checkpoint is not None:
-        print(f"  checkpoint: {res.checkpoint}; to train on, --resume with a larger "
-              f"--epochs", flush=True)
-    print(f"  metrics:    {Path(cfg.run_dir) / METRICS_FILE}", flush=True)
+        _out(f"  checkpoint: {res.checkpoint}; to train on, --resume with a larger "
+             f"--epochs")
+    _out(f"  metrics:    {Path(cfg.run_dir) / METRICS_FILE}")
     if out.plot is not None:
-        print(f"  plot:       {out.plot}", flush=True)
+        _out(f"  plot:       {out.plot}")
 
 
 # --- the plot ----------------------------------------------------------------------------
