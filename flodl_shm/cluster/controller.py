@@ -230,10 +230,13 @@ class ClusterController:
         """The ``hello_ack`` fields (``control.py``): the outer optimizer stepped here and
         where its momentum starts."""
         with self._lock:
-            if self.outer is None:
+            outer = self.outer
+            if outer is None:
                 return {"outer": {"kind": "none"}}
-            fields = {"outer": {"kind": "nesterov", "lr": float(self.outer.lr),
-                                "momentum": float(self.outer.mu)}}
+            fields = {"outer": {"kind": "nesterov", "lr": float(outer.lr),
+                                "momentum": float(outer.mu)}
+                      if hasattr(outer, "lr") and hasattr(outer, "mu")
+                      else {"kind": type(outer).__name__}}  # (the relay checks Nesterov's)
             if self._outer_loaded is None or self._outer_round is not None:
                 # (a momentum loaded without its round has no start to check)
                 fields["outer_start_round"] = (-1 if self._outer_loaded is None

@@ -201,6 +201,8 @@ def _check_controller_steps(held: Optional[dict], outer) -> None:
     if held is None:
         return  # one host, or a controller that says nothing
     if getattr(outer, "has_momentum", False):
+        if not (hasattr(outer, "lr") and hasattr(outer, "mu")):
+            return  # a stateful outer optimizer of the user's own: no settings to compare
         mine = {"kind": "nesterov", "lr": float(outer.lr), "momentum": float(outer.mu)}
     else:
         mine = {"kind": "none"}
