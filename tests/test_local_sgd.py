@@ -10,6 +10,7 @@ import torch
 import flodl_shm
 from flodl_shm import LocalSGD, OuterNesterov
 from flodl_shm.testing import FakeCohort
+from flodl_shm.training.local_sgd import rank_state_path
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -504,6 +505,39 @@ def test_a_state_of_another_model_names_its_tensors_on_one_line():
                                              r".*size mismatch for 0\.weight") as info:
             LocalSGD(wide, sync_every=2, comm=cohort.comm(0)).load_state_dict(state)
         assert "\n" not in str(info.value)
+
+
+class _Renamed(torch.nn.Module):
+    """make_model's tensors, shapes and order under other names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        ref = make_model(0)
+        self.a = torch.nn.Linear(6, 8)
+        self.b = torch.nn.BatchNorm1d(8)
+        self.c = torch.nn.Linear(8, 3)
+        self.load_state_dict({k.replace("0.", "a.").replace("1.", "b.").replace("3.", "c."): v
+                              for k, v in ref.state_dict().items()})
+
+
+def test_a_consensus_of_another_model_with_the_same_shapes_is_refused(tmp_path):
+    """load() without a rank state loads the consensus by position: a bundle of another
+    model whose tensors have the same shapes used to load silently. With the bundle's
+    names it is refused, naming the first tensors that differ."""
+    from flodl_shm.checkpoint.series import latest_checkpoint
+
+    with FakeCohort(1) as cohort:
+        sgd = LocalSGD(make_model(0), sync_every=1, comm=cohort.comm(0))
+        sgd.sync()
+        bundle = sgd.save(tmp_path / "ck")
+    rank_state_path(bundle, 0).unlink()  # the consensus only
+    with FakeCohort(1) as cohort:
+        with pytest.raises(ValueError, match=r"is not a checkpoint of this model: parameter p0 "
+                                             r"\[8, 6\] is '0\.weight' in the checkpoint and "
+                                             r"'a\.weight' in the model"):
+            LocalSGD(_Renamed(), sync_every=1, comm=cohort.comm(0)).load(tmp_path / "ck")
+        again = LocalSGD(make_model(0), sync_every=1, comm=cohort.comm(0))
+        assert again.load(latest_checkpoint(tmp_path / "ck")).sync_round == 1
 
 
 def test_a_state_of_sync_every_none_loads_and_a_refused_one_changes_nothing():

@@ -888,6 +888,7 @@ class LocalSGD:
 
     def _load(self, path) -> CheckpointMeta:
         from ..checkpoint.forge import load_consensus_checkpoint, load_outer_momentum
+        from .resume_rules import checkpoint_mismatch
 
         meta_path = CheckpointBundle.meta_path(path)
         if not meta_path.exists():
@@ -913,6 +914,10 @@ class LocalSGD:
             logger.warning("%s holds a %r state, not a LocalSGD one: loading the consensus "
                            "only (inner optimizer, scheduler and cadence state start fresh)",
                            rank_path, fmt)
+        why = checkpoint_mismatch(CheckpointBundle.model_path(path), self.model)
+        if why is not None:
+            raise ValueError(f"{CheckpointBundle.model_path(path)} is not a checkpoint of this "
+                             f"model: {why}")
         report = load_consensus_checkpoint(self.model, CheckpointBundle.model_path(path))
         if report.missing or report.unexpected:
             raise ValueError(f"{CheckpointBundle.model_path(path)} does not match the model: "

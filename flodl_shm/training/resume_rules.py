@@ -81,11 +81,6 @@ def model_mismatch(model_path: "str | os.PathLike[str]", model_fn: Callable) -> 
     cannot be built there is left to the ranks' own load to check (None)."""
     import torch
 
-    from ..checkpoint.fdl import FdlReader
-    from ..checkpoint.forge import consensus_targets
-    from ..checkpoint.meta import ModelSchema, names_sidecar_path
-    from ..errors import CheckpointError
-
     try:
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
             model = model_fn()
@@ -93,6 +88,17 @@ def model_mismatch(model_path: "str | os.PathLike[str]", model_fn: Callable) -> 
         return None
     if not isinstance(model, torch.nn.Module):
         return None  # the ranks raise the TypeError naming it
+    return checkpoint_mismatch(model_path, model)
+
+
+def checkpoint_mismatch(model_path: "str | os.PathLike[str]", model) -> Optional[str]:
+    """:func:`model_mismatch` for a model already built (its tensors' shapes and names
+    only are read: a model on the meta device will do)."""
+    from ..checkpoint.fdl import FdlReader
+    from ..checkpoint.forge import consensus_targets
+    from ..checkpoint.meta import ModelSchema, names_sidecar_path
+    from ..errors import CheckpointError
+
     mine = {t.key: (t.label, tuple(t.tensor.shape)) for t in consensus_targets(model)}
     with FdlReader(model_path) as reader:
         saved = {e.name: tuple(e.shape) for e in reader.entries(False)}
