@@ -178,6 +178,25 @@ def test_zero_mass_round_returns_weight_zero_and_keeps_local_in_place():
             assert kept
 
 
+def test_a_weight_where_the_kind_goes_is_refused_not_a_plain_sum():
+    """``all_reduce_weighted([t], 1.0)`` (the weight by position) took 1.0 for the kind
+    (``int(1.0)`` = CONTROL): a plain sum, reported with the summed mass, silently."""
+    def body(comm):
+        t = torch.full((4,), float(comm.rank + 1))
+        for call in (lambda: comm.all_reduce_weighted([t], 1.0),
+                     lambda: comm.all_reduce_weighted([t], True),
+                     lambda: comm.all_reduce_scaled([t], 1.0, 1.0),
+                     lambda: comm.all_reduce_([t], kind=1.0)):
+            with pytest.raises(ValueError, match=r"kind must be a RoundKind .* got (1\.0|True) "
+                                                 r"where the round kind goes .* weight=\.\.\. by "
+                                                 r"name"):
+                call()
+        return comm.all_reduce_weighted([t * (comm.rank + 1)], weight=comm.rank + 1)[1]
+
+    with FakeCohort(2) as c:
+        assert c.run(body) == [3.0, 3.0]  # the Comm still works: nothing was sent
+
+
 def test_per_rank_f64_gather():
     def body(comm):
         v = np.zeros(comm.world_size)

@@ -57,6 +57,14 @@ def _session(comm) -> list:
     ts.append(torch.randn(N // 2, generator=torch.Generator().manual_seed(r)).bfloat16())
     mass = comm.all_reduce_(ts)
     out.append(("staged", [t.clone() for t in ts], mass, None))
+    # a tensor listed twice (a tied weight in a state_dict's values) and overlapping views
+    # of one buffer: in place, each rank writes its slice while the others still read
+    # theirs, so these go through copies too (they used to average what another slice
+    # had already written)
+    big = _inputs(r, 14)[0]
+    flat = torch.randn(N + N // 2, generator=torch.Generator().manual_seed(50 + r))
+    mass = comm.all_reduce_([big, big, flat[:N], flat[N // 2:]])
+    out.append(("aliased", [big.clone(), flat.clone()], mass, None))
     res, mass = comm.all_reduce_scaled(_inputs(r, 9), 0.25, weight=2.0 + r)
     out.append(("scaled", [t.clone() for t in res], mass, None))
     (res,) = comm.all_reduce_tensors([_inputs(r, 10)[0]])

@@ -106,10 +106,32 @@ def _check_drift(drift, ntensors: int) -> None:
                          f"it with np.zeros(({ntensors}, 3))")
 
 
+def _overlapping(tensors: Sequence[torch.Tensor]) -> set[int]:
+    """Indices of the contiguous float32 CPU tensors of ``tensors`` whose memory overlaps
+    another's (the others go through copies anyway)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + 4 * t.numel(), i)
+                   for i, t in enumerate(tensors)
+                   if t.dtype is F32 and t.is_cpu and t.is_contiguous() and t.numel())
+    out: set[int] = set()
+    reach, owner = -1, -1
+    for start, end, i in spans:
+        if start < reach:
+            out.update((i, owner))
+        if end > reach:
+            reach, owner = end, i
+    return out
+
+
 def _kind(kind) -> int:
-    """A round kind as an int; ValueError (from ``RoundKind``) when it is none."""
+    """A round kind as an int; ValueError when it is none (``RoundKind``'s own for an
+    int of no kind; a float or a bool, e.g. a weight passed where the kind goes, is no
+    kind either: ``int(1.0)`` would make a weighted round a plain sum)."""
     if kind is RoundKind.MODEL:  # the default: skip the enum's int conversion
         return _MODEL
+    if isinstance(kind, bool) or not isinstance(kind, (int, np.integer)):
+        raise ValueError(f"kind must be a RoundKind (RoundKind.MODEL or RoundKind.CONTROL), "
+                         f"got {kind!r} where the round kind goes (a weight passed by "
+                         f"position?): pass weight=... by name")
     k = int(kind)
     if k != _MODEL and k != _CONTROL:
         RoundKind(k)  # raises, naming the value
@@ -1057,8 +1079,12 @@ class Comm:
         nt = plan.ntensors
         srcs = np.zeros(nt, np.int64)
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # in place, each rank writes its slice of every tensor while the others still
+        # read theirs: tensors that share memory (a tied weight listed twice, overlapping
+        # views) would read what another slice already wrote, so they go through copies
+        shared = _overlapping(tensors) if out is None and tensors else ()
         for i, t in enumerate(tensors or ()):
-            if not (t.dtype is F32 and t.is_cpu and t.is_contiguous()):
+            if not (t.dtype is F32 and t.is_cpu and t.is_contiguous()) or i in shared:
                 copy = t.detach().to(device="cpu", dtype=torch.float32, copy=True,
                                      memory_format=torch.contiguous_format)
                 staged.append((t, copy))
