@@ -7,6 +7,8 @@ mismatches raised on every rank, deadlines, dead ranks, zero-copy lifetimes.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -195,6 +197,38 @@ def test_a_weight_where_the_kind_goes_is_refused_not_a_plain_sum():
 
     with FakeCohort(2) as c:
         assert c.run(body) == [3.0, 3.0]  # the Comm still works: nothing was sent
+
+
+def test_a_second_thread_entering_a_round_in_flight_is_refused():
+    """Rank 0's thread A is in a large round, waiting for rank 1; its main thread calls a
+    collective on the same Comm. That call used to put a second round into the Comm's
+    slots and mix the two rounds' results silently; it is refused, touching nothing,
+    and A's round completes with the right consensus."""
+    import threading
+
+    n = 300_000  # a bulk round
+    refused = threading.Event()
+
+    def body(comm):
+        if comm.rank == 1:
+            assert refused.wait(30)
+            return comm.all_reduce_tensors([torch.full((n,), 3.0)])[0].unique().tolist()
+        got = []
+        a = threading.Thread(target=lambda: got.append(
+            comm.all_reduce_tensors([torch.full((n,), 1.0)])[0].unique().tolist()))
+        a.start()
+        deadline = time.monotonic() + 30
+        while not comm._in_round and time.monotonic() < deadline:
+            time.sleep(0.001)
+        with pytest.raises(RuntimeError, match=r"in a collective already, called from "
+                                               r"another thread.*from one thread at a time"):
+            comm.all_reduce_tensors([torch.full((n,), 5.0)])
+        refused.set()
+        a.join(30)
+        return got[0]
+
+    with FakeCohort(2) as c:
+        assert c.run(body) == [[2.0], [2.0]]
 
 
 def test_per_rank_f64_gather():

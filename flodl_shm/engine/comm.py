@@ -167,6 +167,7 @@ class Comm:
             self._engine.yield_when_waiting()
         self._round = 0
         self._broken: str | None = None
+        self._in_round = False  # a general or direct round is in flight (_one_at_a_time)
         self._bf16 = False
         self._pinned = False
         self._armed: int | None = None
@@ -175,10 +176,13 @@ class Comm:
         self._zc_inputs: dict = {}  # (plan, slot parity or "bulk") -> (region, views)
         self._zc_outputs: dict = {}  # plan -> (memory, consensus views)
         self._zc_plan: tuple | None = None  # (wire dtype, shapes, plan) of the last inputs
-        self._per_rank = np.zeros(max(1, self.world_size), np.float64)  # values in, sums out
-        self._per_rank_plan = self._engine.plan(_CONTROL, DTYPE_F32, ((self.world_size,),))
-        self._per_rank_fused = (self._per_rank_plan.eager_fits
-                                and self.world_size <= PER_RANK_FUSED_MAX)
+        # all_reduce_per_rank_f64's (values in and sums out, its plan, whether it is one
+        # compiled call): one attribute, not three. A Comm keeps to 29 instance attributes:
+        # a 30th made every fused 4 KiB call ~130 ns slower on CPython 3.11 (its attribute
+        # reads lose their fast path); tests/test_perf_guard.py holds the count
+        per_rank_plan = self._engine.plan(_CONTROL, DTYPE_F32, ((self.world_size,),))
+        self._per_rank = (np.zeros(max(1, self.world_size), np.float64), per_rank_plan,
+                          per_rank_plan.eager_fits and self.world_size <= PER_RANK_FUSED_MAX)
         self._barrier_plan = self._engine.plan(_CONTROL, DTYPE_F32, ())
         self._outer_installed = False
         self._outer_claims = 0
@@ -664,7 +668,7 @@ class Comm:
         every rank gets the summed vector (dead ranks read 0). Values travel as f32
         (exact for integers up to 2^24), as in flodl."""
         world = self.world_size
-        src = self._per_rank
+        src, plan, fused = self._per_rank
         if type(values) is np.ndarray and values.shape == (world,):
             src[:] = values  # the common case, without asarray's copy
         else:
@@ -673,8 +677,7 @@ class Comm:
                 raise ValueError(f"vector len ({vec.shape[0]}) must equal world_size "
                                  f"({world})")
             src[:] = vec
-        plan = self._per_rank_plan
-        if self._per_rank_fused and self._fusable(_CONTROL, False):
+        if fused and self._fusable(_CONTROL, False):
             # into and out of the float64 staging: one compiled call (``_eager_call``
             # inlined, as in ``barrier``; its checks are ``_fusable``'s)
             rnd = self._round
@@ -1075,6 +1078,14 @@ class Comm:
         ranks) or, ``out`` None, into every rank's ``tensors`` (the root's stay as they
         are). A tensor that is not a contiguous float32 CPU tensor goes through a
         contiguous float32 copy."""
+        self._one_at_a_time()
+        try:
+            return self._direct_round(tensors, plan, weight, scale, out, broadcast)
+        finally:
+            self._in_round = False
+
+    def _direct_round(self, tensors: Sequence[torch.Tensor] | None, plan: RoundPlan, weight,
+                      scale: float, out: torch.Tensor | None, broadcast: int | None) -> float:
         weight = self._begin(weight)
         nt = plan.ntensors
         srcs = np.zeros(nt, np.int64)
@@ -1159,6 +1170,20 @@ class Comm:
 
         return self._eager_call(weight, call)
 
+    def _one_at_a_time(self) -> None:
+        """Enter a general or direct round; RuntimeError when one is in flight already.
+        A Comm is one rank's sequence of collectives: two threads driving it at once
+        would put two rounds in its slots and mix their results silently. (The fused
+        one-call rounds are not checked here, where a check costs a tenth of the call:
+        their control block finds the rounds out of step.)"""
+        if self._in_round:
+            raise RuntimeError(
+                f"this Comm (rank {self.rank}) is in a collective already, called from "
+                f"another thread: a Comm's collectives must come from one thread at a time, "
+                f"in the same order on every rank; serialize them (a lock around the "
+                f"calls), or give each thread its own process group")
+        self._in_round = True
+
     def _run(self, plan: RoundPlan, weight: float, write: Callable | None, *,
              elided: bool = False, zero_copy: bool = False, outer: bool = False,
              into: np.ndarray | None = None, out: np.ndarray | None = None,
@@ -1176,82 +1201,86 @@ class Comm:
         root's payload into ``out``; no reduce; the root of an in-place broadcast passes
         no ``out``: its tensors hold the payload). ``probe``: a bulk round that also
         checks whether the ranks may run direct rounds (``engine/direct.py``)."""
-        weight = self._begin(weight)
-        eng = self._engine
-        rnd = self._round
-        kind, dtype = plan.kind, plan.dtype
-        tap = kind == _MODEL and self._tap.armed is not None
-        # only a stateful outer optimizer steps (OuterAvg is the plain consensus); on a
-        # cluster the flag travels to the controller, which refuses it if it has none
-        outer = outer and self._outer_installed
-        # the outer step runs in the slice reduce: outer rounds take the bulk path
-        bulk = ((zero_copy and not eager_zero_copy) or eng.relay_mode or outer or probe
-                or not plan.eager_fits)
-        region = eng.prepare(rnd, plan, bulk, payload=not (elided and broadcast is not None))
-        hook = eng.fault_hook
-        if hook is not None:
-            hook("before_copy_in", rnd)
-        if write is not None and not elided:
-            if region is None:
-                region = eng.eager_region(rnd)
-            raw = region[plan.off:plan.off + plan.nbytes]
-            write(raw.view(np.float32 if dtype == DTYPE_F32 else np.uint16), plan)
-        flags = ((A.FLAG_BULK if bulk else 0) | (A.FLAG_ELIDED if elided else 0)
-                 | (A.FLAG_ZERO_COPY if zero_copy else 0) | (A.FLAG_OUTER if outer else 0)
-                 | (A.FLAG_TAP if tap else 0) | (0 if broadcast is None else A.FLAG_BROADCAST)
-                 | (A.FLAG_DIRECT_PROBE if probe else 0))
-        self._round = rnd + 1
-        eng.own_slice = None
+        self._one_at_a_time()
         try:
-            if not bulk:
-                if out is None:
-                    out_f32, out_u16 = eng.eager_f32, eng.eager_u16
-                elif dtype == DTYPE_F32:
-                    out_f32, out_u16 = out, eng.eager_u16
+            weight = self._begin(weight)
+            eng = self._engine
+            rnd = self._round
+            kind, dtype = plan.kind, plan.dtype
+            tap = kind == _MODEL and self._tap.armed is not None
+            # only a stateful outer optimizer steps (OuterAvg is the plain consensus); on a
+            # cluster the flag travels to the controller, which refuses it if it has none
+            outer = outer and self._outer_installed
+            # the outer step runs in the slice reduce: outer rounds take the bulk path
+            bulk = ((zero_copy and not eager_zero_copy) or eng.relay_mode or outer or probe
+                    or not plan.eager_fits)
+            region = eng.prepare(rnd, plan, bulk, payload=not (elided and broadcast is not None))
+            hook = eng.fault_hook
+            if hook is not None:
+                hook("before_copy_in", rnd)
+            if write is not None and not elided:
+                if region is None:
+                    region = eng.eager_region(rnd)
+                raw = region[plan.off:plan.off + plan.nbytes]
+                write(raw.view(np.float32 if dtype == DTYPE_F32 else np.uint16), plan)
+            flags = ((A.FLAG_BULK if bulk else 0) | (A.FLAG_ELIDED if elided else 0)
+                     | (A.FLAG_ZERO_COPY if zero_copy else 0) | (A.FLAG_OUTER if outer else 0)
+                     | (A.FLAG_TAP if tap else 0) | (0 if broadcast is None else A.FLAG_BROADCAST)
+                     | (A.FLAG_DIRECT_PROBE if probe else 0))
+            self._round = rnd + 1
+            eng.own_slice = None
+            try:
+                if not bulk:
+                    if out is None:
+                        out_f32, out_u16 = eng.eager_f32, eng.eager_u16
+                    elif dtype == DTYPE_F32:
+                        out_f32, out_u16 = out, eng.eager_u16
+                    else:
+                        out_f32, out_u16 = eng.eager_f32, out
+                    mass = eng.eager_round(plan, rnd, flags, weight, out_f32=out_f32,
+                                           out_u16=out_u16)
+                    if broadcast is not None:
+                        eng.check_broadcast(rnd, eng.last_accepted, eng.last_contributors(),
+                                            broadcast)
+                    cons = out if out is not None else (
+                        (out_f32 if dtype == DTYPE_F32 else out_u16)[:plan.nelem])
+                elif broadcast is not None:
+                    eng.publish(rnd, kind, flags, dtype, weight, len(plan.shapes), plan.nbytes,
+                                plan.nelem, plan.shash, len(plan.words))
+                    if hook is not None:
+                        hook("arrived", rnd)
+                    # the root copies its payload in before it arrives: spin for that long
+                    view = eng.await_arrivals(rnd, nbytes=plan.nbytes)
+                    eng.check_broadcast(rnd, view.accepted_mask, view.contrib_mask, broadcast)
+                    eng.broadcast_copy(view, broadcast, out)
+                    if self.local_rank == broadcast:
+                        eng.await_readers(view)
+                    cons, mass = out, view.mass
                 else:
-                    out_f32, out_u16 = eng.eager_f32, out
-                mass = eng.eager_round(plan, rnd, flags, weight, out_f32=out_f32,
-                                       out_u16=out_u16)
-                if broadcast is not None:
-                    eng.check_broadcast(rnd, eng.last_accepted, eng.last_contributors(),
-                                        broadcast)
-                cons = out if out is not None else (
-                    (out_f32 if dtype == DTYPE_F32 else out_u16)[:plan.nelem])
-            elif broadcast is not None:
-                eng.publish(rnd, kind, flags, dtype, weight, len(plan.shapes), plan.nbytes,
-                            plan.nelem, plan.shash, len(plan.words))
-                if hook is not None:
-                    hook("arrived", rnd)
-                # the root copies its payload in before it arrives: spin for that long
-                view = eng.await_arrivals(rnd, nbytes=plan.nbytes)
-                eng.check_broadcast(rnd, view.accepted_mask, view.contrib_mask, broadcast)
-                eng.broadcast_copy(view, broadcast, out)
-                if self.local_rank == broadcast:
-                    eng.await_readers(view)
-                cons, mass = out, view.mass
-            else:
-                eng.publish(rnd, kind, flags, dtype, weight, len(plan.shapes), plan.nbytes,
-                            plan.nelem, plan.shash, len(plan.words))
-                if hook is not None:
-                    hook("arrived", rnd)
-                view = eng.await_arrivals(rnd, nbytes=plan.nbytes)
-                if probe:
-                    eng.direct.probe(view)
-                eng.reduce_slice(view, self.local_rank,
-                                 into if view.mass > 0.0 or kind != _MODEL else None)
-                eng.await_slices(view)
-                if probe:
-                    eng.direct.settle_probe(view)
-                mass = eng.await_consensus(view) if eng.relay_mode else view.mass
-                cons = eng.consensus_array(view)
-                if eng.outer_applies(view):
-                    eng.outer_round_done(view.nelem)
-            if tap:
-                self._tap.captured(rnd, dtype, plan.shapes, cons, mass, outer)
-            return cons, mass
-        except BaseException as e:
-            self._fail(rnd, e)
-            raise
+                    eng.publish(rnd, kind, flags, dtype, weight, len(plan.shapes), plan.nbytes,
+                                plan.nelem, plan.shash, len(plan.words))
+                    if hook is not None:
+                        hook("arrived", rnd)
+                    view = eng.await_arrivals(rnd, nbytes=plan.nbytes)
+                    if probe:
+                        eng.direct.probe(view)
+                    eng.reduce_slice(view, self.local_rank,
+                                     into if view.mass > 0.0 or kind != _MODEL else None)
+                    eng.await_slices(view)
+                    if probe:
+                        eng.direct.settle_probe(view)
+                    mass = eng.await_consensus(view) if eng.relay_mode else view.mass
+                    cons = eng.consensus_array(view)
+                    if eng.outer_applies(view):
+                        eng.outer_round_done(view.nelem)
+                if tap:
+                    self._tap.captured(rnd, dtype, plan.shapes, cons, mass, outer)
+                return cons, mass
+            except BaseException as e:
+                self._fail(rnd, e)
+                raise
+        finally:
+            self._in_round = False
 
     def close(self) -> None:
         """Release this rank's mappings (the arena's owner unlinks the segments)."""
