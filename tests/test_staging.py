@@ -212,6 +212,25 @@ def test_unarmed_rounds_return_fresh_memory():
         assert a[0].data_ptr() != b[0].data_ptr()
 
 
+def test_an_in_place_round_takes_the_arm_and_a_later_reply_is_fresh():
+    """The arm is one shot on the next MODEL round: an in-place all_reduce_ used to leave
+    it standing (through a barrier too), so a later unarmed reply landed in the slot and
+    overwrote the earlier armed result the caller still held."""
+    def rank(comm):
+        comm.set_pinned_decode(True)
+        comm.arm_pinned_decode(DECODE_SLOT_BUFFERS)
+        b = comm.all_reduce_tensors([torch.full((4,), 2.0)])[0]  # in the slot
+        comm.arm_pinned_decode(DECODE_SLOT_BUFFERS)
+        comm.all_reduce_([torch.ones(4)])  # takes the arm: its reply is the tensor
+        comm.barrier()
+        x = comm.all_reduce_tensors([torch.full((4,), 7.0)])[0]  # not armed
+        return b.tolist(), x.tolist(), b.data_ptr() == x.data_ptr()
+
+    with FakeCohort(2) as cohort:
+        for b, x, same in cohort.run(rank):
+            assert b == [2.0] * 4 and x == [7.0] * 4 and not same
+
+
 def test_pinned_decode_slots_do_not_collide_on_identical_schemas():
     """A BatchNorm-style buffers frame can carry the params frame's exact shape
     list; a schema-keyed cache would decode buffers into the params staging while

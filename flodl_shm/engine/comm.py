@@ -243,7 +243,8 @@ class Comm:
 
     def arm_pinned_decode(self, slot: int) -> None:
         """Decode the NEXT MODEL reply into ``slot``'s staging (one shot; no-op when
-        pinned decode is off)."""
+        pinned decode is off). The next MODEL round takes the arm whatever it is: an
+        in-place one (``all_reduce_``) decodes nothing, and a later reply is not armed."""
         slot = check_slot(slot)
         if self._pinned:
             self._armed = slot
@@ -604,6 +605,8 @@ class Comm:
         dtype = DTYPE_BF16 if (self._bf16 and kind == _MODEL) else DTYPE_F32
         outer = outer and kind == _MODEL
         scale = float(scale)
+        if self._armed is not None and kind == _MODEL:
+            self._armed = None  # this MODEL round's reply is the tensors: nothing staged
         eng = self._engine
         if len(tensors) == 1 and dtype == DTYPE_F32 and drift is None:
             plan = self._single_plan(tensors[0], kind, outer)
