@@ -109,9 +109,13 @@ def test_broadcast_multi_tensor_distinct_shapes():
 def test_broadcast_keeps_negative_zero_and_rejects_bad_root():
     def body(comm):
         out = comm.broadcast_from_root([torch.tensor([-0.0, 1.0]) * (comm.rank + 1)], 0)
-        with pytest.raises(ValueError,
-                           match=r"broadcast root 7 is not a rank of this cohort \(0 to 1\)"):
+        with pytest.raises(ValueError, match=r"broadcast root 7 is not a rank of this cohort "
+                                             r"\(an int from 0 to 1\)"):
             comm.broadcast_from_root([torch.zeros(2)], 7)
+        for root in (1.5, "1", True):  # int() of these named rank 1: a broadcast from it
+            with pytest.raises(ValueError, match=rf"broadcast root {root!r} is not a rank"):
+                comm.broadcast_from_root([torch.zeros(2)], root)
+        assert comm.broadcast_from_root([torch.zeros(2) + comm.rank], np.int64(1))[0][0] == 1
         return out
 
     with FakeCohort(2) as c:

@@ -815,10 +815,12 @@ class Comm:
         """(whether this rank is ``root``, the root's local rank on this host or None on
         a cluster, where a broadcast is a reduce); ValueError for a root that is not a
         rank of the cohort."""
-        if not 0 <= int(root) < self.world_size:
-            raise ValueError(f"broadcast root {root} is not a rank of this cohort (0 to "
-                             f"{self.world_size - 1}): pass the global rank whose tensors "
-                             f"every rank should receive")
+        if (type(root) is not int and (isinstance(root, bool)
+                                       or not isinstance(root, (int, np.integer)))) \
+                or not 0 <= int(root) < self.world_size:
+            raise ValueError(f"broadcast root {root!r} is not a rank of this cohort (an int "
+                             f"from 0 to {self.world_size - 1}): pass the global rank whose "
+                             f"tensors every rank should receive")
         root = int(root)
         local_root = (None if self._engine.relay_mode
                       else root - (self.rank - self.local_rank))
