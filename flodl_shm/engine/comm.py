@@ -106,20 +106,26 @@ def _check_drift(drift, ntensors: int) -> None:
                          f"it with np.zeros(({ntensors}, 3))")
 
 
-def _overlapping(tensors: Sequence[torch.Tensor]) -> set[int]:
-    """Indices of the contiguous float32 CPU tensors of ``tensors`` whose memory overlaps
-    another's (the others go through copies anyway)."""
-    spans = sorted((t.data_ptr(), t.data_ptr() + 4 * t.numel(), i)
-                   for i, t in enumerate(tensors)
-                   if t.dtype is F32 and t.is_cpu and t.is_contiguous() and t.numel())
-    out: set[int] = set()
-    reach, owner = -1, -1
-    for start, end, i in spans:
-        if start < reach:
-            out.update((i, owner))
-        if end > reach:
-            reach, owner = end, i
-    return out
+def _staged(t: torch.Tensor, staged: list) -> torch.Tensor:
+    """A contiguous float32 CPU copy of ``t`` for a direct round, noted in ``staged``
+    (pairs written back after an in-place round)."""
+    copy = t.detach().to(device="cpu", dtype=torch.float32, copy=True,
+                         memory_format=torch.contiguous_format)
+    staged.append((t, copy))
+    return copy
+
+
+def _overlapping(starts: np.ndarray, numels: Sequence[int]) -> list[int]:
+    """Indices of the float32 spans (``starts[i]``, ``numels[i]`` elements) that overlap
+    another span. Sorted by start, a span overlaps an earlier one when it starts before
+    the furthest end so far, and a later one when it ends after the next start."""
+    ends = starts + 4 * np.asarray(numels, np.int64)
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], ends[order]
+    hit = np.zeros(len(order), bool)
+    hit[1:] = s[1:] < np.maximum.accumulate(e)[:-1]
+    hit[:-1] |= e[:-1] > s[1:]
+    return sorted(order[hit].tolist())
 
 
 def _kind(kind) -> int:
@@ -1095,17 +1101,16 @@ class Comm:
         nt = plan.ntensors
         srcs = np.zeros(nt, np.int64)
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # in place, each rank writes its slice of every tensor while the others still
-        # read theirs: tensors that share memory (a tied weight listed twice, overlapping
-        # views) would read what another slice already wrote, so they go through copies
-        shared = _overlapping(tensors) if out is None and tensors else ()
         for i, t in enumerate(tensors or ()):
-            if not (t.dtype is F32 and t.is_cpu and t.is_contiguous()) or i in shared:
-                copy = t.detach().to(device="cpu", dtype=torch.float32, copy=True,
-                                     memory_format=torch.contiguous_format)
-                staged.append((t, copy))
-                t = copy
+            if not (t.dtype is F32 and t.is_cpu and t.is_contiguous()):
+                t = _staged(t, staged)
             srcs[i] = t.data_ptr()
+        if out is None and nt > 1:
+            # in place, each rank writes its slice of every tensor while the others still
+            # read theirs: tensors that share memory (a tied weight listed twice,
+            # overlapping views) would read what another slice already wrote: copies too
+            for i in _overlapping(srcs, plan.numels):
+                srcs[i] = _staged(tensors[i], staged).data_ptr()
         if out is None:
             dsts = srcs
         else:
