@@ -217,6 +217,43 @@ def test_a_resume_by_a_trainer_without_save_path_warns_it_saves_nothing(tmp_path
             f"loses all of it; build the Trainer with save_path={str(stem)!r}") in caplog.text
 
 
+def test_a_last_checkpoint_that_failed_to_write_is_not_reported_as_written(tmp_path, caplog,
+                                                                             monkeypatch):
+    """The final bundle's write fails (a full disk): the run used to return
+    result.checkpoint naming a bundle with no .meta.json (the demo then printed it as
+    'its last checkpoint'); it names the newest committed bundle and says why."""
+    import flodl_shm.checkpoint.forge as forge
+
+    real = forge.write_consensus_fdl
+
+    def full_disk_at_the_end(schema, payloads, path):
+        if str(path).endswith("-r00000008.fdl"):
+            raise OSError(28, "No space left on device")
+        return real(schema, payloads, path)
+
+    monkeypatch.setattr(forge, "write_consensus_fdl", full_disk_at_the_end)
+    caplog.set_level("ERROR", logger="flodl_shm")
+    stem = tmp_path / "ck"
+    result = make_trainer(epochs=1, save_path=stem, checkpoint_every=3).run(2)
+    assert result.checkpoint == round_model_path(stem, 6), result.checkpoint
+    assert (f"the run's last checkpoint {round_model_path(stem, 8)} was not written (its write "
+            f"failed: see the errors above); the newest on disk is "
+            f"{round_model_path(stem, 6)}") in caplog.text
+
+
+def test_the_reporting_rank_dying_after_the_last_window_leaves_a_survivor_to_report(tmp_path):
+    """Rank 0, the one that reports, fails after the last window's books (a full disk
+    writing its state, here a hook): within max_failures=1 rank 1 reports the run. The
+    survivor took rank 0 for alive and for the reporter, and the run ended 'no rank
+    returned the final model (every rank failed)'."""
+    from trainer_util import DieAtWindowEnd
+
+    result = make_trainer(epochs=1, save_path=tmp_path / "ck", checkpoint_every=3,
+                          max_failures=1, hooks=[DieAtWindowEnd(0, 8)]).run(2)
+    assert result.history[-1].window == 8 and result.state_dict is not None
+    assert result.dead_ranks == (0,)
+
+
 def test_resuming_a_finished_run_says_so_and_returns_its_checkpoint(tmp_path, caplog):
     """A resume of a run that trained all its epochs trains nothing: it says so (and how
     to continue), and its result names the bundle it resumed from."""

@@ -107,6 +107,18 @@ class KillAt(Hook):
         time.sleep(30)  # the launcher's death takes this rank down (PDEATHSIG)
 
 
+class DieAtWindowEnd(Hook):
+    """``rank`` raises at the end of window ``window`` (after its sync and its part of
+    that window's checkpoint)."""
+
+    def __init__(self, rank: int, window: int) -> None:
+        self.rank, self.window = rank, window
+
+    def on_window_end(self, state, stats) -> None:
+        if state.rank == self.rank and stats.window == self.window:
+            raise OSError(28, "No space left on device (injected)")
+
+
 class StopAt(Hook):
     """Request a cohort stop at the end of ``window`` (from rank ``rank``)."""
 

@@ -436,15 +436,19 @@ class _RankRun:
 
         self._save_rank_state(ckpt)
         self.comm.barrier()
-        if self._is_host_lead():
+        if self._is_host_lead(self.comm.last_accepted()):
             remove_other_rank_states(ckpt, self.coord.alive)  # a cut-short save's, of this round
             self._post_checkpoint(ckpt, reason, mass)
 
-    def _is_host_lead(self) -> bool:
-        """Whether this rank is the lowest live rank of its host (on one host: of the
-        cohort): the one that prunes, posts and reports for its host."""
+    def _is_host_lead(self, live=None) -> bool:
+        """Whether this rank is the lowest of its host's ranks in ``live`` (default: the
+        coordinator's live ranks; on one host, of the cohort): the one that prunes,
+        posts and reports for its host. Right after a collective, ``live`` is better
+        the ranks it accepted (``Comm.last_accepted``): a rank that died since the
+        window's books (writing its state file, say) is still in the coordinator's."""
         first = self.rank - self.ctx.local_rank
-        here = [r for r in self.coord.alive if first <= r < first + self.ctx.local_world_size]
+        here = [r for r in (self.coord.alive if live is None else live)
+                if first <= r < first + self.ctx.local_world_size]
         return bool(here) and self.rank == here[0]
 
     def _checkpoint_path(self):
@@ -542,12 +546,15 @@ class _RankRun:
             if settled.stop:
                 reason = settled.save_reason
                 break
+        # each host reports from its lowest live rank (on one host: the reporting rank),
+        # as a last barrier finds them: one may have died since the last window's books
+        # (writing its state file on a full disk, say)
+        comm.barrier()
+        reporting = self._is_host_lead(comm.last_accepted())
         summary = RankSummary(self.rank, windows, coord.global_step, coord.epoch,
                               None if reason is None else reason.value, tuple(dead), last_ckpt)
         for call in _hook_calls(tr.hooks, "on_train_end"):
             call(state, summary)
-        # each host reports from its lowest live rank (on one host: the reporting rank)
-        reporting = self._is_host_lead()
         return {
             "summary": summary,
             "dead_ranks": tuple(dead),

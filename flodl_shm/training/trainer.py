@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from ..errors import RankFailed, StartRefused, TrainingAborted
 from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, RankDeathRecord, SaveReason,
                                set_extension)
-from ..checkpoint.series import death_record_path, series_of
+from ..checkpoint.series import death_record_path, latest_checkpoint, series_of
 from .coverage import SHUFFLE_BASE_SEED
 from .data import is_dataset_factory
 from .hooks import HOOK_METHODS, Hook, LoggingHook
@@ -552,6 +552,14 @@ class Trainer:
         ckpt = reporting["checkpoint"]
         if ckpt is None and job.model_path is not None and not reporting["summary"].windows:
             ckpt = job.model_path  # a resume with nothing left to train: its last checkpoint
+        if ckpt is not None and not CheckpointBundle.meta_path(ckpt).exists():
+            # its write failed (a full disk: the forge logged why): name what is on disk
+            newest = None if self.save_path is None else latest_checkpoint(self.save_path)
+            logger.error("the run's last checkpoint %s was not written (its write failed: see "
+                         "the errors above); %s", ckpt,
+                         "no checkpoint of this run is on disk" if newest is None else
+                         f"the newest on disk is {newest}")
+            ckpt = newest
         result = TrainResult(_from_portable(reporting["state_dict"]), reporting["history"],
                              reporting["meta"],
                              None if ckpt is None else Path(ckpt), dead,
