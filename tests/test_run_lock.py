@@ -220,3 +220,37 @@ def test_a_save_path_under_a_file_is_refused_naming_the_file(tmp_path, under):
         with RunLock(tmp_path / under / "ckpt"):
             pass
     assert (tmp_path / "afile").read_text() == "mine\n"
+
+
+def test_a_lock_that_cannot_be_written_or_removed_is_given_back(tmp_path, monkeypatch):
+    """A full disk when the lock's line is written, or a folder made read-only before it
+    is removed: the lock used to stay held by this process (its next run on the path:
+    SeriesInUse naming itself), the write error named no file, and the removal error
+    replaced the run's own error on its way out."""
+    import flodl_shm.checkpoint.run_lock as run_lock
+
+    stem = tmp_path / "ck"
+    real_pwrite, real_unlink = os.pwrite, os.unlink
+
+    def full(fd, data, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(run_lock.os, "pwrite", full)
+    with pytest.raises(OSError, match=rf"cannot write the run lock {stem}\.lock: No space left "
+                                      r"on device \(free some space on that disk\)"):
+        RunLock(stem).__enter__()
+    monkeypatch.setattr(run_lock.os, "pwrite", real_pwrite)
+
+    def read_only(path, *a, **k):
+        if str(path).endswith(".lock"):
+            raise OSError(30, "Read-only file system")
+        return real_unlink(path, *a, **k)
+
+    with RunLock(stem):
+        monkeypatch.setattr(run_lock.os, "unlink", read_only)
+    monkeypatch.setattr(run_lock.os, "unlink", real_unlink)
+    with RunLock(stem):  # taken again, by this process or another
+        pass
+    code = subprocess.run([sys.executable, "-c", f"from flodl_shm.checkpoint.run_lock import "
+                           f"RunLock; RunLock({str(stem)!r}).__enter__()"], timeout=60).returncode
+    assert code == 0

@@ -45,6 +45,7 @@ import atexit
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import socket
 import time
@@ -52,6 +53,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import SeriesInUse
+
+logger = logging.getLogger("flodl_shm")
 
 __all__ = ["RunLock", "cluster_job", "lock_holder", "release_held", "run_lock_path"]
 
@@ -154,10 +157,20 @@ class RunLock:
             if same:
                 break
             os.close(fd)  # its holder removed it after we opened it: take the new one
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                   "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                   "job": self.job}) + "\n").encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                       "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                       "job": self.job}) + "\n").encode(), 0)
+        except OSError as e:  # a full disk: give the lock back, and say which file
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+            os.close(fd)
+            raise OSError(e.errno, f"cannot write the run lock {self.path}: {e.strerror}"
+                          f"{' (free some space on that disk)' if e.errno == 28 else ''}"
+                          ) from e
         return fd
 
     def __exit__(self, *exc) -> None:
@@ -180,7 +193,11 @@ def _release(key: str) -> None:
         os.unlink(key)
     except FileNotFoundError:
         pass
-    os.close(held.fd)
+    except OSError as e:  # a folder made read-only since: the file stays, the lock goes
+        logger.warning("could not remove the run lock %s (%s); it is released, and the "
+                       "next run takes it over", key, e)
+    finally:
+        os.close(held.fd)
     _remove_empty(held.made)
 
 
