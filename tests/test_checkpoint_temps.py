@@ -228,3 +228,29 @@ def test_launcher_killed_mid_checkpoint_write_keeps_keep_checkpoints_bundles(tmp
             if seg.owner_pid == proc.pid:
                 unlink_name(seg.name)
     assert_no_leaks()
+
+
+def test_a_write_that_fails_names_its_file_once_and_leaves_no_temp(tmp_path):
+    """A full disk fails the write: the error named no file ('[Errno 28] No space left on
+    device', from a rank, a demo's metrics, a checkpoint) and came twice, chained, as
+    the buffered file's close flushed again. It names the file once, with the fix; the
+    old file and the folder are as they were."""
+    import errno
+
+    from flodl_shm.checkpoint._atomic import atomic_write, atomic_write_bytes
+
+    target = tmp_path / "model.rank0.optim"
+    atomic_write_bytes(target, b"old")
+
+    def full_disk(fh):
+        fh.write(b"x" * 100)  # buffered: the failure comes at the flush
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError) as info:
+        atomic_write(target, full_disk)
+    assert info.value.errno == errno.ENOSPC
+    assert str(info.value) == (f"[Errno 28] No space left on device while writing {target} "
+                               f"(the disk is full: free some space, or save elsewhere)")
+    assert info.value.__cause__ is not None and info.value.__cause__.__context__ is None
+    assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == [
+        target.name]

@@ -28,6 +28,7 @@ releases). A live writer's temp is never removed.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -167,16 +168,29 @@ def atomic_write(path: "str | os.PathLike[str]", write: Callable[[BinaryIO], T])
         try:
             # the lock lives on lock_fd until after the rename: the temp is never unlocked
             # under its name while this writer is alive
-            with os.fdopen(os.dup(lock_fd), "wb", buffering=WRITE_BUFFER) as fh:
+            fh = os.fdopen(os.dup(lock_fd), "wb", buffering=WRITE_BUFFER)
+            try:
                 result = write(fh)
                 fh.flush()
                 os.fsync(fh.fileno())
+            except BaseException:
+                try:
+                    fh.close()  # (its flush of what is left fails again: one error is news)
+                except OSError:
+                    pass
+                raise
+            fh.close()
             os.replace(tmp, final)
-        except BaseException:
+        except BaseException as e:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
+            if isinstance(e, OSError) and e.errno is not None and e.filename is None:
+                # the OS's write error names no file: name the one being written
+                hint = " (the disk is full: free some space, or save elsewhere)" \
+                    if e.errno == errno.ENOSPC else ""
+                raise OSError(e.errno, f"{e.strerror} while writing {final}{hint}") from e
             raise
     finally:
         os.close(lock_fd)
