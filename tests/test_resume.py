@@ -188,17 +188,16 @@ def test_resuming_from_an_older_bundle_refuses_the_newer_ones_unless_overwrite(t
 
 def test_a_checkpoint_cut_short_leaves_no_rank_state_in_its_rounds_next_commit(tmp_path):
     """A 2-rank checkpoint of round 6 cut short leaves both ranks' .optim; a 1-rank resume
-    of round 3 commits round 6 again. Rank 1's file of the cut-short save used to stay in
-    that bundle, for a later 2-rank resume to restore as rank 1's optimizer state; the
-    lead rank removes it before the commit."""
+    of round 3 commits round 6 again with its own rank 0 file. Rank 1's file of the
+    cut-short save used to stay in that bundle, for a later 2-rank resume to restore as
+    rank 1's optimizer state; a resume clears the failed writes beyond its bundle at
+    its start."""
     stem = tmp_path / "ck"
     make_trainer(epochs=1, save_path=stem, checkpoint_every=3, keep_checkpoints=8).run(2)
     assert [r for r, _ in committed_checkpoints(stem)] == [3, 6, 8]
     for f in tmp_path.glob("ck-r0000000[68].*"):  # killed while saving round 6: its
         if not f.name.startswith("ck-r00000006.rank"):  # ranks' states only, no round 8
             f.unlink()
-    assert {f.name[-11:] for f in tmp_path.glob("ck-r00000006.*")} == {"rank0.optim",
-                                                                        "rank1.optim"}
     make_trainer(epochs=1, save_path=stem, checkpoint_every=3, keep_checkpoints=8).resume(
         stem, nprocs=1)
     assert (tmp_path / "ck-r00000006.meta.json").exists()
@@ -239,6 +238,14 @@ def test_a_last_checkpoint_that_failed_to_write_is_not_reported_as_written(tmp_p
     assert (f"the run's last checkpoint {round_model_path(stem, 8)} was not written (its write "
             f"failed: see the errors above); the newest on disk is "
             f"{round_model_path(stem, 6)}") in caplog.text
+    # the failed bundle's files (names, the ranks' states) went with the run's end: on a
+    # full disk they held the space a recovery needs
+    assert not list(tmp_path.glob("ck-r00000008.*")), list(tmp_path.glob("ck-r00000008.*"))
+    monkeypatch.undo()
+    (tmp_path / "ck-r00000009.rank1.optim").write_bytes(b"left by a crash")
+    again = make_trainer(epochs=1, save_path=stem, checkpoint_every=3).resume(nprocs=2)
+    assert again.checkpoint == round_model_path(stem, 8) and again.history[0].window == 7
+    assert not list(tmp_path.glob("ck-r00000009.*"))
 
 
 def test_the_reporting_rank_dying_after_the_last_window_leaves_a_survivor_to_report(tmp_path):

@@ -220,19 +220,23 @@ def _remove(model: Path) -> None:
         remove_stale_temps(f)
 
 
-def prune_series(save_path: "str | os.PathLike[str]", keep: int) -> list[int]:
+def prune_series(save_path: "str | os.PathLike[str]", keep: int, *,
+                 settled: bool = False) -> list[int]:
     """Keep the newest ``keep`` complete bundles (at least 1); delete older complete
     ones and incomplete ones older than the newest complete one (failed writes: the
-    forge writes in order). Returns the rounds deleted."""
+    forge writes in order). ``settled``: no write into the series is in flight (the
+    run's end on one host), so every incomplete bundle is a failed write, the newer
+    ones too (a full disk leaves them holding the space a recovery needs). Returns the
+    rounds deleted."""
     keep = max(int(keep), 1)
     done = committed_checkpoints(save_path)
-    if not done:
+    if not done and not settled:
         return []
-    newest = done[-1][0]
+    newest = done[-1][0] if done else -1
     doomed = [rnd for rnd, _ in done[:-keep]]
     complete = {rnd for rnd, _ in done}
     paths = _rounds(save_path)
-    doomed += [rnd for rnd in paths if rnd < newest and rnd not in complete]
+    doomed += [rnd for rnd in paths if (settled or rnd < newest) and rnd not in complete]
     for rnd in sorted(set(doomed)):
         _remove(paths[rnd])
     return sorted(set(doomed))

@@ -427,17 +427,14 @@ class _RankRun:
 
     def _write_bundle(self, ckpt, reason: SaveReason, mass: float) -> None:
         """This host's copy of the window's bundle: every rank writes its own
-        ``.optim``, then, after a barrier, the host's lead rank removes the other ranks'
-        (left by a save of this round cut short by a crash) and posts its replica (the
-        consensus) to this host's forge, so a bundle with a ``.meta.json`` has exactly
-        the live ranks' ``.optim``. Right after the window's sync: the optimizer state
+        ``.optim``, then, after a barrier, the host's lead rank posts its replica (the
+        consensus) to this host's forge, so a bundle with a ``.meta.json`` has every
+        live rank's ``.optim`` (and no other's: a fresh run starts its series over, and
+        a resume clears the failed writes beyond its bundle). Right after the window's sync: the optimizer state
         changes at the next step."""
-        from ..checkpoint.series import remove_other_rank_states
-
         self._save_rank_state(ckpt)
         self.comm.barrier()
         if self._is_host_lead(self.comm.last_accepted()):
-            remove_other_rank_states(ckpt, self.coord.alive)  # a cut-short save's, of this round
             self._post_checkpoint(ckpt, reason, mass)
 
     def _is_host_lead(self, live=None) -> bool:

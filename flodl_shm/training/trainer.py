@@ -323,6 +323,9 @@ class Trainer:
 
         after, beyond = not_continued(self.save_path, model_path)
         if not beyond:
+            # what lies beyond is failed writes (a full disk, a crash mid-write): gone, so
+            # this run finds the space (no host writes yet: every round needs them all)
+            delete_rounds(self.save_path, after)
             return
         if not overwrite:
             raise FileExistsError(
@@ -514,10 +517,11 @@ class Trainer:
             raise StartRefused(_refusal(e)) from e
         finally:
             if self.save_path is not None:
-                # every write has landed (spawn flushed the forge): prune exactly
+                # every write has landed (spawn flushed the forge): prune exactly, on one
+                # host failed writes too (other hosts may still write into a shared folder)
                 from ..checkpoint.series import prune_series
 
-                prune_series(self.save_path, self.keep_checkpoints)
+                prune_series(self.save_path, self.keep_checkpoints, settled=job.cluster is None)
         return self._collect(results, job)
 
     def _unpicklable(self) -> Optional[TypeError]:
