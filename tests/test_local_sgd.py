@@ -507,6 +507,43 @@ def test_a_state_of_another_model_names_its_tensors_on_one_line():
         assert "\n" not in str(info.value)
 
 
+def test_a_rank_that_cannot_write_its_state_fails_the_save_on_every_rank(tmp_path,
+                                                                         monkeypatch):
+    """Rank 1's disk is full: it raises its own OSError and rank 0 raises naming rank 1,
+    with no bundle committed; both are still in step (a rank that caught its error and
+    went on used to meet the others at another collective: a schema error). """
+    import errno
+
+    import flodl_shm.training.local_sgd as local_sgd
+    from flodl_shm.checkpoint.series import committed_checkpoints
+
+    real = local_sgd.atomic_write
+
+    def full_for_rank_1(path, write):
+        if str(path).endswith(".rank1.optim"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, write)
+
+    monkeypatch.setattr(local_sgd, "atomic_write", full_for_rank_1)
+
+    def body(comm):
+        sgd = LocalSGD(make_model(0), sync_every=1, comm=comm)
+        sgd.sync()
+        try:
+            sgd.save(tmp_path / "ck")
+            said = None
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            said = f"{type(e).__name__}: {e}"
+        return said, sgd.sync().mass  # still in step
+
+    with FakeCohort(2) as cohort:
+        (said0, mass0), (said1, mass1) = cohort.run(body)
+    assert said1 == "OSError: [Errno 28] No space left on device", said1
+    assert said0.startswith("RuntimeError: save(): rank(s) [1] could not write its state file"), \
+        said0
+    assert mass0 == mass1 == 0.0 and committed_checkpoints(tmp_path / "ck") == []
+
+
 class _Renamed(torch.nn.Module):
     """make_model's tensors, shapes and order under other names."""
 

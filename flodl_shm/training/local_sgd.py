@@ -741,6 +741,9 @@ class LocalSGD:
                 save right after ``step()`` returned True, or after ``sync()``; or
                 ``keep`` below 1.
             SeriesInUse: another job holds the series (on every rank of this one).
+            RuntimeError: another rank could not write its part (a full disk, say: that
+                rank raises its own error, every other one this, naming it; nothing of
+                this bundle is committed, the previous one stands).
             FileExistsError: the series holds another run's bundles (on every rank; at
                 the first save into it, before anything is written).
         """
@@ -758,20 +761,45 @@ class LocalSGD:
         self._claim_series(path, overwrite)
         model_path.parent.mkdir(parents=True, exist_ok=True)
         state = self.state_dict()
-        atomic_write(rank_state_path(model_path, self.rank), lambda fh: torch.save(state, fh))
-        self.comm.barrier()
+        failed = None
+        try:
+            atomic_write(rank_state_path(model_path, self.rank),
+                         lambda fh: torch.save(state, fh))
+        except Exception as e:  # a full disk, say: every rank hears of it, not a stall
+            failed = e
+        self._all_wrote(failed, "its state file")
         writers = self.comm.last_accepted_ranks()
+        failed = None
         if writers and self.rank == min(writers):
-            # a cut-short save's files of this round: of this host's ranks that did not
-            # write, or of no rank of this cohort (other hosts' leads see to theirs)
-            first = self.rank - self.comm.local_rank
-            remote = [r for r in range(self.world_size)
-                      if not first <= r < first + self.comm.local_world_size]
-            remove_other_rank_states(model_path, writers + remote)
-            self._write_consensus_bundle(model_path)
-            prune_series(path, keep)  # after the commit: the previous bundle outlives a crash
-        self.comm.barrier()
+            try:
+                # a cut-short save's files of this round: of this host's ranks that did not
+                # write, or of no rank of this cohort (other hosts' leads see to theirs)
+                first = self.rank - self.comm.local_rank
+                remote = [r for r in range(self.world_size)
+                          if not first <= r < first + self.comm.local_world_size]
+                remove_other_rank_states(model_path, writers + remote)
+                self._write_consensus_bundle(model_path)
+                prune_series(path, keep)  # after the commit: the previous one outlives a crash
+            except Exception as e:
+                failed = e
+        self._all_wrote(failed, "the bundle's model and metadata")
         return model_path
+
+    def _all_wrote(self, failed: Optional[Exception], what: str) -> None:
+        """``save``'s barriers: one small round in which every rank learns whether one
+        could not write ``what``. The rank that failed raises its own error; the others
+        raise naming it (a rank that caught its error and went on would otherwise meet
+        the others at another collective: a schema error about no disk at all)."""
+        flags = np.zeros(self.world_size)
+        flags[self.rank] = 0.0 if failed is None else 1.0
+        bad = [r for r, f in enumerate(self.comm.all_reduce_per_rank_f64(flags)) if f > 0]
+        if failed is not None:
+            raise failed
+        if bad:
+            raise RuntimeError(
+                f"save(): rank(s) {bad} could not write {what} (see their error, e.g. a full "
+                f"disk); the bundle of sync round {self.sync_round} was not committed, and "
+                f"the previous one stands")
 
     def _claim_series(self, path, overwrite: bool) -> None:
         """At the first save into a series, before any rank writes a file: each host's
