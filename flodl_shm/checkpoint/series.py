@@ -12,8 +12,9 @@ step. So every checkpointed window gets its own stem::
     <save_path>-r00000012.meta.json      CheckpointMeta (written last)
 
 (``<save_path>`` less a ``.fdl`` extension, so ``runs/ckpt`` and ``runs/ckpt.fdl``
-name the same series; any other dot is part of the name). The last good checkpoint is the highest round whose
-``.meta.json`` and ``.fdl`` both exist; older bundles are pruned to ``keep``.
+name the same series; any other dot is part of the name). The last good checkpoint is
+the highest round whose ``.meta.json`` and ``.fdl`` both exist; older bundles are pruned
+to ``keep``.
 """
 from __future__ import annotations
 

@@ -569,7 +569,8 @@ def _header(cfg: DemoConfig, n_train: int, n_test: int) -> None:
     _out(f"flodl_shm demo: MLP 64-{HIDDEN}-10 on scikit-learn digits ({n_train} train / "
          f"{n_test} test), {plural(cfg.nprocs, 'rank')} on this host{hosts}")
     if cfg.summary_host:
-        _out(f"  {plural(cfg.epochs, 'epoch')}, batch {cfg.batch_size}, sync every {cfg.sync_every} "
+        _out(f"  {plural(cfg.epochs, 'epoch')}, batch {cfg.batch_size}, sync every "
+             f"{cfg.sync_every} "
              f"batches ({cadence}{slow}), SGD lr {LR} momentum {MOMENTUM}, "
              f"{'bf16' if cfg.bf16_wire else 'f32'} wire, outer "
              f"{'Nesterov (DiLoCo)' if cfg.outer == 'nesterov' else 'average'}")
@@ -686,7 +687,8 @@ def _run_demo(cfg: DemoConfig) -> DemoResult:
         meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(ckpt))
         initial = meta.global_step
         if meta.epoch >= cfg.epochs:
-            _say(cfg, f"  {ckpt} finished {plural(meta.epoch, 'epoch')}: nothing left to train (pass a "
+            _say(cfg, f"  {ckpt} finished {plural(meta.epoch, 'epoch')}: nothing left to "
+                      f"train (pass a "
                       f"larger --epochs to continue)")
         else:
             _say(cfg, f"  resuming {ckpt}: window {meta.sync_round}, {meta.global_step} "

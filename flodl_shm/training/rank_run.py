@@ -430,8 +430,8 @@ class _RankRun:
         ``.optim``, then, after a barrier, the host's lead rank posts its replica (the
         consensus) to this host's forge, so a bundle with a ``.meta.json`` has every
         live rank's ``.optim`` (and no other's: a fresh run starts its series over, and
-        a resume clears the failed writes beyond its bundle). Right after the window's sync: the optimizer state
-        changes at the next step."""
+        a resume clears the failed writes beyond its bundle). Right after the window's
+        sync: the optimizer state changes at the next step."""
         self._save_rank_state(ckpt)
         self.comm.barrier()
         if self._is_host_lead(self.comm.last_accepted()):
