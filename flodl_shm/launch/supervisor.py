@@ -508,25 +508,16 @@ class SpawnContext:
             # every rank refuses at the same point: no death to tolerate, the run stops.
             # The refusal names the cause, so it also replaces a failure this host only
             # inferred from other hosts' deaths (their ranks refused first)
-            with self._lock:
-                first = self._failure is None or self._failure_inferred
-                if first:
-                    self._failure, self._failure_inferred = err, False
-            if first:
-                logger.error("rank %d refused to start; stopping the cohort", global_rank)
-            self._abort(A.ABORT_FAILED)
+            self._stop_on(err, logging.ERROR, "rank %d refused to start; stopping the cohort",
+                          global_rank, overrides_inferred=True)
             return
         if self.arena.relay_error() is not None:
             # the host's link to the controller is gone: no rank of it can continue, so
-            # this is not a rank death to tolerate; one line, then stop
-            with self._lock:
-                first = self._failure is None
-                if first:
-                    self._failure = err
-            if first:  # the relay's error, which ``wait`` raises, is the news
-                logger.debug("rank %d failed (%s): this host's relay failed, stopping the "
-                             "cohort", global_rank, out.exc_type or out.signal or out.exitcode)
-            self._abort(A.ABORT_FAILED)
+            # this is not a rank death to tolerate; one line (the relay's error, which
+            # ``wait`` raises, is the news), then stop
+            self._stop_on(err, logging.DEBUG, "rank %d failed (%s): this host's relay failed, "
+                          "stopping the cohort", global_rank,
+                          out.exc_type or out.signal or out.exitcode)
             return
         if self._stops(dead):
             with self._lock:
@@ -556,14 +547,22 @@ class SpawnContext:
             f"{how}; rank {global_rank} and every other rank of this host died with it "
             f"(exc_type=None, signal=SIGKILL: the server's death signal to its ranks). An "
             f"OOM kill? See the kernel log (`dmesg`); resume from the last checkpoint"))
-        with self._lock:
-            first = self._failure is None
-            if first:
-                self._failure = err
-        if first:
-            logger.error("%s: every rank of this host died with it; stopping", how)
         if self.save_path:
             self._write_death_record(global_rank, err)
+        self._stop_on(err, logging.ERROR, "%s: every rank of this host died with it; stopping",
+                      how)
+
+    def _stop_on(self, err: RankFailed, level: int, msg: str, *args,
+                 overrides_inferred: bool = False) -> None:
+        """Stop the cohort for ``err``, a failure no death budget covers: it becomes the
+        run's failure unless one is recorded already (or, with ``overrides_inferred``,
+        only inferred from other hosts' deaths), and ``msg`` is logged once, then."""
+        with self._lock:
+            first = self._failure is None or (overrides_inferred and self._failure_inferred)
+            if first:
+                self._failure, self._failure_inferred = err, False
+        if first:
+            logger.log(level, msg, *args)
         self._abort(A.ABORT_FAILED)
 
     def _local(self, ranks: Sequence[int]) -> list[int]:
