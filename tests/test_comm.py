@@ -441,6 +441,29 @@ def test_bad_dtype_is_refused_before_publishing():
         assert comm.all_reduce_tensors([torch.ones(2)])[0].tolist() == [1.0, 1.0]
 
 
+@pytest.mark.parametrize("general", [False, True], ids=["fused", "general"])
+def test_one_tensor_where_the_list_goes_is_refused_not_reduced_row_by_row(general):
+    """``all_reduce_tensors(t)`` iterated ``t``: a list of its rows' means came back, and
+    ``[0]`` read the mean of row 0, silently."""
+    def body(comm):
+        if general:
+            comm.set_fault_hook(lambda phase, rnd: None)  # no fused round
+        t = torch.full((3, 4), float(comm.rank + 1))
+        for call in (lambda: comm.all_reduce_tensors(t),
+                     lambda: comm.all_reduce_weighted(t, weight=1.0),
+                     lambda: comm.all_reduce_(t),
+                     lambda: comm.broadcast_from_root(torch.ones(5)),
+                     lambda: comm.broadcast_(torch.ones(5))):
+            with pytest.raises(TypeError, match=r"a list of tensors, got one tensor of shape "
+                                                r"\((3, 4|5,)\): pass \[t\]"):
+                call()
+        assert comm.round == 0  # nothing was sent
+        return comm.all_reduce_tensors([t])[0][0, 0].item()
+
+    with FakeCohort(2) as c:
+        assert c.run(body) == [1.5, 1.5]
+
+
 def test_timeout_names_round_and_missing_ranks():
     with FakeCohort(3, timeout=0.3) as c:
         def body(comm):

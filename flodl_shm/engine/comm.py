@@ -82,6 +82,7 @@ from .tensor_codec import (
     drift_snapshot,
     flat_f32,
     flat_part,
+    refuse_one_tensor,
     wire_views,
 )
 from .waiting import oversubscribed, spin_iterations
@@ -1147,6 +1148,7 @@ class Comm:
                     outer: bool) -> RoundPlan | None:
         """The plan of a fused round over ``tensors`` with their addresses gathered, or
         None when the general round must run (nothing was published)."""
+        refuse_one_tensor(tensors)
         if not self._fusable(kind, outer):
             return None
         try:

@@ -151,13 +151,24 @@ def wire_dtype(bf16_wire: bool, kind: int) -> int:
     return DTYPE_BF16 if (bf16_wire and kind == RoundKind.MODEL) else DTYPE_F32
 
 
+def refuse_one_tensor(tensors) -> None:
+    """TypeError when a collective's list of tensors is one tensor: iterated, it would
+    be taken row by row (``all_reduce_tensors(t)[0]`` would be the mean of row 0)."""
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError(
+            f"a collective takes a list of tensors, got one tensor of shape "
+            f"{tuple(tensors.shape)}: pass [t] (a bare tensor would be reduced row by row, "
+            f"each row a tensor of its own)")
+
+
 def check_tensors(tensors: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
     """The shapes of ``tensors``; FrameError naming the first that is not a float32 or
-    bfloat16 tensor.
+    bfloat16 tensor, TypeError for one tensor passed where the list goes.
 
     Args:
         tensors: the tensors of one collective call.
     """
+    refuse_one_tensor(tensors)
     shapes = []
     for i, t in enumerate(tensors):
         try:
