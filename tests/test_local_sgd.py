@@ -3,6 +3,7 @@ computed here, replicas identical after a sync, outer optimizers, ElChe, errors.
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -480,17 +481,62 @@ def test_comm_none_without_a_process_group_names_what_to_pass():
         LocalSGD(make_model(0), sync_every=2)
 
 
-def test_load_state_dict_refuses_a_state_of_another_cadence():
-    with FakeCohort(2) as cohort:
+def test_a_state_of_another_cadence_resumes_by_this_local_sgd_s_settings(caplog):
+    """A state resumed with another cadence, ElChe on another number of ranks or
+    another ``sync_every`` was refused with a message naming the wrong cause (ElChe on
+    one rank is a fixed cadence), or silently kept the saved window's length: now this
+    LocalSGD's settings decide, and rank 0 says why."""
+    def saved(world, cadence, sync_every=4, steps=1):
         def body(comm):
-            state = LocalSGD(make_model(0), sync_every=2, comm=comm).state_dict()
-            other = LocalSGD(make_model(0), sync_every=2, comm=comm, cadence="elche")
-            with pytest.raises(ValueError, match="cadence='fixed'"):
-                other.load_state_dict(state)
-            with pytest.raises(ValueError, match="not a LocalSGD state"):
-                other.load_state_dict({"format": "x"})
+            sgd = LocalSGD(make_model(0), sync_every=sync_every, comm=comm, cadence=cadence)
+            for _ in range(steps):
+                sgd.step(samples=2)
+            return sgd.state_dict()
 
-        cohort.run(body)
+        with FakeCohort(world) as cohort:
+            return cohort.run(body)
+
+    def resumed(states, world, cadence, sync_every):
+        def body(comm):
+            sgd = LocalSGD(make_model(0), sync_every=sync_every, comm=comm, cadence=cadence)
+            sgd.load_state_dict(states[comm.rank % len(states)])
+            return sgd.steps_until_sync, sgd.total_steps
+
+        with FakeCohort(world) as cohort:
+            return cohort.run(body)
+
+    two_elche, two_fixed = saved(2, "elche"), saved(2, "fixed")
+    cases = [  # (states, world, cadence, sync_every, until the sync, what rank 0 says)
+        (two_fixed, 2, "fixed", 4, 3, None),  # the same: exact, nothing said
+        (two_fixed, 2, "fixed", 8, 7, r"sync_every=4 and this LocalSGD has sync_every=8: "
+                                   r"the window in progress ends by the new setting "
+                                   r"\(1 of its steps taken\)"),
+        (two_fixed, 2, "elche", 4, None, "it ran a fixed cadence: ElChe starts fresh"),
+        (two_elche, 2, "fixed", 4, 3, "it ran cadence='elche' on 2 ranks and this LocalSGD runs "
+                                   "a fixed cadence: windows of sync_every=4"),
+        (two_elche, 3, "elche", 4, None, "its ElChe balanced 2 ranks and this cohort has 3: "
+                                      "ElChe starts fresh"),
+    ]
+    for states, world, cadence, sync_every, until, said in cases:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="flodl_shm"):
+            got = resumed(states, world, cadence, sync_every)
+        assert all(steps == 1 for _, steps in got)
+        if until is not None:
+            assert {u for u, _ in got} == {until}
+        warned = [r.getMessage() for r in caplog.records if "another cadence" in r.getMessage()]
+        if said is None:
+            assert not warned
+        else:
+            assert len(warned) == 1 and re.search(said, warned[0]), warned
+    with FakeCohort(1) as cohort:  # ElChe on one rank is a fixed cadence: said so
+        with caplog.at_level("WARNING", logger="flodl_shm"):
+            caplog.clear()
+            sgd = LocalSGD(make_model(0), sync_every=4, comm=cohort.comm(0), cadence="elche")
+            sgd.load_state_dict(two_elche[0])
+        assert "(one rank: ElChe has nothing to balance)" in caplog.text
+        with pytest.raises(ValueError, match="not a LocalSGD state"):
+            sgd.load_state_dict({"format": "x"})
 
 
 def test_a_state_of_another_model_names_its_tensors_on_one_line():

@@ -637,12 +637,7 @@ class LocalSGD:
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ValueError(f"not a LocalSGD state (format {STATE_FORMAT!r} expected, got "
                              f"{state.get('format') if isinstance(state, dict) else state!r})")
-        if (state["el_che"] is not None) != (self.el_che is not None):
-            raise ValueError(f"the state was saved with cadence={state['cadence']!r}; this "
-                             f"LocalSGD has cadence={self.cadence!r}: build it the same way")
-        if self.el_che is not None and state["world_size"] != self.world_size:
-            raise ValueError(f"the state's ElChe is for world_size {state['world_size']}; "
-                             f"this cohort has world_size {self.world_size}")
+        cadence_kept = self._cadence_resumes(state)
         if (state["outer"] is None) != (self.outer is None):
             raise ValueError("the state was saved with"
                              f"{'out' if state['outer'] is None else ''} an outer optimizer; "
@@ -666,7 +661,10 @@ class LocalSGD:
         self.sync_round, self.total_steps = int(c["sync_round"]), int(c["total_steps"])
         self.total_samples, self.realized_mass = int(c["total_samples"]), float(c["realized_mass"])
         self._steps, self._samples = int(c["steps"]), int(c["samples"])
-        self._target = None if c["target"] is None else int(c["target"])  # sync_every=None
+        if cadence_kept:  # the window in progress ends where it would have
+            self._target = None if c["target"] is None else int(c["target"])
+        else:
+            self._target = self._next_target()
         self._prev_sync_ms, self._prev_divergence = c["prev_sync_ms"], c["prev_divergence"]
         if outer is not None:
             if outer["kind"] == "flodl_shm":
@@ -684,7 +682,7 @@ class LocalSGD:
         for name, obj in (("optimizer", self.optimizer), ("scheduler", self.scheduler)):
             if obj is not None and state[name] is None:
                 logger.warning("the LocalSGD state holds no %s state: it starts fresh", name)
-        if self.el_che is not None:
+        if self.el_che is not None and cadence_kept:
             self.el_che.__dict__.update(copy.deepcopy(state["el_che"].__dict__))
             if state["guard"] is not None:
                 self.guard = copy.deepcopy(state["guard"])
@@ -693,6 +691,37 @@ class LocalSGD:
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         self._window_t0 = time.perf_counter()
+
+    def _cadence_resumes(self, state: dict) -> bool:
+        """Whether ``state``'s cadence (its ElChe, the window in progress) carries on
+        here: the same cadence, ElChe on as many ranks, the same ``sync_every``. Else
+        this LocalSGD's own settings decide from the next window on (the one in
+        progress ends at their target; ElChe starts fresh), and rank 0 says why."""
+        saved_elche, c = state["el_che"], state["counters"]
+        if saved_elche is not None and self.el_che is not None:
+            if state["world_size"] == self.world_size:
+                return True
+            why = (f"its ElChe balanced {state['world_size']} ranks and this cohort has "
+                   f"{self.world_size}: ElChe starts fresh (its batch counts are per rank)")
+        elif saved_elche is not None:
+            alone = " (one rank: ElChe has nothing to balance)" if self.world_size == 1 else ""
+            why = (f"it ran cadence='elche' on {state['world_size']} ranks and this LocalSGD "
+                   f"runs a fixed cadence{alone}: windows of sync_every={self.sync_every} "
+                   f"steps from now")
+        elif self.el_che is not None:
+            why = "it ran a fixed cadence: ElChe starts fresh"
+        elif c["target"] == self.sync_every:
+            return True
+        else:
+            saved = "no sync_every" if c["target"] is None else f"sync_every={c['target']}"
+            now = ("sync_every=None (syncs on sync() calls only)" if self.sync_every is None
+                   else f"sync_every={self.sync_every}")
+            why = (f"it ran with {saved} and this LocalSGD has {now}: the window in "
+                   f"progress ends by the new setting ({c['steps']} of its steps taken)")
+        if self.rank == 0:
+            logger.warning("the LocalSGD state of rank %s is resumed with another cadence: %s",
+                           state["rank"], why)
+        return False
 
     def checkpoint_meta(self, reason: SaveReason = SaveReason.CHECKPOINT) -> CheckpointMeta:
         """The bundle's ``CheckpointMeta``: ``global_step`` is the optimizer steps each rank
