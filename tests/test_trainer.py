@@ -417,6 +417,23 @@ def test_a_diloco_cluster_resumes_only_with_the_controllers_momentum_of_that_rou
         assert host.meta.sync_round == full[i].meta.sync_round == 16
 
 
+def test_a_resume_refused_by_its_ranks_deletes_no_bundle(tmp_path):
+    """A resume a rank refuses (an optimizer of another kind than the saved one) trains
+    nothing; the end-of-run pruning still cut the series to ``keep_checkpoints``,
+    deleting a committed bundle the user could have resumed from."""
+    from flodl_shm.errors import StartRefused
+
+    stem = tmp_path / "ck"
+    make_trainer(epochs=1, save_path=stem, checkpoint_every=1, keep_checkpoints=4).run(2)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert len([n for n in before if n.endswith(".meta.json")]) == 4
+
+    adam = functools.partial(torch.optim.Adam, lr=0.01)
+    with pytest.raises(StartRefused, match="Adam"):
+        make_trainer(adam, epochs=2, save_path=stem, keep_checkpoints=2).resume()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
 def test_a_rank_that_cannot_start_stops_the_run_and_leaves_no_death_record(tmp_path, caplog):
     """What only a rank can find (here: a dataset factory's data shorter than one batch)
     stops the run at once whatever max_failures allows, as StartRefused with the rank's

@@ -499,12 +499,14 @@ class Trainer:
         # With a save_path the survivors of too many deaths save before stopping, so
         # spawn must let them run; without one there is nothing to save and spawn's
         # own failure policy (RankFailed with the traceback) is the right answer.
+        refused = False  # no rank trained: the run leaves the series as it found it
         try:
             results = spawn(_rank_main, nprocs, (job,), max_failures=self.max_failures,
                             survivors_save=bool(self.save_path),
                             timeout=self.timeout, save_path=self.save_path,
                             **(job.cluster.spawn_kwargs() if job.cluster else {}))
         except TypeError as e:  # spawn could not pickle the job: name the argument
+            refused = True
             named = self._unpicklable()
             if named is None:
                 raise
@@ -512,11 +514,12 @@ class Trainer:
         except RankFailed as e:
             if e.exc_type != "StartRefused":
                 raise
+            refused = True
             # a rank could not start (its setup failed, or the cohort's starts disagree):
             # the refusal's own message, with the rank's traceback as its cause
             raise StartRefused(_refusal(e)) from e
         finally:
-            if self.save_path is not None:
+            if self.save_path is not None and not refused:
                 # every write has landed (spawn flushed the forge): prune exactly, on one
                 # host failed writes too (other hosts may still write into a shared folder)
                 from ..checkpoint.series import prune_series
