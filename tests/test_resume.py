@@ -83,7 +83,9 @@ def test_too_many_deaths_save_then_resume_covers_the_rest_once(tmp_path, caplog)
     err = info.value
     assert err.dead_ranks == (1,) and err.checkpoint.name == "ck-r00000003.fdl"
     assert "max_failures=0" in str(err) and "SIGKILL" in str(err)
-    assert str(err).endswith(f"\nContinue with trainer.resume({str(stem)!r}).")
+    assert str(err).endswith(f"\nContinue with trainer.resume({str(stem)!r}) (on the 1 rank "
+                             f"alive at the save), or trainer.resume({str(stem)!r}, nprocs=2) "
+                             f"on 2 again.")
     assert "trainer.resume" not in err.summary and err.resume_hint in str(err)
     assert "rank 1 failed (SIGKILL); 1 failure(s), more than max_failures=0: the survivors " \
         "save a checkpoint of the realized work and stop" in caplog.text
@@ -97,7 +99,9 @@ def test_too_many_deaths_save_then_resume_covers_the_rest_once(tmp_path, caplog)
         p.unlink()
     second = make_trainer(epochs=2, save_path=stem, checkpoint_every=5,
                           hooks=[RecordSamples(rec)])
+    caplog.set_level("INFO", logger="flodl_shm")
     result = second.resume(nprocs=2)
+    assert f"resuming from {err.checkpoint} on 2 ranks: epoch 0" in caplog.text
     assert result.history[0].window == 4 and result.history[0].global_step == 14
     assert result.meta.global_step == 64 and result.reason is SaveReason.GRACEFUL_SHUTDOWN
     assert_each_epoch_once(records_up_to(run1, 3) + read_samples(rec), epochs=2,

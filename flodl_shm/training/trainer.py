@@ -394,10 +394,13 @@ class Trainer:
         meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(model_path))
         saved_world = (len(meta.elche_state.smoothed_ms_per_batch)
                        if meta.elche_state is not None else None)
+        chosen = ""
         if nprocs is None:
             if controller is not None:
                 raise ValueError("resume() on a cluster needs nprocs (this host's ranks)")
             nprocs = saved_world or max(meta.world_size_at_save, 1)
+            chosen = (" (its ElChe's ranks)" if saved_world else
+                      " (the ranks alive at its save; pass nprocs to choose)")
         _check_int("nprocs", nprocs, 1)
         cluster = _Cluster.of(controller, world_size, first_rank, salt, int(nprocs))
         world = int(nprocs) if cluster is None else cluster.world_size
@@ -408,8 +411,9 @@ class Trainer:
                         "left to train (pass a larger epochs to continue)", model_path,
                         meta.epoch, self.epochs)
         else:
-            logger.info("resuming from %s: epoch %d, step %d, round %d (%s)", model_path,
-                        meta.epoch, meta.global_step, meta.sync_round, meta.save_reason)
+            logger.info("resuming from %s on %d rank%s%s: epoch %d, step %d, round %d (%s)",
+                        model_path, world, "" if world == 1 else "s", chosen, meta.epoch,
+                        meta.global_step, meta.sync_round, meta.save_reason)
             if self.save_path is None:
                 logger.warning("this Trainer has no save_path: the resumed run writes no "
                                "checkpoint, so a crash loses all of it; build the Trainer "
@@ -572,9 +576,16 @@ class Trainer:
                              None if ckpt is None else Path(ckpt), dead,
                              [None if r is None else r["summary"] for r in results])
         if result.reason == SaveReason.MAX_FAILURE_EXCEEDED:
-            raise TrainingAborted(self._abort_message(result), result,
-                                  f"Continue with trainer.resume({self.save_path!r})."
-                                  if result.checkpoint is not None else "")
+            alive = max(result.meta.world_size_at_save, 1)  # resume()'s default nprocs
+            raise TrainingAborted(
+                self._abort_message(result), result,
+                f"Continue with trainer.resume({self.save_path!r}) (on the {alive} "
+                f"rank{'' if alive == 1 else 's'} alive at the save), or "
+                f"trainer.resume({self.save_path!r}, nprocs={job.nprocs}) on {job.nprocs} again."
+                if (result.checkpoint is not None and job.cluster is None
+                    and self.cadence == "fixed" and alive < job.nprocs)
+                else f"Continue with trainer.resume({self.save_path!r})."
+                if result.checkpoint is not None else "")
         late = [r for r in dead if r not in reporting["dead_ranks"]]
         if late and len(dead) > self.max_failures:
             # failed after the last window (e.g. in a hook's on_train_end), past
