@@ -5,6 +5,12 @@ Each says what was wrong, the value and the limit involved, and how to fix it.
 from __future__ import annotations
 
 
+def plural(n: int, word: str) -> str:
+    """``"1 rank"``, ``"2 ranks"``: a count and its noun, as a reader says them (the
+    messages' counts)."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 class FrameError(ValueError):
     """A frame or its wire encoding is malformed, inconsistent or unauthenticated.
 

@@ -262,7 +262,7 @@ def test_too_many_deaths_print_what_was_saved_without_the_api_call():
     from flodl_shm.errors import TrainingAborted
     from flodl_shm.training.trainer import TrainResult
 
-    summary = ("1 rank(s) died ([1]), more than max_failures=0.\nThe survivors saved "
+    summary = ("1 rank died ([1]), more than max_failures=0.\nThe survivors saved "
                "runs/demo/ckpt-r00000003.fdl (max_failure_exceeded).\nrank 1: killed by SIGKILL")
     result = TrainResult({}, [], None, Path("runs/demo/ckpt-r00000003.fdl"), (1,))
     err = TrainingAborted(summary, result, "Continue with trainer.resume('runs/demo/ckpt').")

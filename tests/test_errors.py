@@ -19,7 +19,7 @@ def _errors():
         RankFailed(1, "ValueError", "Traceback ...\nValueError: bad"),
         RankFailed(2, None, "", "SIGKILL", -9),
         RankStalled("ranks [1] stalled", round=4, missing=(1,), timeout=2.0),
-        TrainingAborted("1 rank(s) died ([1])", result, "Continue with trainer.resume('r')."),
+        TrainingAborted("1 rank died ([1])", result, "Continue with trainer.resume('r')."),
         PeerDied("rank 0 (pid 7) died", 0, 7, host_ranks=(0, 1, 2)).with_missing((2,)),
         SeriesInUse("runs/demo/ckpt.lock", "pid 7 on host a since 2026-12-02 21:00:00",
                     "cafe"),

@@ -87,7 +87,7 @@ def test_too_many_deaths_save_then_resume_covers_the_rest_once(tmp_path, caplog)
                              f"alive at the save), or trainer.resume({str(stem)!r}, nprocs=2) "
                              f"on 2 again.")
     assert "trainer.resume" not in err.summary and err.resume_hint in str(err)
-    assert "rank 1 failed (SIGKILL); 1 failure(s), more than max_failures=0: the survivors " \
+    assert "rank 1 failed (SIGKILL); 1 failure, more than max_failures=0: the survivors " \
         "save a checkpoint of the realized work and stop" in caplog.text
     assert "max_failures=1" not in caplog.text and "continuing" not in caplog.text
     meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(err.checkpoint))
@@ -274,7 +274,7 @@ def test_resuming_a_finished_run_says_so_and_returns_its_checkpoint(tmp_path, ca
     again = make_trainer(epochs=1, save_path=stem).resume()
     assert again.history == [] and again.checkpoint == first.checkpoint
     assert again.meta.global_step == first.meta.global_step
-    assert f"{first.checkpoint} finished 1 epoch(s), and this Trainer has epochs=1: nothing " \
+    assert f"{first.checkpoint} finished 1 epoch, and this Trainer has epochs=1: nothing " \
         "left to train (pass a larger epochs to continue)" in caplog.text
     for k, v in again.state_dict.items():
         assert torch.equal(v, first.state_dict[k]) or not v.is_floating_point(), k

@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Callable, TypeVar
 
+from ..errors import plural
+
 T = TypeVar("T")
 
 logger = logging.getLogger("flodl_shm")
@@ -144,8 +146,8 @@ def remove_stale_temps(path: "str | os.PathLike[str]") -> list[Path]:
         finally:
             os.close(fd)
     if removed:
-        logger.info("removed %d stale temp file(s) of %s left by killed writers",
-                    len(removed), final)
+        logger.info("removed %s of %s left by killed writers",
+                    plural(len(removed), "stale temp file"), final)
     return removed
 
 

@@ -46,7 +46,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from ..errors import CheckpointError, FrameError
+from ..errors import CheckpointError, FrameError, plural
 from ..frame import DTYPE_BF16, DTYPE_F32, RoundFrame, RoundKind, TensorPayload, dtype_name
 from .fdl import FdlDtype, FdlWriter, LoadReport, _Target, load_targets, write_fdl_stream
 from .meta import (CheckpointBundle, CheckpointMeta, ModelSchema, averaged_buffers,
@@ -333,9 +333,10 @@ class CheckpointForge:
             if self._outstanding:
                 # said once per spell (until the queue drains), not at every checkpoint
                 logger.log(logging.DEBUG if self._lag_said else logging.WARNING,
-                           "checkpoint forge: %d checkpoint write(s) still in flight; %s "
+                           "checkpoint forge: %s still in flight; %s "
                            "queued behind them (the checkpoint cadence outpaces the disk; "
-                           "said once until the writes catch up)", self._outstanding, job.path)
+                           "said once until the writes catch up)",
+                           plural(self._outstanding, "checkpoint write"), job.path)
                 self._lag_said = True
             self._jobs.append(job)
             self._outstanding += 1

@@ -14,6 +14,3 @@ def invoked_as() -> str:
     return "python -m flodl_shm"
 
 
-def plural(n: int, word: str) -> str:
-    """``"1 rank"``, ``"2 ranks"``: a count and its noun, as a reader says them."""
-    return f"{n} {word}" + ("" if n == 1 else "s")

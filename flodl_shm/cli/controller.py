@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 
 from ..checkpoint._atomic import atomic_write_bytes
-from . import invoked_as, plural
 from ..cluster.controller import DEFAULT_ROUND_TIMEOUT, ClusterController
 from ..cluster.secret import read_secret_file, write_secret_file
+from ..errors import plural
+from . import invoked_as
 
 
 def _read_momentum(path: str) -> list:

@@ -46,7 +46,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from flodl_shm.checkpoint._atomic import atomic_write_bytes
-from flodl_shm.cli import invoked_as, plural
+from flodl_shm.cli import invoked_as
+from flodl_shm.errors import plural
 from flodl_shm.training.hooks import Hook
 
 __all__ = ["DemoConfig", "DemoResult", "accuracy", "digits_split", "main", "make_model",

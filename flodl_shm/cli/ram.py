@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..engine.arena import shm_need_bytes
+from ..errors import plural
 from ..engine.hostmem import HostMemory, host_memory
 from ..engine.segment import SHM_DIR, SegmentInfo, fmt_bytes, list_segments, reap_dead_owner_segments
 from ..engine.staging import GATE_FACTOR, decide_pinned_decode
@@ -150,7 +151,7 @@ def host_checks(mem: HostMemory, staging_bytes: int, local_ranks: int, *,
               f"{fmt_bytes(frame)} {wire} frames needs {fmt_bytes(arena)}; {mem.shm_dir} has "
               f"{fmt_bytes(mem.shm_free)} free of {fmt_bytes(mem.shm_total)}")
     if dead:
-        detail += (f"; {len(dead)} dead owners' segment(s) hold {fmt_bytes(dead_bytes)} "
+        detail += (f"; {plural(len(dead), 'segment')} of dead owners hold{'s' if len(dead) == 1 else ''} {fmt_bytes(dead_bytes)} "
                    f"(--reap frees them)")
     if not ok:
         if dead and mem.shm_free + dead_bytes >= arena:
@@ -192,8 +193,9 @@ def host_checks(mem: HostMemory, staging_bytes: int, local_ranks: int, *,
     # segments left behind by dead owners (advisory)
     if dead:
         owners = sorted({s.owner_pid for s in dead})
-        detail = (f"{len(dead)} fshm_ segment(s) of dead owner pid(s) "
-                  f"{', '.join(map(str, owners))} hold {fmt_bytes(dead_bytes)} of /dev/shm (and "
+        detail = (f"{plural(len(dead), 'fshm_ segment')} of dead owner "
+                  f"pid{'' if len(owners) == 1 else 's'} {', '.join(map(str, owners))} "
+                  f"hold{'s' if len(dead) == 1 else ''} {fmt_bytes(dead_bytes)} of /dev/shm (and "
                   f"RAM). Fix: `python -m flodl_shm ram --reap` (spawn also reaps them at start)")
     else:
         detail = "no fshm_ segment of a dead owner in " + mem.shm_dir

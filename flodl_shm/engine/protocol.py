@@ -74,7 +74,7 @@ from typing import Callable
 import numpy as np
 
 from . import arena as A
-from ..errors import CohortAborted, ReduceStall, SchemaMismatchError
+from ..errors import CohortAborted, ReduceStall, SchemaMismatchError, plural
 from ..frame import DTYPE_F32, RoundKind, dtype_name, elem_size
 from ..kernels import codec as K
 from ..kernels import reduce as R
@@ -412,7 +412,7 @@ class RoundEngine:
         ntensors = int(c[b + A.H_NTENSORS])
         if ntensors == 0:  # what a barrier() sends
             return f"rank {r}: {kind} round without tensors (as barrier() sends), {path} path"
-        return (f"rank {r}: {kind} round, {ntensors} tensor(s) "
+        return (f"rank {r}: {kind} round, {plural(ntensors, 'tensor')} "
                 f"{dtype_name(int(c[b + A.H_DTYPE]))} shapes {shapes}, "
                 f"{int(c[b + A.H_NBYTES])} bytes, {path} path")
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import _posixshmem
 
-from ..errors import ShmSpaceError
+from ..errors import ShmSpaceError, plural
 
 logger = logging.getLogger("flodl_shm")
 
@@ -223,7 +223,7 @@ def reap_dead_owner_segments(shm_dir: Path = SHM_DIR) -> list[SegmentInfo]:
             if fd is not None:
                 os.close(fd)
     if reaped:
-        logger.info("reaped %d shared-memory segment(s) of dead owners (%s)", len(reaped),
+        logger.info("reaped %s of dead owners (%s)", plural(len(reaped), "shared-memory segment"),
                     fmt_bytes(sum(s.nbytes for s in reaped)))
     return reaped
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..engine import arena as A
-from ..errors import RankFailed, RankStalled, ReduceStall
+from ..errors import RankFailed, RankStalled, ReduceStall, plural
 from ..engine.checkpoint_tap import TapServer
 from ..engine.hostmem import host_memory
 from ..engine.segment import reap_dead_owner_segments, space_error
@@ -583,13 +583,14 @@ class SpawnContext:
     def _why_stop(self, failures: int) -> str:
         """Why ``failures`` failures stop the cohort (``_stops`` said they do), for the log."""
         if failures > self.max_failures:
-            return f"{failures} failure(s) exceed max_failures={self.max_failures}"
+            return (f"{plural(failures, 'failure')} "
+                    f"exceed{'s' if failures == 1 else ''} max_failures={self.max_failures}")
         return "no rank is left"
 
     def _survivors_go_on(self, failures: int) -> str:
         """What the survivors of ``failures`` tolerated failures do, for the log line."""
         if failures > self.max_failures:  # only with survivors_save (``_stops``)
-            return (f"{failures} failure(s), more than max_failures={self.max_failures}: the "
+            return (f"{plural(failures, 'failure')}, more than max_failures={self.max_failures}: the "
                     f"survivors save a checkpoint of the realized work and stop")
         return (f"continuing on realized work with the survivors ({failures} of "
                 f"max_failures={self.max_failures} used)")

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ..checkpoint.meta import CheckpointMeta, CoverageBlock, ElCheState, SaveReason
+from ..errors import plural
 from .convergence import ConvergenceGuard, TrendGuard
 from .coverage import SHUFFLE_BASE_SEED, ChunkPool, coverage_block, pools_from_coverage
 from .el_che import ElChe, fit_counts
@@ -387,8 +388,8 @@ class Coordinator:
         stop, reason = False, None
         if dead > cfg.max_failures:
             stop, reason = True, SaveReason.MAX_FAILURE_EXCEEDED
-            logger.error("%d rank(s) lost, more than max_failures=%d: saving and stopping",
-                         dead, cfg.max_failures)
+            logger.error("%s lost, more than max_failures=%d: saving and stopping",
+                         plural(dead, "rank"), cfg.max_failures)
         elif b.finished or counts.stop:
             stop, reason = True, SaveReason.GRACEFUL_SHUTDOWN
         elif self._force_checkpoint or (cfg.checkpoint_every is not None

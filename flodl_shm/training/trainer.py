@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
-from ..errors import RankFailed, StartRefused, TrainingAborted
+from ..errors import RankFailed, StartRefused, TrainingAborted, plural
 from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, RankDeathRecord, SaveReason,
                                set_extension)
 from ..checkpoint.series import death_record_path, latest_checkpoint, series_of
@@ -407,9 +407,9 @@ class Trainer:
         self._check_setup(world, meta, model_path)
         self._clear_beyond(model_path, overwrite)  # only once the resume can start
         if meta.epoch >= self.epochs:
-            logger.info("%s finished %d epoch(s), and this Trainer has epochs=%d: nothing "
+            logger.info("%s finished %s, and this Trainer has epochs=%d: nothing "
                         "left to train (pass a larger epochs to continue)", model_path,
-                        meta.epoch, self.epochs)
+                        plural(meta.epoch, "epoch"), self.epochs)
         else:
             logger.info("resuming from %s on %d rank%s%s: epoch %d, step %d, round %d (%s)",
                         model_path, world, "" if world == 1 else "s", chosen, meta.epoch,
@@ -602,7 +602,7 @@ class Trainer:
         return result
 
     def _abort_message(self, result: TrainResult) -> str:
-        lines = [f"{len(result.dead_ranks)} rank(s) died ({list(result.dead_ranks)}), more "
+        lines = [f"{plural(len(result.dead_ranks), 'rank')} died ({list(result.dead_ranks)}), more "
                  f"than max_failures={self.max_failures}."]
         if result.checkpoint is not None:
             lines.append(f"The survivors saved {result.checkpoint} (max_failure_exceeded).")
