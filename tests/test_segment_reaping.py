@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -69,6 +70,37 @@ def test_live_owner_whose_pid_looks_dead_keeps_its_arena():
             owner.kill()
             owner.wait()
         for s in _sessions(FOREIGN_PID, session or "-"):
+            unlink_name(s.name)
+
+
+def test_a_zombie_owner_s_arena_is_reaped():
+    """A sweep driver that SIGKILLs a job and keeps its ``Popen`` without ``wait()``
+    leaves the owner a zombie: ``os.kill(pid, 0)`` still succeeds, so its arena was
+    taken for a live owner's and never reaped (by the next start or ``ram --reap``)."""
+    code = OWNER.replace(f"owner_pid={FOREIGN_PID}", "owner_pid=None")
+    owner = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    session = None
+    try:
+        session = owner.stdout.readline().strip()
+        assert len(_sessions(owner.pid, session)) == 8
+        os.kill(owner.pid, signal.SIGKILL)
+        for _ in range(500):  # until the kernel has made it a zombie (no wait() here)
+            with open(f"/proc/{owner.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.01)
+        else:
+            pytest.fail("the owner did not become a zombie")
+        assert not any(s.owner_alive for s in _sessions(owner.pid, session))
+        reaped = reap_dead_owner_segments()
+        assert len([s for s in reaped if s.session == session]) == 8
+        assert _sessions(owner.pid, session) == []
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        owner.wait()
+        for s in _sessions(owner.pid, session or "-"):
             unlink_name(s.name)
 
 

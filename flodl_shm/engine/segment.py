@@ -143,6 +143,9 @@ def _try_lock(path: Path, op: int) -> int | None:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether a process with ``pid`` runs here. A zombie (exited, not yet waited for by
+    its parent: a sweep driver that killed a job and keeps its ``Popen``) does not: it
+    holds no lock and no mapping any more, though ``os.kill(pid, 0)`` still succeeds."""
     if pid <= 0:
         return False
     try:
@@ -151,7 +154,15 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True  # no /proc to ask: the signal check stands
+    # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows
+    # the last ')'
+    state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]
+    return state not in (b"Z", b"X")
 
 
 def list_segments(shm_dir: Path = SHM_DIR) -> list[SegmentInfo]:
