@@ -166,6 +166,33 @@ def test_rank_exception_becomes_rank_failed_with_traceback():
     assert time.monotonic() - t0 < 60
 
 
+def test_a_failed_run_frees_its_pipes_and_mappings_without_the_garbage_collector():
+    """The raised error's traceback held ``join``'s frame, which held the context that
+    held the error: every failed run of a sweep kept its rank pipes and the arena's
+    mappings (5 descriptors, ~4 MiB) until a garbage collection, 57 descriptors after
+    40 failures in a probe."""
+    import gc
+
+    from flodl_shm.launch.supervisor import SpawnContext
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    with pytest.raises(RankFailed):
+        spawn(raise_on_rank_one, 2)  # what a first run sets up for the process's next ones
+    gc.collect()
+    gc.disable()
+    try:
+        before = fds()
+        for _ in range(3):
+            with pytest.raises(RankFailed):
+                spawn(raise_on_rank_one, 2)
+        assert fds() == before
+        assert not [o for o in gc.get_objects() if type(o) is SpawnContext]
+    finally:
+        gc.enable()
+
+
 def test_signal_death_is_named_and_fails_fast():
     with pytest.raises(RankFailed) as info:
         spawn(kill_self_on_rank, 3, (2, signal.SIGKILL))

@@ -245,18 +245,33 @@ class SpawnContext:
             if deadline is not None and time.monotonic() >= deadline:
                 return None
         self._monitor.join()
+        error = self._run_error()
+        if error is not None:
+            try:
+                raise error
+            finally:
+                # the context keeps the error, whose traceback keeps this frame: without
+                # this the pair (the rank processes' pipes, the arena's mappings) would
+                # wait for the garbage collector, in a sweep of failing runs for long
+                self = None
+        return [self._outcomes[r].value if self._outcomes[r].kind == "ok" else None
+                for r in range(self.nprocs)]
+
+    def _run_error(self) -> BaseException | None:
+        """What ``join`` raises for the finished run, or None when it succeeded."""
         relay_error = None if self._relay is None else self._relay.error
         if relay_error is not None:
             # the host's link to the cohort failed: that, not its consequences, is the news
             if isinstance(relay_error, ReduceStall):
-                raise relay_error
-            raise ConnectionError(f"this host's relay failed: {relay_error}") from relay_error
+                return relay_error
+            error = ConnectionError(f"this host's relay failed: {relay_error}")
+            error.__cause__, error.__suppress_context__ = relay_error, True  # raise ... from
+            return error
         if self._failure is not None:
-            raise self._failure
+            return self._failure
         if self._interrupted:
-            raise KeyboardInterrupt("flodl_shm.spawn: interrupted; every rank was stopped")
-        return [self._outcomes[r].value if self._outcomes[r].kind == "ok" else None
-                for r in range(self.nprocs)]
+            return KeyboardInterrupt("flodl_shm.spawn: interrupted; every rank was stopped")
+        return None
 
     def terminate(self, reason: int = A.ABORT_INTERRUPT) -> None:
         """Stop every rank (abort flag, then SIGTERM, then SIGKILL) and clean up.
@@ -819,6 +834,7 @@ class _InterruptGate:
         try:
             return start(self).join()
         finally:
+            self.ctx = None  # the run is over (and a raised error's traceback holds self)
             signal.signal(signal.SIGINT, old_int)
             signal.signal(signal.SIGTERM, old_term)
             if signal.SIGTERM in self.received and old_term in (signal.SIG_DFL, None):
