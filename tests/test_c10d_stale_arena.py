@@ -80,3 +80,28 @@ def test_the_next_group_reaps_a_killed_leaders_named_segments():
         if leader.poll() is None:
             leader.kill()
             leader.wait()
+
+
+def test_a_store_naming_another_jobs_removed_arena_says_to_give_each_job_its_port():
+    """Two jobs on one host with one MASTER_PORT share a store: a rank of the second
+    read the first job's arena from it and failed with a bare FileNotFoundError naming
+    the other job's segment."""
+    import pickle
+
+    import pytest
+
+    from flodl_shm.distributed.rendezvous import host_identity, rendezvous
+    from flodl_shm.engine.arena import Arena
+
+    gone = Arena.create(2)  # the other job's arena: its ranks mapped it, the names went
+    gone.unlink()
+    gone.close()
+    store = dist.HashStore()
+    store.set("host/0", host_identity())
+    store.set("pid/0", str(os.getpid()))
+    store.set("arena/0", pickle.dumps(gone.handle))
+    with pytest.raises(RuntimeError, match=rf"rank 1 of 2\): the group's store names host "
+                                           rf"arena {gone.handle.name('ctl')} of leader pid "
+                                           rf"{os.getpid()}, which is gone: .* another job's .*"
+                                           rf"Give each job its own port \(MASTER_PORT"):
+        rendezvous(store, 1, 2, timedelta(seconds=5))

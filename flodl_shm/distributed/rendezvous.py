@@ -47,7 +47,7 @@ from datetime import timedelta
 
 from ..engine import arena as A
 from ..engine.comm import Comm
-from ..engine.segment import reap_dead_owner_segments
+from ..engine.segment import pid_alive, reap_dead_owner_segments
 from ..errors import PeerDied
 
 logger = logging.getLogger("flodl_shm")
@@ -124,25 +124,12 @@ class PeerWatch:
 
     def __call__(self) -> None:
         for rank, pid in self.pids.items():
-            if not _process_running(pid):
+            if not pid_alive(pid):
                 raise PeerDied(
                     f"{self.what}: rank {rank} (pid {pid}) died; the collective cannot "
                     f"complete. Destroy the process group and restart the job (e.g. "
                     f"torchrun --max-restarts) from the last checkpoint", rank, pid,
                     host_ranks=self.host_ranks)
-
-
-def _process_running(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie (an exited child not yet reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
-    state = stat[stat.rfind(b")") + 2:][:1]
-    return state not in (b"Z", b"X")
 
 
 @dataclass
@@ -195,7 +182,18 @@ def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
                                    direct=True)
             store.set(key, pickle.dumps(arena.handle))
         else:
-            arena = A.Arena.attach(pickle.loads(store.get(key)))
+            handle = pickle.loads(store.get(key))
+            try:
+                arena = A.Arena.attach(handle)
+            except FileNotFoundError as e:
+                raise RuntimeError(
+                    f"flodl_shm process group (rank {rank} of {world}): the group's store "
+                    f"names host arena {handle.name('ctl')} of leader pid "
+                    f"{handle.owner_pid}, which is gone: its leader removed the names once "
+                    f"its own ranks had mapped them, so the store is another job's (two jobs "
+                    f"on this host with one MASTER_ADDR:MASTER_PORT share a store). Give each "
+                    f"job its own port (MASTER_PORT, torchrun --master-port / "
+                    f"--rdzv-endpoint)") from e
         # every segment mapped while the names exist (the outer state too, which an
         # outer optimizer in the reduce grows later through its open descriptor)
         arena.map_every_segment()
