@@ -388,7 +388,15 @@ def test_errors_name_the_value_and_the_fix():
      "parameter '3.bias' of the model was replaced"),
     (lambda m: setattr(m[1], "running_mean", torch.zeros(8)),
      "buffer '1.running_mean' of the model was replaced"),
-], ids=["bfloat16", "data", "new-parameter", "new-buffer"])
+    (lambda m: m.__setitem__(3, torch.nn.Linear(8, 3)),
+     "parameter '3.weight', parameter '3.bias' of the model were replaced"),
+    (lambda m: m.add_module("extra", torch.nn.Linear(2, 2)),
+     "parameter 'extra.weight', parameter 'extra.bias' of the model were added"),
+    # a removal is seen at the next registration anywhere (here: a module built)
+    (lambda m: (m._modules.pop("3"), torch.nn.Linear(1, 1)),
+     "parameter '3.weight', parameter '3.bias' of the model were removed"),
+], ids=["bfloat16", "data", "new-parameter", "new-buffer", "new-submodule", "added-submodule",
+        "removed-submodule"])
 def test_tensors_replaced_after_construction_are_refused_not_left_out(change, named):
     """A sync used to average the tensors LocalSGD was built on and report success while
     the model, holding other tensors, kept its own weights on every rank."""

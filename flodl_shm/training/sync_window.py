@@ -320,6 +320,11 @@ class ReplicaReduce:
         # window was built would leave the rounds averaging stale copies)
         self._held = tuple(_held_entries(model, "parameter", model.named_parameters())
                            + _held_entries(model, "buffer", averaged_buffers(model)))
+        # a module, parameter or buffer assigned anywhere in the process since then
+        # (``model.head = nn.Linear(...)``): the slow check compares the model's tensors
+        _watch_registrations()
+        self._model = model
+        self._registered = _registrations[0]
 
     def tensors(self) -> list[torch.Tensor]:
         """The averaged tensors, detached: the parameters, then the floating-point
@@ -351,6 +356,8 @@ class ReplicaReduce:
             if entries.get(key) is not held or held.data_ptr() != ptr:
                 self._check_held()
                 break
+        if _registrations[0] != self._registered:
+            self._check_tree()
         sums = self._drift
         if sums is not None:
             self._drift_bytes[:] = self._drift_zeros
@@ -385,14 +392,59 @@ class ReplicaReduce:
         if not gone:
             self._held = tuple(now)
             return
-        raise RuntimeError(
-            f"{', '.join(gone[:3])}{f' and {len(gone) - 3} more' if len(gone) > 3 else ''} "
-            f"of the model {'was' if len(gone) == 1 else 'were'} replaced after LocalSGD was "
-            f"built on it (model.to(dtype), .bfloat16(), `p.data = ...`, or a new "
-            f"nn.Parameter or buffer assigned): syncs average the tensors LocalSGD was built "
-            f"on, so this one would leave the model out. Give the model its final dtype, "
-            f"device and tensors before building LocalSGD (for a Trainer: in model_fn), and "
-            f"change values in place (with torch.no_grad(): p.copy_(...))")
+        raise _model_changed(gone, "replaced")
+
+    def _check_tree(self) -> None:
+        """The slow check after a module, parameter or buffer was registered somewhere in
+        the process: the model's named tensors must still be the window's, by name and
+        identity (a submodule assigned in place of one, or added, is not)."""
+        held = {name: t for _, _, t, _, (_, name) in self._held}
+        now = ([("parameter", n, t) for n, t in self._model.named_parameters()]
+               + [("buffer", n, t) for n, t in averaged_buffers(self._model)])
+        replaced = [f"{what} {n!r}" for what, n, t in now if n in held and held[n] is not t]
+        names = {n for _, n, _ in now}
+        added = [f"{what} {n!r}" for what, n, _ in now if n not in held]
+        removed = [f"{what} {name!r}" for _, _, _, _, (what, name) in self._held
+                   if name not in names]
+        if replaced or added or removed:
+            raise _model_changed(replaced + added + removed, " or ".join(
+                verb for verb, part in (("replaced", replaced), ("added", added),
+                                        ("removed", removed)) if part))
+        self._registered = _registrations[0]
+
+
+#: moves whenever a module anywhere in the process registers a submodule, parameter or
+#: buffer (torch's global registration hooks; ``_watch_registrations``)
+_registrations = [0]
+_watching = [False]
+
+
+def _count_registration(module, name, value) -> None:
+    _registrations[0] += 1  # returns None: the registration goes on unchanged
+
+
+def _watch_registrations() -> None:
+    """Install the registration counter, once per process."""
+    if not _watching[0]:
+        from torch.nn.modules import module as torch_module
+
+        torch_module.register_module_module_registration_hook(_count_registration)
+        torch_module.register_module_parameter_registration_hook(_count_registration)
+        torch_module.register_module_buffer_registration_hook(_count_registration)
+        _watching[0] = True
+
+
+def _model_changed(changed: list, how: str) -> RuntimeError:
+    """The error for tensors of the model ``how`` (replaced, added, ...) since the
+    window was built on it, naming the first three."""
+    return RuntimeError(
+        f"{', '.join(changed[:3])}{f' and {len(changed) - 3} more' if len(changed) > 3 else ''}"
+        f" of the model {'was' if len(changed) == 1 else 'were'} {how} after LocalSGD was "
+        f"built on it (model.to(dtype), .bfloat16(), `p.data = ...`, a new nn.Parameter, "
+        f"buffer or submodule assigned): syncs average the tensors LocalSGD was built on, "
+        f"so this would leave the model's out. Give the model its final modules, dtype, "
+        f"device and tensors before building LocalSGD (for a Trainer: in model_fn), and "
+        f"change values in place (with torch.no_grad(): p.copy_(...))")
 
 
 def _held_entries(model: torch.nn.Module, what: str, named) -> list:
