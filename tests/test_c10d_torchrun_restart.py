@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_c10d_torchrun import _finish  # noqa: E402
 
-from flodl_shm.distributed.rendezvous import _process_running  # noqa: E402
+from flodl_shm.engine.segment import pid_alive  # noqa: E402
 from flodl_shm.engine.segment import list_segments  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -79,5 +79,5 @@ def test_torchrun_max_restarts_resumes_from_the_checkpoint(tmp_path):
         assert torch.equal(a, ref)                    # ... with the uninterrupted run
 
     pids = {a["pid"] for a in [*att.values(), *_attempts(clean).values()]}
-    assert [p for p in pids if _process_running(p)] == []
+    assert [p for p in pids if pid_alive(p)] == []
     assert [s.name for s in list_segments() if s.owner_pid in pids] == []
