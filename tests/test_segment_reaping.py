@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from flodl_shm.engine.segment import (Segment, list_segments, reap_dead_owner_segments,
+from flodl_shm.engine.segment import (Segment, list_segments, pid_alive, reap_dead_owner_segments,
                                       segment_name, unlink_name)
 
 from engine_util import assert_no_leaks
@@ -85,13 +85,17 @@ def test_a_zombie_owner_s_arena_is_reaped():
         session = owner.stdout.readline().strip()
         assert len(_sessions(owner.pid, session)) == 8
         os.kill(owner.pid, signal.SIGKILL)
-        for _ in range(500):  # until the kernel has made it a zombie (no wait() here)
+        # until the kernel has made it a zombie (no wait() here) and released its lock
+        # (the last reference to a mapped file can go a moment after the exit)
+        for _ in range(500):
             with open(f"/proc/{owner.pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    break
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+            if zombie and not any(s.locked for s in _sessions(owner.pid, session)):
+                break
             time.sleep(0.01)
         else:
-            pytest.fail("the owner did not become a zombie")
+            pytest.fail("the owner did not become a zombie without its lock")
+        assert pid_alive(owner.pid) is False  # os.kill(pid, 0) still succeeds
         assert not any(s.owner_alive for s in _sessions(owner.pid, session))
         reaped = reap_dead_owner_segments()
         assert len([s for s in reaped if s.session == session]) == 8
