@@ -151,7 +151,9 @@ def host_checks(mem: HostMemory, staging_bytes: int, local_ranks: int, *,
               f"{fmt_bytes(frame)} {wire} frames needs {fmt_bytes(arena)}; {mem.shm_dir} has "
               f"{fmt_bytes(mem.shm_free)} free of {fmt_bytes(mem.shm_total)}")
     if dead:
-        detail += (f"; {plural(len(dead), 'segment')} of dead owners hold{'s' if len(dead) == 1 else ''} {fmt_bytes(dead_bytes)} "
+        holds = "holds" if len(dead) == 1 else "hold"
+        detail += (f"; {plural(len(dead), 'segment')} of dead owners {holds} "
+                   f"{fmt_bytes(dead_bytes)} "
                    f"(--reap frees them)")
     if not ok:
         if dead and mem.shm_free + dead_bytes >= arena:

@@ -605,7 +605,8 @@ class SpawnContext:
     def _survivors_go_on(self, failures: int) -> str:
         """What the survivors of ``failures`` tolerated failures do, for the log line."""
         if failures > self.max_failures:  # only with survivors_save (``_stops``)
-            return (f"{plural(failures, 'failure')}, more than max_failures={self.max_failures}: the "
+            return (f"{plural(failures, 'failure')}, more than max_failures="
+                    f"{self.max_failures}: the "
                     f"survivors save a checkpoint of the realized work and stop")
         return (f"continuing on realized work with the survivors ({failures} of "
                 f"max_failures={self.max_failures} used)")
