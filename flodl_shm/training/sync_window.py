@@ -442,7 +442,7 @@ def _model_changed(changed: list, how: str) -> RuntimeError:
         f" of the model {'was' if len(changed) == 1 else 'were'} {how} after LocalSGD was "
         f"built on it (model.to(dtype), .bfloat16(), `p.data = ...`, a new nn.Parameter, "
         f"buffer or submodule assigned): syncs average the tensors LocalSGD was built on, "
-        f"so this would leave the model's out. Give the model its final modules, dtype, "
+        f"and would leave the model's new ones out. Give the model its final modules, dtype, "
         f"device and tensors before building LocalSGD (for a Trainer: in model_fn), and "
         f"change values in place (with torch.no_grad(): p.copy_(...))")
 
