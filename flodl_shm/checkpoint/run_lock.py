@@ -42,6 +42,7 @@ the job check.
 from __future__ import annotations
 
 import atexit
+import errno
 import fcntl
 import hashlib
 import json
@@ -168,9 +169,9 @@ class RunLock:
             except OSError:
                 pass
             os.close(fd)
+            full = " (free some space on that disk)" if e.errno == errno.ENOSPC else ""
             raise OSError(e.errno, f"cannot write the run lock {self.path}: {e.strerror}"
-                          f"{' (free some space on that disk)' if e.errno == 28 else ''}"
-                          ) from e
+                          f"{full}") from e
         return fd
 
     def __exit__(self, *exc) -> None:

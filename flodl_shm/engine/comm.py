@@ -129,13 +129,20 @@ def _overlapping(starts: np.ndarray, numels: Sequence[int]) -> list[int]:
     return sorted(order[hit].tolist())
 
 
+def _integral(value) -> bool:
+    """An int, an int enum or a numpy integer; not a bool, a float or anything else
+    (``int()`` of those would take a weight for a kind or 1.5 for rank 1)."""
+    return type(value) is int or (isinstance(value, (int, np.integer))
+                                  and not isinstance(value, bool))
+
+
 def _kind(kind) -> int:
     """A round kind as an int; ValueError when it is none (``RoundKind``'s own for an
     int of no kind; a float or a bool, e.g. a weight passed where the kind goes, is no
     kind either: ``int(1.0)`` would make a weighted round a plain sum)."""
     if kind is RoundKind.MODEL:  # the default: skip the enum's int conversion
         return _MODEL
-    if isinstance(kind, bool) or not isinstance(kind, (int, np.integer)):
+    if not _integral(kind):
         raise ValueError(f"kind must be a RoundKind (RoundKind.MODEL or RoundKind.CONTROL), "
                          f"got {kind!r} where the round kind goes (a weight passed by "
                          f"position?): pass weight=... by name")
@@ -822,8 +829,7 @@ class Comm:
         """(whether this rank is ``root``, the root's local rank on this host or None on
         a cluster, where a broadcast is a reduce); ValueError for a root that is not a
         rank of the cohort."""
-        if (type(root) is not int and (isinstance(root, bool)
-                                       or not isinstance(root, (int, np.integer)))) \
+        if (type(root) is not int and not _integral(root)) \
                 or not 0 <= int(root) < self.world_size:
             raise ValueError(f"broadcast root {root!r} is not a rank of this cohort (an int "
                              f"from 0 to {self.world_size - 1}): pass the global rank whose "
@@ -1090,11 +1096,8 @@ class Comm:
         ranks) or, ``out`` None, into every rank's ``tensors`` (the root's stay as they
         are). A tensor that is not a contiguous float32 CPU tensor goes through a
         contiguous float32 copy."""
-        self._one_at_a_time()
-        try:
-            return self._direct_round(tensors, plan, weight, scale, out, broadcast)
-        finally:
-            self._in_round = False
+        return self._one_at_a_time(self._direct_round, tensors, plan, weight, scale, out,
+                                   broadcast)
 
     def _direct_round(self, tensors: Sequence[torch.Tensor] | None, plan: RoundPlan, weight,
                       scale: float, out: torch.Tensor | None, broadcast: int | None) -> float:
@@ -1182,12 +1185,13 @@ class Comm:
 
         return self._eager_call(weight, call)
 
-    def _one_at_a_time(self) -> None:
-        """Enter a general or direct round; RuntimeError when one is in flight already.
-        A Comm is one rank's sequence of collectives: two threads driving it at once
-        would put two rounds in its slots and mix their results silently. (The fused
-        one-call rounds are not checked here, where a check costs a tenth of the call:
-        their control block finds the rounds out of step.)"""
+    def _one_at_a_time(self, round_fn: Callable, *args, **kwargs):
+        """Run ``round_fn`` (a general or direct round) as this Comm's one round in flight;
+        RuntimeError before it starts when one is in flight already. A Comm is one
+        rank's sequence of collectives: two threads driving it at once would put two
+        rounds in its slots and mix their results silently. (The fused one-call rounds
+        are not checked here, where a check costs a tenth of the call: their control
+        block finds the rounds out of step.)"""
         if self._in_round:
             raise RuntimeError(
                 f"this Comm (rank {self.rank}) is in a collective already, called from "
@@ -1195,6 +1199,10 @@ class Comm:
                 f"in the same order on every rank; serialize them (a lock around the "
                 f"calls), or give each thread its own process group")
         self._in_round = True
+        try:
+            return round_fn(*args, **kwargs)
+        finally:
+            self._in_round = False
 
     def _run(self, plan: RoundPlan, weight: float, write: Callable | None, *,
              elided: bool = False, zero_copy: bool = False, outer: bool = False,
@@ -1213,86 +1221,92 @@ class Comm:
         root's payload into ``out``; no reduce; the root of an in-place broadcast passes
         no ``out``: its tensors hold the payload). ``probe``: a bulk round that also
         checks whether the ranks may run direct rounds (``engine/direct.py``)."""
-        self._one_at_a_time()
+        return self._one_at_a_time(self._general_round, plan, weight, write, elided=elided,
+                                   zero_copy=zero_copy, outer=outer, into=into, out=out,
+                                   eager_zero_copy=eager_zero_copy, broadcast=broadcast,
+                                   probe=probe)
+
+    def _general_round(self, plan: RoundPlan, weight: float, write: Callable | None, *,
+                       elided: bool, zero_copy: bool, outer: bool, into: np.ndarray | None,
+                       out: np.ndarray | None, eager_zero_copy: bool, broadcast: int | None,
+                       probe: bool) -> tuple[np.ndarray, float]:
+        """``_run``'s round, inside the one-round-in-flight guard."""
+        weight = self._begin(weight)
+        eng = self._engine
+        rnd = self._round
+        kind, dtype = plan.kind, plan.dtype
+        tap = kind == _MODEL and self._tap.armed is not None
+        # only a stateful outer optimizer steps (OuterAvg is the plain consensus); on a
+        # cluster the flag travels to the controller, which refuses it if it has none
+        outer = outer and self._outer_installed
+        # the outer step runs in the slice reduce: outer rounds take the bulk path
+        bulk = ((zero_copy and not eager_zero_copy) or eng.relay_mode or outer or probe
+                or not plan.eager_fits)
+        region = eng.prepare(rnd, plan, bulk, payload=not (elided and broadcast is not None))
+        hook = eng.fault_hook
+        if hook is not None:
+            hook("before_copy_in", rnd)
+        if write is not None and not elided:
+            if region is None:
+                region = eng.eager_region(rnd)
+            raw = region[plan.off:plan.off + plan.nbytes]
+            write(raw.view(np.float32 if dtype == DTYPE_F32 else np.uint16), plan)
+        flags = ((A.FLAG_BULK if bulk else 0) | (A.FLAG_ELIDED if elided else 0)
+                 | (A.FLAG_ZERO_COPY if zero_copy else 0) | (A.FLAG_OUTER if outer else 0)
+                 | (A.FLAG_TAP if tap else 0) | (0 if broadcast is None else A.FLAG_BROADCAST)
+                 | (A.FLAG_DIRECT_PROBE if probe else 0))
+        self._round = rnd + 1
+        eng.own_slice = None
         try:
-            weight = self._begin(weight)
-            eng = self._engine
-            rnd = self._round
-            kind, dtype = plan.kind, plan.dtype
-            tap = kind == _MODEL and self._tap.armed is not None
-            # only a stateful outer optimizer steps (OuterAvg is the plain consensus); on a
-            # cluster the flag travels to the controller, which refuses it if it has none
-            outer = outer and self._outer_installed
-            # the outer step runs in the slice reduce: outer rounds take the bulk path
-            bulk = ((zero_copy and not eager_zero_copy) or eng.relay_mode or outer or probe
-                    or not plan.eager_fits)
-            region = eng.prepare(rnd, plan, bulk, payload=not (elided and broadcast is not None))
-            hook = eng.fault_hook
-            if hook is not None:
-                hook("before_copy_in", rnd)
-            if write is not None and not elided:
-                if region is None:
-                    region = eng.eager_region(rnd)
-                raw = region[plan.off:plan.off + plan.nbytes]
-                write(raw.view(np.float32 if dtype == DTYPE_F32 else np.uint16), plan)
-            flags = ((A.FLAG_BULK if bulk else 0) | (A.FLAG_ELIDED if elided else 0)
-                     | (A.FLAG_ZERO_COPY if zero_copy else 0) | (A.FLAG_OUTER if outer else 0)
-                     | (A.FLAG_TAP if tap else 0) | (0 if broadcast is None else A.FLAG_BROADCAST)
-                     | (A.FLAG_DIRECT_PROBE if probe else 0))
-            self._round = rnd + 1
-            eng.own_slice = None
-            try:
-                if not bulk:
-                    if out is None:
-                        out_f32, out_u16 = eng.eager_f32, eng.eager_u16
-                    elif dtype == DTYPE_F32:
-                        out_f32, out_u16 = out, eng.eager_u16
-                    else:
-                        out_f32, out_u16 = eng.eager_f32, out
-                    mass = eng.eager_round(plan, rnd, flags, weight, out_f32=out_f32,
-                                           out_u16=out_u16)
-                    if broadcast is not None:
-                        eng.check_broadcast(rnd, eng.last_accepted, eng.last_contributors(),
-                                            broadcast)
-                    cons = out if out is not None else (
-                        (out_f32 if dtype == DTYPE_F32 else out_u16)[:plan.nelem])
-                elif broadcast is not None:
-                    eng.publish(rnd, kind, flags, dtype, weight, len(plan.shapes), plan.nbytes,
-                                plan.nelem, plan.shash, len(plan.words))
-                    if hook is not None:
-                        hook("arrived", rnd)
-                    # the root copies its payload in before it arrives: spin for that long
-                    view = eng.await_arrivals(rnd, nbytes=plan.nbytes)
-                    eng.check_broadcast(rnd, view.accepted_mask, view.contrib_mask, broadcast)
-                    eng.broadcast_copy(view, broadcast, out)
-                    if self.local_rank == broadcast:
-                        eng.await_readers(view)
-                    cons, mass = out, view.mass
+            if not bulk:
+                if out is None:
+                    out_f32, out_u16 = eng.eager_f32, eng.eager_u16
+                elif dtype == DTYPE_F32:
+                    out_f32, out_u16 = out, eng.eager_u16
                 else:
-                    eng.publish(rnd, kind, flags, dtype, weight, len(plan.shapes), plan.nbytes,
-                                plan.nelem, plan.shash, len(plan.words))
-                    if hook is not None:
-                        hook("arrived", rnd)
-                    view = eng.await_arrivals(rnd, nbytes=plan.nbytes)
-                    if probe:
-                        eng.direct.probe(view)
-                    eng.reduce_slice(view, self.local_rank,
-                                     into if view.mass > 0.0 or kind != _MODEL else None)
-                    eng.await_slices(view)
-                    if probe:
-                        eng.direct.settle_probe(view)
-                    mass = eng.await_consensus(view) if eng.relay_mode else view.mass
-                    cons = eng.consensus_array(view)
-                    if eng.outer_applies(view):
-                        eng.outer_round_done(view.nelem)
-                if tap:
-                    self._tap.captured(rnd, dtype, plan.shapes, cons, mass, outer)
-                return cons, mass
-            except BaseException as e:
-                self._fail(rnd, e)
-                raise
-        finally:
-            self._in_round = False
+                    out_f32, out_u16 = eng.eager_f32, out
+                mass = eng.eager_round(plan, rnd, flags, weight, out_f32=out_f32,
+                                       out_u16=out_u16)
+                if broadcast is not None:
+                    eng.check_broadcast(rnd, eng.last_accepted, eng.last_contributors(),
+                                        broadcast)
+                cons = out if out is not None else (
+                    (out_f32 if dtype == DTYPE_F32 else out_u16)[:plan.nelem])
+            elif broadcast is not None:
+                eng.publish(rnd, kind, flags, dtype, weight, len(plan.shapes), plan.nbytes,
+                            plan.nelem, plan.shash, len(plan.words))
+                if hook is not None:
+                    hook("arrived", rnd)
+                # the root copies its payload in before it arrives: spin for that long
+                view = eng.await_arrivals(rnd, nbytes=plan.nbytes)
+                eng.check_broadcast(rnd, view.accepted_mask, view.contrib_mask, broadcast)
+                eng.broadcast_copy(view, broadcast, out)
+                if self.local_rank == broadcast:
+                    eng.await_readers(view)
+                cons, mass = out, view.mass
+            else:
+                eng.publish(rnd, kind, flags, dtype, weight, len(plan.shapes), plan.nbytes,
+                            plan.nelem, plan.shash, len(plan.words))
+                if hook is not None:
+                    hook("arrived", rnd)
+                view = eng.await_arrivals(rnd, nbytes=plan.nbytes)
+                if probe:
+                    eng.direct.probe(view)
+                eng.reduce_slice(view, self.local_rank,
+                                 into if view.mass > 0.0 or kind != _MODEL else None)
+                eng.await_slices(view)
+                if probe:
+                    eng.direct.settle_probe(view)
+                mass = eng.await_consensus(view) if eng.relay_mode else view.mass
+                cons = eng.consensus_array(view)
+                if eng.outer_applies(view):
+                    eng.outer_round_done(view.nelem)
+            if tap:
+                self._tap.captured(rnd, dtype, plan.shapes, cons, mass, outer)
+            return cons, mass
+        except BaseException as e:
+            self._fail(rnd, e)
+            raise
 
     def close(self) -> None:
         """Release this rank's mappings (the arena's owner unlinks the segments)."""
