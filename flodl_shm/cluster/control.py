@@ -66,6 +66,18 @@ def ctrl_message(kind: Ctrl, /, **fields) -> dict:
     return {"type": Ctrl(kind).value, **fields}
 
 
+def outer_fields(outer) -> dict:
+    """The ``hello_ack``'s ``outer`` object for the outer optimizer a controller steps:
+    ``{"kind": "none"}`` for none or a stateless one, ``{"kind": "nesterov", "lr": LR,
+    "momentum": MU}`` for an ``OuterNesterov``, and ``{"kind": <type name>}`` for a
+    stateful one of the user's own (no settings a rank could compare)."""
+    if not getattr(outer, "has_momentum", False):
+        return {"kind": "none"}
+    if hasattr(outer, "lr") and hasattr(outer, "mu"):
+        return {"kind": "nesterov", "lr": float(outer.lr), "momentum": float(outer.mu)}
+    return {"kind": type(outer).__name__}
+
+
 def ctrl_type(msg: dict, peer: str) -> Ctrl:
     """The validated type of a received control message; ``FrameError`` naming the
     peer and the value for a type this protocol version does not define."""

@@ -50,7 +50,7 @@ from .. import kernels as K
 from .dead_ranks import DeadRanks
 from ..errors import FrameError, ReduceStall
 from ..frame import DTYPE_F32, RoundFrame, RoundKind, TensorPayload, elem_size
-from .control import Ctrl, ctrl_message
+from .control import Ctrl, ctrl_message, outer_fields
 from .link import (HandshakeRejected, Kind, Link, OutgoingFrame, handshake_deadline_s,
                    parse_addr, server_handshake)
 from .wire import check_salt
@@ -230,13 +230,9 @@ class ClusterController:
         """The ``hello_ack`` fields (``control.py``): the outer optimizer stepped here and
         where its momentum starts."""
         with self._lock:
-            outer = self.outer
-            if outer is None:
+            if self.outer is None:
                 return {"outer": {"kind": "none"}}
-            fields = {"outer": {"kind": "nesterov", "lr": float(outer.lr),
-                                "momentum": float(outer.mu)}
-                      if hasattr(outer, "lr") and hasattr(outer, "mu")
-                      else {"kind": type(outer).__name__}}  # (the relay checks Nesterov's)
+            fields = {"outer": outer_fields(self.outer)}  # (the relay checks Nesterov's)
             if self._outer_loaded is None or self._outer_round is not None:
                 # (a momentum loaded without its round has no start to check)
                 fields["outer_start_round"] = (-1 if self._outer_loaded is None

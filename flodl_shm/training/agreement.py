@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Optional
 
+from ..cluster.control import outer_fields
 from ..errors import StartRefused
 
 __all__ = ["check_controller_outer", "check_same_model", "check_same_settings", "check_same_start",
@@ -200,12 +201,9 @@ def _check_controller_steps(held: Optional[dict], outer) -> None:
     ranks were built with, or none when theirs has no state (refusing either way)."""
     if held is None:
         return  # one host, or a controller that says nothing
-    if getattr(outer, "has_momentum", False):
-        if not (hasattr(outer, "lr") and hasattr(outer, "mu")):
-            return  # a stateful outer optimizer of the user's own: no settings to compare
-        mine = {"kind": "nesterov", "lr": float(outer.lr), "momentum": float(outer.mu)}
-    else:
-        mine = {"kind": "none"}
+    mine = outer_fields(outer)
+    if mine["kind"] not in ("none", "nesterov"):
+        return  # a stateful outer optimizer of the user's own: no settings to compare
     if held == mine:
         return
     if held["kind"] == "none":
