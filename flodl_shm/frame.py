@@ -36,6 +36,25 @@ DTYPE_BF16 = 1
 _ELEM_SIZE = {DTYPE_F32: 4, DTYPE_BF16: 2}
 _DTYPE_NAME = {DTYPE_F32: "f32", DTYPE_BF16: "bf16"}
 
+#: The realized-work masses a collective round accepts: 0, or a normal float32 in
+#: [MASS_MIN, MASS_MAX]. The consensus is Σ(wᵣ·Tᵣ) times the float32 reciprocal of
+#: Σwᵣ: a mass below MASS_MIN has no finite one (every element became inf or NaN),
+#: one above MASS_MAX is inf as a float32 scale (0·inf: NaN).
+MASS_MIN = float(np.finfo(np.float32).tiny)
+MASS_MAX = float(np.finfo(np.float32).max)
+
+
+def mass_error(weight: float) -> FrameError:
+    """The error for a round's ``weight`` that is not a mass (see ``MASS_MIN``)."""
+    if not 0.0 <= weight < math.inf:
+        return FrameError(f"weight {weight} is not a finite non-negative realized-work mass")
+    return FrameError(
+        f"weight {weight:g} is outside the masses a float32 round carries: 0, or "
+        f"{MASS_MIN:.4g} to {MASS_MAX:.4g} (below, the divisor 1/Σw overflows; above, "
+        f"w·T does). Rescale the weights (e.g. divide every rank's by a common "
+        f"constant such as the expected samples per window)")
+
+
 #: Bound on a frame's tensor count (a hostile count is refused before any parsing).
 MAX_ROUND_FRAME_TENSORS = 65536
 #: Bound on a tensor's rank (the wire stores ndim in one byte).

@@ -441,6 +441,46 @@ def test_bad_dtype_is_refused_before_publishing():
         assert comm.all_reduce_tensors([torch.ones(2)])[0].tolist() == [1.0, 1.0]
 
 
+@pytest.mark.parametrize("path", ["single", "fused", "general", "frame"])
+@pytest.mark.parametrize("weight", [1e-40, 5e-324, 1e39, 1e300])
+def test_a_weight_outside_float32s_masses_is_refused_not_turned_into_inf_or_nan(path, weight):
+    """The consensus is Σ(w·T) times float32(1/Σw): a mass below float32's smallest
+    normal has no finite reciprocal (every element came out inf or NaN on every rank),
+    one above float32's largest is inf as a scale (0·inf: NaN). Refused before the
+    round on every path, naming the weight and the range."""
+    n = {"single": 4, "fused": 4, "general": 300_000, "frame": 4}[path]
+    with FakeCohort(1) as c:
+        comm = c.comm(0)
+        with pytest.raises(FrameError, match=r"outside the masses a float32 round carries"):
+            if path == "single":
+                comm.all_reduce_([torch.ones(n)], weight=weight, scale=weight)
+            elif path == "frame":
+                comm.all_reduce(RoundFrame([TensorPayload(DTYPE_F32, (n,), bytes(4 * n))],
+                                           weight=weight))
+            else:
+                comm.all_reduce_weighted([torch.ones(n), torch.ones(3)], weight=weight)
+        assert comm.round == 0, "refused before publishing: the Comm stays in step"
+
+
+def test_the_extreme_masses_float32_carries_still_average_exactly():
+    """At float32's smallest normal and at 1e38 the weighted mean is still right."""
+    tiny = float(np.finfo(np.float32).tiny)
+
+    def body(comm):
+        t = torch.tensor([1.0, 2.0] if comm.rank == 0 else [3.0, 2.0])
+        out = []
+        for w in (tiny, 2.0 ** 100, 1e-30):
+            x = t.clone()
+            mass = comm.all_reduce_([x], weight=w, scale=w)
+            out.append((x.tolist(), mass))
+        return out
+
+    with FakeCohort(2) as cohort:
+        for got in cohort.run(body):
+            assert [x for x, _ in got] == [[2.0, 2.0]] * 3
+            assert got[0][1] == 2 * tiny and got[1][1] == 2.0 ** 101
+
+
 @pytest.mark.parametrize("general", [False, True], ids=["fused", "general"])
 def test_one_tensor_where_the_list_goes_is_refused_not_reduced_row_by_row(general):
     """``all_reduce_tensors(t)`` iterated ``t``: a list of its rows' means came back, and

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from typing import Callable, Sequence
 
 import numpy as np
@@ -56,8 +55,11 @@ from ..frame import (
     DTYPE_F32,
     RoundFrame,
     RoundKind,
+    MASS_MAX,
+    MASS_MIN,
     TensorPayload,
     check_frame,
+    mass_error,
 )
 from .checkpoint_tap import TapClient
 from .direct import UNAVAILABLE
@@ -91,7 +93,6 @@ logger = logging.getLogger("flodl_shm")
 
 _MODEL = int(RoundKind.MODEL)
 _CONTROL = int(RoundKind.CONTROL)
-_INF = math.inf
 
 
 def _check_drift(drift, ntensors: int) -> None:
@@ -994,8 +995,8 @@ class Comm:
         if self._broken is not None:
             raise RuntimeError(f"this Comm is unusable: {self._broken}")
         weight = float(weight)
-        if not 0.0 <= weight < _INF:
-            raise FrameError(f"weight {weight} is not a finite non-negative realized-work mass")
+        if not MASS_MIN <= weight <= MASS_MAX and weight != 0.0:  # NaN fails both
+            raise mass_error(weight)
         return weight
 
     def _fail(self, rnd: int, e: BaseException) -> None:

@@ -26,6 +26,8 @@ from typing import Sequence
 
 import logging
 
+from ..frame import MASS_MAX, MASS_MIN
+
 logger = logging.getLogger("flodl_shm")
 
 __all__ = ["gamma_mass", "is_realized", "mover_mass", "sumcount_reduce"]
@@ -42,6 +44,9 @@ def gamma_mass(n: int, gamma: float) -> float:
       * otherwise ``float(n) ** gamma``. ``gamma = 0`` is an unweighted average
         over the ranks that moved; ``gamma = -1`` makes every step count equally
         across ranks regardless of how many each took.
+      * a mass a round cannot carry (below ``MASS_MIN`` or above ``MASS_MAX``,
+        ``frame.py``: ``100 ** 20``, say) raises ``ValueError`` naming ``n`` and
+        ``gamma``, rather than turning the consensus into inf or NaN.
 
     Args:
         n: optimizer steps since the last sync (negative counts are treated as
@@ -53,7 +58,16 @@ def gamma_mass(n: int, gamma: float) -> float:
         return 0.0
     if gamma == 1.0:
         return float(n)
-    return float(n) ** gamma
+    try:
+        mass = float(n) ** gamma
+    except OverflowError:  # beyond a double: past MASS_MAX too
+        mass = float("inf")
+    if not MASS_MIN <= mass <= MASS_MAX:
+        raise ValueError(
+            f"the work mass n**gamma = {n}**{gamma:g} = {mass:g} is outside the masses a "
+            f"float32 round carries ({MASS_MIN:.4g} to {MASS_MAX:.4g}): use a gamma nearer "
+            f"1 (0 weighs every rank that moved equally, -1 every step)")
+    return mass
 
 
 def mover_mass(n: int) -> float:
