@@ -6,6 +6,7 @@ The deadline bounds them: every rank that outlives it is killed.
 """
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -17,6 +18,9 @@ import torch
 
 from forked import drop_inherited_sockets, leave, wait_children
 
+#: rank r's values in the half-precision AVG check (three ranks)
+HALF_AVG_VALUES = [[-2368.0, 1576.0, 62.0], [0.0032196044921875, -0.00057220458984375, -1856.0],
+                   [-47360.0, 5888.0, 0.00014972686767578125]]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8, torch.int16,
           torch.int32, torch.int64, torch.uint8, torch.bool]
 
@@ -281,6 +285,30 @@ def sc_layouts(rank: int, world: int) -> dict:
         dist.reduce_scatter(o, [torch.full((2,), val, dtype=dt) for _ in range(world)])
         got["reduce_scatter"] = o[0].item()
         res[("half_sums", str(dt))] = got
+        # AVG: the float32 sum times float32(1/n), rounded once, on every transport
+        # (in bfloat16 the first value's product is a tie, so the sum divided by n
+        # rounds the other way); -0.0 summed stays -0.0
+        vals = HALF_AVG_VALUES[rank % len(HALF_AVG_VALUES)]
+        got = {}
+        for how in ("all_reduce", "reduce_scatter_tensor", "reduce_scatter"):
+            o = torch.tensor(vals, dtype=dt)
+            if how == "all_reduce":
+                dist.all_reduce(o, op=dist.ReduceOp.AVG)
+            elif how == "reduce_scatter_tensor":
+                o = torch.zeros(len(vals), dtype=dt)
+                dist.reduce_scatter_tensor(o, torch.tensor(vals * world, dtype=dt),
+                                           op=dist.ReduceOp.AVG)
+            else:
+                o = torch.zeros(len(vals), dtype=dt)
+                dist.reduce_scatter(o, [torch.tensor(vals, dtype=dt)] * world,
+                                    op=dist.ReduceOp.AVG)
+            got[how] = o.tolist()
+        for name, op in (("SUM", dist.ReduceOp.SUM),
+                         ("PREMUL_SUM", dist._make_nccl_premul_sum(0.5))):
+            o = torch.full((2,), -0.0, dtype=dt)
+            dist.all_reduce(o, op=op)
+            got[("negative_zero", name)] = [math.copysign(1.0, v) for v in o.tolist()]
+        res[("half_avg", str(dt))] = got
     # the same bits whatever the layout: ties of -0.0 and 0.0, a NaN's sign
     zeros = torch.tensor([-0.0, 0.0, -0.0, 0.0] if rank % 2 else [0.0, -0.0, -0.0, 0.0])
     for name, op in (("MIN", dist.ReduceOp.MIN), ("MAX", dist.ReduceOp.MAX)):

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from c10d_driver import DTYPES, rank_input, run_group  # noqa: E402
+from c10d_driver import DTYPES, HALF_AVG_VALUES, rank_input, run_group  # noqa: E402
 
 from flodl_shm.engine.segment import list_segments  # noqa: E402
 
@@ -205,6 +205,14 @@ def test_layouts_half_sums_empty_complex_and_misuse(tmp_path):
         assert r[("half_sums", "torch.float16")] == dict.fromkeys(
             ("all_reduce", "all_reduce_strided", "reduce_scatter_tensor", "reduce_scatter"),
             1.0009765625)  # 1 + 2^-10
+        for dt in (torch.bfloat16, torch.float16):
+            got = r[("half_avg", str(dt))]
+            parts = [torch.tensor(v, dtype=dt).float() for v in HALF_AVG_VALUES]
+            want = ((parts[0] + parts[1] + parts[2]) * torch.tensor(1 / 3)).to(dt).tolist()
+            for how in ("all_reduce", "reduce_scatter_tensor", "reduce_scatter"):
+                assert got[how] == want, (dt, how, got[how], want)
+            assert got[("negative_zero", "SUM")] == [-1.0, -1.0], dt
+            assert got[("negative_zero", "PREMUL_SUM")] == [-1.0, -1.0], dt
     assert res[0]["reduce_strided"].tolist() == [3.0 * i + 3 for i in range(6)]
     for key in (("signed_zeros", "MIN"), ("signed_zeros", "MAX"), "nan_bits"):
         assert res[0][key] == res[1][key] == res[2][key], key  # whatever the layout

@@ -39,7 +39,7 @@ from ..engine.byte_exchange import exchange_bytes
 from ..errors import FrameError, PeerDied, ReduceStall
 from ..frame import RoundKind
 from .overlap import CollectiveWorker
-from .reduce_ops import (check_dtype, check_op, op_name, op_type, real_views,
+from .reduce_ops import (average_, check_dtype, check_op, op_name, op_type, real_views,
                          reduce_in_order)
 from .rendezvous import HostLink, rendezvous
 
@@ -548,7 +548,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                     torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors]))
             link.leaders.allreduce([flat], dist.AllreduceOptions()).wait()
             if avg:
-                flat.div_(self._size)
+                average_(flat, self._size, torch.float32)
             if not one:
                 with torch.no_grad():
                     for t, p in zip(tensors, flat.split([t.numel() for t in tensors])):

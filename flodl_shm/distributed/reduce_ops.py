@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -28,6 +29,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16,
                     torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool)
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
+_F32_SUMMED = (torch.float32, torch.bfloat16, torch.float16)
 _R = dist.ReduceOp.RedOpType
 SUPPORTED_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "PREMUL_SUM")
 
@@ -77,23 +79,29 @@ def premul_factor(op) -> float | None:
 
 
 def reduce_in_order(parts: Sequence[torch.Tensor], op, out: torch.Tensor) -> None:
-    """``out`` = parts[0] (op) parts[1] (op) ... in this order (AVG divides the sum by
-    ``len(parts)``; PREMUL_SUM multiplies each part by its factor first), computed in a
-    contiguous tensor of its own and then copied into ``out``.
+    """``out`` = parts[0] (op) parts[1] (op) ... in this order (AVG: the sum, then
+    ``average_``; PREMUL_SUM multiplies each part by its factor first),
+    computed in a contiguous tensor of its own and then copied into ``out``.
 
-    bfloat16 and float16 sums (SUM, AVG, PREMUL_SUM) accumulate in float32 and round
-    once at the end, as the engine's reduce rounds do: the same data gives the same
-    bits whichever transport a collective takes."""
+    bfloat16 and float16 sums (SUM, AVG, PREMUL_SUM) start from the first part and
+    accumulate in float32, rounding once at the end, as the engine's reduce rounds do:
+    the same data gives the same bits whichever transport a collective takes (the
+    sign of an all-negative-zero sum included)."""
     name = op_name(op_type(op))
     factor = premul_factor(op)
     if name in ("SUM", "AVG", "PREMUL_SUM") and out.dtype in _HALF_DTYPES:
         with torch.no_grad():
-            acc = torch.zeros(out.shape, dtype=torch.float32)
+            acc = None
             for p in parts:
-                p = p.view(out.shape).to(torch.float32)
-                acc.add_(p if factor is None else p * factor)
+                p = p.view(out.shape).to(torch.float32, copy=True)
+                if factor is not None:
+                    p.mul_(factor)
+                if acc is None:
+                    acc = p
+                else:
+                    acc.add_(p)
             if name == "AVG":
-                acc.div_(len(parts))
+                average_(acc, len(parts), out.dtype)
             out.copy_(acc)
         return
     if factor is not None:
@@ -121,8 +129,19 @@ def reduce_in_order(parts: Sequence[torch.Tensor], op, out: torch.Tensor) -> Non
             elif name == "MAX":
                 torch.maximum(acc, p, out=acc)
         if name == "AVG":
-            acc.div_(len(parts))
+            average_(acc, len(parts), acc.dtype)
         out.copy_(acc)
+
+
+def average_(acc: torch.Tensor, n: int, dtype: torch.dtype) -> None:
+    """AVG's last step on ``acc``, the sum over ``n`` ranks of tensors of ``dtype``:
+    times float32's 1/n for float32, bfloat16 and float16 (whose sums are float32), as
+    the engine's mean Σ·float32(1/Σw) does, so every transport gives the same bits;
+    divided by ``n`` otherwise (float64)."""
+    if dtype in _F32_SUMMED:
+        acc.mul_(float(np.float32(1.0 / n)))
+    else:
+        acc.div_(n)
 
 
 def real_views(tensors: Sequence[torch.Tensor], op, what: str) -> list[torch.Tensor]:
