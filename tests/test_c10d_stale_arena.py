@@ -57,12 +57,13 @@ def test_the_next_group_reaps_a_killed_leaders_named_segments():
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=60),
                           wait_for_workers=False)
-    store.set("host/1", "stale")
-    store.set("pid/1", str(os.getpid()))
+    keys = dist.PrefixStore("group1/", store)  # the first group on this store
+    keys.set("host/1", "stale")
+    keys.set("pid/1", str(os.getpid()))
     leader = _python(LEADER, str(port))
     try:
         deadline = time.monotonic() + 60
-        while not store.check(["arena/0"]):   # the leader created and published its arena
+        while not keys.check(["arena/0"]):   # the leader created and published its arena
             assert leader.poll() is None, leader.communicate()[0].decode()
             assert time.monotonic() < deadline, "the leader never published its arena"
             time.sleep(0.05)
@@ -97,9 +98,10 @@ def test_a_store_naming_another_jobs_removed_arena_says_to_give_each_job_its_por
     gone.unlink()
     gone.close()
     store = dist.HashStore()
-    store.set("host/0", host_identity())
-    store.set("pid/0", str(os.getpid()))
-    store.set("arena/0", pickle.dumps(gone.handle))
+    keys = dist.PrefixStore("group1/", store)  # the other job's first group
+    keys.set("host/0", host_identity())
+    keys.set("pid/0", str(os.getpid()))
+    keys.set("arena/0", pickle.dumps(gone.handle))
     with pytest.raises(RuntimeError, match=rf"rank 1 of 2\): the group's store names host "
                                            rf"arena {gone.handle.name('ctl')} of leader pid "
                                            rf"{os.getpid()}, which is gone: .* another job's .*"

@@ -63,6 +63,7 @@ def _check(res: list[dict]) -> None:
     for r in res:
         assert r["world"] == world
         assert r["sum"].tolist() == [total] * 5
+        assert r["again"].tolist() == [total] * 3, "a group created again after destroy"
         for p, q in zip(r["params"], res[0]["params"]):
             assert torch.equal(p, q)  # DDP kept every rank on the same bits
 

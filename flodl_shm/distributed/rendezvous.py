@@ -25,6 +25,15 @@ ranks, the keys of the failed attempt (an arena handle whose names were unlinked
 (An elastic membership change restarts the workers without bumping that count; a job
 whose node set changes needs a fresh ``--rdzv-id``.)
 
+Within one store (an attempt's), every key also lives under ``group<N>/``, where N
+counts the groups this rank rendezvoused through that prefix (``store.add`` on
+``groups/<rank>``). A group destroyed and created again in the same processes
+(``destroy_process_group`` then ``init_process_group``: torch gives the new default
+group the old one's prefix, and torchrun's store outlives both) would otherwise read
+the old group's keys: an arena handle whose names are gone, ``mapped/`` flags set
+already. Every rank creates the same groups in the same order, so the ranks of one
+group count the same N.
+
 A group spanning several hosts also gets a gloo process group among the host
 leaders (``ProcessGroupGloo`` on the same store under ``leaders/``), through which
 the leaders combine their hosts' partials.
@@ -148,14 +157,17 @@ class HostLink:
         self.leaders = None
 
 
-def _attempt_store(store):
-    """``store`` under ``attempt<N>/`` when torchrun set ``TORCHELASTIC_RESTART_COUNT=N``."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if not attempt:
-        return store
+def _group_store(store, rank: int):
+    """``store`` under ``attempt<A>/group<N>/`` (``attempt<A>/`` only when torchrun set
+    ``TORCHELASTIC_RESTART_COUNT=A``): the keys of this incarnation of the group (the
+    module docstring says why)."""
     import torch.distributed as dist
 
-    return dist.PrefixStore(f"attempt{attempt}/", store)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt:
+        store = dist.PrefixStore(f"attempt{attempt}/", store)
+    n = store.add(f"groups/{rank}", 1)
+    return dist.PrefixStore(f"group{n}/", store)
 
 
 def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
@@ -166,7 +178,7 @@ def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
         rank: this rank in the group; world: the group's size.
         timeout: the group's timeout: bounds every store wait and every collective wait.
     """
-    store = _attempt_store(store)
+    store = _group_store(store, rank)
     store.set(f"host/{rank}", host_identity())
     store.set(f"pid/{rank}", str(os.getpid()))
     idents = [store.get(f"host/{r}").decode() for r in range(world)]
