@@ -193,6 +193,29 @@ def test_a_failed_run_frees_its_pipes_and_mappings_without_the_garbage_collector
         gc.enable()
 
 
+def test_a_finished_context_kept_by_the_caller_holds_no_pipes_or_mappings():
+    """A sweep that keeps its ``spawn(join=False)`` contexts after joining them held,
+    per context, the rank processes' pipes and the arena's control mapping (5
+    descriptors and ~4 MiB of shared memory each) until the contexts were dropped."""
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    def fshm_maps() -> int:
+        with open("/proc/self/maps") as f:
+            return sum("/dev/shm/fshm_" in line for line in f)
+
+    spawn(rank_and_world, 2)  # what a first run sets up for the process's next ones
+    before = (fds(), fshm_maps())
+    kept = []
+    for _ in range(3):
+        ctx = spawn(rank_and_world, 2, join=False)
+        assert ctx.join() == [(0, 2), (1, 2)]
+        assert len(ctx.pids()) == 2
+        kept.append(ctx)
+    assert (fds(), fshm_maps()) == before
+    ctx.terminate()  # a no-op once the run is over
+
+
 def test_signal_death_is_named_and_fails_fast():
     with pytest.raises(RankFailed) as info:
         spawn(kill_self_on_rank, 3, (2, signal.SIGKILL))

@@ -167,6 +167,7 @@ class SpawnContext:
         self._stall_clock: tuple | None = None  # ((phase, round), first seen) of a wait
         self._outcomes: dict[int, _Outcome] = {}
         self._procs: list = []
+        self._pids: list[int] = []
         self._failure: RankFailed | None = None
         self._failure_inferred = False  # _failure only says other hosts' ranks died
         self._cohort_dead: set[int] = set()  # global ranks the controller declared dead
@@ -223,7 +224,7 @@ class SpawnContext:
 
     # -- public ------------------------------------------------------------------
     def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
+        return list(self._pids)
 
     def relay_stats(self) -> dict[str, int] | None:
         """This host's relay counters so far (``None`` on a single host): ``rounds``
@@ -324,6 +325,7 @@ class SpawnContext:
                         raise
                     child_conn.close()
                     self._procs.append(p)
+                    self._pids.append(p.pid)
                     conns[r] = parent_conn
                 if self._server is not None and self._procs:
                     n = _native_threads(self._server._forkserver_pid)  # done forking now
@@ -350,6 +352,10 @@ class SpawnContext:
             if self._server is not None:
                 self._server.stop()
             self._cleanup()
+            # a finished context holds nothing: no rank pipes, no arena mapping (a sweep
+            # may keep many; they used to wait for the garbage collector)
+            self._procs = []
+            self.tap = self._doorbell = self.arena = None
             self._done.set()
 
     def _watch(self, conns: dict) -> None:
@@ -659,9 +665,12 @@ class SpawnContext:
 
     def _abort(self, reason: int) -> None:
         """Raise the abort flag, wake everyone, then escalate on stragglers."""
-        if not self.arena.ctl[A.G_ABORT]:
-            self.arena.ctl[A.G_ABORT] = reason
-        self._doorbell.ring()
+        arena, doorbell = self.arena, self._doorbell
+        if arena is None:
+            return  # the run ended and released them: nothing left to stop
+        if not arena.ctl[A.G_ABORT]:
+            arena.ctl[A.G_ABORT] = reason
+        doorbell.ring()
         server = self._server
         if server is not None and not self._started.is_set():
             server.kill()  # still preloading: the supervisor may be waiting on its fork
