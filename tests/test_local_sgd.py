@@ -3,6 +3,7 @@ computed here, replicas identical after a sync, outer optimizers, ElChe, errors.
 from __future__ import annotations
 
 import functools
+import os
 import re
 
 import pytest
@@ -705,3 +706,38 @@ def test_windows_sharing_a_comm_keep_their_own_wire_and_refuse_a_lost_outer_stat
             want = (a + b) * 0.5  # the float32 mean, not its bfloat16 rounding
             assert all(torch.equal(m, torch.full_like(m, want)) for m in mean), mean
             assert synced is True
+
+
+def test_saving_under_a_stem_per_epoch_keeps_a_bounded_number_of_series_locks(tmp_path):
+    """Each series' run lock stayed held (one open file and one .lock file per stem)
+    until the rank function returned: a run saving under a stem per epoch failed at the
+    process's file limit. The locks of the last SERIES_LOCKS_KEPT series are kept; a
+    save into an older series takes its lock again and is not refused for holding this
+    run's own bundles."""
+    from flodl_shm.checkpoint.run_lock import run_lock_path
+    from flodl_shm.training.local_sgd import SERIES_LOCKS_KEPT
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    stems = [tmp_path / f"epoch{e}" / "ck" for e in range(SERIES_LOCKS_KEPT + 6)]
+
+    def body(comm):
+        sgd = LocalSGD(make_model(0), sync_every=1, comm=comm)
+        before = None
+        for i, stem in enumerate(stems):
+            sgd.sync()
+            sgd.save(stem)
+            if i == SERIES_LOCKS_KEPT - 1 and comm.rank == 0:
+                before = fds()
+        after = fds() if comm.rank == 0 else None
+        held = [run_lock_path(s).exists() for s in stems]
+        sgd.sync()
+        again = sgd.save(stems[0])  # released since: its lock is taken again
+        return before, after, held, again.name, run_lock_path(stems[0]).exists()
+
+    with FakeCohort(2) as cohort:
+        (before, after, held, again, relocked), _ = cohort.run(body)
+    assert after == before, "a lock per stem stayed open"
+    assert held == [False] * 6 + [True] * SERIES_LOCKS_KEPT
+    assert again.startswith("ck") and relocked

@@ -259,8 +259,10 @@ class LocalSGD:
         for name, b in named_buffers:
             _check_averaged(f"buffer {name!r}", b)
         self.schema = ModelSchema.from_module(model)
-        # series lock file -> the RunLock this rank holds (None: its host's lead holds it)
+        # series lock file -> the RunLock this rank holds (None: its host's lead holds
+        # it), the series saved into last at the end; at most SERIES_LOCKS_KEPT
         self._series_locks: dict[str, Any] = {}
+        self._series_saved: set[str] = set()  # every series this LocalSGD saved into
         self._resumed_from: Optional[Path] = None  # the bundle load() took
         self.bf16_wire = bool(bf16_wire)
         self.outer = self._check_outer(outer)
@@ -836,13 +838,26 @@ class LocalSGD:
         and looks for complete bundles this run does not continue (``save``); one small
         collective tells every rank whether a host found the series held by another
         job (then every rank raises ``SeriesInUse``) or such bundles (FileExistsError,
-        unless ``overwrite``: the lead deletes them)."""
+        unless ``overwrite``: the lead deletes them).
+
+        The locks of the ``SERIES_LOCKS_KEPT`` series saved into last are kept; a save
+        into another series releases the oldest (a run that saves each epoch under a
+        stem of its own held one open file per stem, and failed at the process's file
+        limit). A save into a released series takes its lock again, and its bundles,
+        this run's own, are not refused. Every rank saves into the same series in the
+        same order, so every rank keeps and releases the same ones."""
         from ..checkpoint.run_lock import RunLock, lock_holder, run_lock_path
         from ..checkpoint.series import delete_rounds, not_continued, series_base
 
         key = os.fspath(run_lock_path(path))
         if key in self._series_locks:
+            self._series_locks[key] = self._series_locks.pop(key)  # the newest now
             return
+        if len(self._series_locks) >= SERIES_LOCKS_KEPT:
+            oldest = self._series_locks.pop(next(iter(self._series_locks)))
+            if oldest is not None:
+                oldest.__exit__(None, None, None)
+        ours = key in self._series_saved
         job = None
         if self.comm.spans_hosts:
             # hosts may share one file system: the lock is this job's on all of them
@@ -858,7 +873,8 @@ class LocalSGD:
             try:
                 lock.__enter__()
                 self._series_locks[key] = lock
-                after, stale = not_continued(path, self._resumed_from)
+                after, stale = (None, []) if ours else not_continued(path,
+                                                                       self._resumed_from)
                 if stale and overwrite:
                     delete_rounds(path, after)
                 elif stale:
@@ -881,6 +897,7 @@ class LocalSGD:
                 f"run with load({os.fspath(base)!r}) before the first save, pass another "
                 f"stem, or save(..., overwrite=True) to delete them")
         self._series_locks.setdefault(key, None)  # claimed (held by this host's lead)
+        self._series_saved.add(key)
 
     def _write_consensus_bundle(self, path) -> None:
         from ..checkpoint.forge import write_consensus_fdl, write_outer_momentum_fdl
@@ -1025,6 +1042,8 @@ class DiLoCo(LocalSGD):
 
 #: a host lead's verdict on a series at the first save into it (``_claim_series``)
 _SERIES_OK, _SERIES_IN_USE, _SERIES_STALE = 0.0, 1.0, 2.0
+#: how many series' run locks a LocalSGD keeps (those it saved into last)
+SERIES_LOCKS_KEPT = 8
 
 
 def _resolve_bundle(path: "str | os.PathLike[str]") -> Path:
