@@ -289,3 +289,23 @@ def test_a_rank_failing_after_the_last_window_is_raised_with_a_save_path_too(tmp
         trainer.run(nprocs=2)
     assert info.value.rank == 1
     assert_no_leaks()
+
+
+def test_keep_history_keeps_the_last_windows_only(plain):
+    """Every window's WindowStats stayed on every rank (about 1 KB each, a GB per rank
+    over a million windows) and was pickled back at the end; keep_history bounds it."""
+    def run(keep):
+        trainer = flodl_shm.Trainer(make_model, functools.partial(torch.optim.SGD, lr=0.1),
+                                    make_data, torch.nn.functional.cross_entropy,
+                                    batch_size=16, epochs=1, sync_every=4, log_every=None,
+                                    keep_history=keep)
+        return trainer.run(nprocs=2)
+
+    full, last2, none = run(None), run(2), run(0)
+    assert [s.window for s in full.history] == [1, 2, 3, 4]
+    assert [(s.window, s.global_step) for s in last2.history] == \
+        [(s.window, s.global_step) for s in full.history[-2:]]
+    assert none.history == []
+    assert _equal(last2.state_dict, plain) and _equal(none.state_dict, plain)
+    with pytest.raises(ValueError, match="keep_history must be an int >= 0"):
+        flodl_shm.Trainer(make_model, torch.optim.SGD, make_data, ce_step, keep_history=-1)

@@ -9,6 +9,7 @@ The launcher side (arguments, resume checks, the result) is ``trainer.py``.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -483,7 +484,7 @@ class _RankRun:
         tr, coord, comm = self.trainer, self.coord, self.comm
         count_bytes = COUNT_ROWS * self.ctx.world_size * 4  # a count gather's payload
         on_window_end = _hook_calls(tr.hooks, "on_window_end")
-        history: list[WindowStats] = []
+        history: collections.deque[WindowStats] = collections.deque(maxlen=tr.keep_history)
         dead: list[int] = []
         last_ckpt: Optional[str] = None
         reason: Optional[SaveReason] = None
@@ -557,7 +558,7 @@ class _RankRun:
             "dead_ranks": tuple(dead),
             "checkpoint": last_ckpt,
             "meta": coord.checkpoint_meta(reason or SaveReason.GRACEFUL_SHUTDOWN),
-            "history": history if reporting else None,
+            "history": list(history) if reporting else None,
             "state_dict": _to_portable(self.model.state_dict()) if reporting else None,
         }
 

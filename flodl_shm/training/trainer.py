@@ -58,7 +58,7 @@ class TrainResult:
         state_dict: the final model (the consensus of the last window; integer
             buffers are the reporting rank's own).
         history: the reporting rank's ``WindowStats`` of every window (without
-            sample ids).
+            sample ids), or of the last ``keep_history`` windows.
         meta: where the run ended, as checkpoint metadata (epoch, global step,
             sync round, live ranks, reason, ElChe state, coverage).
         checkpoint: the model path of the last checkpoint armed (None without
@@ -171,6 +171,10 @@ class Trainer:
             rank on its inner optimizer and stepped after each optimizer step (so its
             periods count this rank's batches); its state is in each checkpoint's rank
             files, so a resume continues the schedule.
+        keep_history: keep only the last this many windows' ``WindowStats`` in
+            ``TrainResult.history`` (0: none); None keeps every window, about 1 KB each
+            on every rank (a million windows: a GB per rank, pickled back at the end).
+            Hooks (``on_window_end``) see every window either way.
 
     For AMP or a ``DataLoader`` with workers, write the loop yourself around
     :class:`flodl_shm.LocalSGD` (docs/local_sgd.md).
@@ -186,7 +190,8 @@ class Trainer:
                  hooks: Sequence[Hook] = (), guard=None, log_every: Optional[int] = 1,
                  timeout: Optional[float] = 1800.0, step_fn: Optional[Callable] = None,
                  clip_grad_norm: Optional[float] = None, accumulate: int = 1,
-                 scheduler_fn: Optional[Callable] = None) -> None:
+                 scheduler_fn: Optional[Callable] = None,
+                 keep_history: Optional[int] = None) -> None:
         if loss_fn is None and step_fn is None:
             raise ValueError("pass a loss_fn (output, target) -> loss, or a step_fn "
                              "(model, batch) -> loss")
@@ -203,6 +208,7 @@ class Trainer:
         _check_int("seed", seed, 0)
         _check_int("checkpoint_every", checkpoint_every, 1, optional=True)
         _check_int("log_every", log_every, 1, optional=True)
+        _check_int("keep_history", keep_history, 0, optional=True)
         if batch_size % accumulate:
             raise ValueError(f"accumulate must be an int >= 1 dividing batch_size "
                              f"{batch_size}, got {accumulate!r}")
@@ -253,6 +259,7 @@ class Trainer:
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.accumulate = int(accumulate)
         self.scheduler_fn = scheduler_fn
+        self.keep_history = None if keep_history is None else int(keep_history)
 
     def __repr__(self) -> str:
         return (f"Trainer(batch_size={self.batch_size}, epochs={self.epochs}, "
