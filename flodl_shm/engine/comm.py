@@ -53,10 +53,10 @@ from ..kernels.rounds import WORK_CHUNK as PER_RANK_FUSED_MAX
 from ..frame import (
     DTYPE_BF16,
     DTYPE_F32,
-    RoundFrame,
-    RoundKind,
     MASS_MAX,
     MASS_MIN,
+    RoundFrame,
+    RoundKind,
     TensorPayload,
     check_frame,
     mass_error,
