@@ -309,6 +309,19 @@ def sc_layouts(rank: int, world: int) -> dict:
             dist.all_reduce(o, op=op)
             got[("negative_zero", name)] = [math.copysign(1.0, v) for v in o.tolist()]
         res[("half_avg", str(dt))] = got
+    # the caller's tensors stay resizable after a byte-exchange collective (viewing
+    # them through Tensor.numpy() marked their storage not resizable for good)
+    resized = []
+    for make in (lambda t: dist.all_reduce(t), lambda t: dist.broadcast(t, src=0),
+                 lambda t: dist.all_gather([torch.empty_like(t) for _ in range(world)], t)):
+        t = torch.ones(3, dtype=torch.float64)
+        make(t)
+        try:
+            t.resize_(5)
+            resized.append(None)
+        except RuntimeError as e:
+            resized.append(str(e))
+    res["resized"] = resized
     # the same bits whatever the layout: ties of -0.0 and 0.0, a NaN's sign
     zeros = torch.tensor([-0.0, 0.0, -0.0, 0.0] if rank % 2 else [0.0, -0.0, -0.0, 0.0])
     for name, op in (("MIN", dist.ReduceOp.MIN), ("MAX", dist.ReduceOp.MAX)):
@@ -478,6 +491,27 @@ def sc_fsdp2(rank: int, world: int) -> dict:
     params = [v.full_tensor().clone() for v in model.state_dict().values()]
     dist.barrier()
     return {"pid": os.getpid(), "params": params}
+
+
+def sc_ddp_peer_dies(rank: int, world: int) -> dict:
+    """The last rank SIGKILLs itself before a DDP backward: the others' gradient
+    all-reduce (queued on the group's worker) fails, and ``backward`` must raise."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_mlp(seed=1))
+    for _ in range(2):  # past the second forward, which rebuilds DDP's buckets
+        model(torch.randn(4, 16)).sum().backward()
+    dist.barrier()
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    out = model(torch.randn(4, 16)).sum()
+    try:
+        out.backward()
+        err = None
+    except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+        err = f"{type(e).__name__}: {e}"
+    return {"pid": os.getpid(), "error": err}
 
 
 def sc_peer_dies(rank: int, world: int) -> dict:

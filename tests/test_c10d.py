@@ -213,6 +213,7 @@ def test_layouts_half_sums_empty_complex_and_misuse(tmp_path):
                 assert got[how] == want, (dt, how, got[how], want)
             assert got[("negative_zero", "SUM")] == [-1.0, -1.0], dt
             assert got[("negative_zero", "PREMUL_SUM")] == [-1.0, -1.0], dt
+        assert r["resized"] == [None] * 3, r["resized"]
     assert res[0]["reduce_strided"].tolist() == [3.0 * i + 3 for i in range(6)]
     for key in (("signed_zeros", "MIN"), ("signed_zeros", "MAX"), "nan_bits"):
         assert res[0][key] == res[1][key] == res[2][key], key  # whatever the layout
@@ -293,6 +294,16 @@ def test_fsdp2_on_a_cpu_mesh_matches_gloo(tmp_path):
     for p0, p1, g in zip(shm[0]["params"], shm[1]["params"], gloo[0]["params"]):
         assert same_bits(p0, p1)
         torch.testing.assert_close(p0, g, rtol=1e-5, atol=1e-6)
+
+
+def test_a_peer_dead_in_a_ddp_backward_makes_the_backward_raise_naming_it(tmp_path):
+    """DDP waits on the gradient all-reduce's future in C++: a queued collective that
+    failed there crashed the survivor with SIGSEGV (no message, exit -11)."""
+    res = run_group("ddp_peer_dies", 2, tmp_path, extra_env={"C10D_TIMEOUT": "30"})
+    assert res[1] is None  # SIGKILLed before writing anything
+    assert res[0] is not None and res[0]["returncode"] == 0, "the survivor crashed"
+    assert "rank 1 (pid" in res[0]["error"] and "died" in res[0]["error"], res[0]["error"]
+    _no_segments_of(res)
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["shared", "direct"])

@@ -73,7 +73,8 @@ _COMPONENTS = {
     "+ import torch": "import torch",
     "+ import numba": "import torch, numba",
     "+ flodl_shm launcher and engine modules": "import torch, numba, flodl_shm.launch",
-    "+ kernels loaded from numba's cache": ("import torch, numba, flodl_shm.launch as L; "
+    "+ kernels loaded from numba's cache": ("import torch, numba; "
+                                            "from flodl_shm.launch import rank_server as L; "
                                             "L._warm_kernels(2)"),
 }
 

@@ -23,6 +23,7 @@ of a finished collective. A failure raises from the call itself.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -191,7 +192,16 @@ class _QueuedWork(dist.Work):
         return self._future.value()
 
     def get_future(self) -> torch.futures.Future:
-        return self._future
+        # a chained future: torch's DDP reducer waits on it in C++, where a future
+        # failed from Python (set_exception) crashed the process with SIGSEGV; the
+        # chain's callback re-raises under the GIL and fails the future it returns with
+        # a plain C++ error naming the collective's ("Got the following error when
+        # running the callback: PeerDied: ...")
+        return self._future.then(_its_value)
+
+
+def _its_value(future: torch.futures.Future):
+    return future.value()
 
 
 def _put_status(dst: np.ndarray, problem: str | None) -> None:
@@ -226,12 +236,19 @@ def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """``t``'s bytes as a uint8 array (a copy only for a tensor not at stride 1). Not
+    through ``Tensor.numpy()``, which marks the storage not resizable for good: the
+    caller's ``t.resize_()`` after a collective raised."""
     flat = t.detach().reshape(-1)
-    if flat.numel() and flat.stride(0) != 1:
+    if not flat.numel():
+        return np.empty(0, np.uint8)
+    if flat.stride(0) != 1:
         # torch counts a one-element tensor of any stride as contiguous, but its bytes
         # can only be viewed at stride 1
         flat = flat.clone(memory_format=torch.contiguous_format)
-    return flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
+    raw = (ctypes.c_uint8 * (flat.numel() * flat.element_size())).from_address(flat.data_ptr())
+    raw.tensor = flat  # the array's base keeps the memory alive
+    return np.frombuffer(raw, np.uint8)
 
 
 def _misfit(out: torch.Tensor, like: torch.Tensor, what: str) -> str | None:
