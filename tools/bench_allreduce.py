@@ -1,6 +1,6 @@
 """Intra-host all-reduce: flodl_shm against gloo, OpenMPI and one memcpy, in one run.
 
-    python tools/bench_allreduce.py                      # full run (several minutes)
+    python tools/bench_allreduce.py                      # full run (minutes)
     python tools/bench_allreduce.py --quick              # small schedule, smoke test
     python tools/bench_allreduce.py --plot bw.png        # also draw bandwidth vs size
 

@@ -421,8 +421,9 @@ def main(argv=None) -> int:
     ap.add_argument("--overhead", action="store_true",
                     help="only the per-call cost on one rank: LocalSGD.sync vs all_reduce_")
     ap.add_argument("--big-model", metavar="MIB", type=int, nargs="?", const=64,
-                    help="only LocalSGD averaging of a MIB-MiB model on 2 ranks (default "
-                         "64) against one memcpy of it")
+                    help="only LocalSGD averaging of a model of about MIB MiB (default 64; "
+                         "whole 16 MiB layers, at least one) on 2 ranks against one memcpy "
+                         "of it")
     args = ap.parse_args(argv)
     if args.big_model:
         print(big_model_table(args.big_model << 20, args.repeats))

@@ -5,7 +5,7 @@
         (reads headers only for a plain .fdl; .fdl.gz is decompressed); with the
         bundle's .names.json, the model name behind each p{i} / b{j} too.
     python -m flodl_shm fdl convert SRC DST [--from FMT] [--to FMT] [--keep-keys]
-        between .fdl / .fdl.gz, .safetensors and torch files (.pt/.pth/.bin),
+        between .fdl / .fdl.gz, .safetensors and torch files (.pt/.pth/.bin/.ckpt),
         formats from the file names unless given; a consensus checkpoint's
         p{i} / b{j} become the model's names (from its .names.json) unless
         --keep-keys.
@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("file", help="a .fdl or .fdl.gz file")
     show.add_argument("--json", action="store_true", help="print one JSON object")
     conv = sub.add_parser("convert", help="convert between .fdl, safetensors and torch files")
-    conv.add_argument("src", help="the file to read (.fdl, .fdl.gz, .safetensors, .pt/.pth/.bin)")
+    conv.add_argument("src", help="the file to read (.fdl, .fdl.gz, .safetensors, "
+                      ".pt/.pth/.bin/.ckpt)")
     conv.add_argument("dst", help="the file to write; its format comes from its name, as src's")
     conv.add_argument("--from", dest="src_format", choices=("fdl", "safetensors", "torch"),
                       help="src's format when its name does not tell")
