@@ -505,8 +505,8 @@ class ClusterController:
             return
         h.alive = False
         newly = [r for r in h.ranks if self.dead_ranks.declare_dead(r)]
-        logger.error("controller: host %r failed (%s); ranks %s declared dead", h.name, why,
-                     h.ranks)
+        logger.error("controller: host %r failed (%s; that host's output says why); ranks %s "
+                     "declared dead", h.name, why, h.ranks)
         h.link.close()
         if newly:
             self._broadcast_ctrl(ctrl_message(Ctrl.DECLARE_DEAD, ranks=newly))
