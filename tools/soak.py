@@ -1,0 +1,178 @@
+"""Long runs: do a rank's and the launcher's resources stay flat?
+
+Users trust flodl_shm with days of compute, so whatever a round, a sync, a save or a
+whole ``spawn`` leaves behind must not pile up. This tool runs three short phases and
+samples each process's resources as it goes:
+
+- ``collectives``: 2 ranks run a mix of every ``Comm`` collective (``all_reduce_``,
+  ``all_reduce_tensors``, ``broadcast_from_root``, ``broadcast_``, ``barrier``,
+  ``all_reduce_per_rank_f64``) at 4 KiB and 1 MiB;
+- ``local_sgd``: 2 ranks train a small model with ``LocalSGD`` + ``OuterNesterov``,
+  save after every few syncs into one series, and now and then into a stem of its own
+  (a run that saves each epoch apart);
+- ``spawns``: the launcher runs many short ``spawn`` jobs, one after another, and keeps
+  their ``join=False`` contexts.
+
+Per process it prints the open descriptors, memory mappings, threads and resident
+memory at the first and the last sample (after a warm-up block), and the
+``/dev/shm/fshm_*`` entries left at the end. Descriptors, mappings and threads must
+not grow at all; resident memory is printed as a slope (allocators keep a little).
+Exit status 1 when a count grew or a segment was left, else 0::
+
+    python tools/soak.py                 # about a minute on 2 cores
+    python tools/soak.py --scale 10      # ten times the rounds, syncs and jobs
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import flodl_shm  # noqa: E402
+
+COUNTS = ("fds", "maps", "threads")
+
+
+def sample() -> dict:
+    """This process's open descriptors, mappings, threads and resident KiB."""
+    out = {"fds": len(os.listdir("/proc/self/fd"))}
+    with open("/proc/self/maps") as f:
+        out["maps"] = sum(1 for _ in f)
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                out["rss_kib"] = int(line.split()[1])
+            elif line.startswith("Threads:"):
+                out["threads"] = int(line.split()[1])
+    return out
+
+
+def collectives(ctx, blocks: int, per_block: int) -> list[dict]:
+    import torch
+
+    comm = ctx.comm
+    small, big = torch.randn(1024), torch.randn(256 * 1024)
+    rows = []
+    for b in range(blocks + 1):  # block 0 warms up
+        for i in range(per_block):
+            t = big if i % 16 == 0 else small
+            op = i % 6
+            if op == 0:
+                comm.all_reduce_([t])
+            elif op == 1:
+                comm.all_reduce_tensors([t])
+            elif op == 2:
+                comm.broadcast_from_root([t], 0)
+            elif op == 3:
+                comm.broadcast_([t], 1)
+            elif op == 4:
+                comm.barrier()
+            else:
+                comm.all_reduce_per_rank_f64([float(i)] * ctx.world_size)
+        rows.append(sample())
+    return rows
+
+
+def local_sgd(ctx, blocks: int, per_block: int, folder: str) -> list[dict]:
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sgd = flodl_shm.LocalSGD(model, sync_every=2, comm=ctx.comm, optimizer=opt,
+                             outer=flodl_shm.OuterNesterov())
+    g = torch.Generator().manual_seed(ctx.rank)
+    rows = []
+    syncs = 0
+    for b in range(blocks + 1):
+        for _ in range(per_block):
+            for _ in range(2):
+                opt.zero_grad()
+                x = torch.randn(16, 32, generator=g)
+                torch.nn.functional.mse_loss(model(x), torch.zeros(16, 4)).backward()
+                opt.step()
+                sgd.step(samples=16)
+            syncs += 1
+            if syncs % 5 == 0:
+                sgd.save(os.path.join(folder, "series", "ck"))
+            if syncs % 25 == 0:
+                sgd.save(os.path.join(folder, f"epoch{syncs}", "ck"))
+        rows.append(sample())
+    return rows
+
+
+def short_job(ctx) -> int:
+    ctx.comm.barrier()
+    return ctx.rank
+
+
+def spawns(jobs: int, start_method: str) -> list[dict]:
+    rows, kept = [], []
+    for j in range(jobs + 1):
+        ctx = flodl_shm.spawn(short_job, 2, join=False, start_method=start_method)
+        ctx.join()
+        kept.append(ctx)  # a sweep that keeps its contexts
+        if j == 0 or j % max(1, jobs // 4) == 0:
+            rows.append(sample())
+    return rows
+
+
+def _segments() -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith("fshm_")]
+
+
+def verdict(name: str, rows: list[dict], unit: str, per: float) -> bool:
+    """Print one process's first and last sample; True when no count grew."""
+    first, last = rows[1] if len(rows) > 2 else rows[0], rows[-1]
+    grew = [k for k in COUNTS if last[k] > first[k]]
+    slope = (last["rss_kib"] - first["rss_kib"]) / per
+    cells = "  ".join(f"{k} {first[k]}->{last[k]}" for k in COUNTS)
+    print(f"  {name:<28} {cells}  rss {first['rss_kib'] / 1024:.1f}->"
+          f"{last['rss_kib'] / 1024:.1f} MiB ({slope:+.2f} KiB per {unit})"
+          f"{'  GREW: ' + ', '.join(grew) if grew else ''}")
+    return not grew
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scale", type=float, default=1.0,
+                    help="multiply the rounds, syncs and jobs (default 1: about a minute)")
+    ap.add_argument("--dir", default=None,
+                    help="folder for the phase's checkpoints (default: a temporary one)")
+    args = ap.parse_args(argv)
+    if not args.scale > 0:
+        ap.error(f"--scale must be > 0, got {args.scale}")
+    import tempfile
+
+    blocks = 4
+    rounds = max(60, int(3000 * args.scale))
+    syncs = max(25, int(100 * args.scale))
+    jobs = max(4, int(12 * args.scale))
+    ok = True
+    before = set(_segments())
+    with tempfile.TemporaryDirectory(dir=args.dir) as folder:
+        t0 = time.time()
+        print(f"collectives: 2 ranks, {blocks} x {rounds} calls after a warm-up block")
+        for r, rows in enumerate(flodl_shm.spawn(collectives, 2, args=(blocks, rounds))):
+            ok &= verdict(f"rank {r}", rows, "1k calls", blocks * rounds / 1000)
+        print(f"local_sgd: 2 ranks, {blocks} x {syncs} syncs, a save every 5, a new stem "
+              f"every 25")
+        for r, rows in enumerate(flodl_shm.spawn(local_sgd, 2, args=(blocks, syncs, folder))):
+            ok &= verdict(f"rank {r}", rows, "100 syncs", blocks * syncs / 100)
+        print(f"spawns: {jobs} jobs of 2 ranks in this launcher, every context kept")
+        for method in ("forkserver", "spawn"):
+            ok &= verdict(f"launcher ({method})", spawns(jobs, method), "job", jobs)
+        left = sorted(set(_segments()) - before)
+        print(f"/dev/shm segments left: {len(left)} {left[:4] if left else ''}; "
+              f"{time.time() - t0:.0f} s")
+        ok &= not left
+    print("flat" if ok else "GREW: see the lines marked above")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
