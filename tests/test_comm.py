@@ -579,3 +579,16 @@ def test_frames_beyond_one_gib_grow_the_arena_on_demand():
         assert c.arena._result_seg.nbytes >= 4 * n
     for mass, a, b, z in out:
         assert mass == 2.0 and a == b == z == 1.5
+
+
+def test_a_comm_kept_past_its_cohort_raises_instead_of_reducing_alone():
+    """A Comm used after its FakeCohort closed reduced on memory nobody read any more:
+    alone, silently; with a peer, a ReduceStall that blamed a live rank."""
+    with FakeCohort(2) as cohort:
+        comms = [cohort.comm(0), cohort.comm(1)]
+    for call in (lambda c: c.all_reduce_([torch.ones(4)]),
+                 lambda c: c.all_reduce_tensors([torch.ones(300_000)]),
+                 lambda c: c.barrier(),
+                 lambda c: c.all_reduce_per_rank_f64([1.0, 0.0])):
+        with pytest.raises(RuntimeError, match=r"this Comm is unusable: it was closed"):
+            call(comms[0])

@@ -1310,7 +1310,11 @@ class Comm:
             raise
 
     def close(self) -> None:
-        """Release this rank's mappings (the arena's owner unlinks the segments)."""
+        """Release this rank's mappings (the arena's owner unlinks the segments). A
+        collective called afterwards raises ``RuntimeError`` (it would run on memory no
+        peer reads any more)."""
+        self._broken = ("it was closed (its process group, cohort or spawn ended); create "
+                        "a new one")
         self._codec.clear()
         self.arena.close()
 
