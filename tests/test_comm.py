@@ -592,3 +592,27 @@ def test_a_comm_kept_past_its_cohort_raises_instead_of_reducing_alone():
                  lambda c: c.all_reduce_per_rank_f64([1.0, 0.0])):
         with pytest.raises(RuntimeError, match=r"this Comm is unusable: it was closed"):
             call(comms[0])
+
+
+@pytest.mark.parametrize("what", ["expanded", "meta", "sparse"])
+def test_a_tensor_that_cannot_take_part_is_refused_before_the_round(what):
+    """An expand()ed tensor passed to all_reduce_ failed at the write-back, after the
+    round had run: this rank raised while the others held the consensus, out of step.
+    Meta and sparse tensors failed deep in torch, naming neither the tensor nor a fix."""
+    t = {"expanded": lambda: torch.ones(1).expand(4),
+         "meta": lambda: torch.ones(3, device="meta"),
+         "sparse": lambda: torch.ones(3).to_sparse()}[what]()
+    said = {"expanded": r"tensor\[1\] of shape \(4,\) and stride \(0,\) has elements that "
+                        r"share memory .* pass t.contiguous\(\)",
+            "meta": r"tensor\[1\] is on the meta device, which holds no data",
+            "sparse": r"tensor\[1\] is a torch.sparse_coo tensor: .* pass t.to_dense\(\)"}[what]
+    with FakeCohort(1) as c:
+        comm = c.comm(0)
+        with pytest.raises(FrameError, match=said):
+            comm.all_reduce_([torch.ones(2), t])
+        if what != "expanded":  # (a root's own tensors are only read)
+            with pytest.raises(FrameError, match=said):
+                comm.broadcast_([torch.ones(2), t], root=0)
+        assert comm.round == 0
+        if what == "expanded":  # a result of its own is fine
+            assert comm.all_reduce_tensors([t])[0].tolist() == [1.0] * 4

@@ -642,7 +642,7 @@ class Comm:
                 decode_gathered(eng.eager_f32 if dtype == DTYPE_F32 else eng.eager_u16, dtype,
                                 plan, tensors, drift, floats_done=True)
             return mass
-        plan = eng.plan(kind, dtype, tuple(check_tensors(tensors)))
+        plan = eng.plan(kind, dtype, tuple(check_tensors(tensors, in_place=True)))
         if drift is None:
             return self._all_reduce_planned(tensors, plan, weight, scale, kind, outer, dtype)
         old = drift_snapshot(tensors, plan.nelem, self._codec.results)
@@ -804,7 +804,8 @@ class Comm:
                 if not is_root:
                     decode_gathered(eng.eager_f32, DTYPE_F32, plan, tensors)
                 return
-            plan = eng.plan(_CONTROL, DTYPE_F32, tuple(check_tensors(tensors)))
+            plan = eng.plan(_CONTROL, DTYPE_F32,
+                            tuple(check_tensors(tensors, in_place=not is_root)))
             if eng.direct.mode(plan, 0) == A.FLAG_DIRECT:
                 self._direct_call(tensors, plan, 0.0, 1.0, None, broadcast=local_root)
                 return

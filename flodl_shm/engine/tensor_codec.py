@@ -29,6 +29,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..errors import FrameError
 from ..frame import DTYPE_BF16, DTYPE_F32, RoundKind, check_tensor_dtype
 from ..kernels import codec as K
 from ..kernels import reduce as RK
@@ -161,12 +162,17 @@ def refuse_one_tensor(tensors) -> None:
             f"each row a tensor of its own)")
 
 
-def check_tensors(tensors: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
-    """The shapes of ``tensors``; FrameError naming the first that is not a float32 or
-    bfloat16 tensor, TypeError for one tensor passed where the list goes.
+def check_tensors(tensors: Sequence[torch.Tensor], in_place: bool = False
+                  ) -> list[tuple[int, ...]]:
+    """The shapes of ``tensors``; FrameError naming the first that is not a dense
+    float32 or bfloat16 tensor holding data (a sparse or a meta tensor), or, with
+    ``in_place`` (the tensors receive the result), one whose elements share memory (an
+    ``expand()``ed view: its write-back failed after the round, leaving this rank out
+    of step); TypeError for one tensor passed where the list goes.
 
     Args:
         tensors: the tensors of one collective call.
+        in_place: the call writes its result into ``tensors``.
     """
     refuse_one_tensor(tensors)
     shapes = []
@@ -177,6 +183,18 @@ def check_tensors(tensors: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
             dt = None
         if dt is not F32 and dt is not BF16:
             check_tensor_dtype(t, i)  # raises with the dtype named
+        if t.is_meta:
+            raise FrameError(f"tensor[{i}] is on the meta device, which holds no data: "
+                             f"materialize it first (module.to_empty(device='cpu') and "
+                             f"initialize, or load a state_dict)")
+        if t.layout is not torch.strided:
+            raise FrameError(f"tensor[{i}] is a {t.layout} tensor: only dense tensors can "
+                             f"be reduced; pass t.to_dense()")
+        if in_place and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+            raise FrameError(
+                f"tensor[{i}] of shape {tuple(t.shape)} and stride {t.stride()} has "
+                f"elements that share memory (an expand()ed view): a result cannot be "
+                f"written into it in place; pass t.contiguous() and use that copy")
         shapes.append(tuple(t.shape))
     return shapes
 
