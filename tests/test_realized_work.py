@@ -30,7 +30,8 @@ def test_gamma_general_is_power():
     assert math.isclose(gamma_mass(10, 0.3), 10 ** 0.3, rel_tol=0, abs_tol=0)
 
 
-@pytest.mark.parametrize("n, gamma", [(100, 20.0), (10_000, -10.0), (10 ** 6, 100.0)])
+@pytest.mark.parametrize("n, gamma", [(100, 20.0), (10_000, -10.0), (10 ** 6, 100.0),
+                                      (10 ** 40, 1.0), (float("inf"), 1.0)])
 def test_a_mass_no_round_can_carry_is_refused_naming_n_and_gamma(n, gamma):
     """n**gamma outside float32's normal range would make every rank's consensus inf
     or NaN (the round's divisor 1/Σw, or the scale w, is not a finite float32)."""

@@ -57,12 +57,13 @@ def gamma_mass(n: int, gamma: float) -> float:
     if n <= 0:
         return 0.0
     if gamma == 1.0:
-        return float(n)
-    try:
-        mass = float(n) ** gamma
-    except OverflowError:  # beyond a double: past MASS_MAX too
-        mass = float("inf")
-    if not MASS_MIN <= mass <= MASS_MAX:
+        mass = float(n)
+    else:
+        try:
+            mass = float(n) ** gamma
+        except OverflowError:  # beyond a double: past MASS_MAX too
+            mass = float("inf")
+    if not MASS_MIN <= mass <= MASS_MAX:  # NaN fails too
         raise ValueError(
             f"the work mass n**gamma = {n}**{gamma:g} = {mass:g} is outside the masses a "
             f"float32 round carries ({MASS_MIN:.4g} to {MASS_MAX:.4g}): use a gamma nearer "
