@@ -717,8 +717,13 @@ def test_saving_under_a_stem_per_epoch_keeps_a_bounded_number_of_series_locks(tm
     from flodl_shm.checkpoint.run_lock import run_lock_path
     from flodl_shm.training.local_sgd import SERIES_LOCKS_KEPT
 
-    def fds() -> int:
-        return len(os.listdir("/proc/self/fd"))
+    def fds() -> int:  # the descriptors open on this test's lock files
+        def target(fd):
+            try:
+                return os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                return ""
+        return sum(target(fd).startswith(str(tmp_path)) for fd in os.listdir("/proc/self/fd"))
 
     stems = [tmp_path / f"epoch{e}" / "ck" for e in range(SERIES_LOCKS_KEPT + 6)]
 
@@ -738,6 +743,29 @@ def test_saving_under_a_stem_per_epoch_keeps_a_bounded_number_of_series_locks(tm
 
     with FakeCohort(2) as cohort:
         (before, after, held, again, relocked), _ = cohort.run(body)
-    assert after == before, "a lock per stem stayed open"
+    assert after == before == SERIES_LOCKS_KEPT, "a lock per stem stayed open"
     assert held == [False] * 6 + [True] * SERIES_LOCKS_KEPT
     assert again.startswith("ck") and relocked
+
+
+def test_an_optimizer_or_a_model_that_cannot_train_is_refused_at_construction():
+    """An optimizer built on another model's parameters left the model untouched,
+    silently (DiLoCo then averaged unchanged replicas); a model with nothing to average,
+    and a string where the optimizer or the scheduler goes, were accepted too (the
+    latter failing at the first save, after leaving a lock file)."""
+    model, other = make_model(0), make_model(1)
+    with FakeCohort(1) as cohort:
+        comm = cohort.comm(0)
+        with pytest.raises(ValueError, match=r"the optimizer trains \d+ of its \d+ tensors "
+                                             r"outside this model's parameters"):
+            LocalSGD(model, sync_every=2, comm=comm,
+                     optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
+        with pytest.raises(ValueError, match=r"the model \(ReLU\) has no parameters and no "
+                                             r"floating-point buffers"):
+            LocalSGD(torch.nn.ReLU(), sync_every=2, comm=comm)
+        with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+            LocalSGD(model, sync_every=2, comm=comm, optimizer="sgd")
+        with pytest.raises(TypeError, match="scheduler must be an LR scheduler"):
+            LocalSGD(model, sync_every=2, comm=comm, scheduler="cosine")
+        part = torch.optim.SGD(list(model.parameters())[:2], lr=0.1)  # a part: fine
+        assert LocalSGD(model, sync_every=2, comm=comm, optimizer=part).optimizer is part

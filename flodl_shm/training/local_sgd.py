@@ -258,6 +258,10 @@ class LocalSGD:
             _check_averaged(f"parameter {name!r}", p)
         for name, b in named_buffers:
             _check_averaged(f"buffer {name!r}", b)
+        if not self.params and not self.buffers:
+            raise ValueError(f"the model ({type(model).__name__}) has no parameters and no "
+                             f"floating-point buffers: LocalSGD would average nothing")
+        _check_inner(optimizer, scheduler, self.params)
         self.schema = ModelSchema.from_module(model)
         # series lock file -> the RunLock this rank holds (None: its host's lead holds
         # it), the series saved into last at the end; at most SERIES_LOCKS_KEPT
@@ -1041,6 +1045,28 @@ class DiLoCo(LocalSGD):
 
 
 #: a host lead's verdict on a series at the first save into it (``_claim_series``)
+def _check_inner(optimizer, scheduler, params: list) -> None:
+    """Refuse an inner optimizer that does not train this model (one built on another
+    model's parameters left this one untouched, silently) and objects that are not an
+    optimizer or a scheduler (their state is saved with every checkpoint)."""
+    if optimizer is not None:
+        groups = getattr(optimizer, "param_groups", None)
+        if groups is None or not callable(getattr(optimizer, "state_dict", None)):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer (or None), got "
+                            f"{type(optimizer).__name__}")
+        mine = {id(p) for p in params}
+        theirs = [p for g in groups for p in g["params"]]
+        foreign = sum(id(p) not in mine for p in theirs)
+        if foreign:
+            raise ValueError(f"the optimizer trains {foreign} of its {len(theirs)} tensors "
+                             f"outside this model's parameters: build it on "
+                             f"model.parameters() of the model given to LocalSGD")
+    if scheduler is not None and not (callable(getattr(scheduler, "state_dict", None))
+                                      and callable(getattr(scheduler, "step", None))):
+        raise TypeError(f"scheduler must be an LR scheduler (with step and state_dict) or "
+                        f"None, got {type(scheduler).__name__}")
+
+
 _SERIES_OK, _SERIES_IN_USE, _SERIES_STALE = 0.0, 1.0, 2.0
 #: how many series' run locks a LocalSGD keeps (those it saved into last)
 SERIES_LOCKS_KEPT = 8
