@@ -311,6 +311,12 @@ def test_demo_without_scikit_learn_is_one_line(tmp_path):
     (["--log-every", "-1"], "--log-every must be >= 0 (0: none), got -1"),
     (["--eval-every", "-1"], "--eval-every must be >= 0 (0: only at the end), got -1"),
     (["--epochs", "0"], "--epochs must be >= 1, got 0"),
+    # these three started, failed with exit 1 and left the run folder behind
+    (["--nprocs", "100"], "--nprocs 100: one host runs at most 63 ranks"),
+    (["--seed", "-1"], "--seed must be from 0 to 2**63 - 1, got -1"),
+    (["--seed", str(1 << 70)], f"--seed must be from 0 to 2**63 - 1, got {1 << 70}"),
+    # this one trained and wrote its checkpoints into the current folder
+    (["--run-dir", ""], "--run-dir must name a folder (it is empty)"),
 ])
 def test_demo_numbers_out_of_range_are_refused_before_anything_starts(tmp_path, extra, said):
     """--log-every/--eval-every -1 were taken as 0; --epochs 0 started the ranks, trained

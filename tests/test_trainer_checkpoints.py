@@ -179,6 +179,9 @@ def test_integer_arguments_are_checked_for_their_type_too(tmp_path):
         with pytest.raises(ValueError, match=rf"^{name} must be an int {limit}, got "
                                              rf"{re.escape(repr(bad))}$"):
             Trainer(*args, **{name: bad})
+    with pytest.raises(ValueError, match=r"^seed must be below 2\*\*63 .* got "
+                                         r"2361183241434822606848$"):
+        Trainer(*args, seed=1 << 71)  # torch's 'Overflow when unpacking long long', in a rank
     with pytest.raises(ValueError, match=r"^checkpoint_every must be an int >= 1 or None, "
                                          r"got '5'$"):
         Trainer(*args, checkpoint_every="5", save_path=tmp_path / "ck")

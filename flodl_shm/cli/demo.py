@@ -461,6 +461,14 @@ def _check(cfg: DemoConfig) -> list[str]:
     for name in ("nprocs", "batch_size", "sync_every"):
         if getattr(cfg, name) < 1:
             out.append(f"--{name.replace('_', '-')} must be >= 1")
+    from flodl_shm.engine.arena import MAX_LOCAL_RANKS
+
+    if cfg.nprocs > MAX_LOCAL_RANKS:
+        out.append(f"--nprocs {cfg.nprocs}: one host runs at most {MAX_LOCAL_RANKS} ranks")
+    if not 0 <= cfg.seed < 1 << 63:
+        out.append(f"--seed must be from 0 to 2**63 - 1, got {cfg.seed}")
+    if not str(cfg.run_dir).strip():
+        out.append("--run-dir must name a folder (it is empty)")
     if cfg.resume and cfg.epochs < 0:  # the new total: one already reached trains nothing
         out.append("--epochs must be >= 0")
     elif not cfg.resume and cfg.epochs < 1:

@@ -206,6 +206,9 @@ class Trainer:
         _check_int("epochs", epochs, 0)
         _check_int("max_failures", max_failures, 0)
         _check_int("seed", seed, 0)
+        if seed >= 1 << 63:
+            raise ValueError(f"seed must be below 2**63 (torch's generators take a 64-bit "
+                             f"seed), got {seed}")
         _check_int("checkpoint_every", checkpoint_every, 1, optional=True)
         _check_int("log_every", log_every, 1, optional=True)
         _check_int("keep_history", keep_history, 0, optional=True)
