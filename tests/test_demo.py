@@ -8,6 +8,7 @@ each run must still reach 95 % on its own.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -17,6 +18,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("sklearn", reason="the demo needs scikit-learn (the demo/test extras)")
 
@@ -232,7 +234,8 @@ def test_command_line_checks(tmp_path):
     assert parse_args(["--slow-rank", "1:3", "--cadence", "fixed"]).effective_cadence == "fixed"
     assert parse_args([]).effective_cadence == "fixed"
     with pytest.raises(ValueError, match="need a controller"):
-        Trainer(make_model, None, None, lambda output, target: output.sum()).run(2, world_size=4)
+        Trainer(make_model, functools.partial(torch.optim.SGD, lr=0.1), None,
+                lambda output, target: output.sum()).run(2, world_size=4)
 
 
 def test_console_entry_points():

@@ -273,6 +273,23 @@ def test_unpicklable_function_is_refused_up_front():
         spawn(lambda ctx: local, 1)
 
 
+@pytest.mark.parametrize("kwargs, error, said", [
+    # these started ranks that failed ('int' object is not callable, 'ok() takes 1
+    # positional argument but 3 were given'), or failed on a comparison naming nothing
+    (dict(fn=5), TypeError, r"spawn: fn must be a function taking the RankContext first, "
+                            r"got int"),
+    (dict(args="ab"), TypeError, r"spawn: args must be a tuple \(or list\) of fn's extra "
+                                 r"arguments, got str: pass args=\(value,\) for one"),
+    (dict(max_failures="1"), ValueError, r"spawn: max_failures must be an int >= 0, got '1'"),
+    (dict(timeout="60"), ValueError, r"spawn: timeout must be a number of seconds > 0 or "
+                                     r"None, got '60'"),
+])
+def test_arguments_of_the_wrong_kind_are_refused_before_any_rank_starts(kwargs, error, said):
+    fn = kwargs.pop("fn", rank_and_world)
+    with pytest.raises(error, match=f"^{said}$"):
+        spawn(fn, 1, **kwargs)
+
+
 _STDIN_LAUNCHER = """
 import sys
 import flodl_shm

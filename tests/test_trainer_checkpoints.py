@@ -179,6 +179,21 @@ def test_integer_arguments_are_checked_for_their_type_too(tmp_path):
         with pytest.raises(ValueError, match=rf"^{name} must be an int {limit}, got "
                                              rf"{re.escape(repr(bad))}$"):
             Trainer(*args, **{name: bad})
+    for i, bad, said in ((0, None, "model_fn must be a picklable () -> model callable, got "
+                                   "NoneType"),
+                         (0, torch.nn.Linear(2, 2), "model_fn must build the model in each "
+                                                    "rank, got a Linear instance"),
+                         (1, "sgd", "optimizer_fn must be a picklable parameters -> optimizer "
+                                    "callable, got str"),
+                         (3, 5, "loss_fn must be a picklable (output, target) -> loss "
+                                "callable, got int")):
+        wrong = list(args)
+        wrong[i] = bad  # these failed in the ranks (StartRefused, or RankFailed mid-run)
+        with pytest.raises(TypeError, match=f"^{re.escape(said)}"):
+            Trainer(*wrong)
+    with pytest.raises(TypeError, match=r"^outer must be None, OuterAvg\(\) or "
+                                        r"OuterNesterov\(\.\.\.\), got str$"):
+        Trainer(*args, outer="nesterov")
     with pytest.raises(ValueError, match=r"^seed must be below 2\*\*63 .* got "
                                          r"2361183241434822606848$"):
         Trainer(*args, seed=1 << 71)  # torch's 'Overflow when unpacking long long', in a rank

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
+import numbers
 import os
 import pickle
 import signal
@@ -777,12 +778,21 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
         TypeError: ``fn`` or ``args`` cannot be pickled.
         ValueError: bad counts or ranks.
     """
-    if not isinstance(nprocs, int) or nprocs < 1:
+    if not callable(fn):
+        raise TypeError(f"spawn: fn must be a function taking the RankContext first, got "
+                        f"{type(fn).__name__}")
+    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+        raise TypeError(f"spawn: args must be a tuple (or list) of fn's extra arguments, got "
+                        f"{type(args).__name__}: pass args=(value,) for one")
+    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
         raise ValueError(f"spawn: nprocs must be an int >= 1, got {nprocs!r}")
-    if max_failures < 0:
-        raise ValueError(f"spawn: max_failures must be >= 0, got {max_failures}")
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"spawn: timeout must be > 0 seconds or None, got {timeout}")
+    if not isinstance(max_failures, numbers.Integral) or isinstance(max_failures, bool) \
+            or max_failures < 0:
+        raise ValueError(f"spawn: max_failures must be an int >= 0, got {max_failures!r}")
+    if timeout is not None and not (isinstance(timeout, numbers.Real)
+                                    and not isinstance(timeout, bool) and timeout > 0):
+        raise ValueError(f"spawn: timeout must be a number of seconds > 0 or None, got "
+                         f"{timeout!r}")
     world = nprocs if world_size is None else int(world_size)
     if controller is None and (world != nprocs or first_rank != 0):
         raise ValueError(f"spawn: world_size={world} / first_rank={first_rank} need a "

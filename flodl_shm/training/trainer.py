@@ -195,6 +195,23 @@ class Trainer:
         if loss_fn is None and step_fn is None:
             raise ValueError("pass a loss_fn (output, target) -> loss, or a step_fn "
                              "(model, batch) -> loss")
+        import torch
+
+        for name, fn, what, required in (
+                ("model_fn", model_fn, "() -> model", True),
+                ("optimizer_fn", optimizer_fn, "parameters -> optimizer", True),
+                ("loss_fn", loss_fn, "(output, target) -> loss", False),
+                ("step_fn", step_fn, "(model, batch) -> loss", False)):
+            if name == "model_fn" and isinstance(fn, torch.nn.Module):
+                raise TypeError(f"model_fn must build the model in each rank, got a "
+                                f"{type(fn).__name__} instance: pass its class or a "
+                                f"functools.partial(...) that builds it")
+            if (required or fn is not None) and not callable(fn):
+                raise TypeError(f"{name} must be a picklable {what} callable, got "
+                                f"{type(fn).__name__}")
+        if outer is not None and not callable(getattr(outer, "outer_step", None)):
+            raise TypeError(f"outer must be None, OuterAvg() or OuterNesterov(...), got "
+                            f"{type(outer).__name__}")
         if scheduler_fn is not None and not callable(scheduler_fn):
             raise TypeError(f"scheduler_fn must be an optimizer -> LR scheduler callable, got "
                             f"{type(scheduler_fn).__name__}")
