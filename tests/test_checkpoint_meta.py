@@ -383,3 +383,23 @@ def test_model_schema_keeps_only_the_averaged_float_buffers():
 def test_model_schema_dict_round_trip():
     schema = ModelSchema(["a", "b"], ["c"])
     assert ModelSchema.from_dict(schema.to_dict()) == schema
+
+
+def test_new_refuses_what_its_own_reader_would_refuse(tmp_path):
+    """CheckpointMeta.new and RankDeathRecord.new took anything and wrote files that
+    read_from_file then refused (a negative epoch, a str count, an unknown reason)."""
+    from flodl_shm import CheckpointError, CheckpointMeta, RankDeathRecord, SaveReason
+
+    with pytest.raises(CheckpointError, match=r"epoch = -1 is out of range"):
+        CheckpointMeta.new(-1, 0, 0, 2, SaveReason.CHECKPOINT)
+    with pytest.raises(CheckpointError, match=r"global_step must be a non-negative integer, "
+                                              r"got 1.5"):
+        CheckpointMeta.new(0, 1.5, 0, 2, SaveReason.CHECKPOINT)
+    with pytest.raises(CheckpointError, match=r"save_reason = 'bogus' is not a known save "
+                                              r"reason \(graceful_shutdown, "):
+        CheckpointMeta.new(0, 0, 0, 2, "bogus")
+    with pytest.raises(CheckpointError, match=r"rank = -1 is out of range"):
+        RankDeathRecord.new(-1, 2, "boom")
+    meta = CheckpointMeta.new(1, 2, 3, 2, "checkpoint")  # the reason by its JSON name
+    meta.write_to_file(tmp_path / "ck.meta.json")
+    assert CheckpointMeta.read_from_file(tmp_path / "ck.meta.json") == meta

@@ -632,9 +632,13 @@ class CheckpointMeta:
     @classmethod
     def new(cls, epoch: int, global_step: int, sync_round: int, world_size_at_save: int,
             save_reason: SaveReason) -> "CheckpointMeta":
-        """A record stamped with ``CHECKPOINT_META_SCHEMA_VERSION``, no optional state."""
-        return cls(CHECKPOINT_META_SCHEMA_VERSION, epoch, global_step, sync_round,
-                   world_size_at_save, SaveReason(save_reason))
+        """A record stamped with ``CHECKPOINT_META_SCHEMA_VERSION``, no optional state;
+        ``CheckpointError`` for a field its own reader would refuse (a negative or
+        non-integer count, an unknown reason), naming it."""
+        meta = cls(CHECKPOINT_META_SCHEMA_VERSION, epoch, global_step, sync_round,
+                   world_size_at_save, _parse_save_reason(save_reason, "save_reason"))
+        cls.from_dict(meta.to_dict())  # never a record whose file would not load
+        return meta
 
     def with_elche_state(self, state: ElCheState) -> "CheckpointMeta":
         """A copy carrying ``state``."""
@@ -722,12 +726,15 @@ class RankDeathRecord:
 
     @classmethod
     def new(cls, rank: int, world_size: int, error: str) -> "RankDeathRecord":
-        """A record stamped with the current version and wall-clock time."""
+        """A record stamped with the current version and wall-clock time;
+        ``CheckpointError`` for a rank or a world size its own reader would refuse."""
         try:
             now = max(0, int(time.time()))
         except (OSError, OverflowError, ValueError):
             now = 0
-        return cls(RANK_DEATH_RECORD_SCHEMA_VERSION, rank, world_size, str(error), now)
+        record = cls(RANK_DEATH_RECORD_SCHEMA_VERSION, rank, world_size, str(error), now)
+        cls.from_dict(record.to_dict())  # never a record whose file would not load
+        return record
 
     def to_dict(self) -> dict:
         return {
