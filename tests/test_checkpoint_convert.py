@@ -269,3 +269,15 @@ def test_cli_entry_point_converts_and_shows(tmp_path):
     assert "1.num_batches_tracked" in show.stdout and "i64" in show.stdout
     _assert_same_tensors(sd, fdl_to_state_dict(tmp_path / "m.fdl"))
     assert read_fdl(tmp_path / "m.fdl").hash_hex is None
+
+
+def test_a_state_dict_of_another_shape_is_refused_when_the_model_is_given(tmp_path):
+    """state_dict_to_consensus_fdl(sd, model, path) wrote a file whose tensors did not fit
+    the model it was given; nothing is written now."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    wrong = {k: torch.ones(1) if k == "0.weight" else v for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"state_dict entry '0.weight' has shape \[1\]; "
+                                              r"the model's is \[2, 3\]"):
+        state_dict_to_consensus_fdl(wrong, model, tmp_path / "s.fdl")
+    assert list(tmp_path.iterdir()) == []
+    assert state_dict_to_consensus_fdl(model.state_dict(), model, tmp_path / "s.fdl") > 0

@@ -296,11 +296,16 @@ def state_dict_to_consensus_fdl(state_dict: Mapping[str, object], schema_or_modu
     """Write a named state_dict as a consensus ``.fdl`` (positional keys, f32) and its
     ``.names.json``, e.g. to start a flodl_shm run from a torch checkpoint. Every
     schema name must be present, except a non-persistent buffer (which ``state_dict()``
-    leaves out) when ``schema_or_module`` is the module: its own value is taken."""
+    leaves out) when ``schema_or_module`` is the module: its own value is taken. Given
+    the module, each entry must also have its tensor's shape (``CheckpointError`` naming
+    the first that does not: the file would not load into it)."""
     torch = _torch()
     schema = _schema_of(schema_or_module)
     own = ({} if isinstance(schema_or_module, ModelSchema)
            else dict(schema_or_module.named_buffers()))
+    shapes = ({} if isinstance(schema_or_module, ModelSchema)
+              else {n: tuple(t.shape) for n, t in (*schema_or_module.named_parameters(),
+                                                    *schema_or_module.named_buffers())})
     entries = []
     for key_of, names in ((consensus_param_key, schema.param_names),
                           (consensus_buffer_key, schema.buffer_names)):
@@ -317,6 +322,10 @@ def state_dict_to_consensus_fdl(state_dict: Mapping[str, object], schema_or_modu
                 raise CheckpointError(f"state_dict has no entry {n!r} (needed for "
                                       f"{key_of(i)}); it does not match the schema")
             t = value.detach().to(torch.float32)
+            if n in shapes and tuple(t.shape) != shapes[n]:
+                raise CheckpointError(f"state_dict entry {n!r} has shape {list(t.shape)}; the "
+                                      f"model's is {list(shapes[n])}: it is another model's "
+                                      f"state_dict")
             entries.append(RawEntry(key_of(i), tuple(t.shape), tag_for_torch_dtype(t.dtype),
                                     _tensor_bytes(t)))
     schema.write_to_file(names_sidecar_path(path))
