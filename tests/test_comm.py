@@ -616,3 +616,21 @@ def test_a_tensor_that_cannot_take_part_is_refused_before_the_round(what):
         assert comm.round == 0
         if what == "expanded":  # a result of its own is fine
             assert comm.all_reduce_tensors([t])[0].tolist() == [1.0] * 4
+
+
+@pytest.mark.parametrize("bad, said", [
+    (None, r"a collective takes a list \(or tuple\) of tensors, got NoneType"),
+    ((t for t in [torch.ones(3)]), r"a collective takes a list \(or tuple\) of tensors, "
+                                   r"got generator"),
+    (np.ones(3), r"got ndarray: pass \[torch.from_numpy\(a\)\]"),
+    ([[1.0, 2.0]], r"tensor\[0\] is a list, not a torch.Tensor"),
+])
+def test_what_is_not_a_list_of_tensors_is_named(bad, said):
+    """None and generators failed on len() ('object of type NoneType has no len()'), a
+    list in the list on an attribute ('list' object has no attribute 'dtype')."""
+    with FakeCohort(1) as c:
+        comm = c.comm(0)
+        for call in (comm.all_reduce_tensors, comm.all_reduce_):
+            with pytest.raises((TypeError, FrameError), match=said):
+                call(bad)
+        assert comm.round == 0

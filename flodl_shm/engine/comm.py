@@ -569,9 +569,13 @@ class Comm:
         one float32 tensor on an f32 wire and no pinned result armed, so copy-in, round
         and the reduce into a fresh result are one compiled call; returns (result,
         accepted mass), or None for the general paths."""
-        if len(tensors) != 1 or (self._bf16 and kind == _MODEL) or self._armed is not None:
-            return None
-        plan = self._single_plan(tensors[0], kind, False)
+        try:  # (free in CPython 3.11 until something raises)
+            if len(tensors) != 1 or (self._bf16 and kind == _MODEL) or self._armed is not None:
+                return None
+            plan = self._single_plan(tensors[0], kind, False)
+        except (TypeError, AttributeError):
+            check_tensors(tensors)  # None, a generator, a list where a tensor goes: named
+            raise
         if plan is None:
             return None
         return self._single_result(tensors[0], plan, weight, float(scale))
@@ -623,11 +627,15 @@ class Comm:
         if self._armed is not None and kind == _MODEL:
             self._armed = None  # this MODEL round's reply is the tensors: nothing staged
         eng = self._engine
-        if len(tensors) == 1 and dtype == DTYPE_F32 and drift is None:
-            plan = self._single_plan(tensors[0], kind, outer)
-            if plan is not None:
-                # copy-in, round and copy-out are a single compiled call
-                return self._single_round(tensors[0], plan, weight, scale)
+        try:  # (free in CPython 3.11 until something raises)
+            if len(tensors) == 1 and dtype == DTYPE_F32 and drift is None:
+                plan = self._single_plan(tensors[0], kind, outer)
+                if plan is not None:
+                    # copy-in, round and copy-out are a single compiled call
+                    return self._single_round(tensors[0], plan, weight, scale)
+        except (TypeError, AttributeError):
+            check_tensors(tensors)  # None, a generator, a list where a tensor goes: named
+            raise  # (tensors that pass: the round's own error)
         plan = self._fused_plan(tensors, kind, dtype, outer)
         if plan is not None:
             # copy-in, round and the write-back of the float32 tensors: one compiled call

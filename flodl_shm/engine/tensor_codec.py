@@ -153,13 +153,19 @@ def wire_dtype(bf16_wire: bool, kind: int) -> int:
 
 
 def refuse_one_tensor(tensors) -> None:
-    """TypeError when a collective's list of tensors is one tensor: iterated, it would
-    be taken row by row (``all_reduce_tensors(t)[0]`` would be the mean of row 0)."""
+    """TypeError when a collective's list of tensors is one tensor (iterated, it would
+    be taken row by row: ``all_reduce_tensors(t)[0]`` would be the mean of row 0), a
+    numpy array, or not a list or tuple at all (None, a generator)."""
     if isinstance(tensors, torch.Tensor):
         raise TypeError(
             f"a collective takes a list of tensors, got one tensor of shape "
             f"{tuple(tensors.shape)}: pass [t] (a bare tensor would be reduced row by row, "
             f"each row a tensor of its own)")
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"a collective takes a list (or tuple) of tensors, got "
+                        f"{type(tensors).__name__}"
+                        + (": pass [torch.from_numpy(a)]" if isinstance(tensors, np.ndarray)
+                           else ""))
 
 
 def check_tensors(tensors: Sequence[torch.Tensor], in_place: bool = False
