@@ -1,7 +1,19 @@
 """The dead-rank ledger: which ranks have been fenced out of the cohort for good."""
 from __future__ import annotations
 
+import operator
 import threading
+
+
+def _int(value, what: str) -> int:
+    """``value`` as an int (numpy's too); TypeError naming ``what`` for anything else
+    (a float was truncated: ``declare_dead(2.9)`` marked rank 2)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"DeadRanks: {what} must be an int, got {value!r}")
 
 
 class DeadRanks:
@@ -12,9 +24,10 @@ class DeadRanks:
     """
 
     def __init__(self, world_size: int) -> None:
-        if int(world_size) <= 0:
+        world_size = _int(world_size, "world_size")
+        if world_size <= 0:
             raise ValueError(f"DeadRanks: world_size must be > 0, got {world_size}")
-        self._world = int(world_size)
+        self._world = world_size
         self._dead = [False] * self._world
         self._lock = threading.Lock()
 
@@ -24,7 +37,7 @@ class DeadRanks:
 
     def declare_dead(self, rank: int) -> bool:
         """Mark ``rank`` dead; returns True if it was alive. Out of range -> ValueError."""
-        r = int(rank)
+        r = _int(rank, "rank")
         if not 0 <= r < self._world:
             raise ValueError(f"DeadRanks.declare_dead: rank {r} is out of range for "
                              f"world_size {self._world}")
@@ -35,7 +48,7 @@ class DeadRanks:
 
     def is_dead(self, rank: int) -> bool:
         """True if ``rank`` was declared dead (False for out-of-range ranks)."""
-        r = int(rank)
+        r = _int(rank, "rank")
         return 0 <= r < self._world and self._dead[r]
 
     def alive(self) -> list[int]:
