@@ -828,14 +828,22 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
     return _InterruptGate().run(start)
 
 
+#: signals whose default action ends the process: the gate stops the cohort first (its
+#: segments unlinked), then re-delivers them. SIGHUP is a closed terminal or SSH
+#: session, SIGUSR1/SIGUSR2 a scheduler's warning; those three only while their
+#: disposition is the default (a handler of the program's own stays in charge).
+_TERMINATING = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
 class _InterruptGate:
-    """``spawn``'s SIGINT/SIGTERM handling on the main thread, from before the arena
-    exists until every rank is reaped.
+    """``spawn``'s handling of SIGINT and the terminating signals (``_TERMINATING``)
+    on the main thread, from before the arena exists until every rank is reaped.
 
     Before a ``SpawnContext`` owns an arena the signal interrupts as usual (nothing
     to clean up); from then on it stops the cohort (``terminate``) and ``spawn``
-    raises ``KeyboardInterrupt`` once every rank is gone. A SIGTERM is re-delivered
-    at the end when its disposition was the default (the process then dies of it).
+    raises ``KeyboardInterrupt`` once every rank is gone. A terminating signal is
+    re-delivered at the end when its disposition was the default (the process then
+    dies of it, as it would have, with nothing left in /dev/shm).
     """
 
     def __init__(self) -> None:
@@ -849,24 +857,28 @@ class _InterruptGate:
         self.ctx.terminate(A.ABORT_INTERRUPT)
 
     def run(self, start: Callable[["_InterruptGate"], SpawnContext]) -> list[Any]:
-        old_int = signal.signal(signal.SIGINT, self._handler)
-        old_term = signal.signal(signal.SIGTERM, self._handler)
+        old = {signal.SIGINT: signal.signal(signal.SIGINT, self._handler)}
+        for sig in _TERMINATING:
+            if sig == signal.SIGTERM or signal.getsignal(sig) in (signal.SIG_DFL, None):
+                old[sig] = signal.signal(sig, self._handler)
         try:
             return start(self).join()
         finally:
             self.ctx = None  # the run is over (and a raised error's traceback holds self)
-            signal.signal(signal.SIGINT, old_int)
-            signal.signal(signal.SIGTERM, old_term)
-            if signal.SIGTERM in self.received and old_term in (signal.SIG_DFL, None):
-                os.kill(os.getpid(), signal.SIGTERM)  # re-deliver now that ranks are gone
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+            for sig in _TERMINATING:
+                if sig in self.received and old.get(sig, 0) in (signal.SIG_DFL, None):
+                    os.kill(os.getpid(), sig)  # re-deliver now that the ranks are gone
+                    break
 
 
 class _signals_deferred:
-    """Block SIGINT and SIGTERM for this thread inside the block (they are delivered,
-    and their Python handlers run, right after it)."""
+    """Block SIGINT and the terminating signals for this thread inside the block (they
+    are delivered, and their Python handlers run, right after it)."""
 
     def __enter__(self) -> None:
-        self._old = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT, signal.SIGTERM])
+        self._old = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT, *_TERMINATING])
 
     def __exit__(self, *exc) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, self._old)
