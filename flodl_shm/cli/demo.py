@@ -897,12 +897,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         digits_split()  # the data first: without scikit-learn, one line before anything starts
+        run_demo(cfg)
     except ImportError as e:
         print(f"{_prog()}: error: {e}", file=sys.stderr)
         return 1
-    try:
-        run_demo(cfg)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # (also while scikit-learn loads, before any rank exists)
         last = latest_checkpoint(cfg.save_path)
         print("\ninterrupted; every rank was stopped. "
               + (f"Last checkpoint {last}: continue with --resume." if last is not None
