@@ -769,3 +769,21 @@ def test_an_optimizer_or_a_model_that_cannot_train_is_refused_at_construction():
             LocalSGD(model, sync_every=2, comm=comm, scheduler="cosine")
         part = torch.optim.SGD(list(model.parameters())[:2], lr=0.1)  # a part: fine
         assert LocalSGD(model, sync_every=2, comm=comm, optimizer=part).optimizer is part
+
+
+def test_a_folder_given_as_the_stem_is_refused_before_anything_is_written(tmp_path):
+    """sgd.save('checkpoints') with checkpoints/ a folder wrote checkpoints-r….fdl and a
+    checkpoints.lock beside it."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    with FakeCohort(1) as cohort:
+        sgd = LocalSGD(make_model(0), sync_every=1, comm=cohort.comm(0))
+        sgd.sync()
+        with pytest.raises(ValueError, match=r"checkpoints is a folder: .* pass a stem inside "
+                                             r"it, e.g. .*checkpoints/ckpt"):
+            sgd.save(folder)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]
+        assert sgd.save(folder / "ckpt").parent == folder
+    with pytest.raises(ValueError, match=r"checkpoints is a folder"):
+        flodl_shm.Trainer(make_model, torch.optim.SGD, (torch.zeros(4, 6), torch.zeros(4)),
+                          torch.nn.functional.mse_loss, save_path=folder)

@@ -57,6 +57,17 @@ def series_base(save_path: "str | os.PathLike[str]") -> Path:
     return p
 
 
+def refuse_folder_stem(save_path: "str | os.PathLike[str]") -> None:
+    """``ValueError`` when ``save_path`` is an existing folder: a series' files are named
+    after its stem, so they would land beside the folder (``runs/exp-r00000002.fdl``),
+    not in it."""
+    p = Path(os.fspath(save_path))
+    if p.is_dir():
+        raise ValueError(f"{p} is a folder: a series' files are named after its stem and "
+                         f"would land beside it ({p}-r00000001.fdl); pass a stem inside "
+                         f"it, e.g. {p / 'ckpt'}")
+
+
 def death_record_path(save_path: "str | os.PathLike[str]", rank: int) -> Path:
     """The death record of ``rank`` in the series at ``save_path``:
     ``<series base>.rank<N>.death.json`` (``CheckpointBundle.rank_death_path``'s name,

@@ -789,9 +789,10 @@ class LocalSGD:
                 f"sync() first")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an int >= 1 (complete bundles kept), got {keep!r}")
-        from ..checkpoint.series import (prune_series, remove_other_rank_states,
-                                         round_model_path)
+        from ..checkpoint.series import (prune_series, refuse_folder_stem,
+                                         remove_other_rank_states, round_model_path)
 
+        refuse_folder_stem(path)
         model_path = round_model_path(path, self.sync_round)
         self._claim_series(path, overwrite)
         model_path.parent.mkdir(parents=True, exist_ok=True)
