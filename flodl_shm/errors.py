@@ -236,3 +236,17 @@ class SeriesInUse(RuntimeError):
 
     def __reduce__(self):
         return (SeriesInUse, (self.lock, self.holder, self.job))
+
+
+def check_int(name: str, value, minimum: int, *, optional: bool = False,
+              prefix: str = "") -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is an int (numpy's too, not a bool
+    or a str) of at least ``minimum`` (or None, when ``optional``); ``prefix`` leads the
+    message (``"spawn: "``)."""
+    import numbers
+
+    if optional and value is None:
+        return
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{prefix}{name} must be an int >= {minimum}"
+                         f"{' or None' if optional else ''}, got {value!r}")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..engine import arena as A
-from ..errors import RankFailed, RankStalled, ReduceStall, plural
+from ..errors import RankFailed, RankStalled, ReduceStall, check_int, plural
 from ..engine.checkpoint_tap import TapServer
 from ..engine.hostmem import host_memory
 from ..engine.segment import reap_dead_owner_segments, space_error
@@ -784,11 +784,8 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
     if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
         raise TypeError(f"spawn: args must be a tuple (or list) of fn's extra arguments, got "
                         f"{type(args).__name__}: pass args=(value,) for one")
-    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
-        raise ValueError(f"spawn: nprocs must be an int >= 1, got {nprocs!r}")
-    if not isinstance(max_failures, numbers.Integral) or isinstance(max_failures, bool) \
-            or max_failures < 0:
-        raise ValueError(f"spawn: max_failures must be an int >= 0, got {max_failures!r}")
+    check_int("nprocs", nprocs, 1, prefix="spawn: ")
+    check_int("max_failures", max_failures, 0, prefix="spawn: ")
     if timeout is not None and not (isinstance(timeout, numbers.Real)
                                     and not isinstance(timeout, bool) and timeout > 0):
         raise ValueError(f"spawn: timeout must be a number of seconds > 0 or None, got "

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
-from ..errors import RankFailed, StartRefused, TrainingAborted, plural
+from ..errors import RankFailed, StartRefused, TrainingAborted, check_int, plural
 from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, RankDeathRecord, SaveReason,
                                set_extension)
 from ..checkpoint.series import death_record_path, latest_checkpoint, series_of
@@ -219,16 +219,16 @@ class Trainer:
         # otherwise fail on the arithmetic below with Python's own message
         for name, value in (("batch_size", batch_size), ("sync_every", sync_every),
                             ("keep_checkpoints", keep_checkpoints), ("accumulate", accumulate)):
-            _check_int(name, value, 1)
-        _check_int("epochs", epochs, 0)
-        _check_int("max_failures", max_failures, 0)
-        _check_int("seed", seed, 0)
+            check_int(name, value, 1)
+        check_int("epochs", epochs, 0)
+        check_int("max_failures", max_failures, 0)
+        check_int("seed", seed, 0)
         if seed >= 1 << 63:
             raise ValueError(f"seed must be below 2**63 (torch's generators take a 64-bit "
                              f"seed), got {seed}")
-        _check_int("checkpoint_every", checkpoint_every, 1, optional=True)
-        _check_int("log_every", log_every, 1, optional=True)
-        _check_int("keep_history", keep_history, 0, optional=True)
+        check_int("checkpoint_every", checkpoint_every, 1, optional=True)
+        check_int("log_every", log_every, 1, optional=True)
+        check_int("keep_history", keep_history, 0, optional=True)
         if batch_size % accumulate:
             raise ValueError(f"accumulate must be an int >= 1 dividing batch_size "
                              f"{batch_size}, got {accumulate!r}")
@@ -327,7 +327,7 @@ class Trainer:
         """
         from ..checkpoint.series import committed_checkpoints, delete_series
 
-        _check_int("nprocs", nprocs, 1)
+        check_int("nprocs", nprocs, 1)
         cluster = _Cluster.of(controller, world_size, first_rank, salt, int(nprocs))
         with self._run_lock(controller, salt):
             if self.save_path is not None and committed_checkpoints(self.save_path) \
@@ -431,7 +431,7 @@ class Trainer:
             nprocs = saved_world or max(meta.world_size_at_save, 1)
             chosen = (" (its ElChe's ranks)" if saved_world else
                       " (the ranks alive at its save; pass nprocs to choose)")
-        _check_int("nprocs", nprocs, 1)
+        check_int("nprocs", nprocs, 1)
         cluster = _Cluster.of(controller, world_size, first_rank, salt, int(nprocs))
         world = int(nprocs) if cluster is None else cluster.world_size
         self._check_setup(world, meta, model_path)
@@ -655,18 +655,6 @@ def _is_real(value) -> bool:
     import numbers
 
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value, minimum: int, *, optional: bool = False) -> None:
-    """``ValueError`` naming ``name`` unless ``value`` is an int (numpy's too, not a bool
-    or a str) of at least ``minimum`` (or None, when ``optional``)."""
-    import numbers
-
-    if optional and value is None:
-        return
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}"
-                         f"{' or None' if optional else ''}, got {value!r}")
 
 
 def _log_level() -> Optional[int]:
