@@ -193,6 +193,32 @@ def test_a_failed_run_frees_its_pipes_and_mappings_without_the_garbage_collector
         gc.enable()
 
 
+def test_no_thread_of_a_failed_run_outlives_it():
+    """The abort's escalation thread (SIGTERM, then SIGKILL, to ranks that do not stop)
+    outlived the run it stopped, holding its context and rank processes for a while after
+    ``spawn`` raised: a sweep that counted descriptors right after a failed run saw two
+    more (a CI failure of the test above, on a loaded machine). Here the escalation is
+    made slow to end, as a loaded machine makes it, by a trace function that holds it
+    0.3 s on its way out."""
+    def slow_on_its_way_out(frame, event, arg):
+        if frame.f_code.co_name != "_escalate":
+            return None
+
+        def on_return(frame, event, arg):
+            if event == "return":
+                time.sleep(0.3)
+            return on_return
+        return on_return
+
+    threading.settrace(slow_on_its_way_out)  # for the threads started from now on
+    try:
+        with pytest.raises(RankFailed):
+            spawn(raise_on_rank_one, 2)
+    finally:
+        threading.settrace(None)
+    assert [t.name for t in threading.enumerate() if t.name.startswith("flodl-shm")] == []
+
+
 def test_a_finished_context_kept_by_the_caller_holds_no_pipes_or_mappings():
     """A sweep that keeps its ``spawn(join=False)`` contexts after joining them held,
     per context, the rank processes' pipes and the arena's control mapping (5

@@ -176,7 +176,11 @@ class SpawnContext:
         self._started = threading.Event()
         self._done = threading.Event()
         self._start_error: BaseException | None = None
-        self._lock = threading.Lock()
+        # reentrant: a signal handler (terminate, via _InterruptGate) runs on the main
+        # thread, which may hold it at that moment (dead_ranks)
+        self._lock = threading.RLock()
+        # the _abort escalations, joined once every rank is reaped (then None)
+        self._escalations: list[threading.Thread] | None = []
         # the rank server forks from here while this is still the only thread (before
         # the tap and supervisor threads start); else the supervisor starts a fresh one
         self._server: _RankServer | None = (_RankServer.fork_from_launcher(nprocs)
@@ -348,6 +352,12 @@ class SpawnContext:
             self._watch(conns)
         finally:
             self._reap_all()
+            # every rank is reaped, so each escalation ends at once; joined here, none
+            # outlives join() holding this context and its rank processes
+            with self._lock:
+                escalations, self._escalations = self._escalations, None
+            for t in escalations:
+                t.join()
             for c in conns.values():
                 c.close()
             if self._server is not None:
@@ -677,7 +687,13 @@ class SpawnContext:
             server.kill()  # still preloading: the supervisor may be waiting on its fork
         if self._relay is not None:
             self._relay.shutdown()
-        threading.Thread(target=self._escalate, name="flodl-shm-escalate", daemon=True).start()
+        escalation = threading.Thread(target=self._escalate, name="flodl-shm-escalate",
+                                      daemon=True)
+        with self._lock:
+            if self._escalations is None:
+                return  # every rank is reaped: nothing left to escalate on
+            self._escalations.append(escalation)
+        escalation.start()
 
     def _escalate(self) -> None:
         self._started.wait()  # every rank that will ever start is in self._procs
