@@ -366,6 +366,30 @@ def sc_layouts(rank: int, world: int) -> dict:
                                            op=dist.ReduceOp.MAX),
     }, then=ones_summed)  # still in step, still usable
     res["errors"] = errors
+    # an expand()ed tensor where a result is written, on one rank only: that rank raises
+    # after the round; the others get their results, and the group stays in step
+    def expanded_on(r: int, values: list) -> torch.Tensor:
+        if rank == r:
+            return torch.tensor([float(rank)]).expand(len(values))
+        return torch.tensor(values)
+
+    got: dict = {}
+
+    def keep(what: str, t: torch.Tensor) -> None:
+        got[what] = t.tolist()
+
+    res["expanded"] = _errors_of({
+        "broadcast": lambda: (lambda t: (dist.broadcast(t, src=0), keep("broadcast", t)))(
+            expanded_on(1, [10.0 + rank, 20.0])),
+        "reduce": lambda: (lambda t: (dist.reduce(t, dst=2), keep("reduce", t)))(
+            expanded_on(2, [1.0, 2.0])),
+        "all_reduce": lambda: (lambda t: (dist.all_reduce(t), keep("all_reduce", t)))(
+            expanded_on(0, [1.0, 2.0])),
+        "all_reduce_bf16": lambda: (lambda t: (dist.all_reduce(t), keep("all_reduce_bf16", t)))(
+            expanded_on(1, [1.0, 2.0]).to(torch.bfloat16) if rank != 1
+            else torch.tensor([1.0], dtype=torch.bfloat16).expand(2)),
+    }, then=ones_summed)
+    res["expanded_results"] = got
     return res
 
 

@@ -230,6 +230,26 @@ def test_layouts_half_sums_empty_complex_and_misuse(tmp_path):
     assert "the root, rank 0, passed a scatter_list" in res[1]["errors"]["scatter_list"]
     assert "the root, rank 0, passed a gather_list" in res[2]["errors"]["gather_list"]
     assert "complex tensors take SUM, AVG or PREMUL_SUM" in res[0]["errors"]["complex_max"]
+    # an expand()ed tensor given for a result on one rank only (broadcast: rank 1, not the
+    # root; reduce: rank 2, its dst; all_reduce: rank 0; bfloat16 all_reduce: rank 1)
+    # raised on that rank before the round, so the others' round paired with the next call
+    culprit = {"broadcast": 1, "reduce": 2, "all_reduce": 0, "all_reduce_bf16": 1}
+    for me, r in enumerate(res):
+        errs = r["expanded"]
+        for what, bad in culprit.items():
+            assert errs[what + " then"] == [3.0, 3.0], (what, r["log"])  # still in step
+            if me == bad:
+                assert "has elements that share memory (an expand()ed view)" in errs[what]
+                assert "the group stays usable" in errs[what] and what not in \
+                    r["expanded_results"]
+            else:
+                assert errs[what] is None, (what, errs[what])
+    assert res[0]["expanded_results"]["broadcast"] == [10.0, 20.0]
+    assert res[2]["expanded_results"]["broadcast"] == [10.0, 20.0]
+    # the culprit's own values went into the round: [2, 2] from rank 2's expanded tensor
+    assert [r["expanded_results"]["reduce"] for r in res[:2]] == [[1.0, 2.0], [1.0, 2.0]]
+    assert [r["expanded_results"]["all_reduce"] for r in res[1:]] == [[2.0, 4.0]] * 2
+    assert [res[k]["expanded_results"]["all_reduce_bf16"] for k in (0, 2)] == [[3.0, 5.0]] * 2
 
 
 def test_unsupported_ops_and_dtypes_raise_naming_the_supported_set(one_host):

@@ -37,6 +37,7 @@ import torch.distributed as dist
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 
 from ..engine.byte_exchange import exchange_bytes
+from ..engine.tensor_codec import elements_share_memory
 from ..errors import FrameError, PeerDied, ReduceStall
 from ..frame import RoundKind
 from .overlap import CollectiveWorker
@@ -282,6 +283,30 @@ def _dense_outputs(outputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor],
                     o.copy_(d)
 
     return dense, copy_back
+
+
+def _writable(tensors: list[torch.Tensor], what: str
+              ) -> tuple[list[torch.Tensor], Callable[[], None]]:
+    """The tensors an in-place collective writes its result into: ``tensors``, except
+    that one whose elements share memory (an ``expand()``ed view, which no result can be
+    written into) is replaced by a copy; and the function to call once the round is
+    done, which then raises naming it. The rank still takes part in the round with its
+    values, so a layout only some ranks pass never puts the group out of step."""
+    shared = [i for i, t in enumerate(tensors) if elements_share_memory(t)]
+    if not shared:
+        return tensors, _nothing_to_refuse
+    i = shared[0]
+    t = tensors[i]
+    problem = (f"flodl_shm {what}: tensor[{i}] of shape {tuple(t.shape)} and stride "
+               f"{t.stride()} has elements that share memory (an expand()ed view), so the "
+               f"result cannot be written into it; the collective ran with a copy (the "
+               f"group stays usable): pass t.contiguous() and use that tensor")
+    return ([t.contiguous() if k in shared else t for k, t in enumerate(tensors)],
+            lambda: _refuse(problem))
+
+
+def _nothing_to_refuse() -> None:
+    pass
 
 
 def _write(dst: np.ndarray, tensors: Sequence[torch.Tensor], offs: Sequence[int]) -> None:
@@ -595,6 +620,11 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         for t in tensors:
             check_dtype(t, what)
             check_op(op, t.dtype, what)
+        tensors, refuse = _writable(tensors, what)
+        self._allreduce_writable(tensors, op)
+        refuse()
+
+    def _allreduce_writable(self, tensors: list[torch.Tensor], op) -> None:
         name = op_name(op_type(op))
         # the transport follows from what every rank shares (op, dtypes), never from a
         # rank's own memory layout: ranks on different transports could not meet
@@ -643,6 +673,13 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     def broadcast(self, tensors, opts) -> dist.Work:
         tensors = _checked(tensors, "broadcast")
         root = int(opts.rootRank)
+        work, refuse = ((tensors, _nothing_to_refuse) if self._rank == root  # read only
+                        else _writable(tensors, "broadcast"))
+        self._broadcast(work, root)
+        refuse()
+        return _done(tensors)
+
+    def _broadcast(self, tensors: list[torch.Tensor], root: int) -> None:
         link = self._link
         if (link is not None and tensors and not self._topo.multi_host
                 and all(t.dtype is _F32 for t in tensors)):
@@ -650,7 +687,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             # tensors read straight into the others' when large (engine/comm.py); float32
             # only: its bfloat16 path widens and rounds, which canonicalizes NaN payloads
             link.comm.broadcast_(tensors, root)
-            return _done(tensors)
+            return
         offs, total = _layout(tensors)
 
         def consume(views: list[np.ndarray]) -> None:
@@ -660,7 +697,6 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 
         self._exchange_tensors(tensors if self._rank == root else None, offs, total, consume,
                                _signature("broadcast", root, tensors))
-        return _done(tensors)
 
     def allgather(self, output_tensors, input_tensors, opts=None) -> dist.Work:
         return self.allgather_coalesced(output_tensors, input_tensors, opts)

@@ -168,6 +168,12 @@ def refuse_one_tensor(tensors) -> None:
                            else ""))
 
 
+def elements_share_memory(t: torch.Tensor) -> bool:
+    """Whether elements of ``t`` share memory (an ``expand()``ed view: a stride of 0
+    along a dimension of more than one element), so no result can be written into it."""
+    return any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape))
+
+
 def check_tensors(tensors: Sequence[torch.Tensor], in_place: bool = False
                   ) -> list[tuple[int, ...]]:
     """The shapes of ``tensors``; FrameError naming the first that is not a dense
@@ -196,7 +202,7 @@ def check_tensors(tensors: Sequence[torch.Tensor], in_place: bool = False
         if t.layout is not torch.strided:
             raise FrameError(f"tensor[{i}] is a {t.layout} tensor: only dense tensors can "
                              f"be reduced; pass t.to_dense()")
-        if in_place and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        if in_place and elements_share_memory(t):
             raise FrameError(
                 f"tensor[{i}] of shape {tuple(t.shape)} and stride {t.stride()} has "
                 f"elements that share memory (an expand()ed view): a result cannot be "
