@@ -354,6 +354,54 @@ def test_a_launcher_read_from_stdin(method):
     assert "Traceback" not in done.stderr, done.stderr
 
 
+_SLOW_REPORT_LAUNCHER = """
+import time
+
+import flodl_shm
+from flodl_shm import RankFailed
+
+
+class SlowToSay(Exception):
+    @property
+    def __notes__(self):  # read while the traceback is formatted, outside its guards
+        time.sleep(4.0)  # past the supervisor's 2 s grace: its SIGTERM comes meanwhile
+        return None
+
+
+def fail(ctx):
+    if ctx.rank == 0:
+        raise ValueError("rank zero fails first")
+    try:
+        ctx.comm.barrier()  # ends when the cohort is stopped
+    except Exception as e:
+        raise SlowToSay() from e
+
+
+if __name__ == "__main__":
+    try:
+        flodl_shm.spawn(fail, 2)
+    except RankFailed as e:
+        print("failed:", e.rank, e.exc_type)
+"""
+
+
+def test_a_rank_stopped_while_it_reports_its_error_prints_no_traceback(tmp_path):
+    """The supervisor's SIGTERM (2 s after it stops the cohort) reached a rank while it
+    formatted its own error's traceback, on a loaded machine: the rank died printing a
+    traceback of its own ("Process flodl-shm-rank1: Traceback ..."), in a CLI's output
+    too. The report is now sent whole, and the run names the first failure."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "launcher.py"
+    script.write_text(_SLOW_REPORT_LAUNCHER)
+    done = subprocess.run([sys.executable, str(script)], text=True, capture_output=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["failed: 0 ValueError"], done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
 def test_ranks_return_tensors_by_value():
     """Results travel pickled by value: a tensor outlives the rank that made it (torch's
     multiprocessing reductions would ship a shared-memory handle that dies with it)."""

@@ -212,12 +212,16 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
     except _Terminated:
         code = 143
     except BaseException as e:  # noqa: BLE001 - reported to the launcher
+        # the report goes out whole: the supervisor's SIGTERM (its stop, 2 s after an
+        # abort) raised inside the traceback's formatting on a loaded machine, and the
+        # rank died printing a traceback of its own; SIGKILL still follows a slow one
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         code = 1
         lib_logger.removeHandler(handler)
         try:
             with send_lock:
                 _send(conn, _error_message(global_rank, global_rank - local_rank, e))
-        except Exception:
+        except BaseException:  # noqa: BLE001 - a closed pipe, a late _Terminated
             pass
     finally:
         try:

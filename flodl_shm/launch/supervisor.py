@@ -689,11 +689,11 @@ class SpawnContext:
             self._relay.shutdown()
         escalation = threading.Thread(target=self._escalate, name="flodl-shm-escalate",
                                       daemon=True)
-        with self._lock:
+        with self._lock:  # started under it: the monitor joins only started threads
             if self._escalations is None:
                 return  # every rank is reaped: nothing left to escalate on
+            escalation.start()
             self._escalations.append(escalation)
-        escalation.start()
 
     def _escalate(self) -> None:
         self._started.wait()  # every rank that will ever start is in self._procs
