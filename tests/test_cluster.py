@@ -104,6 +104,25 @@ def realized_after_death(ctx):
     return g1, buf, g_half
 
 
+def dies_between_the_count_gather_and_the_params_round(ctx):
+    """A Trainer-like window on hosts [1, 2]: rank 2 (host B) joins the count gather,
+    then dies; what each surviving rank would credit."""
+    from flodl_shm import LocalSGD
+    from flodl_shm.training.sync_window import (accepted_across_hosts, falls_short,
+                                                gather_counts)
+
+    model = torch.nn.Linear(2, 1)
+    sgd = LocalSGD(model, sync_every=None, comm=ctx.comm)
+    for _ in range(2):
+        sgd.step(1)
+    counts = gather_counts(ctx.comm, 2, 1.0)
+    if ctx.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    sync = sgd.sync()
+    short = falls_short(sync.mass, counts, 1.0)
+    return sync.accepted, short, accepted_across_hosts(ctx.comm, sync.accepted)
+
+
 def rank_dies_mid_run(ctx):
     out = []
     for i in range(4):
@@ -183,6 +202,23 @@ def test_realized_work_after_a_death_on_another_host():
         assert abs(buf - 1.5) < 1e-6
         assert abs(adopted_h - want_half) < 1e-5
     assert ctl.dead_ranks.is_dead(2) and ctl.dead_ranks.alive() == [0, 1]
+
+
+def test_a_window_that_falls_short_credits_the_same_ranks_on_every_host():
+    """A rank that died between the count gather and the params round: each host knew
+    only which of its own ranks the round accepted, so host A credited rank 0 and host B
+    rank 1 for the same window, and their coverage and checkpoint metadata split (a
+    resume then planned different windows per host and failed). One more gather gives
+    every host the same set."""
+    out, errors, ctl = run_hosts(dies_between_the_count_gather_and_the_params_round, [1, 2],
+                                 max_failures=1)
+    assert not errors, errors
+    assert out[1][1] is None  # rank 2
+    (here_a, short_a, all_a), = out[0]
+    here_b, short_b, all_b = out[1][0]
+    assert (here_a, here_b) == ((0,), (1,))  # each host's own view
+    assert short_a and short_b
+    assert all_a == all_b == (0, 1)
 
 
 def test_ranks_dead_before_the_cohort_is_complete_stay_dead():

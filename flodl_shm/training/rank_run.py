@@ -32,8 +32,8 @@ from .data import fetch_batch
 from .hooks import BatchInfo, RankState, RankSummary, WindowStats
 from .inner_state import read_rank_state, restore_inner
 from .local_sgd import LocalSGD
-from .sync_window import (COUNT_ROWS, count_column, counts_from_reports, falls_short,
-                          gather_counts)
+from .sync_window import (COUNT_ROWS, accepted_across_hosts, count_column,
+                          counts_from_reports, falls_short, gather_counts)
 
 if TYPE_CHECKING:
     from .trainer import _Job
@@ -413,12 +413,15 @@ class _RankRun:
                                 tells_controller=self.rank == coord.alive[0])
         sync = self.sgd.sync()
         if falls_short(sync.mass, counts, self.trainer.gamma):
-            realized = sorted(r for r in sync.accepted if counts.batches[r] > 0)
-            logger.warning(
-                "window %d: the params round accepted less work than the count gather "
-                "promised (a rank died in between); crediting ranks %s only%s", plan.window,
-                realized, "; the checkpoint armed at this window overstates coverage and "
-                "the next window is checkpointed again" if ckpt else "")
+            # (every host the same: sync.accepted names this host's ranks only)
+            accepted = accepted_across_hosts(comm, sync.accepted)
+            realized = [r for r in accepted if counts.batches[r] > 0]
+            if self._is_host_lead(accepted):  # one line per host
+                logger.warning(
+                    "window %d: the params round accepted less work than the count gather "
+                    "promised (a rank died in between); crediting ranks %s only%s",
+                    plan.window, realized, "; the checkpoint armed at this window overstates "
+                    "coverage and the next window is checkpointed again" if ckpt else "")
             settled = coord.resettle(plan, counts, realized)
         if ckpt is not None and sync.mass > 0:
             # each host keeps its own copy of the bundle, so it resumes from its own disk

@@ -40,7 +40,8 @@ identically on these values.
 consensus. They agree unless a rank died in between (after arriving at the gather,
 before arriving at the params round): the accepted mass then falls short of
 :func:`expected_params_mass`, and the coordinator settles coverage on the ranks
-the params round accepted.
+the params round accepted, which one more gather tells every host
+(:func:`accepted_across_hosts`).
 """
 from __future__ import annotations
 
@@ -255,6 +256,21 @@ def falls_short(mass: float, counts: CohortCounts, gamma: float) -> bool:
     if counts.total_batches == 0:
         return False
     return mass < expected_params_mass(counts, gamma) * (1.0 - 1e-9)
+
+
+def accepted_across_hosts(comm, accepted_here: Sequence[int]) -> tuple[int, ...]:
+    """The ranks whose work a cluster's params round accepted, the same on every host.
+
+    A host knows which of its own ranks the round accepted (``SyncInfo.accepted``), not
+    the others': crediting those alone after a :func:`falls_short` window split the
+    hosts' coverage and checkpoint metadata. One per-rank gather (a CONTROL round;
+    every live rank of the window calls it, as every rank sees the same shortfall) puts
+    each rank's own answer on every host; a rank that dies during it counts as not
+    accepted (its samples are trained again)."""
+    flags = np.zeros(comm.world_size)
+    flags[comm.rank] = 1.0 if comm.rank in accepted_here else 0.0
+    got = comm.all_reduce_per_rank_f64(flags)
+    return tuple(r for r in range(comm.world_size) if got[r] > 0.0)
 
 
 def params_round_carries_buffers(buffers: str, outer: bool) -> bool:
