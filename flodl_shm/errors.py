@@ -222,9 +222,11 @@ class SeriesInUse(RuntimeError):
     """Another run holds the checkpoint series this run would write
     (``checkpoint/run_lock.py``): two runs on one save path would overwrite each
     other's bundles. ``lock`` is the series' lock file, ``holder`` who holds it (pid,
-    host and start time), ``job`` the holder's job identity (or None)."""
+    host and start time), ``job`` the holder's job identity and ``member`` its member of
+    that job (a host's first rank; each None when not given)."""
 
-    def __init__(self, lock: str, holder: str, job: str | None = None) -> None:
+    def __init__(self, lock: str, holder: str, job: str | None = None,
+                 member: int | None = None) -> None:
         super().__init__(
             f"the checkpoint series of {lock.removesuffix('.lock')} is in use by another run "
             f"({holder}; lock file {lock}): two runs writing one series would overwrite each "
@@ -233,9 +235,10 @@ class SeriesInUse(RuntimeError):
         self.lock = lock
         self.holder = holder
         self.job = job  # the holder's job identity, when it gave one
+        self.member = member
 
     def __reduce__(self):
-        return (SeriesInUse, (self.lock, self.holder, self.job))
+        return (SeriesInUse, (self.lock, self.holder, self.job, self.member))
 
 
 def check_int(name: str, value, minimum: int, *, optional: bool = False,

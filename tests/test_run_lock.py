@@ -5,6 +5,7 @@ Another process holds the lock here, as another run would: a real process, a rea
 """
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -25,19 +26,22 @@ pytestmark = pytest.mark.timeout(60)
 _HOLDER = textwrap.dedent("""
     import sys
     from flodl_shm.checkpoint.run_lock import RunLock
-    with RunLock(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None):
+    job = sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] else None
+    member = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    with RunLock(sys.argv[1], job, member):
         print("held", flush=True)
         sys.stdin.readline()
 """)
 
 
 class Holder:
-    """Another process holding the run lock of ``save_path`` (for ``job``) until released
-    or killed."""
+    """Another process holding the run lock of ``save_path`` (for ``job``, as its
+    ``member``) until released or killed."""
 
-    def __init__(self, save_path, job: str | None = None) -> None:
+    def __init__(self, save_path, job: str | None = None, member: int | None = None) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _HOLDER, os.fspath(save_path), *([job] if job else [])],
+            [sys.executable, "-c", _HOLDER, os.fspath(save_path), job or "",
+             *([] if member is None else [str(member)])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout.readline().strip() == "held"
 
@@ -153,6 +157,36 @@ def test_another_host_of_the_same_job_goes_on_without_holding(tmp_path):
     assert not run_lock_path(stem).exists()
 
 
+def test_the_same_member_of_a_job_is_refused_wherever_the_lock_is(tmp_path):
+    """A host of a cluster launched twice (the same job, the same first rank) went on as
+    "another host of the job": the demo's --overwrite then deleted the running host's
+    checkpoints. It is refused, whether the running host holds the series' lock or
+    shares it (another host holds it, on a shared folder) and holds its member's."""
+    stem = tmp_path / "ckpt"
+    first = Holder(stem, job="cafe", member=0)  # host A holds the series' lock
+    try:
+        with pytest.raises(SeriesInUse) as err:
+            with RunLock(stem, "cafe", 0):  # host A again
+                pass
+        assert err.value.member == 0
+        second = Holder(stem, job="cafe", member=2)  # host B goes on, holding its member's
+        try:
+            assert (tmp_path / "ckpt.member-2.lock").exists()
+            with pytest.raises(SeriesInUse):
+                with RunLock(stem, "cafe", 2):  # host B again
+                    pass
+            lock = RunLock(stem, "cafe", 4)  # a third host of the job
+            with lock:
+                assert lock.shared and (tmp_path / "ckpt.member-4.lock").exists()
+            assert not (tmp_path / "ckpt.member-4.lock").exists()
+        finally:
+            second.release()
+        assert not (tmp_path / "ckpt.member-2.lock").exists()
+    finally:
+        first.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_a_host_of_the_same_job_waits_for_the_holders_line(tmp_path):
     """The holder writes its line (pid, host, job) right after its flock: another host of
     the same job that found the lock taken in between read no job and was refused (a
@@ -204,6 +238,16 @@ def test_a_demo_host_of_the_same_cluster_shares_the_folder(tmp_path, capsys):
         with pytest.raises(ConnectionError, match="connect to"):
             run_demo(host(secret))
         assert "ranks 2-3 of 4" in capsys.readouterr().out  # past the lock
+    finally:
+        holder.release()
+    # the same host (first rank 2) running already: refused before its banner, even with
+    # --overwrite, which deleted the running host's checkpoints
+    holder = Holder(run_dir / "ckpt", job=cluster_job(read_secret_file(os.fspath(secret)),
+                                                     controller), member=2)
+    try:
+        with pytest.raises(SystemExit, match="in use by another run"):
+            run_demo(dataclasses.replace(host(secret), overwrite=True))
+        assert capsys.readouterr().out == ""
     finally:
         holder.release()
 

@@ -26,6 +26,11 @@ process that acquired it:
   shared file system (NFS) would otherwise refuse each other: a lock taken with a
   ``job`` identity (the Trainer's: a digest of the cluster's session salt; LocalSGD's:
   a token its rank 0 draws) lets a process of the same job proceed without holding it.
+  With a ``member`` too (the Trainer's: the host's first rank), only another member:
+  the same host launched twice is refused, and one that goes on holds its member's own
+  lock (``<series>.member-<member>.lock``), so a second launch of it is refused even
+  where another host holds the series' lock (the demo's ``--overwrite`` had deleted a
+  running host's checkpoints).
 - **Released at the end of its process's work** when nothing exited it: ``LocalSGD``'s
   lead rank holds the lock of a series it saves into for the rest of its life, and
   ``release_held`` lets it go when the rank's function returns (``launch/rank.py``)
@@ -36,8 +41,8 @@ process that acquired it:
   Folders the lock created for itself go too when they are empty by then: a run
   refused before it wrote anything leaves no trace.
 
-The file holds one JSON line (pid, host, start time, job) for the refusal message and
-the job check.
+The file holds one JSON line (pid, host, start time, job, member) for the refusal
+message and the job check.
 """
 from __future__ import annotations
 
@@ -93,10 +98,14 @@ def cluster_job(salt: bytes | None, controller) -> str:
 
 def run_lock_path(save_path: "str | os.PathLike[str]") -> Path:
     """``<series base>.lock``: the series' lock file (``series.series_base``)."""
-    from .series import series_base
-
-    base = series_base(save_path)
+    base = series_base_of(save_path)
     return base.with_name(base.name + ".lock")
+
+
+def series_base_of(save_path: "str | os.PathLike[str]") -> Path:
+    from .series import series_base  # (series imports this module)
+
+    return series_base(save_path)
 
 
 class RunLock:
@@ -107,11 +116,15 @@ class RunLock:
     then this one goes on without holding it (``shared`` is True).
     """
 
-    def __init__(self, save_path: "str | os.PathLike[str]", job: str | None = None) -> None:
+    def __init__(self, save_path: "str | os.PathLike[str]", job: str | None = None,
+                 member: int | None = None) -> None:
         self.path = run_lock_path(save_path)
         self.job = job
+        self.member = member
         self.shared = False
         self._key = os.path.realpath(self.path)
+        self._save_path = save_path
+        self._member_lock: RunLock | None = None
 
     def __enter__(self) -> "RunLock":
         self.shared = False
@@ -127,8 +140,11 @@ class RunLock:
             fd = self._acquire()
         except SeriesInUse as e:
             _remove_empty(made)
-            if self.job is not None and e.job == self.job:
-                self.shared = True  # this job's other host holds it
+            if self.job is not None and e.job == self.job and (
+                    self.member is None or e.member != self.member):
+                # this job's other host holds it; this host holds its own member's lock
+                self._enter_member()
+                self.shared = True
                 return self
             raise
         except BaseException:
@@ -136,6 +152,14 @@ class RunLock:
             raise
         _HELD[self._key] = _Held(os.getpid(), fd, 1, made)
         return self
+
+    def _enter_member(self) -> None:
+        if self.member is None:
+            return
+        base = series_base_of(self._save_path)
+        lock = RunLock(base.with_name(f"{base.name}.member-{self.member}"))  # no sharing
+        lock.__enter__()  # SeriesInUse: this member of the job runs already
+        self._member_lock = lock
 
     def _acquire(self) -> int:
         """Open and lock the file (see the module doc); returns its descriptor."""
@@ -147,7 +171,7 @@ class RunLock:
                 info = _holder_info(fd)
                 os.close(fd)
                 raise SeriesInUse(os.fspath(self.path), _describe(info),
-                                  info.get("job")) from None
+                                  info.get("job"), info.get("member")) from None
             except BaseException:
                 os.close(fd)
                 raise
@@ -162,7 +186,8 @@ class RunLock:
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                                       "job": self.job}) + "\n").encode(), 0)
+                                       "job": self.job, "member": self.member}) + "\n"
+                            ).encode(), 0)
         except OSError as e:  # a full disk: give the lock back, and say which file
             try:
                 os.unlink(self.path)
@@ -176,6 +201,9 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         if self.shared:
+            lock, self._member_lock = self._member_lock, None
+            if lock is not None:
+                lock.__exit__(*exc)
             return
         held = _HELD.get(self._key)
         if held is None or held.pid != os.getpid():

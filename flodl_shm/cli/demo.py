@@ -615,13 +615,14 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     from flodl_shm import SeriesInUse
     from flodl_shm.checkpoint.run_lock import RunLock, cluster_job
 
-    job = None
+    job = member = None
     if cfg.controller is not None:  # the hosts may share one folder: the job's lock
         from flodl_shm import read_secret_file
 
         job = cluster_job(read_secret_file(cfg.secret_file), cfg.controller)
+        member = cfg.first_rank  # (this host launched twice is refused)
     try:
-        with RunLock(cfg.save_path, job):
+        with RunLock(cfg.save_path, job, member):
             return _run_demo(cfg)
     except SeriesInUse as e:
         raise SystemExit(

@@ -329,7 +329,7 @@ class Trainer:
 
         check_int("nprocs", nprocs, 1)
         cluster = _Cluster.of(controller, world_size, first_rank, salt, int(nprocs))
-        with self._run_lock(controller, salt):
+        with self._run_lock(controller, salt, first_rank):
             if self.save_path is not None and committed_checkpoints(self.save_path) \
                     and not overwrite:
                 raise FileExistsError(
@@ -365,16 +365,18 @@ class Trainer:
                 f"overwrite=True to delete them")
         delete_rounds(self.save_path, after)
 
-    def _run_lock(self, controller, salt):
+    def _run_lock(self, controller, salt, first_rank: int):
         """The run lock of ``save_path``'s series, or nothing to hold without one. The
         hosts of one cluster share it (their save paths may be one shared folder): the
-        job is a digest of the session salt, which they all hold."""
+        job is a digest of the session salt, which they all hold, and each host is the
+        member of its first rank (the same host launched twice is refused)."""
         if self.save_path is None:
             return contextlib.nullcontext()
         from ..checkpoint.run_lock import RunLock, cluster_job
 
-        return RunLock(self.save_path,
-                       None if controller is None else cluster_job(salt, controller))
+        if controller is None:
+            return RunLock(self.save_path)
+        return RunLock(self.save_path, cluster_job(salt, controller), int(first_rank))
 
     def resume(self, save_path: "str | os.PathLike[str] | None" = None,
                nprocs: Optional[int] = None, *, controller=None,
@@ -412,7 +414,7 @@ class Trainer:
         target = save_path if save_path is not None else self.save_path
         if target is None:
             raise ValueError("resume() needs a save_path (this Trainer has none)")
-        with self._run_lock(controller, salt):  # the series this run writes, as run() does
+        with self._run_lock(controller, salt, first_rank):  # the series this run writes, as run() does
             return self._resume(target, nprocs, controller, world_size, first_rank, salt,
                                 overwrite)
 
