@@ -93,6 +93,24 @@ def test_demo_with_a_controller_address_without_port_is_a_usage_error(tmp_path, 
     assert "--controller '127.0.0.1' must be HOST:PORT" in r.stderr
 
 
+@pytest.mark.timeout(240)
+def test_a_failed_cluster_host_says_how_the_hosts_resume_together(tmp_path, secret):
+    """After a host was lost, the others' newest checkpoint is a round it never got: the
+    plain "continue with --resume" was refused on every host, and said again. A host of
+    a cluster is told the hosts resume from one round and where a lost host gets it."""
+    first = _flodl(["demo", "--epochs", "2", "--no-progress", "--no-plot"], tmp_path)
+    assert first.returncode == 0, first.stderr
+    r = _flodl(["demo", "--resume", "--epochs", "3", "--controller",
+                f"127.0.0.1:{_closed_port()}", "--world-size", "2", "--secret-file",
+                str(secret), "--timeout", "1", "--no-progress", "--no-plot"], tmp_path,
+               timeout=150)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert ("Last checkpoint runs/demo/ckpt-r00000006.fdl: continue with --resume on every "
+            "host. The hosts resume from one round") in r.stderr, r.stderr
+    assert "copied from the controller's --run-dir or another host's" in r.stderr
+
+
 @pytest.mark.timeout(180)
 def test_demo_that_fails_in_the_ranks_prints_the_reason_not_a_traceback(tmp_path, secret):
     # nothing listens at the controller's address: the relay gives up connecting while the

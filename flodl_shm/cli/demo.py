@@ -886,6 +886,20 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def _continue_with(cfg: DemoConfig, last) -> str:
+    """The closing advice of a run stopped with ``last``, its newest checkpoint."""
+    advice = f"Last checkpoint {last}: continue with --resume."
+    if cfg.controller is None:
+        return advice
+    # each host resumes from its own newest bundle, and they must be of one round: a
+    # host lost mid-run misses the rounds the others saved after it (its --resume was
+    # refused, and this advice repeated)
+    return (advice[:-1] + " on every host. The hosts resume from one round: a host whose "
+            "newest checkpoint is older than the others' (a host that was lost) first needs "
+            "the newer round's .fdl and .meta.json, copied from the controller's --run-dir "
+            "or another host's.")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     import logging
@@ -905,7 +919,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:  # (also while scikit-learn loads, before any rank exists)
         last = latest_checkpoint(cfg.save_path)
         print("\ninterrupted; every rank was stopped. "
-              + (f"Last checkpoint {last}: continue with --resume." if last is not None
+              + (_continue_with(cfg, last) if last is not None
                  else "No checkpoint was written yet."), file=sys.stderr)
         return 130
     except (RankFailed, CohortAborted, TrainingAborted, ShmSpaceError, OSError,
@@ -914,7 +928,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # checkpoint that does not match): the reason, not the launcher's stack
         last = latest_checkpoint(cfg.save_path)
         print(f"\n{_prog()}: error: {_reason(e)}\n"
-              + (f"Last checkpoint {last}: continue with --resume." if last is not None
+              + (_continue_with(cfg, last) if last is not None
                  else "No checkpoint was written."), file=sys.stderr)
         return 1
     return 0
