@@ -326,6 +326,41 @@ def test_a_frame_above_the_ceiling_travels_in_parts_over_a_link(dtype):
         assert got == frame
 
 
+def test_a_peer_gone_in_the_middle_of_a_frame_is_a_lost_connection():
+    """A controller killed while it sent a round's frame: its host said "frame record
+    from ... ended before its frame" (a FrameError, as for a forged frame), where the
+    host that read a clean end was told the controller closed the connection."""
+    ctl_sock = socket.create_server(("127.0.0.1", 0))
+    port = ctl_sock.getsockname()[1]
+    box = {}
+
+    def server():
+        from flodl_shm.cluster.link import server_handshake
+
+        conn, _ = ctl_sock.accept()
+        conn.settimeout(30)
+        link, _ = server_handshake(conn, SALT, "relay", lambda hello, link: None)
+        try:
+            link.recv()
+        except Exception as e:  # noqa: BLE001 - what the reader raised is the result
+            box["error"] = e
+        link.close()
+
+    try:
+        t = threading.Thread(target=server, daemon=True)
+        t.start()
+        link = join_raw(port, _hello("h", [0], 1))
+        # a frame record's header, then the sender is gone
+        link.sock.sendall(link._header(Kind.FRAME_UP, 0, 64, b"\0" * 16))
+        link.close()
+        t.join(30)
+    finally:
+        ctl_sock.close()
+    err = box["error"]
+    assert isinstance(err, ConnectionError), repr(err)
+    assert "closed the connection in the middle of a frame (it exited or was killed)" in str(err)
+
+
 def big_average(ctx, bf16):
     ctx.comm.set_bf16_wire(bf16)
     out = []

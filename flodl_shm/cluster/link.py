@@ -390,7 +390,8 @@ class Link:
                              f"ceiling of {frame_ceiling()} bytes")
         frame, ftag = read_framed_round_into(self._reader, self.salt, sink)
         if frame is None:
-            raise FrameError(f"frame record from {self.peer} ended before its frame")
+            raise ConnectionError(f"{self.peer} closed the connection in the middle of a "
+                                  f"frame (it exited or was killed)")
         if 4 + frame_wire_len(frame) != length:
             raise FrameError(f"frame record from {self.peer} declared {length} bytes, carried "
                              f"{4 + frame_wire_len(frame)}")
