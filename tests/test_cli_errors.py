@@ -396,6 +396,24 @@ def test_controller_ctrl_c_says_interrupted_and_exits_130(tmp_path, secret, repe
     assert "cohort finished" not in out, out
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_controller_stopped_by_a_signal_says_so(tmp_path, secret, sig):
+    """A scheduler's SIGTERM (or a closed terminal's SIGHUP) killed the controller without a
+    line, and could cut a checkpoint it was writing; it now stops as on Ctrl-C."""
+    proc = _listening_controller(tmp_path, secret)
+    try:
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert proc.returncode == 128 + sig, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert f"controller: stopped by {signal.Signals(sig).name} after 0 rounds" in err, err
+
+
 def test_fdl_convert_to_an_unknown_format_is_a_usage_error_in_cli_terms(tmp_path):
     import torch
 

@@ -70,19 +70,27 @@ def _start(args) -> ClusterController:
                                    outer_momentum=momentum, outer_round=sync_round)
 
 
-def _first_interrupt_only() -> list:
-    """Make the first SIGINT (Ctrl-C) raise ``KeyboardInterrupt`` and ignore any later one,
-    which would interrupt the shutdown it started (or kill the interpreter as it exits).
-    Returns the list the handler appends the signal to."""
+def _first_interrupt_only() -> tuple[list, dict]:
+    """Make the first SIGINT (Ctrl-C), or SIGTERM / SIGHUP while they have their default
+    action (a scheduler's stop, a closed terminal: they killed the controller without a
+    line, mid-checkpoint), raise ``KeyboardInterrupt``, and ignore any later one, which
+    would interrupt the shutdown it started (or kill the interpreter as it exits).
+    Returns the list the handler appends the signal to, and the handlers it replaced."""
     received: list = []
+    replaced: dict = {}
 
     def handler(signum, frame):
         received.append(signum)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for s in replaced:
+            signal.signal(s, signal.SIG_IGN)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, handler)
-    return received
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        old = signal.getsignal(s)
+        if s == signal.SIGINT or old == signal.SIG_DFL:
+            replaced[s] = old
+            signal.signal(s, handler)
+    return received, replaced
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     resumes = ("" if ctl.outer_round is None
                else f"; outer momentum of sync round {ctl.outer_round}")
-    old_handler = signal.getsignal(signal.SIGINT)
-    interrupts = _first_interrupt_only()
+    interrupts, replaced = _first_interrupt_only()
     try:
         print(f"controller listening on port {ctl.port} for {plural(args.world_size, 'rank')}"
               f"{resumes}",
@@ -163,13 +170,16 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:  # the first Ctrl-C came as it stopped: stop, uninterrupted
             ctl.shutdown()
     if not interrupts:
-        signal.signal(signal.SIGINT, old_handler)
-    else:  # SIGINT stays ignored to the end: a late Ctrl-C is no traceback
-        print(f"controller: interrupted after {ctl.stats.rounds} rounds; its hosts lose their "
+        for s, old in replaced.items():
+            signal.signal(s, old)
+    else:  # the signals stay ignored to the end: a late Ctrl-C is no traceback
+        how = ("interrupted" if interrupts[0] == signal.SIGINT
+               else f"stopped by {signal.Signals(interrupts[0]).name}")
+        print(f"controller: {how} after {ctl.stats.rounds} rounds; its hosts lose their "
               f"link to it and stop. To continue, restart the controller (with --outer-state "
               f"under --outer nesterov), then every host with --resume", file=sys.stderr,
               flush=True)
-        return 130
+        return 128 + int(interrupts[0])
     if ctl.error is not None:
         print(f"controller: the cohort ended with an error: {ctl.error}", file=sys.stderr)
         return 1
