@@ -98,12 +98,13 @@ def cluster_job(salt: bytes | None, controller) -> str:
 
 def run_lock_path(save_path: "str | os.PathLike[str]") -> Path:
     """``<series base>.lock``: the series' lock file (``series.series_base``)."""
-    base = series_base_of(save_path)
+    base = _series_base(save_path)
     return base.with_name(base.name + ".lock")
 
 
-def series_base_of(save_path: "str | os.PathLike[str]") -> Path:
-    from .series import series_base  # (series imports this module)
+def _series_base(save_path: "str | os.PathLike[str]") -> Path:
+    """``series.series_base`` (imported here: that module imports this one)."""
+    from .series import series_base
 
     return series_base(save_path)
 
@@ -156,7 +157,7 @@ class RunLock:
     def _enter_member(self) -> None:
         if self.member is None:
             return
-        base = series_base_of(self._save_path)
+        base = _series_base(self._save_path)
         lock = RunLock(base.with_name(f"{base.name}.member-{self.member}"))  # no sharing
         lock.__enter__()  # SeriesInUse: this member of the job runs already
         self._member_lock = lock

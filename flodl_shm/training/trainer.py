@@ -414,7 +414,8 @@ class Trainer:
         target = save_path if save_path is not None else self.save_path
         if target is None:
             raise ValueError("resume() needs a save_path (this Trainer has none)")
-        with self._run_lock(controller, salt, first_rank):  # the series this run writes, as run() does
+        # the series this run writes, as run() does
+        with self._run_lock(controller, salt, first_rank):
             return self._resume(target, nprocs, controller, world_size, first_rank, salt,
                                 overwrite)
 
