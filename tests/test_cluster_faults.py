@@ -288,31 +288,41 @@ def _frame(sizes, dtype=DTYPE_F32, weight=3.0):
     return RoundFrame(tensors, weight, RoundKind.MODEL)
 
 
+def _one_link_server(read) -> tuple[socket.socket, threading.Thread]:
+    """A controller's end of one link: a loopback listening socket and a started thread
+    that accepts one relay, completes the handshake, calls ``read(link)`` and closes it."""
+    from flodl_shm.cluster.link import server_handshake
+
+    ctl_sock = socket.create_server(("127.0.0.1", 0))
+
+    def server():
+        conn, _ = ctl_sock.accept()
+        conn.settimeout(30)
+        link, _ = server_handshake(conn, SALT, "relay", lambda hello, link: None)
+        read(link)
+        link.close()
+
+    t = threading.Thread(target=server, daemon=True)
+    t.start()
+    return ctl_sock, t
+
+
 @pytest.mark.parametrize("dtype", [DTYPE_F32, DTYPE_BF16])
 def test_a_frame_above_the_ceiling_travels_in_parts_over_a_link(dtype):
     frame = _frame([(40, 30), (0,), (7,), (3, 1000), (1,)], dtype)
     ceiling = 1000
     parts = split_frame(frame, ceiling)
     assert len(parts) > 5 and all(wire.frame_wire_len(p) <= ceiling for p in parts)
-    ctl_sock = socket.create_server(("127.0.0.1", 0))
-    port = ctl_sock.getsockname()[1]
     box = {}
 
-    def server():
-        from flodl_shm.cluster.link import server_handshake
-
-        conn, addr = ctl_sock.accept()
-        conn.settimeout(30)
-        link, _ = server_handshake(conn, SALT, "relay", lambda hello, link: None)
+    def read(link):
         box["got"] = link.recv()
         box["got2"] = link.recv(lambda i, dt, shape, nb: np.zeros(nb, np.uint8))
-        link.close()
 
+    ctl_sock, t = _one_link_server(read)  # (it reads once the relay has sent)
     wire.set_frame_ceiling(ceiling)
     try:
-        t = threading.Thread(target=server, daemon=True)
-        t.start()
-        link = join_raw(port, _hello("h", [0], 1))
+        link = join_raw(ctl_sock.getsockname()[1], _hello("h", [0], 1))
         link.send_frame(Kind.FRAME_UP, frame, flags=8)
         link.send_frame(Kind.FRAME_UP, frame, flags=16)
         t.join(30)
@@ -330,26 +340,17 @@ def test_a_peer_gone_in_the_middle_of_a_frame_is_a_lost_connection():
     """A controller killed while it sent a round's frame: its host said "frame record
     from ... ended before its frame" (a FrameError, as for a forged frame), where the
     host that read a clean end was told the controller closed the connection."""
-    ctl_sock = socket.create_server(("127.0.0.1", 0))
-    port = ctl_sock.getsockname()[1]
     box = {}
 
-    def server():
-        from flodl_shm.cluster.link import server_handshake
-
-        conn, _ = ctl_sock.accept()
-        conn.settimeout(30)
-        link, _ = server_handshake(conn, SALT, "relay", lambda hello, link: None)
+    def read(link):
         try:
             link.recv()
         except Exception as e:  # noqa: BLE001 - what the reader raised is the result
             box["error"] = e
-        link.close()
 
+    ctl_sock, t = _one_link_server(read)
     try:
-        t = threading.Thread(target=server, daemon=True)
-        t.start()
-        link = join_raw(port, _hello("h", [0], 1))
+        link = join_raw(ctl_sock.getsockname()[1], _hello("h", [0], 1))
         # a frame record's header, then the sender is gone
         link.sock.sendall(link._header(Kind.FRAME_UP, 0, 64, b"\0" * 16))
         link.close()
