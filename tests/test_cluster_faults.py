@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from flodl_shm import ClusterController, FrameError, RankFailed, spawn
+from flodl_shm import ClusterController, FrameError, RankFailed, ReduceStall, spawn
 from flodl_shm.cluster import wire
 from flodl_shm.cluster.link import HandshakeRejected, Kind, split_frame
 from flodl_shm.cluster.secret import write_secret_file
@@ -360,6 +360,39 @@ def test_a_peer_gone_in_the_middle_of_a_frame_is_a_lost_connection():
     err = box["error"]
     assert isinstance(err, ConnectionError), repr(err)
     assert "closed the connection in the middle of a frame (it exited or was killed)" in str(err)
+
+
+@pytest.mark.parametrize("said", ["stall", "nothing"])
+def test_a_host_that_finds_the_link_gone_reads_what_the_controller_said_last(said):
+    """A host stopped for a while (SIGSTOP at start-up, in a probe) found its link gone
+    when it next sent and said "lost the connection ... it stopped or its host is
+    unreachable", although the controller had stalled the round on it and said so before
+    it closed. The verdict stays readable after the failed send."""
+    from flodl_shm.cluster.control import Ctrl, ctrl_message
+    from flodl_shm.cluster.relay import last_word
+
+    def verdict_then_close(link):
+        if said == "stall":
+            link.send_ctrl(ctrl_message(Ctrl.STALL, round=0, missing=[1], timeout=2.0))
+
+    ctl_sock, t = _one_link_server(verdict_then_close)
+    try:
+        link = join_raw(ctl_sock.getsockname()[1], _hello("h", [1], 2))
+        t.join(30)  # the controller's end is closed now
+        frame = _frame([(1000,)], DTYPE_F32)
+        with pytest.raises((BrokenPipeError, ConnectionResetError)):
+            for _ in range(100):  # the first sends may still find room in the buffers
+                link.send_frame(Kind.FRAME_UP, frame)
+                time.sleep(0.01)
+        got = last_word(link)
+        link.close()
+    finally:
+        ctl_sock.close()
+    if said == "stall":
+        assert isinstance(got, ReduceStall) and got.missing == (1,), repr(got)
+        assert "round 0 stalled at the controller after 2.0 s; ranks [1]" in str(got)
+    else:
+        assert got is None
 
 
 def big_average(ctx, bf16):

@@ -156,10 +156,12 @@ class Relay:
             if self._stop.is_set() and not isinstance(e, (FrameError, TimeoutError)):
                 return
             if isinstance(e, (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)):
-                # a send or receive that found the socket gone: name who went away
-                e = ConnectionError(f"lost the connection to the controller at {peer} "
-                                    f"({type(e).__name__}: {e}); it stopped or its host is "
-                                    f"unreachable")
+                # a send or receive that found the socket gone: what the controller said
+                # before it closed (a stall verdict: this host was the one it waited for),
+                # else name who went away
+                e = last_word(self._link) or ConnectionError(
+                    f"lost the connection to the controller at {peer} ({type(e).__name__}: "
+                    f"{e}); it stopped or its host is unreachable")
             self.error = e
             # spawn raises it once every rank stopped (``ConnectionError: this host's relay
             # failed: ...``): logged here it would print the same news twice
@@ -290,16 +292,40 @@ class Relay:
             logger.warning("relay %s: the controller declared ranks %s dead", self.host, ranks)
             if self.on_dead is not None:
                 self.on_dead(ranks)
-        elif kind == Ctrl.STALL:
-            why = msg.get("reason") or "had not delivered"
-            raise ReduceStall(
-                f"round {msg['round']} stalled at the controller after {msg.get('timeout')} s; "
-                f"ranks {msg['missing']} {why}", round=int(msg["round"]),
-                missing=tuple(int(r) for r in msg["missing"]), timeout=msg.get("timeout"))
-        elif kind == Ctrl.ERROR:
-            raise ConnectionError(f"the controller ended the cohort: {msg.get('message')}")
+        elif kind in (Ctrl.STALL, Ctrl.ERROR):
+            raise _verdict(msg)
         else:
             logger.warning("relay %s: ignoring control message %r", self.host, kind)
+
+
+def _verdict(msg: dict) -> BaseException:
+    """The error a controller's stall verdict (``Ctrl.STALL``) or error message
+    (``Ctrl.ERROR``) ends this host's run with."""
+    if msg["type"] == Ctrl.STALL:
+        why = msg.get("reason") or "had not delivered"
+        return ReduceStall(
+            f"round {msg['round']} stalled at the controller after {msg.get('timeout')} s; "
+            f"ranks {msg['missing']} {why}", round=int(msg["round"]),
+            missing=tuple(int(r) for r in msg["missing"]), timeout=msg.get("timeout"))
+    return ConnectionError(f"the controller ended the cohort: {msg.get('message')}")
+
+
+def last_word(link) -> BaseException | None:
+    """The stall verdict or error a controller sent on ``link`` before it closed it,
+    still unread (``_verdict``), or None. A host stopped for a while (SIGSTOP, a frozen
+    VM) found the link gone when it next sent, and said "lost the connection" although
+    the round had stalled on it; what the peer sent stays readable after that failed
+    send."""
+    try:
+        while link is not None:
+            got = link.recv(timeout=0.5)
+            if got is None or got[0] != Kind.CTRL:
+                return None
+            if got[2]["type"] in (Ctrl.STALL, Ctrl.ERROR):
+                return _verdict(got[2])
+    except (OSError, ValueError):  # nothing readable left
+        pass
+    return None
 
 
 def relay_factory(controller, salt, world_size: int, first_rank: int, nprocs: int):
