@@ -270,3 +270,45 @@ def test_fdl_given_a_series_stem_names_its_newest_bundle(tmp_path, capsys):
            f"{round_model_path(stem, 8)}" in err
     assert cli.main(["show", str(tmp_path / "none.fdl")]) == 1
     assert "checkpoint series" not in capsys.readouterr().err
+
+
+def test_convert_refuses_to_write_over_its_source_or_a_bundle_s_model(tmp_path, capsys):
+    """`fdl convert m.pt runs/demo/ckpt-r00000006.fdl` replaced a run's consensus model by
+    one keyed by names, and the run could not resume; `fdl convert X X` "succeeded"."""
+    model = make_model()
+    forge_checkpoint(model, tmp_path / "c.fdl")
+    (tmp_path / "c.meta.json").write_text("{}")  # c.fdl is a bundle's model file
+    assert cli.main(["convert", str(tmp_path / "c.fdl"), str(tmp_path / "m.pt")]) == 0
+    before = (tmp_path / "c.fdl").read_bytes()
+    capsys.readouterr()
+    assert cli.main(["convert", str(tmp_path / "m.pt"), str(tmp_path / "c.fdl")]) == 2
+    assert "is the model file of a checkpoint bundle (c.meta.json is beside it)" in \
+        capsys.readouterr().err
+    assert cli.main(["convert", str(tmp_path / "m.pt"), str(tmp_path / "m.pt")]) == 2
+    assert "m.pt is the file being converted" in capsys.readouterr().err
+    assert (tmp_path / "c.fdl").read_bytes() == before
+    assert cli.main(["convert", str(tmp_path / "m.pt"), str(tmp_path / "m2.pt")]) == 0
+    assert cli.main(["convert", str(tmp_path / "m.pt"), str(tmp_path / "m2.pt")]) == 0  # a file
+    # of no bundle is replaced, as before
+
+
+def test_names_given_twice_are_refused_rather_than_dropping_a_tensor(tmp_path, capsys):
+    """A .names.json naming two tensors alike made `fdl convert` write 3 tensors of 4."""
+    model = make_model()
+    forge_checkpoint(model, tmp_path / "c.fdl")
+    names = json.loads((tmp_path / "c.names.json").read_text())
+    names["param_names"][1] = names["param_names"][0]
+    (tmp_path / "c.names.json").write_text(json.dumps(names))
+    assert cli.main(["convert", str(tmp_path / "c.fdl"), str(tmp_path / "m.pt")]) == 1
+    assert "more than once among its params and buffers" in capsys.readouterr().err
+    assert not (tmp_path / "m.pt").exists()
+    with pytest.raises(CheckpointError, match="more than once"):
+        ModelSchema(["a", "a"], [])
+
+
+@pytest.mark.parametrize("path", ["", "."])
+def test_show_of_no_file_is_one_line(tmp_path, capsys, path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["show", path]) == 1
+    err = capsys.readouterr().err  # (a traceback, for "" also in the series hint)
+    assert "fdl: error: cannot open checkpoint" in err and err.count("\n") == 1, err

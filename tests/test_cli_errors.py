@@ -77,6 +77,40 @@ def test_demo_resume_with_a_torn_options_file_is_a_usage_error(tmp_path):
     assert "pass the run's options again" in r.stderr
 
 
+@pytest.mark.parametrize("saved,said", [
+    ('{"epochs": "x"}', "(epochs: 'x')"), ('{"epochs": null}', "(epochs: None)"),
+    ('{"slow_rank": 5}', "(slow_rank: 5)"), ('{"bf16_wire": 1}', "(bf16_wire: 1)"),
+])
+def test_demo_resume_with_options_of_the_wrong_kind_is_a_usage_error(tmp_path, capsys,
+                                                                      saved, said):
+    """An options file whose values are of the wrong kind raised a TypeError traceback
+    (or started a run that crashed); an option given again overrides the file's."""
+    from flodl_shm.cli.demo import parse_args
+
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "demo_config.json").write_text(saved)
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--resume", "--run-dir", str(tmp_path / "runs")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "demo_config.json does not hold the run's options " + said in err, err
+    key = said[1:said.index(":")]
+    again = {"epochs": ["--epochs", "3"], "slow_rank": ["--slow-rank", "1:2"],
+             "bf16_wire": ["--bf16-wire"]}[key]
+    cfg = parse_args(["--resume", "--run-dir", str(tmp_path / "runs"), *again])
+    assert getattr(cfg, key) is not None
+
+
+def test_demo_slow_rank_of_an_infinite_factor_is_a_usage_error(capsys):
+    """`--slow-rank 0:inf` started a run whose rank 0 died in time.sleep (OverflowError)."""
+    from flodl_shm.cli.demo import parse_args
+
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--slow-rank", "0:inf"])
+    assert info.value.code == 2
+    assert "the factor a finite number >= 1" in capsys.readouterr().err
+
+
 def test_demo_with_a_batch_larger_than_the_data_is_refused_before_anything_starts(tmp_path):
     r = _flodl(["demo", "--batch-size", "100000", "--no-progress"], tmp_path)
     assert r.returncode == 2, r.stderr  # a usage error, as the other numbers' checks
@@ -155,6 +189,28 @@ def test_controller_numbers_out_of_range_are_usage_errors(secret, capsys, extra,
 
     with pytest.raises(ValueError, match="round_timeout must be > 0 seconds or None"):
         ClusterController.start("127.0.0.1:0", 2, read_secret_file(secret), round_timeout=0.0)
+
+
+@pytest.mark.parametrize("extra,said", [
+    (["--outer-lr", "0.5"], "--outer-lr needs --outer nesterov"),
+    (["--outer-momentum", "0.5"], "--outer-momentum needs --outer nesterov"),
+    (["--port-file", "{tmp}"], "is a folder; pass a file path in an existing folder"),
+    (["--port-file", "{tmp}/no/p.txt"], "does not exist; pass a file path in an existing"),
+])
+def test_controller_options_it_would_ignore_or_fail_on_after_binding_are_usage_errors(
+        tmp_path, secret, capsys, extra, said):
+    """--outer-lr without --outer nesterov was silently ignored; a --port-file that cannot
+    be written failed with a traceback after the controller said it was listening."""
+    from flodl_shm.cli.controller import main
+
+    extra = [e.replace("{tmp}", str(tmp_path)) for e in extra]
+    with pytest.raises(SystemExit) as info:
+        main(["--bind", "127.0.0.1:0", "--world-size", "2", "--secret-file", str(secret),
+              *extra])
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert said in captured.err, captured.err
+    assert "listening" not in captured.out
 
 
 def test_controller_help_documents_every_option(tmp_path):

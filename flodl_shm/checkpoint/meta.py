@@ -277,6 +277,13 @@ class ModelSchema:
             raise CheckpointError(f"ModelSchema.non_persistent names {stray}, which are not "
                                   f"among its buffers {self.buffer_names}")
         carried = set(self.param_names) | set(self.buffer_names)
+        if len(carried) != len(self.param_names) + len(self.buffer_names):
+            seen: set[str] = set()
+            twice = sorted({n for n in (*self.param_names, *self.buffer_names)
+                            if n in seen or seen.add(n)})
+            raise CheckpointError(
+                f"ModelSchema names {twice} more than once among its params and buffers: "
+                f"a converted state_dict would keep one tensor per name and drop the others")
         for alias, name in self.tied.items():
             if name not in carried or alias in carried:
                 raise CheckpointError(

@@ -110,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--outer", choices=("avg", "none", "nesterov"), default="avg",
                     help="the outer optimizer the ranks use: avg (or none: the plain "
                          "average, default) or nesterov (DiLoCo); it runs here")
-    ap.add_argument("--outer-lr", type=float, default=0.7,
+    ap.add_argument("--outer-lr", type=float,
                     help="learning rate of --outer nesterov (default 0.7, the demo's)")
-    ap.add_argument("--outer-momentum", type=float, default=0.9,
+    ap.add_argument("--outer-momentum", type=float,
                     help="momentum of --outer nesterov (default 0.9, the demo's)")
     ap.add_argument("--outer-state", metavar="OUTER_FDL",
                     help="resume: the <stem>.outer.fdl momentum of the checkpoint the hosts "
@@ -135,8 +135,20 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         ap.error("the following arguments are required: "
                  + ", ".join("--" + m.replace("_", "-") for m in missing))
-    if args.outer_state and args.outer != "nesterov":
-        ap.error("--outer-state needs --outer nesterov")
+    for given, flag in ((args.outer_state, "--outer-state"), (args.outer_lr, "--outer-lr"),
+                        (args.outer_momentum, "--outer-momentum")):
+        if given is not None and args.outer != "nesterov":
+            ap.error(f"{flag} needs --outer nesterov")  # (it would be ignored)
+    args.outer_lr = 0.7 if args.outer_lr is None else args.outer_lr
+    args.outer_momentum = 0.9 if args.outer_momentum is None else args.outer_momentum
+    if args.port_file is not None:
+        port_file = Path(args.port_file)
+        if args.port_file == "" or port_file.is_dir() or not port_file.parent.is_dir():
+            ap.error(f"--port-file {args.port_file!r}: "
+                     + ("is a folder" if args.port_file and port_file.is_dir() else
+                        "no file name" if not args.port_file else
+                        f"its folder {port_file.parent} does not exist")
+                     + "; pass a file path in an existing folder")
     if args.outer_state and not Path(args.outer_state).is_file():
         ap.error(f"--outer-state {args.outer_state}"
                  + (" is a folder, not a file" if Path(args.outer_state).is_dir()

@@ -345,6 +345,27 @@ class DemoResult:
     plot: Optional[Path] = None
 
 
+def _saved_fits(key: str, value) -> bool:
+    """Whether ``value``, read from a run's ``demo_config.json`` for option ``key``, is
+    of the kind the option takes (its range is checked with the others')."""
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if key == "slow_rank":
+        return value is None or (
+            isinstance(value, list) and len(value) == 2 and is_int(value[0])
+            and value[0] >= 0 and (is_int(value[1]) or isinstance(value[1], float))
+            and math.isfinite(value[1]) and value[1] >= 1.0)
+    if key in ("cadence", "checkpoint_every") and value is None:
+        return True
+    default = DEFAULTS[key]
+    if key == "cadence" or isinstance(default, str):
+        return isinstance(value, str)
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    return is_int(value)
+
+
 def _slow_rank(text: str) -> tuple[int, float]:
     try:
         r, f = text.split(":")
@@ -352,9 +373,9 @@ def _slow_rank(text: str) -> tuple[int, float]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"--slow-rank takes RANK:FACTOR, e.g. 1:3 (rank 1 three times slower); got {text!r}")
-    if rank < 0 or not factor >= 1.0:
+    if rank < 0 or not 1.0 <= factor < math.inf:
         raise argparse.ArgumentTypeError(f"--slow-rank {text}: the rank must be >= 0 and the "
-                                         f"factor >= 1")
+                                         f"factor a finite number >= 1")
     return rank, factor
 
 
@@ -438,6 +459,12 @@ def parse_args(argv: Sequence[str]) -> DemoConfig:
             if not isinstance(saved, dict):
                 ap.error(f"--resume: {path} does not hold the run's options; delete it to "
                          f"take the defaults")
+            wrong = [k for k, v in saved.items()
+                     if k in DEFAULTS and k not in given and not _saved_fits(k, v)]
+            if wrong:
+                ap.error(f"--resume: {path} does not hold the run's options ({wrong[0]}: "
+                         f"{saved[wrong[0]]!r}); pass the run's options again (e.g. --epochs, "
+                         f"--sync-every), or delete the file to take the defaults")
     values = dict(DEFAULTS)
     values.update({k: v for k, v in saved.items() if k in DEFAULTS})
     values.update(given)

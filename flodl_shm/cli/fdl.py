@@ -59,6 +59,8 @@ def _show(path: str, as_json: bool) -> int:
     from ..checkpoint.convert import bundle_names
     from ..checkpoint.fdl import FdlDtype, FdlReader, is_gzip_path
 
+    if not os.path.isfile(path):  # a folder, "", "." have no bundle: said as a missing file
+        FdlReader(path).__enter__()  # raises naming the path
     try:
         schema = bundle_names(path)
     except CheckpointError as e:
@@ -161,7 +163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as e:  # argparse exits 2 on usage errors, 0 on --help
         return int(e.code or 0)
     if args.command == "convert":
-        problem = _unknown_format(args)
+        problem = _unknown_format(args) or _refused_destination(args)
         if problem:
             print(f"{parser.prog} convert: error: {problem}", file=sys.stderr)
             return 2
@@ -197,6 +199,27 @@ def _unknown_format(args) -> str:
     return ""
 
 
+def _refused_destination(args) -> str:
+    """A usage error when ``convert`` would write over its own source or over the model
+    file of a checkpoint bundle (a ``.meta.json`` beside it): that run's resume then
+    found another model there ("" otherwise)."""
+    dst = args.dst
+    if not os.path.exists(dst):
+        return ""
+    try:
+        if os.path.samefile(args.src, dst):
+            return f"{dst} is the file being converted; write the result to another path"
+    except OSError:
+        pass  # src missing: convert says so
+    names = names_sidecar_path(dst)
+    meta = names.with_name(names.name[: -len(".names.json")] + ".meta.json")
+    if meta.exists():
+        return (f"{dst} is the model file of a checkpoint bundle ({meta.name} is beside "
+                f"it): writing over it would break that run's resume; write the result to "
+                f"another path")
+    return ""
+
+
 def _series_hint(args) -> str:
     """When the file given does not exist but names a checkpoint series (the stem a
     Trainer or ``LocalSGD.save`` was given), the newest bundle's path, to pass instead."""
@@ -205,7 +228,10 @@ def _series_hint(args) -> str:
     path = args.file if args.command == "show" else args.src
     if os.path.exists(path):
         return ""
-    latest = latest_checkpoint(path)
+    try:
+        latest = latest_checkpoint(path)
+    except ValueError:  # no stem at all ("", a path ending with a separator)
+        return ""
     return "" if latest is None else (f"; {path} names a checkpoint series, whose newest "
                                       f"bundle is {latest}")
 
