@@ -59,8 +59,9 @@ def _show(path: str, as_json: bool) -> int:
     from ..checkpoint.convert import bundle_names
     from ..checkpoint.fdl import FdlDtype, FdlReader, is_gzip_path
 
-    if not os.path.isfile(path):  # a folder, "", "." have no bundle: said as a missing file
-        FdlReader(path).__enter__()  # raises naming the path
+    if not path or os.path.isdir(path):  # (no bundle names to look for either)
+        raise CheckpointError(f"cannot open checkpoint {path!r}: "
+                              + ("a folder, not a .fdl file" if path else "an empty path"))
     try:
         schema = bundle_names(path)
     except CheckpointError as e:
