@@ -71,11 +71,14 @@ def _start(args) -> ClusterController:
 
 
 def _first_interrupt_only() -> tuple[list, dict]:
-    """Make the first SIGINT (Ctrl-C), or SIGTERM / SIGHUP while they have their default
-    action (a scheduler's stop, a closed terminal: they killed the controller without a
-    line, mid-checkpoint), raise ``KeyboardInterrupt``, and ignore any later one, which
-    would interrupt the shutdown it started (or kill the interpreter as it exits).
-    Returns the list the handler appends the signal to, and the handlers it replaced."""
+    """Make the first SIGINT (Ctrl-C), or SIGTERM / SIGHUP / SIGUSR1 / SIGUSR2 (the latter
+    while they have their default action: a scheduler's stop or warning, a closed
+    terminal; they killed the controller without a line, mid-checkpoint), raise
+    ``KeyboardInterrupt``, and ignore any later one, which would interrupt the shutdown
+    it started (or kill the interpreter as it exits). Returns the list the handler
+    appends the signal to, and the handlers it replaced."""
+    from ..launch.supervisor import take_stop_signals
+
     received: list = []
     replaced: dict = {}
 
@@ -85,11 +88,7 @@ def _first_interrupt_only() -> tuple[list, dict]:
             signal.signal(s, signal.SIG_IGN)
         raise KeyboardInterrupt
 
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        old = signal.getsignal(s)
-        if s == signal.SIGINT or old == signal.SIG_DFL:
-            replaced[s] = old
-            signal.signal(s, handler)
+    replaced.update(take_stop_signals(handler))
     return received, replaced
 
 

@@ -316,8 +316,10 @@ def last_word(link) -> BaseException | None:
     VM) found the link gone when it next sent, and said "lost the connection" although
     the round had stalled on it; what the peer sent stays readable after that failed
     send."""
+    if link is None:
+        return None
     try:
-        while link is not None:
+        while True:
             got = link.recv(timeout=0.5)
             if got is None or got[0] != Kind.CTRL:
                 return None

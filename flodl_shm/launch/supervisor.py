@@ -848,6 +848,16 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
 _TERMINATING = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
+def take_stop_signals(handler: Callable) -> dict:
+    """Install ``handler`` for SIGINT, SIGTERM and the other ``_TERMINATING`` signals
+    whose disposition is the default; returns the handlers it replaced, by signal."""
+    old = {signal.SIGINT: signal.signal(signal.SIGINT, handler)}
+    for sig in _TERMINATING:
+        if sig == signal.SIGTERM or signal.getsignal(sig) in (signal.SIG_DFL, None):
+            old[sig] = signal.signal(sig, handler)
+    return old
+
+
 class _InterruptGate:
     """``spawn``'s handling of SIGINT and the terminating signals (``_TERMINATING``)
     on the main thread, from before the arena exists until every rank is reaped.
@@ -870,10 +880,7 @@ class _InterruptGate:
         self.ctx.terminate(A.ABORT_INTERRUPT)
 
     def run(self, start: Callable[["_InterruptGate"], SpawnContext]) -> list[Any]:
-        old = {signal.SIGINT: signal.signal(signal.SIGINT, self._handler)}
-        for sig in _TERMINATING:
-            if sig == signal.SIGTERM or signal.getsignal(sig) in (signal.SIG_DFL, None):
-                old[sig] = signal.signal(sig, self._handler)
+        old = take_stop_signals(self._handler)
         try:
             return start(self).join()
         finally:

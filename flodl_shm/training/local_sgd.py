@@ -1045,7 +1045,6 @@ class DiLoCo(LocalSGD):
                          outer=OuterNesterov(lr=outer_lr, momentum=outer_momentum), **kwargs)
 
 
-#: a host lead's verdict on a series at the first save into it (``_claim_series``)
 def _check_inner(optimizer, scheduler, params: list) -> None:
     """Refuse an inner optimizer that does not train this model (one built on another
     model's parameters left this one untouched, silently) and objects that are not an
@@ -1068,6 +1067,7 @@ def _check_inner(optimizer, scheduler, params: list) -> None:
                         f"None, got {type(scheduler).__name__}")
 
 
+#: a host lead's verdict on a series at the first save into it (``_claim_series``)
 _SERIES_OK, _SERIES_IN_USE, _SERIES_STALE = 0.0, 1.0, 2.0
 #: how many series' run locks a LocalSGD keeps (those it saved into last)
 SERIES_LOCKS_KEPT = 8
