@@ -7,12 +7,15 @@
 it: a small DDP model with SGD momentum (so the optimizer state must be resumed too),
 batches that depend only on (step, rank), and when KILL >= 0 rank 1 SIGKILLs itself
 entering step KILL in the first attempt only (``OUT/killed`` marks that it happened).
-Writes ``OUT/attempt<restart>_rank<R>.json`` (pid; the first step the loop asked data
-for) when an attempt starts and ``OUT/rank<R>.pt`` (the final parameters) at the end.
+Writes ``OUT/rank<R>_pid<PID>.json`` (pid, torchrun's restart count, start time, the
+first step the loop asked data for) when a rank's process starts, and ``OUT/rank<R>.pt``
+(the final parameters) at the end. (The record is named by pid, not by the restart
+count: on several nodes the count differs between them, see docs/c10d.md.)
 """
 import json
 import signal
 import sys
+import time
 
 # --- recipe (docs/c10d.md) ---
 import os
@@ -56,10 +59,11 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     marker = os.path.join(out, "killed")
 
-    record = {"pid": os.getpid(), "first_step": None}
+    record = {"pid": os.getpid(), "attempt": attempt, "started": time.time(),
+              "first_step": None}
 
     def write_record() -> None:
-        with open(os.path.join(out, f"attempt{attempt}_rank{rank}.json"), "w") as f:
+        with open(os.path.join(out, f"rank{rank}_pid{os.getpid()}.json"), "w") as f:
             json.dump(record, f)
 
     write_record()

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from c10d_driver import free_port  # noqa: E402
 
+from flodl_shm.distributed.incarnation import incarnation_store  # noqa: E402
 from flodl_shm.engine.segment import list_segments  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(120)
 
 # rank 0 of a world of 2 through flodl_shm's rendezvous on the test's store; rank 1 is
-# the test, which publishes its identity but never maps the arena
+# the test, which joins the group's incarnation and publishes its identity but never maps
+# the arena
 LEADER = """
 import sys
 from datetime import timedelta
@@ -57,11 +59,11 @@ def test_the_next_group_reaps_a_killed_leaders_named_segments():
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=60),
                           wait_for_workers=False)
-    keys = dist.PrefixStore("group1/", store)  # the first group on this store
-    keys.set("host/1", "stale")
-    keys.set("pid/1", str(os.getpid()))
     leader = _python(LEADER, str(port))
     try:
+        keys = incarnation_store(store, 1, 2, timedelta(seconds=60), "the test (rank 1 of 2)")
+        keys.set("host/1", "stale")
+        keys.set("pid/1", str(os.getpid()))
         deadline = time.monotonic() + 60
         while not keys.check(["arena/0"]):   # the leader created and published its arena
             assert leader.poll() is None, leader.communicate()[0].decode()
@@ -83,13 +85,13 @@ def test_the_next_group_reaps_a_killed_leaders_named_segments():
             leader.wait()
 
 
-def test_a_store_naming_another_jobs_removed_arena_says_to_give_each_job_its_port():
-    """Two jobs on one host with one MASTER_PORT share a store: a rank of the second
-    read the first job's arena from it and failed with a bare FileNotFoundError naming
-    the other job's segment."""
+def test_a_rank_admitted_by_another_jobs_rank_0_says_to_give_each_job_its_port():
+    """Two jobs on one host with one MASTER_PORT share a store: another job's rank 0 can
+    admit a rank of this one, which then reads that job's arena, mapped and unlinked by
+    its own ranks. It failed with a bare FileNotFoundError naming the other job's
+    segment."""
     import pickle
-
-    import pytest
+    import threading
 
     from flodl_shm.distributed.rendezvous import host_identity, rendezvous
     from flodl_shm.engine.arena import Arena
@@ -98,12 +100,21 @@ def test_a_store_naming_another_jobs_removed_arena_says_to_give_each_job_its_por
     gone.unlink()
     gone.close()
     store = dist.HashStore()
-    keys = dist.PrefixStore("group1/", store)  # the other job's first group
-    keys.set("host/0", host_identity())
-    keys.set("pid/0", str(os.getpid()))
-    keys.set("arena/0", pickle.dumps(gone.handle))
-    with pytest.raises(RuntimeError, match=rf"rank 1 of 2\): the group's store names host "
-                                           rf"arena {gone.handle.name('ctl')} of leader pid "
-                                           rf"{os.getpid()}, which is gone: .* another job's .*"
-                                           rf"Give each job its own port \(MASTER_PORT"):
-        rendezvous(store, 1, 2, timedelta(seconds=5))
+
+    def other_jobs_rank_0() -> None:
+        keys = incarnation_store(store, 0, 2, timedelta(seconds=5), "the other job's rank 0")
+        keys.set("host/0", host_identity())
+        keys.set("pid/0", str(os.getpid()))
+        keys.set("arena/0", pickle.dumps(gone.handle))
+
+    other = threading.Thread(target=other_jobs_rank_0)
+    other.start()
+    try:
+        with pytest.raises(RuntimeError, match=rf"rank 1 of 2\): the group's store names host "
+                                               rf"arena {gone.handle.name('ctl')} of leader "
+                                               rf"pid {os.getpid()}, which is gone: .*another "
+                                               rf"job's rank 0 admitted this rank: .*give each "
+                                               rf"job its own port \(MASTER_PORT"):
+            rendezvous(store, 1, 2, timedelta(seconds=5))
+    finally:
+        other.join()

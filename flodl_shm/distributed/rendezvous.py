@@ -18,21 +18,10 @@ prefix store, so several groups never mix keys):
    exception, SIGKILL of any rank. (Segments only grow afterwards, through the
    descriptors already open.)
 
-Under torchrun every key lives under ``attempt<TORCHELASTIC_RESTART_COUNT>/``: torchrun
-hands every attempt of a job the same store, so after ``--max-restarts`` restarted the
-ranks, the keys of the failed attempt (an arena handle whose names were unlinked, its
-``mapped/`` flags, the leaders' gloo addresses) are still there and must not be read.
-(An elastic membership change restarts the workers without bumping that count; a job
-whose node set changes needs a fresh ``--rdzv-id``.)
-
-Within one store (an attempt's), every key also lives under ``group<N>/``, where N
-counts the groups this rank rendezvoused through that prefix (``store.add`` on
-``groups/<rank>``). A group destroyed and created again in the same processes
-(``destroy_process_group`` then ``init_process_group``: torch gives the new default
-group the old one's prefix, and torchrun's store outlives both) would otherwise read
-the old group's keys: an arena handle whose names are gone, ``mapped/`` flags set
-already. Every rank creates the same groups in the same order, so the ranks of one
-group count the same N.
+Every key lives under a token fresh to this incarnation of the group, agreed by all its
+ranks (``incarnation.py``): the store may hold the keys of an earlier incarnation (torchrun's
+failed attempt, or a group destroyed and created again under the same prefix), and what
+they name is gone.
 
 A group spanning several hosts also gets a gloo process group among the host
 leaders (``ProcessGroupGloo`` on the same store under ``leaders/``), through which
@@ -58,6 +47,7 @@ from ..engine import arena as A
 from ..engine.comm import Comm
 from ..engine.segment import pid_alive, reap_dead_owner_segments
 from ..errors import PeerDied
+from .incarnation import SHARED_STORE_FIX, incarnation_store
 
 logger = logging.getLogger("flodl_shm")
 
@@ -157,19 +147,6 @@ class HostLink:
         self.leaders = None
 
 
-def _group_store(store, rank: int):
-    """``store`` under ``attempt<A>/group<N>/`` (``attempt<A>/`` only when torchrun set
-    ``TORCHELASTIC_RESTART_COUNT=A``): the keys of this incarnation of the group (the
-    module docstring says why)."""
-    import torch.distributed as dist
-
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt:
-        store = dist.PrefixStore(f"attempt{attempt}/", store)
-    n = store.add(f"groups/{rank}", 1)
-    return dist.PrefixStore(f"group{n}/", store)
-
-
 def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
     """Run the steps in the module doc; every rank of the group calls it at once.
 
@@ -178,7 +155,8 @@ def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
         rank: this rank in the group; world: the group's size.
         timeout: the group's timeout: bounds every store wait and every collective wait.
     """
-    store = _group_store(store, rank)
+    what = f"flodl_shm process group (rank {rank} of {world})"
+    store = incarnation_store(store, rank, world, timeout, what)
     store.set(f"host/{rank}", host_identity())
     store.set(f"pid/{rank}", str(os.getpid()))
     idents = [store.get(f"host/{r}").decode() for r in range(world)]
@@ -199,13 +177,10 @@ def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
                 arena = A.Arena.attach(handle)
             except FileNotFoundError as e:
                 raise RuntimeError(
-                    f"flodl_shm process group (rank {rank} of {world}): the group's store "
-                    f"names host arena {handle.name('ctl')} of leader pid "
-                    f"{handle.owner_pid}, which is gone: its leader removed the names once "
-                    f"its own ranks had mapped them, so the store is another job's (two jobs "
-                    f"on this host with one MASTER_ADDR:MASTER_PORT share a store). Give each "
-                    f"job its own port (MASTER_PORT, torchrun --master-port / "
-                    f"--rdzv-endpoint)") from e
+                    f"{what}: the group's store names host arena {handle.name('ctl')} of "
+                    f"leader pid {handle.owner_pid}, which is gone: its leader removed the "
+                    f"names once its own ranks had mapped them, so another job's rank 0 "
+                    f"admitted this rank: {SHARED_STORE_FIX}") from e
         # every segment mapped while the names exist (the outer state too, which an
         # outer optimizer in the reduce grows later through its open descriptor)
         arena.map_every_segment()
@@ -220,7 +195,7 @@ def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
             arena.close()
         raise
     pids = {r: int(store.get(f"pid/{r}")) for r in local if r != rank}
-    watch = PeerWatch(pids, f"flodl_shm process group (rank {rank} of {world})", local)
+    watch = PeerWatch(pids, what, local)
     comm = Comm(arena, topo.local_rank, global_rank=rank, world_size=len(local),
                 timeout=timeout.total_seconds(), liveness=watch)
     leaders = None
