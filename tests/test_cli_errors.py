@@ -54,8 +54,25 @@ def test_demo_with_a_missing_secret_file_is_a_usage_error(tmp_path):
                 "--secret-file", "missing.hex", "--no-progress"], tmp_path)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
-    assert "--secret-file: cannot read the session secret file missing.hex" in r.stderr
+    assert "--secret-file: the session secret file missing.hex does not exist" in r.stderr
     assert "--new-secret missing.hex" in r.stderr  # the fix
+
+
+def test_a_secret_file_that_is_a_folder_is_not_offered_to_be_overwritten(tmp_path):
+    """It suggested `--new-secret <the folder>`, which cannot write there."""
+    from flodl_shm.cluster.secret import read_secret_file
+
+    with pytest.raises(ValueError, match=rf"the session secret file {tmp_path} is a folder; "
+                                         rf"give the file in it, or create one with .*"
+                                         rf"--new-secret {tmp_path / 'secret.hex'}`"):
+        read_secret_file(tmp_path)
+
+
+def test_controller_usage_shows_its_required_options(tmp_path):
+    r = _flodl(["controller", "--help"], tmp_path, timeout=60)
+    assert r.returncode == 0
+    assert "controller --bind HOST:PORT --world-size N --secret-file FILE [options]" in r.stdout
+    assert "controller --new-secret FILE" in r.stdout
 
 
 def test_demo_resume_without_a_checkpoint_is_refused_before_anything_starts(tmp_path):
@@ -124,7 +141,24 @@ def test_demo_with_a_controller_address_without_port_is_a_usage_error(tmp_path, 
                 "--secret-file", str(secret), "--no-progress"], tmp_path)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
-    assert "--controller '127.0.0.1' must be HOST:PORT" in r.stderr
+    assert ("--controller: address '127.0.0.1' must be 'host:port' or a (host, port) tuple; "
+            "e.g. 127.0.0.1:29500") in r.stderr
+
+
+@pytest.mark.parametrize("addr, says", [
+    ("127.0.0.1:99999", "--controller: address '127.0.0.1:99999': port 99999 is outside "
+                        "0-65535"),
+    ("127.0.0.1:0", "--controller '127.0.0.1:0': port 0 names no controller; give the port it "
+                    "listens on (its --port)"),
+])
+def test_demo_with_a_controller_port_out_of_range_says_so(addr, says, secret, capsys):
+    """Both said "must be HOST:PORT", which they were."""
+    from flodl_shm.cli.demo import parse_args
+
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--controller", addr, "--world-size", "4", "--secret-file", str(secret)])
+    assert info.value.code == 2
+    assert says in capsys.readouterr().err
 
 
 @pytest.mark.timeout(240)

@@ -180,7 +180,8 @@ def test_parse_size(text, n):
 
 @pytest.mark.parametrize("text, word", [
     ("727M", "ambiguous: write MiB"), ("1.5G", "ambiguous"), ("3 parsecs", "unknown suffix"),
-    ("MiB", "not a number"), ("0.3B", "whole number"),
+    ("MiB", "not a number"), ("0.3B", "whole number"), ("-5MiB", "is negative"),
+    ("99999999999999999999TiB", r"is 1\.10e\+32, over the limit of 4\.61e\+18 \(2\^62\)"),
 ])
 def test_parse_size_errors_name_the_text_and_the_suffixes(text, word):
     with pytest.raises(ValueError, match=word) as e:
@@ -199,6 +200,12 @@ def test_parse_count_errors():
         parse_count("190MiB")
     with pytest.raises(ValueError, match="count '1.5' is not a whole number"):
         parse_count("1.5")
+    with pytest.raises(ValueError, match="count '-5' is negative; give a positive number"):
+        parse_count("-5")
+    with pytest.raises(ValueError, match="count '9e9B' has an unknown suffix"):
+        parse_count("9e9B")
+    with pytest.raises(ValueError, match="over the limit"):
+        parse_count("99999999999B")
 
 
 def test_usage_errors_exit_2_with_the_reason(capsys):

@@ -93,13 +93,18 @@ def _first_interrupt_only() -> tuple[list, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=f"{invoked_as()} controller",
-                                 description="Serve a multi-host flodl_shm cohort.")
-    ap.add_argument("--bind", help="HOST:PORT to listen on (port 0: any)")
-    ap.add_argument("--world-size", type=int, help="ranks in the whole cohort")
-    ap.add_argument("--secret-file",
-                    help="file holding the 32-hex-digit session secret (make one with "
-                         "`python -m flodl_shm controller --new-secret FILE`)")
+    prog = f"{invoked_as()} controller"
+    ap = argparse.ArgumentParser(
+        prog=prog, description="Serve a multi-host flodl_shm cohort.",
+        usage=f"{prog} --bind HOST:PORT --world-size N --secret-file FILE [options]\n"
+              f"       {prog} --new-secret FILE")
+    ap.add_argument("--bind", metavar="HOST:PORT",
+                    help="required: HOST:PORT to listen on (port 0: any)")
+    ap.add_argument("--world-size", type=int, metavar="N",
+                    help="required: ranks in the whole cohort")
+    ap.add_argument("--secret-file", metavar="FILE",
+                    help="required: file holding the 32-hex-digit session secret (make one "
+                         "with `python -m flodl_shm controller --new-secret FILE`)")
     ap.add_argument("--new-secret", metavar="FILE",
                     help="write a fresh random session secret to FILE (mode 0600) and exit")
     ap.add_argument("--round-timeout", type=float, default=DEFAULT_ROUND_TIMEOUT,

@@ -531,10 +531,13 @@ def _check(cfg: DemoConfig) -> list[str]:
         from flodl_shm.cluster.secret import read_secret_file
 
         try:
-            parse_addr(cfg.controller)
-        except ValueError:
-            out.append(f"--controller {cfg.controller!r} must be HOST:PORT, e.g. "
-                       "127.0.0.1:29500")
+            port = parse_addr(cfg.controller)[1]
+        except ValueError as e:
+            out.append(f"--controller: {e}; e.g. 127.0.0.1:29500")
+        else:
+            if port == 0:
+                out.append(f"--controller {cfg.controller!r}: port 0 names no controller; "
+                           f"give the port it listens on (its --port), e.g. 127.0.0.1:29500")
         if cfg.secret_file is not None:
             try:
                 read_secret_file(cfg.secret_file)

@@ -58,8 +58,15 @@ SIZE_UNITS = {
 COUNT_UNITS = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "b": 10 ** 9}
 
 
+# 2^62 bytes (4 EiB) or parameters: far past any host, and every figure the report derives
+# from it still fits the 64-bit arithmetic of the arena's layout
+MAX_SCALED = 1 << 62
+
+
 def _split_number(text: str, what: str) -> tuple[Decimal, str]:
     s = str(text).strip().replace("_", "")
+    if s.startswith("-"):
+        raise ValueError(f"{what} {text!r} is negative; give a positive number")
     i = 0
     while i < len(s) and (s[i].isdigit() or s[i] == "."):
         i += 1
@@ -80,6 +87,9 @@ def _scaled(text: str, what: str, units: dict[str, int], accepted: str,
     n = value * mult
     if n != n.to_integral_value():
         raise ValueError(f"{what} {text!r} is not a whole number ({n})")
+    if n > MAX_SCALED:
+        raise ValueError(f"{what} {text!r} is {n:.3g}, over the limit of {MAX_SCALED:.3g} "
+                         f"(2^62); give the model's real size")
     return int(n)
 
 

@@ -34,9 +34,16 @@ def read_secret_file(path: str | os.PathLike) -> bytes:
     p = Path(path)
     try:
         text = p.read_text()
+    except IsADirectoryError:
+        raise ValueError(f"the session secret file {p} is a folder; give the file in it, or "
+                         f"create one with `python -m flodl_shm controller --new-secret "
+                         f"{p / 'secret.hex'}`") from None
+    except FileNotFoundError:
+        raise ValueError(f"the session secret file {p} does not exist; create one with "
+                         f"`python -m flodl_shm controller --new-secret {p}` and copy it to "
+                         f"every host") from None
     except OSError as e:
-        raise ValueError(f"cannot read the session secret file {p}: {e}; create one with "
-                         f"`python -m flodl_shm controller --new-secret {p}`") from None
+        raise ValueError(f"cannot read the session secret file {p}: {e}") from None
     try:
         return parse_secret(text)
     except ValueError as e:
