@@ -166,6 +166,17 @@ def test_the_table_tells_the_same_story(tmp_path, capsys):
         assert text in out, text
 
 
+
+def test_without_a_model_size_the_verdict_says_it_judged_an_empty_model(tmp_path, capsys):
+    """It said "fits", as if the host had been checked for a model."""
+    root = fake_host(tmp_path, limit=2 * GB, usage=512 * MB)
+    code = main(["--root", str(root), "--shm-size", "64MiB"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.rstrip().splitlines()[-1] == (
+        "verdict: no model given, so the checks above are for an empty model (exit 0); pass "
+        "--model-bytes SIZE or --params COUNT for a verdict on yours")
+
 # -- inputs -------------------------------------------------------------------------
 
 

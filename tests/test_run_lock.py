@@ -9,6 +9,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -118,13 +119,16 @@ def test_a_second_demo_on_one_run_dir_is_a_usage_error(tmp_path, capsys):
     run_dir = tmp_path / "demo"
     holder = Holder(run_dir / "ckpt")
     try:
-        with pytest.raises(SystemExit, match=rf"--run-dir {run_dir} is in use by another run "
-                                             rf"\(pid {holder.proc.pid}.*another --run-dir"):
+        with pytest.raises(SystemExit) as info:
             run_demo(DemoConfig(run_dir=os.fspath(run_dir), overwrite=True, plot=False,
                                 progress=False))
     finally:
         holder.release()
-    assert capsys.readouterr().out == ""  # refused before its banner
+    assert info.value.code == 2  # as the other usage errors (it was 1)
+    out = capsys.readouterr()
+    assert re.search(rf"--run-dir {run_dir} is in use by another run \(pid {holder.proc.pid}"
+                     rf".*another --run-dir", out.err), out.err
+    assert out.out == ""  # refused before its banner
     assert not run_dir.exists()  # the holder made it empty and took it away: nothing written
 
 
@@ -231,10 +235,15 @@ def test_a_demo_host_of_the_same_cluster_shares_the_folder(tmp_path, capsys):
                           first_rank=2, secret_file=os.fspath(secret_file), plot=False,
                           progress=False, timeout=5.0)
 
+    def refused(cfg) -> None:
+        with pytest.raises(SystemExit) as info:
+            run_demo(cfg)
+        out = capsys.readouterr()
+        assert info.value.code == 2 and "in use by another run" in out.err, out.err
+        assert out.out == ""  # before its banner
+
     try:
-        with pytest.raises(SystemExit, match="in use by another run"):
-            run_demo(host(other))
-        assert capsys.readouterr().out == ""
+        refused(host(other))
         with pytest.raises(ConnectionError, match="connect to"):
             run_demo(host(secret))
         assert "ranks 2-3 of 4" in capsys.readouterr().out  # past the lock
@@ -245,9 +254,7 @@ def test_a_demo_host_of_the_same_cluster_shares_the_folder(tmp_path, capsys):
     holder = Holder(run_dir / "ckpt", job=cluster_job(read_secret_file(os.fspath(secret)),
                                                      controller), member=2)
     try:
-        with pytest.raises(SystemExit, match="in use by another run"):
-            run_demo(dataclasses.replace(host(secret), overwrite=True))
-        assert capsys.readouterr().out == ""
+        refused(dataclasses.replace(host(secret), overwrite=True))
     finally:
         holder.release()
 

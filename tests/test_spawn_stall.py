@@ -7,6 +7,7 @@ process outlived it.
 """
 from __future__ import annotations
 
+import logging
 import signal
 import time
 
@@ -91,12 +92,18 @@ def test_hung_rank_is_fenced_not_the_ranks_waiting_for_it(tmp_path, max_failures
     assert record.rank == 2 and "round 2 stalled" in record.error
 
 
-def test_hung_rank_beyond_max_failures_raises_reduce_stall_naming_it():
+def test_hung_rank_beyond_max_failures_raises_reduce_stall_naming_it(caplog):
     """Without a failure budget the run stops with a ``ReduceStall`` (``except
-    ReduceStall`` catches it) naming the round and the rank that never arrived."""
-    with pytest.raises(ReduceStall) as info:
-        spawn(hang_before_round, 3, (2, 2, 4), timeout=TIMEOUT)
+    ReduceStall`` catches it) naming the round and the rank that never arrived. The
+    launcher's log says it in one line; the explanation is the exception's (it was said
+    twice)."""
+    with caplog.at_level(logging.ERROR, logger="flodl_shm"):
+        with pytest.raises(ReduceStall) as info:
+            spawn(hang_before_round, 3, (2, 2, 4), timeout=TIMEOUT)
     err = info.value
+    [line] = [r.getMessage() for r in caplog.records if "stalled" in r.getMessage()]
+    assert line.startswith("round 2 stalled on rank(s) [2], killed by the launcher; ")
+    assert line.endswith(": stopping the cohort") and "waited for" not in line
     assert isinstance(err, RankStalled) and isinstance(err, RankFailed)
     assert err.round == 2 and err.missing == (2,) and err.timeout == TIMEOUT
     assert err.rank == 2 and err.signal == "SIGKILL"

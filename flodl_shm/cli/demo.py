@@ -655,10 +655,10 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         with RunLock(cfg.save_path, job, member):
             return _run_demo(cfg)
     except SeriesInUse as e:
-        raise SystemExit(
-            f"{_prog()}: error: --run-dir {cfg.run_dir} is in use by another run ({e.holder}); "
-            f"two runs in one folder would overwrite each other's checkpoints. Wait for it "
-            f"to end, or pass another --run-dir") from None
+        print(f"{_prog()}: error: --run-dir {cfg.run_dir} is in use by another run "
+              f"({e.holder}); two runs in one folder would overwrite each other's "
+              f"checkpoints. Wait for it to end, or pass another --run-dir", file=sys.stderr)
+        raise SystemExit(2) from None  # a usage error, as parse_args' refusals
 
 
 def _resume_problems(cfg: DemoConfig, ckpt: Path) -> list[str]:

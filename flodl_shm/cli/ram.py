@@ -316,7 +316,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     report = {
         "ok": ok,
         "checks": [asdict(c) for c in checks],
-        "inputs": {"params": params, "model_bytes": staging, "local_ranks": a.local_ranks,
+        "inputs": {"params": params, "model_bytes": staging,
+                   "model_given": a.params is not None or a.model_bytes is not None,
+                   "local_ranks": a.local_ranks,
                    "wire": a.wire, "train_bytes": a.train_bytes, "root": str(root),
                    "shm_dir": str(shm_dir)},
         "needs": {
@@ -423,6 +425,9 @@ def render(report: dict, mem: HostMemory, segments: Sequence[SegmentInfo],
     failed = [c["name"] for c in report["checks"] if c["required"] and not c["ok"]]
     if failed:
         out.append(f"verdict: does NOT fit ({', '.join(failed)} failed; exit 1)")
+    elif not inp.get("model_given", True):
+        out.append("verdict: no model given, so the checks above are for an empty model (exit "
+                   "0); pass --model-bytes SIZE or --params COUNT for a verdict on yours")
     elif inp["train_bytes"]:
         out.append(f"verdict: fits (exit 0), counting {fmt_bytes(inp['train_bytes'])} per rank "
                    f"of training memory (--train-bytes)")

@@ -481,8 +481,9 @@ class SpawnContext:
                 self._stalled[r] = why
             if fatal and self._failure is None:
                 self._failure = stall
-        if fatal:
-            logger.error("%s; %s: stopping the cohort", why,
+        if fatal:  # the whole story is the RankStalled that spawn raises: one line here
+            logger.error("round %d stalled on rank(s) %s, killed by the launcher; %s: "
+                         "stopping the cohort", rnd, list(missing),
                          self._why_stop(used + len(culprits)))
         else:
             logger.warning("%s; fencing them and %s", why,
