@@ -253,3 +253,12 @@ def check_int(name: str, value, minimum: int, *, optional: bool = False,
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{prefix}{name} must be an int >= {minimum}"
                          f"{' or None' if optional else ''}, got {value!r}")
+
+
+def check_flag(name: str, value) -> None:
+    """``TypeError`` naming ``name`` unless ``value`` is True or False (numpy's too): a
+    string from a config file such as ``"False"`` would otherwise count as true."""
+    import numpy as np
+
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")

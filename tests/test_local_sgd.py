@@ -372,6 +372,20 @@ def test_errors_name_the_value_and_the_fix():
                      outer=torch.optim.SGD(other.parameters(), lr=0.1))
         with pytest.raises(ValueError, match="is on meta; LocalSGD averages CPU tensors"):
             LocalSGD(torch.nn.Linear(2, 2, device="meta"), sync_every=2, comm=comm)
+        # arguments that were taken for true, or failed deep inside (a user probe)
+        for kwargs, error, says in [
+            ({"bf16_wire": "False"}, TypeError, "bf16_wire must be True or False, got 'False'"),
+            ({"drift": "no"}, TypeError, "drift must be True or False, got 'no'"),
+            ({"gamma": "1"}, TypeError, "gamma must be a real number, got '1'"),
+            ({"sync_every": 10 ** 30, "cadence": "elche"}, ValueError,
+             r"sync_every must be at most 4294967295 \(2\^32 - 1\) steps"),
+            ({"comm": "x"}, TypeError, "comm must be None .* got str"),
+            ({"comm": cohort}, TypeError, "comm must be None .* got FakeCohort"),
+        ]:
+            with pytest.raises(error, match=says):
+                LocalSGD(make_model(0), **{"sync_every": 2, "comm": comm, **kwargs})
+        with pytest.raises(TypeError, match="OuterNesterov lr must be a number, got '0.7'"):
+            flodl_shm.DiLoCo(make_model(0), sync_every=2, comm=comm, outer_lr="0.7")
         sgd = LocalSGD(make_model(0), sync_every=4, comm=comm)
         with pytest.raises(ValueError, match="samples must be an int >= 0"):
             sgd.step(samples=-1)
@@ -787,3 +801,64 @@ def test_a_folder_given_as_the_stem_is_refused_before_anything_is_written(tmp_pa
     with pytest.raises(ValueError, match=r"checkpoints is a folder"):
         flodl_shm.Trainer(make_model, torch.optim.SGD, (torch.zeros(4, 6), torch.zeros(4)),
                           torch.nn.functional.mse_loss, save_path=folder)
+
+
+class _WithRunningMean(torch.nn.Module):
+    """A float buffer registered with persistent=False (averaged, but not in the model's
+    state_dict) and an integer one, both changed by every forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+        self.register_buffer("ema", torch.zeros(4), persistent=False)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64), persistent=False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(0.1 * x.mean(0))
+            self.calls += 1
+        return self.lin(x - self.ema)
+
+
+def test_a_state_restores_the_buffers_the_models_state_dict_leaves_out():
+    """A resume from a full-state bundle left persistent=False buffers at their fresh
+    values (the model's state_dict does not hold them), so the resumed run differed."""
+    with FakeCohort(1) as cohort:
+        def body(comm):
+            model = _WithRunningMean()
+            sgd = LocalSGD(model, sync_every=2, comm=comm)
+            for k in range(3):
+                model(torch.full((2, 4), float(k + 1)))
+                sgd.step(samples=2)
+            state = sgd.state_dict()
+            fresh = _WithRunningMean()
+            LocalSGD(fresh, sync_every=2, comm=comm).load_state_dict(state)
+            other = torch.nn.Module()  # a model without them: refused, naming them
+            other.lin = torch.nn.Linear(4, 2)
+            other.register_buffer("ema", torch.zeros(5), persistent=False)
+            with pytest.raises(ValueError, match=r"non-persistent buffer\(s\) ema \(saved \(4,\) "
+                                                 r"torch.float32, model \(5,\) torch.float32\); "
+                                                 r"calls \(saved \(\) torch.int64, model has "
+                                                 r"none\)"):
+                LocalSGD(other, sync_every=2, comm=comm).load_state_dict(state)
+            return model, fresh
+
+        [(model, fresh)] = cohort.run(body)
+    assert int(model.calls) == 3 and float(model.ema[0]) != 0.0
+    assert torch.equal(fresh.ema, model.ema) and torch.equal(fresh.calls, model.calls)
+
+
+def test_a_guard_or_cadence_factory_of_the_wrong_kind_is_refused_at_construction():
+    """guard="trend" failed at the second sync (AttributeError: no check); a factory
+    returning an int failed deep in ElChe's first use."""
+    with FakeCohort(2) as cohort:
+        def body(comm):
+            with pytest.raises(TypeError, match="guard must be a convergence guard .* got "
+                                                "'trend'"):
+                LocalSGD(make_model(0), sync_every=2, comm=comm, cadence="elche", guard="trend")
+            with pytest.raises(TypeError, match="the cadence factory must return an ElChe for "
+                                                "world_size 2, got int"):
+                LocalSGD(make_model(0), sync_every=2, comm=comm, cadence=lambda ws: 5)
+            return True
+
+        assert cohort.run(body) == [True, True]

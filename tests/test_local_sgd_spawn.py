@@ -525,3 +525,23 @@ def test_state_dict_round_trip_restores_elche_outer_and_inner_state():
     out = flodl_shm.spawn(_elche_round_trip, 2)
     assert out == [(True, True, True, True, 5, True)] * 2
     assert_no_leaks()
+
+
+def _plain_local_sgd(ctx):
+    flodl_shm.LocalSGD(make_model(), sync_every=2, comm=ctx.comm)
+    return "built"
+
+
+def test_local_sgd_across_hosts_refuses_a_controller_that_steps_an_outer_optimizer():
+    """LocalSGD across hosts steps its outer optimizer on every rank; a controller run
+    with --outer nesterov was silently ignored (plain averaging, no message)."""
+    from cluster_util import run_hosts
+
+    out, errors, _ = run_hosts(_plain_local_sgd, [1, 1],
+                               controller_kwargs={"outer": flodl_shm.OuterNesterov(0.7, 0.9)})
+    assert len(errors) == 2, (out, errors)
+    for err in errors.values() if isinstance(errors, dict) else errors:
+        assert "the controller steps OuterNesterov(lr=0.7, momentum=0.9), but LocalSGD across " \
+               "hosts steps its outer optimizer on every rank (outer=None)" in str(err), err
+        assert "Restart the controller without --outer nesterov" in str(err)
+    assert_no_leaks(10)

@@ -67,3 +67,38 @@ def _nesterov_first_step(prev: torch.Tensor, consensus: torch.Tensor, *, lr: flo
     out, momentum = np.empty_like(p), np.empty_like(p)
     nesterov_step_flat(p, c, momentum, lr, mu, True, out)
     return torch.from_numpy(out).reshape(prev.shape)
+
+
+GROUPS = """
+import sys, torch, torch.distributed as dist
+import flodl_shm
+port, backend = sys.argv[1], sys.argv[2]
+dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+model = torch.nn.Linear(3, 2)
+for comm in (None, dist.group.WORLD, dist.new_group([0], backend="flodl_shm")):
+    sgd = flodl_shm.LocalSGD(model, sync_every=1, comm=comm)
+    print("synced", sgd.step(samples=1), sgd.sync_round)
+try:
+    flodl_shm.LocalSGD(model, sync_every=1, comm=dist.new_group([0], backend="gloo"))
+except ValueError as e:
+    print("refused:", e)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("backend", ["flodl_shm", "cpu:flodl_shm,cuda:nccl"])
+def test_local_sgd_takes_a_process_group_and_the_mixed_device_backend_string(backend):
+    """The mixed-device string docs/c10d.md recommends was refused by comm=None, and a
+    process group passed as comm failed with "int() argument must be ... not 'method'"."""
+    from c10d_driver import free_port
+
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1")
+    env.pop("FLODL_SHM_HOST", None)
+    out = subprocess.run([sys.executable, "-c", GROUPS, str(free_port()), backend], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "synced True 1", "synced True 1", "synced True 1",
+        "refused: LocalSGD(comm=<a process group>) needs the process group to use the "
+        "'flodl_shm' backend for CPU tensors, got 'gloo': init_process_group('flodl_shm') (or "
+        "'cpu:flodl_shm,cuda:nccl'), or pass comm=ctx.comm under flodl_shm.spawn"]

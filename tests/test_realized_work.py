@@ -28,13 +28,17 @@ def test_gamma_general_is_power():
     assert gamma_mass(4, -1.0) == 0.25
     assert gamma_mass(5, 0.0) == 1.0  # unweighted average over movers
     assert math.isclose(gamma_mass(10, 0.3), 10 ** 0.3, rel_tol=0, abs_tol=0)
+    assert gamma_mass(2 ** 64, 1.0) == 2.0 ** 64  # the largest work mass
 
 
 @pytest.mark.parametrize("n, gamma", [(100, 20.0), (10_000, -10.0), (10 ** 6, 100.0),
-                                      (10 ** 40, 1.0), (float("inf"), 1.0)])
+                                      (10 ** 40, 1.0), (float("inf"), 1.0), (6000, 10.0),
+                                      (3 * 10 ** 38, 1.0), (2 ** 64 + 2 ** 20, 1.0)])
 def test_a_mass_no_round_can_carry_is_refused_naming_n_and_gamma(n, gamma):
     """n**gamma outside float32's normal range would make every rank's consensus inf
-    or NaN (the round's divisor 1/Σw, or the scale w, is not a finite float32)."""
+    or NaN (the round's divisor 1/Σw, or the scale w, is not a finite float32); above
+    2^64 the float32 sum of w·T overflows for ordinary parameters (6000**10 = 6e37, under
+    float32's largest, turned weights of 100 into inf silently)."""
     with pytest.raises(ValueError, match=rf"n\*\*gamma = {n}\*\*{gamma:g} = .* outside"):
         gamma_mass(n, gamma)
 

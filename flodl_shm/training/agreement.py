@@ -26,8 +26,8 @@ from typing import Any, Optional
 from ..cluster.control import outer_fields
 from ..errors import StartRefused
 
-__all__ = ["check_controller_outer", "check_same_model", "check_same_settings", "check_same_start",
-           "digest24", "outer_settings"]
+__all__ = ["check_controller_outer", "check_controller_steps_none", "check_same_model",
+           "check_same_settings", "check_same_start", "digest24", "outer_settings"]
 
 
 def digest24(value: Any) -> int:
@@ -194,6 +194,27 @@ def check_controller_outer(comm, outer, start_round: Optional[int],
                        f"holds {have}: restart the controller with --outer-state naming its "
                        f"copy of {outer_name}, the momentum saved with that round, so the "
                        f"outer optimizer continues where the hosts do")
+
+
+def check_controller_steps_none(comm, outer) -> None:
+    """On a cluster whose ranks step their outer optimizer themselves (LocalSGD across
+    hosts: no round asks the controller to step one), the controller must step none.
+    Call it after a cross-host round.
+
+    Raises:
+        StartRefused: on every rank, naming the controller's outer optimizer and the fix.
+    """
+    held = comm.controller_outer()
+    if held is None or held["kind"] == "none":
+        return
+    theirs = f"OuterNesterov(lr={held['lr']:g}, momentum={held['momentum']:g})"
+    mine = "outer=None" if outer is None else type(outer).__name__
+    raise StartRefused(
+        f"the controller steps {theirs}, but LocalSGD across hosts steps its outer optimizer "
+        f"on every rank ({mine}) and never asks the controller to: its --outer nesterov "
+        f"would be silently ignored. Restart the controller without --outer nesterov, and "
+        f"build LocalSGD with the outer optimizer you want (outer=OuterNesterov(...), or "
+        f"DiLoCo)")
 
 
 def _check_controller_steps(held: Optional[dict], outer) -> None:

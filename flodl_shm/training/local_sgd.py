@@ -65,6 +65,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import numbers
 import os
 import random
 import time
@@ -75,11 +76,13 @@ import numpy as np
 import torch
 
 from ..checkpoint._atomic import atomic_write
-from ..errors import SchemaMismatchError, SeriesInUse, ShmSpaceError
+from ..engine.comm import Comm
+from ..errors import SchemaMismatchError, SeriesInUse, ShmSpaceError, check_flag
 from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, ElCheState, ModelSchema,
                                SaveReason, averaged_buffers)
 from ..frame import DTYPE_F32, tensors_to_round_frame
-from .agreement import check_same_model, check_same_settings, check_same_start, outer_settings
+from .agreement import (check_controller_steps_none, check_same_model, check_same_settings,
+                        check_same_start, outer_settings)
 from .convergence import TrendGuard
 from .el_che import ElChe
 from .inner_state import check_optimizer_state, read_rank_state, restore_inner
@@ -93,6 +96,8 @@ __all__ = ["DiLoCo", "LocalSGD", "SyncInfo", "rank_state_path"]
 
 #: Format tag of ``LocalSGD.state_dict()`` (and of the ``.rank<N>.optim`` files).
 STATE_FORMAT = "flodl_shm.LocalSGD/1"
+#: the longest window sync_every asks for (checkpoint metadata holds it as an integer)
+MAX_SYNC_EVERY = 2 ** 32 - 1
 
 # rows of ElChe's numbers (a report in the params round on one host, else a control gather)
 _G_STEPS, _G_COMPUTE_MS, _G_PRESENT, _G_PREV_SYNC_MS, _G_PREV_DIVERGENCE = range(5)
@@ -140,39 +145,60 @@ class SyncInfo(NamedTuple):
         return None if self.report_rows is None else np.array(self.report_rows, np.float64)
 
 
-def _default_comm():
-    """The engine ``Comm`` of the default torch.distributed process group, which must be
-    a single-host "flodl_shm" group."""
+def _resolve_comm(comm):
+    """The engine ``Comm`` LocalSGD runs on: ``comm`` itself (``ctx.comm`` under
+    ``flodl_shm.spawn``), the one of a torch.distributed process group whose CPU backend
+    is "flodl_shm" (``None``: the default group), or a TypeError naming what was given."""
+    if isinstance(comm, Comm):
+        return comm
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "LocalSGD(comm=None) uses the default torch.distributed process group, but none "
-            "is initialized: call torch.distributed.init_process_group('flodl_shm', ...) "
-            "first (torchrun), or pass comm=ctx.comm in a function run by flodl_shm.spawn")
-    backend = dist.get_backend()
-    if backend != "flodl_shm":
+    if comm is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "LocalSGD(comm=None) uses the default torch.distributed process group, but "
+                "none is initialized: call torch.distributed.init_process_group('flodl_shm', "
+                "...) first (torchrun), or pass comm=ctx.comm in a function run by "
+                "flodl_shm.spawn")
+        return _group_comm(dist.distributed_c10d._get_default_group(), "the default process "
+                           "group", "comm=None")
+    if dist.is_available() and isinstance(comm, dist.ProcessGroup):
+        return _group_comm(comm, "the process group", "comm=<a process group>")
+    hint = (" (pass ctx.comm, the context's Comm, not the context)"
+            if hasattr(comm, "comm") and hasattr(comm, "local_rank") else "")
+    raise TypeError(f"comm must be None (the default process group), a torch.distributed "
+                    f"process group of the 'flodl_shm' backend, or ctx.comm under "
+                    f"flodl_shm.spawn; got {type(comm).__name__}{hint}")
+
+
+def _group_comm(group, what: str, given: str):
+    """The engine ``Comm`` of a single-host process group whose CPU backend is
+    "flodl_shm" (``init_process_group("flodl_shm")`` or ``"cpu:flodl_shm,cuda:nccl"``)."""
+    import torch.distributed as dist
+
+    backend = dist.get_backend(group)
+    if backend != "flodl_shm" and "cpu:flodl_shm" not in backend.split(","):
         raise ValueError(
-            f"LocalSGD(comm=None) needs the default process group to use the 'flodl_shm' "
-            f"backend, got {backend!r}: init_process_group('flodl_shm', ...), or pass "
-            f"comm=ctx.comm under flodl_shm.spawn")
-    group = dist.distributed_c10d._get_default_group()
-    if not hasattr(group, "comm"):
+            f"LocalSGD({given}) needs {what} to use the 'flodl_shm' backend for CPU tensors, "
+            f"got {backend!r}: init_process_group('flodl_shm') (or "
+            f"'cpu:flodl_shm,cuda:nccl'), or pass comm=ctx.comm under flodl_shm.spawn")
+    engine = group
+    if not hasattr(engine, "comm"):
         try:
-            group = group._get_backend(torch.device("cpu"))
+            engine = group._get_backend(torch.device("cpu"))
         except Exception:  # noqa: BLE001 - reported below with what to do
             pass
-    if not hasattr(group, "comm"):
+    if not hasattr(engine, "comm"):
         raise RuntimeError(
-            f"the default 'flodl_shm' process group ({type(group).__name__}) does not expose "
-            f"its engine Comm; pass comm=ctx.comm under flodl_shm.spawn")
-    hosts = len(group.topology.hosts)
+            f"{what}'s 'flodl_shm' backend ({type(engine).__name__}) does not expose its "
+            f"engine Comm; pass comm=ctx.comm under flodl_shm.spawn")
+    hosts = len(engine.topology.hosts)
     if hosts != 1:
         raise ValueError(
-            f"LocalSGD(comm=None) averages through the host's shared memory, but the default "
-            f"process group spans {hosts} hosts; for several hosts run the ranks with "
+            f"LocalSGD({given}) averages through the host's shared memory, but {what} "
+            f"spans {hosts} hosts; for several hosts run the ranks with "
             f"flodl_shm.spawn(..., controller='host:port') and pass comm=ctx.comm")
-    return group.comm
+    return engine.comm
 
 
 def _check_averaged(name: str, t: torch.Tensor) -> None:
@@ -194,9 +220,9 @@ class LocalSGD:
             rank's initial steps per window (ElChe's anchor). ``None`` (fixed cadence
             only): ``step()`` never syncs; every rank calls ``sync()`` at the windows
             the caller decides (the Trainer's coordinator does).
-        comm: this rank's ``Comm`` (``ctx.comm`` under ``flodl_shm.spawn``); ``None`` takes
-            the default torch.distributed process group, which must be a "flodl_shm"
-            group.
+        comm: this rank's ``Comm`` (``ctx.comm`` under ``flodl_shm.spawn``), or a
+            torch.distributed process group whose CPU backend is "flodl_shm" (``None``:
+            the default group).
         outer: ``None`` (adopt the consensus), an ``OuterAvg`` / ``OuterNesterov``, or a
             ``torch.optim.Optimizer`` over exactly ``model.parameters()``.
         bf16_wire: send the model frames as bfloat16 (half the bytes; sums in float32).
@@ -238,12 +264,23 @@ class LocalSGD:
         elif not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1 (or None: sync only when "
                              f"sync() is called), got {sync_every!r}")
+        elif sync_every > MAX_SYNC_EVERY:
+            raise ValueError(f"sync_every must be at most {MAX_SYNC_EVERY} (2^32 - 1) steps, "
+                             f"got {sync_every}; for a window that ends only when you say, "
+                             f"pass sync_every=None and call sync()")
+        if not isinstance(gamma, numbers.Real) or isinstance(gamma, bool):
+            raise TypeError(f"gamma must be a real number, got {gamma!r}")
         if not math.isfinite(gamma):
             raise ValueError(f"gamma must be finite, got {gamma!r}")
+        check_flag("bf16_wire", bf16_wire)
+        check_flag("drift", drift)
+        if guard is not None and not callable(getattr(guard, "check", None)):
+            raise TypeError(f"guard must be a convergence guard (TrendGuard(), or an object "
+                            f"with its check method), got {guard!r}")
         if not (cadence in ("fixed", "elche") or isinstance(cadence, ElChe) or callable(cadence)):
             raise ValueError(f"cadence must be 'fixed', 'elche', an ElChe or a world_size -> "
                              f"ElChe factory, got {cadence!r}")
-        self.comm = _default_comm() if comm is None else comm
+        self.comm = _resolve_comm(comm)
         self.model = model
         self.sync_every = sync_every
         self.gamma = float(gamma)
@@ -288,6 +325,10 @@ class LocalSGD:
                 self.el_che = cadence
             else:
                 self.el_che = cadence(self.world_size)
+                if not isinstance(self.el_che, ElChe):
+                    raise TypeError(f"the cadence factory must return an ElChe for "
+                                    f"world_size {self.world_size}, got "
+                                    f"{type(self.el_che).__name__}")
             if self.el_che.world_size != self.world_size:
                 raise ValueError(f"the ElChe was built for world_size {self.el_che.world_size} "
                                  f"but the cohort has world_size {self.world_size}")
@@ -313,6 +354,8 @@ class LocalSGD:
         self.last_sync: Optional[SyncInfo] = None
         self.live_ranks: tuple = tuple(range(self.world_size))
         self._replica.align_on(self.comm, 0)
+        if self.comm.spans_hosts and not self._round_steps_outer():
+            check_controller_steps_none(self.comm, self.outer)  # (known after that round)
         self._prev_global = ([p.detach().to(torch.float32).clone() for p in self.params]
                              if self._outer_per_rank else None)
         if self._outer_in_reduce:
@@ -610,6 +653,7 @@ class LocalSGD:
                      "momentum": momentum}
         elif self.outer is not None:
             outer = {"kind": "torch", "state": self.outer.state_dict()}
+        model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         return {
             "format": STATE_FORMAT,
             "rank": self.rank,
@@ -621,7 +665,11 @@ class LocalSGD:
                          "samples": self._samples, "target": self._target,
                          "prev_sync_ms": self._prev_sync_ms,
                          "prev_divergence": self._prev_divergence},
-            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "model": model,
+            # buffers registered with persistent=False: not in the model's state_dict, but
+            # they are this rank's state (an averaged float one is in the consensus too)
+            "unsaved_buffers": {k: b.detach().clone() for k, b in self.model.named_buffers()
+                                if k not in model},
             "prev_global": prev_global,
             "outer": outer,
             "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
@@ -657,12 +705,16 @@ class LocalSGD:
         if self.optimizer is not None and state["optimizer"] is not None:
             check_optimizer_state(self.optimizer, state["optimizer"],  # refused up front
                                   f"the LocalSGD state of rank {state['rank']}")
+        unsaved = self._unsaved_buffers(state)  # refused up front too
         try:
             self.model.load_state_dict(state["model"])
         except RuntimeError as e:  # torch's first line names no tensor: say them in one
             lines = [ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()]
             raise ValueError(f"the state of rank {state['rank']} does not fit this model: "
                              + " ".join(lines)) from e
+        with torch.no_grad():
+            for buf, value in unsaved:
+                buf.copy_(value)
         c = state["counters"]
         self.sync_round, self.total_steps = int(c["sync_round"]), int(c["total_steps"])
         self.total_samples, self.realized_mass = int(c["total_samples"]), float(c["realized_mass"])
@@ -697,6 +749,21 @@ class LocalSGD:
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         self._window_t0 = time.perf_counter()
+
+    def _unsaved_buffers(self, state: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(this model's buffer, its saved value) for each ``persistent=False`` buffer in
+        ``state``; a ValueError naming the buffers that do not fit. (A state saved before
+        they were kept has none: they keep their values.)"""
+        mine = dict(self.model.named_buffers())
+        saved = state.get("unsaved_buffers", {})
+        bad = [f"{k} (saved {tuple(v.shape)} {v.dtype}, model "
+               + (f"{tuple(mine[k].shape)} {mine[k].dtype})" if k in mine else "has none)")
+               for k, v in saved.items()
+               if k not in mine or mine[k].shape != v.shape or mine[k].dtype != v.dtype]
+        if bad:
+            raise ValueError(f"the state of rank {state['rank']} does not fit this model: its "
+                             f"non-persistent buffer(s) {'; '.join(bad)}")
+        return [(mine[k], v) for k, v in saved.items()]
 
     def _cadence_resumes(self, state: dict) -> bool:
         """Whether ``state``'s cadence (its ElChe, the window in progress) carries on

@@ -27,6 +27,7 @@ reduces, as the single-host engine does) equals stepping it whole.
 from __future__ import annotations
 
 import logging
+import numbers
 from typing import Optional, Sequence
 
 import numpy as np
@@ -143,6 +144,9 @@ class OuterNesterov(OuterOptimizer):
 
     def __init__(self, lr: float = 0.7, momentum: float = 0.9) -> None:
         for name, value in (("lr", lr), ("momentum", momentum)):
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise TypeError(f"OuterNesterov {name} must be a number, got {value!r}; "
+                                f"DiLoCo's reference is lr=0.7, momentum=0.9")
             if not np.isfinite(value):
                 raise ValueError(
                     f"OuterNesterov {name} must be finite, got {value!r}; "

@@ -28,6 +28,12 @@ import logging
 
 from ..frame import MASS_MAX, MASS_MIN
 
+#: The largest work mass a rank sends: far above any count of samples, and small enough
+#: that wᵣ·Tᵣ and Σ over any cohort stay finite in float32 for parameters under 1e19
+#: (``MASS_MAX``, float32's largest, bounds only the mass itself)
+WORK_MASS_MAX = 2.0 ** 64
+assert WORK_MASS_MAX < MASS_MAX
+
 logger = logging.getLogger("flodl_shm")
 
 __all__ = ["gamma_mass", "is_realized", "mover_mass", "sumcount_reduce"]
@@ -44,9 +50,11 @@ def gamma_mass(n: int, gamma: float) -> float:
       * otherwise ``float(n) ** gamma``. ``gamma = 0`` is an unweighted average
         over the ranks that moved; ``gamma = -1`` makes every step count equally
         across ranks regardless of how many each took.
-      * a mass a round cannot carry (below ``MASS_MIN`` or above ``MASS_MAX``,
-        ``frame.py``: ``100 ** 20``, say) raises ``ValueError`` naming ``n`` and
-        ``gamma``, rather than turning the consensus into inf or NaN.
+      * a mass a round cannot carry (below ``MASS_MIN``, ``frame.py``), or above
+        ``WORK_MASS_MAX`` (2^64: beyond it the float32 sum Σ(wᵣ·Tᵣ) overflows for
+        ordinary values of T, e.g. ``6000 ** 10`` with weights of 100), raises
+        ``ValueError`` naming ``n`` and ``gamma``, rather than turning the consensus
+        into inf or NaN.
 
     Args:
         n: optimizer steps since the last sync (negative counts are treated as
@@ -63,11 +71,12 @@ def gamma_mass(n: int, gamma: float) -> float:
             mass = float(n) ** gamma
         except OverflowError:  # beyond a double: past MASS_MAX too
             mass = float("inf")
-    if not MASS_MIN <= mass <= MASS_MAX:  # NaN fails too
+    if not MASS_MIN <= mass <= WORK_MASS_MAX:  # NaN fails too
         raise ValueError(
-            f"the work mass n**gamma = {n}**{gamma:g} = {mass:g} is outside the masses a "
-            f"float32 round carries ({MASS_MIN:.4g} to {MASS_MAX:.4g}): use a gamma nearer "
-            f"1 (0 weighs every rank that moved equally, -1 every step)")
+            f"the work mass n**gamma = {n}**{gamma:g} = {mass:g} is outside {MASS_MIN:.4g} "
+            f"to {WORK_MASS_MAX:.4g} (2^64), where the float32 sum of weight x parameters "
+            f"stays finite: use a gamma nearer 1 (0 weighs every rank that moved equally, "
+            f"-1 every step)")
     return mass
 
 

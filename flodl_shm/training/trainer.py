@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
-from ..errors import RankFailed, StartRefused, TrainingAborted, check_int, plural
+from ..errors import RankFailed, StartRefused, TrainingAborted, check_flag, check_int, plural
 from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, RankDeathRecord, SaveReason,
                                set_extension)
 from ..checkpoint.series import death_record_path, latest_checkpoint, series_of
@@ -247,6 +247,7 @@ class Trainer:
                              f"factory, got {cadence!r}")
         if not (_is_real(gamma) and math.isfinite(gamma)):
             raise ValueError(f"gamma must be a finite number, got {gamma!r}")
+        check_flag("bf16_wire", bf16_wire)
         self.model_fn = model_fn
         self.optimizer_fn = optimizer_fn
         self.dataset = dataset
