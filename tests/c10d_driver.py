@@ -568,6 +568,25 @@ def sc_peer_dies(rank: int, world: int) -> dict:
             "again_seconds": again_seconds}
 
 
+def sc_peer_leaves(rank: int, world: int) -> dict:
+    """The last rank makes one collective fewer: it returns, so ``run_rank`` destroys its
+    group and it exits 0, while the others are in (or, after C10D_LATE seconds, enter)
+    a collective it never joins: they must raise naming it as gone, not as dead."""
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(8))
+    if rank == world - 1:
+        return {"pid": os.getpid(), "error": None}
+    time.sleep(float(os.environ.get("C10D_LATE", "0")))
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(8))
+        err = None
+    except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+        err = f"{type(e).__name__}: {e}"
+    return {"pid": os.getpid(), "error": err, "seconds": time.monotonic() - t0}
+
+
 def sc_destroy_recreate(rank: int, world: int) -> dict:
     """destroy_process_group, then a second group on the same store address."""
     import torch.distributed as dist

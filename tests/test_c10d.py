@@ -341,6 +341,22 @@ def test_a_dead_peer_makes_the_others_raise_naming_it(tmp_path, victim, direct):
     _no_segments_of(res)
 
 
+@pytest.mark.parametrize("late", ["0", "1.5"], ids=["waiting", "arriving_after"])
+def test_a_peer_that_destroyed_its_group_is_named_as_gone_not_dead(tmp_path, late):
+    """Under torchrun a rank that made one collective fewer, destroyed its group and
+    exited 0 was reported as "died ... restart the job", which would fail the same way."""
+    res = run_group("peer_leaves", 2, tmp_path, extra_env={"C10D_TIMEOUT": "30",
+                                                            "C10D_LATE": late})
+    assert res[1]["returncode"] == 0
+    err = res[0]["error"]
+    assert err is not None and "rank 1" in err and "died" not in err, err
+    assert "every rank must make the same sequence of collective calls" in err, err
+    assert ("already left (it returned from its function, or destroyed its process group)"
+            in err or "destroyed its process group and exited" in err), err
+    assert res[0]["seconds"] < 10
+    _no_segments_of(res)
+
+
 @pytest.mark.slow
 def test_a_dead_host_makes_the_other_hosts_raise_naming_its_leader(tmp_path):
     # rank 2 is alone on host "b" and dies: host "a"'s leader sees the gloo group fail,

@@ -336,6 +336,10 @@ def _load_each(ctx, stem: str, mode: str):
             if ctx.rank == 0:
                 sgd.load(stem)
             sgd.sync()
+        elif mode == "only rank 0 saves":
+            if ctx.rank == 0:
+                sgd.save(stem + "-again")
+            sgd.sync()
         else:
             sgd.load(stem)
     except Exception as e:
@@ -365,6 +369,11 @@ def test_ranks_that_load_different_bundles_or_fail_to_load_all_raise(tmp_path):
                                                      args=(stem, "only rank 0 loads"))
     assert kind0 == kind1 == "SchemaMismatchError"
     assert "load() is a collective" in text0 and "CONTROL round" in text0
+    (kind0, text0), (kind1, text1) = flodl_shm.spawn(_load_each, 2,
+                                                     args=(stem, "only rank 0 saves"))
+    assert kind0 == kind1 == "SchemaMismatchError"  # save() said nothing of the cause
+    assert ("save() is a collective: a rank whose collective differs did not call it (call "
+            "save() on every rank at the same point, not under `if rank == 0`)") in text0
     assert_no_leaks()
 
 

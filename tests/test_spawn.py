@@ -435,7 +435,7 @@ def test_rank_returning_early_is_a_clear_error_not_a_hang():
     with pytest.raises(RankFailed) as info:
         spawn(early_return, 2, timeout=60)
     assert info.value.rank == 0
-    assert "already returned from its function" in info.value.traceback
+    assert "already left (it returned from its function" in info.value.traceback
 
 
 def test_timeout_fails_with_round_and_missing_rank():

@@ -419,7 +419,9 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             return
         link, self._link = self._link, None
         if link is not None:
-            link.close()
+            # a clean leave only from a usable group: a rank whose collective failed (a
+            # timeout, say) exits as a failure, and its peers name the ranks they waited for
+            link.close(leaving=self._unusable is None)
 
     def abort(self) -> None:
         self.shutdown()

@@ -115,15 +115,21 @@ class PeerWatch:
     """The liveness check a waiting rank runs after every sleep slice: raises
     ``PeerDied`` (a ``RuntimeError``) naming the first host peer whose process is gone."""
 
-    def __init__(self, pids: dict[int, int], what: str, host_ranks: tuple[int, ...] = ()
-                 ) -> None:
+    def __init__(self, pids: dict[int, int], what: str, host_ranks: tuple[int, ...] = (),
+                 left=None) -> None:
         self.pids = dict(pids)
         self.what = what
         self.host_ranks = tuple(host_ranks)  # group rank of each local rank, for the waits
+        self.left = left  # group rank -> whether it left the group (Comm.leave)
 
     def __call__(self) -> None:
         for rank, pid in self.pids.items():
             if not pid_alive(pid):
+                if self.left is not None and self.left(rank):
+                    raise RuntimeError(
+                        f"{self.what}: rank {rank} (pid {pid}) destroyed its process group "
+                        f"and exited while this rank waits for it in a collective: every "
+                        f"rank must make the same sequence of collective calls")
                 raise PeerDied(
                     f"{self.what}: rank {rank} (pid {pid}) died; the collective cannot "
                     f"complete. Destroy the process group and restart the job (e.g. "
@@ -141,8 +147,12 @@ class HostLink:
     comm: Comm
     leaders: object | None  # torch.distributed.ProcessGroupGloo
 
-    def close(self) -> None:
-        """Drop this rank's mappings (the names were unlinked at rendezvous)."""
+    def close(self, leaving: bool = True) -> None:
+        """Leave (``leaving``: a host peer still waiting for this rank in a collective is
+        told so, ``Comm.leave``, unless this rank's own collectives failed), then drop
+        this rank's mappings (the names were unlinked at rendezvous)."""
+        if leaving:
+            self.comm.leave()
         self.comm.close()
         self.leaders = None
 
@@ -195,7 +205,12 @@ def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
             arena.close()
         raise
     pids = {r: int(store.get(f"pid/{r}")) for r in local if r != rank}
-    watch = PeerWatch(pids, what, local)
+    ctl = arena.ctl
+
+    def left(r: int) -> bool:
+        return int(ctl[A.rank_base(local.index(r)) + A.R_DEAD]) == A.DEAD_EXITED
+
+    watch = PeerWatch(pids, what, local, left)
     comm = Comm(arena, topo.local_rank, global_rank=rank, world_size=len(local),
                 timeout=timeout.total_seconds(), liveness=watch)
     leaders = None

@@ -1318,6 +1318,21 @@ class Comm:
             self._fail(rnd, e)
             raise
 
+    def leave(self) -> None:
+        """Mark this rank as gone for good, then wake the waiters: a peer still waiting
+        for it in a collective raises naming it (it left; every rank must make the same
+        calls) instead of waiting out its timeout or taking it for dead. For a rank whose
+        process group is destroyed (``spawn``'s supervisor marks its ranks as they
+        return); call it before :meth:`close`. A Comm whose round failed does not
+        leave: its peers see its exit as the failure it is, and name the ranks they
+        waited for."""
+        from .waiting import Doorbell
+
+        if self._broken is not None:
+            return
+        self.arena.ctl[A.rank_base(self.local_rank) + A.R_DEAD] = A.DEAD_EXITED
+        Doorbell(self.arena.ctl).ring()
+
     def close(self) -> None:
         """Release this rank's mappings (the arena's owner unlinks the segments). A
         collective called afterwards raises ``RuntimeError`` (it would run on memory no

@@ -372,9 +372,9 @@ class RoundEngine:
         culprit = int(self._info[RK.I_CULPRIT])
         if code == RK.EXITED:
             return RuntimeError(
-                f"round {rnd}: rank {culprit} already returned from its function while this "
-                f"rank waits for it in a collective: every rank must make the same sequence "
-                f"of collective calls"
+                f"round {rnd}: rank {culprit} already left (it returned from its function, "
+                f"or destroyed its process group) while this rank waits for it in a "
+                f"collective: every rank must make the same sequence of collective calls"
             )
         accepted = [r for r in range(self.world)
                     if self.ctl[A.rank_base(r) + A.R_ARRIVED] >= rnd]

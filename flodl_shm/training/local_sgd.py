@@ -62,6 +62,7 @@ consensus and the outer momentum and restarts the inner state fresh.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -199,6 +200,19 @@ def _group_comm(group, what: str, given: str):
             f"spans {hosts} hosts; for several hosts run the ranks with "
             f"flodl_shm.spawn(..., controller='host:port') and pass comm=ctx.comm")
     return engine.comm
+
+
+@contextlib.contextmanager
+def _as_collective(what: str):
+    """A schema mismatch met in ``what`` (a collective method) re-raised with its likely
+    cause: a rank that did not call it, and met it with another collective."""
+    try:
+        yield
+    except SchemaMismatchError as e:
+        raise SchemaMismatchError(
+            f"{e}\n{what} is a collective: a rank whose collective differs did not call it "
+            f"(call {what} on every rank at the same point, not under `if rank == 0`)"
+        ) from None
 
 
 def _check_averaged(name: str, t: torch.Tensor) -> None:
@@ -849,6 +863,10 @@ class LocalSGD:
             FileExistsError: the series holds another run's bundles (on every rank; at
                 the first save into it, before anything is written).
         """
+        with _as_collective("save()"):
+            return self._save(path, keep, overwrite)
+
+    def _save(self, path, keep: int, overwrite: bool) -> Path:
         if self._steps:
             raise ValueError(
                 f"save() mid-window ({self._steps} steps since the last sync): the replicas "
@@ -1023,14 +1041,10 @@ class LocalSGD:
 
     def _agree_on_start(self, failed: Optional[Exception] = None) -> None:
         """``load()``'s closing round (``check_same_start``)."""
-        try:
+        with _as_collective("load()"):
             check_same_start(self.comm, self.sync_round,
                              "call load() with the same bundle on every rank (on several "
                              "hosts, give every host a copy of it)", failed=failed)
-        except SchemaMismatchError as e:
-            raise SchemaMismatchError(
-                f"{e}\nload() is a collective: a rank whose collective differs did not call "
-                f"it (call load() on every rank, not under `if rank == 0`)") from None
 
     def _load(self, path) -> CheckpointMeta:
         from ..checkpoint.forge import load_consensus_checkpoint, load_outer_momentum
