@@ -1340,6 +1340,9 @@ class Comm:
         self._broken = ("it was closed (its process group, cohort or spawn ended); create "
                         "a new one")
         self._codec.clear()
+        self._engine.direct = None  # its back reference to the engine is a cycle: without
+        # it the engine, and the arena's mappings it holds, go with the last reference
+        # instead of at the garbage collector's next pass
         self.arena.close()
 
     def __repr__(self) -> str:
