@@ -26,7 +26,7 @@ def _run_ranks(store, world: int, order: list[int], wait: float = 20,
     def rank_main(i: int, r: int) -> None:
         try:
             got[i] = incarnation_store(store, r, world, timedelta(seconds=wait),
-                                       f"rank {r} of {world}")
+                                       f"rank {r} of {world}").keys
         except Exception as e:  # noqa: BLE001 - the test reads it
             got[i] = e
 
@@ -67,9 +67,9 @@ def test_every_rank_lands_in_one_fresh_namespace_whatever_the_start_order(order)
 
 def test_a_group_of_one_needs_nobody():
     store = dist.HashStore()
-    first = incarnation_store(store, 0, 1, timedelta(seconds=1), "rank 0 of 1")
+    first = incarnation_store(store, 0, 1, timedelta(seconds=1), "rank 0 of 1").keys
     first.set("x", b"1")
-    again = incarnation_store(store, 0, 1, timedelta(seconds=1), "rank 0 of 1")
+    again = incarnation_store(store, 0, 1, timedelta(seconds=1), "rank 0 of 1").keys
     assert not again.check(["x"])
 
 
@@ -77,7 +77,7 @@ def test_rank_0_names_the_ranks_that_never_came():
     got = _run_ranks(dist.HashStore(), 3, [0, 1], wait=1)
     assert not isinstance(got[1], Exception)  # admitted; it waits for rank 2 further on
     with pytest.raises(RuntimeError, match=r"rank 0 of 3: rank\(s\) \[2\] of 3 did not join "
-                                           r"within 1 s .* same world size and store"):
+                                           r"within 1 s .* same world_size and store"):
         raise got[0]
 
 
@@ -101,3 +101,86 @@ def test_a_second_rank_0_on_the_store_is_named():
         raise first
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] of 2 did not join"):
         raise second
+
+
+def test_ranks_given_different_world_sizes_are_told_so_on_both_sides():
+    """Rank 0 of a world of 2 and a rank that thinks the world is 3: each waited on
+    another key until its store's timeout, and neither said why."""
+    store = dist.HashStore()
+    got = [None, None]
+
+    def rank(i: int, r: int, world: int) -> None:
+        try:
+            incarnation_store(store, r, world, timedelta(seconds=20), f"rank {r} of {world}")
+        except RuntimeError as e:
+            got[i] = e
+
+    threads = [threading.Thread(target=rank, args=args) for args in ((0, 0, 2), (1, 1, 3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    says = "rank 1 was started with world_size 3 and rank 0 with 2: every rank must call"
+    assert str(got[0]).startswith("rank 0 of 2: " + says), got[0]
+    assert str(got[1]).startswith("rank 1 of 3: rank 0 refused this rank: " + says), got[1]
+
+
+def test_a_rank_that_fails_while_the_group_forms_tells_the_others_at_once():
+    """Rank 0 missing rank 2 abandons the incarnation: rank 1, admitted, raised only at its
+    store's timeout (30 s in a probe, not the group's 5), naming a key of rank 0's."""
+    from flodl_shm.distributed.rendezvous import rendezvous
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=60))
+    got: list = [None, None]
+    took = [0.0, 0.0]
+
+    def rank(r: int) -> None:
+        t0 = time.monotonic()
+        try:
+            rendezvous(store, r, 3, timedelta(seconds=2))
+        except RuntimeError as e:
+            got[r] = e
+        took[r] = time.monotonic() - t0
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert "rank(s) [2] of 3 did not join within 2 s" in str(got[0]), got[0]
+    assert str(got[1]).startswith("flodl_shm process group (rank 1 of 3): the group will not "
+                                  "form: rank 0: rank(s) [2] of 3 did not join"), got[1]
+    assert max(took) < 10
+
+
+def test_a_second_process_asking_for_an_admitted_rank_is_reported_at_confirmation():
+    """Two jobs given one store: another job's rank 1 was admitted, then this job's rank
+    1 asked for the same place. Both groups averaged silently with each other's ranks."""
+    from flodl_shm.distributed.incarnation import _asker
+
+    store = dist.HashStore()
+    incs = [None, None]
+
+    def rank(r: int) -> None:
+        incs[r] = incarnation_store(store, r, 2, timedelta(seconds=20), f"rank {r} of 2")
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for inc in incs:
+        inc.confirm()  # nobody else asked: fine
+    marks = dist.PrefixStore("incarnation/", store)
+    mine = marks.get("ask/1").decode()
+    token, nonce, world, _ = mine.split(":", 3)
+    marks.set("ask/1", f"{token}:{nonce}:{world}:{_asker(mine)}")  # its next group's ask
+    incs[0].confirm()                                              # is not a second process
+    marks.set("ask/1", f"{token}:another-nonce:{world}:4242@elsewhere")
+    for inc in incs:
+        with pytest.raises(RuntimeError, match=r"two processes asked to be rank 1 of this "
+                                               r"group .* give each job its own port"):
+            inc.confirm()
+    with pytest.raises(RuntimeError, match="the group will not form: two processes asked"):
+        incs[1].raise_if_abandoned()

@@ -61,7 +61,8 @@ def test_the_next_group_reaps_a_killed_leaders_named_segments():
                           wait_for_workers=False)
     leader = _python(LEADER, str(port))
     try:
-        keys = incarnation_store(store, 1, 2, timedelta(seconds=60), "the test (rank 1 of 2)")
+        keys = incarnation_store(store, 1, 2, timedelta(seconds=60),
+                                 "the test (rank 1 of 2)").keys
         keys.set("host/1", "stale")
         keys.set("pid/1", str(os.getpid()))
         deadline = time.monotonic() + 60
@@ -102,7 +103,8 @@ def test_a_rank_admitted_by_another_jobs_rank_0_says_to_give_each_job_its_port()
     store = dist.HashStore()
 
     def other_jobs_rank_0() -> None:
-        keys = incarnation_store(store, 0, 2, timedelta(seconds=5), "the other job's rank 0")
+        keys = incarnation_store(store, 0, 2, timedelta(seconds=5),
+                                 "the other job's rank 0").keys
         keys.set("host/0", host_identity())
         keys.set("pid/0", str(os.getpid()))
         keys.set("arena/0", pickle.dumps(gone.handle))

@@ -27,28 +27,43 @@ The handshake
 Every key lives under ``incarnation/`` in the group's store.
 
 Offer
-    Rank 0 draws a fresh token (``uuid4``) and sets ``offer`` to it.
+    Rank 0 draws a fresh token (``uuid4``) and sets ``offer`` to ``<token>:<world>``.
 Ask
-    Every other rank draws a fresh nonce and sets ``ask/<rank>`` to ``<offer>:<nonce>``
-    for the offer it read. That offer may be an earlier incarnation's (read before this
-    rank 0 set its own): the rank asks again whenever ``offer`` changes.
+    Every other rank draws a fresh nonce and sets ``ask/<rank>`` to
+    ``<token>:<nonce>:<world>:<pid>@<hostname>`` for the offer it read. That offer may be an earlier
+    incarnation's (read before this rank 0 set its own): the rank asks again whenever
+    ``offer`` changes.
 Admit
     Rank 0 admits rank r once ``ask/<r>`` names its token: it sets ``admit/<nonce>`` to
-    the token. An ask left by an earlier incarnation cannot name a token drawn now.
+    the token. An ask left by an earlier incarnation cannot name a token drawn now. An ask
+    that names the token with another world size is refused (``admit/<nonce>`` =
+    ``refused:<why>``), and rank 0 raises too.
 Join
     Rank r joins once ``admit/<its nonce>`` exists. An admission left by an earlier
     incarnation cannot name a nonce drawn now.
 
 Every rank then keys the group under ``<token>/``. The waits poll the store (a few
-milliseconds apart at first) until the group's timeout; a rank that is not there by then
-is named in the error.
+milliseconds apart at first, ``poll_pauses``) until the group's timeout; a rank that is not
+there by then is named in the error.
+
+After the handshake
+-------------------
+A rank that fails while the group forms (rank 0 missing a rank, a leader that cannot
+create its arena) sets ``<token>/abandoned`` to its reason (``Incarnation.abandon``); the
+others' waits read it and raise it at once, instead of waiting out their timeouts.
 
 Two live jobs on one store (two jobs on one host given one ``MASTER_ADDR:MASTER_PORT``)
-would admit each other's ranks. Rank 0 watches ``offer`` while it admits: another rank 0
-setting its own is reported as such.
+could admit each other's ranks: their ranks share the ``ask/<rank>`` keys. Rank 0 watches
+``offer`` while it admits (another rank 0 setting its own is reported as such), and once
+the group formed every rank confirms that the asks it relied on still hold the nonces it
+admitted (``Incarnation.confirm``; the same process asking again, for its next group, is
+not a second one): a second process asking for a rank is reported, on every rank that
+sees it, instead of two jobs averaging with each other.
 """
 from __future__ import annotations
 
+import os
+import socket
 import time
 import uuid
 from datetime import timedelta
@@ -59,11 +74,54 @@ _POLL_MAX_S = 0.02
 SHARED_STORE_FIX = ("two jobs on this host with one MASTER_ADDR:MASTER_PORT share a store; "
                     "give each job its own port (MASTER_PORT, torchrun --master-port / "
                     "--rdzv-endpoint)")
+_SAME_WORLD_FIX = "every rank must call init_process_group with the same world_size"
 
 
-def incarnation_store(store, rank: int, world: int, timeout: timedelta, what: str):
-    """``store`` under this incarnation's fresh token, agreed by the handshake in the module
-    docstring; every rank of the group calls it at once.
+class Incarnation:
+    """One incarnation of a group, as this rank joined it: ``keys`` is the group's store
+    under the incarnation's token.
+
+    Args (from :func:`incarnation_store`): ``base`` the group's store, ``token`` the
+    agreed token, ``asks`` the ``ask/<rank>`` values this rank relied on (rank 0: every
+    admitted rank's; another rank: its own), ``what`` this rank in errors.
+    """
+
+    def __init__(self, base, token: str, asks: dict[int, str], what: str) -> None:
+        import torch.distributed as dist
+
+        self._marks = dist.PrefixStore("incarnation/", base)
+        self.keys = dist.PrefixStore(f"{token}/", base)
+        self._asks = dict(asks)
+        self.what = what
+
+    def abandon(self, reason: str) -> None:
+        """Tell the other ranks this group will not form (they raise ``reason``)."""
+        try:
+            self.keys.set("abandoned", reason)
+        except Exception:  # noqa: BLE001 - the store itself may be what failed
+            pass
+
+    def raise_if_abandoned(self) -> None:
+        if self.keys.check(["abandoned"]):
+            raise RuntimeError(f"{self.what}: the group will not form: "
+                               f"{self.keys.get('abandoned').decode()}")
+
+    def confirm(self) -> None:
+        """Every ask this rank relied on still holds the nonce it was admitted with: no
+        other process asked for one of those ranks since (another job on this store)."""
+        for r, ask in self._asks.items():
+            now = self._marks.get(f"ask/{r}").decode()
+            if now != ask and _asker(now) != _asker(ask):  # (not the rank's next group)
+                reason = (f"two processes asked to be rank {r} of this group (another job "
+                          f"given this store joined it): {SHARED_STORE_FIX}")
+                self.abandon(reason)
+                raise RuntimeError(f"{self.what}: {reason}")
+
+
+def incarnation_store(store, rank: int, world: int, timeout: timedelta,
+                      what: str) -> Incarnation:
+    """This incarnation of the group, agreed by the handshake in the module docstring;
+    every rank of the group calls it at once.
 
     Args:
         store: the group's c10d store.
@@ -71,71 +129,100 @@ def incarnation_store(store, rank: int, world: int, timeout: timedelta, what: st
         timeout: how long to wait for the other ranks (the group's timeout).
         what: names this rank in errors, e.g. ``"flodl_shm process group (rank 1 of 2)"``.
     Raises:
-        RuntimeError: a rank did not arrive within ``timeout``, or another job's rank 0
-            uses the same store.
+        RuntimeError: a rank did not arrive within ``timeout``, the ranks were given
+            different world sizes, or another job's rank 0 uses the same store.
     """
     import torch.distributed as dist
 
-    keys = dist.PrefixStore("incarnation/", store)
+    marks = dist.PrefixStore("incarnation/", store)
     deadline = time.monotonic() + timeout.total_seconds()
     if rank == 0:
-        token = _admit(keys, world, deadline, timeout, what)
+        token, asks = _admit(marks, store, world, deadline, timeout, what)
     else:
-        token = _join(keys, rank, deadline, timeout, what)
-    return dist.PrefixStore(f"{token}/", store)
+        token, asks = _join(marks, rank, world, deadline, timeout, what)
+    return Incarnation(store, token, asks, what)
 
 
-def _admit(keys, world: int, deadline: float, timeout: timedelta, what: str) -> str:
-    """Offer and Admit (rank 0): returns the token once every other rank was admitted."""
+def _admit(marks, store, world: int, deadline: float, timeout: timedelta,
+           what: str) -> tuple[str, dict[int, str]]:
+    """Offer and Admit (rank 0): the token and every admitted rank's ask, once every
+    other rank was admitted."""
     token = uuid.uuid4().hex
-    keys.set("offer", token)
+    offer = f"{token}:{world}"
+    marks.set("offer", offer)
     waiting = set(range(1, world))
-    for pause in _pauses(deadline):
+    asks: dict[int, str] = {}
+
+    def fail(reason: str) -> RuntimeError:
+        Incarnation(store, token, {}, what).abandon(f"rank 0: {reason}")
+        return RuntimeError(f"{what}: {reason}")
+
+    for pause in poll_pauses(deadline):
         for r in sorted(waiting):
-            if not keys.check([f"ask/{r}"]):
+            if not marks.check([f"ask/{r}"]):
                 continue
-            offer, _, nonce = keys.get(f"ask/{r}").decode().partition(":")
-            if offer == token:
-                keys.set(f"admit/{nonce}", token)
-                waiting.discard(r)
+            ask = marks.get(f"ask/{r}").decode()
+            named, nonce, their_world = (ask.split(":", 3) + ["", ""])[:3]
+            if named != token:
+                continue
+            if their_world != str(world):
+                reason = (f"rank {r} was started with world_size {their_world} and rank 0 "
+                          f"with {world}: {_SAME_WORLD_FIX}")
+                marks.set(f"admit/{nonce}", f"refused:{reason}")
+                raise fail(reason)
+            marks.set(f"admit/{nonce}", token)
+            asks[r] = ask
+            waiting.discard(r)
         if not waiting:
-            return token
-        if keys.get("offer").decode() != token:
-            raise RuntimeError(
-                f"{what}: another rank 0 set its own offer in this group's store while this "
-                f"one was admitting ranks: {SHARED_STORE_FIX}")
+            return token, asks
+        if marks.get("offer").decode() != offer:
+            raise fail(f"another rank 0 set its own offer in this group's store while this "
+                       f"one was admitting ranks: {SHARED_STORE_FIX}")
         if pause is None:
             break
         time.sleep(pause)
-    raise RuntimeError(
-        f"{what}: rank(s) {sorted(waiting)} of {world} did not join within "
-        f"{timeout.total_seconds():g} s (they did not start, crashed before "
-        f"init_process_group, or were given another store); every rank of the group must "
-        f"call init_process_group with the same world size and store")
+    raise fail(f"rank(s) {sorted(waiting)} of {world} did not join within "
+               f"{timeout.total_seconds():g} s (they did not start, crashed before "
+               f"init_process_group, or were given another store); {_SAME_WORLD_FIX} and "
+               f"store")
 
 
-def _join(keys, rank: int, deadline: float, timeout: timedelta, what: str) -> str:
-    """Ask and Join (a rank other than 0): returns the token rank 0 admitted it with."""
+def _join(marks, rank: int, world: int, deadline: float, timeout: timedelta,
+          what: str) -> tuple[str, dict[int, str]]:
+    """Ask and Join (a rank other than 0): the token rank 0 admitted it with, and its ask."""
     nonce = uuid.uuid4().hex
+    asker = f"{os.getpid()}@{socket.gethostname()}"
     asked = None
-    for pause in _pauses(deadline):
-        if keys.check([f"admit/{nonce}"]):
-            return keys.get(f"admit/{nonce}").decode()
-        if keys.check(["offer"]):
-            offer = keys.get("offer").decode()
+    ask = ""
+    for pause in poll_pauses(deadline):
+        if marks.check([f"admit/{nonce}"]):
+            token = marks.get(f"admit/{nonce}").decode()
+            if token.startswith("refused:"):
+                raise RuntimeError(f"{what}: rank 0 refused this rank: "
+                                   f"{token.removeprefix('refused:')}")
+            return token, {rank: ask}
+        if marks.check(["offer"]):
+            offer = marks.get("offer").decode()
             if offer != asked:
-                keys.set(f"ask/{rank}", f"{offer}:{nonce}")
+                ask = f"{offer.partition(':')[0]}:{nonce}:{world}:{asker}"
+                marks.set(f"ask/{rank}", ask)
                 asked = offer
         if pause is None:
             break
         time.sleep(pause)
     raise RuntimeError(
         f"{what}: rank 0 did not admit this rank within {timeout.total_seconds():g} s "
-        f"(it did not start, crashed before init_process_group, or was given another "
-        f"store; or {SHARED_STORE_FIX})")
+        f"(it did not start, crashed before init_process_group, was given another store, "
+        f"or waits for a rank that did not start: with tcp:// or env:// init, rank 0 first "
+        f"waits for all world_size ranks to connect; or {SHARED_STORE_FIX})")
 
 
-def _pauses(deadline: float):
+def _asker(ask: str) -> str:
+    """The process (``pid@hostname``) that wrote an ask."""
+    return ask.split(":", 3)[3] if ask.count(":") >= 3 else ""
+
+
+def poll_pauses(deadline: float):
     """The pause before each next poll, growing to ``_POLL_MAX_S``; ``None`` once the
     deadline has passed (the caller makes one last poll, then gives up)."""
     pause = _POLL_FIRST_S

@@ -40,6 +40,7 @@ import logging
 import os
 import pickle
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -47,7 +48,7 @@ from ..engine import arena as A
 from ..engine.comm import Comm
 from ..engine.segment import pid_alive, reap_dead_owner_segments
 from ..errors import PeerDied
-from .incarnation import SHARED_STORE_FIX, incarnation_store
+from .incarnation import SHARED_STORE_FIX, Incarnation, incarnation_store, poll_pauses
 
 logger = logging.getLogger("flodl_shm")
 
@@ -166,12 +167,31 @@ def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
         timeout: the group's timeout: bounds every store wait and every collective wait.
     """
     what = f"flodl_shm process group (rank {rank} of {world})"
-    store = incarnation_store(store, rank, world, timeout, what)
+    inc = incarnation_store(store, rank, world, timeout, what)
+    try:
+        return _form(inc, rank, world, timeout)
+    except BaseException as e:
+        if not inc.keys.check(["abandoned"]):  # the first failure tells the others
+            inc.abandon(f"rank {rank} failed while the group formed: {type(e).__name__}: {e}")
+        raise
+
+
+def _form(inc: Incarnation, rank: int, world: int, timeout: timedelta) -> HostLink:
+    """Steps 1-4 of the module doc, in this incarnation's keys."""
+    store, what = inc.keys, inc.what
+    # rank 0 may still be admitting the others for up to its own timeout: the ranks it
+    # admitted first wait a little longer, so its verdict (abandoned: which rank did not
+    # come) reaches them before their own deadline does
+    grace = 0.0 if rank == 0 else min(5.0, 0.5 * timeout.total_seconds())
+    deadline = time.monotonic() + timeout.total_seconds() + grace
     store.set(f"host/{rank}", host_identity())
     store.set(f"pid/{rank}", str(os.getpid()))
+    _await_keys(inc, {r: f"host/{r}" for r in range(world)}, deadline, timeout,
+                "publish its host")
     idents = [store.get(f"host/{r}").decode() for r in range(world)]
     topo = topology_from_identities(rank, idents)
     local = topo.local_ranks
+    pids = {r: int(store.get(f"pid/{r}")) for r in local if r != rank}
     key = f"arena/{topo.host_index}"
     arena = None
     try:
@@ -182,6 +202,8 @@ def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
                                    direct=True)
             store.set(key, pickle.dumps(arena.handle))
         else:
+            _await_keys(inc, {local[0]: key}, deadline, timeout, "create the host's arena",
+                        pids)
             handle = pickle.loads(store.get(key))
             try:
                 arena = A.Arena.attach(handle)
@@ -196,15 +218,16 @@ def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
         arena.map_every_segment()
         store.set(f"mapped/{rank}", b"1")
         if topo.is_leader:
-            store.wait([f"mapped/{r}" for r in local])
+            _await_keys(inc, {r: f"mapped/{r}" for r in local}, deadline, timeout,
+                        "map the host's arena", pids)
             arena.unlink()
+        inc.confirm()
     except BaseException:
         if arena is not None:
             if arena.owner:
                 arena.unlink()
             arena.close()
         raise
-    pids = {r: int(store.get(f"pid/{r}")) for r in local if r != rank}
     ctl = arena.ctl
 
     def left(r: int) -> bool:
@@ -223,3 +246,26 @@ def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
                 topo.host_index, len(topo.hosts), len(local),
                 ", host leader" if topo.is_leader else "")
     return HostLink(topo, comm, leaders)
+
+
+def _await_keys(inc: Incarnation, keys: dict[int, str], deadline: float, timeout: timedelta,
+                doing: str, pids: dict[int, int] | None = None) -> None:
+    """Wait, polling, until every rank in ``keys`` (rank -> its key) set its key: raise at
+    once when a rank abandoned the group or a host peer in ``pids`` died, and at the
+    group's deadline naming the ranks that did not ``doing``."""
+    names = list(keys.values())
+    for pause in poll_pauses(deadline):
+        if inc.keys.check(names):
+            return
+        inc.raise_if_abandoned()
+        for r, pid in (pids or {}).items():
+            if r in keys and not pid_alive(pid) and not inc.keys.check([keys[r]]):
+                raise PeerDied(f"{inc.what}: rank {r} (pid {pid}) died while the group "
+                               f"formed (before it could {doing}); restart the job", r, pid)
+        if pause is None:
+            break
+        time.sleep(pause)
+    missing = [r for r, k in keys.items() if not inc.keys.check([k])]
+    raise RuntimeError(f"{inc.what}: rank(s) {missing} did not {doing} within "
+                       f"{timeout.total_seconds():g} s (alive but stopped during "
+                       f"init_process_group, or on another store)")
