@@ -538,6 +538,19 @@ def sc_ddp_peer_dies(rank: int, world: int) -> dict:
     return {"pid": os.getpid(), "error": err}
 
 
+def _timed_all_reduce() -> tuple[str | None, float]:
+    """One all_reduce of 8 ones: what it raised (None: nothing) and how long it took."""
+    import torch.distributed as dist
+
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(8))
+        err = None
+    except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+        err = f"{type(e).__name__}: {e}"
+    return err, time.monotonic() - t0
+
+
 def sc_peer_dies(rank: int, world: int) -> dict:
     """The last rank SIGKILLs itself between two collectives; the others must raise."""
     import torch.distributed as dist
@@ -547,13 +560,7 @@ def sc_peer_dies(rank: int, world: int) -> dict:
     victim = int(os.environ.get("C10D_VICTIM", world - 1))
     if rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
-    t0 = time.monotonic()
-    try:
-        dist.all_reduce(torch.ones(8))
-        err = None
-    except Exception as e:  # noqa: BLE001 - the test inspects what was raised
-        err = f"{type(e).__name__}: {e}"
-    seconds = time.monotonic() - t0
+    err, seconds = _timed_all_reduce()
     again, again_seconds = None, 0.0
     if err is not None:   # the group is unusable now: a further call raises at once
         t0 = time.monotonic()
@@ -578,13 +585,8 @@ def sc_peer_leaves(rank: int, world: int) -> dict:
     if rank == world - 1:
         return {"pid": os.getpid(), "error": None}
     time.sleep(float(os.environ.get("C10D_LATE", "0")))
-    t0 = time.monotonic()
-    try:
-        dist.all_reduce(torch.ones(8))
-        err = None
-    except Exception as e:  # noqa: BLE001 - the test inspects what was raised
-        err = f"{type(e).__name__}: {e}"
-    return {"pid": os.getpid(), "error": err, "seconds": time.monotonic() - t0}
+    err, seconds = _timed_all_reduce()
+    return {"pid": os.getpid(), "error": err, "seconds": seconds}
 
 
 def sc_destroy_recreate(rank: int, world: int) -> dict:

@@ -62,7 +62,7 @@ from ..frame import (
     mass_error,
 )
 from .checkpoint_tap import TapClient
-from .direct import UNAVAILABLE
+from .direct import UNAVAILABLE, ClosedDirectRounds
 from .hostmem import HostMemory
 from .protocol import RoundEngine, RoundPlan
 from .round_report import RoundReports
@@ -1340,9 +1340,10 @@ class Comm:
         self._broken = ("it was closed (its process group, cohort or spawn ended); create "
                         "a new one")
         self._codec.clear()
-        self._engine.direct = None  # its back reference to the engine is a cycle: without
-        # it the engine, and the arena's mappings it holds, go with the last reference
-        # instead of at the garbage collector's next pass
+        # DirectRounds references the engine back: without that cycle the engine, and
+        # the arena's mappings it holds, go with the last reference, not at the next
+        # pass of the garbage collector
+        self._engine.direct = ClosedDirectRounds()
         self.arena.close()
 
     def __repr__(self) -> str:

@@ -140,6 +140,18 @@ OWNER_VERDICT_S = 2.0
 MAPPED_CHUNK = 1 << 14
 
 
+class ClosedDirectRounds:
+    """What a closed engine holds in place of its ``DirectRounds``, which references the
+    engine back (a cycle that kept a destroyed group's mappings until the garbage
+    collector ran): no round is direct, so a late call reaches the closed Comm's error."""
+
+    state = UNAVAILABLE
+
+    @staticmethod
+    def mode(plan, flags: int) -> int:
+        return 0
+
+
 class DirectRounds:
     """One rank's direct-round state and driver (owned by its ``RoundEngine``)."""
 
