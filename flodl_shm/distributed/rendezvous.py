@@ -187,7 +187,7 @@ def _form(inc: Incarnation, rank: int, world: int, timeout: timedelta) -> HostLi
     store.set(f"host/{rank}", host_identity())
     store.set(f"pid/{rank}", str(os.getpid()))
     _await_keys(inc, {r: f"host/{r}" for r in range(world)}, deadline, timeout,
-                "publish its host")
+                "publish a host identity")
     idents = [store.get(f"host/{r}").decode() for r in range(world)]
     topo = topology_from_identities(rank, idents)
     local = topo.local_ranks
