@@ -2,6 +2,7 @@
 max_failures, and full-state save/load whose resume is bit-identical."""
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -296,9 +297,11 @@ def _load_consensus_only(ctx, stem: str):
 
 
 @pytest.mark.parametrize("rank_files", ["missing", "a Trainer's"])
-def test_a_bundle_without_rank_states_loads_the_consensus(tmp_path, rank_files):
+def test_a_bundle_without_rank_states_loads_the_consensus(tmp_path, rank_files, caplog):
     """Without LocalSGD rank states (none, or a Trainer's, whose rank files hold its own
-    format) the consensus is loaded and the rest starts fresh."""
+    format) the consensus is loaded and the rest starts fresh; the warning names the
+    integer buffers, which keep this model's values (another rank's state may hold
+    others: ranks that resumed differently then disagree on them)."""
     stem = os.fspath(tmp_path / "ckpt")
     flodl_shm.spawn(_train, 2, args=(4, 4, stem, False, "none"))
     bundle = latest_checkpoint(stem)
@@ -311,7 +314,9 @@ def test_a_bundle_without_rank_states_loads_the_consensus(tmp_path, rank_files):
         else:
             torch.save({"format": "flodl_shm.Trainer/1", "optimizer": {}},
                        rank_state_path(bundle, r))
-    out = flodl_shm.spawn(_load_consensus_only, 2, args=(stem,))
+    with caplog.at_level(logging.WARNING, logger="flodl_shm"):
+        out = flodl_shm.spawn(_load_consensus_only, 2, args=(stem,))
+    assert "integer buffers (3.num_batches_tracked) keep this model's values" in caplog.text
     expected = {k: v for k, v in ref.state_dict().items() if v.is_floating_point()}
     for params, meta_round, round_, steps in out:
         assert (meta_round, round_, steps) == (2, 2, 4)

@@ -1067,13 +1067,15 @@ class LocalSGD:
                     f"a bundle that save() wrote whole (its stem: the newest complete one)")
             self.load_state_dict(state)
             return meta
+        ints = [k for k, b in self.model.named_buffers() if not b.is_floating_point()]
+        fresh = "inner optimizer, scheduler and cadence state start fresh" + (
+            f"; integer buffers ({', '.join(ints[:3])}{', ...' if len(ints) > 3 else ''}) keep "
+            f"this model's values, which another rank's state may not" if ints else "")
         if state is None:
-            logger.warning("%s not found: loading the consensus only (inner optimizer, "
-                           "scheduler and cadence state start fresh)", rank_path)
+            logger.warning("%s not found: loading the consensus only (%s)", rank_path, fresh)
         else:  # e.g. a Trainer's bundle: its rank files hold the Trainer's own state
             logger.warning("%s holds a %r state, not a LocalSGD one: loading the consensus "
-                           "only (inner optimizer, scheduler and cadence state start fresh)",
-                           rank_path, fmt)
+                           "only (%s)", rank_path, fmt, fresh)
         why = checkpoint_mismatch(CheckpointBundle.model_path(path), self.model)
         if why is not None:
             raise ValueError(f"{CheckpointBundle.model_path(path)} is not a checkpoint of this "
