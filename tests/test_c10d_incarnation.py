@@ -157,7 +157,7 @@ def test_a_rank_that_fails_while_the_group_forms_tells_the_others_at_once():
 def test_a_second_process_asking_for_an_admitted_rank_is_reported_at_confirmation():
     """Two jobs given one store: another job's rank 1 was admitted, then this job's rank
     1 asked for the same place. Both groups averaged silently with each other's ranks."""
-    from flodl_shm.distributed.incarnation import _asker
+    from flodl_shm.distributed.incarnation import _fields
 
     store = dist.HashStore()
     incs = [None, None]
@@ -175,7 +175,7 @@ def test_a_second_process_asking_for_an_admitted_rank_is_reported_at_confirmatio
     marks = dist.PrefixStore("incarnation/", store)
     mine = marks.get("ask/1").decode()
     token, nonce, world, _ = mine.split(":", 3)
-    marks.set("ask/1", f"{token}:{nonce}:{world}:{_asker(mine)}")  # its next group's ask
+    marks.set("ask/1", f"{token}:{nonce}:{world}:{_fields(mine)[3]}")  # its next group's ask
     incs[0].confirm()                                              # is not a second process
     marks.set("ask/1", f"{token}:another-nonce:{world}:4242@elsewhere")
     for inc in incs:

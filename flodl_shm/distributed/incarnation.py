@@ -30,9 +30,9 @@ Offer
     Rank 0 draws a fresh token (``uuid4``) and sets ``offer`` to ``<token>:<world>``.
 Ask
     Every other rank draws a fresh nonce and sets ``ask/<rank>`` to
-    ``<token>:<nonce>:<world>:<pid>@<hostname>`` for the offer it read. That offer may be an earlier
-    incarnation's (read before this rank 0 set its own): the rank asks again whenever
-    ``offer`` changes.
+    ``<token>:<nonce>:<world>:<pid>@<hostname>`` for the offer it read. That offer may
+    be an earlier incarnation's (read before this rank 0 set its own): the rank asks
+    again whenever ``offer`` changes.
 Admit
     Rank 0 admits rank r once ``ask/<r>`` names its token: it sets ``admit/<nonce>`` to
     the token. An ask left by an earlier incarnation cannot name a token drawn now. An ask
@@ -95,9 +95,11 @@ class Incarnation:
         self.what = what
 
     def abandon(self, reason: str) -> None:
-        """Tell the other ranks this group will not form (they raise ``reason``)."""
+        """Tell the other ranks this group will not form (they raise ``reason``); the
+        first rank's reason stands, the ranks that raise it repeat nothing."""
         try:
-            self.keys.set("abandoned", reason)
+            if not self.keys.check(["abandoned"]):
+                self.keys.set("abandoned", reason)
         except Exception:  # noqa: BLE001 - the store itself may be what failed
             pass
 
@@ -111,7 +113,7 @@ class Incarnation:
         other process asked for one of those ranks since (another job on this store)."""
         for r, ask in self._asks.items():
             now = self._marks.get(f"ask/{r}").decode()
-            if now != ask and _asker(now) != _asker(ask):  # (not the rank's next group)
+            if now != ask and _fields(now)[3] != _fields(ask)[3]:  # (not its next group)
                 reason = (f"two processes asked to be rank {r} of this group (another job "
                           f"given this store joined it): {SHARED_STORE_FIX}")
                 self.abandon(reason)
@@ -162,7 +164,7 @@ def _admit(marks, store, world: int, deadline: float, timeout: timedelta,
             if not marks.check([f"ask/{r}"]):
                 continue
             ask = marks.get(f"ask/{r}").decode()
-            named, nonce, their_world = (ask.split(":", 3) + ["", ""])[:3]
+            named, nonce, their_world, _ = _fields(ask)
             if named != token:
                 continue
             if their_world != str(world):
@@ -217,9 +219,11 @@ def _join(marks, rank: int, world: int, deadline: float, timeout: timedelta,
         f"waits for all world_size ranks to connect; or {SHARED_STORE_FIX})")
 
 
-def _asker(ask: str) -> str:
-    """The process (``pid@hostname``) that wrote an ask."""
-    return ask.split(":", 3)[3] if ask.count(":") >= 3 else ""
+def _fields(ask: str) -> tuple[str, str, str, str]:
+    """An ask's token, nonce, world size and asking process (``pid@hostname``); "" for
+    a field it lacks."""
+    token, nonce, world, asker = (ask.split(":", 3) + ["", "", ""])[:4]
+    return token, nonce, world, asker
 
 
 def poll_pauses(deadline: float):

@@ -170,9 +170,8 @@ def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
     inc = incarnation_store(store, rank, world, timeout, what)
     try:
         return _form(inc, rank, world, timeout)
-    except BaseException as e:
-        if not inc.keys.check(["abandoned"]):  # the first failure tells the others
-            inc.abandon(f"rank {rank} failed while the group formed: {type(e).__name__}: {e}")
+    except BaseException as e:  # the first failure tells the others
+        inc.abandon(f"rank {rank} failed while the group formed: {type(e).__name__}: {e}")
         raise
 
 

@@ -415,6 +415,15 @@ class Arena:
     def is_dead(self, rank: int) -> bool:
         return bool(self.ctl[rank_base(rank) + R_DEAD])
 
+    def mark_exited(self, rank: int) -> None:
+        """Local rank ``rank`` makes no further calls (it returned, or left its group):
+        a peer waiting for it in a round raises naming it (the kernels' ``EXITED``)
+        instead of waiting; the doorbell wakes the sleepers to see it."""
+        from .waiting import Doorbell
+
+        self.ctl[rank_base(rank) + R_DEAD] = DEAD_EXITED
+        Doorbell(self.ctl).ring()
+
     def __repr__(self) -> str:
         return (f"Arena(session={self.handle.session}, world={self.world}, "
                 f"eager={self.eager_bytes} B, owner={self.owner})")

@@ -1326,12 +1326,8 @@ class Comm:
         return); call it before :meth:`close`. A Comm whose round failed does not
         leave: its peers see its exit as the failure it is, and name the ranks they
         waited for."""
-        from .waiting import Doorbell
-
-        if self._broken is not None:
-            return
-        self.arena.ctl[A.rank_base(self.local_rank) + A.R_DEAD] = A.DEAD_EXITED
-        Doorbell(self.arena.ctl).ring()
+        if self._broken is None:
+            self.arena.mark_exited(self.local_rank)
 
     def close(self) -> None:
         """Release this rank's mappings (the arena's owner unlinks the segments). A

@@ -505,8 +505,7 @@ class SpawnContext:
         now = time.monotonic()
         if msg is not None and msg[0] == "ok" and p.exitcode == 0:
             self._outcomes[r] = _Outcome("ok", msg[1], exitcode=0, when=now)
-            self.arena.ctl[A.rank_base(r) + A.R_DEAD] = A.DEAD_EXITED
-            self._doorbell.ring()
+            self.arena.mark_exited(r)
             return
         if msg is not None and msg[0] == "error":
             out = _Outcome("error", exc_type=msg[1], tb=msg[2], exitcode=p.exitcode, when=now)
