@@ -289,7 +289,7 @@ class CheckpointForge:
         if schema is None:
             return
         if frame.kind != RoundKind.MODEL:
-            logger.warning("checkpoint forge: ignoring a %s frame (only MODEL frames carry "
+            logger.warning("checkpoint writer: ignoring a %s frame (only MODEL frames carry "
                            "the consensus)", RoundKind(frame.kind).name)
             return
         want = schema.tensor_count()
@@ -298,7 +298,7 @@ class CheckpointForge:
                 return  # not armed: this cycle's frame is not captured
             if frame.weight == 0.0:
                 if self._accumulated:
-                    logger.info("checkpoint forge: zero-mass frame; dropping %d partial tensors, "
+                    logger.info("checkpoint writer: zero-mass frame; dropping %d partial tensors, "
                                 "still armed for %s", len(self._accumulated), self._pending_path)
                 self._accumulated = []
                 return
@@ -314,13 +314,13 @@ class CheckpointForge:
             self._reset_cycle(None, None)
         if len(gathered) != want:
             logger.error(
-                "checkpoint forge: consensus checkpoint accumulated %d tensors but schema "
+                "checkpoint writer: consensus checkpoint accumulated %d tensors but schema "
                 "expects %d (%d params + %d buffers); .fdl skipped for %s",
                 len(gathered), want, len(schema.param_names), len(schema.buffer_names), path)
             return
         if outer is not None and len(outer) != len(schema.param_names):
             logger.error(
-                "checkpoint forge: outer momentum has %d tensors but schema expects %d params; "
+                "checkpoint writer: outer momentum has %d tensors but schema expects %d params; "
                 "%s skipped (the model is still written)",
                 len(outer), len(schema.param_names), outer_sidecar_path(path))
             outer = None
@@ -333,7 +333,7 @@ class CheckpointForge:
             if self._outstanding:
                 # said once per spell (until the queue drains), not at every checkpoint
                 logger.log(logging.DEBUG if self._lag_said else logging.WARNING,
-                           "checkpoint forge: %s still in flight; %s "
+                           "checkpoint writer: %s still in flight; %s "
                            "queued behind them (the checkpoint cadence outpaces the disk; "
                            "said once until the writes catch up)",
                            plural(self._outstanding, "checkpoint write"), job.path)
@@ -351,7 +351,7 @@ class CheckpointForge:
                 self._worker = None
                 self._jobs.remove(job)
                 start_error = e
-        logger.warning("checkpoint forge: cannot start the writer thread (%s); writing %s on "
+        logger.warning("checkpoint writer: cannot start the writer thread (%s); writing %s on "
                        "the caller's thread", start_error, job.path)
         try:
             self._run_job(job)
@@ -372,7 +372,7 @@ class CheckpointForge:
             try:
                 self._run_job(job)
             except BaseException:  # never let the worker die with jobs queued
-                logger.exception("checkpoint forge: writer crashed on %s", job.path)
+                logger.exception("checkpoint writer crashed on %s", job.path)
             finally:
                 with self._writer_cond:
                     self._outstanding -= 1
@@ -388,7 +388,7 @@ class CheckpointForge:
             write_consensus_fdl(job.schema, job.payloads, job.path)
         except Exception as e:
             self.writes_failed += 1
-            logger.error("checkpoint forge: consensus checkpoint write to %s failed: %s",
+            logger.error("checkpoint writer: consensus checkpoint write to %s failed: %s",
                          job.path, e)
             return
         finally:
@@ -400,19 +400,19 @@ class CheckpointForge:
                 write_outer_momentum_fdl(job.outer, outer_path)
             except Exception as e:
                 self.writes_failed += 1
-                logger.error("checkpoint forge: outer-momentum checkpoint write to %s failed: %s",
+                logger.error("checkpoint writer: outer-momentum checkpoint write to %s failed: %s",
                              outer_path, e)
                 return
             finally:
                 job.outer = None
         self.writes_completed += 1
         self.last_written = job.path
-        logger.info("checkpoint forge: wrote consensus checkpoint %s", job.path)
+        logger.info("wrote consensus checkpoint %s", job.path)
         if job.on_complete is not None:
             try:
                 job.on_complete(job.path)
             except Exception:
-                logger.exception("checkpoint forge: on_complete callback for %s failed",
+                logger.exception("checkpoint writer: on_complete callback for %s failed",
                                  job.path)
 
     def pending_writes(self) -> int:
