@@ -282,7 +282,7 @@ def test_convert_refuses_to_write_over_its_source_or_a_bundle_s_model(tmp_path, 
     before = (tmp_path / "c.fdl").read_bytes()
     capsys.readouterr()
     assert cli.main(["convert", str(tmp_path / "m.pt"), str(tmp_path / "c.fdl")]) == 2
-    assert "is the model file of a checkpoint bundle (c.meta.json is beside it)" in \
+    assert "c.fdl is a file of the checkpoint bundle committed by c.meta.json" in \
         capsys.readouterr().err
     assert cli.main(["convert", str(tmp_path / "m.pt"), str(tmp_path / "m.pt")]) == 2
     assert "m.pt is the file being converted" in capsys.readouterr().err
@@ -290,6 +290,32 @@ def test_convert_refuses_to_write_over_its_source_or_a_bundle_s_model(tmp_path, 
     assert cli.main(["convert", str(tmp_path / "m.pt"), str(tmp_path / "m2.pt")]) == 0
     assert cli.main(["convert", str(tmp_path / "m.pt"), str(tmp_path / "m2.pt")]) == 0  # a file
     # of no bundle is replaced, as before
+
+
+def test_convert_keeps_off_every_file_of_a_committed_bundle(tmp_path, capsys):
+    """A probe converted a checkpoint over a bundle's .meta.json (`--to safetensors`), its
+    rank state (`--to torch`) and its .names.json (`--to fdl`): each "succeeded", and the
+    run's resume failed on a .meta.json that was not JSON. A .fdl written beside a bundle
+    under its stem (x.fdl.gz, x.outer.fdl) rewrote the bundle's x.names.json too."""
+    model = make_model()
+    forge_checkpoint(model, tmp_path / "src.fdl")
+    forge_checkpoint(model, tmp_path / "c.fdl")
+    (tmp_path / "c.meta.json").write_text("{}")
+    (tmp_path / "c.rank0.optim").write_bytes(b"state")
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    for dst, fmt in (("c.meta.json", "safetensors"), ("c.rank0.optim", "torch"),
+                     ("c.names.json", "fdl"), ("c.fdl.gz", None), ("c.outer.fdl", None),
+                     ("c.rank1.optim", "torch"), ("c.config.json", "torch")):
+        argv = ["convert", str(tmp_path / "src.fdl"), str(tmp_path / dst)]
+        assert cli.main(argv + (["--to", fmt] if fmt else [])) == 2, dst
+        err = capsys.readouterr().err
+        assert "of the checkpoint bundle committed by c.meta.json" in err, err
+        assert "write the result to another path" in err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files
+    # a stem of its own beside the bundle is fine, and so is a bundle not yet committed
+    assert cli.main(["convert", str(tmp_path / "src.fdl"), str(tmp_path / "d.fdl.gz")]) == 0
+    (tmp_path / "c.meta.json").unlink()
+    assert cli.main(["convert", str(tmp_path / "src.fdl"), str(tmp_path / "c.outer.fdl")]) == 0
 
 
 def test_names_given_twice_are_refused_rather_than_dropping_a_tensor(tmp_path, capsys):

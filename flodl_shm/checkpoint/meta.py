@@ -36,6 +36,7 @@ import enum
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,6 +167,25 @@ def names_sidecar_path(model_path: "str | os.PathLike[str]") -> Path:
                 name = name[: -len(".outer")]
             return p.with_name(name + ".names.json")
     return set_extension(p, "names.json")
+
+
+#: the name endings of a bundle's files (``<stem>`` + one of these), longest first
+_BUNDLE_FILE = re.compile(r"(\.rank\d+\.(?:optim|death\.json)|\.outer\.fdl\.gz|\.outer\.fdl"
+                          r"|\.fdl\.gz|\.fdl|\.optim|\.meta\.json|\.names\.json"
+                          r"|\.config\.json)$")
+
+
+def bundle_meta_of(path: "str | os.PathLike[str]") -> Optional[Path]:
+    """The ``.meta.json`` of the checkpoint bundle whose file ``path`` names (any of
+    the files listed at the top of this module, written or not yet), when that
+    ``.meta.json`` exists; None otherwise. A tool that writes files uses it to keep
+    off a committed bundle: a resume reads every one of its files."""
+    p = Path(os.fspath(path))
+    m = _BUNDLE_FILE.search(p.name)
+    if m is None or m.start() == 0:
+        return None
+    meta = p.with_name(p.name[: m.start()] + ".meta.json")
+    return meta if meta.exists() else None
 
 
 # --- JSON field validation ------------------------------------------------------

@@ -19,9 +19,10 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
-from ..checkpoint.meta import names_sidecar_path
+from ..checkpoint.meta import bundle_meta_of, names_sidecar_path
 from ..errors import CheckpointError
 from . import invoked_as
 
@@ -201,24 +202,34 @@ def _unknown_format(args) -> str:
 
 
 def _refused_destination(args) -> str:
-    """A usage error when ``convert`` would write over its own source or over the model
-    file of a checkpoint bundle (a ``.meta.json`` beside it): that run's resume then
-    found another model there ("" otherwise)."""
+    """A usage error when ``convert`` would write over its own source, or over any file
+    of a committed checkpoint bundle (one with its ``.meta.json``): the model, its
+    metadata, a rank's state, or the ``.names.json`` a ``.fdl`` destination gets beside
+    it. That run's resume reads them all ("" otherwise)."""
     dst = args.dst
-    if not os.path.exists(dst):
-        return ""
     try:
-        if os.path.samefile(args.src, dst):
+        if os.path.exists(dst) and os.path.samefile(args.src, dst):
             return f"{dst} is the file being converted; write the result to another path"
     except OSError:
         pass  # src missing: convert says so
-    names = names_sidecar_path(dst)
-    meta = names.with_name(names.name[: -len(".names.json")] + ".meta.json")
-    if meta.exists():
-        return (f"{dst} is the model file of a checkpoint bundle ({meta.name} is beside "
-                f"it): writing over it would break that run's resume; write the result to "
-                f"another path")
+    fdl_out = (args.dst_format or _format_or_none(dst)) == "fdl"
+    for target in (dst, names_sidecar_path(dst)) if fdl_out else (dst,):
+        meta = bundle_meta_of(target)
+        if meta is not None:
+            what = "is a file" if os.fspath(target) == os.fspath(dst) else \
+                f"would rewrite {Path(target).name}, a file,"
+            return (f"{dst} {what} of the checkpoint bundle committed by {meta.name}: writing "
+                    f"it would break that run's resume; write the result to another path "
+                    f"(another stem)")
     return ""
+
+
+def _format_or_none(path: str) -> Optional[str]:
+    from ..checkpoint.convert import detect_format
+    try:
+        return detect_format(path)
+    except CheckpointError:
+        return None
 
 
 def _series_hint(args) -> str:
