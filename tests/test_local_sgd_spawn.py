@@ -382,6 +382,21 @@ def test_ranks_that_load_different_bundles_or_fail_to_load_all_raise(tmp_path):
     assert_no_leaks()
 
 
+def test_a_rank_state_copied_over_another_rank_s_is_refused(tmp_path):
+    """A probe copied rank 0's .rank0.optim over rank 1's: load() gave rank 1 rank 0's
+    RNG, momentum and counters silently, and both ranks then drew the same data."""
+    stem = os.fspath(tmp_path / "ckpt")
+    flodl_shm.spawn(_save_twice, 2, args=(stem,))
+    bundle = latest_checkpoint(stem)
+    rank_state_path(bundle, 1).write_bytes(rank_state_path(bundle, 0).read_bytes())
+    (kind0, text0), (kind1, text1) = flodl_shm.spawn(_load_each, 2, args=(stem, "same"))
+    assert kind1 == "ValueError" and text1.startswith(
+        f"{rank_state_path(bundle, 1)} holds rank 0's state, not rank 1's: the bundle's rank "
+        f"files were copied or renamed")
+    assert kind0 == "StartRefused" and "could not load (see their error): ranks [1]" in text0
+    assert_no_leaks()
+
+
 def _save_twice(ctx, stem: str):
     model = make_model()
     sgd = LocalSGD(model, sync_every=1, comm=ctx.comm)

@@ -278,3 +278,50 @@ def test_resuming_a_finished_run_says_so_and_returns_its_checkpoint(tmp_path, ca
         "left to train (pass a larger epochs to continue)" in caplog.text
     for k, v in again.state_dict.items():
         assert torch.equal(v, first.state_dict[k]) or not v.is_floating_point(), k
+
+
+def test_a_bundle_missing_a_rank_s_state_or_holding_another_s_is_said_or_refused(tmp_path,
+                                                                                  caplog):
+    """A probe deleted one rank's .optim from a committed bundle of a cohort of the same
+    size (a partial copy): the resume was not exact and said so only at INFO, which the
+    demo does not show. A .optim copied over another rank's gave that rank the other's
+    optimizer state and RNG, silently; one of another save than its .meta.json commits
+    was taken too. The first is a warning, the other two are refused."""
+    stem = tmp_path / "ck"
+    make_trainer(sgd_momentum, epochs=1, save_path=stem, checkpoint_every=3,
+                 keep_checkpoints=8).run(2)
+    newest = latest_checkpoint(stem)
+    rank0 = CheckpointBundle.rank_state_path(newest, 0)
+    rank1 = CheckpointBundle.rank_state_path(newest, 1)
+    saved1 = rank1.read_bytes()
+
+    rank1.write_bytes(rank0.read_bytes())   # a copy of rank 0's file
+    with pytest.raises(Exception, match=rf"{re.escape(str(rank1))} holds rank 0's state, not "
+                                        rf"rank 1's: the bundle's rank files were copied"):
+        make_trainer(sgd_momentum, epochs=2, save_path=stem, checkpoint_every=3).resume(
+            stem, nprocs=2)
+    older = round_model_path(stem, 3)       # another save's file, renamed into this bundle
+    rank1.write_bytes(CheckpointBundle.rank_state_path(older, 1).read_bytes())
+    with pytest.raises(Exception, match=r"holds sync round 3 but .*marks round 8 complete"):
+        make_trainer(sgd_momentum, epochs=2, save_path=stem, checkpoint_every=3).resume(
+            stem, nprocs=2)
+
+    caplog.set_level("INFO", logger="flodl_shm")
+    rank1.unlink()                          # lost in a partial copy
+    make_trainer(sgd_momentum, epochs=2, save_path=stem, checkpoint_every=3,
+                 keep_checkpoints=8).resume(newest, nprocs=2)
+    said = [r for r in caplog.records if "rank 1's inner optimizer" in r.getMessage()]
+    assert [r.levelname for r in said] == ["WARNING"], caplog.text
+    assert "saved by 2 ranks but holds none of rank 1's state" in said[0].getMessage()
+    assert "rank 0's inner optimizer" not in caplog.text and saved1
+
+
+def test_a_rank_the_saving_cohort_did_not_have_starts_fresh_at_info(tmp_path, caplog):
+    """Growing the cohort is not damage: the new rank's missing state is an INFO line."""
+    stem = tmp_path / "ck"
+    make_trainer(sgd_momentum, epochs=1, save_path=stem, checkpoint_every=3).run(1)
+    caplog.set_level("INFO", logger="flodl_shm")
+    make_trainer(sgd_momentum, epochs=2, save_path=stem, checkpoint_every=3).resume(
+        stem, nprocs=2)
+    said = [r for r in caplog.records if "rank 1's inner optimizer" in r.getMessage()]
+    assert [r.levelname for r in said] == ["INFO"], caplog.text

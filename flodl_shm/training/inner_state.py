@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 logger = logging.getLogger("flodl_shm")
 
-__all__ = ["check_optimizer_state", "read_rank_state", "restore_inner"]
+__all__ = ["check_optimizer_state", "check_rank_file", "read_rank_state", "restore_inner"]
 
 def read_rank_state(path) -> Any:
     """A rank's state file of a checkpoint bundle (``<stem>.rank<N>.optim``), read with
@@ -38,6 +38,23 @@ def read_rank_state(path) -> Any:
             f"truncated. Resume from the bundle before this one, or delete this file to load "
             f"the consensus with this rank's inner optimizer, schedule and counters fresh"
         ) from e
+
+
+def check_rank_file(path, meta_path, saved_rank, rank: int, saved_round,
+                    meta_round: int) -> None:
+    """Refuse a rank's state file that is not this rank's share of this bundle: one
+    written by another rank (a copy or rename: this rank would take that rank's RNG and
+    draw its data) or by another save than the one its ``.meta.json`` commits."""
+    if saved_rank != rank:
+        raise ValueError(
+            f"{path} holds rank {saved_rank}'s state, not rank {rank}'s: the bundle's rank "
+            f"files were copied or renamed. Put each rank's own file back, or delete this one "
+            f"to load the consensus with this rank's inner state fresh")
+    if saved_round != meta_round:
+        raise ValueError(
+            f"{path} holds sync round {saved_round} but {meta_path} marks round {meta_round} "
+            f"complete: the files come from different saves; load a bundle that was written "
+            f"whole (its stem: the newest complete one)")
 
 
 #: scheduler state entries that record progress, not settings

@@ -86,7 +86,7 @@ from .agreement import (check_controller_steps_none, check_same_model, check_sam
                         check_same_start, outer_settings)
 from .convergence import TrendGuard
 from .el_che import ElChe
-from .inner_state import check_optimizer_state, read_rank_state, restore_inner
+from .inner_state import check_optimizer_state, check_rank_file, read_rank_state, restore_inner
 from .outer import OuterOptimizer
 from .realized_work import gamma_mass, is_realized, mover_mass
 from .sync_window import ReplicaReduce, gather_columns, params_round_carries_buffers
@@ -1059,12 +1059,8 @@ class LocalSGD:
         state = read_rank_state(rank_path) if rank_path.exists() else None
         fmt = state.get("format") if isinstance(state, dict) else None
         if fmt == STATE_FORMAT:
-            saved = state["counters"]["sync_round"]
-            if saved != meta.sync_round:
-                raise ValueError(
-                    f"{rank_path} holds sync round {saved} but {meta_path} marks round "
-                    f"{meta.sync_round} complete: the files come from different saves; load "
-                    f"a bundle that save() wrote whole (its stem: the newest complete one)")
+            check_rank_file(rank_path, meta_path, state.get("rank"), self.rank,
+                            state["counters"]["sync_round"], meta.sync_round)
             self.load_state_dict(state)
             return meta
         ints = [k for k, b in self.model.named_buffers() if not b.is_floating_point()]

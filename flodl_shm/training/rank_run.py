@@ -30,7 +30,7 @@ from .coordinator import Coordinator, CoordinatorConfig
 from .coverage import epoch_permutation
 from .data import fetch_batch
 from .hooks import BatchInfo, RankState, RankSummary, WindowStats
-from .inner_state import read_rank_state, restore_inner
+from .inner_state import check_rank_file, read_rank_state, restore_inner
 from .local_sgd import LocalSGD
 from .sync_window import (COUNT_ROWS, accepted_across_hosts, count_column,
                           counts_from_reports, falls_short, gather_counts)
@@ -288,14 +288,25 @@ class _RankRun:
         import torch
 
         path = CheckpointBundle.rank_state_path(model_path, self.rank)
+        meta = self.job.resume_meta
         if not path.exists():
-            logger.info("%s not found: rank %d's inner optimizer, LR schedule and integer "
-                        "buffers start fresh", path, self.rank)
+            # a rank the saving cohort did not have starts fresh; one it had lost its file
+            # (a partial copy of the bundle), and the resume is not exact: say so
+            had = meta is not None and self.rank < meta.world_size_at_save
+            logger.log(logging.WARNING if had else logging.INFO,
+                       "%s not found: rank %d's inner optimizer, LR schedule and integer "
+                       "buffers start fresh%s", path, self.rank,
+                       f" (the bundle was saved by {meta.world_size_at_save} ranks but holds "
+                       f"none of rank {self.rank}'s state: a partial copy, or a rank dead at "
+                       f"the save; this rank does not resume exactly)" if had else "")
             return
         state = read_rank_state(path)
         if not isinstance(state, dict) or state.get("format") != RANK_STATE_FORMAT:
             raise ValueError(f"{path} is not a Trainer rank state (format "
                              f"{RANK_STATE_FORMAT!r} expected)")
+        if meta is not None:
+            check_rank_file(path, CheckpointBundle.meta_path(model_path), state.get("rank"),
+                            self.rank, state.get("sync_round"), meta.sync_round)
         if state["world_size"] != self.ctx.world_size:
             logger.warning("%s was written by a cohort of %d ranks, this one has %d: rank %d's "
                            "inner optimizer, LR schedule and integer buffers start fresh", path,
