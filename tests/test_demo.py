@@ -175,6 +175,36 @@ def test_resume_continues_the_run(tmp_path, capsys):
     assert committed_checkpoints(run_dir / "ckpt")[-1][1] == second.train.checkpoint
 
 
+def test_a_newest_bundle_that_cannot_be_loaded_is_named_with_the_way_past_it(tmp_path, capsys):
+    """A probe emptied the newest bundle's .meta.json: --resume failed, then advised
+    "Last checkpoint ...: continue with --resume", which loads the same bundle again. The
+    advice names the bundle and the one a resume reaches once its files are moved out."""
+    from flodl_shm.cli.demo import main
+
+    run_dir = tmp_path / "damaged"
+    run_demo(quiet(run_dir, epochs=2, checkpoint_every=2))
+    assert_clean()
+    rounds = [p.name for _, p in committed_checkpoints(run_dir / "ckpt")]
+    newest = run_dir / rounds[-1]
+    CheckpointBundle.meta_path(newest).write_text("")
+    capsys.readouterr()
+    argv = ["--run-dir", str(run_dir), "--resume", "--epochs", "3", "--no-progress",
+            "--log-every", "0", "--no-plot"]
+    assert main(argv) == 1
+    assert_clean()
+    err = capsys.readouterr().err
+    assert "continue with --resume" not in err, err
+    assert (f"The newest checkpoint, {newest}, could not be loaded. Restore its files from a "
+            f"copy, or move them ({newest.name[:-4]}.*) out of {run_dir}: --resume then "
+            f"continues from the one before, {rounds[-2]}.") in err
+    moved = tmp_path / "aside"
+    moved.mkdir()
+    for f in run_dir.glob(newest.name[:-4] + ".*"):
+        f.rename(moved / f.name)
+    assert main(argv) == 0  # the advice, followed
+    assert_clean()
+
+
 def test_an_earlier_run_is_kept_unless_overwrite(tmp_path, capsys):
     run_dir = tmp_path / "again"
     first = run_demo(quiet(run_dir, epochs=1))

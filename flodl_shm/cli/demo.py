@@ -916,8 +916,11 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _continue_with(cfg: DemoConfig, last) -> str:
-    """The closing advice of a run stopped with ``last``, its newest checkpoint."""
+def _continue_with(cfg: DemoConfig, last, error: Optional[BaseException] = None) -> str:
+    """The closing advice of a run stopped with ``last``, its newest checkpoint (by
+    ``error`` when it raised)."""
+    if error is not None and cfg.resume and _names_bundle(error, last):
+        return _unloadable(cfg, last)
     advice = f"Last checkpoint {last}: continue with --resume."
     if cfg.controller is None:
         return advice
@@ -928,6 +931,25 @@ def _continue_with(cfg: DemoConfig, last) -> str:
             "newest checkpoint is older than the others' (a host that was lost) first needs "
             "the newer round's .fdl and .meta.json, copied from the controller's --run-dir "
             "or another host's.")
+
+
+def _names_bundle(error: BaseException, model_path) -> bool:
+    """Whether ``error`` names a file of the bundle whose model file is ``model_path``
+    (every load error names the file it could not read)."""
+    return os.fspath(model_path)[: -len("fdl")] in str(error)
+
+
+def _unloadable(cfg: DemoConfig, last) -> str:
+    """The advice when ``--resume`` could not load the newest bundle, ``last``: resuming
+    again would load it again."""
+    from flodl_shm.checkpoint.series import committed_checkpoints
+
+    stem = Path(os.fspath(last)[: -len(".fdl")])
+    earlier = [path for _, path in committed_checkpoints(cfg.save_path)][:-1]
+    then = (f"--resume then continues from the one before, {earlier[-1].name}"
+            if earlier else "it is the only one: start over with --overwrite")
+    return (f"The newest checkpoint, {last}, could not be loaded. Restore its files from a "
+            f"copy, or move them ({stem.name}.*) out of {stem.parent}: {then}.")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -958,7 +980,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # checkpoint that does not match): the reason, not the launcher's stack
         last = latest_checkpoint(cfg.save_path)
         print(f"\n{_prog()}: error: {_reason(e)}\n"
-              + (_continue_with(cfg, last) if last is not None
+              + (_continue_with(cfg, last, e) if last is not None
                  else "No checkpoint was written."), file=sys.stderr)
         return 1
     return 0
