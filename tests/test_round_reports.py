@@ -6,6 +6,8 @@ table, a rank the round did not accept reads zeros, and misuse is refused by nam
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -131,9 +133,13 @@ def test_bad_reports_are_refused_before_the_round():
         comm = cohort.comm(0)
         with pytest.raises(ValueError, match=f"at most {REPORT_VALUES} values"):
             comm.all_reduce_([torch.ones(4)], report=[0.0] * (REPORT_VALUES + 1))
-        with pytest.raises(ValueError, match="value 1 is nan"):
-            comm.all_reduce_([torch.ones(4)], report=(1.0, float("nan")))
+        with pytest.raises(ValueError, match=r"value 1 is 1e\+39: reports carry float32"):
+            comm.all_reduce_([torch.ones(4)], report=(1.0, 1e39))
         assert comm.round == 0  # nothing was published
+        # NaN and inf pass as they are (a diverged loss reads as one, not as 0)
+        comm.all_reduce_([torch.ones(4)], report=(float("nan"), float("-inf")))
+        row = comm.last_reports()[0]
+        assert math.isnan(row[0]) and row[1] == -math.inf
         comm.all_reduce_([torch.ones(4)], report=(3.0,))
         assert comm.last_reports()[0, 0] == 3.0
         # a call refused before its round (a bad weight) leaves no report behind for

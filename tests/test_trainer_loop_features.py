@@ -309,3 +309,39 @@ def test_keep_history_keeps_the_last_windows_only(plain):
     assert _equal(last2.state_dict, plain) and _equal(none.state_dict, plain)
     with pytest.raises(ValueError, match="keep_history must be an int >= 0"):
         flodl_shm.Trainer(make_model, torch.optim.SGD, make_data, ce_step, keep_history=-1)
+
+
+class _DivergeAt:
+    """A step_fn whose loss turns NaN from window ``at`` on (a picklable callable)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def __call__(self, model, batch):
+        loss = ce_step(model, batch)
+        self.seen = getattr(self, "seen", 0) + 1
+        return loss * float("nan") if self.seen > 4 * (self.at - 1) else loss
+
+
+def test_a_diverged_run_reads_nan_and_keeps_its_last_finite_checkpoint(tmp_path, caplog):
+    """A probe's loss turned NaN: every window logged `loss 0.0000` (the count column
+    made a non-finite loss 0), and the run wrote its NaN consensus as checkpoints, the
+    last as `graceful_shutdown`, pruning the finite ones it had. The loss now reads nan,
+    and a non-finite consensus is not checkpointed (said once)."""
+    caplog.set_level("INFO", logger="flodl_shm")
+    stem = tmp_path / "ck"
+    trainer = flodl_shm.Trainer(make_model, functools.partial(torch.optim.SGD, lr=0.1),
+                                make_data, None, step_fn=_DivergeAt(3), batch_size=16,
+                                epochs=1, sync_every=4, log_every=1, save_path=stem,
+                                checkpoint_every=1, keep_checkpoints=2)
+    result = trainer.run(nprocs=2)
+    losses = [w.cohort_loss for w in result.history]
+    assert all(x == x for x in losses[:2]) and all(x != x for x in losses[2:]), losses
+    assert "step 16: loss 0." in caplog.text and "step 24: loss nan," in caplog.text
+    assert [r for r, _ in flodl_shm.checkpoint.series.committed_checkpoints(stem)] == [1, 2]
+    said = [r.getMessage() for r in caplog.records if "holds NaN or inf" in r.getMessage()]
+    assert len(said) == 1 and "window 3: the consensus holds NaN or inf (training " \
+        f"diverged): it is not checkpointed, so {stem}-r00000002.fdl stays the newest " \
+        "checkpoint" in said[0], said
+    assert str(result.checkpoint).endswith("ck-r00000002.fdl"), result.checkpoint
+    assert_no_leaks()

@@ -217,7 +217,7 @@ class DemoHook(Hook):
             acc = accuracy(state.model, *self.test_set)
         row = {
             "window": stats.window, "epoch": stats.epoch, "global_step": stats.global_step,
-            "loss": None if math.isnan(stats.cohort_loss) else stats.cohort_loss,
+            "loss": None if stats.skipped else stats.cohort_loss,  # (diverged: NaN)
             "test_acc": acc, "samples_per_s": stats.samples_per_s,
             "allreduce_ms": stats.sync_ms, "gather_ms": stats.gather_ms,
             "compute_ms": stats.compute_ms, "window_ms": stats.window_ms,

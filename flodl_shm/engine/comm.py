@@ -590,7 +590,7 @@ class Comm:
         accepted mass is 0 the tensors are left untouched (keep local). Returns the
         accepted mass. Tensors must be float32 or bfloat16.
 
-        ``report``: up to ``REPORT_VALUES`` (8) finite numbers of this rank that ride in
+        ``report``: up to ``REPORT_VALUES`` (8) float32 numbers of this rank that ride in
         the round's header; every rank reads everyone's with :meth:`last_reports` right
         after the call (``engine/round_report.py``). One host only; every rank of the
         round must pass one.

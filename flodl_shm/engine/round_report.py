@@ -30,6 +30,7 @@ they are refused, since the other hosts' ranks are not in this host's headers.
 """
 from __future__ import annotations
 
+import math
 import struct
 from typing import Sequence
 
@@ -75,17 +76,18 @@ class RoundReports:
         """Write this rank's report for round ``rnd`` (before the round publishes).
 
         Raises:
-            ValueError: more than ``REPORT_VALUES`` values, or a value that is not a
-                finite float32.
+            ValueError: more than ``REPORT_VALUES`` values, or a finite value beyond
+                float32's range (NaN and ±inf pass as they are: a diverged loss reads
+                as one).
         """
         n = len(values)
         if n > REPORT_VALUES:
             raise ValueError(f"a round report holds at most {REPORT_VALUES} values, got {n}: "
                              f"send the rest in a CONTROL round (comm.all_reduce_per_rank_f64)")
         for i, v in enumerate(values):
-            if not -_F32_MAX <= v <= _F32_MAX:  # NaN fails both
-                raise ValueError(f"report value {i} is {float(v)}: reports carry finite "
-                                 f"float32 numbers only")
+            if not -_F32_MAX <= v <= _F32_MAX and math.isfinite(v):  # (NaN fails both)
+                raise ValueError(f"report value {i} is {float(v)}: reports carry float32 "
+                                 f"numbers only (|value| <= {_F32_MAX:.4g}, NaN or inf)")
         parity = rnd & 1
         _ROW.pack_into(self._bytes, self._value_at[parity][local_rank], *values, *_PAD[n])
         self._words[self._tag_at[parity][local_rank]] = rnd + 1

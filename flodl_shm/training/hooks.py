@@ -22,7 +22,6 @@ on exactly one live rank, for hooks that should log once per cohort.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -215,7 +214,7 @@ class LoggingHook(Hook):
             return
         if stats.window % max(self.every, 1) and stats.checkpoint is None and stats.next_batches:
             return
-        loss = "-" if math.isnan(stats.cohort_loss) else f"{stats.cohort_loss:.4f}"
+        loss = "-" if stats.skipped else f"{stats.cohort_loss:.4f}"  # (a diverged one: nan)
         # "wait": the count gather's, on several hosts (one host has none: gather_ms 0.0)
         wait = f", wait {stats.gather_ms:.1f} ms" if stats.gather_ms else ""
         line = (f"epoch {stats.epoch} window {stats.window} step {stats.global_step}: "

@@ -187,6 +187,8 @@ class _RankRun:
             lambda: bool(self.coord.alive) and self.coord.alive[0] == self.rank))
         self._perm_epoch = -1
         self._perm = None
+        self._said_diverged = False
+        self._last_bundle = None  # the last bundle this rank wrote its share of
 
     def _check_same_trainer(self) -> None:
         """Several hosts: every host built the same Trainer (``check_same_settings``).
@@ -402,10 +404,33 @@ class _RankRun:
         counts = counts_from_reports(sync.report_rows)
         settled = self.coord.settle(plan, counts, undoable=False)
         ckpt = None
-        if settled.save_reason is not None and self.trainer.save_path and sync.mass > 0:
+        if settled.save_reason is not None and self.trainer.save_path and sync.mass > 0 \
+                and self._finite_consensus(plan.window):
             ckpt = self._checkpoint_path()
             self._write_bundle(ckpt, settled.save_reason, sync.mass)
         return counts, settled, sync, ckpt
+
+    def _finite_consensus(self, window: int) -> bool:
+        """Whether the consensus (this replica, right after the window's sync) is finite.
+        A diverged model (NaN or inf) is not checkpointed: the bundles of the run before
+        it stay the newest, where a resume can go on from. Every rank holds the same
+        consensus, so every rank decides alike."""
+        import torch
+
+        if all(bool(torch.isfinite(t).all()) for t in (*self.sgd.params, *self.sgd.buffers)):
+            return True
+        if not self._said_diverged and self._is_host_lead():
+            from ..checkpoint.series import latest_checkpoint
+
+            self._said_diverged = True
+            last = self._last_bundle or latest_checkpoint(self.trainer.save_path)
+            logger.warning(
+                "window %d: the consensus holds NaN or inf (training diverged): it is not "
+                "checkpointed, %s. Lower the learning rate, clip the gradients "
+                "(clip_grad_norm=...), or find the batch that diverged; said once", window,
+                f"so {last} stays the newest checkpoint" if last is not None
+                else "and no earlier checkpoint exists")
+        return False
 
     def _window_cluster(self, plan, counts):
         """Several hosts: the counts were gathered before the params round (the
@@ -434,10 +459,12 @@ class _RankRun:
                     plan.window, realized, "; the checkpoint armed at this window overstates "
                     "coverage and the next window is checkpointed again" if ckpt else "")
             settled = coord.resettle(plan, counts, realized)
-        if ckpt is not None and sync.mass > 0:
+        if ckpt is not None and sync.mass > 0 and self._finite_consensus(plan.window):
             # each host keeps its own copy of the bundle, so it resumes from its own disk
             # (the controller's forge writes the controller's, with the outer momentum)
             self._write_bundle(ckpt, reason, sync.mass)
+        elif ckpt is not None:
+            ckpt = None  # not written on this host
         return counts, settled, sync, ckpt
 
     def _write_bundle(self, ckpt, reason: SaveReason, mass: float) -> None:
@@ -448,6 +475,7 @@ class _RankRun:
         a resume clears the failed writes beyond its bundle). Right after the window's
         sync: the optimizer state changes at the next step."""
         self._save_rank_state(ckpt)
+        self._last_bundle = ckpt
         self.comm.barrier()
         if self._is_host_lead(self.comm.last_accepted()):
             self._post_checkpoint(ckpt, reason, mass)

@@ -194,7 +194,7 @@ def count_column(batches: int, compute_ms: float, loss_sum: float = 0.0, stop: b
     """
     if batches < 0:
         raise ValueError(f"batches must be >= 0, got {batches}")
-    loss = float(loss_sum) if math.isfinite(loss_sum) else 0.0
+    loss = float(loss_sum)  # a NaN or inf stays one: the window's loss reads as it is
     div = 0.0 if prev is None or not math.isfinite(prev.divergence) else prev.divergence
     reduce_ms = 0.0 if prev is None else max(float(prev.sync_ms), 0.0)
     return (float(batches), max(float(compute_ms), 0.0), loss, 1.0, 1.0 if stop else 0.0,
