@@ -14,7 +14,7 @@ from flodl_shm.checkpoint.forge import load_outer_momentum, outer_sidecar_path
 from flodl_shm.checkpoint.meta import CheckpointBundle, CheckpointMeta, SaveReason
 from flodl_shm.checkpoint.series import (committed_checkpoints, latest_checkpoint,
                                          round_model_path)
-from flodl_shm.training.hooks import SimulatedSlowdown
+from flodl_shm.training.hooks import Hook, SimulatedSlowdown
 from flodl_shm.training.outer import OuterNesterov
 from flodl_shm.training.trainer import Trainer
 
@@ -76,6 +76,20 @@ def test_stop_request_ends_every_rank_after_the_same_window(tmp_path):
     assert [s.window for s in result.history] == [1, 2, 3]
     assert result.reason is SaveReason.GRACEFUL_SHUTDOWN and result.checkpoint is None
     assert result.meta.coverage.per_epoch[0].uncovered_ranges == [(96, 160)]
+
+
+class _StopAtWindowEnd(Hook):
+    def on_window_end(self, state, stats) -> None:
+        if stats.window == 3:
+            state.request_stop()
+
+
+def test_a_stop_requested_after_a_window_s_sync_ends_the_next_window():
+    """(docs/trainer.md, Hooks: a request from on_window_end travels with the next
+    window's sync; a probe read "every rank stops after that same window" as this one)."""
+    result = make_trainer(epochs=5, hooks=[_StopAtWindowEnd()]).run(2)
+    assert [s.window for s in result.history] == [1, 2, 3, 4]
+    assert result.reason is SaveReason.GRACEFUL_SHUTDOWN
 
 
 def test_elche_gives_the_fast_rank_more_batches_and_resumes_its_state(tmp_path):

@@ -12,7 +12,8 @@ process, in the order the hooks were given::
 ``state`` is the rank's :class:`RankState` (model, optimizer, counters) and
 ``state.request_stop()`` asks the cohort to stop: the request travels with the
 window's counts, so every rank stops after the same window, which is then saved
-as a ``graceful_shutdown`` checkpoint.
+as a ``graceful_shutdown`` checkpoint (a request from ``on_window_end``, made after
+its window's sync, travels with the next window's).
 
 Hooks are pickled to the rank processes: define them at module level, and keep
 in mind that each rank works on its own copy (state a hook accumulates stays in
@@ -65,7 +66,9 @@ class RankState:
         return bool(self.live_ranks) and self.rank == self.live_ranks[0]
 
     def request_stop(self) -> None:
-        """Ask the cohort to stop after the current window (saved as graceful)."""
+        """Ask the cohort to stop (saved as graceful): after the current window when
+        asked during it (``on_batch_end``), after the next one when asked from
+        ``on_window_end`` (the request travels with a window's sync)."""
         self.stop_requested = True
 
 
