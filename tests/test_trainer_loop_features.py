@@ -3,6 +3,7 @@ processes)."""
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -127,6 +128,45 @@ def test_loop_feature_arguments_are_checked():
         flodl_shm.Trainer(make_model, torch.optim.SGD, make_data, ce_step, clip_grad_norm=0.0)
     with pytest.raises(TypeError, match="scheduler_fn must be an optimizer -> LR scheduler"):
         flodl_shm.Trainer(make_model, torch.optim.SGD, make_data, ce_step, scheduler_fn=0.5)
+    # a probe passed the class: the ranks failed with "Boolean value of Tensor ... ambiguous"
+    with pytest.raises(TypeError, match=r"loss_fn is the class CrossEntropyLoss: pass an "
+                                        r"instance, CrossEntropyLoss\(\)"):
+        flodl_shm.Trainer(make_model, torch.optim.SGD, make_data, torch.nn.CrossEntropyLoss)
+
+
+@pytest.mark.parametrize("dataset, said", [
+    (make_data()[0], "dataset item 0 is of type Tensor"),
+    ((make_data()[0],), "the dataset is a tuple of 1 tensor"),
+    ([(make_data()[0][0],)], "dataset item 0 is a tuple of 1"),
+])
+def test_a_dataset_without_targets_for_a_loss_fn_is_refused_before_the_ranks_start(dataset,
+                                                                                    said):
+    """A probe gave one tensor, or (x,), with a loss_fn: the ranks started and failed
+    7 s later inside the model's forward (`takes 2 positional arguments but 32 were
+    given`)."""
+    trainer = flodl_shm.Trainer(make_model, torch.optim.SGD, dataset,
+                                torch.nn.functional.cross_entropy, batch_size=16)
+    with pytest.raises(TypeError, match=re.escape(said) + ": with a loss_fn, each item must "
+                                        "be an \\(input..., target\\) tuple"):
+        trainer.run(nprocs=2)
+    assert_no_leaks()
+
+
+def test_micro_batches_keep_the_batch_s_structure_and_name_what_cannot_be_cut():
+    """accumulate cut each element of a batch with `.chunk`: a dict batch failed with
+    "'str' object has no attribute 'chunk'" (a probe)."""
+    from flodl_shm.training.data import micro_batches
+
+    x, y = torch.arange(8.0).reshape(4, 2), torch.arange(4)
+    parts = micro_batches({"x": x, "y": [y, {"z": y * 2}]}, 2)
+    assert len(parts) == 2
+    assert torch.equal(parts[1]["x"], x[2:]) and torch.equal(parts[1]["y"][0], y[2:])
+    assert torch.equal(parts[0]["y"][1]["z"], y[:2] * 2) and isinstance(parts[0]["y"], list)
+    assert [tuple(t.tolist() for t in p) for p in micro_batches((x[:, 0], y), 4)] == \
+        [([0.0], [0]), ([2.0], [1]), ([4.0], [2]), ([6.0], [3])]
+    with pytest.raises(TypeError, match=r"accumulate=2 cuts each batch's tensors into 2 "
+                                        r"micro-batches, but batch\['text'\]\[0\] is a str"):
+        micro_batches({"x": x, "text": ["a", "b", "c", "d"]}, 2)
 
 
 def test_an_argument_that_cannot_reach_the_ranks_is_named():

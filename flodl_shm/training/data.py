@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["fetch_batch", "is_dataset_factory", "resolve_dataset"]
+__all__ = ["fetch_batch", "is_dataset_factory", "micro_batches", "resolve_dataset"]
 
 
 class _Tensors:
@@ -80,3 +80,23 @@ def fetch_batch(dataset, ids: np.ndarray):
     from torch.utils.data import default_collate
 
     return default_collate([dataset[int(i)] for i in ids])
+
+
+def micro_batches(batch, k: int) -> list:
+    """``batch`` cut into ``k`` micro-batches along the first dimension of each of its
+    tensors, keeping its structure (tuples, lists and dicts of tensors, nested): the
+    ``accumulate`` split. Anything else in the batch (a string, a number) cannot be
+    cut: ``TypeError`` naming it and the way on."""
+    def split(x, where: str) -> list:
+        if isinstance(x, torch.Tensor):
+            return list(x.chunk(k))
+        if isinstance(x, dict):
+            parts = [split(v, f"{where}[{key!r}]") for key, v in x.items()]
+            return [dict(zip(x.keys(), vals)) for vals in zip(*parts)]
+        if isinstance(x, (tuple, list)):
+            parts = [split(v, f"{where}[{i}]") for i, v in enumerate(x)]
+            return [type(x)(vals) for vals in zip(*parts)]
+        raise TypeError(f"accumulate={k} cuts each batch's tensors into {k} micro-batches, "
+                        f"but {where} is a {type(x).__name__}: keep the batch to tensors "
+                        f"(tuples, lists and dicts of them), or train with accumulate=1")
+    return split(batch, "batch")

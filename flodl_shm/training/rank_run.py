@@ -28,7 +28,7 @@ from .agreement import (check_controller_outer, check_same_settings, check_same_
                         outer_settings)
 from .coordinator import Coordinator, CoordinatorConfig
 from .coverage import epoch_permutation
-from .data import fetch_batch
+from .data import fetch_batch, micro_batches
 from .hooks import BatchInfo, RankState, RankSummary, WindowStats
 from .inner_state import check_rank_file, read_rank_state, restore_inner
 from .local_sgd import LocalSGD
@@ -385,7 +385,7 @@ class _RankRun:
             loss.backward()
             return float(loss.detach())
         total = 0.0
-        for part in zip(*(t.chunk(k) for t in batch)):
+        for part in micro_batches(batch, k):
             loss = self._loss(part) / k
             loss.backward()
             total += float(loss.detach())

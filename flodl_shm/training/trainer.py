@@ -209,6 +209,11 @@ class Trainer:
             if (required or fn is not None) and not callable(fn):
                 raise TypeError(f"{name} must be a picklable {what} callable, got "
                                 f"{type(fn).__name__}")
+            if name in ("loss_fn", "step_fn") and isinstance(fn, type):
+                # (a class is callable: nn.CrossEntropyLoss(output, target) failed in the
+                # ranks with "Boolean value of Tensor ... is ambiguous")
+                raise TypeError(f"{name} is the class {fn.__name__}: pass an instance, "
+                                f"{fn.__name__}(), or a function {what}")
         if outer is not None and not callable(getattr(outer, "outer_step", None)):
             raise TypeError(f"outer must be None, OuterAvg() or OuterNesterov(...), got "
                             f"{type(outer).__name__}")
@@ -516,12 +521,18 @@ class Trainer:
         if is_dataset_factory(ds):
             return None
         ds = resolve_dataset(ds)  # raises for a dataset of the wrong kind, as the ranks would
-        if isinstance(ds, (tuple, list)) and ds:
-            if self.step_fn is None and not isinstance(ds[0], (tuple, list)):
-                raise TypeError(f"dataset item 0 is of type {type(ds[0]).__name__}: with a "
-                                f"loss_fn, each item must be an (input..., target) tuple; "
-                                f"pass a tuple of tensors (inputs..., targets), or a list of "
-                                f"such items")
+        if self.step_fn is None and len(ds):  # loss_fn(model(*inputs), target)
+            tensors = getattr(ds, "tensors", None)  # a tuple of tensors, indexed together
+            item = ds[0] if tensors is None else tuple(tensors)
+            if not isinstance(item, (tuple, list)) or len(item) < 2:
+                what = (f"the dataset is a tuple of {len(item)} tensor" if tensors is not None
+                        else f"dataset item 0 is of type {type(item).__name__}"
+                        if not isinstance(item, (tuple, list))
+                        else f"dataset item 0 is a {type(item).__name__} of {len(item)}")
+                raise TypeError(f"{what}: with a loss_fn, each item must be "
+                                f"an (input..., target) tuple; pass a tuple of tensors "
+                                f"(inputs..., targets), a list of such items, or a step_fn "
+                                f"(model, batch) -> loss")
         return len(ds)
 
     def _launch(self, job: _Job) -> TrainResult:
