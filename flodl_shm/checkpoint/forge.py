@@ -330,8 +330,10 @@ class CheckpointForge:
 
     def _submit(self, job: _WriteJob) -> None:
         with self._writer_cond:
-            if self._outstanding:
-                # said once per spell (until the queue drains), not at every checkpoint
+            if self._outstanding >= 2:
+                # one write queued behind the one in flight is the writer keeping up (a
+                # small model checkpointed every window does that on any disk); a longer
+                # queue is said once per spell (until it drains), not at every checkpoint
                 logger.log(logging.DEBUG if self._lag_said else logging.WARNING,
                            "checkpoint writer: %s still in flight; %s "
                            "queued behind them (the checkpoint cadence outpaces the disk; "
