@@ -83,6 +83,7 @@ def test_too_many_deaths_save_then_resume_covers_the_rest_once(tmp_path, caplog)
     err = info.value
     assert err.dead_ranks == (1,) and err.checkpoint.name == "ck-r00000003.fdl"
     assert "max_failures=0" in str(err) and "SIGKILL" in str(err)
+    assert "\nrank 1 was killed by signal SIGKILL" in str(err)  # (it read "rank 1: rank 1 ...")
     assert str(err).endswith(f"\nContinue with trainer.resume({str(stem)!r}) (on the 1 rank "
                              f"alive at the save), or trainer.resume({str(stem)!r}, nprocs=2) "
                              f"on 2 again.")

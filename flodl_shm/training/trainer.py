@@ -654,9 +654,11 @@ class Trainer:
         for r in result.dead_ranks:
             path = death_record_path(self.save_path, r)
             try:
-                lines.append(f"rank {r}: " + RankDeathRecord.read_from_file(path).error)
+                error = RankDeathRecord.read_from_file(path).error
             except Exception:
-                pass
+                continue
+            # (a record of a rank killed holds spawn's whole "rank 1 was killed ..." line)
+            lines.append(error if error.startswith(f"rank {r} ") else f"rank {r}: {error}")
         return "\n".join(lines)
 
 
