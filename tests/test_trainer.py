@@ -154,6 +154,21 @@ def test_diloco_outer_nesterov_saves_its_momentum(tmp_path):
     assert math.isfinite(result.history[-1].cohort_loss)
 
 
+def test_a_missing_outer_momentum_is_said_once(tmp_path, caplog):
+    """A probe's resume without the .outer.fdl printed its warning once per rank."""
+    stem = tmp_path / "diloco"
+    trainer = Trainer(make_model, sgd, make_data(), loss_fn, batch_size=8, epochs=1,
+                      sync_every=2, outer=OuterNesterov(lr=0.7, momentum=0.9), save_path=stem,
+                      checkpoint_every=4, log_every=None, timeout=120.0)
+    outer_sidecar_path(trainer.run(2).checkpoint).unlink()
+    caplog.set_level("WARNING", logger="flodl_shm")
+    Trainer(make_model, sgd, make_data(), loss_fn, batch_size=8, epochs=2, sync_every=2,
+            outer=OuterNesterov(lr=0.7, momentum=0.9), save_path=stem, log_every=None,
+            timeout=120.0).resume(stem, nprocs=3)
+    said = [r for r in caplog.records if "the outer momentum restarts" in r.getMessage()]
+    assert len(said) == 1, caplog.text
+
+
 def _two_hosts(tmp_path, call, outer=False, shared_folder=False, controller_outer="same",
                **controller):
     """A 2-rank cohort as 2 hosts of 1 rank on loopback: ``call(trainer, i, **cluster)``

@@ -258,7 +258,7 @@ class _RankRun:
             opath = outer_sidecar_path(path)
             if opath.exists():
                 self.comm.load_outer_momentum(load_outer_momentum(self.model, opath))
-            else:
+            elif self._is_host_lead():  # (every rank's momentum restarts: said once)
                 logger.warning("%s not found: the outer momentum restarts from zero", opath)
 
     # -- each rank's own share of a checkpoint -------------------------------------------
