@@ -121,6 +121,10 @@ def test_training_mode_is_restored_but_a_frozen_submodule_stays(evaluate, tmp_pa
 def test_loop_feature_arguments_are_checked():
     with pytest.raises(ValueError, match="loss_fn .* or a step_fn"):
         flodl_shm.Trainer(make_model, torch.optim.SGD, make_data, None)
+    with pytest.raises(ValueError, match="a loss_fn or a step_fn, not both.*pass None as the "
+                                         "loss_fn"):  # (the loss_fn was ignored silently)
+        flodl_shm.Trainer(make_model, torch.optim.SGD, make_data,
+                          torch.nn.functional.cross_entropy, step_fn=ce_step)
     with pytest.raises(ValueError, match="accumulate must be an int >= 1 dividing batch_size 16"):
         flodl_shm.Trainer(make_model, torch.optim.SGD, make_data, ce_step, batch_size=16,
                           accumulate=3)

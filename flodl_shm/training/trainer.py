@@ -195,6 +195,10 @@ class Trainer:
         if loss_fn is None and step_fn is None:
             raise ValueError("pass a loss_fn (output, target) -> loss, or a step_fn "
                              "(model, batch) -> loss")
+        if loss_fn is not None and step_fn is not None:
+            raise ValueError("pass a loss_fn or a step_fn, not both: a step_fn computes the "
+                             "whole loss (the loss_fn would be ignored); pass None as the "
+                             "loss_fn")
         import torch
 
         for name, fn, what, required in (
