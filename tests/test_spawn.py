@@ -11,6 +11,7 @@ import threading
 import time
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -531,6 +532,43 @@ def test_a_rank_forks_children_of_its_own(method):
                 or multiprocessing.get_all_start_methods()[0])
     assert spawn(forks_of_its_own, 2, start_method=method, timeout=60) == \
         [(7, [120.0, 120.0], launcher)] * 2
+
+
+def killed_with_a_dataloader_worker(ctx, folder: str):
+    """Start a persistent DataLoader worker (a fork of this rank), say its pid, die."""
+    import signal as _signal
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = DataLoader(TensorDataset(torch.arange(16.0)), batch_size=4, num_workers=1,
+                      persistent_workers=True, multiprocessing_context="fork")
+    next(iter(data))
+    worker = [c for c in psutil.Process().children() if c.pid != os.getpid()][0]
+    with open(os.path.join(folder, "worker"), "w") as f:
+        f.write(str(worker.pid))
+    os.kill(os.getpid(), _signal.SIGKILL)
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_killed_rank_s_dataloader_workers_die_with_it(tmp_path, method):
+    """A probe killed a rank of an own-loop LocalSGD with DataLoader workers: they
+    outlived spawn() by seconds (torch's watchdog polls every 5 s) and then printed
+    tracebacks about the rank's vanished pipes. A rank's forks now follow it."""
+    with pytest.raises(RankFailed, match="SIGKILL"):
+        spawn(killed_with_a_dataloader_worker, 1, args=(os.fspath(tmp_path),),
+              start_method=method, timeout=60)
+    pid = int((tmp_path / "worker").read_text())
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.02)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"the killed rank's DataLoader worker (pid {pid}) outlived it")
 
 
 def test_forkserver_off_linux_spawns_ranks(monkeypatch):

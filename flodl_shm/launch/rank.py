@@ -67,6 +67,27 @@ def _set_pdeathsig() -> None:
             pass
 
 
+def _children_follow_this_rank() -> None:
+    """Make the processes this rank forks from its main thread (a DataLoader's
+    workers) die with it, as the rank dies with the launcher: killed with their rank,
+    they otherwise outlived ``spawn`` by seconds (until torch's worker watchdog saw
+    the parent gone) and printed tracebacks about its vanished pipes. A fork is not
+    inherited by the kernel's parent-death signal, so each child sets its own. Only
+    children of the main thread: the signal follows the *thread* that forked, and a
+    child of a short-lived worker thread would die with that thread."""
+    main = threading.main_thread()
+    forking = {"from_main": False}  # set before each fork, read in the child's copy
+
+    def before() -> None:
+        forking["from_main"] = threading.current_thread() is main
+
+    def in_child() -> None:
+        if forking["from_main"]:
+            _set_pdeathsig()
+
+    os.register_at_fork(before=before, after_in_child=in_child)
+
+
 def _send(conn, msg: tuple) -> None:
     """Rank -> launcher message, pickled by value with the standard pickler.
 
@@ -149,6 +170,7 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
     _set_pdeathsig()
     if os.getppid() != parent_pid:  # the launcher died before we could ask to follow it
         os._exit(1)
+    _children_follow_this_rank()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])  # ignored from now on
     os.environ.update({
