@@ -156,6 +156,27 @@ def test_a_dataset_without_targets_for_a_loss_fn_is_refused_before_the_ranks_sta
     assert_no_leaks()
 
 
+def test_a_dataloader_or_a_stream_as_dataset_is_named_with_the_ways_on():
+    """A probe passed its DataLoader, then an IterableDataset: both got the generic
+    'must be a map-style dataset' line."""
+    from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(())
+
+    loader = DataLoader(TensorDataset(*make_data()), batch_size=16)
+    for dataset, said in ((loader, "dataset is a DataLoader: .*pass the loader's dataset "
+                                   r"\(loader.dataset\) and batch_size=..., or keep your "
+                                   "loop and its DataLoader with flodl_shm.LocalSGD"),
+                          (Stream(), r"dataset is an IterableDataset \(Stream\): .*LocalSGD")):
+        trainer = flodl_shm.Trainer(make_model, torch.optim.SGD, dataset,
+                                    torch.nn.functional.cross_entropy, batch_size=16)
+        with pytest.raises(TypeError, match=said):
+            trainer.run(nprocs=2)
+    assert_no_leaks()
+
+
 def test_micro_batches_keep_the_batch_s_structure_and_name_what_cannot_be_cut():
     """accumulate cut each element of a batch with `.chunk`: a dict batch failed with
     "'str' object has no attribute 'chunk'" (a probe)."""

@@ -66,6 +66,16 @@ def resolve_dataset(dataset: Any):
                             f"(inputs..., target), each with one row per sample")
     if isinstance(dataset, torch.utils.data.TensorDataset):
         return _Tensors(dataset.tensors)
+    own_loop = ("or keep your loop and its DataLoader with flodl_shm.LocalSGD "
+                "(docs/local_sgd.md)")
+    if isinstance(dataset, torch.utils.data.DataLoader):
+        raise TypeError(f"dataset is a DataLoader: the Trainer fetches each batch by its "
+                        f"sample ids itself (it dispatches them to the ranks); pass the "
+                        f"loader's dataset (loader.dataset) and batch_size=..., {own_loop}")
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        raise TypeError(f"dataset is an IterableDataset ({type(dataset).__name__}): the "
+                        f"Trainer dispatches samples by index, which a stream has not; pass "
+                        f"a map-style dataset (__len__ and __getitem__), {own_loop}")
     if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
         return dataset
     raise TypeError(
