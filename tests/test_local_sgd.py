@@ -613,6 +613,33 @@ def test_a_rank_that_cannot_write_its_state_fails_the_save_on_every_rank(tmp_pat
     assert mass0 == mass1 == 0.0 and committed_checkpoints(tmp_path / "ck") == []
 
 
+def test_a_diverged_consensus_is_not_saved_and_the_finite_bundles_stay(tmp_path):
+    """A NaN consensus saved with keep=2 pruned the run's finite bundles (a diverged run
+    checkpointing every few windows loses every model worth resuming from)."""
+    from flodl_shm.checkpoint.series import committed_checkpoints
+
+    with FakeCohort(2) as cohort:
+        def body(comm):
+            model = make_model(0)
+            sgd = LocalSGD(model, sync_every=1, comm=comm)
+            sgd.step(samples=4)
+            first = sgd.save(tmp_path / "ck", keep=1)
+            with torch.no_grad():
+                model[0].weight[0, 0] = float("nan") if comm.rank == 1 else 1.0
+            sgd.step(samples=4)  # the NaN reaches the consensus of both ranks
+            try:
+                sgd.save(tmp_path / "ck", keep=1)
+            except ValueError as e:
+                return first, str(e), sgd.sync().mass  # still in step
+        out = cohort.run(body)
+    for first, said, mass in out:
+        assert said.startswith("the consensus holds NaN or inf (training diverged): save() "
+                               f"refuses to write it, which would prune the series' finite "
+                               f"bundles (the newest: {first})"), said
+        assert mass == 0.0
+    assert [p for _, p in committed_checkpoints(tmp_path / "ck")] == [out[0][0]]
+
+
 class _Renamed(torch.nn.Module):
     """make_model's tensors, shapes and order under other names."""
 

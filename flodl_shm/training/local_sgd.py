@@ -854,8 +854,9 @@ class LocalSGD:
 
         Raises:
             ValueError: called mid-window (the replicas differ from the consensus then):
-                save right after ``step()`` returned True, or after ``sync()``; or
-                ``keep`` below 1.
+                save right after ``step()`` returned True, or after ``sync()``; ``keep``
+                below 1; or a consensus that holds NaN or inf (a diverged run: it is not
+                written, so the series' finite bundles stay).
             SeriesInUse: another job holds the series (on every rank of this one).
             RuntimeError: another rank could not write its part (a full disk, say: that
                 rank raises its own error, every other one this, naming it; nothing of
@@ -874,8 +875,17 @@ class LocalSGD:
                 f"sync() first")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an int >= 1 (complete bundles kept), got {keep!r}")
-        from ..checkpoint.series import (prune_series, refuse_folder_stem,
+        from ..checkpoint.series import (latest_checkpoint, prune_series, refuse_folder_stem,
                                          remove_other_rank_states, round_model_path)
+
+        if not all(bool(torch.isfinite(t).all()) for t in (*self.params, *self.buffers)):
+            # (every rank holds the same consensus: every rank refuses, before any round)
+            last = latest_checkpoint(path)
+            raise ValueError(
+                f"the consensus holds NaN or inf (training diverged): save() refuses to write "
+                f"it, which would prune the series' finite bundles ("
+                f"{'the newest: ' + str(last) if last is not None else 'none yet'}). Lower "
+                f"the learning rate or clip the gradients, and load() the last finite bundle")
 
         refuse_folder_stem(path)
         model_path = round_model_path(path, self.sync_round)
