@@ -288,7 +288,8 @@ def test_a_lock_that_cannot_be_written_or_removed_is_given_back(tmp_path, monkey
 
     monkeypatch.setattr(run_lock.os, "pwrite", full)
     with pytest.raises(OSError, match=rf"cannot write the run lock {stem}\.lock: No space left "
-                                      r"on device \(free some space on that disk\)"):
+                                      r"on device \(the disk is full: free some space, or "
+                                      r"save elsewhere\)"):
         RunLock(stem).__enter__()
     monkeypatch.setattr(run_lock.os, "pwrite", real_pwrite)
 

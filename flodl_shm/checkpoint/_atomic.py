@@ -57,6 +57,13 @@ def temp_name_pattern(name: str) -> "re.Pattern[str]":
     return re.compile(re.escape(name) + r"(?:\.\d+\.[0-9a-f]+)?" + re.escape(TMP_SUFFIX) + "$")
 
 
+def disk_full_hint(e: OSError) -> str:
+    """What to do about a write that failed on a full disk, to append to its message
+    ("" for any other error)."""
+    return " (the disk is full: free some space, or save elsewhere)" \
+        if e.errno == errno.ENOSPC else ""
+
+
 def fsync_dir(directory: "str | os.PathLike[str]") -> None:
     """fsync a directory so a rename inside it is durable (best effort where the
     platform can't open directories)."""
@@ -190,9 +197,8 @@ def atomic_write(path: "str | os.PathLike[str]", write: Callable[[BinaryIO], T])
                 pass
             if isinstance(e, OSError) and e.errno is not None and e.filename is None:
                 # the OS's write error names no file: name the one being written
-                hint = " (the disk is full: free some space, or save elsewhere)" \
-                    if e.errno == errno.ENOSPC else ""
-                raise OSError(e.errno, f"{e.strerror} while writing {final}{hint}") from e
+                raise OSError(e.errno, f"{e.strerror} while writing {final}"
+                                       f"{disk_full_hint(e)}") from e
             raise
     finally:
         os.close(lock_fd)

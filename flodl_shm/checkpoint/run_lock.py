@@ -47,7 +47,6 @@ message and the job check.
 from __future__ import annotations
 
 import atexit
-import errno
 import fcntl
 import hashlib
 import json
@@ -59,6 +58,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import SeriesInUse
+from ._atomic import disk_full_hint
 
 logger = logging.getLogger("flodl_shm")
 
@@ -195,9 +195,8 @@ class RunLock:
             except OSError:
                 pass
             os.close(fd)
-            full = " (free some space on that disk)" if e.errno == errno.ENOSPC else ""
             raise OSError(e.errno, f"cannot write the run lock {self.path}: {e.strerror}"
-                          f"{full}") from e
+                          f"{disk_full_hint(e)}") from e
         return fd
 
     def __exit__(self, *exc) -> None:
