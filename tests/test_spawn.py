@@ -280,6 +280,24 @@ def test_when_no_rank_is_left_within_max_failures_the_last_failure_is_raised(cap
     assert "rank 1 failed (ValueError); stopping the cohort (no rank is left)" in caplog.text
 
 
+def fail_then_fail_again(ctx):
+    time.sleep(0.3 * ctx.rank)  # rank 1 fails while the cohort is stopping for rank 0
+    raise ValueError(f"rank {ctx.rank} fails")
+
+
+def test_a_failure_while_the_cohort_stops_says_so_without_a_second_stop(caplog):
+    """A probe read two ERROR lines, '... stopping the cohort (1 failure exceeds
+    max_failures=0)' and '... stopping the cohort (2 failures exceed ...)'."""
+    caplog.set_level("ERROR", logger="flodl_shm")
+    with pytest.raises(RankFailed) as info:
+        spawn(fail_then_fail_again, 2)
+    assert info.value.rank == 0
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == ("rank 0 failed (ValueError); stopping the cohort (1 failure exceeds "
+                        "max_failures=0)"), lines
+    assert lines[1:] == ["rank 1 failed too (ValueError)"], lines
+
+
 def test_a_refused_start_stops_the_cohort_whatever_max_failures(caplog):
     """``StartRefused`` is the same refusal on every rank (a checkpoint or controller the
     cohort cannot start from), not a rank death: the run stops at the first, naming it,

@@ -553,10 +553,15 @@ class SpawnContext:
             return
         if self._stops(dead):
             with self._lock:
-                if self._failure is None:
+                first = self._failure is None
+                if first:
                     self._failure = err
-            logger.error("rank %d failed (%s); stopping the cohort (%s)", global_rank,
-                         out.exc_type or out.signal or out.exitcode, self._why_stop(failures))
+            what = out.exc_type or out.signal or out.exitcode
+            if first:
+                logger.error("rank %d failed (%s); stopping the cohort (%s)", global_rank,
+                             what, self._why_stop(failures))
+            else:  # (the cohort is stopping already: not a second "stopping" line)
+                logger.error("rank %d failed too (%s)", global_rank, what)
             self._abort(A.ABORT_FAILED)
             return
         if stalled is None:
