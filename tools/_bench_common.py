@@ -1,6 +1,12 @@
-"""Helpers shared by the all-reduce benchmarks (``bench_allreduce.py``, ``bench_cluster.py``).
+"""Helpers shared by the benchmarks in tools/.
 
-One definition of a timed collective for every method: per iteration the time is
+The command line of every tool: argparse ``type=`` checks (``positive_int``,
+``byte_size``, ``out_file``, ...) that refuse a bad value with one usage line naming the
+value and what is allowed, a help formatter that shows the defaults, ``run_main`` (Ctrl-C
+ends a tool with one line and status 130, after its cleanup ran) and ``run_child`` (a
+child process that gets one signal and time to clean up when the tool is interrupted).
+
+For the all-reduce benchmarks (``bench_allreduce.py``, ``bench_cluster.py``): one definition of a timed collective for every method: per iteration the time is
 the MAX over ranks (the collective is done when the slowest rank is), then the
 median over iterations. The gloo peer lives here so both benchmarks time it the
 same way: ``dist.all_reduce`` (SUM) then ``div_(world)``, in one gloo group over
@@ -8,12 +14,19 @@ loopback, inside ``flodl_shm.spawn``.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
+import re
+import signal
 import socket
 import statistics
 import struct
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -53,16 +66,223 @@ def tensor_buffer(n: int, value: float, pages: str):
 
 
 def human(n: int) -> str:
-    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+    """``n`` bytes, exactly: "4 MiB", "256 KiB", or "6 B" when not whole KiB."""
+    if n >= MiB and n % MiB == 0:
+        return f"{n // MiB} MiB"
+    if n >= KiB and n % KiB == 0:
+        return f"{n // KiB} KiB"
+    return f"{n} B"
 
 
 def parse_size(s: str) -> int:
-    """``"4MiB"``, ``"256KiB"``, ``"1GiB"`` or a plain byte count."""
-    s = s.strip()
-    for suf, mul in (("KiB", KiB), ("MiB", MiB), ("GiB", 1 << 30)):
-        if s.endswith(suf):
-            return int(float(s[:-len(suf)]) * mul)
-    return int(s)
+    """Bytes from ``"4MiB"``, ``"256KiB"``, ``"4MB"`` or a plain byte count: KiB/MiB/GiB
+    binary, KB/MB/GB decimal (``flodl_shm.cli.ram.parse_size``, the project's one size
+    parser). Raises ValueError naming the text and the accepted forms."""
+    from flodl_shm.cli.ram import parse_size as _parse
+
+    return _parse(s)
+
+
+# --- the command line ----------------------------------------------------------------
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written; each option's help ends with its default, unless the
+    help already says it or there is none to show (None, False)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (not action.option_strings or action.default in (None, False, "", argparse.SUPPRESS)
+                or "%(default)" in text or re.search(r"(^|[(;,] ?)default\b", text)):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def parser(description: str | None) -> argparse.ArgumentParser:
+    """An ``ArgumentParser`` with :class:`HelpFormatter` (every tool's)."""
+    return argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+
+
+def _int(text: str, least: int) -> int:
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number; give an integer >= {least}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{value} is below {least}; give an integer >= {least}")
+    return value
+
+
+def int_at_least(least: int, why: str = ""):
+    """argparse type: an integer >= ``least``; ``why`` (if given) says why the limit."""
+    def conv(text: str) -> int:
+        try:
+            return _int(text, least)
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{e}{' (' + why + ')' if why else ''}") from None
+    conv.__name__ = f"integer >= {least}"
+    return conv
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _int(text, 1)
+
+
+def nonneg_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _int(text, 0)
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a number > 0") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not above 0; give a finite number > 0")
+    return value
+
+
+def byte_size(text: str) -> int:
+    """argparse type: a size > 0 in bytes (``parse_size``: 4096, 4KiB, 4MiB, 4MB, ...)."""
+    try:
+        value = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size {text!r} is 0 bytes; give a size above 0")
+    return value
+
+
+def f32_size(text: str) -> int:
+    """argparse type: a buffer of float32, in bytes: a ``byte_size`` that is a multiple of
+    4 (whole elements)."""
+    value = byte_size(text)
+    if value % 4:
+        raise argparse.ArgumentTypeError(
+            f"{value} bytes is not a whole number of float32 (4 bytes each); give a "
+            f"multiple of 4, e.g. {max(4, value - value % 4)}")
+    return value
+
+
+def comma_list(item, what: str = "value"):
+    """argparse type: a comma-separated list of ``item`` (an argparse type); an item's
+    error names it and its place in the list."""
+    def conv(text: str) -> list:
+        parts = [p.strip() for p in str(text).split(",")]
+        if not any(parts):
+            raise argparse.ArgumentTypeError(f"no {what} in {text!r}; give one or more, "
+                                             f"comma-separated")
+        out = []
+        for p in parts:
+            if not p:
+                raise argparse.ArgumentTypeError(f"an empty {what} in {text!r}; separate "
+                                                 f"{what}s with single commas")
+            try:
+                out.append(item(p))
+            except argparse.ArgumentTypeError as e:
+                named = repr(p) in str(e)   # the message names the item already
+                raise argparse.ArgumentTypeError(str(e) if named else f"{what} {p!r}: {e}") \
+                    from None
+        return out
+    conv.__name__ = f"{what} list"
+    return conv
+
+
+def choices(allowed):
+    """argparse item type: one of ``allowed``."""
+    allowed = list(allowed)
+
+    def conv(text: str) -> str:
+        if text not in allowed:
+            raise argparse.ArgumentTypeError(f"unknown; choose from {', '.join(allowed)}")
+        return text
+    conv.__name__ = "choice"
+    return conv
+
+
+def out_file(text: str) -> str:
+    """argparse type: a file to write at the end of a run, checked up front: its folder
+    must exist (a missing one would fail only after the measuring)."""
+    path = Path(text).expanduser()
+    folder = path.parent.resolve()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"the folder of {text} ({folder}) does not exist; create it or write elsewhere")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"the folder of {text} ({folder}) is not writable; "
+                                         f"write elsewhere")
+    return str(path)
+
+
+def existing_dir(text: str) -> str:
+    """argparse type: an existing, writable folder."""
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text} does not exist; create it or pass an "
+                                         f"existing folder")
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder; pass a folder")
+    if not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text} is not writable; pass a writable folder")
+    return str(path)
+
+
+def run_main(main, quiet: bool = False) -> None:
+    """``sys.exit(main())``, but Ctrl-C ends the tool with one line, "<tool>:
+    interrupted", and status 130 (the cleanup in ``main``'s ``finally`` blocks has run
+    by then). ``quiet``: no line (a tool's worker process, whose launcher says it)."""
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        if not quiet:
+            print(f"{Path(sys.argv[0]).stem}: interrupted", file=sys.stderr, flush=True)
+        code = 130
+    sys.exit(code)
+
+
+def stop_child(proc: subprocess.Popen, sig: int | None = signal.SIGINT,
+               grace: float = 30.0) -> None:
+    """Stop a child started in a session of its own (:func:`run_child`): one ``sig`` to
+    it (None: it was already sent one), up to ``grace`` s to clean up (an mpirun removes
+    its ranks' shared-memory segments), then SIGKILL to its whole process group. A
+    second Ctrl-C meanwhile skips the wait."""
+    if proc.poll() is None:
+        try:
+            if sig is not None:
+                proc.send_signal(sig)
+            proc.communicate(timeout=grace)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)   # whatever is left of its session
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.communicate()
+
+
+def run_child(cmd, *, timeout: float | None = None, capture: bool = False,
+              stop_signal: int = signal.SIGINT, grace: float = 30.0,
+              **popen) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd)`` in a session of its own, so a Ctrl-C at the terminal
+    reaches this process only: on KeyboardInterrupt (or ``timeout``) the child gets one
+    ``stop_signal`` and ``grace`` s to clean up (``stop_child``), then the exception goes
+    on. (``subprocess.run`` would SIGKILL it 0.25 s after the Ctrl-C, and a program that
+    gets a second SIGINT meanwhile, as mpirun does, may abort its cleanup.) ``capture``:
+    stdout and stderr as text."""
+    if capture:
+        popen.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, start_new_session=True, **popen)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        stop_child(proc, stop_signal, grace)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def summarize(method: str, world: int, nbytes: int, times_ns, ok: bool) -> dict:
@@ -202,11 +422,11 @@ def bench_gloo(world: int, plan, pages: str = "4k") -> list[dict]:
     return collect(per_rank, world)
 
 
-def append_json(path: str, records: list[dict]) -> None:
-    """Append ``RESULT {json}`` lines (the format every benchmark here writes)."""
+def append_jsonl(path: str, records: list[dict]) -> None:
+    """Append ``records`` to ``path`` as JSON Lines: one JSON object per line."""
     with open(path, "a") as f:
         for r in records:
-            f.write("RESULT " + json.dumps(r) + "\n")
+            f.write(json.dumps(r) + "\n")
 
 
 def exit_code(results: list[dict]) -> int:

@@ -37,6 +37,7 @@ much on 4 KiB pages, so peers on different pages would not be compared like for 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -47,8 +48,9 @@ import time
 
 import numpy as np
 
-from _bench_common import (PAGES, KiB, MiB, append_json, buffer, collect, exit_code, human,
-                           parse_size, summarize, tensor_buffer)
+from _bench_common import (PAGES, KiB, MiB, append_jsonl, buffer, choices, collect, comma_list,
+                           exit_code, f32_size, human, int_at_least, out_file, parser,
+                           positive_float, run_child, run_main, summarize, tensor_buffer)
 from _bench_common import bench_gloo as _bench_gloo
 
 SIZES = [4 * KiB, 256 * KiB, 4 * MiB, 64 * MiB, 256 * MiB]
@@ -414,16 +416,34 @@ def _mpi_worker_main(sizes, scale, pages) -> None:
     comm.Barrier()
 
 
-def bench_mpi(world, sizes, scale, pages="4k") -> list[dict]:
+def mpi_expected(sizes) -> list[tuple[str, int]]:
+    """The (method, bytes) rows one ``_mpi_worker_main`` run prints, in its order."""
+    return ([(m, n) for n in sizes for m in ("mpi", "mpi-bcast")]
+            + [("mpi-small", min(sizes)), ("mpi-barrier", min(sizes))])
+
+
+def bench_mpi(world, sizes, scale, pages="4k") -> tuple[list[dict], str | None]:
+    """OpenMPI's rows at ``world``, and None, or what went wrong (already said on stderr:
+    mpirun's exit status, the rows missing, its stderr's tail): the caller exits non-zero.
+
+    mpirun runs in a session of its own (``run_child``): on Ctrl-C it gets one SIGINT and
+    time to stop its ranks, which remove their shared-memory segments
+    (``/dev/shm/vader_segment.*``); a SIGKILL would leave them behind."""
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np",
            str(world), sys.executable, os.path.abspath(__file__), "--mpi-worker",
            "--sizes", ",".join(map(str, sizes)), "--iter-scale", str(scale), "--pages", pages]
     env = dict(os.environ, OMPI_MCA_btl_vader_single_copy_mechanism="cma")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+    proc = run_child(cmd, capture=True, timeout=1800, env=env)
     out = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 and not out:
-        print(f"  mpirun failed ({proc.returncode}): {proc.stderr.strip()[-300:]}", file=sys.stderr)
-    return out
+    got = {(r["method"], r["bytes"]) for r in out}
+    missing = [f"{m} {human(n)}" for m, n in mpi_expected(sizes) if (m, n) not in got]
+    if proc.returncode == 0 and not missing:
+        return out, None
+    why = (f"OpenMPI world {world}: mpirun exited with status {proc.returncode}; "
+           f"{'missing rows: ' + ', '.join(missing) if missing else 'every row came back'}")
+    tail = proc.stderr.strip()[-300:]
+    print(f"  {why}{' (its stderr: ' + tail + ')' if tail else ''}", file=sys.stderr, flush=True)
+    return out, why
 
 
 # --- report -------------------------------------------------------------------------
@@ -441,12 +461,35 @@ def table(results: list[dict], world: int, methods: list[str], memcpy: dict) -> 
             if r is None:
                 cells.append("—")
                 continue
-            ratio = r["median_us"] / memcpy[nbytes] if nbytes in memcpy else float("nan")
+            # no memcpy of this size in the run: nothing to compare with
+            ratio = (f"{r['median_us'] / memcpy[nbytes]:,.1f}×" if nbytes in memcpy else "—")
             flag = "" if r["correct"] else " (WRONG)"
             cells.append(f"{r['median_us']:,.1f} µs / {r['algbw_GBps']:.2f} GB/s / "
-                         f"{ratio:,.1f}×{flag}")
+                         f"{ratio}{flag}")
         lines.append(f"| {human(nbytes)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def api_peers(results: list[dict], world: int) -> tuple[int, int]:
+    """(API cells with their OpenMPI peer measured in this run, API cells) at ``world``."""
+    rows = {(r["method"], r["bytes"]) for r in results if r["world"] == world}
+    cells = [(m, n) for m, n in rows if m in API_PEERS]
+    return sum((API_PEERS[m], n) in rows for m, n in cells), len(cells)
+
+
+def api_header(results: list[dict], world: int) -> str:
+    """The API table's cell legend: it claims a ratio to the OpenMPI peer only for the
+    cells that have one (none when OpenMPI was skipped or failed)."""
+    with_peer, cells = api_peers(results, world)
+    peer = ("× the OpenMPI peer measured in this run" if with_peer == cells else
+            "× the OpenMPI peer measured in this run, where there is one" if with_peer else
+            "no OpenMPI peer measured in this run: no ratio")
+    return f"Cell = median µs ({peer})"
+
+
+def slow_waits_text(x: float) -> str:
+    """A slow-wait rate: one decimal, or two significant digits below 0.05 (not 0.0)."""
+    return f"{x:.1f}" if x == 0 or x >= 0.05 else f"{x:.2g}"
 
 
 def api_table(results: list[dict], world: int) -> str:
@@ -530,37 +573,61 @@ def plot(results: list[dict], path: str, note: str = "") -> None:
     small.save(path, optimize=True)
 
 
+#: what --methods accepts
+METHOD_NAMES = ["all", "memcpy", *SHM_METHODS, "gloo", "mpi", "api", *API_METHODS]
+QUICK_SCALE = 0.05
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default=",".join(map(str, SIZES)),
-                    help="comma-separated sizes (bytes or 4KiB/64MiB)")
-    ap.add_argument("--worlds", default="2,4")
-    ap.add_argument("--methods", default="all",
+    ap = parser(__doc__)
+    ap.add_argument("--sizes", type=comma_list(f32_size, "size"),
+                    default=",".join(map(str, SIZES)),
+                    help="comma-separated buffer sizes: bytes (a multiple of 4) or with a "
+                         "suffix, KiB/MiB/GiB binary or KB/MB/GB decimal (4KiB,64MiB); "
+                         "default 4KiB,256KiB,4MiB,64MiB,256MiB")
+    ap.add_argument("--worlds", type=comma_list(int_at_least(2, "an all-reduce needs 2 ranks "
+                                                          "or more"), "world"), default="2,4",
+                    help="comma-separated rank counts, each a cohort of its own (>= 2)")
+    ap.add_argument("--methods", type=comma_list(choices(METHOD_NAMES), "method"),
+                    default="all",
                     help="comma list of memcpy,shm-copy,shm-zc,shm-copy-bf16,shm-zc-bf16,gloo,"
-                         "mpi, api (every public collective, one row each) or api-<name>")
-    ap.add_argument("--iter-scale", type=float, default=1.0)
-    ap.add_argument("--quick", action="store_true", help="tiny schedule (smoke test)")
+                         "mpi, api (every public collective, one row each) or api-<name>; "
+                         "memcpy is the baseline of the ratios, not a method on its own")
+    ap.add_argument("--iter-scale", type=positive_float, default=None,
+                    help="multiply every size's warm-up and timed iteration counts by this "
+                         "(> 0; at least 1 warm-up and 3 timed iterations); default 1, "
+                         f"--quick: {QUICK_SCALE}")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"tiny schedule (smoke test): iteration scale {QUICK_SCALE}")
     ap.add_argument("--pages", choices=PAGES, default="4k",
                     help="the page kind of every peer's buffers: 4k (torch's default for a "
                          "tensor) or huge (transparent huge pages, as numpy gives large "
-                         "arrays and torch does with THP_MEM_ALLOC_ENABLE=1); default 4k")
-    ap.add_argument("--json", help="append RESULT records to this JSONL file")
-    ap.add_argument("--plot", help="write a bandwidth-vs-size PNG (needs matplotlib)")
+                         "arrays and torch does with THP_MEM_ALLOC_ENABLE=1)")
+    ap.add_argument("--json", type=out_file,
+                    help="append the results to this file, one JSON object per line (JSONL)")
+    ap.add_argument("--plot", type=out_file,
+                    help="write a bandwidth-vs-size PNG (needs matplotlib)")
     ap.add_argument("--mpi-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.quick and args.iter_scale is not None:
+        ap.error(f"--quick sets the iteration scale to {QUICK_SCALE}; give --quick or "
+                 f"--iter-scale {args.iter_scale:g}, not both")
     if args.plot:
         try:
-            import matplotlib  # noqa: F401 - checked before minutes of measuring
+            importlib.import_module("matplotlib")  # checked before minutes of measuring
         except ImportError:
             ap.error("--plot needs matplotlib: pip install -e \".[plot]\"")
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
-    scale = 0.05 if args.quick else args.iter_scale
+    sizes = args.sizes
+    scale = QUICK_SCALE if args.quick else 1.0 if args.iter_scale is None else args.iter_scale
     if args.mpi_worker:
         _mpi_worker_main(sizes, scale, args.pages)
         return 0
-    worlds = [int(w) for w in args.worlds.split(",")]
-    methods = (["memcpy", *SHM_METHODS, "api", "gloo", "mpi"] if args.methods == "all"
-               else args.methods.split(","))
+    worlds = args.worlds
+    methods = (["memcpy", *SHM_METHODS, "api", "gloo", "mpi"] if "all" in args.methods
+               else list(dict.fromkeys(args.methods)))
+    if methods == ["memcpy"]:
+        ap.error("--methods memcpy: memcpy is only the baseline of the ratios; add a method "
+                 "to measure (e.g. memcpy,shm-copy,gloo, or all)")
     if "api" in methods:
         methods = [m for m in methods if m != "api"] + API_METHODS
     apis = [m for m in methods if m in API_PEERS]
@@ -569,7 +636,7 @@ def main(argv=None) -> int:
     print(f"# host: {os.cpu_count()} cores; sizes {', '.join(human(s) for s in sizes)}; "
           f"worlds {worlds}; iteration scale {scale}; every buffer on {args.pages} pages",
           flush=True)
-    results = []
+    results, failures = [], []
     if "memcpy" in methods:
         results += bench_memcpy(sizes, scale, args.pages)
     have_mpi, why = mpi_available()
@@ -585,18 +652,23 @@ def main(argv=None) -> int:
         if "mpi" in methods:
             if have_mpi:
                 print(f"# OpenMPI, world {world} ...", flush=True)
-                results += bench_mpi(world, sizes, scale, args.pages)
+                rows, why = bench_mpi(world, sizes, scale, args.pages)
+                results += rows
+                if why:
+                    failures.append(why)
             else:
                 print(f"# OpenMPI skipped: {why}", flush=True)
     memcpy = {r["bytes"]: r["median_us"] for r in results if r["method"] == "memcpy"}
     for world in worlds:
         over = " — OVERSUBSCRIBED (more ranks than cores)" if world > os.cpu_count() else ""
-        print(f"\n## world {world}{over}\nCell = median µs / algorithmic GB/s / × one memcpy\n")
+        ratio = ("× one memcpy" if memcpy else
+                 "— (no memcpy in --methods: no ratio to one memcpy)")
+        print(f"\n## world {world}{over}\nCell = median µs / algorithmic GB/s / {ratio}\n")
         print(table(results, world, [m for m in LABELS if m != "memcpy"
                                      and not m.startswith(("api-", "mpi-"))], memcpy))
         if apis:
-            print(f"\n### every public collective, world {world}\nCell = median µs (× the "
-                  f"OpenMPI peer measured in this run)\n")
+            print(f"\n### every public collective, world {world}\n"
+                  f"{api_header(results, world)}\n")
             print(api_table(results, world))
     slow = [r for r in results if any(r.get("slow_waits") or ())]
     if slow:
@@ -604,11 +676,12 @@ def main(argv=None) -> int:
               "regime has none):")
         for r in slow:
             print(f"  world {r['world']} {human(r['bytes'])} {LABELS[r['method']]}: "
-                  f"{r['slow_waits'][0]:.1f} / {r['slow_waits'][1]:.1f}")
+                  f"{slow_waits_text(r['slow_waits'][0])} / "
+                  f"{slow_waits_text(r['slow_waits'][1])}")
     if memcpy:
         print("\nmemcpy: " + ", ".join(f"{human(b)} {us:,.2f} µs" for b, us in sorted(memcpy.items())))
     if args.json:
-        append_json(args.json, results)
+        append_jsonl(args.json, results)
     if args.plot:
         note = (f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}, median of the timed "
                 f"iterations (iteration scale {scale:g}"
@@ -616,8 +689,12 @@ def main(argv=None) -> int:
                 f"tools/bench_allreduce.py")
         plot(results, args.plot, note)
         print(f"\nplot written to {args.plot}")
-    return exit_code(results)
+    code = exit_code(results)
+    if failures:
+        print("\nINCOMPLETE: " + "; ".join(failures), file=sys.stderr)
+        code = code or 1
+    return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main, quiet="--mpi-worker" in sys.argv)

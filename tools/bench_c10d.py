@@ -1,6 +1,6 @@
 """torch.distributed on the "flodl_shm" backend against gloo and OpenMPI, in one run.
 
-    python tools/bench_c10d.py                       # 4 KiB..256 MiB, world 2 and 4, DDP
+    python tools/bench_c10d.py                       # 4 KiB..256 MiB, world 2 and 4, DDP (~5-10 min)
     python tools/bench_c10d.py --max-size 16MiB --worlds 2 --iter-scale 0.5   # quick
 
 Per (backend, world) one group of rank processes over ``tcp://127.0.0.1`` times
@@ -15,8 +15,10 @@ MLP, per backend. Times: per iteration the max over ranks, then the median
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,8 +29,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench_common import (MiB, collect, human, parse_size, tcp_connections,  # noqa: E402
-                           tensor_buffer)
+from _bench_common import (MiB, byte_size, collect, comma_list, human,  # noqa: E402
+                           nonneg_int, out_file, parser, positive_float, positive_int,
+                           run_main, stop_child, tcp_connections, tensor_buffer)
 from bench_allreduce import bench_mpi, mpi_available, schedule  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,7 +68,7 @@ def _worker(backend: str, rank: int, world: int, port: int, plan: list[tuple[int
     import torch
     import torch.distributed as dist
 
-    import flodl_shm  # noqa: F401 - registers the backend
+    importlib.import_module("flodl_shm")  # registers the backend
     from flodl_shm.frame import RoundKind
 
     torch.set_num_threads(1)
@@ -102,7 +105,7 @@ def _worker(backend: str, rank: int, world: int, port: int, plan: list[tuple[int
             tcp.append([])
             times = _timed(lambda: dist.all_reduce(t), warm, iters, probe)
             rows.append((f"{backend}", nbytes, times, ok))
-        del t
+        t = None  # drop the buffer before the next size's
     ddp = None
     if ddp_steps:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -155,23 +158,34 @@ def run_ranks(backend: str, world: int, plan: list[tuple[int, int, int]], ddp_st
         outs = [os.path.join(tmp, f"r{r}.json") for r in range(world)]
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         env.pop("FLODL_SHM_HOST", None)
-        procs = [subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--worker", backend, str(r), str(world),
-             str(port), spec, str(ddp_steps), outs[r], ",".join(flags) or "-"],
-            env=dict(env, FLODL_SHM_HOST=f"sim{r * hosts // world}") if hosts > 1 else env)
-            for r in range(world)]
+        # each rank in a session of its own: a Ctrl-C reaches this process only, which
+        # then gives every rank one SIGINT and time to leave (stop_child)
+        procs = []
         deadline = time.monotonic() + timeout
-        for p in procs:
-            try:
+        try:
+            for r in range(world):
+                procs.append(subprocess.Popen(
+                    [sys.executable, os.path.abspath(__file__), "--worker", backend, str(r),
+                     str(world), str(port), spec, str(ddp_steps), outs[r],
+                     ",".join(flags) or "-"],
+                    env=dict(env, FLODL_SHM_HOST=f"sim{r * hosts // world}") if hosts > 1
+                    else env, start_new_session=True))
+            for p in procs:
                 p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                for q in procs:
-                    q.wait()
-                print(f"  {backend} world {world}: timed out after {timeout:.0f} s",
-                      file=sys.stderr)
-                return None
+        except BaseException as e:
+            # interrupted: one SIGINT each, then up to 30 s to leave; timed out: killed
+            interrupted = not isinstance(e, subprocess.TimeoutExpired)
+            for q in procs:
+                if q.poll() is None:
+                    q.send_signal(signal.SIGINT if interrupted else signal.SIGKILL)
+            stop = time.monotonic() + 30
+            for q in procs:
+                stop_child(q, None, grace=max(0.1, stop - time.monotonic()))
+            if interrupted:
+                raise
+            print(f"  {backend} world {world}: timed out after {timeout:.0f} s",
+                  file=sys.stderr)
+            return None
         if any(p.returncode for p in procs) or not all(os.path.exists(o) for o in outs):
             print(f"  {backend} world {world}: a rank failed", file=sys.stderr)
             return None
@@ -248,17 +262,23 @@ def report(results: list[dict], ddps: list[dict], worlds: list[int]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--worlds", default="2,4", help="comma-separated world sizes")
-    ap.add_argument("--max-size", default="256MiB", help="largest buffer (e.g. 16MiB)")
-    ap.add_argument("--iter-scale", type=float, default=1.0, help="scale the iteration counts")
-    ap.add_argument("--ddp-steps", type=int, default=10, help="timed DDP steps (0: skip)")
+    ap = parser(__doc__.split("\n\n")[0] + "\n\nThe default run (worlds 2 and 4, up to "
+                "256 MiB, DDP) takes about 5-10 minutes on a 2-core host; --max-size 16MiB "
+                "--worlds 2 --iter-scale 0.5 about one.")
+    ap.add_argument("--worlds", type=comma_list(positive_int, "world"), default="2,4",
+                    help="comma-separated world sizes")
+    ap.add_argument("--max-size", type=byte_size, default="256MiB",
+                    help="largest buffer of 4KiB, 64KiB, 1MiB, 4MiB, 16MiB, 64MiB, 256MiB "
+                         "(KiB/MiB/GiB binary, KB/MB/GB decimal)")
+    ap.add_argument("--iter-scale", type=positive_float, default=1.0,
+                    help="scale the iteration counts")
+    ap.add_argument("--ddp-steps", type=nonneg_int, default=10, help="timed DDP steps (0: skip)")
     ap.add_argument("--no-mpi", action="store_true", help="skip OpenMPI")
-    ap.add_argument("--hosts", type=int, default=2,
+    ap.add_argument("--hosts", type=positive_int, default=2,
                     help="also run flodl_shm split into this many simulated hosts (FLODL_SHM_HOST) "
                          "for worlds it divides, hierarchical through gloo (1: skip)")
-    ap.add_argument("--json", help="also write the raw results here")
-    ap.add_argument("--timeout", type=float, default=1800, help="per group, seconds")
+    ap.add_argument("--json", type=out_file, help="also write the raw results here (one JSON)")
+    ap.add_argument("--timeout", type=positive_float, default=1800, help="per group, seconds")
     ap.add_argument("--worker", nargs=8, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -266,9 +286,12 @@ def main(argv=None) -> int:
         plan = [tuple(int(x) for x in item.split(":")) for item in spec.split(",")]
         _worker(b, int(r), int(w), int(port), plan, int(steps), out, set(flags.split(",")))
         return 0
-    worlds = [int(w) for w in args.worlds.split(",")]
-    limit = parse_size(args.max_size)
+    worlds = args.worlds
+    limit = args.max_size
     sizes = [s for s in DEFAULT_SIZES if s <= limit]
+    if not sizes:
+        ap.error(f"--max-size {human(limit)} is below the smallest size, "
+                 f"{human(DEFAULT_SIZES[0])}; give {human(DEFAULT_SIZES[0])} or more")
     mpi_ok, why = (False, "--no-mpi") if args.no_mpi else mpi_available()
     if not mpi_ok:
         print(f"OpenMPI skipped: {why}", file=sys.stderr)
@@ -290,7 +313,10 @@ def main(argv=None) -> int:
                                    hosts=args.hosts)[0]
         if mpi_ok:
             print(f"running OpenMPI, world {world} ...", file=sys.stderr, flush=True)
-            results += bench_mpi(world, sizes, args.iter_scale)
+            rows, why = bench_mpi(world, sizes, args.iter_scale)
+            results += rows
+            if why:
+                failed.append(f"OpenMPI world {world} (rows missing)")
     print(f"cores: {os.cpu_count()}, load average: {os.getloadavg()[0]:.1f}")
     print(report(results, ddps, worlds))
     if args.json:
@@ -304,4 +330,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main, quiet="--worker" in sys.argv)

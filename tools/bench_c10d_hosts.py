@@ -33,7 +33,6 @@ Measured, nothing computed from a formula:
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -42,7 +41,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench_common import MiB, collect, exit_code, human, parse_size  # noqa: E402
+from _bench_common import (MiB, byte_size, collect, comma_list, exit_code, human,  # noqa: E402
+                           out_file, parser, positive_float, positive_int, run_main)
 from bench_c10d import run_ranks  # noqa: E402
 from bench_cluster import CohortFailed, bench_cohort, schedule  # noqa: E402
 
@@ -146,26 +146,29 @@ def table(results: list[dict], hosts: int, ranks: int) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hosts", default="2,3", help="simulated host counts (default 2,3)")
-    ap.add_argument("--ranks", type=int, default=2, help="ranks per host (default 2)")
-    ap.add_argument("--max-size", default="256MiB", help="largest size of 4, 16, 64, 256 MiB")
-    ap.add_argument("--iter-scale", type=float, default=0.5,
-                    help="scale bench_cluster's iteration counts (default 0.5)")
+    ap = parser(__doc__)
+    ap.add_argument("--hosts", type=comma_list(positive_int, "host count"), default="2,3",
+                    help="simulated host counts")
+    ap.add_argument("--ranks", type=positive_int, default=2, help="ranks per host")
+    ap.add_argument("--max-size", type=byte_size, default="256MiB",
+                    help="largest size of 4, 16, 64, 256 MiB")
+    ap.add_argument("--iter-scale", type=positive_float, default=0.5,
+                    help="scale bench_cluster's iteration counts")
     ap.add_argument("--methods", default=",".join(METHODS), help="gloo,flodl_shm,controller")
-    ap.add_argument("--timeout", type=float, default=900, help="per c10d group, seconds")
-    ap.add_argument("--json", help="also write the raw results here")
+    ap.add_argument("--timeout", type=positive_float, default=900,
+                    help="per c10d group, seconds")
+    ap.add_argument("--json", type=out_file, help="also write the raw results here (one JSON)")
     args = ap.parse_args(argv)
-    limit = parse_size(args.max_size)
+    limit = args.max_size
     sizes = [s for s in SIZES if s <= limit]
     if not sizes:
-        ap.error(f"--max-size {args.max_size} is below the smallest size, 4MiB")
+        ap.error(f"--max-size {human(limit)} is below the smallest size, 4 MiB; give 4MiB "
+                 f"or more")
     methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         ap.error(f"unknown methods {unknown}; choose from {METHODS}")
-    hosts_list = [int(h) for h in args.hosts.split(",")]
+    hosts_list = args.hosts
     load0 = os.getloadavg()
     results: list[dict] = []
     for hosts in hosts_list:
@@ -197,4 +200,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

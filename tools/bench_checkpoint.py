@@ -20,12 +20,11 @@ Every variant fsyncs, runs ``--repeats`` times interleaved, and is deleted after
 each run. Prints a markdown table (median and best wall time, GiB/s, ratio to
 the raw write).
 
-    python tools/bench_checkpoint.py            # 1 GiB, 5 repeats
+    python tools/bench_checkpoint.py            # 1 GiB, 5 repeats (~1-3 min, the disk's speed)
     python tools/bench_checkpoint.py --size-mib 256 --repeats 5 --dir /mnt/fast
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -33,13 +32,16 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-import torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from flodl_shm.checkpoint.convert import save_safetensors
-from flodl_shm.checkpoint.forge import CheckpointForge, write_consensus_fdl
-from flodl_shm.checkpoint.meta import ModelSchema
-from flodl_shm.frame import DTYPE_BF16, DTYPE_F32, RoundFrame, TensorPayload
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from _bench_common import existing_dir, parser, positive_int, run_main  # noqa: E402
+from flodl_shm.checkpoint.convert import save_safetensors  # noqa: E402
+from flodl_shm.checkpoint.forge import CheckpointForge, write_consensus_fdl  # noqa: E402
+from flodl_shm.checkpoint.meta import ModelSchema  # noqa: E402
+from flodl_shm.frame import DTYPE_BF16, DTYPE_F32, RoundFrame, TensorPayload  # noqa: E402
 
 
 def _fsync_path(path: str) -> None:
@@ -51,13 +53,20 @@ def _fsync_path(path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size-mib", type=int, default=1024, help="model size in MiB (default 1024)")
-    ap.add_argument("--tensors", type=int, default=16, help="number of equal tensors (default 16)")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--dir", default=os.environ.get("CKPT_DIR", tempfile.gettempdir()),
-                    help="where to write (default $CKPT_DIR or the temp dir)")
+    ap = parser(__doc__.split("\n\n")[0] + "\n\nThe default run (1 GiB, 5 repeats of 6 "
+                "variants: 30 writes of 1-2 GiB) takes about 1-3 minutes, depending on the "
+                "disk; --size-mib 256 --repeats 3 a quarter of a minute.")
+    ap.add_argument("--size-mib", type=positive_int, default=1024, help="model size in MiB")
+    ap.add_argument("--tensors", type=positive_int, default=16, help="number of equal tensors")
+    ap.add_argument("--repeats", type=positive_int, default=5,
+                    help="interleaved runs of every variant (median and best are printed)")
+    ap.add_argument("--dir", type=existing_dir,
+                    default=os.environ.get("CKPT_DIR", tempfile.gettempdir()),
+                    help="an existing folder to write in (default $CKPT_DIR or the temp dir)")
     args = ap.parse_args(argv)
+    if args.size_mib * (1 << 20) // 4 < args.tensors:
+        ap.error(f"--tensors {args.tensors} is more than the {args.size_mib * (1 << 18)} "
+                 f"float32 of --size-mib {args.size_mib}; give fewer tensors or a larger size")
 
     elems = args.size_mib * (1 << 20) // 4 // args.tensors
     torch.manual_seed(0)
@@ -149,4 +158,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -60,8 +60,9 @@ from pathlib import Path
 
 import numpy as np
 
-from _bench_common import (MiB, append_json, bench_gloo, exit_code, human, parse_size,
-                           summarize, tcp_counters)
+from _bench_common import (MiB, append_jsonl, bench_gloo, choices, comma_list, exit_code,
+                           f32_size, human, out_file, parser, positive_float, positive_int,
+                           run_main, summarize, tcp_counters)
 
 SIZES = [4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 SCHEDULE = {4 * MiB: (3, 30), 16 * MiB: (2, 15), 64 * MiB: (2, 8), 256 * MiB: (1, 5)}
@@ -358,9 +359,16 @@ class RssSampler:
 
 class CpuMeter:
     """CPU seconds (user + system, all threads) of the cohort's processes by role:
-    the controller, the hosts' supervisors (each runs its relay) and the ranks."""
+    the controller, the hosts' supervisors (each runs its relay) and the ranks.
 
-    def __init__(self, ctl_pid: int, host_pids: list[int]) -> None:
+    "ranks" is every process under a host, at any depth (``children(recursive=True)``):
+    a host's ranks are its grandchildren (host -> rank server -> ranks; its children
+    with ``start_method="spawn"``), and the rank server, which only forks them and then
+    waits, is counted with them (its CPU during the timed rounds is nil). multiprocessing's
+    resource tracker is left out. Built once every rank is up (the processes are listed
+    here, once)."""
+
+    def __init__(self, ctl_pid: int, host_pids: list[int], ranks_per_host: int = 0) -> None:
         import psutil
 
         self.procs: dict[str, list] = {"controller": [psutil.Process(ctl_pid)], "supervisors": [],
@@ -368,9 +376,18 @@ class CpuMeter:
         for pid in host_pids:
             host = psutil.Process(pid)
             self.procs["supervisors"].append(host)
-            for child in host.children():
-                if "resource_tracker" not in " ".join(child.cmdline()):
-                    self.procs["ranks"].append(child)
+            under = []
+            for child in host.children(recursive=True):
+                try:
+                    if "resource_tracker" not in " ".join(child.cmdline()):
+                        under.append(child)
+                except psutil.Error:   # gone since listed
+                    pass
+            if len(under) < ranks_per_host:
+                print(f"# warning: CPU of host {pid}'s ranks: found {len(under)} processes "
+                      f"under it, expected at least {ranks_per_host} ranks; its rank CPU "
+                      f"figure is short", file=sys.stderr, flush=True)
+            self.procs["ranks"] += under
 
     def snapshot(self) -> dict[str, float]:
         out = {}
@@ -492,7 +509,8 @@ class Cohort:
             self._start(f"host{i}", "--host-worker", str(self.dir), "--index", str(i),
                         "--port", str(port))
         self._accept_all(self.hosts + self.world, deadline)
-        cpu = CpuMeter(ctl.pid, [p.pid for n, p in self.procs.items() if n.startswith("host")])
+        cpu = CpuMeter(ctl.pid, [p.pid for n, p in self.procs.items() if n.startswith("host")],
+                       self.ranks)
         phases = []
         for k, (variant, _, iters) in enumerate(self.plan):
             self._gather(self.rank_conns, "ready", PHASE_TIMEOUT)
@@ -603,6 +621,8 @@ def bench_cohort(hosts: int, ranks: int, nbytes: int, scale: float, variants) ->
     cohort = Cohort(hosts, ranks, nbytes, [(v, warm, iters) for v in variants])
     try:
         return cohort.run()
+    except KeyboardInterrupt:
+        raise   # the processes were interrupted too: their logs say only that
     except BaseException:
         for name in cohort.logs:   # what each process said, before the folder goes
             print(f"# --- {name} log (tail) ---\n{cohort._tail(name, 40)}", file=sys.stderr)
@@ -781,18 +801,29 @@ def targets(results: list[dict]) -> list[str]:
     return out
 
 
+QUICK_SCALE = 0.2
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", help="comma-separated f32 bytes per rank (4MiB,16MiB,...); "
-                                    "default 4MiB,16MiB,64MiB,256MiB (--quick: 4MiB)")
-    ap.add_argument("--hosts", default="2,3", help="simulated host counts (default 2,3)")
-    ap.add_argument("--ranks", type=int, default=2, help="ranks per host (default 2)")
-    ap.add_argument("--wires", default=",".join(VARIANTS), help="f32,bf16")
-    ap.add_argument("--iter-scale", type=float, default=1.0)
-    ap.add_argument("--quick", action="store_true", help="4 MiB, few rounds (smoke run)")
+    ap = parser(__doc__)
+    ap.add_argument("--sizes", type=comma_list(f32_size, "size"),
+                    help="comma-separated f32 bytes per rank (4MiB,16MiB,...; KiB/MiB/GiB "
+                         "binary, KB/MB/GB decimal); default 4MiB,16MiB,64MiB,256MiB "
+                         "(--quick: 4MiB)")
+    ap.add_argument("--hosts", type=comma_list(positive_int, "host count"), default="2,3",
+                    help="simulated host counts")
+    ap.add_argument("--ranks", type=positive_int, default=2, help="ranks per host")
+    ap.add_argument("--wires", type=comma_list(choices(VARIANTS), "wire"),
+                    default=",".join(VARIANTS), help="flodl_shm's wire formats to measure")
+    ap.add_argument("--iter-scale", type=positive_float, default=None,
+                    help="multiply the warm-up and timed round counts by this (> 0); "
+                         f"default 1, --quick: {QUICK_SCALE}")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"4 MiB, few rounds (iteration scale {QUICK_SCALE}): smoke run")
     ap.add_argument("--no-gloo", action="store_true", help="skip the gloo peer")
-    ap.add_argument("--json", help="append RESULT records to this JSONL file")
+    ap.add_argument("--json", type=out_file,
+                    help="append the results to this file, one JSON object per line (JSONL; "
+                         "the first: the run's primitives and load)")
     ap.add_argument("--controller-worker", help=argparse.SUPPRESS)
     ap.add_argument("--host-worker", help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, help=argparse.SUPPRESS)
@@ -802,11 +833,13 @@ def main(argv=None) -> int:
         return controller_worker(Path(args.controller_worker))
     if args.host_worker:
         return host_worker(Path(args.host_worker), args.index, args.port)
-    sizes = ([parse_size(s) for s in args.sizes.split(",")] if args.sizes
-             else [4 * MiB] if args.quick else SIZES)
-    scale = 0.2 if args.quick else args.iter_scale
-    hosts = [int(h) for h in args.hosts.split(",")]
-    variants = [v for v in args.wires.split(",") if v]
+    if args.quick and args.iter_scale is not None:
+        ap.error(f"--quick sets the iteration scale to {QUICK_SCALE}; give --quick or "
+                 f"--iter-scale {args.iter_scale:g}, not both")
+    sizes = args.sizes or ([4 * MiB] if args.quick else SIZES)
+    scale = QUICK_SCALE if args.quick else 1.0 if args.iter_scale is None else args.iter_scale
+    hosts = args.hosts
+    variants = list(dict.fromkeys(args.wires))
     load = os.getloadavg()[0]
     print(f"# host: {os.cpu_count()} cores, load {load:.2f}; sizes "
           f"{', '.join(human(s) for s in sizes)} f32 per rank; hosts {hosts} × {args.ranks} "
@@ -843,9 +876,9 @@ def main(argv=None) -> int:
     print("\n## Targets\n")
     print("\n".join(targets(results)))
     if args.json:
-        append_json(args.json, [{"primitives": prim, "loadavg": load}, *results])
+        append_jsonl(args.json, [{"primitives": prim, "loadavg": load}, *results])
     return exit_code(results)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main, quiet="--controller-worker" in sys.argv or "--host-worker" in sys.argv)

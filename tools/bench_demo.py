@@ -44,18 +44,22 @@ What is measured, per variant, median over the repeats (interleaved):
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import tempfile
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _bench_common import out_file, parser, positive_int, run_main  # noqa: E402
 
 EPOCHS, BATCH, SYNC_EVERY, SEED, WORLD = 30, 32, 8, 42, 2
 
@@ -134,6 +138,8 @@ def _local_sgd_worker(ctx, data, epochs):
 
 
 def _gloo_worker(rank, world, init, data, epochs, flat, queue):
+    # a Ctrl-C is the launcher's to handle (it kills this process); no traceback here
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch
     import torch.distributed as dist
 
@@ -408,24 +414,25 @@ def _print_ratio(what: str, variant: list, loop: list, loop_key: str,
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--epochs", type=int, default=EPOCHS)
+    ap = parser(__doc__)
+    ap.add_argument("--repeats", type=positive_int, default=3,
+                    help="interleaved repeats of every variant (the median is printed)")
+    ap.add_argument("--epochs", type=positive_int, default=EPOCHS, help="training epochs")
     ap.add_argument("--only", help="comma-separated variants (default: all)")
-    ap.add_argument("--ranks", type=int, default=WORLD,
+    ap.add_argument("--ranks", type=positive_int, default=WORLD,
                     help=f"ranks of the training variants (default {WORLD}); with 1 a window "
                          f"has no peer to wait for, so the Trainer's ratio to the bare loop is "
                          f"what its window adds, without the peer's scheduling")
-    ap.add_argument("--json", help="append one JSON record per run to this file")
+    ap.add_argument("--json", type=out_file,
+                    help="append one JSON record per run to this file (JSONL)")
     ap.add_argument("--overhead", action="store_true",
                     help="only the per-call cost on one rank: LocalSGD.sync vs all_reduce_")
-    ap.add_argument("--big-model", metavar="MIB", type=int, nargs="?", const=64,
+    ap.add_argument("--big-model", metavar="MIB", type=positive_int, nargs="?", const=64,
                     help="only LocalSGD averaging of a model of about MIB MiB (default 64; "
                          "whole 16 MiB layers, at least one) on 2 ranks against one memcpy "
                          "of it")
     args = ap.parse_args(argv)
-    if args.big_model:
+    if args.big_model is not None:
         print(big_model_table(args.big_model << 20, args.repeats))
         return 0
     if args.overhead:
@@ -474,5 +481,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    sys.exit(main())
+    run_main(main)

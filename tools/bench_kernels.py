@@ -10,8 +10,9 @@ The "bits" column says whether our result equals torch's bit for bit (checked
 once per row on fresh inputs): "=" identical, "~" different rounding by design
 (noted under the table).
 
-    python tools/bench_kernels.py                 # 4 MiB and 64 MiB (~30 s)
+    python tools/bench_kernels.py                 # 4 MiB and 64 MiB (~30 s; a minute on 2 cores)
     python tools/bench_kernels.py --sizes 1,16 --reps 5
+    python tools/bench_kernels.py --sizes 256KiB,4MiB --only reduce
 
 Sizes are the f32 tensor's bytes (n = size / 4 elements); bf16 buffers of the
 same n are half that.
@@ -21,15 +22,20 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-import numba
-import numpy as np
-import torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from flodl_shm import kernels as K
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from _bench_common import (byte_size, comma_list, human, parser, positive_int,  # noqa: E402
+                           run_main)
+from flodl_shm import kernels as K  # noqa: E402
 
 W = 0.8349217
 INV = 1.0 / 3.0
@@ -197,13 +203,44 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="4,64", help="comma-separated MiB of the f32 tensor")
-    ap.add_argument("--reps", type=int, default=0,
+def kernel_size(text: str) -> int:
+    """argparse item type of --sizes: the f32 tensor's bytes, a plain number being MiB
+    (``4``, ``0.5``) or a size with its unit (``4MiB``, ``256KiB``, ``4MB``); at least one
+    float32, a whole number of them."""
+    try:
+        mib = float(text)
+    except ValueError:
+        nbytes = byte_size(text)
+    else:
+        if not mib > 0 or mib != mib or mib == float("inf"):
+            raise argparse.ArgumentTypeError(f"{text} MiB is not above 0; give a size > 0 "
+                                             f"(a plain number is MiB)")
+        nbytes = int(mib * (1 << 20))
+    if nbytes < 4 or nbytes % 4:
+        raise argparse.ArgumentTypeError(
+            f"{text} is {nbytes} bytes, not a whole number of float32 (4 bytes each, at "
+            f"least one); give a multiple of 4 bytes")
+    return nbytes
+
+
+def row_names() -> list[str]:
+    return [r.name for r in rows(Buffers(16))]
+
+
+def main(argv=None) -> int:
+    ap = parser(__doc__.split("\n\n")[0] + "\n\nThe default run (4 MiB and 64 MiB) takes "
+                "about 30 s, a minute on 2 busy cores.")
+    ap.add_argument("--sizes", type=comma_list(kernel_size, "size"), default="4,64",
+                    help="comma-separated sizes of the f32 tensor: a plain number is MiB "
+                         "(0.5, 4), or give a unit (256KiB, 4MiB, 4MB)")
+    ap.add_argument("--reps", type=positive_int, default=None,
                     help="timed reps per variant (default: 40 at <= 4 MiB, 12 above)")
-    ap.add_argument("--only", default="", help="run only the rows whose name contains this")
-    args = ap.parse_args()
+    ap.add_argument("--only", default="",
+                    help="run only the rows whose name contains this (e.g. reduce, bf16)")
+    args = ap.parse_args(argv)
+    if args.only and not any(args.only in name for name in row_names()):
+        ap.error(f"--only {args.only!r} matches no row; the rows are: "
+                 f"{', '.join(row_names())}")
     t_start = time.perf_counter()
     default_threads = torch.get_num_threads()
     K.warm_up()
@@ -214,8 +251,9 @@ def main() -> None:
     print("| kernel | torch equivalent | size | ours GB/s | torch 1T GB/s | torch "
           f"{default_threads}T GB/s | ours / 1T | ours / {default_threads}T | bits |")
     print("|---|---|---:|---:|---:|---:|---:|---:|:---:|")
-    for mib in (float(s) for s in args.sizes.split(",")):
-        n = int(mib * (1 << 20)) // 4
+    for nbytes in args.sizes:
+        mib = nbytes / (1 << 20)
+        n = nbytes // 4
         bufs = Buffers(n)
         reps = args.reps or (40 if mib <= 4 else 12)
         for row in rows(bufs):
@@ -223,12 +261,18 @@ def main() -> None:
                 continue
             ours, one, many = measure(row, reps, default_threads)
             gb = row.bytes_per_elem * n / 1e9
-            print(f"| {row.name} | {row.torch_desc} | {mib:g} MiB | {gb / ours:.1f} | "
+            print(f"| {row.name} | {row.torch_desc} | {_size(nbytes)} | {gb / ours:.1f} | "
                   f"{gb / one:.1f} | {gb / many:.1f} | {one / ours:.2f} | {many / ours:.2f} | "
                   f"{'=' if checks[row.name] else '~'} |", flush=True)
         del bufs
     print(f"# {time.perf_counter() - t_start:.0f} s; load average {os.getloadavg()[0]:.2f} at end")
+    return 0
+
+
+def _size(nbytes: int) -> str:
+    """The size column: "4 MiB", "0.5 MiB" as before for whole KiB; else exact bytes."""
+    return f"{nbytes / (1 << 20):g} MiB" if nbytes % 1024 == 0 else human(nbytes)
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

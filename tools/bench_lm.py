@@ -34,9 +34,8 @@ averaged replicas lose to one replica taking every step (measured here, not assu
 """
 from __future__ import annotations
 
-import argparse
+import importlib
 import json
-import math
 import os
 import statistics
 import sys
@@ -45,6 +44,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _bench_common import (out_file, parser, positive_float, positive_int,  # noqa: E402
+                           run_main)
 
 
 def load_corpus(max_mb: float) -> np.ndarray:
@@ -184,7 +188,7 @@ def _diloco_rank(ctx, train: np.ndarray, val: np.ndarray, cfg: dict) -> dict:
 
     import flodl_shm
 
-    torch.set_num_threads(max(1, cfg["threads"] // ctx.world_size))
+    torch.set_num_threads(rank_threads(cfg["threads"], ctx.world_size))
     model, opt = _model_and_opt(cfg)
     sgd = flodl_shm.DiLoCo(model, sync_every=cfg["sync_every"], comm=ctx.comm, optimizer=opt,
                            bf16_wire=cfg["bf16_wire"])
@@ -196,6 +200,24 @@ def _diloco_rank(ctx, train: np.ndarray, val: np.ndarray, cfg: dict) -> dict:
     else:
         res["curve"] = None
     return res
+
+
+def rank_threads(threads: int, ranks: int) -> int:
+    """Each DiLoCo rank's threads: ``threads`` split evenly, at least one."""
+    return max(1, threads // ranks)
+
+
+def threads_note(threads: int, ranks: int) -> str:
+    """The header line saying how DiLoCo's ranks split ``threads``, and when they do not
+    split evenly (the ranks then have fewer threads in all than the one process, or,
+    with more ranks than threads, more: one each)."""
+    per = rank_threads(threads, ranks)
+    line = f"# DiLoCo: {ranks} ranks × {per} thread{'s' if per > 1 else ''} each"
+    if per * ranks == threads:
+        return line
+    return (f"{line} (--threads {threads} does not split evenly into {ranks} ranks: "
+            f"{per * ranks} threads in all, the one process has {threads}"
+            f"{'; the ranks share cores' if per * ranks > threads else ''})")
 
 
 def run_diloco(train: np.ndarray, val: np.ndarray, cfg: dict) -> dict:
@@ -212,28 +234,41 @@ def run_diloco(train: np.ndarray, val: np.ndarray, cfg: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=120.0, help="training budget per variant")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+    ap = parser(__doc__)
+    ap.add_argument("--seconds", type=positive_float, default=120.0,
+                    help="training budget per variant")
+    ap.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1,
                     help="threads of the one process; split evenly among the ranks")
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--context", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=16, help="sequences per step and rank")
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--sync-every", type=int, default=32)
-    ap.add_argument("--bf16-wire", action="store_true")
-    ap.add_argument("--corpus-mb", type=float, default=8.0)
-    ap.add_argument("--eval-batches", type=int, default=20)
+    ap.add_argument("--ranks", type=positive_int, default=2, help="DiLoCo's rank processes")
+    ap.add_argument("--d-model", type=positive_int, default=256,
+                    help="model width (a multiple of --heads)")
+    ap.add_argument("--layers", type=positive_int, default=8, help="transformer blocks")
+    ap.add_argument("--heads", type=positive_int, default=8,
+                    help="attention heads (must divide --d-model)")
+    ap.add_argument("--context", type=positive_int, default=128, help="tokens per sequence")
+    ap.add_argument("--batch", type=positive_int, default=16, help="sequences per step and rank")
+    ap.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW's learning rate")
+    ap.add_argument("--sync-every", type=positive_int, default=32,
+                    help="DiLoCo's inner steps per sync")
+    ap.add_argument("--bf16-wire", action="store_true", help="DiLoCo syncs over a bf16 wire")
+    ap.add_argument("--corpus-mb", type=positive_float, default=8.0,
+                    help="MB of stdlib sources to train on")
+    ap.add_argument("--eval-batches", type=positive_int, default=20,
+                    help="held-out batches of the final evaluation")
     ap.add_argument("--only", choices=["one", "diloco"], help="run one variant only")
-    ap.add_argument("--json", help="append one JSON record per variant to this file")
-    ap.add_argument("--plot", help="write the loss-vs-wall-time plot (PNG) here")
+    ap.add_argument("--json", type=out_file,
+                    help="append one JSON record per variant to this file (JSONL)")
+    ap.add_argument("--plot", type=out_file, help="write the loss-vs-wall-time plot (PNG) here")
     args = ap.parse_args(argv)
+    if args.d_model % args.heads:
+        ap.error(f"--heads {args.heads} does not divide --d-model {args.d_model}; give a "
+                 f"head count that divides the width (e.g. --heads 8) or a multiple of "
+                 f"{args.heads} as --d-model")
     if args.plot:
-        import matplotlib  # noqa: F401 - fail before training, not after
+        try:
+            importlib.import_module("matplotlib")  # fail before training, not after
+        except ImportError:
+            ap.error("--plot needs matplotlib: pip install -e \".[plot]\"")
 
     cfg = {k: getattr(args, k) for k in ("seconds", "threads", "ranks", "d_model", "layers",
                                          "heads", "context", "batch", "lr", "sync_every",
@@ -247,6 +282,8 @@ def main(argv=None) -> int:
           f"{len(data) / 1e6:.1f} MB of stdlib .py; model {n_params / 1e6:.2f} M params, "
           f"context {args.context}, batch {args.batch}; {args.seconds:.0f} s per variant; "
           f"{args.threads} threads", flush=True)
+    if args.only != "one":
+        print(threads_note(args.threads, args.ranks), flush=True)
     results = {}
     if args.only != "diloco":
         results["one process"] = run_one_process(train, val, cfg)
@@ -294,4 +331,4 @@ def _plot(results: dict, path: str, n_params: int, cfg: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

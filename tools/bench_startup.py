@@ -30,19 +30,30 @@ The machine's load is printed too: on a busy host, compare ratios.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _bench_common import (choices, comma_list, parser, positive_int, run_child,  # noqa: E402
+                           run_main)
+
+#: what --start-methods accepts (the module docstring says what each is)
+START_METHODS = ["default", "default-again", "forkserver", "forkserver-fresh", "spawn", "fork"]
+
 _SCRIPT = r"""
 import json, sys, time
-import torch
-import flodl_shm
+try:
+    import torch
+    import flodl_shm
+except KeyboardInterrupt:  # the tool was interrupted: it says so, once
+    sys.exit(130)
 imported = time.time()
 
 
@@ -52,7 +63,7 @@ def fn(ctx):
     return entered, time.time()
 
 
-if __name__ == "__main__":
+def main():
     method = sys.argv[3]
     kw = ({} if method.startswith("default")
           else {"start_method": method.replace("-fresh", "")})
@@ -64,6 +75,13 @@ if __name__ == "__main__":
     with open(sys.argv[1], "w") as f:
         json.dump({"imported": imported, "called": called,
                    "entered": max(e for e, _ in out), "barrier": max(b for _, b in out)}, f)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:  # spawn stopped its ranks; the tool says it was interrupted
+        sys.exit(130)
 """
 
 
@@ -79,9 +97,18 @@ _COMPONENTS = {
 }
 
 
+def _run(cmd, stop_signal=signal.SIGTERM, **kw) -> None:
+    """``cmd`` to its end (``run_child``: on Ctrl-C it gets one ``stop_signal``, not the
+    terminal's SIGINT, so it prints no traceback of its own); CalledProcessError if it
+    failed."""
+    proc = run_child(cmd, stop_signal=stop_signal, **kw)
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+
+
 def _run_s(code: str) -> float:
     t0 = time.time()
-    subprocess.run([sys.executable, "-c", code], check=True)
+    _run([sys.executable, "-c", code])
     return time.time() - t0
 
 
@@ -96,7 +123,8 @@ def _spawn_phases(script: str, nprocs: int, method: str) -> dict:
         env = dict(os.environ)
         if method.endswith("-fresh"):  # a fresh rank server, never one forked from us
             env["FLODL_SHM_FORK_SERVER"] = "0"
-        subprocess.run([sys.executable, script, out, str(nprocs), method], check=True, env=env)
+        # SIGINT on Ctrl-C: the script's spawn stops its ranks and unlinks its segments
+        _run([sys.executable, script, out, str(nprocs), method], signal.SIGINT, env=env)
         end = time.time()
         with open(out) as f:
             st = json.load(f)
@@ -105,11 +133,12 @@ def _spawn_phases(script: str, nprocs: int, method: str) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--nprocs", type=int, default=2)
-    ap.add_argument("--start-methods", default="default,default-again,forkserver-fresh,spawn,fork",
+    ap = parser(__doc__)
+    ap.add_argument("--repeats", type=positive_int, default=5,
+                    help="interleaved repeats of every measurement (the median is printed)")
+    ap.add_argument("--nprocs", type=positive_int, default=2, help="ranks of each spawn")
+    ap.add_argument("--start-methods", type=comma_list(choices(START_METHODS), "start method"),
+                    default="default,default-again,forkserver-fresh,spawn,fork",
                     help="spawn()'s start_method values to compare (comma-separated; "
                          "'default' passes none; 'default-again' times a second spawn of "
                          "the same launcher; 'forkserver-fresh' is 'forkserver' with "
@@ -120,7 +149,7 @@ def main(argv=None) -> int:
         script = os.path.join(d, "startup_probe.py")
         with open(script, "w") as f:
             f.write(_SCRIPT)
-        methods = [m.strip() for m in args.start_methods.split(",")]
+        methods = list(dict.fromkeys(args.start_methods))
         _spawn_phases(script, args.nprocs, methods[0])      # warm: numba cache, page cache
         torch_s, phases = [], {m: [] for m in methods}
         parts: dict[str, list[float]] = {k: [] for k in _COMPONENTS}
@@ -161,4 +190,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)
