@@ -626,6 +626,23 @@ def sc_stall(rank: int, world: int) -> dict:
     return {"pid": os.getpid(), "error": err}
 
 
+def sc_late(rank: int, world: int) -> dict:
+    """The last rank enters the collective after the others' timeout; they linger
+    (C10D_LINGER s, alive) while it arrives, then each says what its call did."""
+    import torch.distributed as dist
+
+    if rank == world - 1:
+        time.sleep(float(os.environ["C10D_TIMEOUT"]) + 1.5)
+    t = torch.ones(4)
+    try:
+        dist.all_reduce(t)
+        err = None
+    except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+        err = f"{type(e).__name__}: {e}"
+    if rank != world - 1:
+        time.sleep(float(os.environ.get("C10D_LINGER", "0")))
+    return {"pid": os.getpid(), "error": err, "t": t.tolist()}
+
 
 def run_rank(scenario: str, rank: int, world: int, port: int, out: str,
              backend: str = "flodl_shm") -> None:

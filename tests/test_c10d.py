@@ -413,6 +413,22 @@ def test_a_host_that_skips_a_collective_is_named_by_every_rank_of_the_others(tmp
     _no_segments_of(res)
 
 
+def test_a_rank_late_past_the_others_timeout_raises_as_they_did(tmp_path):
+    """A probe's late rank got a successful all_reduce (the others' contributions were
+    there) after every other rank had raised its timeout: the ranks disagreed on the
+    outcome, and one that caught the error would step on one side only."""
+    res = run_group("late", 3, tmp_path, extra_env={"C10D_TIMEOUT": "2", "C10D_LINGER": "4"},
+                    timeout=120)
+    for r in res[:2]:
+        assert "timed out after 2 s" in r["error"] and "group rank(s) [2]" in r["error"], r
+    late = res[2]["error"]
+    assert late is not None, res[2]
+    assert late.startswith("RuntimeError: flodl_shm allreduce (rank 2 of 3): group rank ") \
+        and "gave up on a collective after the group's 2 s timeout, before this rank (rank " \
+        "2) arrived, so the ranks disagree on its outcome" in late, late
+    _no_segments_of(res)
+
+
 def test_a_rank_that_sees_a_timed_out_peer_exit_names_the_rank_both_waited_for(tmp_path):
     # rank 1 enters 1.5 s after rank 0, so rank 0 times out first and exits at once:
     # rank 1 sees a death before its own deadline, and must still point at rank 2

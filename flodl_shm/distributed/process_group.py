@@ -81,11 +81,14 @@ def _collective(method):
 
     def run(self, args, kwargs):
         try:
-            return method(self, *args, **kwargs)
+            work = method(self, *args, **kwargs)
         except FrameError as e:
             raise RuntimeError(f"flodl_shm {name}: {e}") from e
         except ReduceStall as e:
+            self._gave_up()
             raise RuntimeError(self._stall_message(name, e)) from e
+        self._check_nobody_gave_up(name)
+        return work
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -398,6 +401,30 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                 f"{self._timeout.total_seconds():g} s: group rank(s) {missing} of this host "
                 f"had not arrived (alive but not in this collective: every rank must make "
                 f"the same sequence of collective calls); the group is unusable, destroy it")
+
+    def _gave_up(self) -> None:
+        """This rank's wait passed the group's timeout: say so in the host arena, so a
+        late peer whose round completes afterwards raises as this rank does."""
+        link = self._link
+        if link is not None:
+            link.comm.arena.mark_gave_up(link.comm.local_rank)
+
+    def _check_nobody_gave_up(self, what: str) -> None:
+        """After a collective completed here: if a rank of this host gave up on a round
+        (its timeout passed while this rank was late), this rank's result is one the
+        others refused; raise as they did, instead of going on alone."""
+        link = self._link
+        who = None if link is None else link.comm.arena.gave_up()
+        if who is None or who == link.comm.local_rank:
+            return
+        rank = self._topo.local_ranks[who]
+        self._unusable = (f"group rank {rank} gave up on a collective after the group's "
+                          f"{self._timeout.total_seconds():g} s timeout, before this rank "
+                          f"(rank {self._rank}) arrived")
+        raise RuntimeError(
+            f"flodl_shm {what} (rank {self._rank} of {self._size}): {self._unusable}, so the "
+            f"ranks disagree on its outcome (every rank must make the same sequence of "
+            f"collective calls, each within the timeout); the group is unusable, destroy it")
 
     def _live(self) -> HostLink:
         if self._link is None:

@@ -424,6 +424,18 @@ class Arena:
         self.ctl[rank_base(rank) + R_DEAD] = DEAD_EXITED
         Doorbell(self.ctl).ring()
 
+    def mark_gave_up(self, rank: int) -> None:
+        """Local rank ``rank`` gave up on a round (its wait passed its deadline): a peer
+        whose round completes after that must not take the result the others refused
+        (:meth:`gave_up`). The first rank to give up is kept."""
+        if not self.ctl[G_GAVE_UP]:
+            self.ctl[G_GAVE_UP] = rank + 1
+
+    def gave_up(self) -> int | None:
+        """The local rank that first gave up on a round of this arena, or None."""
+        who = int(self.ctl[G_GAVE_UP])
+        return who - 1 if who else None
+
     def __repr__(self) -> str:
         return (f"Arena(session={self.handle.session}, world={self.world}, "
                 f"eager={self.eager_bytes} B, owner={self.owner})")

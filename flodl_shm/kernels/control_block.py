@@ -13,11 +13,12 @@ use it without loading numba.
 from __future__ import annotations
 
 MAGIC = 0x46534D48_41524E41  # "FSMHARNA"
-VERSION = 6  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIRECT*);
+VERSION = 7  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIRECT*);
              # 3: round reports (H_REPORT, H_REPORT_ROUND);
              # 4: shared parameter blocks (p<r> segments, R_PARAMS_BASE, R_PARAMS_BYTES);
              # 5: the controller's outer start (G_CONTROLLER_OUTER);
-             # 6: the controller's outer settings (G_CONTROLLER_OUTER_KIND, _LR, _MU)
+             # 6: the controller's outer settings (G_CONTROLLER_OUTER_KIND, _LR, _MU);
+             # 7: a rank that gave up on a round (G_GAVE_UP)
 
 # -- global words ---------------------------------------------------------------------
 G_MAGIC = 0
@@ -48,6 +49,9 @@ G_TAP_ACK = 56        # last checkpoint message the owner consumed
 G_DIRECT = 57         # 1: a dead rank stops the cohort (no survivor re-reduces its slice),
                       # so large rounds may move data between ranks' private memory
                       # (engine/direct.py); written once by the owner at creation
+G_GAVE_UP = 58        # c10d: 1 + the local rank that first gave up on a round (its wait
+                      # passed the group's timeout): a late peer whose round then completes
+                      # raises too, instead of returning a result the others refused
 GLOBAL_WORDS = 64
 
 ABORT_NONE = 0
@@ -137,6 +141,7 @@ __all__ = [
     "G_TAP_SEQ",
     "G_TAP_ACK",
     "G_DIRECT",
+    "G_GAVE_UP",
     "GLOBAL_WORDS",
     "ABORT_NONE",
     "ABORT_FAILED",
