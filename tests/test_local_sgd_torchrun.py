@@ -100,5 +100,27 @@ def test_local_sgd_takes_a_process_group_and_the_mixed_device_backend_string(bac
     assert out.stdout.splitlines() == [
         "synced True 1", "synced True 1", "synced True 1",
         "refused: LocalSGD(comm=<a process group>) needs the process group to use the "
-        "'flodl_shm' backend for CPU tensors, got 'gloo': init_process_group('flodl_shm') (or "
-        "'cpu:flodl_shm,cuda:nccl'), or pass comm=ctx.comm under flodl_shm.spawn"]
+        "'flodl_shm' backend for CPU tensors, got 'gloo': init_process_group('flodl_shm'), "
+        "or pass comm=ctx.comm under flodl_shm.spawn"]
+    # a probe: the mixed string builds no nccl (torch gives a Python backend the whole
+    # group); said once, by rank 0, at init
+    said = [ln for ln in out.stderr.splitlines() if "builds" in ln or "no nccl" in ln]
+    if backend == "flodl_shm":
+        assert said == [], out.stderr
+    else:
+        assert said == ["cpu:flodl_shm,cuda:nccl: torch gives a Python backend such as "
+                        "flodl_shm the whole process group, so no nccl backend is built "
+                        "(collectives of cuda tensors on this group raise). Give them a group "
+                        "of their own, e.g. dist.new_group(backend='nccl')"], out.stderr
+
+
+def test_a_tensor_off_the_cpu_is_refused_with_a_way_that_works():
+    """The refusal of a CUDA tensor recommended 'cpu:flodl_shm,cuda:nccl', which builds no
+    nccl (a probe): a group of its own is the way."""
+    from flodl_shm.distributed.reduce_ops import check_dtype
+
+    with pytest.raises(RuntimeError, match=r"flodl_shm allreduce: tensor on device meta; the "
+                                           r"flodl_shm backend handles CPU tensors only: give "
+                                           r"meta tensors a group of their own, e\.g\. "
+                                           r"dist\.new_group\(backend='nccl'\) for cuda"):
+        check_dtype(torch.empty(2, device="meta"), "allreduce")

@@ -999,4 +999,36 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 
 def create_process_group(store, rank: int, size: int, timeout: timedelta) -> ProcessGroupFlodlShm:
     """The creator ``Backend.register_backend`` calls for ``"flodl_shm"``."""
-    return ProcessGroupFlodlShm(store, rank, size, timeout)
+    pg = ProcessGroupFlodlShm(store, rank, size, timeout)
+    left_out = _device_backends_left_out()
+    if left_out and rank == 0:
+        logger.warning(
+            "%s: torch gives a Python backend such as flodl_shm the whole process group, so "
+            "no %s backend is built (collectives of %s tensors on this group raise). Give "
+            "them a group of their own, e.g. dist.new_group(backend=%r)",
+            ",".join(["cpu:flodl_shm", *left_out]),
+            " or ".join(e.split(":", 1)[1] for e in left_out),
+            " or ".join(e.split(":", 1)[0] for e in left_out),
+            left_out[0].split(":", 1)[1])
+    return pg
+
+
+def _device_backends_left_out() -> list[str]:
+    """``device:backend`` entries of the backend string being built besides flodl_shm's
+    (``"cpu:flodl_shm,cuda:nccl"``): torch's group builder stops at a backend that is a
+    ``ProcessGroup`` (every Python backend is), so they are never built. Read from the
+    builder's frame (``_new_process_group_helper``'s ``backend_config``); [] when it
+    cannot be found."""
+    import sys
+
+    frame = sys._getframe(1)
+    for _ in range(4):
+        frame = frame.f_back
+        if frame is None:
+            return []
+        config = frame.f_locals.get("backend_config")
+        if config is not None and hasattr(config, "get_device_backend_map"):
+            return [f"{device}:{backend}"
+                    for device, backend in config.get_device_backend_map().items()
+                    if backend != "flodl_shm"]
+    return []

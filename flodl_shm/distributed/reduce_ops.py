@@ -48,8 +48,10 @@ def check_dtype(t: torch.Tensor, what: str) -> None:
     """Raise ``RuntimeError`` unless ``t`` is a CPU tensor of a supported dtype."""
     if t.device.type != "cpu":
         raise RuntimeError(f"flodl_shm {what}: tensor on device {t.device}; the flodl_shm "
-                           f"backend handles CPU tensors only (use nccl for cuda, e.g. "
-                           f"init_process_group('cpu:flodl_shm,cuda:nccl'))")
+                           f"backend handles CPU tensors only: give {t.device.type} tensors a "
+                           f"group of their own, e.g. dist.new_group(backend='nccl') for cuda "
+                           f"(a 'cpu:flodl_shm,cuda:nccl' group builds no nccl backend: torch "
+                           f"gives a Python backend the whole group)")
     if t.dtype not in SUPPORTED_DTYPES:
         raise RuntimeError(f"flodl_shm {what}: dtype {t.dtype} is not supported; supported: "
                            f"{', '.join(str(d).replace('torch.', '') for d in SUPPORTED_DTYPES)}")

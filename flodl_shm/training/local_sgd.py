@@ -174,15 +174,16 @@ def _resolve_comm(comm):
 
 def _group_comm(group, what: str, given: str):
     """The engine ``Comm`` of a single-host process group whose CPU backend is
-    "flodl_shm" (``init_process_group("flodl_shm")`` or ``"cpu:flodl_shm,cuda:nccl"``)."""
+    "flodl_shm" (``init_process_group("flodl_shm")``; a ``"cpu:flodl_shm,..."`` string
+    gives the same group: torch builds a Python backend's group alone)."""
     import torch.distributed as dist
 
     backend = dist.get_backend(group)
     if backend != "flodl_shm" and "cpu:flodl_shm" not in backend.split(","):
         raise ValueError(
             f"LocalSGD({given}) needs {what} to use the 'flodl_shm' backend for CPU tensors, "
-            f"got {backend!r}: init_process_group('flodl_shm') (or "
-            f"'cpu:flodl_shm,cuda:nccl'), or pass comm=ctx.comm under flodl_shm.spawn")
+            f"got {backend!r}: init_process_group('flodl_shm'), or pass comm=ctx.comm "
+            f"under flodl_shm.spawn")
     engine = group
     if not hasattr(engine, "comm"):
         try:
