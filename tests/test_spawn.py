@@ -281,7 +281,12 @@ def test_when_no_rank_is_left_within_max_failures_the_last_failure_is_raised(cap
 
 
 def fail_then_fail_again(ctx):
-    time.sleep(0.3 * ctx.rank)  # rank 1 fails while the cohort is stopping for rank 0
+    if ctx.rank == 1:  # fails while the cohort is stopping for rank 0 (before the
+        from flodl_shm.engine import arena as A  # supervisor's SIGTERM, 2 s later)
+
+        deadline = time.monotonic() + 20
+        while not ctx.comm.arena.ctl[A.G_ABORT] and time.monotonic() < deadline:
+            time.sleep(0.001)
     raise ValueError(f"rank {ctx.rank} fails")
 
 
