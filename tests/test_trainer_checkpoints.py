@@ -281,8 +281,9 @@ def test_what_the_launcher_knows_is_refused_before_any_rank_starts(tmp_path):
     with pytest.raises(ValueError, match=r"^the dataset has 8 samples, fewer than one batch of "
                                          r"batch_size=16; pass a batch_size of at most 8$"):
         trainer(batch_size=16).run(2)
-    with pytest.raises(TypeError, match=r"^dataset item 0 is of type int: with a loss_fn, each "
-                                        r"item must be an \(input\.\.\., target\) tuple"):
+    with pytest.raises(TypeError, match=r"^dataset sample 0 is of type int: with a loss_fn, "
+                                        r"each sample must be an \(input\.\.\., target\) "
+                                        r"tuple"):
         trainer(dataset=[1, 2, 3] * 4).run(2)
     with pytest.raises(TypeError, match=r"^dataset element 1 is of type list: a dataset of "
                                         r"tensors needs every element to be a tensor"):

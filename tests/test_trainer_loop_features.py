@@ -139,9 +139,9 @@ def test_loop_feature_arguments_are_checked():
 
 
 @pytest.mark.parametrize("dataset, said", [
-    (make_data()[0], "dataset item 0 is of type Tensor"),
-    ((make_data()[0],), "the dataset is a tuple of 1 tensor"),
-    ([(make_data()[0][0],)], "dataset item 0 is a tuple of 1"),
+    (make_data()[0], "dataset sample 0 is of type Tensor"),
+    ((make_data()[0],), "dataset sample 0 has 1 field"),
+    ([(make_data()[0][0],)], "dataset sample 0 has 1 field"),
 ])
 def test_a_dataset_without_targets_for_a_loss_fn_is_refused_before_the_ranks_start(dataset,
                                                                                     said):
@@ -150,8 +150,8 @@ def test_a_dataset_without_targets_for_a_loss_fn_is_refused_before_the_ranks_sta
     given`)."""
     trainer = flodl_shm.Trainer(make_model, torch.optim.SGD, dataset,
                                 torch.nn.functional.cross_entropy, batch_size=16)
-    with pytest.raises(TypeError, match=re.escape(said) + ": with a loss_fn, each item must "
-                                        "be an \\(input..., target\\) tuple"):
+    with pytest.raises(TypeError, match=re.escape(said) + ": with a loss_fn, each sample "
+                                        "must be an \\(input..., target\\) tuple"):
         trainer.run(nprocs=2)
     assert_no_leaks()
 

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["fetch_batch", "is_dataset_factory", "micro_batches", "resolve_dataset"]
+__all__ = ["fetch_batch", "first_sample", "is_dataset_factory", "micro_batches",
+           "resolve_dataset"]
 
 
 class _Tensors:
@@ -81,6 +82,15 @@ def resolve_dataset(dataset: Any):
     raise TypeError(
         f"dataset must be a map-style dataset (__len__ and __getitem__), a tuple of tensors, "
         f"or a zero-argument factory returning one; got {type(dataset).__name__}")
+
+
+def first_sample(dataset) -> Any:
+    """Sample 0 of a resolved dataset (``resolve_dataset``), as the batches will hold
+    its fields: for tensors indexed together, the tuple of those tensors (one field
+    each); else ``dataset[0]``."""
+    if isinstance(dataset, _Tensors):
+        return dataset.tensors
+    return dataset[0]
 
 
 def fetch_batch(dataset, ids: np.ndarray):

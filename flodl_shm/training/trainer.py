@@ -519,21 +519,18 @@ class Trainer:
         """The dataset's sample count, or None for a factory (called in the ranks only, so
         that a large dataset is never built here); raises for a dataset of the wrong
         kind as the ranks would."""
-        from .data import resolve_dataset
+        from .data import first_sample, resolve_dataset
 
         ds = self.dataset
         if is_dataset_factory(ds):
             return None
         ds = resolve_dataset(ds)  # raises for a dataset of the wrong kind, as the ranks would
         if self.step_fn is None and len(ds):  # loss_fn(model(*inputs), target)
-            tensors = getattr(ds, "tensors", None)  # a tuple of tensors, indexed together
-            item = ds[0] if tensors is None else tuple(tensors)
+            item = first_sample(ds)
             if not isinstance(item, (tuple, list)) or len(item) < 2:
-                what = (f"the dataset is a tuple of {len(item)} tensor" if tensors is not None
-                        else f"dataset item 0 is of type {type(item).__name__}"
-                        if not isinstance(item, (tuple, list))
-                        else f"dataset item 0 is a {type(item).__name__} of {len(item)}")
-                raise TypeError(f"{what}: with a loss_fn, each item must be "
+                what = (f"is of type {type(item).__name__}" if not isinstance(item, (tuple, list))
+                        else f"has {len(item)} field")
+                raise TypeError(f"dataset sample 0 {what}: with a loss_fn, each sample must be "
                                 f"an (input..., target) tuple; pass a tuple of tensors "
                                 f"(inputs..., targets), a list of such items, or a step_fn "
                                 f"(model, batch) -> loss")
