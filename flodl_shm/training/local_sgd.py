@@ -478,6 +478,12 @@ class LocalSGD:
         return self.sync_every if self.el_che is None else max(1, self.el_che.batches(self.rank))
 
     # -- the loop ------------------------------------------------------------------------
+    def consensus_is_finite(self) -> bool:
+        """Whether the averaged tensors (parameters and floating-point buffers) hold no
+        NaN or inf; right after a sync they are the consensus, the same on every rank,
+        so every rank answers alike. A diverged consensus is not checkpointed."""
+        return all(bool(torch.isfinite(t).all()) for t in (*self.params, *self.buffers))
+
     @property
     def steps_until_sync(self) -> Optional[int]:
         """Steps this rank takes before the next sync (None with ``sync_every=None``)."""
@@ -879,8 +885,7 @@ class LocalSGD:
         from ..checkpoint.series import (latest_checkpoint, prune_series, refuse_folder_stem,
                                          remove_other_rank_states, round_model_path)
 
-        if not all(bool(torch.isfinite(t).all()) for t in (*self.params, *self.buffers)):
-            # (every rank holds the same consensus: every rank refuses, before any round)
+        if not self.consensus_is_finite():  # (every rank refuses alike, before any round)
             last = latest_checkpoint(path)
             raise ValueError(
                 f"the consensus holds NaN or inf (training diverged): save() refuses to write "

@@ -415,9 +415,7 @@ class _RankRun:
         A diverged model (NaN or inf) is not checkpointed: the bundles of the run before
         it stay the newest, where a resume can go on from. Every rank holds the same
         consensus, so every rank decides alike."""
-        import torch
-
-        if all(bool(torch.isfinite(t).all()) for t in (*self.sgd.params, *self.sgd.buffers)):
+        if self.sgd.consensus_is_finite():
             return True
         if not self._said_diverged and self._is_host_lead():
             from ..checkpoint.series import latest_checkpoint
