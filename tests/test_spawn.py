@@ -5,6 +5,7 @@ rank process outlived it.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -281,6 +282,7 @@ def test_when_no_rank_is_left_within_max_failures_the_last_failure_is_raised(cap
 
 
 def fail_then_fail_again(ctx):
+    ctx.comm.barrier()  # rank 1 is in fn (not still starting up) when rank 0 fails
     if ctx.rank == 1:  # fails while the cohort is stopping for rank 0 (before the
         from flodl_shm.engine import arena as A  # supervisor's SIGTERM, 2 s later)
 
@@ -300,6 +302,43 @@ def test_a_failure_while_the_cohort_stops_says_so_without_a_second_stop(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0] == ("rank 0 failed (ValueError); stopping the cohort (1 failure exceeds "
                         "max_failures=0)"), lines
+    assert lines[1:] == ["rank 1 failed too (ValueError)"], lines
+
+
+def fail_then_fail_again_slowly(ctx):
+    ctx.comm.barrier()  # rank 1 is in fn (not still starting up) when rank 0 fails
+    if ctx.rank == 1:  # takes half a second of the stop's 2 s grace to wind up
+        from flodl_shm.engine import arena as A
+
+        deadline = time.monotonic() + 20
+        while not ctx.comm.arena.ctl[A.G_ABORT] and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.5)
+    raise ValueError(f"rank {ctx.rank} fails")
+
+
+def test_a_rank_in_its_function_gets_a_grace_whatever_the_supervisor_has_read(
+        caplog, monkeypatch):
+    """CI failed the test above once: the stop took rank 1 for a rank still starting up
+    and sent it SIGTERM at once, so rank 1's own failure was never reported. Either rank
+    0 failed before rank 1 entered ``fn`` (the ranks now meet in a barrier first), or
+    before the supervisor had read rank 1's 'running' message. Here every 'running'
+    message stays unread (as on a loaded machine); the rank's own word in the arena
+    still says it entered ``fn``, so it gets its grace and reports."""
+    import flodl_shm.launch.supervisor as sup
+
+    real_recv = sup._recv
+
+    def unread_running(conn):
+        msg = real_recv(conn)
+        return ("log", logging.DEBUG, "(running, left unread)") if msg == ("running",) else msg
+
+    monkeypatch.setattr(sup, "_recv", unread_running)
+    caplog.set_level("ERROR", logger="flodl_shm")
+    with pytest.raises(RankFailed) as info:
+        spawn(fail_then_fail_again_slowly, 2)
+    assert info.value.rank == 0
+    lines = [r.getMessage() for r in caplog.records]
     assert lines[1:] == ["rank 1 failed too (ValueError)"], lines
 
 

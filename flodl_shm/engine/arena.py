@@ -415,6 +415,14 @@ class Arena:
     def is_dead(self, rank: int) -> bool:
         return bool(self.ctl[rank_base(rank) + R_DEAD])
 
+    def mark_entered(self, rank: int) -> None:
+        """Local rank ``rank`` finished its start-up and enters its function: a stop
+        grants it a grace to finish (:meth:`entered`) rather than SIGTERM at once."""
+        self.ctl[rank_base(rank) + R_ENTERED] = 1
+
+    def entered(self, rank: int) -> bool:
+        return bool(self.ctl[rank_base(rank) + R_ENTERED])
+
     def mark_exited(self, rank: int) -> None:
         """Local rank ``rank`` makes no further calls (it returned, or left its group):
         a peer waiting for it in a round raises naming it (the kernels' ``EXITED``)

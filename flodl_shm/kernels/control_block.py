@@ -13,12 +13,13 @@ use it without loading numba.
 from __future__ import annotations
 
 MAGIC = 0x46534D48_41524E41  # "FSMHARNA"
-VERSION = 7  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIRECT*);
+VERSION = 8  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIRECT*);
              # 3: round reports (H_REPORT, H_REPORT_ROUND);
              # 4: shared parameter blocks (p<r> segments, R_PARAMS_BASE, R_PARAMS_BYTES);
              # 5: the controller's outer start (G_CONTROLLER_OUTER);
              # 6: the controller's outer settings (G_CONTROLLER_OUTER_KIND, _LR, _MU);
-             # 7: a rank that gave up on a round (G_GAVE_UP)
+             # 7: a rank that gave up on a round (G_GAVE_UP);
+             # 8: a spawned rank entered its function (R_ENTERED)
 
 # -- global words ---------------------------------------------------------------------
 G_MAGIC = 0
@@ -77,6 +78,9 @@ R_DIRECT = 28         # round in which the rank could reach every peer's probe w
 R_PARAMS_BASE = 29    # address, in the rank's own process, of its mapping of its p<r>
                       # segment (its shared parameter block); 0: none placed
 R_PARAMS_BYTES = 30   # bytes of that block in use (written after R_PARAMS_BASE)
+R_ENTERED = 31        # 1 once a spawned rank's start-up is over and it entered its function
+                      # (the rank writes it before telling its supervisor): a stop then
+                      # grants it a grace before SIGTERM, whatever the supervisor has read
 R_HDR = 32            # two round headers of HDR_WORDS, indexed by round parity
 HDR_WORDS = 16
 
@@ -161,6 +165,7 @@ __all__ = [
     "R_DIRECT",
     "R_PARAMS_BASE",
     "R_PARAMS_BYTES",
+    "R_ENTERED",
     "R_HDR",
     "HDR_WORDS",
     "H_ROUND",

@@ -218,6 +218,7 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
         comm.set_pinned_decode(pinned_decode)
         fn, args = pickle.loads(payload)
         ctx = RankContext(global_rank, local_rank, world_size, handle.world, comm, save_path)
+        arena.mark_entered(local_rank)  # read by a stop's escalation, whatever is unread
         with send_lock:
             _send(conn, ("running",))  # start-up is over: stall clocks apply in full, and
             # a stop grants fn a grace before SIGTERM

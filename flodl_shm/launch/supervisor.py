@@ -702,8 +702,11 @@ class SpawnContext:
 
     def _escalate(self) -> None:
         self._started.wait()  # every rank that will ever start is in self._procs
+        arena = self.arena  # mapped until the monitor has joined this thread
         for r, p in enumerate(self._procs):
-            if r not in self._running and p.is_alive():
+            # the rank's own word, not self._running: its 'running' message may still
+            # sit unread in the pipe while this thread looks
+            if not arena.entered(r) and p.is_alive():
                 p.terminate()  # still starting up (fn not entered): nothing to finish
         self._after_grace(ABORT_GRACE_S, lambda p: p.terminate())  # SIGTERM
         self._after_grace(TERM_GRACE_S, lambda p: p.kill())  # SIGKILL
