@@ -187,6 +187,9 @@ def test_writer_rejects_inconsistent_entries(tmp_path):
         RawEntry("x" * 65537, (1,), FdlDtype.F32, b"\0" * 4)
     with pytest.raises(CheckpointError, match="cannot store"):
         save_tensors(tmp_path / "b.fdl", [("mask", torch.ones(2, dtype=torch.bool))])
+    with pytest.raises(CheckpointError, match=r"torch.view_as_real\(t\)\); .float\(\) would "
+                                              r"drop the imaginary part"):
+        save_tensors(tmp_path / "c.fdl", [("freq", torch.ones(2, dtype=torch.complex64))])
     assert not list(tmp_path.iterdir())
 
 

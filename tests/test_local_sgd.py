@@ -366,6 +366,14 @@ def test_errors_name_the_value_and_the_fix():
             LocalSGD(make_model(0), sync_every=2, comm=comm, cadence="fast")
         with pytest.raises(TypeError, match="torch.float64"):
             LocalSGD(make_model(0).double(), sync_every=2, comm=comm)
+        # (a probe: .float() on a complex tensor drops its imaginary part, and a lazy
+        # module's parameter failed in torch's shape check, unnamed)
+        with pytest.raises(TypeError, match=r"parameter 'weight' has dtype torch.complex64; "
+                                            r".* \(torch.view_as_real\)"):
+            LocalSGD(torch.nn.Linear(2, 2).to(torch.complex64), sync_every=2, comm=comm)
+        with pytest.raises(ValueError, match=r"parameter '0.weight' is not initialized yet "
+                                             r".* run the model once on a sample batch"):
+            LocalSGD(torch.nn.Sequential(torch.nn.LazyLinear(4)), sync_every=2, comm=comm)
         other = torch.nn.Linear(2, 2)
         with pytest.raises(ValueError, match="exactly model.parameters"):
             LocalSGD(make_model(0), sync_every=2, comm=comm,

@@ -126,6 +126,47 @@ def test_shared_params_only_where_the_round_is_direct(low_threshold):
         assert cohort.run(no_direct) == [False, False]
 
 
+class _Aliased(torch.nn.Module):
+    """A parameter that is a view of another's memory (a user's own tying)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.big = torch.nn.Parameter(torch.full((300, 300), float(rank)))
+        self.sub = torch.nn.Parameter(self.big.data[:10])
+
+
+def test_layouts_and_shared_memory_the_block_cannot_keep_stay_private(low_threshold):
+    """A probe saw channels_last weights come out contiguous and a parameter that views
+    another's memory stop following it, once the model was large enough to be placed:
+    such tensors now stay private (where the default decides), or are refused naming
+    them (shared_params=True), and the averaging keeps both."""
+    def body(comm):
+        conv = torch.nn.Conv2d(64, 64, 5).to(memory_format=torch.channels_last)
+        auto = LocalSGD(conv, sync_every=1, comm=comm)
+        kept = conv.weight.is_contiguous(memory_format=torch.channels_last)
+        with pytest.raises(ValueError, match=r"shared_params=True, but parameter 'weight' "
+                                             r"is not contiguous \(channels_last"):
+            LocalSGD(torch.nn.Conv2d(64, 64, 5).to(memory_format=torch.channels_last),
+                     sync_every=1, comm=comm, shared_params=True)
+        model = _Aliased(comm.rank)
+        aliased = LocalSGD(model, sync_every=1, comm=comm)
+        with pytest.raises(ValueError, match=r"shared_params=True, but parameter 'big', "
+                                             r"parameter 'sub' share memory with another"):
+            LocalSGD(_Aliased(0), sync_every=1, comm=comm, shared_params=True)
+        with torch.no_grad():
+            model.big.fill_(float(comm.rank))
+        aliased.step(samples=1 + comm.rank)  # weights 1 and 2: the mean is 2/3
+        linked = model.sub.data_ptr() == model.big.data_ptr()
+        return auto.shared_params, kept, aliased.shared_params, linked, model.sub.clone()
+
+    with FakeCohort(2, direct=True) as cohort:
+        out = cohort.run(body)
+    for placed, kept, aliased_placed, linked, sub in out:
+        assert not placed and kept
+        assert not aliased_placed and linked
+        torch.testing.assert_close(sub, torch.full((10, 300), 2.0 / 3.0))
+
+
 def test_a_small_model_is_placed_only_on_request_and_still_averages(monkeypatch):
     monkeypatch.setattr(D, "DIRECT_MIN_BYTES", 8 << 20)
 

@@ -141,10 +141,12 @@ def tag_for_torch_dtype(dtype, name: str = "") -> FdlDtype:
         return table[dtype]
     except KeyError:
         what = f"tensor {name!r}" if name else "tensor"
+        cast = ("store its real and imaginary parts as floats (torch.view_as_real(t)); "
+                ".float() would drop the imaginary part" if dtype.is_complex else
+                "cast it first (e.g. .to(torch.int64) or .float())")
         raise CheckpointError(
             f"{what} has dtype {dtype}, which the .fdl format cannot store (it holds float16, "
-            f"bfloat16, float32, float64, int32, int64); cast it first (e.g. .to(torch.int64) "
-            f"or .float()) or leave it out"
+            f"bfloat16, float32, float64, int32, int64); {cast}, or leave it out"
         ) from None
 
 

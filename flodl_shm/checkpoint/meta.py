@@ -242,8 +242,9 @@ def averaged_buffers(module) -> list:
     """The ``(qualified_name, tensor)`` buffers of ``module`` that the cohort averages.
 
     Exactly the floating-point entries of ``module.named_buffers()``, in that
-    order. Integer buffers (BatchNorm's ``num_batches_tracked``) stay local to
-    each rank: they are neither averaged nor in a consensus checkpoint. This is
+    order. The others (integer ``num_batches_tracked``, bool masks, complex
+    ``freqs_cis``) stay local to each rank: they are neither averaged nor in a
+    consensus checkpoint. This is
     the single definition shared by ``ModelSchema.from_module``, the forge's
     ``b{j}`` keys and ``load_consensus_checkpoint``.
     """

@@ -216,7 +216,23 @@ def _as_collective(what: str):
         ) from None
 
 
+def _listed(names: Sequence[str], one: str, many: str) -> str:
+    """``names`` as the subject of verb ``one`` (or ``many``): "parameter 'w' is",
+    "parameter 'w', buffer 'b' are" (the first three, then how many more)."""
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"{shown} {one if len(names) == 1 else many}"
+
+
 def _check_averaged(name: str, t: torch.Tensor) -> None:
+    if torch.nn.parameter.is_lazy(t):
+        raise ValueError(f"{name} is not initialized yet (a lazy module, such as "
+                         f"nn.LazyLinear, gets its shape at its first forward pass): run the "
+                         f"model once on a sample batch before building LocalSGD")
+    if t.dtype.is_complex:
+        raise TypeError(f"{name} has dtype {t.dtype}; LocalSGD averages float32 or bfloat16 "
+                        f"tensors: keep its real and imaginary parts as a float tensor "
+                        f"(torch.view_as_real) in the model (.float() would drop the "
+                        f"imaginary part)")
     if t.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"{name} has dtype {t.dtype}; LocalSGD averages float32 or bfloat16 "
                         f"tensors (convert the model with .float() or .bfloat16())")
@@ -443,10 +459,43 @@ class LocalSGD:
         bad = [i for i, t in enumerate(tensors) if t.dtype != torch.float32]
         if bad:
             return f"tensors {bad} of the params round are not float32"
+        names = self._round_names(tensors)
+        strided = [names[i] for i, t in enumerate(tensors) if not t.is_contiguous()]
+        if strided:
+            return (f"{_listed(strided, 'is', 'are')} not contiguous (channels_last, a "
+                    f"transposed view): the block holds each tensor contiguous, so their "
+                    f"layout would change")
+        shared = self._sharing_memory(tensors, names)
+        if shared:
+            return (f"{_listed(shared, 'shares', 'share')} memory with another tensor of the "
+                    f"model (a view of it): each gets its own place in the block, so they would stop "
+                    f"sharing it")
         nbytes = 4 * sum(t.numel() for t in tensors)
         if not explicit and nbytes < DIRECT_MIN_BYTES:
             return f"the params round's {nbytes} bytes are below DIRECT_MIN_BYTES"
         return None
+
+    def _round_names(self, tensors) -> list[str]:
+        """The model's names of ``tensors`` (the params round's: parameters, then the
+        buffers that travel with them)."""
+        named = {id(t): f"parameter {n!r}" for n, t in self.model.named_parameters()}
+        named.update({id(t): f"buffer {n!r}" for n, t in self.model.named_buffers()})
+        return [named.get(id(t), f"tensor {i}") for i, t in enumerate(tensors)]
+
+    def _sharing_memory(self, tensors, names: list[str]) -> list[str]:
+        """Names of ``tensors`` whose storage another of them, or any buffer of the
+        model, also uses: moving each into its own place in the shared block would
+        break the link."""
+        def storage(t):
+            return t.untyped_storage().data_ptr() if t.numel() else None
+
+        users: dict[int, int] = {}
+        for t in {id(t): t for t in [*tensors, *self.model.buffers()]}.values():
+            key = storage(t)
+            if key is not None:
+                users[key] = users.get(key, 0) + 1
+        return [names[i] for i, t in enumerate(tensors)
+                if storage(t) is not None and users[storage(t)] > 1]
 
     def _round_steps_outer(self) -> bool:
         """Whether a stateful flodl_shm outer optimizer steps inside the params round:
