@@ -517,6 +517,39 @@ def sc_fsdp2(rank: int, world: int) -> dict:
     return {"pid": os.getpid(), "params": params}
 
 
+def sc_device_checkpoints(rank: int, world: int) -> dict:
+    """The torch code that asks the group which device it serves: dcp.async_save (then
+    dcp.load), set_model_state_dict(broadcast_from_rank0=True) and a torch.save file
+    read through BroadcastingTorchSaveReader, in the C10D_DIR folder."""
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import (BroadcastingTorchSaveReader,
+                                                           DynamicMetaLoadPlanner)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    warnings.simplefilter("ignore")  # torch's notes on private and prototype APIs
+    folder = os.environ["C10D_DIR"]
+    dcp.async_save({"w": torch.full((4,), 1.0 + rank)}, checkpoint_id=f"{folder}/a").result()
+    saved = {"w": torch.zeros(4)}
+    dcp.load(saved, checkpoint_id=f"{folder}/a")
+    src = _mlp(seed=3)
+    model = _mlp(seed=4 + rank)
+    set_model_state_dict(model, src.state_dict() if rank == 0 else {},
+                         options=StateDictOptions(full_state_dict=True,
+                                                  broadcast_from_rank0=True))
+    if rank == 0:
+        torch.save(src.state_dict(), f"{folder}/m.pt")
+    dist.barrier()
+    read = _mlp(seed=5).state_dict()
+    dcp.load(read, storage_reader=BroadcastingTorchSaveReader(),
+             planner=DynamicMetaLoadPlanner(), checkpoint_id=f"{folder}/m.pt")
+    return {"pid": os.getpid(), "saved": saved["w"], "broadcast": list(model.state_dict().values()),
+            "read": list(read.values()), "source": list(src.state_dict().values()),
+            "devices": dist.distributed_c10d._device_capability()}
+
+
 def sc_ddp_peer_dies(rank: int, world: int) -> dict:
     """The last rank SIGKILLs itself before a DDP backward: the others' gradient
     all-reduce (queued on the group's worker) fails, and ``backward`` must raise."""

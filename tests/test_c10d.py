@@ -316,6 +316,22 @@ def test_fsdp2_on_a_cpu_mesh_matches_gloo(tmp_path):
         torch.testing.assert_close(p0, g, rtol=1e-5, atol=1e-6)
 
 
+def test_torch_code_that_asks_the_group_for_its_device_works(tmp_path):
+    """A probe: the group answered 'no device', so dcp.async_save, set_model_state_dict
+    with broadcast_from_rank0 and FSDP's sharded state dicts failed, and a
+    BroadcastingTorchSaveReader load failed on rank 0 only, which then met rank 1's
+    broadcast with another collective."""
+    res = run_group("device_checkpoints", 2, tmp_path, extra_env={"C10D_DIR": str(tmp_path)})
+    _no_segments_of(res)
+    for r in res:
+        assert r["devices"] == ["cpu"]
+        assert r["saved"].tolist() == [1.0] * 4  # rank 0's shard: w is replicated
+        for got, want in zip(r["broadcast"], r["source"]):
+            assert torch.equal(got, want)
+        for got, want in zip(r["read"], r["source"]):
+            assert torch.equal(got, want)
+
+
 def test_a_peer_dead_in_a_ddp_backward_makes_the_backward_raise_naming_it(tmp_path):
     """DDP waits on the gradient all-reduce's future in C++: a queued collective that
     failed there crashed the survivor with SIGSEGV (no message, exit -11)."""

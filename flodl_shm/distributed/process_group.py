@@ -363,6 +363,22 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND_NAME
 
+    # A Python process group registers no C++ backend per device, so torch's own answer
+    # to "which devices does this group serve" is none, and torch code that asks it
+    # (dcp.async_save, set_model_state_dict(broadcast_from_rank0=True), FSDP's sharded
+    # state dicts, _get_pg_default_device) failed, on some ranks only. The group serves
+    # CPU tensors, as its own backend.
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device("cpu")]
+
+    def _get_backend(self, device) -> "ProcessGroupFlodlShm":
+        if torch.device(device).type != "cpu":
+            raise RuntimeError(
+                f"the flodl_shm group serves CPU tensors only: it has no backend for device "
+                f"{device} (use dist.new_group(backend='nccl') for CUDA tensors)")
+        return self
+
     # A Python process group has no C++ backend to hold its name: keep it here
     # (destroy_process_group and new_group read it back).
     def _set_group_name(self, name: str) -> None:
