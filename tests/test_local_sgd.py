@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flodl_shm
-from flodl_shm import LocalSGD, OuterNesterov
+from flodl_shm import ElChe, LocalSGD, OuterNesterov
 from flodl_shm.testing import FakeCohort
 from flodl_shm.training.local_sgd import rank_state_path
 
@@ -478,6 +478,13 @@ def test_ranks_built_with_different_settings_or_models_are_refused_naming_them()
         assert "outer (rank 0: ('OuterNesterov', 0.5, 0.9); ranks [1, 2] passed another)" \
             in out[0]
         assert "bf16_wire (rank 2: True; ranks [0, 1] passed another)" in out[2]
+        # (a probe: ElChes of other knobs passed, and the ranks planned other windows)
+        out = cohort.run(lambda comm: build(
+            comm, sync_every=4, cadence=ElChe(3, 4).with_overhead_target(
+                0.3 if comm.rank == 1 else 0.05)))
+        assert out[0].startswith("the ranks differ in cadence (rank 0 (as on ranks [0, 2]): "
+                                 "(('world_size', 3), ('anchor', 4)"), out[0]
+        assert "('overhead_target', 0.3)" in out[1] and "ranks [0, 2] passed another" in out[1]
 
         def other_model(comm):
             model = make_model(0)
@@ -501,6 +508,11 @@ def test_ranks_built_with_different_settings_or_models_are_refused_naming_them()
         assert "on rank 1, tensor 2 is parameter '3.weight'" in out[1], out[1]
         assert "tensor 2 is parameter '1.weight', shape (8,)" in out[0]
         assert cohort.run(lambda comm: build(comm, sync_every=4)) == [None] * 3
+    with FakeCohort(2) as cohort:  # (checked where the ElChe is given, before any round)
+        out = cohort.run(lambda comm: build(comm, sync_every=4, cadence=ElChe(2, 8)))
+        assert out == ["sync_every=4 is the slowest rank's batches in the first window with "
+                       "ElChe, and the cadence's ElChe starts at anchor 8: pass sync_every=8, "
+                       "or build the ElChe with anchor=4"] * 2
 
 
 def test_comm_none_without_a_process_group_names_what_to_pass():

@@ -574,3 +574,70 @@ def test_local_sgd_across_hosts_refuses_a_controller_that_steps_an_outer_optimiz
                "hosts steps its outer optimizer on every rank (outer=None)" in str(err), err
         assert "Restart the controller without --outer nesterov" in str(err)
     assert_no_leaks(10)
+
+
+def _elche_save_then_load_without_rank1_state(ctx, stem: str):
+    """Train an ElChe cadence with a slow rank 1 and save; then (the launcher deletes rank
+    1's state file between the runs) load into fresh LocalSGDs: every rank's ElChe."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if os.path.exists(stem + ".phase2"):
+        sgd = LocalSGD(model, sync_every=2, comm=ctx.comm, cadence="elche", optimizer=opt)
+        sgd.load(stem)
+        return sgd.el_che.settings(), sgd.steps_until_sync, sgd.el_che.batch_counts()
+    sgd = LocalSGD(model, sync_every=2, comm=ctx.comm, cadence="elche", optimizer=opt)
+    while sgd.sync_round < 8:
+        if ctx.rank == 1:
+            time.sleep(0.004)  # the slow rank: ElChe calibrates and gives rank 0 more steps
+        x, y = _batch(ctx.rank, sgd.total_steps)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        sgd.step(samples=len(x))
+    sgd.save(stem)
+    return sgd.el_che.settings(), sgd.steps_until_sync, sgd.el_che.batch_counts()
+
+
+def test_a_load_where_one_rank_has_no_state_of_its_own_keeps_the_ranks_elche_equal(
+        tmp_path, caplog):
+    """A probe: rank 2's .optim was missing, so it loaded the consensus only and started
+    ElChe fresh while the others restored theirs; the ranks then planned different windows
+    (rank 0 expected 13 steps of rank 2, which trained 4). Every rank now restarts from
+    the bundle's ElChe snapshot, and rank 0 says so."""
+    stem = str(tmp_path / "ck")
+    saved = flodl_shm.spawn(_elche_save_then_load_without_rank1_state, 2, (stem,))
+    assert saved[0][0] == saved[1][0] and saved[0][2][0] > saved[0][2][1], saved
+    bundle = latest_checkpoint(stem)
+    rank_state_path(bundle, 1).unlink()
+    open(stem + ".phase2", "w").close()
+    caplog.set_level("WARNING", logger="flodl_shm")
+    loaded = flodl_shm.spawn(_elche_save_then_load_without_rank1_state, 2, (stem,))
+    assert loaded[0][0] == loaded[1][0], loaded  # the same ElChe on both ranks
+    # the saved cadence goes on (recomputed from the snapshot's smoothed speeds)
+    assert loaded[0][2][1] == saved[0][2][1], (loaded, saved)
+    assert abs(loaded[0][2][0] - saved[0][2][0]) <= 0.1 * saved[0][2][0], (loaded, saved)
+    assert [steps for _, steps, _ in loaded] == loaded[0][2]
+    assert caplog.text.count("holds no LocalSGD state for rank 1: every rank's ElChe "
+                             "restarts from the bundle's ElChe snapshot") == 1, caplog.text
+    assert_no_leaks()
+
+
+def _elche_windows(ctx):
+    model = make_model()
+    sgd = LocalSGD(model, sync_every=2, comm=ctx.comm, cadence="elche")
+    while sgd.sync_round < 6:
+        if ctx.rank == 1:
+            time.sleep(0.004)
+        sgd.step(samples=1)
+    return sgd.sync_round
+
+
+def test_elche_decisions_are_logged_once_not_once_per_rank(caplog):
+    """A probe read each of ElChe's decisions ('ElChe phase probe -> warmup', ...) once
+    per rank from LocalSGD (under torchrun without a rank prefix: N identical lines); the
+    Trainer logged them once. The lowest live rank logs them now."""
+    caplog.set_level("INFO", logger="flodl_shm")
+    assert flodl_shm.spawn(_elche_windows, 2) == [6, 6]
+    phases = [r.getMessage() for r in caplog.records if "ElChe phase" in r.getMessage()]
+    assert phases and len(phases) == len(set(phases)), phases
+    assert all(m.startswith("rank 0: ") for m in phases), phases

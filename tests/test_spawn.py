@@ -751,3 +751,35 @@ def test_spawn_stays_the_function_after_any_import():
     from flodl_shm import spawn as fn
 
     assert fn is pkg.spawn
+
+
+def exit_one_then_the_other(ctx):
+    ctx.comm.barrier()
+    if ctx.rank == 2:
+        os._exit(1)
+    if ctx.rank == 1:  # after rank 2's death is known: the one that exceeds the budget
+        from flodl_shm.engine import arena as A
+
+        deadline = time.monotonic() + 20
+        while not ctx.comm.arena.ctl[A.rank_base(2) + A.R_DEAD] and time.monotonic() < deadline:
+            time.sleep(0.001)
+        os._exit(1)
+    time.sleep(30)  # rank 0: stopped with the cohort
+
+
+def test_a_death_that_stops_the_cohort_reads_and_is_recorded_like_one_it_survives(
+        tmp_path, caplog):
+    """A probe: the tolerated death read 'rank 2 failed (exit code 1); continuing ...',
+    the fatal one 'rank 1 failed (1); stopping the cohort', and only the tolerated one
+    had a death record."""
+    from flodl_shm.checkpoint.series import death_record_path
+
+    caplog.set_level("WARNING", logger="flodl_shm")
+    save = tmp_path / "x"
+    with pytest.raises(RankFailed):
+        spawn(exit_one_then_the_other, 3, max_failures=1, save_path=save)
+    assert "rank 2 failed (exit code 1); continuing on realized work" in caplog.text
+    assert "rank 1 failed (exit code 1); stopping the cohort (2 failures exceed " \
+           "max_failures=1)" in caplog.text, caplog.text
+    assert death_record_path(save, 2).exists() and death_record_path(save, 1).exists()
+    assert not death_record_path(save, 0).exists()  # stopped, not failed

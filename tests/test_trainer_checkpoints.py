@@ -259,6 +259,12 @@ def elche_for_three(world_size):
     return ElChe(3, anchor=2)
 
 
+def elche_anchored_at_three(world_size):
+    from flodl_shm import ElChe
+
+    return ElChe(world_size, anchor=3)
+
+
 def test_what_the_launcher_knows_is_refused_before_any_rank_starts(tmp_path):
     """The dataset against batch_size, a dataset of the wrong kind, a cadence factory
     that ignores its world size, and on a resume a checkpoint of another model, batch
@@ -291,6 +297,11 @@ def test_what_the_launcher_knows_is_refused_before_any_rank_starts(tmp_path):
     with pytest.raises(ValueError, match=r"^the cadence factory built an ElChe for world_size 3, "
                                          r"but the run has 2 ranks"):
         trainer(cadence=elche_for_three).run(2)
+    with pytest.raises(ValueError, match=r"^sync_every=8 is the slowest rank's batches in the "
+                                         r"first window with ElChe, and the cadence's ElChe "
+                                         r"starts at anchor 3: pass sync_every=3, or build the "
+                                         r"ElChe with anchor=8$"):  # (8 was ignored, silently)
+        trainer(cadence=elche_anchored_at_three).run(2)
     assert not (tmp_path / "ck").parent.joinpath("ck.lock").exists()
 
     ckpt = real_bundle(tmp_path / "ck", 4, make_model(), batch_size=4, samples=8)

@@ -556,7 +556,9 @@ class SpawnContext:
                 first = self._failure is None
                 if first:
                     self._failure = err
-            what = out.exc_type or out.signal or out.exitcode
+            what = out.exc_type or out.signal or f"exit code {out.exitcode}"
+            if self.save_path:  # the run stops on it: its record, as for a death it survives
+                self._write_death_record(global_rank, err)
             if first:
                 logger.error("rank %d failed (%s); stopping the cohort (%s)", global_rank,
                              what, self._why_stop(failures))

@@ -129,6 +129,18 @@ MATURE_AT = 20
 _PHASE_ORDER = {Phase.PROBE: 0, Phase.WARMUP: 1, Phase.STABLE: 2, Phase.MATURE: 3}
 
 
+def check_anchor(sync_every, el_che: "ElChe") -> None:
+    """With ElChe, ``sync_every`` is the slowest rank's batches in the first window, which
+    is the anchor: an ElChe given as the cadence (or built by a factory) that starts at
+    another anchor is refused, naming both, rather than one of them ignored."""
+    anchor = el_che.anchor()
+    if sync_every is not None and int(sync_every) != anchor:
+        raise ValueError(
+            f"sync_every={sync_every} is the slowest rank's batches in the first window with "
+            f"ElChe, and the cadence's ElChe starts at anchor {anchor}: pass "
+            f"sync_every={anchor}, or build the ElChe with anchor={sync_every}")
+
+
 def _ord(phase: Phase) -> int:
     # Phase is a str enum: "stable" < "warmup" alphabetically, so never compare
     # phases with < / >= directly.
@@ -261,6 +273,18 @@ class ElChe:
             f"anchor_rank={self._anchor_rank}, phase={self._phase.value}, "
             f"batch_counts={self._batch_counts})"
         )
+
+    def settings(self) -> tuple:
+        """Its knobs and where its trajectory starts, as ``(name, value)`` pairs: what
+        every rank's ElChe must share, since each rank computes the cohort's batch
+        counts itself from the same reports."""
+        return (("world_size", self._world_size), ("anchor", self._anchor),
+                ("anchor_rank", self._anchor_rank), ("batch_counts", tuple(self._batch_counts)),
+                ("overhead_target", self._overhead_target), ("min_anchor", self._min_anchor),
+                ("max_anchor", self._max_anchor), ("max_batch_diff", self._max_batch_diff),
+                ("max_total_batches", self._max_total_batches),
+                ("window_growth_applicable", self._window_growth_applicable),
+                ("phase", self._phase.value), ("calibrated", self._calibrated))
 
     # -- builders ----------------------------------------------------------------------
 

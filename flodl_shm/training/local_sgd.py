@@ -70,6 +70,7 @@ import numbers
 import os
 import random
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
@@ -85,7 +86,8 @@ from ..frame import DTYPE_F32, tensors_to_round_frame
 from .agreement import (check_controller_steps_none, check_same_model, check_same_settings,
                         check_same_start, outer_settings)
 from .convergence import TrendGuard
-from .el_che import ElChe
+from .cohort_log import log_cohort_decisions_from
+from .el_che import ElChe, check_anchor
 from .inner_state import check_optimizer_state, check_rank_file, read_rank_state, restore_inner
 from .outer import OuterOptimizer
 from .realized_work import gamma_mass, is_realized, mover_mass
@@ -221,6 +223,16 @@ def _listed(names: Sequence[str], one: str, many: str) -> str:
     "parameter 'w', buffer 'b' are" (the first three, then how many more)."""
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return f"{shown} {one if len(names) == 1 else many}"
+
+
+def _lowest_live_rank(ref: "weakref.ref[LocalSGD]") -> Callable[[], bool]:
+    """Whether the LocalSGD ``ref`` names is its cohort's reporting rank (the lowest
+    live one), which alone logs ElChe's decisions (``cohort_log``); once it is gone,
+    every rank logs."""
+    def is_reporter() -> bool:
+        sgd = ref()
+        return sgd is None or not sgd.live_ranks or sgd.live_ranks[0] == sgd.rank
+    return is_reporter
 
 
 def _check_averaged(name: str, t: torch.Tensor) -> None:
@@ -363,8 +375,13 @@ class LocalSGD:
             if self.el_che.world_size != self.world_size:
                 raise ValueError(f"the ElChe was built for world_size {self.el_che.world_size} "
                                  f"but the cohort has world_size {self.world_size}")
+            check_anchor(sync_every, self.el_che)
             self.guard = guard if guard is not None else TrendGuard()
+            log_cohort_decisions_from(_lowest_live_rank(weakref.ref(self)))
         self.cadence = "fixed" if self.el_che is None else "elche"
+        # where a load() that cannot restore every rank's ElChe restarts them all from
+        self._fresh_cadence = copy.deepcopy((self.el_che, self.guard))
+        self._cadence_restored = False  # whether load() restored this rank's own ElChe
         self._check_same_settings(buffers, shared_params)
         #: whether the params round's tensors live in the shared parameter block
         self.shared_params = self._place_shared(shared_params, buffers)
@@ -403,7 +420,8 @@ class LocalSGD:
         (``agreement.py``), before the broadcast that aligns the replicas."""
         fix = self._same_setup_fix
         check_same_settings(self.comm, {
-            "sync_every": self.sync_every, "gamma": self.gamma, "cadence": self.cadence,
+            "sync_every": self.sync_every, "gamma": self.gamma,
+            "cadence": self.cadence if self.el_che is None else self.el_che.settings(),
             "outer": outer_settings(self.outer), "bf16_wire": self.bf16_wire,
             "buffers": buffers, "shared_params": shared_params,
             "the LocalSGD subclass": type(self).__name__}, fix)
@@ -810,7 +828,8 @@ class LocalSGD:
         for name, obj in (("optimizer", self.optimizer), ("scheduler", self.scheduler)):
             if obj is not None and state[name] is None:
                 logger.warning("the LocalSGD state holds no %s state: it starts fresh", name)
-        if self.el_che is not None and cadence_kept:
+        self._cadence_restored = self.el_che is not None and cadence_kept
+        if self._cadence_restored:
             self.el_che.__dict__.update(copy.deepcopy(state["el_che"].__dict__))
             if state["guard"] is not None:
                 self.guard = copy.deepcopy(state["guard"])
@@ -1101,6 +1120,7 @@ class LocalSGD:
             self._agree_on_start(failed=e)
             raise  # (_agree_on_start raised e)
         self._agree_on_start()
+        self._agree_on_cadence(meta, bundle)
         self._resumed_from = bundle
         return meta
 
@@ -1110,6 +1130,38 @@ class LocalSGD:
             check_same_start(self.comm, self.sync_round,
                              "call load() with the same bundle on every rank (on several "
                              "hosts, give every host a copy of it)", failed=failed)
+
+    def _agree_on_cadence(self, meta: CheckpointMeta, bundle) -> None:
+        """``load()``'s ElChe: each rank plans the cohort's windows with its own ElChe,
+        from the same reports, so the ranks' ElChes must be equal. When a rank found no
+        LocalSGD state of its own in the bundle (its ElChe starts fresh), every rank
+        restarts from the bundle's shared snapshot (``meta.elche_state``), as a Trainer
+        resume does. A collective: one small per-rank round."""
+        if self.el_che is None:
+            return
+        mine = [0.0] * self.world_size
+        mine[self.rank] = 2.0 if self._cadence_restored else 1.0
+        got = self.comm.all_reduce_per_rank_f64(mine)
+        fresh = [r for r, v in enumerate(got) if v == 1.0]  # (a dead rank's slot reads 0)
+        if not fresh:
+            return
+        el_che, guard = copy.deepcopy(self._fresh_cadence)
+        self.el_che.__dict__.update(el_che.__dict__)  # (the caller's ElChe stays the one)
+        self.guard = guard
+        state = meta.elche_state
+        if state is not None and len(state.smoothed_ms_per_batch) == self.world_size:
+            self.el_che.restore_from_state(state)
+            if state.trend_history and isinstance(self.guard, TrendGuard):
+                self.guard = TrendGuard.with_history(state.trend_history, self.guard.threshold)
+            how = "from the bundle's ElChe snapshot (its .meta.json)"
+        else:
+            how = "fresh (the bundle holds no ElChe snapshot for this many ranks)"
+        self._target = self._next_target()
+        if self.rank == 0:
+            logger.warning("%s holds no LocalSGD state for %s: every rank's ElChe restarts %s, "
+                           "so the ranks plan the same windows", bundle,
+                           f"rank{'s' if len(fresh) > 1 else ''} "
+                           f"{', '.join(map(str, fresh))}", how)
 
     def _load(self, path) -> CheckpointMeta:
         from ..checkpoint.forge import load_consensus_checkpoint, load_outer_momentum
@@ -1128,6 +1180,7 @@ class LocalSGD:
                             state["counters"]["sync_round"], meta.sync_round)
             self.load_state_dict(state)
             return meta
+        self._cadence_restored = False
         ints = [k for k, b in self.model.named_buffers() if not b.is_floating_point()]
         fresh = "inner optimizer, scheduler and cadence state start fresh" + (
             f"; integer buffers ({', '.join(ints[:3])}{', ...' if len(ints) > 3 else ''}) keep "

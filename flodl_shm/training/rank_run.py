@@ -26,6 +26,7 @@ from ..errors import StartRefused
 from ..checkpoint.meta import CheckpointBundle, SaveReason
 from .agreement import (check_controller_outer, check_same_settings, check_same_start,
                         outer_settings)
+from .cohort_log import log_cohort_decisions_from
 from .coordinator import Coordinator, CoordinatorConfig
 from .coverage import epoch_permutation
 from .data import fetch_batch, micro_batches
@@ -59,21 +60,6 @@ def _setup_rank_logging(level: Optional[int], rank: int) -> None:
         f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"))
     lg.addHandler(handler)
     lg.setLevel(level)
-
-
-class _CohortDecisionFilter(logging.Filter):
-    """ElChe's, the convergence guard's and the coordinator's decisions are computed
-    identically on every rank from the same gathered numbers: only the reporting rank
-    (the lowest live one) logs them, so each decision reads once in the launcher's log."""
-
-    MODULES = frozenset({"el_che", "convergence", "coordinator"})
-
-    def __init__(self, is_reporter: Callable[[], bool]) -> None:
-        super().__init__()
-        self.is_reporter = is_reporter
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.module not in self.MODULES or self.is_reporter()
 
 
 _M64 = (1 << 64) - 1
@@ -183,8 +169,8 @@ class _RankRun:
         if job.model_path is not None:
             self._load_outer_momentum(job.model_path)
             self._load_rank_state(job.model_path)
-        logging.getLogger("flodl_shm").addFilter(_CohortDecisionFilter(
-            lambda: bool(self.coord.alive) and self.coord.alive[0] == self.rank))
+        log_cohort_decisions_from(
+            lambda: bool(self.coord.alive) and self.coord.alive[0] == self.rank)
         self._perm_epoch = -1
         self._perm = None
         self._said_diverged = False
@@ -196,7 +182,8 @@ class _RankRun:
         same books: samples trained twice or never, or a host that stops early taken for
         dead. (On one host every rank gets the same pickled Trainer.)"""
         tr = self.trainer
-        cadence = tr.cadence if isinstance(tr.cadence, str) else type(tr.cadence).__name__
+        cadence = (tr.cadence if isinstance(tr.cadence, str) or self.ctx.world_size < 2
+                   else tr.cadence(self.ctx.world_size).settings())
         check_same_settings(self.comm, {
             "seed": tr.seed, "batch_size": tr.batch_size, "epochs": tr.epochs,
             "sync_every": tr.sync_every, "cadence": cadence, "gamma": tr.gamma,

@@ -480,7 +480,7 @@ class Trainer:
                              f"the dataset has {n} samples, fewer than one batch of "
                              f"batch_size={self.batch_size}; pass a batch_size of at most {n}")
         if callable(self.cadence) and world >= 2:
-            from .el_che import ElChe
+            from .el_che import ElChe, check_anchor
 
             el_che = self.cadence(world)
             if not isinstance(el_che, ElChe):
@@ -490,6 +490,7 @@ class Trainer:
                 raise ValueError(f"the cadence factory built an ElChe for world_size "
                                  f"{el_che.world_size}, but the run has {world} ranks; build "
                                  f"it for the world_size it is called with")
+            check_anchor(self.sync_every, el_che)
         if meta is None:
             return
         for c in resume_conflicts(meta, seed=self.seed, batch_size=self.batch_size,
