@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 
 from .cli import invoked_as
@@ -31,7 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command; returns its exit status (2 for a usage error, as argparse)."""
     try:
         try:
-            return _dispatch(list(sys.argv[1:] if argv is None else argv))
+            status = _dispatch(list(sys.argv[1:] if argv is None else argv))
+            if argv is None:  # the program's command is done: a Ctrl-C or SIGTERM during
+                # the interpreter's exit (a second or so after its last line) would turn it
+                # into a signal death or print a traceback; it ends as it finished
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                    signal.signal(sig, signal.SIG_IGN)
+            return status
         finally:
             sys.stdout.flush()  # now, not at exit: a reader that left is handled below
     except BrokenPipeError:  # `... | head`: the reader left before the output ended

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from flodl_shm import RoundFrame, RoundKind, SchemaMismatchError, TensorPayload
+from flodl_shm.errors import PeerDied
 from flodl_shm.engine import arena as A
 from flodl_shm.engine import direct as D
 from flodl_shm.frame import DTYPE_F32
@@ -188,7 +189,8 @@ def test_bulk_broadcast_reads_the_roots_region_without_a_reduce():
 def test_a_dead_root_makes_every_other_rank_raise_naming_it():
     for size in (8, BIG):
         def body(comm, size=size):
-            with pytest.raises(RuntimeError, match=r"broadcast root \(local rank 2\) died"):
+            with pytest.raises(PeerDied, match=r"the broadcast's root, rank 2 \(pid \d+\), "
+                                               r"died before publishing"):
                 comm.broadcast_from_root([torch.zeros(size)], root=2)
             return True
 

@@ -576,3 +576,42 @@ def test_help_into_a_closed_pipe_is_quiet(tmp_path):
             proc.communicate(timeout=30)
     assert err == "", err
     assert proc.returncode == 1  # as Python's own recipe: the output did not all go out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig,repeat", [(signal.SIGTERM, False), (signal.SIGHUP, False),
+                                        (signal.SIGINT, True)],
+                         ids=["SIGTERM", "SIGHUP", "SIGINT_twice"])
+def test_demo_stopped_by_a_signal_says_so_in_one_line(tmp_path, sig, repeat):
+    """A fuzz probe: SIGTERM or SIGHUP killed the demo without a line (no last checkpoint,
+    no resume hint), and a second Ctrl-C printed a KeyboardInterrupt traceback as the
+    interpreter exited. Each now stops the ranks, names the last checkpoint and exits
+    128 + the signal; further signals are ignored."""
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-m", "flodl_shm", "demo", "--run-dir", "run",
+                             "--no-plot", "--epochs", "200", "--checkpoint-every", "2",
+                             "--slow-rank", "1:3"],
+                            cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60  # until a checkpoint is written: ranks are training
+        while not list((tmp_path / "run").glob("*.meta.json")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate(timeout=30)
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(sig)
+        while repeat and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+            proc.send_signal(sig)  # again while it stops (no-op once gone)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert proc.returncode == 128 + sig, (proc.returncode, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    how = "interrupted" if sig == signal.SIGINT else f"stopped by {signal.Signals(sig).name}"
+    assert f"{how}; every rank was stopped. Last checkpoint " in err, err
+    assert "--resume" in err, err
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)

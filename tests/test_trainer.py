@@ -491,3 +491,33 @@ def test_a_rank_that_cannot_start_stops_the_run_and_leaves_no_death_record(tmp_p
     result = make_trainer(epochs=1, save_path=stem).run(2)
     assert result.checkpoint is not None and result.checkpoint.exists()
     assert not stale.exists(), "an earlier run's death record outlived a fresh run"
+
+
+def _linear_rank0_dies_building_it():
+    import multiprocessing
+    import os
+    import signal
+
+    if multiprocessing.current_process().name == "flodl-shm-rank0":
+        os.kill(os.getpid(), signal.SIGKILL)  # before it broadcasts its weights
+    return torch.nn.Linear(4, 2)
+
+
+def _linear_data():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(64, 4, generator=g), torch.randn(64, 2, generator=g)
+
+
+def test_a_rank_killed_before_the_start_broadcast_is_the_run_s_failure(tmp_path):
+    """A probe killed rank 0 during start-up: the run said 'rank 1 refused to start'
+    (StartRefused: the dead broadcast root was a plain RuntimeError in rank 1's setup).
+    The survivor's error is a PeerDied now, and the run's failure is rank 0's death."""
+    from flodl_shm.errors import RankFailed, StartRefused
+
+    trainer = Trainer(_linear_rank0_dies_building_it, functools.partial(torch.optim.SGD, lr=0.1),
+                      _linear_data, torch.nn.functional.mse_loss, batch_size=8, epochs=1,
+                      sync_every=2, log_every=None, save_path=tmp_path / "ck")
+    with pytest.raises(RankFailed) as info:
+        trainer.run(2)
+    assert not isinstance(info.value, StartRefused)
+    assert info.value.rank == 0 and info.value.signal == "SIGKILL", info.value

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 
@@ -14,3 +15,33 @@ def invoked_as() -> str:
     return "python -m flodl_shm"
 
 
+
+
+def first_stop_signal_only() -> tuple[list, dict]:
+    """Make the first SIGINT (Ctrl-C), or SIGTERM / SIGHUP / SIGUSR1 / SIGUSR2 (the latter
+    while they have their default action: a scheduler's stop or warning, a closed
+    terminal), raise ``KeyboardInterrupt``, and ignore any later one, which would
+    interrupt the shutdown it started (or print a traceback as the interpreter exits).
+    Inside ``spawn`` the signal first stops the ranks, then reaches this handler. Returns
+    the list the handler appends the signal to, and the handlers it replaced."""
+    from ..launch.supervisor import take_stop_signals
+
+    received: list = []
+    replaced: dict = {}
+
+    def handler(signum, frame):
+        received.append(signum)
+        for s in replaced:
+            signal.signal(s, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    handler.stops_the_command = True
+    replaced.update(take_stop_signals(handler))
+    return received, replaced
+
+
+def stopped_by(received: list) -> str:
+    """How a command was stopped, for its last line: "interrupted" (Ctrl-C) or
+    "stopped by SIGTERM"."""
+    signum = received[0] if received else signal.SIGINT
+    return "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"

@@ -16,7 +16,7 @@ from ..checkpoint._atomic import atomic_write_bytes
 from ..cluster.controller import DEFAULT_ROUND_TIMEOUT, ClusterController
 from ..cluster.secret import read_secret_file, write_secret_file
 from ..errors import plural
-from . import invoked_as
+from . import first_stop_signal_only, invoked_as, stopped_by
 
 
 def _read_momentum(path: str) -> list:
@@ -68,28 +68,6 @@ def _start(args) -> ClusterController:
     return ClusterController.start(args.bind, args.world_size, salt,
                                    round_timeout=args.round_timeout, outer=outer,
                                    outer_momentum=momentum, outer_round=sync_round)
-
-
-def _first_interrupt_only() -> tuple[list, dict]:
-    """Make the first SIGINT (Ctrl-C), or SIGTERM / SIGHUP / SIGUSR1 / SIGUSR2 (the latter
-    while they have their default action: a scheduler's stop or warning, a closed
-    terminal; they killed the controller without a line, mid-checkpoint), raise
-    ``KeyboardInterrupt``, and ignore any later one, which would interrupt the shutdown
-    it started (or kill the interpreter as it exits). Returns the list the handler
-    appends the signal to, and the handlers it replaced."""
-    from ..launch.supervisor import take_stop_signals
-
-    received: list = []
-    replaced: dict = {}
-
-    def handler(signum, frame):
-        received.append(signum)
-        for s in replaced:
-            signal.signal(s, signal.SIG_IGN)
-        raise KeyboardInterrupt
-
-    replaced.update(take_stop_signals(handler))
-    return received, replaced
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     resumes = ("" if ctl.outer_round is None
                else f"; outer momentum of sync round {ctl.outer_round}")
-    interrupts, replaced = _first_interrupt_only()
+    interrupts, replaced = first_stop_signal_only()
     try:
         print(f"controller listening on port {ctl.port} for {plural(args.world_size, 'rank')}"
               f"{resumes}",
@@ -189,9 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         for s, old in replaced.items():
             signal.signal(s, old)
     else:  # the signals stay ignored to the end: a late Ctrl-C is no traceback
-        how = ("interrupted" if interrupts[0] == signal.SIGINT
-               else f"stopped by {signal.Signals(interrupts[0]).name}")
-        print(f"controller: {how} after {ctl.stats.rounds} rounds; its hosts lose their "
+        print(f"controller: {stopped_by(interrupts)} after {ctl.stats.rounds} rounds; its hosts lose their "
               f"link to it and stop. To continue, restart the controller (with --outer-state "
               f"under --outer nesterov), then every host with --resume", file=sys.stderr,
               flush=True)

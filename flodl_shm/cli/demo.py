@@ -958,10 +958,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    import signal
+
     from flodl_shm import latest_checkpoint
+    from flodl_shm.cli import first_stop_signal_only, stopped_by
     from flodl_shm.errors import (CohortAborted, RankFailed, ShmSpaceError,
                                   TrainingAborted)
 
+    # Ctrl-C, SIGTERM (a scheduler), SIGHUP (a closed terminal): the ranks stop, then one
+    # line names the last checkpoint; a second signal is ignored (no traceback at exit)
+    received, replaced = first_stop_signal_only()
     try:
         digits_split()  # the data first: without scikit-learn, one line before anything starts
         run_demo(cfg)
@@ -969,11 +975,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{_prog()}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # (also while scikit-learn loads, before any rank exists)
+        received.append(received[0] if received else signal.SIGINT)  # (spawn took a Ctrl-C)
+        for s in replaced:  # the signals stay ignored to the end
+            signal.signal(s, signal.SIG_IGN)
         last = latest_checkpoint(cfg.save_path)
-        print("\ninterrupted; every rank was stopped. "
+        print(f"\n{stopped_by(received)}; every rank was stopped. "
               + (_continue_with(cfg, last) if last is not None
                  else "No checkpoint was written yet."), file=sys.stderr)
-        return 130
+        return 128 + int(received[0])
     except (RankFailed, CohortAborted, TrainingAborted, ShmSpaceError, OSError,
             ValueError) as e:
         # a failed run (a stall, a dead rank, a refused handshake, no /dev/shm space, a
@@ -983,6 +992,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               + (_continue_with(cfg, last, e) if last is not None
                  else "No checkpoint was written."), file=sys.stderr)
         return 1
+    finally:
+        if not received:
+            for s, old in replaced.items():
+                signal.signal(s, old)
     return 0
 
 

@@ -74,7 +74,7 @@ from typing import Callable
 import numpy as np
 
 from . import arena as A
-from ..errors import CohortAborted, ReduceStall, SchemaMismatchError, plural
+from ..errors import CohortAborted, PeerDied, ReduceStall, SchemaMismatchError, plural
 from ..frame import DTYPE_F32, RoundKind, dtype_name, elem_size
 from ..kernels import codec as K
 from ..kernels import reduce as R
@@ -781,14 +781,18 @@ class RoundEngine:
 
     def check_broadcast(self, rnd: int, accepted: int, contrib: int, root: int) -> None:
         """Raise unless local rank ``root`` is round ``rnd``'s only contributor: a root
-        that is not accepted died before publishing (RuntimeError naming it); any other
-        contributor set means the ranks disagree on the root (SchemaMismatchError)."""
+        that is not accepted died before publishing (``PeerDied`` naming it: a peer's
+        death, not a fault of this rank's); any other contributor set means the ranks
+        disagree on the root (SchemaMismatchError)."""
         if contrib == 1 << root:
             return
         if not (accepted >> root) & 1:
-            raise RuntimeError(
-                f"round {rnd}: broadcast root (local rank {root}) died before publishing its "
-                f"tensors; there is nothing to broadcast (broadcast from a live rank)")
+            c = self.ctl
+            rank = int(c[A.G_FIRST_RANK]) + root
+            pid = int(c[A.rank_base(root) + A.R_PID])
+            raise PeerDied(
+                f"round {rnd}: the broadcast's root, rank {rank} (pid {pid}), died before "
+                f"publishing its tensors; there is nothing to broadcast", rank, pid)
         got = [r for r in range(self.world) if (contrib >> r) & 1]
         raise SchemaMismatchError(
             f"round {rnd}: ranks disagree on the broadcast root: local rank(s) {got} "

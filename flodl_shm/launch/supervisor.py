@@ -171,6 +171,7 @@ class SpawnContext:
         self._pids: list[int] = []
         self._failure: RankFailed | None = None
         self._failure_inferred = False  # _failure only says other hosts' ranks died
+        self._first_death: RankFailed | None = None  # the first death the cohort survived
         self._cohort_dead: set[int] = set()  # global ranks the controller declared dead
         self._interrupted = False
         self._started = threading.Event()
@@ -555,7 +556,9 @@ class SpawnContext:
             with self._lock:
                 first = self._failure is None
                 if first:
-                    self._failure = err
+                    # a rank that raised PeerDied met a death already known: that is the news
+                    self._failure = (self._first_death if out.exc_type == "PeerDied"
+                                     and self._first_death is not None else err)
             what = out.exc_type or out.signal or f"exit code {out.exitcode}"
             if self.save_path:  # the run stops on it: its record, as for a death it survives
                 self._write_death_record(global_rank, err)
@@ -570,6 +573,8 @@ class SpawnContext:
             logger.warning("rank %d failed (%s); %s", global_rank,
                            out.exc_type or out.signal or f"exit code {out.exitcode}",
                            self._survivors_go_on(failures))
+        if self._first_death is None:
+            self._first_death = err
         if self._relay is not None:  # queued first: a relay that sees the death sends it
             self._relay.rank_died(global_rank)
         self.arena.ctl[A.rank_base(r) + A.R_DEAD] = A.DEAD_KILLED
@@ -631,7 +636,7 @@ class SpawnContext:
         if failures > self.max_failures:  # only with survivors_save (``_stops``)
             return (f"{plural(failures, 'failure')}, more than max_failures="
                     f"{self.max_failures}: the "
-                    f"survivors save a checkpoint of the realized work and stop")
+                    f"survivors save a checkpoint of the realized work, if any, and stop")
         return (f"continuing on realized work with the survivors ({failures} of "
                 f"max_failures={self.max_failures} used)")
 
@@ -858,12 +863,21 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
 _TERMINATING = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
+def stops_the_process(handler) -> bool:
+    """Whether a signal whose handler is ``handler`` stops the process: its default
+    action, or a command's stop handler (marked ``stops_the_command``, as the CLI's
+    ``first_stop_signal_only`` makes them). Such a signal stops a spawned cohort first,
+    then reaches the process (``_InterruptGate``)."""
+    return handler in (signal.SIG_DFL, None) or getattr(handler, "stops_the_command", False)
+
+
 def take_stop_signals(handler: Callable) -> dict:
     """Install ``handler`` for SIGINT, SIGTERM and the other ``_TERMINATING`` signals
-    whose disposition is the default; returns the handlers it replaced, by signal."""
+    that stop the process (``stops_the_process``); returns the handlers it replaced, by
+    signal."""
     old = {signal.SIGINT: signal.signal(signal.SIGINT, handler)}
     for sig in _TERMINATING:
-        if sig == signal.SIGTERM or signal.getsignal(sig) in (signal.SIG_DFL, None):
+        if sig == signal.SIGTERM or stops_the_process(signal.getsignal(sig)):
             old[sig] = signal.signal(sig, handler)
     return old
 
@@ -898,7 +912,7 @@ class _InterruptGate:
             for sig, handler in old.items():
                 signal.signal(sig, handler)
             for sig in _TERMINATING:
-                if sig in self.received and old.get(sig, 0) in (signal.SIG_DFL, None):
+                if sig in self.received and stops_the_process(old.get(sig, 0)):
                     os.kill(os.getpid(), sig)  # re-deliver now that the ranks are gone
                     break
 
