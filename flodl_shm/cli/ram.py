@@ -11,8 +11,10 @@ usage error.
 Checks (``host_checks``):
 
 ``dev_shm_space`` (required)
-    The host arena for N ranks (``arena.shm_need_bytes``) fits in ``/dev/shm``'s
-    free space. Docker's default ``/dev/shm`` is 64 MB.
+    The host arena for N ranks (``arena.shm_need_bytes``), plus LocalSGD's shared
+    parameter blocks where its default places them (``--private-params`` when not) and
+    on a bf16 wire the start broadcast's f32 frame, fits in ``/dev/shm``'s free space.
+    Docker's default ``/dev/shm`` is 64 MB.
 ``ram`` (required)
     The arena's pages plus one decoded model-sized consensus per rank fit in the
     available RAM. ``/dev/shm`` is tmpfs: its pages are RAM, charged to this
@@ -137,7 +139,8 @@ class HostCheck:
 
 def host_checks(mem: HostMemory, staging_bytes: int, local_ranks: int, *,
                 wire_bf16: bool = False, relay: bool = False,
-                segments: Sequence[SegmentInfo] = (), train_bytes: int = 0) -> list[HostCheck]:
+                segments: Sequence[SegmentInfo] = (), train_bytes: int = 0,
+                private_params: bool = False) -> list[HostCheck]:
     """The checks for a model of ``staging_bytes`` f32 bytes (Σ numel × 4) trained
     on ``local_ranks`` ranks of this host (see the module doc for each).
 
@@ -145,47 +148,65 @@ def host_checks(mem: HostMemory, staging_bytes: int, local_ranks: int, *,
         train_bytes: each rank's own training memory (model, optimizer state,
             activations, data), added to the RAM check; 0 when not known (the
             check is then a floor and its detail says so).
+        private_params: the parameters stay in the ranks' private memory. Else, for a
+            model of ``DIRECT_MIN_BYTES`` and up on an f32 wire, one host, LocalSGD's
+            default moves each rank's parameters into a shared parameter block of the
+            model's size, besides the arena.
     """
+    from ..engine.direct import DIRECT_MIN_BYTES
+
     ranks = max(1, int(local_ranks))
     nelem = -(-int(staging_bytes) // 4)
     frame = nelem * (2 if wire_bf16 else 4)
     wire = "bf16" if wire_bf16 else "f32"
     arena = shm_need_bytes(ranks, frame, wire_bf16=wire_bf16, relay=relay)
+    blocks = (ranks * nelem * 4 if not private_params and ranks >= 2 and not wire_bf16
+              and not relay and nelem * 4 >= DIRECT_MIN_BYTES else 0)
+    # the replicas' start broadcast is an f32 frame, in its root's region, whatever the wire
+    start = nelem * 4 - frame if wire_bf16 and ranks >= 2 else 0
+    shm = arena + blocks + start
     dead = [s for s in segments if not s.owner_alive]
     dead_bytes = sum(s.nbytes for s in dead)
     checks = []
 
     # /dev/shm space
-    ok = mem.shm_free >= arena
+    ok = mem.shm_free >= shm
     detail = (f"the arena for {ranks} rank{'s' if ranks != 1 else ''} with "
-              f"{fmt_bytes(frame)} {wire} frames needs {fmt_bytes(arena)}; {mem.shm_dir} has "
-              f"{fmt_bytes(mem.shm_free)} free of {fmt_bytes(mem.shm_total)}")
+              f"{fmt_bytes(frame)} {wire} frames needs {fmt_bytes(arena)}"
+              + (f", the start broadcast's f32 frame {fmt_bytes(start)} more" if start else "")
+              + (f", and LocalSGD's shared parameter blocks {ranks} × {fmt_bytes(nelem * 4)} "
+                 f"(its default for a model of {fmt_bytes(DIRECT_MIN_BYTES)} and up; "
+                 f"--private-params if they stay private: shared_params=False, the Trainer, "
+                 f"DiLoCo on one host, spawn(max_failures>0))" if blocks else "")
+              + (f": {fmt_bytes(shm)}" if blocks or start else "")
+              + f"; {mem.shm_dir} has {fmt_bytes(mem.shm_free)} free of "
+                f"{fmt_bytes(mem.shm_total)}")
     if dead:
         holds = "holds" if len(dead) == 1 else "hold"
         detail += (f"; {plural(len(dead), 'segment')} of dead owners {holds} "
                    f"{fmt_bytes(dead_bytes)} "
                    f"(--reap frees them)")
     if not ok:
-        if dead and mem.shm_free + dead_bytes >= arena:
+        if dead and mem.shm_free + dead_bytes >= shm:
             detail += ". Fix: run with --reap (it fits once they are gone)"
         else:
-            want = max(1, -(-int(arena * 1.5) // (1 << 30)))
+            want = max(1, -(-int(shm * 1.5) // (1 << 30)))
             detail += (f". Fix: give /dev/shm more room: `docker run --shm-size={want}g ...` "
                        f"(Docker's default is 64 MB), a memory-backed emptyDir on /dev/shm in "
                        f"Kubernetes, or `mount -o remount,size={want}G /dev/shm`"
                        + ("; the bf16 wire halves the frames" if not wire_bf16 else ""))
-    checks.append(HostCheck("dev_shm_space", ok, arena, mem.shm_free, detail))
+    checks.append(HostCheck("dev_shm_space", ok, shm, mem.shm_free, detail))
 
     # RAM: the arena's tmpfs pages + one decoded consensus per rank (+ training's own)
     train = max(0, int(train_bytes))
-    need = arena + ranks * nelem * 4 + ranks * train
+    need = shm + ranks * nelem * 4 + ranks * train
     ok = mem.available >= need
     bound = (f"the cgroup v{mem.cgroup_version} headroom at {mem.cgroup_path}; host "
              f"MemAvailable {fmt_bytes(mem.host_available)}" if mem.limited_by_cgroup
              else "host MemAvailable")
     own = (f" + {ranks} × {fmt_bytes(train)} training memory (--train-bytes)" if train
            else "")
-    detail = (f"arena {fmt_bytes(arena)} (/dev/shm is RAM, charged to this memory cgroup) + "
+    detail = (f"/dev/shm {fmt_bytes(shm)} (it is RAM, charged to this memory cgroup) + "
               f"{ranks} × {fmt_bytes(nelem * 4)} decoded consensus{own} = {fmt_bytes(need)}; "
               f"{fmt_bytes(mem.available)} available ({bound})")
     if not train:
@@ -231,6 +252,11 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
                    help="ranks on this host (default 1; --nprocs as in the demo)")
     p.add_argument("--wire", choices=("f32", "bf16"), default="f32",
                    help="wire dtype of model frames (default f32)")
+    p.add_argument("--private-params", action="store_true",
+                   help="the parameters stay in the ranks' private memory (LocalSGD with "
+                        "shared_params=False, the Trainer, DiLoCo on one host, "
+                        "spawn(max_failures>0)); without it a model of 4 MiB and up counts "
+                        "LocalSGD's shared parameter blocks")
     p.add_argument("--train-bytes", type=_argtype(parse_size), default=0, metavar="SIZE",
                    help="each rank's own training memory (model, optimizer state, "
                         "activations, data), added to the RAM check; without it the "
@@ -310,7 +336,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2
     checks = host_checks(mem, staging, a.local_ranks, wire_bf16=a.wire == "bf16",
-                         segments=segments, train_bytes=a.train_bytes)
+                         segments=segments, train_bytes=a.train_bytes,
+                         private_params=a.private_params)
     ok = all(c.ok for c in checks if c.required)
     frame = params * (2 if a.wire == "bf16" else 4)
     report = {
@@ -408,7 +435,7 @@ def render(report: dict, mem: HostMemory, segments: Sequence[SegmentInfo],
         out.append("  (none)")
     out.append("")
     out.append("needs")
-    arena_label = f"arena /dev/shm, {ranks} rank{'s' if ranks != 1 else ''}"
+    arena_label = f"/dev/shm, {ranks} rank{'s' if ranks != 1 else ''}"
     out.append(f"  {'decode staging per rank':<26}{fmt_bytes(needs['staging_bytes_per_rank']):>10}   "
                f"(f32 whatever the wire; the gate budgets {GATE_FACTOR}x per local rank)")
     out.append(f"  {arena_label:<26}{fmt_bytes(needs['arena_shm_bytes']):>10}   "
