@@ -783,3 +783,16 @@ def test_a_death_that_stops_the_cohort_reads_and_is_recorded_like_one_it_survive
            "max_failures=1)" in caplog.text, caplog.text
     assert death_record_path(save, 2).exists() and death_record_path(save, 1).exists()
     assert not death_record_path(save, 0).exists()  # stopped, not failed
+
+
+def test_an_arena_that_cannot_fit_says_its_whole_need_in_readable_sizes():
+    """A probe read '/dev/shm has 400.0 MiB free but the host arena for 2 ranks with
+    200000000-byte frames needs 576.6 MiB more': 576.6 MiB was the whole need, not what
+    was missing, and the frame size a raw byte count."""
+    from flodl_shm.errors import ShmSpaceError
+
+    with pytest.raises(ShmSpaceError) as info:
+        spawn(fail_then_fail_again, 2, shm_bytes_hint=1 << 50)  # 1 PiB frames: never runs
+    msg = str(info.value)
+    assert " free but the host arena for 2 ranks with 1024.0 TiB frames needs 3072.0 TiB. " \
+        "Free space in /dev/shm" in msg, msg

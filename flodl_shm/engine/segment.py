@@ -71,9 +71,11 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.1f} TiB"  # pragma: no cover
 
 
-def space_error(need: int, free: int, what: str) -> ShmSpaceError:
+def space_error(need: int, free: int, what: str, *, more: bool = False) -> ShmSpaceError:
+    """``what`` needs ``need`` bytes of /dev/shm (``more``: on top of what it holds)."""
     return ShmSpaceError(
-        f"/dev/shm has {fmt_bytes(free)} free but {what} needs {fmt_bytes(need)} more. "
+        f"/dev/shm has {fmt_bytes(free)} free but {what} needs {fmt_bytes(need)}"
+        f"{' more' if more else ''}. "
         f"Free space in /dev/shm (leaked segments: `python -m flodl_shm ram --reap`), or "
         f"give it more room: in Docker `docker run --shm-size={_suggest(need)} ...` (the "
         f"default is 64 MB), in Kubernetes a memory-backed emptyDir on /dev/shm"
@@ -367,5 +369,6 @@ def _fallocate(fd: int, nbytes: int, name: str) -> None:
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
             # Never shrink back: another process may already map the larger size.
-            raise space_error(nbytes - before, shm_free_bytes(), f"segment {name}") from None
+            raise space_error(nbytes - before, shm_free_bytes(), f"segment {name}",
+                              more=True) from None
         raise

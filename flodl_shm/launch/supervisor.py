@@ -23,7 +23,7 @@ from ..engine import arena as A
 from ..errors import RankFailed, RankStalled, ReduceStall, check_int, plural
 from ..engine.checkpoint_tap import TapServer
 from ..engine.hostmem import host_memory
-from ..engine.segment import reap_dead_owner_segments, space_error
+from ..engine.segment import fmt_bytes, reap_dead_owner_segments, space_error
 from ..engine.waiting import Doorbell, available_cores
 from .rank import _RankProcess, _forward_level, _main_file, _rank_main, _recv
 from .rank_server import _RankServer, _ServedRankProcess, _native_threads, _warm_kernels
@@ -835,7 +835,7 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
         free = host_memory().shm_free
         if need > free:
             raise space_error(need, free, f"the host arena for {nprocs} ranks with "
-                                          f"{shm_bytes_hint}-byte frames")
+                                          f"{fmt_bytes(int(shm_bytes_hint))} frames")
     relay_factory = None
     if controller is not None:
         from ..cluster.relay import relay_factory as _relay_factory
