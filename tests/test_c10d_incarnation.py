@@ -184,3 +184,30 @@ def test_a_second_process_asking_for_an_admitted_rank_is_reported_at_confirmatio
             inc.confirm()
     with pytest.raises(RuntimeError, match="the group will not form: two processes asked"):
         incs[1].raise_if_abandoned()
+
+
+def test_a_store_that_closes_while_the_group_forms_is_named_with_the_way_out():
+    """A probe re-created a 2-process group on one tcp:// port in a loop: a rank that
+    destroyed its group first reached the previous group's store as rank 0 closed it, and
+    the handshake failed with torch's raw 'Failed to recv, got 0 bytes'."""
+    import datetime
+    import gc
+    import socket
+
+    import torch.distributed as dist
+
+    from flodl_shm.distributed.incarnation import incarnation_store
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = dist.TCPStore("127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=5),
+                           wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=5))
+    client.set("previous group", "1")
+    del server  # rank 0 destroyed the previous group: its store's server is gone
+    gc.collect()
+    with pytest.raises(RuntimeError, match=r"^rank 1: the group's store closed its connection "
+                                           r"while the group formed .* keep one "
+                                           r"dist.TCPStore per process and pass store="):
+        incarnation_store(client, 1, 2, datetime.timedelta(seconds=3), "rank 1")

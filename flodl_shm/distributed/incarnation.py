@@ -138,10 +138,19 @@ def incarnation_store(store, rank: int, world: int, timeout: timedelta,
 
     marks = dist.PrefixStore("incarnation/", store)
     deadline = time.monotonic() + timeout.total_seconds()
-    if rank == 0:
-        token, asks = _admit(marks, store, world, deadline, timeout, what)
-    else:
-        token, asks = _join(marks, rank, world, deadline, timeout, what)
+    try:
+        if rank == 0:
+            token, asks = _admit(marks, store, world, deadline, timeout, what)
+        else:
+            token, asks = _join(marks, rank, world, deadline, timeout, what)
+    except dist.DistNetworkError as e:
+        raise RuntimeError(
+            f"{what}: the group's store closed its connection while the group formed "
+            f"({str(e).splitlines()[0]}). Re-creating a group on one init_method port "
+            f"(tcp://HOST:PORT, or env:// with one MASTER_PORT), a rank that destroyed its "
+            f"group first can reach the previous group's store as its rank 0 closes it: "
+            f"keep one dist.TCPStore per process and pass store=..., or give each group its "
+            f"own port") from e
     return Incarnation(store, token, asks, what)
 
 
