@@ -167,9 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         for s, old in replaced.items():
             signal.signal(s, old)
     else:  # the signals stay ignored to the end: a late Ctrl-C is no traceback
-        print(f"controller: {stopped_by(interrupts)} after {ctl.stats.rounds} rounds; its hosts lose their "
-              f"link to it and stop. To continue, restart the controller (with --outer-state "
-              f"under --outer nesterov), then every host with --resume", file=sys.stderr,
+        print(f"controller: {stopped_by(interrupts)} after {ctl.stats.rounds} rounds; its "
+              f"hosts lose their link to it and stop. To continue, restart the controller "
+              f"(with --outer-state under --outer nesterov), then every host with --resume",
+              file=sys.stderr,
               flush=True)
         return 128 + int(interrupts[0])
     if ctl.error is not None:

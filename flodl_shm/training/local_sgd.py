@@ -486,8 +486,8 @@ class LocalSGD:
         shared = self._sharing_memory(tensors, names)
         if shared:
             return (f"{_listed(shared, 'shares', 'share')} memory with another tensor of the "
-                    f"model (a view of it): each gets its own place in the block, so they would stop "
-                    f"sharing it")
+                    f"model (a view of it): each gets its own place in the block, so they "
+                    f"would stop sharing it")
         nbytes = 4 * sum(t.numel() for t in tensors)
         if not explicit and nbytes < DIRECT_MIN_BYTES:
             return f"the params round's {nbytes} bytes are below DIRECT_MIN_BYTES"
