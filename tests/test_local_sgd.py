@@ -909,3 +909,20 @@ def test_a_guard_or_cadence_factory_of_the_wrong_kind_is_refused_at_construction
             return True
 
         assert cohort.run(body) == [True, True]
+
+
+def test_one_rank_whose_elche_starts_elsewhere_is_named_on_every_rank():
+    """The probe's case: rank 0's ElChe at anchor 4, rank 1's at 8, sync_every=4. Refusing
+    rank 1's alone before the settings round would leave rank 0 waiting in it (under
+    torchrun until the group's timeout); every rank names the difference instead."""
+    def body(comm):
+        try:
+            LocalSGD(make_model(0), sync_every=4, comm=comm,
+                     cadence=ElChe(2, 4 if comm.rank == 0 else 8))
+        except ValueError as e:
+            return str(e)
+        return None
+
+    with FakeCohort(2, timeout=20) as cohort:
+        out = cohort.run(body)
+    assert all(o is not None and o.startswith("the ranks differ in cadence") for o in out), out

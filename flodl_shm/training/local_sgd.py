@@ -375,7 +375,6 @@ class LocalSGD:
             if self.el_che.world_size != self.world_size:
                 raise ValueError(f"the ElChe was built for world_size {self.el_che.world_size} "
                                  f"but the cohort has world_size {self.world_size}")
-            check_anchor(sync_every, self.el_che)
             self.guard = guard if guard is not None else TrendGuard()
             log_cohort_decisions_from(_lowest_live_rank(weakref.ref(self)))
         self.cadence = "fixed" if self.el_che is None else "elche"
@@ -383,6 +382,8 @@ class LocalSGD:
         self._fresh_cadence = copy.deepcopy((self.el_che, self.guard))
         self._cadence_restored = False  # whether load() restored this rank's own ElChe
         self._check_same_settings(buffers, shared_params)
+        if self.el_che is not None:  # (after the agreement: every rank raises alike)
+            check_anchor(sync_every, self.el_che)
         #: whether the params round's tensors live in the shared parameter block
         self.shared_params = self._place_shared(shared_params, buffers)
         # the window's rounds (the drift: on request, and for ElChe's guard)
