@@ -15,8 +15,6 @@ def invoked_as() -> str:
     return "python -m flodl_shm"
 
 
-
-
 def first_stop_signal_only() -> tuple[list, dict]:
     """Make the first SIGINT (Ctrl-C), or SIGTERM / SIGHUP / SIGUSR1 / SIGUSR2 (the latter
     while they have their default action: a scheduler's stop or warning, a closed
@@ -44,4 +42,6 @@ def stopped_by(received: list) -> str:
     """How a command was stopped, for its last line: "interrupted" (Ctrl-C) or
     "stopped by SIGTERM"."""
     signum = received[0] if received else signal.SIGINT
-    return "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    if signum == signal.SIGINT:
+        return "interrupted"
+    return f"stopped by {signal.Signals(signum).name}"
