@@ -968,6 +968,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Ctrl-C, SIGTERM (a scheduler), SIGHUP (a closed terminal): the ranks stop, then one
     # line names the last checkpoint; a second signal is ignored (no traceback at exit)
     received, replaced = first_stop_signal_only()
+    stopped = False
     try:
         digits_split()  # the data first: without scikit-learn, one line before anything starts
         run_demo(cfg)
@@ -975,14 +976,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{_prog()}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # (also while scikit-learn loads, before any rank exists)
-        received.append(received[0] if received else signal.SIGINT)  # (spawn took a Ctrl-C)
+        stopped = True
+        signum = received[0] if received else signal.SIGINT  # (spawn takes a Ctrl-C itself)
         for s in replaced:  # the signals stay ignored to the end
             signal.signal(s, signal.SIG_IGN)
         last = latest_checkpoint(cfg.save_path)
         print(f"\n{stopped_by(received)}; every rank was stopped. "
               + (_continue_with(cfg, last) if last is not None
                  else "No checkpoint was written yet."), file=sys.stderr)
-        return 128 + int(received[0])
+        return 128 + int(signum)
     except (RankFailed, CohortAborted, TrainingAborted, ShmSpaceError, OSError,
             ValueError) as e:
         # a failed run (a stall, a dead rank, a refused handshake, no /dev/shm space, a
@@ -993,7 +995,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  else "No checkpoint was written."), file=sys.stderr)
         return 1
     finally:
-        if not received:
+        if not stopped:
             for s, old in replaced.items():
                 signal.signal(s, old)
     return 0

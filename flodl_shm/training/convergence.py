@@ -346,3 +346,12 @@ class MsfGuard(ConvergenceGuard):
         self._suppress_streak = 0
         self._nudge_streak = 0
         self.last_sample = None
+
+
+def resumed_guard(guard, trend_history: Optional[Sequence[float]]):
+    """The convergence guard a resume goes on with: a ``TrendGuard`` refilled with the
+    snapshot's ``trend_history`` (``ElCheState``), any other guard, or no history, as
+    it is."""
+    if trend_history and isinstance(guard, TrendGuard):
+        return TrendGuard.with_history(trend_history, guard.threshold)
+    return guard

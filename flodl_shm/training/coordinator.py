@@ -45,7 +45,7 @@ from typing import Optional, Sequence
 
 from ..checkpoint.meta import CheckpointMeta, CoverageBlock, ElCheState, SaveReason
 from ..errors import plural
-from .convergence import ConvergenceGuard, TrendGuard
+from .convergence import ConvergenceGuard, TrendGuard, resumed_guard
 from .coverage import SHUFFLE_BASE_SEED, ChunkPool, coverage_block, pools_from_coverage
 from .el_che import ElChe, fit_counts
 from .sync_window import CohortAck, CohortCounts
@@ -211,9 +211,7 @@ class Coordinator:
                 state = config.start_elche_state
                 if state is not None:
                     self.el_che.restore_from_state(state)
-                    if state.trend_history and isinstance(self.guard, TrendGuard):
-                        self.guard = TrendGuard.with_history(state.trend_history,
-                                                             self.guard.threshold)
+                    self.guard = resumed_guard(self.guard, state.trend_history)
         pool = None
         start = config.start_epoch
         if config.start_coverage is not None and start < config.epochs:

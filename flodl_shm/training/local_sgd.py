@@ -85,7 +85,7 @@ from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, ElCheState, Mod
 from ..frame import DTYPE_F32, tensors_to_round_frame
 from .agreement import (check_controller_steps_none, check_same_model, check_same_settings,
                         check_same_start, outer_settings)
-from .convergence import TrendGuard
+from .convergence import TrendGuard, resumed_guard
 from .cohort_log import log_cohort_decisions_from
 from .el_che import ElChe, check_anchor
 from .inner_state import check_optimizer_state, check_rank_file, read_rank_state, restore_inner
@@ -1152,8 +1152,7 @@ class LocalSGD:
         state = meta.elche_state
         if state is not None and len(state.smoothed_ms_per_batch) == self.world_size:
             self.el_che.restore_from_state(state)
-            if state.trend_history and isinstance(self.guard, TrendGuard):
-                self.guard = TrendGuard.with_history(state.trend_history, self.guard.threshold)
+            self.guard = resumed_guard(self.guard, state.trend_history)
             how = "from the bundle's ElChe snapshot (its .meta.json)"
         else:
             how = "fresh (the bundle holds no ElChe snapshot for this many ranks)"

@@ -182,7 +182,7 @@ class _RankRun:
         same books: samples trained twice or never, or a host that stops early taken for
         dead. (On one host every rank gets the same pickled Trainer.)"""
         tr = self.trainer
-        cadence = (tr.cadence if isinstance(tr.cadence, str) or self.ctx.world_size < 2
+        cadence = (tr.cadence if isinstance(tr.cadence, str)  # (several hosts: world >= 2)
                    else tr.cadence(self.ctx.world_size).settings())
         check_same_settings(self.comm, {
             "seed": tr.seed, "batch_size": tr.batch_size, "epochs": tr.epochs,
