@@ -3,7 +3,7 @@
 construction, the weights entering the last sync, the consensus and the sync's mass.
 ``python -m torch.distributed.run ... local_sgd_torchrun_script.py OUT [big|diloco]``: ``big``
 trains a 9 MiB model (its parameters go to the shared parameter blocks) for two windows
-(the first direct-eligible round probes; the second reduces in the blocks); ``diloco``
+(both reduce in the blocks: the group settled the direct path when it formed); ``diloco``
 syncs through ``DiLoCo`` (its outer step in the reduce, in the arena's outer segment)."""
 import os
 import sys

@@ -165,6 +165,32 @@ def test_a_failed_probe_keeps_every_rank_on_the_shared_path(low_threshold):
     assert res[0] == res[1] == [(1.5 * (i + 1), 1.5 * (i + 1), "unavailable") for i in range(3)]
 
 
+@pytest.mark.parametrize("reachable", [True, False])
+def test_settling_first_leaves_the_shared_regions_unused(low_threshold, reachable):
+    """``settle_direct_rounds`` reaches the probe's verdict between two barriers, so the
+    first large round is already direct and no round grows the bulk or result
+    regions; a peer that cannot be reached makes it 'unavailable' on every rank, and
+    the rounds then take the shared path (and grow those regions)."""
+    def body(comm):
+        if not reachable and comm.rank == 1:
+            comm.arena.ctl[A.rank_base(1) + A.R_PROBE] = 8  # the zero page: never mapped
+        verdict = comm.settle_direct_rounds()
+        again = comm.settle_direct_rounds()  # settled: a no-op, no barrier
+        t = torch.full((N,), float(comm.rank + 1))
+        comm.all_reduce_([t])
+        comm.barrier()
+        grown = [os.stat(f"/dev/shm/{comm.arena.handle.name(what)}").st_size >= 4 * N
+                 for what in ("d0", "d1", "res")]
+        return verdict, again, comm._engine.direct.state, float(t[0]), grown
+
+    with FakeCohort(2, direct=True, eager_bytes=EAGER) as cohort:
+        res = cohort.run(body)
+    state = "ready" if reachable else "unavailable"
+    for verdict, again, got, value, grown in res:
+        assert (verdict, again, got, value) == (reachable, reachable, state, 1.5)
+    assert [grown for *_, grown in res] == [[not reachable] * 3] * 2
+
+
 def test_ranks_that_disagree_on_the_direct_path_get_a_schema_error(low_threshold):
     """A rank whose state says 'ready' meets one still 'unprobed': the agreed flags
     differ, so both raise a SchemaMismatchError naming the paths, before any data

@@ -41,7 +41,7 @@ def test_local_sgd_on_the_default_process_group_under_torchrun(tmp_path, size):
     w = [2.0 * (3 + r) for r in range(2)]
     for r in res:
         assert r["mass"] == sum(w) and r["accepted"] == (0, 1)
-        assert (r["shared_params"], r["mapped_rounds"]) == ((True, 1) if size == "big"
+        assert (r["shared_params"], r["mapped_rounds"]) == ((True, 2) if size == "big"
                                                             else (False, 0))
         for a, b in zip(r["init"], res[0]["init"]):
             assert torch.equal(a, b)                   # rank 0's weights everywhere

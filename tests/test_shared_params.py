@@ -7,6 +7,8 @@ tensors must really live in the block and keep training there.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -87,7 +89,7 @@ def test_shared_parameters_average_in_place_bit_for_bit_like_the_copy_paths(low_
     for rank in range(world):
         placed, moved, inside, trace, rounds, mass = mapped[rank]
         assert placed and inside and all(moved.values()), "the parameters moved to p<r>"
-        assert rounds == 2, "the first window probes; the next two reduce mapped"
+        assert rounds == 3, "LocalSGD settles the probe first: every window reduces mapped"
         assert mass == sum(2 * (16 + r) for r in range(world))
         assert not private[rank][0] and private[rank][4] == 0
         for step in range(3):
@@ -202,7 +204,7 @@ def test_shared_tensors_are_placed_once_per_comm(low_threshold):
                 comm.shared_tensors([torch.zeros(1)])
         model = make_model(comm.rank)
         sgd = LocalSGD(model, sync_every=1, comm=comm)
-        for _ in range(3):  # the first round probes
+        for _ in range(3):
             with torch.no_grad():
                 model[0].bias.fill_(float(comm.rank))
             sgd.step(samples=1 + comm.rank)
@@ -215,24 +217,42 @@ def test_shared_tensors_are_placed_once_per_comm(low_threshold):
         torch.testing.assert_close(bias, torch.full((1200,), 2.0 / 3.0))
 
 
-def big_windows(ctx):
-    """A 9 MiB model over the default threshold, two windows, across processes."""
+def _shm_bytes(arena, what: str) -> int:
+    """The bytes of /dev/shm that the arena's segment ``what`` holds (its pages)."""
+    return os.stat(os.path.join("/dev/shm", arena.handle.name(what))).st_blocks * 512
+
+
+def big_windows(ctx, shared):
+    """A 9 MiB model over the default threshold, three windows, across processes; the
+    /dev/shm bytes of each region of the arena after them."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1536, 1536))
-    sgd = LocalSGD(model, sync_every=1, comm=ctx.comm)
+    sgd = LocalSGD(model, sync_every=1, comm=ctx.comm, shared_params=shared)
     out = []
     for w in range(3):
         with torch.no_grad():
             model[0].weight.fill_(float(ctx.rank + w))
         sgd.step(samples=1 + ctx.rank)
         out.append(float(model[0].weight[7, 9]))
-    return sgd.shared_params, ctx.comm._engine.direct.mapped_rounds, out
+    ctx.comm.barrier()
+    arena = ctx.comm._engine.arena
+    held = {what: _shm_bytes(arena, what) for what in ("d0", "d1", "res", "p0", "p1")}
+    return sgd.shared_params, ctx.comm._engine.direct.mapped_rounds, out, held
 
 
-def test_spawn_averages_shared_parameters_across_processes():
-    out = spawn(big_windows, 2)
+@pytest.mark.parametrize("shared", [None, False])
+def test_spawn_averages_shared_parameters_across_processes(shared):
+    """Every window reduces in place, and the arena's regions stay empty: the shared
+    blocks (or, with shared_params=False, the cross-memory calls) stand in for them. A
+    probe found the first window's round, which settled the direct path, growing each
+    rank's region and the result's to a model frame, idle for the rest of the run."""
+    out = spawn(big_windows, 2, args=(shared,))
     want = [(1 * w + 2 * (w + 1)) / 3 for w in range(3)]
-    for shared, rounds, got in out:
-        assert shared and rounds == 2
+    model_bytes = 4 * (1536 * 1536 + 1536)
+    for placed, rounds, got, held in out:
+        assert placed == (shared is None) and rounds == (3 if shared is None else 0)
         assert got == pytest.approx(want, rel=1e-6)
+        assert max(held["d0"], held["d1"], held["res"]) <= 4096, held  # as created
+        assert all(held[p] >= model_bytes if shared is None else held[p] <= 4096
+                   for p in ("p0", "p1")), held
     assert_no_leaks()

@@ -11,10 +11,11 @@ usage error.
 Checks (``host_checks``):
 
 ``dev_shm_space`` (required)
-    The host arena for N ranks (``arena.shm_need_bytes``), plus LocalSGD's shared
-    parameter blocks where its default places them (``--private-params`` when not) and
-    on a bf16 wire the start broadcast's f32 frame, fits in ``/dev/shm``'s free space.
-    Docker's default ``/dev/shm`` is 64 MB.
+    The host arena for N ranks (``arena.shm_need_bytes``: one frame per rank and the
+    result's), plus on a bf16 wire the start broadcast's f32 frame, fits in
+    ``/dev/shm``'s free space. Where LocalSGD's rounds run direct, its shared
+    parameter blocks (a model per rank) stand in for those regions, which then stay
+    empty: the figure covers either. Docker's default ``/dev/shm`` is 64 MB.
 ``ram`` (required)
     The arena's pages plus one decoded model-sized consensus per rank fit in the
     available RAM. ``/dev/shm`` is tmpfs: its pages are RAM, charged to this
@@ -139,8 +140,8 @@ class HostCheck:
 
 def host_checks(mem: HostMemory, staging_bytes: int, local_ranks: int, *,
                 wire_bf16: bool = False, relay: bool = False,
-                segments: Sequence[SegmentInfo] = (), train_bytes: int = 0,
-                private_params: bool = False) -> list[HostCheck]:
+                segments: Sequence[SegmentInfo] = (), train_bytes: int = 0
+                ) -> list[HostCheck]:
     """The checks for a model of ``staging_bytes`` f32 bytes (Σ numel × 4) trained
     on ``local_ranks`` ranks of this host (see the module doc for each).
 
@@ -148,10 +149,6 @@ def host_checks(mem: HostMemory, staging_bytes: int, local_ranks: int, *,
         train_bytes: each rank's own training memory (model, optimizer state,
             activations, data), added to the RAM check; 0 when not known (the
             check is then a floor and its detail says so).
-        private_params: the parameters stay in the ranks' private memory. Else, for a
-            model of ``DIRECT_MIN_BYTES`` and up on an f32 wire, one host, LocalSGD's
-            default moves each rank's parameters into a shared parameter block of the
-            model's size, besides the arena.
     """
     from ..engine.direct import DIRECT_MIN_BYTES
 
@@ -160,11 +157,13 @@ def host_checks(mem: HostMemory, staging_bytes: int, local_ranks: int, *,
     frame = nelem * (2 if wire_bf16 else 4)
     wire = "bf16" if wire_bf16 else "f32"
     arena = shm_need_bytes(ranks, frame, wire_bf16=wire_bf16, relay=relay)
-    blocks = (ranks * nelem * 4 if not private_params and ranks >= 2 and not wire_bf16
-              and not relay and nelem * 4 >= DIRECT_MIN_BYTES else 0)
-    # the replicas' start broadcast is an f32 frame, in its root's region, whatever the wire
+    # LocalSGD's shared parameter blocks (a model per rank), where its rounds run direct:
+    # its regions then stay empty, so the arena's figure covers the blocks
+    blocks = (ranks >= 2 and not wire_bf16 and not relay and nelem * 4 >= DIRECT_MIN_BYTES)
+    # the replicas' start broadcast is an f32 frame, in its root's region, whatever the
+    # wire (unless it runs direct)
     start = nelem * 4 - frame if wire_bf16 and ranks >= 2 else 0
-    shm = arena + blocks + start
+    shm = arena + start
     dead = [s for s in segments if not s.owner_alive]
     dead_bytes = sum(s.nbytes for s in dead)
     checks = []
@@ -174,11 +173,10 @@ def host_checks(mem: HostMemory, staging_bytes: int, local_ranks: int, *,
     detail = (f"the arena for {ranks} rank{'s' if ranks != 1 else ''} with "
               f"{fmt_bytes(frame)} {wire} frames needs {fmt_bytes(arena)}"
               + (f", the start broadcast's f32 frame {fmt_bytes(start)} more" if start else "")
-              + (f", and LocalSGD's shared parameter blocks {ranks} × {fmt_bytes(nelem * 4)} "
-                 f"(its default for a model of {fmt_bytes(DIRECT_MIN_BYTES)} and up; "
-                 f"--private-params if they stay private: shared_params=False, the Trainer, "
-                 f"DiLoCo on one host, spawn(max_failures>0))" if blocks else "")
-              + (f": {fmt_bytes(shm)}" if blocks or start else "")
+              + (f": {fmt_bytes(shm)}" if start else "")
+              + (f" (where LocalSGD's rounds run direct, its shared parameter blocks, "
+                 f"{ranks} × {fmt_bytes(nelem * 4)}, take the place of the regions, which "
+                 f"stay empty)" if blocks else "")
               + f"; {mem.shm_dir} has {fmt_bytes(mem.shm_free)} free of "
                 f"{fmt_bytes(mem.shm_total)}")
     if dead:
@@ -252,11 +250,6 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
                    help="ranks on this host (default 1; --nprocs as in the demo)")
     p.add_argument("--wire", choices=("f32", "bf16"), default="f32",
                    help="wire dtype of model frames (default f32)")
-    p.add_argument("--private-params", action="store_true",
-                   help="the parameters stay in the ranks' private memory (LocalSGD with "
-                        "shared_params=False, the Trainer, DiLoCo on one host, "
-                        "spawn(max_failures>0)); without it a model of 4 MiB and up counts "
-                        "LocalSGD's shared parameter blocks")
     p.add_argument("--train-bytes", type=_argtype(parse_size), default=0, metavar="SIZE",
                    help="each rank's own training memory (model, optimizer state, "
                         "activations, data), added to the RAM check; without it the "
@@ -336,8 +329,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2
     checks = host_checks(mem, staging, a.local_ranks, wire_bf16=a.wire == "bf16",
-                         segments=segments, train_bytes=a.train_bytes,
-                         private_params=a.private_params)
+                         segments=segments, train_bytes=a.train_bytes)
     ok = all(c.ok for c in checks if c.required)
     frame = params * (2 if a.wire == "bf16" else 4)
     report = {

@@ -62,7 +62,7 @@ from ..frame import (
     mass_error,
 )
 from .checkpoint_tap import TapClient
-from .direct import UNAVAILABLE, ClosedDirectRounds
+from .direct import READY, UNAVAILABLE, UNPROBED, ClosedDirectRounds
 from .hostmem import HostMemory
 from .protocol import RoundEngine, RoundPlan
 from .round_report import RoundReports
@@ -880,6 +880,27 @@ class Comm:
         with ``max_failures=0``, the c10d backend), and not found unavailable (ranks
         not permitted to attach to each other, ``FLODL_SHM_DIRECT=0``)."""
         return self._engine.direct.state != UNAVAILABLE
+
+    def settle_direct_rounds(self) -> bool:
+        """Find out now whether direct rounds may run, and return whether they may (a
+        collective: every rank of the host calls it, and every rank gets the same
+        answer).
+
+        Left alone, the first large float32 round finds out: it runs the shared bulk
+        path with a probe (``engine/direct.py``), which grows every rank's bulk region
+        and the result region to the size of that round, for the arena's life. Settled
+        here first, with two barriers around the same probe, the first large round is
+        already direct and those regions stay as small as the rounds that use them:
+        with ``LocalSGD``'s parameters in shared memory, none do. A no-op once settled.
+        """
+        direct, eng = self._engine.direct, self._engine
+        if direct.state == UNPROBED:
+            token = self._round
+            self.barrier()  # every rank has published its pid and probe word
+            direct.try_peers(token, range(eng.world))
+            self.barrier()  # every rank has recorded its verdict of ``token``
+            direct.settle(token, range(eng.world))
+        return direct.state == READY
 
     def shared_tensors(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of ``tensors`` placed in this rank's shared parameter block (the arena's

@@ -22,7 +22,11 @@ Direct rounds need two things the shared path does not:
   backend); ``FLODL_SHM_DIRECT=0`` in the owner's environment turns it off.
 - **Permission to attach.** The calls need ptrace-attach rights between the ranks.
   Whether they have them is found out once, in the first eligible round, which runs
-  the shared path with a probe (below); every rank reaches the same verdict.
+  the shared path with a probe (below); every rank reaches the same verdict. That
+  round grows the bulk and result regions to its size for the arena's life, so a
+  caller that knows large rounds are coming settles it first with
+  ``Comm.settle_direct_rounds`` (the same probe between two barriers; ``LocalSGD``
+  does).
 
 A round is eligible when every rank agrees on it from the round's schema alone: a
 float32 wire, too large for the eager slots and at least ``DIRECT_MIN_BYTES`` of payload, no outer-optimizer step, no
@@ -185,10 +189,21 @@ class DirectRounds:
     def probe(self, view) -> None:
         """After the arrival wait of a FLAG_DIRECT_PROBE round, before this rank's done
         word: try every accepted peer's probe word and record the verdict."""
+        self.try_peers(view.rnd, view.accepted)
+
+    def settle_probe(self, view) -> None:
+        """After the slice wait of a probe round: READY when every accepted rank could
+        reach every other, else UNAVAILABLE (the same verdict on every rank)."""
+        self.settle(view.rnd, view.accepted)
+
+    def try_peers(self, rnd: int, ranks) -> None:
+        """Read and write back the probe word of every rank of ``ranks`` but this one;
+        record ``rnd`` in this rank's R_DIRECT when all could be reached, else
+        -(rnd + 1)."""
         ctl, me = self.eng.ctl, self.eng.rank
         ok = True
         word = np.zeros(1, np.int64)
-        for r in view.accepted:
+        for r in ranks:
             if r == me:
                 continue
             b = A.rank_base(r)
@@ -196,13 +211,14 @@ class DirectRounds:
             if not addr or not C.probe(pid, addr, self._iov, word):
                 ok = False
                 break
-        ctl[A.rank_base(me) + A.R_DIRECT] = view.rnd if ok else -(view.rnd + 1)
+        ctl[A.rank_base(me) + A.R_DIRECT] = rnd if ok else -(rnd + 1)
 
-    def settle_probe(self, view) -> None:
-        """After the slice wait of a probe round: READY when every accepted rank could
-        reach every other, else UNAVAILABLE (the same verdict on every rank)."""
+    def settle(self, rnd: int, ranks) -> None:
+        """Once every rank of ``ranks`` recorded its verdict of ``rnd`` (``try_peers``):
+        READY when each reached every other, else UNAVAILABLE. Every rank reads the
+        same words, so every rank reaches the same verdict."""
         ctl = self.eng.ctl
-        ok = all(int(ctl[A.rank_base(r) + A.R_DIRECT]) == view.rnd for r in view.accepted)
+        ok = all(int(ctl[A.rank_base(r) + A.R_DIRECT]) == rnd for r in ranks)
         self.state = READY if ok else UNAVAILABLE
 
     # -- READY: one direct round ---------------------------------------------------------

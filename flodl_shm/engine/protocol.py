@@ -55,7 +55,8 @@ Why a round cannot be confused with the next (buffer reuse):
 - *A direct round (FLAG_DIRECT) publishes no payload.* Its slice reducers read the
   contributors' private tensors and write every rank's destination; its states and
   buffer-reuse argument are in ``direct.py``. The first eligible round is a bulk
-  round flagged FLAG_DIRECT_PROBE, which checks that ranks may do that.
+  round flagged FLAG_DIRECT_PROBE, which checks that ranks may do that (unless
+  ``Comm.settle_direct_rounds`` checked it before).
 - Words are monotone (arrived/done only grow), so ``>= N`` is the test and a fast
   rank one round ahead never looks like a slow one.
 

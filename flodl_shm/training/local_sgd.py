@@ -384,6 +384,10 @@ class LocalSGD:
         self._check_same_settings(buffers, shared_params)
         if self.el_che is not None:  # (after the agreement: every rank raises alike)
             check_anchor(sync_every, self.el_che)
+        if self.world_size >= 2:
+            # so the first large round (the broadcast below) is already a direct round:
+            # a probe inside it would grow shared regions to a model frame, idle after
+            self.comm.settle_direct_rounds()
         #: whether the params round's tensors live in the shared parameter block
         self.shared_params = self._place_shared(shared_params, buffers)
         # the window's rounds (the drift: on request, and for ElChe's guard)

@@ -349,12 +349,10 @@ class ReplicaReduce:
 
     def align_on(self, comm, root: int = 0) -> None:
         """Overwrite this replica's parameters and floating-point buffers with rank
-        ``root``'s (a collective: one broadcast; a no-op for a world of one)."""
+        ``root``'s (a collective: one in-place broadcast, ``Comm.broadcast_``; a no-op
+        for a world of one)."""
         if comm.world_size > 1 and self._live_all:
-            got = comm.broadcast_from_root([t.to(torch.float32) for t in self._live_all], root)
-            with torch.no_grad():
-                for t, src in zip(self._live_all, got):
-                    t.copy_(src)
+            comm.broadcast_(self._live_all, root)
 
     def reduce(self, comm, weight: float, movers_weight: float = 0.0,
                report: Optional[Sequence[float]] = None) -> "ReduceOutcome":
