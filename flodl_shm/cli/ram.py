@@ -159,7 +159,8 @@ def host_checks(mem: HostMemory, staging_bytes: int, local_ranks: int, *,
     arena = shm_need_bytes(ranks, frame, wire_bf16=wire_bf16, relay=relay)
     # LocalSGD's shared parameter blocks (a model per rank), where its rounds run direct:
     # its regions then stay empty, so the arena's figure covers the blocks
-    blocks = (ranks >= 2 and not wire_bf16 and not relay and nelem * 4 >= DIRECT_MIN_BYTES)
+    shared_blocks = (ranks >= 2 and not wire_bf16 and not relay
+                     and nelem * 4 >= DIRECT_MIN_BYTES)
     # the replicas' start broadcast is an f32 frame, in its root's region, whatever the
     # wire (unless it runs direct)
     start = nelem * 4 - frame if wire_bf16 and ranks >= 2 else 0
@@ -176,7 +177,7 @@ def host_checks(mem: HostMemory, staging_bytes: int, local_ranks: int, *,
               + (f": {fmt_bytes(shm)}" if start else "")
               + (f" (where LocalSGD's rounds run direct, its shared parameter blocks, "
                  f"{ranks} × {fmt_bytes(nelem * 4)}, take the place of the regions, which "
-                 f"stay empty)" if blocks else "")
+                 f"stay empty)" if shared_blocks else "")
               + f"; {mem.shm_dir} has {fmt_bytes(mem.shm_free)} free of "
                 f"{fmt_bytes(mem.shm_total)}")
     if dead:

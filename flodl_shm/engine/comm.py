@@ -1322,12 +1322,12 @@ class Comm:
                     hook("arrived", rnd)
                 view = eng.await_arrivals(rnd, nbytes=plan.nbytes)
                 if probe:
-                    eng.direct.probe(view)
+                    eng.direct.try_peers(rnd, view.accepted)
                 eng.reduce_slice(view, self.local_rank,
                                  into if view.mass > 0.0 or kind != _MODEL else None)
                 eng.await_slices(view)
                 if probe:
-                    eng.direct.settle_probe(view)
+                    eng.direct.settle(rnd, view.accepted)
                 mass = eng.await_consensus(view) if eng.relay_mode else view.mass
                 cons = eng.consensus_array(view)
                 if eng.outer_applies(view):

@@ -186,20 +186,11 @@ class DirectRounds:
         return A.FLAG_DIRECT if self.state == READY else A.FLAG_DIRECT_PROBE
 
     # -- UNPROBED: the probe inside a shared bulk round ------------------------------
-    def probe(self, view) -> None:
-        """After the arrival wait of a FLAG_DIRECT_PROBE round, before this rank's done
-        word: try every accepted peer's probe word and record the verdict."""
-        self.try_peers(view.rnd, view.accepted)
-
-    def settle_probe(self, view) -> None:
-        """After the slice wait of a probe round: READY when every accepted rank could
-        reach every other, else UNAVAILABLE (the same verdict on every rank)."""
-        self.settle(view.rnd, view.accepted)
-
     def try_peers(self, rnd: int, ranks) -> None:
-        """Read and write back the probe word of every rank of ``ranks`` but this one;
-        record ``rnd`` in this rank's R_DIRECT when all could be reached, else
-        -(rnd + 1)."""
+        """The probe of round ``rnd`` (after its arrival wait, before this rank's done
+        word, or between ``Comm.settle_direct_rounds``'s barriers): read and write back
+        the probe word of every rank of ``ranks`` but this one; record ``rnd`` in this
+        rank's R_DIRECT when all could be reached, else -(rnd + 1)."""
         ctl, me = self.eng.ctl, self.eng.rank
         ok = True
         word = np.zeros(1, np.int64)
@@ -214,9 +205,10 @@ class DirectRounds:
         ctl[A.rank_base(me) + A.R_DIRECT] = rnd if ok else -(rnd + 1)
 
     def settle(self, rnd: int, ranks) -> None:
-        """Once every rank of ``ranks`` recorded its verdict of ``rnd`` (``try_peers``):
-        READY when each reached every other, else UNAVAILABLE. Every rank reads the
-        same words, so every rank reaches the same verdict."""
+        """Once every rank of ``ranks`` recorded its verdict of ``rnd`` (``try_peers``; in
+        a probe round, after its slice wait): READY when each reached every other, else
+        UNAVAILABLE. Every rank reads the same words, so every rank reaches the same
+        verdict."""
         ctl = self.eng.ctl
         ok = all(int(ctl[A.rank_base(r) + A.R_DIRECT]) == rnd for r in ranks)
         self.state = READY if ok else UNAVAILABLE
