@@ -3,6 +3,8 @@ real collectives (FakeCohort: a real arena, thread ranks)."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -162,9 +164,33 @@ def test_pinning_failure_falls_back_to_pageable_with_one_warning(caplog, monkeyp
     assert len(warns) == 1 and "page-locking 64 B failed" in warns[0].getMessage()
 
 
+STAGING_IN_A_FRESH_PROCESS = """
+import sys, torch
+from flodl_shm.engine.staging import alloc_staging, decide_pinned_decode
+if sys.argv[1] == "gpu":
+    torch.cuda.init()
+t = alloc_staging(1024)
+d = decide_pinned_decode(4096, 2, available_bytes=1 << 30, log=False)
+print(t.is_pinned(), d.pinned, torch.cuda.is_initialized())
+"""
+
+
+def staging_in_a_fresh_process(mode: str) -> str:
+    out = subprocess.run([sys.executable, "-c", STAGING_IN_A_FRESH_PROCESS, mode],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_a_rank_that_never_used_cuda_stages_in_plain_memory_and_never_starts_cuda():
+    """On a GPU host too: page-locking would create a CUDA context (seconds, hundreds of
+    MB) in a rank that trains on the CPU and never copies to a GPU."""
+    assert staging_in_a_fresh_process("cpu") == ["False", "False", "False"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA to page-lock")
-def test_staging_is_page_locked_when_cuda_is_available():  # pragma: no cover - GPU hosts
-    assert alloc_staging(1024).is_pinned()
+def test_staging_is_page_locked_in_a_rank_that_uses_cuda():  # pragma: no cover - GPU hosts
+    assert staging_in_a_fresh_process("gpu") == ["True", "True", "True"]
 
 
 # -- armed decodes through real collectives (ports of the seed tests) ---------------

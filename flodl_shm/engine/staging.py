@@ -4,8 +4,14 @@ RAM gate that decides whether a rank can afford them (flodl 0.7.0; docs/host_ram
 Why: a rank that decodes every consensus into fresh pageable memory pays a
 model-sized allocation per window, and on a CUDA rank the following
 ``copy_(non_blocking=True)`` silently degrades to a synchronous bounce copy. Two
-properties matter: the buffers are **reused** for the whole run and, when CUDA is
-available, **page-locked**, so the host-to-device copy is truly asynchronous.
+properties matter: the buffers are **reused** for the whole run and, in a rank
+that uses CUDA, **page-locked**, so the host-to-device copy is truly asynchronous.
+
+"Uses CUDA" means the rank has initialized it (``torch.cuda.is_initialized()``):
+page-locking memory creates a CUDA context, which costs seconds and hundreds of MB
+per process, and only a host-to-device copy repays it. A rank that trains on the
+CPU - every LocalSGD and Trainer rank, even on a GPU host - gets plain reusable
+memory and never touches the GPU.
 
 Contract (what ``Comm`` implements on top of this module):
 
@@ -112,7 +118,7 @@ class StagingDecision:
 
     Attributes:
         enabled: the gate passed; armed replies use slot staging.
-        pinned: staging would be page-locked (CUDA is available); else pageable.
+        pinned: staging would be page-locked (the rank uses CUDA); else pageable.
         staging_bytes: f32 size of one slot's staging (Σ numel × 4).
         local_ranks: ranks on this host the gate budgeted for.
         need_bytes: the gate's need (``staging_bytes × max(local_ranks, 1) × 6``).
@@ -143,8 +149,8 @@ def decide_pinned_decode(staging_bytes: int, local_ranks: int,
         local_ranks: ranks on this host (``Comm.local_world_size``).
         snapshot: the ``host_memory()`` read at rank start; read now when omitted.
         available_bytes: use this figure instead of ``snapshot.available``.
-        cuda: whether staging would be page-locked; default
-            ``torch.cuda.is_available()``.
+        cuda: whether staging would be page-locked; default: whether this
+            process has initialized CUDA (``torch.cuda.is_initialized()``).
         log: log the decision (one INFO line on ``flodl_shm``).
         moment: when the available figure was read, for the reason text.
     """
@@ -156,7 +162,7 @@ def decide_pinned_decode(staging_bytes: int, local_ranks: int,
     else:
         avail = int(available_bytes)
         src = "given"
-    pinned = _cuda_available() if cuda is None else bool(cuda)
+    pinned = _cuda_in_use() if cuda is None else bool(cuda)
     need = gate_need_bytes(staging_bytes, local_ranks)
     enabled = pinned_decode_affordable(staging_bytes, local_ranks, avail)
     ranks = max(int(local_ranks), 1)
@@ -166,7 +172,8 @@ def decide_pinned_decode(staging_bytes: int, local_ranks: int,
     # "pinned" only where staging would be page-locked: a CPU host's is plain memory
     what = "pinned decode staging" if pinned else "decode staging"
     if enabled:
-        kind = "page-locked (CUDA available)" if pinned else "pageable (no CUDA: nothing to pin)"
+        kind = ("page-locked (CUDA in use)" if pinned
+                else "pageable (no CUDA in use: nothing to pin)")
         reason = (f"{what} ON: {have} > need {formula}; armed replies decode "
                   f"into reusable {kind} slot buffers")
     else:
@@ -197,16 +204,18 @@ def check_slot(slot: int) -> int:
     return s
 
 
-def _cuda_available() -> bool:
+def _cuda_in_use() -> bool:
+    """Whether this process has initialized CUDA: asking never initializes it (where
+    ``torch.cuda.is_available()`` would start the driver)."""
     import torch
 
-    return torch.cuda.is_available()
+    return torch.cuda.is_initialized()
 
 
 def alloc_staging(nelem: int, *, pin: bool | None = None) -> "torch.Tensor":
     """A flat f32 CPU buffer of ``nelem`` elements for decode staging.
 
-    Page-locked when ``pin`` (default: CUDA is available), so a later
+    Page-locked when ``pin`` (default: this process has initialized CUDA), so a later
     ``.to(device, non_blocking=True)`` is truly asynchronous; plain memory
     otherwise. If page-locking fails (memlock limits, no driver) the buffer is
     pageable and a WARNING says so once per process.
@@ -218,7 +227,7 @@ def alloc_staging(nelem: int, *, pin: bool | None = None) -> "torch.Tensor":
     if n < 0:
         raise ValueError(f"staging size {n} elements must be >= 0")
     if pin is None:
-        pin = torch.cuda.is_available()
+        pin = _cuda_in_use()
     if pin:
         try:
             return torch.empty(n, dtype=torch.float32, pin_memory=True)

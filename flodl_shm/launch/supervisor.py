@@ -793,7 +793,7 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
         eager_bytes: contributions up to this size take the one-sync eager path.
         shm_bytes_hint: expected frame size in bytes; when given, /dev/shm is checked
             up front for the whole arena instead of at the first large round.
-        pinned_decode: let ranks reuse (page-locked when CUDA is available) decode
+        pinned_decode: let ranks reuse (page-locked in a rank that uses CUDA) decode
             staging for armed replies; each rank's RAM gate still decides at its first
             armed decode and logs the decision at INFO.
 
