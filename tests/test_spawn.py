@@ -35,6 +35,10 @@ def _no_leaks():
 
 # --- rank functions (module level: they are pickled to the ranks) ---------------------------
 
+def torch_threads(ctx):
+    return torch.get_num_threads()
+
+
 def rank_and_world(ctx):
     ctx.comm.barrier()
     return ctx.rank, ctx.world_size
@@ -796,3 +800,26 @@ def test_an_arena_that_cannot_fit_says_its_whole_need_in_readable_sizes():
     msg = str(info.value)
     assert " free but the host arena for 2 ranks with 1024.0 TiB frames needs 3072.0 TiB. " \
         "Free space in /dev/shm" in msg, msg
+
+
+@pytest.mark.parametrize("start_method, omp, expected", [
+    ("forkserver", None, "cores"), ("forkserver", "1", 1), ("forkserver", "3", 3),
+    ("forkserver", "abc", "cores"), ("spawn", "3", 3)])
+def test_ranks_run_omp_num_threads_when_the_launcher_sets_it(monkeypatch, caplog, start_method,
+                                                              omp, expected):
+    """As torchrun honours OMP_NUM_THREADS, so does spawn: ``OMP_NUM_THREADS=1 python
+    train.py`` gives each rank one torch thread (it used to get the host's cores / ranks
+    whatever the variable said). One rank, so the default (this host's cores) differs from
+    the counts asked for; a value that is no count is named in a warning."""
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    cores = len(os.sched_getaffinity(0))
+    with caplog.at_level(logging.WARNING, logger="flodl_shm"):
+        threads = spawn(torch_threads, 1, start_method=start_method, timeout=60)
+    assert threads == [cores if expected == "cores" else expected]
+    warned = [r.getMessage() for r in caplog.records if "OMP_NUM_THREADS" in r.getMessage()]
+    assert bool(warned) == (omp == "abc"), warned
+    if warned:
+        assert "'abc' is not a positive thread count" in warned[0]

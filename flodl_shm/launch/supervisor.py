@@ -302,7 +302,7 @@ class SpawnContext:
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
         try:
             try:
-                threads = max(1, available_cores() // self.nprocs)
+                threads = rank_threads(self.nprocs)
                 parent_pid = os.getpid()
                 if self._process_cls is _ServedRankProcess:
                     if self._server is None:
@@ -753,6 +753,25 @@ class SpawnContext:
         self.arena.close()
 
 
+def rank_threads(nprocs: int) -> int:
+    """torch threads for each of ``nprocs`` ranks of this host: ``OMP_NUM_THREADS`` when
+    the launcher's environment sets it to a positive count (as torchrun honours it), else
+    this process's cores shared out (at least one each)."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if value:
+        try:
+            count = int(value)
+        except ValueError:
+            count = 0
+        if count >= 1:
+            return count
+        logger.warning("OMP_NUM_THREADS=%r is not a positive thread count; ranks run "
+                       "%d thread(s) each (this host's cores / %d ranks). Set it to a "
+                       "count such as 1, or unset it", value,
+                       max(1, available_cores() // nprocs), nprocs)
+    return max(1, available_cores() // nprocs)
+
+
 def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
           controller: str | tuple | None = None, world_size: int | None = None,
           first_rank: int = 0, salt: bytes | None = None, max_failures: int = 0,
@@ -765,7 +784,9 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
 
     Args:
         fn: a picklable (module-level) function taking a ``RankContext`` first.
-        nprocs: local ranks to start (>= 1).
+        nprocs: local ranks to start (>= 1). Each runs torch with ``OMP_NUM_THREADS``
+            threads when the launcher's environment sets it, else this host's cores /
+            ``nprocs`` (``rank_threads``).
         args: extra positional arguments for ``fn`` (picklable).
         join: wait and return the results by rank; else return a ``SpawnContext``.
         controller: ``"host:port"`` of a cluster controller to join a multi-host
