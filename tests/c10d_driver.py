@@ -206,6 +206,10 @@ def sc_collectives(rank: int, world: int) -> dict:
         "send": lambda: dist.send(torch.ones(1), dst=(rank + 1) % world),
         "mismatch": lambda: dist.all_reduce(torch.ones(3 + rank)),  # every rank raises
         "mismatch_bytes": lambda: dist.all_reduce(torch.ones(3 + rank, dtype=torch.int64)),
+        "mismatch_dtype": lambda: dist.all_reduce(  # rank 0's reduce round meets byte rounds
+            torch.ones(3, dtype=torch.float32 if rank == 0 else torch.float64)),
+        "mismatch_op": lambda: dist.all_reduce(
+            torch.ones(3), op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX),
     })
     res["errors"] = errors
     dist.barrier()  # the errors above left every rank in step

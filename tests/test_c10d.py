@@ -173,10 +173,15 @@ def test_every_collective_and_dtype_across_two_hosts(two_hosts):
 def test_mismatched_calls_raise_on_every_rank_of_every_host(two_hosts):
     # host "a" (ranks 0, 2) disagrees inside itself; host "b" (rank 1) is consistent
     # alone but must not be left waiting in the leaders' gloo group
+    # and every rank is told what each rank called, through one more round across hosts
     for r in two_hosts:
-        for key in ("mismatch", "mismatch_bytes"):
+        for key in ("mismatch", "mismatch_bytes", "mismatch_dtype", "mismatch_op"):
             assert r["errors"][key] is not None, (key, r["errors"])
-    assert "another host" in two_hosts[1]["errors"]["mismatch"]
+        assert calls_listed(r["errors"]["mismatch"]) == [
+            "allreduce([float32[3]], op=SUM)", "allreduce([float32[4]], op=SUM)",
+            "allreduce([float32[5]], op=SUM)"]
+        assert calls_listed(r["errors"]["mismatch_op"]) == [
+            "allreduce([float32[3]], op=SUM)"] + ["allreduce([float32[3]], op=MAX)"] * 2
 
 
 def test_layouts_half_sums_empty_complex_and_misuse(tmp_path):
@@ -259,9 +264,25 @@ def test_unsupported_ops_and_dtypes_raise_naming_the_supported_set(one_host):
     assert "AVG" in errs["avg_int"] and "int32" in errs["avg_int"]
     assert "uint16" in errs["uint16"] and "float32" in errs["uint16"]
     assert "send" in errs["send"] and "gloo" in errs["send"]
-    for key in ("mismatch", "mismatch_bytes"):  # different shapes: raised, not a hang
-        assert errs[key] is not None and "different" in errs[key], errs[key]
-        assert one_host[1]["errors"][key] is not None
+    # ranks that disagree raise, not hang, and each is told what every rank called
+    expected = {
+        "mismatch": ["allreduce([float32[3]], op=SUM)", "allreduce([float32[4]], op=SUM)"],
+        "mismatch_bytes": ["allreduce([int64[3]], op=SUM)", "allreduce([int64[4]], op=SUM)"],
+        "mismatch_dtype": ["allreduce([float32[3]], op=SUM)",
+                           "allreduce([float64[3]], op=SUM)"],
+        "mismatch_op": ["allreduce([float32[3]], op=SUM)", "allreduce([float32[3]], op=MAX)"]}
+    for key, calls in expected.items():
+        for r in one_host:
+            msg = r["errors"][key]
+            assert "the 2 ranks of this group made different calls" in msg, msg
+            assert calls_listed(msg) == calls, msg
+
+
+def calls_listed(message: str) -> list[str]:
+    """The per-rank calls an error lists, in rank order (``  rank R: call``)."""
+    lines = [line.strip() for line in message.splitlines() if line.startswith("  rank ")]
+    assert [int(line.split()[1].rstrip(":")) for line in lines] == list(range(len(lines)))
+    return [line.split(": ", 1)[1] for line in lines]
 
 
 @pytest.mark.slow

@@ -37,6 +37,7 @@ import torch.distributed as dist
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 
 from ..engine.byte_exchange import exchange_bytes
+from .call_mismatch import describe_call, explain_mismatch
 from ..engine.tensor_codec import elements_share_memory
 from ..errors import FrameError, PeerDied, ReduceStall
 from ..frame import RoundKind
@@ -64,7 +65,8 @@ def _collective(method):
 
     - Errors: collectives raise ``RuntimeError`` as c10d users expect; the engine's
       ``FrameError`` (ranks called different collectives or shapes, raised on every
-      rank at the same round, so the group stays usable) becomes one, chained.
+      rank at the same round, so the group stays usable) becomes one, chained, that
+      lists what each rank called (``call_mismatch.py``: one more round).
     - Overlap (``overlap.py``): issued during a backward pass, or while earlier ones
       are still queued, the collective is queued on the group's worker thread and the
       returned ``Work`` completes later; otherwise it runs now, in the caller's thread.
@@ -83,7 +85,12 @@ def _collective(method):
         try:
             work = method(self, *args, **kwargs)
         except FrameError as e:
-            raise RuntimeError(f"flodl_shm {name}: {e}") from e
+            try:  # every rank raised it at the same round: ask what each one called
+                why = explain_mismatch(self._exchange, name, describe_call(name, args, kwargs),
+                                       e)
+            except Exception:  # noqa: BLE001 - the collective's own error says enough
+                why = f"flodl_shm {name}: {e}"
+            raise RuntimeError(why) from e
         except ReduceStall as e:
             self._gave_up()
             raise RuntimeError(self._stall_message(name, e)) from e
