@@ -9,13 +9,15 @@ samples each process's resources as it goes:
   ``all_reduce_per_rank_f64``) at 4 KiB and 1 MiB;
 - ``local_sgd``: 2 ranks train a small model with ``LocalSGD`` + ``OuterNesterov``,
   save after every few syncs into one series, and now and then into a stem of its own
-  (a run that saves each epoch apart);
+  (a run that saves each epoch apart): the warm-up block makes as many stems as
+  ``LocalSGD`` keeps series locks for, so the descriptors have reached their bound;
 - ``spawns``: the launcher runs many short ``spawn`` jobs, one after another, and keeps
   their ``join=False`` contexts.
 
 Per process it prints the open descriptors, memory mappings, threads and resident
 memory at the first and the last sample (after a warm-up block), and the
-``/dev/shm/fshm_*`` entries left at the end. Descriptors, mappings and threads must
+``/dev/shm/fshm_*`` entries left at the end by this tool's processes (segments of
+other live processes, another job's, are not its own and are only counted). Descriptors, mappings and threads must
 not grow at all; resident memory is printed as a slope (allocators keep a little).
 Exit status 1 when a count grew or a segment was left, else 0::
 
@@ -32,6 +34,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import flodl_shm  # noqa: E402
+from flodl_shm.engine.segment import list_segments  # noqa: E402
+from flodl_shm.training.local_sgd import SERIES_LOCKS_KEPT  # noqa: E402
 
 COUNTS = ("fds", "maps", "threads")
 
@@ -48,6 +52,19 @@ def sample() -> dict:
             elif line.startswith("Threads:"):
                 out["threads"] = int(line.split()[1])
     return out
+
+
+def settled_sample(pause_s: float = 0.02, tries: int = 50) -> dict:
+    """``sample()`` once the thread count stops falling: a thread that a ``spawn``
+    joined can still be in its native exit for a moment after ``join`` returns."""
+    last = sample()
+    for _ in range(tries):
+        time.sleep(pause_s)
+        now = sample()
+        if now["threads"] >= last["threads"]:
+            return now
+        last = now
+    return last
 
 
 def collectives(ctx, blocks: int, per_block: int) -> list[dict]:
@@ -88,6 +105,7 @@ def local_sgd(ctx, blocks: int, per_block: int, folder: str) -> list[dict]:
     g = torch.Generator().manual_seed(ctx.rank)
     rows = []
     syncs = 0
+    stem_every = max(1, per_block // SERIES_LOCKS_KEPT)
     for b in range(blocks + 1):
         for _ in range(per_block):
             for _ in range(2):
@@ -99,7 +117,7 @@ def local_sgd(ctx, blocks: int, per_block: int, folder: str) -> list[dict]:
             syncs += 1
             if syncs % 5 == 0:
                 sgd.save(os.path.join(folder, "series", "ck"))
-            if syncs % 25 == 0:
+            if syncs % stem_every == 0:
                 sgd.save(os.path.join(folder, f"epoch{syncs}", "ck"))
         rows.append(sample())
     return rows
@@ -117,12 +135,30 @@ def spawns(jobs: int, start_method: str) -> list[dict]:
         ctx.join()
         kept.append(ctx)  # a sweep that keeps its contexts
         if j == 0 or j % max(1, jobs // 4) == 0:
-            rows.append(sample())
+            rows.append(settled_sample())
     return rows
 
 
-def _segments() -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if n.startswith("fshm_")]
+def _segments() -> dict[str, int]:
+    """Every ``fshm_`` segment in /dev/shm, with its owner's pid."""
+    return {s.name: s.owner_pid for s in list_segments()}
+
+
+def _ours_left(before: dict[str, int]) -> tuple[list[str], int]:
+    """Segments made during the run that this tool's processes left: owned by this
+    process or by one that is gone (its ranks, its rank servers); and how many new ones
+    belong to other live processes (another job's, not ours)."""
+    import psutil
+
+    ours, others = [], 0
+    for name, owner in _segments().items():
+        if name in before:
+            continue
+        if owner == os.getpid() or not psutil.pid_exists(owner):
+            ours.append(name)
+        else:
+            others += 1
+    return sorted(ours), others
 
 
 def verdict(name: str, rows: list[dict], unit: str, per: float) -> bool:
@@ -160,14 +196,15 @@ def main(argv=None) -> int:
         for r, rows in enumerate(flodl_shm.spawn(collectives, 2, args=(blocks, rounds))):
             ok &= verdict(f"rank {r}", rows, "1k calls", blocks * rounds / 1000)
         print(f"local_sgd: 2 ranks, {blocks} x {syncs} syncs, a save every 5, a new stem "
-              f"every 25")
+              f"every {max(1, syncs // SERIES_LOCKS_KEPT)}")
         for r, rows in enumerate(flodl_shm.spawn(local_sgd, 2, args=(blocks, syncs, folder))):
             ok &= verdict(f"rank {r}", rows, "100 syncs", blocks * syncs / 100)
         print(f"spawns: {jobs} jobs of 2 ranks in this launcher, every context kept")
         for method in ("forkserver", "spawn"):
             ok &= verdict(f"launcher ({method})", spawns(jobs, method), "job", jobs)
-        left = sorted(set(_segments()) - before)
-        print(f"/dev/shm segments left: {len(left)} {left[:4] if left else ''}; "
+        left, others = _ours_left(before)
+        print(f"/dev/shm segments left: {len(left)} {left[:4] if left else ''}"
+              f"{f' (and {others} of other live processes, not ours)' if others else ''}; "
               f"{time.time() - t0:.0f} s")
         ok &= not left
     print("flat" if ok else "GREW: see the lines marked above")
