@@ -119,14 +119,16 @@ class RankFailed(RuntimeError):
         self.signal = signal
         self.exitcode = exitcode
         #: the first line of the exception's own message ("" when killed or unknown)
-        self.error = _error_line(traceback, exc_type) if exc_type else ""
+        self.error, more = _error_lines(traceback, exc_type) if exc_type else ("", [])
         if message is None:
             if signal is not None:
                 message = (f"rank {rank} was killed by signal {signal}"
                            f" (exit code {exitcode}); no Python traceback is available")
             elif exc_type is not None:
+                # a message of several lines (one per rank, say) keeps them all
                 message = f"rank {rank} raised {exc_type}" + (f": {self.error}"
                                                               if self.error else "")
+                message += "".join("\n" + line for line in more)
             else:
                 message = f"rank {rank} exited with code {exitcode} without a result"
             if exc_type is None and signal is None:
@@ -142,15 +144,22 @@ class RankFailed(RuntimeError):
                              self.exitcode, str(self)))
 
 
-def _error_line(traceback: str, exc_type: str, limit: int = 300) -> str:
-    """The first line of the error's own message in a traceback's text (what follows
-    ``<exc_type>: `` on its last such line), cut at ``limit`` characters ("" if none)."""
-    for line in reversed(traceback.splitlines()):
-        head, sep, text = line.partition(": ")
+def _error_lines(traceback: str, exc_type: str, limit: int = 300,
+                 max_more: int = 16) -> tuple[str, list[str]]:
+    """The error's own message in a traceback's text: its first line (what follows
+    ``<exc_type>: `` on the last such line), cut at ``limit`` characters ("" if none),
+    and the lines after it (at most ``max_more``; a cut says how many were left out)."""
+    lines = traceback.rstrip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        head, sep, text = lines[i].partition(": ")
         if sep and (head == exc_type or head.endswith("." + exc_type)):
             text = text.strip()
-            return text if len(text) <= limit else text[:limit - 3] + "..."
-    return ""
+            more = [line[:limit] for line in lines[i + 1:]]
+            if len(more) > max_more:
+                more = more[:max_more] + [f"... {len(more) - max_more} more lines in the "
+                                          f"remote traceback below"]
+            return (text if len(text) <= limit else text[:limit - 3] + "..."), more
+    return "", []
 
 
 class RankStalled(ReduceStall, RankFailed):

@@ -34,3 +34,22 @@ def test_an_error_pickles_back_with_its_message_and_attributes(err):
                  "exitcode", "summary", "resume_hint", "checkpoint", "dead_ranks", "pid",
                  "host_ranks", "lock", "holder", "job"):
         assert getattr(back, name, None) == getattr(err, name, None), name
+
+
+def test_a_rank_s_message_of_several_lines_keeps_them_all():
+    """A probe read 'rank 1 raised SchemaMismatchError: round 6: ... setting):' and
+    nothing after the colon: the per-rank lines that say what differed were left to the
+    remote traceback at the end."""
+    tb = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
+          "flodl_shm.errors.SchemaMismatchError: round 6: ranks differ:\n"
+          "  rank 0: 2 tensors\n  rank 1: 1 tensor\n")
+    err = RankFailed(1, "SchemaMismatchError", tb)
+    assert err.error == "round 6: ranks differ:"
+    head = str(err).split("\n\n--- remote traceback")[0]
+    assert head == ("rank 1 raised SchemaMismatchError: round 6: ranks differ:\n"
+                    "  rank 0: 2 tensors\n  rank 1: 1 tensor"
+                    " (exc_type=SchemaMismatchError, signal=None)")
+    many = RankFailed(0, "ValueError", "ValueError: head\n" + "\n".join(
+        f"line {i}" for i in range(40)))
+    lines = str(many).split("\n\n--- remote traceback")[0].splitlines()
+    assert lines[-2] == "line 15" and lines[-1].startswith("... 24 more lines in the remote")
