@@ -108,7 +108,10 @@ def shm_need_bytes(local_ranks: int, frame_bytes: int, *, eager_bytes: int | Non
     else:
         result = frame
     schema = 64 << 10  # generous allowance for the schema words in front of a payload
-    return control_bytes(p, eager_bytes) + p * (frame + schema) + result_target(result)
+    # a bulk region grows as the result region does, by whole granules (grow_data); the
+    # "out" and "tap" segments and each rank's parameter block hold a page at rest
+    return (control_bytes(p, eager_bytes) + p * result_target(frame + schema)
+            + result_target(result) + (p + 2) * _PAGE)
 
 
 @dataclass(frozen=True)
