@@ -136,7 +136,7 @@ def test_broadcasts_carry_nan_payloads_bit_for_bit(size, general, monkeypatch):
     def body(comm):
         if general:
             comm.set_fault_hook(lambda phase, rnd: None)  # the general round
-        if direct:  # broadcasts go direct once a reduce has probed the ranks
+        if direct:  # broadcasts go direct once a reduce has settled the direct path
             comm.all_reduce_([torch.ones(DIRECT_N)])
         got = [comm.broadcast_from_root(tensors(comm.rank)[:1], root=0),
                comm.broadcast_from_root(tensors(comm.rank), root=0)]

@@ -44,7 +44,7 @@ def _session(comm) -> list:
     """Every direct-capable call, with weights, scales, kinds and awkward tensors."""
     out = []
     r = comm.rank
-    for i in range(3):  # round 0 probes; later rounds are direct when allowed
+    for i in range(3):  # the first settles the direct path, then runs direct
         ts = _inputs(r, i)
         mass = comm.all_reduce_(ts, weight=1.0 + r, scale=0.5 + r)
         out.append(("inplace", [t.clone() for t in ts], mass, comm._engine.direct.state))
@@ -99,7 +99,7 @@ def test_direct_rounds_match_the_shared_path_bit_for_bit(low_threshold, world):
     shared = _run(world, direct=False)
     direct = _run(world, direct=True)
     assert [step[3] for step in shared[0][:3]] == ["unavailable"] * 3
-    assert [step[3] for step in direct[0][:3]] == ["ready"] * 3  # probed in round 0
+    assert [step[3] for step in direct[0][:3]] == ["ready"] * 3  # settled by the first
     for rank in range(world):
         for a, b in zip(shared[rank], direct[rank]):
             assert a[0] == b[0] and a[2] == b[2], (a[0], a[2], b[2])
@@ -126,7 +126,7 @@ def test_direct_rounds_match_the_shared_path_bit_for_bit(low_threshold, world):
 
 def test_rounds_below_the_threshold_and_outer_rounds_stay_shared(low_threshold):
     """Neither a small round nor an outer round (the outer step runs in the shared
-    slice reduce) probes; the first large plain round does. The outer round still
+    slice reduce) settles the direct path; the first large plain round does. The outer round still
     steps: its result differs from the plain average."""
     def body(comm):
         comm.all_reduce_([torch.ones(1000)])  # 4 KB: eager
@@ -137,7 +137,7 @@ def test_rounds_below_the_threshold_and_outer_rounds_stay_shared(low_threshold):
         t = torch.full((N,), float(comm.rank))  # consensus 0.5, stepped from prev 2.0
         comm.all_reduce_([t], outer=True)
         state_outer = comm._engine.direct.state
-        comm.all_reduce_([torch.ones(N)])      # probes
+        comm.all_reduce_([torch.ones(N)])      # settles, then runs direct
         return state_small, state_outer, comm._engine.direct.state, float(t[0])
 
     with FakeCohort(2, direct=True, eager_bytes=EAGER) as cohort:
@@ -165,19 +165,22 @@ def test_a_failed_probe_keeps_every_rank_on_the_shared_path(low_threshold):
     assert res[0] == res[1] == [(1.5 * (i + 1), 1.5 * (i + 1), "unavailable") for i in range(3)]
 
 
+@pytest.mark.parametrize("early", [True, False], ids=["settled-early", "by-the-round"])
 @pytest.mark.parametrize("reachable", [True, False])
-def test_settling_first_leaves_the_shared_regions_unused(low_threshold, reachable):
-    """``settle_direct_rounds`` reaches the probe's verdict between two barriers, so the
-    first large round is already direct and no round grows the bulk or result
-    regions; a peer that cannot be reached makes it 'unavailable' on every rank, and
-    the rounds then take the shared path (and grow those regions)."""
+def test_settling_leaves_the_shared_regions_unused(low_threshold, reachable, early):
+    """``settle_direct_rounds`` reaches the probe's verdict between two barriers, called
+    early (as LocalSGD and the c10d backend do) or by the first large round itself (a
+    raw ``all_reduce_``, which used to run the shared path to probe), so that round is
+    already direct and no round grows the bulk or result regions; a peer that cannot
+    be reached makes it 'unavailable' on every rank, and the rounds then take the
+    shared path (and grow those regions)."""
     def body(comm):
         if not reachable and comm.rank == 1:
             comm.arena.ctl[A.rank_base(1) + A.R_PROBE] = 8  # the zero page: never mapped
-        verdict = comm.settle_direct_rounds()
-        again = comm.settle_direct_rounds()  # settled: a no-op, no barrier
+        verdict = comm.settle_direct_rounds() if early else reachable
         t = torch.full((N,), float(comm.rank + 1))
         comm.all_reduce_([t])
+        again = comm.settle_direct_rounds()  # settled: a no-op, no barrier
         comm.barrier()
         grown = [os.stat(f"/dev/shm/{comm.arena.handle.name(what)}").st_size >= 4 * N
                  for what in ("d0", "d1", "res")]

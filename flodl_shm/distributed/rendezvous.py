@@ -235,13 +235,6 @@ def _form(inc: Incarnation, rank: int, world: int, timeout: timedelta) -> HostLi
     watch = PeerWatch(pids, what, local, left)
     comm = Comm(arena, topo.local_rank, global_rank=rank, world_size=len(local),
                 timeout=timeout.total_seconds(), liveness=watch)
-    # whether large rounds may run direct, found out now: the first large collective
-    # would otherwise find out in a shared round, growing regions it never uses again
-    try:
-        comm.settle_direct_rounds()
-    except BaseException:
-        comm.close()
-        raise
     leaders = None
     if topo.multi_host and topo.is_leader:
         import torch.distributed as dist

@@ -209,6 +209,7 @@ class Comm:
         first = self.rank - self.local_rank
         self._every_local = tuple(range(first, first + self.local_world_size))
         self._reported = -1  # the last round this rank sent a report with
+        self._report_values: Sequence[float] = ()
         arena.ctl[A.rank_base(local_rank) + A.R_PID] = _getpid()
 
     # -- settings ----------------------------------------------------------------
@@ -419,6 +420,7 @@ class Comm:
                 "instead")
         self._reports.write(self.local_rank, self._round, values)
         self._reported = self._round
+        self._report_values = values  # for a settle that runs before the round
 
     def last_reports(self) -> np.ndarray:
         """The reports of the last collective (``all_reduce_(report=...)``): a
@@ -541,8 +543,7 @@ class Comm:
         # the reduce still has it in cache, only the other slices are copied after
         flat = self._codec.flat_result(plan.nelem, armed)
         out = flat.numpy()
-        cons, mass = self._run(plan, weight, write, outer=outer, into=out,
-                               probe=how == A.FLAG_DIRECT_PROBE)
+        cons, mass = self._run(plan, weight, write, outer=outer, into=out)
         self._copy_out_except_own(cons, dtype, flat)
         return self._codec.views(flat, plan), mass
 
@@ -675,8 +676,7 @@ class Comm:
         if (len(tensors) == 1 and tensors[0].dtype is F32 and tensors[0].is_cpu
                 and tensors[0].is_contiguous()):
             into = tensors[0].detach().view(-1).numpy()
-        cons, mass = self._run(plan, weight, write, outer=outer, into=into,
-                               probe=how == A.FLAG_DIRECT_PROBE)
+        cons, mass = self._run(plan, weight, write, outer=outer, into=into)
         if kind == _MODEL and mass <= 0.0:
             return mass
         if into is not None:
@@ -886,20 +886,25 @@ class Comm:
         collective: every rank of the host calls it, and every rank gets the same
         answer).
 
-        Left alone, the first large float32 round finds out: it runs the shared bulk
-        path with a probe (``engine/direct.py``), which grows every rank's bulk region
-        and the result region to the size of that round, for the arena's life. Settled
-        here first, with two barriers around the same probe, the first large round is
-        already direct and those regions stay as small as the rounds that use them:
-        with ``LocalSGD``'s parameters in shared memory, none do. A no-op once settled.
+        The first large float32 round calls it when nothing did before: the probe
+        runs between two barriers (``engine/direct.py``), so no round takes the shared
+        path just to find out, and the bulk and result regions stay as small as the
+        rounds that use them (with ``LocalSGD``'s parameters in shared memory, none do).
+        ``LocalSGD`` calls it early: it places its parameters in shared blocks only
+        where the rounds run direct. A no-op once settled.
         """
         direct, eng = self._engine.direct, self._engine
         if direct.state == UNPROBED:
+            # settled by a round that carries a report: the report goes with that round,
+            # which now comes after the barriers
+            carried = self._report_values if self._reported == self._round else None
             token = self._round
             self.barrier()  # every rank has published its pid and probe word
             direct.try_peers(token, range(eng.world))
             self.barrier()  # every rank has recorded its verdict of ``token``
             direct.settle(token, range(eng.world))
+            if carried is not None:
+                self._write_report(carried)
         return direct.state == READY
 
     def shared_tensors(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -1111,11 +1116,14 @@ class Comm:
 
     def _direct_mode(self, plan: RoundPlan, outer: bool) -> int:
         """FLAG_DIRECT when a round of ``plan`` runs as a direct round
-        (``engine/direct.py``), FLAG_DIRECT_PROBE when it is the shared round that
-        first checks the ranks may, else 0. Decided from what every rank agrees on."""
+        (``engine/direct.py``), else 0. Decided from what every rank agrees on, so the
+        first eligible round of every rank settles the direct path first, together."""
         flags = ((A.FLAG_OUTER if outer and self._outer_installed else 0)
                  | (A.FLAG_TAP if plan.kind == _MODEL and self._tap.armed is not None else 0))
-        return self._engine.direct.mode(plan, flags)
+        direct = self._engine.direct
+        if direct.state == UNPROBED and direct.eligible(plan, flags):
+            self.settle_direct_rounds()
+        return direct.mode(plan, flags)
 
     def _direct_call(self, tensors: Sequence[torch.Tensor] | None, plan: RoundPlan, weight,
                      scale: float, out: torch.Tensor | None, broadcast: int | None = None
@@ -1238,8 +1246,8 @@ class Comm:
     def _run(self, plan: RoundPlan, weight: float, write: Callable | None, *,
              elided: bool = False, zero_copy: bool = False, outer: bool = False,
              into: np.ndarray | None = None, out: np.ndarray | None = None,
-             eager_zero_copy: bool = False, broadcast: int | None = None,
-             probe: bool = False) -> tuple[np.ndarray, float]:
+             eager_zero_copy: bool = False, broadcast: int | None = None
+             ) -> tuple[np.ndarray, float]:
         """One collective round of the general path; returns (consensus in the wire
         dtype, accepted mass). ``write(dst, plan)`` fills the payload (``dst`` typed
         like the wire). The consensus array is only valid until this rank's next round,
@@ -1250,17 +1258,15 @@ class Comm:
         ``eager_zero_copy``: a zero-copy frame already in the eager slot.
         ``broadcast``: the local root of a one-host broadcast (every rank copies the
         root's payload into ``out``; no reduce; the root of an in-place broadcast passes
-        no ``out``: its tensors hold the payload). ``probe``: a bulk round that also
-        checks whether the ranks may run direct rounds (``engine/direct.py``)."""
+        no ``out``: its tensors hold the payload)."""
         return self._one_at_a_time(self._general_round, plan, weight, write, elided=elided,
                                    zero_copy=zero_copy, outer=outer, into=into, out=out,
-                                   eager_zero_copy=eager_zero_copy, broadcast=broadcast,
-                                   probe=probe)
+                                   eager_zero_copy=eager_zero_copy, broadcast=broadcast)
 
     def _general_round(self, plan: RoundPlan, weight: float, write: Callable | None, *,
                        elided: bool, zero_copy: bool, outer: bool, into: np.ndarray | None,
-                       out: np.ndarray | None, eager_zero_copy: bool, broadcast: int | None,
-                       probe: bool) -> tuple[np.ndarray, float]:
+                       out: np.ndarray | None, eager_zero_copy: bool, broadcast: int | None
+                       ) -> tuple[np.ndarray, float]:
         """``_run``'s round, inside the one-round-in-flight guard."""
         weight = self._begin(weight)
         eng = self._engine
@@ -1271,7 +1277,7 @@ class Comm:
         # cluster the flag travels to the controller, which refuses it if it has none
         outer = outer and self._outer_installed
         # the outer step runs in the slice reduce: outer rounds take the bulk path
-        bulk = ((zero_copy and not eager_zero_copy) or eng.relay_mode or outer or probe
+        bulk = ((zero_copy and not eager_zero_copy) or eng.relay_mode or outer
                 or not plan.eager_fits)
         region = eng.prepare(rnd, plan, bulk, payload=not (elided and broadcast is not None))
         hook = eng.fault_hook
@@ -1284,8 +1290,7 @@ class Comm:
             write(raw.view(np.float32 if dtype == DTYPE_F32 else np.uint16), plan)
         flags = ((A.FLAG_BULK if bulk else 0) | (A.FLAG_ELIDED if elided else 0)
                  | (A.FLAG_ZERO_COPY if zero_copy else 0) | (A.FLAG_OUTER if outer else 0)
-                 | (A.FLAG_TAP if tap else 0) | (0 if broadcast is None else A.FLAG_BROADCAST)
-                 | (A.FLAG_DIRECT_PROBE if probe else 0))
+                 | (A.FLAG_TAP if tap else 0) | (0 if broadcast is None else A.FLAG_BROADCAST))
         self._round = rnd + 1
         eng.own_slice = None
         try:
@@ -1321,13 +1326,9 @@ class Comm:
                 if hook is not None:
                     hook("arrived", rnd)
                 view = eng.await_arrivals(rnd, nbytes=plan.nbytes)
-                if probe:
-                    eng.direct.try_peers(rnd, view.accepted)
                 eng.reduce_slice(view, self.local_rank,
                                  into if view.mass > 0.0 or kind != _MODEL else None)
                 eng.await_slices(view)
-                if probe:
-                    eng.direct.settle(rnd, view.accepted)
                 mass = eng.await_consensus(view) if eng.relay_mode else view.mass
                 cons = eng.consensus_array(view)
                 if eng.outer_applies(view):

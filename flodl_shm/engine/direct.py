@@ -21,31 +21,30 @@ Direct rounds need two things the shared path does not:
   cohort (``Arena.create(direct=True)``: ``spawn`` with ``max_failures=0``, the c10d
   backend); ``FLODL_SHM_DIRECT=0`` in the owner's environment turns it off.
 - **Permission to attach.** The calls need ptrace-attach rights between the ranks.
-  Whether they have them is found out once, in the first eligible round, which runs
-  the shared path with a probe (below); every rank reaches the same verdict. That
-  round grows the bulk and result regions to its size for the arena's life, so a
-  caller that knows large rounds are coming settles it first with
-  ``Comm.settle_direct_rounds`` (the same probe between two barriers; ``LocalSGD``
-  does).
+  Whether they have them is found out once, by a probe between two barriers
+  (``Comm.settle_direct_rounds``, below): the first eligible round runs it before
+  it starts, unless a caller ran it earlier (``LocalSGD``, which places its
+  parameters in shared blocks only where rounds run direct). Every rank reaches the
+  same verdict, and no round runs the shared path just to find out (it would grow
+  the bulk and result regions to its size for the arena's life).
 
 A round is eligible when every rank agrees on it from the round's schema alone: a
 float32 wire, too large for the eager slots and at least ``DIRECT_MIN_BYTES`` of payload, no outer-optimizer step, no
-checkpoint tap, one host (no relay). ``FLAG_DIRECT`` and ``FLAG_DIRECT_PROBE`` are in
-the agreed flags, so ranks that disagreed would get a ``SchemaMismatchError``, never a
-torn result.
+checkpoint tap, one host (no relay). ``FLAG_DIRECT`` is in the agreed flags, so ranks
+that disagreed would get a ``SchemaMismatchError``, never a torn result.
 
 The states of one rank
 ======================
 
 ::
 
-    UNPROBED   no eligible round yet.
-       |       the first eligible round runs the shared bulk path flagged
-       |       FLAG_DIRECT_PROBE: after the arrival wait each rank reads and writes back
-       |       every peer's private probe word (``R_PROBE``) and records the round in
-       |       R_DIRECT (or -(round + 1) on failure) BEFORE it publishes its done word.
-       |       After the slice wait (every done word >= round) each rank reads every
-       |       accepted rank's R_DIRECT: all equal to the round -> READY, else
+    UNPROBED   not settled yet.
+       |       ``Comm.settle_direct_rounds`` (the first eligible round calls it, every
+       |       rank agreeing that the round is eligible): after a barrier (every rank
+       |       has published its pid and probe word) each rank reads and writes back
+       |       every peer's private probe word (``R_PROBE``) and records the token round
+       |       in R_DIRECT (or -(round + 1) on failure). After a second barrier each
+       |       rank reads every rank's R_DIRECT: all equal to the token -> READY, else
        |       UNAVAILABLE. Same words, read after the same wait: the same verdict.
        v
     READY      eligible rounds are direct rounds; UNAVAILABLE: they stay shared.
@@ -176,21 +175,24 @@ class DirectRounds:
             arena.ctl[A.rank_base(engine.rank) + A.R_PROBE] = self._probe_word.ctypes.data
 
     # -- eligibility ---------------------------------------------------------------
-    def mode(self, plan, flags: int) -> int:
-        """The direct flag a round of ``plan`` with these agreed ``flags`` (FLAG_OUTER,
-        FLAG_TAP) carries: FLAG_DIRECT, FLAG_DIRECT_PROBE, or 0."""
-        if (self.state == UNAVAILABLE or plan.dtype != DTYPE_F32 or plan.eager_fits
-                or plan.nbytes < DIRECT_MIN_BYTES or flags & (A.FLAG_OUTER | A.FLAG_TAP)
-                or plan.off + 16 * plan.ntensors > self.eng.arena.eager_bytes):
-            return 0
-        return A.FLAG_DIRECT if self.state == READY else A.FLAG_DIRECT_PROBE
+    def eligible(self, plan, flags: int) -> bool:
+        """Whether a round of ``plan`` with these agreed ``flags`` (FLAG_OUTER, FLAG_TAP)
+        may run direct, once settled (every rank answers the same: the schema alone)."""
+        return not (self.state == UNAVAILABLE or plan.dtype != DTYPE_F32 or plan.eager_fits
+                    or plan.nbytes < DIRECT_MIN_BYTES or flags & (A.FLAG_OUTER | A.FLAG_TAP)
+                    or plan.off + 16 * plan.ntensors > self.eng.arena.eager_bytes)
 
-    # -- UNPROBED: the probe inside a shared bulk round ------------------------------
+    def mode(self, plan, flags: int) -> int:
+        """The direct flag a round of ``plan`` with these agreed ``flags`` carries:
+        FLAG_DIRECT when settled READY and eligible, else 0."""
+        return A.FLAG_DIRECT if self.state == READY and self.eligible(plan, flags) else 0
+
+    # -- UNPROBED: the probe between Comm.settle_direct_rounds's barriers ---------------
     def try_peers(self, rnd: int, ranks) -> None:
-        """The probe of round ``rnd`` (after its arrival wait, before this rank's done
-        word, or between ``Comm.settle_direct_rounds``'s barriers): read and write back
-        the probe word of every rank of ``ranks`` but this one; record ``rnd`` in this
-        rank's R_DIRECT when all could be reached, else -(rnd + 1)."""
+        """The probe, with token ``rnd`` (between ``Comm.settle_direct_rounds``'s
+        barriers): read and write back the probe word of every rank of ``ranks`` but
+        this one; record ``rnd`` in this rank's R_DIRECT when all could be reached, else
+        -(rnd + 1)."""
         ctl, me = self.eng.ctl, self.eng.rank
         ok = True
         word = np.zeros(1, np.int64)
@@ -205,9 +207,8 @@ class DirectRounds:
         ctl[A.rank_base(me) + A.R_DIRECT] = rnd if ok else -(rnd + 1)
 
     def settle(self, rnd: int, ranks) -> None:
-        """Once every rank of ``ranks`` recorded its verdict of ``rnd`` (``try_peers``; in
-        a probe round, after its slice wait): READY when each reached every other, else
-        UNAVAILABLE. Every rank reads the same words, so every rank reaches the same
+        """Once every rank of ``ranks`` recorded its verdict of ``rnd`` (``try_peers``,
+        then a barrier): READY when each reached every other, else UNAVAILABLE. Every rank reads the same words, so every rank reaches the same
         verdict."""
         ctl = self.eng.ctl
         ok = all(int(ctl[A.rank_base(r) + A.R_DIRECT]) == rnd for r in ranks)

@@ -54,9 +54,8 @@ Why a round cannot be confused with the next (buffer reuse):
   naming it, ranks naming different roots raise SchemaMismatchError.
 - *A direct round (FLAG_DIRECT) publishes no payload.* Its slice reducers read the
   contributors' private tensors and write every rank's destination; its states and
-  buffer-reuse argument are in ``direct.py``. The first eligible round is a bulk
-  round flagged FLAG_DIRECT_PROBE, which checks that ranks may do that (unless
-  ``Comm.settle_direct_rounds`` checked it before).
+  buffer-reuse argument are in ``direct.py``. Before the first eligible round, a
+  probe between two barriers (``Comm.settle_direct_rounds``) checks that ranks may.
 - Words are monotone (arrived/done only grow), so ``>= N`` is the test and a fast
   rank one round ahead never looks like a slow one.
 

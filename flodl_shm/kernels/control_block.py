@@ -114,11 +114,10 @@ FLAG_BROADCAST = 32   # a broadcast: the root publishes, the others copy its pay
                       # (one host; on a cluster a broadcast is an elided reduce)
 FLAG_DIRECT = 64      # a direct round: no payload in shared memory; the slice reducers read
                       # the contributors' private tensors and write every rank's result
-FLAG_DIRECT_PROBE = 128  # a bulk round that also checks cross-memory attach between ranks
 # every rank of a round must agree on these (a zero-copy round meets only zero-copy
 # rounds: its small frames share the eager path with the copy API's)
-FLAGS_AGREED = (FLAG_BULK | FLAG_ZERO_COPY | FLAG_OUTER | FLAG_TAP | FLAG_BROADCAST | FLAG_DIRECT
-                | FLAG_DIRECT_PROBE)
+FLAGS_AGREED = (FLAG_BULK | FLAG_ZERO_COPY | FLAG_OUTER | FLAG_TAP | FLAG_BROADCAST
+                | FLAG_DIRECT)
 
 __all__ = [
     "MAGIC",
@@ -191,6 +190,5 @@ __all__ = [
     "FLAG_TAP",
     "FLAG_BROADCAST",
     "FLAG_DIRECT",
-    "FLAG_DIRECT_PROBE",
     "FLAGS_AGREED",
 ]

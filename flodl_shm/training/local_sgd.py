@@ -385,8 +385,8 @@ class LocalSGD:
         if self.el_che is not None:  # (after the agreement: every rank raises alike)
             check_anchor(sync_every, self.el_che)
         if self.world_size >= 2:
-            # so the first large round (the broadcast below) is already a direct round:
-            # a probe inside it would grow shared regions to a model frame, idle after
+            # the verdict first: the parameters go to shared blocks only where the
+            # rounds run direct (elsewhere every round would copy through them)
             self.comm.settle_direct_rounds()
         #: whether the params round's tensors live in the shared parameter block
         self.shared_params = self._place_shared(shared_params, buffers)
