@@ -520,8 +520,11 @@ def test_comm_none_without_a_process_group_names_what_to_pass():
 
     if dist.is_initialized():
         pytest.skip("a default process group is initialized in this process")
-    with pytest.raises(RuntimeError, match="comm=ctx.comm"):
+    with pytest.raises(RuntimeError, match=r"^LocalSGD\(comm=None\) .*comm=ctx.comm"):
         LocalSGD(make_model(0), sync_every=2)
+    # the class the user made names itself (a probe read 'LocalSGD(comm=None)' from DiLoCo)
+    with pytest.raises(RuntimeError, match=r"^DiLoCo\(comm=None\) uses the default"):
+        flodl_shm.DiLoCo(make_model(0), sync_every=2)
 
 
 def test_a_state_of_another_cadence_resumes_by_this_local_sgd_s_settings(caplog):

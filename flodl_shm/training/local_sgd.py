@@ -148,10 +148,11 @@ class SyncInfo(NamedTuple):
         return None if self.report_rows is None else np.array(self.report_rows, np.float64)
 
 
-def _resolve_comm(comm):
+def _resolve_comm(comm, name: str = "LocalSGD"):
     """The engine ``Comm`` LocalSGD runs on: ``comm`` itself (``ctx.comm`` under
     ``flodl_shm.spawn``), the one of a torch.distributed process group whose CPU backend
-    is "flodl_shm" (``None``: the default group), or a TypeError naming what was given."""
+    is "flodl_shm" (``None``: the default group), or a TypeError naming what was given.
+    ``name``: the class the user made (``DiLoCo`` too), as errors name it."""
     if isinstance(comm, Comm):
         return comm
     import torch.distributed as dist
@@ -159,14 +160,14 @@ def _resolve_comm(comm):
     if comm is None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
-                "LocalSGD(comm=None) uses the default torch.distributed process group, but "
+                f"{name}(comm=None) uses the default torch.distributed process group, but "
                 "none is initialized: call torch.distributed.init_process_group('flodl_shm', "
                 "...) first (torchrun), or pass comm=ctx.comm in a function run by "
                 "flodl_shm.spawn")
         return _group_comm(dist.distributed_c10d._get_default_group(), "the default process "
-                           "group", "comm=None")
+                           "group", "comm=None", name)
     if dist.is_available() and isinstance(comm, dist.ProcessGroup):
-        return _group_comm(comm, "the process group", "comm=<a process group>")
+        return _group_comm(comm, "the process group", "comm=<a process group>", name)
     hint = (" (pass ctx.comm, the context's Comm, not the context)"
             if hasattr(comm, "comm") and hasattr(comm, "local_rank") else "")
     raise TypeError(f"comm must be None (the default process group), a torch.distributed "
@@ -174,7 +175,7 @@ def _resolve_comm(comm):
                     f"flodl_shm.spawn; got {type(comm).__name__}{hint}")
 
 
-def _group_comm(group, what: str, given: str):
+def _group_comm(group, what: str, given: str, name: str):
     """The engine ``Comm`` of a single-host process group whose CPU backend is
     "flodl_shm" (``init_process_group("flodl_shm")``; a ``"cpu:flodl_shm,..."`` string
     gives the same group: torch builds a Python backend's group alone)."""
@@ -183,7 +184,7 @@ def _group_comm(group, what: str, given: str):
     backend = dist.get_backend(group)
     if backend != "flodl_shm" and "cpu:flodl_shm" not in backend.split(","):
         raise ValueError(
-            f"LocalSGD({given}) needs {what} to use the 'flodl_shm' backend for CPU tensors, "
+            f"{name}({given}) needs {what} to use the 'flodl_shm' backend for CPU tensors, "
             f"got {backend!r}: init_process_group('flodl_shm'), or pass comm=ctx.comm "
             f"under flodl_shm.spawn")
     engine = group
@@ -199,7 +200,7 @@ def _group_comm(group, what: str, given: str):
     hosts = len(engine.topology.hosts)
     if hosts != 1:
         raise ValueError(
-            f"LocalSGD({given}) averages through the host's shared memory, but {what} "
+            f"{name}({given}) averages through the host's shared memory, but {what} "
             f"spans {hosts} hosts; for several hosts run the ranks with "
             f"flodl_shm.spawn(..., controller='host:port') and pass comm=ctx.comm")
     return engine.comm
@@ -323,7 +324,7 @@ class LocalSGD:
         if not (cadence in ("fixed", "elche") or isinstance(cadence, ElChe) or callable(cadence)):
             raise ValueError(f"cadence must be 'fixed', 'elche', an ElChe or a world_size -> "
                              f"ElChe factory, got {cadence!r}")
-        self.comm = _resolve_comm(comm)
+        self.comm = _resolve_comm(comm, type(self).__name__)
         self.model = model
         self.sync_every = sync_every
         self.gamma = float(gamma)
@@ -1216,9 +1217,9 @@ class LocalSGD:
         return meta
 
     def __repr__(self) -> str:
-        return (f"LocalSGD(rank={self.rank}/{self.world_size}, sync_every={self.sync_every}, "
-                f"cadence={self.cadence!r}, outer={self.outer!r}, bf16_wire={self.bf16_wire}, "
-                f"sync_round={self.sync_round})")
+        return (f"{type(self).__name__}(rank={self.rank}/{self.world_size}, "
+                f"sync_every={self.sync_every}, cadence={self.cadence!r}, outer={self.outer!r}, "
+                f"bf16_wire={self.bf16_wire}, sync_round={self.sync_round})")
 
 
 class DiLoCo(LocalSGD):
