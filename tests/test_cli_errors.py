@@ -204,6 +204,22 @@ def test_controller_with_a_port_out_of_range_is_one_line(tmp_path, secret):
                         "outside 0-65535 (0: any free port when binding)\n")
 
 
+def test_controller_on_a_port_in_use_says_how_to_go_on(tmp_path, secret):
+    """A probe read '[Errno 98] Address already in use' and nothing it could do."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        addr = "127.0.0.1:%d" % held.getsockname()[1]
+        r = _flodl(["controller", "--bind", addr, "--world-size", "2",
+                    "--secret-file", str(secret)], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("controller: cannot start: ")
+    assert (f"another process holds {addr} (a controller already running?): stop it, or pick "
+            f"another port with --bind HOST:PORT") in r.stderr
+
+
 @pytest.mark.parametrize("extra, said", [
     (["--world-size", "0"], "--world-size must be >= 1"),
     (["--world-size", "2", "--round-timeout", "0"], "--round-timeout must be > 0 seconds, got 0"),

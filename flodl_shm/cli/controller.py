@@ -7,6 +7,7 @@ event a person needs (listening, finished, or why it could not start).
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import signal
 import sys
@@ -144,7 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ctl = _start(args)
     except (ValueError, OSError) as e:  # bad secret file, address in use, bad momentum file
-        print(f"controller: cannot start: {e}", file=sys.stderr)
+        fix = ""
+        if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
+            fix = (f"; another process holds {args.bind} (a controller already running?): "
+                   f"stop it, or pick another port with --bind HOST:PORT and give the hosts "
+                   f"that address")
+        print(f"controller: cannot start: {e}{fix}", file=sys.stderr)
         return 2
     resumes = ("" if ctl.outer_round is None
                else f"; outer momentum of sync round {ctl.outer_round}")
