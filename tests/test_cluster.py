@@ -6,6 +6,7 @@ handshake refusals, tampering, host loss and stalls.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -348,11 +349,17 @@ def test_local_validation_happens_before_any_traffic():
         ClusterController.start("127.0.0.1:0", 0, SALT)
 
 
-def test_connect_failure_names_the_address(monkeypatch):
+def test_connect_failure_names_the_address(monkeypatch, caplog):
+    """And says so at the first refusal: a probe's host, given a wrong port, printed
+    nothing for minutes while its relay retried."""
     monkeypatch.setenv("FLODL_NET_TIMEOUT_SCALE", "0.1")
-    with pytest.raises(ConnectionError, match=r"connect to 127\.0\.0\.1:1 failed"):
+    with caplog.at_level(logging.WARNING, logger="flodl_shm"), \
+            pytest.raises(ConnectionError, match=r"connect to 127\.0\.0\.1:1 failed"):
         spawn(quick_average, 1, controller="127.0.0.1:1", world_size=2, first_rank=0, salt=SALT,
               timeout=60)
+    said = [r.getMessage() for r in caplog.records if "not reachable yet" in r.getMessage()]
+    assert len(said) == 1 and "the controller at 127.0.0.1:1 is not reachable yet" in said[0]
+    assert "trying again for up to" in said[0], said
 
 
 def test_controller_survives_silence_garbage_and_a_tampered_frame(monkeypatch):

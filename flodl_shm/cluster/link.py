@@ -523,9 +523,12 @@ def parse_addr(addr) -> tuple[str, int]:
     return host, port
 
 
-def connect(addr, *, attempts: int = 60, delay: float = 0.5) -> socket.socket:
+def connect(addr, *, attempts: int = 60, delay: float = 0.5,
+            on_wait: Callable[[OSError, float], None] | None = None) -> socket.socket:
     """Connect with retries (the controller may start after the relay); TCP_NODELAY.
 
+    ``on_wait(error, seconds)``: called once, at the first failed attempt, with the
+    error and how long the retries may go on (say so: a wrong port looks like a hang).
     The retry delay scales with ``FLODL_NET_TIMEOUT_SCALE`` like every deadline."""
     host, port = parse_addr(addr)
     delay *= _timeouts()
@@ -537,6 +540,8 @@ def connect(addr, *, attempts: int = 60, delay: float = 0.5) -> socket.socket:
             return sock
         except OSError as e:
             last = e
+            if i == 0 and attempts > 1 and on_wait is not None:
+                on_wait(e, (attempts - 1) * delay)
             if i + 1 < attempts:
                 time.sleep(delay)
     raise ConnectionError(f"connect to {host}:{port} failed after {attempts} attempts "

@@ -136,6 +136,12 @@ class Relay:
         elif isinstance(outer, dict) and outer.get("kind") == "none":
             self.arena.ctl[A.G_CONTROLLER_OUTER_KIND] = 1
 
+    def _waiting(self, error: OSError, seconds: float) -> None:
+        logger.warning("relay %s: the controller at %s:%s is not reachable yet (%s); trying "
+                       "again for up to %.0f s. Start the controller, or check the controller "
+                       "address this host was given", self.host, self.addr[0], self.addr[1],
+                       error.strerror or error, seconds)
+
     def _main(self) -> None:
         peer = f"{self.addr[0]}:{self.addr[1]}"
         try:
@@ -143,7 +149,7 @@ class Relay:
             # learn "connection refused" rather than time out on a silent relay
             budget_s = 30.0 if self.timeout is None else max(1.0, 0.5 * float(self.timeout))
             sock = connect(self.addr, attempts=max(1, int(budget_s / CONNECT_RETRY_S)),
-                           delay=CONNECT_RETRY_S)
+                           delay=CONNECT_RETRY_S, on_wait=self._waiting)
             ranks = list(range(self.first_rank, self.first_rank + self.nprocs))
             self._link = client_handshake(sock, self.salt, {
                 "host": self.host, "ranks": ranks, "world_size": self.world_size,
