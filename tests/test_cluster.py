@@ -362,6 +362,19 @@ def test_connect_failure_names_the_address(monkeypatch, caplog):
     assert "trying again for up to" in said[0], said
 
 
+def test_a_stop_ends_the_connect_retries_at_once():
+    """A probe's SIGTERM took 11 s to end a host whose relay was retrying a wrong port:
+    the retries slept through the stop (and the launcher's two 5 s joins waited)."""
+    from flodl_shm.cluster.link import connect
+
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionAbortedError, match="stopped while connecting to 127.0.0.1:1"):
+        connect("127.0.0.1:1", attempts=200, delay=0.5, stop=stop)
+    assert time.monotonic() - t0 < 3.0
+
+
 def test_controller_survives_silence_garbage_and_a_tampered_frame(monkeypatch):
     """A silent connection, garbage bytes and a host whose frame fails its tag are all
     dropped; the real host's round completes over realized work (the tampered host's

@@ -46,6 +46,7 @@ import math
 import os
 import socket
 import struct
+import threading
 import time
 from typing import Callable
 
@@ -524,11 +525,13 @@ def parse_addr(addr) -> tuple[str, int]:
 
 
 def connect(addr, *, attempts: int = 60, delay: float = 0.5,
-            on_wait: Callable[[OSError, float], None] | None = None) -> socket.socket:
+            on_wait: Callable[[OSError, float], None] | None = None,
+            stop: threading.Event | None = None) -> socket.socket:
     """Connect with retries (the controller may start after the relay); TCP_NODELAY.
 
     ``on_wait(error, seconds)``: called once, at the first failed attempt, with the
     error and how long the retries may go on (say so: a wrong port looks like a hang).
+    ``stop``: set, it ends the retries at once (``ConnectionAbortedError``).
     The retry delay scales with ``FLODL_NET_TIMEOUT_SCALE`` like every deadline."""
     host, port = parse_addr(addr)
     delay *= _timeouts()
@@ -543,6 +546,9 @@ def connect(addr, *, attempts: int = 60, delay: float = 0.5,
             if i == 0 and attempts > 1 and on_wait is not None:
                 on_wait(e, (attempts - 1) * delay)
             if i + 1 < attempts:
-                time.sleep(delay)
+                if stop is None:
+                    time.sleep(delay)
+                elif stop.wait(delay):
+                    raise ConnectionAbortedError(f"stopped while connecting to {host}:{port}")
     raise ConnectionError(f"connect to {host}:{port} failed after {attempts} attempts "
                           f"(~{attempts * delay:g}s): {last}")

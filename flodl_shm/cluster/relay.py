@@ -149,7 +149,7 @@ class Relay:
             # learn "connection refused" rather than time out on a silent relay
             budget_s = 30.0 if self.timeout is None else max(1.0, 0.5 * float(self.timeout))
             sock = connect(self.addr, attempts=max(1, int(budget_s / CONNECT_RETRY_S)),
-                           delay=CONNECT_RETRY_S, on_wait=self._waiting)
+                           delay=CONNECT_RETRY_S, on_wait=self._waiting, stop=self._stop)
             ranks = list(range(self.first_rank, self.first_rank + self.nprocs))
             self._link = client_handshake(sock, self.salt, {
                 "host": self.host, "ranks": ranks, "world_size": self.world_size,
