@@ -17,8 +17,9 @@ samples each process's resources as it goes:
 Per process it prints the open descriptors, memory mappings, threads and resident
 memory at the first and the last sample (after a warm-up block), and the
 ``/dev/shm/fshm_*`` entries left at the end by this tool's processes (segments of
-other live processes, another job's, are not its own and are only counted). Descriptors, mappings and threads must
-not grow at all; resident memory is printed as a slope (allocators keep a little).
+other live processes, another job's, are not its own and are only counted).
+Descriptors, mappings and threads must not grow at all; resident memory is printed
+as a slope (allocators keep a little).
 Exit status 1 when a count grew or a segment was left, else 0::
 
     python tools/soak.py                 # about a minute on 2 cores

@@ -208,8 +208,8 @@ class DirectRounds:
 
     def settle(self, rnd: int, ranks) -> None:
         """Once every rank of ``ranks`` recorded its verdict of ``rnd`` (``try_peers``,
-        then a barrier): READY when each reached every other, else UNAVAILABLE. Every rank reads the same words, so every rank reaches the same
-        verdict."""
+        then a barrier): READY when each reached every other, else UNAVAILABLE. Every
+        rank reads the same words, so every rank reaches the same verdict."""
         ctl = self.eng.ctl
         ok = all(int(ctl[A.rank_base(r) + A.R_DIRECT]) == rnd for r in ranks)
         self.state = READY if ok else UNAVAILABLE
