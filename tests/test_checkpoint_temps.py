@@ -139,6 +139,24 @@ def test_an_unlocked_empty_temp_is_stale_only_once_old(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["m.fdl.gz.123.abc.tmp"]
 
 
+def test_pruning_removes_the_stale_temp_of_a_rank_state_never_committed(tmp_path):
+    """A probe SIGKILLed a run while a rank wrote its .optim: its empty temp stayed for
+    good, since pruning swept only the temps of files that exist, and that file never
+    did. The round is older than the newest complete bundle, so pruning removes it."""
+    from flodl_shm.checkpoint.series import prune_series
+
+    stem = tmp_path / "ckpt"
+    for name in ("ckpt-r00000005.fdl", "ckpt-r00000005.meta.json"):  # the newest bundle
+        (tmp_path / name).write_bytes(b"x")
+    orphan = tmp_path / "ckpt-r00000003.rank1.optim.999999.0badf00d.tmp"
+    orphan.touch()
+    assert prune_series(stem, 2) == [3] and orphan.exists()  # young: maybe a live writer
+    past = time.time() - STALE_TEMP_AGE_S - 5
+    os.utime(orphan, (past, past))
+    assert prune_series(stem, 2) == [3] and not orphan.exists()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-r00000005.fdl", "ckpt-r00000005.meta.json"]
+
+
 # --- the Trainer: pruning waits for the new bundle ----------------------------------------
 
 FEATURES, OUTPUTS = 1024, 2048  # ~8 MiB of parameters: a checkpoint write takes a while

@@ -185,15 +185,18 @@ def _series_in(folder: Path) -> list[str]:
     return [os.fspath(folder / s) for s in stems if latest_checkpoint(folder / s) is not None]
 
 
-def _rank_files(model: Path) -> list[Path]:
-    """The bundle's ``<stem>.rank<N>.optim`` files (each rank's own state)."""
+def _rank_files(model: Path, *, temps: bool = False) -> list[Path]:
+    """The bundle's ``<stem>.rank<N>.optim`` files (each rank's own state); ``temps``:
+    also the files whose writer's temp alone is on disk (a rank killed mid-save)."""
     stem = set_extension(model, "").name  # CheckpointBundle.rank_state_path's rule
-    pattern = re.compile(re.escape(stem) + r"\.rank\d+\.optim$")
+    tail = r"(?:\.\d+\.[0-9a-f]+%s)?" % re.escape(TMP_SUFFIX) if temps else ""
+    pattern = re.compile("(" + re.escape(stem) + r"\.rank\d+\.optim)" + tail + "$")
     try:
         names = os.listdir(model.parent)
     except FileNotFoundError:
         return []
-    return [model.parent / n for n in sorted(names) if pattern.match(n)]
+    finals = {m.group(1) for m in map(pattern.match, names) if m}
+    return [model.parent / n for n in sorted(finals)]
 
 
 def remove_other_rank_states(model_path: "str | os.PathLike[str]", ranks) -> list[Path]:
@@ -221,8 +224,8 @@ def remove_other_rank_states(model_path: "str | os.PathLike[str]", ranks) -> lis
 
 def _remove(model: Path) -> None:
     """Delete the bundle's files (its ranks' states included) and its writers' stale
-    temps (a live writer's temp stays)."""
-    for f in bundle_files(model) + _rank_files(model):
+    temps (a live writer's temp stays), those of a rank state never committed too."""
+    for f in bundle_files(model) + _rank_files(model, temps=True):
         try:
             f.unlink()
         except FileNotFoundError:
