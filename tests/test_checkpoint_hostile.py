@@ -213,3 +213,22 @@ def test_fdl_show_escapes_control_characters_in_names(tmp_path, capsys):
     import json
 
     assert json.loads(out)["tensors"][0]["name"] == nasty
+
+
+class _NotATensor:
+    pass
+
+
+def test_a_torch_file_that_cannot_be_converted_is_one_line(tmp_path, capsys):
+    """A probe's garbage .pt printed torch's page of advice (six lines: how to turn
+    weights_only off, where to file an issue) after 'cannot load torch file'."""
+    garbage = tmp_path / "g.pt"
+    garbage.write_text("garbage\n")
+    objects = tmp_path / "obj.pt"
+    torch.save({"a": _NotATensor()}, objects)
+    for src, says in ((garbage, "not a file torch.save wrote (it writes a zip archive)"),
+                      (objects, "it holds objects other than tensors (Unsupported global: "
+                                "GLOBAL test_checkpoint_hostile._NotATensor")):
+        assert cli.main(["convert", str(src), str(tmp_path / "o.fdl")]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"cannot load torch file {src}: {says}" in err, err

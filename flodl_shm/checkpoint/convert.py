@@ -376,6 +376,26 @@ def safetensors_to_fdl(src: "str | os.PathLike[str]", dst: "str | os.PathLike[st
 # --- torch files ----------------------------------------------------------------------
 
 
+def _torch_load_error(path, e: Exception) -> str:
+    """One line for why ``torch.load(weights_only=True)`` failed: torch's own text is a
+    page (how to turn the safety off, where to file an issue)."""
+    import zipfile
+
+    if isinstance(e, OSError):
+        return str(e)
+    if not zipfile.is_zipfile(os.fspath(path)):
+        return "not a file torch.save wrote (it writes a zip archive)"
+    text = str(e)
+    for line in text.splitlines():
+        _, found, why = line.partition("WeightsUnpickler error:")
+        if found and why.strip():
+            why = why.strip().split(" Please use ")[0]
+            return (f"it holds objects other than tensors ({why}); save model.state_dict() "
+                    f"to convert it")
+    first = text.splitlines()[0] if text else type(e).__name__
+    return first[:300]
+
+
 def load_torch_state_dict(path: "str | os.PathLike[str]") -> dict:
     """``torch.load(path, weights_only=True)`` of a flat ``{name: tensor}`` mapping (a
     ``{"state_dict": {...}}`` wrapper is unwrapped)."""
@@ -383,7 +403,8 @@ def load_torch_state_dict(path: "str | os.PathLike[str]") -> dict:
     try:
         obj = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"cannot load torch file {path}: {e}") from e
+        raise CheckpointError(f"cannot load torch file {path}: {_torch_load_error(path, e)}"
+                              ) from e
     if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
         obj = obj["state_dict"]
     if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
