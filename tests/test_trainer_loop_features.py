@@ -325,6 +325,10 @@ def test_set_up_misuse_is_named_in_the_trainer_s_terms():
     empty = (torch.zeros(0, 10), torch.zeros(0, dtype=torch.long))
     with pytest.raises(ValueError, match="^the dataset is empty: pass one with samples$"):
         trainer(dataset=empty).run(nprocs=2)
+    # (a probe's epochs=0 started two ranks for 4 s and returned the untrained model)
+    with pytest.raises(ValueError, match=r"^epochs=0: a fresh run would start its ranks and "
+                                         r"train nothing; build the Trainer with epochs >= 1$"):
+        trainer(epochs=0).run(nprocs=2)
     with pytest.raises(StartRefused, match=r"the ranks' models differ: on rank \d, tensor 0 is "
                                            r"parameter '0.weight'.*: make model_fn build the "
                                            r"same model on every rank"):

@@ -325,8 +325,9 @@ class Trainer:
             FileExistsError: ``save_path`` already holds checkpoints (resume them, or
                 pass ``overwrite=True`` to delete them first).
             ValueError, TypeError: before any rank starts, what the launcher can check
-                (``nprocs``; a dataset that is not a factory, against ``batch_size``;
-                the ElChe a cadence factory builds), naming the value and the fix.
+                (``nprocs``; ``epochs=0``; a dataset that is not a factory, against
+                ``batch_size``; the ElChe a cadence factory builds), naming the value and
+                the fix.
             StartRefused: a rank's setup failed (a dataset factory's data, ``model_fn``
                 ...): the run stops at once, saving nothing; the rank's error is the
                 message, its ``RankFailed`` (with the traceback) the cause.
@@ -338,6 +339,9 @@ class Trainer:
         from ..checkpoint.series import committed_checkpoints, delete_series
 
         check_int("nprocs", nprocs, 1)
+        if self.epochs == 0:  # (resume() takes it: a finished run has nothing left)
+            raise ValueError("epochs=0: a fresh run would start its ranks and train nothing; "
+                             "build the Trainer with epochs >= 1")
         cluster = _Cluster.of(controller, world_size, first_rank, salt, int(nprocs))
         with self._run_lock(controller, salt, first_rank):
             if self.save_path is not None and committed_checkpoints(self.save_path) \
