@@ -21,10 +21,11 @@ untouched. A process killed mid-write leaves its temp file behind, unlocked
 (the kernel drops a dead process's locks). Readers never open temp files, and
 every commit first removes the **stale** temps of its path
 (:func:`remove_stale_temps`): those nobody holds the lock of that are either
-non-empty (a live writer locks before its first byte) or older than
+non-empty (a live writer locks before its first byte), older than
 ``STALE_TEMP_AGE_S`` (covering the instant between a writer's create and its
-lock), and any unlocked ``<name>.tmp`` (the fixed temp name of earlier
-releases). A live writer's temp is never removed.
+lock) or written by a pid that no longer runs on this host, and any unlocked
+``<name>.tmp`` (the fixed temp name of earlier releases). A live writer's temp
+is never removed.
 """
 from __future__ import annotations
 
@@ -117,14 +118,36 @@ def _is_stale(path: Path, fd: int, legacy: bool) -> bool:
         return False
     if legacy:
         return True  # the fixed name of earlier releases: no writer of this one uses it
-    return st.st_size > 0 or time.time() - st.st_mtime > STALE_TEMP_AGE_S
+    return (st.st_size > 0 or time.time() - st.st_mtime > STALE_TEMP_AGE_S
+            or not _writer_alive(path.name))
+
+
+def _writer_alive(temp_name: str) -> bool:
+    """Whether the process whose pid a temp's name carries (``<name>.<pid>.<hex>.tmp``)
+    still runs on this host: an empty temp of a dead writer is stale at once, without
+    waiting out ``STALE_TEMP_AGE_S`` (a run that ended sooner left it for good)."""
+    parts = temp_name.rsplit(".", 3)
+    try:
+        pid = int(parts[-3])
+    except (IndexError, ValueError):
+        return True  # no pid to ask about: leave it to the age rule
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # it exists (another user's) or cannot be asked about
+    return True
 
 
 def remove_stale_temps(path: "str | os.PathLike[str]") -> list[Path]:
     """Remove the temp files that dead writers of ``path`` left behind; returns them.
 
     A temp file is stale when no process holds its lock and it is non-empty
-    (a writer locks before writing) or older than ``STALE_TEMP_AGE_S``. Live
+    (a writer locks before writing), older than ``STALE_TEMP_AGE_S``, or its writer
+    (the pid in its name) is gone from this host. Live
     writers' temps are left alone; errors are logged, never raised.
 
     Args:
@@ -156,6 +179,17 @@ def remove_stale_temps(path: "str | os.PathLike[str]") -> list[Path]:
         logger.info("removed %s of %s left by killed writers",
                     plural(len(removed), "stale temp file"), final)
     return removed
+
+
+def _os_error_within(e: BaseException, depth: int = 8) -> OSError | None:
+    """The OS's error an exception was raised from or while handling, if any."""
+    for _ in range(depth):
+        e = e.__cause__ or e.__context__
+        if e is None:
+            return None
+        if isinstance(e, OSError):
+            return e
+    return None
 
 
 def atomic_write(path: "str | os.PathLike[str]", write: Callable[[BinaryIO], T]) -> T:
@@ -195,10 +229,13 @@ def atomic_write(path: "str | os.PathLike[str]", write: Callable[[BinaryIO], T])
                 os.unlink(tmp)
             except OSError:
                 pass
-            if isinstance(e, OSError) and e.errno is not None and e.filename is None:
+            # a writer that wraps the OS's error (torch.save's zip writer raises its own
+            # RuntimeError, the OSError only in its context) still fails as that OSError
+            cause = e if isinstance(e, OSError) else _os_error_within(e)
+            if cause is not None and cause.errno is not None and cause.filename is None:
                 # the OS's write error names no file: name the one being written
-                raise OSError(e.errno, f"{e.strerror} while writing {final}"
-                                       f"{disk_full_hint(e)}") from e
+                raise OSError(cause.errno, f"{cause.strerror} while writing {final}"
+                                           f"{disk_full_hint(cause)}") from e
             raise
     finally:
         os.close(lock_fd)
