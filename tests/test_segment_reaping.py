@@ -140,3 +140,30 @@ def test_a_segment_reaped_the_instant_it_was_created_is_reported(monkeypatch):
     with pytest.raises(FileNotFoundError, match="reaped by another process"):
         Segment.create(name, 4096, lock=True)
     assert name not in {s.name for s in list_segments()}
+
+
+_SEGMENT_PAST_A_FILE_SIZE_LIMIT = """
+import os, resource
+from flodl_shm.engine.segment import Segment, list_segments
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # files of 1 MiB at most
+try:
+    Segment.create(f"fshm_{os.getpid()}_abcd1234_probe", 8 << 20)
+except OSError as e:
+    print(type(e).__name__, e.errno, e)
+print(len([s for s in list_segments() if s.owner_pid == os.getpid()]))
+"""
+
+
+def test_a_segment_past_the_file_size_limit_names_the_limit_not_dev_shm_space():
+    """A probe under `ulimit -f` read '/dev/shm has 23.5 GiB free but segment ... needs
+    8.0 MiB more. Free space in /dev/shm': the limit was the process's own."""
+    import errno
+
+    out = subprocess.run([sys.executable, "-c", _SEGMENT_PAST_A_FILE_SIZE_LIMIT],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    said, left = out.stdout.strip().splitlines()
+    assert said.startswith(f"OSError {errno.EFBIG} ") and "ShmSpaceError" not in said
+    assert ("needs 8.0 MiB, past this process's file-size limit (1.0 MiB: `ulimit -f`"
+            in said), said
+    assert left == "0", "the segment is removed"

@@ -367,7 +367,16 @@ def _fallocate(fd: int, nbytes: int, name: str) -> None:
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+        if e.errno == errno.EFBIG:  # not /dev/shm's space: this process's file-size limit
+            import resource
+
+            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            raise OSError(errno.EFBIG, (
+                f"shared-memory segment {name} needs {fmt_bytes(nbytes)}, past this "
+                f"process's file-size limit ({fmt_bytes(limit)}: `ulimit -f`, RLIMIT_FSIZE, "
+                f"which covers /dev/shm files too); raise it (`ulimit -f unlimited` before "
+                f"starting the job) or train a smaller model")) from e
+        if e.errno in (errno.ENOSPC, errno.ENOMEM):
             # Never shrink back: another process may already map the larger size.
             raise space_error(nbytes - before, shm_free_bytes(), f"segment {name}",
                               more=True) from None
