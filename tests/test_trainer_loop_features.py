@@ -305,6 +305,10 @@ def make_wide_on_rank_one():
                                torch.nn.Linear(width, 3))
 
 
+def make_plateau(optimizer):
+    return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=2)
+
+
 def test_set_up_misuse_is_named_in_the_trainer_s_terms():
     """From a user probe: a ReduceLROnPlateau crashed mid-run (its step() needs a metric);
     an empty dataset was told to use 'a batch_size of at most 0'; a model_fn building
@@ -319,9 +323,14 @@ def test_set_up_misuse_is_named_in_the_trainer_s_terms():
         return flodl_shm.Trainer(**dict(args, **kw))
 
     plateau = functools.partial(torch.optim.lr_scheduler.ReduceLROnPlateau, patience=2)
+    # the launcher tells it from the factory, before any rank starts; the ranks, from a
+    # function that builds one
+    with pytest.raises(TypeError, match=r"ReduceLROnPlateau, which steps on a metric.*"
+                                        r"build it in on_train_start"):
+        trainer(scheduler_fn=plateau).run(nprocs=2)
     with pytest.raises(StartRefused, match=r"ReduceLROnPlateau, which steps on a metric.*"
                                            r"build it in on_train_start"):
-        trainer(scheduler_fn=plateau).run(nprocs=2)
+        trainer(scheduler_fn=make_plateau).run(nprocs=2)
     empty = (torch.zeros(0, 10), torch.zeros(0, dtype=torch.long))
     with pytest.raises(ValueError, match="^the dataset is empty: pass one with samples$"):
         trainer(dataset=empty).run(nprocs=2)

@@ -119,6 +119,17 @@ _ACCELERATORS: Optional[bool] = None
 # --- the rank side ----------------------------------------------------------------------
 
 
+def plateau_refused() -> TypeError:
+    """The error for a ``scheduler_fn`` that builds a ``ReduceLROnPlateau`` (the launcher
+    raises it when it can tell from the factory, a rank when it builds one)."""
+    return TypeError(
+        "scheduler_fn built a ReduceLROnPlateau, which steps on a metric; the Trainer "
+        "steps its scheduler after every optimizer step, without one. Pass no "
+        "scheduler_fn and drive it from a hook: build it in on_train_start "
+        "(ReduceLROnPlateau(state.optimizer)) and step it in on_window_end with "
+        "your metric (e.g. stats.cohort_loss)")
+
+
 class _RankRun:
     """One rank's training: model, data, coordinator, and the window loop."""
 
@@ -151,12 +162,7 @@ class _RankRun:
         self.optimizer = tr.optimizer_fn(model.parameters())
         self.scheduler = None if tr.scheduler_fn is None else tr.scheduler_fn(self.optimizer)
         if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            raise TypeError(
-                "scheduler_fn built a ReduceLROnPlateau, which steps on a metric; the Trainer "
-                "steps its scheduler after every optimizer step, without one. Pass no "
-                "scheduler_fn and drive it from a hook: build it in on_train_start "
-                "(ReduceLROnPlateau(state.optimizer)) and step it in on_window_end with "
-                "your metric (e.g. stats.cohort_loss)")
+            raise plateau_refused()
         if not self.one_round:
             self._check_same_trainer()
             self._check_same_start()

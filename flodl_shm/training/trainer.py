@@ -43,7 +43,7 @@ from ..checkpoint.series import death_record_path, latest_checkpoint, series_of
 from .coverage import SHUFFLE_BASE_SEED
 from .data import is_dataset_factory
 from .hooks import HOOK_METHODS, Hook, LoggingHook
-from .rank_run import _rank_main
+from .rank_run import _rank_main, plateau_refused
 from .resume_rules import model_mismatch, resume_conflicts
 
 logger = logging.getLogger("flodl_shm")
@@ -113,6 +113,19 @@ class _Cluster:
     def spawn_kwargs(self) -> dict:
         return dict(controller=self.controller, world_size=self.world_size,
                     first_rank=self.first_rank, salt=self.salt)
+
+
+def _builds_plateau(factory) -> bool:
+    """Whether a ``scheduler_fn`` is ``ReduceLROnPlateau`` itself (or a subclass), bare or
+    in ``functools.partial`` (a function that builds one is only found by the ranks)."""
+    import functools
+
+    import torch
+
+    while isinstance(factory, functools.partial):
+        factory = factory.func
+    return isinstance(factory, type) and issubclass(
+        factory, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
 class Trainer:
@@ -478,6 +491,8 @@ class Trainer:
         ``batch_size`` (unless it is a factory, which only the ranks call), the ElChe a
         cadence factory builds for ``world`` ranks and, on a resume, the checkpoint's
         batch size, epoch size and model against this Trainer's."""
+        if _builds_plateau(self.scheduler_fn):
+            raise plateau_refused()
         n = self._dataset_len()
         if n is not None and n < self.batch_size:
             raise ValueError("the dataset is empty: pass one with samples" if n == 0 else
