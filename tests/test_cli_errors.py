@@ -414,6 +414,17 @@ def test_demo_run_dir_that_is_a_file_is_a_usage_error(tmp_path, run_dir, extra, 
     assert (tmp_path / "afile").read_text() == "mine\n"
 
 
+def test_demo_run_dir_too_long_for_the_filesystem_is_a_usage_error(tmp_path):
+    """A probe's 300-character folder name printed a traceback (OSError: File name too
+    long) from the check that looks for a file in the way."""
+    name = "x" * 300
+    r = _flodl(["demo", "--run-dir", name, "--no-progress"], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert ("python -m flodl_shm demo: error: --run-dir " + "x" * 30 + "..." + "x" * 30
+            + ": File name too long; pass a shorter path\n") in r.stderr, r.stderr
+
+
 def test_demo_without_scikit_learn_is_one_line(tmp_path):
     """A scikit-learn that cannot be imported (a stub package raising as a missing one
     does) is the one line that says how to install it, not its chained traceback."""

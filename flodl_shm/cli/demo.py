@@ -504,12 +504,16 @@ def _check(cfg: DemoConfig) -> list[str]:
         if getattr(cfg, name) < 0:
             out.append(f"--{name.replace('_', '-')} must be >= 0 (0: {zero}), got "
                        f"{getattr(cfg, name)}")
-    bad_dir = _file_in_the_way(cfg.run_dir)
-    if bad_dir is not None:
-        out.append(f"--run-dir {cfg.run_dir} is a file, not a folder"
-                   if bad_dir == Path(cfg.run_dir)
-                   else f"--run-dir {cfg.run_dir}: {bad_dir} is a file, not a folder")
-        out[-1] += "; pass a folder (one that does not exist yet is created)"
+    try:
+        bad_dir = _file_in_the_way(cfg.run_dir)
+    except OSError as e:  # a name too long for the filesystem, say
+        out.append(f"--run-dir {_shortened(cfg.run_dir)}: {e.strerror}; pass a shorter path")
+    else:
+        if bad_dir is not None:
+            out.append(f"--run-dir {cfg.run_dir} is a file, not a folder"
+                       if bad_dir == Path(cfg.run_dir)
+                       else f"--run-dir {cfg.run_dir}: {bad_dir} is a file, not a folder")
+            out[-1] += "; pass a folder (one that does not exist yet is created)"
     if cfg.checkpoint_every is not None and cfg.checkpoint_every < 1:
         out.append("--checkpoint-every must be >= 0 (0: only at the end)")
     if not cfg.timeout > 0:
@@ -544,6 +548,11 @@ def _check(cfg: DemoConfig) -> list[str]:
             except ValueError as e:
                 out.append(f"--secret-file: {e}")
     return out
+
+
+def _shortened(text: str, keep: int = 60) -> str:
+    """``text`` itself, or its start and end around an ellipsis when longer than ``keep``."""
+    return text if len(text) <= keep else f"{text[:keep // 2]}...{text[-keep // 2:]}"
 
 
 def _file_in_the_way(run_dir: str) -> Optional[Path]:
