@@ -255,10 +255,13 @@ class DemoHook(Hook):
 
 
 def _window_line(row: dict, epochs: int) -> str:
+    """One window's log line; a column left empty keeps its width, so the columns of a
+    run that evaluates every few windows stay aligned."""
     loss = "-" if row["loss"] is None else f"{row['loss']:.4f}"
-    acc = "" if row["test_acc"] is None else f"  test acc {row['test_acc']:5.1f}%"
+    acc = ("  test acc " + " " * 6 if row["test_acc"] is None
+           else f"  test acc {row['test_acc']:5.1f}%")
     return (f"window {row['window']:4d} (epoch {row['epoch'] + 1:2d}/{epochs}): loss "
-            f"{loss}{acc}  {row['samples_per_s']:9,.0f} samples/s  all-reduce "
+            f"{loss:>6}{acc}  {row['samples_per_s']:9,.0f} samples/s  all-reduce "
             f"{row['allreduce_ms']:6.2f} ms  batches {row['batches']}")
 
 
