@@ -147,8 +147,8 @@ def remove_stale_temps(path: "str | os.PathLike[str]") -> list[Path]:
 
     A temp file is stale when no process holds its lock and it is non-empty
     (a writer locks before writing), older than ``STALE_TEMP_AGE_S``, or its writer
-    (the pid in its name) is gone from this host. Live
-    writers' temps are left alone; errors are logged, never raised.
+    (the pid in its name) is gone from this host. Live writers' temps are left
+    alone; errors are logged, never raised.
 
     Args:
         path: the committed file whose temps to clean (e.g. ``runs/ckpt-r00000012.fdl``).

@@ -371,6 +371,10 @@ def _fallocate(fd: int, nbytes: int, name: str) -> None:
             import resource
 
             limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            if limit == resource.RLIM_INFINITY:  # then the filesystem's own largest file
+                raise OSError(errno.EFBIG, f"shared-memory segment {name} needs "
+                              f"{fmt_bytes(nbytes)}, more than one file of this /dev/shm "
+                              f"may hold; train a smaller model") from e
             raise OSError(errno.EFBIG, (
                 f"shared-memory segment {name} needs {fmt_bytes(nbytes)}, past this "
                 f"process's file-size limit ({fmt_bytes(limit)}: `ulimit -f`, RLIMIT_FSIZE, "

@@ -8,8 +8,9 @@ properties matter: the buffers are **reused** for the whole run and, in a rank
 that uses CUDA, **page-locked**, so the host-to-device copy is truly asynchronous.
 
 "Uses CUDA" means the rank has initialized it (``torch.cuda.is_initialized()``):
-page-locking memory creates a CUDA context, which costs seconds and hundreds of MB
-per process, and only a host-to-device copy repays it. A rank that trains on the
+page-locking memory creates a CUDA context (0.4 s for the first page-locked tensor
+on an H200 host, and memory on the host and the GPU, per process), and only a
+host-to-device copy repays it. A rank that trains on the
 CPU - every LocalSGD and Trainer rank, even on a GPU host - gets plain reusable
 memory and never touches the GPU.
 
