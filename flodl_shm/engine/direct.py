@@ -177,8 +177,9 @@ class DirectRounds:
     # -- eligibility ---------------------------------------------------------------
     def eligible(self, plan, flags: int) -> bool:
         """Whether a round of ``plan`` with these agreed ``flags`` (FLAG_OUTER, FLAG_TAP)
-        may run direct, once settled (every rank answers the same: the schema alone)."""
-        return not (self.state == UNAVAILABLE or plan.dtype != DTYPE_F32 or plan.eager_fits
+        is one a READY host runs direct (every rank answers the same: the schema alone,
+        whatever the state)."""
+        return not (plan.dtype != DTYPE_F32 or plan.eager_fits
                     or plan.nbytes < DIRECT_MIN_BYTES or flags & (A.FLAG_OUTER | A.FLAG_TAP)
                     or plan.off + 16 * plan.ntensors > self.eng.arena.eager_bytes)
 

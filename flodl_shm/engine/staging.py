@@ -10,9 +10,9 @@ that uses CUDA, **page-locked**, so the host-to-device copy is truly asynchronou
 "Uses CUDA" means the rank has initialized it (``torch.cuda.is_initialized()``):
 page-locking memory creates a CUDA context (0.4 s for the first page-locked tensor
 on an H200 host, and memory on the host and the GPU, per process), and only a
-host-to-device copy repays it. A rank that trains on the
-CPU - every LocalSGD and Trainer rank, even on a GPU host - gets plain reusable
-memory and never touches the GPU.
+host-to-device copy repays it. A rank that trains on the CPU - every LocalSGD and
+Trainer rank, even on a GPU host - gets plain reusable memory and never touches the
+GPU.
 
 Contract (what ``Comm`` implements on top of this module):
 
