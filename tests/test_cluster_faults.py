@@ -3,7 +3,8 @@
 Connection floods (with few file descriptors and beyond the pending-handshake
 cap), a wrong secret named on both ends, a host leaving before the cohort forms, a
 host that never joins,
-a lost host counted against ``max_failures``, frames above the frame ceiling, and the ``controller`` command's start-up errors.
+a lost host counted against ``max_failures``, a host that says why it stops, frames above
+the frame ceiling, and the ``controller`` command's start-up errors.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from flodl_shm import ClusterController, FrameError, RankFailed, ReduceStall, spawn
+from flodl_shm import (ClusterController, FrameError, RankFailed, ReduceStall, StartRefused,
+                       spawn)
 from flodl_shm.cluster import wire
 from flodl_shm.cluster.link import HandshakeRejected, Kind, split_frame
 from flodl_shm.cluster.secret import write_secret_file
@@ -460,8 +462,41 @@ def test_the_controller_command_fails_when_no_rank_is_left(tmp_path):
         proc.kill()
         proc.wait(10)
     text = log.read_text()
-    assert "with no rank left: every rank died or its host was lost" in text, text
+    # the host said why before its link closed (it was "every rank died or its host was
+    # lost (see the hosts' output)"): the failure, and why it stops the host
+    assert (f"with no rank left; host '{socket.gethostname()}:0-0' (rank 0) stopped on: "
+            f"ValueError: this host's run fails; 1 failure exceeds max_failures=0") in text, text
+    assert "stopped (rank 0: ValueError: this host's run fails" in text, text
     assert "cohort finished" not in text, text
+
+
+def refuses_to_start(ctx):
+    # what the Trainer's start agreement raises on every rank of every host when the
+    # hosts resume from different checkpoints (after a round across the hosts)
+    ctx.comm.all_reduce_tensors([torch.ones(1)])
+    raise StartRefused(f"host of rank {ctx.rank} holds another checkpoint")
+
+
+def test_the_controller_names_why_each_host_stopped():
+    """Every host's ranks refuse to start. The controller logged "host ... failed
+    (connection closed; that host's output says why)" for each and held nothing to say
+    at the end; each host now tells it the failure that stops it (``host_stopping``),
+    before its link closes."""
+    _, errors, ctl = run_hosts(refuses_to_start, [2, 1])
+    assert sorted(errors) == [0, 1] and all(isinstance(e, RankFailed)
+                                             for e in errors.values()), errors
+    said = ctl.stopped_hosts
+    assert sorted(name.rsplit(":", 1)[1] for name in said) == ["0-1", "2-2"], said
+    refused = 0
+    for host, own, other in ((":0-1", (0, 1), [2]), (":2-2", (2,), [0, 1])):
+        rank, why = next(v for k, v in said.items() if k.endswith(host))
+        if why.startswith("StartRefused"):
+            refused += 1
+            assert rank in own and why == f"StartRefused: host of rank {rank} holds another " \
+                                          f"checkpoint", said
+        else:  # it heard of the other host's refusal from the controller before its own
+            assert why == f"stopped after the controller declared ranks {other} dead", said
+    assert refused >= 1, said
 
 
 def test_a_host_done_after_a_tolerated_death_is_not_taken_for_a_lost_host():

@@ -183,12 +183,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"controller: the cohort ended with an error: {ctl.error}", file=sys.stderr)
         return 1
     dead = ctl.dead_ranks.dead()
+    why = _why_hosts_stopped(ctl.stopped_hosts)
     if len(dead) >= args.world_size:
         print(f"controller: the cohort ended after {ctl.stats.rounds} rounds with no rank "
-              f"left: every rank died or its host was lost (see the hosts' output)",
-              file=sys.stderr)
+              + (f"left; {why}" if why else "left: every rank died or its host was lost "
+                 "(see the hosts' output)"), file=sys.stderr)
         return 1
     print(f"controller: cohort finished after {ctl.stats.rounds} rounds"
-          + (f", without ranks {dead} (they died, or their host was lost)" if dead else ""),
-          flush=True)
+          + (f", without ranks {dead} (they died, or their host was lost)" if dead else "")
+          + (f"; {why}" if why else ""), flush=True)
     return 0
+
+
+def _why_hosts_stopped(stopped: dict[str, tuple[int, str]]) -> str:
+    """What the hosts that stopped on a failure said (``ClusterController.stopped_hosts``),
+    one line per distinct reason ("" for none): every host of a cohort refuses a start
+    the same way, which is one line, not one per host."""
+    by_reason: dict[str, list[str]] = {}
+    for host, (rank, reason) in stopped.items():
+        by_reason.setdefault(reason, []).append(f"{host!r} (rank {rank})")
+    lines = [f"{'host' if len(hosts) == 1 else 'hosts'} {', '.join(hosts)} stopped on: "
+             f"{reason}" for reason, hosts in by_reason.items()]
+    return "\n  ".join(lines)

@@ -25,6 +25,10 @@ During the run:
   (a rank that died anywhere, or every rank of a host whose link was lost). Each
   host counts them against its ``max_failures``.
 - ``host_done`` relay -> controller: every rank of this host finished.
+- ``host_stopping`` relay -> controller: a failure ends this host's run, before its
+  link closes: ``rank`` (the global rank whose failure it is) and ``reason`` (one
+  line: its error, e.g. ``StartRefused: ...``, or how it died, and why that stops
+  the host). The controller names it when the link closes, instead of a lost host.
 - ``arm`` relay -> controller: a rank armed a consensus checkpoint: ``path``,
   ``meta``, ``param_names``, ``buffer_names``, ``tied``.
 - ``stall`` controller -> every relay: the round did not complete in time:
@@ -55,6 +59,7 @@ class Ctrl(str, enum.Enum):
     RANK_DEAD = "rank_dead"
     DECLARE_DEAD = "declare_dead"
     HOST_DONE = "host_done"
+    HOST_STOPPING = "host_stopping"
     ARM = "arm"
     STALL = "stall"
     ERROR = "error"

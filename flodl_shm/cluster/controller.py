@@ -76,6 +76,7 @@ class _Host:
     told_unformed: bool = False  # told the cohort did not form within its deadline
     alive: bool = True
     done: bool = False
+    stopped: str | None = None  # why it said it stops (``host_stopping``): "rank R: ..."
     sent: int = 0          # wire bytes received from this host (frames)
 
     @property
@@ -102,6 +103,9 @@ class ClusterController:
             first checkpoint a rank arms, unless one was given).
         error: the exception that ended the reduce loop, or None.
         stats: rounds, bytes in/out, peak RSS, per-round seconds.
+        stopped_hosts: host name -> ``(rank, reason)``: why that host stopped, as it said
+            before it left (``(0, "StartRefused: ...")``); a host that left without a
+            word is not in it.
     """
 
     def __init__(self, sock: socket.socket, world_size: int, salt: bytes, *,
@@ -117,6 +121,7 @@ class ClusterController:
         self.outer = outer if getattr(outer, "has_momentum", False) else None
         self.error: BaseException | None = None
         self.stats = ControllerStats()
+        self.stopped_hosts: dict[str, tuple[int, str]] = {}
         self._hosts: list[_Host] = []
         self._claimed: dict[int, str] = {}
         self._pending_names: set[str] = set()
@@ -425,9 +430,10 @@ class ClusterController:
                                    "complete; the cohort goes on without them", sorted(dead),
                                    h.name)
                 if free:
-                    logger.warning("controller: host %r left before the cohort was complete; "
+                    logger.warning("controller: host %r left before the cohort was complete%s; "
                                    "its ranks %s are free for a relaunch (%d/%d ranks claimed)",
-                                   h.name, free, len(self._claimed), self.world_size)
+                                   h.name, "" if h.stopped is None else f" ({h.stopped})",
+                                   free, len(self._claimed), self.world_size)
 
     def _stall_unformed(self) -> None:
         """Before the cohort is complete: a host that has waited past the deadline it
@@ -471,6 +477,8 @@ class ClusterController:
             kind, _flags, body = got
             if kind == Kind.CTRL and body.get("type") == Ctrl.RANK_DEAD:
                 dead.update(int(r) for r in body.get("ranks", []) if int(r) in h.ranks)
+            elif kind == Kind.CTRL and body.get("type") == Ctrl.HOST_STOPPING:
+                self._note_stopping(h, body)
 
     def _reduce_main(self) -> None:
         try:
@@ -500,13 +508,23 @@ class ClusterController:
         finally:
             self._done.set()
 
+    def _note_stopping(self, h: _Host, msg: dict) -> None:
+        """Record why host ``h`` stops (its ``host_stopping`` message)."""
+        rank, reason = int(msg.get("rank", -1)), str(msg.get("reason") or "no reason given")
+        h.stopped = f"rank {rank}: {reason}"
+        self.stopped_hosts[h.name] = (rank, reason)
+
     def _host_failed(self, h: _Host, why: str) -> None:
         if not h.alive:
             return
         h.alive = False
         newly = [r for r in h.ranks if self.dead_ranks.declare_dead(r)]
-        logger.error("controller: host %r failed (%s; that host's output says why); ranks %s "
-                     "declared dead", h.name, why, h.ranks)
+        if h.stopped is not None:  # it said why before its link closed
+            logger.error("controller: host %r stopped (%s); ranks %s declared dead", h.name,
+                         h.stopped, h.ranks)
+        else:
+            logger.error("controller: host %r failed (%s; that host's output says why); "
+                         "ranks %s declared dead", h.name, why, h.ranks)
         h.link.close()
         if newly:
             self._broadcast_ctrl(ctrl_message(Ctrl.DECLARE_DEAD, ranks=newly))
@@ -529,6 +547,8 @@ class ClusterController:
         elif kind == Ctrl.HOST_DONE:
             h.done = True
             logger.info("controller: host %r finished", h.name)
+        elif kind == Ctrl.HOST_STOPPING:
+            self._note_stopping(h, msg)  # said when its link closes, right after
         elif kind == Ctrl.ARM:
             self._arm(msg)
         else:

@@ -45,6 +45,10 @@ from .wire import check_salt
 
 #: Seconds between the relay's attempts to reach the controller (it may start later).
 CONNECT_RETRY_S = 0.5
+#: Seconds a stopping host's relay gets to tell the controller why before its link closes.
+FINAL_WORD_S = 1.0
+#: The longest ``host_stopping`` reason sent (a control record holds far more).
+MAX_REASON_CHARS = 2000
 
 logger = logging.getLogger("flodl_shm")
 
@@ -69,6 +73,9 @@ class Relay:
         self.bytes_up = 0
         self.bytes_down = 0
         self._stop = threading.Event()
+        self._closing = threading.Lock()
+        self._closer: threading.Thread | None = None
+        self._final_word = False  # a host_stopping message waits in the queue
         self._upstream: queue.Queue[dict] = queue.Queue()
         self._link = None
         self._enc16 = np.empty(0, np.uint16)
@@ -86,11 +93,49 @@ class Relay:
         """Queue a control message for the controller (e.g. a checkpoint ``arm``)."""
         self._upstream.put(msg)
 
-    def shutdown(self) -> None:
-        self._stop.set()
-        link = self._link
-        if link is not None:
-            link.close()
+    def shutdown(self, failure: tuple[int, str] | None = None) -> None:
+        """Stop relaying and close the link to the controller.
+
+        Args:
+            failure: ``(rank, reason)`` when a failure ends this host (the first stop
+                only; before the arena's abort flag, which ends the relay's wait): the
+                relay tells the controller as it leaves (``host_stopping``), so its log
+                names the cause instead of a lost host. The link then closes once the
+                relay thread has sent it, or after ``FINAL_WORD_S`` (a thread blocked
+                on the controller cannot send).
+        """
+        with self._closing:
+            if failure is not None and not self._stop.is_set():
+                rank, reason = failure
+                self._upstream.put(ctrl_message(Ctrl.HOST_STOPPING, rank=int(rank),
+                                                reason=str(reason)[:MAX_REASON_CHARS]))
+                self._final_word = True
+            self._stop.set()
+            link = self._link
+            if link is None or self._closer is not None:
+                return  # not connected, or a closer already waits to close it
+            if self._final_word and threading.current_thread() is not self._thread:
+                self._closer = threading.Thread(target=self._close_after_word, args=(link,),
+                                                name="flodl-shm-relay-close", daemon=True)
+                self._closer.start()
+                return
+        if self._final_word:  # (called from the relay thread itself: say it now)
+            self._say_last()
+        link.close()
+
+    def _close_after_word(self, link) -> None:
+        self._thread.join(FINAL_WORD_S)  # it flushes its queue on the way out
+        link.close()
+
+    def _say_last(self) -> None:
+        """Flush the queued control messages on the way out, best effort (the link may
+        be gone)."""
+        if self._link is None:
+            return
+        try:
+            self._flush_upstream()
+        except (OSError, FrameError):
+            pass
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
@@ -160,6 +205,7 @@ class Relay:
             self._rounds()
         except BaseException as e:  # noqa: BLE001 - recorded; ranks learn it from the arena
             if self._stop.is_set() and not isinstance(e, (FrameError, TimeoutError)):
+                self._say_last()  # why this host stops, if it was told (``shutdown``)
                 return
             if isinstance(e, (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)):
                 # a send or receive that found the socket gone: what the controller said
@@ -207,9 +253,11 @@ class Relay:
                 view = eng.await_arrivals(rnd, "relay: waiting for the local ranks")
             except CohortAborted:
                 # this host's cohort is stopping (a rank failed past max_failures, an
-                # interrupt): the launcher reports why; the relay just leaves. (Caught
-                # before RuntimeError, its base: reported as the relay's own failure, it
-                # hid the rank's error behind "the cohort is shutting down".)
+                # interrupt): the launcher reports why, and the relay passes it on
+                # (``shutdown``'s failure) as it leaves. (Caught before RuntimeError, its
+                # base: reported as the relay's own failure, it hid the rank's error
+                # behind "the cohort is shutting down".)
+                self._say_last()
                 return
             except RuntimeError:
                 if self._local_gone():

@@ -567,7 +567,8 @@ class SpawnContext:
                              what, self._why_stop(failures))
             else:  # (the cohort is stopping already: not a second "stopping" line)
                 logger.error("rank %d failed too (%s)", global_rank, what)
-            self._abort(A.ABORT_FAILED)
+            self._abort(A.ABORT_FAILED, (global_rank, f"{_host_failure(err)[1]}; "
+                                         f"{self._why_stop(failures)}") if first else None)
             return
         if stalled is None:
             logger.warning("rank %d failed (%s); %s", global_rank,
@@ -607,7 +608,7 @@ class SpawnContext:
                 self._failure, self._failure_inferred = err, False
         if first:
             logger.log(level, msg, *args)
-        self._abort(A.ABORT_FAILED)
+        self._abort(A.ABORT_FAILED, _host_failure(err) if first else None)
 
     def _local(self, ranks: Sequence[int]) -> list[int]:
         """The global ranks of ``ranks`` that run on this host."""
@@ -669,10 +670,12 @@ class SpawnContext:
             f"the controller: a rank died there or the whole host was lost); {len(dead)} "
             f"failures exceed max_failures={self.max_failures}: stopping this host too"))
         with self._lock:
-            if self._failure is None:
+            first = self._failure is None
+            if first:
                 self._failure, self._failure_inferred = err, True
         logger.error("%s", err)
-        self._abort(A.ABORT_FAILED)
+        self._abort(A.ABORT_FAILED, (err.rank, f"stopped after the controller declared "
+                                     f"ranks {remote} dead") if first else None)
 
     def _write_death_record(self, rank: int, err: RankFailed) -> None:
         try:
@@ -686,19 +689,21 @@ class SpawnContext:
         except Exception as e:  # forensic, best effort
             logger.warning("could not write the death record of rank %d: %s", rank, e)
 
-    def _abort(self, reason: int) -> None:
-        """Raise the abort flag, wake everyone, then escalate on stragglers."""
+    def _abort(self, reason: int, failure: tuple[int, str] | None = None) -> None:
+        """Raise the abort flag, wake everyone, then escalate on stragglers. ``failure``:
+        ``(rank, reason)`` of the failure that stops this host, which the relay tells
+        the controller (``Relay.shutdown``)."""
         arena, doorbell = self.arena, self._doorbell
         if arena is None:
             return  # the run ended and released them: nothing left to stop
+        if self._relay is not None:  # first: the flag below ends its wait, and it leaves
+            self._relay.shutdown(failure)  # (saying ``failure`` on its way out)
         if not arena.ctl[A.G_ABORT]:
             arena.ctl[A.G_ABORT] = reason
         doorbell.ring()
         server = self._server
         if server is not None and not self._started.is_set():
             server.kill()  # still preloading: the supervisor may be waiting on its fork
-        if self._relay is not None:
-            self._relay.shutdown()
         escalation = threading.Thread(target=self._escalate, name="flodl-shm-escalate",
                                       daemon=True)
         with self._lock:  # started under it: the monitor joins only started threads
@@ -751,6 +756,18 @@ class SpawnContext:
                 logger.warning("relay shutdown: %s", e)
         self.arena.unlink()
         self.arena.close()
+
+
+def _host_failure(err: RankFailed) -> tuple[int, str]:
+    """``(rank, one line)`` of a failure that stops this host, for the controller: the
+    rank's error (``StartRefused: ...``), or how it died."""
+    if err.error:
+        what = f"{err.exc_type}: {err.error}"
+    elif err.signal is not None:
+        what = f"killed by {err.signal}"
+    else:
+        what = str(err).split("\n", 1)[0]
+    return err.rank, what
 
 
 def rank_threads(nprocs: int) -> int:
