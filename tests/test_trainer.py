@@ -169,6 +169,21 @@ def test_a_missing_outer_momentum_is_said_once(tmp_path, caplog):
     assert len(said) == 1, caplog.text
 
 
+def test_the_log_line_of_a_checkpointed_window_says_why_in_words(tmp_path, caplog):
+    """The line of a checkpointed window ended in the metadata's reason names, read by
+    probes as jargon: `checkpoint .../ck-r00000010.fdl (checkpoint)` and `(graceful_shutdown)`."""
+    caplog.set_level("INFO", logger="flodl_shm")
+    stem = tmp_path / "ck"
+    Trainer(make_model, sgd, make_data(), loss_fn, batch_size=8, epochs=1, sync_every=2,
+            save_path=stem, checkpoint_every=3, log_every=100, timeout=120.0).run(2)
+    lines = [r.getMessage() for r in caplog.records if ", checkpoint " in r.getMessage()]
+    # 256 samples / 8 = 32 batches, 2 x 2 per window: 8 windows, checkpoints at 3, 6, 8
+    assert [line.split(", checkpoint ", 1)[1] for line in lines] == [
+        f"{stem}-r{w:08d}.fdl ({why})" for w, why in (
+            (3, "every checkpoint_every windows"), (6, "every checkpoint_every windows"),
+            (8, "the run's last"))], caplog.text
+
+
 def _two_hosts(tmp_path, call, outer=False, shared_folder=False, controller_outer="same",
                **controller):
     """A 2-rank cohort as 2 hosts of 1 rank on loopback: ``call(trainer, i, **cluster)``
