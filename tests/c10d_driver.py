@@ -665,20 +665,28 @@ def sc_stall(rank: int, world: int) -> dict:
 
 def sc_late(rank: int, world: int) -> dict:
     """The last rank enters the collective after the others' timeout; they linger
-    (C10D_LINGER s, alive) while it arrives, then each says what its call did."""
+    (C10D_LINGER s, alive) while it arrives, then each says what its call did, how long
+    it took, and what a second call does (``again``, ``again_s``)."""
     import torch.distributed as dist
+
+    def call(t):
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(t)
+            err = None
+        except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+            err = f"{type(e).__name__}: {e}"
+        return err, time.monotonic() - t0
 
     if rank == world - 1:
         time.sleep(float(os.environ["C10D_TIMEOUT"]) + 1.5)
     t = torch.ones(4)
-    try:
-        dist.all_reduce(t)
-        err = None
-    except Exception as e:  # noqa: BLE001 - the test inspects what was raised
-        err = f"{type(e).__name__}: {e}"
+    err, seconds = call(t)
+    again, again_s = call(torch.ones(4))
     if rank != world - 1:
         time.sleep(float(os.environ.get("C10D_LINGER", "0")))
-    return {"pid": os.getpid(), "error": err, "t": t.tolist()}
+    return {"pid": os.getpid(), "error": err, "seconds": seconds, "t": t.tolist(),
+            "again": again, "again_s": again_s}
 
 
 def run_rank(scenario: str, rank: int, world: int, port: int, out: str,

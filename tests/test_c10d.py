@@ -465,6 +465,37 @@ def test_a_rank_late_past_the_others_timeout_raises_as_they_did(tmp_path):
     assert late.startswith("RuntimeError: flodl_shm allreduce (rank 2 of 3): group rank ") \
         and "gave up on a collective after the group's 2 s timeout, before this rank (rank " \
         "2) arrived, so the ranks disagree on its outcome" in late, late
+    # every later call raises at once naming the first failure, in group ranks. The late
+    # rank's waited the whole timeout for ranks that had raised (the one-tensor float32
+    # path skipped the group's check), and the others' named rank 2 by its place on the
+    # host ("round 2 failed with ReduceStall ... ranks that had not arrived: [2]" came
+    # from the engine, whose numbers are places, not group ranks)
+    for r in res:
+        assert r["again"].startswith("RuntimeError: this flodl_shm process group is unusable: "
+                                     ) and r["again_s"] < 1.0, r
+    assert "allreduce (rank 0 of 3) timed out after 2 s: group rank(s) [2]" in res[0]["again"]
+    assert "gave up on a collective after the group's 2 s timeout" in res[2]["again"], res[2]
+    _no_segments_of(res)
+
+
+@pytest.mark.slow
+def test_a_rank_late_past_its_leaders_timeout_raises_at_once_across_hosts(tmp_path):
+    """Rank 3 on host "b" enters after its leader (rank 2) gave up waiting for it. Its
+    host round completed (the leader's contribution was there), then it waited for the
+    leader's fan-out, which never came: 20 s (its outwaiting of the leaders' two gloo
+    steps), to raise 'group rank(s) [2] of this host had not arrived', or PeerDied once
+    rank 2 had exited. Now it raises as it arrives, naming the rank that gave up."""
+    res = run_group("late", 4, tmp_path, hosts=["a", "a", "b", "b"],
+                    extra_env={"C10D_TIMEOUT": "2", "C10D_LINGER": "4"}, timeout=150)
+    late = res[3]
+    assert late["seconds"] < 1.0, late
+    assert late["error"].startswith("RuntimeError: flodl_shm allreduce (rank 3 of 4): group "
+                                    "rank 2 gave up on a collective after the group's 2 s "
+                                    "timeout, before this rank (rank 3) arrived"), late
+    assert "group rank(s) [3] of this host had not arrived" in res[2]["error"], res[2]
+    for r in res:
+        assert r["again"].startswith("RuntimeError: this flodl_shm process group is "
+                                     "unusable: ") and r["again_s"] < 1.0, r
     _no_segments_of(res)
 
 

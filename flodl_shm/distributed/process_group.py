@@ -82,6 +82,7 @@ def _collective(method):
     name = method.__name__
 
     def run(self, args, kwargs):
+        self._calling = name
         try:
             work = method(self, *args, **kwargs)
         except FrameError as e:
@@ -93,7 +94,11 @@ def _collective(method):
             raise RuntimeError(why) from e
         except ReduceStall as e:
             self._gave_up()
-            raise RuntimeError(self._stall_message(name, e)) from e
+            # every later call raises at once, naming this (the engine's own refusal would
+            # number the ranks by their place on this host)
+            self._unusable = self._stall_cause(name, e)
+            raise RuntimeError(f"flodl_shm {self._unusable}; the group is unusable, "
+                               f"destroy it") from e
         self._check_nobody_gave_up(name)
         return work
 
@@ -357,6 +362,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         # the first failure that left the group unusable across hosts (a dead rank, the
         # leaders' exchange failed): every later call raises naming it
         self._unusable: str | None = None
+        self._calling = "collective"  # the name of the collective running (its errors')
         # FLODL_SHM_C10D_OVERLAP=0 runs every collective in the caller's thread
         self._overlap = os.environ.get("FLODL_SHM_C10D_OVERLAP", "1") != "0"
 
@@ -416,14 +422,16 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         return (f"ProcessGroupFlodlShm(rank={self._rank}, size={self._size}, "
                 f"hosts={len(self._topo.hosts)})")
 
-    def _stall_message(self, what: str, e: ReduceStall) -> str:
+    def _stall_cause(self, what: str, e: ReduceStall) -> str:
+        """What timed out, naming the group ranks that had not arrived (the engine's
+        ``missing`` are places on this host)."""
         local = self._topo.local_ranks
         missing = [local[m] if isinstance(m, int) and 0 <= m < len(local) else m
                    for m in e.missing]
-        return (f"flodl_shm {what} (rank {self._rank} of {self._size}) timed out after "
+        return (f"{what} (rank {self._rank} of {self._size}) timed out after "
                 f"{self._timeout.total_seconds():g} s: group rank(s) {missing} of this host "
                 f"had not arrived (alive but not in this collective: every rank must make "
-                f"the same sequence of collective calls); the group is unusable, destroy it")
+                f"the same sequence of collective calls)")
 
     def _gave_up(self) -> None:
         """This rank's wait passed the group's timeout: say so in the host arena, so a
@@ -545,6 +553,10 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             if not topo.is_leader:
                 raise  # the leader tells the other hosts, then raises too
             local_error = e
+        if local_error is None:
+            # a rank of this host gave up on this round before this (late) rank came: it
+            # will not join what follows, where this rank would wait for it in vain
+            self._check_nobody_gave_up(self._calling)
         status, write, leaders_error, dead = 0, None, None, -1
         if topo.is_leader:
             lost = (local_error.rank << 32 | local_error.pid
@@ -691,9 +703,10 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     @_collective
     def allreduce(self, tensors, opts=None) -> dist.Work:
         # the hot case first (DDP buckets, model averaging): one contiguous float32 CPU
-        # tensor, SUM or AVG, one host: straight to the engine, no other checks
+        # tensor, SUM or AVG, one host, a usable group: straight to the engine
         link = self._link
-        if link is not None and len(tensors) == 1 and not self._topo.multi_host:
+        if link is not None and len(tensors) == 1 and not self._topo.multi_host \
+                and self._unusable is None:
             t = tensors[0]
             if t.dtype is _F32 and t.is_cpu and t.is_contiguous():
                 op = _SUM if opts is None else opts.reduceOp
@@ -734,7 +747,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     def _broadcast(self, tensors: list[torch.Tensor], root: int) -> None:
         link = self._link
         if (link is not None and tensors and not self._topo.multi_host
-                and all(t.dtype is _F32 for t in tensors)):
+                and self._unusable is None and all(t.dtype is _F32 for t in tensors)):
             # the engine's in-place broadcast: one compiled call when small, the root's
             # tensors read straight into the others' when large (engine/comm.py); float32
             # only: its bfloat16 path widens and rounds, which canonicalizes NaN payloads
