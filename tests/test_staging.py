@@ -117,11 +117,11 @@ def test_decision_uses_the_container_limit_not_host_ram(tmp_path):
     assert "cgroup v2" in d.available_source
 
 
-def test_decision_enables_with_room_and_says_pageable_without_cuda(tmp_path):
+def test_decision_enables_with_room_and_says_plain_memory_without_cuda(tmp_path):
     snap = _fake_host(tmp_path, mem_total=64 * GB, mem_avail=13 * GB)
     d = decide_pinned_decode(727 * MB, 1, snap, cuda=False, log=False)
     assert d.enabled and not d.pinned
-    assert "ON" in d.reason and "pageable" in d.reason
+    assert "ON" in d.reason and "plain memory: this process uses no CUDA" in d.reason
     d2 = decide_pinned_decode(727 * MB, 1, available_bytes=4 * GB, cuda=True, log=False)
     assert not d2.enabled and d2.available_source == "given"
 

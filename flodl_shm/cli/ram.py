@@ -430,7 +430,8 @@ def render(report: dict, mem: HostMemory, segments: Sequence[SegmentInfo],
     out.append("needs")
     arena_label = f"/dev/shm, {ranks} rank{'s' if ranks != 1 else ''}"
     out.append(f"  {'decode staging per rank':<26}{fmt_bytes(needs['staging_bytes_per_rank']):>10}   "
-               f"(f32 whatever the wire; the gate budgets {GATE_FACTOR}x per local rank)")
+               f"(a float32 model per rank, whatever the wire; kept where "
+               f"{GATE_FACTOR}x it per rank is available)")
     out.append(f"  {arena_label:<26}{fmt_bytes(needs['arena_shm_bytes']):>10}   "
                f"({fmt_bytes(needs['frame_bytes'])} frames)")
     out.append("")

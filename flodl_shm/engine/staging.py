@@ -173,15 +173,15 @@ def decide_pinned_decode(staging_bytes: int, local_ranks: int,
     # "pinned" only where staging would be page-locked: a CPU host's is plain memory
     what = "pinned decode staging" if pinned else "decode staging"
     if enabled:
-        kind = ("page-locked (CUDA in use)" if pinned
-                else "pageable (no CUDA in use: nothing to pin)")
-        reason = (f"{what} ON: {have} > need {formula}; armed replies decode "
-                  f"into reusable {kind} slot buffers")
+        kind = ("page-locked, for an asynchronous copy to the GPU" if pinned
+                else "plain memory: this process uses no CUDA")
+        reason = (f"{what} ON: {have} > need {formula}; each rank receives the consensus "
+                  f"into float32 buffers it keeps for the run ({kind})")
     else:
-        reason = (f"{what} OFF: {have} <= need {formula}; replies decode into "
-                  f"fresh buffers each round. To enable it the host (or container memory "
-                  f"limit) needs more than {fmt_bytes(need)} available, or run fewer local "
-                  f"ranks")
+        reason = (f"{what} OFF: {have} <= need {formula}; each rank receives each "
+                  f"consensus into new memory (the same values, an allocation per round). "
+                  f"To enable it the host (or container memory limit) needs more than "
+                  f"{fmt_bytes(need)} available, or run fewer local ranks")
     if log:
         logger.info("%s", reason)
     return StagingDecision(enabled, pinned, int(staging_bytes), int(local_ranks), need, avail,
