@@ -192,7 +192,7 @@ def sc_collectives(rank: int, world: int) -> dict:
     dist.reduce(r, dst=0)
     res["reduce"] = r
     w = dist.all_reduce(torch.ones(3), async_op=True)
-    res["async"] = (w.is_completed(), w.wait(), w.get_future().value()[0].clone())
+    res["async"] = (w.wait(), w.is_completed(), w.get_future().value()[0].clone())
     objs = [None] * world
     dist.all_gather_object(objs, {"rank": rank})
     res["all_gather_object"] = objs
@@ -661,6 +661,28 @@ def sc_stall(rank: int, world: int) -> dict:
     else:
         time.sleep(float(os.environ["C10D_TIMEOUT"]) + 4)
     return {"pid": os.getpid(), "error": err}
+
+
+def sc_async_order(rank: int, world: int) -> dict:
+    """Two groups of the same ranks; each rank starts one group's all_reduce with
+    ``async_op=True``, then runs the other's synchronously, in opposite orders (rank 0:
+    g1 async, g2; rank 1: g2 async, g1), then waits. gloo runs the async one in the
+    background, so both complete; one that ran it in the caller's thread waited there
+    for a peer that was in the other group's call until the timeout."""
+    import torch.distributed as dist
+
+    g1, g2 = dist.new_group(list(range(world))), dist.new_group(list(range(world)))
+    a, b = torch.ones(4), torch.full((4,), 2.0)
+    first, then = ((g1, a), (g2, b)) if rank == 0 else ((g2, b), (g1, a))
+    t0 = time.monotonic()
+    err = None
+    try:
+        work = dist.all_reduce(first[1], group=first[0], async_op=True)
+        dist.all_reduce(then[1], group=then[0])
+        work.wait()
+    except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+        err = f"{type(e).__name__}: {e}"
+    return {"error": err, "seconds": time.monotonic() - t0, "a": a.tolist(), "b": b.tolist()}
 
 
 def sc_late(rank: int, world: int) -> dict:

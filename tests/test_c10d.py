@@ -128,7 +128,7 @@ def check_collectives(res: list[dict], *, rank_order_sums: bool = True) -> None:
                                          [res.index(r)] * 3]
         assert [o.tolist() for o in r["all_to_all"]] == [
             [10 * s + res.index(r)] * (s + 1) for s in range(world)]
-        assert r["async"][0] is True and r["async"][1] is True
+        assert r["async"][0] is True and r["async"][1] is True  # waited, then completed
         assert r["async"][2].tolist() == [float(world)] * 3
         assert r["all_gather_object"] == [{"rank": k} for k in range(world)]
     for me, r in enumerate(res):
@@ -426,6 +426,18 @@ def test_a_dead_non_leader_makes_the_other_hosts_raise_naming_it(tmp_path):
         assert r["error"] is not None and "rank 3 (pid" in r["error"], r["error"]
         # before the collective timeout (4 s) and before rank 2 exits (after 5 s)
         assert "died" in r["error"] and r["seconds"] < 4, r
+    _no_segments_of(res)
+
+
+def test_async_collectives_run_in_the_background_as_gloo_s_do(tmp_path):
+    """A probe's ranks started one group's all_reduce with async_op=True, then another
+    group's synchronously, in opposite orders: gloo finishes in milliseconds; here the
+    async one ran in the caller's thread, where it waited for a peer that was in the
+    other group's call, until the timeout ('group rank(s) [1] ... had not arrived')."""
+    res = run_group("async_order", 2, tmp_path, timeout=60)
+    for r in res:
+        assert r["error"] is None and r["seconds"] < 5, r
+        assert r["a"] == [2.0] * 4 and r["b"] == [4.0] * 4, r
     _no_segments_of(res)
 
 

@@ -16,10 +16,12 @@ Two transports carry every collective (docs/c10d.md has the op/dtype table):
   every rank, any dtype, any op of ``reduce_ops.py``). Across hosts the leaders
   gather their hosts' bytes, all-gather them through gloo and fan them out.
 
-Collectives run to completion in the calling thread; the returned ``Work`` is
-already completed (``wait()`` returns True at once, ``get_future()`` holds the
-output tensors), which is what ``async_op=True`` callers — DDP included — expect
-of a finished collective. A failure raises from the call itself.
+A collective the caller waits for (``async_op=False``) runs to completion in the
+calling thread; the returned ``Work`` is already completed (``wait()`` returns True at
+once, ``get_future()`` holds the output tensors) and a failure raises from the call
+itself. One issued with ``async_op=True`` (or during a backward pass, or behind queued
+ones) is queued on the group's worker thread (``overlap.py``), as gloo runs it in the
+background: its ``Work`` completes when it ran, and ``wait()`` raises what it raised.
 """
 from __future__ import annotations
 
@@ -67,9 +69,10 @@ def _collective(method):
       ``FrameError`` (ranks called different collectives or shapes, raised on every
       rank at the same round, so the group stays usable) becomes one, chained, that
       lists what each rank called (``call_mismatch.py``: one more round).
-    - Overlap (``overlap.py``): issued during a backward pass, or while earlier ones
-      are still queued, the collective is queued on the group's worker thread and the
-      returned ``Work`` completes later; otherwise it runs now, in the caller's thread.
+    - Overlap (``overlap.py``): issued with ``async_op=True``, during a backward pass,
+      or while earlier ones are still queued, the collective is queued on the group's
+      worker thread and the returned ``Work`` completes later; otherwise it runs now,
+      in the caller's thread.
       A collective built on another one must be decorated as a whole (the inner call
       then runs inline): one that called a decorated collective and returned its own
       completed ``Work`` would return before a queued round ran, its outputs unwritten
@@ -107,8 +110,10 @@ def _collective(method):
         worker = self._worker
         if worker is not None and worker.on_worker_thread():
             return run(self, args, kwargs)  # nested, or a queued item's callback
-        if (self._overlap and _graph_task_id() != -1) or (worker is not None
-                                                          and worker.pending()):
+        if self._link is None or self._unusable is not None:
+            return run(self, args, kwargs)  # destroyed or unusable: it raises now
+        if (self._overlap and (_graph_task_id() != -1 or _asked_async(args, kwargs))) or (
+                worker is not None and worker.pending()):
             worker = self._start_worker()
             fut = worker.submit(lambda: run(self, args, kwargs).get_future().value())
             return _QueuedWork(fut)
@@ -116,6 +121,15 @@ def _collective(method):
             return run(self, args, kwargs)
 
     return wrapper
+
+
+def _asked_async(args: tuple, kwargs: dict) -> bool:
+    """Whether a collective's caller asked for it to run in the background: its options
+    (every collective's last argument) say ``asyncOp`` (``dist.all_reduce(...,
+    async_op=True)``, a functional collective, torch's own calls with default options).
+    A call that waits at once (``async_op=False``) says no."""
+    opts = kwargs.get("opts", args[-1] if args else None)
+    return getattr(opts, "asyncOp", False) is True
 
 
 def _signature(what: str, *parts) -> int:
