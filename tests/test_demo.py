@@ -173,6 +173,14 @@ def test_resume_continues_the_run(tmp_path, capsys):
     assert [r["window"] for r in rows] == list(range(1, hist[-1].window + 1))
     assert second.accuracy >= first.accuracy - 1.0
     assert committed_checkpoints(run_dir / "ckpt")[-1][1] == second.train.checkpoint
+    # a resume of the finished run trains nothing: its header states no options (it said
+    # "4 epochs, batch 64, ..." for a run trained at batch 32, which --batch-size 64 did
+    # not change)
+    third = run_demo(parse_args(["--run-dir", str(run_dir), "--resume", "--batch-size", "64",
+                                 "--no-progress", "--log-every", "0", "--no-plot"]))
+    out = capsys.readouterr().out
+    assert "nothing left to train" in out and "batch 64" not in out, out
+    assert third.train.meta.global_step == 4 * 42
 
 
 def test_a_newest_bundle_that_cannot_be_loaded_is_named_with_the_way_past_it(tmp_path, capsys):

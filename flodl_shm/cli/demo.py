@@ -610,7 +610,7 @@ def _say(cfg: DemoConfig, text: str = "") -> None:
         _out(text)
 
 
-def _header(cfg: DemoConfig, n_train: int, n_test: int) -> None:
+def _header(cfg: DemoConfig, n_train: int, n_test: int, options: bool = True) -> None:
     hosts = "" if cfg.controller is None else (
         f" (ranks {cfg.first_rank}-{cfg.first_rank + cfg.nprocs - 1} of {cfg.total_world}, "
         f"controller {cfg.controller})")
@@ -619,7 +619,7 @@ def _header(cfg: DemoConfig, n_train: int, n_test: int) -> None:
                                              f"{cfg.slow_rank[1]:g}x")
     _out(f"flodl_shm demo: MLP 64-{HIDDEN}-10 on scikit-learn digits ({n_train} train / "
          f"{n_test} test), {plural(cfg.nprocs, 'rank')} on this host{hosts}")
-    if cfg.summary_host:
+    if cfg.summary_host and options:
         _out(f"  {plural(cfg.epochs, 'epoch')}, batch {cfg.batch_size}, sync every "
              f"{cfg.sync_every} "
              f"batches ({cadence}{slow}), SGD lr {LR} momentum {MOMENTUM}, "
@@ -729,14 +729,16 @@ def _run_demo(cfg: DemoConfig) -> DemoResult:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics = run_dir / METRICS_FILE
-    _header(cfg, len(xtr), len(xte))
-
-    initial = 0
     meta = None
     if ckpt is not None:
         from flodl_shm import CheckpointBundle, CheckpointMeta
 
         meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(ckpt))
+    # a finished run trains nothing: this command's options describe no training
+    _header(cfg, len(xtr), len(xte), options=meta is None or meta.epoch < cfg.epochs)
+
+    initial = 0
+    if meta is not None:
         initial = meta.global_step
         if meta.epoch >= cfg.epochs:
             _say(cfg, f"  {ckpt} finished {plural(meta.epoch, 'epoch')}: nothing left to "
