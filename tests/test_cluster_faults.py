@@ -211,7 +211,7 @@ def test_the_lone_relaunched_host_waits_for_the_cohort_instead_of_training_alone
     assert got == [(True, [[0.5, 0.5, 0.5]])] * 2, got
 
 
-def test_a_host_waiting_for_a_host_that_never_joins_is_told_why_and_freed():
+def test_a_host_waiting_for_a_host_that_never_joins_is_told_why_and_freed(capfd):
     """Host 0 never joins (not started, refused): the host that did is told, once the
     deadline it announced passes, that round 0 stalled because ranks [0] never joined the
     cohort; its ranks stop with that reason (not a later 'alive but silent' from their
@@ -232,6 +232,24 @@ def test_a_host_waiting_for_a_host_that_never_joins_is_told_why_and_freed():
     assert "round 0 stalled at the controller after 9.0 s" in text, text
     assert "ranks [0] never joined the cohort" in text and "alive but silent" not in text, text
     assert elapsed < 30.0, elapsed
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_what_a_stopping_host_tells_the_controller_of_a_stalled_rank():
+    """A ``RankStalled`` carries its message only (no parsed ``error``): the host's
+    supervisor thread died on it with an AttributeError traceback, where it was to
+    tell the controller why the host stopped."""
+    from flodl_shm.errors import RankStalled
+    from flodl_shm.launch.supervisor import _host_failure
+
+    err = RankStalled("rank 1 gave up waiting: round 0 stalled at the controller after 9 s; "
+                      "ranks [0] never joined the cohort\nmore", round=0, missing=(0,),
+                      timeout=9.0, signal=None)
+    assert _host_failure(err) == (0, "rank 1 gave up waiting: round 0 stalled at the "
+                                     "controller after 9 s; ranks [0] never joined the cohort")
+    assert _host_failure(RankFailed(3, "StartRefused", "Traceback ...\nflodl_shm.errors."
+                                    "StartRefused: another checkpoint\n")) == (
+        3, "StartRefused: another checkpoint")
 
 
 # --- a lost host counts against max_failures -----------------------------------------------

@@ -185,7 +185,7 @@ def test_the_log_line_of_a_checkpointed_window_says_why_in_words(tmp_path, caplo
 
 
 def _two_hosts(tmp_path, call, outer=False, shared_folder=False, controller_outer="same",
-               **controller):
+               controllers=None, **controller):
     """A 2-rank cohort as 2 hosts of 1 rank on loopback: ``call(trainer, i, **cluster)``
     on host i, whose Trainer saves under ``tmp_path/host<i>`` (its own disk; with
     ``shared_folder`` both save under ``tmp_path/shared``, as on NFS); (results by
@@ -202,6 +202,8 @@ def _two_hosts(tmp_path, call, outer=False, shared_folder=False, controller_oute
     ctl = ClusterController.start("127.0.0.1:0", 2, SALT, round_timeout=60.0,
                                   outer=nesterov() if controller_outer == "same"
                                   else controller_outer, **controller)
+    if controllers is not None:  # the caller inspects it afterwards
+        controllers.append(ctl)
 
     def host(i):
         folder = tmp_path / ("shared" if shared_folder else f"host{i}")
@@ -278,7 +280,8 @@ def test_a_host_past_max_failures_after_another_hosts_death_saves_before_it_stop
             trainer.hooks = [*trainer.hooks, KillAt(rank=1, window=3, batch=0)]
         return trainer.run(1, **cluster)
 
-    _, errors = _two_hosts(tmp_path, call)
+    controllers = []
+    _, errors = _two_hosts(tmp_path, call, controllers=controllers)
     assert isinstance(errors.get(1), RankFailed) and errors[1].rank == 1, errors
     err = errors.get(0)
     assert isinstance(err, TrainingAborted), errors
@@ -286,6 +289,11 @@ def test_a_host_past_max_failures_after_another_hosts_death_saves_before_it_stop
     meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(err.checkpoint))
     assert meta.save_reason is SaveReason.MAX_FAILURE_EXCEEDED and meta.sync_round >= 2
     assert err.checkpoint.parent == tmp_path / "host0"
+    # host 0 reports done once its rank returned: the controller knows the run stopped
+    # early from the reason of the checkpoint it was armed with (its command said
+    # "cohort finished" and exited 0)
+    (ctl,) = controllers
+    assert ctl.stopped_early and ctl.last_armed == (str(err.checkpoint), "max_failure_exceeded")
 
 
 def test_a_host_past_rank_0_counts_its_dead_by_global_rank(tmp_path):

@@ -189,6 +189,14 @@ def main(argv: list[str] | None = None) -> int:
               + (f"left; {why}" if why else "left: every rank died or its host was lost "
                  "(see the hosts' output)"), file=sys.stderr)
         return 1
+    if ctl.stopped_early:  # the hosts said done, but their ranks stopped before the end
+        path, reason = ctl.last_armed
+        print(f"controller: the cohort stopped early after {ctl.stats.rounds} rounds"
+              + (f", without ranks {dead} (they died, or their host was lost)" if dead else "")
+              + (f"; {why}" if why else "") + f": the ranks saved {path} ({reason}) and "
+              f"stopped (every host keeps its own copy of it). Fix the cause, then restart "
+              f"the controller and every host with --resume", file=sys.stderr)
+        return 1
     print(f"controller: cohort finished after {ctl.stats.rounds} rounds"
           + (f", without ranks {dead} (they died, or their host was lost)" if dead else "")
           + (f"; {why}" if why else ""), flush=True)

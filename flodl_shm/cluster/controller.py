@@ -60,6 +60,9 @@ logger = logging.getLogger("flodl_shm")
 FLAG_OUTER = 8   # mirrors arena.FLAG_OUTER: the window's params frame
 FLAG_TAP = 16    # mirrors arena.FLAG_TAP: captured for a checkpoint
 DEFAULT_ROUND_TIMEOUT = 300.0
+#: save reasons (``SaveReason`` values) of a checkpoint taken because the run stops early
+EARLY_STOP_REASONS = frozenset({"max_failure_exceeded", "single_survivor", "all_ranks_lost",
+                                "reduce_stall"})
 PARALLEL_SCATTER_BYTES = 1 << 20  # below this, thread start-up costs more than it saves
 MAX_PENDING_HANDSHAKES = 64  # connections mid-handshake; the oldest goes for a new one
 _FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -106,6 +109,8 @@ class ClusterController:
         stopped_hosts: host name -> ``(rank, reason)``: why that host stopped, as it said
             before it left (``(0, "StartRefused: ...")``); a host that left without a
             word is not in it.
+        last_armed: ``(path, save reason)`` of the last checkpoint a rank armed (the
+            reason as its metadata spells it, ``"max_failure_exceeded"``), or None.
     """
 
     def __init__(self, sock: socket.socket, world_size: int, salt: bytes, *,
@@ -122,6 +127,7 @@ class ClusterController:
         self.error: BaseException | None = None
         self.stats = ControllerStats()
         self.stopped_hosts: dict[str, tuple[int, str]] = {}
+        self.last_armed: tuple[str, str | None] | None = None
         self._hosts: list[_Host] = []
         self._claimed: dict[int, str] = {}
         self._pending_names: set[str] = set()
@@ -430,9 +436,12 @@ class ClusterController:
                                    "complete; the cohort goes on without them", sorted(dead),
                                    h.name)
                 if free:
-                    logger.warning("controller: host %r left before the cohort was complete%s; "
-                                   "its ranks %s are free for a relaunch (%d/%d ranks claimed)",
-                                   h.name, "" if h.stopped is None else f" ({h.stopped})",
+                    # (one it told the cohort did not form stops on being told: no news)
+                    how = ("stopped, as told" if h.told_unformed
+                           else "left before the cohort was complete")
+                    logger.warning("controller: host %r %s%s; its ranks %s are free for a "
+                                   "relaunch (%d/%d ranks claimed)", h.name, how,
+                                   "" if h.stopped is None else f" ({h.stopped})",
                                    free, len(self._claimed), self.world_size)
 
     def _stall_unformed(self) -> None:
@@ -529,6 +538,13 @@ class ClusterController:
         if newly:
             self._broadcast_ctrl(ctrl_message(Ctrl.DECLARE_DEAD, ranks=newly))
 
+    @property
+    def stopped_early(self) -> bool:
+        """Whether the ranks ended the run before its end (a Trainer's survivors past
+        ``max_failures``, a stall): the last checkpoint they armed says so by its reason.
+        Their hosts then report done, as after a finished run."""
+        return self.last_armed is not None and self.last_armed[1] in EARLY_STOP_REASONS
+
     def _broadcast_ctrl(self, msg: dict) -> None:
         for h in self._hosts:
             if h.alive and not h.done:
@@ -560,7 +576,9 @@ class ClusterController:
         from ..checkpoint.forge import arm_from_head
         from ..checkpoint.tap_head import TapHead
 
-        self.forge = arm_from_head(self.forge, TapHead.from_arm_fields(msg))
+        head = TapHead.from_arm_fields(msg)
+        self.forge = arm_from_head(self.forge, head)
+        self.last_armed = (head.path, (head.meta or {}).get("save_reason"))
 
     def _sink(self, i: int, dtype: int, shape, nbytes: int) -> np.ndarray:
         key = (i, nbytes)

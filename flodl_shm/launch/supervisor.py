@@ -760,13 +760,10 @@ class SpawnContext:
 
 def _host_failure(err: RankFailed) -> tuple[int, str]:
     """``(rank, one line)`` of a failure that stops this host, for the controller: the
-    rank's error (``StartRefused: ...``), or how it died."""
-    if err.error:
-        what = f"{err.exc_type}: {err.error}"
-    elif err.signal is not None:
-        what = f"killed by {err.signal}"
-    else:
-        what = str(err).split("\n", 1)[0]
+    rank's error (``StartRefused: ...``), or the failure's own first line (how it died,
+    or, for a ``RankStalled``, which carries no parsed error, what it waited for)."""
+    error = getattr(err, "error", "")
+    what = f"{err.exc_type}: {error}" if error else str(err).split("\n", 1)[0]
     return err.rank, what
 
 
