@@ -9,6 +9,7 @@ the frame ceiling, and the ``controller`` command's start-up errors.
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import select
 import socket
@@ -250,6 +251,41 @@ def test_what_a_stopping_host_tells_the_controller_of_a_stalled_rank():
     assert _host_failure(RankFailed(3, "StartRefused", "Traceback ...\nflodl_shm.errors."
                                     "StartRefused: another checkpoint\n")) == (
         3, "StartRefused: another checkpoint")
+
+
+def test_a_host_stopped_by_a_signal_says_so_to_the_controller(tmp_path):
+    """SIGTERM to a host's launcher (an operator, a scheduler): the controller logged
+    'host ... failed (connection closed; that host's output says why)'. The host now says
+    how it was stopped before its link closes."""
+    import signal
+
+    from cluster_util import loop_forever
+
+    ctl = ClusterController.start("127.0.0.1:0", 2, SALT)
+    ready = tmp_path / "ready"
+
+    def host(i):
+        return spawn(loop_forever, 1, (str(ready),), controller=f"127.0.0.1:{ctl.port}",
+                     world_size=2, first_rank=i, salt=SALT, timeout=60)
+
+    hosts = [HostProcess(lambda i=i: host(i), f"host{i}") for i in range(2)]
+    try:
+        deadline = time.monotonic() + 90
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), "the hosts never ran their rounds"
+        os.kill(hosts[1].pid, signal.SIGTERM)
+        outcomes = join_hosts(hosts, time.monotonic() + 60)
+    finally:
+        for h in hosts:
+            h.kill()
+        ctl.shutdown()
+    assert not any(ok for ok, _ in outcomes), outcomes
+    said = {name.rsplit(":", 1)[1]: why for name, why in ctl.stopped_hosts.items()}
+    assert said["1-1"] == (-1, "its launcher was stopped by SIGTERM"), said
+    # (host 0 stops in turn, max_failures=0: it may say so before its link closes)
+    assert said.get("0-0", (1, "stopped after the controller declared ranks [1] dead")) == (
+        1, "stopped after the controller declared ranks [1] dead"), said
 
 
 # --- a lost host counts against max_failures -----------------------------------------------

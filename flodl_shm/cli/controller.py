@@ -191,11 +191,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if ctl.stopped_early:  # the hosts said done, but their ranks stopped before the end
         path, reason = ctl.last_armed
+        wrote = ctl.forge is not None and str(ctl.forge.last_written) == str(path)
         print(f"controller: the cohort stopped early after {ctl.stats.rounds} rounds"
               + (f", without ranks {dead} (they died, or their host was lost)" if dead else "")
-              + (f"; {why}" if why else "") + f": the ranks saved {path} ({reason}) and "
-              f"stopped (every host keeps its own copy of it). Fix the cause, then restart "
-              f"the controller and every host with --resume", file=sys.stderr)
+              + (f"; {why}" if why else "") + f": the ranks left saved {path} ({reason}) "
+              f"and stopped, each on its host. Fix the cause, then restart the controller "
+              f"and every host with --resume; a host that stopped before that round first "
+              f"needs its .fdl and .meta.json in its run folder"
+              + (" (this controller wrote a copy at that path)" if wrote else ""),
+              file=sys.stderr)
         return 1
     print(f"controller: cohort finished after {ctl.stats.rounds} rounds"
           + (f", without ranks {dead} (they died, or their host was lost)" if dead else "")
@@ -209,7 +213,8 @@ def _why_hosts_stopped(stopped: dict[str, tuple[int, str]]) -> str:
     the same way, which is one line, not one per host."""
     by_reason: dict[str, list[str]] = {}
     for host, (rank, reason) in stopped.items():
-        by_reason.setdefault(reason, []).append(f"{host!r} (rank {rank})")
+        by_reason.setdefault(reason, []).append(f"{host!r}" + (f" (rank {rank})" if rank >= 0
+                                                                else ""))
     lines = [f"{'host' if len(hosts) == 1 else 'hosts'} {', '.join(hosts)} stopped on: "
              f"{reason}" for reason, hosts in by_reason.items()]
     return "\n  ".join(lines)

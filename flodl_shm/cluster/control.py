@@ -26,9 +26,9 @@ During the run:
   host counts them against its ``max_failures``.
 - ``host_done`` relay -> controller: every rank of this host finished.
 - ``host_stopping`` relay -> controller: a failure ends this host's run, before its
-  link closes: ``rank`` (the global rank whose failure it is) and ``reason`` (one
-  line: its error, e.g. ``StartRefused: ...``, or how it died, and why that stops
-  the host). The controller names it when the link closes, instead of a lost host.
+  link closes: ``rank`` (the global rank whose failure it is; -1 for none, e.g. a
+  signal to the host's launcher) and ``reason`` (one line: its error, e.g.
+  ``StartRefused: ...``, or how it died, and why that stops the host). The controller names it when the link closes, instead of a lost host.
 - ``arm`` relay -> controller: a rank armed a consensus checkpoint: ``path``,
   ``meta``, ``param_names``, ``buffer_names``, ``tied``.
 - ``stall`` controller -> every relay: the round did not complete in time:

@@ -107,8 +107,9 @@ class ClusterController:
         error: the exception that ended the reduce loop, or None.
         stats: rounds, bytes in/out, peak RSS, per-round seconds.
         stopped_hosts: host name -> ``(rank, reason)``: why that host stopped, as it said
-            before it left (``(0, "StartRefused: ...")``); a host that left without a
-            word is not in it.
+            before it left (``(0, "StartRefused: ...")``; rank -1 for no rank's failure:
+            ``"its launcher was stopped by SIGTERM"``); a host that left without a word
+            is not in it.
         last_armed: ``(path, save reason)`` of the last checkpoint a rank armed (the
             reason as its metadata spells it, ``"max_failure_exceeded"``), or None.
     """
@@ -520,7 +521,7 @@ class ClusterController:
     def _note_stopping(self, h: _Host, msg: dict) -> None:
         """Record why host ``h`` stops (its ``host_stopping`` message)."""
         rank, reason = int(msg.get("rank", -1)), str(msg.get("reason") or "no reason given")
-        h.stopped = f"rank {rank}: {reason}"
+        h.stopped = reason if rank < 0 else f"rank {rank}: {reason}"  # (-1: no rank's)
         self.stopped_hosts[h.name] = (rank, reason)
 
     def _host_failed(self, h: _Host, why: str) -> None:

@@ -280,18 +280,21 @@ class SpawnContext:
             return KeyboardInterrupt("flodl_shm.spawn: interrupted; every rank was stopped")
         return None
 
-    def terminate(self, reason: int = A.ABORT_INTERRUPT) -> None:
+    def terminate(self, reason: int = A.ABORT_INTERRUPT, why: str | None = None) -> None:
         """Stop every rank (abort flag, then SIGTERM, then SIGKILL) and clean up.
 
         With ``ABORT_INTERRUPT`` (the default) and no failure before it, ``join``
         raises ``KeyboardInterrupt`` and no rank's exit counts as a failure. A no-op
-        once every rank is reaped."""
+        once every rank is reaped. ``why`` (e.g. ``"its launcher was stopped by
+        SIGTERM"``) goes to the controller, on a cluster, as why this host stops."""
         if self._done.is_set():
             return
         with self._lock:
-            if reason == A.ABORT_INTERRUPT and self._failure is None:
+            first = reason == A.ABORT_INTERRUPT and self._failure is None \
+                and not self._interrupted
+            if first:
                 self._interrupted = True
-        self._abort(reason)
+        self._abort(reason, (-1, why) if first and why else None)
 
     # -- monitor thread --------------------------------------------------------------
     def _monitor_main(self) -> None:
@@ -936,7 +939,9 @@ class _InterruptGate:
         self.received.append(signum)
         if self.ctx is None:
             raise KeyboardInterrupt
-        self.ctx.terminate(A.ABORT_INTERRUPT)
+        how = ("interrupted (Ctrl-C)" if signum == signal.SIGINT
+               else f"stopped by {signal.Signals(signum).name}")
+        self.ctx.terminate(A.ABORT_INTERRUPT, f"its launcher was {how}")
 
     def run(self, start: Callable[["_InterruptGate"], SpawnContext]) -> list[Any]:
         old = take_stop_signals(self._handler)
