@@ -685,6 +685,30 @@ def sc_async_order(rank: int, world: int) -> dict:
     return {"error": err, "seconds": time.monotonic() - t0, "a": a.tolist(), "b": b.tolist()}
 
 
+def sc_wait_timeout(rank: int, world: int) -> dict:
+    """Rank 0's async all_reduce waits with a 1 s timeout while rank 1 joins 3 s late:
+    the wait raises after 1 s, the collective stays queued, and a second wait gets its
+    result once rank 1 joined."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    t = torch.full((4,), float(rank + 1))
+    if rank == 1:
+        time.sleep(3.0)
+        dist.all_reduce(t)
+        return {"t": t.tolist()}
+    work = dist.all_reduce(t, async_op=True)
+    t0 = time.monotonic()
+    try:
+        work.wait(timeout=timedelta(seconds=1))
+        first = None
+    except RuntimeError as e:
+        first = str(e)
+    first_s = time.monotonic() - t0
+    work.wait()
+    return {"first": first, "first_s": first_s, "t": t.tolist()}
+
+
 def sc_late(rank: int, world: int) -> dict:
     """The last rank enters the collective after the others' timeout; they linger
     (C10D_LINGER s, alive) while it arrives, then each says what its call did, how long

@@ -441,6 +441,17 @@ def test_async_collectives_run_in_the_background_as_gloo_s_do(tmp_path):
     _no_segments_of(res)
 
 
+def test_a_wait_with_a_timeout_raises_when_it_passes_and_the_collective_goes_on(tmp_path):
+    """gloo's ``Work.wait(timeout)`` raises once the timeout passed; a queued collective's
+    wait ignored it and blocked until the peer came."""
+    res = run_group("wait_timeout", 2, tmp_path, timeout=60)
+    first = res[0]
+    assert first["first"] is not None and "Work.wait timed out after 1 s" in first["first"], first
+    assert 0.9 < first["first_s"] < 2.5, first
+    assert first["t"] == res[1]["t"] == [3.0] * 4, res
+    _no_segments_of(res)
+
+
 def test_a_rank_that_skips_a_collective_makes_the_others_time_out_naming_it(tmp_path):
     res = run_group("stall", 3, tmp_path, extra_env={"C10D_TIMEOUT": "3", "C10D_LINGER": "1"},
                     timeout=120)

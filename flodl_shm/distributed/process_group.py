@@ -199,6 +199,18 @@ class _QueuedWork(dist.Work):
         self._future = future
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until the collective ran (raising what it raised), or, with a
+        ``timeout`` (torch's 0 means none), raise ``RuntimeError`` once that passed,
+        as gloo's ``wait(timeout)`` does; the collective stays queued either way."""
+        limit = None if timeout is None else timeout.total_seconds()
+        if limit is not None and limit > 0 and not self._future.done():
+            ran = threading.Event()
+            self._future.add_done_callback(lambda _: ran.set())
+            if not ran.wait(limit):
+                raise RuntimeError(
+                    f"flodl_shm: Work.wait timed out after {limit:g} s: the collective has "
+                    f"not completed (a peer has not joined it yet); it stays queued on the "
+                    f"group, which fails it at the group's own timeout")
         self._future.wait()  # raises the collective's error
         return True
 
