@@ -25,6 +25,7 @@ import torch
 from flodl_shm import (ClusterController, FrameError, RankFailed, ReduceStall, StartRefused,
                        spawn)
 from flodl_shm.cluster import wire
+from flodl_shm.errors import plural
 from flodl_shm.cluster.link import HandshakeRejected, Kind, split_frame
 from flodl_shm.cluster.secret import write_secret_file
 from flodl_shm.frame import DTYPE_BF16, DTYPE_F32, RoundFrame, RoundKind, TensorPayload
@@ -284,8 +285,8 @@ def test_a_host_stopped_by_a_signal_says_so_to_the_controller(tmp_path):
     said = {name.rsplit(":", 1)[1]: why for name, why in ctl.stopped_hosts.items()}
     assert said["1-1"] == (-1, "its launcher was stopped by SIGTERM"), said
     # (host 0 stops in turn, max_failures=0: it may say so before its link closes)
-    assert said.get("0-0", (1, "stopped after the controller declared ranks [1] dead")) == (
-        1, "stopped after the controller declared ranks [1] dead"), said
+    inferred = (-1, "the controller declared ranks [1] dead, 1 failure past max_failures=0")
+    assert said.get("0-0", inferred) == inferred, said
 
 
 # --- a lost host counts against max_failures -----------------------------------------------
@@ -549,7 +550,9 @@ def test_the_controller_names_why_each_host_stopped():
             assert rank in own and why == f"StartRefused: host of rank {rank} holds another " \
                                           f"checkpoint", said
         else:  # it heard of the other host's refusal from the controller before its own
-            assert why == f"stopped after the controller declared ranks {other} dead", said
+            assert rank == -1 and why == (f"the controller declared ranks {other} dead, "
+                                          f"{plural(len(other), 'failure')} past "
+                                          f"max_failures=0"), said
     assert refused >= 1, said
 
 

@@ -677,8 +677,10 @@ class SpawnContext:
             if first:
                 self._failure, self._failure_inferred = err, True
         logger.error("%s", err)
-        self._abort(A.ABORT_FAILED, (err.rank, f"stopped after the controller declared "
-                                     f"ranks {remote} dead") if first else None)
+        # (-1: the cause is no rank of this host)
+        self._abort(A.ABORT_FAILED, (-1, f"the controller declared ranks {remote} dead, "
+                                     f"{plural(len(dead), 'failure')} past max_failures="
+                                     f"{self.max_failures}") if first else None)
 
     def _write_death_record(self, rank: int, err: RankFailed) -> None:
         try:
