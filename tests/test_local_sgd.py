@@ -466,25 +466,26 @@ def test_ranks_built_with_different_settings_or_models_are_refused_naming_them()
     with FakeCohort(3) as cohort:
         out = cohort.run(lambda comm: build(comm, sync_every=4 if comm.rank < 2 else 5,
                                             gamma=0.5 if comm.rank == 1 else 1.0))
-        assert out[0] == ("the ranks differ in sync_every (rank 0 (as on ranks [0, 1]): 4; "
-                          "ranks [2] passed another); gamma (rank 0 (as on ranks [0, 2]): "
-                          "1.0; ranks [1] passed another): build LocalSGD with the same "
-                          "arguments, on the same model, on every rank")
-        assert out[2].startswith("the ranks differ in sync_every (rank 2: 5; ranks [0, 1] "
-                                 "passed another); gamma (rank 2 (as on ranks [0, 2]): 1.0;")
+        # every rank says the same, with every rank's value (each rank named only its
+        # own: "sync_every (rank 0 (as on ranks [0, 1]): 4; ranks [2] passed another)")
+        assert out == [("the ranks differ in sync_every (4 on ranks [0, 1]; 5 on ranks [2]); "
+                        "gamma (1.0 on ranks [0, 2]; 0.5 on ranks [1]): build LocalSGD with "
+                        "the same arguments, on the same model, on every rank")] * 3, out
         out = cohort.run(lambda comm: build(
             comm, sync_every=4, outer=OuterNesterov(lr=0.7 if comm.rank else 0.5),
             bf16_wire=comm.rank == 2))
-        assert "outer (rank 0: ('OuterNesterov', 0.5, 0.9); ranks [1, 2] passed another)" \
-            in out[0]
-        assert "bf16_wire (rank 2: True; ranks [0, 1] passed another)" in out[2]
-        # (a probe: ElChes of other knobs passed, and the ranks planned other windows)
+        assert out[0].startswith("the ranks differ in outer (('OuterNesterov', 0.5, 0.9) on "
+                                 "ranks [0]; ('OuterNesterov', 0.7, 0.9) on ranks [1, 2]); "
+                                 "bf16_wire (False on ranks [0, 1]; True on ranks [2])"), out[0]
+        # (a probe: ElChes of other knobs passed, and the ranks planned other windows); a
+        # long value is quoted up to its first 240 bytes
         out = cohort.run(lambda comm: build(
             comm, sync_every=4, cadence=ElChe(3, 4).with_overhead_target(
                 0.3 if comm.rank == 1 else 0.05)))
-        assert out[0].startswith("the ranks differ in cadence (rank 0 (as on ranks [0, 2]): "
-                                 "(('world_size', 3), ('anchor', 4)"), out[0]
-        assert "('overhead_target', 0.3)" in out[1] and "ranks [0, 2] passed another" in out[1]
+        assert out[0].startswith("the ranks differ in cadence ((('world_size', 3), "
+                                 "('anchor', 4)"), out[0]
+        assert "('overhead_target', 0.05)" in out[0] and "... on ranks [0, 2]; " in out[0]
+        assert "('overhead_target', 0.3)" in out[1] and "... on ranks [1])" in out[1]
 
         def other_model(comm):
             model = make_model(0)

@@ -331,13 +331,23 @@ def test_hosts_built_with_different_settings_are_refused_before_training(tmp_pat
             trainer.seed, trainer.epochs = 7, 3
         return trainer.run(1, **cluster)
 
-    _, errors = _two_hosts(tmp_path, call)
+    controllers = []
+    _, errors = _two_hosts(tmp_path, call, controllers=controllers)
     assert set(errors) == {0, 1}, errors
+    said = ("ValueError: the ranks differ in seed (42 on ranks [0]; 7 on ranks [1]); epochs "
+            "(2 on ranks [0]; 3 on ranks [1]): build the same Trainer, with the same dataset, "
+            "on every host")
     for i, e in errors.items():
-        assert isinstance(e, StartRefused), e
-        assert "the ranks differ in seed (rank" in str(e) and "; epochs (rank" in str(e), e
-        assert "build the same Trainer, with the same dataset, on every host" in str(e)
+        # every host names every host's values (each named only its own)
+        assert isinstance(e, StartRefused) and str(e).endswith(said), e
     assert not list(tmp_path.glob("host*/run-r*")), "nothing was trained or saved"
+    # the same refusal on both hosts: one reason at the controller
+    (ctl,) = controllers
+    refusal = f"StartRefused: could not start training: {said}"
+    reasons = {why for _, why in ctl.stopped_hosts.values()}
+    # (a host may hear of the other's refusal from the controller before its own)
+    assert refusal in reasons and all(why == refusal or why.startswith(
+        "the controller declared ranks ") for why in reasons), ctl.stopped_hosts
 
 
 def test_the_controller_keeps_checkpointing_after_rank_0_died(tmp_path):

@@ -767,7 +767,9 @@ def _host_failure(err: RankFailed) -> tuple[int, str]:
     """``(rank, one line)`` of a failure that stops this host, for the controller: the
     rank's error (``StartRefused: ...``), or the failure's own first line (how it died,
     or, for a ``RankStalled``, which carries no parsed error, what it waited for)."""
-    error = getattr(err, "error", "")
+    # (the rank travels on its own: "rank 2 could not start ..." would make the same
+    # refusal on every host a reason of its own at the controller)
+    error = getattr(err, "error", "").removeprefix(f"rank {err.rank} ")
     what = f"{err.exc_type}: {error}" if error else str(err).split("\n", 1)[0]
     return err.rank, what
 

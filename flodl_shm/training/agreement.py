@@ -57,12 +57,46 @@ def check_same_settings(comm, settings: dict[str, Any], fix: str) -> None:
         return
     differ = []
     for name, value in settings.items():
-        split = _split(comm.rank, _per_rank(comm, digest24(value)))
-        if split is not None:
-            same, others = split
-            differ.append(f"{name} (rank {comm.rank}{_also(comm.rank, same)}: {value!r}; "
-                          f"ranks {others} passed another)")
+        if _split(comm.rank, _per_rank(comm, digest24(value))) is not None:
+            # every rank learns every rank's value (one more round), so every rank (and
+            # every host, which a controller then reports once) says the same
+            held: dict[str, list[int]] = {}
+            for r, text in enumerate(_texts_by_rank(comm, repr(value))):
+                if text is not None:
+                    held.setdefault(text, []).append(r)
+            differ.append(f"{name} (" + "; ".join(f"{text} on ranks {ranks}"
+                                                  for text, ranks in held.items()) + ")")
     raise ValueError(f"the ranks differ in {'; '.join(differ) or 'their settings'}: {fix}")
+
+
+#: the longest value (UTF-8 bytes of its repr) a settings mismatch quotes per rank
+QUOTED_BYTES = 240
+
+
+def _texts_by_rank(comm, text: str) -> list[Optional[str]]:
+    """Every rank's ``text`` (its first ``QUOTED_BYTES`` bytes, ``...`` where cut), None
+    for a dead rank: a collective, one small round (``sync_window.gather_columns``;
+    three bytes per value, exact on its float32 wire)."""
+    from .sync_window import gather_columns
+
+    data = text.encode()
+    cut = len(data) > QUOTED_BYTES
+    data = data[:QUOTED_BYTES]
+    n = -(-QUOTED_BYTES // 3)
+    column = [float(len(data) + 1 + (1 << 20 if cut else 0))] + [0.0] * n  # 0: a dead rank
+    for i in range(0, len(data), 3):
+        column[1 + i // 3] = float(int.from_bytes(data[i:i + 3].ljust(3, b"\0"), "little"))
+    table = gather_columns(comm, column)
+    out: list[Optional[str]] = []
+    for r in range(comm.world_size):
+        head = int(table[0, r])
+        if head == 0:
+            out.append(None)
+            continue
+        size, cut = (head - 1) & 0xFFFFF, bool(head >> 20)
+        raw = b"".join(int(table[1 + j, r]).to_bytes(3, "little") for j in range(n))
+        out.append(raw[:size].decode(errors="replace") + ("..." if cut else ""))
+    return out
 
 
 def check_same_model(comm, tensors: list[tuple[str, str]], fix: str) -> None:
