@@ -530,8 +530,8 @@ class ClusterController:
         h.alive = False
         newly = [r for r in h.ranks if self.dead_ranks.declare_dead(r)]
         if h.stopped is not None:  # it said why before its link closed
-            logger.error("controller: host %r stopped (%s); ranks %s declared dead", h.name,
-                         h.stopped, h.ranks)
+            logger.error("controller: host %r stopped (%s); its ranks %s are out of the "
+                         "cohort", h.name, h.stopped, h.ranks)
         else:
             logger.error("controller: host %r failed (%s; that host's output says why); "
                          "ranks %s declared dead", h.name, why, h.ranks)
