@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import kernels as K
+from ..checkpoint.meta import SaveReason
 from .dead_ranks import DeadRanks
 from ..errors import FrameError, ReduceStall
 from ..frame import DTYPE_F32, RoundFrame, RoundKind, TensorPayload, elem_size
@@ -60,9 +61,11 @@ logger = logging.getLogger("flodl_shm")
 FLAG_OUTER = 8   # mirrors arena.FLAG_OUTER: the window's params frame
 FLAG_TAP = 16    # mirrors arena.FLAG_TAP: captured for a checkpoint
 DEFAULT_ROUND_TIMEOUT = 300.0
-#: save reasons (``SaveReason`` values) of a checkpoint taken because the run stops early
-EARLY_STOP_REASONS = frozenset({"max_failure_exceeded", "single_survivor", "all_ranks_lost",
-                                "reduce_stall"})
+#: save reasons (as a checkpoint's metadata spells them) of one taken because the run
+#: stops early
+EARLY_STOP_REASONS = frozenset(r.value for r in (
+    SaveReason.MAX_FAILURE_EXCEEDED, SaveReason.SINGLE_SURVIVOR, SaveReason.ALL_RANKS_LOST,
+    SaveReason.REDUCE_STALL))
 PARALLEL_SCATTER_BYTES = 1 << 20  # below this, thread start-up costs more than it saves
 MAX_PENDING_HANDSHAKES = 64  # connections mid-handshake; the oldest goes for a new one
 _FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)

@@ -79,11 +79,11 @@ def _texts_by_rank(comm, text: str) -> list[Optional[str]]:
     three bytes per value, exact on its float32 wire)."""
     from .sync_window import gather_columns
 
-    data = text.encode()
-    cut = len(data) > QUOTED_BYTES
-    data = data[:QUOTED_BYTES]
+    full = text.encode()
+    data = full[:QUOTED_BYTES]
     n = -(-QUOTED_BYTES // 3)
-    column = [float(len(data) + 1 + (1 << 20 if cut else 0))] + [0.0] * n  # 0: a dead rank
+    # the whole length + 1 (0: a dead rank), at most 2^23: exact on the float32 wire
+    column = [float(min(len(full), 1 << 23) + 1)] + [0.0] * n
     for i in range(0, len(data), 3):
         column[1 + i // 3] = float(int.from_bytes(data[i:i + 3].ljust(3, b"\0"), "little"))
     table = gather_columns(comm, column)
@@ -93,9 +93,10 @@ def _texts_by_rank(comm, text: str) -> list[Optional[str]]:
         if head == 0:
             out.append(None)
             continue
-        size, cut = (head - 1) & 0xFFFFF, bool(head >> 20)
+        size = head - 1
         raw = b"".join(int(table[1 + j, r]).to_bytes(3, "little") for j in range(n))
-        out.append(raw[:size].decode(errors="replace") + ("..." if cut else ""))
+        out.append(raw[:size].decode(errors="replace")
+                   + ("..." if size > QUOTED_BYTES else ""))
     return out
 
 
