@@ -214,16 +214,25 @@ def torch_dtype_name(dt) -> str:
     return names.get(short, short)
 
 
-def check_tensor_dtype(t, index: int):
-    """FrameError unless ``t`` is a float32 or bfloat16 tensor."""
+def check_tensor_dtype(t, index: int, broadcast: bool = False):
+    """FrameError unless ``t`` is a float32 or bfloat16 tensor (``broadcast``: the
+    tensor of a broadcast, whose fix is a float32 view of its bytes, not a cast)."""
     torch = _torch()
     if not isinstance(t, torch.Tensor):
         raise FrameError(f"tensor[{index}] is a {type(t).__name__}, not a torch.Tensor")
-    if t.dtype not in (torch.float32, torch.bfloat16):
+    if t.dtype in (torch.float32, torch.bfloat16):
+        return
+    name = f"tensor[{index}] dtype {torch_dtype_name(t.dtype)} ({t.dtype})"
+    if broadcast:
         raise FrameError(
-            f"tensor[{index}] dtype {torch_dtype_name(t.dtype)} ({t.dtype}) not supported "
-            f"(only Float32 / BFloat16 tensors can be averaged); cast it with .float() first"
-        )
+            f"{name} not supported: a broadcast carries Float32 / BFloat16 tensors. For "
+            f"the exact bytes of any dtype, broadcast a float32 view of them, "
+            f"t.view(torch.float32) (its last dimension's bytes a multiple of 4), or use "
+            f"torch.distributed.broadcast on a \"flodl_shm\" process group, which takes "
+            f"every dtype; .float() would round a Float64")
+    raise FrameError(
+        f"{name} not supported (only Float32 / BFloat16 tensors can be averaged); cast it "
+        f"with .float() first")
 
 
 def tensor_to_payload(t, dtype: int, index: int = 0, scale: float = 1.0) -> TensorPayload:

@@ -177,6 +177,11 @@ def sc_collectives(rank: int, world: int) -> dict:
     g = [torch.empty(3, dtype=torch.int32) for _ in range(world)] if rank == 0 else None
     dist.gather(torch.full((3,), rank + 10, dtype=torch.int32), g, dst=0)
     res["gather"] = g
+    # complex: torch hands gather its tensors as they are (scatter and all_gather their
+    # float views); it was refused, naming complex64 as unsupported
+    g = [torch.empty(2, dtype=torch.complex64) for _ in range(world)] if rank == 0 else None
+    dist.gather(torch.tensor([rank + 0.5j, -rank * 1j], dtype=torch.complex64), g, dst=0)
+    res["gather_complex"] = g
     o = torch.empty(3, dtype=torch.float16)
     sl = [torch.full((3,), 100 + r, dtype=torch.float16) for r in range(world)]
     dist.scatter(o, sl if rank == world - 1 else None, src=world - 1)

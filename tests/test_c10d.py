@@ -147,6 +147,8 @@ def check_collectives(res: list[dict], *, rank_order_sums: bool = True) -> None:
             if rank_order_sums:
                 assert same_bits(r["all_reduce_coalesced"][i], ref)
     assert [g.tolist() for g in res[0]["gather"]] == [[k + 10] * 3 for k in range(world)]
+    assert [g.tolist() for g in res[0]["gather_complex"]] == [
+        [complex(k, 0.5), complex(0, -k)] for k in range(world)]
     assert res[0]["reduce"].tolist() == [float(sum(range(world)))] * 4
 
 

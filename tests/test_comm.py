@@ -123,6 +123,56 @@ def test_broadcast_keeps_negative_zero_and_rejects_bad_root():
             assert torch.signbit(r[0][0]) and r[0][1] == 1.0
 
 
+def test_a_broadcast_of_another_dtype_is_refused_with_its_byte_exact_fix():
+    """A broadcast averages nothing: its refusal of a float64 tensor said 'only Float32 /
+    BFloat16 tensors can be averaged; cast it with .float()', which rounds. The fix it
+    names now, a float32 view of the bytes, carries any dtype exactly (NaN payloads too)."""
+    src = torch.tensor([1.0 / 3.0, -0.0, float("nan"), 2.0 ** -1074], dtype=torch.float64)
+    src.view(torch.int64)[2] = 0x7FF8_0000_DEAD_BEEF  # a NaN with a payload
+
+    def body(comm):
+        t = src.clone() if comm.rank == 0 else torch.zeros(4, dtype=torch.float64)
+        for call in (lambda: comm.broadcast_([t], 0),
+                     lambda: comm.broadcast_from_root([t], 0)):
+            with pytest.raises(FrameError, match=r"tensor\[0\] dtype Float64 \(torch.float64\) "
+                               r"not supported: a broadcast carries Float32 / BFloat16 tensors"
+                               r".*t\.view\(torch\.float32\)"):
+                call()
+        comm.broadcast_([t.view(torch.float32)], 0)
+        got = comm.broadcast_from_root([src.view(torch.float32) if comm.rank == 0
+                                        else torch.zeros(8)], 0)[0]
+        return t.view(torch.int64).tolist(), got.view(torch.int64).tolist()
+
+    with FakeCohort(2) as c:
+        for in_place, returned in c.run(body):
+            assert in_place == returned == src.view(torch.int64).tolist()
+
+
+@pytest.mark.parametrize("bf16_wire", [False, True])
+def test_returned_results_are_float32_and_round_to_what_in_place_writes(bf16_wire):
+    """The tensor-returning calls give the f32 consensus for bfloat16 inputs (the README
+    says so: a user saw float32 come back for bfloat16 in); rounded to bfloat16 it is,
+    bit for bit, what ``all_reduce_`` writes into the same bfloat16 tensors."""
+    gen = torch.Generator().manual_seed(5)
+    data = [torch.randn(3, 1000, generator=gen).to(torch.bfloat16) for _ in range(3)]
+
+    def body(comm):
+        comm.set_bf16_wire(bf16_wire)
+        mine = [data[comm.rank][i].clone() for i in range(3)]
+        mean = comm.all_reduce_tensors([t.clone() for t in mine])
+        weighted, _ = comm.all_reduce_weighted([t.clone() for t in mine])
+        comm.all_reduce_(mine)
+        return mean, weighted, mine
+
+    with FakeCohort(3) as c:
+        for mean, weighted, in_place in c.run(body):
+            assert [t.dtype for t in mean + weighted] == [torch.float32] * 6
+            assert [t.dtype for t in in_place] == [torch.bfloat16] * 3
+            for m, w, t in zip(mean, weighted, in_place):
+                assert torch.equal(m, w)
+                assert torch.equal(m.to(torch.bfloat16).view(torch.int16), t.view(torch.int16))
+
+
 def test_fake_cohort_validates_locally():
     with pytest.raises(ValueError, match="world_size"):
         FakeCohort(0)

@@ -261,6 +261,12 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+def _float_view(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor's float view (``torch.view_as_real``: the same memory); any
+    other tensor as it is."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 def _checked(tensors: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
     """``tensors`` as a list, each checked (CPU, supported dtype) for collective ``what``."""
     tensors = list(tensors)
@@ -908,11 +914,13 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     @_collective
     def gather(self, output_lists, input_tensors, opts) -> dist.Work:
         root = int(opts.rootRank)
-        inputs = _checked(input_tensors, "gather")
+        # complex tensors travel as their float views, as torch hands them to the other
+        # byte copies (scatter, all_gather, broadcast) but not to gather
+        inputs = _checked([_float_view(t) for t in input_tensors], "gather")
         offs, total = _layout(inputs)
         problem = None
         if self._rank == root:
-            outs = output_lists[0] if output_lists else []
+            outs = [_float_view(o) for o in (output_lists[0] if output_lists else [])]
             problem = self._per_rank_lists("gather", "gather_list", [outs],
                                            [(o, inputs[0]) for o in outs])
         head = _ALIGN  # every rank's bytes start with a status word (_put_status)
@@ -925,7 +933,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             _refuse(problem)
             self._refuse_root_list(views, root, "gather", "the inputs", inputs[0])
             if self._rank == root:
-                for r, out in enumerate(output_lists[0]):
+                for r, out in enumerate(outs):
                     _copy_into(out, _tensor_at(views[r], head + offs[0], inputs[0]))
 
         self._exchange(head + total, fill, consume, _signature("gather", root, inputs))

@@ -550,7 +550,8 @@ class Comm:
     def all_reduce_weighted(self, tensors: Sequence[torch.Tensor], kind=RoundKind.MODEL,
                             weight: float = 1.0, *, outer: bool = False
                             ) -> tuple[list[torch.Tensor], float]:
-        """Tensors already scaled by the caller; returns (Σ/Σw, accepted mass Σw)."""
+        """Tensors already scaled by the caller; returns (Σ/Σw, accepted mass Σw), as
+        float32 tensors (for bfloat16 inputs too: the f32 consensus, not rounded again)."""
         if not outer:
             got = self._single_fast(tensors, _kind(kind), weight, 1.0)
             if got is not None:
@@ -558,7 +559,8 @@ class Comm:
         return self.all_reduce_scaled(tensors, 1.0, kind, weight, outer=outer)
 
     def all_reduce_tensors(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Equal-weight mean over the accepted ranks."""
+        """Equal-weight mean over the accepted ranks, as float32 tensors (for bfloat16
+        inputs too: ``.to(torch.bfloat16)`` gives what :meth:`all_reduce_` writes)."""
         got = self._single_fast(tensors, _MODEL, 1.0, 1.0)
         if got is not None:
             return [got[0]]
@@ -751,7 +753,7 @@ class Comm:
             self._fused_round(plan, 0.0, len(tensors) if is_root else 0, 1.0, out, addr, False,
                               elided=not is_root, broadcast=local_root)
             return res
-        plan = eng.plan(_CONTROL, DTYPE_F32, tuple(check_tensors(tensors)))
+        plan = eng.plan(_CONTROL, DTYPE_F32, tuple(check_tensors(tensors, broadcast=True)))
         flat = self._codec.flat_result(plan.nelem, None)
         if local_root is not None and eng.direct.mode(plan, 0) == A.FLAG_DIRECT:
             self._direct_call(tensors if is_root else None, plan, 0.0, 1.0, flat,
@@ -813,7 +815,8 @@ class Comm:
                     decode_gathered(eng.eager_f32, DTYPE_F32, plan, tensors)
                 return
             plan = eng.plan(_CONTROL, DTYPE_F32,
-                            tuple(check_tensors(tensors, in_place=not is_root)))
+                            tuple(check_tensors(tensors, in_place=not is_root,
+                                                      broadcast=True)))
             if eng.direct.mode(plan, 0) == A.FLAG_DIRECT:
                 self._direct_call(tensors, plan, 0.0, 1.0, None, broadcast=local_root)
                 return

@@ -174,8 +174,8 @@ def elements_share_memory(t: torch.Tensor) -> bool:
     return any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape))
 
 
-def check_tensors(tensors: Sequence[torch.Tensor], in_place: bool = False
-                  ) -> list[tuple[int, ...]]:
+def check_tensors(tensors: Sequence[torch.Tensor], in_place: bool = False,
+                  broadcast: bool = False) -> list[tuple[int, ...]]:
     """The shapes of ``tensors``; FrameError naming the first that is not a dense
     float32 or bfloat16 tensor holding data (a sparse or a meta tensor), or, with
     ``in_place`` (the tensors receive the result), one whose elements share memory (an
@@ -185,6 +185,7 @@ def check_tensors(tensors: Sequence[torch.Tensor], in_place: bool = False
     Args:
         tensors: the tensors of one collective call.
         in_place: the call writes its result into ``tensors``.
+        broadcast: the call is a broadcast (a wrong dtype's fix is another).
     """
     refuse_one_tensor(tensors)
     shapes = []
@@ -194,7 +195,7 @@ def check_tensors(tensors: Sequence[torch.Tensor], in_place: bool = False
         except AttributeError:
             dt = None
         if dt is not F32 and dt is not BF16:
-            check_tensor_dtype(t, i)  # raises with the dtype named
+            check_tensor_dtype(t, i, broadcast)  # raises with the dtype named
         if t.is_meta:
             raise FrameError(f"tensor[{i}] is on the meta device, which holds no data: "
                              f"materialize it first (module.to_empty(device='cpu') and "
