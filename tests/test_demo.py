@@ -183,10 +183,14 @@ def test_resume_continues_the_run(tmp_path, capsys):
     assert third.train.meta.global_step == 4 * 42
 
 
-def test_a_newest_bundle_that_cannot_be_loaded_is_named_with_the_way_past_it(tmp_path, capsys):
+@pytest.mark.parametrize("damage", ["emptied", "a field edited"])
+def test_a_newest_bundle_that_cannot_be_loaded_is_named_with_the_way_past_it(tmp_path, capsys,
+                                                                            damage):
     """A probe emptied the newest bundle's .meta.json: --resume failed, then advised
     "Last checkpoint ...: continue with --resume", which loads the same bundle again. The
-    advice names the bundle and the one a resume reaches once its files are moved out."""
+    advice names the bundle and the one a resume reaches once its files are moved out.
+    A field edited by hand ("global_step": "x") gave that same advice, from an error that
+    named no file."""
     from flodl_shm.cli.demo import main
 
     run_dir = tmp_path / "damaged"
@@ -194,7 +198,13 @@ def test_a_newest_bundle_that_cannot_be_loaded_is_named_with_the_way_past_it(tmp
     assert_clean()
     rounds = [p.name for _, p in committed_checkpoints(run_dir / "ckpt")]
     newest = run_dir / rounds[-1]
-    CheckpointBundle.meta_path(newest).write_text("")
+    meta = CheckpointBundle.meta_path(newest)
+    if damage == "emptied":
+        meta.write_text("")
+    else:
+        edited = json.loads(meta.read_text())
+        edited["global_step"] = "x"
+        meta.write_text(json.dumps(edited))
     capsys.readouterr()
     argv = ["--run-dir", str(run_dir), "--resume", "--epochs", "3", "--no-progress",
             "--log-every", "0", "--no-plot"]
@@ -202,6 +212,8 @@ def test_a_newest_bundle_that_cannot_be_loaded_is_named_with_the_way_past_it(tmp
     assert_clean()
     err = capsys.readouterr().err
     assert "continue with --resume" not in err, err
+    if damage != "emptied":
+        assert f"{meta}: global_step must be a non-negative integer, got 'x'" in err, err
     assert (f"The newest checkpoint, {newest}, could not be loaded. Restore its files from a "
             f"copy, or move them ({newest.name[:-4]}.*) out of {run_dir}: --resume then "
             f"continues from the one before, {rounds[-2]}.") in err

@@ -40,7 +40,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..errors import CheckpointError
 from ._atomic import atomic_write_bytes
@@ -369,9 +369,11 @@ class ModelSchema:
     def read_from_file(cls, path: "str | os.PathLike[str]") -> "ModelSchema":
         """Read a ``.names.json``; ``CheckpointError`` when unreadable, malformed, or newer
         than ``MODEL_NAMES_SCHEMA_VERSION``."""
-        obj = _load_json(path, "ModelSchema")
-        _check_version(obj, "ModelSchema", MODEL_NAMES_SCHEMA_VERSION, os.fspath(path))
-        return cls.from_dict(obj)
+        def parse(obj: dict, source: str) -> "ModelSchema":
+            _check_version(obj, "ModelSchema", MODEL_NAMES_SCHEMA_VERSION, source)
+            return cls.from_dict(obj)
+
+        return _read_json_file(path, "ModelSchema", parse)
 
     def to_dict(self) -> dict:
         d = {"param_names": list(self.param_names), "buffer_names": list(self.buffer_names)}
@@ -629,6 +631,21 @@ def _load_json(path: "str | os.PathLike[str]", what: str) -> dict:
     return obj
 
 
+def _read_json_file(path: "str | os.PathLike[str]", what: str,
+                    parse: Callable[[dict, str], Any]) -> Any:
+    """``parse(obj, source)`` of the JSON object in ``path``; a field it refuses is
+    named with the file (``CheckpointMeta: runs/x/ckpt-r00000012.meta.json:
+    global_step must be ...``), so the reader knows which file to restore or move."""
+    source = os.fspath(path)
+    obj = _load_json(path, what)
+    try:
+        return parse(obj, source)
+    except CheckpointError as e:
+        if source in str(e):
+            raise
+        raise CheckpointError(f"{what}: {source}: {e}") from None
+
+
 @dataclass
 class CheckpointMeta:
     """The ``<stem>.meta.json`` sidecar: where the run stood when the bundle was saved.
@@ -727,7 +744,7 @@ class CheckpointMeta:
     def read_from_file(cls, path: "str | os.PathLike[str]") -> "CheckpointMeta":
         """Read a sidecar; ``CheckpointError`` when unreadable, malformed, or newer
         than ``CHECKPOINT_META_SCHEMA_VERSION`` (message contains "newer than")."""
-        return cls.from_dict(_load_json(path, "CheckpointMeta"), source=os.fspath(path))
+        return _read_json_file(path, "CheckpointMeta", cls.from_dict)
 
 
 @dataclass
@@ -796,7 +813,7 @@ class RankDeathRecord:
     @classmethod
     def read_from_file(cls, path: "str | os.PathLike[str]") -> "RankDeathRecord":
         """Read a death record; ``CheckpointError`` when unreadable or malformed."""
-        return cls.from_dict(_load_json(path, "RankDeathRecord"), source=os.fspath(path))
+        return _read_json_file(path, "RankDeathRecord", cls.from_dict)
 
 
 __all__ = [
