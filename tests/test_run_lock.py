@@ -306,3 +306,44 @@ def test_a_lock_that_cannot_be_written_or_removed_is_given_back(tmp_path, monkey
     code = subprocess.run([sys.executable, "-c", f"from flodl_shm.checkpoint.run_lock import "
                            f"RunLock; RunLock({str(stem)!r}).__enter__()"], timeout=60).returncode
     assert code == 0
+
+
+@pytest.fixture
+def remountable(tmp_path):
+    """A real tmpfs at ``tmp_path / "fs"``, with a function that remounts it read-only;
+    skipped where this process may not mount (not root, or no mount namespace right)."""
+    where = tmp_path / "fs"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", os.fspath(where)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+
+    def read_only() -> None:
+        subprocess.run(["mount", "-o", "remount,ro", os.fspath(where)], check=True)
+
+    try:
+        yield where, read_only
+    finally:
+        subprocess.run(["umount", "-l", os.fspath(where)], check=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_read_only_run_dir_is_named_with_its_fix(remountable, capsys):
+    """A probe remounted a run's folder read-only and resumed: ``OSError: [Errno 30]
+    Read-only file system: '.../ckpt.lock'``, then "continue with --resume", which fails
+    the same way. The refusal names the folder and the fix; the advice waits for it."""
+    from flodl_shm.cli.demo import main
+
+    where, read_only = remountable
+    run_dir = where / "run"
+    argv = ["--run-dir", os.fspath(run_dir), "--epochs", "1", "--no-progress",
+            "--log-every", "0", "--no-plot"]
+    assert main(argv) == 0
+    read_only()
+    capsys.readouterr()
+    assert main([*argv, "--resume", "--epochs", "2"]) == 1
+    err = capsys.readouterr().err
+    assert (f"cannot create the run lock {run_dir}/ckpt.lock: Read-only file system: the "
+            f"series' folder must be writable, for the lock and the checkpoints a run "
+            f"writes there; make {run_dir} writable, or save into another folder") in err, err
+    assert "continue with --resume once that is mended." in err, err

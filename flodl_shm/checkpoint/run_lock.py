@@ -47,6 +47,7 @@ message and the job check.
 from __future__ import annotations
 
 import atexit
+import errno
 import fcntl
 import hashlib
 import json
@@ -165,7 +166,16 @@ class RunLock:
     def _acquire(self) -> int:
         """Open and lock the file (see the module doc); returns its descriptor."""
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                    raise
+                raise OSError(e.errno, f"cannot create the run lock {self.path}: "
+                              f"{e.strerror}: the series' folder must be writable, for the "
+                              f"lock and the checkpoints a run writes there; make "
+                              f"{self.path.parent} writable, or save into another folder "
+                              f"(its bundles can be copied there to go on from them)") from e
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

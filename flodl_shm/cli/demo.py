@@ -936,6 +936,8 @@ def _continue_with(cfg: DemoConfig, last, error: Optional[BaseException] = None)
     if error is not None and cfg.resume and _names_bundle(error, last):
         return _unloadable(cfg, last)
     advice = f"Last checkpoint {last}: continue with --resume."
+    if isinstance(error, OSError) and cfg.resume:  # (a folder or disk to mend first)
+        advice = f"Last checkpoint {last}: continue with --resume once that is mended."
     if cfg.controller is None:
         return advice
     # each host resumes from its own newest bundle, and they must be of one round: a
