@@ -3,6 +3,7 @@ computed here, replicas identical after a sync, outer optimizers, ElChe, errors.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 
@@ -695,6 +696,41 @@ def test_a_consensus_of_another_model_with_the_same_shapes_is_refused(tmp_path):
             LocalSGD(_Renamed(), sync_every=1, comm=cohort.comm(0)).load(tmp_path / "ck")
         again = LocalSGD(make_model(0), sync_every=1, comm=cohort.comm(0))
         assert again.load(latest_checkpoint(tmp_path / "ck")).sync_round == 1
+
+
+@pytest.mark.parametrize("damaged", ["fdl", "outer.fdl"])
+def test_an_exact_resume_says_when_its_bundle_s_model_files_are_damaged(tmp_path, caplog,
+                                                                       damaged):
+    """load() with a rank state of its own reads nothing of the bundle's .fdl and
+    .outer.fdl: a probe truncated each and loaded without a word, leaving a "complete"
+    bundle that neither converts nor resumes on another number of ranks. The resume
+    stays exact; the damage is named."""
+    from flodl_shm import OuterNesterov
+
+    with FakeCohort(1) as cohort:
+        sgd = LocalSGD(make_model(0), sync_every=1, comm=cohort.comm(0), outer=OuterNesterov())
+        for _ in range(3):
+            with torch.no_grad():
+                for p in sgd.model.parameters():
+                    p.add_(0.1)
+            sgd.step()  # (a sync: sync_every=1)
+        bundle = sgd.save(tmp_path / "ck")
+        want = [t.clone() for t in sgd.model.state_dict().values()]
+    with FakeCohort(1) as cohort, caplog.at_level(logging.WARNING, logger="flodl_shm"):
+        LocalSGD(make_model(1), sync_every=1, comm=cohort.comm(0), outer=OuterNesterov()
+                 ).load(tmp_path / "ck")
+        assert not caplog.records  # an intact bundle: nothing to say
+        target = bundle.with_name(bundle.name[:-len("fdl")] + damaged)
+        with open(target, "r+b") as fh:
+            fh.truncate(100)
+        again = LocalSGD(make_model(1), sync_every=1, comm=cohort.comm(0),
+                         outer=OuterNesterov())
+        again.load(tmp_path / "ck")
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith(f"{target} is damaged (") \
+        and f"this resume is exact all the same (from {rank_state_path(bundle, 0).name}" in \
+        said[0], said
+    assert all(torch.equal(a, b) for a, b in zip(again.model.state_dict().values(), want))
 
 
 def test_a_state_of_sync_every_none_loads_and_a_refused_one_changes_nothing():

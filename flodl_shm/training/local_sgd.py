@@ -1184,6 +1184,8 @@ class LocalSGD:
             check_rank_file(rank_path, meta_path, state.get("rank"), self.rank,
                             state["counters"]["sync_round"], meta.sync_round)
             self.load_state_dict(state)
+            if self.comm.local_rank == 0:  # one line a host (each host reads its own copy)
+                _warn_if_damaged(path, rank_path)
             return meta
         self._cadence_restored = False
         ints = [k for k, b in self.model.named_buffers() if not b.is_floating_point()]
@@ -1273,6 +1275,30 @@ def _check_inner(optimizer, scheduler, params: list) -> None:
 _SERIES_OK, _SERIES_IN_USE, _SERIES_STALE = 0.0, 1.0, 2.0
 #: how many series' run locks a LocalSGD keeps (those it saved into last)
 SERIES_LOCKS_KEPT = 8
+
+
+def _warn_if_damaged(bundle: Path, rank_path: Path) -> None:
+    """Say so when the bundle's consensus ``.fdl`` or outer ``.outer.fdl`` is damaged
+    (truncated, cut, or not a ``.fdl``: its headers are read, not its payloads) while
+    this rank's exact state came from ``rank_path``. The resume does not need them, but
+    ``fdl convert``, a resume on another number of ranks and the Trainer do."""
+    from ..checkpoint.fdl import FdlReader
+    from ..errors import CheckpointError
+
+    for path in (CheckpointBundle.model_path(bundle), CheckpointBundle.outer_path(bundle)):
+        if path.name.endswith(".outer.fdl") and not path.exists():
+            continue  # (no outer momentum: none written)
+        try:
+            with FdlReader(path) as reader:
+                for _ in reader.entries(False):
+                    pass
+        except (CheckpointError, OSError) as e:
+            logger.warning("%s is damaged (%s): this resume is exact all the same (from "
+                           "%s and the other ranks' state files), but that bundle cannot "
+                           "be converted or resumed on another number of ranks: restore the "
+                           "file from a copy (this run's next save() writes a whole bundle)",
+                           path, e,
+                           rank_path.name)
 
 
 def _resolve_bundle(path: "str | os.PathLike[str]") -> Path:
