@@ -41,6 +41,13 @@ def main(argv: list[str] | None = None) -> int:
             return status
         finally:
             sys.stdout.flush()  # now, not at exit: a reader that left is handled below
+    except KeyboardInterrupt:  # a Ctrl-C before the command took the signal (while it
+        # imports torch, say): nothing ran yet, and a traceback would say nothing more
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        print(f"\n{invoked_as()}: interrupted before it started; nothing was done",
+              file=sys.stderr)
+        return 128 + signal.SIGINT
     except BrokenPipeError:  # `... | head`: the reader left before the output ended
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so that the flush at exit does not fail

@@ -145,18 +145,20 @@ def test_demo_with_a_controller_address_without_port_is_a_usage_error(tmp_path, 
             "e.g. 127.0.0.1:29500") in r.stderr
 
 
-@pytest.mark.parametrize("addr, says", [
+@pytest.mark.parametrize("addr, says, world", [
     ("127.0.0.1:99999", "--controller: address '127.0.0.1:99999': port 99999 is outside "
-                        "0-65535"),
+                        "0-65535", 4),
     ("127.0.0.1:0", "--controller '127.0.0.1:0': port 0 names no controller; give the port it "
-                    "listens on (its --port)"),
+                    "listens on (its --port)", 4),
+    ("127.0.0.1:29500", "--world-size 70000: a cohort holds at most 65,536 ranks", 70000),
 ])
-def test_demo_with_a_controller_port_out_of_range_says_so(addr, says, secret, capsys):
+def test_demo_with_a_controller_port_out_of_range_says_so(addr, says, world, secret, capsys):
     """Both said "must be HOST:PORT", which they were."""
     from flodl_shm.cli.demo import parse_args
 
     with pytest.raises(SystemExit) as info:
-        parse_args(["--controller", addr, "--world-size", "4", "--secret-file", str(secret)])
+        parse_args(["--controller", addr, "--world-size", str(world), "--secret-file",
+                    str(secret)])
     assert info.value.code == 2
     assert says in capsys.readouterr().err
 
@@ -221,7 +223,9 @@ def test_controller_on_a_port_in_use_says_how_to_go_on(tmp_path, secret):
 
 
 @pytest.mark.parametrize("extra, said", [
-    (["--world-size", "0"], "--world-size must be >= 1"),
+    (["--world-size", "0"], "--world-size must be from 1 to 65,536"),
+    (["--world-size", "99999999999"], "--world-size must be from 1 to 65,536 (every rank of "
+                                      "every host; the most a cohort holds), got 99999999999"),
     (["--world-size", "2", "--round-timeout", "0"], "--round-timeout must be > 0 seconds, got 0"),
     (["--world-size", "2", "--round-timeout", "-3"], "--round-timeout must be > 0 seconds"),
 ])
@@ -412,6 +416,18 @@ def test_demo_run_dir_that_is_a_file_is_a_usage_error(tmp_path, run_dir, extra, 
     assert f"python -m flodl_shm demo: error: {said}; pass a folder" in r.stderr, r.stderr
     assert r.stdout == ""
     assert (tmp_path / "afile").read_text() == "mine\n"
+
+
+def test_demo_run_dir_that_cannot_be_created_is_a_usage_error(tmp_path):
+    """A probe's --run-dir under /proc printed a FileNotFoundError and exited 1 as a
+    failed run."""
+    r = _flodl(["demo", "--run-dir", "/proc/flodl-shm-test/run", "--no-progress"], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == ("python -m flodl_shm demo: error: --run-dir /proc/flodl-shm-test/run: "
+                        "cannot create the folder /proc/flodl-shm-test/run (No such file or "
+                        "directory), where the run lock ckpt.lock and the series' checkpoints "
+                        "go; save into a folder this user can write\n"), r.stderr
+    assert r.stdout == ""
 
 
 def test_demo_run_dir_too_long_for_the_filesystem_is_a_usage_error(tmp_path):
@@ -645,3 +661,33 @@ def test_demo_stopped_by_a_signal_says_so_in_one_line(tmp_path, sig, repeat):
     # their pipes' EOF, a moment after the launcher on a loaded machine)
     _, alive = psutil.wait_procs(ranks, timeout=20)
     assert not alive, alive
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", [["demo", "--run-dir", "run", "--no-plot"], ["ram"]])
+def test_a_ctrl_c_while_a_command_loads_is_one_line(tmp_path, command):
+    """A probe's Ctrl-C in a command's first second (while it imports torch, before it
+    takes the signal itself) printed a KeyboardInterrupt traceback. The signal is sent
+    once torch's library is mapped into the process: its import is under way."""
+    proc = subprocess.Popen([sys.executable, "-m", "flodl_shm", *command], cwd=tmp_path,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                maps = Path(f"/proc/{proc.pid}/maps").read_text()
+            except OSError:
+                maps = ""
+            if "libtorch" in maps:
+                break
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGINT, (proc.returncode, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "interrupted" in err, err

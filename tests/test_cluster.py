@@ -345,8 +345,13 @@ def test_local_validation_happens_before_any_traffic():
         spawn(quick_average, 2, controller="127.0.0.1:1", world_size=3, first_rank=2, salt=SALT)
     with pytest.raises(ValueError, match="salt"):
         spawn(quick_average, 1, controller="127.0.0.1:1", world_size=2, first_rank=0)
-    with pytest.raises(ValueError, match="world_size must be > 0"):
-        ClusterController.start("127.0.0.1:0", 0, SALT)
+    for world in (0, (1 << 16) + 1):  # (a probe's 99999999999: MemoryError, a traceback)
+        with pytest.raises(ValueError, match=rf"world_size must be from 1 to 65,536 \(the "
+                                             rf"most ranks a cohort holds\), got {world}"):
+            ClusterController.start("127.0.0.1:0", world, SALT)
+    with pytest.raises(ValueError, match=r"spawn: world_size=70000 is more than a cohort "
+                                         r"holds \(65,536 ranks\)"):
+        spawn(quick_average, 1, controller="127.0.0.1:1", world_size=70000, salt=SALT)
 
 
 def test_connect_failure_names_the_address(monkeypatch, caplog):

@@ -331,7 +331,7 @@ def remountable(tmp_path):
 def test_a_read_only_run_dir_is_named_with_its_fix(remountable, capsys):
     """A probe remounted a run's folder read-only and resumed: ``OSError: [Errno 30]
     Read-only file system: '.../ckpt.lock'``, then "continue with --resume", which fails
-    the same way. The refusal names the folder and the fix; the advice waits for it."""
+    the same way. It is a usage error of --run-dir now, naming the folder and the fix."""
     from flodl_shm.cli.demo import main
 
     where, read_only = remountable
@@ -341,9 +341,13 @@ def test_a_read_only_run_dir_is_named_with_its_fix(remountable, capsys):
     assert main(argv) == 0
     read_only()
     capsys.readouterr()
-    assert main([*argv, "--resume", "--epochs", "2"]) == 1
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--resume", "--epochs", "2"])
+    assert info.value.code == 2
     err = capsys.readouterr().err
-    assert (f"cannot create the run lock {run_dir}/ckpt.lock: Read-only file system: the "
-            f"series' folder must be writable, for the lock and the checkpoints a run "
-            f"writes there; make {run_dir} writable, or save into another folder") in err, err
-    assert "continue with --resume once that is mended." in err, err
+    assert err.startswith(
+        f"python -m flodl_shm demo: error: --run-dir {run_dir}: cannot create the run lock "
+        f"{run_dir}/ckpt.lock: Read-only file system: the series' folder must be writable, "
+        f"for the lock and the checkpoints a run writes there; make {run_dir} writable, or "
+        f"save into another folder"), err
+    assert "--resume." not in err, err

@@ -137,7 +137,14 @@ class RunLock:
         made = tuple(d for d in (self.path.parent, *self.path.parent.parents)
                      if not d.exists())  # deepest first
         _check_folders(self.path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a read-only or virtual filesystem (/proc), no permission
+            _remove_empty(made)
+            raise OSError(e.errno, f"cannot create the folder {self.path.parent} "
+                          f"({e.strerror}), where the run lock {self.path.name} and the "
+                          f"series' checkpoints go; save into a folder this user can "
+                          f"write") from e
         try:
             fd = self._acquire()
         except SeriesInUse as e:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from ..checkpoint._atomic import atomic_write_bytes
+from ..cluster.control import MAX_WORLD_SIZE
 from ..cluster.controller import DEFAULT_ROUND_TIMEOUT, ClusterController
 from ..cluster.secret import read_secret_file, write_secret_file
 from ..errors import plural
@@ -137,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                  + (" is a folder, not a file" if Path(args.outer_state).is_dir()
                     else ": no such file")
                  + "; pass the <stem>.outer.fdl written beside the checkpoint the hosts resume")
-    if args.world_size < 1:
-        ap.error(f"--world-size must be >= 1 (every rank of every host), got {args.world_size}")
+    if not 1 <= args.world_size <= MAX_WORLD_SIZE:
+        ap.error(f"--world-size must be from 1 to {MAX_WORLD_SIZE:,} (every rank of every "
+                 f"host; the most a cohort holds), got {args.world_size}")
     if not args.round_timeout > 0:
         ap.error(f"--round-timeout must be > 0 seconds, got {args.round_timeout:g}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

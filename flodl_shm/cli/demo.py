@@ -34,6 +34,7 @@ demo to.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -529,8 +530,13 @@ def _check(cfg: DemoConfig) -> list[str]:
             out.append("--world-size / --first-rank need --controller (one host carries "
                        "every rank)")
     else:
+        from flodl_shm.cluster.control import MAX_WORLD_SIZE
+
         if cfg.world_size is None or cfg.secret_file is None:
             out.append("--controller needs --world-size and --secret-file")
+        elif cfg.world_size > MAX_WORLD_SIZE:
+            out.append(f"--world-size {cfg.world_size}: a cohort holds at most "
+                       f"{MAX_WORLD_SIZE:,} ranks")
         elif not 0 <= cfg.first_rank <= cfg.world_size - cfg.nprocs:
             out.append(f"--first-rank {cfg.first_rank} with --nprocs {cfg.nprocs} does not fit "
                        f"--world-size {cfg.world_size}")
@@ -663,14 +669,20 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
 
         job = cluster_job(read_secret_file(cfg.secret_file), cfg.controller)
         member = cfg.first_rank  # (this host launched twice is refused)
-    try:
-        with RunLock(cfg.save_path, job, member):
-            return _run_demo(cfg)
-    except SeriesInUse as e:
-        print(f"{_prog()}: error: --run-dir {cfg.run_dir} is in use by another run "
-              f"({e.holder}); two runs in one folder would overwrite each other's "
-              f"checkpoints. Wait for it to end, or pass another --run-dir", file=sys.stderr)
-        raise SystemExit(2) from None  # a usage error, as parse_args' refusals
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(RunLock(cfg.save_path, job, member))
+        except SeriesInUse as e:
+            print(f"{_prog()}: error: --run-dir {cfg.run_dir} is in use by another run "
+                  f"({e.holder}); two runs in one folder would overwrite each other's "
+                  f"checkpoints. Wait for it to end, or pass another --run-dir",
+                  file=sys.stderr)
+            raise SystemExit(2) from None  # a usage error, as parse_args' refusals
+        except OSError as e:  # a folder it cannot create or write (read-only, /proc)
+            print(f"{_prog()}: error: --run-dir {cfg.run_dir}: {e.strerror or e}",
+                  file=sys.stderr)
+            raise SystemExit(2) from None
+        return _run_demo(cfg)
 
 
 def _resume_problems(cfg: DemoConfig, ckpt: Path) -> list[str]:

@@ -46,7 +46,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Sequence
 
-from ..engine.arena import shm_need_bytes
+from ..engine.arena import MAX_LOCAL_RANKS, shm_need_bytes
 from ..errors import plural
 from ..engine.hostmem import HostMemory, host_memory
 from ..engine.segment import SHM_DIR, SegmentInfo, fmt_bytes, list_segments, reap_dead_owner_segments
@@ -295,9 +295,11 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as e:  # --help (0) or a usage error (2)
         return int(e.code or 0)
-    if a.local_ranks < 1:
+    if not 1 <= a.local_ranks <= MAX_LOCAL_RANKS:
         p.print_usage(sys.stderr)
-        print(f"{p.prog}: error: --local-ranks {a.local_ranks} must be >= 1", file=sys.stderr)
+        print(f"{p.prog}: error: --local-ranks {a.local_ranks} must be from 1 to "
+              f"{MAX_LOCAL_RANKS} (one host runs at most {MAX_LOCAL_RANKS} ranks)",
+              file=sys.stderr)
         return 2
     root = Path(a.root)
     problem = _folder_problem("--root", root)

@@ -49,6 +49,10 @@ import enum
 
 from ..errors import FrameError
 
+#: The most ranks a cohort holds, across its hosts: every control round carries a value
+#: per rank, and the controller keeps a ledger entry per rank.
+MAX_WORLD_SIZE = 1 << 16
+
 
 class Ctrl(str, enum.Enum):
     """The ``"type"`` of a control message (see the module docstring for fields)."""

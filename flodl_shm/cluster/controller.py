@@ -51,7 +51,7 @@ from ..checkpoint.meta import SaveReason
 from .dead_ranks import DeadRanks
 from ..errors import FrameError, ReduceStall
 from ..frame import DTYPE_F32, RoundFrame, RoundKind, TensorPayload, elem_size
-from .control import Ctrl, ctrl_message, outer_fields
+from .control import MAX_WORLD_SIZE, Ctrl, ctrl_message, outer_fields
 from .link import (HandshakeRejected, Kind, Link, OutgoingFrame, handshake_deadline_s,
                    parse_addr, server_handshake)
 from .wire import check_salt
@@ -168,8 +168,10 @@ class ClusterController:
         ``outer`` is the outer optimizer the ranks' params rounds step here; to resume,
         ``outer_momentum`` (tensors in params order) is the momentum of the checkpoint
         saved at sync round ``outer_round`` (``load_outer_momentum``)."""
-        if int(world_size) <= 0:
-            raise ValueError(f"ClusterController: world_size must be > 0, got {world_size}")
+        if not 0 < int(world_size) <= MAX_WORLD_SIZE:
+            raise ValueError(f"ClusterController: world_size must be from 1 to "
+                             f"{MAX_WORLD_SIZE:,} (the most ranks a cohort holds), got "
+                             f"{world_size}")
         if round_timeout is not None and not round_timeout > 0:
             raise ValueError(f"ClusterController: round_timeout must be > 0 seconds or None "
                              f"(no deadline of its own), got {round_timeout}")

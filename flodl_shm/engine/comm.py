@@ -814,9 +814,8 @@ class Comm:
                 if not is_root:
                     decode_gathered(eng.eager_f32, DTYPE_F32, plan, tensors)
                 return
-            plan = eng.plan(_CONTROL, DTYPE_F32,
-                            tuple(check_tensors(tensors, in_place=not is_root,
-                                                      broadcast=True)))
+            plan = eng.plan(_CONTROL, DTYPE_F32, tuple(
+                check_tensors(tensors, in_place=not is_root, broadcast=True)))
             if eng.direct.mode(plan, 0) == A.FLAG_DIRECT:
                 self._direct_call(tensors, plan, 0.0, 1.0, None, broadcast=local_root)
                 return

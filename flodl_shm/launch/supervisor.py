@@ -864,6 +864,11 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
         raise ValueError(f"spawn: timeout must be a number of seconds > 0 or None, got "
                          f"{timeout!r}")
     world = nprocs if world_size is None else int(world_size)
+    from ..cluster.control import MAX_WORLD_SIZE
+
+    if world > MAX_WORLD_SIZE:
+        raise ValueError(f"spawn: world_size={world} is more than a cohort holds "
+                         f"({MAX_WORLD_SIZE:,} ranks)")
     if controller is None and (world != nprocs or first_rank != 0):
         raise ValueError(f"spawn: world_size={world} / first_rank={first_rank} need a "
                          f"controller (a single host carries all {nprocs} ranks)")
