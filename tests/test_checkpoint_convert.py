@@ -245,10 +245,13 @@ def test_cli_reports_corrupt_files_with_status_1(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("python -m flodl_shm fdl: error: cannot open ")
     good = tmp_path / "good.fdl"
     save_tensors(good, [("w", torch.ones(2))])
-    # the destination the user named, not the writer's temp file next to it
-    assert cli.main(["convert", str(good), str(tmp_path / "no" / "dir" / "m.pt")]) == 1
-    assert capsys.readouterr().err == (f"python -m flodl_shm fdl: error: [Errno 2] No such "
-                                       f"file or directory: '{tmp_path / 'no' / 'dir' / 'm.pt'}'\n")
+    # the destination the user named, not the writer's temp file next to it; a folder
+    # that does not exist is a usage error (2) that says so, before anything is read
+    dst = tmp_path / "no" / "dir" / "m.pt"
+    assert cli.main(["convert", str(good), str(dst)]) == 2
+    assert capsys.readouterr().err == (f"python -m flodl_shm fdl convert: error: {dst}: the "
+                                       f"folder {dst.parent} does not exist; create it first, "
+                                       f"or write elsewhere\n")
     # a name that does not tell the format is a usage error (2), said with the CLI's flags
     assert cli.main(["convert", str(good), str(tmp_path / "m.npz")]) == 2
     err = capsys.readouterr().err

@@ -547,6 +547,30 @@ def test_controller_stopped_by_a_signal_says_so(tmp_path, secret, sig):
     assert f"controller: stopped by {signal.Signals(sig).name} after 0 rounds" in err, err
 
 
+@pytest.mark.parametrize("dst, said", [
+    ("out", "out is a folder; name the file to write in it, e.g. out/model.pt"),
+    ("nowhere/model.pt", "nowhere/model.pt: the folder nowhere does not exist; create it "
+                         "first, or write elsewhere"),
+])
+@pytest.mark.parametrize("to", [[], ["--to", "torch"]])
+def test_fdl_convert_into_a_folder_or_a_missing_one_is_a_usage_error(tmp_path, dst, said, to):
+    """A probe's convert into a folder said '[Errno 21] Is a directory:
+    'out.17868.17d9cd4e.tmp' -> 'out'' (the temporary file's name, exit 1), or without
+    --to that the folder's format could not be told; into a missing folder, a bare
+    '[Errno 2] No such file or directory'."""
+    from flodl_shm.checkpoint.convert import state_dict_to_fdl
+
+    import torch
+
+    state_dict_to_fdl({"w": torch.ones(3)}, tmp_path / "m.fdl")
+    (tmp_path / "out").mkdir()
+    r = _flodl(["fdl", "convert", "m.fdl", dst, *to], tmp_path, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == f"python -m flodl_shm fdl convert: error: {said}\n", r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.fdl", "out"]
+    assert not list((tmp_path / "out").iterdir())
+
+
 def test_fdl_convert_to_an_unknown_format_is_a_usage_error_in_cli_terms(tmp_path):
     import torch
 

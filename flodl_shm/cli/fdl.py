@@ -165,7 +165,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as e:  # argparse exits 2 on usage errors, 0 on --help
         return int(e.code or 0)
     if args.command == "convert":
-        problem = _unknown_format(args) or _refused_destination(args)
+        problem = (_unwritable_destination(args.dst) or _unknown_format(args)
+                   or _refused_destination(args))
         if problem:
             print(f"{parser.prog} convert: error: {problem}", file=sys.stderr)
             return 2
@@ -182,6 +183,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (CheckpointError, OSError) as e:
         print(f"{parser.prog}: error: {e}{_series_hint(args)}", file=sys.stderr)
         return 1
+
+
+def _unwritable_destination(dst: str) -> str:
+    """A usage error when ``dst`` is a folder or lies in a folder that does not exist
+    ("" otherwise): the write would fail after the conversion, naming a temporary file."""
+    path = Path(dst)
+    if path.is_dir():
+        return (f"{dst} is a folder; name the file to write in it, e.g. "
+                f"{path / 'model.pt'}")
+    parent = path.parent
+    if not parent.is_dir():
+        return (f"{dst}: {parent} is not a folder" if parent.exists() else
+                f"{dst}: the folder {parent} does not exist; create it first, or write "
+                f"elsewhere")
+    return ""
 
 
 def _unknown_format(args) -> str:
