@@ -317,12 +317,17 @@ def test_a_bundle_missing_a_rank_s_state_or_holding_another_s_is_said_or_refused
     assert "rank 0's inner optimizer" not in caplog.text and saved1
 
 
-def test_a_rank_the_saving_cohort_did_not_have_starts_fresh_at_info(tmp_path, caplog):
-    """Growing the cohort is not damage: the new rank's missing state is an INFO line."""
+def test_a_cohort_of_another_size_starts_its_inner_state_fresh_in_one_line(tmp_path, caplog):
+    """Growing the cohort is not damage; it was said once per rank, at mixed levels (a
+    WARNING from each rank the saving cohort had, an INFO from each new one). One line
+    says it for every rank, and the resume line names the save's reason in words."""
     stem = tmp_path / "ck"
     make_trainer(sgd_momentum, epochs=1, save_path=stem, checkpoint_every=3).run(1)
     caplog.set_level("INFO", logger="flodl_shm")
     make_trainer(sgd_momentum, epochs=2, save_path=stem, checkpoint_every=3).resume(
-        stem, nprocs=2)
-    said = [r for r in caplog.records if "rank 1's inner optimizer" in r.getMessage()]
-    assert [r.levelname for r in said] == ["INFO"], caplog.text
+        stem, nprocs=3)
+    said = [r for r in caplog.records if "inner optimizer" in r.getMessage()]
+    assert [r.levelname for r in said] == ["WARNING"], caplog.text
+    assert ("was written by a cohort of 1 rank, this one has 3: every rank's inner optimizer, "
+            "LR schedule and integer buffers start fresh") in said[0].getMessage()
+    assert "(the run's last)" in caplog.text and "graceful_shutdown" not in caplog.text

@@ -424,6 +424,11 @@ class SaveReason(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def words(self) -> str:
+        """Why, in the words a log line says (``"the run's last"``, not its JSON name)."""
+        return _SAVE_REASON_WORDS[self]
+
     def to_u8(self) -> int:
         """The stable wire byte (0 = graceful_shutdown ... 5 = checkpoint)."""
         return _SAVE_REASON_CODES[self]
@@ -435,6 +440,14 @@ class SaveReason(str, enum.Enum):
         return _SAVE_REASON_BY_CODE.get(byte)
 
 
+_SAVE_REASON_WORDS = {
+    SaveReason.CHECKPOINT: "every checkpoint_every windows",
+    SaveReason.GRACEFUL_SHUTDOWN: "the run's last",
+    SaveReason.MAX_FAILURE_EXCEEDED: "ranks failed past max_failures",
+    SaveReason.SINGLE_SURVIVOR: "one rank left",
+    SaveReason.ALL_RANKS_LOST: "all ranks lost",
+    SaveReason.REDUCE_STALL: "a round stalled",
+}
 _SAVE_REASON_CODES = {r: i for i, r in enumerate(SaveReason)}
 _SAVE_REASON_BY_CODE = {i: r for r, i in _SAVE_REASON_CODES.items()}
 

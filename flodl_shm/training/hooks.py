@@ -29,6 +29,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..checkpoint.meta import SaveReason
+
 logger = logging.getLogger("flodl_shm")
 
 __all__ = ["BatchInfo", "Hook", "LoggingHook", "RankState", "RankSummary", "SimulatedSlowdown",
@@ -197,18 +199,6 @@ def _human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-#: a checkpoint's reason (``SaveReason`` values, as its metadata records them) in the log
-#: line's words
-_SAVE_REASON_WORDS = {
-    "checkpoint": "every checkpoint_every windows",
-    "graceful_shutdown": "the run's last",
-    "max_failure_exceeded": "ranks failed past max_failures",
-    "single_survivor": "one rank left",
-    "all_ranks_lost": "all ranks lost",
-    "reduce_stall": "a round stalled",
-}
-
-
 @dataclass
 class LoggingHook(Hook):
     """Log one line per ``every`` windows on the reporting rank (``flodl_shm`` logger,
@@ -239,7 +229,7 @@ class LoggingHook(Hook):
                 f"{stats.max_divergence:.2e}, ranks {len(stats.live_ranks)}, batches "
                 f"{list(stats.cohort_batches)}")
         if stats.checkpoint:
-            why = _SAVE_REASON_WORDS.get(stats.save_reason, stats.save_reason)
+            why = SaveReason(stats.save_reason).words
             line += f", checkpoint {stats.checkpoint} ({why})"
         logger.log(self.level, "%s", line)
 

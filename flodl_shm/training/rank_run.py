@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import numpy as np
 from torch.nn.utils import clip_grad_norm_
 
-from ..errors import StartRefused
+from ..errors import StartRefused, plural
 from ..checkpoint.meta import CheckpointBundle, SaveReason
 from .agreement import (check_controller_outer, check_same_settings, check_same_start,
                         outer_settings)
@@ -287,8 +287,9 @@ class _RankRun:
         if not path.exists():
             # a rank the saving cohort did not have starts fresh; one it had lost its file
             # (a partial copy of the bundle), and the resume is not exact: say so
+            # (a rank beyond the saving cohort: the host lead's line below says it for all)
             had = meta is not None and self.rank < meta.world_size_at_save
-            logger.log(logging.WARNING if had else logging.INFO,
+            logger.log(logging.WARNING if had else logging.DEBUG,
                        "%s not found: rank %d's inner optimizer, LR schedule and integer "
                        "buffers start fresh%s", path, self.rank,
                        f" (the bundle was saved by {meta.world_size_at_save} ranks but holds "
@@ -303,9 +304,11 @@ class _RankRun:
             check_rank_file(path, CheckpointBundle.meta_path(model_path), state.get("rank"),
                             self.rank, state.get("sync_round"), meta.sync_round)
         if state["world_size"] != self.ctx.world_size:
-            logger.warning("%s was written by a cohort of %d ranks, this one has %d: rank %d's "
-                           "inner optimizer, LR schedule and integer buffers start fresh", path,
-                           state["world_size"], self.ctx.world_size, self.rank)
+            if self._is_host_lead():  # one line for every rank of the host, not one each
+                logger.warning("%s was written by a cohort of %s, this one has %d: every "
+                               "rank's inner optimizer, LR schedule and integer buffers start "
+                               "fresh", path, plural(state["world_size"], "rank"),
+                               self.ctx.world_size)
             return
         restore_inner(self.optimizer, self.scheduler, state["optimizer"],
                       state.get("scheduler"), str(path),

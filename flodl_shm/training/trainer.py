@@ -473,7 +473,7 @@ class Trainer:
         else:
             logger.info("resuming from %s on %d rank%s%s: epoch %d, step %d, round %d (%s)",
                         model_path, world, "" if world == 1 else "s", chosen, meta.epoch,
-                        meta.global_step, meta.sync_round, meta.save_reason)
+                        meta.global_step, meta.sync_round, SaveReason(meta.save_reason).words)
             if self.save_path is None:
                 logger.warning("this Trainer has no save_path: the resumed run writes no "
                                "checkpoint, so a crash loses all of it; build the Trainer "
