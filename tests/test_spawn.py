@@ -99,6 +99,14 @@ def staging_decision(ctx):
     return float(sumcount_reduce(ctx.comm, [torch.ones(8)], 1.0, DECODE_SLOT_PARAMS)[0][0])
 
 
+def logs_through_a_child_logger(ctx):
+    import logging
+    import os
+
+    logging.getLogger("flodl_shm.user").warning("a line of rank %d", ctx.rank)
+    return os.getpid()
+
+
 def returns_unpicklable(ctx):
     return lambda: None
 
@@ -490,6 +498,20 @@ def test_rank_logs_reach_the_launcher(caplog):
         # a CPU host's staging is not page-locked, and the line does not claim it is
         assert any(m.startswith(f"rank {r}: decode staging ON") and "no CUDA" in m
                    for m in lines), lines
+
+
+def test_forwarded_rank_records_keep_their_logger_name_rank_and_pid(caplog):
+    """A probe's JSON formatter read every forwarded record as the launcher's: name
+    'flodl_shm' (the rank's was 'flodl_shm.user'), the launcher's pid, and the rank only
+    inside the message text."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="flodl_shm"):
+        pids = spawn(logs_through_a_child_logger, 2)
+    said = sorted((r.rank, r.name, r.rank_pid, r.getMessage()) for r in caplog.records
+                  if "a line of rank" in r.getMessage())
+    assert said == [(k, "flodl_shm.user", pids[k], f"rank {k}: a line of rank {k}")
+                    for k in (0, 1)], said
 
 
 def test_unpicklable_result_is_reported():

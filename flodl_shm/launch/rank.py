@@ -105,7 +105,9 @@ def _recv(conn) -> tuple:
 
 class _PipeLogHandler(logging.Handler):
     """Rank side: forward flodl_shm's records (INFO+, or the launcher's level when lower)
-    to the launcher, which logs them under its own handlers as "rank N: ...".
+    to the launcher, which logs them under its own handlers as "rank N: ...", through
+    the logger of the record's name, with the rank and its pid as the record's ``rank``
+    and ``rank_pid`` attributes.
 
     This is the ranks' one way to log: code running in a rank must not add handlers
     of its own to ``flodl_shm`` (each line would print twice); ``rank_logs_forwarded``
@@ -120,7 +122,7 @@ class _PipeLogHandler(logging.Handler):
         try:
             text = self.format(record)
             with self.send_lock:
-                _send(self.conn, ("log", record.levelno, text))
+                _send(self.conn, ("log", record.levelno, text, record.name, record.process))
         except Exception:  # a closed pipe at exit must never raise into the rank
             pass
 

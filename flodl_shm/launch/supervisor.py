@@ -501,8 +501,12 @@ class SpawnContext:
             self._abort(A.ABORT_FAILED)
 
     def _rank_log(self, r: int, msg: tuple) -> None:
-        _, level, text = msg
-        logger.log(level, "rank %d: %s", self.first_rank + r, text)
+        _, level, text, name, pid = msg
+        rank = self.first_rank + r
+        # the record's own logger (``flodl_shm.*``): a JSON formatter keeps its name, and
+        # the rank and its pid ride as attributes, not only in the text
+        logging.getLogger(name).log(level, "rank %d: %s", rank, text,
+                                    extra={"rank": rank, "rank_pid": pid})
 
     def _record_exit(self, r: int, msg: tuple | None) -> None:
         p = self._procs[r]
