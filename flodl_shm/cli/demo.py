@@ -219,7 +219,8 @@ class DemoHook(Hook):
         row = {
             "window": stats.window, "epoch": stats.epoch, "global_step": stats.global_step,
             "loss": None if stats.skipped else stats.cohort_loss,  # (diverged: NaN)
-            "test_acc": acc, "samples_per_s": stats.samples_per_s,
+            "test_acc": None if acc is None else round(acc, 4),  # (a float32's digits)
+            "samples_per_s": stats.samples_per_s,
             "allreduce_ms": stats.sync_ms, "gather_ms": stats.gather_ms,
             "compute_ms": stats.compute_ms, "window_ms": stats.window_ms,
             "batches": list(stats.cohort_batches), "live_ranks": list(stats.live_ranks),
@@ -855,6 +856,9 @@ def _summary(out: DemoResult) -> None:
         share = sum(red) / max(sum(s.window_ms for s in hist), 1e-9)
         _out(f"  throughput {sps:,.0f} samples/s (median window); all-reduce "
              f"{statistics.median(red):.2f} ms median, {share:.1%} of the windows' time")
+        trained = sum(out.rank_batches) * cfg.batch_size
+        _out(f"  over the whole {out.wall_s:.1f} s: {trained / max(out.wall_s, 1e-9):,.0f} "
+             f"samples/s (the ranks' start, test evaluations and checkpoints included)")
     if cfg.effective_cadence == "elche" and cfg.total_world > 1:
         _out(f"  batches per rank: {out.rank_batches} (ElChe cadence)")
     if out.baseline is not None:
