@@ -242,7 +242,7 @@ def test_cli_reports_corrupt_files_with_status_1(tmp_path, capsys):
     assert cli.main(["show", str(path)]) == 1
     assert "unsupported checkpoint version 9" in capsys.readouterr().err
     assert cli.main(["show", str(tmp_path / "missing.fdl")]) == 1
-    assert capsys.readouterr().err.startswith("python -m flodl_shm fdl: error: cannot open ")
+    assert capsys.readouterr().err.startswith("python -m flodl_shm fdl show: error: cannot open ")
     good = tmp_path / "good.fdl"
     save_tensors(good, [("w", torch.ones(2))])
     # the destination the user named, not the writer's temp file next to it; a folder

@@ -198,6 +198,10 @@ def test_writer_rejects_inconsistent_entries(tmp_path):
 
 @pytest.mark.parametrize("blob, needle", [
     (b"NOPE" + bytes(40), "bad magic"),
+    # a probe's `fdl show` of a .meta.json read only "bad magic b'{\\n  '"
+    (b'{\n  "schema_version": 4' + bytes(20), r"bad magic .*; it looks like a JSON file \(a "
+                                              r"bundle's .meta.json or .names.json\?\): pass "
+                                              r"the bundle's .fdl"),
     (fdl_bytes([], version=3), "unsupported checkpoint version 3"),
     (fdl_bytes([], version=0), "unsupported checkpoint version 0"),
     (fdl_bytes([]) [:-2], "entry count"),

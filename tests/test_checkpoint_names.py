@@ -337,4 +337,4 @@ def test_show_of_no_file_is_one_line(tmp_path, capsys, path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert cli.main(["show", path]) == 1
     err = capsys.readouterr().err  # (a traceback, for "" also in the series hint)
-    assert "fdl: error: cannot open checkpoint" in err and err.count("\n") == 1, err
+    assert "fdl show: error: cannot open checkpoint" in err and err.count("\n") == 1, err

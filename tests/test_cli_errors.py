@@ -250,6 +250,10 @@ def test_controller_numbers_out_of_range_are_usage_errors(secret, capsys, extra,
     (["--outer-momentum", "0.5"], "--outer-momentum needs --outer nesterov"),
     (["--port-file", "{tmp}"], "is a folder; pass a file path in an existing folder"),
     (["--port-file", "{tmp}/no/p.txt"], "does not exist; pass a file path in an existing"),
+    # these named the API's class (OuterNesterov lr must be >= 0), not the option
+    (["--outer", "nesterov", "--outer-lr", "-1"], "--outer-lr must be a number >= 0, got -1"),
+    (["--outer", "nesterov", "--outer-momentum", "1"], "--outer-momentum must be in [0, 1), "
+                                                       "got 1"),
 ])
 def test_controller_options_it_would_ignore_or_fail_on_after_binding_are_usage_errors(
         tmp_path, secret, capsys, extra, said):

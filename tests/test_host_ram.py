@@ -323,3 +323,14 @@ def test_the_arena_figure_covers_what_the_shared_path_holds():
                  max_failures=1)[0]  # a tolerated death: no direct rounds, the shared path
     need = shm_need_bytes(2, nelem * 4)
     assert 2 * (9 << 20) + (8 << 20) <= held <= need, (held, need)
+
+
+@pytest.mark.parametrize("params, said", [("100B", "100.0B params = 372.5 GiB f32"),
+                                          ("190M", "190.0M params = 724.8 MiB f32"),
+                                          ("12345", "12,345 params = 48.2 KiB f32")])
+def test_the_model_line_counts_params_in_a_unit_that_reads(tmp_path, capsys, params, said):
+    """A probe's --params 100B read '100000.0M params'."""
+    root = fake_host(tmp_path, total=24 * GB, avail=22 * GB, limit=None, usage=0)
+    main(["--root", str(root), "--shm-size", "8GiB", "--params", params])
+    out = capsys.readouterr().out
+    assert f"model        {said}" in out, out

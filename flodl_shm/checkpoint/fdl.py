@@ -579,9 +579,11 @@ class FdlReader:
         src, label = self.src, str(self.path)
         magic = src.read_exact(4, "the magic")
         if magic != FDL_MAGIC:
+            what = ("; it looks like a JSON file (a bundle's .meta.json or .names.json?): "
+                    "pass the bundle's .fdl" if magic[:1] in (b"{", b"[") else "")
             raise CheckpointError(
                 f"invalid checkpoint {label}: bad magic {magic!r} (expected .fdl checkpoint "
-                f"starting with {FDL_MAGIC!r})"
+                f"starting with {FDL_MAGIC!r}){what}"
             )
         (version,) = struct.unpack("<I", src.read_exact(4, "the version"))
         if version == 0 or version > FDL_MAX_VERSION:

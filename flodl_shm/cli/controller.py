@@ -125,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"{flag} needs --outer nesterov")  # (it would be ignored)
     args.outer_lr = 0.7 if args.outer_lr is None else args.outer_lr
     args.outer_momentum = 0.9 if args.outer_momentum is None else args.outer_momentum
+    if not 0 <= args.outer_lr < float("inf"):  # (NaN too)
+        ap.error(f"--outer-lr must be a number >= 0, got {args.outer_lr:g}")
+    if not 0 <= args.outer_momentum < 1:
+        ap.error(f"--outer-momentum must be in [0, 1), got {args.outer_momentum:g}")
     if args.port_file is not None:
         port_file = Path(args.port_file)
         if args.port_file == "" or port_file.is_dir() or not port_file.parent.is_dir():

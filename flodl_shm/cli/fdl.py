@@ -181,7 +181,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             pass
         return 0
     except (CheckpointError, OSError) as e:
-        print(f"{parser.prog}: error: {e}{_series_hint(args)}", file=sys.stderr)
+        print(f"{parser.prog} {args.command}: error: {e}{_series_hint(args)}", file=sys.stderr)
         return 1
 
 

@@ -381,6 +381,14 @@ def _verdict(check: dict) -> str:
     return "FAIL" if check["required"] else "warn"
 
 
+def _count(n: int) -> str:
+    """A parameter count in the unit that reads best: 190.0M, 7.0B, 12,345."""
+    for size, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M")):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:,}"
+
+
 def render(report: dict, mem: HostMemory, segments: Sequence[SegmentInfo],
            reaped: Sequence[SegmentInfo]) -> str:
     """The human-readable table of a report."""
@@ -388,7 +396,7 @@ def render(report: dict, mem: HostMemory, segments: Sequence[SegmentInfo],
     ranks = inp["local_ranks"]
     out = []
     if inp["params"]:
-        model = (f"{inp['params'] / 1e6:.1f}M params = {fmt_bytes(inp['model_bytes'])} f32, "
+        model = (f"{_count(inp['params'])} params = {fmt_bytes(inp['model_bytes'])} f32, "
                  f"{inp['wire']} wire")
     else:
         model = ("not given (--model-bytes SIZE or --params COUNT): the needs below are for "
