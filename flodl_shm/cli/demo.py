@@ -885,6 +885,7 @@ def plot_training(rows: Sequence[dict], path: "str | os.PathLike[str]", *,
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     panels = 3 if per_rank else 2
     fig, axes = plt.subplots(panels, 1, figsize=(8, 2.6 * panels + 0.6), sharex=True)
@@ -909,7 +910,7 @@ def plot_training(rows: Sequence[dict], path: "str | os.PathLike[str]", *,
     epochs = [r["window"] for a, r in zip(rows, rows[1:]) if r["epoch"] != a["epoch"]]
     for e in epochs:
         for a in axes:
-            a.axvline(e - 0.5, color="tab:orange", alpha=0.25, lw=0.8, zorder=0)
+            a.axvline(e - 0.5, color="0.55", ls=":", lw=0.8, zorder=0)
     if per_rank:
         ax = axes[2]
         nranks = max(len(r["batches"]) for r in rows)
@@ -919,7 +920,8 @@ def plot_training(rows: Sequence[dict], path: "str | os.PathLike[str]", *,
         ax.set_ylabel("batches per window")
         ax.legend(loc="upper left", fontsize=8, ncol=min(nranks, 4))
         ax.grid(True, alpha=0.3)
-    axes[-1].set_xlabel("window (sync round); orange lines: epoch boundaries")
+    axes[-1].set_xlabel("window (sync round); dotted grey lines: epoch boundaries")
+    axes[-1].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     title = "flodl_shm demo: MLP on scikit-learn digits"
     fig.suptitle(title + (f"\n{subtitle}" if subtitle else ""), fontsize=10)
     fig.tight_layout()
