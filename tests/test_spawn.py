@@ -343,7 +343,8 @@ def test_a_rank_in_its_function_gets_a_grace_whatever_the_supervisor_has_read(
 
     def unread_running(conn):
         msg = real_recv(conn)
-        return ("log", logging.DEBUG, "(running, left unread)") if msg == ("running",) else msg
+        return (("log", logging.DEBUG, "(running, left unread)", "flodl_shm", 0)
+                if msg == ("running",) else msg)
 
     monkeypatch.setattr(sup, "_recv", unread_running)
     caplog.set_level("ERROR", logger="flodl_shm")
@@ -475,6 +476,49 @@ def test_a_rank_stopped_while_it_reports_its_error_prints_no_traceback(tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["failed: 0 ValueError"], done.stdout + done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+_UNJOINED_LAUNCHER = """
+import os, sys, time
+import flodl_shm
+
+
+def slow(ctx, fail):
+    ctx.comm.barrier()
+    time.sleep(1.5)
+    if fail and ctx.rank == 1:
+        raise ValueError("the rank's own error")
+    return ctx.rank
+
+
+if __name__ == "__main__":
+    ctx = flodl_shm.spawn(slow, 2, args=(sys.argv[1] == "fail",), join=False)
+    print(os.getpid(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["ok", "fail"])
+def test_a_spawn_nobody_joined_is_joined_at_exit_and_leaves_no_segment(tmp_path, how):
+    """A probe's script ended with a spawn(join=False) still running: the interpreter
+    waited for the ranks (multiprocessing's exit hook), then exited with the supervisor
+    (a daemon thread) stopped before it unlinked the arena: 8 segments, 4.2 MB, stayed
+    in /dev/shm until another run reaped them."""
+    import subprocess
+    import sys
+
+    from flodl_shm.engine.segment import list_segments
+
+    script = tmp_path / "launcher.py"
+    script.write_text(_UNJOINED_LAUNCHER)
+    done = subprocess.run([sys.executable, str(script), how], text=True, capture_output=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    pid = int(done.stdout.split()[0])
+    assert not [g.name for g in list_segments() if g.owner_pid == pid]
+    assert ("the program ends with a spawn(join=False) of 2 ranks not joined: waiting for its "
+            "ranks to finish") in done.stderr, done.stderr
+    if how == "fail":
+        assert "a spawn(join=False) nobody joined failed: rank 1 " in done.stderr, done.stderr
 
 
 def test_ranks_return_tensors_by_value():

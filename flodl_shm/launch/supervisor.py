@@ -6,6 +6,7 @@ policy and the start methods).
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -16,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -252,6 +254,8 @@ class SpawnContext:
             if deadline is not None and time.monotonic() >= deadline:
                 return None
         self._monitor.join()
+        with _UNJOINED_LOCK:
+            _UNJOINED.discard(self)  # joined: the exit has nothing left to wait for
         error = self._run_error()
         if error is not None:
             try:
@@ -901,10 +905,47 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
                             interrupts=interrupts, survivors_save=survivors_save)
 
     if not join:
-        return start()
+        return _joined_at_exit(start())
     if threading.current_thread() is not threading.main_thread():
         return start().join()
     return _InterruptGate().run(start)
+
+
+#: ``spawn(join=False)`` contexts not joined yet (``_join_the_unjoined`` at exit)
+_UNJOINED: "weakref.WeakSet[SpawnContext]" = weakref.WeakSet()
+_UNJOINED_LOCK = threading.Lock()
+_AT_EXIT_REGISTERED = False
+
+
+def _joined_at_exit(ctx: "SpawnContext") -> "SpawnContext":
+    """Have ``ctx`` joined when the interpreter exits, if its owner has not: its
+    supervisor is a daemon thread, which the interpreter's exit stops before it can
+    unlink the arena (multiprocessing's own exit hook waits for the ranks, then the
+    segments stayed in /dev/shm)."""
+    global _AT_EXIT_REGISTERED
+    with _UNJOINED_LOCK:
+        _UNJOINED.add(ctx)
+        if not _AT_EXIT_REGISTERED:  # (registered after multiprocessing's: runs before it)
+            atexit.register(_join_the_unjoined)
+            _AT_EXIT_REGISTERED = True
+    return ctx
+
+
+def _join_the_unjoined() -> None:
+    """At exit: wait for every ``spawn(join=False)`` run nobody joined, as the exit would
+    anyway, so that its supervisor unlinks its segments; say so, and what failed."""
+    with _UNJOINED_LOCK:
+        waiting = list(_UNJOINED)
+        _UNJOINED.clear()
+    for ctx in waiting:
+        if not ctx._done.is_set():
+            logger.warning("the program ends with a spawn(join=False) of %d ranks not joined: "
+                           "waiting for its ranks to finish (call join(), or terminate() to "
+                           "stop them)", ctx.nprocs)
+        try:
+            ctx.join()
+        except BaseException as e:  # nobody is left to raise it to
+            logger.error("a spawn(join=False) nobody joined failed: %s", e)
 
 
 #: signals whose default action ends the process: the gate stops the cohort first (its
