@@ -14,13 +14,26 @@ Validation is local, before touching shared memory: ``FakeCohort(0)`` and
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Callable
 
 from .engine import arena as A
 from .engine.comm import Comm
 from .errors import CohortAborted
 from .engine.checkpoint_tap import TapServer
+from .engine.segment import reap_dead_owner_segments
 from .engine.waiting import Doorbell
+
+
+def _release(tap: TapServer, arena: "A.Arena", comms: dict[int, Comm]) -> None:
+    """Close a cohort's tap and Comms (a Comm kept past the cohort raises instead of
+    reducing alone), then unlink and unmap its arena."""
+    tap.close()
+    for c in comms.values():
+        c.close()
+    comms.clear()
+    arena.unlink()
+    arena.close()
 
 
 class FakeCohort:
@@ -48,11 +61,16 @@ class FakeCohort:
         self.arena: A.Arena | None = None
         self.tap: TapServer | None = None
         self._comms: dict[int, Comm] = {}
+        self._finalizer: weakref.finalize | None = None
 
     def __enter__(self) -> "FakeCohort":
+        reap_dead_owner_segments()  # a crashed test run's, as spawn does
         self.arena = A.Arena.create(self.world_size, eager_bytes=self.eager_bytes,
                                     direct=self.direct)
         self.tap = TapServer(self.arena)
+        # a cohort never closed (dropped, or a test that failed before its close) gives
+        # its segments back when collected, or at the interpreter's exit at the latest
+        self._finalizer = weakref.finalize(self, _release, self.tap, self.arena, self._comms)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -63,16 +81,11 @@ class FakeCohort:
         return self.tap.flush(timeout) if self.tap is not None else True
 
     def close(self) -> None:
-        if self.tap is not None:
-            self.tap.close()
-            self.tap = None
-        if self.arena is not None:
-            for c in self._comms.values():
-                c.close()  # a Comm kept past the cohort raises instead of reducing alone
-            self._comms.clear()
-            self.arena.unlink()
-            self.arena.close()
-            self.arena = None
+        if self._finalizer is not None:
+            self._finalizer()  # (once: a finalizer runs at most once)
+            self._finalizer = None
+        self.tap = None
+        self.arena = None
 
     def comm(self, rank_id: int) -> Comm:
         """The Comm of rank ``rank_id`` (one per rank, created on first use)."""
