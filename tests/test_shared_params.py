@@ -217,6 +217,26 @@ def test_shared_tensors_are_placed_once_per_comm(low_threshold):
         torch.testing.assert_close(bias, torch.full((1200,), 2.0 / 3.0))
 
 
+def test_a_second_local_sgd_on_a_comm_says_it_averages_with_copies(low_threshold, caplog):
+    """A probe's sweep built LocalSGD after LocalSGD on one Comm: the second and later
+    synced ~1.8x slower (the block holds the first one's model for the Comm's life),
+    said only at INFO; shared_params=True raised the Comm's RuntimeError where the docs
+    promise a ValueError saying why."""
+    def body(comm):
+        first = LocalSGD(make_model(comm.rank), sync_every=1, comm=comm)
+        second = LocalSGD(make_model(comm.rank), sync_every=1, comm=comm)
+        with pytest.raises(ValueError, match=r"shared_params=True, but this rank's shared "
+                                             r"parameter block already holds"):
+            LocalSGD(make_model(comm.rank), sync_every=1, comm=comm, shared_params=True)
+        return first.shared_params, second.shared_params
+
+    with FakeCohort(2, direct=True) as cohort, caplog.at_level("INFO", logger="flodl_shm"):
+        assert cohort.run(body) == [(True, False), (True, False)]
+    said = [r for r in caplog.records if "averaged with copies" in r.getMessage()]
+    assert [r.levelname for r in said] == ["WARNING"], caplog.text  # one a host
+    assert "one LocalSGD per Comm, the models in one nn.ModuleList" in said[0].getMessage()
+
+
 def _shm_bytes(arena, what: str) -> int:
     """The bytes of /dev/shm that the arena's segment ``what`` holds (its pages)."""
     return os.stat(os.path.join("/dev/shm", arena.handle.name(what))).st_blocks * 512

@@ -931,8 +931,9 @@ class Comm:
         if self._engine.arena.ctl[me + A.R_PARAMS_BYTES] > 0:
             raise RuntimeError(
                 "this rank's shared parameter block already holds the tensors of an earlier "
-                "shared_tensors() call (one placement per rank): average those, or build "
-                "the second model's averaging without shared tensors")
+                "shared_tensors() call, for the Comm's life (an earlier LocalSGD's model, say: "
+                "one placement per rank): average those (one LocalSGD per Comm, the models "
+                "in one nn.ModuleList), or build this averaging without shared tensors")
         if self._engine.relay_mode:
             raise ValueError("shared tensors serve rounds inside one host, but this Comm's "
                              "rounds cross hosts through a relay")
