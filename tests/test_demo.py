@@ -373,3 +373,20 @@ def test_resume_refuses_what_it_cannot_continue_before_writing_anything(tmp_path
         "model" in err, err
     assert sorted(p.name for p in other.iterdir()) == before, "the refusal wrote into it"
     assert_clean()
+
+
+def test_a_run_stopped_after_its_last_window_is_not_told_to_resume(tmp_path):
+    """A probe's Ctrl-C during the final evaluation of a finished run read 'Last
+    checkpoint ...: continue with --resume', which trains nothing."""
+    from flodl_shm.cli.demo import _continue_with
+
+    run_dir = tmp_path / "done"
+    result = run_demo(quiet(run_dir, epochs=1))
+    assert_clean()
+    last = result.train.checkpoint
+    finished = parse_args(["--run-dir", str(run_dir), "--epochs", "1"])
+    assert _continue_with(finished, last) == (
+        f"Training had finished: its last checkpoint is {last}; --resume with a larger "
+        f"--epochs trains on.")
+    more = parse_args(["--run-dir", str(run_dir), "--epochs", "2"])
+    assert _continue_with(more, last) == f"Last checkpoint {last}: continue with --resume."

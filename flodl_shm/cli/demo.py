@@ -953,6 +953,9 @@ def _continue_with(cfg: DemoConfig, last, error: Optional[BaseException] = None)
     ``error`` when it raised)."""
     if error is not None and cfg.resume and _names_bundle(error, last):
         return _unloadable(cfg, last)
+    if _finished(last, cfg.epochs):  # (stopped during the final evaluation or the plot)
+        return (f"Training had finished: its last checkpoint is {last}; --resume with a "
+                f"larger --epochs trains on.")
     advice = f"Last checkpoint {last}: continue with --resume."
     if isinstance(error, OSError) and cfg.resume:  # (a folder or disk to mend first)
         advice = f"Last checkpoint {last}: continue with --resume once that is mended."
@@ -965,6 +968,19 @@ def _continue_with(cfg: DemoConfig, last, error: Optional[BaseException] = None)
             "newest checkpoint is older than the others' (a host that was lost) first needs "
             "the newer round's .fdl and .meta.json, copied from the controller's --run-dir "
             "or another host's.")
+
+
+def _finished(model_path, epochs: int) -> bool:
+    """Whether the checkpoint ``model_path`` ends the run's ``epochs`` (False when its
+    metadata cannot be read: the advice then stays the general one)."""
+    from flodl_shm import CheckpointBundle, CheckpointMeta
+    from flodl_shm.errors import CheckpointError
+
+    try:
+        meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(model_path))
+    except (CheckpointError, OSError):
+        return False
+    return meta.epoch >= epochs
 
 
 def _names_bundle(error: BaseException, model_path) -> bool:
