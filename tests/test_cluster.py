@@ -284,6 +284,12 @@ def test_handshake_refusals_are_named_on_both_ends(caplog):
             join_raw(ctl.port, {"host": "d", "ranks": [1, 2], "world_size": 3})
         with pytest.raises(HandshakeRejected, match="duplicate host"):
             join_raw(ctl.port, {"host": "c", "ranks": [2], "world_size": 3})
+        # the same name AND the same ranks (a demo host started twice with one
+        # --first-rank: its name holds its ranks) is an overlap, said as one
+        with pytest.raises(HandshakeRejected, match=r"ranks \[0, 1\] are already carried by "
+                                                    r"host 'c' \(overlapping rank sets\): give "
+                                                    r"each host its own ranks \(--first-rank\)"):
+            join_raw(ctl.port, {"host": "c", "ranks": [0, 1], "world_size": 3})
         with pytest.raises(FrameError, match="failed to prove the session secret"):
             join_raw(ctl.port, {"host": "e", "ranks": [2], "world_size": 3},
                        salt=b"\x00" * 16)

@@ -332,6 +332,46 @@ def test_losing_the_controller_stops_every_host():
         assert not ok and isinstance(e, ConnectionError) and "controller" in str(e), repr(e)
 
 
+def rank_one_late_at_round_five(ctx):
+    for k in range(100000):
+        if k == 5 and ctx.rank == 1:
+            time.sleep(4.0)  # the controller is stopped while it waits for this host
+        ctx.comm.all_reduce_tensors([torch.full((100,), float(ctx.rank))])
+    raise AssertionError("the controller never went away")
+
+
+def test_a_controller_stopped_mid_round_sends_no_consensus_of_the_hosts_that_delivered():
+    """A probe's SIGTERM to the controller (its shutdown) in the middle of a round: the
+    reduce loop finished the round on what had arrived, so one host was sent a
+    consensus of its own ranks alone ('rank(s) [1] left the cohort ... saving and
+    stopping', nothing saved) and the other, which had delivered nothing, an
+    'unexpected FRAME_DOWN record'. Both now read that the controller closed the
+    connection, as when it is killed."""
+    ctl = ClusterController.start("127.0.0.1:0", 2, SALT)
+
+    def host(i):
+        spawn(rank_one_late_at_round_five, 1, controller=f"127.0.0.1:{ctl.port}",
+              world_size=2, first_rank=i, salt=SALT, timeout=60)
+
+    hosts = [HostProcess(lambda i=i: host(i), f"host{i}") for i in range(2)]
+    try:
+        deadline = time.monotonic() + 90
+        while ctl.stats.rounds < 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ctl.stats.rounds == 5
+        time.sleep(1.0)  # host 0 has delivered round 5; host 1 sleeps
+        ctl.shutdown()
+        outcomes = join_hosts(hosts, time.monotonic() + 60)
+    finally:
+        ctl.shutdown()
+        for h in hosts:
+            h.kill()
+    assert ctl.stats.rounds == 5
+    for ok, e in outcomes:
+        assert not ok and isinstance(e, ConnectionError), repr(e)
+        assert "closed the connection" in str(e) and "FRAME_DOWN" not in str(e), repr(e)
+
+
 # --- frames above the frame ceiling ----------------------------------------------------------
 
 def _frame(sizes, dtype=DTYPE_F32, weight=3.0):

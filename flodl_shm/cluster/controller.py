@@ -342,12 +342,15 @@ class ClusterController:
         with self._lock:
             if self._complete.is_set():
                 return "the cohort is already complete"
-            if any(h.name == name for h in self._hosts) or name in self._pending_names:
-                return f"a host named {name!r} is already connected (duplicate host)"
+            # the ranks first: a demo host's name holds its ranks ('vm:0-1'), so a second
+            # host with the same --first-rank is an overlap, not merely a name taken
             taken = [r for r in ranks if r in self._claimed]
             if taken:
                 return (f"ranks {taken} are already carried by host "
-                        f"{self._claimed[taken[0]]!r} (overlapping rank sets)")
+                        f"{self._claimed[taken[0]]!r} (overlapping rank sets): give each "
+                        f"host its own ranks (--first-rank)")
+            if any(h.name == name for h in self._hosts) or name in self._pending_names:
+                return f"a host named {name!r} is already connected (duplicate host)"
         return None
 
     def _admit(self, hello: dict, link: Link) -> str | None:
@@ -679,6 +682,8 @@ class ClusterController:
                 self._host_failed(h, str(e))
                 continue
             if res is None:
+                if self._stop.is_set():  # stopped mid-round: no consensus of a part of
+                    return False         # the hosts (the others never delivered theirs)
                 continue
             if clock.start is None:
                 clock.start = time.monotonic()
