@@ -178,7 +178,10 @@ def test_a_failed_cluster_host_says_how_the_hosts_resume_together(tmp_path, secr
     assert "Traceback" not in r.stderr, r.stderr
     assert ("Last checkpoint runs/demo/ckpt-r00000006.fdl: continue with --resume on every "
             "host. The hosts resume from one round") in r.stderr, r.stderr
-    assert "copied from the controller's --run-dir or another host's" in r.stderr
+    assert ("copied from another host's --run-dir or from the controller's copy (the "
+            "controller writes it under the --run-dir path of the host with rank 0, taken from "
+            "where the controller runs)") in r.stderr, r.stderr
+    assert "--outer-state" not in r.stderr  # (plain averaging: the controller holds nothing)
 
 
 @pytest.mark.timeout(180)

@@ -8,6 +8,7 @@ each run must still reach 95 % on its own.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -390,3 +391,10 @@ def test_a_run_stopped_after_its_last_window_is_not_told_to_resume(tmp_path):
         f"--epochs trains on.")
     more = parse_args(["--run-dir", str(run_dir), "--epochs", "2"])
     assert _continue_with(more, last) == f"Last checkpoint {last}: continue with --resume."
+    # a host of a cluster with the controller's outer optimizer: restart it with its state
+    host = dataclasses.replace(more, controller="127.0.0.1:29500", world_size=2,
+                               outer="nesterov")
+    said = _continue_with(host, last)
+    assert said.startswith(f"Last checkpoint {last}: continue with --resume on every host. "
+                           f"Restart the controller first with --outer nesterov --outer-state "
+                           f"{str(last)[:-3]}outer.fdl"), said

@@ -957,17 +957,20 @@ def _continue_with(cfg: DemoConfig, last, error: Optional[BaseException] = None)
         return (f"Training had finished: its last checkpoint is {last}; --resume with a "
                 f"larger --epochs trains on.")
     advice = f"Last checkpoint {last}: continue with --resume."
-    if isinstance(error, OSError) and cfg.resume:  # (a folder or disk to mend first)
-        advice = f"Last checkpoint {last}: continue with --resume once that is mended."
     if cfg.controller is None:
         return advice
     # each host resumes from its own newest bundle, and they must be of one round: a
     # host lost mid-run misses the rounds the others saved after it (its --resume was
     # refused, and this advice repeated)
-    return (advice[:-1] + " on every host. The hosts resume from one round: a host whose "
-            "newest checkpoint is older than the others' (a host that was lost) first needs "
-            "the newer round's .fdl and .meta.json, copied from the controller's --run-dir "
-            "or another host's.")
+    restart = ("" if cfg.outer != "nesterov" else
+               f" Restart the controller first with --outer nesterov --outer-state "
+               f"{os.fspath(last)[:-len('fdl')]}outer.fdl (the outer momentum of that round, "
+               f"in the controller's copy of the checkpoints).")
+    return (advice[:-1] + " on every host." + restart + " The hosts resume from one round: a "
+            "host whose newest checkpoint is older than the others' (a host that was lost) "
+            "first needs the newer round's .fdl and .meta.json, copied from another host's "
+            "--run-dir or from the controller's copy (the controller writes it under the "
+            "--run-dir path of the host with rank 0, taken from where the controller runs).")
 
 
 def _finished(model_path, epochs: int) -> bool:
