@@ -499,10 +499,11 @@ def test_controller_outer_state_that_does_not_exist_is_a_usage_error(tmp_path, s
     assert "meta.json" not in r.stderr, r.stderr
 
 
-def _listening_controller(cwd: Path, secret: Path) -> subprocess.Popen:
+def _listening_controller(cwd: Path, secret: Path, *extra: str) -> subprocess.Popen:
     """A controller on a free loopback port, returned once it says it listens."""
     proc = subprocess.Popen([sys.executable, "-m", "flodl_shm", "controller", "--bind",
-                             "127.0.0.1:0", "--world-size", "2", "--secret-file", str(secret)],
+                             "127.0.0.1:0", "--world-size", "2", "--secret-file", str(secret),
+                             *extra],
                             cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL)
     line = proc.stdout.readline()
@@ -534,6 +535,23 @@ def test_controller_ctrl_c_says_interrupted_and_exits_130(tmp_path, secret, repe
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert "controller: interrupted after 0 rounds" in err, err
     assert "cohort finished" not in out, out
+    # plain averaging: nothing of the controller's to restore (it said --outer-state)
+    assert "restart the controller, then every host with --resume" in err, err
+
+
+def test_a_stopped_controller_with_an_outer_optimizer_names_its_state_to_restart_with(
+        tmp_path, secret):
+    proc = _listening_controller(tmp_path, secret, "--outer", "nesterov")
+    try:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert proc.returncode == 143, err
+    assert ("restart the controller with --outer nesterov --outer-state <stem>.outer.fdl (of "
+            "the round the hosts resume from), then every host with --resume") in err, err
 
 
 @pytest.mark.timeout(90)

@@ -179,11 +179,15 @@ def main(argv: list[str] | None = None) -> int:
         for s, old in replaced.items():
             signal.signal(s, old)
     else:  # the signals stay ignored to the end: a late Ctrl-C is no traceback
+        state = ""
+        if args.outer == "nesterov":  # the outer momentum lives here: it must come back
+            last = ctl.last_armed[0] if ctl.last_armed else None
+            state = (f" with --outer nesterov --outer-state "
+                     f"{last[:-len('fdl')] if last else '<stem>.'}outer.fdl (of the round the "
+                     f"hosts resume from)")
         print(f"controller: {stopped_by(interrupts)} after {ctl.stats.rounds} rounds; its "
-              f"hosts lose their link to it and stop. To continue, restart the controller "
-              f"(with --outer-state under --outer nesterov), then every host with --resume",
-              file=sys.stderr,
-              flush=True)
+              f"hosts lose their link to it and stop. To continue, restart the controller"
+              f"{state}, then every host with --resume", file=sys.stderr, flush=True)
         return 128 + int(interrupts[0])
     if ctl.error is not None:
         print(f"controller: the cohort ended with an error: {ctl.error}", file=sys.stderr)
