@@ -20,6 +20,7 @@ Decoding always returns float32 CPU tensors.
 """
 from __future__ import annotations
 
+import ctypes
 import enum
 import math
 from dataclasses import dataclass, field
@@ -214,6 +215,25 @@ def torch_dtype_name(dt) -> str:
     return names.get(short, short)
 
 
+def tensor_array(t, dtype) -> np.ndarray:
+    """A numpy array over the memory of ``t`` (a contiguous CPU tensor), its bytes read
+    as ``dtype`` (``np.uint16`` for bfloat16 bits, ``np.uint8`` for raw bytes).
+
+    Unlike ``Tensor.numpy()``, which marks the tensor's storage not resizable for good
+    (a caller's ``t.resize_()`` after a collective raised, where gloo's does not), it
+    leaves the tensor as it was. The array keeps the tensor alive; the tensor must not
+    be resized while the array is in use."""
+    nbytes = t.numel() * t.element_size()
+    if not nbytes:
+        return np.empty(0, dtype)
+    if not t.is_contiguous():  # its bytes are not one run: a caller's mistake, said here
+        raise ValueError(f"tensor_array needs a contiguous tensor, got stride {t.stride()} "
+                         f"for shape {tuple(t.shape)}")
+    raw = (ctypes.c_char * nbytes).from_address(t.data_ptr())
+    raw.tensor = t  # the array's base keeps the memory alive
+    return np.frombuffer(raw, dtype)
+
+
 def check_tensor_dtype(t, index: int, broadcast: bool = False):
     """FrameError unless ``t`` is a float32 or bfloat16 tensor (``broadcast``: the
     tensor of a broadcast, whose fix is a float32 view of its bytes, not a cast)."""
@@ -251,7 +271,7 @@ def tensor_to_payload(t, dtype: int, index: int = 0, scale: float = 1.0) -> Tens
     shape = tuple(t.shape)
     n = t.numel()
     if t.dtype == torch.float32:
-        src = t.reshape(-1).numpy()
+        src = tensor_array(t.reshape(-1), np.float32)
         if dtype == DTYPE_F32:
             out = np.empty(n, np.float32)
             if scale == 1.0:
@@ -265,7 +285,7 @@ def tensor_to_payload(t, dtype: int, index: int = 0, scale: float = 1.0) -> Tens
             else:
                 kernels.f32_to_bf16_scaled(src, out, scale, _SCRATCH)
     else:  # bfloat16
-        bits = t.reshape(-1).view(torch.int16).numpy().view(np.uint16)
+        bits = tensor_array(t.reshape(-1), np.uint16)
         if dtype == DTYPE_BF16:
             out = np.empty(n, np.uint16)
             if scale == 1.0:
@@ -303,7 +323,7 @@ def payload_to_tensor(p: TensorPayload, index: int = 0, out=None):
             f"tensor[{index}]: decode destination must be a contiguous float32 tensor of "
             f"numel {p.numel}, got {out.dtype} numel {out.numel()}"
         )
-    dst = out.view(-1).numpy()
+    dst = tensor_array(out.view(-1), np.float32)
     if p.dtype == DTYPE_F32:
         np.copyto(dst, src)
     else:

@@ -725,3 +725,43 @@ def test_a_cohort_never_closed_gives_its_segments_back_when_collected_or_at_exit
     finally:
         if os.path.exists(stale):
             os.unlink(stale)
+
+
+def test_collectives_leave_the_callers_tensors_resizable(tmp_path):
+    """A probe: after a 1.2 MB all_reduce or broadcast (the bulk path), the caller's
+    tensor could not be resized ('Trying to resize storage that is not resizable'):
+    Tensor.numpy() marks a storage so for good. DDP's batched PowerSGD hook resizes its
+    bucket. gloo leaves the storage as it was; so does every path here now, a model
+    saved to and loaded from a .fdl included."""
+    from flodl_shm.checkpoint.fdl import load_module, save_module
+    from flodl_shm.frame import payload_to_tensor, tensor_to_payload
+
+    n = 300_000  # 1.2 MB: over the eager slot, under the direct rounds
+
+    def body(comm):
+        made = {
+            "all_reduce_ f32": torch.ones(n), "all_reduce_ bf16": torch.ones(n).bfloat16(),
+            "all_reduce_tensors": torch.ones(n), "broadcast_": torch.ones(n),
+            "broadcast_from_root": torch.ones(n), "frame": torch.ones(n),
+        }
+        comm.all_reduce_([made["all_reduce_ f32"]])
+        comm.all_reduce_([made["all_reduce_ bf16"]])
+        comm.all_reduce_tensors([made["all_reduce_tensors"]])
+        comm.broadcast_([made["broadcast_"]], 0)
+        comm.broadcast_from_root([made["broadcast_from_root"]], 0)
+        payload_to_tensor(tensor_to_payload(made["frame"], DTYPE_F32), out=made["frame"])
+        bad = []
+        for what, t in made.items():
+            try:
+                t.resize_(n + 1)
+            except RuntimeError as e:
+                bad.append(f"{what}: {e}")
+        return bad
+
+    with FakeCohort(2) as c:
+        assert c.run(body) == [[], []]
+    model = torch.nn.Linear(300, 1000)
+    save_module(model, tmp_path / "m.fdl")
+    load_module(model, tmp_path / "m.fdl")
+    for p in model.parameters():
+        p.data.resize_(p.numel() + 1)  # raised for a model saved or loaded before

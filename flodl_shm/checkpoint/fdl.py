@@ -45,6 +45,7 @@ from typing import BinaryIO, Callable, Iterable, Iterator, Optional, Sequence
 import numpy as np
 
 from ..errors import CheckpointError
+from ..frame import tensor_array
 from ._atomic import atomic_write
 
 logger = logging.getLogger("flodl_shm")
@@ -413,14 +414,13 @@ def write_fdl_raw(path: "str | os.PathLike[str]", entries: Sequence[RawEntry],
 
 def _tensor_bytes(t) -> memoryview:
     """Raw little-endian bytes of a CPU tensor (a view when it is contiguous)."""
-    torch = _torch()
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(tensor_array(t.reshape(-1), np.uint8))
 
 
 def save_tensors(path: "str | os.PathLike[str]", named: Sequence[tuple[str, object]],
@@ -826,13 +826,12 @@ def load_targets(path: "str | os.PathLike[str]", targets: Sequence[_Target],
 
 
 def _copy_entry_into(src: _Source, e: FdlEntry, dst, path: Path) -> None:
-    torch = _torch()
     file_dtype = torch_dtype_for_tag(e.dtype_tag)
     direct = (e.data is None and dst.device.type == "cpu" and dst.dtype == file_dtype
               and dst.is_contiguous() and e.nbytes > 0)
     if direct:
         # Read straight into the destination's storage: no staging copy.
-        view = dst.detach().reshape(-1).view(torch.uint8).numpy()
+        view = tensor_array(dst.detach().reshape(-1), np.uint8)
         src.fh.seek(e.offset)
         got = src.fh.readinto(memoryview(view))
         if got != e.nbytes:

@@ -25,7 +25,6 @@ background: its ``Work`` completes when it ran, and ``wait()`` raises what it ra
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import threading
@@ -42,7 +41,7 @@ from ..engine.byte_exchange import exchange_bytes
 from .call_mismatch import describe_call, explain_mismatch
 from ..engine.tensor_codec import elements_share_memory
 from ..errors import FrameError, PeerDied, ReduceStall
-from ..frame import RoundKind
+from ..frame import RoundKind, tensor_array
 from .overlap import CollectiveWorker
 from .reduce_ops import (average_, check_dtype, check_op, op_name, op_type, real_views,
                          reduce_in_order)
@@ -294,9 +293,7 @@ def _bytes_of(t: torch.Tensor) -> np.ndarray:
         # torch counts a one-element tensor of any stride as contiguous, but its bytes
         # can only be viewed at stride 1
         flat = flat.clone(memory_format=torch.contiguous_format)
-    raw = (ctypes.c_uint8 * (flat.numel() * flat.element_size())).from_address(flat.data_ptr())
-    raw.tensor = flat  # the array's base keeps the memory alive
-    return np.frombuffer(raw, np.uint8)
+    return tensor_array(flat, np.uint8)
 
 
 def _misfit(out: torch.Tensor, like: torch.Tensor, what: str) -> str | None:

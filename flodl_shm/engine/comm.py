@@ -60,6 +60,7 @@ from ..frame import (
     TensorPayload,
     check_frame,
     mass_error,
+    tensor_array,
 )
 from .checkpoint_tap import TapClient
 from .direct import READY, UNAVAILABLE, UNPROBED, ClosedDirectRounds
@@ -542,7 +543,7 @@ class Comm:
         # the result memory goes to the round: this rank's own slice lands in it while
         # the reduce still has it in cache, only the other slices are copied after
         flat = self._codec.flat_result(plan.nelem, armed)
-        out = flat.numpy()
+        out = tensor_array(flat, np.float32)
         cons, mass = self._run(plan, weight, write, outer=outer, into=out)
         self._copy_out_except_own(cons, dtype, flat)
         return self._codec.views(flat, plan), mass
@@ -677,7 +678,7 @@ class Comm:
         into = None
         if (len(tensors) == 1 and tensors[0].dtype is F32 and tensors[0].is_cpu
                 and tensors[0].is_contiguous()):
-            into = tensors[0].detach().view(-1).numpy()
+            into = tensor_array(tensors[0].detach().view(-1), np.float32)
         cons, mass = self._run(plan, weight, write, outer=outer, into=into)
         if kind == _MODEL and mass <= 0.0:
             return mass
@@ -764,7 +765,7 @@ class Comm:
             self._codec.encode(tensors, dst, plan, DTYPE_F32, 1.0, eng.fault_hook,
                                self._round)
 
-        out = flat.numpy()
+        out = tensor_array(flat, np.float32)
         # on a cluster, a reduce to which only the root contributes, with mass 1: a round
         # that accepted no mass lost its root (it died before its tensors arrived), and
         # its sum is zeros, not the root's tensors
@@ -828,7 +829,8 @@ class Comm:
                                        self._round)
 
                 self._run(plan, 0.0, write if is_root else None, elided=not is_root,
-                          out=None if is_root else t.detach().view(-1).numpy(),
+                          out=None if is_root else tensor_array(t.detach().view(-1),
+                                                                np.float32),
                           broadcast=local_root)
                 return
         got = self.broadcast_from_root(tensors, root)

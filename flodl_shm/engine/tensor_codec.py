@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..errors import FrameError
-from ..frame import DTYPE_BF16, DTYPE_F32, RoundKind, check_tensor_dtype
+from ..frame import DTYPE_BF16, DTYPE_F32, RoundKind, check_tensor_dtype, tensor_array
 from ..kernels import codec as K
 from ..kernels import reduce as RK
 from ..kernels import tensorio as TIO
@@ -220,8 +220,8 @@ def _tensor_source(t: torch.Tensor) -> tuple[np.ndarray, bool]:
     if not t.is_contiguous():
         t = t.contiguous()
     if t.dtype == BF16:
-        return t.reshape(-1).view(torch.int16).numpy().view(np.uint16), True
-    return t.reshape(-1).numpy(), False
+        return tensor_array(t.reshape(-1), np.uint16), True
+    return tensor_array(t.reshape(-1), np.float32), False
 
 
 def encode_tensor(t: torch.Tensor, dst: np.ndarray, dtype: int, scale: float,
@@ -295,7 +295,7 @@ def decode_into_tensor(src: np.ndarray, dtype: int, t: torch.Tensor) -> None:
             else:
                 TIO.decode_bf16_into(src, t.data_ptr())
             return
-        dst = t.detach().view(-1).numpy()
+        dst = tensor_array(t.detach().view(-1), np.float32)
         if dtype == DTYPE_F32:
             np.copyto(dst, src)
         else:
@@ -322,7 +322,8 @@ def flat_f32(tensors: Sequence[torch.Tensor]) -> np.ndarray:
     Args:
         tensors: CPU tensors of any floating dtype.
     """
-    flat = [t.detach().reshape(-1).to(torch.float32).numpy() for t in tensors]
+    flat = [tensor_array(t.detach().to(torch.float32).contiguous().view(-1), np.float32)
+            for t in tensors]
     return np.concatenate(flat) if flat else np.empty(0, np.float32)
 
 
@@ -356,10 +357,8 @@ def decode_gathered(cons: np.ndarray, dtype: int, plan: RoundPlan,
 def flat_values(t: torch.Tensor) -> np.ndarray:
     """A float32 or bfloat16 tensor's values as a flat numpy array: float32, or the
     bfloat16 bits as uint16 (a view when ``t`` is contiguous, else a copy)."""
-    t = t.detach()
-    if t.dtype is BF16:
-        return t.reshape(-1).view(torch.int16).numpy().view(np.uint16)
-    return t.reshape(-1).numpy()
+    t = t.detach().contiguous().view(-1)
+    return tensor_array(t, np.uint16 if t.dtype is BF16 else np.float32)
 
 
 def drift_snapshot(tensors: Sequence[torch.Tensor], nelem: int, pool: "ResultPool") -> np.ndarray:

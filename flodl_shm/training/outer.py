@@ -32,6 +32,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ..frame import tensor_array
 from ..kernels.outer_step import avg_step_flat, nesterov_step_flat
 
 logger = logging.getLogger("flodl_shm")
@@ -201,8 +202,8 @@ class OuterNesterov(OuterOptimizer):
         new_global = []
         for p, c, v in zip(prev, cons, velocity):
             out = torch.empty_like(c)
-            nesterov_step_flat(p.view(-1).numpy(), c.view(-1).numpy(), v.view(-1).numpy(),
-                               self.lr, self.mu, fresh, out.view(-1).numpy())
+            nesterov_step_flat(*(tensor_array(x.view(-1), np.float32) for x in (p, c, v)),
+                               self.lr, self.mu, fresh, tensor_array(out.view(-1), np.float32))
             new_global.append(out)
         self._velocity = velocity
         return new_global

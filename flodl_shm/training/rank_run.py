@@ -626,9 +626,9 @@ def _to_portable(state: dict) -> dict:
     for k, v in state.items():
         v = v.detach().cpu().contiguous()
         if v.dtype == torch.bfloat16:
-            out[k] = ("bfloat16", v.view(torch.int16).numpy().copy())
-        else:
-            out[k] = (str(v.dtype).replace("torch.", ""), v.numpy().copy())
+            out[k] = ("bfloat16", v.clone().view(torch.int16).numpy())
+        else:  # (a copy first: numpy() would mark the model's own storage not resizable)
+            out[k] = (str(v.dtype).replace("torch.", ""), v.clone().numpy())
     return out
 
 
