@@ -41,12 +41,11 @@ def main(argv: list[str] | None = None) -> int:
             return status
         finally:
             sys.stdout.flush()  # now, not at exit: a reader that left is handled below
-    except KeyboardInterrupt:  # a Ctrl-C before the command took the signal (while it
-        # imports torch, say): nothing ran yet, and a traceback would say nothing more
+    except KeyboardInterrupt:  # a Ctrl-C the command did not take itself (while it
+        # imports torch, say, before it installs its handlers): a traceback says no more
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
-        print(f"\n{invoked_as()}: interrupted before it started; nothing was done",
-              file=sys.stderr)
+        print(f"\n{invoked_as()}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
     except BrokenPipeError:  # `... | head`: the reader left before the output ended
         devnull = os.open(os.devnull, os.O_WRONLY)
