@@ -514,6 +514,19 @@ def _listening_controller(cwd: Path, secret: Path, *extra: str) -> subprocess.Po
     return proc
 
 
+def _signalled(proc: subprocess.Popen, sig: int, timeout: float = 30) -> str:
+    """Send ``sig`` to ``proc`` and read it to its end (killed past ``timeout``); its
+    stderr."""
+    try:
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    return err
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("repeat", [False, True], ids=["once", "again_while_stopping"])
 def test_controller_ctrl_c_says_interrupted_and_exits_130(tmp_path, secret, repeat):
@@ -542,13 +555,7 @@ def test_controller_ctrl_c_says_interrupted_and_exits_130(tmp_path, secret, repe
 def test_a_stopped_controller_with_an_outer_optimizer_names_its_state_to_restart_with(
         tmp_path, secret):
     proc = _listening_controller(tmp_path, secret, "--outer", "nesterov")
-    try:
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
+    err = _signalled(proc, signal.SIGTERM)
     assert proc.returncode == 143, err
     assert ("restart the controller with --outer nesterov --outer-state <stem>.outer.fdl (of "
             "the round the hosts resume from), then every host with --resume") in err, err
@@ -560,13 +567,7 @@ def test_controller_stopped_by_a_signal_says_so(tmp_path, secret, sig):
     """A scheduler's SIGTERM (or a closed terminal's SIGHUP) killed the controller without a
     line, and could cut a checkpoint it was writing; it now stops as on Ctrl-C."""
     proc = _listening_controller(tmp_path, secret)
-    try:
-        proc.send_signal(sig)
-        out, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
+    err = _signalled(proc, sig)
     assert proc.returncode == 128 + sig, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert f"controller: stopped by {signal.Signals(sig).name} after 0 rounds" in err, err
@@ -721,22 +722,16 @@ def test_a_ctrl_c_while_a_command_loads_is_one_line(tmp_path, command):
     proc = subprocess.Popen([sys.executable, "-m", "flodl_shm", *command], cwd=tmp_path,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                maps = Path(f"/proc/{proc.pid}/maps").read_text()
-            except OSError:
-                maps = ""
-            if "libtorch" in maps:
-                break
-            time.sleep(0.002)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        except OSError:
+            maps = ""
+        if "libtorch" in maps:
+            break
+        time.sleep(0.002)
+    err = _signalled(proc, signal.SIGINT, timeout=60)
     assert proc.returncode == 128 + signal.SIGINT, (proc.returncode, err)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert "interrupted" in err, err

@@ -308,26 +308,34 @@ def rounds_until_cut(ctx):
     raise AssertionError("the controller never went away")
 
 
-def test_losing_the_controller_stops_every_host():
+def _two_hosts_whose_controller_stops(fn, rounds: int, pause: float = 0.0):
+    """Two one-rank hosts running ``fn`` under a controller that is shut down once it has
+    reduced ``rounds`` rounds (and ``pause`` seconds more); (the controller, each host's
+    (ok, outcome)). A host that outlives its controller by a minute fails the test."""
     ctl = ClusterController.start("127.0.0.1:0", 2, SALT)
 
     def host(i):
-        spawn(rounds_until_cut, 1, controller=f"127.0.0.1:{ctl.port}", world_size=2,
-              first_rank=i, salt=SALT, timeout=60)
+        spawn(fn, 1, controller=f"127.0.0.1:{ctl.port}", world_size=2, first_rank=i,
+              salt=SALT, timeout=60)
 
     hosts = [HostProcess(lambda i=i: host(i), f"host{i}") for i in range(2)]
     try:
         deadline = time.monotonic() + 90
-        while ctl.stats.rounds < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert ctl.stats.rounds >= 3
+        while ctl.stats.rounds < rounds and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ctl.stats.rounds >= rounds
+        time.sleep(pause)
         ctl.shutdown()
-        # fails naming any host that outlives its controller by a minute
         outcomes = join_hosts(hosts, time.monotonic() + 60)
     finally:
         ctl.shutdown()
         for h in hosts:
             h.kill()
+    return ctl, outcomes
+
+
+def test_losing_the_controller_stops_every_host():
+    _, outcomes = _two_hosts_whose_controller_stops(rounds_until_cut, 3)
     for ok, e in outcomes:
         assert not ok and isinstance(e, ConnectionError) and "controller" in str(e), repr(e)
 
@@ -347,25 +355,8 @@ def test_a_controller_stopped_mid_round_sends_no_consensus_of_the_hosts_that_del
     stopping', nothing saved) and the other, which had delivered nothing, an
     'unexpected FRAME_DOWN record'. Both now read that the controller closed the
     connection, as when it is killed."""
-    ctl = ClusterController.start("127.0.0.1:0", 2, SALT)
-
-    def host(i):
-        spawn(rank_one_late_at_round_five, 1, controller=f"127.0.0.1:{ctl.port}",
-              world_size=2, first_rank=i, salt=SALT, timeout=60)
-
-    hosts = [HostProcess(lambda i=i: host(i), f"host{i}") for i in range(2)]
-    try:
-        deadline = time.monotonic() + 90
-        while ctl.stats.rounds < 5 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert ctl.stats.rounds == 5
-        time.sleep(1.0)  # host 0 has delivered round 5; host 1 sleeps
-        ctl.shutdown()
-        outcomes = join_hosts(hosts, time.monotonic() + 60)
-    finally:
-        ctl.shutdown()
-        for h in hosts:
-            h.kill()
+    # stopped 1 s into round 5: host 0 has delivered it, host 1 sleeps
+    ctl, outcomes = _two_hosts_whose_controller_stops(rank_one_late_at_round_five, 5, 1.0)
     assert ctl.stats.rounds == 5
     for ok, e in outcomes:
         assert not ok and isinstance(e, ConnectionError), repr(e)
