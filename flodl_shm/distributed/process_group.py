@@ -43,8 +43,8 @@ from ..engine.tensor_codec import elements_share_memory
 from ..errors import FrameError, PeerDied, ReduceStall
 from ..frame import RoundKind, tensor_array
 from .overlap import CollectiveWorker
-from .reduce_ops import (average_, check_dtype, check_op, op_name, op_type, real_views,
-                         reduce_in_order)
+from .reduce_ops import (average_, check_dtype, check_op, float_view, op_name, op_type,
+                         real_views, reduce_in_order)
 from .rendezvous import HostLink, rendezvous
 
 logger = logging.getLogger("flodl_shm")
@@ -258,12 +258,6 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
-
-
-def _float_view(t: torch.Tensor) -> torch.Tensor:
-    """A complex tensor's float view (``torch.view_as_real``: the same memory); any
-    other tensor as it is."""
-    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def _checked(tensors: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
@@ -913,11 +907,11 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         root = int(opts.rootRank)
         # complex tensors travel as their float views, as torch hands them to the other
         # byte copies (scatter, all_gather, broadcast) but not to gather
-        inputs = _checked([_float_view(t) for t in input_tensors], "gather")
+        inputs = _checked([float_view(t) for t in input_tensors], "gather")
         offs, total = _layout(inputs)
         problem = None
         if self._rank == root:
-            outs = [_float_view(o) for o in (output_lists[0] if output_lists else [])]
+            outs = [float_view(o) for o in (output_lists[0] if output_lists else [])]
             problem = self._per_rank_lists("gather", "gather_list", [outs],
                                            [(o, inputs[0]) for o in outs])
         head = _ALIGN  # every rank's bytes start with a status word (_put_status)

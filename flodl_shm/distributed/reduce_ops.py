@@ -146,6 +146,12 @@ def average_(acc: torch.Tensor, n: int, dtype: torch.dtype) -> None:
         acc.div_(n)
 
 
+def float_view(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor's float view (``torch.view_as_real``: the same memory); any
+    other tensor as it is."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 def real_views(tensors: Sequence[torch.Tensor], op, what: str) -> list[torch.Tensor]:
     """``tensors`` with each complex one replaced by its float view
     (``torch.view_as_real``, same memory), as torch itself passes complex tensors to
@@ -160,6 +166,5 @@ def real_views(tensors: Sequence[torch.Tensor], op, what: str) -> list[torch.Ten
             if name not in ("SUM", "AVG", "PREMUL_SUM"):
                 raise RuntimeError(f"flodl_shm {what}: reduce op {name} on the complex dtype "
                                    f"{t.dtype}; complex tensors take SUM, AVG or PREMUL_SUM")
-            t = torch.view_as_real(t)
-        out.append(t)
+        out.append(float_view(t))
     return out

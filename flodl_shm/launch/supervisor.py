@@ -914,7 +914,6 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
 #: ``spawn(join=False)`` contexts not joined yet (``_join_the_unjoined`` at exit)
 _UNJOINED: "weakref.WeakSet[SpawnContext]" = weakref.WeakSet()
 _UNJOINED_LOCK = threading.Lock()
-_AT_EXIT_REGISTERED = False
 
 
 def _joined_at_exit(ctx: "SpawnContext") -> "SpawnContext":
@@ -922,12 +921,8 @@ def _joined_at_exit(ctx: "SpawnContext") -> "SpawnContext":
     supervisor is a daemon thread, which the interpreter's exit stops before it can
     unlink the arena (multiprocessing's own exit hook waits for the ranks, then the
     segments stayed in /dev/shm)."""
-    global _AT_EXIT_REGISTERED
     with _UNJOINED_LOCK:
         _UNJOINED.add(ctx)
-        if not _AT_EXIT_REGISTERED:  # (registered after multiprocessing's: runs before it)
-            atexit.register(_join_the_unjoined)
-            _AT_EXIT_REGISTERED = True
     return ctx
 
 
@@ -946,6 +941,10 @@ def _join_the_unjoined() -> None:
             ctx.join()
         except BaseException as e:  # nobody is left to raise it to
             logger.error("a spawn(join=False) nobody joined failed: %s", e)
+
+
+# registered after multiprocessing's own exit hook (imported above), so it runs first
+atexit.register(_join_the_unjoined)
 
 
 #: signals whose default action ends the process: the gate stops the cohort first (its

@@ -1283,16 +1283,15 @@ def _warn_if_damaged(bundle: Path, rank_path: Path) -> None:
     (truncated, cut, or not a ``.fdl``: its headers are read, not its payloads) while
     this rank's exact state came from ``rank_path``. The resume does not need them, but
     ``fdl convert``, a resume on another number of ranks and the Trainer do."""
-    from ..checkpoint.fdl import FdlReader
+    from ..checkpoint.fdl import read_fdl
     from ..errors import CheckpointError
 
-    for path in (CheckpointBundle.model_path(bundle), CheckpointBundle.outer_path(bundle)):
-        if path.name.endswith(".outer.fdl") and not path.exists():
+    outer = CheckpointBundle.outer_path(bundle)
+    for path in (CheckpointBundle.model_path(bundle), outer):
+        if path == outer and not path.exists():
             continue  # (no outer momentum: none written)
         try:
-            with FdlReader(path) as reader:
-                for _ in reader.entries(False):
-                    pass
+            read_fdl(path, with_data=False)  # its headers: truncation is still detected
         except (CheckpointError, OSError) as e:
             logger.warning("%s is damaged (%s): this resume is exact all the same (from "
                            "%s and the other ranks' state files), but that bundle cannot "
