@@ -247,17 +247,26 @@ def _release(key: str) -> None:
     _remove_empty(held.made)
 
 
+def file_in_the_way(folder: "str | os.PathLike[str]") -> "Path | None":
+    """The file that keeps ``folder`` from being a folder or from being created: the
+    folder itself or the first of its existing parents, when that one is not a folder
+    (None when the folder exists or can be made under its first existing parent)."""
+    folder = Path(folder)
+    for d in (folder, *folder.parents):  # deepest first, up to the first that exists
+        if d.exists():
+            return None if d.is_dir() else d
+    return None
+
+
 def _check_folders(lock: Path) -> None:
     """Raise ``NotADirectoryError`` naming the file when a folder of ``lock``'s path is
     a file, rather than mkdir's ``FileExistsError`` / ``NotADirectoryError``."""
-    for d in lock.parents:  # deepest first, up to the first that exists
-        if d.exists():
-            if not d.is_dir():
-                raise NotADirectoryError(
-                    f"{d} is a file, not a folder: the run lock {lock} and the series' "
-                    f"checkpoints cannot go under it; give a save path in a folder (one "
-                    f"that does not exist yet is created)")
-            return
+    d = file_in_the_way(lock.parent)
+    if d is not None:
+        raise NotADirectoryError(
+            f"{d} is a file, not a folder: the run lock {lock} and the series' "
+            f"checkpoints cannot go under it; give a save path in a folder (one "
+            f"that does not exist yet is created)")
 
 
 def _remove_empty(folders: tuple[Path, ...]) -> None:

@@ -509,8 +509,10 @@ def _check(cfg: DemoConfig) -> list[str]:
         if getattr(cfg, name) < 0:
             out.append(f"--{name.replace('_', '-')} must be >= 0 (0: {zero}), got "
                        f"{getattr(cfg, name)}")
-    try:
-        bad_dir = _file_in_the_way(cfg.run_dir)
+    from flodl_shm.checkpoint.run_lock import file_in_the_way
+
+    try:  # (the run lock would refuse it too, past the banner)
+        bad_dir = file_in_the_way(cfg.run_dir)
     except OSError as e:  # a name too long for the filesystem, say
         out.append(f"--run-dir {_shortened(cfg.run_dir)}: {e.strerror}; pass a shorter path")
     else:
@@ -563,15 +565,6 @@ def _check(cfg: DemoConfig) -> list[str]:
 def _shortened(text: str, keep: int = 60) -> str:
     """``text`` itself, or its start and end around an ellipsis when longer than ``keep``."""
     return text if len(text) <= keep else f"{text[:keep // 2]}...{text[-keep // 2:]}"
-
-
-def _file_in_the_way(run_dir: str) -> Optional[Path]:
-    """``run_dir`` or the first of its existing parents, when that is not a folder (the
-    run lock, ``checkpoint.run_lock``, would refuse it too, past the banner)."""
-    for d in (Path(run_dir), *Path(run_dir).parents):
-        if d.exists():
-            return None if d.is_dir() else d
-    return None
 
 
 # --- the run -----------------------------------------------------------------------------
