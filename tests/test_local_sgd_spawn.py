@@ -105,6 +105,33 @@ def _train(ctx, stop: int, save_at: int | None, stem: str | None, load: bool, ou
     return _params(model), sgd.sync_round, sched.get_last_lr()
 
 
+@pytest.mark.parametrize("saved_on,resumed_on", [(1, 2), (2, 1)])
+def test_a_resume_on_another_number_of_ranks_starts_every_rank_alike(tmp_path, caplog,
+                                                                     saved_on, resumed_on):
+    """A probe: resumed on 2 ranks from a 1-rank bundle, rank 0 restored its own
+    optimizer and scheduler (lr 0.00196 of a cosine schedule) while rank 1 started fresh
+    (lr 0.003): the cohort trained at two learning rates, and only rank 1 said a word;
+    from a 2-rank bundle on 1 rank, rank 0 restored its state without one. Every rank
+    now loads the consensus and starts its optimizer and scheduler fresh; one line says
+    why."""
+    stem = os.fspath(tmp_path / "ckpt")
+    flodl_shm.spawn(_train, saved_on, args=(6, 6, stem, False, "none"))
+    ref = make_model()
+    flodl_shm.load_consensus_checkpoint(ref, latest_checkpoint(stem))
+    want = [v for v in ref.state_dict().values() if v.is_floating_point()]
+    caplog.set_level("WARNING", logger="flodl_shm")
+    resumed = flodl_shm.spawn(_train, resumed_on, args=(6, None, stem, True, "none"))
+    for params, sync_round, lr in resumed:
+        assert (sync_round, lr) == (3, [0.05])  # the scheduler fresh: StepLR's first lr
+        floats = [p for p in params if p.is_floating_point()]
+        assert len(floats) == len(want) and all(map(torch.equal, floats, want))
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1 and (
+        f"it was saved by {saved_on} rank{'s' if saved_on > 1 else ''} and this run has "
+        f"{resumed_on}; every rank loads the consensus only") in said[0], said
+    assert_no_leaks()
+
+
 @pytest.mark.parametrize("outer", ["nesterov", "torch"])
 def test_resume_from_a_full_state_bundle_is_bit_identical(tmp_path, outer):
     stem = os.fspath(tmp_path / "ckpt")
@@ -300,8 +327,8 @@ def _load_consensus_only(ctx, stem: str):
 def test_a_bundle_without_rank_states_loads_the_consensus(tmp_path, rank_files, caplog):
     """Without LocalSGD rank states (none, or a Trainer's, whose rank files hold its own
     format) the consensus is loaded and the rest starts fresh; the warning names the
-    integer buffers, which keep this model's values (another rank's state may hold
-    others: ranks that resumed differently then disagree on them)."""
+    integer buffers, which keep each model's own values; one line says so, not one a
+    rank."""
     stem = os.fspath(tmp_path / "ckpt")
     flodl_shm.spawn(_train, 2, args=(4, 4, stem, False, "none"))
     bundle = latest_checkpoint(stem)
@@ -316,7 +343,12 @@ def test_a_bundle_without_rank_states_loads_the_consensus(tmp_path, rank_files, 
                        rank_state_path(bundle, r))
     with caplog.at_level(logging.WARNING, logger="flodl_shm"):
         out = flodl_shm.spawn(_load_consensus_only, 2, args=(stem,))
-    assert "integer buffers (3.num_batches_tracked) keep this model's values" in caplog.text
+    why = ("it holds no state file for ranks [0, 1]" if rank_files == "missing"
+           else "the state files of ranks [0, 1] are not LocalSGD's (a Trainer's bundle?)")
+    assert caplog.text.count(f"{why}; every rank loads the consensus only (the inner optimizer "
+                             f"and the scheduler start fresh; integer buffers "
+                             f"(3.num_batches_tracked) keep each model's own values)") == 1, \
+        caplog.text
     expected = {k: v for k, v in ref.state_dict().items() if v.is_floating_point()}
     for params, meta_round, round_, steps in out:
         assert (meta_round, round_, steps) == (2, 2, 4)
@@ -602,8 +634,8 @@ def test_a_load_where_one_rank_has_no_state_of_its_own_keeps_the_ranks_elche_equ
         tmp_path, caplog):
     """A probe: rank 2's .optim was missing, so it loaded the consensus only and started
     ElChe fresh while the others restored theirs; the ranks then planned different windows
-    (rank 0 expected 13 steps of rank 2, which trained 4). Every rank now restarts from
-    the bundle's ElChe snapshot, and rank 0 says so."""
+    (rank 0 expected 13 steps of rank 2, which trained 4). Every rank now loads the
+    consensus only and restarts ElChe from the bundle's snapshot, and rank 0 says so once."""
     stem = str(tmp_path / "ck")
     saved = flodl_shm.spawn(_elche_save_then_load_without_rank1_state, 2, (stem,))
     assert saved[0][0] == saved[1][0] and saved[0][2][0] > saved[0][2][1], saved
@@ -617,8 +649,11 @@ def test_a_load_where_one_rank_has_no_state_of_its_own_keeps_the_ranks_elche_equ
     assert loaded[0][2][1] == saved[0][2][1], (loaded, saved)
     assert abs(loaded[0][2][0] - saved[0][2][0]) <= 0.1 * saved[0][2][0], (loaded, saved)
     assert [steps for _, steps, _ in loaded] == loaded[0][2]
-    assert caplog.text.count("holds no LocalSGD state for rank 1: every rank's ElChe "
-                             "restarts from the bundle's ElChe snapshot") == 1, caplog.text
+    assert caplog.text.count("it holds no state file for ranks [1]; every rank loads the "
+                             "consensus only (the inner optimizer and the scheduler start "
+                             "fresh, ElChe restarts from the bundle's ElChe snapshot") == 1, \
+        caplog.text
+    assert caplog.text.count("WARNING") == 1, caplog.text
     assert_no_leaks()
 
 

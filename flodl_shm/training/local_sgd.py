@@ -79,7 +79,7 @@ import torch
 
 from ..checkpoint._atomic import atomic_write
 from ..engine.comm import Comm
-from ..errors import SchemaMismatchError, SeriesInUse, ShmSpaceError, check_flag
+from ..errors import SchemaMismatchError, SeriesInUse, ShmSpaceError, check_flag, plural
 from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, ElCheState, ModelSchema,
                                SaveReason, averaged_buffers)
 from ..frame import DTYPE_F32, tensors_to_round_frame
@@ -1100,15 +1100,18 @@ class LocalSGD:
         stem ``path``, or the bundle ``path`` names (its ``.fdl`` or ``.meta.json``, a
         Trainer's included). A collective: every rank calls it.
 
-        With this rank's ``<stem>.rank<N>.optim`` the resume is exact
-        (:meth:`load_state_dict`). Without it (another world size, or a bundle from the
-        Trainer) the consensus and the outer momentum are loaded, the counters come from
-        the ``.meta.json``, and the inner optimizer, scheduler and ElChe start fresh.
-        Returns the bundle's metadata.
+        When every rank finds its own ``<stem>.rank<N>.optim``, saved by a run of this
+        many ranks, the resume is exact (:meth:`load_state_dict`). Otherwise (another
+        number of ranks, a bundle from the Trainer, a rank file gone) every rank loads
+        the consensus and the outer momentum, takes the counters from the
+        ``.meta.json``, and starts its inner optimizer and scheduler fresh (ElChe from
+        the bundle's snapshot), so the ranks go on alike; its host's first rank says
+        why. Returns the bundle's metadata.
 
-        It ends with one small round that checks every rank loaded the same sync round
-        (on several hosts each host loads its own copy of the bundle), and tells every
-        rank when one could not load.
+        It starts with one small round in which the ranks tell what they found, and
+        ends with one that checks every rank loaded the same sync round (on several
+        hosts each host loads its own copy of the bundle); a rank that could not read
+        the bundle is named to the others before any rank changes its model.
 
         Args:
             path: the series' stem, or a bundle's ``.fdl`` / ``.meta.json``.
@@ -1120,30 +1123,57 @@ class LocalSGD:
                 ranks start from where; the rank that could not load raises its own
                 error).
         """
+        failed: Optional[Exception] = None
+        meta = state = None
         try:
             bundle = _resolve_bundle(path)
-            meta = self._load(bundle)
+            meta, state, kind = self._read_bundle(bundle)
         except Exception as e:  # the peers hear of it now, not as a stall at their next sync
+            failed, kind = e, _STATE_UNREADABLE
+        kinds = self._agree_on_state(kind)
+        if _STATE_UNREADABLE in kinds:  # (raises on every rank, before any changes its model)
+            self._agree_on_start(failed=failed, start_round=getattr(meta, "sync_round", None))
+        exact = all(k == _STATE_OWN for k in kinds if k)  # (a dead rank's slot reads 0)
+        try:
+            if exact:
+                self._resume_exactly(bundle, state)
+            else:
+                self._resume_from_consensus(bundle, meta, kinds, state)
+        except Exception as e:
             self._agree_on_start(failed=e)
-            raise  # (_agree_on_start raised e)
+            raise
         self._agree_on_start()
-        self._agree_on_cadence(meta, bundle)
+        self._agree_on_cadence(meta, bundle, told=not exact)
         self._resumed_from = bundle
         return meta
 
-    def _agree_on_start(self, failed: Optional[Exception] = None) -> None:
-        """``load()``'s closing round (``check_same_start``)."""
+    def _agree_on_state(self, kind: int) -> list[int]:
+        """``load()``'s first round: what each rank found of its own state in the bundle
+        (``_STATE_*``; 0 for a dead rank). The resume is exact only when every rank found
+        its own: a rank that starts fresh beside ranks that resume their optimizer and
+        scheduler trains at another learning rate, so then every rank starts fresh."""
+        mine = [0.0] * self.world_size
+        mine[self.rank] = float(kind)
         with _as_collective("load()"):
-            check_same_start(self.comm, self.sync_round,
+            got = self.comm.all_reduce_per_rank_f64(mine)
+        return [int(round(v)) for v in got]
+
+    def _agree_on_start(self, failed: Optional[Exception] = None,
+                        start_round: Optional[int] = None) -> None:
+        """``load()``'s closing round (``check_same_start``), on the sync round this rank
+        loaded (default: the one it holds now)."""
+        with _as_collective("load()"):
+            check_same_start(self.comm, self.sync_round if start_round is None else start_round,
                              "call load() with the same bundle on every rank (on several "
                              "hosts, give every host a copy of it)", failed=failed)
 
-    def _agree_on_cadence(self, meta: CheckpointMeta, bundle) -> None:
+    def _agree_on_cadence(self, meta: CheckpointMeta, bundle, told: bool) -> None:
         """``load()``'s ElChe: each rank plans the cohort's windows with its own ElChe,
         from the same reports, so the ranks' ElChes must be equal. When a rank found no
         LocalSGD state of its own in the bundle (its ElChe starts fresh), every rank
         restarts from the bundle's shared snapshot (``meta.elche_state``), as a Trainer
-        resume does. A collective: one small per-rank round."""
+        resume does (``told``: the load's warning said so already). A collective: one
+        small per-rank round."""
         if self.el_che is None:
             return
         mine = [0.0] * self.world_size
@@ -1156,55 +1186,64 @@ class LocalSGD:
         self.el_che.__dict__.update(el_che.__dict__)  # (the caller's ElChe stays the one)
         self.guard = guard
         state = meta.elche_state
-        if state is not None and len(state.smoothed_ms_per_batch) == self.world_size:
+        if _elche_snapshot_fits(meta, self.world_size):
             self.el_che.restore_from_state(state)
             self.guard = resumed_guard(self.guard, state.trend_history)
-            how = "from the bundle's ElChe snapshot (its .meta.json)"
-        else:
-            how = "fresh (the bundle holds no ElChe snapshot for this many ranks)"
         self._target = self._next_target()
-        if self.rank == 0:
-            logger.warning("%s holds no LocalSGD state for %s: every rank's ElChe restarts %s, "
-                           "so the ranks plan the same windows", bundle,
-                           f"rank{'s' if len(fresh) > 1 else ''} "
-                           f"{', '.join(map(str, fresh))}", how)
+        if self.rank == 0 and not told:
+            logger.warning("%s holds no LocalSGD state for ranks %s: every rank's ElChe "
+                           "restarts %s, so the ranks plan the same windows", bundle, fresh,
+                           _elche_restart_words(meta, self.world_size))
 
-    def _load(self, path) -> CheckpointMeta:
-        from ..checkpoint.forge import load_consensus_checkpoint, load_outer_momentum
-        from .resume_rules import checkpoint_mismatch
-
+    def _read_bundle(self, path) -> tuple[CheckpointMeta, Optional[dict], int]:
+        """``load()``'s reading: the bundle's metadata, this rank's state file (None when
+        there is none) and what it holds for this rank (``_STATE_*``). Raises when the
+        bundle is incomplete or the state file belongs to another rank or save."""
         meta_path = CheckpointBundle.meta_path(path)
         if not meta_path.exists():
             raise FileNotFoundError(f"{meta_path} not found: {os.fspath(path)} is not a "
                                     f"complete checkpoint bundle (the .meta.json is written last)")
         meta = CheckpointMeta.read_from_file(meta_path)
         rank_path = rank_state_path(path, self.rank)
-        state = read_rank_state(rank_path) if rank_path.exists() else None
-        fmt = state.get("format") if isinstance(state, dict) else None
-        if fmt == STATE_FORMAT:
-            check_rank_file(rank_path, meta_path, state.get("rank"), self.rank,
-                            state["counters"]["sync_round"], meta.sync_round)
-            self.load_state_dict(state)
-            if self.comm.local_rank == 0:  # one line a host (each host reads its own copy)
-                _warn_if_damaged(path, rank_path)
-            return meta
+        if not rank_path.exists():
+            return meta, None, _STATE_MISSING
+        state = read_rank_state(rank_path)
+        if not (isinstance(state, dict) and state.get("format") == STATE_FORMAT):
+            return meta, state, _STATE_FOREIGN  # e.g. a Trainer's bundle: its own state
+        check_rank_file(rank_path, meta_path, state.get("rank"), self.rank,
+                        state["counters"]["sync_round"], meta.sync_round)
+        if state.get("world_size") != self.world_size:
+            return meta, state, _STATE_OTHER_WORLD
+        return meta, state, _STATE_OWN
+
+    def _resume_exactly(self, path, state: dict) -> None:
+        """Every rank found its own state: restore it whole (:meth:`load_state_dict`)."""
+        self.load_state_dict(state)
+        if self.comm.local_rank == 0:  # one line a host (each host reads its own copy)
+            _warn_if_damaged(path, rank_state_path(path, self.rank))
+
+    def _resume_from_consensus(self, path, meta: CheckpointMeta, kinds: Sequence[int],
+                               state: Optional[dict]) -> None:
+        """Some rank has no state of its own here (another number of ranks, a Trainer's
+        bundle, a state file gone): every rank loads the consensus and the outer momentum,
+        takes the counters from the ``.meta.json`` and starts its inner optimizer,
+        scheduler and cadence fresh."""
+        from ..checkpoint.forge import load_consensus_checkpoint, load_outer_momentum
+        from .resume_rules import checkpoint_mismatch
+
         self._cadence_restored = False
-        ints = [k for k, b in self.model.named_buffers() if not b.is_floating_point()]
-        fresh = "inner optimizer, scheduler and cadence state start fresh" + (
-            f"; integer buffers ({', '.join(ints[:3])}{', ...' if len(ints) > 3 else ''}) keep "
-            f"this model's values, which another rank's state may not" if ints else "")
-        if state is None:
-            logger.warning("%s not found: loading the consensus only (%s)", rank_path, fresh)
-        else:  # e.g. a Trainer's bundle: its rank files hold the Trainer's own state
-            logger.warning("%s holds a %r state, not a LocalSGD one: loading the consensus "
-                           "only (%s)", rank_path, fmt, fresh)
-        why = checkpoint_mismatch(CheckpointBundle.model_path(path), self.model)
+        if self.comm.local_rank == 0:  # one line a host (each host reads its own copy)
+            logger.warning("%s: %s; every rank loads the consensus only (%s)", path,
+                           _why_not_exact(kinds, state, self.world_size),
+                           _fresh_words(self.model, None if self.el_che is None else
+                                        _elche_restart_words(meta, self.world_size)))
+        model_path = CheckpointBundle.model_path(path)
+        why = checkpoint_mismatch(model_path, self.model)
         if why is not None:
-            raise ValueError(f"{CheckpointBundle.model_path(path)} is not a checkpoint of this "
-                             f"model: {why}")
-        report = load_consensus_checkpoint(self.model, CheckpointBundle.model_path(path))
+            raise ValueError(f"{model_path} is not a checkpoint of this model: {why}")
+        report = load_consensus_checkpoint(self.model, model_path)
         if report.missing or report.unexpected:
-            raise ValueError(f"{CheckpointBundle.model_path(path)} does not match the model: "
+            raise ValueError(f"{model_path} does not match the model: "
                              f"missing {report.missing}, unexpected {report.unexpected}")
         momentum = None
         if isinstance(self.outer, OuterOptimizer) and self.outer.has_momentum:
@@ -1217,7 +1256,6 @@ class LocalSGD:
         self.sync_round, self.total_steps = int(meta.sync_round), int(meta.global_step)
         self._steps = self._samples = 0
         self._window_t0 = time.perf_counter()
-        return meta
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(rank={self.rank}/{self.world_size}, "
@@ -1276,6 +1314,51 @@ def _check_inner(optimizer, scheduler, params: list) -> None:
 _SERIES_OK, _SERIES_IN_USE, _SERIES_STALE = 0.0, 1.0, 2.0
 #: how many series' run locks a LocalSGD keeps (those it saved into last)
 SERIES_LOCKS_KEPT = 8
+
+
+#: what ``load()`` finds of a rank's own state in a bundle (``_agree_on_state``'s values;
+#: a dead rank's slot reads 0)
+_STATE_UNREADABLE, _STATE_MISSING, _STATE_FOREIGN, _STATE_OTHER_WORLD, _STATE_OWN = 1, 2, 3, 4, 5
+
+
+def _why_not_exact(kinds: Sequence[int], state: Optional[dict], world_size: int) -> str:
+    """Why a ``load()`` is not exact, from every rank's ``_STATE_*``, in words."""
+    def ranks(kind: int) -> list[int]:
+        return [r for r, k in enumerate(kinds) if k == kind]
+
+    other = ranks(_STATE_OTHER_WORLD)
+    if other:
+        saved = state.get("world_size") if isinstance(state, dict) else None
+        return (f"it was saved by {plural(saved, 'rank')} and this run has {world_size}"
+                if saved is not None and saved != world_size
+                else f"ranks {other} hold the state of a run on another number of ranks")
+    if ranks(_STATE_FOREIGN):
+        return (f"the state files of ranks {ranks(_STATE_FOREIGN)} are not LocalSGD's "
+                f"(a Trainer's bundle?)")
+    return f"it holds no state file for ranks {ranks(_STATE_MISSING)}"
+
+
+def _fresh_words(model: torch.nn.Module, elche: Optional[str]) -> str:
+    """What a resume from the consensus alone starts fresh, for its warning (``elche``:
+    how ElChe restarts, when there is one)."""
+    ints = [k for k, b in model.named_buffers() if not b.is_floating_point()]
+    return "the inner optimizer and the scheduler start fresh" + (
+        f", ElChe restarts {elche}" if elche else "") + (
+        f"; integer buffers ({', '.join(ints[:3])}{', ...' if len(ints) > 3 else ''}) keep "
+        f"each model's own values" if ints else "")
+
+
+def _elche_snapshot_fits(meta: CheckpointMeta, world_size: int) -> bool:
+    """Whether the bundle's ElChe snapshot (its ``.meta.json``) is of this many ranks."""
+    state = meta.elche_state
+    return state is not None and len(state.smoothed_ms_per_batch) == world_size
+
+
+def _elche_restart_words(meta: CheckpointMeta, world_size: int) -> str:
+    """How a resume's ElChe restarts when the ranks have no ElChe state of their own."""
+    return ("from the bundle's ElChe snapshot (its .meta.json)"
+            if _elche_snapshot_fits(meta, world_size)
+            else "fresh (the bundle holds no ElChe snapshot for this many ranks)")
 
 
 def _warn_if_damaged(bundle: Path, rank_path: Path) -> None:

@@ -6,8 +6,11 @@ outer optimizer turns it into the new *global* before the ranks adopt it. The
 outer gradient is ``g = prev_global - consensus``: the drift the inner steps
 produced, which equals the work-weighted mean of ``prev_global - theta_r``, so
 the step needs no per-rank state and composes with the relay's per-host folds.
-On the first window (and the first after a resume) the caller passes the
-consensus itself as ``prev_global``: ``g = 0`` and every variant is a no-op.
+``prev_global`` is the previous window's global: under ``LocalSGD`` the first
+window's is the replicas' common start (an exact resume restores it). The
+Trainer's first window of a run or of a resume passes the consensus itself (a
+cluster's controller cannot know the initial weights): ``g = 0`` and every
+variant is a no-op.
 
 * :class:`OuterAvg` (default): identity. Stateless; writes no ``.outer.fdl``.
 * :class:`OuterNesterov` (DiLoCo): Nesterov momentum on ``g``; the workers
