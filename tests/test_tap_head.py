@@ -74,12 +74,19 @@ def test_arm_from_head_reuses_or_rebuilds_the_forge(tmp_path):
         f.close(5)
 
 
-def test_tied_names_travel_to_the_forge_by_tap_and_by_arm_message(tmp_path):
-    h = _head(path=str(tmp_path / "t.fdl"), tied={"head.w": "w"})
-    assert h.tied == (("head.w", "w"),)
+def test_tied_and_non_persistent_names_travel_to_the_forge_by_tap_and_by_arm_message(
+        tmp_path):
+    """A probe: a Trainer's bundle lost its non-persistent buffers' mark on the way to
+    the forge, so its conversion failed a strict load_state_dict ('Unexpected key(s)')."""
+    h = _head(path=str(tmp_path / "t.fdl"), tied={"head.w": "w"}, non_persistent=["rm"])
+    assert h.tied == (("head.w", "w"),) and h.non_persistent == ("rm",)
     assert TapHead.from_json(h.to_json()) == h
-    assert TapHead.from_arm_fields({"type": "arm", **h.arm_fields()}).tied == h.tied
+    arm = TapHead.from_arm_fields({"type": "arm", **h.arm_fields()})
+    assert (arm.tied, arm.non_persistent) == (h.tied, h.non_persistent)
     assert TapHead.from_json(_head().to_json()).tied == ()
-    forge = arm_from_head(None, h)
-    assert forge.schema == ModelSchema(["w", "b"], ["rm"], tied={"head.w": "w"})
-    forge.close(5)
+    assert TapHead.from_json(_head().to_json()).non_persistent == ()
+    for head in (h, arm):
+        forge = arm_from_head(None, head)
+        assert forge.schema == ModelSchema(["w", "b"], ["rm"], tied={"head.w": "w"},
+                                           non_persistent=["rm"])
+        forge.close(5)

@@ -154,6 +154,37 @@ def test_diloco_outer_nesterov_saves_its_momentum(tmp_path):
     assert math.isfinite(result.history[-1].cohort_loss)
 
 
+class _WithRotary(torch.nn.Module):
+    """make_model's layers and a float buffer registered with persistent=False (a rotary
+    embedding's inv_freq): averaged and checkpointed, absent from state_dict()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model()
+        self.register_buffer("inv_freq", torch.linspace(0.1, 1.0, 4), persistent=False)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_a_trainer_checkpoint_converts_to_a_state_dict_that_loads_strictly(tmp_path):
+    """A probe: a Trainer's bundle of a model with a non-persistent buffer named it in
+    its .names.json without marking it non-persistent (the rank's tap lost the mark on
+    the way to the forge), so its conversion failed a strict load_state_dict
+    ('Unexpected key(s) in state_dict: "inv_freq"'); LocalSGD's bundles had it."""
+    from flodl_shm.checkpoint.convert import consensus_state_dict
+    from flodl_shm.checkpoint.meta import ModelSchema, names_sidecar_path
+
+    result = Trainer(_WithRotary, sgd, make_data(), loss_fn, batch_size=8, epochs=1,
+                     sync_every=4, save_path=tmp_path / "ck", log_every=None,
+                     timeout=120.0).run(2)
+    schema = ModelSchema.read_from_file(names_sidecar_path(result.checkpoint))
+    assert schema.non_persistent == ["inv_freq"]
+    state = consensus_state_dict(result.checkpoint)
+    assert "inv_freq" not in state
+    _WithRotary().load_state_dict(state)  # strict
+
+
 def test_a_missing_outer_momentum_is_said_once(tmp_path, caplog):
     """A probe's resume without the .outer.fdl printed its warning once per rank."""
     stem = tmp_path / "diloco"

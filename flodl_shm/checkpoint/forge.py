@@ -460,7 +460,8 @@ def arm_from_head(forge: Optional[CheckpointForge], head: TapHead) -> Checkpoint
         forge: the reader's current forge, or None.
         head: the arm (``TapHead``; its frame fields are not used).
     """
-    schema = ModelSchema(list(head.param_names), list(head.buffer_names), dict(head.tied))
+    schema = ModelSchema(list(head.param_names), list(head.buffer_names), dict(head.tied),
+                         list(head.non_persistent))
     if forge is None or forge.schema != schema:
         if forge is not None:
             forge.flush(60)

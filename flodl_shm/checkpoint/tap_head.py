@@ -39,8 +39,9 @@ class TapHead:
         cycle: the arming rank's checkpoint cycle (1, 2, ... per ``arm_checkpoint``).
         part: the frame's index within the cycle (0: params, 1: buffers).
         path: the bundle's model path (``<stem>.fdl``).
-        param_names, buffer_names, tied: the model's tensor names (its ``ModelSchema``;
-            ``tied`` as ``(name, name it shares)`` pairs).
+        param_names, buffer_names, tied, non_persistent: the model's tensor names (its
+            ``ModelSchema``; ``tied`` as ``(name, name it shares)`` pairs,
+            ``non_persistent`` the buffers its ``state_dict()`` leaves out).
         meta: the bundle's ``CheckpointMeta.to_dict()``, or None (no ``.meta.json``).
         arm_only: a cluster arm (no frame follows; the controller taps the consensus).
         dtype: the frame's wire dtype (``DTYPE_F32``/``DTYPE_BF16``).
@@ -63,10 +64,12 @@ class TapHead:
     round: int = -1
     momentum_shapes: Shapes | None = None
     tied: tuple[tuple[str, str], ...] = ()
+    non_persistent: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_names", tuple(str(n) for n in self.param_names))
         object.__setattr__(self, "buffer_names", tuple(str(n) for n in self.buffer_names))
+        object.__setattr__(self, "non_persistent", tuple(str(n) for n in self.non_persistent))
         tied = self.tied.items() if isinstance(self.tied, dict) else self.tied
         try:
             object.__setattr__(self, "tied", tuple((str(a), str(n)) for a, n in tied))
@@ -104,7 +107,7 @@ class TapHead:
             "shapes": [list(s) for s in self.shapes], "mass": self.mass, "round": self.round,
             "momentum_shapes": (None if self.momentum_shapes is None
                                 else [list(s) for s in self.momentum_shapes]),
-            "tied": dict(self.tied),
+            "tied": dict(self.tied), "non_persistent": list(self.non_persistent),
         }, separators=(",", ":")).encode()
 
     @classmethod
@@ -120,13 +123,15 @@ class TapHead:
     def arm_fields(self) -> dict[str, Any]:
         """The fields of the ``arm`` control message a cluster arm travels as."""
         return {"path": self.path, "meta": self.meta, "param_names": list(self.param_names),
-                "buffer_names": list(self.buffer_names), "tied": dict(self.tied)}
+                "buffer_names": list(self.buffer_names), "tied": dict(self.tied),
+                "non_persistent": list(self.non_persistent)}
 
     @classmethod
     def from_arm_fields(cls, msg: dict) -> "TapHead":
         """The head of a cluster arm from an ``arm`` message's fields (extra keys, such
         as ``type``, are ignored); FrameError naming a missing field."""
-        d = {k: msg.get(k) for k in ("path", "meta", "param_names", "buffer_names", "tied")}
+        d = {k: msg.get(k) for k in ("path", "meta", "param_names", "buffer_names", "tied",
+                                     "non_persistent")}
         d.update(cycle=0, part=0, arm_only=True)
         return cls._from(d, "checkpoint arm message")
 
@@ -146,6 +151,7 @@ class TapHead:
                        meta=meta, arm_only=bool(d.get("arm_only", False)),
                        dtype=int(d.get("dtype", 0)), shapes=d.get("shapes") or (),
                        mass=float(d.get("mass", 0.0)), round=int(d.get("round", -1)),
-                       momentum_shapes=d.get("momentum_shapes"), tied=d.get("tied") or ())
+                       momentum_shapes=d.get("momentum_shapes"), tied=d.get("tied") or (),
+                       non_persistent=d.get("non_persistent") or ())
         except (TypeError, ValueError) as e:
             raise FrameError(f"{what}: malformed field: {e}") from None

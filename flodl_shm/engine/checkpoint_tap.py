@@ -109,7 +109,8 @@ class TapClient:
         self._cycle += 1
         return TapHead(cycle=self._cycle, part=0, path=os.fspath(path),
                        param_names=schema.param_names, buffer_names=schema.buffer_names,
-                       tied=schema.tied, meta=None if meta is None else meta.to_dict())
+                       tied=schema.tied, non_persistent=schema.non_persistent,
+                       meta=None if meta is None else meta.to_dict())
 
     def arm(self, path, schema, meta, last_round: int, tells_controller: bool) -> None:
         """Capture the next MODEL rounds (up to ``schema.tensor_count()`` tensors) as the
