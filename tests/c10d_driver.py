@@ -473,6 +473,26 @@ def sc_ddp(rank: int, world: int) -> dict:
     return out
 
 
+def sc_ddp_complex(rank: int, world: int) -> dict:
+    """DDP on a model with a complex parameter, a different init per rank: DDP's start-up
+    broadcast (``_broadcast_coalesced``) hands the backend the complex tensor itself."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _mlp(seed=rank + 1)
+    model.phase = torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))
+    ddp = DDP(model)
+    start = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(50 + rank)
+    for _ in range(3):
+        opt.zero_grad()
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        loss = torch.nn.functional.mse_loss(ddp(x), y) + 0.1 * model.phase.abs().square().sum()
+        loss.backward()
+        opt.step()
+    return {"start": start, "params": [p.detach().clone() for p in model.parameters()]}
+
+
 def sc_ddp_big(rank: int, world: int) -> dict:
     """DDP whose gradient buckets (~2.4 MiB) take the engine's large-round path, during
     the backward pass on the group's worker thread; final params and the path taken."""

@@ -309,6 +309,21 @@ def test_ddp_matches_gloo_and_is_identical_across_ranks(tmp_path):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=variant)
 
 
+def test_ddp_of_a_model_with_a_complex_parameter_matches_gloo(tmp_path):
+    """A probe: DDP's start-up broadcast of a model with a complex parameter raised
+    'dtype torch.complex64 is not supported' (torch's dist.broadcast passes complex
+    tensors as their float views; DDP's _broadcast_coalesced does not); gloo took it."""
+    shm = run_group("ddp_complex", 2, tmp_path)
+    gloo = run_group("ddp_complex", 2, tmp_path, backend="gloo")
+    _no_segments_of(shm)
+    assert [p.dtype for p in shm[1]["start"]].count(torch.complex64) == 1
+    for p0, p1, g in zip(shm[0]["start"], shm[1]["start"], gloo[1]["start"]):
+        assert same_bits(p0, p1) and same_bits(p1, g)  # rank 0's init, byte for byte
+    for p0, p1, g in zip(shm[0]["params"], shm[1]["params"], gloo[0]["params"]):
+        assert same_bits(p0, p1)
+        torch.testing.assert_close(p0, g, rtol=1e-4, atol=1e-5)
+
+
 def test_ddp_through_direct_rounds_matches_gloo(tmp_path):
     # buckets of ~2.4 MiB, past the eager slots; from 1 MiB they go direct (engine/direct.py)
     shm = run_group("ddp_big", 2, tmp_path,

@@ -759,13 +759,16 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 
     @_collective
     def broadcast(self, tensors, opts) -> dist.Work:
-        tensors = _checked(tensors, "broadcast")
+        given = list(tensors)
+        # complex tensors as their float views (the same bytes): torch's dist.broadcast
+        # passes those, but DDP's start-up broadcast (_broadcast_coalesced) does not
+        tensors = _checked([float_view(t) for t in given], "broadcast")
         root = int(opts.rootRank)
         work, refuse = ((tensors, _nothing_to_refuse) if self._rank == root  # read only
                         else _writable(tensors, "broadcast"))
         self._broadcast(work, root)
         refuse()
-        return _done(tensors)
+        return _done(given)
 
     def _broadcast(self, tensors: list[torch.Tensor], root: int) -> None:
         link = self._link
