@@ -194,6 +194,47 @@ def test_settling_leaves_the_shared_regions_unused(low_threshold, reachable, ear
     assert [grown for *_, grown in res] == [[not reachable] * 3] * 2
 
 
+def test_a_second_thread_is_refused_while_the_first_large_round_settles_the_path(
+        low_threshold):
+    """A probe: rank 0's thread A made the Comm's first large round, which settles the
+    direct path between two barriers first; its main thread's round meanwhile was not
+    refused (the probe ran outside the one-round-at-a-time check) and slipped a round
+    between A's barriers: 'ranks contributed different frame schemas ... CONTROL round
+    without tensors', and the Comm broke. It is refused now, and A's round completes."""
+    import threading
+
+    refused = threading.Event()
+
+    def body(comm):
+        if comm.rank == 1:
+            assert refused.wait(30)
+            t = torch.full((N,), 2.0)
+            comm.all_reduce_([t])
+            return float(t[0])
+        got = []
+
+        def first_round() -> None:
+            t = torch.full((N,), 1.0)
+            comm.all_reduce_([t])
+            got.append(float(t[0]))
+
+        a = threading.Thread(target=first_round)
+        a.start()
+        deadline = time.monotonic() + 30
+        while not comm._in_round and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert comm._engine.direct.state == D.UNPROBED  # A waits in the probe's barrier
+        with pytest.raises(RuntimeError, match=r"in a collective already, called from "
+                                               r"another thread"):
+            comm.all_reduce_([torch.full((N,), 5.0)])
+        refused.set()
+        a.join(30)
+        return got[0]
+
+    with FakeCohort(2, direct=True, eager_bytes=EAGER) as cohort:
+        assert cohort.run(body) == [1.5, 1.5]
+
+
 def test_ranks_that_disagree_on_the_direct_path_get_a_schema_error(low_threshold):
     """A rank whose state says 'ready' meets one still 'unprobed': the agreed flags
     differ, so both raise a SchemaMismatchError naming the paths, before any data

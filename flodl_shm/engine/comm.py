@@ -897,19 +897,26 @@ class Comm:
         ``LocalSGD`` calls it early: it places its parameters in shared blocks only
         where the rounds run direct. A no-op once settled.
         """
-        direct, eng = self._engine.direct, self._engine
+        direct = self._engine.direct
         if direct.state == UNPROBED:
-            # settled by a round that carries a report: the report goes with that round,
-            # which now comes after the barriers
-            carried = self._report_values if self._reported == self._round else None
-            token = self._round
-            self.barrier()  # every rank has published its pid and probe word
-            direct.try_peers(token, range(eng.world))
-            self.barrier()  # every rank has recorded its verdict of ``token``
-            direct.settle(token, range(eng.world))
-            if carried is not None:
-                self._write_report(carried)
+            # one thread at a time, as the round that needs it: a second thread's round
+            # slipped its own between the probe's barriers and broke the Comm
+            self._one_at_a_time(self._probe_direct_rounds)
         return direct.state == READY
+
+    def _probe_direct_rounds(self) -> None:
+        """``settle_direct_rounds``'s probe, between two barriers."""
+        direct, eng = self._engine.direct, self._engine
+        # settled by a round that carries a report: the report goes with that round,
+        # which now comes after the barriers
+        carried = self._report_values if self._reported == self._round else None
+        token = self._round
+        self.barrier()  # every rank has published its pid and probe word
+        direct.try_peers(token, range(eng.world))
+        self.barrier()  # every rank has recorded its verdict of ``token``
+        direct.settle(token, range(eng.world))
+        if carried is not None:
+            self._write_report(carried)
 
     def shared_tensors(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of ``tensors`` placed in this rank's shared parameter block (the arena's
