@@ -704,6 +704,63 @@ def test_a_killed_rank_s_dataloader_workers_die_with_it(tmp_path, method):
         pytest.fail(f"the killed rank's DataLoader worker (pid {pid}) outlived it")
 
 
+def forks_that_end_as_in_a_plain_script(ctx):
+    """A bare fork whose code leaves ``fn`` by ``sys.exit`` (after reading its SIGTERM
+    handler), and a fork-context Pool, whose ``__exit__`` SIGTERMs its workers."""
+    import multiprocessing
+    import signal as _signal
+    import sys
+
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0 if _signal.getsignal(_signal.SIGTERM) is _signal.SIG_DFL else 3)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        values = pool.map(abs, [-1, -2, -3])
+    return code, values
+
+
+def test_a_rank_s_forks_end_as_they_would_in_a_plain_script():
+    """Probes: a child a rank forked that ended with sys.exit(0) unwound into the rank's
+    own entry point and was reported as the rank failing ('rank 1 raised SystemExit: 0');
+    and forks inherited the rank's SIGTERM handler, so a Pool's workers raised on its
+    terminate() (a traceback per worker) and the Pool hung in about half of the runs.
+    A fork's exit is its own now, and SIGTERM kills it as it would any process."""
+    assert spawn(forks_that_end_as_in_a_plain_script, 2, timeout=60) == [(0, [1, 2, 3])] * 2
+
+
+def fails_leaving_a_forkserver_process(ctx, folder: str):
+    """Start a process through a forkserver context (a child of the rank's forkserver,
+    as a DataLoader's workers are with multiprocessing_context="forkserver"), then fail."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    proc = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(600,))
+    proc.start()
+    server = forkserver._forkserver._forkserver_pid
+    with open(os.path.join(folder, "pids"), "w") as f:
+        f.write(f"{proc.pid} {server}")
+    raise ValueError("the training step failed")
+
+
+def test_a_failed_rank_leaves_no_forkserver_process_behind(tmp_path):
+    """A probe: a rank that failed while its DataLoader ran forkserver workers left them
+    and the forkserver running half an hour later (the workers are the forkserver's
+    children, not the rank's: a fork's parent-death signal does not reach them, and each
+    keeps the other alive), and they held the launcher's output pipe open. A rank now
+    ends every process it started before it exits."""
+    with pytest.raises(RankFailed, match="the training step failed"):
+        spawn(fails_leaving_a_forkserver_process, 1, args=(os.fspath(tmp_path),), timeout=60)
+    pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
+    if not processes_gone(pids, timeout=2.0):
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        pytest.fail(f"the failed rank's worker and forkserver (pids {pids}) outlived it")
+
+
 def test_forkserver_off_linux_spawns_ranks(monkeypatch):
     """Without the rank server (not Linux), the default start method spawns each rank:
     multiprocessing's own forkserver would make every rank fail its parent check."""

@@ -84,8 +84,74 @@ def _children_follow_this_rank() -> None:
     def in_child() -> None:
         if forking["from_main"]:
             _set_pdeathsig()
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            # a forked child (a Pool's or DataLoader's worker) ends on SIGTERM as any
+            # process does: the rank's handler raised _Terminated inside it, and a Pool's
+            # terminate() then hung on a worker holding its queue's lock
+            try:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            except ValueError:  # (not the child's main thread: keep the rank's)
+                pass
 
     os.register_at_fork(before=before, after_in_child=in_child)
+
+
+def _leave_forked_child(e: BaseException | None) -> None:
+    """End a process forked inside the rank's function (``os.fork()`` in ``fn``) whose
+    code returned or raised out of ``fn`` into ``_rank_main``: as such a child of a plain
+    script ends (``sys.exit``'s code; an exception's traceback and 1), never reporting to
+    the launcher as if it were the rank (its ``sys.exit(0)`` was the rank's failure)."""
+    code = 0
+    if isinstance(e, SystemExit):
+        if isinstance(e.code, int):
+            code = e.code
+        elif e.code is not None:
+            print(e.code, file=sys.stderr)
+            code = 1
+    elif isinstance(e, _Terminated):
+        code = 143
+    elif e is not None:
+        traceback.print_exception(e)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _is_resource_tracker(proc) -> bool:
+    try:
+        return any("resource_tracker" in part for part in proc.cmdline())
+    except Exception:  # noqa: BLE001 - gone, or not ours to read
+        return False
+
+
+def _end_descendants(grace: float = 1.0) -> None:
+    """Stop the processes the rank started and left running as it ends: a DataLoader's
+    workers under a forkserver or spawn context (children of the context's server, not
+    of the rank, so they do not die with it, and that server stays up for them: a probe
+    found them alive half an hour later), an abandoned Pool. SIGTERM, then SIGKILL
+    after ``grace`` seconds. multiprocessing's resource tracker is left alone: it exits
+    by itself once its last user is gone, after cleaning up for them."""
+    try:
+        import psutil
+
+        left = [p for p in psutil.Process().children(recursive=True)
+                if not _is_resource_tracker(p)]
+    except Exception:  # noqa: BLE001 - nothing to do without psutil's view
+        return
+    if not left:
+        return
+    for p in left:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _gone, alive = psutil.wait_procs(left, timeout=grace)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
 
 
 def _send(conn, msg: tuple) -> None:
@@ -172,6 +238,7 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
     _set_pdeathsig()
     if os.getppid() != parent_pid:  # the launcher died before we could ask to follow it
         os._exit(1)
+    rank_pid = os.getpid()  # (a process forked in fn that leaves it has another)
     _children_follow_this_rank()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])  # ignored from now on
@@ -225,6 +292,8 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
             _send(conn, ("running",))  # start-up is over: stall clocks apply in full, and
             # a stop grants fn a grace before SIGTERM
         result = fn(ctx, *args)
+        if os.getpid() != rank_pid:
+            _leave_forked_child(None)
         lib_logger.removeHandler(handler)
         try:
             with send_lock:
@@ -234,9 +303,13 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
                        f"rank {global_rank} returned a value that cannot be sent back to the "
                        f"launcher: {type(e).__name__}: {e}\n" + traceback.format_exc()))
             code = 1
-    except _Terminated:
+    except _Terminated as e:
+        if os.getpid() != rank_pid:
+            _leave_forked_child(e)
         code = 143
     except BaseException as e:  # noqa: BLE001 - reported to the launcher
+        if os.getpid() != rank_pid:
+            _leave_forked_child(e)
         # the report goes out whole: the supervisor's SIGTERM (its stop, 2 s after an
         # abort) raised inside the traceback's formatting on a loaded machine, and the
         # rank died printing a traceback of its own; SIGKILL still follows a slow one
@@ -256,6 +329,7 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
     locks = sys.modules.get("flodl_shm.checkpoint.run_lock")
     if locks is not None:  # run locks the rank's function took (LocalSGD.save)
         locks.release_held()
+    _end_descendants()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip interpreter teardown (no atexit surprises in ranks)
