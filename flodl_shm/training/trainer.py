@@ -50,6 +50,11 @@ logger = logging.getLogger("flodl_shm")
 
 __all__ = ["Trainer", "TrainResult", "TrainingAborted"]
 
+#: ``Trainer(keep_history=...)``'s default: the windows ``TrainResult.history`` keeps (the
+#: last ones; about 1 KB each on every rank).
+DEFAULT_KEEP_HISTORY = 10_000
+
+
 @dataclass
 class TrainResult:
     """What ``Trainer.run`` / ``Trainer.resume`` return.
@@ -57,8 +62,8 @@ class TrainResult:
     Attributes:
         state_dict: the final model (the consensus of the last window; integer
             buffers are the reporting rank's own).
-        history: the reporting rank's ``WindowStats`` of every window (without
-            sample ids), or of the last ``keep_history`` windows.
+        history: the reporting rank's ``WindowStats`` of the last ``keep_history``
+            windows (without sample ids; every window with ``keep_history=None``).
         meta: where the run ended, as checkpoint metadata (epoch, global step,
             sync round, live ranks, reason, ElChe state, coverage).
         checkpoint: the model path of the last checkpoint armed (None without
@@ -185,8 +190,9 @@ class Trainer:
             periods count this rank's batches); its state is in each checkpoint's rank
             files, so a resume continues the schedule.
         keep_history: keep only the last this many windows' ``WindowStats`` in
-            ``TrainResult.history`` (0: none); None keeps every window, about 1 KB each
-            on every rank (a million windows: a GB per rank, pickled back at the end).
+            ``TrainResult.history`` (0: none; default ``DEFAULT_KEEP_HISTORY``, 10,000:
+            about 10 MB on every rank). None keeps every window, about 1 KB each on every
+            rank and 2 KB in the launcher once pickled back (a million windows: GBs).
             Hooks (``on_window_end``) see every window either way.
 
     For AMP or a ``DataLoader`` with workers, write the loop yourself around
@@ -204,7 +210,7 @@ class Trainer:
                  timeout: Optional[float] = 1800.0, step_fn: Optional[Callable] = None,
                  clip_grad_norm: Optional[float] = None, accumulate: int = 1,
                  scheduler_fn: Optional[Callable] = None,
-                 keep_history: Optional[int] = None) -> None:
+                 keep_history: Optional[int] = DEFAULT_KEEP_HISTORY) -> None:
         if loss_fn is None and step_fn is None:
             raise ValueError("pass a loss_fn (output, target) -> loss, or a step_fn "
                              "(model, batch) -> loss")
@@ -637,6 +643,12 @@ class Trainer:
                          "no checkpoint of this run is on disk" if newest is None else
                          f"the newest on disk is {newest}")
             ckpt = newest
+        windows = reporting["summary"].windows
+        if len(reporting["history"]) < windows and self.keep_history:
+            logger.info("result.history holds the last %s of this run's %s windows "
+                        "(keep_history=%s; keep_history=None keeps every one)",
+                        f"{len(reporting['history']):,}", f"{windows:,}",
+                        self.keep_history)
         result = TrainResult(_from_portable(reporting["state_dict"]), reporting["history"],
                              reporting["meta"],
                              None if ckpt is None else Path(ckpt), dead,
