@@ -3,6 +3,7 @@ argument checks - files and objects only, no processes."""
 from __future__ import annotations
 
 import functools
+import os
 import re
 
 import pytest
@@ -121,6 +122,24 @@ class GateModel(torch.nn.Module):
         super().__init__()
         self.gate = torch.nn.Parameter(torch.zeros(2, 2))
         self.shift = torch.nn.Parameter(torch.zeros(2))
+
+
+def test_prune_reads_its_folder_once(tmp_path, monkeypatch):
+    """A soak probe: a save into a folder of 20,000 files took 112 ms, against 4 ms in an
+    empty one: a prune listed the folder again for each file of each bundle it removed
+    (to find their writers' stale temps). It reads the listing once."""
+    import flodl_shm.checkpoint.series as series
+
+    stem = tmp_path / "ck"
+    for rnd in (2, 4, 6, 8):
+        bundle(stem, rnd, outer=True, ranks=2)
+    bundle(stem, 5, meta=False, tmp=True)
+    listed = []
+    real = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda path=".": listed.append(path) or real(path))
+    assert series.prune_series(stem, keep=1) == [2, 4, 5, 6]
+    assert listed == [tmp_path]
+    assert [r for r, _ in committed_checkpoints(stem)] == [8]
 
 
 def test_trainer_arguments_are_checked_up_front(tmp_path):
