@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from typing import Callable, Sequence
 
 import numpy as np
@@ -183,7 +184,8 @@ class Comm:
             self._engine.yield_when_waiting()
         self._round = 0
         self._broken: str | None = None
-        self._in_round = False  # a general or direct round is in flight (_one_at_a_time)
+        self._in_round = 0  # the thread whose general or direct round is in flight, else 0
+        # (_one_at_a_time)
         self._bf16 = False
         self._pinned = False
         self._armed: int | None = None
@@ -1242,18 +1244,23 @@ class Comm:
         rank's sequence of collectives: two threads driving it at once would put two
         rounds in its slots and mix their results silently. (The fused one-call rounds
         are not checked here, where a check costs a tenth of the call: their control
-        block finds the rounds out of step.)"""
-        if self._in_round:
+        block finds the rounds out of step.) Within the thread in flight, a round runs
+        as part of the one in flight (the direct path's probe runs its barriers so)."""
+        me = threading.get_ident()
+        holder = self._in_round
+        if holder == me:
+            return round_fn(*args, **kwargs)
+        if holder:
             raise RuntimeError(
                 f"this Comm (rank {self.rank}) is in a collective already, called from "
                 f"another thread: a Comm's collectives must come from one thread at a time, "
                 f"in the same order on every rank; serialize them (a lock around the "
                 f"calls), or give each thread its own process group")
-        self._in_round = True
+        self._in_round = me
         try:
             return round_fn(*args, **kwargs)
         finally:
-            self._in_round = False
+            self._in_round = 0
 
     def _run(self, plan: RoundPlan, weight: float, write: Callable | None, *,
              elided: bool = False, zero_copy: bool = False, outer: bool = False,
