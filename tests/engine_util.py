@@ -90,3 +90,25 @@ def start_spawn_driver(tmp_path, nprocs: int = 2, wait_for: str = "ready",
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     raise AssertionError(f"the driver's ranks never listed themselves in {listed}")
+
+
+def refused_in_flight(comm, in_flight, intruder):
+    """Start ``in_flight()`` (a collective on ``comm``) on a thread of its own; once its
+    round is in flight, call ``intruder()`` here, which must raise the Comm's
+    one-thread-at-a-time RuntimeError. Returns the thread and the list its result
+    goes into (let the peers finish the round, then join it)."""
+    import threading
+    import time
+
+    import pytest
+
+    got: list = []
+    thread = threading.Thread(target=lambda: got.append(in_flight()))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not comm._in_round and time.monotonic() < deadline:
+        time.sleep(0.001)
+    with pytest.raises(RuntimeError, match=r"in a collective already, called from another "
+                                           r"thread.*from one thread at a time"):
+        intruder()
+    return thread, got

@@ -7,7 +7,6 @@ mismatches raised on every rank, deadlines, dead ranks, zero-copy lifetimes.
 """
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ from flodl_shm.errors import CohortAborted
 from flodl_shm.frame import DTYPE_BF16, DTYPE_F32, TensorPayload
 from flodl_shm.testing import FakeCohort
 
-from engine_util import our_segments
+from engine_util import our_segments, refused_in_flight
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -267,16 +266,9 @@ def test_a_second_thread_entering_a_round_in_flight_is_refused():
         if comm.rank == 1:
             assert refused.wait(30)
             return comm.all_reduce_tensors([torch.full((n,), 3.0)])[0].unique().tolist()
-        got = []
-        a = threading.Thread(target=lambda: got.append(
-            comm.all_reduce_tensors([torch.full((n,), 1.0)])[0].unique().tolist()))
-        a.start()
-        deadline = time.monotonic() + 30
-        while not comm._in_round and time.monotonic() < deadline:
-            time.sleep(0.001)
-        with pytest.raises(RuntimeError, match=r"in a collective already, called from "
-                                               r"another thread.*from one thread at a time"):
-            comm.all_reduce_tensors([torch.full((n,), 5.0)])
+        a, got = refused_in_flight(
+            comm, lambda: comm.all_reduce_tensors([torch.full((n,), 1.0)])[0].unique().tolist(),
+            lambda: comm.all_reduce_tensors([torch.full((n,), 5.0)]))
         refused.set()
         a.join(30)
         return got[0]

@@ -18,7 +18,7 @@ from flodl_shm.engine import arena as A
 from flodl_shm.engine import direct as D
 from flodl_shm.testing import FakeCohort
 
-from engine_util import assert_no_leaks
+from engine_util import assert_no_leaks, refused_in_flight
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -205,28 +205,20 @@ def test_a_second_thread_is_refused_while_the_first_large_round_settles_the_path
 
     refused = threading.Event()
 
+    def round_of(comm, value: float) -> float:
+        t = torch.full((N,), value)
+        comm.all_reduce_([t])
+        return float(t[0])
+
+    def intrude(comm) -> None:
+        assert comm._engine.direct.state == D.UNPROBED  # A waits in the probe's barrier
+        comm.all_reduce_([torch.full((N,), 5.0)])
+
     def body(comm):
         if comm.rank == 1:
             assert refused.wait(30)
-            t = torch.full((N,), 2.0)
-            comm.all_reduce_([t])
-            return float(t[0])
-        got = []
-
-        def first_round() -> None:
-            t = torch.full((N,), 1.0)
-            comm.all_reduce_([t])
-            got.append(float(t[0]))
-
-        a = threading.Thread(target=first_round)
-        a.start()
-        deadline = time.monotonic() + 30
-        while not comm._in_round and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert comm._engine.direct.state == D.UNPROBED  # A waits in the probe's barrier
-        with pytest.raises(RuntimeError, match=r"in a collective already, called from "
-                                               r"another thread"):
-            comm.all_reduce_([torch.full((N,), 5.0)])
+            return round_of(comm, 2.0)
+        a, got = refused_in_flight(comm, lambda: round_of(comm, 1.0), lambda: intrude(comm))
         refused.set()
         a.join(30)
         return got[0]
