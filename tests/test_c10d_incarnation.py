@@ -211,3 +211,17 @@ def test_a_store_that_closes_while_the_group_forms_is_named_with_the_way_out():
                                            r"while the group formed .* keep one "
                                            r"dist.TCPStore per process and pass store="):
         incarnation_store(client, 1, 2, datetime.timedelta(seconds=3), "rank 1")
+
+
+@pytest.mark.parametrize("rank, world", [(1, 1), (2, 2), (-1, 2)])
+def test_a_rank_outside_the_group_is_refused_at_once(rank, world):
+    """A probe: init_process_group("flodl_shm", rank=1, world_size=1) waited out the
+    group's timeout (30 minutes by default) to be admitted by rank 0, then blamed rank 0;
+    gloo refuses at once. The rank is checked before anything waits."""
+    from flodl_shm.distributed.rendezvous import rendezvous
+
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=rf"rank {rank} is not a rank of a group of {world}: "
+                                         rf"ranks run from 0 to world_size - 1"):
+        rendezvous(dist.HashStore(), rank, world, timedelta(seconds=30))
+    assert time.monotonic() - t0 < 5

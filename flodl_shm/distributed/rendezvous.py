@@ -167,6 +167,10 @@ def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
         timeout: the group's timeout: bounds every store wait and every collective wait.
     """
     what = f"flodl_shm process group (rank {rank} of {world})"
+    if not 0 <= rank < world:  # (it waited out the group's timeout to be admitted)
+        raise ValueError(f"{what}: rank {rank} is not a rank of a group of {world}: ranks "
+                         f"run from 0 to world_size - 1 ({world - 1}); start each process "
+                         f"with its own rank below world_size")
     inc = incarnation_store(store, rank, world, timeout, what)
     try:
         return _form(inc, rank, world, timeout)
