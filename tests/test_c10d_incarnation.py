@@ -225,3 +225,49 @@ def test_a_rank_outside_the_group_is_refused_at_once(rank, world):
                                          rf"ranks run from 0 to world_size - 1"):
         rendezvous(dist.HashStore(), rank, world, timedelta(seconds=30))
     assert time.monotonic() - t0 < 5
+
+
+_RANK0_HOSTING_THE_STORE = """
+import os, sys, threading, time
+from datetime import timedelta
+import torch.distributed as dist
+from flodl_shm.distributed.rendezvous import rendezvous
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), None, True, timedelta(seconds=20),
+                      wait_for_workers=False)
+threading.Thread(target=rendezvous, args=(store, 0, 3, timedelta(seconds=30)),
+                 daemon=True).start()  # admits rank 1; rank 2 never comes
+print("listening", flush=True)
+time.sleep(1.5)
+os._exit(1)  # rank 0 ends (an error of its own): its store goes with it
+"""
+
+
+def test_a_rank_whose_store_went_with_rank_0_is_told_where_to_look():
+    """A probe: rank 0 hosted the group's TCPStore (tcp://, or env:// outside torchrun)
+    and ended on its own init error (a rank that did not come) before rank 1 read its
+    verdict; rank 1, admitted and waiting for the others' keys, got a raw
+    'DistNetworkError: Failed to recv' with a C++ stack (or advice about re-creating
+    groups on one port). It is told the store's process ended and to read rank 0's
+    error."""
+    import socket
+    import subprocess
+    import sys
+
+    from flodl_shm.distributed.rendezvous import rendezvous
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rank0 = subprocess.Popen([sys.executable, "-c", _RANK0_HOSTING_THE_STORE, str(port)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank0.stdout.readline().strip() == "listening"
+        store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=20))
+        with pytest.raises(RuntimeError, match=r"rank 1 of 3\): the group's store closed its "
+                                               r"connection while the group formed .*The "
+                                               r"process that hosts it .* ended: most likely "
+                                               r"it failed in init_process_group itself"):
+            rendezvous(store, 1, 3, timedelta(seconds=20))
+    finally:
+        rank0.kill()
+        rank0.wait()

@@ -144,14 +144,22 @@ def incarnation_store(store, rank: int, world: int, timeout: timedelta,
         else:
             token, asks = _join(marks, rank, world, deadline, timeout, what)
     except dist.DistNetworkError as e:
-        raise RuntimeError(
-            f"{what}: the group's store closed its connection while the group formed "
-            f"({str(e).splitlines()[0]}). Re-creating a group on one init_method port "
-            f"(tcp://HOST:PORT, or env:// with one MASTER_PORT), a rank that destroyed its "
-            f"group first can reach the previous group's store as its rank 0 closes it: "
-            f"keep one dist.TCPStore per process and pass store=..., or give each group its "
-            f"own port") from e
+        raise store_closed(what, e) from e
     return Incarnation(store, token, asks, what)
+
+
+def store_closed(what: str, e: BaseException) -> RuntimeError:
+    """The error of a rank whose group's store closed its connection while the group
+    formed (a ``DistNetworkError``)."""
+    return RuntimeError(
+        f"{what}: the group's store closed its connection while the group formed "
+        f"({str(e).splitlines()[0]}). The process that hosts it (rank 0's, under tcp:// or "
+        f"env:// without torchrun, or a dist.TCPStore it created) ended: most likely it "
+        f"failed in init_process_group itself (a rank that did not come, another "
+        f"world_size): see rank 0's error. Re-creating a group on one init_method port "
+        f"does it too (a rank that destroyed its group first can reach the previous "
+        f"group's store as its rank 0 closes it): keep one dist.TCPStore per process and "
+        f"pass store=..., or give each group its own port")
 
 
 def _admit(marks, store, world: int, deadline: float, timeout: timedelta,

@@ -48,7 +48,8 @@ from ..engine import arena as A
 from ..engine.comm import Comm
 from ..engine.segment import pid_alive, reap_dead_owner_segments
 from ..errors import PeerDied
-from .incarnation import SHARED_STORE_FIX, Incarnation, incarnation_store, poll_pauses
+from .incarnation import (SHARED_STORE_FIX, Incarnation, incarnation_store, poll_pauses,
+                          store_closed)
 
 logger = logging.getLogger("flodl_shm")
 
@@ -171,9 +172,13 @@ def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
         raise ValueError(f"{what}: rank {rank} is not a rank of a group of {world}: ranks "
                          f"run from 0 to world_size - 1 ({world - 1}); start each process "
                          f"with its own rank below world_size")
+    import torch.distributed as dist
+
     inc = incarnation_store(store, rank, world, timeout, what)
     try:
         return _form(inc, rank, world, timeout)
+    except dist.DistNetworkError as e:  # (no store left to tell the others through)
+        raise store_closed(what, e) from e
     except BaseException as e:  # the first failure tells the others
         inc.abandon(f"rank {rank} failed while the group formed: {type(e).__name__}: {e}")
         raise
