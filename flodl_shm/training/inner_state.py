@@ -36,7 +36,8 @@ def read_rank_state(path) -> Any:
         raise CheckpointError(
             f"{path} cannot be read ({type(e).__name__}: {first}): the file is damaged or "
             f"truncated. Resume from the bundle before this one, or delete this file to load "
-            f"the consensus with this rank's inner optimizer, schedule and counters fresh"
+            f"the consensus with the inner optimizer, schedule and counters fresh (this "
+            f"rank's under the Trainer, every rank's under LocalSGD)"
         ) from e
 
 
@@ -49,7 +50,8 @@ def check_rank_file(path, meta_path, saved_rank, rank: int, saved_round,
         raise ValueError(
             f"{path} holds rank {saved_rank}'s state, not rank {rank}'s: the bundle's rank "
             f"files were copied or renamed. Put each rank's own file back, or delete this one "
-            f"to load the consensus with this rank's inner state fresh")
+            f"to load the consensus with the inner state fresh (this rank's under the "
+            f"Trainer, every rank's under LocalSGD)")
     if saved_round != meta_round:
         raise ValueError(
             f"{path} holds sync round {saved_round} but {meta_path} marks round {meta_round} "

@@ -1110,8 +1110,10 @@ class LocalSGD:
 
         It starts with one small round in which the ranks tell what they found, and
         ends with one that checks every rank loaded the same sync round (on several
-        hosts each host loads its own copy of the bundle); a rank that could not read
-        the bundle is named to the others before any rank changes its model.
+        hosts each host loads its own copy of the bundle). A rank that could not read
+        its bundle's ``.meta.json`` or its own state file is named to the others before
+        any rank changes its model; one whose consensus ``.fdl`` turns out damaged as it
+        loads it is named after the others have loaded theirs.
 
         Args:
             path: the series' stem, or a bundle's ``.fdl`` / ``.meta.json``.
