@@ -258,7 +258,9 @@ def prune_series(save_path: "str | os.PathLike[str]", keep: int, *,
     ones too (a full disk leaves them holding the space a recovery needs). Returns the
     rounds deleted."""
     keep = max(int(keep), 1)
-    names = _listing(series_base(save_path).parent)
+    base = series_base(save_path)
+    # every file of the series' bundles (and their writers' temps) starts so
+    names = [n for n in _listing(base.parent) if n.startswith(base.name + "-r")]
     paths = _rounds(save_path, names)
     done = _committed(paths)
     if not done and not settled:
