@@ -181,10 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     else:  # the signals stay ignored to the end: a late Ctrl-C is no traceback
         state = ""
         if args.outer == "nesterov":  # the outer momentum lives here: it must come back
+            from ..checkpoint.forge import outer_sidecar_path
+
             last = ctl.last_armed[0] if ctl.last_armed else None
             state = (f" with --outer nesterov --outer-state "
-                     f"{last[:-len('fdl')] if last else '<stem>.'}outer.fdl (of the round the "
-                     f"hosts resume from)")
+                     f"{outer_sidecar_path(last) if last else '<stem>.outer.fdl'} (of the "
+                     f"round the hosts resume from)")
         print(f"controller: {stopped_by(interrupts)} after {ctl.stats.rounds} rounds; its "
               f"hosts lose their link to it and stop. To continue, restart the controller"
               f"{state}, then every host with --resume", file=sys.stderr, flush=True)

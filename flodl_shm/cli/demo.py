@@ -955,10 +955,12 @@ def _continue_with(cfg: DemoConfig, last, error: Optional[BaseException] = None)
     # each host resumes from its own newest bundle, and they must be of one round: a
     # host lost mid-run misses the rounds the others saved after it (its --resume was
     # refused, and this advice repeated)
+    from flodl_shm.checkpoint.forge import outer_sidecar_path
+
     restart = ("" if cfg.outer != "nesterov" else
                f" Restart the controller first with --outer nesterov --outer-state "
-               f"{os.fspath(last)[:-len('fdl')]}outer.fdl (the outer momentum of that round, "
-               f"in the controller's copy of the checkpoints).")
+               f"{outer_sidecar_path(last)} (the outer momentum of that round, in the "
+               f"controller's copy of the checkpoints).")
     return (advice[:-1] + " on every host." + restart + " The hosts resume from one round: a "
             "host whose newest checkpoint is older than the others' (a host that was lost) "
             "first needs the newer round's .fdl and .meta.json, copied from another host's "

@@ -184,8 +184,7 @@ class Comm:
             self._engine.yield_when_waiting()
         self._round = 0
         self._broken: str | None = None
-        self._in_round = 0  # the thread whose general or direct round is in flight, else 0
-        # (_one_at_a_time)
+        self._in_round = 0  # thread id of the general/direct round in flight (_one_at_a_time)
         self._bf16 = False
         self._pinned = False
         self._armed: int | None = None

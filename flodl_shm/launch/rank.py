@@ -21,7 +21,7 @@ from multiprocessing import forkserver, popen_spawn_posix
 from multiprocessing import reduction as mp_reduction
 from multiprocessing import spawn as mp_spawn
 from multiprocessing import util as mp_util
-from typing import Any
+from typing import Any, NoReturn
 
 from ..engine import arena as A
 from ..errors import CohortAborted, ReduceStall
@@ -96,7 +96,7 @@ def _children_follow_this_rank() -> None:
     os.register_at_fork(before=before, after_in_child=in_child)
 
 
-def _leave_forked_child(e: BaseException | None) -> None:
+def _leave_forked_child(e: BaseException | None) -> NoReturn:
     """End a process forked inside the rank's function (``os.fork()`` in ``fn``) whose
     code returned or raised out of ``fn`` into ``_rank_main``: as such a child of a plain
     script ends (``sys.exit``'s code; an exception's traceback and 1), never reporting to
