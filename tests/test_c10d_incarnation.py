@@ -65,6 +65,29 @@ def test_every_rank_lands_in_one_fresh_namespace_whatever_the_start_order(order)
     assert not old[0].check(["here/0"])
 
 
+def test_the_last_rank_done_deletes_the_groups_keys():
+    """A store outlives its groups (torchrun's lives as long as the job): every key a
+    formed incarnation set goes with its last rank's ``retire``, not before."""
+    store = dist.HashStore()
+    incs: list[object] = [None] * 3
+
+    def rank_main(r: int) -> None:
+        incs[r] = incarnation_store(store, r, 3, timedelta(seconds=20), f"rank {r} of 3")
+        incs[r].keys.set(f"seen/{r}", b"1")
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert store.num_keys() == 1 + 2 + 3  # the offer, two asks, the group's keys
+    for r in (2, 0):
+        incs[r].retire(3, [f"seen/{q}" for q in range(3)])
+        assert incs[1].keys.get("seen/0") == b"1"  # a rank not done may still read
+    incs[1].retire(3, [f"seen/{q}" for q in range(3)])
+    assert store.num_keys() == 0
+
+
 def test_a_group_of_one_needs_nobody():
     store = dist.HashStore()
     first = incarnation_store(store, 0, 1, timedelta(seconds=1), "rank 0 of 1").keys

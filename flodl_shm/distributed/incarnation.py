@@ -59,14 +59,27 @@ the group formed every rank confirms that the asks it relied on still hold the n
 admitted (``Incarnation.confirm``; the same process asking again, for its next group, is
 not a second one): a second process asking for a rank is reported, on every rank that
 sees it, instead of two jobs averaging with each other.
+
+Once formed
+-----------
+The keys are read only while the group forms, and a store may outlive many groups
+(torchrun's lives as long as the job; a sweep creates and destroys a group per trial):
+each rank deletes its own ``admit/<nonce>`` once it read it, and every rank, done with
+the keys, counts itself in ``<token>/formed`` (``Incarnation.retire``); the last one
+deletes the offer, the asks and the group's keys under the token. An incarnation that
+failed keeps its keys (at most one set per failed attempt).
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
 import uuid
 from datetime import timedelta
+from typing import Iterable
+
+logger = logging.getLogger("flodl_shm")
 
 _POLL_FIRST_S = 0.0005
 _POLL_MAX_S = 0.02
@@ -107,6 +120,21 @@ class Incarnation:
         if self.keys.check(["abandoned"]):
             raise RuntimeError(f"{self.what}: the group will not form: "
                                f"{self.keys.get('abandoned').decode()}")
+
+    def retire(self, world: int, keys: Iterable[str]) -> None:
+        """This rank is done with the store: the last of the group's ``world`` ranks to
+        say so deletes ``keys`` (the group's keys under the token), the ``formed`` count,
+        the offer and the asks (module doc, "Once formed"). Tidying only: a store that
+        cannot delete, or is gone, costs a line at DEBUG."""
+        try:
+            if self.keys.add("formed", 1) < world:
+                return
+            for key in (*keys, "formed"):
+                self.keys.delete_key(key)
+            for key in ("offer", *(f"ask/{r}" for r in range(1, world))):
+                self._marks.delete_key(key)
+        except Exception as e:  # noqa: BLE001 - the group formed; its keys are only litter
+            logger.debug("%s: the group's store keys were not deleted: %s", self.what, e)
 
     def confirm(self) -> None:
         """Every ask this rank relied on still holds the nonce it was admitted with: no
@@ -219,6 +247,7 @@ def _join(marks, rank: int, world: int, deadline: float, timeout: timedelta,
             if token.startswith("refused:"):
                 raise RuntimeError(f"{what}: rank 0 refused this rank: "
                                    f"{token.removeprefix('refused:')}")
+            marks.delete_key(f"admit/{nonce}")  # (only this rank reads it)
             return token, {rank: ask}
         if marks.check(["offer"]):
             offer = marks.get("offer").decode()

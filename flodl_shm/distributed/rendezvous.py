@@ -21,7 +21,8 @@ prefix store, so several groups never mix keys):
 Every key lives under a token fresh to this incarnation of the group, agreed by all its
 ranks (``incarnation.py``): the store may hold the keys of an earlier incarnation (torchrun's
 failed attempt, or a group destroyed and created again under the same prefix), and what
-they name is gone.
+they name is gone. Once the group formed, the last rank done with them deletes them
+(``Incarnation.retire``).
 
 A group spanning several hosts also gets a gloo process group among the host
 leaders (``ProcessGroupGloo`` on the same store under ``leaders/``), through which
@@ -176,12 +177,15 @@ def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
 
     inc = incarnation_store(store, rank, world, timeout, what)
     try:
-        return _form(inc, rank, world, timeout)
+        link = _form(inc, rank, world, timeout)
     except dist.DistNetworkError as e:  # (no store left to tell the others through)
         raise store_closed(what, e) from e
     except BaseException as e:  # the first failure tells the others
         inc.abandon(f"rank {rank} failed while the group formed: {type(e).__name__}: {e}")
         raise
+    inc.retire(world, [*(f"{k}/{r}" for k in ("host", "pid", "mapped") for r in range(world)),
+                       *(f"arena/{h}" for h in range(len(link.topology.hosts)))])
+    return link
 
 
 def _form(inc: Incarnation, rank: int, world: int, timeout: timedelta) -> HostLink:
