@@ -557,6 +557,37 @@ def test_a_rank_that_cannot_start_stops_the_run_and_leaves_no_death_record(tmp_p
     assert not stale.exists(), "an earlier run's death record outlived a fresh run"
 
 
+class _OnlyABuffer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(3))
+
+    def forward(self, x):
+        return x[:, :3] * self.scale
+
+
+def _half_model():
+    return make_model().half()
+
+
+@pytest.mark.parametrize("model_fn, said", [
+    (_half_model, r"TypeError: parameter '0.weight' has dtype torch.float16; "
+                                  r"the Trainer averages float32 or bfloat16"),
+    (_OnlyABuffer, r"ValueError: model_fn built a model \(_OnlyABuffer\) without parameters: "
+                   r"the optimizer would have nothing to train"),
+])
+def test_a_model_the_trainer_cannot_train_is_named_in_the_trainers_words(model_fn, said):
+    """A probe's float16 model was refused in LocalSGD's words (which the Trainer's user
+    never built), and a model without parameters with torch's "optimizer got an empty
+    parameter list"."""
+    from flodl_shm.errors import StartRefused
+
+    trainer = Trainer(model_fn, sgd, make_data(64), loss_fn, batch_size=8, sync_every=2,
+                      log_every=None, timeout=60.0)
+    with pytest.raises(StartRefused, match=r"^rank \d could not start training: " + said):
+        trainer.run(2)
+
+
 def _linear_rank0_dies_building_it():
     import multiprocessing
     import os

@@ -236,22 +236,34 @@ def _lowest_live_rank(ref: "weakref.ref[LocalSGD]") -> Callable[[], bool]:
     return is_reporter
 
 
-def _check_averaged(name: str, t: torch.Tensor) -> None:
-    if torch.nn.parameter.is_lazy(t):
-        raise ValueError(f"{name} is not initialized yet (a lazy module, such as "
-                         f"nn.LazyLinear, gets its shape at its first forward pass): run the "
-                         f"model once on a sample batch before building LocalSGD")
-    if t.dtype.is_complex:
-        raise TypeError(f"{name} has dtype {t.dtype}; LocalSGD averages float32 or bfloat16 "
-                        f"tensors: keep its real and imaginary parts as a float tensor "
-                        f"(torch.view_as_real) in the model (.float() would drop the "
-                        f"imaginary part)")
-    if t.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"{name} has dtype {t.dtype}; LocalSGD averages float32 or bfloat16 "
-                        f"tensors (convert the model with .float() or .bfloat16())")
-    if t.device.type != "cpu":
-        raise ValueError(f"{name} is on {t.device}; LocalSGD averages CPU tensors through "
-                         f"shared memory (keep the model on the CPU: model.cpu())")
+def check_replica(model: torch.nn.Module, who: str = "LocalSGD",
+                  build: str = "before building LocalSGD", meta_ok: bool = False) -> None:
+    """Raise what makes ``model`` a replica ``who`` cannot average: a parameter or
+    floating-point buffer not yet initialized (lazy), of a dtype other than float32 and
+    bfloat16, or off the CPU (``meta_ok``: torch's meta device passes, where the
+    Trainer's launcher builds a model to check it); nothing to average at all.
+    ``build`` says when a lazy module's first forward pass must run."""
+    named_buffers = averaged_buffers(model)
+    for name, t in (*((f"parameter {n!r}", p) for n, p in model.named_parameters()),
+                    *((f"buffer {n!r}", b) for n, b in named_buffers)):
+        if torch.nn.parameter.is_lazy(t):
+            raise ValueError(f"{name} is not initialized yet (a lazy module, such as "
+                             f"nn.LazyLinear, gets its shape at its first forward pass): run "
+                             f"the model once on a sample batch {build}")
+        if t.dtype.is_complex:
+            raise TypeError(f"{name} has dtype {t.dtype}; {who} averages float32 or bfloat16 "
+                            f"tensors: keep its real and imaginary parts as a float tensor "
+                            f"(torch.view_as_real) in the model (.float() would drop the "
+                            f"imaginary part)")
+        if t.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"{name} has dtype {t.dtype}; {who} averages float32 or bfloat16 "
+                            f"tensors (convert the model with .float() or .bfloat16())")
+        if t.device.type != "cpu" and not (meta_ok and t.device.type == "meta"):
+            raise ValueError(f"{name} is on {t.device}; {who} averages CPU tensors through "
+                             f"shared memory (keep the model on the CPU: model.cpu())")
+    if not named_buffers and next(model.parameters(), None) is None:
+        raise ValueError(f"the model ({type(model).__name__}) has no parameters and no "
+                         f"floating-point buffers: {who} would average nothing")
 
 
 class LocalSGD:
@@ -332,16 +344,9 @@ class LocalSGD:
         self.scheduler = scheduler
         self.rank = int(self.comm.rank)
         self.world_size = int(self.comm.world_size)
+        check_replica(model)
         self.params = [p for p in model.parameters()]
-        named_buffers = averaged_buffers(model)
-        self.buffers = [b for _, b in named_buffers]
-        for name, p in model.named_parameters():
-            _check_averaged(f"parameter {name!r}", p)
-        for name, b in named_buffers:
-            _check_averaged(f"buffer {name!r}", b)
-        if not self.params and not self.buffers:
-            raise ValueError(f"the model ({type(model).__name__}) has no parameters and no "
-                             f"floating-point buffers: LocalSGD would average nothing")
+        self.buffers = [b for _, b in averaged_buffers(model)]
         _check_inner(optimizer, scheduler, self.params)
         self.schema = ModelSchema.from_module(model)
         # series lock file -> the RunLock this rank holds (None: its host's lead holds

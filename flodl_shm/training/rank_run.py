@@ -32,7 +32,7 @@ from .coverage import epoch_permutation
 from .data import fetch_batch, micro_batches
 from .hooks import BatchInfo, RankState, RankSummary, WindowStats
 from .inner_state import check_rank_file, read_rank_state, restore_inner
-from .local_sgd import LocalSGD
+from .local_sgd import LocalSGD, check_replica
 from .sync_window import (COUNT_ROWS, accepted_across_hosts, count_column,
                           counts_from_reports, falls_short, gather_counts)
 
@@ -148,6 +148,7 @@ class _RankRun:
         model = tr.model_fn()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model_fn must return a torch.nn.Module, got {type(model).__name__}")
+        _check_model(model)
         self.model = model
         self.dataset = resolve_dataset(tr.dataset)
         self._on_batch_end = _hook_calls(tr.hooks, "on_batch_end")
@@ -614,6 +615,16 @@ class _WindowSGD(LocalSGD):
 
     def _seed_outer_round(self) -> None:
         self.comm.load_outer_state()
+
+
+def _check_model(model) -> None:
+    """Raise what the model ``model_fn`` built lacks before anything is set up for it: a
+    replica the Trainer can average (its LocalSGD checks it too, in LocalSGD's words),
+    and parameters for the optimizer to train."""
+    check_replica(model, "the Trainer", "in model_fn, before it returns the model")
+    if next(model.parameters(), None) is None:
+        raise ValueError(f"model_fn built a model ({type(model).__name__}) without parameters: "
+                         f"the optimizer would have nothing to train; give it a trainable layer")
 
 
 def _to_portable(state: dict) -> dict:
