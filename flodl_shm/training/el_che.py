@@ -506,8 +506,8 @@ class ElChe:
         the latch closes (the guard may say so many windows in a row)."""
         if self._growth_enabled:
             logger.info("ElChe anchor growth held at anchor %d: the convergence guard reports "
-                        "the replicas' divergence trending up (re-armed after %d stable "
-                        "windows in a row)", self._anchor, GROWTH_REARM_STABLE)
+                        "the replicas' divergence trending up (growth resumes once %d "
+                        "windows in a row are stable)", self._anchor, GROWTH_REARM_STABLE)
         self._proposed_anchor = None
         self._consecutive_stable = 0
         self._growth_enabled = False
