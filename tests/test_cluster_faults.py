@@ -450,6 +450,57 @@ def test_a_peer_gone_in_the_middle_of_a_frame_is_a_lost_connection():
     assert "closed the connection in the middle of a frame (it exited or was killed)" in str(err)
 
 
+def _frozen_mid_record(ctl, caplog):
+    """Host "a" (rank 0) delivers its partial; host "b" (rank 1) sends 10 bytes of a
+    record's header and stops, as a relay under SIGSTOP would. Returns b's link."""
+    caplog.set_level(logging.ERROR, logger="flodl_shm")
+    a = join_raw(ctl.port, _hello("a", [0], 2))
+    b = join_raw(ctl.port, _hello("b", [1], 2))
+    _await_hosts(ctl, ["a", "b"])
+    a.send_frame(Kind.FRAME_UP, RoundFrame([TensorPayload(DTYPE_F32, (3,),
+                                                          np.ones(3, np.float32))], 1.0))
+    b.sock.sendall(b._header(Kind.FRAME_UP, 0, 64, b"\0" * 16)[:10])
+    return a, b
+
+
+def test_a_host_frozen_in_the_middle_of_a_record_fails_at_the_round_deadline(caplog):
+    """A probe's relay that knew the secret sent 10 of a record's 32 header bytes and
+    stopped: the controller waited on it for good (only the first byte of a record was
+    bounded), and logged nothing; its --round-timeout never fired."""
+    ctl = ClusterController.start("127.0.0.1:0", 2, SALT, round_timeout=1.5)
+    try:
+        a, b = _frozen_mid_record(ctl, caplog)
+        deadline = time.monotonic() + 20
+        while not ctl.dead_ranks.is_dead(1) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ctl.dead_ranks.is_dead(1), caplog.text
+        assert not ctl.dead_ranks.is_dead(0)
+        a.close()
+        b.close()
+    finally:
+        ctl.shutdown()
+    assert ("host 'b' failed (127.0.0.1:" in caplog.text
+            and "stopped sending in the middle of a record: nothing for 1.5 s" in caplog.text), \
+        caplog.text
+
+
+def test_a_controller_stops_at_once_while_a_host_is_frozen_mid_record(caplog):
+    """The same frozen relay, no round deadline: SIGTERM took the reduce thread's 10 s
+    join timeout (in a probe, 11 s) where the controller stops at once otherwise."""
+    ctl = ClusterController.start("127.0.0.1:0", 2, SALT, round_timeout=None)
+    try:
+        a, b = _frozen_mid_record(ctl, caplog)
+        time.sleep(1.0)  # the reduce thread reads b's record
+    finally:
+        t0 = time.monotonic()
+        ctl.shutdown()
+        took = time.monotonic() - t0
+    a.close()
+    b.close()
+    assert took < 3.0, took
+    assert not ctl.dead_ranks.dead()  # stopped, not failed
+
+
 @pytest.mark.parametrize("said", ["stall", "nothing"])
 def test_a_host_that_finds_the_link_gone_reads_what_the_controller_said_last(said):
     """A host stopped for a while (SIGSTOP at start-up, in a probe) found its link gone

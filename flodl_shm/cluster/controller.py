@@ -487,7 +487,7 @@ class ClusterController:
         dead: set[int] = set()
         while True:
             try:
-                got = h.link.recv(None, timeout=1.0)  # buffered, then the end of stream
+                got = h.link.recv(None, timeout=1.0, idle=1.0)  # buffered, then the end
             except Exception:  # noqa: BLE001 - a torn or refused stream ends the reading
                 return dead
             if got is None:
@@ -623,10 +623,12 @@ class ClusterController:
 
         The round's deadline starts when some host has delivered (time between rounds
         is training, not a stall); a host still silent ``round_timeout`` later stalls it.
+        A host that stops in the middle of a record for that long, or while the
+        controller stops, has a broken link (``RecordStalled``: the host fails).
         """
         while True:
             try:
-                got = h.link.recv(self._sink, timeout=0.2)
+                got = h.link.recv(self._sink, timeout=0.2, idle=clock.timeout, abort=self._stop)
             except TimeoutError:
                 if self._stop.is_set():
                     return None

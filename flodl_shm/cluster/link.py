@@ -35,6 +35,14 @@ at most the ceiling each (``split_frame``); ``Link.recv`` reassembles it into th
 caller's sink and returns the whole frame, so callers never see the parts. Any failure — a bad tag, a wrong seq, a
 length above the ceiling — is a ``FrameError``: the connection is dropped and its
 host failed; nothing it sent reaches a consensus.
+
+A record that has started must be read to its end (a reader that gave up halfway would
+take the rest for the next record), so ``Link.recv``'s ``timeout`` bounds only the wait
+for a record's first byte. What bounds the rest is ``idle``: the longest silence
+allowed inside a record (the parts of a split frame included) before the link counts as
+broken, and ``abort``, an event that ends the wait at once (the controller's
+shutdown). Either raises ``RecordStalled``, a ``ConnectionError``: a peer frozen
+mid-record (stopped, its host hung) fails like a peer gone.
 """
 from __future__ import annotations
 
@@ -100,20 +108,61 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
     return m.digest()
 
 
+class RecordStalled(ConnectionError):
+    """A peer stopped sending in the middle of a record (module doc): the link is
+    broken, as if the peer had gone."""
+
+
+class _RecordSilence:
+    """How long the rest of a started record may keep its reader waiting: ``idle``
+    seconds without a byte (None: no bound), or until ``abort`` is set (None: never).
+    The socket is polled every ``POLL_S`` while either can end the wait."""
+
+    POLL_S = 0.5
+
+    def __init__(self, peer: str, idle: float | None, abort: threading.Event | None) -> None:
+        self.peer = peer
+        self.idle = idle
+        self.abort = abort
+        self.poll_s = (None if idle is None and abort is None
+                       else min(self.POLL_S, self.POLL_S if idle is None else idle))
+        self.last = time.monotonic()
+
+    def progressed(self) -> None:
+        self.last = time.monotonic()
+
+    def waited(self) -> None:
+        """A poll found nothing: raise ``RecordStalled`` once the wait is over."""
+        if self.abort is not None and self.abort.is_set():
+            raise RecordStalled(f"stopped while {self.peer} was in the middle of a record")
+        if self.idle is not None and time.monotonic() - self.last > self.idle:
+            raise RecordStalled(f"{self.peer} stopped sending in the middle of a record: "
+                                f"nothing for {self.idle:g} s (its host stopped or hung)")
+
+
+#: a record read with no bound on its silences (``Link.recv`` without idle or abort)
+_UNBOUNDED = _RecordSilence("", None, None)
+
+
 class _SockReader:
-    """readinto over a socket, with EOF as 0 (what the wire reader expects)."""
+    """readinto over a socket, with EOF as 0 (what the wire reader expects); a poll
+    that finds nothing asks ``silence`` whether to go on waiting."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self.silence = _UNBOUNDED
 
     def readinto(self, buf) -> int:
         while True:
             try:
-                return self.sock.recv_into(buf)
+                k = self.sock.recv_into(buf)
             except socket.timeout:
-                continue  # the link's deadline handling lives in the caller
+                self.silence.waited()
+                continue
             except InterruptedError:
                 continue
+            self.silence.progressed()
+            return k
 
 
 class _SockWriter:
@@ -125,7 +174,10 @@ class _SockWriter:
         return len(data)
 
 
-def _recv_exact(sock: socket.socket, n: int, what: str, deadline: float | None) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, what: str, deadline: float | None,
+                silence: _RecordSilence = _UNBOUNDED) -> bytes:
+    """``n`` bytes: by ``deadline`` (a handshake's), else as long as ``silence`` allows
+    (the socket's timeout is then the silence's poll)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -138,7 +190,10 @@ def _recv_exact(sock: socket.socket, n: int, what: str, deadline: float | None) 
         try:
             k = sock.recv_into(view[got:])
         except socket.timeout:
+            if deadline is None:
+                silence.waited()
             continue
+        silence.progressed()
         if k == 0:
             raise ConnectionError(f"{what}: the peer closed the connection")
         got += k
@@ -259,22 +314,35 @@ class Link:
             write_round_frame(self._writer, part, self.salt, tag=ptag)
 
     # -- receiving -------------------------------------------------------------------
-    def recv(self, sink: Callable | None = None, *, timeout: float | None = None
+    def recv(self, sink: Callable | None = None, *, timeout: float | None = None,
+             idle: float | None = None, abort: threading.Event | None = None
              ) -> tuple[Kind, int, dict | RoundFrame] | None:
         """The next record: (kind, flags, dict for CTRL / RoundFrame for frames).
 
         ``None`` at a clean end of stream before a record. ``timeout`` bounds the wait
         for the record's first byte (``TimeoutError``); once a record has started it is
-        read to the end (abandoning it would desync the stream). ``sink`` directs frame
-        payloads (see ``wire.read_framed_round_into``); a frame sent in parts
-        (``frame_parts``) is reassembled into the sink's buffers and returned whole.
+        read to the end (abandoning it would desync the stream), unless it falls
+        silent for ``idle`` seconds or ``abort`` is set (``RecordStalled``: the link is
+        then broken). ``sink`` directs frame payloads (see
+        ``wire.read_framed_round_into``); a frame sent in parts (``frame_parts``) is
+        reassembled into the sink's buffers and returned whole.
         """
-        got = self._recv_record(sink, timeout)
-        if got is None or got[0] != Kind.CTRL or got[2]["type"] != Ctrl.FRAME_PARTS:
-            return got
-        return self._recv_parts(got[2], sink)
+        silence = (_UNBOUNDED if idle is None and abort is None
+                   else _RecordSilence(self.peer, idle, abort))
+        self._reader.silence = silence
+        try:
+            got = self._recv_record(sink, timeout, silence)
+            if got is None or got[0] != Kind.CTRL or got[2]["type"] != Ctrl.FRAME_PARTS:
+                return got
+            return self._recv_parts(got[2], sink, silence)
+        finally:
+            try:
+                self.sock.settimeout(None)  # sends block as long as they take
+            except OSError:  # closed meanwhile (by another thread): nothing to reset
+                pass
 
-    def _recv_parts(self, msg: dict, sink: Callable | None) -> tuple[Kind, int, RoundFrame]:
+    def _recv_parts(self, msg: dict, sink: Callable | None, silence: _RecordSilence
+                    ) -> tuple[Kind, int, RoundFrame]:
         """Read the part records a ``frame_parts`` message announced into whole tensors."""
         what = f"split frame from {self.peer}"
         try:
@@ -308,7 +376,7 @@ class Link:
 
         rec_kind = flags = None
         for k in range(nparts):
-            got = self._recv_record(piece_sink, None)
+            got = self._recv_record(piece_sink, None, silence, started=True)
             if got is None or got[0] == Kind.CTRL or (rec_kind is not None
                                                       and (got[0], got[1]) != (rec_kind, flags)):
                 raise FrameError(f"{what}: part {k} of {nparts} is missing or of another record "
@@ -326,24 +394,29 @@ class Link:
         tensors = [TensorPayload(d, s, b) for d, s, b in zip(dtypes, shapes, bufs)]
         return rec_kind, flags, RoundFrame(tensors, weight, RoundKind.from_wire(kind_byte))
 
-    def _recv_record(self, sink: Callable | None, timeout: float | None
+    def _recv_record(self, sink: Callable | None, timeout: float | None,
+                     silence: _RecordSilence, started: bool = False
                      ) -> tuple[Kind, int, dict | RoundFrame] | None:
-        """One record as it is on the wire (``recv`` without the reassembly)."""
+        """One record as it is on the wire (``recv`` without the reassembly);
+        ``started``: a part of a split frame, whose first byte ``silence`` bounds too."""
         head = bytearray(RECORD_HEADER)
         view = memoryview(head)
         got = 0
         deadline = None if timeout is None else time.monotonic() + timeout
+        first = not started
         while got < RECORD_HEADER:
-            if got == 0 and deadline is not None:
+            if first and deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"no record from {self.peer} within {timeout:g} s")
                 self.sock.settimeout(min(left, 0.5))
             else:
-                self.sock.settimeout(None)
+                self.sock.settimeout(None if first else silence.poll_s)
             try:
                 k = self.sock.recv_into(view[got:])
             except socket.timeout:
+                if not first:
+                    silence.waited()
                 continue
             except (ConnectionResetError, BrokenPipeError):
                 if got == 0:
@@ -354,7 +427,9 @@ class Link:
                     return None
                 raise FrameError(f"record header from {self.peer} ended after {got} bytes")
             got += k
-        self.sock.settimeout(None)
+            first = False
+            silence.progressed()
+        self.sock.settimeout(silence.poll_s)
         magic, version, kind, flags, seq, length = _RECORD.unpack_from(head)
         if magic != RECORD_MAGIC:
             raise FrameError(f"record magic 0x{magic:08x} != 0x{RECORD_MAGIC:08x} from {self.peer}")
@@ -373,7 +448,8 @@ class Link:
             if length > MAX_CTRL_BYTES:
                 raise FrameError(f"control record of {length} bytes from {self.peer} exceeds "
                                  f"{MAX_CTRL_BYTES}")
-            payload = _recv_exact(self.sock, length, f"control record from {self.peer}", None)
+            payload = _recv_exact(self.sock, length, f"control record from {self.peer}", None,
+                                  silence)
             if not hmac.compare_digest(_mac(self.key, head[:_RECORD.size], payload)[:TAG_BYTES],
                                        tag):
                 raise FrameError(f"control record from {self.peer} failed its tag (wrong session "
