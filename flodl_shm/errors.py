@@ -180,6 +180,7 @@ class RankStalled(ReduceStall, RankFailed):
         self.traceback = ""
         self.signal = signal
         self.exitcode = None
+        self.error = ""  # (its message says what it waited for; no rank's line to parse)
 
     def __reduce__(self):
         return (_rebuild_rank_stalled, (str(self), self.round, self.missing, self.timeout,

@@ -32,7 +32,7 @@ def test_an_error_pickles_back_with_its_message_and_attributes(err):
     assert type(back) is type(err) and str(back) == str(err)
     for name in ("round", "missing", "timeout", "rank", "exc_type", "traceback", "signal",
                  "exitcode", "summary", "resume_hint", "checkpoint", "dead_ranks", "pid",
-                 "host_ranks", "lock", "holder", "job"):
+                 "host_ranks", "lock", "holder", "job", "error"):
         assert getattr(back, name, None) == getattr(err, name, None), name
 
 
@@ -53,3 +53,15 @@ def test_a_rank_s_message_of_several_lines_keeps_them_all():
         f"line {i}" for i in range(40)))
     lines = str(many).split("\n\n--- remote traceback")[0].splitlines()
     assert lines[-2] == "line 15" and lines[-1].startswith("... 24 more lines in the remote")
+
+
+def test_a_stall_has_every_attribute_of_a_rank_failure():
+    """The demo read ``RankFailed.error`` of a ``RankStalled`` (a cluster round that
+    stalled) and printed an AttributeError traceback under the stall's own message."""
+    from flodl_shm.cli.demo import _reason
+
+    err = RankStalled("rank 0 gave up waiting: round 0 stalled", round=0, missing=(1,),
+                      timeout=15.0)
+    plain = RankFailed(1, "ValueError", "Traceback ...\nValueError: bad")
+    assert {k for k in vars(plain) if not k.startswith("_")} <= set(vars(err))
+    assert _reason(err) == "RankStalled: rank 0 gave up waiting: round 0 stalled"

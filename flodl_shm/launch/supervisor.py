@@ -777,7 +777,7 @@ def _host_failure(err: RankFailed) -> tuple[int, str]:
     or, for a ``RankStalled``, which carries no parsed error, what it waited for)."""
     # (the rank travels on its own: "rank 2 could not start ..." would make the same
     # refusal on every host a reason of its own at the controller)
-    error = getattr(err, "error", "").removeprefix(f"rank {err.rank} ")
+    error = err.error.removeprefix(f"rank {err.rank} ")
     what = f"{err.exc_type}: {error}" if error else str(err).split("\n", 1)[0]
     return err.rank, what
 
