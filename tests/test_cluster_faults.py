@@ -129,6 +129,60 @@ def test_a_connection_flood_does_not_disable_the_controller(tmp_path, monkeypatc
     else:
         assert "more than 64 connections mid-handshake" in text, text
     assert text.count("listening") == 1, text
+    # (a probe's flood: a line per connection, most of them EBADF from the controller's own
+    # close of a socket its handshake thread still read)
+    assert "Bad file descriptor" not in text, text
+    assert text.count("dropped connection from") <= 2, text
+
+
+def test_a_flood_of_garbage_connections_is_reported_not_repeated(caplog):
+    """Port-scanner traffic (an HTTP request, random bytes, a connect and close): the
+    first is named, the rest counted, and a real host still joins."""
+    caplog.set_level(logging.WARNING, logger="flodl_shm")
+    ctl = ClusterController.start("127.0.0.1:0", 1, SALT)
+    try:
+        for i in range(40):
+            with socket.create_connection(("127.0.0.1", ctl.port)) as s:
+                s.sendall([b"GET / HTTP/1.0\r\n\r\n", os.urandom(64), b""][i % 3])
+        time.sleep(0.5)
+        join_raw(ctl.port, _hello("real", [0], 1)).close()
+        assert ctl.join(30)
+    finally:
+        ctl.shutdown()
+    lines = [r.getMessage() for r in caplog.records]
+    said = [m for m in lines if "dropped connection from" in m]
+    assert 1 <= len(said) <= 2, lines
+    assert len(lines) <= 4, lines
+
+
+def test_a_handshake_thread_that_cannot_start_costs_one_connection(caplog, monkeypatch):
+    """Out of threads (a container's pids limit: a probe ran the controller under a tight
+    address-space limit): the accept loop died on 'can't start new thread' and nothing
+    was accepted again. Now that connection is closed, the failure said, and the next
+    host joins."""
+    import flodl_shm.cluster.controller as controller
+
+    class OneFailedStart(threading.Thread):
+        failures = 1
+
+        def start(self):
+            if self.name == "flodl-shm-controller-handshake" and OneFailedStart.failures:
+                OneFailedStart.failures -= 1
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    caplog.set_level(logging.WARNING, logger="flodl_shm")
+    monkeypatch.setattr(controller.threading, "Thread", OneFailedStart)
+    ctl = ClusterController.start("127.0.0.1:0", 1, SALT)
+    try:
+        with socket.create_connection(("127.0.0.1", ctl.port)) as first:
+            first.settimeout(10)
+            assert first.recv(1) == b""  # closed by the controller
+        join_raw(ctl.port, _hello("real", [0], 1)).close()
+        assert ctl.join(30)
+    finally:
+        ctl.shutdown()
+    assert "no thread for a handshake (can't start new thread)" in caplog.text, caplog.text
 
 
 def test_a_handshake_that_never_finishes_is_dropped_after_its_deadline(monkeypatch):

@@ -24,8 +24,12 @@ whose ranks all finished ends the cohort cleanly once the others finish too.
 
 Admission is bounded: at most ``MAX_PENDING_HANDSHAKES`` connections may be
 mid-handshake (the oldest is dropped for a new one), each for at most the
-handshake deadline, and running out of file descriptors backs off and keeps
-accepting (logged) instead of ending the accept loop. A host whose link closes
+handshake deadline, on at most ``MAX_HANDSHAKE_THREADS`` threads (a dropped
+connection's thread ends it: the accept loop only shuts it down, so no thread ever
+reads a descriptor number reused by another connection); running out of file
+descriptors or threads backs off and keeps accepting instead of ending the accept
+loop. What a flood repeats (refused and dropped connections) is logged the first
+time, then at most every 10 s with a count. A host whose link closes
 before the cohort is complete is forgotten: its ranks and name are free for a
 relaunch. ``docs/failure-model.md`` ("Several hosts") describes every fault.
 
@@ -68,6 +72,9 @@ EARLY_STOP_REASONS = frozenset(r.value for r in (
     SaveReason.REDUCE_STALL))
 PARALLEL_SCATTER_BYTES = 1 << 20  # below this, thread start-up costs more than it saves
 MAX_PENDING_HANDSHAKES = 64  # connections mid-handshake; the oldest goes for a new one
+#: handshake threads alive at once: the pending ones and those ending a dropped connection
+MAX_HANDSHAKE_THREADS = 2 * MAX_PENDING_HANDSHAKES
+_FLOOD_REPORT_S = 10.0  # the most often a line a flood repeats is logged
 _FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _CLOSED = select.POLLHUP | select.POLLERR | select.POLLNVAL | getattr(select, "POLLRDHUP", 0)
 
@@ -137,8 +144,11 @@ class ClusterController:
         self._pending_names: set[str] = set()
         self._pending: OrderedDict[socket.socket, float] = OrderedDict()  # mid-handshake
         self._admitted: dict[socket.socket, dict] = {}  # hellos admitted, ack not yet sent
-        self._fd_warned = -1e9
-        self._drops = 0
+        self._admission_log = _Throttled(logging.ERROR)  # the accept loop's trouble
+        self._refused_log = _Throttled(logging.ERROR)    # peers with another secret
+        self._dropped_log = _Throttled(logging.WARNING)  # other failed handshakes
+        self._dropped: set[socket.socket] = set()  # shut by us, their threads to end them
+        self._handshake_slots = threading.BoundedSemaphore(MAX_HANDSHAKE_THREADS)
         self._lock = threading.RLock()
         self._complete = threading.Event()
         self._stop = threading.Event()
@@ -206,6 +216,7 @@ class ClusterController:
             hosts = list(self._hosts)
             pending = list(self._pending)
             self._pending.clear()
+            self._dropped.update(pending)  # (their threads end them without a word)
         for conn in pending:
             _shut(conn)
         for h in hosts:
@@ -285,20 +296,42 @@ class ClusterController:
                 over = len(self._pending) > MAX_PENDING_HANDSHAKES
             if over and self._drop_oldest_pending():
                 self._note_drop(f"more than {MAX_PENDING_HANDSHAKES} connections mid-handshake")
-            threading.Thread(target=self._handshake, args=(conn, f"{addr[0]}:{addr[1]}"),
-                             name="flodl-shm-controller-handshake", daemon=True).start()
+            self._start_handshake(conn, f"{addr[0]}:{addr[1]}")
+
+    def _start_handshake(self, conn: socket.socket, peer: str) -> None:
+        """Hand ``conn`` to a handshake thread of its own, once a slot is free (the
+        threads of dropped connections end within moments); with none free after a
+        second, or no thread to be had (a container's pids limit), close it here."""
+        why = None
+        t0 = time.monotonic()
+        while not self._handshake_slots.acquire(timeout=0.2):
+            if self._stop.is_set():
+                why = "stopping"
+                break
+            if time.monotonic() - t0 > 1.0:
+                why = f"{MAX_HANDSHAKE_THREADS} handshake threads still running"
+                break
+        if why is None:
+            try:
+                threading.Thread(target=self._handshake, args=(conn, peer),
+                                 name="flodl-shm-controller-handshake", daemon=True).start()
+                return
+            except RuntimeError as e:  # "can't start new thread"
+                self._handshake_slots.release()
+                why = f"no thread for a handshake ({e})"
+        with self._lock:
+            counted = self._pending.pop(conn, None) is None  # dropped meanwhile: said so
+            self._dropped.discard(conn)
+        _shut(conn, close=True)
+        if why != "stopping" and not counted:
+            self._note_drop(why)
 
     def _note_drop(self, why: str) -> None:
         """Log admission trouble: the first time, then at most every 10 s, with counts."""
-        self._drops += 1
-        now = time.monotonic()
-        if now - self._fd_warned > 10.0:
-            self._fd_warned = now
-            logger.error("controller: %s (%d events since the last report, %d handshakes "
-                         "pending; the oldest is dropped for a new one); still accepting - if "
-                         "real hosts wait, stop the flood or raise `ulimit -n`", why,
-                         self._drops, len(self._pending))
-            self._drops = 0
+        self._admission_log.say(
+            "controller: %s (%d handshakes pending; the oldest is dropped for a new one); "
+            "still accepting - if real hosts wait, stop the flood or raise `ulimit -n`", why,
+            len(self._pending))
 
     def _drop_oldest_pending(self) -> bool:
         """Shut the oldest mid-handshake connection (its thread then ends it)."""
@@ -306,6 +339,7 @@ class ClusterController:
             if not self._pending:
                 return False
             conn, _ = self._pending.popitem(last=False)
+            self._dropped.add(conn)
         _shut(conn)
         return True
 
@@ -316,7 +350,7 @@ class ClusterController:
             conns = [c for c, t0 in self._pending.items() if t0 < limit]
             for c in conns:
                 del self._pending[c]
-        for conn in conns:
+        for conn in conns:  # (its thread says why: no data for the deadline)
             _shut(conn)
 
     def _validate(self, hello: dict) -> str | None:
@@ -386,10 +420,14 @@ class ClusterController:
             logger.error("controller: %s", e)
             return
         except Exception as e:  # silent, garbage, wrong secret: drop, keep serving
-            if "session secret" in str(e):
-                logger.error("controller: refused %s: %s", peer, e)
+            with self._lock:
+                ours = conn in self._dropped  # (counted when it was dropped)
+            if ours:
+                pass
+            elif "session secret" in str(e):
+                self._refused_log.say("controller: refused %s: %s", peer, e)
             else:
-                logger.warning("controller: dropped connection from %s: %s", peer, e)
+                self._dropped_log.say("controller: dropped connection from %s: %s", peer, e)
             self._unclaim(conn)
             try:
                 conn.close()
@@ -399,6 +437,8 @@ class ClusterController:
         finally:
             with self._lock:
                 self._pending.pop(conn, None)
+                self._dropped.discard(conn)
+            self._handshake_slots.release()
         ranks = sorted(int(r) for r in hello["ranks"])
         timeout = hello.get("timeout")
         with self._lock:
@@ -850,14 +890,38 @@ class ClusterController:
 _SCRATCH = np.empty(4096, np.float32)
 
 
-def _shut(conn: socket.socket) -> None:
-    """Shut a connection down both ways and free its descriptor now (a thread
-    blocked reading it sees EOF, then a closed socket)."""
+def _shut(conn: socket.socket, close: bool = False) -> None:
+    """Shut a connection down both ways: a thread blocked reading it sees EOF and
+    closes it. ``close``: no thread has it, free its descriptor now. (Closing one that
+    a thread reads would let that thread read whatever connection gets the number
+    next.)"""
     try:
         conn.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
-    conn.close()
+    if close:
+        conn.close()
+
+
+class _Throttled:
+    """A log line that a flood can repeat (a port scanner, garbage peers): said the first
+    time, then at most every ``_FLOOD_REPORT_S`` seconds, with how many were not said."""
+
+    def __init__(self, level: int) -> None:
+        self.level = level
+        self._last = -1e9
+        self._unsaid = 0
+        self._lock = threading.Lock()
+
+    def say(self, fmt: str, *args) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < _FLOOD_REPORT_S:
+                self._unsaid += 1
+                return
+            unsaid, self._unsaid, self._last = self._unsaid, 0, now
+        more = f" ({unsaid} more like it since the last report)" if unsaid else ""
+        logger.log(self.level, fmt + more, *args)
 
 
 class _RoundClock:
