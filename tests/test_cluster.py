@@ -365,7 +365,7 @@ def test_connect_failure_names_the_address(monkeypatch, caplog):
     nothing for minutes while its relay retried."""
     monkeypatch.setenv("FLODL_NET_TIMEOUT_SCALE", "0.1")
     with caplog.at_level(logging.WARNING, logger="flodl_shm"), \
-            pytest.raises(ConnectionError, match=r"connect to 127\.0\.0\.1:1 failed"):
+            pytest.raises(ConnectionError, match=r"could not connect to 127\.0\.0\.1:1 within"):
         spawn(quick_average, 1, controller="127.0.0.1:1", world_size=2, first_rank=0, salt=SALT,
               timeout=60)
     said = [r.getMessage() for r in caplog.records if "not reachable yet" in r.getMessage()]
@@ -384,6 +384,38 @@ def test_a_stop_ends_the_connect_retries_at_once():
     with pytest.raises(ConnectionAbortedError, match="stopped while connecting to 127.0.0.1:1"):
         connect("127.0.0.1:1", attempts=200, delay=0.5, stop=stop)
     assert time.monotonic() - t0 < 3.0
+
+
+def test_the_connect_retries_end_when_they_said_they_would():
+    """A listener whose accept queue is full drops the connects, so each took the 10 s
+    handshake deadline to fail: a probe's relay said 'trying again for up to 14 s' and
+    went on for 57 s, until the ranks' own timeout blamed a silent relay."""
+    from flodl_shm.cluster.link import connect
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    queued = []
+    try:
+        for _ in range(3):  # the queue's one place taken, the rest dropped
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex(("127.0.0.1", port))
+            queued.append(c)
+        said = []
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match=rf"could not connect to 127.0.0.1:{port} "
+                                                  rf"within 3 s \(\d attempts?; the last: "):
+            connect(("127.0.0.1", port), attempts=7, delay=0.5,
+                    on_wait=lambda e, s: said.append(s))
+        took = time.monotonic() - t0
+    finally:
+        for c in queued:
+            c.close()
+        listener.close()
+    assert said == [3.0]
+    assert took < 4.5, took
 
 
 def test_controller_survives_silence_garbage_and_a_tampered_frame(monkeypatch):

@@ -60,7 +60,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import FrameError, HandshakeRejected
+from ..errors import FrameError, HandshakeRejected, plural
 from ..frame import (MAX_ROUND_FRAME_TENSORS, RoundFrame, RoundKind, TensorPayload, dtype_name,
                      elem_size)
 from .control import Ctrl, ctrl_message, ctrl_type
@@ -605,26 +605,36 @@ def connect(addr, *, attempts: int = 60, delay: float = 0.5,
             stop: threading.Event | None = None) -> socket.socket:
     """Connect with retries (the controller may start after the relay); TCP_NODELAY.
 
+    The retries go on for ``(attempts - 1) * delay`` seconds, ``delay`` apart: a
+    connect that times out (a listener whose queue is full, a host that drops the
+    packets) counts against that time too, so they end when they said they would.
     ``on_wait(error, seconds)``: called once, at the first failed attempt, with the
     error and how long the retries may go on (say so: a wrong port looks like a hang).
     ``stop``: set, it ends the retries at once (``ConnectionAbortedError``).
     The retry delay scales with ``FLODL_NET_TIMEOUT_SCALE`` like every deadline."""
     host, port = parse_addr(addr)
     delay *= _timeouts()
+    budget = max(0, attempts - 1) * delay
+    deadline = time.monotonic() + budget
     last: Exception | None = None
-    for i in range(max(1, attempts)):
+    tries = 0
+    while True:
+        tries += 1
+        left = deadline - time.monotonic()
         try:
-            sock = socket.create_connection((host, port), timeout=handshake_deadline_s())
+            sock = socket.create_connection(
+                (host, port), timeout=min(handshake_deadline_s(), max(1.0, left)))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             return sock
         except OSError as e:
             last = e
-            if i == 0 and attempts > 1 and on_wait is not None:
-                on_wait(e, (attempts - 1) * delay)
-            if i + 1 < attempts:
-                if stop is None:
-                    time.sleep(delay)
-                elif stop.wait(delay):
-                    raise ConnectionAbortedError(f"stopped while connecting to {host}:{port}")
-    raise ConnectionError(f"connect to {host}:{port} failed after {attempts} attempts "
-                          f"(~{attempts * delay:g}s): {last}")
+            if tries == 1 and budget > 0 and on_wait is not None:
+                on_wait(e, budget)
+            if time.monotonic() + delay > deadline:
+                break
+            if stop is None:
+                time.sleep(delay)
+            elif stop.wait(delay):
+                raise ConnectionAbortedError(f"stopped while connecting to {host}:{port}")
+    raise ConnectionError(f"could not connect to {host}:{port} within {budget:g} s "
+                          f"({plural(tries, 'attempt')}; the last: {last})")
