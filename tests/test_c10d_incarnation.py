@@ -177,6 +177,44 @@ def test_a_rank_that_fails_while_the_group_forms_tells_the_others_at_once():
     assert max(took) < 10
 
 
+@pytest.mark.parametrize("then", ["replaced", "formed"])
+def test_a_rank_whose_place_another_process_took_is_told_at_once(then):
+    """A probe started three processes as RANK 0, 1, 1: rank 0 admitted the later rank 1
+    and the group formed; the other rank 1, whose ask had been replaced, waited for an
+    admission until the store went away (the group's timeout: 30 minutes by default).
+    Here the other rank 1's ask replaces this one's, or the group forms without it (its
+    last rank deletes the offer)."""
+    store = dist.HashStore()
+    marks = dist.PrefixStore("incarnation/", store)
+    marks.set("offer", "a-token:2")  # a rank 0 that has not admitted anyone yet
+    got: list[object] = [None]
+
+    def rank_1() -> None:
+        try:
+            incarnation_store(store, 1, 2, timedelta(seconds=20), "rank 1 of 2")
+        except RuntimeError as e:
+            got[0] = e
+
+    t = threading.Thread(target=rank_1)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not marks.check(["ask/1"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    token, nonce, world, _ = marks.get("ask/1").decode().split(":", 3)
+    t0 = time.monotonic()
+    if then == "replaced":
+        marks.set("ask/1", f"{token}:another-nonce:{world}:4242@elsewhere")
+        said = "another process (4242@elsewhere) asked to be rank 1 of this group too"
+    else:
+        marks.delete_key("ask/1")
+        marks.delete_key("offer")
+        said = "the group formed without this rank: rank 0 admitted another process as rank 1"
+    t.join(30)
+    assert time.monotonic() - t0 < 2.0
+    assert str(got[0]).startswith(f"rank 1 of 2: {said}"), got[0]
+    assert "start each process with its own RANK" in str(got[0])
+
+
 def test_a_second_process_asking_for_an_admitted_rank_is_reported_at_confirmation():
     """Two jobs given one store: another job's rank 1 was admitted, then this job's rank
     1 asked for the same place. Both groups averaged silently with each other's ranks."""

@@ -249,12 +249,13 @@ def _join(marks, rank: int, world: int, deadline: float, timeout: timedelta,
                                    f"{token.removeprefix('refused:')}")
             marks.delete_key(f"admit/{nonce}")  # (only this rank reads it)
             return token, {rank: ask}
-        if marks.check(["offer"]):
-            offer = marks.get("offer").decode()
-            if offer != asked:
-                ask = f"{offer.partition(':')[0]}:{nonce}:{world}:{asker}"
-                marks.set(f"ask/{rank}", ask)
-                asked = offer
+        offer = _peek(marks, "offer")
+        if offer is not None and offer != asked:
+            ask = f"{offer.partition(':')[0]}:{nonce}:{world}:{asker}"
+            marks.set(f"ask/{rank}", ask)
+            asked = offer
+        elif asked is not None:
+            _check_own_ask(marks, rank, ask, offer is None, what)
         if pause is None:
             break
         time.sleep(pause)
@@ -263,6 +264,35 @@ def _join(marks, rank: int, world: int, deadline: float, timeout: timedelta,
         f"(it did not start, crashed before init_process_group, was given another store, "
         f"or waits for a rank that did not start: with tcp:// or env:// init, rank 0 first "
         f"waits for all world_size ranks to connect; or {SHARED_STORE_FIX})")
+
+
+def _check_own_ask(marks, rank: int, ask: str, formed: bool, what: str) -> None:
+    """Raise when another process took this rank's place since it asked: the group it
+    asked to join ``formed`` without it (its offer deleted, module doc "Once formed"), or
+    another process's ask replaced this one. Two processes were started as this rank (a
+    launch script's mistake, or another job on this store), and rank 0 admits one of
+    them: the other would wait out its timeout."""
+    fix = f"start each process with its own RANK (or {SHARED_STORE_FIX})"
+    if formed:
+        raise RuntimeError(f"{what}: the group formed without this rank: rank 0 admitted "
+                           f"another process as rank {rank}; {fix}")
+    now = _peek(marks, f"ask/{rank}")
+    other = "" if now is None else _fields(now)[3]
+    if now is not None and now != ask and other != _fields(ask)[3]:
+        raise RuntimeError(f"{what}: another process ({other}) asked to be rank {rank} of this "
+                           f"group too: {fix}")
+
+
+_ABSENT = "\0flodl_shm: absent"
+
+
+def _peek(store, key: str) -> str | None:
+    """``key``'s value, or None when it is not set, without waiting for it as a store's
+    ``get`` does (until the store's timeout). A compare-and-set that expects a value no key
+    holds sets nothing and returns the key's value, or, for a missing key, the value it
+    expected."""
+    got = store.compare_set(key, _ABSENT, _ABSENT).decode()
+    return None if got == _ABSENT else got
 
 
 def _fields(ask: str) -> tuple[str, str, str, str]:
