@@ -317,6 +317,28 @@ def test_a_failure_while_the_cohort_stops_says_so_without_a_second_stop(caplog):
     assert lines[1:] == ["rank 1 failed too (ValueError)"], lines
 
 
+def exits_on_its_own_sigterm_handler(ctx):
+    import sys
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the user's own clean stop
+    ctx.comm.barrier()
+    if ctx.rank == 1:
+        raise ValueError("rank 1 fails")
+    time.sleep(30)  # until the launcher's stop
+
+
+def test_a_rank_whose_own_sigterm_handler_exits_is_not_a_second_failure(caplog):
+    """A probe's rank installed a SIGTERM handler calling sys.exit(0): on the cohort's
+    stop the launcher logged 'rank 0 failed too (SystemExit)'."""
+    caplog.set_level("ERROR", logger="flodl_shm")
+    with pytest.raises(RankFailed) as info:
+        spawn(exits_on_its_own_sigterm_handler, 2)
+    assert info.value.rank == 1
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["rank 1 failed (ValueError); stopping the cohort (1 failure exceeds "
+                     "max_failures=0)"], lines
+
+
 def fail_then_fail_again_slowly(ctx):
     ctx.comm.barrier()  # rank 1 is in fn (not still starting up) when rank 0 fails
     if ctx.rank == 1:  # takes half a second of the stop's 2 s grace to wind up

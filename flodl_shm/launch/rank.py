@@ -118,6 +118,14 @@ def _leave_forked_child(e: BaseException | None) -> NoReturn:
     os._exit(code)
 
 
+def _stopped_by_own_handler(e: BaseException, arena) -> bool:
+    """Whether ``e`` is a clean ``sys.exit()`` while the cohort stops: the rank's own
+    SIGTERM handler (its code's, replacing the rank's) ending it on the launcher's stop,
+    which the launcher takes as it takes its own handler's end, not as a failure."""
+    return (isinstance(e, SystemExit) and e.code in (0, None) and arena is not None
+            and bool(arena.ctl[A.G_ABORT]))
+
+
 def _is_resource_tracker(proc) -> bool:
     try:
         return any("resource_tracker" in part for part in proc.cmdline())
@@ -255,7 +263,7 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
     for key, value in (c10d_env or {}).items():  # the caller's own MASTER_* win
         os.environ.setdefault(key, value)
     code = 0
-    comm = None
+    comm = arena = None
     send_lock = threading.Lock()
     handler = _PipeLogHandler(conn, send_lock, log_level)
     lib_logger = logging.getLogger("flodl_shm")
@@ -310,17 +318,20 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
     except BaseException as e:  # noqa: BLE001 - reported to the launcher
         if os.getpid() != rank_pid:
             _leave_forked_child(e)
-        # the report goes out whole: the supervisor's SIGTERM (its stop, 2 s after an
-        # abort) raised inside the traceback's formatting on a loaded machine, and the
-        # rank died printing a traceback of its own; SIGKILL still follows a slow one
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        code = 1
-        lib_logger.removeHandler(handler)
-        try:
-            with send_lock:
-                _send(conn, _error_message(global_rank, global_rank - local_rank, e))
-        except BaseException:  # noqa: BLE001 - a closed pipe, a late _Terminated
-            pass
+        if _stopped_by_own_handler(e, arena):
+            code = 143  # as _Terminated: a casualty of the stop, not a failure
+        else:
+            # the report goes out whole: the supervisor's SIGTERM (its stop, 2 s after an
+            # abort) raised inside the traceback's formatting on a loaded machine, and the
+            # rank died printing a traceback of its own; SIGKILL still follows a slow one
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            code = 1
+            lib_logger.removeHandler(handler)
+            try:
+                with send_lock:
+                    _send(conn, _error_message(global_rank, global_rank - local_rank, e))
+            except BaseException:  # noqa: BLE001 - a closed pipe, a late _Terminated
+                pass
     finally:
         try:
             conn.close()
