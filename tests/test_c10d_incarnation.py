@@ -46,8 +46,9 @@ def _earlier_incarnation(store, world: int) -> list[object]:
     old = _run_ranks(store, world, list(range(world)), gap=0)
     for r, keys in enumerate(old):
         keys.set(f"left/{r}", b"old")
-    offer = dist.PrefixStore("incarnation/", store).get("offer").decode()
-    dist.PrefixStore("incarnation/", store).set("ask/1", f"{offer}:a-dead-ranks-nonce")
+    marks = dist.PrefixStore("incarnation/", store)
+    token = marks.get("offer").decode().split(":")[0]
+    marks.set(f"ask/{token}/1", f"{token}:a-dead-ranks-nonce:{world}:1@gone")
     return old
 
 
@@ -85,7 +86,27 @@ def test_the_last_rank_done_deletes_the_groups_keys():
         incs[r].retire(3, [f"seen/{q}" for q in range(3)])
         assert incs[1].keys.get("seen/0") == b"1"  # a rank not done may still read
     incs[1].retire(3, [f"seen/{q}" for q in range(3)])
-    assert store.num_keys() == 0
+    marks = dist.PrefixStore("incarnation/", store)
+    assert store.num_keys() == 1  # the offer, retired
+    assert marks.get("offer").decode() == f"formed:{incs[0].token}"
+
+
+def test_a_late_rank_retires_its_own_offer_only():
+    """A probe re-created a group under one prefix with no collective in between: the
+    last rank of the first incarnation, slow to retire, deleted the offer (and asks) of
+    the next one, whose rank 0 had already moved on: 'another rank 0 set its own offer'."""
+    store = dist.HashStore()
+    first = _run_ranks(store, 2, [0, 1], gap=0)
+    assert all(not isinstance(k, Exception) for k in first), first
+    marks = dist.PrefixStore("incarnation/", store)
+    old_token = marks.get("offer").decode().split(":")[0]
+    marks.set("offer", "a-newer-token:2")  # the next incarnation's rank 0, already offering
+    from flodl_shm.distributed.incarnation import Incarnation
+
+    late = Incarnation(store, old_token, {}, "rank 1 of 2")
+    late.keys.add("formed", 1)  # the other rank retired first
+    late.retire(2, [])
+    assert marks.get("offer").decode() == "a-newer-token:2"
 
 
 def test_a_group_of_one_needs_nobody():
@@ -177,13 +198,17 @@ def test_a_rank_that_fails_while_the_group_forms_tells_the_others_at_once():
     assert max(took) < 10
 
 
-@pytest.mark.parametrize("then", ["replaced", "formed"])
+@pytest.mark.parametrize("then", ["replaced", "formed", "its own earlier group"])
 def test_a_rank_whose_place_another_process_took_is_told_at_once(then):
     """A probe started three processes as RANK 0, 1, 1: rank 0 admitted the later rank 1
     and the group formed; the other rank 1, whose ask had been replaced, waited for an
     admission until the store went away (the group's timeout: 30 minutes by default).
     Here the other rank 1's ask replaces this one's, or the group forms without it (its
-    last rank deletes the offer)."""
+    last rank retires the offer). An offer retired by a group this process joined (its
+    previous incarnation, read before the next rank 0 offered) is no one's place: the
+    rank waits for the next offer."""
+    from flodl_shm.distributed import incarnation
+
     store = dist.HashStore()
     marks = dist.PrefixStore("incarnation/", store)
     marks.set("offer", "a-token:2")  # a rank 0 that has not admitted anyone yet
@@ -191,24 +216,36 @@ def test_a_rank_whose_place_another_process_took_is_told_at_once(then):
 
     def rank_1() -> None:
         try:
-            incarnation_store(store, 1, 2, timedelta(seconds=20), "rank 1 of 2")
+            got[0] = incarnation_store(store, 1, 2, timedelta(seconds=20), "rank 1 of 2")
         except RuntimeError as e:
             got[0] = e
 
     t = threading.Thread(target=rank_1)
     t.start()
     deadline = time.monotonic() + 10
-    while not marks.check(["ask/1"]) and time.monotonic() < deadline:
+    while not marks.check(["ask/a-token/1"]) and time.monotonic() < deadline:
         time.sleep(0.01)
-    token, nonce, world, _ = marks.get("ask/1").decode().split(":", 3)
+    token, nonce, world, _ = marks.get("ask/a-token/1").decode().split(":", 3)
     t0 = time.monotonic()
     if then == "replaced":
-        marks.set("ask/1", f"{token}:another-nonce:{world}:4242@elsewhere")
+        marks.set("ask/a-token/1", f"{token}:another-nonce:{world}:4242@elsewhere")
         said = "another process (4242@elsewhere) asked to be rank 1 of this group too"
-    else:
-        marks.delete_key("ask/1")
-        marks.delete_key("offer")
+    elif then == "formed":
+        marks.set("offer", "formed:a-token")
         said = "the group formed without this rank: rank 0 admitted another process as rank 1"
+    else:
+        incarnation._JOINED["a-token"] = None  # this process joined it (in another thread)
+        marks.set("offer", "formed:a-token")
+        time.sleep(0.3)
+        assert t.is_alive()  # waiting for the next offer
+        marks.set("offer", "b-token:2")
+        while not marks.check(["ask/b-token/1"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        asked = marks.get("ask/b-token/1").decode()
+        marks.set(f"admit/{asked.split(':')[1]}", "b-token")
+        t.join(30)
+        assert got[0].token == "b-token", got[0]
+        return
     t.join(30)
     assert time.monotonic() - t0 < 2.0
     assert str(got[0]).startswith(f"rank 1 of 2: {said}"), got[0]
@@ -234,11 +271,12 @@ def test_a_second_process_asking_for_an_admitted_rank_is_reported_at_confirmatio
     for inc in incs:
         inc.confirm()  # nobody else asked: fine
     marks = dist.PrefixStore("incarnation/", store)
-    mine = marks.get("ask/1").decode()
+    key = f"ask/{incs[0].token}/1"
+    mine = marks.get(key).decode()
     token, nonce, world, _ = mine.split(":", 3)
-    marks.set("ask/1", f"{token}:{nonce}:{world}:{_fields(mine)[3]}")  # its next group's ask
-    incs[0].confirm()                                              # is not a second process
-    marks.set("ask/1", f"{token}:another-nonce:{world}:4242@elsewhere")
+    marks.set(key, f"{token}:new-nonce:{world}:{_fields(mine)[3]}")  # the same process again
+    incs[0].confirm()                                                 # is not a second one
+    marks.set(key, f"{token}:another-nonce:{world}:4242@elsewhere")
     for inc in incs:
         with pytest.raises(RuntimeError, match=r"two processes asked to be rank 1 of this "
                                                r"group .* give each job its own port"):

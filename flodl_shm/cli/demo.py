@@ -313,6 +313,12 @@ class DemoConfig:
         return os.path.join(self.run_dir, CKPT_STEM)
 
     @property
+    def host_ranks(self) -> str:
+        """This host's ranks, as a reader says them: "ranks 2-3", "rank 1"."""
+        last = self.first_rank + self.nprocs - 1
+        return f"rank {last}" if last == self.first_rank else f"ranks {self.first_rank}-{last}"
+
+    @property
     def summary_host(self) -> bool:
         """Whether this launcher prints the summary (the host carrying rank 0)."""
         return self.first_rank == 0
@@ -612,7 +618,7 @@ def _say(cfg: DemoConfig, text: str = "") -> None:
 
 def _header(cfg: DemoConfig, n_train: int, n_test: int, options: bool = True) -> None:
     hosts = "" if cfg.controller is None else (
-        f" (ranks {cfg.first_rank}-{cfg.first_rank + cfg.nprocs - 1} of {cfg.total_world}, "
+        f" ({cfg.host_ranks} of {cfg.total_world}, "
         f"controller {cfg.controller})")
     cadence = _CADENCE[cfg.effective_cadence]
     slow = "" if cfg.slow_rank is None else (f", rank {cfg.slow_rank[0]} slowed "
@@ -806,7 +812,7 @@ def _run_demo(cfg: DemoConfig) -> DemoResult:
             rank_batches[r] += n
     out = DemoResult(cfg, acc, result, wall_s=wall, rank_batches=rank_batches)
     if not cfg.summary_host:
-        _out(f"host with ranks {cfg.first_rank}-{cfg.first_rank + cfg.nprocs - 1}: done in "
+        _out(f"host with {cfg.host_ranks}: done in "
              f"{wall:.1f} s ({len(result.history)} windows); the summary prints on the host "
              f"with rank 0")
         return out

@@ -29,15 +29,15 @@ Every key lives under ``incarnation/`` in the group's store.
 Offer
     Rank 0 draws a fresh token (``uuid4``) and sets ``offer`` to ``<token>:<world>``.
 Ask
-    Every other rank draws a fresh nonce and sets ``ask/<rank>`` to
+    Every other rank draws a fresh nonce and sets ``ask/<token>/<rank>`` to
     ``<token>:<nonce>:<world>:<pid>@<hostname>`` for the offer it read. That offer may
     be an earlier incarnation's (read before this rank 0 set its own): the rank asks
     again whenever ``offer`` changes.
 Admit
-    Rank 0 admits rank r once ``ask/<r>`` names its token: it sets ``admit/<nonce>`` to
-    the token. An ask left by an earlier incarnation cannot name a token drawn now. An ask
-    that names the token with another world size is refused (``admit/<nonce>`` =
-    ``refused:<why>``), and rank 0 raises too.
+    Rank 0 admits rank r once ``ask/<its token>/<r>`` is set: it sets ``admit/<nonce>`` to
+    the token. An ask left by an earlier incarnation is under another token. An ask with
+    another world size is refused (``admit/<nonce>`` = ``refused:<why>``), and rank 0
+    raises too.
 Join
     Rank r joins once ``admit/<its nonce>`` exists. An admission left by an earlier
     incarnation cannot name a nonce drawn now.
@@ -52,13 +52,14 @@ A rank that fails while the group forms (rank 0 missing a rank, a leader that ca
 create its arena) sets ``<token>/abandoned`` to its reason (``Incarnation.abandon``); the
 others' waits read it and raise it at once, instead of waiting out their timeouts.
 
-Two live jobs on one store (two jobs on one host given one ``MASTER_ADDR:MASTER_PORT``)
-could admit each other's ranks: their ranks share the ``ask/<rank>`` keys. Rank 0 watches
-``offer`` while it admits (another rank 0 setting its own is reported as such), and once
-the group formed every rank confirms that the asks it relied on still hold the nonces it
-admitted (``Incarnation.confirm``; the same process asking again, for its next group, is
-not a second one): a second process asking for a rank is reported, on every rank that
-sees it, instead of two jobs averaging with each other.
+Two processes asking for one rank (a launch script that started two as ``RANK=1``, or two
+live jobs on one store: two jobs on one host given one ``MASTER_ADDR:MASTER_PORT``) ask
+under the same ``ask/<token>/<rank>`` key. Rank 0 watches ``offer`` while it admits
+(another rank 0 setting its own is reported as such), and once the group formed every rank
+confirms that the asks it relied on still hold the nonces it admitted
+(``Incarnation.confirm``); a rank waiting to be admitted whose ask another process
+replaced says so at once; and one whose group formed without it (its offer retired, below,
+though this process never joined it) says that. Nothing is averaged with a stranger.
 
 Once formed
 -----------
@@ -66,8 +67,13 @@ The keys are read only while the group forms, and a store may outlive many group
 (torchrun's lives as long as the job; a sweep creates and destroys a group per trial):
 each rank deletes its own ``admit/<nonce>`` once it read it, and every rank, done with
 the keys, counts itself in ``<token>/formed`` (``Incarnation.retire``); the last one
-deletes the offer, the asks and the group's keys under the token. An incarnation that
-failed keeps its keys (at most one set per failed attempt).
+deletes the asks and the group's keys under the token, and retires the offer: it becomes
+``formed:<token>`` through a compare-and-set, so a newer incarnation's offer, set
+meanwhile by a rank 0 that already moved on (init and destroy do not wait for the other
+ranks), is never touched. One key is left per group prefix (gloo leaves two); an
+incarnation that failed keeps its keys. A rank that asked for an offer retired since by
+a group its own process joined (its previous incarnation, read before the new rank 0
+offered) waits for the new offer.
 """
 from __future__ import annotations
 
@@ -76,6 +82,7 @@ import os
 import socket
 import time
 import uuid
+from collections import OrderedDict
 from datetime import timedelta
 from typing import Iterable
 
@@ -88,6 +95,10 @@ SHARED_STORE_FIX = ("two jobs on this host with one MASTER_ADDR:MASTER_PORT shar
                     "give each job its own port (MASTER_PORT, torchrun --master-port / "
                     "--rdzv-endpoint)")
 _SAME_WORLD_FIX = "every rank must call init_process_group with the same world_size"
+_FORMED = "formed:"  # a retired offer: "formed:<token>"
+#: the tokens of the last groups this process joined (module doc, "Once formed")
+_JOINED: "OrderedDict[str, None]" = OrderedDict()
+_JOINED_KEPT = 64
 
 
 class Incarnation:
@@ -95,8 +106,8 @@ class Incarnation:
     under the incarnation's token.
 
     Args (from :func:`incarnation_store`): ``base`` the group's store, ``token`` the
-    agreed token, ``asks`` the ``ask/<rank>`` values this rank relied on (rank 0: every
-    admitted rank's; another rank: its own), ``what`` this rank in errors.
+    agreed token, ``asks`` the ``ask/<token>/<rank>`` values this rank relied on (rank 0:
+    every admitted rank's; another rank: its own), ``what`` this rank in errors.
     """
 
     def __init__(self, base, token: str, asks: dict[int, str], what: str) -> None:
@@ -104,6 +115,7 @@ class Incarnation:
 
         self._marks = dist.PrefixStore("incarnation/", base)
         self.keys = dist.PrefixStore(f"{token}/", base)
+        self.token = token
         self._asks = dict(asks)
         self.what = what
 
@@ -123,16 +135,18 @@ class Incarnation:
 
     def retire(self, world: int, keys: Iterable[str]) -> None:
         """This rank is done with the store: the last of the group's ``world`` ranks to
-        say so deletes ``keys`` (the group's keys under the token), the ``formed`` count,
-        the offer and the asks (module doc, "Once formed"). Tidying only: a store that
-        cannot delete, or is gone, costs a line at DEBUG."""
+        say so deletes ``keys`` (the group's keys under the token), the ``formed`` count
+        and the asks, and retires the offer (module doc, "Once formed"). Tidying only: a
+        store that cannot delete, or is gone, costs a line at DEBUG."""
         try:
             if self.keys.add("formed", 1) < world:
                 return
+            # (only if it is still this incarnation's: a newer one's offer stays)
+            self._marks.compare_set("offer", f"{self.token}:{world}", _FORMED + self.token)
             for key in (*keys, "formed"):
                 self.keys.delete_key(key)
-            for key in ("offer", *(f"ask/{r}" for r in range(1, world))):
-                self._marks.delete_key(key)
+            for r in range(1, world):
+                self._marks.delete_key(_ask_key(self.token, r))
         except Exception as e:  # noqa: BLE001 - the group formed; its keys are only litter
             logger.debug("%s: the group's store keys were not deleted: %s", self.what, e)
 
@@ -140,7 +154,7 @@ class Incarnation:
         """Every ask this rank relied on still holds the nonce it was admitted with: no
         other process asked for one of those ranks since (another job on this store)."""
         for r, ask in self._asks.items():
-            now = self._marks.get(f"ask/{r}").decode()
+            now = self._marks.get(_ask_key(self.token, r)).decode()
             if now != ask and _fields(now)[3] != _fields(ask)[3]:  # (not its next group)
                 reason = (f"two processes asked to be rank {r} of this group (another job "
                           f"given this store joined it): {SHARED_STORE_FIX}")
@@ -173,7 +187,14 @@ def incarnation_store(store, rank: int, world: int, timeout: timedelta,
             token, asks = _join(marks, rank, world, deadline, timeout, what)
     except dist.DistNetworkError as e:
         raise store_closed(what, e) from e
+    _JOINED[token] = None
+    while len(_JOINED) > _JOINED_KEPT:
+        _JOINED.popitem(last=False)
     return Incarnation(store, token, asks, what)
+
+
+def _ask_key(token: str, rank: int) -> str:
+    return f"ask/{token}/{rank}"
 
 
 def store_closed(what: str, e: BaseException) -> RuntimeError:
@@ -206,9 +227,9 @@ def _admit(marks, store, world: int, deadline: float, timeout: timedelta,
 
     for pause in poll_pauses(deadline):
         for r in sorted(waiting):
-            if not marks.check([f"ask/{r}"]):
+            if not marks.check([_ask_key(token, r)]):
                 continue
-            ask = marks.get(f"ask/{r}").decode()
+            ask = marks.get(_ask_key(token, r)).decode()
             named, nonce, their_world, _ = _fields(ask)
             if named != token:
                 continue
@@ -250,12 +271,15 @@ def _join(marks, rank: int, world: int, deadline: float, timeout: timedelta,
             marks.delete_key(f"admit/{nonce}")  # (only this rank reads it)
             return token, {rank: ask}
         offer = _peek(marks, "offer")
+        if offer is not None and offer.startswith(_FORMED):
+            _check_not_left_out(offer, asked, rank, what)
+            offer = None  # (an earlier incarnation's, retired: wait for the next offer)
         if offer is not None and offer != asked:
             ask = f"{offer.partition(':')[0]}:{nonce}:{world}:{asker}"
-            marks.set(f"ask/{rank}", ask)
+            marks.set(_ask_key(offer.partition(":")[0], rank), ask)
             asked = offer
         elif asked is not None:
-            _check_own_ask(marks, rank, ask, offer is None, what)
+            _check_own_ask(marks, rank, ask, what)
         if pause is None:
             break
         time.sleep(pause)
@@ -266,23 +290,29 @@ def _join(marks, rank: int, world: int, deadline: float, timeout: timedelta,
         f"waits for all world_size ranks to connect; or {SHARED_STORE_FIX})")
 
 
-def _check_own_ask(marks, rank: int, ask: str, formed: bool, what: str) -> None:
-    """Raise when another process took this rank's place since it asked: the group it
-    asked to join ``formed`` without it (its offer deleted, module doc "Once formed"), or
-    another process's ask replaced this one. Two processes were started as this rank (a
-    launch script's mistake, or another job on this store), and rank 0 admits one of
-    them: the other would wait out its timeout."""
-    fix = f"start each process with its own RANK (or {SHARED_STORE_FIX})"
-    if formed:
-        raise RuntimeError(f"{what}: the group formed without this rank: rank 0 admitted "
-                           f"another process as rank {rank}; {fix}")
-    now = _peek(marks, f"ask/{rank}")
+def _check_own_ask(marks, rank: int, ask: str, what: str) -> None:
+    """Raise when another process's ask replaced this rank's (module doc): two processes
+    were started as this rank, and rank 0 admits one of them; the other would wait out its
+    timeout."""
+    token = _fields(ask)[0]
+    now = _peek(marks, _ask_key(token, rank))
     other = "" if now is None else _fields(now)[3]
     if now is not None and now != ask and other != _fields(ask)[3]:
         raise RuntimeError(f"{what}: another process ({other}) asked to be rank {rank} of this "
-                           f"group too: {fix}")
+                           f"group too: {_ONE_PROCESS_A_RANK}")
 
 
+def _check_not_left_out(retired: str, asked: str | None, rank: int, what: str) -> None:
+    """Raise when the offer this rank asked for was retired (``retired``, module doc "Once
+    formed") by a group this process never joined: it formed without this rank, another
+    process having been admitted as it."""
+    token = retired[len(_FORMED):]
+    if asked is not None and asked.partition(":")[0] == token and token not in _JOINED:
+        raise RuntimeError(f"{what}: the group formed without this rank: rank 0 admitted "
+                           f"another process as rank {rank}; {_ONE_PROCESS_A_RANK}")
+
+
+_ONE_PROCESS_A_RANK = f"start each process with its own RANK (or {SHARED_STORE_FIX})"
 _ABSENT = "\0flodl_shm: absent"
 
 
