@@ -199,7 +199,7 @@ def test_a_rank_that_fails_while_the_group_forms_tells_the_others_at_once():
 
 
 @pytest.mark.parametrize("then", ["replaced", "formed", "its own earlier group"])
-def test_a_rank_whose_place_another_process_took_is_told_at_once(then):
+def test_a_rank_whose_place_another_process_took_is_told_at_once(then, monkeypatch):
     """A probe started three processes as RANK 0, 1, 1: rank 0 admitted the later rank 1
     and the group formed; the other rank 1, whose ask had been replaced, waited for an
     admission until the store went away (the group's timeout: 30 minutes by default).
@@ -234,7 +234,8 @@ def test_a_rank_whose_place_another_process_took_is_told_at_once(then):
         marks.set("offer", "formed:a-token")
         said = "the group formed without this rank: rank 0 admitted another process as rank 1"
     else:
-        incarnation._JOINED["a-token"] = None  # this process joined it (in another thread)
+        # this process joined it (in another thread); a token of this test's own
+        monkeypatch.setitem(incarnation._JOINED, "a-token", None)
         marks.set("offer", "formed:a-token")
         time.sleep(0.3)
         assert t.is_alive()  # waiting for the next offer
@@ -250,6 +251,20 @@ def test_a_rank_whose_place_another_process_took_is_told_at_once(then):
     assert time.monotonic() - t0 < 2.0
     assert str(got[0]).startswith(f"rank 1 of 2: {said}"), got[0]
     assert "start each process with its own RANK" in str(got[0])
+
+
+def test_a_rank_that_arrives_after_a_group_formed_without_it_says_so_when_it_gives_up():
+    """A second process started as rank 1 after the group had formed: the retired offer
+    cannot tell it from a rank of torchrun's next attempt, early for its rank 0's offer,
+    so it waits; its error then says what it saw (it blamed rank 0 alone)."""
+    store = dist.HashStore()
+    dist.PrefixStore("incarnation/", store).set("offer", "formed:a-token-nobody-joined")
+    with pytest.raises(RuntimeError, match=r"rank 0 did not admit this rank within 1 s .*\. A "
+                                           r"group formed on this store before this rank asked "
+                                           r"to join one, without this process: if two "
+                                           r"processes were started as rank 1, start each "
+                                           r"process with its own RANK"):
+        incarnation_store(store, 1, 2, timedelta(seconds=1), "rank 1 of 2")
 
 
 def test_a_second_process_asking_for_an_admitted_rank_is_reported_at_confirmation():

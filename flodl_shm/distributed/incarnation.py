@@ -197,9 +197,9 @@ def _ask_key(token: str, rank: int) -> str:
     return f"ask/{token}/{rank}"
 
 
-def store_closed(what: str, e: BaseException) -> RuntimeError:
+def store_closed(what: str, e: BaseException, more: str = "") -> RuntimeError:
     """The error of a rank whose group's store closed its connection while the group
-    formed (a ``DistNetworkError``)."""
+    formed (a ``DistNetworkError``); ``more`` is added to its end."""
     return RuntimeError(
         f"{what}: the group's store closed its connection while the group formed "
         f"({str(e).splitlines()[0]}). The process that hosts it (rank 0's, under tcp:// or "
@@ -208,7 +208,7 @@ def store_closed(what: str, e: BaseException) -> RuntimeError:
         f"world_size): see rank 0's error. Re-creating a group on one init_method port "
         f"does it too (a rank that destroyed its group first can reach the previous "
         f"group's store as its rank 0 closes it): keep one dist.TCPStore per process and "
-        f"pass store=..., or give each group its own port")
+        f"pass store=..., or give each group its own port" + more)
 
 
 def _admit(marks, store, world: int, deadline: float, timeout: timedelta,
@@ -258,6 +258,17 @@ def _admit(marks, store, world: int, deadline: float, timeout: timedelta,
 def _join(marks, rank: int, world: int, deadline: float, timeout: timedelta,
           what: str) -> tuple[str, dict[int, str]]:
     """Ask and Join (a rank other than 0): the token rank 0 admitted it with, and its ask."""
+    import torch.distributed as dist
+
+    formed_before: list[str] = []  # what the errors add when a group formed before it asked
+    try:
+        return _ask_and_join(marks, rank, world, deadline, timeout, what, formed_before)
+    except dist.DistNetworkError as e:
+        raise store_closed(what, e, "".join(formed_before)) from e
+
+
+def _ask_and_join(marks, rank: int, world: int, deadline: float, timeout: timedelta,
+                  what: str, formed_before: list[str]) -> tuple[str, dict[int, str]]:
     nonce = uuid.uuid4().hex
     asker = f"{os.getpid()}@{socket.gethostname()}"
     asked = None
@@ -273,6 +284,12 @@ def _join(marks, rank: int, world: int, deadline: float, timeout: timedelta,
         offer = _peek(marks, "offer")
         if offer is not None and offer.startswith(_FORMED):
             _check_not_left_out(offer, asked, rank, what)
+            if not formed_before and offer[len(_FORMED):] not in _JOINED:
+                # (a rank of torchrun's next attempt sees one too, before its rank 0 offers)
+                formed_before.append(
+                    f". A group formed on this store before this rank asked to join one, "
+                    f"without this process: if two processes were started as rank {rank}, "
+                    f"{_ONE_PROCESS_A_RANK}")
             offer = None  # (an earlier incarnation's, retired: wait for the next offer)
         if offer is not None and offer != asked:
             ask = f"{offer.partition(':')[0]}:{nonce}:{world}:{asker}"
@@ -287,7 +304,8 @@ def _join(marks, rank: int, world: int, deadline: float, timeout: timedelta,
         f"{what}: rank 0 did not admit this rank within {timeout.total_seconds():g} s "
         f"(it did not start, crashed before init_process_group, was given another store, "
         f"or waits for a rank that did not start: with tcp:// or env:// init, rank 0 first "
-        f"waits for all world_size ranks to connect; or {SHARED_STORE_FIX})")
+        f"waits for all world_size ranks to connect; or {SHARED_STORE_FIX})"
+        + "".join(formed_before))
 
 
 def _check_own_ask(marks, rank: int, ask: str, what: str) -> None:
