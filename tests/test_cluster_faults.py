@@ -153,6 +153,10 @@ def test_a_flood_of_garbage_connections_is_reported_not_repeated(caplog):
     said = [m for m in lines if "dropped connection from" in m]
     assert 1 <= len(said) <= 2, lines
     assert len(lines) <= 4, lines
+    # the rest counted, and the count said at the end (the flood's last seconds included)
+    counts = [int(m.split()[1]) for m in lines if "failed handshakes dropped" in m]
+    counts += [int(m.split("(")[-1].split()[0]) for m in said if "more like it" in m]
+    assert len(said) + sum(counts) == 40, lines
 
 
 def test_a_handshake_thread_that_cannot_start_costs_one_connection(caplog, monkeypatch):

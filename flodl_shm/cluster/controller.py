@@ -144,9 +144,9 @@ class ClusterController:
         self._pending_names: set[str] = set()
         self._pending: OrderedDict[socket.socket, float] = OrderedDict()  # mid-handshake
         self._admitted: dict[socket.socket, dict] = {}  # hellos admitted, ack not yet sent
-        self._admission_log = _Throttled(logging.ERROR)  # the accept loop's trouble
-        self._refused_log = _Throttled(logging.ERROR)    # peers with another secret
-        self._dropped_log = _Throttled(logging.WARNING)  # other failed handshakes
+        self._admission_log = _Throttled(logging.ERROR, "connections dropped at admission")
+        self._refused_log = _Throttled(logging.ERROR, "peers refused (another secret)")
+        self._dropped_log = _Throttled(logging.WARNING, "failed handshakes dropped")
         self._dropped: set[socket.socket] = set()  # shut by us, their threads to end them
         self._handshake_slots = threading.BoundedSemaphore(MAX_HANDSHAKE_THREADS)
         self._lock = threading.RLock()
@@ -223,6 +223,8 @@ class ClusterController:
             h.link.close()
         self._accept_thread.join(timeout)
         self._reduce_thread.join(timeout)
+        for log in (self._admission_log, self._refused_log, self._dropped_log):
+            log.flush()  # what a flood's last seconds did not say
         if self.forge is not None:
             self.forge.flush(60)
 
@@ -284,7 +286,8 @@ class ClusterController:
                     break
                 dropped = e.errno in _FD_ERRNOS and self._drop_oldest_pending()
                 self._note_drop(f"accept failed: {e}" + ("" if e.errno in _FD_ERRNOS else
-                                                         "; retrying"))
+                                                         "; retrying"),
+                                "stop the flood or raise `ulimit -n`")
                 if not dropped:
                     backoff = min(1.0, max(0.05, 2 * backoff))
                     time.sleep(backoff)
@@ -305,6 +308,7 @@ class ClusterController:
         why = None
         t0 = time.monotonic()
         while not self._handshake_slots.acquire(timeout=0.2):
+            self._expire_pending()
             if self._stop.is_set():
                 why = "stopping"
                 break
@@ -326,12 +330,11 @@ class ClusterController:
         if why != "stopping" and not counted:
             self._note_drop(why)
 
-    def _note_drop(self, why: str) -> None:
+    def _note_drop(self, why: str, fix: str = "stop the flood") -> None:
         """Log admission trouble: the first time, then at most every 10 s, with counts."""
         self._admission_log.say(
             "controller: %s (%d handshakes pending; the oldest is dropped for a new one); "
-            "still accepting - if real hosts wait, stop the flood or raise `ulimit -n`", why,
-            len(self._pending))
+            "still accepting - if real hosts wait, %s", why, len(self._pending), fix)
 
     def _drop_oldest_pending(self) -> bool:
         """Shut the oldest mid-handshake connection (its thread then ends it)."""
@@ -907,8 +910,9 @@ class _Throttled:
     """A log line that a flood can repeat (a port scanner, garbage peers): said the first
     time, then at most every ``_FLOOD_REPORT_S`` seconds, with how many were not said."""
 
-    def __init__(self, level: int) -> None:
+    def __init__(self, level: int, what: str) -> None:
         self.level = level
+        self.what = what
         self._last = -1e9
         self._unsaid = 0
         self._lock = threading.Lock()
@@ -922,6 +926,14 @@ class _Throttled:
             unsaid, self._unsaid, self._last = self._unsaid, 0, now
         more = f" ({unsaid} more like it since the last report)" if unsaid else ""
         logger.log(self.level, fmt + more, *args)
+
+    def flush(self) -> None:
+        """Say how many went unsaid since the last report, if any."""
+        with self._lock:
+            unsaid, self._unsaid = self._unsaid, 0
+        if unsaid:
+            logger.log(self.level, "controller: %d more %s since the last report", unsaid,
+                       self.what)
 
 
 class _RoundClock:
