@@ -194,9 +194,11 @@ def test_demo_that_fails_in_the_ranks_prints_the_reason_not_a_traceback(tmp_path
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     assert ("python -m flodl_shm demo: error: ConnectionError: this host's relay failed: "
-            "connect to 127.0.0.1:") in r.stderr, r.stderr
+            "could not connect to 127.0.0.1:") in r.stderr, r.stderr
     assert "continuing on realized work" not in r.stderr, "a dead link is no rank death"
     assert r.stderr.count("connect to 127.0.0.1:") == 1, r.stderr  # said once, not three times
+    # the retries last as long as the warning said (it rounded 2.5 s to "2 s")
+    assert "trying again for up to 2.5 s" in r.stderr and "within 2.5 s" in r.stderr, r.stderr
     assert "No checkpoint was written." in r.stderr
     assert not [s.name for s in list_segments() if s.owner_pid == r.args], "segments left"
 

@@ -183,7 +183,7 @@ class Relay:
 
     def _waiting(self, error: OSError, seconds: float) -> None:
         logger.warning("relay %s: the controller at %s:%s is not reachable yet (%s); trying "
-                       "again for up to %.0f s. Start the controller, or check the controller "
+                       "again for up to %.3g s. Start the controller, or check the controller "
                        "address this host was given", self.host, self.addr[0], self.addr[1],
                        error.strerror or error, seconds)
 
