@@ -425,11 +425,9 @@ class ClusterController:
         except Exception as e:  # silent, garbage, wrong secret: drop, keep serving
             with self._lock:
                 ours = conn in self._dropped  # (counted when it was dropped)
-            if ours:
-                pass
-            elif "session secret" in str(e):
+            if not ours and "session secret" in str(e):
                 self._refused_log.say("controller: refused %s: %s", peer, e)
-            else:
+            elif not ours:
                 self._dropped_log.say("controller: dropped connection from %s: %s", peer, e)
             self._unclaim(conn)
             try:
