@@ -504,6 +504,26 @@ def test_a_weight_outside_float32s_masses_is_refused_not_turned_into_inf_or_nan(
         assert comm.round == 0, "refused before publishing: the Comm stays in step"
 
 
+@pytest.mark.parametrize("path", ["single", "fused", "general", "in place"])
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf")])
+def test_a_scale_that_is_not_finite_is_refused_before_the_round(path, scale):
+    """A probe's all_reduce_scaled with a NaN scale returned an all-NaN consensus with
+    its full mass and no error (a NaN weight is refused)."""
+    n = 300_000 if path == "general" else 4
+    with FakeCohort(1) as c:
+        comm = c.comm(0)
+        with pytest.raises(FrameError, match=rf"scale {scale} is not finite: .* pass a finite "
+                                             rf"scale"):
+            if path == "in place":
+                comm.all_reduce_([torch.ones(n)], scale=scale)
+            elif path == "fused":
+                comm.all_reduce_scaled([torch.ones(n), torch.ones(3)], scale)
+            else:
+                comm.all_reduce_scaled([torch.ones(n)], scale)
+        assert comm.round == 0, "refused before publishing: the Comm stays in step"
+        assert comm.all_reduce_scaled([torch.ones(2)], 0.5)[0][0].tolist() == [0.5, 0.5]
+
+
 def test_the_extreme_masses_float32_carries_still_average_exactly():
     """At float32's smallest normal and at 1e38 the weighted mean is still right."""
     tiny = float(np.finfo(np.float32).tiny)

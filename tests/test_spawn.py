@@ -407,6 +407,11 @@ def test_unpicklable_function_is_refused_up_front():
     (dict(max_failures="1"), ValueError, r"spawn: max_failures must be an int >= 0, got '1'"),
     (dict(timeout="60"), ValueError, r"spawn: timeout must be a number of seconds > 0 or "
                                      r"None, got '60'"),
+    # (the standard library's "cannot find context for 'spawm'", naming no choice)
+    (dict(start_method="spawm"), ValueError, r"spawn: start_method must be one of 'fork', "
+                                             r"'spawn', 'forkserver' \(this platform's\), got "
+                                             r"'spawm'; 'forkserver', the default, starts ranks "
+                                             r"fastest"),
 ])
 def test_arguments_of_the_wrong_kind_are_refused_before_any_rank_starts(kwargs, error, said):
     fn = kwargs.pop("fn", rank_and_world)

@@ -42,7 +42,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -53,6 +53,9 @@ from .meta import (CheckpointBundle, CheckpointMeta, ModelSchema, averaged_buffe
                    consensus_buffer_key, consensus_param_key, names_sidecar_path,
                    set_extension)
 from .tap_head import TapHead
+
+if TYPE_CHECKING:  # (the controller writes checkpoints without importing torch)
+    import torch
 
 logger = logging.getLogger("flodl_shm")
 
@@ -486,7 +489,8 @@ def consensus_targets(model) -> list[_Target]:
     return targets
 
 
-def load_consensus_checkpoint(model, path: "str | os.PathLike[str]") -> LoadReport:
+def load_consensus_checkpoint(model: "torch.nn.Module", path: "str | os.PathLike[str]"
+                              ) -> LoadReport:
     """Load a consensus checkpoint into ``model``, positionally.
 
     ``p{i}`` goes to the i-th of ``model.parameters()``, ``b{j}`` to the j-th
@@ -501,7 +505,8 @@ def load_consensus_checkpoint(model, path: "str | os.PathLike[str]") -> LoadRepo
     return load_targets(path, consensus_targets(model))
 
 
-def load_outer_momentum(model, outer_path: "str | os.PathLike[str]") -> list:
+def load_outer_momentum(model: "torch.nn.Module", outer_path: "str | os.PathLike[str]"
+                        ) -> "list[torch.Tensor]":
     """Load an outer-momentum sidecar (the ``.outer.fdl`` file itself) as one tensor per
     parameter, in ``model.parameters()`` order.
 

@@ -40,10 +40,13 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..errors import CheckpointError
 from ._atomic import atomic_write_bytes
+
+if TYPE_CHECKING:  # (read by processes that do not import torch)
+    import torch
 
 #: Version stamped into every ``.meta.json`` this build writes; newer files are refused.
 CHECKPOINT_META_SCHEMA_VERSION = 4
@@ -313,7 +316,7 @@ class ModelSchema:
                     f"{sorted(carried)})")
 
     @classmethod
-    def from_module(cls, module) -> "ModelSchema":
+    def from_module(cls, module: "torch.nn.Module") -> "ModelSchema":
         """Capture the schema of a torch ``nn.Module`` (names only; no weights read)."""
         tied: dict[str, str] = {}
         params = module.named_parameters(remove_duplicate=False)

@@ -139,6 +139,17 @@ def _integral(value) -> bool:
                                   and not isinstance(value, bool))
 
 
+_INF = float("inf")
+
+
+def _scale_error(scale: float) -> FrameError:
+    """The error for a NaN or infinite ``scale``, which every round path refuses (every
+    rank's consensus would be NaN or inf, with its full mass, and no error)."""
+    return FrameError(f"scale {scale} is not finite: every rank's consensus would be "
+                      f"{scale} times its tensors' sum; pass a finite scale (a NaN one often "
+                      f"comes from a 0/0 upstream)")
+
+
 def _kind(kind) -> int:
     """A round kind as an int; ValueError when it is none (``RoundKind``'s own for an
     int of no kind; a float or a bool, e.g. a weight passed where the kind goes, is no
@@ -507,7 +518,8 @@ class Comm:
                              for s, off, n in zip(plan.shapes, plan.offs, plan.numels)],
                             mass, frame.kind)
 
-    def all_reduce_scaled(self, tensors: Sequence[torch.Tensor], scale: float, kind=RoundKind.MODEL,
+    def all_reduce_scaled(self, tensors: Sequence[torch.Tensor], scale: float,
+                          kind: RoundKind | int = RoundKind.MODEL,
                           weight: float = 1.0, *, outer: bool = False
                           ) -> tuple[list[torch.Tensor], float]:
         """Send ``tensors · scale`` (scale fused into the copy-in, bit-identical to
@@ -525,6 +537,8 @@ class Comm:
         armed = self._armed if kind == _MODEL else None
         self._armed = None
         scale = float(scale)
+        if not -_INF < scale < _INF:
+            raise _scale_error(scale)
         outer = outer and kind == _MODEL
         plan = self._fused_plan(tensors, kind, dtype, outer)
         if plan is not None:
@@ -549,7 +563,8 @@ class Comm:
         self._copy_out_except_own(cons, dtype, flat)
         return self._codec.views(flat, plan), mass
 
-    def all_reduce_weighted(self, tensors: Sequence[torch.Tensor], kind=RoundKind.MODEL,
+    def all_reduce_weighted(self, tensors: Sequence[torch.Tensor],
+                            kind: RoundKind | int = RoundKind.MODEL,
                             weight: float = 1.0, *, outer: bool = False
                             ) -> tuple[list[torch.Tensor], float]:
         """Tensors already scaled by the caller; returns (Σ/Σw, accepted mass Σw), as
@@ -583,7 +598,10 @@ class Comm:
             raise
         if plan is None:
             return None
-        return self._single_result(tensors[0], plan, weight, float(scale))
+        scale = float(scale)
+        if not -_INF < scale < _INF:
+            raise _scale_error(scale)
+        return self._single_result(tensors[0], plan, weight, scale)
 
     def all_reduce_(self, tensors: Sequence[torch.Tensor], *, weight: float = 1.0,
                     scale: float = 1.0, kind=RoundKind.MODEL, outer: bool = False,
@@ -629,6 +647,8 @@ class Comm:
         dtype = DTYPE_BF16 if (self._bf16 and kind == _MODEL) else DTYPE_F32
         outer = outer and kind == _MODEL
         scale = float(scale)
+        if not -_INF < scale < _INF:
+            raise _scale_error(scale)
         if self._armed is not None and kind == _MODEL:
             self._armed = None  # this MODEL round's reply is the tensors: nothing staged
         eng = self._engine
@@ -693,7 +713,7 @@ class Comm:
             decode_into_tensor(cons[off:off + n], dtype, t)
         return mass
 
-    def all_reduce_per_rank_f64(self, values) -> np.ndarray:
+    def all_reduce_per_rank_f64(self, values: Sequence[float]) -> np.ndarray:
         """Gather one float64 per rank: each rank fills its own slot (zeros elsewhere);
         every rank gets the summed vector (dead ranks read 0). Values travel as f32
         (exact for integers up to 2^24), as in flodl."""

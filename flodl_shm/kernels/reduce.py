@@ -135,37 +135,37 @@ def drift_sums(pre, post, out):
 #   wraparound check on ``a[start + i]`` stops LLVM from vectorising (5x slower).
 
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def _emit1(o, a, f):
     for i in range(o.shape[0]):
         store(o, i, load(a, i) * f)
 
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def _emit2(o, a, b, f):
     for i in range(o.shape[0]):
         store(o, i, (load(a, i) + load(b, i)) * f)
 
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def _emit3(o, a, b, c, f):
     for i in range(o.shape[0]):
         store(o, i, ((load(a, i) + load(b, i)) + load(c, i)) * f)
 
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def _emit4(o, a, b, c, d, f):
     for i in range(o.shape[0]):
         store(o, i, (((load(a, i) + load(b, i)) + load(c, i)) + load(d, i)) * f)
 
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def _fold3(acc, a, b, c):
     for i in range(acc.shape[0]):
         acc[i] = ((acc[i] + load(a, i)) + load(b, i)) + load(c, i)
 
 
-@njit(nogil=True)
+@njit(nogil=True, cache=True)
 def _reduce(srcs, out, start, stop, inv, acc):
     f = np.float32(inv)
     one = np.float32(1.0)
