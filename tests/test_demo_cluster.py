@@ -110,3 +110,42 @@ def test_two_host_demo_on_loopback(tmp_path):
         last = committed_checkpoints(folder / "runs" / "demo" / "ckpt")[-1][1]
         meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(last))
         assert (meta.epoch, meta.global_step) == (32, 32 * 42), folder
+
+
+@pytest.mark.parametrize("first_rank", [0, 1])
+def test_the_outer_state_to_restart_with_is_the_controllers_copy(tmp_path, first_rank):
+    """An operator probe: the host without rank 0 said to restart the controller with
+    --outer-state <its own --run-dir>/ckpt-r00000040.outer.fdl, a file only the
+    controller writes, under the --run-dir of the host with rank 0."""
+    from flodl_shm.cli.demo import DemoConfig, _continue_with
+
+    run_dir = tmp_path / ("a" if first_rank == 0 else "b")
+    cfg = DemoConfig(nprocs=1, world_size=2, first_rank=first_rank, outer="nesterov",
+                     controller="127.0.0.1:1", run_dir=str(run_dir))
+    said = _continue_with(cfg, run_dir / "ckpt-r00000040.fdl")
+    if first_rank == 0:
+        assert f"--outer-state {run_dir}/ckpt-r00000040.outer.fdl (" in said, said
+    else:
+        assert ("--outer-state RUN_DIR/ckpt-r00000040.outer.fdl, RUN_DIR being the --run-dir "
+                "of the host with rank 0 (") in said, said
+        assert f"{run_dir}/ckpt-r00000040.outer.fdl" not in said, said
+
+
+@pytest.mark.parametrize("error, where", [
+    (None, "The other hosts may save one as they stop"),
+    (KeyboardInterrupt(), "The other hosts may save one as they stop"),
+    (ConnectionError("this host's relay failed"), None),
+])
+def test_a_host_without_a_checkpoint_of_its_own_is_told_where_one_may_be(error, where):
+    """An operator probe: a host interrupted before its first checkpoint said 'No
+    checkpoint was written yet', while the other host saved one as the cohort stopped."""
+    from flodl_shm.cli.demo import DemoConfig, _elsewhere
+
+    cluster = DemoConfig(nprocs=1, world_size=2, first_rank=1, controller="127.0.0.1:1")
+    said = _elsewhere(cluster, error if isinstance(error, Exception) else None)
+    if where is None:
+        assert said == "."  # (its link failed: no cohort to save anything)
+    else:
+        assert said.startswith(" on this host. " + where) and "copy its .fdl and .meta.json" \
+            in said, said
+    assert _elsewhere(DemoConfig()) == "."  # one host: nobody else

@@ -963,15 +963,33 @@ def _continue_with(cfg: DemoConfig, last, error: Optional[BaseException] = None)
     # refused, and this advice repeated)
     from flodl_shm.checkpoint.forge import outer_sidecar_path
 
+    # (only the controller writes the outer momentum, beside its own copy of the bundle,
+    # which it puts under the --run-dir path of the host with rank 0)
+    outer = outer_sidecar_path(last)
+    state = (f"{outer}" if cfg.summary_host else
+             f"RUN_DIR/{outer.name}, RUN_DIR being the --run-dir of the host with rank 0")
     restart = ("" if cfg.outer != "nesterov" else
-               f" Restart the controller first with --outer nesterov --outer-state "
-               f"{outer_sidecar_path(last)} (the outer momentum of that round, in the "
-               f"controller's copy of the checkpoints).")
+               f" Restart the controller first with --outer nesterov --outer-state {state} "
+               f"(the outer momentum of that round, beside the controller's copy of the "
+               f"checkpoint).")
     return (advice[:-1] + " on every host." + restart + " The hosts resume from one round: a "
             "host whose newest checkpoint is older than the others' (a host that was lost) "
             "first needs the newer round's .fdl and .meta.json, copied from another host's "
             "--run-dir or from the controller's copy (the controller writes it under the "
             "--run-dir path of the host with rank 0, taken from where the controller runs).")
+
+
+def _elsewhere(cfg: DemoConfig, error: Optional[BaseException] = None) -> str:
+    """The end of "No checkpoint was written": on a cluster, where one may be yet (when
+    this host stopped on an interrupt or a rank's failure, the hosts that go on save one
+    as they stop; not when its link or its start failed)."""
+    from flodl_shm.errors import StartRefused
+
+    if cfg.controller is None or isinstance(error, (OSError, ValueError, StartRefused)):
+        return "."
+    return (" on this host. The other hosts may save one as they stop (their output and the "
+            "controller's log name it): to resume, copy its .fdl and .meta.json into this "
+            "host's --run-dir, then --resume on every host.")
 
 
 def _finished(model_path, epochs: int) -> bool:
@@ -1037,7 +1055,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         last = latest_checkpoint(cfg.save_path)
         print(f"\n{stopped_by(received)}; every rank was stopped. "
               + (_continue_with(cfg, last) if last is not None
-                 else "No checkpoint was written yet."), file=sys.stderr)
+                 else "No checkpoint was written yet" + _elsewhere(cfg)), file=sys.stderr)
         return 128 + int(signum)
     except (RankFailed, CohortAborted, TrainingAborted, ShmSpaceError, OSError,
             ValueError) as e:
@@ -1046,7 +1064,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         last = latest_checkpoint(cfg.save_path)
         print(f"\n{_prog()}: error: {_reason(e)}\n"
               + (_continue_with(cfg, last, e) if last is not None
-                 else "No checkpoint was written."), file=sys.stderr)
+                 else "No checkpoint was written" + _elsewhere(cfg, e)), file=sys.stderr)
         return 1
     finally:
         if not stopped:
