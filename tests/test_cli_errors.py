@@ -737,3 +737,39 @@ def test_a_ctrl_c_while_a_command_loads_is_one_line(tmp_path, command):
     assert proc.returncode == 128 + signal.SIGINT, (proc.returncode, err)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert "interrupted" in err, err
+
+
+@pytest.mark.timeout(150)
+def test_the_hosts_of_a_controller_stopped_by_its_operator_are_told_why(tmp_path, secret):
+    """An operator probe: Ctrl-C on the controller ended its hosts with 'lost the
+    connection to the controller ... (BrokenPipeError: [Errno 32] Broken pipe); it stopped
+    or its host is unreachable' (a host mid-send), as if the controller had crashed."""
+    ctl = subprocess.Popen([sys.executable, "-m", "flodl_shm", "controller", "--bind",
+                            "127.0.0.1:0", "--world-size", "2", "--secret-file", str(secret)],
+                           cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    host = None
+    try:
+        port = int(ctl.stdout.readline().split("on port ")[1].split()[0])
+        host = subprocess.Popen(
+            [sys.executable, "-m", "flodl_shm", "demo", "--controller", f"127.0.0.1:{port}",
+             "--world-size", "2", "--secret-file", str(secret), "--epochs", "100000",
+             "--log-every", "1", "--no-progress", "--no-plot", "--timeout", "60"],
+            cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        for line in host.stdout:  # training: a window's line
+            if line.startswith("window"):
+                break
+        err = _signalled(ctl, signal.SIGINT)
+        _, host_err = host.communicate(timeout=60)
+    finally:
+        for p in (ctl, host):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.communicate(timeout=30)
+    assert ctl.returncode == 130, err
+    assert host.returncode == 1, host_err
+    assert ("this host's relay failed: the controller ended the cohort: the controller was "
+            "interrupted after ") in host_err, host_err
+    assert "restart it, then every host with --resume" in host_err, host_err
+    assert "Broken pipe" not in host_err and "Traceback" not in host_err, host_err

@@ -171,10 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        # (a checkpoint being written is finished first; stopped by a signal, the hosts
+        # are told why before their links close)
+        said = (None if not interrupts else
+                f"the controller was {stopped_by(interrupts)} after {ctl.stats.rounds} rounds; "
+                f"restart it, then every host with --resume")
         try:
-            ctl.shutdown()  # a checkpoint being written is finished first
+            ctl.shutdown(reason=said)
         except KeyboardInterrupt:  # the first Ctrl-C came as it stopped: stop, uninterrupted
-            ctl.shutdown()
+            ctl.shutdown(reason=said)
     if not interrupts:
         for s, old in replaced.items():
             signal.signal(s, old)

@@ -202,10 +202,12 @@ class ClusterController:
                    outer_momentum=outer_momentum, outer_round=outer_round)
 
     # -- public ----------------------------------------------------------------------
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 10.0, reason: str | None = None) -> None:
         """Stop serving: let the reduce loop finish what it is reading (records already
         received, such as a host's ``host_done``, are still handled), then close every
-        link and join the threads."""
+        link and join the threads. ``reason``: why (an operator's Ctrl-C, say), told to
+        the hosts still running before their links close, so they stop with it rather
+        than with a broken pipe."""
         self._stop.set()
         try:
             self._sock.close()
@@ -220,6 +222,11 @@ class ClusterController:
         for conn in pending:
             _shut(conn)
         for h in hosts:
+            if reason is not None and h.alive and not h.done:
+                try:
+                    h.link.send_ctrl(ctrl_message(Ctrl.ERROR, message=reason))
+                except OSError:  # (gone already: it has nothing left to be told)
+                    pass
             h.link.close()
         self._accept_thread.join(timeout)
         self._reduce_thread.join(timeout)
