@@ -103,6 +103,12 @@ def test_too_many_deaths_save_then_resume_covers_the_rest_once(tmp_path, caplog)
     caplog.set_level("INFO", logger="flodl_shm")
     result = second.resume(nprocs=2)
     assert f"resuming from {err.checkpoint} on 2 ranks: epoch 0" in caplog.text
+    # (rank 1 was dead at the save: it starts fresh beside rank 0, and says so; an operator
+    # probe's cluster host did so silently)
+    fresh = [r for r in caplog.records if "rank 1's inner optimizer" in r.getMessage()]
+    assert [r.levelname for r in fresh] == ["WARNING"], caplog.text
+    assert ("the bundle was saved by 1 live rank and holds none of rank 1's state: a partial "
+            "copy, or a rank dead at the save") in fresh[0].getMessage()
     assert result.history[0].window == 4 and result.history[0].global_step == 14
     assert result.meta.global_step == 64 and result.reason is SaveReason.GRACEFUL_SHUTDOWN
     assert_each_epoch_once(records_up_to(run1, 3) + read_samples(rec), epochs=2,
@@ -313,7 +319,7 @@ def test_a_bundle_missing_a_rank_s_state_or_holding_another_s_is_said_or_refused
                  keep_checkpoints=8).resume(newest, nprocs=2)
     said = [r for r in caplog.records if "rank 1's inner optimizer" in r.getMessage()]
     assert [r.levelname for r in said] == ["WARNING"], caplog.text
-    assert "saved by 2 ranks but holds none of rank 1's state" in said[0].getMessage()
+    assert "saved by 2 live ranks and holds none of rank 1's state" in said[0].getMessage()
     assert "rank 0's inner optimizer" not in caplog.text and saved1
 
 

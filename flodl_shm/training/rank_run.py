@@ -286,16 +286,7 @@ class _RankRun:
         path = CheckpointBundle.rank_state_path(model_path, self.rank)
         meta = self.job.resume_meta
         if not path.exists():
-            # a rank the saving cohort did not have starts fresh; one it had lost its file
-            # (a partial copy of the bundle), and the resume is not exact: say so
-            # (a rank beyond the saving cohort: the host lead's line below says it for all)
-            had = meta is not None and self.rank < meta.world_size_at_save
-            logger.log(logging.WARNING if had else logging.DEBUG,
-                       "%s not found: rank %d's inner optimizer, LR schedule and integer "
-                       "buffers start fresh%s", path, self.rank,
-                       f" (the bundle was saved by {meta.world_size_at_save} ranks but holds "
-                       f"none of rank {self.rank}'s state: a partial copy, or a rank dead at "
-                       f"the save; this rank does not resume exactly)" if had else "")
+            self._say_rank_state_missing(path, model_path, meta)
             return
         state = read_rank_state(path)
         if not isinstance(state, dict) or state.get("format") != RANK_STATE_FORMAT:
@@ -324,6 +315,34 @@ class _RankRun:
             for name, value in state["integer_buffers"].items():
                 if name in buffers:
                     buffers[name].copy_(value)
+
+    def _say_rank_state_missing(self, path, model_path, meta) -> None:
+        """This rank's state file is not in the bundle: its inner state starts fresh and
+        its resume is not exact, which is said, unless the cohort only grew (a rank
+        beyond the saving cohort's world, which another rank's file names: the host
+        lead's line says it for every rank). A rank of the saving cohort lost its file (a
+        partial copy of the bundle) or was dead at the save; a host's copy may hold no
+        rank's file at all (one copied from another host)."""
+        saved_world = None
+        for r in range(self.ctx.world_size):
+            other = CheckpointBundle.rank_state_path(model_path, r)
+            if r != self.rank and other.exists():
+                try:
+                    saved_world = int(read_rank_state(other)["world_size"])
+                except Exception:  # noqa: BLE001 - its own load names what is wrong with it
+                    pass
+                break
+        if saved_world is not None and self.rank >= saved_world:
+            logger.debug("%s not found: rank %d is beyond the saving cohort's %d ranks",
+                         path, self.rank, saved_world)
+            return
+        how = (f"the bundle was saved by {meta.world_size_at_save} live "
+               f"{'rank' if meta.world_size_at_save == 1 else 'ranks'} and holds none of rank "
+               f"{self.rank}'s state: a partial copy, or a rank dead at the save"
+               if meta is not None else "the bundle holds none of its state")
+        logger.warning("%s not found: rank %d's inner optimizer, LR schedule and integer "
+                       "buffers start fresh (%s; this rank does not resume exactly)", path,
+                       self.rank, how)
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:
