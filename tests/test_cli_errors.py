@@ -550,8 +550,10 @@ def test_controller_ctrl_c_says_interrupted_and_exits_130(tmp_path, secret, repe
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert "controller: interrupted after 0 rounds" in err, err
     assert "cohort finished" not in out, out
-    # plain averaging: nothing of the controller's to restore (it said --outer-state)
-    assert "restart the controller, then every host with --resume" in err, err
+    # plain averaging: nothing of the controller's to restore (it said --outer-state); no
+    # round, no checkpoint: nothing to --resume from (it said so)
+    assert ("its hosts were told and stop; to continue, restart the controller, then every "
+            "host (no checkpoint was taken yet: they start over)") in err, err
 
 
 def test_a_stopped_controller_with_an_outer_optimizer_names_its_state_to_restart_with(
@@ -560,7 +562,7 @@ def test_a_stopped_controller_with_an_outer_optimizer_names_its_state_to_restart
     err = _signalled(proc, signal.SIGTERM)
     assert proc.returncode == 143, err
     assert ("restart the controller with --outer nesterov --outer-state <stem>.outer.fdl (of "
-            "the round the hosts resume from), then every host with --resume") in err, err
+            "the round the hosts resume from), then every host (no checkpoint") in err, err
 
 
 @pytest.mark.timeout(90)
@@ -771,5 +773,5 @@ def test_the_hosts_of_a_controller_stopped_by_its_operator_are_told_why(tmp_path
     assert host.returncode == 1, host_err
     assert ("this host's relay failed: the controller ended the cohort: the controller was "
             "interrupted after ") in host_err, host_err
-    assert "restart it, then every host with --resume" in host_err, host_err
+    assert "; to continue, restart the controller, then every host" in host_err, host_err
     assert "Broken pipe" not in host_err and "Traceback" not in host_err, host_err

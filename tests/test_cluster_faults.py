@@ -721,3 +721,55 @@ def test_a_broadcast_whose_root_died_raises_on_the_other_hosts():
     assert results[0] == [None], results
     assert isinstance(errors.get(1), RankFailed), (results, errors)
     assert "the root, rank 0, died before its tensors arrived" in str(errors[1])
+
+
+# --- a controller that serves for days -------------------------------------------------
+
+def test_a_controller_keeps_the_last_rounds_times_only(monkeypatch):
+    """A soak probe: ControllerStats.round_s kept one float per round for good (32 bytes
+    a round: 2.6 GiB a day at 1,000 rounds/s)."""
+    import flodl_shm.cluster.controller as controller
+
+    monkeypatch.setattr(controller, "ROUND_TIMES_KEPT", 5)
+    ctl = ClusterController.start("127.0.0.1:0", 1, SALT)
+    try:
+        link = join_raw(ctl.port, _hello("a", [0], 1))
+        for _ in range(20):
+            link.send_frame(Kind.FRAME_UP, _frame([(3,)], weight=1.0))
+            kind, _, back = link.recv(timeout=30)
+            assert kind == Kind.FRAME_DOWN and back.weight == 1.0
+        link.close()
+        assert ctl.join(30)
+    finally:
+        ctl.shutdown()
+    assert ctl.stats.rounds == 20 and len(ctl.stats.round_s) == 5
+
+
+def test_a_host_refused_again_and_again_is_logged_once_then_counted(caplog):
+    """A soak probe's host with a wrong world size, relaunched in a loop, wrote an ERROR
+    line per attempt (19 KB of log a minute) while garbage peers were throttled."""
+    caplog.set_level(logging.ERROR, logger="flodl_shm")
+    ctl = ClusterController.start("127.0.0.1:0", 2, SALT)
+    try:
+        for _ in range(6):
+            with pytest.raises(HandshakeRejected, match="world_size"):
+                join_raw(ctl.port, _hello("loop", [0], 3))
+    finally:
+        ctl.shutdown()
+    lines = [r.getMessage() for r in caplog.records]
+    said = [m for m in lines if "refused host 'loop'" in m]
+    assert len(said) == 1 and "world_size" in said[0], lines
+    assert "controller: 5 more hosts refused since the last report" in lines, lines
+
+
+def test_the_connect_retries_make_their_last_attempt_on_time():
+    """A regression probe: attempts=2 said it would retry for 0.5 s, then gave up after one
+    attempt (the last one fell a hair past the deadline)."""
+    from flodl_shm.cluster.link import connect
+
+    said = []
+    with pytest.raises(ConnectionError, match=r"within 0\.5 s \(2 attempts; "):
+        connect("127.0.0.1:1", attempts=2, delay=0.5, on_wait=lambda e, s: said.append(s))
+    with pytest.raises(ConnectionError, match=r"within 0\.4 s \(3 attempts; "):
+        connect("127.0.0.1:1", attempts=3, delay=0.2)
+    assert said == [0.5]

@@ -173,28 +173,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         # (a checkpoint being written is finished first; stopped by a signal, the hosts
         # are told why before their links close)
-        said = (None if not interrupts else
-                f"the controller was {stopped_by(interrupts)} after {ctl.stats.rounds} rounds; "
-                f"restart it, then every host with --resume")
+        how = stopped_by(interrupts) if interrupts else None
         try:
-            ctl.shutdown(reason=said)
+            ctl.shutdown(stopped=how)
         except KeyboardInterrupt:  # the first Ctrl-C came as it stopped: stop, uninterrupted
-            ctl.shutdown(reason=said)
+            ctl.shutdown(stopped=how)
     if not interrupts:
         for s, old in replaced.items():
             signal.signal(s, old)
     else:  # the signals stay ignored to the end: a late Ctrl-C is no traceback
-        state = ""
-        if args.outer == "nesterov":  # the outer momentum lives here: it must come back
-            from ..checkpoint.forge import outer_sidecar_path
-
-            last = ctl.last_armed[0] if ctl.last_armed else None
-            state = (f" with --outer nesterov --outer-state "
-                     f"{outer_sidecar_path(last) if last else '<stem>.outer.fdl'} (of the "
-                     f"round the hosts resume from)")
-        print(f"controller: {stopped_by(interrupts)} after {ctl.stats.rounds} rounds; its "
-              f"hosts lose their link to it and stop. To continue, restart the controller"
-              f"{state}, then every host with --resume", file=sys.stderr, flush=True)
+        print(f"controller: {ctl.stopped_line(how, 'its hosts were told and stop; ')}",
+              file=sys.stderr, flush=True)
         return 128 + int(interrupts[0])
     if ctl.error is not None:
         print(f"controller: the cohort ended with an error: {ctl.error}", file=sys.stderr)

@@ -45,7 +45,7 @@ import select
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,6 +75,9 @@ MAX_PENDING_HANDSHAKES = 64  # connections mid-handshake; the oldest goes for a 
 #: handshake threads alive at once: the pending ones and those ending a dropped connection
 MAX_HANDSHAKE_THREADS = 2 * MAX_PENDING_HANDSHAKES
 _FLOOD_REPORT_S = 10.0  # the most often a line a flood repeats is logged
+_FLOOD_KEYS_KEPT = 256  # distinct lines a throttle tracks (the oldest goes)
+ROUND_TIMES_KEPT = 10_000  # ControllerStats.round_s: the last rounds' seconds
+_RSS_EVERY = 64  # rounds between two RSS samples (and after every round of 1 MiB or more)
 _FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _CLOSED = select.POLLHUP | select.POLLERR | select.POLLNVAL | getattr(select, "POLLRDHUP", 0)
 
@@ -103,7 +106,8 @@ class ControllerStats:
     bytes_in: int = 0
     bytes_out: int = 0
     peak_rss: int = 0
-    round_s: list[float] = field(default_factory=list)
+    #: seconds of the last ``ROUND_TIMES_KEPT`` rounds (a controller serves for days)
+    round_s: "deque[float]" = field(default_factory=lambda: deque(maxlen=ROUND_TIMES_KEPT))
 
 
 class ClusterController:
@@ -115,7 +119,7 @@ class ClusterController:
         forge: the ``CheckpointForge`` writing consensus checkpoints (built from the
             first checkpoint a rank arms, unless one was given).
         error: the exception that ended the reduce loop, or None.
-        stats: rounds, bytes in/out, peak RSS, per-round seconds.
+        stats: rounds, bytes in/out, peak RSS, the last rounds' seconds.
         stopped_hosts: host name -> ``(rank, reason)``: why that host stopped, as it said
             before it left (``(0, "StartRefused: ...")``; rank -1 for no rank's failure:
             ``"its launcher was stopped by SIGTERM"``); a host that left without a word
@@ -145,10 +149,12 @@ class ClusterController:
         self._pending: OrderedDict[socket.socket, float] = OrderedDict()  # mid-handshake
         self._admitted: dict[socket.socket, dict] = {}  # hellos admitted, ack not yet sent
         self._admission_log = _Throttled(logging.ERROR, "connections dropped at admission")
+        self._rejected_log = _Throttled(logging.ERROR, "hosts refused")  # (per host, reason)
         self._refused_log = _Throttled(logging.ERROR, "peers refused (another secret)")
         self._dropped_log = _Throttled(logging.WARNING, "failed handshakes dropped")
         self._dropped: set[socket.socket] = set()  # shut by us, their threads to end them
         self._handshake_slots = threading.BoundedSemaphore(MAX_HANDSHAKE_THREADS)
+        self._me = None  # psutil's view of this process, for the peak RSS
         self._lock = threading.RLock()
         self._complete = threading.Event()
         self._stop = threading.Event()
@@ -202,12 +208,13 @@ class ClusterController:
                    outer_momentum=outer_momentum, outer_round=outer_round)
 
     # -- public ----------------------------------------------------------------------
-    def shutdown(self, timeout: float = 10.0, reason: str | None = None) -> None:
+    def shutdown(self, timeout: float = 10.0, stopped: str | None = None) -> None:
         """Stop serving: let the reduce loop finish what it is reading (records already
         received, such as a host's ``host_done``, are still handled), then close every
-        link and join the threads. ``reason``: why (an operator's Ctrl-C, say), told to
-        the hosts still running before their links close, so they stop with it rather
-        than with a broken pipe."""
+        link and join the threads. ``stopped``: how an operator stopped it ("interrupted",
+        "stopped by SIGTERM"), told to the hosts still running before their links close
+        (with the rounds done and how to continue), so they stop with it rather than with
+        a broken pipe."""
         self._stop.set()
         try:
             self._sock.close()
@@ -221,6 +228,7 @@ class ClusterController:
             self._dropped.update(pending)  # (their threads end them without a word)
         for conn in pending:
             _shut(conn)
+        reason = None if stopped is None else f"the controller was {self.stopped_line(stopped)}"
         for h in hosts:
             if reason is not None and h.alive and not h.done:
                 try:
@@ -230,10 +238,30 @@ class ClusterController:
             h.link.close()
         self._accept_thread.join(timeout)
         self._reduce_thread.join(timeout)
-        for log in (self._admission_log, self._refused_log, self._dropped_log):
+        for log in (self._admission_log, self._rejected_log, self._refused_log,
+                    self._dropped_log):
             log.flush()  # what a flood's last seconds did not say
         if self.forge is not None:
             self.forge.flush(60)
+
+    def stopped_line(self, stopped: str, hosts: str = "") -> str:
+        """What an operator's stop says (``stopped``: "interrupted", "stopped by
+        SIGTERM"), to its hosts and in the ``controller`` command's last line (``hosts``:
+        what became of them): the rounds done, and how to continue (``--resume`` once a
+        checkpoint was taken; an outer optimizer's momentum lives here: the file to
+        restart with)."""
+        last = self.last_armed[0] if self.last_armed else None
+        state = ""
+        if self.outer is not None:
+            from ..checkpoint.forge import outer_sidecar_path
+
+            state = (f" with --outer nesterov --outer-state "
+                     f"{outer_sidecar_path(last) if last else '<stem>.outer.fdl'} (of the "
+                     f"round the hosts resume from)")
+        return (f"{stopped} after {self.stats.rounds} rounds; {hosts}to continue, restart "
+                f"the controller{state}, then every host" + (
+                    " with --resume" if last is not None else
+                    " (no checkpoint was taken yet: they start over)"))
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the cohort to end; True if it did."""
@@ -426,8 +454,8 @@ class ClusterController:
         try:
             link, hello = server_handshake(conn, self.salt, peer, self._admit,
                                            self._ack_fields())
-        except HandshakeRejected as e:
-            logger.error("controller: %s", e)
+        except HandshakeRejected as e:  # (a host in a restart loop: its line, then counts)
+            self._rejected_log.say("controller: %s", e, key=getattr(e, "key", None))
             return
         except Exception as e:  # silent, garbage, wrong secret: drop, keep serving
             with self._lock:
@@ -773,7 +801,8 @@ class ClusterController:
             self._tap(out, flags)
         self.stats.rounds += 1
         self.stats.round_s.append(time.monotonic() - t0)
-        self._note_rss()
+        if mass > 0 and (self.stats.rounds % _RSS_EVERY == 0 or offs[-1] >= 1 << 18):
+            self._note_rss()
         return True
 
     def _scatter(self, prepared: OutgoingFrame, targets: list[_Host]) -> None:
@@ -888,9 +917,11 @@ class ClusterController:
 
     def _note_rss(self) -> None:
         try:
-            import psutil
+            if self._me is None:
+                import psutil
 
-            self.stats.peak_rss = max(self.stats.peak_rss, psutil.Process().memory_info().rss)
+                self._me = psutil.Process()
+            self.stats.peak_rss = max(self.stats.peak_rss, self._me.memory_info().rss)
         except Exception:
             pass
 
@@ -918,24 +949,32 @@ class _Throttled:
     def __init__(self, level: int, what: str) -> None:
         self.level = level
         self.what = what
-        self._last = -1e9
-        self._unsaid = 0
+        self._seen: OrderedDict[object, list] = OrderedDict()  # key -> [last said, unsaid]
         self._lock = threading.Lock()
 
-    def say(self, fmt: str, *args) -> None:
+    def say(self, fmt: str, *args, key: object = None) -> None:
+        """Log ``fmt % args`` unless a line of the same ``key`` was said less than
+        ``_FLOOD_REPORT_S`` ago (then count it)."""
         with self._lock:
             now = time.monotonic()
-            if now - self._last < _FLOOD_REPORT_S:
-                self._unsaid += 1
+            seen = self._seen.get(key)
+            if seen is not None and now - seen[0] < _FLOOD_REPORT_S:
+                seen[1] += 1
                 return
-            unsaid, self._unsaid, self._last = self._unsaid, 0, now
+            unsaid = 0 if seen is None else seen[1]
+            self._seen[key] = [now, 0]
+            self._seen.move_to_end(key)
+            while len(self._seen) > _FLOOD_KEYS_KEPT:
+                self._seen.popitem(last=False)
         more = f" ({unsaid} more like it since the last report)" if unsaid else ""
         logger.log(self.level, fmt + more, *args)
 
     def flush(self) -> None:
         """Say how many went unsaid since the last report, if any."""
         with self._lock:
-            unsaid, self._unsaid = self._unsaid, 0
+            unsaid = sum(seen[1] for seen in self._seen.values())
+            for seen in self._seen.values():
+                seen[1] = 0
         if unsaid:
             logger.log(self.level, "controller: %d more %s since the last report", unsaid,
                        self.what)

@@ -576,7 +576,9 @@ def server_handshake(sock: socket.socket, salt: bytes, peer: str,
             link.send_ctrl(ctrl_message(Ctrl.REJECT, reason=reason))
         finally:
             link.close()
-        raise HandshakeRejected(f"refused host {hello.get('host')!r} from {peer}: {reason}")
+        refused = HandshakeRejected(f"refused host {hello.get('host')!r} from {peer}: {reason}")
+        refused.key = (str(hello.get("host")), reason)  # (the controller's log throttle)
+        raise refused
     link.send_ctrl(ctrl_message(Ctrl.HELLO_ACK, **(ack or {})))
     return link, hello
 
@@ -618,8 +620,7 @@ def connect(addr, *, attempts: int = 60, delay: float = 0.5,
     deadline = time.monotonic() + budget
     last: Exception | None = None
     tries = 0
-    while True:
-        tries += 1
+    for tries in range(1, max(1, attempts) + 1):
         left = deadline - time.monotonic()
         try:
             sock = socket.create_connection(
@@ -630,11 +631,12 @@ def connect(addr, *, attempts: int = 60, delay: float = 0.5,
             last = e
             if tries == 1 and budget > 0 and on_wait is not None:
                 on_wait(e, budget)
-            if time.monotonic() + delay > deadline:
+            if tries == attempts or time.monotonic() >= deadline:
                 break
+            pause = min(delay, max(0.0, deadline - time.monotonic()))  # (the last, on time)
             if stop is None:
-                time.sleep(delay)
-            elif stop.wait(delay):
+                time.sleep(pause)
+            elif stop.wait(pause):
                 raise ConnectionAbortedError(f"stopped while connecting to {host}:{port}")
     raise ConnectionError(f"could not connect to {host}:{port} within {budget:g} s "
                           f"({plural(tries, 'attempt')}; the last: {last})")

@@ -139,15 +139,16 @@ def _integral(value) -> bool:
                                   and not isinstance(value, bool))
 
 
-_INF = float("inf")
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def _scale_error(scale: float) -> FrameError:
-    """The error for a NaN or infinite ``scale``, which every round path refuses (every
-    rank's consensus would be NaN or inf, with its full mass, and no error)."""
-    return FrameError(f"scale {scale} is not finite: every rank's consensus would be "
-                      f"{scale} times its tensors' sum; pass a finite scale (a NaN one often "
-                      f"comes from a 0/0 upstream)")
+    """The error for a ``scale`` that is not a finite float32 (NaN, infinite, or beyond
+    float32's range: the kernels scale in float32), which every round path refuses
+    (every rank's consensus would be NaN or inf, with its full mass, and no error)."""
+    return FrameError(f"scale {scale} is not a finite float32 (at most {_F32_MAX:.4g} in "
+                      f"size): every rank's consensus would be NaN or inf; pass a finite "
+                      f"scale in range (a NaN one often comes from a 0/0 upstream)")
 
 
 def _kind(kind) -> int:
@@ -537,7 +538,7 @@ class Comm:
         armed = self._armed if kind == _MODEL else None
         self._armed = None
         scale = float(scale)
-        if not -_INF < scale < _INF:
+        if not -_F32_MAX <= scale <= _F32_MAX:
             raise _scale_error(scale)
         outer = outer and kind == _MODEL
         plan = self._fused_plan(tensors, kind, dtype, outer)
@@ -599,7 +600,7 @@ class Comm:
         if plan is None:
             return None
         scale = float(scale)
-        if not -_INF < scale < _INF:
+        if not -_F32_MAX <= scale <= _F32_MAX:
             raise _scale_error(scale)
         return self._single_result(tensors[0], plan, weight, scale)
 
@@ -647,7 +648,7 @@ class Comm:
         dtype = DTYPE_BF16 if (self._bf16 and kind == _MODEL) else DTYPE_F32
         outer = outer and kind == _MODEL
         scale = float(scale)
-        if not -_INF < scale < _INF:
+        if not -_F32_MAX <= scale <= _F32_MAX:
             raise _scale_error(scale)
         if self._armed is not None and kind == _MODEL:
             self._armed = None  # this MODEL round's reply is the tensors: nothing staged

@@ -867,7 +867,7 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
                         f"{type(args).__name__}: pass args=(value,) for one")
     check_int("nprocs", nprocs, 1, prefix="spawn: ")
     check_int("max_failures", max_failures, 0, prefix="spawn: ")
-    if start_method not in mp.get_all_start_methods():
+    if start_method is not None and start_method not in mp.get_all_start_methods():
         raise ValueError(f"spawn: start_method must be one of "
                          f"{', '.join(map(repr, mp.get_all_start_methods()))} (this platform's), "
                          f"got {start_method!r}; 'forkserver', the default, starts ranks fastest")
