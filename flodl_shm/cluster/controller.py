@@ -801,7 +801,7 @@ class ClusterController:
             self._tap(out, flags)
         self.stats.rounds += 1
         self.stats.round_s.append(time.monotonic() - t0)
-        if mass > 0 and (self.stats.rounds % _RSS_EVERY == 0 or offs[-1] >= 1 << 18):
+        if self.stats.rounds % _RSS_EVERY == 0 or offs[-1] >= 1 << 18:  # (1 MiB of f32)
             self._note_rss()
         return True
 
