@@ -982,10 +982,9 @@ def _continue_with(cfg: DemoConfig, last, error: Optional[BaseException] = None)
 def _elsewhere(cfg: DemoConfig, error: Optional[BaseException] = None) -> str:
     """The end of "No checkpoint was written": on a cluster, where one may be yet (when
     this host stopped on an interrupt or a rank's failure, the hosts that go on save one
-    as they stop; not when its link or its start failed)."""
-    from flodl_shm.errors import StartRefused
-
-    if cfg.controller is None or isinstance(error, (OSError, ValueError, StartRefused)):
+    as they stop; not when its link or its start failed: an OSError, a ValueError such as
+    StartRefused)."""
+    if cfg.controller is None or isinstance(error, (OSError, ValueError)):
         return "."
     return (" on this host. The other hosts may save one as they stop (their output and the "
             "controller's log name it): to resume, copy its .fdl and .meta.json into this "

@@ -125,7 +125,7 @@ class _RecordSilence:
         self.idle = idle
         self.abort = abort
         self.poll_s = (None if idle is None and abort is None
-                       else min(self.POLL_S, self.POLL_S if idle is None else idle))
+                       else self.POLL_S if idle is None else min(self.POLL_S, idle))
         self.last = time.monotonic()
 
     def progressed(self) -> None:

@@ -260,52 +260,47 @@ def _join(marks, rank: int, world: int, deadline: float, timeout: timedelta,
     """Ask and Join (a rank other than 0): the token rank 0 admitted it with, and its ask."""
     import torch.distributed as dist
 
-    formed_before: list[str] = []  # what the errors add when a group formed before it asked
-    try:
-        return _ask_and_join(marks, rank, world, deadline, timeout, what, formed_before)
-    except dist.DistNetworkError as e:
-        raise store_closed(what, e, "".join(formed_before)) from e
-
-
-def _ask_and_join(marks, rank: int, world: int, deadline: float, timeout: timedelta,
-                  what: str, formed_before: list[str]) -> tuple[str, dict[int, str]]:
     nonce = uuid.uuid4().hex
     asker = f"{os.getpid()}@{socket.gethostname()}"
     asked = None
     ask = ""
-    for pause in poll_pauses(deadline):
-        if marks.check([f"admit/{nonce}"]):
-            token = marks.get(f"admit/{nonce}").decode()
-            if token.startswith("refused:"):
-                raise RuntimeError(f"{what}: rank 0 refused this rank: "
-                                   f"{token.removeprefix('refused:')}")
-            marks.delete_key(f"admit/{nonce}")  # (only this rank reads it)
-            return token, {rank: ask}
-        offer = _peek(marks, "offer")
-        if offer is not None and offer.startswith(_FORMED):
-            _check_not_left_out(offer, asked, rank, what)
-            if not formed_before and offer[len(_FORMED):] not in _JOINED:
-                # (a rank of torchrun's next attempt sees one too, before its rank 0 offers)
-                formed_before.append(
-                    f". A group formed on this store before this rank asked to join one, "
-                    f"without this process: if two processes were started as rank {rank}, "
-                    f"{_ONE_PROCESS_A_RANK}")
-            offer = None  # (an earlier incarnation's, retired: wait for the next offer)
-        if offer is not None and offer != asked:
-            ask = f"{offer.partition(':')[0]}:{nonce}:{world}:{asker}"
-            marks.set(_ask_key(offer.partition(":")[0], rank), ask)
-            asked = offer
-        elif asked is not None:
-            _check_own_ask(marks, rank, ask, what)
-        if pause is None:
-            break
-        time.sleep(pause)
+    formed_before = ""  # what its errors add when a group formed before it asked
+    try:
+        for pause in poll_pauses(deadline):
+            if marks.check([f"admit/{nonce}"]):
+                token = marks.get(f"admit/{nonce}").decode()
+                if token.startswith("refused:"):
+                    raise RuntimeError(f"{what}: rank 0 refused this rank: "
+                                       f"{token.removeprefix('refused:')}")
+                marks.delete_key(f"admit/{nonce}")  # (only this rank reads it)
+                return token, {rank: ask}
+            offer = _peek(marks, "offer")
+            if offer is not None and offer.startswith(_FORMED):
+                _check_not_left_out(offer, asked, rank, what)
+                if not formed_before and offer[len(_FORMED):] not in _JOINED:
+                    # (a rank of torchrun's next attempt sees one too, before its rank 0
+                    # offers)
+                    formed_before = (f". A group formed on this store before this rank asked "
+                                     f"to join one, without this process: if two processes "
+                                     f"were started as rank {rank}, {_ONE_PROCESS_A_RANK}")
+                offer = None  # (an earlier incarnation's, retired: wait for the next offer)
+            if offer is not None and offer != asked:
+                token = offer.partition(":")[0]
+                ask = f"{token}:{nonce}:{world}:{asker}"
+                marks.set(_ask_key(token, rank), ask)
+                asked = offer
+            elif asked is not None:
+                _check_own_ask(marks, rank, ask, what)
+            if pause is None:
+                break
+            time.sleep(pause)
+    except dist.DistNetworkError as e:
+        raise store_closed(what, e, formed_before) from e
     raise RuntimeError(
         f"{what}: rank 0 did not admit this rank within {timeout.total_seconds():g} s "
         f"(it did not start, crashed before init_process_group, was given another store, "
         f"or waits for a rank that did not start: with tcp:// or env:// init, rank 0 first "
-        f"waits for all world_size ranks to connect; or {SHARED_STORE_FIX})"
-        + "".join(formed_before))
+        f"waits for all world_size ranks to connect; or {SHARED_STORE_FIX}){formed_before}")
 
 
 def _check_own_ask(marks, rank: int, ask: str, what: str) -> None:

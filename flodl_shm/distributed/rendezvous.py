@@ -183,9 +183,15 @@ def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
     except BaseException as e:  # the first failure tells the others
         inc.abandon(f"rank {rank} failed while the group formed: {type(e).__name__}: {e}")
         raise
-    inc.retire(world, [*(f"{k}/{r}" for k in ("host", "pid", "mapped") for r in range(world)),
-                       *(f"arena/{h}" for h in range(len(link.topology.hosts)))])
+    inc.retire(world, _formed_keys(world, len(link.topology.hosts)))
     return link
+
+
+def _formed_keys(world: int, hosts: int) -> list[str]:
+    """Every key ``_form`` sets for a group of ``world`` ranks on ``hosts`` hosts (steps
+    1-4 of the module doc), for its last rank to delete."""
+    return [*(f"{k}/{r}" for k in ("host", "pid", "mapped") for r in range(world)),
+            *(f"arena/{h}" for h in range(hosts))]
 
 
 def _form(inc: Incarnation, rank: int, world: int, timeout: timedelta) -> HostLink:

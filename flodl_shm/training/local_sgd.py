@@ -237,12 +237,11 @@ def _lowest_live_rank(ref: "weakref.ref[LocalSGD]") -> Callable[[], bool]:
 
 
 def check_replica(model: torch.nn.Module, who: str = "LocalSGD",
-                  build: str = "before building LocalSGD", meta_ok: bool = False) -> None:
+                  build: str = "before building LocalSGD") -> None:
     """Raise what makes ``model`` a replica ``who`` cannot average: a parameter or
     floating-point buffer not yet initialized (lazy), of a dtype other than float32 and
-    bfloat16, or off the CPU (``meta_ok``: torch's meta device passes, where the
-    Trainer's launcher builds a model to check it); nothing to average at all.
-    ``build`` says when a lazy module's first forward pass must run."""
+    bfloat16, or off the CPU; nothing to average at all. ``build`` says when a lazy
+    module's first forward pass must run."""
     named_buffers = averaged_buffers(model)
     for name, t in (*((f"parameter {n!r}", p) for n, p in model.named_parameters()),
                     *((f"buffer {n!r}", b) for n, b in named_buffers)):
@@ -258,7 +257,7 @@ def check_replica(model: torch.nn.Module, who: str = "LocalSGD",
         if t.dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"{name} has dtype {t.dtype}; {who} averages float32 or bfloat16 "
                             f"tensors (convert the model with .float() or .bfloat16())")
-        if t.device.type != "cpu" and not (meta_ok and t.device.type == "meta"):
+        if t.device.type != "cpu":
             raise ValueError(f"{name} is on {t.device}; {who} averages CPU tensors through "
                              f"shared memory (keep the model on the CPU: model.cpu())")
     if not named_buffers and next(model.parameters(), None) is None:

@@ -336,9 +336,9 @@ class _RankRun:
             logger.debug("%s not found: rank %d is beyond the saving cohort's %d ranks",
                          path, self.rank, saved_world)
             return
-        how = (f"the bundle was saved by {meta.world_size_at_save} live "
-               f"{'rank' if meta.world_size_at_save == 1 else 'ranks'} and holds none of rank "
-               f"{self.rank}'s state: a partial copy, or a rank dead at the save"
+        how = (f"the bundle was saved by {plural(meta.world_size_at_save, 'live rank')} and "
+               f"holds none of rank {self.rank}'s state: a partial copy, or a rank dead at the "
+               f"save"
                if meta is not None else "the bundle holds none of its state")
         logger.warning("%s not found: rank %d's inner optimizer, LR schedule and integer "
                        "buffers start fresh (%s; this rank does not resume exactly)", path,
