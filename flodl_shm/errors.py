@@ -169,11 +169,17 @@ class RankStalled(ReduceStall, RankFailed):
     arrived, ``timeout``) and a ``RankFailed`` (``rank``: the first of them,
     ``exc_type="ReduceStall"``, ``signal``: how the launcher stopped it), so either
     ``except`` clause catches it. The missing ranks are the culprits: the launcher
-    killed them; the ranks that waited for them were healthy.
+    killed them; the ranks that waited for them were healthy. The message ends with
+    ``(exc_type=ReduceStall, signal=...)`` as every ``RankFailed``'s does; ``why`` is
+    the message without it.
     """
 
     def __init__(self, message: str, *, round: int, missing: tuple[int, ...],
                  timeout: float | None, signal: str | None = "SIGKILL") -> None:
+        said = f" (exc_type=ReduceStall, signal={signal})"  # as every RankFailed says them
+        #: the message without that suffix: what a command line prints
+        self.why = message.removesuffix(said)  # (a pickled copy carries it already)
+        message = self.why + said
         ReduceStall.__init__(self, message, round=round, missing=missing, timeout=timeout)
         self.rank = self.missing[0] if self.missing else -1
         self.exc_type = "ReduceStall"

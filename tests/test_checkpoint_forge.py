@@ -52,6 +52,11 @@ def zeros_like_slots(*shapes):
 # --- seed 000 --------------------------------------------------------------------
 
 
+def test_a_forge_given_something_else_than_a_schema_names_the_fix():
+    with pytest.raises(TypeError, match=r"got str 'x'; build one with ModelSchema.from_module"):
+        CheckpointForge("x")
+
+
 def test_accumulate_params_then_buffers_round_trips_through_load(tmp_path):
     # Schema: 2 params (w, b) + 1 buffer (running_mean), in snapshot order.
     forge = CheckpointForge(ModelSchema(["w", "b"], ["running_mean"]))

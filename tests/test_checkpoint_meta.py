@@ -364,6 +364,11 @@ def test_rank_death_record_round_trips_json(tmp_path):
 # --- model schema --------------------------------------------------------------
 
 
+def test_model_schema_from_module_names_a_non_module():
+    with pytest.raises(TypeError, match=r"takes a torch.nn.Module, got int 5"):
+        ModelSchema.from_module(5)
+
+
 def test_model_schema_from_module_captures_ordered_names():
     schema = ModelSchema.from_module(torch.nn.Linear(4, 2))
     assert schema.param_names == ["weight", "bias"]

@@ -559,6 +559,29 @@ def test_a_controller_stops_at_once_while_a_host_is_frozen_mid_record(caplog):
     assert not ctl.dead_ranks.dead()  # stopped, not failed
 
 
+def test_the_other_hosts_hear_how_a_stopped_host_left():
+    """A host interrupted by its operator told the controller so, but the surviving
+    hosts read only "the controller declared ranks [1] dead" and then "1 rank died":
+    the declaration now carries how the host said it stopped."""
+    from flodl_shm.cluster.control import Ctrl, ctrl_message
+
+    ctl = ClusterController.start("127.0.0.1:0", 2, SALT)
+    try:
+        a = join_raw(ctl.port, _hello("a", [0], 2))
+        b = join_raw(ctl.port, _hello("b", [1], 2))
+        b.send_ctrl(ctrl_message(Ctrl.HOST_STOPPING, rank=-1,
+                                 reason="its launcher was interrupted (Ctrl-C)"))
+        b.close()
+        a.send_frame(Kind.FRAME_UP, _frame([(3,)]))  # round 0: the controller reads b
+        got = a.recv(timeout=30)
+        a.close()
+    finally:
+        ctl.shutdown()
+    assert got[0] == Kind.CTRL and got[2]["type"] == Ctrl.DECLARE_DEAD, got
+    assert got[2]["ranks"] == [1]
+    assert got[2]["why"] == "host 'b' stopped: its launcher was interrupted (Ctrl-C)"
+
+
 @pytest.mark.parametrize("said", ["stall", "nothing"])
 def test_a_host_that_finds_the_link_gone_reads_what_the_controller_said_last(said):
     """A host stopped for a while (SIGSTOP at start-up, in a probe) found its link gone

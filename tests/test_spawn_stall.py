@@ -108,6 +108,7 @@ def test_hung_rank_beyond_max_failures_raises_reduce_stall_naming_it(caplog):
     assert err.round == 2 and err.missing == (2,) and err.timeout == TIMEOUT
     assert err.rank == 2 and err.signal == "SIGKILL"
     assert "round 2" in str(err) and "[2]" in str(err) and "[0, 1] waited" in str(err)
+    assert str(err).endswith("(exc_type=ReduceStall, signal=SIGKILL)")  # as RankFailed's
 
 
 def test_rank_hung_mid_reduce_is_fenced_and_its_slice_taken_over():
@@ -127,3 +128,5 @@ def test_stall_error_survives_pickling():
     assert isinstance(back, RankStalled)
     assert (back.round, back.missing, back.timeout, back.rank, back.signal) == \
         (3, (1, 2), 2.0, 1, signal.Signals.SIGKILL.name)
+    assert str(back) == str(err) == "round 3 stalled (exc_type=ReduceStall, signal=SIGKILL)"
+    assert back.why == "round 3 stalled"

@@ -196,6 +196,10 @@ class CheckpointForge:
     """
 
     def __init__(self, schema: Optional[ModelSchema]) -> None:
+        if schema is not None and not isinstance(schema, ModelSchema):
+            raise TypeError(f"CheckpointForge takes a ModelSchema or None, got "
+                            f"{type(schema).__name__} {schema!r:.60}; build one with "
+                            f"ModelSchema.from_module(model)")
         self._schema = schema
         self._lock = threading.Lock()
         # accumulation state (under _lock)

@@ -318,6 +318,9 @@ class ModelSchema:
     @classmethod
     def from_module(cls, module: "torch.nn.Module") -> "ModelSchema":
         """Capture the schema of a torch ``nn.Module`` (names only; no weights read)."""
+        if not callable(getattr(module, "named_parameters", None)):
+            raise TypeError(f"ModelSchema.from_module takes a torch.nn.Module, got "
+                            f"{type(module).__name__} {module!r:.60}")
         tied: dict[str, str] = {}
         params = module.named_parameters(remove_duplicate=False)
         floats = ((n, b) for n, b in module.named_buffers(remove_duplicate=False)

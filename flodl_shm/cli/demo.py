@@ -938,10 +938,12 @@ def _reason(e: BaseException) -> str:
     its exception's own line (its message names the cause and the fix), not the
     remote traceback; for too many deaths, what died and was saved, without the API
     call that continues (the caller says ``--resume``)."""
-    from flodl_shm.errors import RankFailed, TrainingAborted
+    from flodl_shm.errors import RankFailed, RankStalled, TrainingAborted
 
     if isinstance(e, TrainingAborted):
         return f"TrainingAborted: {e.summary}"
+    if isinstance(e, RankStalled):
+        return f"RankStalled: {e.why}"
     if isinstance(e, RankFailed) and e.error:
         return f"rank {e.rank} raised {e.exc_type}: {e.error}"
     return f"{type(e).__name__}: {e}"

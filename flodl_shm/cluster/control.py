@@ -23,7 +23,8 @@ During the run:
 - ``rank_dead`` relay -> controller: ``ranks`` that died on this host.
 - ``declare_dead`` controller -> every relay: ``ranks`` now dead cohort-wide
   (a rank that died anywhere, or every rank of a host whose link was lost). Each
-  host counts them against its ``max_failures``.
+  host counts them against its ``max_failures``. ``why`` (optional): how they left,
+  when their host said so (``host 'NAME' stopped: REASON``).
 - ``host_done`` relay -> controller: every rank of this host finished.
 - ``host_stopping`` relay -> controller: a failure ends this host's run, before its
   link closes: ``rank`` (the global rank whose failure it is; -1 for none, e.g. a

@@ -621,7 +621,8 @@ class ClusterController:
                          "ranks %s declared dead", h.name, why, h.ranks)
         h.link.close()
         if newly:
-            self._broadcast_ctrl(ctrl_message(Ctrl.DECLARE_DEAD, ranks=newly))
+            why = {} if h.stopped is None else {"why": f"host {h.name!r} stopped: {h.stopped}"}
+            self._broadcast_ctrl(ctrl_message(Ctrl.DECLARE_DEAD, ranks=newly, **why))
 
     @property
     def stopped_early(self) -> bool:

@@ -343,7 +343,9 @@ class Relay:
         kind = msg["type"]
         if kind == Ctrl.DECLARE_DEAD:
             ranks = [int(r) for r in msg.get("ranks", [])]
-            logger.warning("relay %s: the controller declared ranks %s dead", self.host, ranks)
+            why = msg.get("why")  # (a host that stopped said how)
+            logger.warning("relay %s: the controller declared ranks %s dead%s", self.host, ranks,
+                           f" ({why})" if isinstance(why, str) else "")
             if self.on_dead is not None:
                 self.on_dead(ranks)
         elif kind in (Ctrl.STALL, Ctrl.ERROR):

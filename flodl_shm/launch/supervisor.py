@@ -778,7 +778,8 @@ def _host_failure(err: RankFailed) -> tuple[int, str]:
     # (the rank travels on its own: "rank 2 could not start ..." would make the same
     # refusal on every host a reason of its own at the controller)
     error = err.error.removeprefix(f"rank {err.rank} ")
-    what = f"{err.exc_type}: {error}" if error else str(err).split("\n", 1)[0]
+    what = (f"{err.exc_type}: {error}" if error
+            else (err.why if isinstance(err, RankStalled) else str(err)).split("\n", 1)[0])
     return err.rank, what
 
 
