@@ -20,17 +20,19 @@ logger = logging.getLogger("flodl_shm")
 
 __all__ = ["check_optimizer_state", "check_rank_file", "read_rank_state", "restore_inner"]
 
-def read_rank_state(path) -> Any:
+def read_rank_state(path, *, lazy: bool = False) -> Any:
     """A rank's state file of a checkpoint bundle (``<stem>.rank<N>.optim``), read with
     ``torch.load``; a file that cannot be read raises ``CheckpointError`` naming it and
     the ways on, where torch's own error names neither (``PytorchStreamReader failed
-    reading zip archive``)."""
+    reading zip archive``). ``lazy``: the tensors stay mapped from the file, read only
+    where they are touched (to learn another rank's small fields without reading its
+    optimizer state)."""
     import torch
 
     from ..errors import CheckpointError
 
     try:
-        return torch.load(path, weights_only=False)
+        return torch.load(path, weights_only=False, mmap=lazy)
     except Exception as e:  # noqa: BLE001 - torch raises several kinds for a damaged file
         first = (str(e).strip().splitlines() or [""])[0]
         raise CheckpointError(

@@ -328,7 +328,7 @@ class _RankRun:
             other = CheckpointBundle.rank_state_path(model_path, r)
             if r != self.rank and other.exists():
                 try:
-                    saved_world = int(read_rank_state(other)["world_size"])
+                    saved_world = int(read_rank_state(other, lazy=True)["world_size"])
                 except Exception:  # noqa: BLE001 - its own load names what is wrong with it
                     pass
                 break
