@@ -231,6 +231,20 @@ def test_roundtrip_preserves_coverage(tmp_path):
     assert raw["coverage"]["per_epoch"][0]["uncovered_ranges"] == [[320, 64], [640, 384]]
 
 
+def test_coverage_keeps_the_dataset_length_only_where_known():
+    """Our coverage records the dataset's length (a resume check); flodl's files and
+    ours of earlier releases lack it and read as None, and a coverage without it is
+    written as flodl writes it."""
+    flodl = {"seed": 1, "batch_size": 4, "per_epoch": []}
+    assert CoverageBlock.from_dict(flodl).dataset_len is None
+    assert CoverageBlock.from_dict(flodl).to_dict() == flodl
+    ours = CoverageBlock(1, 4, [], dataset_len=17)
+    assert ours.to_dict() == {**flodl, "dataset_len": 17}
+    assert CoverageBlock.from_dict(ours.to_dict()) == ours
+    with pytest.raises(CheckpointError, match=r"coverage\.dataset_len"):
+        CoverageBlock.from_dict({**flodl, "dataset_len": -3})
+
+
 def test_seed_is_a_full_u64():
     cov = CoverageBlock(seed=2**64 - 1, batch_size=1, per_epoch=[])
     meta = CheckpointMeta.new(0, 0, 0, 1, SaveReason.CHECKPOINT).with_coverage(cov)

@@ -65,6 +65,35 @@ def test_a_schedule_compares_its_settings_not_where_it_was(caplog):
     assert caplog.text == ""  # the same settings, or another rank says it
 
 
+def one_cycle(max_momentum=0.95):
+    return lambda opt: torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=0.1, total_steps=10, max_momentum=max_momentum)
+
+
+@pytest.mark.parametrize("make_opt", [sgd(), lambda p: torch.optim.AdamW(p, lr=0.01)],
+                         ids=["sgd-momentum", "adamw-betas"])
+def test_a_cycling_schedule_moves_momentum_without_a_word(caplog, make_opt):
+    """A probe's every resume of a OneCycleLR run warned `restores the saved inner settings
+    ...: betas (0.876..., 0.999) (built now: (0.95, 0.999))`: the schedule moves momentum
+    (betas[0]) as it moves lr. Its settings are max_momentum and base_momentum, and
+    betas[1], which are still compared."""
+    caplog.set_level(logging.WARNING, logger="flodl_shm")
+    opt_state, sched_state = _saved(make_opt, one_cycle())
+    opt, sched = _fresh(make_opt, one_cycle())
+    restore_inner(opt, sched, opt_state, sched_state, "ck", "...")
+    assert caplog.text == ""
+    opt, sched = _fresh(make_opt, one_cycle(max_momentum=0.99))
+    restore_inner(opt, sched, opt_state, sched_state, "ck", "...")
+    assert "max_momentum 0.95 (built now: 0.99)" in caplog.text
+    assert "momentum 0." not in caplog.text.replace("max_momentum", "")
+    if "betas" in opt_state["param_groups"][0]:
+        caplog.clear()
+        opt, sched = _fresh(lambda p: torch.optim.AdamW(p, lr=0.01, betas=(0.9, 0.99)),
+                            one_cycle())
+        restore_inner(opt, sched, opt_state, sched_state, "ck", "...")
+        assert "betas (" in caplog.text and "0.999) (built now: (0.95, 0.99))" in caplog.text
+
+
 def test_an_optimizer_of_another_kind_is_refused_before_loading():
     opt_state, _ = _saved(sgd())
     adam = torch.optim.Adam(torch.nn.Linear(3, 2).parameters(), lr=0.01)

@@ -361,3 +361,67 @@ def test_what_the_launcher_knows_is_refused_before_any_rank_starts(tmp_path):
         trainer(cadence="elche").resume(ckpt, nprocs=2, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == before, "a refused resume deleted"
     assert newer.exists() and live_children() == [], "a rank was started"
+
+
+def _rows(n):
+    """A dataset of ``n`` samples (a picklable factory's product)."""
+    return (torch.randn(n, 2, generator=torch.Generator().manual_seed(n)),
+            torch.randn(n, 2, generator=torch.Generator().manual_seed(n + 1)))
+
+
+def test_a_dataset_of_another_length_in_the_same_whole_batches_is_refused_mid_epoch(tmp_path):
+    """A probe resumed a mid-epoch bundle of a 520-sample run with 527 samples: the same
+    epoch of 512 in batches of 16, so it passed, and the epoch's shuffle of 527 put other
+    samples in the uncovered batches (89 trained twice). The coverage keeps the
+    dataset's length: refused before any rank starts, or by the ranks for a factory."""
+    from flodl_shm.errors import StartRefused
+
+    def trainer(dataset):
+        return Trainer(model_fn=make_model, dataset=dataset, batch_size=4, epochs=1,
+                       optimizer_fn=functools.partial(torch.optim.SGD, lr=0.1),
+                       loss_fn=torch.nn.functional.mse_loss, sync_every=1,
+                       checkpoint_every=1, keep_checkpoints=8, log_every=None,
+                       save_path=tmp_path / "ck")
+
+    trainer(_rows(17)).run(1)  # an epoch of 16: four windows, a bundle each
+    mid = round_model_path(tmp_path / "ck", 2)
+    assert CheckpointMeta.read_from_file(CheckpointBundle.meta_path(mid)).coverage.dataset_len \
+        == 17
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(mid))} was trained on a dataset of "
+                                         r"17 samples, and this Trainer's has 18 \(its epoch in "
+                                         r"progress is a shuffle of that many samples"):
+        trainer(_rows(18)).resume(mid, overwrite=True)
+    with pytest.raises(StartRefused, match=r"the checkpoint's epoch 0 is a shuffle of a dataset "
+                                           r"of 17 samples and this run's dataset has 18"):
+        trainer(functools.partial(_rows, 18)).resume(mid, overwrite=True)
+    assert trainer(functools.partial(_rows, 17)).resume(mid, overwrite=True).meta.epoch == 1
+
+
+def test_a_damaged_newest_bundle_names_the_one_before(tmp_path):
+    """A probe truncated the newest bundle's .meta.json, then its .fdl: resume() said
+    what was wrong with the file and nothing of the way on (a damaged .optim's error
+    did); it names the bundle before it, or that there is none."""
+    from flodl_shm.errors import CheckpointError
+
+    stem = tmp_path / "ck"
+    r4 = real_bundle(stem, 4, make_model(), batch_size=4, samples=8)
+    r6 = real_bundle(stem, 6, make_model(), batch_size=4, samples=8)
+    trainer = Trainer(model_fn=make_model, dataset=(torch.zeros(8, 2), torch.zeros(8, 2)),
+                      optimizer_fn=functools.partial(torch.optim.SGD, lr=0.1),
+                      loss_fn=torch.nn.functional.mse_loss, batch_size=4, log_every=None,
+                      save_path=stem)
+    meta6 = CheckpointBundle.meta_path(r6)
+    good = meta6.read_text()
+    meta6.write_text(good[: len(good) // 2])
+    with pytest.raises(CheckpointError, match=rf"parse JSON from .*; resume\('{re.escape(str(r4))}"
+                                              rf"'\) continues from the checkpoint before it"):
+        trainer.resume(stem)
+    meta6.write_text(good)
+    os.truncate(r6, os.path.getsize(r6) - 3)
+    with pytest.raises(CheckpointError, match=r"payload truncated.*; resume\('.*r00000004\.fdl'\) "
+                                              r"continues from the checkpoint before it"):
+        trainer.resume(r6)
+    os.truncate(r4, os.path.getsize(r4) - 3)
+    with pytest.raises(CheckpointError, match=r"payload truncated.*; no earlier checkpoint of "
+                                              r"its series is left: restore its files from a"):
+        trainer.resume(r4)

@@ -345,6 +345,83 @@ def test_set_up_misuse_is_named_in_the_trainer_s_terms():
     assert_no_leaks()
 
 
+def step_float(model, batch):
+    return float(ce_step(model, batch))
+
+
+def step_per_sample(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+
+
+def step_detached(model, batch):
+    return ce_step(model, batch).detach()
+
+
+def not_a_scheduler(optimizer):
+    return 5
+
+
+def rows_only():
+    return make_data()[0]
+
+
+def fewer_rows_on_rank_one():
+    import os
+
+    return make_data(512 if os.environ.get("RANK", "0") == "0" else 480)
+
+
+@pytest.mark.parametrize("step_fn, said", [
+    (step_float, r"step_fn\(model, batch\) returned float 1\.\d+"),
+    (step_per_sample, r"step_fn\(model, batch\) returned a tensor of shape \[16\] \(a loss "
+                      r"per sample\? reduce it\)"),
+    (step_detached, r"step_fn\(model, batch\) returned a tensor that does not require grad"),
+], ids=["float", "per-sample", "detached"])
+def test_a_step_fn_that_returns_no_loss_is_named(step_fn, said):
+    """A probe's step_fn returned a float, per-sample losses, a detached tensor: the
+    ranks failed with `'float' object has no attribute 'backward'` or torch's autograd
+    message, from the library's own line."""
+    from flodl_shm.errors import RankFailed
+
+    trainer = flodl_shm.Trainer(make_model, functools.partial(torch.optim.SGD, lr=0.1),
+                                make_data, None, step_fn=step_fn, batch_size=16, epochs=1,
+                                log_every=None)
+    with pytest.raises(RankFailed, match=r"raised TypeError: " + said + r".*: it must return "
+                                         r"the batch's loss, a one-value tensor that requires "
+                                         r"grad"):
+        trainer.run(nprocs=2)
+    assert_no_leaks()
+
+
+def test_what_a_factory_builds_is_checked_by_the_ranks():
+    """A probe's dataset factory returned one tensor (the launcher refuses that dataset
+    given whole), another rank's a shorter dataset (the ranks trained until a round's
+    schemas differed, or, with the same batch count, on two shuffles: samples twice),
+    and a scheduler_fn an int (found at the first window's step)."""
+    from flodl_shm.errors import StartRefused
+
+    def trainer(**kw):
+        args = dict(model_fn=make_model, optimizer_fn=functools.partial(torch.optim.SGD,
+                                                                          lr=0.1),
+                    dataset=make_data, loss_fn=torch.nn.functional.cross_entropy,
+                    batch_size=16, epochs=1, log_every=None)
+        return flodl_shm.Trainer(**dict(args, **kw))
+
+    with pytest.raises(StartRefused, match=r"dataset sample 0 is of type Tensor: with a "
+                                           r"loss_fn, each sample must be an \(input\.\.\., "
+                                           r"target\) tuple"):
+        trainer(dataset=rows_only).run(nprocs=2)
+    with pytest.raises(StartRefused, match=r"the ranks differ in the dataset's length \(512 on "
+                                           r"ranks \[0\]; 480 on ranks \[1\]\): make the dataset "
+                                           r"factory build the same dataset on every rank"):
+        trainer(dataset=fewer_rows_on_rank_one).run(nprocs=2)
+    with pytest.raises(StartRefused, match=r"scheduler_fn must return an LR scheduler \(one "
+                                           r"with step\(\)\), got int 5"):
+        trainer(scheduler_fn=not_a_scheduler).run(nprocs=2)
+    assert_no_leaks()
+
+
 class FailsAtEnd(flodl_shm.Hook):
     def on_train_end(self, state, summary) -> None:
         if state.rank == 1:
@@ -433,5 +510,6 @@ def test_a_diverged_run_reads_nan_and_keeps_its_last_finite_checkpoint(tmp_path,
     assert len(said) == 1 and "window 3: the consensus holds NaN or inf (training " \
         f"diverged): it is not checkpointed, so {stem}-r00000002.fdl stays the newest " \
         "checkpoint" in said[0], said
+    assert "clip the gradients (clip_grad_norm=...)" in said[0]  # (not said once it is set)
     assert str(result.checkpoint).endswith("ck-r00000002.fdl"), result.checkpoint
     assert_no_leaks()

@@ -596,18 +596,26 @@ class CoverageBlock:
             from ``seed + e``, so only uncovered ranges need recording.
         batch_size: the batch size at save (a resume sanity check).
         per_epoch: one ``EpochCoverage`` per live epoch pool.
+        dataset_len: the dataset's sample count at save, whose shuffle each epoch's
+            permutation is (a resume check: a count that rounds to the same batches
+            shuffles otherwise); ``None`` where unknown (files of flodl and of earlier
+            releases, which lack the field). Written only when known.
     """
 
     seed: int
     batch_size: int
     per_epoch: list[EpochCoverage] = field(default_factory=list)
+    dataset_len: Optional[int] = None
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "seed": self.seed,
             "batch_size": self.batch_size,
             "per_epoch": [e.to_dict() for e in self.per_epoch],
         }
+        if self.dataset_len is not None:
+            out["dataset_len"] = self.dataset_len
+        return out
 
     @classmethod
     def from_dict(cls, obj: dict) -> "CoverageBlock":
@@ -620,6 +628,8 @@ class CoverageBlock:
                 for i, e in enumerate(_check_list(_require(obj, "per_epoch", where),
                                                   f"{where}.per_epoch"))
             ],
+            dataset_len=(None if obj.get("dataset_len") is None
+                         else _check_uint(obj["dataset_len"], f"{where}.dataset_len")),
         )
 
 

@@ -227,6 +227,13 @@ class Coordinator:
                     f"run's epoch has {config.samples_per_epoch} (dataset_len "
                     f"{config.dataset_len}, batch_size {config.batch_size}); resume with the "
                     f"same dataset and batch size")
+            saved_len = config.start_coverage.dataset_len
+            if pool is not None and saved_len not in (None, config.dataset_len):
+                raise ValueError(
+                    f"the checkpoint's epoch {start} is a shuffle of a dataset of {saved_len} "
+                    f"samples and this run's dataset has {config.dataset_len} (the same whole "
+                    f"batches of {config.batch_size}, other samples in them); resume with the "
+                    f"same dataset")
         elif config.start_global_step and start < config.epochs:
             logger.warning("the checkpoint carries no coverage: epoch %d restarts from its "
                            "first sample", start)
@@ -411,7 +418,8 @@ class Coordinator:
             state.trend_history = self.guard.trend_history() if self.guard else None
             meta = meta.with_elche_state(state)
         pools = [] if b.pool is None else [b.pool]
-        return meta.with_coverage(coverage_block(pools, cfg.seed, cfg.batch_size))
+        return meta.with_coverage(coverage_block(pools, cfg.seed, cfg.batch_size,
+                                                 cfg.dataset_len))
 
     # -- 4. report -------------------------------------------------------------------------
     def report(self, counts: CohortCounts, ack: CohortAck,

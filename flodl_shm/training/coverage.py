@@ -411,13 +411,15 @@ class ChunkPool:
 # ---------------------------------------------------------------------------
 
 
-def coverage_block(pools: Iterable[ChunkPool], seed: int, batch_size: int) -> "CoverageBlock":
+def coverage_block(pools: Iterable[ChunkPool], seed: int, batch_size: int,
+                   dataset_len: Optional[int] = None) -> "CoverageBlock":
     """The checkpoint's coverage record: one :class:`EpochCoverage` per live pool,
-    in epoch order, plus the shuffle seed and batch size."""
+    in epoch order, plus the shuffle seed, batch size and dataset length."""
     from ..checkpoint.meta import CoverageBlock
 
     per_epoch = [p.to_epoch_coverage() for p in sorted(pools, key=lambda p: p.epoch)]
-    return CoverageBlock(seed=int(seed), batch_size=int(batch_size), per_epoch=per_epoch)
+    return CoverageBlock(seed=int(seed), batch_size=int(batch_size), per_epoch=per_epoch,
+                         dataset_len=None if dataset_len is None else int(dataset_len))
 
 
 def pools_from_coverage(block: "CoverageBlock", world_size: int,

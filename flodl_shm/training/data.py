@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["fetch_batch", "first_sample", "is_dataset_factory", "micro_batches",
-           "resolve_dataset"]
+__all__ = ["check_samples_fit_loss_fn", "fetch_batch", "first_sample", "is_dataset_factory",
+           "micro_batches", "resolve_dataset"]
 
 
 class _Tensors:
@@ -91,6 +91,22 @@ def first_sample(dataset) -> Any:
     if isinstance(dataset, _Tensors):
         return dataset.tensors
     return dataset[0]
+
+
+def check_samples_fit_loss_fn(dataset) -> None:
+    """Raise ``TypeError`` unless sample 0 of a resolved dataset is an ``(input...,
+    target)`` tuple, which ``loss_fn(model(*inputs), target)`` unpacks (a single tensor
+    would unpack along its rows, silently)."""
+    if not len(dataset):
+        return
+    item = first_sample(dataset)
+    if not isinstance(item, (tuple, list)) or len(item) < 2:
+        what = (f"is of type {type(item).__name__}" if not isinstance(item, (tuple, list))
+                else f"has {len(item)} field")
+        raise TypeError(f"dataset sample 0 {what}: with a loss_fn, each sample must be "
+                        f"an (input..., target) tuple; pass a tuple of tensors "
+                        f"(inputs..., targets), a list of such items, or a step_fn "
+                        f"(model, batch) -> loss")
 
 
 def fetch_batch(dataset, ids: np.ndarray):

@@ -125,8 +125,13 @@ def check_optimizer_state(optimizer, state: dict, where: str) -> list[str]:
                              f"{len(s['params'])} tensors; the {kind} built now has "
                              f"{len(f['params'])}: resume with the optimizer that saved it")
         group = f" (group {i})" if len(fresh) > 1 else ""
+        # a cycling schedule (OneCycleLR, CyclicLR with cycle_momentum) moves momentum, or
+        # betas[0], between its base_momentum and max_momentum, which are the settings
+        cycled = "max_momentum" in s and "max_momentum" in f
         out += [f"{k}{group} {s[k]!r} (built now: {f[k]!r})" for k in sorted(keys_f & keys_s)
-                if _differs(s[k], f[k])]
+                if not (cycled and k == "momentum")
+                and (_differs(s[k][1:], f[k][1:]) if cycled and k == "betas"
+                     else _differs(s[k], f[k]))]
     return out
 
 

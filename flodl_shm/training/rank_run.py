@@ -20,6 +20,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
+import torch
 from torch.nn.utils import clip_grad_norm_
 
 from ..errors import StartRefused, plural
@@ -29,7 +30,7 @@ from .agreement import (check_controller_outer, check_same_settings, check_same_
 from .cohort_log import log_cohort_decisions_from
 from .coordinator import Coordinator, CoordinatorConfig
 from .coverage import epoch_permutation
-from .data import fetch_batch, micro_batches
+from .data import check_samples_fit_loss_fn, fetch_batch, is_dataset_factory, micro_batches
 from .hooks import BatchInfo, RankState, RankSummary, WindowStats
 from .inner_state import check_rank_file, read_rank_state, restore_inner
 from .local_sgd import LocalSGD, check_replica
@@ -84,8 +85,6 @@ def window_seed(seed: int, rank: int, window: int) -> int:
 
 def _accelerators_present() -> bool:
     """Whether torch sees a device besides the CPU whose generator ``manual_seed`` seeds."""
-    import torch
-
     for name in ("cuda", "xpu", "mtia"):
         mod = getattr(torch, name, None)
         try:
@@ -102,8 +101,6 @@ def _seed_torch(seed: int) -> None:
     host does not have: on a CPU-only host each call records three stack traces for the
     CUDA, XPU and MTIA seeds (~0.5 ms a window in a rank); the CPU generator gets the
     same seed either way."""
-    import torch
-
     global _ACCELERATORS
     if _ACCELERATORS is None:
         _ACCELERATORS = _accelerators_present()
@@ -134,8 +131,6 @@ class _RankRun:
     """One rank's training: model, data, coordinator, and the window loop."""
 
     def __init__(self, ctx, job: _Job) -> None:
-        import torch
-
         from ..checkpoint.meta import ModelSchema
         from .data import resolve_dataset
 
@@ -151,6 +146,8 @@ class _RankRun:
         _check_model(model)
         self.model = model
         self.dataset = resolve_dataset(tr.dataset)
+        if is_dataset_factory(tr.dataset):  # (the launcher checked a dataset it was given)
+            self._check_built_dataset()
         self._on_batch_end = _hook_calls(tr.hooks, "on_batch_end")
         self.coord = self._coordinator(len(self.dataset))  # checks the data against the run
         self.schema = ModelSchema.from_module(model)
@@ -164,6 +161,10 @@ class _RankRun:
         self.scheduler = None if tr.scheduler_fn is None else tr.scheduler_fn(self.optimizer)
         if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             raise plateau_refused()
+        if self.scheduler is not None and not callable(getattr(self.scheduler, "step", None)):
+            raise TypeError(f"scheduler_fn must return an LR scheduler (one with step()), got "
+                            f"{type(self.scheduler).__name__} {self.scheduler!r:.60}; e.g. "
+                            f"functools.partial(torch.optim.lr_scheduler.StepLR, step_size=100)")
         if not self.one_round:
             self._check_same_trainer()
             self._check_same_start()
@@ -182,6 +183,18 @@ class _RankRun:
         self._perm = None
         self._said_diverged = False
         self._last_bundle = None  # the last bundle this rank wrote its share of
+
+    def _check_built_dataset(self) -> None:
+        """What a dataset factory built, checked as the launcher checks a dataset it is
+        given: samples ``loss_fn`` can unpack, and on one host (across hosts
+        ``_check_same_trainer`` does it) the same length on every rank, whose shuffles
+        must be one permutation for no two ranks to train a sample twice."""
+        if self.trainer.step_fn is None:
+            check_samples_fit_loss_fn(self.dataset)
+        if not self.ctx.comm.spans_hosts:
+            check_same_settings(self.comm, {"the dataset's length": len(self.dataset)},
+                                "make the dataset factory build the same dataset on every "
+                                "rank (each rank trains its share of one shuffle of it)")
 
     def _check_same_trainer(self) -> None:
         """Several hosts: every host built the same Trainer (``check_same_settings``).
@@ -261,8 +274,6 @@ class _RankRun:
         does not hold and an exact resume needs, its inner optimizer's and LR scheduler's
         states and its integer buffers (``num_batches_tracked``). Atomic; on the training
         path, at checkpoint windows only (the optimizer state changes at the next step)."""
-        import torch
-
         from ..checkpoint._atomic import atomic_write
 
         state = {
@@ -281,8 +292,6 @@ class _RankRun:
         """On resume: this rank's inner optimizer and LR scheduler states and integer
         buffers from the bundle's ``.rank<N>.optim``, when it is there and was written by a
         cohort of the same size; otherwise they start fresh (logged)."""
-        import torch
-
         path = CheckpointBundle.rank_state_path(model_path, self.rank)
         meta = self.job.resume_meta
         if not path.exists():
@@ -398,14 +407,35 @@ class _RankRun:
         k = self.trainer.accumulate
         if k == 1:
             loss = self._loss(batch)
+            if type(loss) is not torch.Tensor or not loss.requires_grad or loss.numel() != 1:
+                raise self._not_a_loss(loss)
             loss.backward()
             return float(loss.detach())
         total = 0.0
         for part in micro_batches(batch, k):
-            loss = self._loss(part) / k
+            loss = self._loss(part)
+            if type(loss) is not torch.Tensor or not loss.requires_grad or loss.numel() != 1:
+                raise self._not_a_loss(loss)
+            loss = loss / k
             loss.backward()
             total += float(loss.detach())
         return total
+
+    def _not_a_loss(self, value) -> TypeError:
+        """The error for a batch's loss that cannot be back-propagated (a Python number,
+        a tuple, None, a tensor of several values or one that does not require grad)."""
+        who = ("step_fn(model, batch)" if self.trainer.step_fn is not None
+               else "loss_fn(model(*inputs), target)")
+        if type(value) is not torch.Tensor:
+            what = f"{type(value).__name__} {value!r:.60}"
+        elif value.numel() != 1:
+            what = f"a tensor of shape {list(value.shape)} (a loss per sample? reduce it)"
+        else:
+            what = ("a tensor that does not require grad (computed under torch.no_grad, "
+                    "detached, or from .item())")
+        return TypeError(f"{who} returned {what}: it must return the batch's loss, a "
+                         f"one-value tensor that requires grad, e.g. "
+                         f"F.cross_entropy(model(x), y)")
 
     # -- the window's sync ------------------------------------------------------------
     def _window_one_round(self, plan, nb: int, compute_ms: float, loss_sum: float,
@@ -440,10 +470,12 @@ class _RankRun:
             last = self._last_bundle or latest_checkpoint(self.trainer.save_path)
             logger.warning(
                 "window %d: the consensus holds NaN or inf (training diverged): it is not "
-                "checkpointed, %s. Lower the learning rate, clip the gradients "
-                "(clip_grad_norm=...), or find the batch that diverged; said once", window,
+                "checkpointed, %s. Lower the learning rate, %sor find the batch that "
+                "diverged (a NaN or inf input or target, a loss of log(0)); said once", window,
                 f"so {last} stays the newest checkpoint" if last is not None
-                else "and no earlier checkpoint exists")
+                else "and no earlier checkpoint exists",
+                "clip the gradients (clip_grad_norm=...), " if self.trainer.clip_grad_norm is None
+                else "")
         return False
 
     def _window_cluster(self, plan, counts):
@@ -650,8 +682,6 @@ def _to_portable(state: dict) -> dict:
     """A state_dict as numpy arrays: torch pickles tensors through a multiprocessing
     pipe as shared-memory handles that die with the rank process, so a rank's result
     carries plain bytes instead."""
-    import torch
-
     out = {}
     for k, v in state.items():
         v = v.detach().cpu().contiguous()

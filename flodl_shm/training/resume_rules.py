@@ -16,9 +16,11 @@ from ..checkpoint.meta import CheckpointMeta
 class ResumeConflict:
     """A setting of the resuming run that cannot continue a checkpoint: the checkpoint's
     value (``saved``) and the run's (``given``). ``setting`` is ``"seed"``,
-    ``"batch_size"``, ``"world_size"`` (an ElChe cadence state is per rank) or
-    ``"dataset"`` (its epoch size, in samples); ``why`` says, in parentheses, what binds
-    the saved value (for the dataset: how the run's epoch size comes about)."""
+    ``"batch_size"``, ``"world_size"`` (an ElChe cadence state is per rank),
+    ``"dataset"`` (its epoch size, in samples) or ``"dataset_len"`` (its sample count,
+    whose shuffle the epoch in progress is, where the epoch sizes agree); ``why`` says,
+    in parentheses, what binds the saved value (for the dataset: how the run's epoch
+    size comes about)."""
 
     setting: str
     saved: Any
@@ -31,9 +33,10 @@ def resume_conflicts(meta: CheckpointMeta, *, seed: int, batch_size: int, epochs
                      ) -> list[ResumeConflict]:
     """What keeps a run with these settings from continuing the checkpoint ``meta``
     describes (empty: nothing), known before any rank starts: the shuffle seed and the
-    batch size its record of the samples still to train refers to, the epoch size, and
-    the world size of an ElChe cadence state. A finished checkpoint (``meta.epoch >=
-    epochs``: nothing left to train) binds no seed, batch size or epoch size.
+    batch size its record of the samples still to train refers to, the epoch size and
+    the dataset's length (of an epoch in progress), and the world size of an ElChe
+    cadence state. A finished checkpoint (``meta.epoch >= epochs``: nothing left to
+    train) binds no seed, batch size or dataset.
 
     Args:
         meta: the checkpoint's metadata.
@@ -57,10 +60,17 @@ def resume_conflicts(meta: CheckpointMeta, *, seed: int, batch_size: int, epochs
         per_epoch = (None if dataset_len is None
                      else (dataset_len // batch_size) * batch_size)
         for ec in cov.per_epoch:
-            if ec.epoch == meta.epoch and per_epoch not in (None, ec.total_samples):
+            if ec.epoch != meta.epoch:
+                continue
+            if per_epoch not in (None, ec.total_samples):
                 out.append(ResumeConflict(
                     "dataset", ec.total_samples, per_epoch, f"({dataset_len} samples in "
                     f"batches of {batch_size})"))
+            elif None not in (cov.dataset_len, dataset_len) and cov.dataset_len != dataset_len:
+                out.append(ResumeConflict(
+                    "dataset_len", cov.dataset_len, dataset_len, "(its epoch in progress is "
+                    "a shuffle of that many samples: another count puts other samples in "
+                    "the same batches, training some twice and skipping others)"))
     if meta.elche_state is not None and elche:
         saved_world = len(meta.elche_state.smoothed_ms_per_batch)
         if saved_world != world:

@@ -39,7 +39,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 from ..errors import RankFailed, StartRefused, TrainingAborted, check_flag, check_int, plural
 from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, RankDeathRecord, SaveReason,
                                set_extension)
-from ..checkpoint.series import death_record_path, latest_checkpoint, series_of
+from ..checkpoint.series import (committed_checkpoints, death_record_path, latest_checkpoint,
+                                 series_of)
 from .coverage import SHUFFLE_BASE_SEED
 from .data import is_dataset_factory
 from .hooks import HOOK_METHODS, Hook, LoggingHook
@@ -457,7 +458,8 @@ class Trainer:
         from ..checkpoint.series import resolve_checkpoint
 
         model_path = resolve_checkpoint(target)
-        meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(model_path))
+        with _damage_named(model_path):
+            meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(model_path))
         saved_world = (len(meta.elche_state.smoothed_ms_per_batch)
                        if meta.elche_state is not None else None)
         chosen = ""
@@ -525,6 +527,10 @@ class Trainer:
                 raise ValueError(f"{model_path} was trained on epochs of {c.saved} samples, "
                                  f"and this Trainer's are {c.given} {c.why}: resume with the "
                                  f"dataset it was trained on")
+            if c.setting == "dataset_len":
+                raise ValueError(f"{model_path} was trained on a dataset of {c.saved} samples, "
+                                 f"and this Trainer's has {c.given} {c.why}: resume with the "
+                                 f"dataset it was trained on")
             if c.setting == "world_size":
                 raise ValueError(f"{model_path} holds an ElChe cadence state for {c.saved} "
                                  f"ranks and this run has {c.given}: resume an ElChe run "
@@ -532,7 +538,8 @@ class Trainer:
             raise ValueError(f"{model_path} was trained with {c.setting} {c.saved} and this "
                              f"Trainer has {c.setting}={c.given}: resume with {c.setting}="
                              f"{c.saved} {c.why}")
-        why = model_mismatch(model_path, self.model_fn)
+        with _damage_named(model_path):  # (the .fdl's headers are read)
+            why = model_mismatch(model_path, self.model_fn)
         if why is not None:
             from ..errors import CheckpointError
 
@@ -545,21 +552,14 @@ class Trainer:
         """The dataset's sample count, or None for a factory (called in the ranks only, so
         that a large dataset is never built here); raises for a dataset of the wrong
         kind as the ranks would."""
-        from .data import first_sample, resolve_dataset
+        from .data import check_samples_fit_loss_fn, resolve_dataset
 
         ds = self.dataset
         if is_dataset_factory(ds):
-            return None
+            return None  # (the ranks check what it builds)
         ds = resolve_dataset(ds)  # raises for a dataset of the wrong kind, as the ranks would
-        if self.step_fn is None and len(ds):  # loss_fn(model(*inputs), target)
-            item = first_sample(ds)
-            if not isinstance(item, (tuple, list)) or len(item) < 2:
-                what = (f"is of type {type(item).__name__}" if not isinstance(item, (tuple, list))
-                        else f"has {len(item)} field")
-                raise TypeError(f"dataset sample 0 {what}: with a loss_fn, each sample must be "
-                                f"an (input..., target) tuple; pass a tuple of tensors "
-                                f"(inputs..., targets), a list of such items, or a step_fn "
-                                f"(model, batch) -> loss")
+        if self.step_fn is None:  # loss_fn(model(*inputs), target)
+            check_samples_fit_loss_fn(ds)
         return len(ds)
 
     def _launch(self, job: _Job) -> TrainResult:
@@ -724,6 +724,31 @@ def _from_portable(state: dict) -> dict:
         t = torch.from_numpy(arr)
         out[k] = t.view(torch.bfloat16) if dtype == "bfloat16" else t
     return out
+
+
+@contextlib.contextmanager
+def _damage_named(model_path):
+    """A ``CheckpointError`` reading the bundle of ``model_path`` (a damaged file) says
+    which bundle to resume from instead (``_earlier_bundle``)."""
+    from ..errors import CheckpointError
+
+    try:
+        yield
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}{_earlier_bundle(model_path)}") from e
+
+
+def _earlier_bundle(model_path) -> str:
+    """What to append to the error of a damaged bundle: the bundle before it in its
+    series to resume from, or that there is none."""
+    series = series_of(model_path)
+    earlier = ([p for r, p in committed_checkpoints(series[0]) if r < series[1]]
+               if series is not None else [])
+    if earlier:
+        return (f"; resume({os.fspath(earlier[-1])!r}) continues from the checkpoint before "
+                f"it, or restore this one's files from a copy")
+    return ("; no earlier checkpoint of its series is left: restore its files from a copy, or "
+            "start over")
 
 
 def _refusal(err: RankFailed) -> str:
