@@ -341,3 +341,29 @@ def test_cache_lands_in_the_configured_writable_dir(tmp_path: Path) -> None:
     for name in KERNEL_NAMES:
         module = "reduce" if name.startswith(("accumulate", "finalize", "reduce")) else "codec"
         assert f"{module}.{name}" in indexed, sorted(indexed)
+
+
+@pytest.mark.timeout(120)
+def test_an_unwritable_numba_cache_dir_is_said_and_replaced(tmp_path: Path) -> None:
+    """A probe's NUMBA_CACHE_DIR that could not be written made numba write the kernels
+    into the package's own folder (past the digest folder that keeps a stale kernel
+    from running), without a word, or, with the package read-only too, failed the
+    import with numba's `cannot cache function ...: no locator available`."""
+    (tmp_path / "afile").write_text("")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "afile" / "cache"),
+           "FLODL_SHM_NUMBA_CACHE": str(tmp_path / "good")}
+    code = ("import logging; logging.basicConfig(format='%(message)s'); "
+            "from flodl_shm.kernels import _cache; print(_cache.cache_dir()); "
+            f"import os; os.environ['NUMBA_CACHE_DIR'] = {str(tmp_path / 'afile' / 'cache')!r}; "
+            "_cache._chosen = None; _cache._candidates = lambda: []; "
+            "_cache.configure_numba_cache()")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=110)
+    assert run.stdout.startswith(str(tmp_path / "good" / "flodl_shm-")), run
+    assert (f"NUMBA_CACHE_DIR={tmp_path}/afile/cache is not writable: flodl_shm caches its "
+            f"compiled kernels in {tmp_path}/good instead") in run.stderr, run.stderr
+    # nothing writable (as with a read-only package, home and temp dirs): named, not numba's
+    assert run.stderr.rstrip().endswith(
+        f"NoKernelCache: flodl_shm compiles its kernels once and caches them, and none of the "
+        f"folders for that cache is writable here ({tmp_path}/afile/cache): set "
+        f"NUMBA_CACHE_DIR to a writable folder"), run.stderr

@@ -167,3 +167,32 @@ def test_a_segment_past_the_file_size_limit_names_the_limit_not_dev_shm_space():
     assert ("needs 8.0 MiB, past this process's file-size limit (1.0 MiB: `ulimit -f`"
             in said), said
     assert left == "0", "the segment is removed"
+
+
+_SEGMENT_PAST_AN_ADDRESS_SPACE_LIMIT = """
+import os, resource
+from flodl_shm.engine.segment import Segment, list_segments
+import psutil
+vm = psutil.Process().memory_info().vms
+resource.setrlimit(resource.RLIMIT_AS, (vm + (64 << 20), resource.RLIM_INFINITY))
+try:
+    Segment.create(f"fshm_{os.getpid()}_abcd1234_probe", 256 << 20)
+except OSError as e:
+    print(type(e).__name__, e.errno, e)
+print(len([s for s in list_segments() if s.owner_pid == os.getpid()]))
+"""
+
+
+def test_a_segment_past_the_address_space_limit_names_the_limit():
+    """A probe under `ulimit -v` read `[Errno 12] Cannot allocate memory` from the
+    mapping, naming neither the segment, its size nor the limit."""
+    import errno
+
+    out = subprocess.run([sys.executable, "-c", _SEGMENT_PAST_AN_ADDRESS_SPACE_LIMIT],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    said, left = out.stdout.strip().splitlines()
+    assert said.startswith(f"OSError {errno.ENOMEM} "), said
+    assert "(256.0 MiB) could not be mapped: this process's virtual-memory limit is " in said
+    assert "(`ulimit -v`, RLIMIT_AS)" in said and "`ulimit -v unlimited`" in said, said
+    assert left == "0", "the segment is removed"

@@ -316,6 +316,42 @@ def test_a_script_without_a_main_guard_is_told_what_to_guard(tmp_path, start_met
     assert 'if __name__ == "__main__":' in last, last
 
 
+_FEW_DESCRIPTORS_SCRIPT = """
+import os, resource
+import flodl_shm
+
+
+def fn(ctx):
+    return ctx.rank
+
+
+if __name__ == "__main__":
+    held = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (held + 3, resource.getrlimit(
+        resource.RLIMIT_NOFILE)[1]))
+    try:
+        flodl_shm.spawn(fn, 2)
+    except OSError as e:
+        print(e)
+"""
+
+
+@pytest.mark.parametrize("start_method", ["default"])
+def test_a_launcher_out_of_descriptors_is_told_the_limit(tmp_path, start_method):
+    """A probe under `ulimit -n 20` read multiprocessing's traceback ending in
+    `OSError: [Errno 24] Too many open files` from os.pipe()."""
+    script = tmp_path / "few_descriptors.py"
+    script.write_text(_FEW_DESCRIPTORS_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stdout.strip()
+    assert said.startswith("[Errno 24] spawn ran out of file descriptors starting 2 ranks: "
+                           "this process may hold "), said
+    assert "(`ulimit -n`, RLIMIT_NOFILE)" in said and "`ulimit -n 4096`" in said, said
+    assert_no_leaks(10)
+
+
 @pytest.mark.parametrize("start_method", ["default"])
 def test_ctrl_c_while_the_forked_rank_server_loads_kernels(tmp_path, start_method):
     """Ctrl-C while the forked server is still loading the kernels (here: compiling them

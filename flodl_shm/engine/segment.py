@@ -294,8 +294,13 @@ class Segment:
             raise ValueError(f"segment {self.name}: cannot map {nbytes} bytes")
         # The previous mapping is dropped, not closed: numpy/torch views a caller
         # still holds keep it (and its pages) alive until they die.
-        self._mmap = mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED | _MAP_POPULATE,
-                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            self._mmap = mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED | _MAP_POPULATE,
+                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            if e.errno == errno.ENOMEM:
+                raise _map_error(self.name, nbytes) from e
+            raise
         self.nbytes = nbytes
 
     @property
@@ -342,6 +347,24 @@ class Segment:
 
     def __repr__(self) -> str:
         return f"Segment({self.name!r}, {fmt_bytes(self.nbytes)}, created={self.created})"
+
+
+def _map_error(name: str, nbytes: int) -> OSError:
+    """The error for a mapping refused with ENOMEM: this process's address-space limit
+    (``ulimit -v``) when one is set, named with the fix; else memory itself."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit != resource.RLIM_INFINITY:
+        return OSError(errno.ENOMEM, (
+            f"shared-memory segment {name} ({fmt_bytes(nbytes)}) could not be mapped: this "
+            f"process's virtual-memory limit is {fmt_bytes(limit)} (`ulimit -v`, RLIMIT_AS), "
+            f"and torch, numba and the mappings of every segment count against it; raise it "
+            f"(`ulimit -v unlimited` before starting the job) or train a smaller model"))
+    return OSError(errno.ENOMEM, (
+        f"shared-memory segment {name} ({fmt_bytes(nbytes)}) could not be mapped: the "
+        f"system is out of memory for it (or a memory cgroup's limit was reached); free "
+        f"memory or train a smaller model"))
 
 
 def _lock_new(fd: int, name: str) -> None:

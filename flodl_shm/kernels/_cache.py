@@ -6,11 +6,17 @@ That only works when the cache directory is writable. numba's default is the
 ``__pycache__`` folder next to the source; an installed package may live in a
 read-only site-packages, so we pick the first writable candidate:
 
-1. ``$NUMBA_CACHE_DIR`` when the user set it (respected as is);
+1. ``$NUMBA_CACHE_DIR`` when the user set it (when it is not writable, numba would
+   write into the package's own folder, bypassing the digest folder below, or fail to
+   define a kernel at all: the next candidate is taken instead, with a warning);
 2. ``$FLODL_SHM_NUMBA_CACHE`` (ours, explicit);
 3. ``<package>/kernels/__pycache__`` when writable (in-tree, like numba's default);
 4. ``$XDG_CACHE_HOME/flodl_shm/numba`` (or ``~/.cache/flodl_shm/numba``);
 5. a per-user folder under the system temp dir.
+
+With none writable, numba cannot define a cached kernel (``cannot cache function ...:
+no locator available``); the import then fails with ``NoKernelCache``, naming the
+folders tried and the fix.
 
 The base is exported through ``FLODL_SHM_NUMBA_CACHE`` so spawned ranks agree with
 the parent without re-deciding, and the cache lives in a subfolder named by a
@@ -20,11 +26,16 @@ the parent before any rank starts, so ranks normally only read.
 """
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from pathlib import Path
 
 _chosen: Path | None = None
+
+
+class NoKernelCache(RuntimeError):
+    """No folder for the compiled-kernel cache is writable (see the module doc)."""
 
 
 def _writable(path: Path) -> bool:
@@ -51,7 +62,10 @@ def _candidates() -> list[Path]:
         user = str(os.getuid())
     except AttributeError:  # pragma: no cover - non-POSIX
         user = "user"
-    out.append(Path(tempfile.gettempdir()) / f"flodl_shm_numba_{user}")
+    try:
+        out.append(Path(tempfile.gettempdir()) / f"flodl_shm_numba_{user}")
+    except FileNotFoundError:  # no usable temp dir at all (TMPDIR, /tmp... not writable)
+        pass
     return out
 
 
@@ -96,15 +110,25 @@ def configure_numba_cache() -> Path:
     if _chosen is not None:
         return _chosen
     preset = os.environ.get("NUMBA_CACHE_DIR")
-    if preset:
+    if preset and _writable(Path(preset)):
         base = Path(preset)
     else:
+        tried = [Path(preset)] if preset else []
         for cand in _candidates():
+            tried.append(cand)
             if _writable(cand):
                 base = cand
                 break
-        else:  # nothing writable: numba will JIT every process; still correct
-            base = Path(tempfile.gettempdir())
+        else:
+            raise NoKernelCache(
+                f"flodl_shm compiles its kernels once and caches them, and none of the "
+                f"folders for that cache is writable here ({', '.join(map(str, tried))}): "
+                f"set NUMBA_CACHE_DIR to a writable folder")
+        if preset:
+            logging.getLogger("flodl_shm").warning(
+                "NUMBA_CACHE_DIR=%s is not writable: flodl_shm caches its compiled kernels "
+                "in %s instead (set NUMBA_CACHE_DIR to a writable folder)", preset, base)
+            os.environ["NUMBA_CACHE_DIR"] = str(base)  # spawned ranks agree, said once
         os.environ["FLODL_SHM_NUMBA_CACHE"] = str(base)  # spawned ranks agree
     chosen = base / f"flodl_shm-{sources_digest()}"
     if not _writable(chosen):

@@ -7,6 +7,7 @@ policy and the start methods).
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -191,9 +192,11 @@ class SpawnContext:
                                             else None)
         try:
             self._setup(nprocs, eager_bytes, relay_factory, interrupts)
-        except BaseException:
+        except BaseException as e:
             if self._server is not None:
                 self._server.stop()
+            if isinstance(e, OSError) and e.errno == errno.EMFILE:
+                raise _out_of_descriptors(nprocs) from None
             raise
 
     def _setup(self, nprocs: int, eager_bytes: int, relay_factory,
@@ -769,6 +772,22 @@ class SpawnContext:
                 logger.warning("relay shutdown: %s", e)
         self.arena.unlink()
         self.arena.close()
+
+
+def _out_of_descriptors(nprocs: int) -> OSError:
+    """The error for EMFILE while a cohort starts (multiprocessing's own traceback said
+    only ``Too many open files``): the limit and the fix."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ceiling = ("" if hard == resource.RLIM_INFINITY or hard >= 4096 else
+               f"; the hard limit is {hard}: a higher one is the system's or the scheduler's "
+               f"to grant")
+    return OSError(errno.EMFILE, (
+        f"spawn ran out of file descriptors starting {nprocs} ranks: this process may "
+        f"hold {soft} (`ulimit -n`, RLIMIT_NOFILE), and the cohort takes a few for each "
+        f"rank in the launcher (its shared memory, pipes, the rank server's connection); "
+        f"raise it (`ulimit -n 4096` before starting the job{ceiling})"))
 
 
 def _host_failure(err: RankFailed) -> tuple[int, str]:
