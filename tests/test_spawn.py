@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -973,3 +975,34 @@ def test_ranks_run_omp_num_threads_when_the_launcher_sets_it(monkeypatch, caplog
     assert bool(warned) == (omp == "abc"), warned
     if warned:
         assert "'abc' is not a positive thread count" in warned[0]
+
+
+_TERM_BEFORE_THE_ARENA = """
+import os, signal, sys
+from flodl_shm.launch.supervisor import _InterruptGate, take_stop_signals
+if sys.argv[1] == "handled":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))  # the script's own stop
+gate = _InterruptGate()
+gate._replaced = take_stop_signals(gate._handler)  # as spawn's gate does at its entry
+try:
+    os.kill(os.getpid(), signal.SIGTERM)  # before the cohort owns anything
+except KeyboardInterrupt:
+    print("KeyboardInterrupt")
+print("went on")
+"""
+
+
+@pytest.mark.parametrize("before", ["default", "handled"])
+def test_a_terminating_signal_before_the_arena_acts_as_it_would_have(before):
+    """A probe's SIGTERM to a launcher still compiling the kernels printed `Exception
+    ignored in: <function ObjectRef.__del__ ...> ... KeyboardInterrupt`: the gate raised
+    it inside llvmlite's finalizer, which swallowed it. With its default disposition the
+    signal now ends the process at once; a script's own handler still gets the
+    KeyboardInterrupt spawn raises."""
+    done = subprocess.run([sys.executable, "-c", _TERM_BEFORE_THE_ARENA, before],
+                          capture_output=True, text=True, timeout=60)
+    if before == "default":
+        assert done.returncode == -signal.SIGTERM and done.stdout == "", done
+        assert done.stderr == ""
+    else:
+        assert done.stdout.split() == ["KeyboardInterrupt", "went", "on"], done

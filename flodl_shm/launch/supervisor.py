@@ -1001,27 +1001,35 @@ class _InterruptGate:
     """``spawn``'s handling of SIGINT and the terminating signals (``_TERMINATING``)
     on the main thread, from before the arena exists until every rank is reaped.
 
-    Before a ``SpawnContext`` owns an arena the signal interrupts as usual (nothing
-    to clean up); from then on it stops the cohort (``terminate``) and ``spawn``
-    raises ``KeyboardInterrupt`` once every rank is gone. A terminating signal is
-    re-delivered at the end when its disposition was the default (the process then
-    dies of it, as it would have, with nothing left in /dev/shm).
+    Before a ``SpawnContext`` owns an arena the signal acts as it would have (nothing
+    to clean up): a terminating signal of default disposition ends the process at once
+    (raised as ``KeyboardInterrupt`` instead, it could land in a finalizer or a numba
+    callback compiling the kernels, which prints it as "Exception ignored" and goes
+    on), others raise ``KeyboardInterrupt``. From then on it stops the cohort
+    (``terminate``) and ``spawn`` raises ``KeyboardInterrupt`` once every rank is gone.
+    A terminating signal is re-delivered at the end when its disposition was the
+    default (the process then dies of it, as it would have, with nothing left in
+    /dev/shm).
     """
 
     def __init__(self) -> None:
         self.ctx: SpawnContext | None = None
         self.received: list[int] = []
+        self._replaced: dict = {}  # the handlers this gate replaced, by signal
 
     def _handler(self, signum, frame) -> None:
         self.received.append(signum)
         if self.ctx is None:
+            if signum != signal.SIGINT and self._replaced.get(signum) in (signal.SIG_DFL, None):
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)  # its default action, now
             raise KeyboardInterrupt
         how = ("interrupted (Ctrl-C)" if signum == signal.SIGINT
                else f"stopped by {signal.Signals(signum).name}")
         self.ctx.terminate(A.ABORT_INTERRUPT, f"its launcher was {how}")
 
     def run(self, start: Callable[["_InterruptGate"], SpawnContext]) -> list[Any]:
-        old = take_stop_signals(self._handler)
+        old = self._replaced = take_stop_signals(self._handler)
         try:
             return start(self).join()
         finally:
