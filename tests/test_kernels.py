@@ -352,14 +352,22 @@ def test_an_unwritable_numba_cache_dir_is_said_and_replaced(tmp_path: Path) -> N
     (tmp_path / "afile").write_text("")
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "afile" / "cache"),
            "FLODL_SHM_NUMBA_CACHE": str(tmp_path / "good")}
-    code = ("import logging; logging.basicConfig(format='%(message)s'); "
+    code = ("import logging, subprocess, sys; logging.basicConfig(format='%(message)s'); "
+            "import numba; "  # (imported first: it re-reads NUMBA_CACHE_DIR at a compile)
             "from flodl_shm.kernels import _cache; print(_cache.cache_dir()); "
+            "numba.njit(lambda x: x + 1)(1); print(numba.config.CACHE_DIR); "
+            "child = subprocess.run([sys.executable, '-c', 'from flodl_shm.kernels import "
+            "_cache; print(_cache.cache_dir())'], capture_output=True, text=True); "
+            "print(child.stdout.strip(), repr(child.stderr)); "
             f"import os; os.environ['NUMBA_CACHE_DIR'] = {str(tmp_path / 'afile' / 'cache')!r}; "
             "_cache._chosen = None; _cache._candidates = lambda: []; "
             "_cache.configure_numba_cache()")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=110)
-    assert run.stdout.startswith(str(tmp_path / "good" / "flodl_shm-")), run
+    chosen, after_a_compile, child = run.stdout.splitlines()[:3]
+    assert chosen.startswith(str(tmp_path / "good" / "flodl_shm-")), run
+    assert after_a_compile == chosen  # (it became the base, past the digest folder)
+    assert child == f"{chosen} ''", child  # a rank: the same folder, nothing said again
     assert (f"NUMBA_CACHE_DIR={tmp_path}/afile/cache is not writable: flodl_shm caches its "
             f"compiled kernels in {tmp_path}/good instead") in run.stderr, run.stderr
     # nothing writable (as with a read-only package, home and temp dirs): named, not numba's

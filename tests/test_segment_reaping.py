@@ -172,11 +172,16 @@ def test_a_segment_past_the_file_size_limit_names_the_limit_not_dev_shm_space():
 _SEGMENT_PAST_AN_ADDRESS_SPACE_LIMIT = """
 import os, resource
 from flodl_shm.engine.segment import Segment, list_segments
+from flodl_shm.engine.tensor_codec import fresh_array
 import psutil
 vm = psutil.Process().memory_info().vms
 resource.setrlimit(resource.RLIMIT_AS, (vm + (64 << 20), resource.RLIM_INFINITY))
 try:
     Segment.create(f"fshm_{os.getpid()}_abcd1234_probe", 256 << 20)
+except OSError as e:
+    print(type(e).__name__, e.errno, e)
+try:
+    fresh_array(64 << 20, "float32")  # a result buffer: 256 MiB
 except OSError as e:
     print(type(e).__name__, e.errno, e)
 print(len([s for s in list_segments() if s.owner_pid == os.getpid()]))
@@ -191,8 +196,13 @@ def test_a_segment_past_the_address_space_limit_names_the_limit():
     out = subprocess.run([sys.executable, "-c", _SEGMENT_PAST_AN_ADDRESS_SPACE_LIMIT],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    said, left = out.stdout.strip().splitlines()
-    assert said.startswith(f"OSError {errno.ENOMEM} "), said
+    said, result, left = out.stdout.strip().splitlines()
+    assert said.startswith(f"OSError {errno.ENOMEM} [Errno {errno.ENOMEM}] shared-memory "
+                           f"segment fshm_"), said
     assert "(256.0 MiB) could not be mapped: this process's virtual-memory limit is " in said
     assert "(`ulimit -v`, RLIMIT_AS)" in said and "`ulimit -v unlimited`" in said, said
+    # (in a real spawn the first mapping refused was a result buffer's)
+    assert result.startswith(f"OSError {errno.ENOMEM} [Errno {errno.ENOMEM}] a collective's "
+                             f"result buffer (256.0 MiB) could not be mapped: this process's "
+                             f"virtual-memory limit"), result
     assert left == "0", "the segment is removed"

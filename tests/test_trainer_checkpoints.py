@@ -373,17 +373,18 @@ def test_a_dataset_of_another_length_in_the_same_whole_batches_is_refused_mid_ep
     """A probe resumed a mid-epoch bundle of a 520-sample run with 527 samples: the same
     epoch of 512 in batches of 16, so it passed, and the epoch's shuffle of 527 put other
     samples in the uncovered batches (89 trained twice). The coverage keeps the
-    dataset's length: refused before any rank starts, or by the ranks for a factory."""
+    dataset's length: refused before any rank starts, or by the ranks for a factory. At
+    an epoch's end the next epoch is untouched and starts on the new dataset."""
     from flodl_shm.errors import StartRefused
 
     def trainer(dataset):
-        return Trainer(model_fn=make_model, dataset=dataset, batch_size=4, epochs=1,
+        return Trainer(model_fn=make_model, dataset=dataset, batch_size=4, epochs=2,
                        optimizer_fn=functools.partial(torch.optim.SGD, lr=0.1),
                        loss_fn=torch.nn.functional.mse_loss, sync_every=1,
                        checkpoint_every=1, keep_checkpoints=8, log_every=None,
                        save_path=tmp_path / "ck")
 
-    trainer(_rows(17)).run(1)  # an epoch of 16: four windows, a bundle each
+    trainer(_rows(17)).run(1)  # epochs of 16: four windows, a bundle each
     mid = round_model_path(tmp_path / "ck", 2)
     assert CheckpointMeta.read_from_file(CheckpointBundle.meta_path(mid)).coverage.dataset_len \
         == 17
@@ -394,7 +395,17 @@ def test_a_dataset_of_another_length_in_the_same_whole_batches_is_refused_mid_ep
     with pytest.raises(StartRefused, match=r"the checkpoint's epoch 0 is a shuffle of a dataset "
                                            r"of 17 samples and this run's dataset has 18"):
         trainer(functools.partial(_rows, 18)).resume(mid, overwrite=True)
-    assert trainer(functools.partial(_rows, 17)).resume(mid, overwrite=True).meta.epoch == 1
+    assert trainer(functools.partial(_rows, 17)).resume(mid, overwrite=True).meta.epoch == 2
+    # at an epoch's end none of the next epoch is trained: it starts afresh on the new data
+    # (a regression probe's resume there with 520 samples for 512 was refused)
+    boundary = round_model_path(tmp_path / "ck", 4)
+    meta = CheckpointMeta.read_from_file(CheckpointBundle.meta_path(boundary))
+    assert meta.epoch == 1 and [(e.epoch, e.uncovered_ranges) for e in meta.coverage.per_epoch] \
+        == [(1, [(0, 16)])]
+    for more, batches in ((_rows(18), 4), (functools.partial(_rows, 21), 5)):  # 21: 5 of 4
+        result = trainer(more).resume(boundary, overwrite=True)
+        assert result.meta.epoch == 2
+        assert sum(w.cohort_batches[0] for w in result.history) == batches
 
 
 def test_a_damaged_newest_bundle_names_the_one_before(tmp_path):

@@ -358,6 +358,14 @@ def step_detached(model, batch):
     return ce_step(model, batch).detach()
 
 
+class LossTensor(torch.Tensor):
+    """A tensor subclass, as libraries' outputs are (MONAI's MetaTensor)."""
+
+
+def step_subclass(model, batch):
+    return ce_step(model, batch).as_subclass(LossTensor)
+
+
 def not_a_scheduler(optimizer):
     return 5
 
@@ -392,6 +400,15 @@ def test_a_step_fn_that_returns_no_loss_is_named(step_fn, said):
                                          r"grad"):
         trainer.run(nprocs=2)
     assert_no_leaks()
+
+
+def test_a_loss_of_a_tensor_subclass_trains():
+    """A regression probe: the loss check refused a tensor subclass's loss (an exact type
+    test), which trained before it."""
+    trainer = flodl_shm.Trainer(make_model, functools.partial(torch.optim.SGD, lr=0.1),
+                                make_data, None, step_fn=step_subclass, batch_size=16,
+                                epochs=1, log_every=None)
+    assert trainer.run(nprocs=1).meta.global_step == 32  # every batch of the epoch
 
 
 def test_what_a_factory_builds_is_checked_by_the_ranks():

@@ -299,7 +299,7 @@ class Segment:
                                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:
             if e.errno == errno.ENOMEM:
-                raise _map_error(self.name, nbytes) from e
+                raise map_error(f"shared-memory segment {self.name}", nbytes) from e
             raise
         self.nbytes = nbytes
 
@@ -349,22 +349,23 @@ class Segment:
         return f"Segment({self.name!r}, {fmt_bytes(self.nbytes)}, created={self.created})"
 
 
-def _map_error(name: str, nbytes: int) -> OSError:
-    """The error for a mapping refused with ENOMEM: this process's address-space limit
-    (``ulimit -v``) when one is set, named with the fix; else memory itself."""
+def map_error(what: str, nbytes: int) -> OSError:
+    """The error for a mapping of ``what`` (a segment, a result buffer) refused with
+    ENOMEM: this process's address-space limit (``ulimit -v``) when one is set, named
+    with the fix; else memory itself."""
     import resource
 
     limit = resource.getrlimit(resource.RLIMIT_AS)[0]
     if limit != resource.RLIM_INFINITY:
         return OSError(errno.ENOMEM, (
-            f"shared-memory segment {name} ({fmt_bytes(nbytes)}) could not be mapped: this "
-            f"process's virtual-memory limit is {fmt_bytes(limit)} (`ulimit -v`, RLIMIT_AS), "
-            f"and torch, numba and the mappings of every segment count against it; raise it "
+            f"{what} ({fmt_bytes(nbytes)}) could not be mapped: this process's "
+            f"virtual-memory limit is {fmt_bytes(limit)} (`ulimit -v`, RLIMIT_AS), and "
+            f"torch, numba and the mappings of every segment count against it; raise it "
             f"(`ulimit -v unlimited` before starting the job) or train a smaller model"))
     return OSError(errno.ENOMEM, (
-        f"shared-memory segment {name} ({fmt_bytes(nbytes)}) could not be mapped: the "
-        f"system is out of memory for it (or a memory cgroup's limit was reached); free "
-        f"memory or train a smaller model"))
+        f"{what} ({fmt_bytes(nbytes)}) could not be mapped: the system is out of memory "
+        f"for it (or a memory cgroup's limit was reached); free memory or train a smaller "
+        f"model"))
 
 
 def _lock_new(fd: int, name: str) -> None:

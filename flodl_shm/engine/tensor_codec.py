@@ -22,6 +22,7 @@ paying a fresh allocation's page faults every call.
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import sys
 from typing import Sequence
@@ -33,6 +34,7 @@ from ..errors import FrameError
 from ..frame import DTYPE_BF16, DTYPE_F32, RoundKind, check_tensor_dtype, tensor_array
 from ..kernels import codec as K
 from ..kernels import reduce as RK
+from .segment import map_error
 from ..kernels import tensorio as TIO
 from .hostmem import HostMemory, host_memory
 from .protocol import RoundPlan
@@ -75,7 +77,12 @@ def fresh_array(nelem: int, dtype, huge: bool | None = None) -> np.ndarray:
     source's pages (64 MiB read from a 4 KiB-page tensor: 55 ms into ``np.empty``,
     16 ms into this, 17 ms into a 4 KiB mapping)."""
     nbytes = nelem * np.dtype(dtype).itemsize
-    mm = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mm = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as e:
+        if e.errno == errno.ENOMEM:
+            raise map_error("a collective's result buffer", nbytes) from e
+        raise
     if huge is None:
         huge = True if nbytes >= _HUGE_PAGE else None
     if huge is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):

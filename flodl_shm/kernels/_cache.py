@@ -110,7 +110,11 @@ def configure_numba_cache() -> Path:
     if _chosen is not None:
         return _chosen
     preset = os.environ.get("NUMBA_CACHE_DIR")
-    if preset and _writable(Path(preset)):
+    digest_dir = f"flodl_shm-{sources_digest()}"
+    replaced = False
+    if preset and Path(preset).name == digest_dir and _writable(Path(preset)):
+        base = Path(preset).parent  # our own folder, as a parent that replaced it exports
+    elif preset and _writable(Path(preset)):
         base = Path(preset)
     else:
         tried = [Path(preset)] if preset else []
@@ -128,11 +132,16 @@ def configure_numba_cache() -> Path:
             logging.getLogger("flodl_shm").warning(
                 "NUMBA_CACHE_DIR=%s is not writable: flodl_shm caches its compiled kernels "
                 "in %s instead (set NUMBA_CACHE_DIR to a writable folder)", preset, base)
-            os.environ["NUMBA_CACHE_DIR"] = str(base)  # spawned ranks agree, said once
+            replaced = True
         os.environ["FLODL_SHM_NUMBA_CACHE"] = str(base)  # spawned ranks agree
-    chosen = base / f"flodl_shm-{sources_digest()}"
+    chosen = base / digest_dir
     if not _writable(chosen):
         chosen = base
+    if replaced:
+        # the folder itself: numba re-reads its NUMBA_ variables whenever they change (at
+        # its next compile, when it was imported before us), and spawned ranks take it
+        # as is, without a warning of their own
+        os.environ["NUMBA_CACHE_DIR"] = str(chosen)
     import numba  # imported here so the env var is set before numba reads its config
 
     numba.config.CACHE_DIR = str(chosen)

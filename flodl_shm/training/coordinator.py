@@ -46,7 +46,8 @@ from typing import Optional, Sequence
 from ..checkpoint.meta import CheckpointMeta, CoverageBlock, ElCheState, SaveReason
 from ..errors import plural
 from .convergence import ConvergenceGuard, TrendGuard, resumed_guard
-from .coverage import SHUFFLE_BASE_SEED, ChunkPool, coverage_block, pools_from_coverage
+from .coverage import (SHUFFLE_BASE_SEED, ChunkPool, coverage_block, pools_from_coverage,
+                       untouched)
 from .el_che import ElChe, fit_counts
 from .sync_window import CohortAck, CohortCounts
 
@@ -221,6 +222,8 @@ class Coordinator:
                 logger.warning("coverage lists epochs %s after the start epoch %d; they are "
                                "retrained from scratch", later, start)
             pool = pools.get(start)
+            if any(ec.epoch == start and untouched(ec) for ec in config.start_coverage.per_epoch):
+                pool = None  # none of it trained: it starts afresh, on this run's dataset
             if pool is not None and pool.total_samples != config.samples_per_epoch:
                 raise ValueError(
                     f"the checkpoint's epoch {start} has {pool.total_samples} samples but this "

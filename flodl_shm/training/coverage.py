@@ -422,6 +422,13 @@ def coverage_block(pools: Iterable[ChunkPool], seed: int, batch_size: int,
                          dataset_len=None if dataset_len is None else int(dataset_len))
 
 
+def untouched(ec: "EpochCoverage") -> bool:
+    """Whether the epoch coverage ``ec`` records an epoch none of whose samples was
+    trained (saved at the end of the one before): a resume starts it afresh, with the
+    dataset and epoch size the resuming run has."""
+    return list(ec.uncovered_ranges) == [(0, ec.total_samples)]
+
+
 def pools_from_coverage(block: "CoverageBlock", world_size: int,
                         batch_size: Optional[int] = None) -> dict[int, ChunkPool]:
     """Rebuild every in-progress epoch pool from a checkpoint's coverage record,

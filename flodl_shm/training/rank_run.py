@@ -407,14 +407,14 @@ class _RankRun:
         k = self.trainer.accumulate
         if k == 1:
             loss = self._loss(batch)
-            if type(loss) is not torch.Tensor or not loss.requires_grad or loss.numel() != 1:
+            if not isinstance(loss, torch.Tensor) or not loss.requires_grad or loss.numel() != 1:
                 raise self._not_a_loss(loss)
             loss.backward()
             return float(loss.detach())
         total = 0.0
         for part in micro_batches(batch, k):
             loss = self._loss(part)
-            if type(loss) is not torch.Tensor or not loss.requires_grad or loss.numel() != 1:
+            if not isinstance(loss, torch.Tensor) or not loss.requires_grad or loss.numel() != 1:
                 raise self._not_a_loss(loss)
             loss = loss / k
             loss.backward()
@@ -426,7 +426,7 @@ class _RankRun:
         a tuple, None, a tensor of several values or one that does not require grad)."""
         who = ("step_fn(model, batch)" if self.trainer.step_fn is not None
                else "loss_fn(model(*inputs), target)")
-        if type(value) is not torch.Tensor:
+        if not isinstance(value, torch.Tensor):
             what = f"{type(value).__name__} {value!r:.60}"
         elif value.numel() != 1:
             what = f"a tensor of shape {list(value.shape)} (a loss per sample? reduce it)"

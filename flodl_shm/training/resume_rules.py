@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..checkpoint.meta import CheckpointMeta
+from .coverage import untouched
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,8 @@ def resume_conflicts(meta: CheckpointMeta, *, seed: int, batch_size: int, epochs
         per_epoch = (None if dataset_len is None
                      else (dataset_len // batch_size) * batch_size)
         for ec in cov.per_epoch:
-            if ec.epoch != meta.epoch:
-                continue
+            if ec.epoch != meta.epoch or untouched(ec):
+                continue  # (an epoch none of whose samples were trained starts afresh)
             if per_epoch not in (None, ec.total_samples):
                 out.append(ResumeConflict(
                     "dataset", ec.total_samples, per_epoch, f"({dataset_len} samples in "
