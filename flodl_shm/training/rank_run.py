@@ -406,24 +406,22 @@ class _RankRun:
         batch's loss."""
         k = self.trainer.accumulate
         if k == 1:
-            loss = self._loss(batch)
-            if not isinstance(loss, torch.Tensor) or not loss.requires_grad or loss.numel() != 1:
-                raise self._not_a_loss(loss)
+            loss = self._checked_loss(self._loss(batch))
             loss.backward()
             return float(loss.detach())
         total = 0.0
         for part in micro_batches(batch, k):
-            loss = self._loss(part)
-            if not isinstance(loss, torch.Tensor) or not loss.requires_grad or loss.numel() != 1:
-                raise self._not_a_loss(loss)
-            loss = loss / k
+            loss = self._checked_loss(self._loss(part)) / k
             loss.backward()
             total += float(loss.detach())
         return total
 
-    def _not_a_loss(self, value) -> TypeError:
-        """The error for a batch's loss that cannot be back-propagated (a Python number,
-        a tuple, None, a tensor of several values or one that does not require grad)."""
+    def _checked_loss(self, value):
+        """``value`` when it is a loss to back-propagate (a one-value tensor that requires
+        grad); else ``TypeError`` naming what it is (a Python number, a tuple, None,
+        per-sample losses, a detached tensor) and the fix."""
+        if isinstance(value, torch.Tensor) and value.requires_grad and value.numel() == 1:
+            return value
         who = ("step_fn(model, batch)" if self.trainer.step_fn is not None
                else "loss_fn(model(*inputs), target)")
         if not isinstance(value, torch.Tensor):
@@ -433,9 +431,9 @@ class _RankRun:
         else:
             what = ("a tensor that does not require grad (computed under torch.no_grad, "
                     "detached, or from .item())")
-        return TypeError(f"{who} returned {what}: it must return the batch's loss, a "
-                         f"one-value tensor that requires grad, e.g. "
-                         f"F.cross_entropy(model(x), y)")
+        raise TypeError(f"{who} returned {what}: it must return the batch's loss, a "
+                        f"one-value tensor that requires grad, e.g. "
+                        f"F.cross_entropy(model(x), y)")
 
     # -- the window's sync ------------------------------------------------------------
     def _window_one_round(self, plan, nb: int, compute_ms: float, loss_sum: float,
