@@ -359,3 +359,18 @@ def test_ctrl_c_in_bench_startup_is_one_line(tmp_path):
     time.sleep(0.5)
     left = {f for f in os.listdir("/dev/shm") if f.startswith("fshm_")} - before
     assert not left, left
+
+
+def test_the_cluster_benchmark_runs_with_its_phase_timers():
+    """A probe found bench_cluster.py (and bench_c10d_hosts.py, which runs its cohort)
+    failing every run: its timer wrapped Link.recv with the signature Link.recv had
+    before it took idle= and abort=, the controller's reduce loop died on the new
+    keywords, and a missing name left it half-wrapped. The smallest cohort, end to end."""
+    done = run_tool("bench_cluster.py", "--sizes", "4KiB", "--hosts", "1", "--ranks", "1",
+                    "--wires", "f32", "--no-gloo", "--iter-scale", "0.05", timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "phase timers disabled" not in done.stderr, done.stderr
+    assert "## Where a round goes" in done.stdout, done.stdout
+    phases = [line.split("|")[4:-1] for line in done.stdout.splitlines()
+              if line.startswith("| 1 | 4 KiB | f32 |")]
+    assert len(phases) == 1 and all(cell.strip() for cell in phases[0]), done.stdout

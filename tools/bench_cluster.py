@@ -97,47 +97,49 @@ def _timed(fn, name: str):
 
 def _instrument(role: str) -> bool:
     """Wrap the steps of a round with timers (this process only). False if the private
-    names this relies on are gone (the benchmark then runs without a phase table)."""
+    names this relies on are gone (the benchmark then runs without a phase table, and
+    nothing is wrapped: every name is looked up before any is replaced)."""
+    from flodl_shm.cluster import controller as C
+    from flodl_shm.cluster import link as mux
+    from flodl_shm.cluster import relay as R
+    from flodl_shm.engine import protocol
+
+    if role == "controller":
+        targets = [(C.ClusterController, "_round", "round"), (C.ClusterController, "_add", "add"),
+                   (C.ClusterController, "_finish", "finish"), (mux, "frame_tag", "tag")]
+    else:
+        targets = [(R.Relay, "_partial_frame", "encode"),
+                   (protocol.RoundEngine, "await_arrivals", "arrive"),
+                   (protocol.RoundEngine, "await_slices", "slices")]
+    targets.append((mux.Link, "send_frame", "send"))
     try:
-        from flodl_shm.cluster import controller as C
-        from flodl_shm.cluster import link as mux
-        from flodl_shm.engine import protocol
-        from flodl_shm.cluster import relay as R
-
-        orig_recv = mux.Link.recv
-
-        def recv(self, sink=None, *, timeout=None):
-            t0 = time.monotonic()
-            first: list[float] = []
-
-            def marking(*a):
-                if not first:
-                    first.append(time.monotonic())   # the frame's payload starts arriving
-                return sink(*a)
-
-            got = orig_recv(self, None if sink is None else marking, timeout=timeout)
-            if got is not None and got[0] != mux.Kind.CTRL:
-                t1 = time.monotonic()
-                EVENTS.append(("recv", t0, t1, first[0] if first else t0))
-            return got
-
-        mux.Link.recv = recv
-        mux.Link.send_frame = _timed(mux.Link.send_frame, "send")
-        if role == "controller":
-            C.ClusterController._round = _timed(C.ClusterController._round, "round")
-            C.ClusterController._add = _timed(C.ClusterController._add, "add")
-            C.ClusterController._finish = _timed(C.ClusterController._finish, "finish")
-            C.frame_tag = _timed(C.frame_tag, "tag")
-        else:
-            R.Relay._partial_frame = _timed(R.Relay._partial_frame, "encode")
-            protocol.RoundEngine.await_arrivals = _timed(protocol.RoundEngine.await_arrivals,
-                                                         "arrive")
-            protocol.RoundEngine.await_slices = _timed(protocol.RoundEngine.await_slices,
-                                                       "slices")
-        return True
+        originals = [(owner, name, getattr(owner, name), label) for owner, name, label in
+                     [*targets, (mux.Link, "recv", "recv"), (mux.Kind, "CTRL", "")]]
     except AttributeError as e:
         print(f"# phase timers disabled: {e}", file=sys.stderr, flush=True)
         return False
+    orig_recv = mux.Link.recv
+
+    def recv(self, sink=None, **kw):  # (timeout, idle, abort: whatever Link.recv takes)
+        t0 = time.monotonic()
+        first: list[float] = []
+
+        def marking(*a):
+            if not first:
+                first.append(time.monotonic())   # the frame's payload starts arriving
+            return sink(*a)
+
+        got = orig_recv(self, None if sink is None else marking, **kw)
+        if got is not None and got[0] != mux.Kind.CTRL:
+            t1 = time.monotonic()
+            EVENTS.append(("recv", t0, t1, first[0] if first else t0))
+        return got
+
+    mux.Link.recv = recv
+    for owner, name, fn, label in originals:
+        if label and name != "recv":
+            setattr(owner, name, _timed(fn, label))
+    return True
 
 
 def _window(events, t0: float, t1: float, name: str) -> list[tuple]:
