@@ -663,17 +663,21 @@ def main(argv=None) -> int:
         over = " — OVERSUBSCRIBED (more ranks than cores)" if world > os.cpu_count() else ""
         ratio = ("× one memcpy" if memcpy else
                  "— (no memcpy in --methods: no ratio to one memcpy)")
-        print(f"\n## world {world}{over}\nCell = median µs / algorithmic GB/s / {ratio}\n")
-        print(table(results, world, [m for m in LABELS if m != "memcpy"
-                                     and not m.startswith(("api-", "mpi-"))], memcpy))
+        main = [m for m in LABELS if m != "memcpy" and not m.startswith(("api-", "mpi-"))]
+        if any(r["world"] == world and r["method"] in main for r in results):
+            print(f"\n## world {world}{over}\nCell = median µs / algorithmic GB/s / {ratio}\n")
+            print(table(results, world, main, memcpy))
+        else:  # (e.g. only API rows asked for, and the OpenMPI peer skipped)
+            print(f"\n## world {world}{over}")
         if apis:
             print(f"\n### every public collective, world {world}\n"
                   f"{api_header(results, world)}\n")
             print(api_table(results, world))
     slow = [r for r in results if any(r.get("slow_waits") or ())]
     if slow:
-        print("\nslow waits per 100 timed rounds (spin missed / futex sleeps; the spin "
-              "regime has none):")
+        print("\nslow waits per 100 timed rounds, the most of any rank (spin missed / futex "
+              "sleeps; a round waits more than once, so a count can pass 100, and a missed "
+              "spin need not sleep; the spin regime has none):")
         for r in slow:
             print(f"  world {r['world']} {human(r['bytes'])} {LABELS[r['method']]}: "
                   f"{slow_waits_text(r['slow_waits'][0])} / "

@@ -409,8 +409,11 @@ def _print_ratio(what: str, variant: list, loop: list, loop_key: str,
     """The per-repeat ratio of ``variant``'s median window (its ``key``) to the bare
     loop's (its ``loop_key``), and their median."""
     ratios = [a[key] / b[loop_key] for a, b in zip(variant, loop)]
+    spread = max(ratios) / min(ratios) if min(ratios) > 0 else math.inf
+    noisy = (f"; the repeats differ {spread:.0f}-fold: the peer's scheduling, not the "
+             f"window, sets this median (--ranks 1, or more --repeats)" if spread > 3 else "")
     print(f"{what}: median {statistics.median(ratios):.2f}x (per repeat: "
-          f"{', '.join(f'{r:.2f}' for r in ratios)})")
+          f"{', '.join(f'{r:.2f}' for r in ratios)}){noisy}")
 
 
 def main(argv=None) -> int:

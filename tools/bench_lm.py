@@ -290,8 +290,8 @@ def main(argv=None) -> int:
     if args.only != "one":
         results[f"DiLoCo {args.ranks} ranks"] = run_diloco(train, val, cfg)
     print(f"# load average at the end {os.getloadavg()[0]:.2f}\n")
-    print("| variant | steps (rank 0) | tokens | tokens/s | train loss (last 20) | "
-          "held-out loss |")
+    print("| variant | steps (rank 0) | bytes trained (tokens: bytes) | bytes/s | train loss "
+          "(last 20, nats/byte) | held-out loss (nats/byte) |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, r in results.items():
         last = statistics.mean(l for _, l in r["curve"][-20:])
