@@ -375,3 +375,21 @@ def test_an_unwritable_numba_cache_dir_is_said_and_replaced(tmp_path: Path) -> N
         f"NoKernelCache: flodl_shm compiles its kernels once and caches them, and none of the "
         f"folders for that cache is writable here ({tmp_path}/afile/cache): set "
         f"NUMBA_CACHE_DIR to a writable folder"), run.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_numba_cache_dir_set_after_numba_stays_in_the_digest_folder(tmp_path: Path) -> None:
+    """A regression probe's script set NUMBA_CACHE_DIR after importing numba: numba re-read
+    it at its next compile and cached past the sources-digest folder. And a variable that
+    names an older version's digest folder put this version's inside it."""
+    from flodl_shm.kernels._cache import sources_digest
+
+    mine = tmp_path / f"flodl_shm-{sources_digest()}"
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    code = ("import os, sys, numba; os.environ['NUMBA_CACHE_DIR'] = sys.argv[1]; "
+            "from flodl_shm.kernels import _cache; print(_cache.cache_dir()); "
+            "numba.njit(lambda x: x + 1)(1); print(numba.config.CACHE_DIR)")
+    for preset in (tmp_path, tmp_path / "flodl_shm-0123456789ab"):
+        run = subprocess.run([sys.executable, "-c", code, str(preset)], env=env,
+                             capture_output=True, text=True, timeout=110)
+        assert run.stdout.split() == [str(mine), str(mine)], run

@@ -8,7 +8,8 @@ read-only site-packages, so we pick the first writable candidate:
 
 1. ``$NUMBA_CACHE_DIR`` when the user set it (when it is not writable, numba would
    write into the package's own folder, bypassing the digest folder below, or fail to
-   define a kernel at all: the next candidate is taken instead, with a warning);
+   define a kernel at all: the next candidate is taken instead, with a warning; when it
+   names a digest folder itself, a parent's export or an older version's, its parent);
 2. ``$FLODL_SHM_NUMBA_CACHE`` (ours, explicit);
 3. ``<package>/kernels/__pycache__`` when writable (in-tree, like numba's default);
 4. ``$XDG_CACHE_HOME/flodl_shm/numba`` (or ``~/.cache/flodl_shm/numba``);
@@ -112,8 +113,10 @@ def configure_numba_cache() -> Path:
     preset = os.environ.get("NUMBA_CACHE_DIR")
     digest_dir = f"flodl_shm-{sources_digest()}"
     replaced = False
-    if preset and Path(preset).name == digest_dir and _writable(Path(preset)):
-        base = Path(preset).parent  # our own folder, as a parent that replaced it exports
+    if preset and Path(preset).name.startswith("flodl_shm-") and _writable(Path(preset)):
+        # our own folder, as a parent that replaced the variable exports it (or an older
+        # version's: this one's goes beside it, not inside)
+        base = Path(preset).parent
     elif preset and _writable(Path(preset)):
         base = Path(preset)
     else:
@@ -144,6 +147,10 @@ def configure_numba_cache() -> Path:
         os.environ["NUMBA_CACHE_DIR"] = str(chosen)
     import numba  # imported here so the env var is set before numba reads its config
 
+    # numba re-reads its NUMBA_ variables at a compile when they changed since it last
+    # read them (a script that set NUMBA_CACHE_DIR after importing numba): read them now,
+    # so that no later compile puts the cache back past the digest folder
+    numba.config.reload_config()
     numba.config.CACHE_DIR = str(chosen)
     _chosen = chosen
     return _chosen

@@ -1005,7 +1005,9 @@ class _InterruptGate:
     to clean up): a terminating signal of default disposition ends the process at once
     (raised as ``KeyboardInterrupt`` instead, it could land in a finalizer or a numba
     callback compiling the kernels, which prints it as "Exception ignored" and goes
-    on), others raise ``KeyboardInterrupt``. From then on it stops the cohort
+    on), a script's own handler runs, a command's stop handler
+    (``stops_the_process``) gets ``KeyboardInterrupt`` here and the signal again as
+    ``spawn`` returns. From then on it stops the cohort
     (``terminate``) and ``spawn`` raises ``KeyboardInterrupt`` once every rank is gone.
     A terminating signal is re-delivered at the end when its disposition was the
     default (the process then dies of it, as it would have, with nothing left in
@@ -1020,9 +1022,12 @@ class _InterruptGate:
     def _handler(self, signum, frame) -> None:
         self.received.append(signum)
         if self.ctx is None:
-            if signum != signal.SIGINT and self._replaced.get(signum) in (signal.SIG_DFL, None):
+            old = self._replaced.get(signum)
+            if signum != signal.SIGINT and old in (signal.SIG_DFL, None):
                 signal.signal(signum, signal.SIG_DFL)
                 os.kill(os.getpid(), signum)  # its default action, now
+            if callable(old) and not stops_the_process(old):
+                return old(signum, frame)  # the script's own handler, as without spawn
             raise KeyboardInterrupt
         how = ("interrupted (Ctrl-C)" if signum == signal.SIGINT
                else f"stopped by {signal.Signals(signum).name}")
