@@ -5,8 +5,9 @@ a few µs must be caught by spinning; but a spinning waiter burns the core that 
 late rank needs when ranks outnumber cores (4 ranks on 2 cores made spin-then-
 ``sched_yield`` rounds take over a millisecond, BENCHMARKS.md). So:
 
-1. **spin** in compiled code (``kernels/signals.py``) for a time budget: ~50 µs when
-   every rank has a core, none when oversubscribed; then, **when ranks outnumber
+1. **spin** in compiled code (``kernels/signals.py``) for a time budget: ~200 µs
+   (``SPIN_BUDGET_S``; ``FLODL_SHM_SPIN_US``) when every rank has a core, none when
+   oversubscribed; then, **when ranks outnumber
    cores, yield** (``sched_yield``) for up to ~60 µs: the late rank is usually
    *runnable* on this core, not asleep, and a yield hands it the core at once,
    where sleeping would cost every waiter a ~35 µs wake-up per round. The fused
