@@ -296,6 +296,14 @@ def test_a_hook_failing_at_train_start_refuses_the_start(tmp_path):
     assert_no_leaks()
 
 
+def small_trainer(**kw):
+    """A Trainer of the module's model and data, one epoch, with ``kw`` on top."""
+    args = dict(model_fn=make_model, optimizer_fn=functools.partial(torch.optim.SGD, lr=0.1),
+                dataset=make_data, loss_fn=torch.nn.functional.cross_entropy,
+                batch_size=16, epochs=1, log_every=None)
+    return flodl_shm.Trainer(**dict(args, **kw))
+
+
 def make_wide_on_rank_one():
     import os
 
@@ -315,33 +323,26 @@ def test_set_up_misuse_is_named_in_the_trainer_s_terms():
     other shapes on another rank was told to 'build LocalSGD' the same way."""
     from flodl_shm.errors import StartRefused
 
-    def trainer(**kw):
-        args = dict(model_fn=make_model, optimizer_fn=functools.partial(torch.optim.SGD,
-                                                                          lr=0.1),
-                    dataset=make_data, loss_fn=torch.nn.functional.cross_entropy,
-                    batch_size=16, epochs=1, log_every=None)
-        return flodl_shm.Trainer(**dict(args, **kw))
-
     plateau = functools.partial(torch.optim.lr_scheduler.ReduceLROnPlateau, patience=2)
     # the launcher tells it from the factory, before any rank starts; the ranks, from a
     # function that builds one
     with pytest.raises(TypeError, match=r"ReduceLROnPlateau, which steps on a metric.*"
                                         r"build it in on_train_start"):
-        trainer(scheduler_fn=plateau).run(nprocs=2)
+        small_trainer(scheduler_fn=plateau).run(nprocs=2)
     with pytest.raises(StartRefused, match=r"ReduceLROnPlateau, which steps on a metric.*"
                                            r"build it in on_train_start"):
-        trainer(scheduler_fn=make_plateau).run(nprocs=2)
+        small_trainer(scheduler_fn=make_plateau).run(nprocs=2)
     empty = (torch.zeros(0, 10), torch.zeros(0, dtype=torch.long))
     with pytest.raises(ValueError, match="^the dataset is empty: pass one with samples$"):
-        trainer(dataset=empty).run(nprocs=2)
+        small_trainer(dataset=empty).run(nprocs=2)
     # (a probe's epochs=0 started two ranks for 4 s and returned the untrained model)
     with pytest.raises(ValueError, match=r"^epochs=0: a fresh run would start its ranks and "
                                          r"train nothing; build the Trainer with epochs >= 1$"):
-        trainer(epochs=0).run(nprocs=2)
+        small_trainer(epochs=0).run(nprocs=2)
     with pytest.raises(StartRefused, match=r"the ranks' models differ: on rank \d, tensor 0 is "
                                            r"parameter '0.weight'.*: make model_fn build the "
                                            r"same model on every rank"):
-        trainer(model_fn=make_wide_on_rank_one).run(nprocs=2)
+        small_trainer(model_fn=make_wide_on_rank_one).run(nprocs=2)
     assert_no_leaks()
 
 
@@ -418,24 +419,17 @@ def test_what_a_factory_builds_is_checked_by_the_ranks():
     and a scheduler_fn an int (found at the first window's step)."""
     from flodl_shm.errors import StartRefused
 
-    def trainer(**kw):
-        args = dict(model_fn=make_model, optimizer_fn=functools.partial(torch.optim.SGD,
-                                                                          lr=0.1),
-                    dataset=make_data, loss_fn=torch.nn.functional.cross_entropy,
-                    batch_size=16, epochs=1, log_every=None)
-        return flodl_shm.Trainer(**dict(args, **kw))
-
     with pytest.raises(StartRefused, match=r"dataset sample 0 is of type Tensor: with a "
                                            r"loss_fn, each sample must be an \(input\.\.\., "
                                            r"target\) tuple"):
-        trainer(dataset=rows_only).run(nprocs=2)
+        small_trainer(dataset=rows_only).run(nprocs=2)
     with pytest.raises(StartRefused, match=r"the ranks differ in the dataset's length \(512 on "
                                            r"ranks \[0\]; 480 on ranks \[1\]\): make the dataset "
                                            r"factory build the same dataset on every rank"):
-        trainer(dataset=fewer_rows_on_rank_one).run(nprocs=2)
+        small_trainer(dataset=fewer_rows_on_rank_one).run(nprocs=2)
     with pytest.raises(StartRefused, match=r"scheduler_fn must return an LR scheduler \(one "
                                            r"with step\(\)\), got int 5"):
-        trainer(scheduler_fn=not_a_scheduler).run(nprocs=2)
+        small_trainer(scheduler_fn=not_a_scheduler).run(nprocs=2)
     assert_no_leaks()
 
 
