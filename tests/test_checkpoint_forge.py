@@ -508,3 +508,18 @@ def test_normal_exit_waits_for_the_in_flight_write_and_never_imports_torch(tmp_p
     assert np.all(parsed.entries[0].to_numpy() == 3.0)
     assert np.all(parsed.entries[1].to_numpy() == 3.0)  # bf16 0x4040 == 3.0, upcast to f32
     assert sorted(os.listdir(tmp_path)) == ["exit.fdl", "exit.names.json"]
+
+
+def test_a_by_name_file_loads_nothing_and_says_so(tmp_path):
+    """An API probe loaded a save_module file (qualified names) with
+    load_consensus_checkpoint: it returned an empty report and changed nothing, silently."""
+    from flodl_shm.checkpoint.fdl import load_module, save_module
+
+    save_module(torch.nn.Linear(3, 2), tmp_path / "lin.fdl")
+    fresh = torch.nn.Linear(3, 2)
+    before = [p.detach().clone() for p in fresh.parameters()]
+    with pytest.raises(CheckpointError, match=r"holds none of a consensus checkpoint's keys .*"
+                                              r"\['weight', 'bias'\].*load_module\(model, path\)"):
+        load_consensus_checkpoint(fresh, tmp_path / "lin.fdl")
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))
+    assert load_module(fresh, tmp_path / "lin.fdl").complete

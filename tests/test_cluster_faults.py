@@ -796,3 +796,16 @@ def test_the_connect_retries_make_their_last_attempt_on_time():
     with pytest.raises(ConnectionError, match=r"within 0\.4 s \(3 attempts; "):
         connect("127.0.0.1:1", attempts=3, delay=0.2)
     assert said == [0.5]
+
+
+@pytest.mark.parametrize("salt", [b"a", b"", 5, "0" * 32], ids=["short", "empty", "int", "str"])
+def test_a_bad_salt_leaves_a_secret_file_as_it_was(tmp_path, salt):
+    """An API probe's write_secret_file(good_file, b"a") wrote `61` over a good secret, then
+    failed on reading it back: the good secret was lost."""
+    from flodl_shm.cluster.secret import read_secret_file
+
+    path = tmp_path / "secret.hex"
+    write_secret_file(path, SALT)
+    with pytest.raises(ValueError, match=r"session salt must be 16 bytes"):
+        write_secret_file(path, salt)
+    assert read_secret_file(path) == SALT

@@ -780,3 +780,31 @@ def test_collectives_leave_the_callers_tensors_resizable(tmp_path):
     load_module(model, tmp_path / "m.fdl")
     for p in model.parameters():
         p.data.resize_(p.numel() + 1)  # raised for a model saved or loaded before
+
+
+@pytest.mark.parametrize("call, error, said", [
+    (lambda c: c.shared_tensors(x for x in [torch.ones(3)]), TypeError, r"got generator"),
+    (lambda c: c.shared_tensors(torch.ones(3)), TypeError, r"got one tensor of shape \(3,\)"),
+    (lambda c: c.shared_tensors([[1.0, 2.0]]), TypeError, r"tensor 0 is a list"),
+    (lambda c: c.all_reduce_per_rank_f64(None), TypeError, r"one number per rank \(1\)"),
+    (lambda c: c.all_reduce_per_rank_f64(3), TypeError, r"got int 3"),
+    (lambda c: c.zero_copy_inputs([(-1,)]), ValueError, r"shape 0 is \(-1,\): every dimension"),
+    (lambda c: c.zero_copy_inputs([(2.5,)]), ValueError, r"shape 0 is \(2\.5,\)"),
+    (lambda c: c.zero_copy_inputs(None), TypeError, r"a list of shapes"),
+    (lambda c: c.broadcast_from_root(None), TypeError, r"list \(or tuple\) of tensors"),
+    (lambda c: c.broadcast_(5), TypeError, r"list \(or tuple\) of tensors, got int"),
+    (lambda c: c.all_reduce_([torch.ones(3)], weight=None), TypeError,
+     r"weight must be a number .*got NoneType None"),
+    (lambda c: c.all_reduce_([torch.ones(3)], kind=99), ValueError,
+     r"kind 99 is not a RoundKind: pass RoundKind\.MODEL"),
+], ids=["shared-generator", "shared-bare-tensor", "shared-list", "per-rank-None",
+        "per-rank-scalar", "zc-negative", "zc-float", "zc-None", "bcast-None", "bcast_-int",
+        "weight-None", "kind-99"])
+def test_an_api_probe_s_bad_inputs_are_named(call, error, said):
+    """An API probe found these accepted with a wrong result (a generator placed nothing,
+    a bare tensor became its rows, None gathered [nan], a shape of -1 an empty tensor,
+    2.5 a tensor of 2) or refused from deep inside (len() of None, float() of None,
+    enum's own message)."""
+    with FakeCohort(1) as c:
+        with pytest.raises(error, match=said):
+            call(c.comm(0))

@@ -504,9 +504,19 @@ def load_consensus_checkpoint(model: "torch.nn.Module", path: "str | os.PathLike
     in place (cast to each tensor's dtype, kept on its device). A shape mismatch
     raises ``CheckpointError`` before anything is modified; no structural hash
     is checked. Integer buffers are not in the checkpoint and are left as they
-    are. Returns a ``LoadReport`` of positional keys.
+    are. Returns a ``LoadReport`` of positional keys. A file none of whose keys is
+    positional (a state_dict saved as ``.fdl``, qualified names) loads nothing: that
+    raises ``CheckpointError`` (an empty report read as a load).
     """
-    return load_targets(path, consensus_targets(model))
+    report = load_targets(path, consensus_targets(model))
+    if report.unexpected and not report.loaded:
+        raise CheckpointError(
+            f"{os.fspath(path)} holds none of a consensus checkpoint's keys (p0, p1, ..., "
+            f"b0, ...): its tensors are named {report.unexpected[:3]}"
+            f"{' ...' if len(report.unexpected) > 3 else ''}, as a state_dict's (a "
+            f"save_module file); load it by name with flodl_shm.checkpoint.fdl.load_module"
+            f"(model, path)")
+    return report
 
 
 def load_outer_momentum(model: "torch.nn.Module", outer_path: "str | os.PathLike[str]"

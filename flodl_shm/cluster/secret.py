@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .wire import SESSION_SALT_BYTES
+from .wire import SESSION_SALT_BYTES, check_salt
 
 
 def new_salt() -> bytes:
@@ -51,8 +51,10 @@ def read_secret_file(path: str | os.PathLike) -> bytes:
 
 
 def write_secret_file(path: str | os.PathLike, salt: bytes | None = None) -> bytes:
-    """Write ``salt`` (a fresh one by default) as hex, mode 0600; returns it."""
-    salt = new_salt() if salt is None else bytes(salt)
+    """Write ``salt`` (a fresh one by default) as hex, mode 0600; returns it. A salt that
+    is not 16 bytes is refused before the file is touched (it would have replaced a good
+    secret with one nobody can read)."""
+    salt = new_salt() if salt is None else check_salt(salt)
     p = Path(path)
     fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:

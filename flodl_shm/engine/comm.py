@@ -163,8 +163,31 @@ def _kind(kind) -> int:
                          f"position?): pass weight=... by name")
     k = int(kind)
     if k != _MODEL and k != _CONTROL:
-        RoundKind(k)  # raises, naming the value
+        raise ValueError(f"kind {kind!r} is not a RoundKind: pass RoundKind.MODEL (a model "
+                         f"round, the default) or RoundKind.CONTROL")
     return k
+
+
+
+def _checked_shapes(shapes) -> tuple[tuple[int, ...], ...]:
+    """``zero_copy_inputs``' shapes as a tuple of int tuples; TypeError / ValueError naming
+    one that is not a sequence of non-negative ints (a -1 gave an empty tensor, a 2.5 a
+    tensor of 2)."""
+    if shapes is None or isinstance(shapes, (str, bytes, torch.Tensor)):
+        raise TypeError(f"zero_copy_inputs takes a list of shapes (one per tensor, e.g. "
+                        f"[(3, 4), (4,)]), got {type(shapes).__name__}")
+    out = []
+    for i, s in enumerate(shapes):
+        try:
+            dims = tuple(s)
+        except TypeError:
+            raise TypeError(f"shape {i} is {s!r}: a shape is a tuple of ints, e.g. (3, 4) "
+                            f"or (4,)") from None
+        if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0
+                   for d in dims):
+            raise ValueError(f"shape {i} is {dims!r}: every dimension is an int >= 0")
+        out.append(tuple(int(d) for d in dims))
+    return tuple(out)
 
 
 class Comm:
@@ -723,6 +746,10 @@ class Comm:
         if type(values) is np.ndarray and values.shape == (world,):
             src[:] = values  # the common case, without asarray's copy
         else:
+            if values is None or isinstance(values, (str, bytes)) or np.ndim(values) != 1:
+                raise TypeError(f"all_reduce_per_rank_f64 takes one number per rank ({world}), "
+                                f"a list or a 1-d array, got {type(values).__name__} "
+                                f"{values!r:.60}")
             vec = np.asarray(values, dtype=np.float64).reshape(-1)
             if vec.shape[0] != world:
                 raise ValueError(f"vector len ({vec.shape[0]}) must equal world_size "
@@ -765,6 +792,7 @@ class Comm:
         """
         is_root, local_root = self._broadcast_root(root)
         eng = self._engine
+        refuse_one_tensor(tensors)  # (None, a bare tensor, a generator: named)
         if len(tensors) == 1 and local_root is not None:
             plan = self._single_plan(tensors[0], _CONTROL, False)
             if plan is not None:
@@ -823,6 +851,7 @@ class Comm:
         """
         is_root, local_root = self._broadcast_root(root)
         eng = self._engine
+        refuse_one_tensor(tensors)
         if local_root is not None:
             if len(tensors) == 1:
                 t = tensors[0]
@@ -968,10 +997,15 @@ class Comm:
         if self._engine.relay_mode:
             raise ValueError("shared tensors serve rounds inside one host, but this Comm's "
                              "rounds cross hosts through a relay")
+        refuse_one_tensor(tensors)  # (a generator was read twice: nothing was placed)
         for i, t in enumerate(tensors):
-            if t.dtype is not F32 or not t.is_cpu:
-                raise ValueError(f"tensor {i} is {t.dtype} on {t.device}; shared tensors are "
-                                 f"float32 CPU tensors")
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"tensor {i} is a {type(t).__name__}; shared tensors are made "
+                                f"from float32 CPU tensors (torch.from_numpy(a) for an array)")
+            if t.dtype is not F32 or not t.is_cpu or t.layout is not torch.strided:
+                layout = "" if t.layout is torch.strided else f", {t.layout}"
+                raise ValueError(f"tensor {i} is {t.dtype} on {t.device}{layout}; shared "
+                                 f"tensors are float32 CPU tensors, dense")
         # each tensor starts on a 64-byte boundary (16 floats)
         offs, total = [], 0
         for t in tensors:
@@ -1004,7 +1038,7 @@ class Comm:
         if last is not None and last[0] == dtype and tuple(shapes) == last[1]:
             plan = last[2]
         else:
-            key = tuple([tuple(s) for s in shapes])
+            key = _checked_shapes(shapes)
             plan = eng.plan(_MODEL, dtype, key)
             self._zc_plan = (dtype, key, plan)
         eager = plan.eager_fits and not eng.relay_mode and eng.fault_hook is None
@@ -1063,7 +1097,12 @@ class Comm:
         """Round begin, shared by every path: refuse a broken Comm, validate the mass."""
         if self._broken is not None:
             raise RuntimeError(f"this Comm is unusable: {self._broken}")
-        weight = float(weight)
+        try:  # (free in CPython 3.11 until something raises)
+            weight = float(weight)
+        except (TypeError, ValueError):
+            raise TypeError(f"weight must be a number (this rank's mass in the round, e.g. "
+                            f"its samples), got {type(weight).__name__} {weight!r:.60}"
+                            ) from None
         if not MASS_MIN <= weight <= MASS_MAX and weight != 0.0:  # NaN fails both
             raise mass_error(weight)
         return weight
