@@ -808,6 +808,12 @@ def test_bad_arguments():
         spawn(describe, 2, world_size=4)
     with pytest.raises(ValueError, match="timeout"):
         spawn(describe, 2, timeout=0)
+    # (an API probe's: both were taken, "no" as True, -1 as a page)
+    with pytest.raises(ValueError, match=r"spawn: eager_bytes must be an int >= 0 or None, "
+                                         r"got -1"):
+        spawn(describe, 2, eager_bytes=-1)
+    with pytest.raises(TypeError, match=r"spawn: join must be True or False, got 'no'"):
+        spawn(describe, 2, join="no")
 
 
 def test_spawn_from_a_worker_thread_and_join_false():

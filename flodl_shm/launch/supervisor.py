@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..engine import arena as A
-from ..errors import RankFailed, RankStalled, ReduceStall, check_int, plural
+from ..errors import RankFailed, RankStalled, ReduceStall, check_flag, check_int, plural
 from ..engine.checkpoint_tap import TapServer
 from ..engine.hostmem import host_memory
 from ..engine.segment import fmt_bytes, reap_dead_owner_segments, space_error
@@ -887,6 +887,8 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
                         f"{type(args).__name__}: pass args=(value,) for one")
     check_int("nprocs", nprocs, 1, prefix="spawn: ")
     check_int("max_failures", max_failures, 0, prefix="spawn: ")
+    check_int("eager_bytes", eager_bytes, 0, optional=True, prefix="spawn: ")
+    check_flag("spawn: join", join)  # ("no" would have been true)
     if start_method is not None and start_method not in mp.get_all_start_methods():
         raise ValueError(f"spawn: start_method must be one of "
                          f"{', '.join(map(repr, mp.get_all_start_methods()))} (this platform's), "
