@@ -250,6 +250,28 @@ def test_controller_numbers_out_of_range_are_usage_errors(secret, capsys, extra,
         ClusterController.start("127.0.0.1:0", 2, read_secret_file(secret), round_timeout=0.0)
 
 
+def test_a_controller_address_that_is_no_host_of_this_machine_says_what_to_bind(
+        secret, monkeypatch):
+    """An API probe's ClusterController.start("nohost:1", ...) raised socket's own
+    "Name or service not known (while attempting to bind on address ('nohost', 1))".
+    (The lookup's failure is socket.create_server's, stood in for here: a real one would
+    ask the network's name server, and the tests send nothing off this machine.)"""
+    import socket
+
+    from flodl_shm.cluster.controller import ClusterController
+    from flodl_shm.cluster.secret import read_secret_file
+
+    def unresolved(address, **kw):
+        raise OSError(socket.EAI_NONAME, f"Name or service not known (while attempting to "
+                                         f"bind on address {address!r})")
+
+    monkeypatch.setattr(socket, "create_server", unresolved)
+    with pytest.raises(OSError, match=r"cannot listen on nohost:1: Name or service not known; "
+                                      r"bind an address of this machine \(0\.0\.0\.0:1 for every "
+                                      r"interface, 127\.0\.0\.1:1 for this host alone\)"):
+        ClusterController.start("nohost:1", 2, read_secret_file(secret))
+
+
 @pytest.mark.parametrize("extra,said", [
     (["--outer-lr", "0.5"], "--outer-lr needs --outer nesterov"),
     (["--outer-momentum", "0.5"], "--outer-momentum needs --outer nesterov"),

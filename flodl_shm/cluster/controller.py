@@ -198,7 +198,15 @@ class ClusterController:
             raise ValueError(f"ClusterController: the DeadRanks ledger has world_size "
                              f"{dead_ranks.world_size}, the cohort {world_size}")
         host, port = parse_addr(addr)
-        sock = socket.create_server((host, port), reuse_port=False)
+        try:
+            sock = socket.create_server((host, port), reuse_port=False)
+        except OSError as e:
+            if not (isinstance(e.errno, int) and e.errno < 0):  # (not a name lookup's)
+                raise
+            why = (e.strerror or str(e)).split(" (")[0]
+            raise OSError(e.errno, f"cannot listen on {host}:{port}: {why}; bind an "
+                                   f"address of this machine (0.0.0.0:{port} for every "
+                                   f"interface, 127.0.0.1:{port} for this host alone)") from None
         sock.settimeout(0.2)
         # debug: the command prints the one "listening" line a person reads
         logger.debug("controller listening on %s:%d for %d ranks", host, sock.getsockname()[1],
