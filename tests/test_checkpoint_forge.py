@@ -523,3 +523,9 @@ def test_a_by_name_file_loads_nothing_and_says_so(tmp_path):
         load_consensus_checkpoint(fresh, tmp_path / "lin.fdl")
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))
     assert load_module(fresh, tmp_path / "lin.fdl").complete
+    # a positional file with no slot in the model is a report, as before (a regression probe)
+    from flodl_shm.checkpoint.fdl import save_tensors
+
+    save_tensors(tmp_path / "pos.fdl", [("p0", torch.ones(2, 3)), ("p1", torch.ones(2))])
+    assert load_consensus_checkpoint(torch.nn.ReLU(), tmp_path / "pos.fdl").unexpected == [
+        "p0", "p1"]

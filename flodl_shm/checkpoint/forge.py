@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -509,7 +510,8 @@ def load_consensus_checkpoint(model: "torch.nn.Module", path: "str | os.PathLike
     raises ``CheckpointError`` (an empty report read as a load).
     """
     report = load_targets(path, consensus_targets(model))
-    if report.unexpected and not report.loaded:
+    if report.unexpected and not report.loaded and not any(
+            re.fullmatch(r"[pb]\d+", k) for k in report.unexpected):
         raise CheckpointError(
             f"{os.fspath(path)} holds none of a consensus checkpoint's keys (p0, p1, ..., "
             f"b0, ...): its tensors are named {report.unexpected[:3]}"

@@ -746,11 +746,15 @@ class Comm:
         if type(values) is np.ndarray and values.shape == (world,):
             src[:] = values  # the common case, without asarray's copy
         else:
-            if values is None or isinstance(values, (str, bytes)) or np.ndim(values) != 1:
+            try:
+                vec = np.asarray(values, dtype=np.float64)
+            except (TypeError, ValueError):
+                vec = None
+            if vec is None or vec.ndim == 0:  # (None, a string, one number, a generator)
                 raise TypeError(f"all_reduce_per_rank_f64 takes one number per rank ({world}), "
                                 f"a list or a 1-d array, got {type(values).__name__} "
                                 f"{values!r:.60}")
-            vec = np.asarray(values, dtype=np.float64).reshape(-1)
+            vec = vec.reshape(-1)
             if vec.shape[0] != world:
                 raise ValueError(f"vector len ({vec.shape[0]}) must equal world_size "
                                  f"({world})")
@@ -792,7 +796,8 @@ class Comm:
         """
         is_root, local_root = self._broadcast_root(root)
         eng = self._engine
-        refuse_one_tensor(tensors)  # (None, a bare tensor, a generator: named)
+        if isinstance(tensors, torch.Tensor) or not hasattr(tensors, "__len__"):
+            refuse_one_tensor(tensors)  # (None, a bare tensor, a generator: named)
         if len(tensors) == 1 and local_root is not None:
             plan = self._single_plan(tensors[0], _CONTROL, False)
             if plan is not None:
@@ -851,7 +856,8 @@ class Comm:
         """
         is_root, local_root = self._broadcast_root(root)
         eng = self._engine
-        refuse_one_tensor(tensors)
+        if isinstance(tensors, torch.Tensor) or not hasattr(tensors, "__len__"):
+            refuse_one_tensor(tensors)
         if local_root is not None:
             if len(tensors) == 1:
                 t = tensors[0]
@@ -997,7 +1003,9 @@ class Comm:
         if self._engine.relay_mode:
             raise ValueError("shared tensors serve rounds inside one host, but this Comm's "
                              "rounds cross hosts through a relay")
-        refuse_one_tensor(tensors)  # (a generator was read twice: nothing was placed)
+        if isinstance(tensors, torch.Tensor) or tensors is None:
+            refuse_one_tensor(tensors)  # (a bare tensor was placed as its rows)
+        tensors = list(tensors)  # (a generator was read twice: nothing was placed)
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"tensor {i} is a {type(t).__name__}; shared tensors are made "
@@ -1035,6 +1043,8 @@ class Comm:
         eng = self._engine
         rnd = self._round
         last = self._zc_plan  # a loop asks for the same shapes every round
+        if not isinstance(shapes, (list, tuple)):  # (a generator is read once, here)
+            shapes = _checked_shapes(shapes)
         if last is not None and last[0] == dtype and tuple(shapes) == last[1]:
             plan = last[2]
         else:
