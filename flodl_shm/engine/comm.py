@@ -168,7 +168,6 @@ def _kind(kind) -> int:
     return k
 
 
-
 def _checked_shapes(shapes) -> tuple[tuple[int, ...], ...]:
     """``zero_copy_inputs``' shapes as a tuple of int tuples; TypeError / ValueError naming
     one that is not a sequence of non-negative ints (a -1 gave an empty tensor, a 2.5 a
