@@ -113,12 +113,12 @@ def _instrument(role: str) -> bool:
                    (protocol.RoundEngine, "await_slices", "slices")]
     targets.append((mux.Link, "send_frame", "send"))
     try:
-        originals = [(owner, name, getattr(owner, name), label) for owner, name, label in
-                     [*targets, (mux.Link, "recv", "recv"), (mux.Kind, "CTRL", "")]]
+        originals = [(owner, name, getattr(owner, name), label)
+                     for owner, name, label in targets]
+        orig_recv, ctrl = mux.Link.recv, mux.Kind.CTRL
     except AttributeError as e:
         print(f"# phase timers disabled: {e}", file=sys.stderr, flush=True)
         return False
-    orig_recv = mux.Link.recv
 
     def recv(self, sink=None, **kw):  # (timeout, idle, abort: whatever Link.recv takes)
         t0 = time.monotonic()
@@ -130,15 +130,14 @@ def _instrument(role: str) -> bool:
             return sink(*a)
 
         got = orig_recv(self, None if sink is None else marking, **kw)
-        if got is not None and got[0] != mux.Kind.CTRL:
+        if got is not None and got[0] != ctrl:
             t1 = time.monotonic()
             EVENTS.append(("recv", t0, t1, first[0] if first else t0))
         return got
 
     mux.Link.recv = recv
     for owner, name, fn, label in originals:
-        if label and name != "recv":
-            setattr(owner, name, _timed(fn, label))
+        setattr(owner, name, _timed(fn, label))
     return True
 
 
