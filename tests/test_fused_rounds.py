@@ -100,6 +100,82 @@ def test_fused_round_refuses_bad_inputs_like_the_general_round():
         assert cohort.run(body) == [[1.0] * 3] * 2
 
 
+def test_a_repeated_one_tensor_call_keeps_every_check_of_the_first(tmp_path):
+    """``all_reduce_``'s hot case (one float32 tensor whose plan an earlier call of the
+    same shape cached) skips frames, not checks: after the plan is cached, each of these
+    gets what a first call gets."""
+    from flodl_shm.errors import FrameError
+
+    def body(comm):
+        odd = 1.0 + 2.0 ** -20  # not a bfloat16 value
+        t = torch.full((1024,), odd)
+        comm.all_reduce_([t])
+        got = [comm.all_reduce_([t], weight=2.0, scale=2.0), t[0].item()]
+        # a bad weight or scale is named, before the round
+        for kwargs, err, words in (({"weight": "x"}, TypeError, "weight must be a number"),
+                                   ({"weight": 1e39}, FrameError, "outside the masses"),
+                                   ({"scale": float("nan")}, FrameError, "not a finite float32")):
+            with pytest.raises(err, match=words):
+                comm.all_reduce_([t], **kwargs)
+        # a bf16 wire rounds the contribution; a pinned arm is taken by the round
+        t.fill_(odd)
+        comm.set_bf16_wire(True)
+        comm.all_reduce_([t])
+        comm.set_bf16_wire(False)
+        got.append(t[0].item())
+        comm.set_pinned_decode(True)
+        comm.arm_pinned_decode(0)
+        comm.all_reduce_([t])
+        got.append(comm._armed)
+        # another dtype or shape of the same size takes its own plan
+        b = torch.full((1024,), 2.0, dtype=torch.bfloat16)
+        comm.all_reduce_([b])
+        m = torch.full((2, 512), 3.0)
+        comm.all_reduce_([m])
+        comm.all_reduce_([t])
+        u = torch.full((2048,), float(comm.rank))
+        comm.all_reduce_([u])
+        got += [b.dtype, float(b[0]), tuple(m.shape), float(m[1, 511]), float(u[-1])]
+        # a fault hook sees the round
+        comm.all_reduce_([t])
+        phases = []
+        comm.set_fault_hook(lambda phase, rnd: phases.append(phase))
+        comm.all_reduce_([t])
+        comm.set_fault_hook(None)
+        got.append("before_copy_in" in phases)
+        # a broadcast's plan of the same shape is a CONTROL round's: a MODEL round that
+        # realized nothing still leaves the tensor untouched
+        comm.broadcast_([t], 0)
+        t.fill_(float(comm.rank))
+        got += [comm.all_reduce_([t], weight=0.0), float(t[-1])]
+        return got
+
+    with FakeCohort(2) as cohort:
+        for rank, got in enumerate(cohort.run(body)):
+            # mass 2 + 2; (2·odd + 2·odd) / 4 = odd, exactly
+            assert got[:2] == [4.0, 1.0 + 2.0 ** -20]
+            assert got[2] == 1.0 and got[3] is None
+            assert got[4:9] == [torch.bfloat16, 2.0, (2, 512), 3.0, 0.5]
+            assert got[9] is True
+            assert got[10:] == [0.0, float(rank)]
+    # an armed checkpoint captures the round; a closed Comm refuses it
+    from flodl_shm import ModelSchema
+
+    model = torch.nn.Linear(32, 32, bias=False)
+    with FakeCohort(1) as cohort:
+        comm = cohort.comm(0)
+        t = model.weight.detach()
+        comm.all_reduce_([t])
+        comm.all_reduce_([t])
+        comm.arm_checkpoint(tmp_path / "hot.fdl", ModelSchema.from_module(model), None)
+        comm.all_reduce_([t])
+        assert cohort.flush_checkpoints(60)
+        assert (tmp_path / "hot.fdl").exists()
+        comm.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            comm.all_reduce_([t])
+
+
 @pytest.mark.parametrize("bf16_wire", [False, True])
 def test_small_zero_copy_runs_in_the_eager_slot(bf16_wire):
     """A small zero-copy frame is filled in the eager slot of the next round's parity:
