@@ -136,7 +136,7 @@ def sc_collectives(rank: int, world: int) -> dict:
            "MIN": dist.ReduceOp.MIN, "MAX": dist.ReduceOp.MAX, "AVG": dist.ReduceOp.AVG}
     for dt in DTYPES:
         for name, op in ops.items():
-            if name == "AVG" and not dt.is_floating_point:
+            if name == "AVG" and dt is torch.bool:
                 continue
             t = rank_input(rank, dt)
             dist.all_reduce(t, op=op)
@@ -205,8 +205,10 @@ def sc_collectives(rank: int, world: int) -> dict:
     errors = _errors_of({
         "band": lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32),
                                         op=dist.ReduceOp.BAND),
-        "avg_int": lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32),
-                                           op=dist.ReduceOp.AVG),
+        "avg_bool": lambda: dist.all_reduce(torch.ones(2, dtype=torch.bool),
+                                            op=dist.ReduceOp.AVG),
+        "premul_int": lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32),
+                                              op=dist._make_nccl_premul_sum(0.5)),
         "uint16": lambda: dist.all_reduce(torch.ones(2, dtype=torch.uint16)),
         "send": lambda: dist.send(torch.ones(1), dst=(rank + 1) % world),
         "mismatch": lambda: dist.all_reduce(torch.ones(3 + rank)),  # every rank raises

@@ -45,7 +45,11 @@ def reference(op: str, parts: list[torch.Tensor]) -> torch.Tensor:
             acc = acc | p if op == "SUM" else acc & p
         else:
             acc = acc + p if op in ("SUM", "AVG") else acc * p
-    return acc / len(parts) if op == "AVG" else acc
+    if op != "AVG":
+        return acc
+    # integers: truncated toward zero, as NCCL's AVG (-7 // 2 would give -4, not -3)
+    return acc / len(parts) if acc.is_floating_point() else torch.div(
+        acc, len(parts), rounding_mode="trunc")
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -89,7 +93,7 @@ def check_collectives(res: list[dict], *, rank_order_sums: bool = True) -> None:
     for dt in DTYPES:
         parts = [rank_input(r, dt) for r in range(world)]
         for op in OPS:
-            if op == "AVG" and not dt.is_floating_point:
+            if op == "AVG" and dt is torch.bool:
                 continue
             got = [r[("all_reduce", str(dt), op)] for r in res]
             for g in got[1:]:
@@ -264,7 +268,9 @@ def test_layouts_half_sums_empty_complex_and_misuse(tmp_path):
 def test_unsupported_ops_and_dtypes_raise_naming_the_supported_set(one_host):
     errs = one_host[0]["errors"]
     assert "BAND" in errs["band"] and "SUM, AVG, PRODUCT, MIN, MAX" in errs["band"]
-    assert "AVG" in errs["avg_int"] and "int32" in errs["avg_int"]
+    assert "AVG has no meaning for torch.bool" in errs["avg_bool"]
+    assert "PREMUL_SUM needs a floating dtype" in errs["premul_int"] and "int32" in \
+        errs["premul_int"]
     assert "uint16" in errs["uint16"] and "float32" in errs["uint16"]
     assert "send" in errs["send"] and "gloo" in errs["send"]
     # ranks that disagree raise, not hang, and each is told what every rank called

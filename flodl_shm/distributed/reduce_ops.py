@@ -7,7 +7,8 @@ torch kernels, so every rank computes the same bits. The table (docs/c10d.md):
 op                        dtypes
 ========================  ====================================================
 SUM                       every supported dtype (bool: logical or)
-AVG                       floating dtypes (float32, float64, bfloat16, float16)
+AVG                       every supported dtype but bool (integers: the sum divided by
+                          the world, truncated toward zero, as NCCL's AVG does)
 PRODUCT                   every supported dtype (bool: logical and)
 MIN, MAX                  every supported dtype
 PREMUL_SUM                floating dtypes (factor applied before the sum)
@@ -64,9 +65,12 @@ def check_op(op, dtype: torch.dtype, what: str) -> None:
     if name not in SUPPORTED_OPS:
         raise RuntimeError(f"flodl_shm {what}: reduce op {name} is not supported; supported: "
                            f"{', '.join(SUPPORTED_OPS)}")
-    if name in ("AVG", "PREMUL_SUM") and dtype not in FLOAT_DTYPES:
-        raise RuntimeError(f"flodl_shm {what}: reduce op {name} needs a floating dtype, got "
-                           f"{dtype}; use SUM and divide, or a float tensor")
+    if name == "PREMUL_SUM" and dtype not in FLOAT_DTYPES:
+        raise RuntimeError(f"flodl_shm {what}: reduce op PREMUL_SUM needs a floating dtype, "
+                           f"got {dtype}; use SUM and multiply, or a float tensor")
+    if name == "AVG" and dtype is torch.bool:
+        raise RuntimeError(f"flodl_shm {what}: reduce op AVG has no meaning for torch.bool; "
+                           f"use SUM (logical or), MIN (logical and), or a numeric tensor")
 
 
 def premul_factor(op) -> float | None:
@@ -139,11 +143,15 @@ def average_(acc: torch.Tensor, n: int, dtype: torch.dtype) -> None:
     """AVG's last step on ``acc``, the sum over ``n`` ranks of tensors of ``dtype``:
     times float32's 1/n for float32, bfloat16 and float16 (whose sums are float32), as
     the engine's mean Σ·float32(1/Σw) does, so every transport gives the same bits;
-    divided by ``n`` otherwise (float64)."""
+    divided by ``n`` for float64; for integers divided by ``n`` and truncated toward
+    zero (NCCL's AVG of integers; Lightning's ``sync_dist`` averages an int64 count so
+    on every backend but gloo)."""
     if dtype in _F32_SUMMED:
         acc.mul_(float(np.float32(1.0 / n)))
-    else:
+    elif dtype.is_floating_point:
         acc.div_(n)
+    else:
+        acc.div_(n, rounding_mode="trunc")
 
 
 def float_view(t: torch.Tensor) -> torch.Tensor:
