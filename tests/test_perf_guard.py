@@ -37,7 +37,12 @@ run failed all three measurements, each on a different API and by little (zero-c
 2.34x, 2.34x, then weighted 1.83x with zero-copy at 2.07x). So an API fails only when
 it is over its limit in every measurement, as a regression of that API is; and the
 zero-copy row fills its inputs through a numpy view (0.6 us at 4 KiB) instead of
-torch's ``fill_`` (1.6 us, a quarter of a round, all of it dispatch).
+torch's ``fill_`` (1.6 us, a quarter of a round, all of it dispatch). Thirty-second
+session: ``all_reduce_``'s hot case (a repeated call over one float32 tensor) runs in one
+frame, 0.25 us less of a 2.9 us call at world 2, so every other API's ratio rose by about a
+tenth for the same code; four measurements: tensors/weighted/scaled 1.43-1.84x, broadcast
+1.50-1.89x, in-place broadcast 1.06-1.15x, zero-copy 1.51-1.64x, frame 2.17-2.33x, per-rank
+0.66-0.81x, barrier 0.21-0.24x (in-place 2.7-4.5 us). The limits rose by that tenth.
 
 Ratios, never absolute times: the test runs on loaded 2-core machines. Two real
 processes (``spawn``) run every API in interleaved batches (one batch of each API per
@@ -63,8 +68,8 @@ pytestmark = pytest.mark.timeout(300)
 
 LIMIT = 1.5  # issue 15's target: the in-place path itself and the barrier
 # the APIs whose ratio depends on how much two ranks' Python interferes (module doc)
-LIMITS = {"api-tensors": 1.8, "api-weighted": 1.8, "api-scaled": 1.8, "api-per-rank": 1.8,
-          "api-broadcast": 1.9, "api-zero-copy": 2.3, "api-frame": 3.0}
+LIMITS = {"api-tensors": 2.0, "api-weighted": 2.0, "api-scaled": 2.0, "api-per-rank": 2.0,
+          "api-broadcast": 2.1, "api-zero-copy": 2.5, "api-frame": 3.3}
 NBYTES = 4 << 10
 REPS = 25
 BATCH = 40

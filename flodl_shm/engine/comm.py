@@ -140,6 +140,7 @@ def _integral(value) -> bool:
 
 
 _F32_MAX = float(np.finfo(np.float32).max)
+_STRIDED = torch.strided
 
 
 def _scale_error(scale: float) -> FrameError:
@@ -656,13 +657,14 @@ class Comm:
                 try:  # (free in CPython 3.11 until something raises)
                     w, s = float(weight), float(scale)
                     hot = (MASS_MIN <= w <= MASS_MAX or w == 0.0) and -_F32_MAX <= s <= _F32_MAX
-                except (TypeError, ValueError):
+                    addr = tensors[0].data_ptr()
+                except (TypeError, ValueError, OverflowError, RuntimeError):
                     hot = False  # the general path names what is wrong
                 if hot:
                     rnd = self._round
                     self._round = rnd + 1
                     try:
-                        return self._engine.inplace_round(rnd, w, tensors[0].data_ptr(), plan, s)
+                        return self._engine.inplace_round(rnd, w, addr, plan, s)
                     except BaseException as e:
                         self._fail(rnd, e)
                         raise
@@ -1148,11 +1150,17 @@ class Comm:
         """The plan of a one-tensor f32-wire round over ``t`` when it can run as one
         compiled call (a contiguous float32 CPU tensor whose frame fits the eager slot),
         else None. The last such plan is cached: a training loop repeats it."""
-        if not (t.dtype is F32 and t.is_cpu and t.is_contiguous() and self._fusable(kind, outer)):
-            return None
+        try:  # (free in CPython 3.11 until something raises)
+            if not (t.dtype is F32 and t.layout is _STRIDED and t.is_cpu and t.is_contiguous()
+                    and self._fusable(kind, outer)):
+                return None  # (an mkldnn tensor, whose address is no data's, goes on to be named)
+            shape = t.shape
+        except RuntimeError:  # a sparse CSR or nested tensor has no strides or sizes: named
+            check_tensors([t])
+            raise
         fast = self._fast
-        if fast is None or fast[0] != t.shape or fast[1] != kind:
-            fast = self._fast = (t.shape, kind, self._engine.plan(kind, DTYPE_F32, (t.shape,)))
+        if fast is None or fast[0] != shape or fast[1] != kind:
+            fast = self._fast = (shape, kind, self._engine.plan(kind, DTYPE_F32, (shape,)))
         plan = fast[2]
         # not for an empty tensor: its address is 0, which the call reads as "in place"
         return plan if plan.eager_fits and plan.nelem else None
@@ -1177,7 +1185,7 @@ class Comm:
             if (t.dtype is F32 and t.is_cpu and t.is_contiguous() and t.shape == fast[0]
                     and plan.eager_fits and plan.nelem):
                 return plan
-        except (TypeError, AttributeError):
+        except Exception:  # (a dict, a sparse CSR tensor, ...: the general path names it)
             pass
         return None
 
@@ -1319,7 +1327,7 @@ class Comm:
             return None
         try:
             shapes = tuple([t.shape for t in tensors])
-        except (AttributeError, TypeError):
+        except (AttributeError, TypeError, RuntimeError):  # (RuntimeError: a nested tensor)
             return None  # the general path names what is wrong
         plan = self._engine.plan(kind, dtype, shapes)
         if not plan.eager_fits or not TensorCodec.gather(tensors, plan):

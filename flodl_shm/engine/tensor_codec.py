@@ -203,6 +203,10 @@ def check_tensors(tensors: Sequence[torch.Tensor], in_place: bool = False,
             dt = None
         if dt is not F32 and dt is not BF16:
             check_tensor_dtype(t, i, broadcast)  # raises with the dtype named
+        if t.is_nested:
+            raise FrameError(f"tensor[{i}] is a nested tensor: only dense tensors can be "
+                             f"reduced; pass its components (t.unbind()) or "
+                             f"t.to_padded_tensor(0.0)")
         if t.is_meta:
             raise FrameError(f"tensor[{i}] is on the meta device, which holds no data: "
                              f"materialize it first (module.to_empty(device='cpu') and "
@@ -435,23 +439,27 @@ class TensorCodec:
         """Fill ``plan.addrs`` with the tensors' addresses and source dtypes for the
         fused round (and ``plan.bf16_sources`` with how many are bfloat16); False
         (nothing usable) when a tensor is not a contiguous float32/bfloat16 CPU tensor:
-        the general path then runs."""
+        the general path then runs (and names a tensor it cannot reduce: a sparse CSR
+        tensor has no contiguity, an mkldnn one no address of its data)."""
         addrs = plan.addr_words
         flag = 2 * plan.ntensors
         i = bf16 = 0
-        for t in tensors:
-            dt = t.dtype
-            if dt is F32:
-                addrs[flag + i] = 0
-            elif dt is BF16:
-                addrs[flag + i] = 1
-                bf16 += 1
-            else:
-                return False
-            if not t.is_cpu or not t.is_contiguous():
-                return False
-            addrs[i] = t.data_ptr()
-            i += 1
+        try:  # (free in CPython 3.11 until something raises)
+            for t in tensors:
+                dt = t.dtype
+                if dt is F32:
+                    addrs[flag + i] = 0
+                elif dt is BF16:
+                    addrs[flag + i] = 1
+                    bf16 += 1
+                else:
+                    return False
+                if not t.is_cpu or not t.is_contiguous():
+                    return False
+                addrs[i] = t.data_ptr()
+                i += 1
+        except RuntimeError:
+            return False
         plan.bf16_sources = bf16
         return True
 
