@@ -23,14 +23,11 @@ A v1 limit of 2^60 bytes or more ("no limit": the kernel writes
 9223372036854771712) and a v2 ``max`` mean unlimited (``cgroup_limit is None``).
 Swap figures are the host's (a cgroup swap limit is not applied).
 
-**Where the cgroup lives.** ``<root>/proc/self/cgroup`` gives the path: the
-``0::/path`` line (v2, mounted at ``/sys/fs/cgroup``, or ``/sys/fs/cgroup/unified``
-on hybrid hosts) and the line whose controllers include ``memory`` (v1, mounted at
-``/sys/fs/cgroup/memory``). v2 is used when any level of its path has
-``memory.max`` or ``memory.current``; otherwise v1. Inside a container without a
-cgroup namespace the path names the host's hierarchy (``/docker/<id>``) while the
-mount shows the container's own cgroup at its root; the walk up reaches that root,
-so the container's limit is found either way.
+**Where the cgroup lives** (``cgroups.py``): ``<root>/proc/self/cgroup`` gives the
+path of the v2 hierarchy and of v1's ``memory`` controller (mounted at
+``/sys/fs/cgroup/memory``). v2 is used when any level of its path has ``memory.max``
+or ``memory.current``; otherwise v1. The walk from the path up to the mount finds a
+container's limit with or without a cgroup namespace.
 
 **Faking a host (tests).** Every input is a file under ``root``: pass a folder that
 holds ``proc/meminfo``, ``proc/self/cgroup`` and ``sys/fs/cgroup/...`` to describe
@@ -46,6 +43,8 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from .cgroups import cgroup_levels, proc_cgroup_paths, read_int, v2_mounts
 
 #: v1 limits at or above this are the kernel's "no limit" (it writes 2^63 − 4096).
 UNLIMITED_V1 = 1 << 60
@@ -270,20 +269,6 @@ def _read_meminfo(path: Path) -> dict[str, int]:
 # -- cgroups ---------------------------------------------------------------------------
 
 
-def _read_int(path: Path) -> int | None:
-    """The integer in a cgroup file; None for "max", a missing file or garbage."""
-    try:
-        text = path.read_text().strip()
-    except (FileNotFoundError, NotADirectoryError, PermissionError, IsADirectoryError):
-        return None
-    if text == "max":
-        return None
-    try:
-        return int(text.split()[0])
-    except (ValueError, IndexError):
-        return None
-
-
 def _read_stat(path: Path, *keys: str) -> int:
     """The first of ``keys`` found in a ``memory.stat`` file; 0 when absent."""
     try:
@@ -304,40 +289,10 @@ def _read_stat(path: Path, *keys: str) -> int:
     return 0
 
 
-def _proc_cgroup_paths(root: Path) -> tuple[str | None, str | None]:
-    """(v2 path, v1 memory path) from ``<root>/proc/self/cgroup``."""
-    try:
-        text = (root / "proc" / "self" / "cgroup").read_text()
-    except FileNotFoundError:
-        return None, None
-    v2 = v1 = None
-    for line in text.splitlines():
-        parts = line.strip().split(":", 2)
-        if len(parts) != 3:
-            continue
-        hier, controllers, path = parts
-        if hier == "0" and controllers == "":
-            v2 = path
-        elif "memory" in controllers.split(","):
-            v1 = path
-    return v2, v1
-
-
-def _levels(mount: Path, cgpath: str) -> list[Path]:
-    """``mount/cgpath`` and each parent up to ``mount``, deepest first, existing only."""
-    rel = [p for p in cgpath.strip().split("/") if p and p not in (".", "..")]
-    out = []
-    for i in range(len(rel), -1, -1):
-        d = mount.joinpath(*rel[:i])
-        if d.is_dir():
-            out.append(d)
-    return out
-
-
 def _find_cgroup(root: Path) -> _Cgroup | None:
-    v2path, v1path = _proc_cgroup_paths(root)
+    v2path, v1path = proc_cgroup_paths(root, "memory")
     if v2path is not None:
-        for mount in (root / "sys/fs/cgroup", root / "sys/fs/cgroup/unified"):
+        for mount in v2_mounts(root):
             cg = _cgroup_v2(mount, v2path)
             if cg is not None:
                 return cg
@@ -375,13 +330,13 @@ def _combine(version: int, levels: list[_Level], mount: Path, unlimited: str) ->
 
 def _cgroup_v2(mount: Path, cgpath: str) -> _Cgroup | None:
     levels = []
-    for d in _levels(mount, cgpath):
+    for d in cgroup_levels(mount, cgpath):
         if not ((d / "memory.max").exists() or (d / "memory.current").exists()):
             continue
         limits = [(v, f) for f in ("memory.max", "memory.high")
-                  if (v := _read_int(d / f)) is not None]
+                  if (v := read_int(d / f)) is not None]
         limit, fname = min(limits) if limits else (None, "memory.max")
-        levels.append(_Level(d, limit, str(d / fname), _read_int(d / "memory.current"),
+        levels.append(_Level(d, limit, str(d / fname), read_int(d / "memory.current"),
                              str(d / "memory.current"),
                              _read_stat(d / "memory.stat", "inactive_file")))
     return _combine(2, levels, mount, "memory.max is 'max'") if levels else None
@@ -389,14 +344,14 @@ def _cgroup_v2(mount: Path, cgpath: str) -> _Cgroup | None:
 
 def _cgroup_v1(mount: Path, cgpath: str) -> _Cgroup | None:
     levels = []
-    for d in _levels(mount, cgpath):
+    for d in cgroup_levels(mount, cgpath):
         if not ((d / "memory.limit_in_bytes").exists() or (d / "memory.usage_in_bytes").exists()):
             continue
-        limit = _read_int(d / "memory.limit_in_bytes")
+        limit = read_int(d / "memory.limit_in_bytes")
         if limit is not None and limit >= UNLIMITED_V1:
             limit = None
         levels.append(_Level(d, limit, str(d / "memory.limit_in_bytes"),
-                             _read_int(d / "memory.usage_in_bytes"),
+                             read_int(d / "memory.usage_in_bytes"),
                              str(d / "memory.usage_in_bytes"),
                              _read_stat(d / "memory.stat", "total_inactive_file", "inactive_file")))
     return _combine(1, levels, mount, "memory.limit_in_bytes >= 2^60") if levels else None

@@ -42,6 +42,7 @@ import numpy as np
 from ..errors import CohortAborted, PeerDied, ReduceStall
 from ..kernels import signals
 from ..kernels.codes import ABORT, is_finished
+from .hostcpu import available_cores
 
 LIVENESS_SLICE = 0.05
 # Longer than a futex wake-up (~50-100 µs on a VM): with a shorter budget one late peer
@@ -117,13 +118,6 @@ def relax_ns() -> float:
             best = min(best, (time.perf_counter_ns() - t0) / 20000)
         _relax_ns = max(best, 1.0)
     return _relax_ns
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover
-        return os.cpu_count() or 1
 
 
 def oversubscribed(local_ranks: int) -> bool:

@@ -27,7 +27,8 @@ from ..errors import RankFailed, RankStalled, ReduceStall, check_flag, check_int
 from ..engine.checkpoint_tap import TapServer
 from ..engine.hostmem import host_memory
 from ..engine.segment import fmt_bytes, reap_dead_owner_segments, space_error
-from ..engine.waiting import Doorbell, available_cores
+from ..engine.hostcpu import available_cores
+from ..engine.waiting import Doorbell
 from .rank import _RankProcess, _forward_level, _main_file, _rank_main, _recv
 from .rank_server import _RankServer, _ServedRankProcess, _native_threads, _warm_kernels
 
@@ -805,7 +806,8 @@ def _host_failure(err: RankFailed) -> tuple[int, str]:
 def rank_threads(nprocs: int) -> int:
     """torch threads for each of ``nprocs`` ranks of this host: ``OMP_NUM_THREADS`` when
     the launcher's environment sets it to a positive count (as torchrun honours it), else
-    this process's cores shared out (at least one each)."""
+    the CPUs this process can keep busy shared out (at least one each): its affinity,
+    capped by a container's CPU quota (``engine/hostcpu.py``)."""
     value = os.environ.get("OMP_NUM_THREADS", "").strip()
     if value:
         try:
@@ -815,7 +817,7 @@ def rank_threads(nprocs: int) -> int:
         if count >= 1:
             return count
         logger.warning("OMP_NUM_THREADS=%r is not a positive thread count; ranks run "
-                       "%d thread(s) each (this host's cores / %d ranks). Set it to a "
+                       "%d thread(s) each (the CPUs this process may use / %d ranks). Set it to a "
                        "count such as 1, or unset it", value,
                        max(1, available_cores() // nprocs), nprocs)
     return max(1, available_cores() // nprocs)
