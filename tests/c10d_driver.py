@@ -219,6 +219,33 @@ def sc_collectives(rank: int, world: int) -> dict:
             torch.ones(3), op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX),
     })
     res["errors"] = errors
+
+    def layout(name: str) -> torch.Tensor:
+        import warnings
+
+        with warnings.catch_warnings():  # (torch's beta/prototype notes)
+            warnings.simplefilter("ignore")
+            return {"csr": lambda: torch.ones(4, 4).to_sparse_csr(),
+                    "mkldnn": lambda: torch.ones(16).to_mkldnn(),
+                    "nested": lambda: torch.nested.nested_tensor([torch.ones(2)] * 2),
+                    "jagged": lambda: torch.nested.nested_tensor(
+                        [torch.ones(2), torch.ones(3)], layout=torch.jagged)}[name]()
+
+    def summed() -> list[float]:
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    # every rank refuses them alike, before any round: the root's refusal came from the
+    # engine, the others' from torch, one round apart (a sparse CSR broadcast desynced)
+    res["layouts"] = _errors_of({
+        f"{op} {name}": (lambda op, name: lambda: {
+            "broadcast": lambda t: dist.broadcast(t, src=0),
+            "all_reduce": lambda t: dist.all_reduce(t),
+            "max": lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX)}[op](layout(name)))(
+                op, name)
+        for op in ("broadcast", "all_reduce", "max")
+        for name in ("csr", "mkldnn", "nested", "jagged")}, then=summed)
     dist.barrier()  # the errors above left every rank in step
     group = dist.distributed_c10d._get_default_group()  # the backend object itself
     res["direct_state"] = group.comm._engine.direct.state

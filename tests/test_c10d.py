@@ -269,6 +269,14 @@ def test_unsupported_ops_and_dtypes_raise_naming_the_supported_set(one_host):
     errs = one_host[0]["errors"]
     assert "BAND" in errs["band"] and "SUM, AVG, PRODUCT, MIN, MAX" in errs["band"]
     assert "AVG has no meaning for torch.bool" in errs["avg_bool"]
+    world = len(one_host)
+    for r in one_host:
+        for what, said in r["layouts"].items():
+            if what.endswith(" then"):
+                assert said == [float(world)] * 4, (what, r["log"])  # still in step
+            else:
+                kind = "a nested" if what.split()[1] in ("nested", "jagged") else "a torch."
+                assert f"{kind}" in said and "handles dense tensors only" in said, (what, said)
     assert "PREMUL_SUM needs a floating dtype" in errs["premul_int"] and "int32" in \
         errs["premul_int"]
     assert "uint16" in errs["uint16"] and "float32" in errs["uint16"]

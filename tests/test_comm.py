@@ -683,13 +683,14 @@ def test_a_tensor_that_cannot_take_part_is_refused_before_the_round(what):
             assert comm.all_reduce_tensors([t])[0].tolist() == [1.0] * 4
 
 
-@pytest.mark.parametrize("what", ["mkldnn", "sparse_csr", "nested"])
+@pytest.mark.parametrize("what", ["mkldnn", "sparse_csr", "nested", "jagged"])
 def test_a_layout_with_no_address_or_strides_is_named_on_the_one_tensor_paths(what):
     """An mkldnn tensor passed every check of the one-tensor paths and failed at its
     address inside the round: the rank's Comm broke and its peer waited out the timeout.
     A sparse CSR or nested tensor failed in torch ('Sparse CSR tensors do not have
-    is_contiguous'). Each is named before the round now, by every path, a repeated call's
-    included, and the ranks stay in step."""
+    is_contiguous'; a jagged one, torch's recommended layout, in our plan on its symbolic
+    size). Each is named before the round now, by every path, a repeated call's included,
+    and the ranks stay in step."""
     import warnings
 
     def make():
@@ -697,10 +698,13 @@ def test_a_layout_with_no_address_or_strides_is_named_on_the_one_tensor_paths(wh
             warnings.simplefilter("ignore")
             return {"mkldnn": lambda: torch.ones(256).to_mkldnn(),
                     "sparse_csr": lambda: torch.ones(16, 16).to_sparse_csr(),
-                    "nested": lambda: torch.nested.nested_tensor([torch.ones(3)] * 2)}[what]()
+                    "nested": lambda: torch.nested.nested_tensor([torch.ones(3)] * 2),
+                    "jagged": lambda: torch.nested.nested_tensor(
+                        [torch.ones(2), torch.ones(3)], layout=torch.jagged)}[what]()
     said = {"mkldnn": r"tensor\[0\] is a torch._mkldnn tensor: .* pass t.to_dense\(\)",
             "sparse_csr": r"tensor\[0\] is a torch.sparse_csr tensor: .* pass t.to_dense",
-            "nested": r"tensor\[0\] is a nested tensor: .*t.unbind\(\)"}[what]
+            "nested": r"tensor\[0\] is a nested tensor: .*t.unbind\(\)",
+            "jagged": r"tensor\[0\] is a nested tensor: .*t.unbind\(\)"}[what]
 
     def body(comm):
         t = torch.full((256,), float(comm.rank))

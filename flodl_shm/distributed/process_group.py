@@ -51,6 +51,7 @@ logger = logging.getLogger("flodl_shm")
 
 BACKEND_NAME = "flodl_shm"
 _F32 = torch.float32
+_STRIDED = torch.strided
 _SUM = dist.ReduceOp.RedOpType.SUM
 _AVG = dist.ReduceOp.RedOpType.AVG
 _CONTROL = RoundKind.CONTROL
@@ -731,7 +732,10 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         if link is not None and len(tensors) == 1 and not self._topo.multi_host \
                 and self._unusable is None:
             t = tensors[0]
-            if t.dtype is _F32 and t.is_cpu and t.is_contiguous():
+            # (a sparse, mkldnn or nested tensor goes on to check_dtype, which names it on
+            # every rank alike)
+            if (t.dtype is _F32 and t.layout is _STRIDED and not t.is_nested and t.is_cpu
+                    and t.is_contiguous()):
                 op = _SUM if opts is None else opts.reduceOp
                 if op == _SUM:
                     link.comm.all_reduce_(tensors, kind=_CONTROL)

@@ -46,7 +46,9 @@ def op_type(op):
 
 
 def check_dtype(t: torch.Tensor, what: str) -> None:
-    """Raise ``RuntimeError`` unless ``t`` is a CPU tensor of a supported dtype."""
+    """Raise ``RuntimeError`` unless ``t`` is a dense CPU tensor of a supported dtype
+    (every rank checks its own tensors before any round: a rank that refused alone
+    would put the group out of step)."""
     if t.device.type != "cpu":
         raise RuntimeError(f"flodl_shm {what}: tensor on device {t.device}; the flodl_shm "
                            f"backend handles CPU tensors only: give {t.device.type} tensors a "
@@ -56,6 +58,12 @@ def check_dtype(t: torch.Tensor, what: str) -> None:
     if t.dtype not in SUPPORTED_DTYPES:
         raise RuntimeError(f"flodl_shm {what}: dtype {t.dtype} is not supported; supported: "
                            f"{', '.join(str(d).replace('torch.', '') for d in SUPPORTED_DTYPES)}")
+    if t.layout is not torch.strided or t.is_nested:
+        kind = "a nested" if t.is_nested else f"a {t.layout}"
+        raise RuntimeError(f"flodl_shm {what}: {kind} tensor; the flodl_shm backend handles "
+                           f"dense tensors only: pass t.to_dense()"
+                           + (" (a nested tensor: its components, t.unbind())"
+                              if t.is_nested else ""))
 
 
 def check_op(op, dtype: torch.dtype, what: str) -> None:

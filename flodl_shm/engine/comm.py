@@ -1325,11 +1325,10 @@ class Comm:
         refuse_one_tensor(tensors)
         if not self._fusable(kind, outer):
             return None
-        try:
-            shapes = tuple([t.shape for t in tensors])
-        except (AttributeError, TypeError, RuntimeError):  # (RuntimeError: a nested tensor)
+        try:  # (a nested tensor has no sizes, or sizes that are no ints)
+            plan = self._engine.plan(kind, dtype, tuple([t.shape for t in tensors]))
+        except (AttributeError, TypeError, RuntimeError):
             return None  # the general path names what is wrong
-        plan = self._engine.plan(kind, dtype, shapes)
         if not plan.eager_fits or not TensorCodec.gather(tensors, plan):
             return None
         return plan
