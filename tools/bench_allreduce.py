@@ -52,6 +52,7 @@ from _bench_common import (PAGES, KiB, MiB, append_jsonl, buffer, choices, colle
                            exit_code, f32_size, human, int_at_least, out_file, parser,
                            positive_float, run_child, run_main, summarize, tensor_buffer)
 from _bench_common import bench_gloo as _bench_gloo
+from flodl_shm.engine.hostcpu import available_cores
 
 SIZES = [4 * KiB, 256 * KiB, 4 * MiB, 64 * MiB, 256 * MiB]
 SCHEDULE = {4 * KiB: (200, 3000), 256 * KiB: (50, 600), 4 * MiB: (10, 100),
@@ -553,7 +554,8 @@ def plot(results: list[dict], path: str, note: str = "") -> None:
         ax.set_yscale("log")
         ax.set_xticks([p[0] for p in memcpy] or SIZES)
         ax.set_xticklabels([human(p[0]) for p in memcpy] or [human(s) for s in SIZES])
-        title = f"world {world}" + (" (oversubscribed: > cores)" if world > os.cpu_count() else "")
+        over = world > available_cores()
+        title = f"world {world}" + (" (oversubscribed: > cores)" if over else "")
         ax.set_title(f"float32 all-reduce average, {title}")
         ax.set_xlabel("buffer size")
         ax.set_ylabel("algorithmic bandwidth (GB/s)")
@@ -633,7 +635,7 @@ def main(argv=None) -> int:
     apis = [m for m in methods if m in API_PEERS]
     if apis and "mpi" not in methods:
         methods.append("mpi")  # the API table's ratio column
-    print(f"# host: {os.cpu_count()} cores; sizes {', '.join(human(s) for s in sizes)}; "
+    print(f"# host: {available_cores()} cores; sizes {', '.join(human(s) for s in sizes)}; "
           f"worlds {worlds}; iteration scale {scale}; every buffer on {args.pages} pages",
           flush=True)
     results, failures = [], []
@@ -660,7 +662,7 @@ def main(argv=None) -> int:
                 print(f"# OpenMPI skipped: {why}", flush=True)
     memcpy = {r["bytes"]: r["median_us"] for r in results if r["method"] == "memcpy"}
     for world in worlds:
-        over = " — OVERSUBSCRIBED (more ranks than cores)" if world > os.cpu_count() else ""
+        over = " — OVERSUBSCRIBED (more ranks than cores)" if world > available_cores() else ""
         ratio = ("× one memcpy" if memcpy else
                  "— (no memcpy in --methods: no ratio to one memcpy)")
         main = [m for m in LABELS if m != "memcpy" and not m.startswith(("api-", "mpi-"))]
@@ -687,7 +689,7 @@ def main(argv=None) -> int:
     if args.json:
         append_jsonl(args.json, results)
     if args.plot:
-        note = (f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}, median of the timed "
+        note = (f"{available_cores()} cores, {time.strftime('%Y-%m-%d')}, median of the timed "
                 f"iterations (iteration scale {scale:g}"
                 f"{', --quick: a smoke schedule, noisy' if args.quick else ''}); "
                 f"tools/bench_allreduce.py")

@@ -33,6 +33,7 @@ from _bench_common import (MiB, byte_size, collect, comma_list, human,  # noqa: 
                            nonneg_int, out_file, parser, positive_float, positive_int,
                            run_main, stop_child, tcp_connections, tensor_buffer)
 from bench_allreduce import bench_mpi, mpi_available, schedule  # noqa: E402
+from flodl_shm.engine.hostcpu import available_cores  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
@@ -317,7 +318,7 @@ def main(argv=None) -> int:
             results += rows
             if why:
                 failed.append(f"OpenMPI world {world} (rows missing)")
-    print(f"cores: {os.cpu_count()}, load average: {os.getloadavg()[0]:.1f}")
+    print(f"cores: {available_cores()}, load average: {os.getloadavg()[0]:.1f}")
     print(report(results, ddps, worlds))
     if args.json:
         with open(args.json, "w") as f:

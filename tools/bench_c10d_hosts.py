@@ -45,6 +45,7 @@ from _bench_common import (MiB, byte_size, collect, comma_list, exit_code, human
                            out_file, parser, positive_float, positive_int, run_main)
 from bench_c10d import run_ranks  # noqa: E402
 from bench_cluster import CohortFailed, bench_cohort, schedule  # noqa: E402
+from flodl_shm.engine.hostcpu import available_cores  # noqa: E402
 
 SIZES = [4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 METHODS = ["gloo", "flodl_shm", "controller"]
@@ -185,7 +186,7 @@ def main(argv=None) -> int:
                 results.append(bench_controller(hosts, args.ranks, nbytes, args.iter_scale))
     _say("done")
     load1 = os.getloadavg()
-    print(f"cores: {os.cpu_count()}; load average (1, 5, 15 min) at start "
+    print(f"cores: {available_cores()}; load average (1, 5, 15 min) at start "
           f"{' '.join(f'{x:.2f}' for x in load0)}, at end {' '.join(f'{x:.2f}' for x in load1)}; "
           f"iteration scale {args.iter_scale}")
     for hosts in hosts_list:

@@ -63,6 +63,7 @@ import numpy as np
 from _bench_common import (MiB, append_jsonl, bench_gloo, choices, comma_list, exit_code,
                            f32_size, human, out_file, parser, positive_float, positive_int,
                            run_main, summarize, tcp_counters)
+from flodl_shm.engine.hostcpu import available_cores
 
 SIZES = [4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 SCHEDULE = {4 * MiB: (3, 30), 16 * MiB: (2, 15), 64 * MiB: (2, 8), 256 * MiB: (1, 5)}
@@ -732,7 +733,7 @@ def phase_table(results: list[dict]) -> str:
 
 
 def cpu_table(results: list[dict]) -> str:
-    cores = os.cpu_count() or 1
+    cores = available_cores()
     lines = ["| hosts | size | method | round ms | ranks | supervisors (relays) | controller | "
              f"total | total ÷ {cores} cores ÷ round |",
              "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
@@ -842,7 +843,7 @@ def main(argv=None) -> int:
     hosts = args.hosts
     variants = list(dict.fromkeys(args.wires))
     load = os.getloadavg()[0]
-    print(f"# host: {os.cpu_count()} cores, load {load:.2f}; sizes "
+    print(f"# host: {available_cores()} cores, load {load:.2f}; sizes "
           f"{', '.join(human(s) for s in sizes)} f32 per rank; hosts {hosts} × {args.ranks} "
           f"ranks; wires {variants}; iteration scale {scale}", flush=True)
     prim = measure_primitives(min(max(sizes), 64 * MiB))

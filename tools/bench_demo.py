@@ -60,6 +60,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _bench_common import out_file, parser, positive_int, run_main  # noqa: E402
+from flodl_shm.engine.hostcpu import available_cores  # noqa: E402
 
 EPOCHS, BATCH, SYNC_EVERY, SEED, WORLD = 30, 32, 8, 42, 2
 
@@ -453,7 +454,7 @@ def main(argv=None) -> int:
     data = digits_split()
     results: dict[str, list[dict]] = {n: [] for n in names}
     load = os.getloadavg()[0]
-    print(f"# {os.cpu_count()} cores, load average {load:.2f}; {args.epochs} epochs, batch "
+    print(f"# {available_cores()} cores, load average {load:.2f}; {args.epochs} epochs, batch "
           f"{BATCH}, {args.ranks} ranks averaging every {SYNC_EVERY} batches; {args.repeats} "
           f"repeats, interleaved", flush=True)
     for rep in range(args.repeats):

@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _bench_common import (out_file, parser, positive_float, positive_int,  # noqa: E402
                            run_main)
+from flodl_shm.engine.hostcpu import available_cores  # noqa: E402
 
 
 def load_corpus(max_mb: float) -> np.ndarray:
@@ -237,7 +238,7 @@ def main(argv=None) -> int:
     ap = parser(__doc__)
     ap.add_argument("--seconds", type=positive_float, default=120.0,
                     help="training budget per variant")
-    ap.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1,
+    ap.add_argument("--threads", type=positive_int, default=available_cores(),
                     help="threads of the one process; split evenly among the ranks")
     ap.add_argument("--ranks", type=positive_int, default=2, help="DiLoCo's rank processes")
     ap.add_argument("--d-model", type=positive_int, default=256,
@@ -278,7 +279,7 @@ def main(argv=None) -> int:
     train, val = data[:cut], data[cut:]
     n_params = sum(p.numel() for p in make_model(args.d_model, args.layers, args.heads,
                                                  args.context).parameters())
-    print(f"# {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; corpus "
+    print(f"# {available_cores()} cores, load average {os.getloadavg()[0]:.2f}; corpus "
           f"{len(data) / 1e6:.1f} MB of stdlib .py; model {n_params / 1e6:.2f} M params, "
           f"context {args.context}, batch {args.batch}; {args.seconds:.0f} s per variant; "
           f"{args.threads} threads", flush=True)
@@ -323,7 +324,7 @@ def _plot(results: dict, path: str, n_params: int, cfg: dict) -> None:
     ax.set_xlabel("wall time (s)")
     ax.set_ylabel("training loss (nats/byte)")
     ax.set_title(f"char LM on stdlib .py, {n_params / 1e6:.1f} M params, "
-                 f"{cfg['threads']} threads, {os.cpu_count()} cores", fontsize=10)
+                 f"{cfg['threads']} threads, {available_cores()} cores", fontsize=10)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

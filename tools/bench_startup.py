@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _bench_common import (choices, comma_list, parser, positive_int, run_child,  # noqa: E402
                            run_main)
+from flodl_shm.engine.hostcpu import available_cores  # noqa: E402
 
 #: what --start-methods accepts (the module docstring says what each is)
 START_METHODS = ["default", "default-again", "forkserver", "forkserver-fresh", "spawn", "fork"]
@@ -159,7 +160,7 @@ def main(argv=None) -> int:
                 phases[m].append(_spawn_phases(script, args.nprocs, m))
             for k, code in _COMPONENTS.items():
                 parts[k].append(_run_s(code))
-    print(f"# {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; {args.nprocs} "
+    print(f"# {available_cores()} cores, load average {os.getloadavg()[0]:.2f}; {args.nprocs} "
           f"ranks; {args.repeats} interleaved repeats (median)")
     floor = statistics.median(torch_s)
     print(f"python -c 'import torch': {floor:.2f} s\n")

@@ -836,8 +836,9 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
     Args:
         fn: a picklable (module-level) function taking a ``RankContext`` first.
         nprocs: local ranks to start (>= 1). Each runs torch with ``OMP_NUM_THREADS``
-            threads when the launcher's environment sets it, else this host's cores /
-            ``nprocs`` (``rank_threads``).
+            threads when the launcher's environment sets it, else the CPUs this process
+            may use (its affinity, capped by a container's CPU quota) / ``nprocs``
+            (``rank_threads``).
         args: extra positional arguments for ``fn`` (picklable).
         join: wait and return the results by rank; else return a ``SpawnContext``.
         controller: ``"host:port"`` of a cluster controller to join a multi-host
