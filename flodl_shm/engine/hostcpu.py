@@ -77,10 +77,11 @@ def available_cores(root: str | os.PathLike = "/") -> int:
 
 
 def _tightest(quotas: list[tuple[float | None, str]]) -> CpuQuota | None:
-    set_ = [(cores, src) for cores, src in quotas if cores is not None]
-    if not set_:
+    """The least of the levels' quotas (cores, file), None where no level sets one."""
+    limited = [(cores, src) for cores, src in quotas if cores is not None]
+    if not limited:
         return None
-    cores, src = min(set_)
+    cores, src = min(limited)
     return CpuQuota(cores, src)
 
 
