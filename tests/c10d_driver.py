@@ -238,13 +238,24 @@ def sc_collectives(rank: int, world: int) -> dict:
 
     # every rank refuses them alike, before any round: the root's refusal came from the
     # engine, the others' from torch, one round apart (a sparse CSR broadcast desynced)
+    # (a root's scatter_list or gather_list: its status word has every rank refuse it;
+    # a root that failed copying it alone left the others a call behind)
     res["layouts"] = _errors_of({
         f"{op} {name}": (lambda op, name: lambda: {
             "broadcast": lambda t: dist.broadcast(t, src=0),
             "all_reduce": lambda t: dist.all_reduce(t),
-            "max": lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX)}[op](layout(name)))(
-                op, name)
-        for op in ("broadcast", "all_reduce", "max")
+            "max": lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX),
+            "scatter_list": lambda t: dist.scatter(torch.empty(16), [t] * world if rank == 0
+                                                   else None, src=0),
+            "gather_list": lambda t: dist.gather(torch.ones(16), [t] * world if rank == 0
+                                                 else None, dst=0),
+            "all_gather_into_tensor": lambda t: dist.all_gather_into_tensor(
+                torch.empty(16 * world), t),
+            "reduce_scatter_tensor": lambda t: dist.reduce_scatter_tensor(torch.empty(16), t),
+            "all_to_all_single": lambda t: dist.all_to_all_single(torch.empty(16), t)}[op](
+                layout(name)))(op, name)
+        for op in ("broadcast", "all_reduce", "max", "scatter_list", "gather_list",
+                   "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
         for name in ("csr", "mkldnn", "nested", "jagged")}, then=summed)
     dist.barrier()  # the errors above left every rank in step
     group = dist.distributed_c10d._get_default_group()  # the backend object itself

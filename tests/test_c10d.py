@@ -274,6 +274,8 @@ def test_unsupported_ops_and_dtypes_raise_naming_the_supported_set(one_host):
         for what, said in r["layouts"].items():
             if what.endswith(" then"):
                 assert said == [float(world)] * 4, (what, r["log"])  # still in step
+            elif r is not one_host[0] and what.split()[0] in ("scatter_list", "gather_list"):
+                assert "the root, rank 0, passed a" in said, (what, said)  # (the root's list)
             else:
                 kind = "a nested" if what.split()[1] in ("nested", "jagged") else "a torch."
                 assert f"{kind}" in said and "handles dense tensors only" in said, (what, said)

@@ -43,8 +43,8 @@ from ..engine.tensor_codec import elements_share_memory
 from ..errors import FrameError, PeerDied, ReduceStall
 from ..frame import RoundKind, tensor_array
 from .overlap import CollectiveWorker
-from .reduce_ops import (average_, check_dtype, check_op, float_view, op_name, op_type,
-                         real_views, reduce_in_order)
+from .reduce_ops import (average_, check_dtype, check_layout, check_op, float_view, op_name,
+                         op_type, real_views, reduce_in_order)
 from .rendezvous import HostLink, rendezvous
 
 logger = logging.getLogger("flodl_shm")
@@ -292,8 +292,16 @@ def _bytes_of(t: torch.Tensor) -> np.ndarray:
 
 
 def _misfit(out: torch.Tensor, like: torch.Tensor, what: str) -> str | None:
-    """Why ``out`` cannot receive a copy of ``like`` (another dtype or element count),
-    or None."""
+    """Why ``out`` cannot receive a copy of ``like`` (a sparse, mkldnn or nested tensor
+    on either side, another dtype or element count), or None. A caller raises it on every
+    rank once its round completed (a root's, through its status word): the group stays
+    in step, where a root that failed copying its list alone left the others a call
+    behind."""
+    for t, side in ((out, "output"), (like, "input")):
+        try:
+            check_layout(t, f"{what} ({side})")
+        except RuntimeError as e:
+            return str(e)
     if out.dtype != like.dtype or out.numel() != like.numel():
         return (f"flodl_shm {what}: an output of {out.numel()} {out.dtype} elements for "
                 f"{like.numel()} {like.dtype} elements; pass outputs of the inputs' dtype "
@@ -844,6 +852,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 
     @_collective
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        for t in (*outputs, *inputs):  # (a layout before any reshape)
+            check_layout(t, "all_gather_into_tensor")
         inputs = _checked([i.reshape(-1) for i in inputs], "all_gather_into_tensor")
         problem = next((f"flodl_shm all_gather_into_tensor: an output of {o.numel()} {o.dtype} "
                         f"elements for a group of {self._size} inputs of {i.numel()} {i.dtype}; "
@@ -894,6 +904,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     @_collective  # whole: queued, its output copy must follow the round (see _collective)
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts) -> dist.Work:
         what = "reduce_scatter_tensor"
+        for t in (*outputs, *inputs):  # (a layout before any reshape)
+            check_layout(t, what)
         given, outputs = outputs, real_views(outputs, opts.reduceOp, what)
         inputs = real_views(inputs, opts.reduceOp, what)
         lists = [list(i.reshape(-1).chunk(self._size)) for i in inputs]
@@ -1030,6 +1042,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                 return list(t.chunk(self._size)) if t.shape[0] else [t] * self._size
             return list(t.split(list(sizes)))
 
+        for t in (output, input):  # (a layout before any split)
+            check_layout(t, "all_to_all_single")
         self.alltoall(split(output, output_split_sizes), split(input, input_split_sizes), opts)
         return _done([output])
 

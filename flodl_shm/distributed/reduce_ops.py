@@ -58,6 +58,12 @@ def check_dtype(t: torch.Tensor, what: str) -> None:
     if t.dtype not in SUPPORTED_DTYPES:
         raise RuntimeError(f"flodl_shm {what}: dtype {t.dtype} is not supported; supported: "
                            f"{', '.join(str(d).replace('torch.', '') for d in SUPPORTED_DTYPES)}")
+    check_layout(t, what)
+
+
+def check_layout(t: torch.Tensor, what: str) -> None:
+    """Raise ``RuntimeError`` for a sparse, mkldnn or nested tensor (whose bytes no
+    collective can copy), naming its layout."""
     if t.layout is not torch.strided or t.is_nested:
         kind = "a nested" if t.is_nested else f"a {t.layout}"
         raise RuntimeError(f"flodl_shm {what}: {kind} tensor; the flodl_shm backend handles "
