@@ -69,7 +69,10 @@ def check_layout(t: torch.Tensor, what: str) -> None:
         raise RuntimeError(f"flodl_shm {what}: {kind} tensor; the flodl_shm backend handles "
                            f"dense tensors only: pass t.to_dense()"
                            + (" (a nested tensor: its components, t.unbind())"
-                              if t.is_nested else ""))
+                              if t.is_nested else "")
+                           + ("; sparse gradients (nn.Embedding(sparse=True) under DDP): "
+                              "sparse=False, or a gloo group for that model"
+                              if t.layout is torch.sparse_coo else ""))
 
 
 def check_op(op, dtype: torch.dtype, what: str) -> None:
