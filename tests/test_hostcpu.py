@@ -104,10 +104,12 @@ def test_a_real_process_in_a_cgroup_with_half_a_cpu():
         (group / "cpu.cfs_quota_us").write_text("50000")
         env = dict(os.environ, OMP_NUM_THREADS="")
         out = subprocess.run(
-            ["bash", "-c", f'echo $$ > {group}/cgroup.procs && exec "$0" -c "$1"',
+            ["bash", "-c", f'echo $$ > {group}/cgroup.procs || exit 77; exec "$0" -c "$1"',
              sys.executable, _IN_A_CGROUP],
             capture_output=True, text=True, timeout=60, env=env,
             cwd=Path(__file__).resolve().parents[1])
+        if out.returncode == 77:
+            pytest.skip(f"no process can be moved into a cgroup here: {out.stderr.strip()}")
         assert out.returncode == 0, out.stderr
         assert out.stdout.split() == ["0.5", "1", "1", "True"]
     finally:
