@@ -816,11 +816,12 @@ def rank_threads(nprocs: int) -> int:
             count = 0
         if count >= 1:
             return count
+    shared = max(1, available_cores() // nprocs)  # (reads the cgroup's files: once)
+    if value:
         logger.warning("OMP_NUM_THREADS=%r is not a positive thread count; ranks run "
                        "%d thread(s) each (the CPUs this process may use / %d ranks). Set it to a "
-                       "count such as 1, or unset it", value,
-                       max(1, available_cores() // nprocs), nprocs)
-    return max(1, available_cores() // nprocs)
+                       "count such as 1, or unset it", value, shared, nprocs)
+    return shared
 
 
 def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
