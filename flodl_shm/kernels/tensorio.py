@@ -18,7 +18,7 @@ from numba import carray, njit, types
 from numba.extending import intrinsic, overload
 
 from .codec import bf16_scaled_copy, bf16_to_f32, f32_scaled_copy, f32_to_bf16, f32_to_bf16_scaled
-from .reduce import drift_sums
+from .reduce import DRIFT_BLOCK, add_block_drift
 
 
 @intrinsic
@@ -129,6 +129,18 @@ def _widen_into_impl(src, dst):
 
 
 @njit(cache=True, nogil=True)
+def _write_with_drift(src, dst, sums):
+    """``dst[:] = src`` widened, adding the drift sums of ``dst``'s old values against
+    the new ones to ``sums``: block by block, each block summed, then written while it
+    is in L1 (``reduce.add_block_drift``)."""
+    for s in range(0, dst.shape[0], DRIFT_BLOCK):
+        old = dst[s:s + DRIFT_BLOCK]
+        new = src[s:s + DRIFT_BLOCK]
+        add_block_drift(old, new, sums)
+        _widen_into(new, old)
+
+
+@njit(cache=True, nogil=True)
 def decode_scatter(src, addrs, ntensors, sums):
     """Write the consecutive segments of a consensus (float32, or uint16 bf16 bits widened
     exactly) into the float32 tensors at ``addrs`` (laid out as ``eager_encode_round``'s:
@@ -138,7 +150,7 @@ def decode_scatter(src, addrs, ntensors, sums):
     With a float64 ``sums`` of ``[ntensors, 3]`` (``[0, 3]``: none), also adds each float32
     tensor ``i``'s ``(Σ old², Σ new², Σ (old - new)²)`` to row ``i``, taken just before
     the consensus (new) is written over the tensor's values (old), while they are in
-    cache: a replica's drift without a snapshot (``reduce.drift_sums``)."""
+    cache: a replica's drift without a snapshot (``_write_with_drift``)."""
     off = 0
     skipped = 0
     for i in range(ntensors):
@@ -148,8 +160,9 @@ def decode_scatter(src, addrs, ntensors, sums):
         else:
             dst = f32_at(addrs[i], n)
             if sums.shape[0]:
-                drift_sums(dst, src[off:off + n], sums[i])
-            _widen_into(src[off:off + n], dst)
+                _write_with_drift(src[off:off + n], dst, sums[i])
+            else:
+                _widen_into(src[off:off + n], dst)
         off += n
     return skipped
 
