@@ -148,6 +148,9 @@ class SyncInfo(NamedTuple):
         return None if self.report_rows is None else np.array(self.report_rows, np.float64)
 
 
+_new_tuple = tuple.__new__
+
+
 def _resolve_comm(comm, name: str = "LocalSGD"):
     """The engine ``Comm`` LocalSGD runs on: ``comm`` itself (``ctx.comm`` under
     ``flodl_shm.spawn``), the one of a torch.distributed process group whose CPU backend
@@ -336,6 +339,7 @@ class LocalSGD:
             raise ValueError(f"cadence must be 'fixed', 'elche', an ElChe or a world_size -> "
                              f"ElChe factory, got {cadence!r}")
         self.comm = _resolve_comm(comm, type(self).__name__)
+        self._spans_hosts = self.comm.spans_hosts  # (fixed for the Comm's life)
         self.model = model
         self.sync_every = sync_every
         self.gamma = float(gamma)
@@ -605,22 +609,23 @@ class LocalSGD:
                 describing exactly the ranks whose work the consensus holds.
         """
         t0 = time.perf_counter()
-        compute_ms = (t0 - self._window_t0) * 1e3
         steps, samples = self._steps, self._samples
+        comm, el_che = self.comm, self.el_che
         gathered = None
-        if report is not None and self.el_che is not None:
-            raise ValueError("sync(report=...) needs cadence='fixed': with ElChe, its own "
-                             "numbers ride in the params round's report")
-        if self.el_che is not None:
-            column = (steps, compute_ms, 1.0, self._prev_sync_ms, self._prev_divergence)
-            if not self.comm.spans_hosts:
+        if el_che is not None:
+            if report is not None:
+                raise ValueError("sync(report=...) needs cadence='fixed': with ElChe, its own "
+                                 "numbers ride in the params round's report")
+            column = (steps, (t0 - self._window_t0) * 1e3, 1.0, self._prev_sync_ms,
+                      self._prev_divergence)
+            if not self._spans_hosts:
                 report = column  # one host: ElChe's numbers ride in the params round
             else:
-                gathered = gather_columns(self.comm, column)
+                gathered = gather_columns(comm, column)
         # the Comm holds one wire setting and one in-reduce outer state for every window on
         # it: this window's wire, and its outer state unless a later window took it over
-        self.comm.set_bf16_wire(self.bf16_wire)
-        if self._outer_in_reduce and self.comm.outer_claim() != self._outer_claim:
+        comm.set_bf16_wire(self.bf16_wire)
+        if self._outer_in_reduce and comm.outer_claim() != self._outer_claim:
             raise RuntimeError(
                 "another LocalSGD built on this Comm since this one installed its outer "
                 "optimizer: the Comm holds one outer state (previous global, momentum), now "
@@ -629,37 +634,37 @@ class LocalSGD:
         # one MODEL round, in place: params and float buffers scaled by w, mass w; a round
         # that realized nothing (mass 0) leaves the tensors untouched. With the outer step
         # in the reduce, the params round is stepped and the buffers travel on their own.
-        reduced = self._replica.reduce(self.comm, gamma_mass(samples, self.gamma),
+        reduced = self._replica.reduce(comm, gamma_mass(samples, self.gamma),
                                        mover_mass(samples), report=report)
-        reports = None
-        if report is not None and self.el_che is not None:
-            gathered = np.array(reduced.reports, np.float64)[:, :len(report)].T
-        elif report is not None:
-            reports = reduced.reports
-        mass, accepted = reduced.params_mass, reduced.accepted
-        divergence = 0.0
+        mass, _, accepted, divergence, bytes_sent, reports = reduced
+        if report is not None and el_che is not None:
+            gathered = np.array(reports, np.float64)[:, :len(report)].T
+            reports = None
         if is_realized(mass):
-            divergence = reduced.divergence
             if self._outer_per_rank:
                 with torch.no_grad():
                     self._outer_step()
             if self.resets_inner and self.optimizer is not None:
                 self.optimizer.state.clear()
             self.realized_mass += mass
-        self.sync_round += 1
-        if not self.comm.spans_hosts:
+        else:
+            divergence = 0.0
+        self.sync_round = sync_round = self.sync_round + 1
+        if not self._spans_hosts:
             self.live_ranks = accepted
         if gathered is not None:
             self._report_elche(gathered)
         self._steps = 0
         self._samples = 0
-        self._target = self._next_target()
+        self._target = target = self._next_target()
         self._window_t0 = t1 = time.perf_counter()  # the next window starts now
         sync_ms = (t1 - t0) * 1e3
         self._prev_sync_ms, self._prev_divergence = sync_ms, divergence
-        self.last_sync = SyncInfo(self.sync_round, mass, accepted, samples, steps, sync_ms,
-                                  self._target, divergence, reduced.bytes_sent, reports)
-        return self.last_sync
+        # (tuple.__new__: the NamedTuple's own __new__ is a Python frame)
+        self.last_sync = info = _new_tuple(SyncInfo, (sync_round, mass, accepted, samples,
+                                                      steps, sync_ms, target, divergence,
+                                                      bytes_sent, reports))
+        return info
 
     def _outer_step(self) -> None:
         """The parameters hold the consensus: step them from the previous global (the

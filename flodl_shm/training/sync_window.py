@@ -318,7 +318,8 @@ class ReplicaReduce:
         self._live_params = [p.detach() for p in self.params]
         self._live_buffers = [b.detach() for b in self.buffers]
         self._live_all = self._live_params + self._live_buffers
-        self._numel = sum(t.numel() for t in self.params + self.buffers)  # elements sent
+        numel = sum(t.numel() for t in self.params + self.buffers)  # elements sent
+        self._bytes_sent = (numel * 4, numel * 2)  # on the float32 wire, the bf16 one
         # the drift sums of the params round: one row per tensor it carries (the
         # parameters' rows first), filled by the engine while it writes the consensus
         self._drift = (np.zeros((len(self._live_params) + (len(self._live_buffers) if carries
@@ -389,8 +390,10 @@ class ReplicaReduce:
                                             kind=RoundKind.MODEL)
         divergence = (0.0 if sums is None
                       else _divergence(self._drift_params.unpack_from(self._drift_bytes)))
-        return ReduceOutcome(params_mass, buffers_mass, accepted, divergence,
-                             self._numel * (2 if comm.bf16_wire else 4), reports)
+        # (tuple.__new__: the NamedTuple's own __new__ is a Python frame, a tenth of
+        # what a window adds to its round)
+        return _new_tuple(ReduceOutcome, (params_mass, buffers_mass, accepted, divergence,
+                                          self._bytes_sent[comm.bf16_wire], reports))
 
     def _check_held(self) -> None:
         """The per-sync check's slow path, when a tensor's entry or address changed: a
@@ -426,6 +429,8 @@ class ReplicaReduce:
                                         ("removed", removed)) if part))
         self._registered = _registrations[0]
 
+
+_new_tuple = tuple.__new__
 
 #: moves whenever a module anywhere in the process registers a submodule, parameter or
 #: buffer (torch's global registration hooks; ``_watch_registrations``)
