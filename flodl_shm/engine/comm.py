@@ -140,6 +140,16 @@ def _integral(value) -> bool:
 
 
 _F32_MAX = float(np.finfo(np.float32).max)
+
+#: ``_written(tensors)`` (a sequence of tensors): tell autograd that an in-place
+#: collective changed them, as torch's own in-place ops do. Their values are written
+#: through their addresses, which autograd cannot see: a tensor saved for backward, then
+#: reduced or broadcast in place, fed backward its new values silently; with its version
+#: counter moved, backward raises "one of the variables needed for gradient computation
+#: has been modified by an inplace operation". (torch's C function: the public
+#: ``torch.autograd.graph.increment_version`` wraps it in a Python frame that costs as
+#: much again.)
+_written = getattr(torch._C, "_increment_version", None) or torch.autograd.graph.increment_version
 _STRIDED = torch.strided
 
 
@@ -664,24 +674,30 @@ class Comm:
                     rnd = self._round
                     self._round = rnd + 1
                     try:
-                        return self._engine.inplace_round(rnd, w, addr, plan, s)
+                        mass = self._engine.inplace_round(rnd, w, addr, plan, s)
                     except BaseException as e:
                         self._fail(rnd, e)
                         raise
+                    _written(tensors)
+                    return mass
         if drift is not None and (drift is not self._drift_checked[0]
                                   or len(tensors) != self._drift_checked[1]):
             _check_drift(drift, len(tensors))  # once per array: a window reuses its own
             self._drift_checked = (drift, len(tensors))
         if report is None:
-            return self._all_reduce_in_place(tensors, weight, scale, kind, outer, drift)
+            mass = self._all_reduce_in_place(tensors, weight, scale, kind, outer, drift)
+            _written(tensors)
+            return mass
         rnd = self._round
         self._write_report(report)
         try:
-            return self._all_reduce_in_place(tensors, weight, scale, kind, outer, drift)
+            mass = self._all_reduce_in_place(tensors, weight, scale, kind, outer, drift)
         except BaseException:
             if self._round == rnd:  # refused before the round: the report went nowhere
                 self._reported = -1
             raise
+        _written(tensors)
+        return mass
 
     def _all_reduce_in_place(self, tensors: Sequence[torch.Tensor], weight: float,
                              scale: float, kind, outer: bool,
@@ -873,6 +889,10 @@ class Comm:
             tensors: float32/bfloat16 CPU tensors of the same shapes on every rank.
             root: the global rank whose values every rank takes.
         """
+        self._broadcast_in_place(tensors, root)
+        _written(tensors)
+
+    def _broadcast_in_place(self, tensors: Sequence[torch.Tensor], root: int) -> None:
         is_root, local_root = self._broadcast_root(root)
         eng = self._engine
         if isinstance(tensors, torch.Tensor) or not hasattr(tensors, "__len__"):
