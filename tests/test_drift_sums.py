@@ -155,39 +155,39 @@ def test_a_small_round_takes_the_sums_without_a_snapshot(monkeypatch):
     assert snapshots == [70_005, 70_005]  # the bulk round's, on each rank; none else
 
 
-@pytest.mark.parametrize("n", [1, 1023, 1024, 1025, 5000])
-def test_the_kernel_sums_by_blocks_and_in_f64_past_float32s_range(n):
-    """The drift kernel sums each block in f32 and the blocks in f64; a block whose f32
-    squares overflow (values past ~1e17) is summed again in f64, so a finite tensor's
-    sums stay finite and exact to f64's rounding; a NaN is summed as f64 sums it."""
+@pytest.mark.parametrize("scale", [1e-30, 1e-20, 1.0, 1e17])
+@pytest.mark.parametrize("n", [1, 1025, 5000])
+def test_the_kernels_sum_in_f64_from_tiny_to_huge_values(n, scale):
+    """The drift sums are f64 sums of the f32 values (their squares neither underflow
+    at 1e-30 nor overflow past 1e19, as f32 squares would), alone and fused into the
+    write-back of the consensus; a NaN is summed as f64 sums it."""
     from flodl_shm.kernels.codec import f32_to_bf16
     from flodl_shm.kernels.reduce import drift_sums
     from flodl_shm.kernels.tensorio import decode_scatter
 
     rng = np.random.default_rng(n)
-    pre = rng.standard_normal(n).astype(np.float32)
-    post = rng.standard_normal(n).astype(np.float32)
+    pre = (rng.standard_normal(n) * scale).astype(np.float32)
+    post = (rng.standard_normal(n) * scale).astype(np.float32)
     for huge in (False, True):
         if huge:
             pre[n // 2] = np.float32(3e19)  # its square alone overflows f32
         want = _reference([torch.from_numpy(pre)], [torch.from_numpy(post)])[0]
         got = np.zeros(3)
         drift_sums(pre, post, got)
-        np.testing.assert_allclose(got, want, rtol=1e-6)
-        # the write-back path: the sums of the old values, then the new ones written
-        dst = pre.copy()
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+        dst = pre.copy()  # the write-back: the old values' sums, the new ones written
         addrs = np.array([dst.ctypes.data, n, 0], np.int64)
-        sums = np.zeros((1, 3))
-        assert decode_scatter(post, addrs, 1, sums) == 0
-        np.testing.assert_allclose(sums[0], want, rtol=1e-6)
-        assert np.array_equal(dst, post)
-    post16 = np.zeros(n, np.uint16)
-    f32_to_bf16(post, post16)  # a bf16 consensus, widened exactly on the way back
-    widened = torch.from_numpy(post16.view(np.int16)).view(torch.bfloat16).float()
-    got = np.zeros(3)
-    drift_sums(pre, post16, got)
-    np.testing.assert_allclose(got, _reference([torch.from_numpy(pre)], [widened])[0],
-                               rtol=1e-6)
+        for wire in (post, np.zeros(n, np.uint16)):
+            if wire.dtype == np.uint16:  # a bf16 consensus, widened exactly
+                f32_to_bf16(post, wire)
+                dst[:] = pre
+                new = torch.from_numpy(wire.view(np.int16)).view(torch.bfloat16).float()
+                want = _reference([torch.from_numpy(pre)], [new])[0]
+            sums = np.zeros((1, 3))
+            assert decode_scatter(wire, addrs, 1, sums) == 0
+            np.testing.assert_allclose(sums[0], want, rtol=1e-12)
+            if wire.dtype == np.float32:
+                assert np.array_equal(dst, post)
     pre[0] = np.nan
     got = np.zeros(3)
     drift_sums(pre, post, got)

@@ -16,8 +16,6 @@ Callers pass every output and scratch array in; nothing allocates.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import njit, types
 from numba.extending import overload
@@ -96,28 +94,12 @@ def finalize_bf16(acc, out, inv, scratch):
         out[i] = to_bf16(acc[i] * f)
 
 
-#: elements per block of the drift sums: each block is summed in f32 (eight lanes wide),
-#: the blocks' sums added in f64 (a 4 KiB block stays in L1 for the write after it)
-DRIFT_BLOCK = 1024
-
-
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
-def _drift_block_f32(pre, post):
-    a = np.float32(0.0)
-    b = np.float32(0.0)
-    c = np.float32(0.0)
-    for i in range(pre.shape[0]):
-        x = pre[i]
-        y = load(post, i)
-        d = x - y
-        a += x * x
-        b += y * y
-        c += d * d
-    return a, b, c
-
-
-@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
-def _drift_block_f64(pre, post):
+def drift_sums(pre, post, out):
+    """``out += (Σ pre², Σ post², Σ (pre - post)²)`` in f64, in one pass: the sums of a
+    replica's drift ``||pre - post|| / ||post||``. ``pre`` float32; ``post`` float32 or
+    bf16 bits (uint16); ``out`` float64[3]. The sums may be reassociated (vectorised):
+    a metric, not a reduce whose bits must match across ranks."""
     a = 0.0
     b = 0.0
     c = 0.0
@@ -128,37 +110,9 @@ def _drift_block_f64(pre, post):
         a += x * x
         b += y * y
         c += d * d
-    return a, b, c
-
-
-@njit(cache=True, nogil=True)
-def add_block_drift(pre, post, out):
-    """``out += (Σ pre², Σ post², Σ (pre - post)²)`` of one block (at most a few
-    thousand elements): summed in f32, which vectorises twice as wide as f64, and again
-    in f64 when the f32 sums are not finite (values past ~1e17 in magnitude overflow
-    an f32 square; a NaN or inf input is then summed as f64 sums it)."""
-    a, b, c = _drift_block_f32(pre, post)
-    if math.isfinite(a) and math.isfinite(b) and math.isfinite(c):
-        out[0] += a
-        out[1] += b
-        out[2] += c
-        return
-    a, b, c = _drift_block_f64(pre, post)
     out[0] += a
     out[1] += b
     out[2] += c
-
-
-@njit(cache=True, nogil=True)
-def drift_sums(pre, post, out):
-    """``out += (Σ pre², Σ post², Σ (pre - post)²)``: the sums of a replica's drift
-    ``||pre - post|| / ||post||``, by blocks of ``DRIFT_BLOCK`` (``add_block_drift``),
-    the blocks added in f64. ``pre`` float32; ``post`` float32 or bf16 bits (uint16);
-    ``out`` float64[3]. The sums may be reassociated (vectorised): a metric, not a
-    reduce whose bits must match across ranks."""
-    n = pre.shape[0]
-    for s in range(0, n, DRIFT_BLOCK):
-        add_block_drift(pre[s:s + DRIFT_BLOCK], post[s:s + DRIFT_BLOCK], out)
 
 
 # --- the engine's multi-source reduce ---------------------------------------------

@@ -18,7 +18,7 @@ from numba import carray, njit, types
 from numba.extending import intrinsic, overload
 
 from .codec import bf16_scaled_copy, bf16_to_f32, f32_scaled_copy, f32_to_bf16, f32_to_bf16_scaled
-from .reduce import DRIFT_BLOCK, add_block_drift
+from .reduce import load
 
 
 @intrinsic
@@ -128,16 +128,27 @@ def _widen_into_impl(src, dst):
     return copy
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
 def _write_with_drift(src, dst, sums):
-    """``dst[:] = src`` widened, adding the drift sums of ``dst``'s old values against
-    the new ones to ``sums``: block by block, each block summed, then written while it
-    is in L1 (``reduce.add_block_drift``)."""
-    for s in range(0, dst.shape[0], DRIFT_BLOCK):
-        old = dst[s:s + DRIFT_BLOCK]
-        new = src[s:s + DRIFT_BLOCK]
-        add_block_drift(old, new, sums)
-        _widen_into(new, old)
+    """``dst[:] = src`` widened, adding ``(Σ old², Σ new², Σ (old - new)²)`` of ``dst``'s
+    old values against the new ones to ``sums`` in f64 (``reduce.drift_sums``), in the
+    same pass: each element is read once and written once. The sums may be reassociated
+    (vectorised): a metric, not a reduce whose bits must match across ranks."""
+    a = 0.0
+    b = 0.0
+    c = 0.0
+    for i in range(dst.shape[0]):
+        y = load(src, i)
+        x = np.float64(dst[i])
+        dst[i] = y
+        z = np.float64(y)
+        d = x - z
+        a += x * x
+        b += z * z
+        c += d * d
+    sums[0] += a
+    sums[1] += b
+    sums[2] += c
 
 
 @njit(cache=True, nogil=True)
