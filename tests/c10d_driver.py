@@ -12,6 +12,7 @@ import signal
 import socket
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -511,6 +512,30 @@ def sc_ddp(rank: int, world: int) -> dict:
     (y * 2).sum().backward()
     out["in_backward"] = seen
     return out
+
+
+def sc_ddp_compiled(rank: int, world: int) -> dict:
+    """``torch.compile(DDP(model))``: the compiled forward reaches the backend through
+    torch's C++ (the BatchNorm buffers' broadcast every step, the bucket rebuild at the
+    second); final params and buffers."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(rank + 1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.BatchNorm1d(8),
+                                torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    ddp = DDP(model)
+    step = torch.compile(ddp, backend="eager")
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(50 + rank)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            opt.zero_grad()
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            torch.nn.functional.mse_loss(step(x), y).backward()
+            opt.step()
+    return {"state": {k: v.clone() for k, v in model.state_dict().items()},
+            "warnings": [str(w.message) for w in said]}
 
 
 def sc_ddp_complex(rank: int, world: int) -> dict:

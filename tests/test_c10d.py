@@ -325,6 +325,24 @@ def test_ddp_matches_gloo_and_is_identical_across_ranks(tmp_path):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=variant)
 
 
+def test_a_compiled_ddp_model_trains_as_on_gloo(tmp_path):
+    """A probe: ``torch.compile(DDP(model))`` failed at its second step (DDP's forward
+    rebuilt its buckets through the backend, whose Python torch.compile then traced, the
+    group an opaque object to it: UnsafeScriptObjectError); gloo's C++ is never traced.
+    The collectives run untraced now, without a word from torch.compile."""
+    shm = run_group("ddp_compiled", 2, tmp_path)
+    gloo = run_group("ddp_compiled", 2, tmp_path, backend="gloo")
+    _no_segments_of(shm)
+    for r in shm:
+        assert r["warnings"] == gloo[0]["warnings"], r["warnings"]
+    for rank in (0, 1):  # (each rank's BatchNorm statistics are its own batches')
+        for name, value in shm[rank]["state"].items():
+            torch.testing.assert_close(value, gloo[rank]["state"][name], rtol=1e-4, atol=1e-5,
+                                       msg=name)
+    for name in ("0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"):
+        assert same_bits(shm[0]["state"][name], shm[1]["state"][name]), name
+
+
 def test_ddp_of_a_model_with_a_complex_parameter_matches_gloo(tmp_path):
     """A probe: DDP's start-up broadcast of a model with a complex parameter raised
     'dtype torch.complex64 is not supported' (torch's dist.broadcast passes complex

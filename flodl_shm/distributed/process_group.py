@@ -107,6 +107,11 @@ def _collective(method):
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
+        if _compiler_callback is not None and _compiler_callback() is not None:
+            # a torch.compile'd caller (DDP's forward rebuilding its buckets, syncing its
+            # buffers) reached the collective through torch's C++: its frame evaluation
+            # would trace this Python, where the group is an opaque object to it
+            return _uncompiled(wrapper, self, *args, **kwargs)
         worker = self._worker
         if worker is not None and worker.on_worker_thread():
             return run(self, args, kwargs)  # nested, or a queued item's callback
@@ -121,6 +126,45 @@ def _collective(method):
             return run(self, args, kwargs)
 
     return wrapper
+
+
+#: the frame-evaluation callback torch.compile has set in this thread (None: no compiled
+#: code runs here); torch's C function, which needs no import of ``torch._dynamo``
+try:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _compiler_callback
+except ImportError:  # a torch built without it
+    _compiler_callback = None
+
+
+def _uncompiled(collective: Callable, *args, **kwargs):
+    """``collective(*args, **kwargs)`` with torch.compile's frame evaluation off for it and
+    all it calls: a collective runs as the eager code it is (as gloo's C++ does)."""
+    global _untraced
+    if _untraced is None:
+        import torch._dynamo  # loaded: a compiled caller is running
+
+        _untraced = torch._dynamo.disable(lambda fn, *a, **k: fn(*a, **k), recursive=True)
+    return _untraced(collective, *args, **kwargs)
+
+
+_untraced: Callable | None = None
+
+
+def _leave_to_eager(*functions: Callable) -> None:
+    """Tell torch.compile's frame evaluation to run these functions' frames as they are,
+    without tracing them (``torch._dynamo.eval_frame.skip_code``, through torch's C
+    module: importing ``torch._dynamo`` costs a second): a collective's entry, reached by
+    a compiled caller, would otherwise be traced up to its check, with a warning that
+    the check cannot be traced. Without that C API, that is all that happens."""
+    try:
+        from torch._C._dynamo.eval_frame import (_FrameAction, _FrameExecStrategy,
+                                                 set_code_exec_strategy)
+
+        for fn in functions:
+            set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP,
+                                                                    _FrameAction.DEFAULT))
+    except (ImportError, AttributeError, TypeError):
+        pass
 
 
 def _asked_async(args: tuple, kwargs: dict) -> bool:
@@ -1077,6 +1121,9 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 
     def recv_anysource(self, tensors, tag=0):
         self._unsupported("recv_anysource")
+
+
+_leave_to_eager(ProcessGroupFlodlShm.allreduce, _uncompiled)  # (every collective's entry)
 
 
 def create_process_group(store, rank: int, size: int, timeout: timedelta) -> ProcessGroupFlodlShm:
