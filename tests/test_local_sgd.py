@@ -353,6 +353,7 @@ def test_elche_cadence_keeps_every_rank_on_the_same_schedule():
     assert sum(w0[-3:]) > sum(w1[-3:])                   # the fast rank trains more
 
 
+@pytest.mark.filterwarnings("ignore:Complex modules are a new feature")  # torch's, on .to()
 def test_errors_name_the_value_and_the_fix():
     with FakeCohort(1) as cohort:
         comm = cohort.comm(0)
