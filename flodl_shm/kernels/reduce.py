@@ -95,24 +95,35 @@ def finalize_bf16(acc, out, inv, scratch):
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
-def drift_sums(pre, post, out):
-    """``out += (Σ pre², Σ post², Σ (pre - post)²)`` in f64, in one pass: the sums of a
-    replica's drift ``||pre - post|| / ||post||``. ``pre`` float32; ``post`` float32 or
-    bf16 bits (uint16); ``out`` float64[3]. The sums may be reassociated (vectorised):
-    a metric, not a reduce whose bits must match across ranks."""
+def drift_pass(old, new, out, write):
+    """``out += (Σ old², Σ new², Σ (old - new)²)`` in f64, in one pass: the sums of a
+    replica's drift ``||old - new|| / ||new||``; with ``write``, ``old[:] = new`` in the
+    same pass (each element read once and written once: the write-back of a consensus).
+    ``old`` float32; ``new`` float32 or bf16 bits (uint16, widened exactly); ``out``
+    float64[3]. The sums may be reassociated (vectorised): a metric, not a reduce whose
+    bits must match across ranks."""
     a = 0.0
     b = 0.0
     c = 0.0
-    for i in range(pre.shape[0]):
-        x = np.float64(pre[i])
-        y = np.float64(load(post, i))
-        d = x - y
+    for i in range(old.shape[0]):
+        y = load(new, i)
+        x = np.float64(old[i])
+        if write:  # (loop-invariant: compiled as two loops)
+            old[i] = y
+        z = np.float64(y)
+        d = x - z
         a += x * x
-        b += y * y
+        b += z * z
         c += d * d
     out[0] += a
     out[1] += b
     out[2] += c
+
+
+@njit(cache=True, nogil=True)
+def drift_sums(pre, post, out):
+    """``out += (Σ pre², Σ post², Σ (pre - post)²)``: ``drift_pass`` without the write."""
+    drift_pass(pre, post, out, False)
 
 
 # --- the engine's multi-source reduce ---------------------------------------------

@@ -18,7 +18,7 @@ from numba import carray, njit, types
 from numba.extending import intrinsic, overload
 
 from .codec import bf16_scaled_copy, bf16_to_f32, f32_scaled_copy, f32_to_bf16, f32_to_bf16_scaled
-from .reduce import load
+from .reduce import drift_pass
 
 
 @intrinsic
@@ -128,29 +128,6 @@ def _widen_into_impl(src, dst):
     return copy
 
 
-@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
-def _write_with_drift(src, dst, sums):
-    """``dst[:] = src`` widened, adding ``(Σ old², Σ new², Σ (old - new)²)`` of ``dst``'s
-    old values against the new ones to ``sums`` in f64 (``reduce.drift_sums``), in the
-    same pass: each element is read once and written once. The sums may be reassociated
-    (vectorised): a metric, not a reduce whose bits must match across ranks."""
-    a = 0.0
-    b = 0.0
-    c = 0.0
-    for i in range(dst.shape[0]):
-        y = load(src, i)
-        x = np.float64(dst[i])
-        dst[i] = y
-        z = np.float64(y)
-        d = x - z
-        a += x * x
-        b += z * z
-        c += d * d
-    sums[0] += a
-    sums[1] += b
-    sums[2] += c
-
-
 @njit(cache=True, nogil=True)
 def decode_scatter(src, addrs, ntensors, sums):
     """Write the consecutive segments of a consensus (float32, or uint16 bf16 bits widened
@@ -161,7 +138,7 @@ def decode_scatter(src, addrs, ntensors, sums):
     With a float64 ``sums`` of ``[ntensors, 3]`` (``[0, 3]``: none), also adds each float32
     tensor ``i``'s ``(Σ old², Σ new², Σ (old - new)²)`` to row ``i``, taken just before
     the consensus (new) is written over the tensor's values (old), while they are in
-    cache: a replica's drift without a snapshot (``_write_with_drift``)."""
+    cache: a replica's drift without a snapshot (``reduce.drift_pass``)."""
     off = 0
     skipped = 0
     for i in range(ntensors):
@@ -171,7 +148,7 @@ def decode_scatter(src, addrs, ntensors, sums):
         else:
             dst = f32_at(addrs[i], n)
             if sums.shape[0]:
-                _write_with_drift(src[off:off + n], dst, sums[i])
+                drift_pass(dst, src[off:off + n], sums[i], True)
             else:
                 _widen_into(src[off:off + n], dst)
         off += n
