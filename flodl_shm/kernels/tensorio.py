@@ -136,9 +136,9 @@ def decode_scatter(src, addrs, ntensors, sums):
     skipped for the caller. Returns how many were skipped.
 
     With a float64 ``sums`` of ``[ntensors, 3]`` (``[0, 3]``: none), also adds each float32
-    tensor ``i``'s ``(Σ old², Σ new², Σ (old - new)²)`` to row ``i``, taken just before
-    the consensus (new) is written over the tensor's values (old), while they are in
-    cache: a replica's drift without a snapshot (``reduce.drift_pass``)."""
+    tensor ``i``'s ``(Σ old², Σ new², Σ (old - new)²)`` to row ``i``, taken in the pass
+    that writes the consensus (new) over the tensor's values (old): a replica's drift
+    without a snapshot or a second pass (``reduce.drift_pass``)."""
     off = 0
     skipped = 0
     for i in range(ntensors):
