@@ -753,6 +753,25 @@ def sc_stall(rank: int, world: int) -> dict:
     return {"pid": os.getpid(), "error": err}
 
 
+def sc_stall_subgroup(rank: int, world: int) -> dict:
+    """Subgroup [1, 2] of a world of 3, a 2 s timeout: global rank 2 skips its
+    all_reduce, global rank 1 times out naming it."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    group = dist.new_group([1, 2], timeout=timedelta(seconds=2))
+    err = None
+    if rank == 1:
+        try:
+            dist.all_reduce(torch.ones(4), group=group)
+        except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+            err = f"{type(e).__name__}: {e}"
+    elif rank == 2:
+        time.sleep(5)
+    dist.barrier()  # the world's group still works
+    return {"pid": os.getpid(), "error": err}
+
+
 def sc_async_order(rank: int, world: int) -> dict:
     """Two groups of the same ranks; each rank starts one group's all_reduce with
     ``async_op=True``, then runs the other's synchronously, in opposite orders (rank 0:

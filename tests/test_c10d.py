@@ -536,9 +536,10 @@ def test_a_rank_late_past_the_others_timeout_raises_as_they_did(tmp_path):
         assert "timed out after 2 s" in r["error"] and "group rank(s) [2]" in r["error"], r
     late = res[2]["error"]
     assert late is not None, res[2]
-    assert late.startswith("RuntimeError: flodl_shm allreduce (rank 2 of 3): group rank ") \
-        and "gave up on a collective after the group's 2 s timeout, before this rank (rank " \
-        "2) arrived, so the ranks disagree on its outcome" in late, late
+    assert late.startswith("RuntimeError: flodl_shm allreduce (group rank 2 of 3): group "
+                           "rank(s) [") \
+        and "gave up on a collective after the group's 2 s timeout, before this rank (group " \
+        "rank 2 of 3) arrived, so the ranks disagree on its outcome" in late, late
     # every later call raises at once naming the first failure, in group ranks. The late
     # rank's waited the whole timeout for ranks that had raised (the one-tensor float32
     # path skipped the group's check), and the others' named rank 2 by its place on the
@@ -547,7 +548,8 @@ def test_a_rank_late_past_the_others_timeout_raises_as_they_did(tmp_path):
     for r in res:
         assert r["again"].startswith("RuntimeError: this flodl_shm process group is unusable: "
                                      ) and r["again_s"] < 1.0, r
-    assert "allreduce (rank 0 of 3) timed out after 2 s: group rank(s) [2]" in res[0]["again"]
+    assert ("allreduce (group rank 0 of 3) timed out after 2 s: group rank(s) [2]"
+            in res[0]["again"]), res[0]["again"]
     assert "gave up on a collective after the group's 2 s timeout" in res[2]["again"], res[2]
     _no_segments_of(res)
 
@@ -563,13 +565,28 @@ def test_a_rank_late_past_its_leaders_timeout_raises_at_once_across_hosts(tmp_pa
                     extra_env={"C10D_TIMEOUT": "2", "C10D_LINGER": "4"}, timeout=150)
     late = res[3]
     assert late["seconds"] < 1.0, late
-    assert late["error"].startswith("RuntimeError: flodl_shm allreduce (rank 3 of 4): group "
-                                    "rank 2 gave up on a collective after the group's 2 s "
-                                    "timeout, before this rank (rank 3) arrived"), late
+    assert late["error"].startswith("RuntimeError: flodl_shm allreduce (group rank 3 of 4): "
+                                    "group rank(s) [2] gave up on a collective after the "
+                                    "group's 2 s timeout, before this rank (group rank 3 of "
+                                    "4) arrived"), late
     assert "group rank(s) [3] of this host had not arrived" in res[2]["error"], res[2]
     for r in res:
         assert r["again"].startswith("RuntimeError: this flodl_shm process group is "
                                      "unusable: ") and r["again_s"] < 1.0, r
+    _no_segments_of(res)
+
+
+def test_a_subgroups_timeout_names_global_ranks_too(tmp_path):
+    """A probe: in subgroup [1, 2] the errors named group ranks alone ('allreduce (rank 0
+    of 2) ... group rank(s) [1] ... had not arrived', printed by global rank 1 about global
+    rank 2), easy to misread; each now says the global rank beside the group's."""
+    res = run_group("stall_subgroup", 3, tmp_path, extra_env={"C10D_TIMEOUT": "30"},
+                    timeout=120)
+    err = res[1]["error"]
+    assert err is not None and ("allreduce (group rank 0 of 2, global rank 1) timed out "
+                                "after 2 s: group rank(s) [1] (global [2]) of this host had "
+                                "not arrived") in err, err
+    assert res[0]["error"] is None and res[2]["error"] is None
     _no_segments_of(res)
 
 

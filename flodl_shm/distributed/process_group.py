@@ -498,14 +498,37 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         return (f"ProcessGroupFlodlShm(rank={self._rank}, size={self._size}, "
                 f"hosts={len(self._topo.hosts)})")
 
+    def _global(self, ranks: Sequence[int]) -> list[int] | None:
+        """The global ranks of group ranks ``ranks``, or None where they are the same (the
+        world, or a group torch no longer maps)."""
+        try:
+            world = dist.get_process_group_ranks(self)
+            glob = [world[r] for r in ranks]
+        except Exception:  # noqa: BLE001 - not (or no longer) in torch's group map
+            return None
+        return None if glob == list(ranks) else glob
+
+    def _named(self, ranks: Sequence[int]) -> str:
+        """Group ranks as an error names them: "group rank(s) [1]", and in a subgroup
+        whose ranks are not the world's, "group rank(s) [1] (global [2])"."""
+        glob = self._global(ranks)
+        return f"group rank(s) {list(ranks)}" + ("" if glob is None else f" (global {glob})")
+
+    def _me(self) -> str:
+        """This rank as an error names it: "group rank 1 of 3" (", global rank 2" in a
+        subgroup whose ranks are not the world's)."""
+        glob = self._global([self._rank])
+        return (f"group rank {self._rank} of {self._size}"
+                + ("" if glob is None else f", global rank {glob[0]}"))
+
     def _stall_cause(self, what: str, e: ReduceStall) -> str:
         """What timed out, naming the group ranks that had not arrived (the engine's
         ``missing`` are places on this host)."""
         local = self._topo.local_ranks
         missing = [local[m] if isinstance(m, int) and 0 <= m < len(local) else m
                    for m in e.missing]
-        return (f"{what} (rank {self._rank} of {self._size}) timed out after "
-                f"{self._timeout.total_seconds():g} s: group rank(s) {missing} of this host "
+        return (f"{what} ({self._me()}) timed out after "
+                f"{self._timeout.total_seconds():g} s: {self._named(missing)} of this host "
                 f"had not arrived (alive but not in this collective: every rank must make "
                 f"the same sequence of collective calls)")
 
@@ -525,11 +548,11 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         if who is None or who == link.comm.local_rank:
             return
         rank = self._topo.local_ranks[who]
-        self._unusable = (f"group rank {rank} gave up on a collective after the group's "
+        self._unusable = (f"{self._named([rank])} gave up on a collective after the group's "
                           f"{self._timeout.total_seconds():g} s timeout, before this rank "
-                          f"(rank {self._rank}) arrived")
+                          f"({self._me()}) arrived")
         raise RuntimeError(
-            f"flodl_shm {what} (rank {self._rank} of {self._size}): {self._unusable}, so the "
+            f"flodl_shm {what} ({self._me()}): {self._unusable}, so the "
             f"ranks disagree on its outcome (every rank must make the same sequence of "
             f"collective calls, each within the timeout); the group is unusable, destroy it")
 
@@ -678,10 +701,11 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                     f"the last checkpoint")
             if code == 3:
                 self._unusable = (
-                    f"the exchange between host leaders failed on this host's leader (rank "
-                    f"{topo.local_ranks[0]}): the leader(s) of the other hosts, group rank(s) "
-                    f"{others}, did not complete this collective (they died, left, or are in "
-                    f"another collective: every rank must make the same sequence of calls)")
+                    f"the exchange between host leaders failed on this host's leader "
+                    f"({self._named([topo.local_ranks[0]])}): the leader(s) of the other "
+                    f"hosts, {self._named(others)}, did not complete this collective (they "
+                    f"died, left, or are in another collective: every rank must make the same "
+                    f"sequence of calls)")
                 raise RuntimeError(
                     f"flodl_shm: {self._unusable}; the group is unusable, destroy it and "
                     f"restart" + (f". gloo said: {leaders_error}" if leaders_error is not None
