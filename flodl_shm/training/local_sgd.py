@@ -148,9 +148,6 @@ class SyncInfo(NamedTuple):
         return None if self.report_rows is None else np.array(self.report_rows, np.float64)
 
 
-_new_tuple = tuple.__new__
-
-
 def _resolve_comm(comm, name: str = "LocalSGD"):
     """The engine ``Comm`` LocalSGD runs on: ``comm`` itself (``ctx.comm`` under
     ``flodl_shm.spawn``), the one of a torch.distributed process group whose CPU backend
@@ -661,9 +658,9 @@ class LocalSGD:
         sync_ms = (t1 - t0) * 1e3
         self._prev_sync_ms, self._prev_divergence = sync_ms, divergence
         # (tuple.__new__: the NamedTuple's own __new__ is a Python frame)
-        self.last_sync = info = _new_tuple(SyncInfo, (sync_round, mass, accepted, samples,
-                                                      steps, sync_ms, target, divergence,
-                                                      bytes_sent, reports))
+        self.last_sync = info = tuple.__new__(SyncInfo, (sync_round, mass, accepted, samples,
+                                                         steps, sync_ms, target, divergence,
+                                                         bytes_sent, reports))
         return info
 
     def _outer_step(self) -> None:

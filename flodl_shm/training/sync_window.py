@@ -392,8 +392,8 @@ class ReplicaReduce:
                       else _divergence(self._drift_params.unpack_from(self._drift_bytes)))
         # (tuple.__new__: the NamedTuple's own __new__ is a Python frame, a tenth of
         # what a window adds to its round)
-        return _new_tuple(ReduceOutcome, (params_mass, buffers_mass, accepted, divergence,
-                                          self._bytes_sent[comm.bf16_wire], reports))
+        return tuple.__new__(ReduceOutcome, (params_mass, buffers_mass, accepted, divergence,
+                                             self._bytes_sent[comm.bf16_wire], reports))
 
     def _check_held(self) -> None:
         """The per-sync check's slow path, when a tensor's entry or address changed: a
@@ -429,8 +429,6 @@ class ReplicaReduce:
                                         ("removed", removed)) if part))
         self._registered = _registrations[0]
 
-
-_new_tuple = tuple.__new__
 
 #: moves whenever a module anywhere in the process registers a submodule, parameter or
 #: buffer (torch's global registration hooks; ``_watch_registrations``)
