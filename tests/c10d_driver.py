@@ -283,6 +283,89 @@ def _sgd_steps(model: torch.nn.Module, rank: int, steps: int, after_step=None) -
             after_step()
 
 
+def sparse_input(rank: int, salt: int = 0, dtype: torch.dtype = torch.float32,
+                 size: tuple = (9,), nnz: int | None = None) -> torch.Tensor:
+    """A deterministic, rank-dependent sparse COO tensor of ``size`` (its first
+    dimension sparse, the others dense): ``3 + 2 * rank`` entries by default, not
+    coalesced (repeated indices likely)."""
+    g = torch.Generator().manual_seed(100 * rank + salt + 3)
+    nnz = 3 + 2 * rank if nnz is None else nnz
+    idx = torch.randint(0, size[0], (1, nnz), generator=g)
+    vals = (torch.randn(nnz, *size[1:], generator=g) * 3).to(dtype)
+    return torch.sparse_coo_tensor(idx, vals, size)
+
+
+def sc_sparse(rank: int, world: int) -> dict:
+    """All-reduces of sparse COO tensors (SUM; uneven and empty entries, dense
+    dimensions, two sparse dimensions, several dtypes, a list summed first, async), DDP
+    of a model with sparse embedding gradients, and on flodl_shm what every rank raises
+    for sparse calls that do not agree."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    warnings.filterwarnings("ignore", message=".*[Ss]parse.*")  # (torch's beta notes)
+    res: dict = {"pid": os.getpid()}
+    group = dist.distributed_c10d._get_default_group()
+    cases = {"f32": sparse_input(rank), "f64": sparse_input(rank, 1, torch.float64),
+             "bf16": sparse_input(rank, 2, torch.bfloat16),
+             "int64": sparse_input(rank, 3, torch.int64),
+             "dense_dims": sparse_input(rank, 4, size=(7, 3, 2)),
+             "empty_on_rank_1": sparse_input(rank, 5, nnz=0 if rank == 1 else None),
+             "all_empty": sparse_input(rank, 6, nnz=0),
+             "two_sparse_dims": torch.sparse_coo_tensor(
+                 torch.tensor([[rank, 2, 4], [1, rank + 1, 0]]), torch.ones(3) * (rank + 1),
+                 (5, 6))}
+    for name, t in cases.items():
+        dist.all_reduce(t)
+        res[name] = t
+    pair = [sparse_input(rank, 7), sparse_input(rank, 8)]
+    group.allreduce(pair).wait()  # (gloo adds a list first)
+    res["pair"] = pair
+    t = sparse_input(rank, 9)
+    work = dist.all_reduce(t, async_op=True)
+    work.wait()
+    res["async"] = (t, work.result()[0])
+
+    torch.manual_seed(rank + 1)  # different inits: DDP's broadcast aligns them
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 4, sparse=True), torch.nn.Flatten(),
+                                torch.nn.Linear(12, 2))
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(50 + rank)
+    for _ in range(3):
+        opt.zero_grad()
+        x = torch.randint(0, 20, (8, 3), generator=g)
+        torch.nn.functional.mse_loss(ddp(x), torch.randn(8, 2, generator=g)).backward()
+        opt.step()
+    res["ddp"] = [p.detach().clone() for p in model.parameters()]
+    if dist.get_backend() != "flodl_shm":
+        return res  # (gloo's errors are its own; some of these calls would wedge it)
+
+    def summed() -> list[float]:
+        d = torch.ones(4)
+        dist.all_reduce(d)
+        return d.tolist()
+
+    kept = sparse_input(rank, 10)
+    res["errors"] = _errors_of({
+        "avg": lambda: dist.all_reduce(kept, op=dist.ReduceOp.AVG),
+        "op_mismatch": lambda: dist.all_reduce(
+            sparse_input(rank), op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX),
+        "size_mismatch": lambda: dist.all_reduce(sparse_input(rank, size=(9 + rank,))),
+        "dtype_mismatch": lambda: dist.all_reduce(
+            sparse_input(rank, dtype=torch.float32 if rank == 0 else torch.float64)),
+        "float16": lambda: dist.all_reduce(sparse_input(rank, dtype=torch.float16)),
+        "mixed_on_rank_1": lambda: group.allreduce(
+            [sparse_input(rank)] + ([torch.ones(9)] if rank == 1 else [])).wait(),
+        "dense_on_rank_1": lambda: dist.all_reduce(
+            torch.ones(9) if rank == 1 else sparse_input(rank)),
+        "dense_dims_differ": lambda: dist.all_reduce(
+            sparse_input(rank, size=(9,) if rank == 0 else (9, 2))),
+    }, then=summed)
+    res["kept"] = (kept, sparse_input(rank, 10))
+    return res
+
+
 def sc_layouts(rank: int, world: int) -> dict:
     """Tensors of every memory layout, chosen per rank, and half-precision sums through
     every transport. World 3: ranks contribute 1, 2^-8, 2^-8 (bfloat16) and 1, 2^-11,

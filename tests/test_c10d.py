@@ -17,7 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from c10d_driver import DTYPES, HALF_AVG_VALUES, rank_input, run_group  # noqa: E402
+from c10d_driver import (DTYPES, HALF_AVG_VALUES, rank_input, run_group,  # noqa: E402
+                         sparse_input)
 
 from flodl_shm.engine.segment import list_segments  # noqa: E402
 
@@ -368,6 +369,89 @@ def test_ddp_through_direct_rounds_matches_gloo(tmp_path):
     for p0, p1, g in zip(shm[0]["params"], shm[1]["params"], gloo[0]["params"]):
         assert same_bits(p0, p1)
         torch.testing.assert_close(p0, g, rtol=1e-4, atol=1e-5)
+
+
+def _sparse_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """gloo's sparse all-reduce: each rank's tensor coalesced, added in rank order, the
+    sum coalesced."""
+    out = None
+    for p in parts:
+        p = p.coalesce()
+        p = torch.sparse_coo_tensor(p.indices(), p.values(), p.shape)
+        out = p if out is None else out + p
+    return out.coalesce()
+
+
+def _same_sparse(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.layout is b.layout is torch.sparse_coo and a.shape == b.shape
+            and a.is_coalesced() and b.is_coalesced()
+            and same_bits(a.indices(), b.indices()) and same_bits(a.values(), b.values()))
+
+
+@pytest.mark.parametrize("hosts", [None, ["a", "b", "a"]], ids=["one_host", "two_hosts"])
+def test_sparse_all_reduce_and_ddp_of_sparse_gradients_match_gloo(tmp_path, hosts):
+    """A probe: ``dist.all_reduce`` of a sparse COO tensor, and DDP of a model with an
+    ``nn.Embedding(sparse=True)``, raised where gloo sums them. Now: the SUM of the
+    ranks' entries in rank order (as gloo adds them) on every rank, bit for bit; an op
+    but SUM, or ranks whose sparse calls differ, raise on every rank, which stay in step
+    with nothing written."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
+    shm = run_group("sparse", 3, tmp_path, hosts=hosts, timeout=150)
+    gloo = run_group("sparse", 3, tmp_path, backend="gloo")
+    _no_segments_of(shm)
+    assert all(r is not None and r["returncode"] == 0 for r in shm), [r and r["log"] for r in shm]
+    world = 3
+    wanted = {"f32": (0, torch.float32, (9,)), "f64": (1, torch.float64, (9,)),
+              "bf16": (2, torch.bfloat16, (9,)), "int64": (3, torch.int64, (9,)),
+              "dense_dims": (4, torch.float32, (7, 3, 2))}
+    for name, (salt, dtype, size) in wanted.items():
+        want = _sparse_sum([sparse_input(r, salt, dtype, size) for r in range(world)])
+        for r in range(world):
+            assert _same_sparse(shm[r][name], want), (name, r)
+            assert _same_sparse(shm[r][name], gloo[r][name]), (name, r)
+    for name in ("empty_on_rank_1", "all_empty", "two_sparse_dims", "pair"):
+        for r in range(world):
+            for a, b in zip(*(([x[name]] if name != "pair" else x[name]) for x in (shm[r],
+                                                                                      gloo[r]))):
+                assert _same_sparse(a, b), (name, r)
+    assert shm[0]["all_empty"]._nnz() == 0
+    assert shm[0]["two_sparse_dims"].to_dense()[2, 2] == 2.0  # rank 1's (1, 2) + rank 2's
+    for r in range(world):
+        t, result = shm[r]["async"]
+        assert _same_sparse(t, result) and _same_sparse(t, gloo[r]["async"][0])
+        # the embedding (sparse gradients) and the linear layer trained as on gloo (whose
+        # dense sums run in another order), every rank to the same bits
+        for a, b, c in zip(shm[r]["ddp"], gloo[r]["ddp"], shm[0]["ddp"]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+            assert same_bits(a, c), r
+    assert not same_bits(shm[0]["ddp"][0], sparse_input(0).to_dense())  # (it trained)
+    for me, r in enumerate(shm):
+        errs = r["errors"]
+        for what in ("avg", "op_mismatch", "size_mismatch", "dtype_mismatch", "float16",
+                     "mixed_on_rank_1", "dense_on_rank_1", "dense_dims_differ"):
+            assert errs[what] is not None, (what, me, r["log"])
+            assert errs[what + " then"] == [3.0] * 4, what  # every rank still in step
+        assert "take ReduceOp.SUM only" in errs["avg"] and "asked for AVG" in errs["avg"]
+        assert "asked for MAX" in errs["op_mismatch"]
+        assert "differ in size: rank 0: [9], rank 1: [10], rank 2: [11]" in \
+            errs["size_mismatch"]
+        assert "differ in dtype: rank 0: torch.float32, rank 1: torch.float64" in \
+            errs["dtype_mismatch"]
+        assert "torch cannot add sparse torch.float16 tensors" in errs["float16"]
+        if me == 1:
+            assert "tensor[1] is torch.strided among sparse COO tensors" in \
+                errs["mixed_on_rank_1"]
+        else:
+            assert "rank(s) [1] could not take part" in errs["mixed_on_rank_1"]
+        listed = calls_listed(errs["dense_on_rank_1"])
+        assert listed[1] == "allreduce([float32[9]], op=SUM)" and listed[0] == \
+            "allreduce([sparse_coo float32[9]], op=SUM)", listed
+        assert calls_listed(errs["dense_dims_differ"])[1] == \
+            "allreduce([sparse_coo float32[9,2]], op=SUM)"
+        kept, original = r["kept"]
+        assert _same_sparse(kept.coalesce(), original.coalesce())  # a refusal writes nothing
 
 
 @pytest.mark.slow

@@ -45,7 +45,8 @@ CALL_ROUND_SIGNATURE = int.from_bytes(
 def _describe(x) -> str | None:
     if isinstance(x, torch.Tensor):
         dtype = str(x.dtype).removeprefix("torch.")
-        return f"{dtype}[{','.join(map(str, x.shape))}]"
+        layout = "" if x.layout is torch.strided else str(x.layout).removeprefix("torch.") + " "
+        return f"{layout}{dtype}[{','.join(map(str, x.shape))}]"
     if isinstance(x, (list, tuple)):
         parts = [_describe(y) for y in x[:_LIST_SHOWN]]
         more = f", ... {len(x) - _LIST_SHOWN} more" if len(x) > _LIST_SHOWN else ""

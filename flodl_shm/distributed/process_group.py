@@ -46,6 +46,7 @@ from .overlap import CollectiveWorker
 from .reduce_ops import (average_, check_dtype, check_layout, check_op, float_view, op_name,
                          op_type, real_views, reduce_in_order)
 from .rendezvous import HostLink, rendezvous
+from .sparse_sum import is_sparse_call, sparse_all_reduce
 
 logger = logging.getLogger("flodl_shm")
 
@@ -820,7 +821,10 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                     link.comm.all_reduce_(tensors, kind=_MODEL)
                     return _done(tensors)
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
-        self._allreduce_list(list(tensors), op, "allreduce")
+        if is_sparse_call(tensors):  # (DDP's gradients of nn.Embedding(sparse=True))
+            sparse_all_reduce(self._exchange, list(tensors), op, self._size, _signature)
+        else:
+            self._allreduce_list(list(tensors), op, "allreduce")
         return _done(list(tensors))
 
     @_collective

@@ -49,6 +49,13 @@ def check_dtype(t: torch.Tensor, what: str) -> None:
     """Raise ``RuntimeError`` unless ``t`` is a dense CPU tensor of a supported dtype
     (every rank checks its own tensors before any round: a rank that refused alone
     would put the group out of step)."""
+    check_device_and_dtype(t, what)
+    check_layout(t, what)
+
+
+def check_device_and_dtype(t: torch.Tensor, what: str) -> None:
+    """Raise ``RuntimeError`` unless ``t`` is a CPU tensor of a supported dtype (of any
+    layout)."""
     if t.device.type != "cpu":
         raise RuntimeError(f"flodl_shm {what}: tensor on device {t.device}; the flodl_shm "
                            f"backend handles CPU tensors only: give {t.device.type} tensors a "
@@ -58,7 +65,6 @@ def check_dtype(t: torch.Tensor, what: str) -> None:
     if t.dtype not in SUPPORTED_DTYPES:
         raise RuntimeError(f"flodl_shm {what}: dtype {t.dtype} is not supported; supported: "
                            f"{', '.join(str(d).replace('torch.', '') for d in SUPPORTED_DTYPES)}")
-    check_layout(t, what)
 
 
 def check_layout(t: torch.Tensor, what: str) -> None:
@@ -70,8 +76,8 @@ def check_layout(t: torch.Tensor, what: str) -> None:
                            f"dense tensors only: pass t.to_dense()"
                            + (" (a nested tensor: its components, t.unbind())"
                               if t.is_nested else "")
-                           + ("; sparse gradients (nn.Embedding(sparse=True) under DDP): "
-                              "sparse=False, or a gloo group for that model"
+                           + ("; of the collectives, all_reduce with ReduceOp.SUM takes "
+                              "sparse COO tensors (as gloo's does)"
                               if t.layout is torch.sparse_coo else ""))
 
 
