@@ -45,12 +45,24 @@ MASS_MIN = float(np.finfo(np.float32).tiny)
 MASS_MAX = float(np.finfo(np.float32).max)
 
 
+def shown_number(x) -> str:
+    """``x`` for an error message: as ``:g`` shows it, or, for an int beyond a float's
+    range, its first digits and its length."""
+    try:
+        return f"{x:g}"
+    except OverflowError:
+        digits = str(abs(x))
+        return f"{'-' if x < 0 else ''}{digits[:4]}... ({len(digits)} digits)"
+
+
 def mass_error(weight: float) -> FrameError:
-    """The error for a round's ``weight`` that is not a mass (see ``MASS_MIN``)."""
+    """The error for a round's ``weight`` that is not a mass (see ``MASS_MIN``); an int
+    beyond a float's range too."""
     if not 0.0 <= weight < math.inf:
-        return FrameError(f"weight {weight} is not a finite non-negative realized-work mass")
+        return FrameError(f"weight {shown_number(weight)} is not a finite non-negative "
+                          f"realized-work mass")
     return FrameError(
-        f"weight {weight:g} is outside the masses a float32 round carries: 0, or "
+        f"weight {shown_number(weight)} is outside the masses a float32 round carries: 0, or "
         f"{MASS_MIN:.4g} to {MASS_MAX:.4g} (below, the divisor 1/Σw overflows; above, "
         f"w·T does). Rescale the weights (e.g. divide every rank's by a common "
         f"constant such as the expected samples per window)")

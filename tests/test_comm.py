@@ -839,14 +839,28 @@ def test_collectives_leave_the_callers_tensors_resizable(tmp_path):
      r"weight must be a number .*got NoneType None"),
     (lambda c: c.all_reduce_([torch.ones(3)], kind=99), ValueError,
      r"kind 99 is not a RoundKind: pass RoundKind\.MODEL"),
+    (lambda c: c.all_reduce_([torch.ones(3)], weight=10**400), FrameError,
+     r"weight 1000\.\.\. \(401 digits\) is outside the masses"),
+    (lambda c: c.all_reduce_tensors([torch.ones(3)] * 2) and
+     c.all_reduce_weighted([torch.ones(3)], weight=-10**400), FrameError,
+     r"weight -1000\.\.\. \(401 digits\) is not a finite non-negative"),
+    (lambda c: c.all_reduce_([torch.ones(3)], scale=10**400), FrameError,
+     r"scale 1000\.\.\. \(401 digits\) is not a finite float32"),
+    (lambda c: c.all_reduce_([torch.ones(3), torch.ones(2)], scale=10**400), FrameError,
+     r"scale 1000\.\.\. \(401 digits\) is not a finite float32"),
+    (lambda c: c.all_reduce_scaled([torch.ones(3)], -10**400), FrameError,
+     r"scale -1000\.\.\. \(401 digits\) is not a finite float32"),
+    (lambda c: c.all_reduce_scaled([torch.ones(3)] * 2, "x"), TypeError,
+     r"scale must be a number .*got str 'x'"),
 ], ids=["shared-bare-tensor", "shared-list", "per-rank-None",
         "per-rank-scalar", "zc-negative", "zc-float", "zc-None", "bcast-None", "bcast_-int",
-        "weight-None", "kind-99"])
+        "weight-None", "kind-99", "weight-huge-int", "weight-huge-negative-int",
+        "scale-huge-int-hot", "scale-huge-int", "scale-huge-negative-int", "scale-str"])
 def test_an_api_probe_s_bad_inputs_are_named(call, error, said):
     """An API probe found these accepted with a wrong result (a generator placed nothing,
     a bare tensor became its rows, None gathered [nan], a shape of -1 an empty tensor,
     2.5 a tensor of 2) or refused from deep inside (len() of None, float() of None,
-    enum's own message)."""
+    enum's own message, float()'s OverflowError for an int past a float's range)."""
     with FakeCohort(1) as c:
         with pytest.raises(error, match=said):
             call(c.comm(0))

@@ -61,6 +61,7 @@ from ..frame import (
     TensorPayload,
     check_frame,
     mass_error,
+    shown_number,
     tensor_array,
 )
 from .checkpoint_tap import TapClient
@@ -160,6 +161,15 @@ def _scale_error(scale: float) -> FrameError:
     return FrameError(f"scale {scale} is not a finite float32 (at most {_F32_MAX:.4g} in "
                       f"size): every rank's consensus would be NaN or inf; pass a finite "
                       f"scale in range (a NaN one often comes from a 0/0 upstream)")
+
+
+def _scale_refused(scale) -> Exception:
+    """The error for a ``scale`` that ``float()`` refused: an int beyond a float's range
+    (``FrameError``, as any scale out of range), or no number at all (``TypeError``)."""
+    if isinstance(scale, int):
+        return _scale_error(shown_number(scale))
+    return TypeError(f"scale must be a number (what this rank's tensors are multiplied by "
+                     f"before the round), got {type(scale).__name__} {scale!r:.60}")
 
 
 def _kind(kind) -> int:
@@ -570,7 +580,10 @@ class Comm:
         dtype = DTYPE_BF16 if (self._bf16 and kind == _MODEL) else DTYPE_F32
         armed = self._armed if kind == _MODEL else None
         self._armed = None
-        scale = float(scale)
+        try:  # (free in CPython 3.11 until something raises)
+            scale = float(scale)
+        except (TypeError, ValueError, OverflowError):
+            raise _scale_refused(scale) from None
         if not -_F32_MAX <= scale <= _F32_MAX:
             raise _scale_error(scale)
         outer = outer and kind == _MODEL
@@ -632,7 +645,10 @@ class Comm:
             raise
         if plan is None:
             return None
-        scale = float(scale)
+        try:  # (free in CPython 3.11 until something raises)
+            scale = float(scale)
+        except (TypeError, ValueError, OverflowError):
+            raise _scale_refused(scale) from None
         if not -_F32_MAX <= scale <= _F32_MAX:
             raise _scale_error(scale)
         return self._single_result(tensors[0], plan, weight, scale)
@@ -705,7 +721,10 @@ class Comm:
         kind = _kind(kind)
         dtype = DTYPE_BF16 if (self._bf16 and kind == _MODEL) else DTYPE_F32
         outer = outer and kind == _MODEL
-        scale = float(scale)
+        try:  # (free in CPython 3.11 until something raises)
+            scale = float(scale)
+        except (TypeError, ValueError, OverflowError):
+            raise _scale_refused(scale) from None
         if not -_F32_MAX <= scale <= _F32_MAX:
             raise _scale_error(scale)
         if self._armed is not None and kind == _MODEL:
@@ -1148,6 +1167,8 @@ class Comm:
             raise RuntimeError(f"this Comm is unusable: {self._broken}")
         try:  # (free in CPython 3.11 until something raises)
             weight = float(weight)
+        except OverflowError:  # an int beyond a float's range
+            raise mass_error(weight) from None
         except (TypeError, ValueError):
             raise TypeError(f"weight must be a number (this rank's mass in the round, e.g. "
                             f"its samples), got {type(weight).__name__} {weight!r:.60}"
