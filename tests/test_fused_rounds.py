@@ -296,3 +296,40 @@ def test_per_rank_gather_finishes_late_dead_and_mismatched_rounds():
 
     with FakeCohort(2) as c:
         assert c.run(mismatch) == [[10.0, 11.0]] * 2
+
+
+def test_gathered_tensors_reduce_as_a_list_and_keep_their_own_plans():
+    """A window's ``GatheredTensors`` (engine/gathered.py) take the fused round with the
+    addresses gathered at their first: the same bits as the same tensors in a list, a
+    plain call over other tensors of the same shapes in between (whose addresses refill
+    the engine's shared plan) changes nothing of theirs, a bf16 wire and a broadcast
+    take plans of their own, and a set too large for one call takes the general path."""
+    from flodl_shm.engine.gathered import GatheredTensors
+
+    with FakeCohort(2) as cohort:
+        def body(comm):
+            dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.float32]
+            mine, plain = _inputs(comm.rank, dtypes), _inputs(comm.rank, dtypes)
+            gathered = GatheredTensors(mine)
+            out = []
+            for wire in (False, True, False):
+                comm.set_bf16_wire(wire)
+                m1 = comm.all_reduce_(gathered, weight=1.0 + comm.rank, scale=0.5)
+                others = _inputs(comm.rank + 7, dtypes)
+                comm.all_reduce_(others)  # the shared plan now holds these addresses
+                m2 = comm.all_reduce_(plain, weight=1.0 + comm.rank, scale=0.5)
+                out.append(m1 == m2 and all(_bits(a) == _bits(b) for a, b in zip(mine, plain)))
+            with torch.no_grad():
+                for t in gathered:
+                    t.fill_(comm.rank + 1.0)
+            comm.broadcast_(gathered, 1)
+            out.append(all(bool(t.eq(2.0).all()) for t in gathered))
+            plans = gathered._plans
+            big = GatheredTensors([torch.full((1 << 20,), float(comm.rank))])
+            comm.all_reduce_(big)
+            return out, len([p for p in plans.values() if p]), big[0][0].item(), \
+                [p for p in big._plans.values()]
+
+        for out, nplans, big, big_plans in cohort.run(body):
+            # plans: MODEL on each wire, CONTROL (the broadcast)
+            assert out == [True] * 4 and nplans == 3 and big == 0.5 and big_plans == [False]

@@ -437,13 +437,18 @@ def test_tensors_replaced_after_construction_are_refused_not_left_out(change, na
         assert cohort.run(body) == [True, True]
 
 
-def test_values_changed_in_place_after_construction_are_averaged():
+@pytest.mark.parametrize("synced_first", [False, True], ids=["fresh", "after-a-sync"])
+def test_values_changed_in_place_after_construction_are_averaged(synced_first):
     """In place, or with the storage moved under the tensors (share_memory: their
-    addresses change, the window's views follow) is no replacement."""
+    addresses change, the window's views follow) is no replacement. After a sync too,
+    whose rounds gathered the old addresses (``engine/gathered.py``): they are gathered
+    again (kept, the rounds wrote into freed memory and left the model as it was)."""
     with FakeCohort(2) as cohort:
         def body(comm):
             model = make_model(seed=0)
             sgd = LocalSGD(model, sync_every=1, comm=comm)
+            if synced_first:
+                assert sgd.step(samples=1)
             model.share_memory()
             with torch.no_grad():
                 model[0].weight.fill_(float(comm.rank))

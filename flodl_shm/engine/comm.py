@@ -66,6 +66,7 @@ from ..frame import (
 )
 from .checkpoint_tap import TapClient
 from .direct import READY, UNAVAILABLE, UNPROBED, ClosedDirectRounds
+from .gathered import GatheredTensors
 from .hostmem import HostMemory
 from .protocol import RoundEngine, RoundPlan
 from .round_report import RoundReports
@@ -1363,6 +1364,9 @@ class Comm:
                     outer: bool) -> RoundPlan | None:
         """The plan of a fused round over ``tensors`` with their addresses gathered, or
         None when the general round must run (nothing was published)."""
+        if type(tensors) is GatheredTensors:  # (a window's: gathered at its first round)
+            return tensors.plan(self._engine, kind, dtype) if self._fusable(kind, outer) \
+                else None
         refuse_one_tensor(tensors)
         if not self._fusable(kind, outer):
             return None

@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from ..checkpoint.meta import averaged_buffers
+from ..engine.gathered import GatheredTensors
 from ..frame import RoundKind
 from .realized_work import gamma_mass
 
@@ -315,9 +316,7 @@ class ReplicaReduce:
         self.buffers = [b for _, b in averaged_buffers(model)]
         self.outer = bool(outer)
         self.buffer_mass = buffers
-        self._live_params = [p.detach() for p in self.params]
-        self._live_buffers = [b.detach() for b in self.buffers]
-        self._live_all = self._live_params + self._live_buffers
+        self._gather([p.detach() for p in self.params], [b.detach() for b in self.buffers])
         numel = sum(t.numel() for t in self.params + self.buffers)  # elements sent
         self._bytes_sent = (numel * 4, numel * 2)  # on the float32 wire, the bf16 one
         # the drift sums of the params round: one row per tensor it carries (the
@@ -343,6 +342,14 @@ class ReplicaReduce:
         self._model = model
         self._registered = _registrations[0]
 
+    def _gather(self, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
+        """The tensors the rounds write through (detached views), as ``GatheredTensors``:
+        their rounds reuse the addresses gathered at the first, which the held check
+        (``reduce``) vouches for before each."""
+        self._live_params = GatheredTensors(params)
+        self._live_buffers = GatheredTensors(buffers)
+        self._live_all = GatheredTensors(params + buffers)
+
     def tensors(self) -> list[torch.Tensor]:
         """The averaged tensors, detached: the parameters, then the floating-point
         buffers (a ``ModelSchema``'s order)."""
@@ -353,6 +360,7 @@ class ReplicaReduce:
         ``root``'s (a collective: one in-place broadcast, ``Comm.broadcast_``; a no-op
         for a world of one)."""
         if comm.world_size > 1 and self._live_all:
+            self._check_unchanged()
             comm.broadcast_(self._live_all, root)
 
     def reduce(self, comm, weight: float, movers_weight: float = 0.0,
@@ -367,12 +375,7 @@ class ReplicaReduce:
             report: numbers of this rank that ride in the params round (one host):
                 every rank's come back as ``ReduceOutcome.reports``.
         """
-        for entries, key, held, ptr, _ in self._held:
-            if entries.get(key) is not held or held.data_ptr() != ptr:
-                self._check_held()
-                break
-        if _registrations[0] != self._registered:
-            self._check_tree()
+        self._check_unchanged()
         sums = self._drift
         if sums is not None:
             self._drift_bytes[:] = self._drift_zeros
@@ -395,6 +398,17 @@ class ReplicaReduce:
         return tuple.__new__(ReduceOutcome, (params_mass, buffers_mass, accepted, divergence,
                                              self._bytes_sent[comm.bf16_wire], reports))
 
+    def _check_unchanged(self) -> None:
+        """Before a round over the window's tensors: the model still holds them, on the
+        storage whose addresses the rounds reuse (``GatheredTensors``); raises naming a
+        tensor replaced, added or removed since the window was built."""
+        for entries, key, held, ptr, _ in self._held:
+            if entries.get(key) is not held or held.data_ptr() != ptr:
+                self._check_held()
+                break
+        if _registrations[0] != self._registered:
+            self._check_tree()
+
     def _check_held(self) -> None:
         """The per-sync check's slow path, when a tensor's entry or address changed: a
         tensor whose storage moved under both it and the window's view of it (e.g.
@@ -408,6 +422,8 @@ class ReplicaReduce:
             now.append((entries, key, held, address, (what, name)))
         if not gone:
             self._held = tuple(now)
+            n = len(self._live_params)  # (their addresses moved: gathered again)
+            self._gather(list(self._live_all[:n]), list(self._live_all[n:]))
             return
         raise _model_changed(gone, "replaced")
 
