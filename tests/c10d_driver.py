@@ -361,6 +361,12 @@ def sc_sparse(rank: int, world: int) -> dict:
             torch.ones(9) if rank == 1 else sparse_input(rank)),
         "dense_dims_differ": lambda: dist.all_reduce(
             sparse_input(rank, size=(9,) if rank == 0 else (9, 2))),
+        "leaf_requires_grad": lambda: dist.all_reduce(sparse_input(rank).requires_grad_()),
+        # refused by one rank before any round, while the others reduce
+        "csr_on_rank_0": lambda: dist.all_reduce(
+            torch.eye(4).to_sparse_csr() if rank == 0 else torch.ones(4, 4)),
+        "uint16_on_rank_2": lambda: dist.all_reduce(
+            torch.ones(3, dtype=torch.uint16 if rank == 2 else torch.float32)),
     }, then=summed)
     res["kept"] = (kept, sparse_input(rank, 10))
     return res

@@ -394,7 +394,8 @@ def test_sparse_all_reduce_and_ddp_of_sparse_gradients_match_gloo(tmp_path, host
     ``nn.Embedding(sparse=True)``, raised where gloo sums them. Now: the SUM of the
     ranks' entries in rank order (as gloo adds them) on every rank, bit for bit; an op
     but SUM, or ranks whose sparse calls differ, raise on every rank, which stay in step
-    with nothing written."""
+    with nothing written. And a tensor only one rank refuses before any round (a sparse
+    CSR tensor, an unsupported dtype) makes every rank raise at once."""
     import warnings
 
     warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
@@ -430,7 +431,8 @@ def test_sparse_all_reduce_and_ddp_of_sparse_gradients_match_gloo(tmp_path, host
     for me, r in enumerate(shm):
         errs = r["errors"]
         for what in ("avg", "op_mismatch", "size_mismatch", "dtype_mismatch", "float16",
-                     "mixed_on_rank_1", "dense_on_rank_1", "dense_dims_differ"):
+                     "mixed_on_rank_1", "dense_on_rank_1", "dense_dims_differ",
+                     "leaf_requires_grad", "csr_on_rank_0", "uint16_on_rank_2"):
             assert errs[what] is not None, (what, me, r["log"])
             assert errs[what + " then"] == [3.0] * 4, what  # every rank still in step
         assert "take ReduceOp.SUM only" in errs["avg"] and "asked for AVG" in errs["avg"]
@@ -450,6 +452,19 @@ def test_sparse_all_reduce_and_ddp_of_sparse_gradients_match_gloo(tmp_path, host
             "allreduce([sparse_coo float32[9]], op=SUM)", listed
         assert calls_listed(errs["dense_dims_differ"])[1] == \
             "allreduce([sparse_coo float32[9,2]], op=SUM)"
+        assert "a leaf Variable that requires grad is being used in an in-place" in \
+            errs["leaf_requires_grad"]  # (as gloo raises it; it was written silently)
+        # one rank refused before any round while the others reduced: every rank raises
+        # at once, told what each called (the refusing rank returned alone, and the
+        # others' round paired with its next call)
+        assert calls_listed(errs["csr_on_rank_0"]) == [
+            "allreduce([sparse_csr float32[4,4]], op=SUM)"] + \
+            ["allreduce([float32[4,4]], op=SUM)"] * 2
+        assert calls_listed(errs["uint16_on_rank_2"])[2] == "allreduce([uint16[3]], op=SUM)"
+        assert errs["csr_on_rank_0"].startswith(
+            "flodl_shm allreduce: a torch.sparse_csr tensor" if me == 0 else
+            "flodl_shm allreduce: the 3 ranks of this group made different calls")
+        assert ("dtype torch.uint16 is not supported" in errs["uint16_on_rank_2"]) == (me == 2)
         kept, original = r["kept"]
         assert _same_sparse(kept.coalesce(), original.coalesce())  # a refusal writes nothing
 

@@ -46,7 +46,11 @@ def _describe(x) -> str | None:
     if isinstance(x, torch.Tensor):
         dtype = str(x.dtype).removeprefix("torch.")
         layout = "" if x.layout is torch.strided else str(x.layout).removeprefix("torch.") + " "
-        return f"{layout}{dtype}[{','.join(map(str, x.shape))}]"
+        try:
+            shape = ",".join(map(str, x.shape))
+        except (RuntimeError, TypeError):  # (a nested tensor's ragged sizes)
+            shape = "?"
+        return f"{'nested ' if x.is_nested else layout}{dtype}[{shape}]"
     if isinstance(x, (list, tuple)):
         parts = [_describe(y) for y in x[:_LIST_SHOWN]]
         more = f", ... {len(x) - _LIST_SHOWN} more" if len(x) > _LIST_SHOWN else ""

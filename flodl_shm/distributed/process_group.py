@@ -43,8 +43,8 @@ from ..engine.tensor_codec import elements_share_memory
 from ..errors import FrameError, PeerDied, ReduceStall
 from ..frame import RoundKind, tensor_array
 from .overlap import CollectiveWorker
-from .reduce_ops import (average_, check_dtype, check_layout, check_op, float_view, op_name,
-                         op_type, real_views, reduce_in_order)
+from .reduce_ops import (RefusedCall, average_, check_dtype, check_layout, check_op,
+                         float_view, op_name, op_type, real_views, reduce_in_order)
 from .rendezvous import HostLink, rendezvous
 from .sparse_sum import is_sparse_call, sparse_all_reduce
 
@@ -78,6 +78,12 @@ def _collective(method):
       then runs inline): one that called a decorated collective and returned its own
       completed ``Work`` would return before a queued round ran, its outputs unwritten
       and its errors lost.
+    - A collective this rank refuses before any round (``RefusedCall``: a tensor, dtype,
+      layout or op it cannot reduce) still takes part in one round, the **refusal
+      round**: where every rank refused, it completes and each raises its own error;
+      where other ranks called a collective, it mismatches theirs, and every rank
+      raises, told what each rank called (before it, the refusing rank returned at once
+      and the others' next collective paired with its next one).
     - A wait past the group's timeout raises ``RuntimeError`` (as gloo's does) naming the
       group ranks that had not arrived (the engine counts ranks per host).
     """
@@ -89,6 +95,13 @@ def _collective(method):
         self._calling = name
         try:
             work = method(self, *args, **kwargs)
+        except RefusedCall as e:
+            # before any round: a rank whose peers did not refuse would leave them a call
+            # behind, so every rank that refuses takes part in one round that says so
+            why = self._refusal_round(name, args, kwargs)
+            if why is None:
+                raise  # every rank refused: in step
+            raise RuntimeError(f"{e}\n{why}") from e
         except FrameError as e:
             try:  # every rank raised it at the same round: ask what each one called
                 why = explain_mismatch(self._exchange, name, describe_call(name, args, kwargs),
@@ -191,6 +204,10 @@ def _signature(what: str, *parts) -> int:
 
     text = what + "|" + "|".join(describe(p) for p in parts)
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+
+
+#: the signature of the refusal round (``ProcessGroupFlodlShm._refusal_round``)
+_REFUSAL_SIGNATURE = _signature("flodl_shm refusal round")
 
 
 class _DoneWork(dist.Work):
@@ -521,6 +538,25 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         glob = self._global([self._rank])
         return (f"group rank {self._rank} of {self._size}"
                 + ("" if glob is None else f", global rank {glob[0]}"))
+
+    def _refusal_round(self, name: str, args, kwargs) -> str | None:
+        """This rank refused collective ``name`` before any round: one byte round of a
+        signature of its own (``_collective``). None when every rank refused (the round
+        completed); otherwise the text that lists what each rank called, as the other
+        ranks raise it too (their collective met this round: a mismatch on every rank)."""
+        try:
+            self._exchange(0, None, lambda views: None, _REFUSAL_SIGNATURE)
+        except FrameError as e:
+            try:
+                return explain_mismatch(self._exchange, name, describe_call(name, args, kwargs),
+                                        e)
+            except Exception:  # noqa: BLE001 - this rank's refusal says enough
+                return f"(the other ranks called another collective: {e})"
+        except ReduceStall as e:
+            self._gave_up()
+            self._unusable = self._stall_cause(name, e)
+            return f"and then: {self._unusable}; the group is unusable, destroy it"
+        return None
 
     def _stall_cause(self, what: str, e: ReduceStall) -> str:
         """What timed out, naming the group ranks that had not arrived (the engine's

@@ -35,6 +35,13 @@ _R = dist.ReduceOp.RedOpType
 SUPPORTED_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "PREMUL_SUM")
 
 
+class RefusedCall(RuntimeError):
+    """A collective this rank refused before any of its rounds: a tensor, dtype, layout or
+    op the backend cannot reduce. The process group has every rank agree on it
+    (``ProcessGroupFlodlShm``'s refusal round), so ranks that called something else are
+    told at once, not left a call behind."""
+
+
 def op_name(op) -> str:
     """The name of a ``ReduceOp`` (or its ``RedOpType``), e.g. ``"SUM"``."""
     return getattr(op, "name", None) or str(op).split(".")[-1]
@@ -57,13 +64,13 @@ def check_device_and_dtype(t: torch.Tensor, what: str) -> None:
     """Raise ``RuntimeError`` unless ``t`` is a CPU tensor of a supported dtype (of any
     layout)."""
     if t.device.type != "cpu":
-        raise RuntimeError(f"flodl_shm {what}: tensor on device {t.device}; the flodl_shm "
+        raise RefusedCall(f"flodl_shm {what}: tensor on device {t.device}; the flodl_shm "
                            f"backend handles CPU tensors only: give {t.device.type} tensors a "
                            f"group of their own, e.g. dist.new_group(backend='nccl') for cuda "
                            f"(a 'cpu:flodl_shm,cuda:nccl' group builds no nccl backend: torch "
                            f"gives a Python backend the whole group)")
     if t.dtype not in SUPPORTED_DTYPES:
-        raise RuntimeError(f"flodl_shm {what}: dtype {t.dtype} is not supported; supported: "
+        raise RefusedCall(f"flodl_shm {what}: dtype {t.dtype} is not supported; supported: "
                            f"{', '.join(str(d).replace('torch.', '') for d in SUPPORTED_DTYPES)}")
 
 
@@ -72,7 +79,7 @@ def check_layout(t: torch.Tensor, what: str) -> None:
     collective can copy), naming its layout."""
     if t.layout is not torch.strided or t.is_nested:
         kind = "a nested" if t.is_nested else f"a {t.layout}"
-        raise RuntimeError(f"flodl_shm {what}: {kind} tensor; the flodl_shm backend handles "
+        raise RefusedCall(f"flodl_shm {what}: {kind} tensor; the flodl_shm backend handles "
                            f"dense tensors only: pass t.to_dense()"
                            + (" (a nested tensor: its components, t.unbind())"
                               if t.is_nested else "")
@@ -86,13 +93,13 @@ def check_op(op, dtype: torch.dtype, what: str) -> None:
     kind = op_type(op)
     name = op_name(kind)
     if name not in SUPPORTED_OPS:
-        raise RuntimeError(f"flodl_shm {what}: reduce op {name} is not supported; supported: "
+        raise RefusedCall(f"flodl_shm {what}: reduce op {name} is not supported; supported: "
                            f"{', '.join(SUPPORTED_OPS)}")
     if name == "PREMUL_SUM" and dtype not in FLOAT_DTYPES:
-        raise RuntimeError(f"flodl_shm {what}: reduce op PREMUL_SUM needs a floating dtype, "
+        raise RefusedCall(f"flodl_shm {what}: reduce op PREMUL_SUM needs a floating dtype, "
                            f"got {dtype}; use SUM and multiply, or a float tensor")
     if name == "AVG" and dtype is torch.bool:
-        raise RuntimeError(f"flodl_shm {what}: reduce op AVG has no meaning for torch.bool; "
+        raise RefusedCall(f"flodl_shm {what}: reduce op AVG has no meaning for torch.bool; "
                            f"use SUM (logical or), MIN (logical and), or a numeric tensor")
 
 
@@ -195,7 +202,7 @@ def real_views(tensors: Sequence[torch.Tensor], op, what: str) -> list[torch.Ten
         if t.is_complex():
             name = op_name(op_type(op))
             if name not in ("SUM", "AVG", "PREMUL_SUM"):
-                raise RuntimeError(f"flodl_shm {what}: reduce op {name} on the complex dtype "
+                raise RefusedCall(f"flodl_shm {what}: reduce op {name} on the complex dtype "
                                    f"{t.dtype}; complex tensors take SUM, AVG or PREMUL_SUM")
         out.append(float_view(t))
     return out
