@@ -83,3 +83,22 @@ def test_torchrun_two_nodes_on_two_simulated_hosts(tmp_path):
     res = _results(tmp_path, 4)
     _check(res)
     assert [r["host"] for r in res] == ["node0", "node0", "node1", "node1"]
+
+
+def test_ranks_that_exit_without_destroying_a_multi_host_group_exit_cleanly():
+    """A probe: ranks of a two-host group that exited without
+    ``dist.destroy_process_group()`` aborted now and then at the interpreter's teardown
+    ('terminate called without an active exception', exit status -6; 2 of 6 runs, the
+    lone rank of host "b"): its gloo group of host leaders was torn down with it. The
+    backend now shuts down undestroyed groups at exit. Three runs of three ranks."""
+    script = HERE / "c10d_exit_script.py"
+    for _ in range(3):
+        init = f"tcp://127.0.0.1:{free_port()}"
+        procs = []
+        for rank, host in enumerate("aab"):
+            env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1",
+                       FLODL_SHM_HOST=host)
+            procs.append(subprocess.Popen([sys.executable, str(script), init, str(rank), "3"],
+                                          env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+        _finish(procs, 60)

@@ -25,9 +25,11 @@ background: its ``Work`` completes when it ran, and ``wait()`` raises what it ra
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
+import weakref
 from datetime import timedelta
 from typing import Callable, Sequence
 
@@ -1190,9 +1192,29 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 _leave_to_eager(ProcessGroupFlodlShm.allreduce, _uncompiled)  # (every collective's entry)
 
 
+#: the groups of this process not shut down yet (``_shut_down_at_exit``)
+_live_groups: "weakref.WeakSet[ProcessGroupFlodlShm]" = weakref.WeakSet()
+
+
+def _shut_down_at_exit() -> None:
+    """Shut down the groups a program left without ``dist.destroy_process_group()``,
+    while the interpreter still runs: a multi-host group's gloo group of host leaders,
+    left to the interpreter's teardown, aborted the process now and then ('terminate
+    called without an active exception', exit status -6)."""
+    for group in list(_live_groups):
+        try:
+            group.shutdown()
+        except Exception as e:  # noqa: BLE001 - exiting anyway: say it, shut the others
+            logger.warning("flodl_shm: shutting down a process group at exit failed: %s", e)
+
+
 def create_process_group(store, rank: int, size: int, timeout: timedelta) -> ProcessGroupFlodlShm:
     """The creator ``Backend.register_backend`` calls for ``"flodl_shm"``."""
     pg = ProcessGroupFlodlShm(store, rank, size, timeout)
+    if not _live_groups:
+        atexit.unregister(_shut_down_at_exit)  # (once, however many groups come and go)
+        atexit.register(_shut_down_at_exit)
+    _live_groups.add(pg)
     left_out = _device_backends_left_out()
     if left_out and rank == 0:
         logger.warning(
