@@ -972,3 +972,30 @@ def test_one_rank_whose_elche_starts_elsewhere_is_named_on_every_rank():
     with FakeCohort(2, timeout=20) as cohort:
         out = cohort.run(body)
     assert all(o is not None and o.startswith("the ranks differ in cadence") for o in out), out
+
+
+@pytest.mark.parametrize("keep", [0, 0.5], ids=["freed", "shrunk"])
+def test_a_storage_freed_or_shrunk_after_a_sync_is_refused_not_written(keep):
+    """A regression probe: a parameter's storage freed (FSDP-style,
+    ``untyped_storage().resize_(0)``) or shrunk after a sync crashed the next sync (the
+    rounds wrote every element through the storage's new address). It raises now,
+    naming the parameter, before any round; with the storage's size given back and
+    refilled, the sync goes on."""
+    with FakeCohort(2) as cohort:
+        def body(comm):
+            model = make_model(seed=0)
+            sgd = LocalSGD(model, sync_every=1, comm=comm)
+            assert sgd.step(samples=1)
+            storage = model[0].weight.untyped_storage()
+            size = storage.nbytes()
+            storage.resize_(int(size * keep))
+            with pytest.raises(RuntimeError, match=r"parameter '0.weight' of the model no "
+                               r"longer has storage for all its elements \(freed or shrunk"):
+                sgd.step(samples=1)
+            storage.resize_(size)
+            with torch.no_grad():
+                model[0].weight.fill_(float(comm.rank))
+            assert sgd.step(samples=1)
+            return model[0].weight[0, 0].item()
+
+        assert cohort.run(body) == [0.5, 0.5]

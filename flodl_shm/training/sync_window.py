@@ -414,12 +414,22 @@ class ReplicaReduce:
         tensor whose storage moved under both it and the window's view of it (e.g.
         ``model.share_memory()``) is still the window's (its address is updated); a
         tensor the model no longer holds raises, naming it."""
-        gone, now = [], []
+        gone, now, freed = [], [], []
         for (entries, key, held, ptr, (what, name)), live in zip(self._held, self._live_all):
             address = held.data_ptr()
             if entries.get(key) is not held or (address != ptr and live.data_ptr() != address):
                 gone.append(f"{what} {name!r}")
+            elif address != ptr and not _storage_holds(live):
+                freed.append(f"{what} {name!r}")
             now.append((entries, key, held, address, (what, name)))
+        if freed:  # (the rounds would write through a freed or too short storage)
+            raise RuntimeError(
+                f"{', '.join(freed[:3])}{f' and {len(freed) - 3} more' if len(freed) > 3 else ''}"
+                f" of the model no longer {'has' if len(freed) == 1 else 'have'} storage for "
+                f"all {'its' if len(freed) == 1 else 'their'} elements (freed or shrunk with "
+                f"untyped_storage().resize_()): a sync writes the consensus into every "
+                f"element. Give the storage its size back (resize_ it, then refill it) before "
+                f"the sync")
         if not gone:
             self._held = tuple(now)
             n = len(self._live_params)  # (their addresses moved: gathered again)
@@ -465,6 +475,15 @@ def _watch_registrations() -> None:
         torch_module.register_module_parameter_registration_hook(_count_registration)
         torch_module.register_module_buffer_registration_hook(_count_registration)
         _watching[0] = True
+
+
+def _storage_holds(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage holds every element of ``t`` (a storage resized with
+    ``untyped_storage().resize_()`` may not: torch's own ops then crash too)."""
+    if t.numel() == 0:
+        return True
+    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.data_ptr() != 0 and (last + 1) * t.element_size() <= t.untyped_storage().nbytes()
 
 
 def _model_changed(changed: list, how: str) -> RuntimeError:
