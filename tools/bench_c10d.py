@@ -9,7 +9,9 @@ engine call under it (``pg.comm.all_reduce_`` of the same tensor, CONTROL round:
 plain sum), so the wrapper's cost shows. OpenMPI ``Allreduce`` (mpi4py under mpirun,
 ``bench_allreduce.py``'s worker: SUM then a scale) runs when mpirun and mpi4py are
 there, else it is skipped with a note. Then one DDP training step of a ~10 M-parameter
-MLP, per backend. Times: per iteration the max over ranks, then the median
+MLP, and ``dist.all_reduce`` of a sparse COO tensor (an embedding's gradient: a
+10,000 x 64 float32 table, 2,000 rows per rank; OpenMPI has no sparse all-reduce), per
+backend. Times: per iteration the max over ranks, then the median
 (``_bench_common``). Prints markdown tables with ratios to gloo measured in the same run.
 """
 from __future__ import annotations
@@ -131,8 +133,20 @@ def _worker(backend: str, rank: int, world: int, port: int, plan: list[tuple[int
         with model.no_sync():
             local = _timed(step, 1, ddp_steps)
         ddp = {"params": params, "times": times, "local": local}
+    sparse = None
+    calls = next((int(f.split("=")[1]) for f in flags if f.startswith("sparse=")), 0)
+    if calls:
+        import warnings
+
+        warnings.filterwarnings("ignore", message="Sparse invariant checks")  # (torch's note)
+        g = torch.Generator().manual_seed(rank)
+        touched = torch.randint(0, 10_000, (1, 2_000), generator=g)
+        values = torch.randn(2_000, 64, generator=g)
+        sparse = _timed(lambda: dist.all_reduce(
+            torch.sparse_coo_tensor(touched, values, (10_000, 64))), 2, calls)
     with open(out, "w") as f:
-        json.dump({"rows": rows, "ddp": ddp, "tcp": tcp if probe else None}, f)
+        json.dump({"rows": rows, "ddp": ddp, "tcp": tcp if probe else None,
+                   "sparse": sparse}, f)
     dist.destroy_process_group()
 
 
@@ -194,11 +208,14 @@ def run_ranks(backend: str, world: int, plan: list[tuple[int, int, int]], ddp_st
 
 
 def run_backend(backend: str, world: int, sizes: list[int], scale: float, ddp_steps: int,
-                timeout: float, hosts: int = 1) -> tuple[list[dict], dict | None]:
+                timeout: float, hosts: int = 1, sparse_calls: int = 0
+                ) -> tuple[list[dict], dict | None]:
     """One group of ``world`` ranks (``run_ranks``); ``hosts`` > 1 keeps only the
-    flodl_shm rows, reported as ``flodl_shm/<hosts>h``."""
+    flodl_shm rows, reported as ``flodl_shm/<hosts>h``. With ``sparse_calls``, the DDP
+    figures (a dict even without DDP) carry the sparse all-reduce's median too."""
     plan = [(n, *schedule(n, world, scale)) for n in sizes]
-    per_rank = run_ranks(backend, world, plan, ddp_steps, timeout, hosts)
+    per_rank = run_ranks(backend, world, plan, ddp_steps, timeout, hosts,
+                         (f"sparse={sparse_calls}",) if sparse_calls else ())
     if per_rank is None:
         return [], None
     rows = collect([r["rows"] for r in per_rank], world)
@@ -212,6 +229,10 @@ def run_backend(backend: str, world: int, sizes: list[int], scale: float, ddp_st
         ddp = {"backend": backend, "world": world, "params": per_rank[0]["ddp"]["params"],
                "step_ms": float(np.median(step)) / 1e6,
                "local_ms": float(np.median(local)) / 1e6}
+    if per_rank[0].get("sparse"):
+        ddp = ddp or {"backend": backend, "world": world}
+        ddp["sparse_ms"] = float(np.median(np.max(np.stack(
+            [r["sparse"] for r in per_rank]), axis=0))) / 1e6
     return rows, ddp
 
 
@@ -248,6 +269,18 @@ def report(results: list[dict], ddps: list[dict], worlds: list[int]) -> str:
                 else:
                     cells.append(_cell(by.get(m), by.get("gloo")))
             lines.append(f"| {human(nbytes)} | " + " | ".join(cells) + " |")
+    sparse = [d for d in ddps if "sparse_ms" in d]
+    if sparse:
+        lines += ["\n### dist.all_reduce of a sparse COO tensor (an embedding's gradient: "
+                  "10,000 x 64 float32, 2,000 rows per rank), median\n",
+                  "| world | backend | all_reduce |", "|---:|---|---:|"]
+        for d in sparse:
+            gloo = next((g for g in sparse if g["backend"] == "gloo" and g["world"] == d["world"]),
+                        None)
+            ratio = f" ({d['sparse_ms'] / gloo['sparse_ms']:.2f}× gloo)" if gloo and d is not gloo \
+                else ""
+            lines.append(f"| {d['world']} | {d['backend']} | {d['sparse_ms']:.2f} ms{ratio} |")
+    ddps = [d for d in ddps if "step_ms" in d]
     if ddps:
         lines += ["\n### DDP step (forward + backward + all-reduce + SGD), median\n",
                   "| world | params | backend | step | same step without comm (no_sync) |",
@@ -274,6 +307,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iter-scale", type=positive_float, default=1.0,
                     help="scale the iteration counts")
     ap.add_argument("--ddp-steps", type=nonneg_int, default=10, help="timed DDP steps (0: skip)")
+    ap.add_argument("--sparse-calls", type=nonneg_int, default=30,
+                    help="timed sparse all_reduce calls (0: skip)")
     ap.add_argument("--no-mpi", action="store_true", help="skip OpenMPI")
     ap.add_argument("--hosts", type=positive_int, default=2,
                     help="also run flodl_shm split into this many simulated hosts (FLODL_SHM_HOST) "
@@ -301,7 +336,7 @@ def main(argv=None) -> int:
         for backend in ("flodl_shm", "gloo"):
             print(f"running {backend}, world {world} ...", file=sys.stderr, flush=True)
             rows, ddp = run_backend(backend, world, sizes, args.iter_scale, args.ddp_steps,
-                                    args.timeout)
+                                    args.timeout, sparse_calls=args.sparse_calls)
             if not rows:
                 failed.append(f"{backend} world {world}")
             results += rows
