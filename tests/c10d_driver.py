@@ -367,6 +367,11 @@ def sc_sparse(rank: int, world: int) -> dict:
             torch.eye(4).to_sparse_csr() if rank == 0 else torch.ones(4, 4)),
         "uint16_on_rank_2": lambda: dist.all_reduce(
             torch.ones(3, dtype=torch.uint16 if rank == 2 else torch.float32)),
+        # every rank refuses, rank 0 in reduce_scatter_tensor's own check, the others in
+        # the reduce_scatter it calls: one refusal round each (two made rank 0 a round late)
+        "refused_at_two_levels": lambda: dist.reduce_scatter_tensor(
+            *((torch.ones(1, 2), torch.ones(3, 2).to_sparse_csr()) if rank == 0 else
+              (torch.ones(1, 2, dtype=torch.uint16), torch.ones(3, 2, dtype=torch.uint16)))),
     }, then=summed)
     res["kept"] = (kept, sparse_input(rank, 10))
     return res

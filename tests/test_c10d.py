@@ -432,7 +432,8 @@ def test_sparse_all_reduce_and_ddp_of_sparse_gradients_match_gloo(tmp_path, host
         errs = r["errors"]
         for what in ("avg", "op_mismatch", "size_mismatch", "dtype_mismatch", "float16",
                      "mixed_on_rank_1", "dense_on_rank_1", "dense_dims_differ",
-                     "leaf_requires_grad", "csr_on_rank_0", "uint16_on_rank_2"):
+                     "leaf_requires_grad", "csr_on_rank_0", "uint16_on_rank_2",
+                     "refused_at_two_levels"):
             assert errs[what] is not None, (what, me, r["log"])
             assert errs[what + " then"] == [3.0] * 4, what  # every rank still in step
         assert "take ReduceOp.SUM only" in errs["avg"] and "asked for AVG" in errs["avg"]
@@ -465,6 +466,9 @@ def test_sparse_all_reduce_and_ddp_of_sparse_gradients_match_gloo(tmp_path, host
             "flodl_shm allreduce: a torch.sparse_csr tensor" if me == 0 else
             "flodl_shm allreduce: the 3 ranks of this group made different calls")
         assert ("dtype torch.uint16 is not supported" in errs["uint16_on_rank_2"]) == (me == 2)
+        said = errs["refused_at_two_levels"]  # every rank refused: each its own reason only
+        assert "made different calls" not in said and \
+            ("sparse_csr" if me == 0 else "dtype torch.uint16 is not supported") in said
         kept, original = r["kept"]
         assert _same_sparse(kept.coalesce(), original.coalesce())  # a refusal writes nothing
 

@@ -99,7 +99,11 @@ def _collective(method):
             work = method(self, *args, **kwargs)
         except RefusedCall as e:
             # before any round: a rank whose peers did not refuse would leave them a call
-            # behind, so every rank that refuses takes part in one round that says so
+            # behind, so every rank that refuses takes part in one round that says so (one:
+            # a collective built on another one sees the inner one's refusal, said already)
+            if e.said:
+                raise
+            e.said = True
             why = self._refusal_round(name, args, kwargs)
             if why is None:
                 raise  # every rank refused: in step
@@ -558,6 +562,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             self._gave_up()
             self._unusable = self._stall_cause(name, e)
             return f"and then: {self._unusable}; the group is unusable, destroy it"
+        except Exception as e:  # noqa: BLE001 - a peer left or died meanwhile: said after
+            return f"and then: {e}"  # this rank's own reason, which stays first
         return None
 
     def _stall_cause(self, what: str, e: ReduceStall) -> str:

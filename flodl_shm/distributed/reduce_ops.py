@@ -39,7 +39,9 @@ class RefusedCall(RuntimeError):
     """A collective this rank refused before any of its rounds: a tensor, dtype, layout or
     op the backend cannot reduce. The process group has every rank agree on it
     (``ProcessGroupFlodlShm``'s refusal round), so ranks that called something else are
-    told at once, not left a call behind."""
+    told at once, not left a call behind. ``said``: that round ran already."""
+
+    said = False
 
 
 def op_name(op) -> str:
@@ -53,54 +55,54 @@ def op_type(op):
 
 
 def check_dtype(t: torch.Tensor, what: str) -> None:
-    """Raise ``RuntimeError`` unless ``t`` is a dense CPU tensor of a supported dtype
-    (every rank checks its own tensors before any round: a rank that refused alone
-    would put the group out of step)."""
+    """Raise ``RefusedCall`` unless ``t`` is a dense CPU tensor of a supported dtype
+    (every rank checks its own tensors before any round; the process group's refusal
+    round keeps a rank that refused alone in step with the others)."""
     check_device_and_dtype(t, what)
     check_layout(t, what)
 
 
 def check_device_and_dtype(t: torch.Tensor, what: str) -> None:
-    """Raise ``RuntimeError`` unless ``t`` is a CPU tensor of a supported dtype (of any
+    """Raise ``RefusedCall`` unless ``t`` is a CPU tensor of a supported dtype (of any
     layout)."""
     if t.device.type != "cpu":
         raise RefusedCall(f"flodl_shm {what}: tensor on device {t.device}; the flodl_shm "
-                           f"backend handles CPU tensors only: give {t.device.type} tensors a "
-                           f"group of their own, e.g. dist.new_group(backend='nccl') for cuda "
-                           f"(a 'cpu:flodl_shm,cuda:nccl' group builds no nccl backend: torch "
-                           f"gives a Python backend the whole group)")
+                          f"backend handles CPU tensors only: give {t.device.type} tensors a "
+                          f"group of their own, e.g. dist.new_group(backend='nccl') for cuda "
+                          f"(a 'cpu:flodl_shm,cuda:nccl' group builds no nccl backend: torch "
+                          f"gives a Python backend the whole group)")
     if t.dtype not in SUPPORTED_DTYPES:
         raise RefusedCall(f"flodl_shm {what}: dtype {t.dtype} is not supported; supported: "
-                           f"{', '.join(str(d).replace('torch.', '') for d in SUPPORTED_DTYPES)}")
+                          f"{', '.join(str(d).replace('torch.', '') for d in SUPPORTED_DTYPES)}")
 
 
 def check_layout(t: torch.Tensor, what: str) -> None:
-    """Raise ``RuntimeError`` for a sparse, mkldnn or nested tensor (whose bytes no
+    """Raise ``RefusedCall`` for a sparse, mkldnn or nested tensor (whose bytes no
     collective can copy), naming its layout."""
     if t.layout is not torch.strided or t.is_nested:
         kind = "a nested" if t.is_nested else f"a {t.layout}"
         raise RefusedCall(f"flodl_shm {what}: {kind} tensor; the flodl_shm backend handles "
-                           f"dense tensors only: pass t.to_dense()"
-                           + (" (a nested tensor: its components, t.unbind())"
-                              if t.is_nested else "")
-                           + ("; of the collectives, all_reduce with ReduceOp.SUM takes "
-                              "sparse COO tensors (as gloo's does)"
-                              if t.layout is torch.sparse_coo else ""))
+                          f"dense tensors only: pass t.to_dense()"
+                          + (" (a nested tensor: its components, t.unbind())"
+                             if t.is_nested else "")
+                          + ("; of the collectives, all_reduce with ReduceOp.SUM takes "
+                             "sparse COO tensors (as gloo's does)"
+                             if t.layout is torch.sparse_coo else ""))
 
 
 def check_op(op, dtype: torch.dtype, what: str) -> None:
-    """Raise ``RuntimeError`` unless ``op`` applies to ``dtype`` (the table above)."""
+    """Raise ``RefusedCall`` unless ``op`` applies to ``dtype`` (the table above)."""
     kind = op_type(op)
     name = op_name(kind)
     if name not in SUPPORTED_OPS:
         raise RefusedCall(f"flodl_shm {what}: reduce op {name} is not supported; supported: "
-                           f"{', '.join(SUPPORTED_OPS)}")
+                          f"{', '.join(SUPPORTED_OPS)}")
     if name == "PREMUL_SUM" and dtype not in FLOAT_DTYPES:
         raise RefusedCall(f"flodl_shm {what}: reduce op PREMUL_SUM needs a floating dtype, "
-                           f"got {dtype}; use SUM and multiply, or a float tensor")
+                          f"got {dtype}; use SUM and multiply, or a float tensor")
     if name == "AVG" and dtype is torch.bool:
         raise RefusedCall(f"flodl_shm {what}: reduce op AVG has no meaning for torch.bool; "
-                           f"use SUM (logical or), MIN (logical and), or a numeric tensor")
+                          f"use SUM (logical or), MIN (logical and), or a numeric tensor")
 
 
 def premul_factor(op) -> float | None:
@@ -203,6 +205,6 @@ def real_views(tensors: Sequence[torch.Tensor], op, what: str) -> list[torch.Ten
             name = op_name(op_type(op))
             if name not in ("SUM", "AVG", "PREMUL_SUM"):
                 raise RefusedCall(f"flodl_shm {what}: reduce op {name} on the complex dtype "
-                                   f"{t.dtype}; complex tensors take SUM, AVG or PREMUL_SUM")
+                                  f"{t.dtype}; complex tensors take SUM, AVG or PREMUL_SUM")
         out.append(float_view(t))
     return out
