@@ -59,8 +59,8 @@ def mass_error(weight: float) -> FrameError:
     """The error for a round's ``weight`` that is not a mass (see ``MASS_MIN``); an int
     beyond a float's range too."""
     if not 0.0 <= weight < math.inf:
-        return FrameError(f"weight {shown_number(weight)} is not a finite non-negative "
-                          f"realized-work mass")
+        shown = shown_number(weight) if type(weight) is int else weight
+        return FrameError(f"weight {shown} is not a finite non-negative realized-work mass")
     return FrameError(
         f"weight {shown_number(weight)} is outside the masses a float32 round carries: 0, or "
         f"{MASS_MIN:.4g} to {MASS_MAX:.4g} (below, the divisor 1/Σw overflows; above, "
