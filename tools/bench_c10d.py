@@ -277,8 +277,8 @@ def report(results: list[dict], ddps: list[dict], worlds: list[int]) -> str:
         for d in sparse:
             gloo = next((g for g in sparse if g["backend"] == "gloo" and g["world"] == d["world"]),
                         None)
-            ratio = f" ({d['sparse_ms'] / gloo['sparse_ms']:.2f}× gloo)" if gloo and d is not gloo \
-                else ""
+            ratio = (f" ({d['sparse_ms'] / gloo['sparse_ms']:.2f}× gloo)"
+                     if gloo and d is not gloo else "")
             lines.append(f"| {d['world']} | {d['backend']} | {d['sparse_ms']:.2f} ms{ratio} |")
     ddps = [d for d in ddps if "step_ms" in d]
     if ddps:

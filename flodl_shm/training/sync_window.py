@@ -344,8 +344,8 @@ class ReplicaReduce:
 
     def _gather(self, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
         """The tensors the rounds write through (detached views), as ``GatheredTensors``:
-        their rounds reuse the addresses gathered at the first, which the held check
-        (``reduce``) vouches for before each."""
+        their rounds reuse the addresses gathered at the first, which
+        ``_check_unchanged`` vouches for before each."""
         self._live_params = GatheredTensors(params)
         self._live_buffers = GatheredTensors(buffers)
         self._live_all = GatheredTensors(params + buffers)
@@ -412,8 +412,9 @@ class ReplicaReduce:
     def _check_held(self) -> None:
         """The per-sync check's slow path, when a tensor's entry or address changed: a
         tensor whose storage moved under both it and the window's view of it (e.g.
-        ``model.share_memory()``) is still the window's (its address is updated); a
-        tensor the model no longer holds raises, naming it."""
+        ``model.share_memory()``) is still the window's (its address is updated, and
+        gathered again), unless its storage no longer holds all its elements (freed or
+        shrunk); a tensor the model no longer holds raises, naming it."""
         gone, now, freed = [], [], []
         for (entries, key, held, ptr, (what, name)), live in zip(self._held, self._live_all):
             address = held.data_ptr()
@@ -424,8 +425,8 @@ class ReplicaReduce:
             now.append((entries, key, held, address, (what, name)))
         if freed:  # (the rounds would write through a freed or too short storage)
             raise RuntimeError(
-                f"{', '.join(freed[:3])}{f' and {len(freed) - 3} more' if len(freed) > 3 else ''}"
-                f" of the model no longer {'has' if len(freed) == 1 else 'have'} storage for "
+                f"{_first_names(freed)} of the model no longer "
+                f"{'has' if len(freed) == 1 else 'have'} storage for "
                 f"all {'its' if len(freed) == 1 else 'their'} elements (freed or shrunk with "
                 f"untyped_storage().resize_()): a sync writes the consensus into every "
                 f"element. Give the storage its size back (resize_ it, then refill it) before "
@@ -486,22 +487,26 @@ def _storage_holds(t: torch.Tensor) -> bool:
     return t.data_ptr() != 0 and (last + 1) * t.element_size() <= t.untyped_storage().nbytes()
 
 
+def _first_names(names: list) -> str:
+    """The first three of ``names``, and how many more."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def _model_changed(changed: list, how: str) -> RuntimeError:
     """The error for tensors of the model ``how`` (replaced, added, ...) since the
     window was built on it, naming the first three."""
     return RuntimeError(
-        f"{', '.join(changed[:3])}{f' and {len(changed) - 3} more' if len(changed) > 3 else ''}"
-        f" of the model {'was' if len(changed) == 1 else 'were'} {how} after LocalSGD was "
-        f"built on it (model.to(dtype), .bfloat16(), `p.data = ...`, a new nn.Parameter, "
-        f"buffer or submodule assigned): syncs average the tensors LocalSGD was built on, "
-        f"and would leave the model's new ones out. Give the model its final modules, dtype, "
-        f"device and tensors before building LocalSGD (for a Trainer: in model_fn), and "
-        f"change values in place (with torch.no_grad(): p.copy_(...))")
+        f"{_first_names(changed)} of the model {'was' if len(changed) == 1 else 'were'} {how} "
+        f"after LocalSGD was built on it (model.to(dtype), .bfloat16(), `p.data = ...`, a new "
+        f"nn.Parameter, buffer or submodule assigned): syncs average the tensors LocalSGD was "
+        f"built on, and would leave the model's new ones out. Give the model its final "
+        f"modules, dtype, device and tensors before building LocalSGD (for a Trainer: in "
+        f"model_fn), and change values in place (with torch.no_grad(): p.copy_(...))")
 
 
 def _held_entries(model: torch.nn.Module, what: str, named) -> list:
     """``(module's dict, key, tensor, storage address, (what, qualified name))`` of each
-    named tensor of ``model``: what :meth:`ReplicaReduce.reduce` checks is unchanged."""
+    named tensor of ``model``: what :meth:`ReplicaReduce._check_unchanged` checks."""
     out = []
     for name, t in named:
         owner, _, key = name.rpartition(".")
