@@ -523,7 +523,9 @@ def _eager_single_f32(blk, pl, src, dst, keep_on_empty, scale, rnd, flags, weigh
     if root >= 0:
         if info[I_CONTRIB] != 1 << root:
             return NOT_ROOT  # the caller raises, naming what the ranks disagree on
-        copy_eager_f32(eager, slot_bytes, rnd, root, nwords * 8, n, dst)
+        if root != me or src.ctypes.data != dst.ctypes.data:
+            # (an in-place root's tensor holds the slot's bits already: no copy back)
+            copy_eager_f32(eager, slot_bytes, rnd, root, nwords * 8, n, dst)
         return OK
     m = mass[0]
     if keep_on_empty and kind == 0 and not m > 0.0:
