@@ -325,6 +325,11 @@ def sc_sparse(rank: int, world: int) -> dict:
     work = dist.all_reduce(t, async_op=True)
     work.wait()
     res["async"] = (t, work.result()[0])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(5)  # (the sums may run on fewer: the count must come back)
+    dist.all_reduce(sparse_input(rank, 11))
+    res["threads_after"] = torch.get_num_threads()
+    torch.set_num_threads(threads)
 
     torch.manual_seed(rank + 1)  # different inits: DDP's broadcast aligns them
     model = torch.nn.Sequential(torch.nn.Embedding(20, 4, sparse=True), torch.nn.Flatten(),

@@ -420,6 +420,7 @@ def test_sparse_all_reduce_and_ddp_of_sparse_gradients_match_gloo(tmp_path, host
     assert shm[0]["all_empty"]._nnz() == 0
     assert shm[0]["two_sparse_dims"].to_dense()[2, 2] == 2.0  # rank 1's (1, 2) + rank 2's
     for r in range(world):
+        assert shm[r]["threads_after"] == 5  # torch's thread count as the caller set it
         t, result = shm[r]["async"]
         assert _same_sparse(t, result) and _same_sparse(t, gloo[r]["async"][0])
         # the embedding (sparse gradients) and the linear layer trained as on gloo (whose

@@ -74,7 +74,8 @@ def _worker(backend: str, rank: int, world: int, port: int, plan: list[tuple[int
     importlib.import_module("flodl_shm")  # registers the backend
     from flodl_shm.frame import RoundKind
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(next((int(f.split("=")[1]) for f in flags if f.startswith("threads=")),
+                               1))
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     rows, tcp = [], []
@@ -208,14 +209,14 @@ def run_ranks(backend: str, world: int, plan: list[tuple[int, int, int]], ddp_st
 
 
 def run_backend(backend: str, world: int, sizes: list[int], scale: float, ddp_steps: int,
-                timeout: float, hosts: int = 1, sparse_calls: int = 0
+                timeout: float, hosts: int = 1, sparse_calls: int = 0, threads: int = 1
                 ) -> tuple[list[dict], dict | None]:
     """One group of ``world`` ranks (``run_ranks``); ``hosts`` > 1 keeps only the
     flodl_shm rows, reported as ``flodl_shm/<hosts>h``. With ``sparse_calls``, the DDP
     figures (a dict even without DDP) carry the sparse all-reduce's median too."""
     plan = [(n, *schedule(n, world, scale)) for n in sizes]
-    per_rank = run_ranks(backend, world, plan, ddp_steps, timeout, hosts,
-                         (f"sparse={sparse_calls}",) if sparse_calls else ())
+    flags = (f"threads={threads}",) + ((f"sparse={sparse_calls}",) if sparse_calls else ())
+    per_rank = run_ranks(backend, world, plan, ddp_steps, timeout, hosts, flags)
     if per_rank is None:
         return [], None
     rows = collect([r["rows"] for r in per_rank], world)
@@ -309,6 +310,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ddp-steps", type=nonneg_int, default=10, help="timed DDP steps (0: skip)")
     ap.add_argument("--sparse-calls", type=nonneg_int, default=30,
                     help="timed sparse all_reduce calls (0: skip)")
+    ap.add_argument("--threads", type=positive_int, default=1,
+                    help="torch threads per rank (1: one core's worth each, as torchrun sets)")
     ap.add_argument("--no-mpi", action="store_true", help="skip OpenMPI")
     ap.add_argument("--hosts", type=positive_int, default=2,
                     help="also run flodl_shm split into this many simulated hosts (FLODL_SHM_HOST) "
@@ -336,7 +339,8 @@ def main(argv=None) -> int:
         for backend in ("flodl_shm", "gloo"):
             print(f"running {backend}, world {world} ...", file=sys.stderr, flush=True)
             rows, ddp = run_backend(backend, world, sizes, args.iter_scale, args.ddp_steps,
-                                    args.timeout, sparse_calls=args.sparse_calls)
+                                    args.timeout, sparse_calls=args.sparse_calls,
+                                    threads=args.threads)
             if not rows:
                 failed.append(f"{backend} world {world}")
             results += rows

@@ -40,6 +40,7 @@ import torch.distributed as dist
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 
 from ..engine.byte_exchange import exchange_bytes
+from ..engine.hostcpu import available_cores
 from .call_mismatch import describe_call, explain_mismatch
 from ..engine.tensor_codec import elements_share_memory
 from ..errors import FrameError, PeerDied, ReduceStall
@@ -463,6 +464,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         # leaders' exchange failed): every later call raises naming it
         self._unusable: str | None = None
         self._calling = "collective"  # the name of the collective running (its errors')
+        self._threads: int | None = None  # torch threads a sparse all_reduce's sums may use
         # FLODL_SHM_C10D_OVERLAP=0 runs every collective in the caller's thread
         self._overlap = os.environ.get("FLODL_SHM_C10D_OVERLAP", "1") != "0"
 
@@ -866,7 +868,10 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                     return _done(tensors)
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
         if is_sparse_call(tensors):  # (DDP's gradients of nn.Embedding(sparse=True))
-            sparse_all_reduce(self._exchange, list(tensors), op, self._size, _signature)
+            if self._threads is None:  # (this rank's share of the host's cores)
+                self._threads = max(1, available_cores() // len(self._topo.local_ranks))
+            sparse_all_reduce(self._exchange, list(tensors), op, self._size, _signature,
+                              threads=self._threads)
         else:
             self._allreduce_list(list(tensors), op, "allreduce")
         return _done(list(tensors))
