@@ -109,19 +109,10 @@ def _collective(method):
             if why is None:
                 raise  # every rank refused: in step
             raise RuntimeError(f"{e}\n{why}") from e
-        except FrameError as e:
-            try:  # every rank raised it at the same round: ask what each one called
-                why = explain_mismatch(self._exchange, name, describe_call(name, args, kwargs),
-                                       e)
-            except Exception:  # noqa: BLE001 - the collective's own error says enough
-                why = f"flodl_shm {name}: {e}"
-            raise RuntimeError(why) from e
+        except FrameError as e:  # every rank raised it at the same round
+            raise RuntimeError(self._mismatch(name, args, kwargs, e)) from e
         except ReduceStall as e:
-            self._gave_up()
-            # every later call raises at once, naming this (the engine's own refusal would
-            # number the ranks by their place on this host)
-            self._unusable = self._stall_cause(name, e)
-            raise RuntimeError(f"flodl_shm {self._unusable}; the group is unusable, "
+            raise RuntimeError(f"flodl_shm {self._stalled(name, e)}; the group is unusable, "
                                f"destroy it") from e
         self._check_nobody_gave_up(name)
         return work
@@ -555,18 +546,29 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         try:
             self._exchange(0, None, lambda views: None, _REFUSAL_SIGNATURE)
         except FrameError as e:
-            try:
-                return explain_mismatch(self._exchange, name, describe_call(name, args, kwargs),
-                                        e)
-            except Exception:  # noqa: BLE001 - this rank's refusal says enough
-                return f"(the other ranks called another collective: {e})"
+            return self._mismatch(name, args, kwargs, e)
         except ReduceStall as e:
-            self._gave_up()
-            self._unusable = self._stall_cause(name, e)
-            return f"and then: {self._unusable}; the group is unusable, destroy it"
+            return f"and then: {self._stalled(name, e)}; the group is unusable, destroy it"
         except Exception as e:  # noqa: BLE001 - a peer left or died meanwhile: said after
             return f"and then: {e}"  # this rank's own reason, which stays first
         return None
+
+    def _mismatch(self, name: str, args, kwargs, e: FrameError) -> str:
+        """The error text of collective ``name``, whose round raised ``e`` on every rank
+        (the ranks called different collectives): what each rank called, from one more
+        round (``call_mismatch.py``), else the round's own text."""
+        try:
+            return explain_mismatch(self._exchange, name, describe_call(name, args, kwargs), e)
+        except Exception:  # noqa: BLE001 - the collective's own error says enough
+            return f"flodl_shm {name}: {e}"
+
+    def _stalled(self, name: str, e: ReduceStall) -> str:
+        """Collective ``name`` timed out: the group is unusable from now on (every later
+        call raises at once, naming this; the engine's own refusal would number the ranks
+        by their place on this host). Returns the cause."""
+        self._gave_up()
+        self._unusable = self._stall_cause(name, e)
+        return self._unusable
 
     def _stall_cause(self, what: str, e: ReduceStall) -> str:
         """What timed out, naming the group ranks that had not arrived (the engine's
@@ -1207,6 +1209,7 @@ _leave_to_eager(ProcessGroupFlodlShm.allreduce, _uncompiled)  # (every collectiv
 _live_groups: "weakref.WeakSet[ProcessGroupFlodlShm]" = weakref.WeakSet()
 
 
+@atexit.register
 def _shut_down_at_exit() -> None:
     """Shut down the groups a program left without ``dist.destroy_process_group()``,
     while the interpreter still runs: a multi-host group's gloo group of host leaders,
@@ -1222,9 +1225,6 @@ def _shut_down_at_exit() -> None:
 def create_process_group(store, rank: int, size: int, timeout: timedelta) -> ProcessGroupFlodlShm:
     """The creator ``Backend.register_backend`` calls for ``"flodl_shm"``."""
     pg = ProcessGroupFlodlShm(store, rank, size, timeout)
-    if not _live_groups:
-        atexit.unregister(_shut_down_at_exit)  # (once, however many groups come and go)
-        atexit.register(_shut_down_at_exit)
     _live_groups.add(pg)
     left_out = _device_backends_left_out()
     if left_out and rank == 0:

@@ -92,7 +92,7 @@ def _record(t: torch.Tensor | None, tensors: Sequence[torch.Tensor], op) -> np.n
     return rec
 
 
-def _verdict(records: np.ndarray, op, what: str) -> str | None:
+def _verdict(records: np.ndarray, what: str) -> str | None:
     """What every rank raises for the DESCRIBE table ``records`` (one row per group
     rank), or None when the ranks may add their entries; the same text on every rank."""
     refused = [r for r in range(len(records)) if records[r, _REFUSED]]
@@ -139,10 +139,11 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def _threads_at_most(n: int) -> Iterator[None]:
-    """torch's intra-op threads capped at ``n`` for the block, then as they were."""
+def _threads_at_most(n: int | None) -> Iterator[None]:
+    """torch's intra-op threads capped at ``n`` (None: no cap) for the block, then as
+    they were."""
     was = torch.get_num_threads()
-    if was <= n:
+    if n is None or was <= n:
         yield
         return
     torch.set_num_threads(n)
@@ -184,7 +185,7 @@ def sparse_all_reduce(exchange: Callable, tensors: Sequence[torch.Tensor], op, w
              signature(f"{what} sparse describe", rec.shape[0]))
     if mine is None:
         raise RuntimeError(problem)  # this rank's own reason; the others name this rank
-    verdict = _verdict(records, op, what)
+    verdict = _verdict(records, what)
     if verdict is not None:
         raise RuntimeError(verdict)
     dtype, shape = mine.dtype, tuple(mine.shape)
@@ -210,7 +211,7 @@ def sparse_all_reduce(exchange: Callable, tensors: Sequence[torch.Tensor], op, w
             parts.append(torch.sparse_coo_tensor(idx, val, shape))
 
     exchange(total, fill, consume, signature(f"{what} sparse entries", total))
-    with _threads_at_most(threads or torch.get_num_threads()):
+    with _threads_at_most(threads):
         out = parts[0]
         try:
             for part in parts[1:]:

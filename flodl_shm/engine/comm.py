@@ -164,13 +164,20 @@ def _scale_error(scale: float) -> FrameError:
                       f"scale in range (a NaN one often comes from a 0/0 upstream)")
 
 
-def _scale_refused(scale) -> Exception:
-    """The error for a ``scale`` that ``float()`` refused: an int beyond a float's range
-    (``FrameError``, as any scale out of range), or no number at all (``TypeError``)."""
-    if isinstance(scale, int):
-        return _scale_error(shown_number(scale))
-    return TypeError(f"scale must be a number (what this rank's tensors are multiplied by "
-                     f"before the round), got {type(scale).__name__} {scale!r:.60}")
+def _as_scale(scale) -> float:
+    """``scale`` as a float the kernels can scale by; ``FrameError`` for one beyond
+    float32's range (an int beyond a float's too), ``TypeError`` for no number."""
+    try:  # (free in CPython 3.11 until something raises)
+        value = float(scale)
+    except OverflowError:  # an int beyond a float's range
+        raise _scale_error(shown_number(scale)) from None
+    except (TypeError, ValueError):
+        raise TypeError(f"scale must be a number (what this rank's tensors are multiplied "
+                        f"by before the round), got {type(scale).__name__} {scale!r:.60}"
+                        ) from None
+    if not -_F32_MAX <= value <= _F32_MAX:
+        raise _scale_error(value)
+    return value
 
 
 def _kind(kind) -> int:
@@ -581,12 +588,7 @@ class Comm:
         dtype = DTYPE_BF16 if (self._bf16 and kind == _MODEL) else DTYPE_F32
         armed = self._armed if kind == _MODEL else None
         self._armed = None
-        try:  # (free in CPython 3.11 until something raises)
-            scale = float(scale)
-        except (TypeError, ValueError, OverflowError):
-            raise _scale_refused(scale) from None
-        if not -_F32_MAX <= scale <= _F32_MAX:
-            raise _scale_error(scale)
+        scale = _as_scale(scale)
         outer = outer and kind == _MODEL
         plan = self._fused_plan(tensors, kind, dtype, outer)
         if plan is not None:
@@ -646,12 +648,7 @@ class Comm:
             raise
         if plan is None:
             return None
-        try:  # (free in CPython 3.11 until something raises)
-            scale = float(scale)
-        except (TypeError, ValueError, OverflowError):
-            raise _scale_refused(scale) from None
-        if not -_F32_MAX <= scale <= _F32_MAX:
-            raise _scale_error(scale)
+        scale = _as_scale(scale)
         return self._single_result(tensors[0], plan, weight, scale)
 
     def all_reduce_(self, tensors: Sequence[torch.Tensor], *, weight: float = 1.0,
@@ -722,12 +719,7 @@ class Comm:
         kind = _kind(kind)
         dtype = DTYPE_BF16 if (self._bf16 and kind == _MODEL) else DTYPE_F32
         outer = outer and kind == _MODEL
-        try:  # (free in CPython 3.11 until something raises)
-            scale = float(scale)
-        except (TypeError, ValueError, OverflowError):
-            raise _scale_refused(scale) from None
-        if not -_F32_MAX <= scale <= _F32_MAX:
-            raise _scale_error(scale)
+        scale = _as_scale(scale)
         if self._armed is not None and kind == _MODEL:
             self._armed = None  # this MODEL round's reply is the tensors: nothing staged
         eng = self._engine
