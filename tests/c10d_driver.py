@@ -292,19 +292,14 @@ def sparse_input(rank: int, salt: int = 0, dtype: torch.dtype = torch.float32,
     nnz = 3 + 2 * rank if nnz is None else nnz
     idx = torch.randint(0, size[0], (1, nnz), generator=g)
     vals = (torch.randn(nnz, *size[1:], generator=g) * 3).to(dtype)
-    return torch.sparse_coo_tensor(idx, vals, size)
+    return torch.sparse_coo_tensor(idx, vals, size, check_invariants=True)
 
 
-def sc_sparse(rank: int, world: int) -> dict:
-    """All-reduces of sparse COO tensors (SUM; uneven and empty entries, dense
-    dimensions, two sparse dimensions, several dtypes, a list summed first, async), DDP
-    of a model with sparse embedding gradients, and on flodl_shm what every rank raises
-    for sparse calls that do not agree."""
+def _sparse_reduces(rank: int, res: dict) -> None:
+    """``sc_sparse``'s reduces and DDP training, their results into ``res``."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    warnings.filterwarnings("ignore", message=".*[Ss]parse.*")  # (torch's beta notes)
-    res: dict = {"pid": os.getpid()}
     group = dist.distributed_c10d._get_default_group()
     cases = {"f32": sparse_input(rank), "f64": sparse_input(rank, 1, torch.float64),
              "bf16": sparse_input(rank, 2, torch.bfloat16),
@@ -314,7 +309,7 @@ def sc_sparse(rank: int, world: int) -> dict:
              "all_empty": sparse_input(rank, 6, nnz=0),
              "two_sparse_dims": torch.sparse_coo_tensor(
                  torch.tensor([[rank, 2, 4], [1, rank + 1, 0]]), torch.ones(3) * (rank + 1),
-                 (5, 6))}
+                 (5, 6), check_invariants=True)}
     for name, t in cases.items():
         dist.all_reduce(t)
         res[name] = t
@@ -343,6 +338,24 @@ def sc_sparse(rank: int, world: int) -> dict:
         torch.nn.functional.mse_loss(ddp(x), torch.randn(8, 2, generator=g)).backward()
         opt.step()
     res["ddp"] = [p.detach().clone() for p in model.parameters()]
+
+
+def sc_sparse(rank: int, world: int) -> dict:
+    """All-reduces of sparse COO tensors (SUM; uneven and empty entries, dense
+    dimensions, two sparse dimensions, several dtypes, a list summed first, async), DDP
+    of a model with sparse embedding gradients, and on flodl_shm what every rank raises
+    for sparse calls that do not agree."""
+    import torch.distributed as dist
+
+    res: dict = {"pid": os.getpid()}
+    # what the reduces and DDP warn of (torch warns once per process: these are its first
+    # sparse tensors built without saying whether to check their invariants)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _sparse_reduces(rank, res)
+    res["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+    warnings.filterwarnings("ignore", message=".*[Ss]parse.*")  # (CSR's beta note, below)
+    group = dist.distributed_c10d._get_default_group()
     if dist.get_backend() != "flodl_shm":
         return res  # (gloo's errors are its own; some of these calls would wedge it)
 

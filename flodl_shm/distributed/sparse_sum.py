@@ -208,7 +208,9 @@ def sparse_all_reduce(exchange: Callable, tensors: Sequence[torch.Tensor], op, w
             start, stop = _entry_bytes(records[r], esize)
             idx = _tensor_of(v[:nnz * sparse_dim * 8], torch.int64, (sparse_dim, nnz))
             val = _tensor_of(v[start:stop], dtype, (nnz, *shape[sparse_dim:]))
-            parts.append(torch.sparse_coo_tensor(idx, val, shape))
+            # (the entries of a rank's coalesced tensor, whose size every rank agreed on:
+            # no invariant to check, and torch warns when the choice is left to it)
+            parts.append(torch.sparse_coo_tensor(idx, val, shape, check_invariants=False))
 
     exchange(total, fill, consume, signature(f"{what} sparse entries", total))
     with _threads_at_most(threads):
