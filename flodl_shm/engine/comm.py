@@ -913,7 +913,7 @@ class Comm:
             if len(tensors) == 1:
                 t = tensors[0]
                 plan = self._single_plan(t, _CONTROL, False)
-                if plan is not None:  # the root copies its slot back into its tensor: same bits
+                if plan is not None:  # (the root copies nothing back: its tensor holds it)
                     self._single_round(t, plan, 0.0, 1.0, t.data_ptr(), local_root)
                     return
             plan = self._fused_plan(tensors, _CONTROL, DTYPE_F32, False)
