@@ -167,6 +167,13 @@ def sc_collectives(rank: int, world: int) -> dict:
     o = torch.empty(4, dtype=torch.float64)
     dist.reduce_scatter_tensor(o, rank_input(rank, torch.float64, n=4 * world))
     res["reduce_scatter_tensor"] = o
+    # torch 2.13's names for the two above (the old ones warn that they are deprecated)
+    o = torch.empty(world * 5, dtype=torch.int16)
+    dist.all_gather_single(o, torch.full((5,), rank, dtype=torch.int16))
+    res["all_gather_single"] = o
+    o = torch.empty(4, dtype=torch.float64)
+    dist.reduce_scatter_single(o, rank_input(rank, torch.float64, n=4 * world))
+    res["reduce_scatter_single"] = o
     o = torch.empty(4, dtype=torch.int64)
     dist.reduce_scatter(o, list(rank_input(rank, torch.int64, n=4 * world).chunk(world)),
                         op=dist.ReduceOp.MAX)

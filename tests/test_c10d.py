@@ -129,6 +129,7 @@ def check_collectives(res: list[dict], *, rank_order_sums: bool = True) -> None:
                 assert same_bits(r[("all_gather", str(dt))][k], rank_input(k, dt))
     for r in res:
         assert r["all_gather_into_tensor"].tolist() == [k for k in range(world) for _ in range(5)]
+        assert same_bits(r["all_gather_single"], r["all_gather_into_tensor"])
         assert r["scatter"].tolist() == [100.0 + r_i for r_i in
                                          [res.index(r)] * 3]
         assert [o.tolist() for o in r["all_to_all"]] == [
@@ -139,6 +140,7 @@ def check_collectives(res: list[dict], *, rank_order_sums: bool = True) -> None:
     for me, r in enumerate(res):
         full = reference("SUM", [rank_input(k, torch.float64, n=4 * world) for k in range(world)])
         torch.testing.assert_close(r["reduce_scatter_tensor"], full[4 * me:4 * me + 4])
+        assert same_bits(r["reduce_scatter_single"], r["reduce_scatter_tensor"])
         mx = reference("MAX", [rank_input(k, torch.int64, n=4 * world) for k in range(world)])
         assert torch.equal(r["reduce_scatter_max"], mx[4 * me:4 * me + 4])
         want = [torch.arange(2 * world, dtype=torch.float32)[2 * me:2 * me + 2] + 100 * s
