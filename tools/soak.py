@@ -12,7 +12,14 @@ samples each process's resources as it goes:
   (a run that saves each epoch apart): the warm-up block makes as many stems as
   ``LocalSGD`` keeps series locks for, so the descriptors have reached their bound;
 - ``spawns``: the launcher runs many short ``spawn`` jobs, one after another, and keeps
-  their ``join=False`` contexts.
+  their ``join=False`` contexts;
+- ``c10d``: 3 processes in a ``torch.distributed`` group of the ``"flodl_shm"`` backend,
+  as two simulated hosts (ranks 0 and 1 on host a, rank 2 on host b: shared memory
+  within a host, gloo between them) run a mix of collectives (``all_reduce`` waited,
+  async and through its future, a MAX; ``broadcast``, ``all_gather_single``,
+  ``reduce_scatter_single``, ``all_to_all_single``, ``all_gather_object``, ``barrier``),
+  DDP steps of a model with a sparse embedding, and now and then a subgroup made, used
+  and destroyed.
 
 Per process it prints the open descriptors, memory mappings, threads and resident
 memory at the first and the last sample (after a warm-up block), and the
@@ -140,6 +147,105 @@ def spawns(jobs: int, start_method: str) -> list[dict]:
     return rows
 
 
+C10D_HOSTS = ("a", "a", "b")  # the c10d phase's simulated host of each rank
+
+
+def c10d_rank(rank: int, port: int, blocks: int, per_block: int, queue) -> None:
+    """One rank of the ``c10d`` phase (a process of its own): its samples go to ``queue``."""
+    os.environ["FLODL_SHM_HOST"] = C10D_HOSTS[rank]
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    world = len(C10D_HOSTS)
+    torch.set_num_threads(1)
+    dist.init_process_group("flodl_shm", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Sequential(torch.nn.EmbeddingBag(200, 8, sparse=True),
+                                        torch.nn.Linear(8, 2)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(rank)
+        small, big = torch.randn(1024), torch.randn(64 * 1024)
+        gathered = torch.empty(1024 * world)
+        slices, sliced = torch.randn(256 * world), torch.empty(256)
+        spread = torch.empty(96 * world)
+        counts = torch.arange(8, dtype=torch.int64)
+        objects: list = [None] * world
+        rows = []
+        for b in range(blocks + 1):  # block 0 warms up
+            for i in range(per_block):
+                op = i % 12
+                t = big if i % 24 == 0 else small
+                if op == 0:
+                    dist.all_reduce(t)
+                elif op == 1:
+                    dist.all_reduce(t, async_op=True).wait()
+                elif op == 2:
+                    dist.all_reduce(t, async_op=True).get_future().wait()
+                elif op == 3:
+                    dist.broadcast(small, src=i % world)
+                elif op == 4:
+                    dist.all_gather_single(gathered, small)
+                elif op == 5:
+                    dist.reduce_scatter_single(sliced, slices)
+                elif op == 6:
+                    dist.all_to_all_single(spread, torch.ones(96 * world))
+                elif op == 7:
+                    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+                elif op == 8:
+                    dist.all_gather_object(objects, {"rank": rank, "i": i})
+                elif op == 9:
+                    dist.barrier()
+                elif op == 10:
+                    opt.zero_grad(set_to_none=True)
+                    x = torch.randint(0, 200, (16, 4), generator=g)
+                    model(x).square().mean().backward()  # (a sparse and a dense gradient)
+                    opt.step()
+                elif i % 60 == 11:
+                    sub = dist.new_group([0, 2])  # (a collective of every rank)
+                    if rank != 1:
+                        dist.all_reduce(small, group=sub)
+                    dist.destroy_process_group(sub)
+                small.mul_(1.0 / world)  # (stays finite)
+            rows.append(sample())
+        queue.put((rank, rows))
+    finally:
+        dist.destroy_process_group()
+
+
+def c10d(blocks: int, per_block: int, timeout: float) -> list[list[dict]]:
+    """The ``c10d`` phase: its ranks' samples, by rank."""
+    import multiprocessing as mp
+
+    from _bench_common import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=c10d_rank, args=(r, port, blocks, per_block, queue))
+             for r in range(len(C10D_HOSTS))]
+    for p in procs:
+        p.start()
+    got: dict[int, list[dict]] = {}
+    try:
+        while len(got) < len(procs):
+            rank, rows = queue.get(timeout=timeout)
+            got[rank] = rows
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
+    if failed:
+        raise RuntimeError(f"c10d phase: rank(s) {failed} exited with "
+                           f"{[procs[r].exitcode for r in failed]} (their output is above)")
+    return [got[r] for r in range(len(procs))]
+
+
 def _segments() -> dict[str, int]:
     """Every ``fshm_`` segment in /dev/shm, with its owner's pid."""
     return {s.name: s.owner_pid for s in list_segments()}
@@ -189,6 +295,7 @@ def main(argv=None) -> int:
     rounds = max(60, int(3000 * args.scale))
     syncs = max(25, int(100 * args.scale))
     jobs = max(4, int(12 * args.scale))
+    calls = max(60, int(600 * args.scale))
     ok = True
     before = set(_segments())
     with tempfile.TemporaryDirectory(dir=args.dir) as folder:
@@ -203,6 +310,11 @@ def main(argv=None) -> int:
         print(f"spawns: {jobs} jobs of 2 ranks in this launcher, every context kept")
         for method in ("forkserver", "spawn"):
             ok &= verdict(f"launcher ({method})", spawns(jobs, method), "job", jobs)
+        print(f"c10d: 3 ranks on hosts {', '.join(C10D_HOSTS)}, {blocks} x {calls} calls "
+              f"after a warm-up block")
+        for r, rows in enumerate(c10d(blocks, calls, timeout=max(300.0, 60 * args.scale))):
+            ok &= verdict(f"rank {r} (host {C10D_HOSTS[r]})", rows, "1k calls",
+                          blocks * calls / 1000)
         left, others = _ours_left(before)
         print(f"/dev/shm segments left: {len(left)} {left[:4] if left else ''}"
               f"{f' (and {others} of other live processes, not ours)' if others else ''}; "
