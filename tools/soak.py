@@ -218,6 +218,7 @@ def c10d_rank(rank: int, port: int, blocks: int, per_block: int, queue) -> None:
 def c10d(blocks: int, per_block: int, timeout: float) -> list[list[dict]]:
     """The ``c10d`` phase: its ranks' samples, by rank."""
     import multiprocessing as mp
+    from queue import Empty
 
     from _bench_common import free_port
 
@@ -229,20 +230,27 @@ def c10d(blocks: int, per_block: int, timeout: float) -> list[list[dict]]:
     for p in procs:
         p.start()
     got: dict[int, list[dict]] = {}
+    deadline = time.monotonic() + timeout
     try:
         while len(got) < len(procs):
-            rank, rows = queue.get(timeout=timeout)
-            got[rank] = rows
+            try:
+                rank, rows = queue.get(timeout=2.0)
+                got[rank] = rows
+                continue
+            except Empty:
+                pass
+            dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"c10d phase: rank(s) {dead or sorted(set(range(len(procs))) - set(got))} "
+                    f"{'exited' if dead else f'still running after {timeout:.0f} s'} without "
+                    f"their samples (their output is above)")
     finally:
-        for p in procs:
-            p.join(timeout=30)
+        for p in procs:  # (on a failure the others wait for the lost rank: stopped at once)
+            p.join(timeout=30 if len(got) == len(procs) else 0)
             if p.is_alive():
                 p.kill()
                 p.join()
-    failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
-    if failed:
-        raise RuntimeError(f"c10d phase: rank(s) {failed} exited with "
-                           f"{[procs[r].exitcode for r in failed]} (their output is above)")
     return [got[r] for r in range(len(procs))]
 
 
