@@ -472,6 +472,19 @@ def test_demo_run_dir_too_long_for_the_filesystem_is_a_usage_error(tmp_path):
             + ": File name too long; pass a shorter path\n") in r.stderr, r.stderr
 
 
+def test_demo_run_dir_whose_checkpoint_paths_pass_path_max_is_a_usage_error(tmp_path):
+    """A --run-dir whose checkpoints' paths would pass PATH_MAX started the run and failed
+    at its run lock (exit 1), or after training at the first checkpoint: a usage error."""
+    run_dir = os.path.join(*["r" * 200] * 20, "z" * 60)
+    r = _flodl(["demo", "--run-dir", run_dir, "--no-progress"], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert ("python -m flodl_shm demo: error: --run-dir " + "r" * 30 + "..." + "z" * 30
+            + ": checkpoint stem ") in r.stderr, r.stderr
+    assert "limit of 4095 bytes on a path. Save in a folder with a shorter path" in r.stderr
+    assert r.stdout == "" and list(tmp_path.iterdir()) == []
+
+
 def test_demo_without_scikit_learn_is_one_line(tmp_path):
     """A scikit-learn that cannot be imported (a stub package raising as a missing one
     does) is the one line that says how to install it, not its chained traceback."""

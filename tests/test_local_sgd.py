@@ -896,6 +896,35 @@ def test_a_folder_given_as_the_stem_is_refused_before_anything_is_written(tmp_pa
                           torch.nn.functional.mse_loss, save_path=folder)
 
 
+def test_a_stem_whose_checkpoint_names_pass_the_file_system_limits_is_refused_up_front(
+        tmp_path):
+    """A probe's Trainer with a 236-byte stem trained 10 windows, then its first checkpoint
+    failed (OSError: File name too long, a rank's optimizer state ``<stem>-r00000010.
+    rank1.optim`` plus its temp suffix): refused now at construction, and by save()
+    before anything is written, naming the limit and the longest name that fits."""
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    fits = tmp_path / ("x" * (limit - 47))  # (47: what the longest file adds to the stem)
+    over = tmp_path / ("x" * (limit - 46))
+    deep = tmp_path.joinpath(*["d" * 200] * 21, "ckpt")  # (over PATH_MAX, 4096 here)
+    with FakeCohort(1) as cohort:
+        sgd = LocalSGD(make_model(0), sync_every=1, comm=cohort.comm(0))
+        sgd.sync()
+        with pytest.raises(ValueError, match=rf"is {limit - 46} bytes, and a checkpoint's "
+                                             rf"files add up to 47 to it .* limit of {limit} "
+                                             rf"bytes on a file name. Shorten the name to at "
+                                             rf"most {limit - 47} bytes"):
+            sgd.save(over)
+        with pytest.raises(ValueError, match=r"limit of 4095 bytes on a path. Save in a "
+                                             r"folder with a shorter path"):
+            sgd.save(deep)
+        assert sorted(p.name for p in tmp_path.iterdir()) == []
+        assert sgd.save(fits).name == fits.name + "-r00000001.fdl"  # (its longest fits too)
+    for stem in (over, deep):
+        with pytest.raises(ValueError, match=r"Shorten the name|shorter path"):
+            flodl_shm.Trainer(make_model, torch.optim.SGD, (torch.zeros(4, 6), torch.zeros(4)),
+                              torch.nn.functional.mse_loss, save_path=stem)
+
+
 class _WithRunningMean(torch.nn.Module):
     """A float buffer registered with persistent=False (averaged, but not in the model's
     state_dict) and an integer one, both changed by every forward."""

@@ -30,7 +30,7 @@ from .meta import CheckpointBundle, names_sidecar_path, set_extension
 
 logger = logging.getLogger("flodl_shm")
 
-__all__ = ["bundle_files", "committed_checkpoints", "death_record_path", "delete_rounds",
+__all__ = ["bundle_files", "check_series_stem", "committed_checkpoints", "death_record_path", "delete_rounds",
            "delete_series",
            "latest_checkpoint", "not_continued", "prune_series", "remove_other_rank_states",
            "resolve_checkpoint",
@@ -66,6 +66,53 @@ def refuse_folder_stem(save_path: "str | os.PathLike[str]") -> None:
         raise ValueError(f"{p} is a folder: a series' files are named after its stem and "
                          f"would land beside it ({p}-r00000001.fdl); pass a stem inside "
                          f"it, e.g. {p / 'ckpt'}")
+
+
+#: the longest name a series' files take, as a format of the series base's name: a rank's
+#: optimizer state while ``atomic_write`` writes it (round of 8 digits, rank of up to 5,
+#: the writer's pid of up to 7, as Linux's largest pid_max)
+_LONGEST_NAME = "{}-r99999999.rank99999.optim.4194304.ffffffff" + TMP_SUFFIX
+
+
+def _limit(folder: Path, name: str, default: int) -> int:
+    """``os.pathconf`` ``name`` of the nearest existing folder at or above ``folder``
+    (``default`` where the file system does not say)."""
+    for d in (folder, *folder.parents):
+        try:
+            return os.pathconf(d, name)
+        except FileNotFoundError:
+            continue  # (not made yet: its parent's file system will hold it)
+        except (OSError, ValueError):  # (a path too long, a file system that does not say)
+            return default
+    return default
+
+
+def check_series_stem(save_path: "str | os.PathLike[str]") -> None:
+    """``ValueError``, before anything is written, when the series at ``save_path``
+    could not be written: a folder (``refuse_folder_stem``), or a stem whose files' names
+    would pass the file system's limits (its longest, a rank's optimizer state as it is
+    written, adds 47 bytes to the stem's name). A run would otherwise train until its
+    first checkpoint and fail there."""
+    base = series_base(save_path)
+    longest = base.with_name(_LONGEST_NAME.format(base.name))
+    name_max = _limit(base.parent, "PC_NAME_MAX", 255)
+    extra = len(os.fsencode(longest.name)) - len(os.fsencode(base.name))
+    if len(os.fsencode(longest.name)) > name_max:
+        raise ValueError(
+            f"checkpoint stem {os.fspath(save_path)!r}: its name {base.name[:40]!r}... is "
+            f"{len(os.fsencode(base.name))} bytes, and a checkpoint's files add up to "
+            f"{extra} to it (a rank's optimizer state as it is written: "
+            f"{_LONGEST_NAME.format('<name>')}), over this file system's limit of "
+            f"{name_max} bytes on a file name. Shorten the name to at most "
+            f"{name_max - extra} bytes")
+    path_max = _limit(base.parent, "PC_PATH_MAX", 4096)
+    if len(os.fsencode(longest)) >= path_max:  # (PATH_MAX counts the terminating NUL)
+        raise ValueError(
+            f"checkpoint stem {os.fspath(save_path)[:60]!r}... is {len(os.fsencode(base))} "
+            f"bytes long, and a checkpoint's files add up to {extra} to it (a rank's "
+            f"optimizer state as it is written), over this system's limit of {path_max - 1} "
+            f"bytes on a path. Save in a folder with a shorter path, or give a relative one")
+    refuse_folder_stem(save_path)
 
 
 def death_record_path(save_path: "str | os.PathLike[str]", rank: int) -> Path:

@@ -527,6 +527,13 @@ def _check(cfg: DemoConfig) -> list[str]:
                        if bad_dir == Path(cfg.run_dir)
                        else f"--run-dir {cfg.run_dir}: {bad_dir} is a file, not a folder")
             out[-1] += "; pass a folder (one that does not exist yet is created)"
+        else:
+            from flodl_shm.checkpoint.series import check_series_stem
+
+            try:  # (its checkpoints' names must fit the file system: refused before training)
+                check_series_stem(cfg.save_path)
+            except ValueError as e:
+                out.append(f"--run-dir {_shortened(cfg.run_dir)}: {e}")
     if cfg.checkpoint_every is not None and cfg.checkpoint_every < 1:
         out.append("--checkpoint-every must be >= 0 (0: only at the end)")
     if not cfg.timeout > 0:

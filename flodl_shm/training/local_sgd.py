@@ -943,8 +943,10 @@ class LocalSGD:
         Raises:
             ValueError: called mid-window (the replicas differ from the consensus then):
                 save right after ``step()`` returned True, or after ``sync()``; ``keep``
-                below 1; or a consensus that holds NaN or inf (a diverged run: it is not
-                written, so the series' finite bundles stay).
+                below 1; a consensus that holds NaN or inf (a diverged run: it is not
+                written, so the series' finite bundles stay); or a ``path`` that is a folder,
+                or whose checkpoint files' names would pass the file system's limits
+                (``check_series_stem``: nothing is written).
             SeriesInUse: another job holds the series (on every rank of this one).
             RuntimeError: another rank could not write its part (a full disk, say: that
                 rank raises its own error, every other one this, naming it; nothing of
@@ -963,7 +965,7 @@ class LocalSGD:
                 f"sync() first")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an int >= 1 (complete bundles kept), got {keep!r}")
-        from ..checkpoint.series import (latest_checkpoint, prune_series, refuse_folder_stem,
+        from ..checkpoint.series import (check_series_stem, latest_checkpoint, prune_series,
                                          remove_other_rank_states, round_model_path)
 
         if not self.consensus_is_finite():  # (every rank refuses alike, before any round)
@@ -974,7 +976,7 @@ class LocalSGD:
                 f"{'the newest: ' + str(last) if last is not None else 'none yet'}). Lower "
                 f"the learning rate or clip the gradients, and load() the last finite bundle")
 
-        refuse_folder_stem(path)
+        check_series_stem(path)
         model_path = round_model_path(path, self.sync_round)
         self._claim_series(path, overwrite)
         model_path.parent.mkdir(parents=True, exist_ok=True)

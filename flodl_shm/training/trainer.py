@@ -291,10 +291,10 @@ class Trainer:
         self.checkpoint_every = None if checkpoint_every is None else int(checkpoint_every)
         self.save_path = None if save_path is None else os.fspath(save_path)
         if self.save_path is not None:
-            from ..checkpoint.series import refuse_folder_stem
+            from ..checkpoint.series import check_series_stem
 
             set_extension(self.save_path, "")  # a stem with a file name, or ValueError now
-            refuse_folder_stem(self.save_path)
+            check_series_stem(self.save_path)
         self.keep_checkpoints = int(keep_checkpoints)
         self.max_failures = int(max_failures)
         self.seed = int(seed)
