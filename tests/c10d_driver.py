@@ -161,19 +161,13 @@ def sc_collectives(rank: int, world: int) -> dict:
         outs = [torch.empty(37, dtype=dt) for _ in range(world)]
         dist.all_gather(outs, rank_input(rank, dt))
         res[("all_gather", str(dt))] = outs
-    o = torch.empty(world * 5, dtype=torch.int16)
-    dist.all_gather_into_tensor(o, torch.full((5,), rank, dtype=torch.int16))
-    res["all_gather_into_tensor"] = o
-    o = torch.empty(4, dtype=torch.float64)
-    dist.reduce_scatter_tensor(o, rank_input(rank, torch.float64, n=4 * world))
-    res["reduce_scatter_tensor"] = o
-    # torch 2.13's names for the two above (the old ones warn that they are deprecated)
-    o = torch.empty(world * 5, dtype=torch.int16)
-    dist.all_gather_single(o, torch.full((5,), rank, dtype=torch.int16))
-    res["all_gather_single"] = o
-    o = torch.empty(4, dtype=torch.float64)
-    dist.reduce_scatter_single(o, rank_input(rank, torch.float64, n=4 * world))
-    res["reduce_scatter_single"] = o
+    # (the *_single calls: torch 2.13's names, which the old ones warn to use)
+    for gather, scatter in (("all_gather_into_tensor", "reduce_scatter_tensor"),
+                            ("all_gather_single", "reduce_scatter_single")):
+        res[gather] = torch.empty(world * 5, dtype=torch.int16)
+        getattr(dist, gather)(res[gather], torch.full((5,), rank, dtype=torch.int16))
+        res[scatter] = torch.empty(4, dtype=torch.float64)
+        getattr(dist, scatter)(res[scatter], rank_input(rank, torch.float64, n=4 * world))
     o = torch.empty(4, dtype=torch.int64)
     dist.reduce_scatter(o, list(rank_input(rank, torch.int64, n=4 * world).chunk(world)),
                         op=dist.ReduceOp.MAX)
