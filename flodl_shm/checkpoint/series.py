@@ -30,10 +30,9 @@ from .meta import CheckpointBundle, names_sidecar_path, set_extension
 
 logger = logging.getLogger("flodl_shm")
 
-__all__ = ["bundle_files", "check_series_stem", "committed_checkpoints", "death_record_path", "delete_rounds",
-           "delete_series",
-           "latest_checkpoint", "not_continued", "prune_series", "remove_other_rank_states",
-           "resolve_checkpoint",
+__all__ = ["bundle_files", "check_series_stem", "committed_checkpoints", "death_record_path",
+           "delete_rounds", "delete_series", "latest_checkpoint", "not_continued",
+           "prune_series", "remove_other_rank_states", "resolve_checkpoint",
            "round_model_path", "series_base", "series_of"]
 
 _ROUND_DIGITS = 8
