@@ -71,8 +71,6 @@ def refuse_folder_stem(save_path: "str | os.PathLike[str]") -> None:
 #: optimizer state while ``atomic_write`` writes it (round of 8 digits, rank of up to 5,
 #: the writer's pid of up to 7, as Linux's largest pid_max)
 _LONGEST_NAME = "{}-r99999999.rank99999.optim.4194304.ffffffff" + TMP_SUFFIX
-#: the longest suffix of a series' run lock (a host's member lock, ``run_lock.py``)
-_LONGEST_LOCK = ".member-99999.lock"
 
 
 def _limit(folder: Path, name: str, default: int) -> int:
@@ -107,9 +105,7 @@ def check_series_stem(save_path: "str | os.PathLike[str]") -> None:
             f"{name_max} bytes on a file name. Shorten the name to at most "
             f"{name_max - extra} bytes")
     path_max = _limit(base.parent, "PC_PATH_MAX", 4096)
-    # (PATH_MAX counts the terminating NUL; the run lock goes by its real, absolute path)
-    lock = os.path.realpath(base) + _LONGEST_LOCK
-    if max(len(os.fsencode(longest)), len(os.fsencode(lock))) >= path_max:
+    if len(os.fsencode(longest)) >= path_max:  # (PATH_MAX counts the terminating NUL)
         raise ValueError(
             f"checkpoint stem {os.fspath(save_path)[:60]!r}... is {len(os.fsencode(base))} "
             f"bytes long, and a checkpoint's files add up to {extra} to it (a rank's "
