@@ -636,6 +636,31 @@ def test_fdl_convert_into_a_folder_or_a_missing_one_is_a_usage_error(tmp_path, d
     assert not list((tmp_path / "out").iterdir())
 
 
+def test_fdl_convert_to_a_name_too_long_with_its_temp_file_is_a_usage_error(tmp_path):
+    """A checkpoint probe's 240-byte destination (legal) failed after the conversion with
+    'File name too long' (its temp file's name, 21 bytes longer; exit 1, as for a corrupt
+    file), and a 256-byte one with a traceback; an .fdl destination's .names.json made a
+    232-byte one fail. Each is a usage error naming how long the name may be."""
+    from flodl_shm.checkpoint.convert import state_dict_to_fdl
+
+    import torch
+
+    state_dict_to_fdl({"w": torch.ones(3)}, tmp_path / "m.fdl")
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    for name, fits in (("a" * (limit - 23) + ".pt", limit - 21),
+                       ("b" * (limit - 3) + ".pt", limit - 21),
+                       ("c" * (limit - 30) + ".fdl", limit - 28)):  # (.names.json: 7 more)
+        r = _flodl(["fdl", "convert", "m.fdl", name], tmp_path, timeout=60)
+        assert r.returncode == 2, r.stderr
+        assert "Traceback" not in r.stderr, r.stderr
+        assert (f"the file name is {len(name)} bytes and the files written for it take up "
+                f"to ") in r.stderr and f"name it with at most {fits} bytes\n" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.fdl"]
+    for name in ("d" * (limit - 24) + ".pt", "e" * (limit - 32) + ".fdl"):
+        r = _flodl(["fdl", "convert", "m.fdl", name], tmp_path, timeout=60)
+        assert r.returncode == 0, r.stderr
+
+
 def test_fdl_convert_to_an_unknown_format_is_a_usage_error_in_cli_terms(tmp_path):
     import torch
 

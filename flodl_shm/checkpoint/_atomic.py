@@ -46,10 +46,27 @@ T = TypeVar("T")
 logger = logging.getLogger("flodl_shm")
 
 TMP_SUFFIX = ".tmp"
+#: the longest suffix a commit's temp file adds to the final file's name
+#: (``.<pid>.<8 hex>.tmp``; a pid of up to 7 digits, as Linux's largest pid_max)
+LONGEST_TEMP_SUFFIX = ".4194304.ffffffff" + TMP_SUFFIX
 WRITE_BUFFER = 1 << 20
 #: An unlocked, empty temp file younger than this may belong to a writer between its
 #: create and its lock; older (or non-empty) unlocked temps are stale.
 STALE_TEMP_AGE_S = 30.0
+
+
+def path_limit(folder: Path, name: str, default: int) -> int:
+    """``os.pathconf`` ``name`` (``"PC_NAME_MAX"``, ``"PC_PATH_MAX"``) of the nearest
+    existing folder at or above ``folder`` (``default`` where the file system does not
+    say)."""
+    for d in (folder, *folder.parents):
+        try:
+            return os.pathconf(d, name)
+        except FileNotFoundError:
+            continue  # (not made yet: its parent's file system will hold it)
+        except (OSError, ValueError):  # (a path too long, a file system that does not say)
+            return default
+    return default
 
 
 def temp_name_pattern(name: str) -> "re.Pattern[str]":

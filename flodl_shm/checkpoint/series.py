@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from ._atomic import TMP_SUFFIX, remove_stale_temps
+from ._atomic import LONGEST_TEMP_SUFFIX, TMP_SUFFIX, path_limit, remove_stale_temps
 from .forge import outer_sidecar_path
 from .meta import CheckpointBundle, names_sidecar_path, set_extension
 
@@ -68,22 +68,8 @@ def refuse_folder_stem(save_path: "str | os.PathLike[str]") -> None:
 
 
 #: the longest name a series' files take, as a format of the series base's name: a rank's
-#: optimizer state while ``atomic_write`` writes it (round of 8 digits, rank of up to 5,
-#: the writer's pid of up to 7, as Linux's largest pid_max)
-_LONGEST_NAME = "{}-r99999999.rank99999.optim.4194304.ffffffff" + TMP_SUFFIX
-
-
-def _limit(folder: Path, name: str, default: int) -> int:
-    """``os.pathconf`` ``name`` of the nearest existing folder at or above ``folder``
-    (``default`` where the file system does not say)."""
-    for d in (folder, *folder.parents):
-        try:
-            return os.pathconf(d, name)
-        except FileNotFoundError:
-            continue  # (not made yet: its parent's file system will hold it)
-        except (OSError, ValueError):  # (a path too long, a file system that does not say)
-            return default
-    return default
+#: optimizer state while ``atomic_write`` writes it (round of 8 digits, rank of up to 5)
+_LONGEST_NAME = "{}-r99999999.rank99999.optim" + LONGEST_TEMP_SUFFIX
 
 
 def check_series_stem(save_path: "str | os.PathLike[str]") -> None:
@@ -94,7 +80,7 @@ def check_series_stem(save_path: "str | os.PathLike[str]") -> None:
     first checkpoint and fail there."""
     base = series_base(save_path)
     longest = base.with_name(_LONGEST_NAME.format(base.name))
-    name_max = _limit(base.parent, "PC_NAME_MAX", 255)
+    name_max = path_limit(base.parent, "PC_NAME_MAX", 255)
     extra = len(os.fsencode(longest.name)) - len(os.fsencode(base.name))
     if len(os.fsencode(longest.name)) > name_max:
         raise ValueError(
@@ -104,7 +90,7 @@ def check_series_stem(save_path: "str | os.PathLike[str]") -> None:
             f"{_LONGEST_NAME.format('<name>')}), over this file system's limit of "
             f"{name_max} bytes on a file name. Shorten the name to at most "
             f"{name_max - extra} bytes")
-    path_max = _limit(base.parent, "PC_PATH_MAX", 4096)
+    path_max = path_limit(base.parent, "PC_PATH_MAX", 4096)
     if len(os.fsencode(longest)) >= path_max:  # (PATH_MAX counts the terminating NUL)
         raise ValueError(
             f"checkpoint stem {os.fspath(save_path)[:60]!r}... is {len(os.fsencode(base))} "

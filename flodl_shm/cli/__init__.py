@@ -15,6 +15,12 @@ def invoked_as() -> str:
     return "python -m flodl_shm"
 
 
+def shortened(text: str, keep: int = 60) -> str:
+    """``text`` itself, or its start and end around an ellipsis when longer than ``keep``
+    (a path in an error line)."""
+    return text if len(text) <= keep else f"{text[:keep // 2]}...{text[-keep // 2:]}"
+
+
 def first_stop_signal_only() -> tuple[list, dict]:
     """Make the first SIGINT (Ctrl-C), or SIGTERM / SIGHUP / SIGUSR1 / SIGUSR2 (the latter
     while they have their default action: a scheduler's stop or warning, a closed

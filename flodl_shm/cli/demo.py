@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from flodl_shm.checkpoint._atomic import atomic_write_bytes
-from flodl_shm.cli import invoked_as
+from flodl_shm.cli import invoked_as, shortened
 from flodl_shm.errors import plural
 from flodl_shm.training.hooks import Hook
 
@@ -520,7 +520,7 @@ def _check(cfg: DemoConfig) -> list[str]:
     try:  # (the run lock would refuse it too, past the banner)
         bad_dir = file_in_the_way(cfg.run_dir)
     except OSError as e:  # a name too long for the filesystem, say
-        out.append(f"--run-dir {_shortened(cfg.run_dir)}: {e.strerror}; pass a shorter path")
+        out.append(f"--run-dir {shortened(cfg.run_dir)}: {e.strerror}; pass a shorter path")
     else:
         if bad_dir is not None:
             out.append(f"--run-dir {cfg.run_dir} is a file, not a folder"
@@ -533,7 +533,7 @@ def _check(cfg: DemoConfig) -> list[str]:
             try:  # (its checkpoints' names must fit the file system: refused before training)
                 check_series_stem(cfg.save_path)
             except ValueError as e:
-                out.append(f"--run-dir {_shortened(cfg.run_dir)}: {e}")
+                out.append(f"--run-dir {shortened(cfg.run_dir)}: {e}")
     if cfg.checkpoint_every is not None and cfg.checkpoint_every < 1:
         out.append("--checkpoint-every must be >= 0 (0: only at the end)")
     if not cfg.timeout > 0:
@@ -573,11 +573,6 @@ def _check(cfg: DemoConfig) -> list[str]:
             except ValueError as e:
                 out.append(f"--secret-file: {e}")
     return out
-
-
-def _shortened(text: str, keep: int = 60) -> str:
-    """``text`` itself, or its start and end around an ellipsis when longer than ``keep``."""
-    return text if len(text) <= keep else f"{text[:keep // 2]}...{text[-keep // 2:]}"
 
 
 # --- the run -----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 from ..checkpoint.meta import bundle_meta_of, names_sidecar_path
 from ..errors import CheckpointError
-from . import invoked_as
+from . import invoked_as, shortened
 
 
 def _fmt_bytes(n: int) -> str:
@@ -165,7 +165,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as e:  # argparse exits 2 on usage errors, 0 on --help
         return int(e.code or 0)
     if args.command == "convert":
-        problem = (_unwritable_destination(args.dst) or _unknown_format(args)
+        problem = (_unwritable_destination(args) or _unknown_format(args)
                    or _refused_destination(args))
         if problem:
             print(f"{parser.prog} convert: error: {problem}", file=sys.stderr)
@@ -185,10 +185,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
 
 
-def _unwritable_destination(dst: str) -> str:
-    """A usage error when ``dst`` is a folder or lies in a folder that does not exist
-    ("" otherwise): the write would fail after the conversion, naming a temporary file."""
+def _unwritable_destination(args) -> str:
+    """A usage error when the destination is a folder, lies in a folder that does not
+    exist, or names a file whose own name or its temp file's would pass the file system's
+    limit ("" otherwise): the write would fail after the conversion, naming a temporary
+    file."""
+    from ..checkpoint._atomic import LONGEST_TEMP_SUFFIX, path_limit
+    from ..checkpoint.convert import detect_format
+
+    dst = args.dst
     path = Path(dst)
+    try:
+        fdl = (args.dst_format or detect_format(dst)) == "fdl"
+    except CheckpointError:  # (no format: _unknown_format says so)
+        fdl = False
+    # (an .fdl destination gets its .names.json beside it; each is written through a temp)
+    names = [path.name, names_sidecar_path(path).name] if fdl else [path.name]
+    longest = max(len(os.fsencode(n)) for n in names) + len(LONGEST_TEMP_SUFFIX)
+    limit = path_limit(path.parent, "PC_NAME_MAX", 255)
+    if longest > limit:
+        fits = len(os.fsencode(path.name)) - (longest - limit)
+        return (f"{shortened(dst)}: the file name is {len(os.fsencode(path.name))} bytes and "
+                f"the files written for it take up to {longest} (their temp files add "
+                f"{len(LONGEST_TEMP_SUFFIX)}), over this file system's limit of {limit}; "
+                f"name it with at most {max(fits, 1)} bytes")
     if path.is_dir():
         return (f"{dst} is a folder; name the file to write in it, e.g. "
                 f"{path / 'model.pt'}")
