@@ -485,6 +485,18 @@ def test_demo_run_dir_whose_checkpoint_paths_pass_path_max_is_a_usage_error(tmp_
     assert r.stdout == "" and list(tmp_path.iterdir()) == []
 
 
+def test_demo_run_dir_with_an_unexpanded_tilde_is_a_usage_error(tmp_path):
+    """A checkpoint probe's --run-dir=~/tx (no shell expands ~ after =) trained into a
+    folder named ~ and printed its checkpoint as ~/tx/..., the home folder to a shell."""
+    r = _flodl(["demo", "--run-dir=~/tx", "--no-progress"], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.endswith(
+        "python -m flodl_shm demo: error: --run-dir ~/tx: ~ was not expanded (a shell expands "
+        "it at the start of a word only, not after --run-dir=): write --run-dir ~/tx, or "
+        f"{os.path.expanduser('~/tx')}\n"), r.stderr
+    assert r.stdout == "" and list(tmp_path.iterdir()) == []
+
+
 def test_demo_without_scikit_learn_is_one_line(tmp_path):
     """A scikit-learn that cannot be imported (a stub package raising as a missing one
     does) is the one line that says how to install it, not its chained traceback."""

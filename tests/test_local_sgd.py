@@ -925,6 +925,34 @@ def test_a_stem_whose_checkpoint_names_pass_the_file_system_limits_is_refused_up
                               torch.nn.functional.mse_loss, save_path=stem)
 
 
+def test_a_stem_under_an_unexpanded_tilde_or_given_as_bytes_is_refused_naming_it(
+        tmp_path, monkeypatch):
+    """A checkpoint probe: save('~/tx/ckpt'), Trainer(save_path='~/tx/ckpt') and the demo's
+    --run-dir=~/tx made a folder named ~ in the current one (the demo then printed its
+    checkpoint as ~/tx/..., which a shell reads as the home folder); bytes paths raised
+    pathlib's TypeError, which names no path."""
+    monkeypatch.chdir(tmp_path)
+    with FakeCohort(1) as cohort:
+        sgd = LocalSGD(make_model(0), sync_every=1, comm=cohort.comm(0))
+        sgd.sync()
+        with pytest.raises(ValueError, match=r"'~/tx/ckpt' starts with ~, which is not "
+                                             r"expanded here .* pass os.path.expanduser\("
+                                             r"'~/tx/ckpt'\) for your home folder, or "
+                                             r"'./~/tx/ckpt' for a folder named ~"):
+            sgd.save("~/tx/ckpt")
+        for call in (sgd.save, sgd.load):
+            with pytest.raises(TypeError, match=r"checkpoint path b'tx/ckpt' is bytes: pass a "
+                                                r"str or a pathlib.Path"):
+                call(b"tx/ckpt")
+        assert list(tmp_path.iterdir()) == []
+        sgd.save("./~/tx/ckpt")  # (a folder named ~, meant so: said so)
+        assert (tmp_path / "~" / "tx" / "ckpt-r00000001.fdl").is_file()
+    for stem, error in (("~/tx/ckpt", ValueError), (b"tx/ckpt", TypeError)):
+        with pytest.raises(error, match=r"starts with ~|is bytes"):
+            flodl_shm.Trainer(make_model, torch.optim.SGD, (torch.zeros(4, 6), torch.zeros(4)),
+                              torch.nn.functional.mse_loss, save_path=stem)
+
+
 class _WithRunningMean(torch.nn.Module):
     """A float buffer registered with persistent=False (averaged, but not in the model's
     state_dict) and an integer one, both changed by every forward."""

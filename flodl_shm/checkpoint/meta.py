@@ -61,6 +61,16 @@ _U64_MAX = (1 << 64) - 1
 # --- path helpers ---------------------------------------------------------------
 
 
+def checkpoint_path(path: "str | os.PathLike[str]") -> Path:
+    """``path`` as a ``Path``; ``TypeError`` naming it for bytes (which ``pathlib``
+    refuses without saying which path)."""
+    raw = os.fspath(path)
+    if isinstance(raw, bytes):
+        raise TypeError(f"checkpoint path {raw!r} is bytes: pass a str or a pathlib.Path "
+                        f"(os.fsdecode() turns bytes into a str)")
+    return Path(raw)
+
+
 def set_extension(path: "str | os.PathLike[str]", ext: str) -> Path:
     """Rust ``PathBuf::set_extension``: drop one existing extension, append ``.ext``.
 
@@ -72,8 +82,8 @@ def set_extension(path: "str | os.PathLike[str]", ext: str) -> Path:
     ends with a separator (``"runs/job/"`` names a directory: the files would land
     beside it as ``runs/job.fdl``).
     """
+    p = checkpoint_path(path)
     raw = os.fspath(path)
-    p = Path(raw)
     name = p.name
     if not name or name in (".", ".."):
         raise ValueError(

@@ -26,7 +26,7 @@ from typing import Optional
 
 from ._atomic import LONGEST_TEMP_SUFFIX, TMP_SUFFIX, path_limit, remove_stale_temps
 from .forge import outer_sidecar_path
-from .meta import CheckpointBundle, names_sidecar_path, set_extension
+from .meta import CheckpointBundle, checkpoint_path, names_sidecar_path, set_extension
 
 logger = logging.getLogger("flodl_shm")
 
@@ -72,13 +72,27 @@ def refuse_folder_stem(save_path: "str | os.PathLike[str]") -> None:
 _LONGEST_NAME = "{}-r99999999.rank99999.optim" + LONGEST_TEMP_SUFFIX
 
 
+def names_a_home(path: "str | os.PathLike[str]") -> bool:
+    """Whether ``path`` starts with ``~`` or ``~user`` as a shell would expand it (Python
+    does not: ``open`` and ``mkdir`` take it as a folder named so)."""
+    first = os.fspath(path).split(os.sep, 1)[0]
+    return first.startswith("~") and os.path.expanduser(first) != first
+
+
 def check_series_stem(save_path: "str | os.PathLike[str]") -> None:
     """``ValueError``, before anything is written, when the series at ``save_path``
-    could not be written: a folder (``refuse_folder_stem``), or a stem whose files' names
+    could not be written where meant: a folder (``refuse_folder_stem``), a stem that
+    starts with ``~`` (not expanded: a folder named ``~``), or a stem whose files' names
     would pass the file system's limits (its longest, a rank's optimizer state as it is
     written, adds 47 bytes to the stem's name). A run would otherwise train until its
     first checkpoint and fail there."""
     base = series_base(save_path)
+    if names_a_home(save_path):  # (Python does not expand it: a folder named ~ would appear)
+        raise ValueError(
+            f"checkpoint stem {os.fspath(save_path)!r} starts with ~, which is not expanded "
+            f"here (a folder named ~ would be made in the current one): pass "
+            f"os.path.expanduser({os.fspath(save_path)!r}) for your home folder, or "
+            f"{os.path.join('.', os.fspath(save_path))!r} for a folder named ~")
     longest = base.with_name(_LONGEST_NAME.format(base.name))
     name_max = path_limit(base.parent, "PC_NAME_MAX", 255)
     extra = len(os.fsencode(longest.name)) - len(os.fsencode(base.name))
@@ -182,7 +196,7 @@ def resolve_checkpoint(path: "str | os.PathLike[str]") -> Path:
         FileNotFoundError: no complete checkpoint is there; a bundle file or a folder
             that does not exist is named as such.
     """
-    p = Path(os.fspath(path))
+    p = checkpoint_path(path)
     if not p.is_dir() and not p.parent.is_dir():
         raise FileNotFoundError(f"cannot resume from {p}: the folder {p.parent} does not "
                                 f"exist; pass the save_path of the run (a stem such as "

@@ -516,6 +516,7 @@ def _check(cfg: DemoConfig) -> list[str]:
             out.append(f"--{name.replace('_', '-')} must be >= 0 (0: {zero}), got "
                        f"{getattr(cfg, name)}")
     from flodl_shm.checkpoint.run_lock import file_in_the_way
+    from flodl_shm.checkpoint.series import check_series_stem, names_a_home
 
     try:  # (the run lock would refuse it too, past the banner)
         bad_dir = file_in_the_way(cfg.run_dir)
@@ -527,8 +528,11 @@ def _check(cfg: DemoConfig) -> list[str]:
                        if bad_dir == Path(cfg.run_dir)
                        else f"--run-dir {cfg.run_dir}: {bad_dir} is a file, not a folder")
             out[-1] += "; pass a folder (one that does not exist yet is created)"
+        elif names_a_home(cfg.run_dir):  # (--run-dir=~/x: no shell expands it there)
+            out.append(f"--run-dir {cfg.run_dir}: ~ was not expanded (a shell expands it at the "
+                       f"start of a word only, not after --run-dir=): write --run-dir "
+                       f"{cfg.run_dir}, or {os.path.expanduser(cfg.run_dir)}")
         else:
-            from flodl_shm.checkpoint.series import check_series_stem
 
             try:  # (its checkpoints' names must fit the file system: refused before training)
                 check_series_stem(cfg.save_path)

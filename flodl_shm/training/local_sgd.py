@@ -81,7 +81,7 @@ from ..checkpoint._atomic import atomic_write
 from ..engine.comm import Comm
 from ..errors import SchemaMismatchError, SeriesInUse, ShmSpaceError, check_flag, plural
 from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, ElCheState, ModelSchema,
-                               SaveReason, averaged_buffers)
+                               SaveReason, averaged_buffers, checkpoint_path)
 from ..frame import DTYPE_F32, tensors_to_round_frame
 from .agreement import (check_controller_steps_none, check_same_model, check_same_settings,
                         check_same_start, outer_settings)
@@ -1400,7 +1400,7 @@ def _resolve_bundle(path: "str | os.PathLike[str]") -> Path:
     ``.fdl`` or ``.meta.json``: a Trainer's bundle, or an earlier release's save)."""
     from ..checkpoint.series import latest_checkpoint, resolve_checkpoint
 
-    p = Path(os.fspath(path))
+    p = checkpoint_path(path)
     if (not p.name.endswith((".fdl", ".meta.json")) and latest_checkpoint(p) is None
             and CheckpointBundle.meta_path(p).exists()):
         return CheckpointBundle.model_path(p)
