@@ -76,24 +76,38 @@ def _children_follow_this_rank() -> None:
     children of the main thread: the signal follows the *thread* that forked, and a
     child of a short-lived worker thread would die with that thread."""
     main = threading.main_thread()
-    forking = {"from_main": False}  # set before each fork, read in the child's copy
+    # set before each fork, read in the child's copy: whether the main thread forks, and
+    # the forking thread's signal mask before SIGTERM was blocked for the fork
+    forking: dict = {"from_main": False, "mask": None}
 
     def before() -> None:
         forking["from_main"] = threading.current_thread() is main
+        forking["mask"] = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def in_parent() -> None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, forking["mask"])
 
     def in_child() -> None:
+        try:
+            if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+                # a forked child (a Pool's or DataLoader's worker) ends on SIGTERM as any
+                # process does: the rank's handler raised _Terminated inside it, and a
+                # Pool's terminate() then hung on a worker holding its queue's lock
+                try:
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                except ValueError:  # (not the child's main thread: keep the rank's)
+                    pass
+        finally:
+            # SIGTERM stayed blocked from before the fork to here: one sent to the child in
+            # between (a Pool terminated while its worker still starts) is delivered now,
+            # to the default action. Unblocked, the rank's handler would have caught it
+            # in the child, and the reset above dropped it: the worker lived on, and the
+            # Pool's terminate() waited for it for good
+            signal.pthread_sigmask(signal.SIG_SETMASK, forking["mask"])
         if forking["from_main"]:
             _set_pdeathsig()
-        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
-            # a forked child (a Pool's or DataLoader's worker) ends on SIGTERM as any
-            # process does: the rank's handler raised _Terminated inside it, and a Pool's
-            # terminate() then hung on a worker holding its queue's lock
-            try:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            except ValueError:  # (not the child's main thread: keep the rank's)
-                pass
 
-    os.register_at_fork(before=before, after_in_child=in_child)
+    os.register_at_fork(before=before, after_in_parent=in_parent, after_in_child=in_child)
 
 
 def _leave_forked_child(e: BaseException | None) -> NoReturn:
