@@ -550,6 +550,87 @@ def test_a_spawn_nobody_joined_is_joined_at_exit_and_leaves_no_segment(tmp_path,
         assert "a spawn(join=False) nobody joined failed: rank 1 " in done.stderr, done.stderr
 
 
+_RAISED_INTO_THE_WAIT = """
+import os, signal, sys, time
+import flodl_shm
+
+
+def stuck(ctx, launcher):
+    r, w = os.pipe()
+    if ctx.rank == 1:
+        os.kill(launcher, signal.SIGALRM)  # (its alarm rings once a rank is in here)
+    os.read(r, 1)  # a hang in the rank's own code: waits for good
+
+
+class TimedOut(Exception):
+    pass
+
+
+def alarm(signum, frame):
+    raise TimedOut("the program's own alarm")
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGALRM, alarm)
+    t = time.monotonic()
+    try:
+        flodl_shm.spawn(stuck, 2, args=(os.getpid(),), start_method=sys.argv[1])
+    except TimedOut:
+        print(os.getpid(), round(time.monotonic() - t, 1), flush=True)
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_an_exception_raised_into_the_wait_stops_the_ranks_first(tmp_path, method):
+    """A suite run's test timed out (pytest-timeout's signal method raises in the wait of
+    spawn): the exception left spawn with the ranks running, and the program's exit then
+    waited for them for good (the suite never ended). They are stopped and reaped before
+    it propagates now, as on any failure."""
+    script = tmp_path / "launcher.py"
+    script.write_text(_RAISED_INTO_THE_WAIT)
+    done = subprocess.run([sys.executable, str(script), method], text=True,
+                          capture_output=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    pid, took = done.stdout.split()
+    assert float(took) < 30.0, done.stdout  # (the abort grace, then their SIGTERM)
+    assert not [g.name for g in list_segments() if g.owner_pid == int(pid)]
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+def pools_again_and_again(ctx, pools: int):
+    """Fork-context Pools made and left (``__exit__`` SIGTERMs the workers) in a loop."""
+    import multiprocessing
+
+    for _ in range(pools):
+        with multiprocessing.get_context("fork").Pool(2) as pool:
+            assert pool.map(abs, [-1, -2, -3]) == [1, 2, 3]
+    return ctx.rank
+
+
+_POOLS_LAUNCHER = """
+import sys
+import flodl_shm
+from test_spawn import pools_again_and_again
+
+if __name__ == "__main__":
+    print(flodl_shm.spawn(pools_again_and_again, 2, args=(30,)), flush=True)
+"""
+
+
+def test_a_pool_left_while_its_worker_still_starts_ends(tmp_path):
+    """A suite run hung in a rank's Pool.__exit__ (about one Pool in 25): the map ended
+    before the second worker was through its fork, whose SIGTERM from terminate() came
+    while the worker still had the rank's handler, which the fork then reset to the
+    default action: the signal was dropped, and terminate() waited for that worker for
+    good. SIGTERM stays blocked across the fork now, and comes after the reset."""
+    done = subprocess.run([sys.executable, "-c", _POOLS_LAUNCHER], text=True,
+                          capture_output=True, timeout=120, cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                              [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[0, 1]", done.stdout + done.stderr
+
+
 def test_ranks_return_tensors_by_value():
     """Results travel pickled by value: a tensor outlives the rank that made it (torch's
     multiprocessing reductions would ship a shared-memory handle that dies with it)."""

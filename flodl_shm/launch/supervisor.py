@@ -254,9 +254,17 @@ class SpawnContext:
         Returns ``None`` if ``timeout`` expired first. Raises ``RankFailed`` when
         more than ``max_failures`` ranks failed."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._done.wait(0.1):
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
+        try:
+            while not self._done.wait(0.1):
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+        except BaseException:
+            # raised into the wait by a signal handler of the program's (an alarm, a test's
+            # timeout): the ranks are stopped and reaped before it propagates, as on any
+            # failure. They ran on, and the program's exit then waited for them for good
+            self.terminate(A.ABORT_INTERRUPT, "its launcher raised while waiting for it")
+            self._done.wait(ABORT_GRACE_S + TERM_GRACE_S + 30.0)
+            raise
         self._monitor.join()
         with _UNJOINED_LOCK:
             _UNJOINED.discard(self)  # joined: the exit has nothing left to wait for
