@@ -76,16 +76,17 @@ def _children_follow_this_rank() -> None:
     children of the main thread: the signal follows the *thread* that forked, and a
     child of a short-lived worker thread would die with that thread."""
     main = threading.main_thread()
-    # set before each fork, read in the child's copy: whether the main thread forks, and
-    # the forking thread's signal mask before SIGTERM was blocked for the fork
-    forking: dict = {"from_main": False, "mask": None}
+    forking = {"from_main": False}  # set before each fork, read in the child's copy
+    # the forking thread's signal mask before SIGTERM was blocked for its fork (per thread:
+    # two threads may fork at once, one inside a block that defers signals)
+    masks = threading.local()
 
     def before() -> None:
         forking["from_main"] = threading.current_thread() is main
-        forking["mask"] = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        masks.before_fork = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
     def in_parent() -> None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, forking["mask"])
+        signal.pthread_sigmask(signal.SIG_SETMASK, masks.before_fork)
 
     def in_child() -> None:
         try:
@@ -103,7 +104,7 @@ def _children_follow_this_rank() -> None:
             # to the default action. Unblocked, the rank's handler would have caught it
             # in the child, and the reset above dropped it: the worker lived on, and the
             # Pool's terminate() waited for it for good
-            signal.pthread_sigmask(signal.SIG_SETMASK, forking["mask"])
+            signal.pthread_sigmask(signal.SIG_SETMASK, masks.before_fork)
         if forking["from_main"]:
             _set_pdeathsig()
 
