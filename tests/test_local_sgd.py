@@ -2,6 +2,7 @@
 computed here, replicas identical after a sync, outer optimizers, ElChe, errors."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -690,9 +691,7 @@ def test_a_consensus_of_another_model_with_the_same_shapes_is_refused(tmp_path):
     names it is refused, naming the first tensors that differ."""
     from flodl_shm.checkpoint.series import latest_checkpoint
 
-    with FakeCohort(1) as cohort:
-        sgd = LocalSGD(make_model(0), sync_every=1, comm=cohort.comm(0))
-        sgd.sync()
+    with _synced_one_rank() as sgd:
         bundle = sgd.save(tmp_path / "ck")
     rank_state_path(bundle, 0).unlink()  # the consensus only
     with FakeCohort(1) as cohort:
@@ -878,14 +877,21 @@ def test_an_optimizer_or_a_model_that_cannot_train_is_refused_at_construction():
         assert LocalSGD(model, sync_every=2, comm=comm, optimizer=part).optimizer is part
 
 
+@contextlib.contextmanager
+def _synced_one_rank():
+    """A one-rank LocalSGD right after its first sync (where save() may be called)."""
+    with FakeCohort(1) as cohort:
+        sgd = LocalSGD(make_model(0), sync_every=1, comm=cohort.comm(0))
+        sgd.sync()
+        yield sgd
+
+
 def test_a_folder_given_as_the_stem_is_refused_before_anything_is_written(tmp_path):
     """sgd.save('checkpoints') with checkpoints/ a folder wrote checkpoints-r….fdl and a
     checkpoints.lock beside it."""
     folder = tmp_path / "checkpoints"
     folder.mkdir()
-    with FakeCohort(1) as cohort:
-        sgd = LocalSGD(make_model(0), sync_every=1, comm=cohort.comm(0))
-        sgd.sync()
+    with _synced_one_rank() as sgd:
         with pytest.raises(ValueError, match=r"checkpoints is a folder: .* pass a stem inside "
                                              r"it, e.g. .*checkpoints/ckpt"):
             sgd.save(folder)
@@ -906,9 +912,7 @@ def test_a_stem_whose_checkpoint_names_pass_the_file_system_limits_is_refused_up
     fits = tmp_path / ("x" * (limit - 47))  # (47: what the longest file adds to the stem)
     over = tmp_path / ("x" * (limit - 46))
     deep = tmp_path.joinpath(*["d" * 200] * 21, "ckpt")  # (over PATH_MAX, 4096 here)
-    with FakeCohort(1) as cohort:
-        sgd = LocalSGD(make_model(0), sync_every=1, comm=cohort.comm(0))
-        sgd.sync()
+    with _synced_one_rank() as sgd:
         with pytest.raises(ValueError, match=rf"is {limit - 46} bytes, and a checkpoint's "
                                              rf"files add up to 47 to it .* limit of {limit} "
                                              rf"bytes on a file name. Shorten the name to at "
@@ -932,9 +936,7 @@ def test_a_stem_under_an_unexpanded_tilde_or_given_as_bytes_is_refused_naming_it
     checkpoint as ~/tx/..., which a shell reads as the home folder); bytes paths raised
     pathlib's TypeError, which names no path."""
     monkeypatch.chdir(tmp_path)
-    with FakeCohort(1) as cohort:
-        sgd = LocalSGD(make_model(0), sync_every=1, comm=cohort.comm(0))
-        sgd.sync()
+    with _synced_one_rank() as sgd:
         with pytest.raises(ValueError, match=r"'~/tx/ckpt' starts with ~, which is not "
                                              r"expanded here .* pass os.path.expanduser\("
                                              r"'~/tx/ckpt'\) for your home folder, or "
