@@ -74,7 +74,11 @@ def _children_follow_this_rank() -> None:
     the parent gone) and printed tracebacks about its vanished pipes. A fork is not
     inherited by the kernel's parent-death signal, so each child sets its own. Only
     children of the main thread: the signal follows the *thread* that forked, and a
-    child of a short-lived worker thread would die with that thread."""
+    child of a short-lived worker thread would die with that thread.
+
+    And make every fork end on SIGTERM by its default action, as in a plain script (the
+    rank's handler is reset in the child), with SIGTERM blocked across the fork so that
+    one sent before the reset is not lost."""
     main = threading.main_thread()
     forking = {"from_main": False}  # set before each fork, read in the child's copy
     # the forking thread's signal mask before SIGTERM was blocked for its fork (per thread:

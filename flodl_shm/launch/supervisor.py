@@ -252,7 +252,8 @@ class SpawnContext:
         """Wait for every rank; results by local rank (``None`` for dead ranks).
 
         Returns ``None`` if ``timeout`` expired first. Raises ``RankFailed`` when
-        more than ``max_failures`` ranks failed."""
+        more than ``max_failures`` ranks failed. An exception raised into the wait (by a
+        signal handler of the program's) stops and reaps the ranks before it propagates."""
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while not self._done.wait(0.1):
