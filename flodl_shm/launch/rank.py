@@ -13,6 +13,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing import context as mp_context
@@ -90,7 +91,20 @@ def _children_follow_this_rank() -> None:
         masks.before_fork = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
     def in_parent() -> None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, masks.before_fork)
+        if signal.SIGTERM not in signal.sigpending():
+            signal.pthread_sigmask(signal.SIG_SETMASK, masks.before_fork)
+            return
+        # a stop SIGTERM came during the fork: unblocked here, the rank's handler would
+        # raise inside the fork's hook, whose exceptions Python prints and drops (the rank
+        # then ran on until its SIGKILL). Taken here and sent again a moment later, it
+        # raises in the rank's own code
+        handler = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, masks.before_fork)
+        finally:
+            signal.signal(signal.SIGTERM, handler)
+        threading.Thread(target=_send_sigterm_soon, name="flodl-shm-sigterm",
+                         daemon=True).start()
 
     def in_child() -> None:
         try:
@@ -113,6 +127,12 @@ def _children_follow_this_rank() -> None:
             _set_pdeathsig()
 
     os.register_at_fork(before=before, after_in_parent=in_parent, after_in_child=in_child)
+
+
+def _send_sigterm_soon(delay_s: float = 0.05) -> None:
+    """Send this process SIGTERM after ``delay_s`` (from a thread of its own)."""
+    time.sleep(delay_s)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _leave_forked_child(e: BaseException | None) -> NoReturn:
