@@ -631,6 +631,24 @@ def test_a_pool_left_while_its_worker_still_starts_ends(tmp_path):
     assert done.stdout.strip() == "[0, 1]", done.stdout + done.stderr
 
 
+def forks_a_grandchild(ctx):
+    """A child of the rank that forks a child of its own, which exits 7."""
+    pid = os.fork()
+    if pid == 0:
+        grandchild = os.fork()
+        if grandchild == 0:
+            os._exit(7)
+        os._exit(os.waitstatus_to_exitcode(os.waitpid(grandchild, 0)[1]))
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_a_fork_of_a_rank_s_fork_is_its_child_not_an_orphan():
+    """A rank's fork whose parent died before its parent-death signal was set exits at
+    once (it would be an orphan for good); a fork of that fork checks its own parent, not
+    the rank, and runs as any child does."""
+    assert spawn(forks_a_grandchild, 2, timeout=60) == [7, 7]
+
+
 def test_ranks_return_tensors_by_value():
     """Results travel pickled by value: a tensor outlives the rank that made it (torch's
     multiprocessing reductions would ship a shared-memory handle that dies with it)."""

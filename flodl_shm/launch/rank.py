@@ -81,18 +81,19 @@ def _children_follow_this_rank() -> None:
     rank's handler is reset in the child), with SIGTERM blocked across the fork so that
     one sent before the reset is not lost."""
     main = threading.main_thread()
-    forking = {"from_main": False}  # set before each fork, read in the child's copy
-    # the forking thread's signal mask before SIGTERM was blocked for its fork (per thread:
-    # two threads may fork at once, one inside a block that defers signals)
-    masks = threading.local()
+    # per forking thread (two may fork at once), read again in the child's copy: whether
+    # it is the main thread, the forking process, and the thread's signal mask before
+    # SIGTERM was blocked for the fork
+    fork = threading.local()
 
     def before() -> None:
-        forking["from_main"] = threading.current_thread() is main
-        masks.before_fork = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        fork.from_main = threading.current_thread() is main
+        fork.parent = os.getpid()
+        fork.mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
     def in_parent() -> None:
-        if signal.SIGTERM not in signal.sigpending():
-            signal.pthread_sigmask(signal.SIG_SETMASK, masks.before_fork)
+        if not fork.from_main or signal.SIGTERM not in signal.sigpending():
+            signal.pthread_sigmask(signal.SIG_SETMASK, fork.mask)
             return
         # a stop SIGTERM came during the fork: unblocked here, the rank's handler would
         # raise inside the fork's hook, whose exceptions Python prints and drops (the rank
@@ -100,7 +101,7 @@ def _children_follow_this_rank() -> None:
         # raises in the rank's own code
         handler = signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
-            signal.pthread_sigmask(signal.SIG_SETMASK, masks.before_fork)
+            signal.pthread_sigmask(signal.SIG_SETMASK, fork.mask)
         finally:
             signal.signal(signal.SIGTERM, handler)
         threading.Thread(target=_send_sigterm_soon, name="flodl-shm-sigterm",
@@ -122,9 +123,11 @@ def _children_follow_this_rank() -> None:
             # to the default action. Unblocked, the rank's handler would have caught it
             # in the child, and the reset above dropped it: the worker lived on, and the
             # Pool's terminate() waited for it for good
-            signal.pthread_sigmask(signal.SIG_SETMASK, masks.before_fork)
-        if forking["from_main"]:
+            signal.pthread_sigmask(signal.SIG_SETMASK, fork.mask)
+        if fork.from_main:
             _set_pdeathsig()
+            if os.getppid() != fork.parent:
+                os._exit(1)  # the parent died before the signal was set: it never comes
 
     os.register_at_fork(before=before, after_in_parent=in_parent, after_in_child=in_child)
 
