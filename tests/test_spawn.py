@@ -597,6 +597,131 @@ def test_an_exception_raised_into_the_wait_stops_the_ranks_first(tmp_path, metho
     assert "Traceback" not in done.stderr, done.stderr
 
 
+_RAISED_IN_THE_LAUNCHER = """
+import os, signal, sys, threading, time
+import psutil
+import flodl_shm
+from flodl_shm.engine.segment import list_segments
+
+
+def ours():
+    return [g.name for g in list_segments() if g.owner_pid == os.getpid()]
+
+
+def left():
+    \"\"\"What of the run is left: live descendants (but multiprocessing's resource
+    tracker), and segments.\"\"\"
+    kids = [k for k in psutil.Process().children(recursive=True)
+            if k.status() != psutil.STATUS_ZOMBIE
+            and not any("resource_tracker" in part for part in k.cmdline())]
+    return [k.pid for k in kids], ours()
+
+
+def stuck(ctx, launcher, signum, joining):
+    if signum and ctx.rank == 1:
+        while joining and not os.path.exists(joining):
+            time.sleep(0.01)  # (the launcher is in join() once it made the file)
+        time.sleep(0.2)
+        os.kill(launcher, signum)
+    os.read(os.pipe()[0], 1)  # a hang in the rank's own code: waits for good
+
+
+class TimedOut(Exception):
+    pass
+
+
+def alarm(signum, frame):
+    if mode == "twice" and not signal.getitimer(signal.ITIMER_REAL)[0]:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)  # again, while the first one is handled
+        signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimedOut("again")))
+    raise TimedOut("the program's own alarm")
+
+
+def alarm_once_the_ranks_start():
+    while not (ours() and left()[0]):  # the arena made, a rank (or the rank server) started
+        time.sleep(0.001)
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGALRM)
+
+
+if __name__ == "__main__":
+    method, mode = sys.argv[1:3]
+    signal.signal(signal.SIGALRM, alarm)
+    me, joining = os.getpid(), os.path.abspath("joining")
+    signum = {"start-up": 0, "sigterm": signal.SIGTERM}.get(mode, signal.SIGALRM)
+    print(me, flush=True)
+    try:
+        if mode == "start-up":
+            threading.Thread(target=alarm_once_the_ranks_start, daemon=True).start()
+        if mode in ("join", "sigterm"):
+            ctx = flodl_shm.spawn(stuck, 2, args=(me, signum, joining), start_method=method,
+                                  join=False)
+            open(joining, "w").close()
+            ctx.join()
+        else:
+            flodl_shm.spawn(stuck, 2, args=(me, signum, None), start_method=method)
+    except TimedOut as e:
+        print(e, left(), flush=True)
+        if mode == "join":
+            try:
+                ctx.join()
+            except KeyboardInterrupt as again:
+                print(again, flush=True)
+"""
+
+
+def _raise_in_the_launcher(tmp_path, method: str, mode: str) -> tuple[int, list[str], str]:
+    """Run the launcher script: its pid, the lines it printed after it, its stderr."""
+    script = tmp_path / "launcher.py"
+    script.write_text(_RAISED_IN_THE_LAUNCHER)
+    done = subprocess.run([sys.executable, str(script), method, mode], text=True,
+                          capture_output=True, timeout=90, cwd=tmp_path)
+    pid, *lines = done.stdout.splitlines()
+    assert done.returncode == (-signal.SIGTERM if mode == "sigterm" else 0), \
+        done.stdout + done.stderr
+    assert not [g.name for g in list_segments() if g.owner_pid == int(pid)], done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    return int(pid), lines, done.stderr
+
+
+def test_an_exception_raised_into_the_start_up_leaves_nothing(tmp_path):
+    """A probe's alarm rang while spawn started the ranks: the exception left spawn with
+    the arena's segments in /dev/shm (until some later spawn reaped them). The ranks
+    started so far are stopped and the arena unlinked before it propagates now. (The
+    rank server, a fresh interpreter beside the script's thread, holds the start-up
+    for a second: the alarm lands there.)"""
+    _, lines, err = _raise_in_the_launcher(tmp_path, "forkserver", "start-up")
+    assert lines == ["the program's own alarm ([], [])"], err
+
+
+def test_a_second_exception_while_the_first_stops_the_ranks_kills_them(tmp_path):
+    """A second alarm (or Ctrl-C) while the first one's exception waited for the ranks to
+    stop left spawn at once, with the ranks alive and the segments in /dev/shm. It kills
+    them now; the first exception is the one that propagates, once they are gone."""
+    _, lines, err = _raise_in_the_launcher(tmp_path, "forkserver", "twice")
+    assert lines == ["the program's own alarm ([], [])"], err
+
+
+def test_an_unjoined_context_stopped_by_an_exception_counts_as_joined(tmp_path):
+    """After an alarm raised into ``ctx.join()`` of a ``spawn(join=False)``, the exit still
+    warned that the program ended with it not joined, and a second ``join()`` said only
+    'interrupted'. The ranks are gone, the exit says nothing; ``join()`` says why."""
+    _, lines, err = _raise_in_the_launcher(tmp_path, "forkserver", "join")
+    assert lines == [
+        "the program's own alarm ([], [])",
+        "flodl_shm.spawn: stopped by an exception raised into its wait; every rank was "
+        "stopped"], err
+    assert "not joined" not in err, err
+
+
+def test_sigterm_while_joining_an_unjoined_context_stops_its_ranks_first(tmp_path):
+    """SIGTERM to a launcher in ``ctx.join()`` of a ``spawn(join=False)`` killed it by
+    its default action: the ranks died of their parent's death, the segments stayed in
+    /dev/shm. ``join()`` takes the stop signals as ``spawn(join=True)`` does: the ranks
+    are stopped, the segments unlinked, then the process dies of the signal."""
+    _, lines, err = _raise_in_the_launcher(tmp_path, "forkserver", "sigterm")
+    assert lines == [], err
+
+
 def pools_again_and_again(ctx, pools: int):
     """Fork-context Pools made and left (``__exit__`` SIGTERMs the workers) in a loop."""
     import multiprocessing
@@ -605,6 +730,57 @@ def pools_again_and_again(ctx, pools: int):
         with multiprocessing.get_context("fork").Pool(2) as pool:
             assert pool.map(abs, [-1, -2, -3]) == [1, 2, 3]
     return ctx.rank
+
+
+_SLOW_TO_UNPICKLE = """
+import os, time
+
+if os.environ.get("RANK"):  # a rank unpickling its function: held here, its finalizers busy
+    class Busy:
+        def __del__(self):
+            time.sleep(0.01)
+
+    open(os.environ["STARTING_FILE"] + os.environ["RANK"], "w").close()
+    while True:
+        Busy()
+
+
+def fn(ctx):
+    return ctx.rank
+"""
+
+_STOPPED_WHILE_STARTING = """
+import os, sys, time
+import flodl_shm
+
+if __name__ == "__main__":
+    import slow_to_unpickle  # (here: the ranks import it as they unpickle their function)
+
+    ctx = flodl_shm.spawn(slow_to_unpickle.fn, 2, start_method="spawn", join=False)
+    while not all(os.path.exists(os.environ["STARTING_FILE"] + r) for r in "01"):
+        time.sleep(0.01)
+    t = time.monotonic()
+    ctx.terminate()
+    try:
+        ctx.join()
+    except KeyboardInterrupt:
+        print(round(time.monotonic() - t, 1), flush=True)
+"""
+
+
+def test_a_rank_stopped_before_its_function_exits_at_once(tmp_path):
+    """A rank SIGTERMed by a stop before it entered its function (still importing what
+    it needs) raised the stop inside whatever ran: inside a finalizer, Python printed it
+    as 'Exception ignored ... _Terminated' and the rank ran on until its SIGKILL, 7 s
+    later (a suite run: a numba finalizer). Before its function it now exits at once."""
+    (tmp_path / "slow_to_unpickle.py").write_text(_SLOW_TO_UNPICKLE)
+    done = subprocess.run([sys.executable, "-c", _STOPPED_WHILE_STARTING], text=True,
+                          capture_output=True, timeout=90, cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=str(tmp_path),
+                                   STARTING_FILE=str(tmp_path / "starting")))
+    assert done.returncode == 0, done.stderr
+    assert "Exception ignored" not in done.stderr, done.stderr
+    assert float(done.stdout) < 2.0, done.stdout + done.stderr  # (its SIGKILL: 7 s)
 
 
 _POOLS_LAUNCHER = """

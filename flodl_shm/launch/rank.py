@@ -109,7 +109,7 @@ def _children_follow_this_rank() -> None:
 
     def in_child() -> None:
         try:
-            if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            if signal.getsignal(signal.SIGTERM) in (_on_sigterm, _on_sigterm_starting):
                 # a forked child (a Pool's or DataLoader's worker) ends on SIGTERM as any
                 # process does: the rank's handler raised _Terminated inside it, and a
                 # Pool's terminate() then hung on a worker holding its queue's lock
@@ -251,6 +251,13 @@ def _on_sigterm(signum, frame):
     raise _Terminated()
 
 
+def _on_sigterm_starting(signum, frame):
+    """SIGTERM before the rank entered fn: nothing to finish, so it exits at once (an
+    exception raised from here could land in a finalizer of an import, which prints it
+    as 'Exception ignored' and goes on until the supervisor's SIGKILL)."""
+    os._exit(143)
+
+
 def rank_logs_forwarded() -> bool:
     """True in a ``spawn`` rank, whose ``flodl_shm`` records already reach the
     launcher's handlers: adding a handler there would print each line twice."""
@@ -315,7 +322,7 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
     lib_logger.propagate = False  # the launcher's handlers print it, not the rank's root
     if lib_logger.level == logging.NOTSET or lib_logger.level > log_level:
         lib_logger.setLevel(log_level)
-    signal.signal(signal.SIGTERM, _on_sigterm)  # SIGTERM now ends fn cleanly (_Terminated)
+    signal.signal(signal.SIGTERM, _on_sigterm_starting)
     try:
         import torch
 
@@ -337,6 +344,7 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
         comm.set_pinned_decode(pinned_decode)
         fn, args = pickle.loads(payload)
         ctx = RankContext(global_rank, local_rank, world_size, handle.world, comm, save_path)
+        signal.signal(signal.SIGTERM, _on_sigterm)  # SIGTERM now ends fn cleanly (_Terminated)
         arena.mark_entered(local_rank)  # read by a stop's escalation, whatever is unread
         with send_lock:
             _send(conn, ("running",))  # start-up is over: stall clocks apply in full, and

@@ -178,6 +178,9 @@ class SpawnContext:
         self._first_death: RankFailed | None = None  # the first death the cohort survived
         self._cohort_dead: set[int] = set()  # global ranks the controller declared dead
         self._interrupted = False
+        self._stopped_why: str | None = None  # join's KeyboardInterrupt says, if not a signal
+        self._gated = False  # an _InterruptGate guards this context's wait now
+        self._monitor: threading.Thread | None = None  # the supervisor, once started
         self._started = threading.Event()
         self._done = threading.Event()
         self._start_error: BaseException | None = None
@@ -206,30 +209,45 @@ class SpawnContext:
         reap_dead_owner_segments()
         if self._process_cls is not _ServedRankProcess:
             _warm_kernels(nprocs)  # else the rank server loads them, in parallel with us
-        with _signals_deferred():  # an interrupt now finds the arena owned by a context
-            self.arena = A.Arena.create(nprocs, eager_bytes=eager_bytes,
-                                        first_rank=self.first_rank,
-                                        global_world=self.world_size,
-                                        relay=relay_factory is not None,
-                                        # a death in a direct round ends the cohort:
-                                        # only where no failure is to be survived
-                                        direct=(self.nprocs == 1 if self.survivors_save
-                                                else self.max_failures == 0))
-            try:
-                self._doorbell = Doorbell(self.arena.ctl)
-                self.tap = TapServer(self.arena)  # the consensus-checkpoint forge of this host
-            except BaseException:
-                self.arena.unlink()
-                self.arena.close()
-                raise
-            self._relay = None
-            self._relay_factory = relay_factory
-            if interrupts is not None:
-                interrupts.ctx = self
-        self._monitor = threading.Thread(target=self._monitor_main, name="flodl-shm-supervisor",
-                                         daemon=True)
-        self._monitor.start()
-        self._started.wait()
+        deferred = _signals_deferred()
+        try:
+            with deferred:  # an interrupt now finds the arena owned by a running context
+                self.arena = A.Arena.create(nprocs, eager_bytes=eager_bytes,
+                                            first_rank=self.first_rank,
+                                            global_world=self.world_size,
+                                            relay=relay_factory is not None,
+                                            # a death in a direct round ends the cohort:
+                                            # only where no failure is to be survived
+                                            direct=(self.nprocs == 1 if self.survivors_save
+                                                    else self.max_failures == 0))
+                self.tap = None
+                try:
+                    self._doorbell = Doorbell(self.arena.ctl)
+                    self.tap = TapServer(self.arena)  # the consensus-checkpoint forge
+                    self._relay = None
+                    self._relay_factory = relay_factory
+                    # started in here (it takes the launcher's own signal mask back), so
+                    # a signal raising in the launcher finds the supervisor running
+                    self._launcher_mask = deferred.old
+                    monitor = threading.Thread(target=self._monitor_main, daemon=True,
+                                               name="flodl-shm-supervisor")
+                    monitor.start()
+                except BaseException:
+                    if self.tap is not None:
+                        self.tap.close()
+                    self.arena.unlink()
+                    self.arena.close()
+                    raise
+                self._monitor = monitor
+                if interrupts is not None:
+                    interrupts.guard(self)
+            self._started.wait()
+        except BaseException:
+            if self._monitor is not None:
+                # raised into the start-up by a signal handler of the program's: the ranks
+                # started so far are stopped, the arena unlinked, before it propagates
+                self._stop_after_raise()
+            raise
         if self._start_error is not None:
             self._monitor.join()
             raise self._start_error
@@ -252,19 +270,23 @@ class SpawnContext:
         """Wait for every rank; results by local rank (``None`` for dead ranks).
 
         Returns ``None`` if ``timeout`` expired first. Raises ``RankFailed`` when
-        more than ``max_failures`` ranks failed. An exception raised into the wait (by a
-        signal handler of the program's) stops and reaps the ranks before it propagates."""
+        more than ``max_failures`` ranks failed. On the main thread SIGINT and the
+        terminating signals stop the ranks while it waits, as in ``spawn(join=True)``
+        (``KeyboardInterrupt``, then the signal again where it would have ended the
+        process). An exception raised into the wait (by a signal handler of the
+        program's) stops and reaps the ranks before it propagates."""
+        if self._gated or threading.current_thread() is not threading.main_thread():
+            return self._join(timeout)
+        return _InterruptGate().run(lambda gate: gate.guard(self)._join(timeout))
+
+    def _join(self, timeout: float | None) -> list[Any] | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while not self._done.wait(0.1):
                 if deadline is not None and time.monotonic() >= deadline:
                     return None
         except BaseException:
-            # raised into the wait by a signal handler of the program's (an alarm, a test's
-            # timeout): the ranks are stopped and reaped before it propagates, as on any
-            # failure. They ran on, and the program's exit then waited for them for good
-            self.terminate(A.ABORT_INTERRUPT, "its launcher raised while waiting for it")
-            self._done.wait(ABORT_GRACE_S + TERM_GRACE_S + 30.0)
+            self._stop_after_raise()
             raise
         self._monitor.join()
         with _UNJOINED_LOCK:
@@ -281,6 +303,28 @@ class SpawnContext:
         return [self._outcomes[r].value if self._outcomes[r].kind == "ok" else None
                 for r in range(self.nprocs)]
 
+    def _stop_after_raise(self) -> None:
+        """An exception was raised into a wait of the launcher's (start-up or ``join``)
+        by a signal handler of the program's (an alarm, a test's timeout): stop and reap
+        the ranks, and unlink the arena, before it propagates, as on any failure (they
+        ran on, and the program's exit then waited for them for good). Another exception
+        while this waits kills them at once (a second Ctrl-C) and is dropped: the first
+        is what propagates."""
+        if not self._interrupted and self._failure is None:
+            self._stopped_why = "stopped by an exception raised into its wait"
+        self.terminate(A.ABORT_INTERRUPT, "its launcher raised while waiting for it")
+        deadline = time.monotonic() + ABORT_GRACE_S + TERM_GRACE_S + 30.0
+        while time.monotonic() < deadline:
+            try:
+                if self._done.wait(max(0.0, deadline - time.monotonic())):
+                    break
+            except BaseException:
+                for p in list(self._procs):  # those started so far; the abort flag
+                    if p.is_alive():         # stops the start of any more
+                        p.kill()
+        with _UNJOINED_LOCK:
+            _UNJOINED.discard(self)  # stopped: the exit has nothing left to wait for
+
     def _run_error(self) -> BaseException | None:
         """What ``join`` raises for the finished run, or None when it succeeded."""
         relay_error = None if self._relay is None else self._relay.error
@@ -294,7 +338,8 @@ class SpawnContext:
         if self._failure is not None:
             return self._failure
         if self._interrupted:
-            return KeyboardInterrupt("flodl_shm.spawn: interrupted; every rank was stopped")
+            return KeyboardInterrupt(f"flodl_shm.spawn: {self._stopped_why or 'interrupted'}; "
+                                     f"every rank was stopped")
         return None
 
     def terminate(self, reason: int = A.ABORT_INTERRUPT, why: str | None = None) -> None:
@@ -319,7 +364,7 @@ class SpawnContext:
         # Ranks inherit the starting thread's signal mask: SIGINT stays blocked in them
         # until they ignore it (a Ctrl-C is the launcher's to handle). "spawn" ranks
         # are also covered by _RankPopen; this covers the other start methods.
-        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._launcher_mask | {signal.SIGINT})
         try:
             try:
                 threads = rank_threads(self.nprocs)
@@ -947,7 +992,7 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
         return _joined_at_exit(start())
     if threading.current_thread() is not threading.main_thread():
         return start().join()
-    return _InterruptGate().run(start)
+    return _InterruptGate().run(lambda gate: start(gate)._join(None))
 
 
 #: ``spawn(join=False)`` contexts not joined yet (``_join_the_unjoined`` at exit)
@@ -1048,11 +1093,21 @@ class _InterruptGate:
                else f"stopped by {signal.Signals(signum).name}")
         self.ctx.terminate(A.ABORT_INTERRUPT, f"its launcher was {how}")
 
-    def run(self, start: Callable[["_InterruptGate"], SpawnContext]) -> list[Any]:
+    def guard(self, ctx: SpawnContext) -> SpawnContext:
+        """From now on a signal stops ``ctx``'s cohort (its ``join`` then raises)."""
+        self.ctx = ctx
+        ctx._gated = True
+        return ctx
+
+    def run(self, wait: Callable[["_InterruptGate"], Any]) -> Any:
+        """``wait(self)`` with the stop signals taken; a signal that would have ended
+        the process is delivered again once it returns or raises."""
         old = self._replaced = take_stop_signals(self._handler)
         try:
-            return start(self).join()
+            return wait(self)
         finally:
+            if self.ctx is not None:
+                self.ctx._gated = False
             self.ctx = None  # the run is over (and a raised error's traceback holds self)
             for sig, handler in old.items():
                 signal.signal(sig, handler)
@@ -1062,12 +1117,21 @@ class _InterruptGate:
                     break
 
 
+#: the signals a program may raise from (SIGINT, the terminating ones, an alarm, ...):
+#: all but those a fault raises synchronously, which cannot wait
+_ASYNCHRONOUS = signal.valid_signals() - {
+    signal.SIGKILL, signal.SIGSTOP, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE,
+    signal.SIGILL, signal.SIGTRAP, signal.SIGSYS, signal.SIGABRT}
+
+
 class _signals_deferred:
-    """Block SIGINT and the terminating signals for this thread inside the block (they
-    are delivered, and their Python handlers run, right after it)."""
+    """Block the asynchronous signals for this thread inside the block (they are
+    delivered, and their Python handlers run, right after it): no handler's exception
+    lands half-way through it."""
 
     def __enter__(self) -> None:
-        self._old = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT, *_TERMINATING])
+        #: the thread's mask before the block
+        self.old = signal.pthread_sigmask(signal.SIG_BLOCK, _ASYNCHRONOUS)
 
     def __exit__(self, *exc) -> None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, self._old)
+        signal.pthread_sigmask(signal.SIG_SETMASK, self.old)
