@@ -852,15 +852,21 @@ def test_collectives_leave_the_callers_tensors_resizable(tmp_path):
      r"scale -1000\.\.\. \(401 digits\) is not a finite float32"),
     (lambda c: c.all_reduce_scaled([torch.ones(3)] * 2, "x"), TypeError,
      r"scale must be a number .*got str 'x'"),
+    (lambda c: c.all_reduce_weighted([torch.ones(3)] * 2, weight="32"), TypeError,
+     r"weight must be a number .*got str '32'"),
+    (lambda c: c.zero_copy_inputs([(3,)]) and c.all_reduce_zero_copy(weight=b"1"), TypeError,
+     r"weight must be a number .*got bytes b'1'"),
 ], ids=["shared-bare-tensor", "shared-list", "per-rank-None",
         "per-rank-scalar", "zc-negative", "zc-float", "zc-None", "bcast-None", "bcast_-int",
         "weight-None", "kind-99", "weight-huge-int", "weight-huge-negative-int",
-        "scale-huge-int-hot", "scale-huge-int", "scale-huge-negative-int", "scale-str"])
+        "scale-huge-int-hot", "scale-huge-int", "scale-huge-negative-int", "scale-str",
+        "weight-text", "zc-weight-bytes"])
 def test_an_api_probe_s_bad_inputs_are_named(call, error, said):
     """An API probe found these accepted with a wrong result (a generator placed nothing,
     a bare tensor became its rows, None gathered [nan], a shape of -1 an empty tensor,
     2.5 a tensor of 2) or refused from deep inside (len() of None, float() of None,
-    enum's own message, float()'s OverflowError for an int past a float's range)."""
+    enum's own message, float()'s OverflowError for an int past a float's range); text
+    that float() parses ("32", a weight read from a config file) was taken as a number."""
     with FakeCohort(1) as c:
         with pytest.raises(error, match=said):
             call(c.comm(0))

@@ -113,6 +113,8 @@ def test_a_repeated_one_tensor_call_keeps_every_check_of_the_first(tmp_path):
         got = [comm.all_reduce_([t], weight=2.0, scale=2.0), t[0].item()]
         # a bad weight or scale is named, before the round
         for kwargs, err, words in (({"weight": "x"}, TypeError, "weight must be a number"),
+                                   ({"weight": "2"}, TypeError, "got str '2'"),
+                                   ({"scale": b"2"}, TypeError, "got bytes b'2'"),
                                    ({"weight": 1e39}, FrameError, "outside the masses"),
                                    ({"scale": float("nan")}, FrameError, "not a finite float32")):
             with pytest.raises(err, match=words):

@@ -164,11 +164,21 @@ def _scale_error(scale: float) -> FrameError:
                       f"scale in range (a NaN one often comes from a 0/0 upstream)")
 
 
+def _as_number(value) -> float:
+    """``float(value)``, but text is no number here (``float("2")`` parses it: a weight
+    read from a config file unconverted); ``TypeError`` or ``ValueError`` for none,
+    ``OverflowError`` for an int beyond a float's range."""
+    if isinstance(value, (str, bytes, bytearray)):
+        raise TypeError("text is not a number")
+    return float(value)
+
+
 def _as_scale(scale) -> float:
     """``scale`` as a float the kernels can scale by; ``FrameError`` for one beyond
-    float32's range (an int beyond a float's too), ``TypeError`` for no number."""
+    float32's range (an int beyond a float's too), ``TypeError`` for no number (text
+    included)."""
     try:  # (free in CPython 3.11 until something raises)
-        value = float(scale)
+        value = _as_number(scale)
     except OverflowError:  # an int beyond a float's range
         raise _scale_error(shown_number(scale)) from None
     except (TypeError, ValueError):
@@ -680,7 +690,9 @@ class Comm:
                 # (``_single_round``, ``_begin``): they cost a fifth of a 4 KiB call
                 try:  # (free in CPython 3.11 until something raises)
                     w, s = float(weight), float(scale)
-                    hot = (MASS_MIN <= w <= MASS_MAX or w == 0.0) and -_F32_MAX <= s <= _F32_MAX
+                    # (compared as given: text, which float() parses, raises TypeError)
+                    hot = ((MASS_MIN <= weight <= MASS_MAX or weight == 0.0)
+                           and -_F32_MAX <= scale <= _F32_MAX)
                     addr = tensors[0].data_ptr()
                 except (TypeError, ValueError, OverflowError, RuntimeError):
                     hot = False  # the general path names what is wrong
@@ -1159,7 +1171,7 @@ class Comm:
         if self._broken is not None:
             raise RuntimeError(f"this Comm is unusable: {self._broken}")
         try:  # (free in CPython 3.11 until something raises)
-            weight = float(weight)
+            weight = _as_number(weight)
         except OverflowError:  # an int beyond a float's range
             raise mass_error(weight) from None
         except (TypeError, ValueError):
