@@ -233,6 +233,26 @@ def test_an_argument_that_cannot_reach_the_ranks_is_named():
     assert_no_leaks()
 
 
+@pytest.mark.parametrize("make, said", [
+    (lambda: flodl_shm.LoggingHook(every=0), r"LoggingHook every must be an int >= 1, got 0"),
+    (lambda: flodl_shm.LoggingHook(every="10"), r"LoggingHook every must be an int >= 1, got '10'"),
+    (lambda: flodl_shm.LoggingHook(level="INFO"), r"LoggingHook level must be an int >= 0"),
+    (lambda: flodl_shm.SimulatedSlowdown(rank="1"), r"SimulatedSlowdown rank must be an int"),
+    (lambda: flodl_shm.SimulatedSlowdown(rank=1, factor=0.5),
+     r"SimulatedSlowdown factor must be a finite number >= 1, got 0\.5"),
+    (lambda: flodl_shm.SimulatedSlowdown(rank=1, factor="4"), r"factor must be a finite number"),
+    (lambda: flodl_shm.SimulatedSlowdown(rank=1, batch_ms=-3.0),
+     r"SimulatedSlowdown batch_ms must be a finite number >= 0, got -3\.0"),
+], ids=["every-0", "every-text", "level-text", "rank-text", "factor-below-1", "factor-text",
+        "batch_ms-negative"])
+def test_the_library_s_hooks_refuse_bad_settings_when_made(make, said):
+    """A probe's hooks: every=0 or "10" and a factor of "4" raised at the first window or
+    batch, mid-run; a rank of "1" slowed nothing and a factor of 0.5 was taken as 1,
+    silently. Each is refused when the hook is made, naming the setting."""
+    with pytest.raises(ValueError, match=said):
+        make()
+
+
 class WindowCounter:
     """A duck-typed hook: only on_window_end, no Hook base (the docs: 'an object with any
     of these methods')."""

@@ -23,6 +23,8 @@ on exactly one live rank, for hooks that should log once per cohort.
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -30,6 +32,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..checkpoint.meta import SaveReason
+from ..errors import check_int
 
 logger = logging.getLogger("flodl_shm")
 
@@ -214,10 +217,15 @@ class LoggingHook(Hook):
     every: int = 1
     level: int = logging.INFO
 
+    def __post_init__(self) -> None:
+        # (checked here: the first window's line would raise, mid-run)
+        check_int("LoggingHook every", self.every, 1)
+        check_int("LoggingHook level", self.level, 0)
+
     def on_window_end(self, state: RankState, stats: WindowStats) -> None:
         if not state.is_reporting_rank:
             return
-        if stats.window % max(self.every, 1) and stats.checkpoint is None and stats.next_batches:
+        if stats.window % self.every and stats.checkpoint is None and stats.next_batches:
             return
         loss = "-" if stats.skipped else f"{stats.cohort_loss:.4f}"  # (a diverged one: nan)
         # "wait": the count gather's, on several hosts (one host has none: gather_ms 0.0)
@@ -255,10 +263,20 @@ class SimulatedSlowdown(Hook):
     factor: float = 2.0
     batch_ms: float = 0.0
 
+    def __post_init__(self) -> None:
+        # (checked here: a rank of the wrong kind slowed nothing, a factor of the wrong
+        # kind raised at the first batch, one below 1 was taken as 1)
+        check_int("SimulatedSlowdown rank", self.rank, 0)
+        for name, value, least in (("factor", self.factor, 1.0), ("batch_ms", self.batch_ms, 0.0)):
+            if not (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                    and math.isfinite(value) and value >= least):
+                raise ValueError(f"SimulatedSlowdown {name} must be a finite number >= "
+                                 f"{least:g}, got {value!r}")
+
     def on_batch_end(self, state: RankState, info: BatchInfo) -> None:
         length = max(info.compute_ms, self.batch_ms)
         if state.rank == self.rank:
-            length *= max(self.factor, 1.0)
+            length *= self.factor
         sleep_ms = length - info.compute_ms
         if sleep_ms > 0:
             time.sleep(sleep_ms / 1e3)
