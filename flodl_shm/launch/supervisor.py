@@ -277,7 +277,16 @@ class SpawnContext:
         program's) stops and reaps the ranks before it propagates."""
         if self._gated or threading.current_thread() is not threading.main_thread():
             return self._join(timeout)
-        return _InterruptGate().run(lambda gate: gate.guard(self)._join(timeout))
+
+        def gated(gate: _InterruptGate) -> list[Any] | None:
+            results = gate.guard(self)._join(timeout)
+            if results is None and gate.received:
+                # a stop signal came while it waited: the stop is seen through (the ranks
+                # reaped, the segments unlinked) before the signal is delivered again
+                results = self._join(None)
+            return results
+
+        return _InterruptGate().run(gated)
 
     def _join(self, timeout: float | None) -> list[Any] | None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -308,20 +317,26 @@ class SpawnContext:
         by a signal handler of the program's (an alarm, a test's timeout): stop and reap
         the ranks, and unlink the arena, before it propagates, as on any failure (they
         ran on, and the program's exit then waited for them for good). Another exception
-        while this waits kills them at once (a second Ctrl-C) and is dropped: the first
-        is what propagates."""
-        if not self._interrupted and self._failure is None:
-            self._stopped_why = "stopped by an exception raised into its wait"
-        self.terminate(A.ABORT_INTERRUPT, "its launcher raised while waiting for it")
+        while this runs (a repeating alarm, a second Ctrl-C) kills them at once and is
+        dropped: the first is what propagates, once they are gone."""
         deadline = time.monotonic() + ABORT_GRACE_S + TERM_GRACE_S + 30.0
-        while time.monotonic() < deadline:
+        stopping = killing = False
+        while True:
             try:
-                if self._done.wait(max(0.0, deadline - time.monotonic())):
+                if not stopping:
+                    if not self._interrupted and self._failure is None:
+                        self._stopped_why = "stopped by an exception raised into its wait"
+                    self.terminate(A.ABORT_INTERRUPT, "its launcher raised while waiting for it")
+                    stopping = True  # (once it returned: the abort flag is up)
+                if killing:
+                    for p in list(self._procs):  # those started so far; the abort flag
+                        if p.is_alive():         # stops the start of any more
+                            p.kill()
+                if self._done.wait(max(0.0, deadline - time.monotonic())) \
+                        or time.monotonic() >= deadline:
                     break
             except BaseException:
-                for p in list(self._procs):  # those started so far; the abort flag
-                    if p.is_alive():         # stops the start of any more
-                        p.kill()
+                killing = True
         with _UNJOINED_LOCK:
             _UNJOINED.discard(self)  # stopped: the exit has nothing left to wait for
 
@@ -364,7 +379,10 @@ class SpawnContext:
         # Ranks inherit the starting thread's signal mask: SIGINT stays blocked in them
         # until they ignore it (a Ctrl-C is the launcher's to handle). "spawn" ranks
         # are also covered by _RankPopen; this covers the other start methods.
-        signal.pthread_sigmask(signal.SIG_SETMASK, self._launcher_mask | {signal.SIGINT})
+        # SIGTERM unblocked, whatever the launcher's mask: a rank that inherited it
+        # blocked sat out its stop's SIGTERM while starting (its SIGKILL came 7 s later)
+        signal.pthread_sigmask(signal.SIG_SETMASK,
+                               (self._launcher_mask - {signal.SIGTERM}) | {signal.SIGINT})
         try:
             try:
                 threads = rank_threads(self.nprocs)
@@ -1112,8 +1130,12 @@ class _InterruptGate:
             for sig, handler in old.items():
                 signal.signal(sig, handler)
             for sig in _TERMINATING:
-                if sig in self.received and stops_the_process(old.get(sig, 0)):
-                    os.kill(os.getpid(), sig)  # re-deliver now that the ranks are gone
+                if sig in self.received:  # delivered again, now that the ranks are gone:
+                    handler = old.get(sig, signal.SIG_DFL)
+                    if stops_the_process(handler):
+                        os.kill(os.getpid(), sig)  # its default action, or a command's stop
+                    elif callable(handler):
+                        handler(sig, None)  # the program's own handler
                     break
 
 
