@@ -653,20 +653,21 @@ def alarm_once_the_ranks_start():
 
 def own_handler(signum, frame):
     print("own handler", left(), flush=True)
-    sys.exit(99)
+    if mode == "own-handler":
+        sys.exit(99)
 
 
 if __name__ == "__main__":
     method, mode = sys.argv[1:3]
     signal.signal(signal.SIGALRM, alarm)
     me, joining = os.getpid(), os.path.abspath("joining")
-    signum = (signal.SIGTERM if mode.startswith("sigterm") or mode == "own-handler"
+    signum = (signal.SIGTERM if mode.startswith(("sigterm", "own-handler"))
               else 0 if mode in ("start-up", "storm") else signal.SIGALRM)
     print(me, flush=True)
     try:
         if mode in ("start-up", "storm"):
             threading.Thread(target=alarm_once_the_ranks_start, daemon=True).start()
-        if mode == "own-handler":
+        if mode.startswith("own-handler"):
             signal.signal(signal.SIGTERM, own_handler)
         if mode in ("join", "sigterm", "sigterm-polling"):
             ctx = flodl_shm.spawn(stuck, 2, args=(me, signum, joining), start_method=method,
@@ -679,6 +680,8 @@ if __name__ == "__main__":
                 ctx.join()
         else:
             flodl_shm.spawn(stuck, 2, args=(me, signum, None), start_method=method)
+    except KeyboardInterrupt as e:
+        print(e, flush=True)  # (the program's own SIGTERM handler returned)
     except TimedOut as e:
         print(e, left(), flush=True)
         signal.setitimer(signal.ITIMER_REAL, 0)
@@ -761,6 +764,10 @@ def test_the_program_s_own_sigterm_handler_runs_once_the_ranks_are_gone(tmp_path
     never ran (spawn raised KeyboardInterrupt and the process died of SIGINT)."""
     _, lines, err = _raise_in_the_launcher(tmp_path, "forkserver", "own-handler")
     assert lines == ["own handler ([], [])"], err
+    # a handler that returns: spawn raises KeyboardInterrupt, saying what stopped it
+    _, lines, err = _raise_in_the_launcher(tmp_path, "forkserver", "own-handler-returns")
+    assert lines == ["own handler ([], [])",
+                     "flodl_shm.spawn: stopped by SIGTERM; every rank was stopped"], err
 
 
 def pools_again_and_again(ctx, pools: int):
@@ -810,6 +817,44 @@ def test_ranks_start_with_sigterm_unblocked_whatever_the_launcher_blocks(tmp_pat
                           timeout=90)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[False, False] True", done.stdout + done.stderr
+
+
+_TWO_SIGTERMS = """
+import os, signal, sys, time
+import flodl_shm
+
+
+def sleeps(ctx, ready):
+    open(f"{ready}{ctx.rank}", "w").close()
+    time.sleep(60)
+
+
+if __name__ == "__main__":
+    ctx = flodl_shm.spawn(sleeps, 2, args=(os.path.abspath("ready"),), join=False)
+    while not all(os.path.exists(f"ready{r}") for r in (0, 1)):
+        time.sleep(0.01)
+    rank0 = ctx.pids()[0]
+    os.kill(rank0, signal.SIGTERM)
+    time.sleep(0.001)
+    os.kill(rank0, signal.SIGTERM)  # (a process group's SIGTERM, passed on twice)
+    try:
+        ctx.join()
+    except flodl_shm.RankFailed as e:
+        print(str(e).splitlines()[0], flush=True)
+"""
+
+
+def test_a_second_sigterm_to_a_stopping_rank_prints_nothing(tmp_path):
+    """A probe's ranks got SIGTERM twice (``timeout`` passing a process group's on, and
+    the launcher's stop): the second raised in the rank's way out of its function,
+    printing its traceback, and the rank exited 1 instead of 143. It is ignored now."""
+    script = tmp_path / "launcher.py"
+    script.write_text(_TWO_SIGTERMS)
+    done = subprocess.run([sys.executable, str(script)], text=True, capture_output=True,
+                          timeout=90, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "rank 0 exited with code 143" in done.stdout, done.stdout
 
 
 _SLOW_TO_UNPICKLE = """

@@ -248,6 +248,9 @@ class _Terminated(BaseException):
 
 
 def _on_sigterm(signum, frame):
+    # a second one (a process group's SIGTERM passed on twice, by `timeout` and by the
+    # launcher) would raise again in the rank's way out, which printed its traceback
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise _Terminated()
 
 
@@ -383,6 +386,9 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
             except BaseException:  # noqa: BLE001 - a closed pipe, a late _Terminated
                 pass
     finally:
+        # fn is over: a stop's SIGTERM now would only raise in the way out (printing a
+        # traceback, exit code 1); the supervisor's SIGKILL still ends a slow one
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             conn.close()
         except Exception:

@@ -1109,6 +1109,8 @@ class _InterruptGate:
             raise KeyboardInterrupt
         how = ("interrupted (Ctrl-C)" if signum == signal.SIGINT
                else f"stopped by {signal.Signals(signum).name}")
+        if signum != signal.SIGINT and not self.ctx._interrupted:
+            self.ctx._stopped_why = how  # what join's KeyboardInterrupt says, if it is seen
         self.ctx.terminate(A.ABORT_INTERRUPT, f"its launcher was {how}")
 
     def guard(self, ctx: SpawnContext) -> SpawnContext:
