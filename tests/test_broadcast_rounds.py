@@ -153,6 +153,74 @@ def test_broadcasts_carry_nan_payloads_bit_for_bit(size, general, monkeypatch):
                     assert np.array_equal(b, ref)
 
 
+def _payload_of(root: int, rnd: int, n: int) -> torch.Tensor:
+    """A payload of its own for each root and round, with NaN payloads, -0.0 and infs."""
+    t = torch.arange(n, dtype=torch.float32) * (root + 1) + rnd * 0.25
+    t.view(torch.int32)[-4:] = torch.from_numpy(NAN_BITS.view(np.int32))
+    t[:3] = torch.tensor([-0.0, float("inf"), -float("inf")])
+    return t
+
+
+@pytest.mark.parametrize("n", [8191, 65_536 + 4099, 250_000], ids=["32K", "272K", "1M"])
+def test_large_one_tensor_broadcasts_bring_every_rank_its_root_s_bits(n):
+    """A one-tensor broadcast up to the eager slot's size is one compiled call per rank.
+    Round after round, the root taking turns (each slot holds an earlier round's payload
+    of another root when it is reused), in place and into fresh results, every rank
+    gets the root's bits."""
+    def body(comm):
+        same = []
+        for rnd in range(8):
+            root = rnd % comm.world_size
+            want = _bits(_payload_of(root, rnd, n))
+            mine = _payload_of(root, rnd, n) if comm.rank == root else torch.full((n,), -7.0)
+            comm.broadcast_([mine], root=root)
+            (fresh,) = comm.broadcast_from_root(
+                [_payload_of(root, rnd, n) if comm.rank == root else torch.zeros(n)], root=root)
+            same.append(np.array_equal(_bits(mine), want) and np.array_equal(_bits(fresh), want))
+        return same
+
+    with FakeCohort(3) as c:
+        assert c.run(body) == [[True] * 8] * 3
+
+
+def broadcasts_until_the_root_dies(ctx, n: int):
+    """Rank 0 broadcasts ``n`` floats again and again; a thread of its own SIGKILLs it
+    0.3 s in, somewhere in a broadcast (often inside its compiled copy-in)."""
+    import os
+    import signal
+    import threading
+
+    if ctx.rank == 0:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    t = torch.full((n,), float(ctx.rank))
+    calls = 0
+    try:
+        while True:
+            ctx.comm.broadcast_([t], root=0)
+            if float(t[-1]) != 0.0:
+                return "wrong", calls
+            t.fill_(float(ctx.rank))
+            calls += 1
+    except RuntimeError as e:
+        return "raised", str(e)
+
+
+def test_a_root_killed_in_a_one_call_broadcast_is_named_never_half_read():
+    """A root SIGKILLed mid-broadcast (in the one compiled call of an eager broadcast):
+    the readers raise naming it, none returns a half-copied tensor as the broadcast's,
+    none hangs."""
+    from flodl_shm import spawn
+
+    from engine_util import assert_no_leaks
+
+    out = spawn(broadcasts_until_the_root_dies, 3, (250_000,), max_failures=1, timeout=60)
+    assert_no_leaks()
+    assert out[0] is None
+    for how, said in out[1:]:
+        assert how == "raised", (how, said)
+        assert "rank 0" in said, said
+
+
 def test_in_place_broadcast_refuses_what_broadcast_from_root_refuses():
     def body(comm):
         with pytest.raises(ValueError, match="is not a rank of this cohort"):
