@@ -1089,7 +1089,7 @@ class _InterruptGate:
     (``terminate``) and ``spawn`` raises ``KeyboardInterrupt`` once every rank is gone.
     A terminating signal is re-delivered at the end when its disposition was the
     default (the process then dies of it, as it would have, with nothing left in
-    /dev/shm).
+    /dev/shm); when the program has a handler of its own for it, that handler runs then.
     """
 
     def __init__(self) -> None:
