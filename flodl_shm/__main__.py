@@ -24,7 +24,8 @@ def _usage(prog: str) -> str:
     for name, (_, help_text) in COMMANDS.items():
         lines.append(f"  {name:<11} {help_text}")
     lines.append("")
-    lines.append(f"Run `{prog} <command> --help` for a command's options.")
+    lines.append(f"Run `{prog} <command> --help` for a command's options, `{prog} --version` "
+                 f"for the version.")
     return "\n".join(lines)
 
 
@@ -57,6 +58,11 @@ def _dispatch(args: list[str]) -> int:
     prog = invoked_as()
     if args and args[0] in ("-h", "--help", "help"):
         print(_usage(prog))
+        return 0
+    if args and args[0] in ("-V", "--version", "version"):
+        from . import __version__
+
+        print(f"flodl_shm {__version__}")
         return 0
     if not args or args[0] not in COMMANDS:
         what = (f"unknown command {args[0]!r}" if args else "no command given")

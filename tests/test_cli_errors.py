@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+import flodl_shm
 from flodl_shm.engine.segment import list_segments
 
 pytest.importorskip("sklearn", reason="the demo needs scikit-learn (the demo/test extras)")
@@ -125,7 +127,54 @@ def test_demo_slow_rank_of_an_infinite_factor_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
         parse_args(["--slow-rank", "0:inf"])
     assert info.value.code == 2
-    assert "the factor a finite number >= 1" in capsys.readouterr().err
+    assert "the factor must be a finite number >= 1" in capsys.readouterr().err
+
+
+def test_what_a_newcomer_s_pass_over_the_commands_found(tmp_path, caplog, capsys):
+    """A newcomer probe of every command: `--version` was an unknown command; an empty
+    .fdl was 'corrupt ... ends inside the magic'; a binary secret file printed Python's
+    'utf-8 codec can't decode'; a world-readable or all-zero secret was taken silently;
+    `ram --nprocs 0` named --local-ranks only; `--slow-rank 1:0` blamed the rank too; a
+    controller address without a port spoke of tuples; a converted file wrote '1 tensors'."""
+    from flodl_shm.cli.demo import parse_args
+    from flodl_shm.cluster.link import parse_addr
+    from flodl_shm.cluster.secret import read_secret_file
+
+    r = _flodl(["--version"], tmp_path, timeout=60)
+    assert (r.returncode, r.stdout) == (0, f"flodl_shm {flodl_shm.__version__}\n"), r.stderr
+    (tmp_path / "empty.fdl").write_bytes(b"")
+    r = _flodl(["fdl", "show", "empty.fdl"], tmp_path, timeout=60)
+    assert r.returncode == 1 and "empty.fdl is empty: not a .fdl checkpoint" in r.stderr, r.stderr
+    binary = tmp_path / "binary.hex"
+    binary.write_bytes(bytes(range(128, 256)))
+    with pytest.raises(ValueError, match=r"binary.hex is not a session secret file \(it holds "
+                                         r"binary data\): a secret is 32 hex digits"):
+        read_secret_file(binary)
+    zeros = tmp_path / "zeros.hex"
+    zeros.write_text("0" * 32 + "\n")
+    zeros.chmod(0o644)
+    with caplog.at_level("WARNING", logger="flodl_shm"):
+        for _ in range(3):  # (the demo reads it three times: said once)
+            read_secret_file(zeros)
+    said = [rec.getMessage() for rec in caplog.records]
+    assert len(said) == 2, said
+    assert "can be read by other users (mode 644)" in said[0] and "chmod 600" in said[0]
+    assert "one byte repeated (00000000...): no secret" in said[1]
+    r = _flodl(["ram", "--model-bytes", "1GiB", "--nprocs", "0"], tmp_path, timeout=60)
+    assert r.returncode == 2 and "--local-ranks (--nprocs) 0 must be from 1 to" in r.stderr
+    with pytest.raises(SystemExit):
+        parse_args(["--slow-rank", "1:0"])
+    err = capsys.readouterr().err
+    assert "--slow-rank 1:0: the factor must be a finite number >= 1" in err
+    assert "the rank must" not in err
+    with pytest.raises(ValueError) as info:
+        parse_addr("127.0.0.1")
+    assert str(info.value) == "address '127.0.0.1' must be 'host:port'"
+    torch.save({"w": torch.ones(2)}, tmp_path / "one.pt")
+    r = _flodl(["fdl", "convert", "one.pt", "one.fdl"], tmp_path, timeout=60)
+    assert r.returncode == 0 and "wrote one.fdl: 1 tensor from one.pt" in r.stdout, r.stdout
+    r = _flodl(["fdl", "show", "one.fdl"], tmp_path, timeout=60)
+    assert ", 1 entry, " in r.stdout, r.stdout
 
 
 def test_demo_with_a_batch_larger_than_the_data_is_refused_before_anything_starts(tmp_path):
@@ -141,7 +190,7 @@ def test_demo_with_a_controller_address_without_port_is_a_usage_error(tmp_path, 
                 "--secret-file", str(secret), "--no-progress"], tmp_path)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
-    assert ("--controller: address '127.0.0.1' must be 'host:port' or a (host, port) tuple; "
+    assert ("--controller: address '127.0.0.1' must be 'host:port'; "
             "e.g. 127.0.0.1:29500") in r.stderr
 
 
@@ -149,7 +198,8 @@ def test_demo_with_a_controller_address_without_port_is_a_usage_error(tmp_path, 
     ("127.0.0.1:99999", "--controller: address '127.0.0.1:99999': port 99999 is outside "
                         "0-65535", 4),
     ("127.0.0.1:0", "--controller '127.0.0.1:0': port 0 names no controller; give the port it "
-                    "listens on (its --port)", 4),
+                    "listens on (the port of its --bind, or the one it wrote to its "
+                    "--port-file)", 4),
     ("127.0.0.1:29500", "--world-size 70000: a cohort holds at most 65,536 ranks", 70000),
 ])
 def test_demo_with_a_controller_port_out_of_range_says_so(addr, says, world, secret, capsys):
@@ -193,7 +243,7 @@ def test_demo_that_fails_in_the_ranks_prints_the_reason_not_a_traceback(tmp_path
                 "--no-plot"], tmp_path, timeout=150)
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
-    assert ("python -m flodl_shm demo: error: ConnectionError: this host's relay failed: "
+    assert ("python -m flodl_shm demo: error: this host's relay failed: "
             "could not connect to 127.0.0.1:") in r.stderr, r.stderr
     assert "continuing on realized work" not in r.stderr, "a dead link is no rank death"
     assert r.stderr.count("connect to 127.0.0.1:") == 1, r.stderr  # said once, not three times

@@ -227,10 +227,11 @@ def test_usage_errors_exit_2_with_the_reason(capsys):
     assert main(["--model-bytes", "1GiB", "--params", "1M"]) == 2
     assert "not allowed with" in capsys.readouterr().err
     assert main(["--local-ranks", "0"]) == 2
-    assert "--local-ranks 0 must be from 1 to 63" in capsys.readouterr().err
+    assert "--local-ranks (--nprocs) 0 must be from 1 to 63" in capsys.readouterr().err
     # a probe's 1000000 was checked against /dev/shm and told to grow it to 1.1 TiB
     assert main(["--local-ranks", "1000000"]) == 2
-    assert ("--local-ranks 1000000 must be from 1 to 63 (one host runs at most 63 ranks)"
+    assert ("--local-ranks (--nprocs) 1000000 must be from 1 to 63 (one host runs at most "
+            "63 ranks)"
             in capsys.readouterr().err)
     assert main(["--help"]) == 0
     assert "--model-bytes SIZE" in capsys.readouterr().out

@@ -472,6 +472,9 @@ class _Source:
         got = len(buf)
         self.pos += got
         if got != n:
+            if self.pos == 0:  # nothing at all
+                raise CheckpointError(f"{self.label} is empty: not a .fdl checkpoint (a write "
+                                      f"that never finished, or the wrong file)")
             raise CheckpointError(
                 f"corrupt checkpoint: {self.label} ends inside {what} (needed {n} bytes, "
                 f"{got} present)"

@@ -384,9 +384,11 @@ def _slow_rank(text: str) -> tuple[int, float]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"--slow-rank takes RANK:FACTOR, e.g. 1:3 (rank 1 three times slower); got {text!r}")
-    if rank < 0 or not 1.0 <= factor < math.inf:
-        raise argparse.ArgumentTypeError(f"--slow-rank {text}: the rank must be >= 0 and the "
-                                         f"factor a finite number >= 1")
+    if rank < 0:
+        raise argparse.ArgumentTypeError(f"--slow-rank {text}: the rank must be >= 0")
+    if not 1.0 <= factor < math.inf:
+        raise argparse.ArgumentTypeError(f"--slow-rank {text}: the factor must be a finite "
+                                         f"number >= 1 (how many times slower the rank runs)")
     return rank, factor
 
 
@@ -570,7 +572,8 @@ def _check(cfg: DemoConfig) -> list[str]:
         else:
             if port == 0:
                 out.append(f"--controller {cfg.controller!r}: port 0 names no controller; "
-                           f"give the port it listens on (its --port), e.g. 127.0.0.1:29500")
+                           f"give the port it listens on (the port of its --bind, or the one "
+                           f"it wrote to its --port-file), e.g. 127.0.0.1:29500")
         if cfg.secret_file is not None:
             try:
                 read_secret_file(cfg.secret_file)
@@ -952,6 +955,8 @@ def _reason(e: BaseException) -> str:
         return f"RankStalled: {e.why}"
     if isinstance(e, RankFailed) and e.error:
         return f"rank {e.rank} raised {e.exc_type}: {e.error}"
+    if isinstance(e, ConnectionError):
+        return str(e)  # (it says what failed: this host's link to the cohort)
     return f"{type(e).__name__}: {e}"
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..checkpoint.meta import bundle_meta_of, names_sidecar_path
-from ..errors import CheckpointError
+from ..errors import CheckpointError, plural
 from . import invoked_as, shortened
 
 
@@ -100,8 +100,9 @@ def _show(path: str, as_json: bool) -> int:
                 out.write(("," if i else "") + "\n    " + json.dumps(item))
         out.write(("\n  " if count else "") + "]\n}\n")
         return 0
+    entries = f"{count} entr{'y' if count == 1 else 'ies'}"
     out.write(f"{summary['path']}: .fdl version {version}"
-              f"{' (gzip)' if summary['gzip'] else ''}, {count} entries, "
+              f"{' (gzip)' if summary['gzip'] else ''}, {entries}, "
               f"{_fmt_bytes(payload)} of tensor data ({summary['file_bytes']} bytes on disk)\n")
     out.write(f"structural hash: {hash_hex or 'none (all zero)'}\n")
     if not count:
@@ -133,7 +134,7 @@ def _convert(src: str, dst: str, src_fmt: Optional[str], dst_fmt: Optional[str],
         kept = (dst_fmt or detect_format(dst)) == "fdl"
         how = (f" (positional keys kept, names copied to {names_sidecar_path(dst).name})" if kept
                else f" (keys named from {names_sidecar_path(src).name})")
-    print(f"wrote {dst}: {n} tensors from {src}{how}")
+    print(f"wrote {dst}: {plural(n, 'tensor')} from {src}{how}")
     return 0
 
 

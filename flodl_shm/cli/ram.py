@@ -227,8 +227,10 @@ def host_checks(mem: HostMemory, staging_bytes: int, local_ranks: int, *,
         owners = sorted({s.owner_pid for s in dead})
         detail = (f"{plural(len(dead), 'fshm_ segment')} of dead owner "
                   f"pid{'' if len(owners) == 1 else 's'} {', '.join(map(str, owners))} "
-                  f"hold{'s' if len(dead) == 1 else ''} {fmt_bytes(dead_bytes)} of /dev/shm (and "
-                  f"RAM). Fix: `python -m flodl_shm ram --reap` (spawn also reaps them at start)")
+                  f"hold{'s' if len(dead) == 1 else ''} {fmt_bytes(dead_bytes)} of "
+                  f"{mem.shm_dir} (and RAM). Fix: `python -m flodl_shm ram --reap"
+                  f"{'' if mem.shm_dir == '/dev/shm' else ' --shm-dir ' + mem.shm_dir}` (spawn "
+                  f"also reaps them at start)")
     else:
         detail = "no fshm_ segment of a dead owner in " + mem.shm_dir
     checks.append(HostCheck("dead_owner_segments", not dead, 0, dead_bytes, detail,
@@ -297,7 +299,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         return int(e.code or 0)
     if not 1 <= a.local_ranks <= MAX_LOCAL_RANKS:
         p.print_usage(sys.stderr)
-        print(f"{p.prog}: error: --local-ranks {a.local_ranks} must be from 1 to "
+        print(f"{p.prog}: error: --local-ranks (--nprocs) {a.local_ranks} must be from 1 to "
               f"{MAX_LOCAL_RANKS} (one host runs at most {MAX_LOCAL_RANKS} ranks)",
               file=sys.stderr)
         return 2

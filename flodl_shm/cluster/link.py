@@ -515,7 +515,8 @@ def client_handshake(sock: socket.socket, salt: bytes, hello: dict, peer: str, *
         except OSError:
             pass
         raise FrameError(f"handshake: the controller at {peer} failed to prove the session secret "
-                         f"(a different --secret-file / salt?)")
+                         f"(the two ends hold different secrets: give the controller and every "
+                         f"host the same --secret-file, or spawn the same salt=)")
     sock.sendall(_mac(salt, b"flodl_shm relay", nonce_c, nonce_r))
     link = Link(sock, salt, _link_key(salt, nonce_r, nonce_c), peer)
     link.send_ctrl(ctrl_message(Ctrl.HELLO, **hello))
@@ -556,12 +557,13 @@ def server_handshake(sock: socket.socket, salt: bytes, peer: str,
         proof = _recv_exact(sock, PROOF_BYTES, f"handshake proof from {peer}", deadline)
     except ConnectionError:
         raise FrameError(f"handshake from {peer}: the peer closed the connection instead of "
-                         f"proving the session secret (a relay holding a different secret "
-                         f"file / salt, or not a flodl_shm relay)") from None
+                         f"proving the session secret (a relay holding a different secret, "
+                         f"or not a flodl_shm relay)") from None
     if proof == PROOF_REFUSED:
         raise FrameError(f"handshake from {peer}: the relay refused this controller's proof of "
                          f"the session secret: the two ends hold different secrets (give the "
-                         f"controller and every host the same --secret-file / salt)")
+                         f"controller and every host the same --secret-file, or spawn the same "
+                         f"salt=)")
     if not hmac.compare_digest(proof, _mac(salt, b"flodl_shm relay", nonce_c, nonce_r)):
         raise FrameError(f"handshake from {peer}: the relay failed to prove the session secret "
                          f"(a different salt / secret file)")
@@ -595,7 +597,8 @@ def parse_addr(addr) -> tuple[str, int]:
         except ValueError:
             pass
     if port is None:
-        raise ValueError(f"address {addr!r} must be 'host:port' or a (host, port) tuple")
+        raise ValueError(f"address {addr!r} must be 'host:port'" if isinstance(addr, str)
+                         else f"address {addr!r} must be 'host:port' or a (host, port) tuple")
     if not 0 <= port <= 65535:
         raise ValueError(f"address {addr!r}: port {port} is outside 0-65535 (0: any free port "
                          f"when binding)")

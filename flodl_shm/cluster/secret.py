@@ -6,10 +6,13 @@ file readable by the job's user only.
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 from .wire import SESSION_SALT_BYTES, check_salt
+
+logger = logging.getLogger("flodl_shm")
 
 
 def new_salt() -> bytes:
@@ -44,10 +47,44 @@ def read_secret_file(path: str | os.PathLike) -> bytes:
                          f"every host") from None
     except OSError as e:
         raise ValueError(f"cannot read the session secret file {p}: {e}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{p} is not a session secret file (it holds binary data): a secret "
+                         f"is {2 * SESSION_SALT_BYTES} hex digits; create one with `python -m "
+                         f"flodl_shm controller --new-secret FILE`") from None
     try:
-        return parse_secret(text)
+        salt = parse_secret(text)
     except ValueError as e:
         raise ValueError(f"{p}: {e}") from None
+    _warn_if_weak(p, salt)
+    return salt
+
+
+_WARNED: set = set()  # (file, what): each said once per process (a command reads it thrice)
+
+
+def _first(p: Path, what: str) -> bool:
+    """Whether ``what`` of file ``p`` is said for the first time in this process."""
+    key = (os.path.realpath(p), what)
+    if key in _WARNED:
+        return False
+    _WARNED.add(key)
+    return True
+
+
+def _warn_if_weak(p: Path, salt: bytes) -> None:
+    """A warning for a secret others can read (docs/README: mode 0600) or that is no
+    secret at all (every byte the same, e.g. a placeholder of zeros)."""
+    try:
+        mode = p.stat().st_mode & 0o777
+    except OSError:
+        mode = 0
+    if mode & 0o077 and _first(p, "mode"):
+        logger.warning("the session secret file %s can be read by other users (mode %o): "
+                       "anyone who reads it can join the cohort; chmod 600 %s", p, mode, p)
+    if len(set(salt)) == 1 and _first(p, "weak"):
+        logger.warning("the session secret in %s is one byte repeated (%s...): no secret; "
+                       "create one with `python -m flodl_shm controller --new-secret FILE`",
+                       p, salt.hex()[:8])
 
 
 def write_secret_file(path: str | os.PathLike, salt: bytes | None = None) -> bytes:
