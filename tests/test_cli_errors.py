@@ -135,7 +135,9 @@ def test_what_a_newcomer_s_pass_over_the_commands_found(tmp_path, caplog, capsys
     .fdl was 'corrupt ... ends inside the magic'; a binary secret file printed Python's
     'utf-8 codec can't decode'; a world-readable or all-zero secret was taken silently;
     `ram --nprocs 0` named --local-ranks only; `--slow-rank 1:0` blamed the rank too; a
-    controller address without a port spoke of tuples; a converted file wrote '1 tensors'."""
+    controller address without a port spoke of tuples; a converted file wrote '1 tensors';
+    a torch file of several parts was 'not a flat state_dict (got dict)', naming no entry,
+    and a wrapper's other entries were dropped silently."""
     from flodl_shm.cli.demo import parse_args
     from flodl_shm.cluster.link import parse_addr
     from flodl_shm.cluster.secret import read_secret_file
@@ -175,6 +177,18 @@ def test_what_a_newcomer_s_pass_over_the_commands_found(tmp_path, caplog, capsys
     assert r.returncode == 0 and "wrote one.fdl: 1 tensor from one.pt" in r.stdout, r.stdout
     r = _flodl(["fdl", "show", "one.fdl"], tmp_path, timeout=60)
     assert ", 1 entry, " in r.stdout, r.stdout
+    # a torch file with more than tensors: the entry that is none is named; a wrapper's
+    # other entries are said to be left out
+    torch.save({"model": {"w": torch.ones(2)}, "optimizer": {}}, tmp_path / "parts.pt")
+    r = _flodl(["fdl", "convert", "parts.pt", "parts.fdl"], tmp_path, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert ("its entry 'model' is not a tensor (dict); a checkpoint of several parts? save the "
+            "model's part alone, e.g. torch.save(ckpt['model'], ...)") in r.stderr, r.stderr
+    torch.save({"state_dict": {"w": torch.ones(2)}, "epoch": 3}, tmp_path / "nested.pt")
+    r = _flodl(["fdl", "convert", "nested.pt", "nested.fdl"], tmp_path, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "converting its 'state_dict' entry; its other entries ('epoch') are left out" \
+        in r.stderr, r.stderr
 
 
 def test_demo_with_a_batch_larger_than_the_data_is_refused_before_anything_starts(tmp_path):

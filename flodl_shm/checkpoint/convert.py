@@ -25,6 +25,7 @@ positional keys and copies the sidecar next to the new file.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import struct
@@ -35,6 +36,8 @@ from ..errors import CheckpointError
 from ._atomic import atomic_write
 from .fdl import RawEntry, _tensor_bytes, read_fdl, save_tensors, tag_for_torch_dtype, write_fdl_raw
 from .meta import ModelSchema, consensus_buffer_key, consensus_param_key, names_sidecar_path
+
+logger = logging.getLogger("flodl_shm")
 
 #: Largest safetensors header this reader accepts (the reference limit).
 SAFETENSORS_MAX_HEADER = 100_000_000
@@ -406,11 +409,24 @@ def load_torch_state_dict(path: "str | os.PathLike[str]") -> dict:
         raise CheckpointError(f"cannot load torch file {path}: {_torch_load_error(path, e)}"
                               ) from e
     if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
+        others = [k for k in obj if k != "state_dict"]
+        if others:
+            logger.warning("%s: converting its 'state_dict' entry; its other entries (%s) are "
+                           "left out", path, ", ".join(map(repr, others[:5]))
+                           + (", ..." if len(others) > 5 else ""))
         obj = obj["state_dict"]
-    if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+    if not isinstance(obj, Mapping):
         raise CheckpointError(
             f"{path} does not hold a flat {{name: tensor}} state_dict (got "
             f"{type(obj).__name__}); save model.state_dict() to convert it")
+    for name, value in obj.items():
+        if not isinstance(value, torch.Tensor):
+            hint = (f"a checkpoint of several parts? save the model's part alone, e.g. "
+                    f"torch.save(ckpt[{name!r}], ...)" if isinstance(value, Mapping)
+                    else "save model.state_dict() alone to convert it")
+            raise CheckpointError(
+                f"{path} does not hold a flat {{name: tensor}} state_dict: its entry {name!r} "
+                f"is not a tensor ({type(value).__name__}); {hint}")
     return dict(obj)
 
 
