@@ -1095,12 +1095,10 @@ class _InterruptGate:
     def __init__(self) -> None:
         self.ctx: SpawnContext | None = None
         self.received: list[int] = []
-        self._frames: dict[int, Any] = {}  # the frame each signal first interrupted
         self._replaced: dict = {}  # the handlers this gate replaced, by signal
 
     def _handler(self, signum, frame) -> None:
         self.received.append(signum)
-        self._frames.setdefault(signum, frame)
         if self.ctx is None:
             old = self._replaced.get(signum)
             if signum != signal.SIGINT and old in (signal.SIG_DFL, None):
@@ -1133,14 +1131,13 @@ class _InterruptGate:
             self.ctx = None  # the run is over (and a raised error's traceback holds self)
             for sig, handler in old.items():
                 signal.signal(sig, handler)
-            frames, self._frames = self._frames, {}  # (a raised error's traceback holds self)
             for sig in _TERMINATING:
                 if sig in self.received:  # delivered again, now that the ranks are gone:
                     handler = old.get(sig, signal.SIG_DFL)
                     if stops_the_process(handler):
                         os.kill(os.getpid(), sig)  # its default action, or a command's stop
-                    elif callable(handler):  # the program's own, given the frame the
-                        handler(sig, frames.get(sig))  # signal first interrupted
+                    elif callable(handler):
+                        handler(sig, None)  # the program's own handler
                     break
 
 
