@@ -7,6 +7,8 @@ results must agree bit for bit, including the accepted mass.
 """
 from __future__ import annotations
 
+from decimal import Decimal
+
 import pytest
 import torch
 
@@ -115,6 +117,8 @@ def test_a_repeated_one_tensor_call_keeps_every_check_of_the_first(tmp_path):
         for kwargs, err, words in (({"weight": "x"}, TypeError, "weight must be a number"),
                                    ({"weight": "2"}, TypeError, "got str '2'"),
                                    ({"scale": b"2"}, TypeError, "got bytes b'2'"),
+                                   ({"weight": Decimal("NaN")}, FrameError, "weight nan is not"),
+                                   ({"scale": Decimal("NaN")}, FrameError, "scale nan is not"),
                                    ({"weight": 1e39}, FrameError, "outside the masses"),
                                    ({"scale": float("nan")}, FrameError, "not a finite float32")):
             with pytest.raises(err, match=words):

@@ -819,6 +819,50 @@ def test_ranks_start_with_sigterm_unblocked_whatever_the_launcher_blocks(tmp_pat
     assert done.stdout.strip() == "[False, False] True", done.stdout + done.stderr
 
 
+_SWALLOWED_STOP = """
+import os, subprocess, sys, time
+import flodl_shm
+
+
+def swallows_its_stop(ctx, here):
+    open(f"{here}/ready{ctx.rank}", "w").close()
+    try:
+        time.sleep(60)
+    except BaseException:  # the user's code swallows the stop, then starts a process
+        pass
+    with open(f"{here}/child{ctx.rank}", "w") as out:
+        subprocess.run([sys.executable, "-c", "import signal; "
+                        "print(signal.getsignal(signal.SIGTERM) == signal.SIG_IGN)"],
+                       stdout=out, timeout=60)
+
+
+if __name__ == "__main__":
+    here = os.getcwd()
+    ctx = flodl_shm.spawn(swallows_its_stop, 2, args=(here,), join=False)
+    while not all(os.path.exists(f"ready{r}") for r in (0, 1)):
+        time.sleep(0.01)
+    ctx.terminate()
+    try:
+        ctx.join()
+    except KeyboardInterrupt:
+        pass
+    print([open(f"child{r}").read().strip() for r in (0, 1)], flush=True)
+"""
+
+
+def test_a_process_started_after_a_swallowed_stop_takes_sigterm(tmp_path):
+    """A regression probe: once a rank's stop had raised, its SIGTERM was ignored, and an
+    ignored signal goes through exec: a rank whose code swallowed the stop, then started a
+    process, gave it SIGTERM ignored. The rank takes a second SIGTERM with a handler that
+    does nothing now, which no new process inherits."""
+    script = tmp_path / "launcher.py"
+    script.write_text(_SWALLOWED_STOP)
+    done = subprocess.run([sys.executable, str(script)], text=True, capture_output=True,
+                          timeout=90, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['False', 'False']", done.stdout + done.stderr
+
+
 _TWO_SIGTERMS = """
 import os, signal, sys, time
 import flodl_shm

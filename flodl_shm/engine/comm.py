@@ -694,8 +694,8 @@ class Comm:
                     hot = ((MASS_MIN <= weight <= MASS_MAX or weight == 0.0)
                            and -_F32_MAX <= scale <= _F32_MAX)
                     addr = tensors[0].data_ptr()
-                except (TypeError, ValueError, OverflowError, RuntimeError):
-                    hot = False  # the general path names what is wrong
+                except (TypeError, ValueError, ArithmeticError, RuntimeError):
+                    hot = False  # the general path names what is wrong (Decimal NaN's too)
                 if hot:
                     rnd = self._round
                     self._round = rnd + 1

@@ -109,7 +109,8 @@ def _children_follow_this_rank() -> None:
 
     def in_child() -> None:
         try:
-            if signal.getsignal(signal.SIGTERM) in (_on_sigterm, _on_sigterm_starting):
+            if signal.getsignal(signal.SIGTERM) in (_on_sigterm, _on_sigterm_starting,
+                                                    _on_second_sigterm):
                 # a forked child (a Pool's or DataLoader's worker) ends on SIGTERM as any
                 # process does: the rank's handler raised _Terminated inside it, and a
                 # Pool's terminate() then hung on a worker holding its queue's lock
@@ -249,9 +250,15 @@ class _Terminated(BaseException):
 
 def _on_sigterm(signum, frame):
     # a second one (a process group's SIGTERM passed on twice, by `timeout` and by the
-    # launcher) would raise again in the rank's way out, which printed its traceback
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # launcher) would raise again in the rank's way out, which printed its traceback.
+    # Taken by a handler that does nothing, not ignored: an ignored SIGTERM would go
+    # through exec to the processes a rank that swallowed its stop starts next
+    signal.signal(signal.SIGTERM, _on_second_sigterm)
     raise _Terminated()
+
+
+def _on_second_sigterm(signum, frame):
+    """SIGTERM once the rank is stopping: nothing more to do (its SIGKILL follows)."""
 
 
 def _on_sigterm_starting(signum, frame):

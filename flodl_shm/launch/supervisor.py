@@ -1137,7 +1137,9 @@ class _InterruptGate:
                     if stops_the_process(handler):
                         os.kill(os.getpid(), sig)  # its default action, or a command's stop
                     elif callable(handler):
-                        handler(sig, None)  # the program's own handler
+                        # the program's own handler; no frame: the one the signal
+                        # interrupted has finished by now
+                        handler(sig, None)
                     break
 
 
