@@ -109,8 +109,7 @@ def _children_follow_this_rank() -> None:
 
     def in_child() -> None:
         try:
-            if signal.getsignal(signal.SIGTERM) in (_on_sigterm, _on_sigterm_starting,
-                                                    _on_second_sigterm):
+            if signal.getsignal(signal.SIGTERM) in _RANK_SIGTERM_HANDLERS:
                 # a forked child (a Pool's or DataLoader's worker) ends on SIGTERM as any
                 # process does: the rank's handler raised _Terminated inside it, and a
                 # Pool's terminate() then hung on a worker holding its queue's lock
@@ -268,6 +267,10 @@ def _on_sigterm_starting(signum, frame):
     os._exit(143)
 
 
+#: the rank's own SIGTERM handlers, which its forks do not keep
+_RANK_SIGTERM_HANDLERS = (_on_sigterm_starting, _on_sigterm, _on_second_sigterm)
+
+
 def rank_logs_forwarded() -> bool:
     """True in a ``spawn`` rank, whose ``flodl_shm`` records already reach the
     launcher's handlers: adding a handler there would print each line twice."""
@@ -395,7 +398,7 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
     finally:
         # fn is over: a stop's SIGTERM now would only raise in the way out (printing a
         # traceback, exit code 1); the supervisor's SIGKILL still ends a slow one
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, _on_second_sigterm)
         try:
             conn.close()
         except Exception:

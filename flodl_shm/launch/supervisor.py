@@ -178,7 +178,7 @@ class SpawnContext:
         self._first_death: RankFailed | None = None  # the first death the cohort survived
         self._cohort_dead: set[int] = set()  # global ranks the controller declared dead
         self._interrupted = False
-        self._stopped_why: str | None = None  # join's KeyboardInterrupt says, if not a signal
+        self._stopped_why: str | None = None  # what join's KeyboardInterrupt says (_stop)
         self._gated = False  # an _InterruptGate guards this context's wait now
         self._monitor: threading.Thread | None = None  # the supervisor, once started
         self._started = threading.Event()
@@ -324,9 +324,8 @@ class SpawnContext:
         while True:
             try:
                 if not stopping:
-                    if not self._interrupted and self._failure is None:
-                        self._stopped_why = "stopped by an exception raised into its wait"
-                    self.terminate(A.ABORT_INTERRUPT, "its launcher raised while waiting for it")
+                    self._stop(A.ABORT_INTERRUPT, "its launcher raised while waiting for it",
+                               said="stopped by an exception raised into its wait")
                     stopping = True  # (once it returned: the abort flag is up)
                 if killing:
                     for p in list(self._procs):  # those started so far; the abort flag
@@ -364,6 +363,11 @@ class SpawnContext:
         raises ``KeyboardInterrupt`` and no rank's exit counts as a failure. A no-op
         once every rank is reaped. ``why`` (e.g. ``"its launcher was stopped by
         SIGTERM"``) goes to the controller, on a cluster, as why this host stops."""
+        self._stop(reason, why)
+
+    def _stop(self, reason: int, why: str | None, said: str | None = None) -> None:
+        """``terminate``; ``said``: what ``join``'s ``KeyboardInterrupt`` then says in
+        place of "interrupted", when this is the stop that interrupts the run."""
         if self._done.is_set():
             return
         with self._lock:
@@ -371,6 +375,7 @@ class SpawnContext:
                 and not self._interrupted
             if first:
                 self._interrupted = True
+                self._stopped_why = said
         self._abort(reason, (-1, why) if first and why else None)
 
     # -- monitor thread --------------------------------------------------------------
@@ -1109,9 +1114,8 @@ class _InterruptGate:
             raise KeyboardInterrupt
         how = ("interrupted (Ctrl-C)" if signum == signal.SIGINT
                else f"stopped by {signal.Signals(signum).name}")
-        if signum != signal.SIGINT and not self.ctx._interrupted:
-            self.ctx._stopped_why = how  # what join's KeyboardInterrupt says, if it is seen
-        self.ctx.terminate(A.ABORT_INTERRUPT, f"its launcher was {how}")
+        self.ctx._stop(A.ABORT_INTERRUPT, f"its launcher was {how}",
+                       said=None if signum == signal.SIGINT else how)
 
     def guard(self, ctx: SpawnContext) -> SpawnContext:
         """From now on a signal stops ``ctx``'s cohort (its ``join`` then raises)."""
