@@ -13,6 +13,7 @@ import socket
 import time
 import traceback
 import warnings
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -24,6 +25,21 @@ HALF_AVG_VALUES = [[-2368.0, 1576.0, 62.0], [0.0032196044921875, -0.000572204589
                    [-47360.0, 5888.0, 0.00014972686767578125]]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8, torch.int16,
           torch.int32, torch.int64, torch.uint8, torch.bool]
+#: whether this torch lets a Python backend read a PREMUL_SUM's factor (2.13 does, 2.11
+#: does not: the backend refuses the op there, on every rank, the group usable after)
+PREMUL_READABLE = hasattr(torch.distributed.ReduceOp, "factor")
+
+
+def premul_or_refusal(t: torch.Tensor, call: Callable[[], object]) -> torch.Tensor | str:
+    """``t`` after ``call`` (a PREMUL_SUM collective into it), or the refusal's message
+    where this torch gives the backend no factor (``PREMUL_READABLE``)."""
+    try:
+        call()
+    except RuntimeError as e:
+        if PREMUL_READABLE:
+            raise
+        return str(e)
+    return t
 
 
 def free_port() -> int:
@@ -152,8 +168,8 @@ def sc_collectives(rank: int, world: int) -> dict:
     dist.broadcast(bigb, src=0)  # the bulk path of an in-place broadcast
     res["broadcast_big"] = bigb
     prem = rank_input(rank, torch.float64)
-    dist.all_reduce(prem, op=dist._make_nccl_premul_sum(0.5))
-    res["premul"] = prem
+    res["premul"] = premul_or_refusal(
+        prem, lambda: dist.all_reduce(prem, op=dist._make_nccl_premul_sum(0.5)))
     for dt in (torch.float64, torch.int32, torch.bool, torch.bfloat16, torch.float32):
         t = rank_input(rank, dt) if rank == 1 % world else torch.zeros(37, dtype=dt)
         dist.broadcast(t, src=1 % world)
@@ -161,9 +177,11 @@ def sc_collectives(rank: int, world: int) -> dict:
         outs = [torch.empty(37, dtype=dt) for _ in range(world)]
         dist.all_gather(outs, rank_input(rank, dt))
         res[("all_gather", str(dt))] = outs
-    # (the *_single calls: torch 2.13's names, which the old ones warn to use)
+    # (the *_single calls: torch 2.13's names, which the old ones warn to use; torch 2.11
+    # has only the old)
     for gather, scatter in (("all_gather_into_tensor", "reduce_scatter_tensor"),
-                            ("all_gather_single", "reduce_scatter_single")):
+                            ("all_gather_single", "reduce_scatter_single")
+                            )[:None if hasattr(dist, "all_gather_single") else 1]:
         res[gather] = torch.empty(world * 5, dtype=torch.int16)
         getattr(dist, gather)(res[gather], torch.full((5,), rank, dtype=torch.int16))
         res[scatter] = torch.empty(4, dtype=torch.float64)
@@ -349,6 +367,13 @@ def sc_sparse(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     res: dict = {"pid": os.getpid()}
+    # torch 2.11 warns that sparse invariant checks are off even for a tensor built with
+    # check_invariants=True (2.13 does not): that warning, once a process, is spent here,
+    # where it says nothing of the collectives
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.int64), torch.ones(1), (1,),
+                                check_invariants=True)
     # what the reduces and DDP warn of (torch warns once per process: these are its first
     # sparse tensors built without saying whether to check their invariants)
     with warnings.catch_warnings(record=True) as caught:
@@ -468,9 +493,10 @@ def sc_layouts(rank: int, world: int) -> dict:
             got[how] = o.tolist()
         for name, op in (("SUM", dist.ReduceOp.SUM),
                          ("PREMUL_SUM", dist._make_nccl_premul_sum(0.5))):
-            o = torch.full((2,), -0.0, dtype=dt)
-            dist.all_reduce(o, op=op)
-            got[("negative_zero", name)] = [math.copysign(1.0, v) for v in o.tolist()]
+            z = torch.full((2,), -0.0, dtype=dt)
+            o = premul_or_refusal(z, lambda: dist.all_reduce(z, op=op))
+            got[("negative_zero", name)] = o if isinstance(o, str) else [
+                math.copysign(1.0, v) for v in o.tolist()]
         res[("half_avg", str(dt))] = got
     # the caller's tensors stay resizable after a byte-exchange collective (viewing
     # them through Tensor.numpy() marked their storage not resizable for good)
@@ -564,8 +590,10 @@ def sc_ddp(rank: int, world: int) -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    out: dict = {"pid": os.getpid()}
-    for variant in ("plain", "fp16", "powersgd"):
+    out: dict = {"pid": os.getpid(), "cuda": torch.cuda.is_available()}
+    # (torch's PowerSGD hook calls torch.cuda.synchronize with the gradients' device
+    # wherever CUDA is available, which raises for CPU gradients, gloo's too)
+    for variant in ("plain", "fp16", "powersgd")[:2 if out["cuda"] else None]:
         model = _mlp(seed=rank + 1)
         # small buckets (several allreduces per step), except under PowerSGD, whose
         # per-bucket state trips gloo itself when buckets are rebuilt after step 1

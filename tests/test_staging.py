@@ -28,6 +28,21 @@ MB = 1 << 20
 GB = 1 << 30
 
 
+def _cuda_usable() -> bool:
+    """Whether CUDA is usable here, asked in a process of its own: asked in this one
+    (``torch.cuda.is_available()``), it starts the driver, and on a GPU host the ranks that
+    later tests fork then fail wherever torch touches CUDA ("Cannot re-initialize CUDA in
+    forked subprocess": torch.compile in a rank, say). A CPU build of torch needs no ask."""
+    if torch.version.cuda is None:
+        return False
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                         capture_output=True, text=True, timeout=120)
+    return out.stdout.strip() == "True"
+
+
+CUDA_USABLE = _cuda_usable()
+
+
 # -- the gate -----------------------------------------------------------------------
 
 
@@ -151,7 +166,7 @@ def test_check_slot_names_the_bad_slot():
         check_slot("params")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="exercises the no-pinning fallback")
+@pytest.mark.skipif(CUDA_USABLE, reason="exercises the no-pinning fallback")
 def test_pinning_failure_falls_back_to_pageable_with_one_warning(caplog, monkeypatch):
     import flodl_shm.engine.staging as S
 
@@ -189,7 +204,7 @@ def test_a_rank_that_never_used_cuda_stages_in_plain_memory_and_never_starts_cud
     assert staging_in_a_fresh_process("cpu") == ["False", "False", "False"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA to page-lock")
+@pytest.mark.skipif(not CUDA_USABLE, reason="needs CUDA to page-lock")
 def test_staging_is_page_locked_in_a_rank_that_uses_cuda():  # pragma: no cover - GPU hosts
     assert staging_in_a_fresh_process("gpu") == ["True", "True", "True"]
 

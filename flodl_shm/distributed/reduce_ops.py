@@ -103,16 +103,28 @@ def check_op(op, dtype: torch.dtype, what: str) -> None:
     if name == "AVG" and dtype is torch.bool:
         raise RefusedCall(f"flodl_shm {what}: reduce op AVG has no meaning for torch.bool; "
                           f"use SUM (logical or), MIN (logical and), or a numeric tensor")
+    if name == "PREMUL_SUM" and getattr(op, "factor", None) is None:
+        raise RefusedCall(_FACTORLESS.format(what=what, version=torch.__version__))
+
+
+# A Python backend reads a PREMUL_SUM op's factor through ``ReduceOp.factor``, which
+# torch 2.13 has and earlier releases (2.11, seen on a GPU host) lack: there the op
+# reaches the backend without it. (torch 2.13 cannot build a PREMUL_SUM without one; a
+# bare ``ReduceOp.PREMUL_SUM`` type, given to the backend's methods directly, has none.)
+_FACTORLESS = ("flodl_shm {what}: reduce op PREMUL_SUM reached the backend without its "
+               "factor" + ("; build it with torch.distributed._make_nccl_premul_sum(factor)"
+                           if hasattr(dist.ReduceOp, "factor") else
+                           ": torch {version} does not let a Python backend read a "
+                           "PREMUL_SUM's factor (torch 2.13 does); multiply the tensor by "
+                           "the factor and use ReduceOp.SUM, or upgrade torch"))
 
 
 def premul_factor(op) -> float | None:
-    """The factor of a PREMUL_SUM op (None for other ops)."""
+    """The factor of a PREMUL_SUM op (None for other ops; ``check_op`` refused a
+    PREMUL_SUM without one)."""
     if op_name(op_type(op)) != "PREMUL_SUM":
         return None
-    f = getattr(op, "factor", None)
-    if f is None:
-        raise RuntimeError("flodl_shm: a PREMUL_SUM op without a factor; build it with "
-                           "torch.distributed._make_nccl_premul_sum(factor)")
+    f = op.factor
     return float(f.item() if isinstance(f, torch.Tensor) else f)
 
 
