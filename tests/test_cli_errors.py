@@ -152,6 +152,11 @@ def test_what_a_newcomer_s_pass_over_the_commands_found(tmp_path, caplog, capsys
     with pytest.raises(ValueError, match=r"binary.hex is not a session secret file \(it holds "
                                          r"binary data\): a secret is 32 hex digits"):
         read_secret_file(binary)
+    nul = tmp_path / "nul.hex"  # (NUL bytes decode as text: it said "hex digits only")
+    nul.write_bytes(bytes(32))
+    with pytest.raises(ValueError, match=r"nul.hex is not a session secret file \(it holds "
+                                         r"binary data\)"):
+        read_secret_file(nul)
     zeros = tmp_path / "zeros.hex"
     zeros.write_text("0" * 32 + "\n")
     zeros.chmod(0o644)

@@ -185,7 +185,7 @@ def test_without_a_model_size_the_verdict_says_it_judged_an_empty_model(tmp_path
 @pytest.mark.parametrize("text, n", [
     ("727MiB", 727 * MB), ("727 MiB", 727 * MB), ("1GiB", GB), ("2KiB", 2048), ("1TiB", 1 << 40),
     ("7.3GB", 7_300_000_000), ("760MB", 760_000_000), ("4kb", 4000), ("1048576", MB),
-    ("0.5GiB", GB // 2), ("12B", 12), ("1_000", 1000),
+    ("0.5GiB", GB // 2), ("12B", 12), ("1_000", 1000), ("4e9", 4 * 10 ** 9), ("1e3KiB", 1024000),
 ])
 def test_parse_size(text, n):
     assert parse_size(text) == n
@@ -203,7 +203,8 @@ def test_parse_size_errors_name_the_text_and_the_suffixes(text, word):
 
 
 @pytest.mark.parametrize("text, n", [("190M", 190_000_000), ("1.3B", 1_300_000_000),
-                                     ("250k", 250_000), ("12000", 12000)])
+                                     ("250k", 250_000), ("12000", 12000),
+                                     ("1e9", 10 ** 9), ("2.5E6", 2_500_000)])  # (were suffixes)
 def test_parse_count(text, n):
     assert parse_count(text) == n
 
@@ -215,8 +216,10 @@ def test_parse_count_errors():
         parse_count("1.5")
     with pytest.raises(ValueError, match="count '-5' is negative; give a positive number"):
         parse_count("-5")
-    with pytest.raises(ValueError, match="count '9e9B' has an unknown suffix"):
-        parse_count("9e9B")
+    with pytest.raises(ValueError, match="count '9e9x' has an unknown suffix 'x'"):
+        parse_count("9e9x")
+    with pytest.raises(ValueError, match="count '0' is zero: give the model's parameter count"):
+        parse_count("0")  # (it was taken: a model of no parameters "fits")
     with pytest.raises(ValueError, match="over the limit"):
         parse_count("99999999999B")
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from dataclasses import asdict, dataclass
 from decimal import Decimal, InvalidOperation
@@ -73,6 +74,9 @@ def _split_number(text: str, what: str) -> tuple[Decimal, str]:
     i = 0
     while i < len(s) and (s[i].isdigit() or s[i] == "."):
         i += 1
+    exponent = re.match(r"[eE][+-]?\d+", s[i:])  # (1e9, 2.5E6: as a Python user writes them)
+    if i and exponent:
+        i += exponent.end()
     num, unit = s[:i], s[i:].strip()
     try:
         value = Decimal(num)
@@ -97,7 +101,7 @@ def _scaled(text: str, what: str, units: dict[str, int], accepted: str,
 
 
 def parse_size(text: str) -> int:
-    """Bytes from ``727MiB``, ``7.3GB``, ``1048576``: KiB/MiB/GiB/TiB are binary
+    """Bytes from ``727MiB``, ``7.3GB``, ``1048576``, ``4e9``: KiB/MiB/GiB/TiB are binary
     (2^10…), KB/MB/GB/TB decimal (10^3…), case-insensitive; plain integers are bytes.
 
     Raises:
@@ -114,14 +118,18 @@ def parse_size(text: str) -> int:
 
 
 def parse_count(text: str) -> int:
-    """A parameter count from ``190M``, ``1.3B``, ``250K``, ``12000``
+    """A parameter count from ``190M``, ``1.3B``, ``250K``, ``12000``, ``1e9``
     (K = 10^3, M = 10^6, B = 10^9, case-insensitive).
 
     Raises:
         ValueError: naming the text and the accepted suffixes.
     """
-    return _scaled(text, "count", COUNT_UNITS, "K (thousand), M (million), B (billion) or a "
-                   "plain integer")
+    n = _scaled(text, "count", COUNT_UNITS, "K (thousand), M (million), B (billion) or a "
+                "plain integer")
+    if n == 0:
+        raise ValueError(f"count {text!r} is zero: give the model's parameter count "
+                         f"(sum(p.numel() for p in model.parameters()))")
+    return n
 
 
 @dataclass(frozen=True)
@@ -248,7 +256,7 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
                    help="f32 model size (Σ numel × 4), e.g. 727MiB or 760MB (--model-size "
                         "is the same)")
     g.add_argument("--params", type=_argtype(parse_count), metavar="COUNT",
-                   help="number of parameters, e.g. 190M (K/M/B suffixes)")
+                   help="number of parameters, e.g. 190M or 1.3e9 (K/M/B suffixes)")
     p.add_argument("--local-ranks", "--nprocs", type=int, default=1, metavar="N",
                    help="ranks on this host (default 1; --nprocs as in the demo)")
     p.add_argument("--wire", choices=("f32", "bf16"), default="f32",
