@@ -157,6 +157,10 @@ def test_what_a_newcomer_s_pass_over_the_commands_found(tmp_path, caplog, capsys
     with pytest.raises(ValueError, match=r"nul.hex is not a session secret file \(it holds "
                                          r"binary data\)"):
         read_secret_file(nul)
+    spaced = tmp_path / "spaced.hex"  # (whitespace around it, a byte-order mark: still taken)
+    spaced.write_bytes(b"\xef\xbb\xbf" + b"0123456789abcdef0f1e2d3c4b5a6978\v\f\r\n")
+    spaced.chmod(0o600)
+    assert read_secret_file(spaced) == bytes.fromhex("0123456789abcdef0f1e2d3c4b5a6978")
     zeros = tmp_path / "zeros.hex"
     zeros.write_text("0" * 32 + "\n")
     zeros.chmod(0o644)

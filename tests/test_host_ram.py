@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from flodl_shm.engine.arena import shm_need_bytes
-from flodl_shm.cli.ram import main, parse_count, parse_size
+from flodl_shm.cli.ram import main, parse_count, parse_model_size, parse_size
 from flodl_shm.engine.staging import gate_need_bytes
 from test_hostmem import fake_host as fake_root
 from test_hostmem import v2
@@ -220,6 +220,13 @@ def test_parse_count_errors():
         parse_count("9e9x")
     with pytest.raises(ValueError, match="count '0' is zero: give the model's parameter count"):
         parse_count("0")  # (it was taken: a model of no parameters "fits")
+    with pytest.raises(ValueError, match=r"count '1e1000000' is 1e\+1000000, over the limit"):
+        parse_count("1e1000000")  # (decimal.Overflow, a traceback, in a probe)
+    with pytest.raises(ValueError, match=r"count '1e-2000000' is not a whole number"):
+        parse_count("1e-2000000")
+    with pytest.raises(ValueError, match="size '0.0KiB' is zero: give the model's float32 size"):
+        parse_model_size("0.0KiB")  # (--model-bytes; other sizes may be zero)
+    assert parse_size("0") == 0
     with pytest.raises(ValueError, match="over the limit"):
         parse_count("99999999999B")
 

@@ -43,7 +43,7 @@ import os
 import re
 import sys
 from dataclasses import asdict, dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import MAX_EMAX, MIN_EMIN, Context, Decimal, InvalidOperation, localcontext
 from pathlib import Path
 from typing import Sequence
 
@@ -91,7 +91,8 @@ def _scaled(text: str, what: str, units: dict[str, int], accepted: str,
     mult = units.get(unit.lower())
     if mult is None:
         raise ValueError(f"{what} {text!r} has an unknown suffix {unit!r}{hint}; use {accepted}")
-    n = value * mult
+    with localcontext(Context(Emax=MAX_EMAX, Emin=MIN_EMIN)):  # (1e1000000 overflowed)
+        n = value * mult
     if n != n.to_integral_value():
         raise ValueError(f"{what} {text!r} is not a whole number ({n})")
     if n > MAX_SCALED:
@@ -129,6 +130,15 @@ def parse_count(text: str) -> int:
     if n == 0:
         raise ValueError(f"count {text!r} is zero: give the model's parameter count "
                          f"(sum(p.numel() for p in model.parameters()))")
+    return n
+
+
+def parse_model_size(text: str) -> int:
+    """``--model-bytes``: :func:`parse_size`, and not zero."""
+    n = parse_size(text)
+    if n == 0:
+        raise ValueError(f"size {text!r} is zero: give the model's float32 size, "
+                         f"sum(p.numel() for p in model.parameters()) * 4 bytes")
     return n
 
 
@@ -252,7 +262,8 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
         "Prints RAM (bounded by the container's memory cgroup), swap, /dev/shm, our shared-"
         "memory segments, and a verdict per check. Exit 0 when everything fits, 1 when not.")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--model-bytes", "--model-size", type=_argtype(parse_size), metavar="SIZE",
+    g.add_argument("--model-bytes", "--model-size", type=_argtype(parse_model_size),
+                   metavar="SIZE",
                    help="f32 model size (Σ numel × 4), e.g. 727MiB or 760MB (--model-size "
                         "is the same)")
     g.add_argument("--params", type=_argtype(parse_count), metavar="COUNT",

@@ -49,7 +49,8 @@ def read_secret_file(path: str | os.PathLike) -> bytes:
         raise ValueError(f"cannot read the session secret file {p}: {e}") from None
     except UnicodeDecodeError:
         text = "\0"  # (binary data, below)
-    if any(c < " " and c not in "\t\n\r" for c in text):  # (NUL bytes decode as text)
+    text = text.removeprefix("\ufeff")  # (the byte-order mark some editors write first)
+    if any((c < " " or c == "\x7f") and not c.isspace() for c in text):  # (NUL decodes)
         raise ValueError(f"{p} is not a session secret file (it holds binary data): a secret "
                          f"is {2 * SESSION_SALT_BYTES} hex digits; create one with `python -m "
                          f"flodl_shm controller --new-secret FILE`")
