@@ -237,6 +237,11 @@ def sc_collectives(rank: int, world: int) -> dict:
             torch.ones(3, dtype=torch.float32 if rank == 0 else torch.float64)),
         "mismatch_op": lambda: dist.all_reduce(
             torch.ones(3), op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX),
+        # (each rank applies its factor to every contribution: the ranks would differ)
+        "mismatch_factor": lambda: dist.all_reduce(
+            torch.ones(3), op=dist._make_nccl_premul_sum(float(rank + 1))),
+        "mismatch_factor_rs": lambda: dist.reduce_scatter_tensor(
+            torch.empty(2), torch.ones(2 * world), op=dist._make_nccl_premul_sum(0.5 + rank)),
     })
     res["errors"] = errors
 

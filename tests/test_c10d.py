@@ -325,7 +325,16 @@ def test_unsupported_ops_and_dtypes_raise_naming_the_supported_set(one_host):
         "mismatch_bytes": ["allreduce([int64[3]], op=SUM)", "allreduce([int64[4]], op=SUM)"],
         "mismatch_dtype": ["allreduce([float32[3]], op=SUM)",
                            "allreduce([float64[3]], op=SUM)"],
-        "mismatch_op": ["allreduce([float32[3]], op=SUM)", "allreduce([float32[3]], op=MAX)"]}
+        "mismatch_op": ["allreduce([float32[3]], op=SUM)", "allreduce([float32[3]], op=MAX)"],
+        # (a probe: each rank scaled every contribution by its own factor, each rank's
+        # result a different one)
+        "mismatch_factor": ["allreduce([float32[3]], op=PREMUL_SUM(1.0))",
+                            "allreduce([float32[3]], op=PREMUL_SUM(2.0))"],
+        "mismatch_factor_rs": [
+            f"reduce_scatter([float32[2]], [[float32[2], float32[2]]], op=PREMUL_SUM({f}))"
+            for f in (0.5, 1.5)]}
+    if not PREMUL_READABLE:  # (refused alike, before any round)
+        del expected["mismatch_factor"], expected["mismatch_factor_rs"]
     for key, calls in expected.items():
         for r in one_host:
             msg = r["errors"][key]

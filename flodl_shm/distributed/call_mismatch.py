@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .reduce_ops import op_name, op_type
+from .reduce_ops import op_label
 
 CALL_TEXT_BYTES = 480
 """The longest description a rank publishes (longer ones are cut, with "...")."""
@@ -59,7 +59,7 @@ def _describe(x) -> str | None:
         return str(x)
     options = []  # torch's *Options objects: what of them the ranks must agree on
     if hasattr(x, "reduceOp"):
-        options.append(f"op={op_name(op_type(x.reduceOp))}")
+        options.append(f"op={op_label(x.reduceOp)}")
     if hasattr(x, "rootRank"):
         options.append(f"root={x.rootRank}")
     return ", ".join(options) or None

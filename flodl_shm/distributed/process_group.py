@@ -47,7 +47,8 @@ from ..errors import FrameError, PeerDied, ReduceStall
 from ..frame import RoundKind, tensor_array
 from .overlap import CollectiveWorker
 from .reduce_ops import (RefusedCall, average_, check_dtype, check_layout, check_op,
-                         float_view, op_name, op_type, real_views, reduce_in_order)
+                         float_view, op_label, op_name, op_type, real_views,
+                         reduce_in_order)
 from .rendezvous import HostLink, rendezvous
 from .sparse_sum import is_sparse_call, sparse_all_reduce
 
@@ -827,7 +828,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                 reduce_in_order([_tensor_at(v, o, t) for v in views], op, t)
 
         self._exchange_tensors(tensors, offs, total, consume,
-                               _signature("allreduce", op_name(op_type(op)), tensors))
+                               _signature("allreduce", op_label(op), tensors))
 
     def _allreduce_list(self, tensors: list[torch.Tensor], op, what: str) -> None:
         for t in tensors:
@@ -1016,7 +1017,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                 reduce_in_order([_tensor_at(v, o, t) for v in views], opts.reduceOp, out)
 
         self._exchange_tensors(flat_in, offs, total, consume, _signature(
-            "reduce_scatter", op_name(op_type(opts.reduceOp)), flat_in))
+            "reduce_scatter", op_label(opts.reduceOp), flat_in))
         return _done(outs)
 
     def reduce_scatter_single(self, output, input, opts) -> dist.Work:

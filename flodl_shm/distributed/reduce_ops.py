@@ -128,6 +128,18 @@ def premul_factor(op) -> float | None:
     return float(f.item() if isinstance(f, torch.Tensor) else f)
 
 
+def op_label(op) -> str:
+    """A reduce op as the ranks must agree on it, in call signatures and in what each rank
+    called: its name, and a PREMUL_SUM's factor (``PREMUL_SUM(0.5)``). Each rank applies
+    the factor to every contribution, so ranks that passed different factors (NCCL's
+    PREMUL_SUM scales each rank's own input by its own) are told they called different
+    collectives, rather than each computing a different result."""
+    name = op_name(op_type(op))
+    if name != "PREMUL_SUM" or getattr(op, "factor", None) is None:
+        return name
+    return f"PREMUL_SUM({premul_factor(op)!r})"
+
+
 def reduce_in_order(parts: Sequence[torch.Tensor], op, out: torch.Tensor) -> None:
     """``out`` = parts[0] (op) parts[1] (op) ... in this order (AVG: the sum, then
     ``average_``; PREMUL_SUM multiplies each part by its factor first),
