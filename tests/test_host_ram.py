@@ -222,6 +222,8 @@ def test_parse_count_errors():
         parse_count("0")  # (it was taken: a model of no parameters "fits")
     with pytest.raises(ValueError, match=r"count '1e1000000' is 1e\+1000000, over the limit"):
         parse_count("1e1000000")  # (decimal.Overflow, a traceback, in a probe)
+    with pytest.raises(ValueError, match=r"count '1e999999999999999999K' is Infinity, over"):
+        parse_count("1e999999999999999999K")
     with pytest.raises(ValueError, match=r"count '1e-2000000' is not a whole number"):
         parse_count("1e-2000000")
     with pytest.raises(ValueError, match="size '0.0KiB' is zero: give the model's float32 size"):

@@ -43,7 +43,8 @@ import os
 import re
 import sys
 from dataclasses import asdict, dataclass
-from decimal import MAX_EMAX, MIN_EMIN, Context, Decimal, InvalidOperation, localcontext
+from decimal import (MAX_EMAX, MIN_EMIN, Context, Decimal, InvalidOperation, Overflow,
+                     localcontext)
 from pathlib import Path
 from typing import Sequence
 
@@ -91,8 +92,11 @@ def _scaled(text: str, what: str, units: dict[str, int], accepted: str,
     mult = units.get(unit.lower())
     if mult is None:
         raise ValueError(f"{what} {text!r} has an unknown suffix {unit!r}{hint}; use {accepted}")
-    with localcontext(Context(Emax=MAX_EMAX, Emin=MIN_EMIN)):  # (1e1000000 overflowed)
-        n = value * mult
+    try:
+        with localcontext(Context(Emax=MAX_EMAX, Emin=MIN_EMIN)):  # (1e1000000 overflowed)
+            n = value * mult
+    except Overflow:  # (past even that: 1e999999999999999999K)
+        n = Decimal("Infinity")
     if n != n.to_integral_value():
         raise ValueError(f"{what} {text!r} is not a whole number ({n})")
     if n > MAX_SCALED:
