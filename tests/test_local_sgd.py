@@ -645,6 +645,72 @@ def test_a_rank_that_cannot_write_its_state_fails_the_save_on_every_rank(tmp_pat
     assert mass0 == mass1 == 0.0 and committed_checkpoints(tmp_path / "ck") == []
 
 
+def _save_two_ranks(folder, seed: int):
+    """Two ranks train 2 windows from ``seed`` and save (sync round 2); the bundle path."""
+    def body(comm):
+        model = make_model(seed)
+        sgd = LocalSGD(model, sync_every=1, comm=comm)
+        for w in range(2):
+            _train_steps(model, sgd, comm.rank, 1, samples=4, window=w + 10 * seed)
+        return sgd.save(folder / "ck")
+
+    with FakeCohort(2) as cohort:
+        return cohort.run(body)[0]
+
+
+def _load_two_ranks(bundle) -> list:
+    def body(comm):
+        try:
+            LocalSGD(make_model(5), sync_every=1, comm=comm).load(bundle)
+            return None
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            return f"{type(e).__name__}: {e}"
+
+    with FakeCohort(2) as cohort:
+        return cohort.run(body)
+
+
+def test_a_rank_file_of_another_save_of_the_same_round_is_refused_on_every_rank(tmp_path):
+    """A probe copied rank 0's state file of another run saved at the same sync round into
+    a bundle: the round check passed, and rank 0 resumed from other weights than rank 1,
+    silently. Each save's files carry its id now."""
+    import shutil
+
+    bundle = _save_two_ranks(tmp_path / "a", seed=1)
+    other = _save_two_ranks(tmp_path / "b", seed=2)
+    shutil.copy(rank_state_path(other, 0), rank_state_path(bundle, 0))
+    said = _load_two_ranks(bundle)
+    for msg in said:
+        assert msg is not None and msg.startswith(
+            f"StartRefused: the rank state files of {bundle} come from 2 different saves of "
+            f"sync round 2 (ranks [0]; ranks [1], each from its own)"), msg
+    assert _load_two_ranks(other) == [None, None]  # (its own files: whole)
+
+
+def test_a_rank_file_damaged_on_disk_is_named_not_loaded(tmp_path):
+    """A probe wrote a NaN into the tensor bytes of a rank's state file: it loaded
+    silently, and the NaN reached every rank at the next sync. The file's tensors carry
+    their checksum now: the damaged rank raises naming its file, the other that it could
+    not start."""
+    bundle = _save_two_ranks(tmp_path, seed=1)
+    path = rank_state_path(bundle, 0)
+    raw = bytearray(path.read_bytes())
+    weight = torch.load(path, weights_only=False)["model"]["0.weight"]
+    at = bytes(raw).find(weight.numpy().tobytes())
+    assert at > 0
+    raw[at:at + 4] = torch.tensor([float("nan")]).numpy().tobytes()
+    path.write_bytes(bytes(raw))
+    said = _load_two_ranks(bundle)
+    assert said[0] == (f"CheckpointError: {path} is damaged: its tensors do not match the "
+                       f"checksum written with them. Resume from the bundle before this one, "
+                       f"or delete this file to load the consensus with the inner optimizer, "
+                       f"schedule and counters fresh (this rank's under the Trainer, every "
+                       f"rank's under LocalSGD)"), said[0]
+    assert said[1].startswith("StartRefused: ") and "ranks [0]" in said[1], said[1]
+    path.unlink()  # the way on it names: the consensus, every rank's inner state fresh
+    assert _load_two_ranks(bundle) == [None, None]
+
+
 def test_a_diverged_consensus_is_not_saved_and_the_finite_bundles_stay(tmp_path):
     """A NaN consensus saved with keep=2 pruned the run's finite bundles (a diverged run
     checkpointing every few windows loses every model worth resuming from)."""

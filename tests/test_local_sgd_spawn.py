@@ -429,6 +429,26 @@ def test_a_rank_state_copied_over_another_rank_s_is_refused(tmp_path):
     assert_no_leaks()
 
 
+def _load(ctx, stem: str):
+    LocalSGD(make_model(), sync_every=1, comm=ctx.comm).load(stem)
+
+
+def test_the_launcher_names_the_rank_that_could_not_load_not_one_that_refused(tmp_path):
+    """A probe truncated rank 0's state file: spawn raised rank 1's StartRefused, whose
+    message says to see rank 0's error, and said of rank 0 only "failed too
+    (CheckpointError)": the cause, naming the file, was printed nowhere."""
+    stem = os.fspath(tmp_path / "ckpt")
+    flodl_shm.spawn(_save_twice, 2, args=(stem,))
+    path = rank_state_path(latest_checkpoint(stem), 0)
+    with open(path, "r+b") as fh:
+        fh.truncate(path.stat().st_size // 2)
+    with pytest.raises(flodl_shm.RankFailed) as info:
+        flodl_shm.spawn(_load, 2, args=(stem,))
+    assert (info.value.rank, info.value.exc_type) == (0, "CheckpointError"), str(info.value)
+    assert f"{path} cannot be read" in str(info.value)
+    assert_no_leaks()
+
+
 def _save_twice(ctx, stem: str):
     model = make_model()
     sgd = LocalSGD(model, sync_every=1, comm=ctx.comm)

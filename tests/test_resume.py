@@ -313,6 +313,17 @@ def test_a_bundle_missing_a_rank_s_state_or_holding_another_s_is_said_or_refused
         make_trainer(sgd_momentum, epochs=2, save_path=stem, checkpoint_every=3).resume(
             stem, nprocs=2)
 
+    buffer = torch.load(rank0, weights_only=False)["optimizer"]["state"][0]["momentum_buffer"]
+    saved0 = rank0.read_bytes()
+    raw = bytearray(saved0)                 # damaged on disk (a probe: loaded silently)
+    at = bytes(raw).find(buffer.numpy().tobytes())
+    raw[at:at + 4] = torch.tensor([float("nan")]).numpy().tobytes()
+    rank0.write_bytes(bytes(raw))
+    with pytest.raises(Exception, match=rf"{re.escape(str(rank0))} is damaged: its tensors do "
+                                        rf"not match the checksum written with them"):
+        make_trainer(sgd_momentum, epochs=2, save_path=stem, checkpoint_every=3).resume(
+            stem, nprocs=2)
+    rank0.write_bytes(saved0)
     caplog.set_level("INFO", logger="flodl_shm")
     rank1.unlink()                          # lost in a partial copy
     make_trainer(sgd_momentum, epochs=2, save_path=stem, checkpoint_every=3,

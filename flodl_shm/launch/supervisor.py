@@ -647,7 +647,10 @@ class SpawnContext:
         if self._stops(dead):
             with self._lock:
                 first = self._failure is None
-                if first:
+                # the others' refusal to start says "see their error": this is that error
+                cause = not first and self._failure.exc_type == "StartRefused" and \
+                    out.exc_type is not None and out.exc_type not in ("StartRefused", "PeerDied")
+                if first or cause:
                     # a rank that raised PeerDied met a death already known: that is the news
                     self._failure = (self._first_death if out.exc_type == "PeerDied"
                                      and self._first_death is not None else err)
@@ -657,6 +660,9 @@ class SpawnContext:
             if first:
                 logger.error("rank %d failed (%s); stopping the cohort (%s)", global_rank,
                              what, self._why_stop(failures))
+            elif cause:
+                logger.error("rank %d failed (%s): the others refused to start for it",
+                             global_rank, what)
             else:  # (the cohort is stopping already: not a second "stopping" line)
                 logger.error("rank %d failed too (%s)", global_rank, what)
             self._abort(A.ABORT_FAILED, (global_rank, f"{_host_failure(err)[1]}; "

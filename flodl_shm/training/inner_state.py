@@ -18,7 +18,8 @@ from typing import Any, Optional
 
 logger = logging.getLogger("flodl_shm")
 
-__all__ = ["check_optimizer_state", "check_rank_file", "read_rank_state", "restore_inner"]
+__all__ = ["check_optimizer_state", "check_rank_file", "read_rank_state", "restore_inner",
+           "seal_rank_state", "tensors_checksum"]
 
 def read_rank_state(path, *, lazy: bool = False) -> Any:
     """A rank's state file of a checkpoint bundle (``<stem>.rank<N>.optim``), read with
@@ -37,10 +38,67 @@ def read_rank_state(path, *, lazy: bool = False) -> Any:
         first = (str(e).strip().splitlines() or [""])[0]
         raise CheckpointError(
             f"{path} cannot be read ({type(e).__name__}: {first}): the file is damaged or "
-            f"truncated. Resume from the bundle before this one, or delete this file to load "
-            f"the consensus with the inner optimizer, schedule and counters fresh (this "
-            f"rank's under the Trainer, every rank's under LocalSGD)"
-        ) from e
+            f"truncated. {_WAYS_ON}") from e
+
+
+#: what a damaged rank state file leaves its user
+_WAYS_ON = ("Resume from the bundle before this one, or delete this file to load the consensus "
+            "with the inner optimizer, schedule and counters fresh (this rank's under the "
+            "Trainer, every rank's under LocalSGD)")
+
+
+def tensors_checksum(obj: Any) -> int:
+    """A CRC-32 of every dense tensor in ``obj`` (dicts, lists and tuples walked, their keys
+    taken in; other objects skipped) with its dtype and shape: what a rank state file's
+    bytes must still hold when it is read back (a damaged file otherwise loads silently,
+    a NaN in it spreading to every rank at the next sync)."""
+    import zlib
+
+    import torch
+
+    crc = 0
+
+    def walk(x: Any, key: str) -> None:
+        nonlocal crc
+        if isinstance(x, torch.Tensor):
+            if x.layout is torch.strided and not x.is_nested and x.device.type == "cpu":
+                crc = zlib.crc32(f"{key}:{x.dtype}{tuple(x.shape)}".encode(), crc)
+                crc = zlib.crc32(x.detach().contiguous().reshape(-1).view(torch.uint8)
+                                 .numpy(), crc)
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, f"{key}/{k}")
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, f"{key}/{i}")
+
+    walk(obj, "")
+    return crc
+
+
+def seal_rank_state(state: dict, save_id: Optional[int] = None) -> dict:
+    """``state`` with the checksum of its tensors (:func:`tensors_checksum`, which the load
+    checks: a file damaged on disk is refused instead of loaded) and, for LocalSGD, the
+    save it belongs to (``save_id``, the same on every rank of one save: a rank file
+    copied in from another save of the same sync round is refused too)."""
+    sealed = {**state, "checksum": tensors_checksum(state)}
+    if save_id is not None:
+        sealed["save_id"] = int(save_id)
+    return sealed
+
+
+def check_rank_checksum(path, state: dict) -> None:
+    """Raise ``CheckpointError`` naming ``path`` when its tensors no longer match the
+    checksum written with them (a file of an older version, without one, passes)."""
+    from ..errors import CheckpointError
+
+    saved = state.get("checksum")
+    if saved is None:
+        return
+    rest = {k: v for k, v in state.items() if k not in ("save_id", "checksum")}
+    if tensors_checksum(rest) != saved:
+        raise CheckpointError(f"{path} is damaged: its tensors do not match the checksum "
+                              f"written with them. {_WAYS_ON}")
 
 
 def check_rank_file(path, meta_path, saved_rank, rank: int, saved_round,

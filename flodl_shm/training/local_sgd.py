@@ -79,7 +79,8 @@ import torch
 
 from ..checkpoint._atomic import atomic_write
 from ..engine.comm import Comm
-from ..errors import SchemaMismatchError, SeriesInUse, ShmSpaceError, check_flag, plural
+from ..errors import (SchemaMismatchError, SeriesInUse, ShmSpaceError, StartRefused, check_flag,
+                      plural)
 from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, ElCheState, ModelSchema,
                                SaveReason, averaged_buffers, checkpoint_path)
 from ..frame import DTYPE_F32, tensors_to_round_frame
@@ -88,7 +89,8 @@ from .agreement import (check_controller_steps_none, check_same_model, check_sam
 from .convergence import TrendGuard, resumed_guard
 from .cohort_log import log_cohort_decisions_from
 from .el_che import ElChe, check_anchor
-from .inner_state import check_optimizer_state, check_rank_file, read_rank_state, restore_inner
+from .inner_state import (check_optimizer_state, check_rank_checksum, check_rank_file,
+                          read_rank_state, restore_inner, seal_rank_state)
 from .outer import OuterOptimizer
 from .realized_work import gamma_mass, is_realized, mover_mass
 from .sync_window import ReplicaReduce, gather_columns, params_round_carries_buffers
@@ -980,7 +982,7 @@ class LocalSGD:
         model_path = round_model_path(path, self.sync_round)
         self._claim_series(path, overwrite)
         model_path.parent.mkdir(parents=True, exist_ok=True)
-        state = self.state_dict()
+        state = seal_rank_state(self.state_dict(), self._agree_on_save_id())
         failed = None
         try:
             atomic_write(rank_state_path(model_path, self.rank),
@@ -1004,6 +1006,39 @@ class LocalSGD:
                 failed = e
         self._all_wrote(failed, "the bundle's model and metadata")
         return model_path
+
+    def _agree_on_save_id(self) -> int:
+        """One small round: the id of this save, the same on every rank (from each rank's
+        random draw), written into every rank's state file so that ``load`` can tell a
+        file of another save of the same sync round (:meth:`_agree_on_save`)."""
+        mine = [0.0] * self.world_size
+        mine[self.rank] = float(random.SystemRandom().randrange(1, 1 << 52))  # exact in f64
+        drawn = self.comm.all_reduce_per_rank_f64(mine)
+        return sum(int(v) for v in drawn) % ((1 << 52) - 1) + 1
+
+    def _agree_on_save(self, bundle, state: dict) -> None:
+        """``load()``'s check that every rank's state file comes from the same save (a
+        collective, before any rank changes its model): a file copied in from another run
+        saved at the same sync round would start its rank from other weights than the
+        others, silently. Files written before save ids (none) pass."""
+        mine = [0.0] * self.world_size
+        mine[self.rank] = float(state["counters"]["sync_round"]) + 1.0
+        if len({v for v in self.comm.all_reduce_per_rank_f64(mine) if v}) > 1:
+            return  # bundles of different rounds: the closing check names them
+        mine[self.rank] = float(state.get("save_id") or -1)
+        got = self.comm.all_reduce_per_rank_f64(mine)
+        saves: dict[int, list[int]] = {}
+        for r, v in enumerate(got):
+            if v > 0:  # (a dead rank reads 0, a file without an id -1)
+                saves.setdefault(int(v), []).append(r)
+        if len(saves) > 1:
+            groups = "; ".join(f"ranks {ranks}" for ranks in saves.values())
+            raise StartRefused(
+                f"the rank state files of {bundle} come from {len(saves)} different saves of "
+                f"sync round {state['counters']['sync_round']} ({groups}, each from its "
+                f"own): a file copied in from another run? Load a "
+                f"bundle whose files were written together, or delete the files of the ranks "
+                f"not of this save to load the consensus with every rank's inner state fresh")
 
     def _all_wrote(self, failed: Optional[Exception], what: str) -> None:
         """``save``'s barriers: one small round in which every rank learns whether one
@@ -1144,6 +1179,8 @@ class LocalSGD:
         if _STATE_UNREADABLE in kinds:  # (raises on every rank, before any changes its model)
             self._agree_on_start(failed=failed, start_round=getattr(meta, "sync_round", None))
         exact = all(k == _STATE_OWN for k in kinds if k)  # (a dead rank's slot reads 0)
+        if exact:  # (raises on every rank alike, before any changes its model)
+            self._agree_on_save(bundle, state)
         try:
             if exact:
                 self._resume_exactly(bundle, state)
@@ -1222,6 +1259,7 @@ class LocalSGD:
             return meta, state, _STATE_FOREIGN  # e.g. a Trainer's bundle: its own state
         check_rank_file(rank_path, meta_path, state.get("rank"), self.rank,
                         state["counters"]["sync_round"], meta.sync_round)
+        check_rank_checksum(rank_path, state)
         if state.get("world_size") != self.world_size:
             return meta, state, _STATE_OTHER_WORLD
         return meta, state, _STATE_OWN

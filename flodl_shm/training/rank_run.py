@@ -32,7 +32,8 @@ from .coordinator import Coordinator, CoordinatorConfig
 from .coverage import epoch_permutation
 from .data import check_samples_fit_loss_fn, fetch_batch, is_dataset_factory, micro_batches
 from .hooks import BatchInfo, RankState, RankSummary, WindowStats
-from .inner_state import check_rank_file, read_rank_state, restore_inner
+from .inner_state import (check_rank_checksum, check_rank_file, read_rank_state, restore_inner,
+                          seal_rank_state)
 from .local_sgd import LocalSGD, check_replica
 from .sync_window import (COUNT_ROWS, accepted_across_hosts, count_column,
                           counts_from_reports, falls_short, gather_counts)
@@ -286,7 +287,7 @@ class _RankRun:
                                 if not b.is_floating_point()},
         }
         atomic_write(CheckpointBundle.rank_state_path(model_path, self.rank),
-                     lambda fh: torch.save(state, fh))
+                     lambda fh: torch.save(seal_rank_state(state), fh))
 
     def _load_rank_state(self, model_path) -> None:
         """On resume: this rank's inner optimizer and LR scheduler states and integer
@@ -304,6 +305,7 @@ class _RankRun:
         if meta is not None:
             check_rank_file(path, CheckpointBundle.meta_path(model_path), state.get("rank"),
                             self.rank, state.get("sync_round"), meta.sync_round)
+        check_rank_checksum(path, state)
         if state["world_size"] != self.ctx.world_size:
             if self._is_host_lead():  # one line for every rank of the host, not one each
                 logger.warning("%s was written by a cohort of %s, this one has %d: every "
