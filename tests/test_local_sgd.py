@@ -685,6 +685,11 @@ def test_a_rank_file_of_another_save_of_the_same_round_is_refused_on_every_rank(
             f"StartRefused: the rank state files of {bundle} come from 2 different saves of "
             f"sync round 2 (ranks [0]; ranks [1], each from its own)"), msg
     assert _load_two_ranks(other) == [None, None]  # (its own files: whole)
+    state = torch.load(rank_state_path(other, 0), weights_only=False)
+    del state["save_id"]  # (as a file written before save ids: with others that have one)
+    torch.save(state, rank_state_path(bundle, 0))
+    assert all(m is not None and "come from 2 different saves" in m
+               for m in _load_two_ranks(bundle))
 
 
 def test_a_rank_file_damaged_on_disk_is_named_not_loaded(tmp_path):
@@ -709,6 +714,12 @@ def test_a_rank_file_damaged_on_disk_is_named_not_loaded(tmp_path):
     assert said[1].startswith("StartRefused: ") and "ranks [0]" in said[1], said[1]
     path.unlink()  # the way on it names: the consensus, every rank's inner state fresh
     assert _load_two_ranks(bundle) == [None, None]
+    path = rank_state_path(bundle, 1)  # (the checksum covers the RNG states too)
+    state = torch.load(path, weights_only=False)
+    state["rng"]["numpy"][1][0] ^= 1
+    torch.save(state, path)
+    said = _load_two_ranks(bundle)
+    assert said[1].startswith(f"CheckpointError: {path} is damaged"), said[1]
 
 
 def test_a_diverged_consensus_is_not_saved_and_the_finite_bundles_stay(tmp_path):

@@ -48,12 +48,14 @@ _WAYS_ON = ("Resume from the bundle before this one, or delete this file to load
 
 
 def tensors_checksum(obj: Any) -> int:
-    """A CRC-32 of every dense tensor in ``obj`` (dicts, lists and tuples walked, their keys
-    taken in; other objects skipped) with its dtype and shape: what a rank state file's
-    bytes must still hold when it is read back (a damaged file otherwise loads silently,
-    a NaN in it spreading to every rank at the next sync)."""
+    """A CRC-32 of every dense tensor and NumPy array in ``obj`` with its dtype and shape,
+    and of every plain number and string (dicts, lists and tuples walked, their keys taken
+    in; other objects, such as an ElChe, skipped): what a rank state file's bytes must
+    still hold when it is read back (a damaged file otherwise loads silently, a NaN in it
+    spreading to every rank at the next sync)."""
     import zlib
 
+    import numpy as np
     import torch
 
     crc = 0
@@ -65,6 +67,11 @@ def tensors_checksum(obj: Any) -> int:
                 crc = zlib.crc32(f"{key}:{x.dtype}{tuple(x.shape)}".encode(), crc)
                 crc = zlib.crc32(x.detach().contiguous().reshape(-1).view(torch.uint8)
                                  .numpy(), crc)
+        elif isinstance(x, np.ndarray):  # (NumPy's RNG state)
+            crc = zlib.crc32(f"{key}:{x.dtype}{x.shape}".encode(), crc)
+            crc = zlib.crc32(np.ascontiguousarray(x).tobytes(), crc)
+        elif x is None or isinstance(x, (bool, int, float, str)):  # (counters, Python's RNG)
+            crc = zlib.crc32(f"{key}={x!r}".encode(), crc)
         elif isinstance(x, dict):
             for k, v in x.items():
                 walk(v, f"{key}/{k}")

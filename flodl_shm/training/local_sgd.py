@@ -1020,7 +1020,7 @@ class LocalSGD:
         """``load()``'s check that every rank's state file comes from the same save (a
         collective, before any rank changes its model): a file copied in from another run
         saved at the same sync round would start its rank from other weights than the
-        others, silently. Files written before save ids (none) pass."""
+        others, silently. Files written before save ids pass when every rank's is one."""
         mine = [0.0] * self.world_size
         mine[self.rank] = float(state["counters"]["sync_round"]) + 1.0
         if len({v for v in self.comm.all_reduce_per_rank_f64(mine) if v}) > 1:
@@ -1029,7 +1029,7 @@ class LocalSGD:
         got = self.comm.all_reduce_per_rank_f64(mine)
         saves: dict[int, list[int]] = {}
         for r, v in enumerate(got):
-            if v > 0:  # (a dead rank reads 0, a file without an id -1)
+            if v:  # (a dead rank reads 0; files written before save ids, -1, go together)
                 saves.setdefault(int(v), []).append(r)
         if len(saves) > 1:
             groups = "; ".join(f"ranks {ranks}" for ranks in saves.values())
