@@ -90,6 +90,32 @@ def test_converted_consensus_loads_with_load_state_dict(tmp_path, dst, capsys):
     assert_same_state(model, fresh)
 
 
+def test_a_consensus_converted_without_its_names_says_how_to_get_them(tmp_path, capsys):
+    """A probe converted a bundle's .fdl whose .names.json was not copied with it: the
+    output kept p0, p1, ... without a word, and load_state_dict refused it later."""
+    from flodl_shm.checkpoint.convert import consensus_state_dict
+
+    model = make_model()
+    forge_checkpoint(model, tmp_path / "c.fdl")
+    names = (tmp_path / "c.names.json").read_bytes()
+    (tmp_path / "c.names.json").unlink()
+    assert cli.main(["convert", str(tmp_path / "c.fdl"), str(tmp_path / "c.pt")]) == 0
+    said = capsys.readouterr()
+    assert said.err.startswith(f"note: {tmp_path / 'c.fdl'} has no c.names.json next to it, "
+                               f"so {tmp_path / 'c.pt'} keeps its positional keys (p0, p1, ..."), \
+        said.err
+    assert "consensus_state_dict(" in said.err
+    fresh = make_model(1)
+    fresh.load_state_dict(consensus_state_dict(tmp_path / "c.fdl", fresh))  # the way it names
+    assert_same_state(model, fresh)
+    assert cli.main(["convert", str(tmp_path / "c.pt"), str(tmp_path / "d.fdl")]) == 0
+    assert cli.main(["convert", "--keep-keys", str(tmp_path / "c.fdl"),
+                     str(tmp_path / "e.pt")]) == 0
+    (tmp_path / "c.names.json").write_bytes(names)
+    assert cli.main(["convert", str(tmp_path / "c.fdl"), str(tmp_path / "f.pt")]) == 0
+    assert "note:" not in capsys.readouterr().err  # (asked to keep them, or names found)
+
+
 def test_fdl_to_fdl_keeps_positional_keys_and_copies_the_names(tmp_path):
     model = make_model()
     forge_checkpoint(model, tmp_path / "c.fdl")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -126,9 +127,16 @@ def _convert(src: str, dst: str, src_fmt: Optional[str], dst_fmt: Optional[str],
              keep_keys: bool) -> int:
     from ..checkpoint.convert import bundle_names, convert, detect_format
 
-    renamed = (not keep_keys and (src_fmt or detect_format(src)) == "fdl"
-               and bundle_names(src) is not None)
+    from_fdl = (src_fmt or detect_format(src)) == "fdl"
+    renamed = not keep_keys and from_fdl and bundle_names(src) is not None
     n = convert(src, dst, src_fmt, dst_fmt, names=None if keep_keys else "auto")
+    if from_fdl and not keep_keys and not renamed and (dst_fmt or detect_format(dst)) != "fdl" \
+            and _positional(src):
+        print(f"note: {src} has no {names_sidecar_path(src).name} next to it, so {dst} keeps "
+              f"its positional keys (p0, p1, ..., b0, ...), which model.load_state_dict does "
+              f"not take: copy the bundle's .names.json next to {src} and convert again, or "
+              f"in Python: flodl_shm.checkpoint.convert.consensus_state_dict({src!r}, model)",
+              file=sys.stderr)
     how = ""
     if renamed:
         kept = (dst_fmt or detect_format(dst)) == "fdl"
@@ -136,6 +144,15 @@ def _convert(src: str, dst: str, src_fmt: Optional[str], dst_fmt: Optional[str],
                else f" (keys named from {names_sidecar_path(src).name})")
     print(f"wrote {dst}: {plural(n, 'tensor')} from {src}{how}")
     return 0
+
+
+def _positional(path: str) -> bool:
+    """Whether the ``.fdl`` at ``path`` is keyed as a consensus is (``p0``, ``b0``, ...)."""
+    from ..checkpoint.fdl import FdlReader
+
+    with FdlReader(path) as reader:
+        names = [e.name for e in reader.entries()]
+    return bool(names) and all(re.fullmatch(r"[pb]\d+", name) for name in names)
 
 
 def build_parser() -> argparse.ArgumentParser:
