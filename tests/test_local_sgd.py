@@ -608,6 +608,21 @@ def test_a_state_of_another_model_names_its_tensors_on_one_line():
         assert "\n" not in str(info.value)
 
 
+def test_a_bundle_that_does_not_fit_this_local_sgd_names_its_file(tmp_path):
+    """A probe loaded a plain LocalSGD's bundle into a DiLoCo: 'the state was saved
+    without an outer optimizer; build LocalSGD with the same outer argument', naming no
+    file (a job that loads one of several series cannot tell which)."""
+    with FakeCohort(1) as cohort:
+        sgd = LocalSGD(make_model(0), sync_every=1, comm=cohort.comm(0))
+        sgd.sync()
+        bundle = sgd.save(tmp_path / "ck")
+        with pytest.raises(ValueError) as info:
+            LocalSGD(make_model(0), sync_every=1, comm=cohort.comm(0),
+                     outer=OuterNesterov()).load(tmp_path / "ck")
+    assert str(info.value) == (f"{rank_state_path(bundle, 0)}: the state was saved without an "
+                               f"outer optimizer; build LocalSGD with the same outer argument")
+
+
 def test_a_rank_that_cannot_write_its_state_fails_the_save_on_every_rank(tmp_path,
                                                                          monkeypatch):
     """Rank 1's disk is full: it raises its own OSError and rank 0 raises naming rank 1,

@@ -1265,8 +1265,12 @@ class LocalSGD:
         return meta, state, _STATE_OWN
 
     def _resume_exactly(self, path, state: dict) -> None:
-        """Every rank found its own state: restore it whole (:meth:`load_state_dict`)."""
-        self.load_state_dict(state)
+        """Every rank found its own state: restore it whole (:meth:`load_state_dict`; its
+        refusals name the file here)."""
+        try:
+            self.load_state_dict(state)
+        except ValueError as e:
+            raise ValueError(f"{rank_state_path(path, self.rank)}: {e}") from e
         if self.comm.local_rank == 0:  # one line a host (each host reads its own copy)
             _warn_if_damaged(path, rank_state_path(path, self.rank))
 
