@@ -620,7 +620,8 @@ def test_a_bundle_that_does_not_fit_this_local_sgd_names_its_file(tmp_path):
             LocalSGD(make_model(0), sync_every=1, comm=cohort.comm(0),
                      outer=OuterNesterov()).load(tmp_path / "ck")
     assert str(info.value) == (f"{rank_state_path(bundle, 0)}: the state was saved without an "
-                               f"outer optimizer; build LocalSGD with the same outer argument")
+                               f"outer optimizer: build a plain LocalSGD (no outer=, not "
+                               f"DiLoCo) to load it")
 
 
 def test_a_rank_that_cannot_write_its_state_fails_the_save_on_every_rank(tmp_path,
@@ -721,7 +722,7 @@ def test_a_rank_file_damaged_on_disk_is_named_not_loaded(tmp_path):
     raw[at:at + 4] = torch.tensor([float("nan")]).numpy().tobytes()
     path.write_bytes(bytes(raw))
     said = _load_two_ranks(bundle)
-    assert said[0] == (f"CheckpointError: {path} is damaged: its tensors do not match the "
+    assert said[0] == (f"CheckpointError: {path} is damaged: its values do not match the "
                        f"checksum written with them. Resume from the bundle before this one, "
                        f"or delete this file to load the consensus with the inner optimizer, "
                        f"schedule and counters fresh (this rank's under the Trainer, every "

@@ -319,7 +319,7 @@ def test_a_bundle_missing_a_rank_s_state_or_holding_another_s_is_said_or_refused
     at = bytes(raw).find(buffer.numpy().tobytes())
     raw[at:at + 4] = torch.tensor([float("nan")]).numpy().tobytes()
     rank0.write_bytes(bytes(raw))
-    with pytest.raises(Exception, match=rf"{re.escape(str(rank0))} is damaged: its tensors do "
+    with pytest.raises(Exception, match=rf"{re.escape(str(rank0))} is damaged: its values do "
                                         rf"not match the checksum written with them"):
         make_trainer(sgd_momentum, epochs=2, save_path=stem, checkpoint_every=3).resume(
             stem, nprocs=2)

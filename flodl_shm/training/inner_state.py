@@ -1,5 +1,14 @@
-"""Restoring a rank's inner optimizer and LR scheduler from a checkpoint, saying what the
-checkpoint overrides.
+"""A rank's state file of a checkpoint bundle (``<stem>.rank<N>.optim``): reading it, checking
+that it is this rank's share of this save and undamaged, and restoring the rank's inner
+optimizer and LR scheduler from it, saying what the checkpoint overrides.
+
+Integrity: each file carries a CRC-32 of its saved values (:func:`seal_rank_state`), and
+LocalSGD's the id of the save it belongs to (the same on every rank of one save); a load
+checks both (:func:`check_rank_checksum`, ``LocalSGD.load``), so a file damaged on disk or
+copied in from another save is refused, naming it, instead of starting its rank from other
+values than the others'.
+
+Inner state:
 
 torch's ``Optimizer.load_state_dict`` and ``LRScheduler.load_state_dict`` restore the
 saved hyper-parameters (``lr``, ``momentum``, ``T_max``, ...) over the ones the
@@ -18,8 +27,8 @@ from typing import Any, Optional
 
 logger = logging.getLogger("flodl_shm")
 
-__all__ = ["check_optimizer_state", "check_rank_file", "read_rank_state", "restore_inner",
-           "seal_rank_state", "tensors_checksum"]
+__all__ = ["check_optimizer_state", "check_rank_checksum", "check_rank_file", "read_rank_state",
+           "restore_inner", "seal_rank_state", "state_checksum"]
 
 def read_rank_state(path, *, lazy: bool = False) -> Any:
     """A rank's state file of a checkpoint bundle (``<stem>.rank<N>.optim``), read with
@@ -47,7 +56,7 @@ _WAYS_ON = ("Resume from the bundle before this one, or delete this file to load
             "Trainer, every rank's under LocalSGD)")
 
 
-def tensors_checksum(obj: Any) -> int:
+def state_checksum(obj: Any) -> int:
     """A CRC-32 of every dense tensor and NumPy array in ``obj`` with its dtype and shape,
     and of every plain number and string (dicts, lists and tuples walked, their keys taken
     in; other objects, such as an ElChe, skipped): what a rank state file's bytes must
@@ -84,18 +93,18 @@ def tensors_checksum(obj: Any) -> int:
 
 
 def seal_rank_state(state: dict, save_id: Optional[int] = None) -> dict:
-    """``state`` with the checksum of its tensors (:func:`tensors_checksum`, which the load
+    """``state`` with the checksum of its values (:func:`state_checksum`, which the load
     checks: a file damaged on disk is refused instead of loaded) and, for LocalSGD, the
     save it belongs to (``save_id``, the same on every rank of one save: a rank file
     copied in from another save of the same sync round is refused too)."""
-    sealed = {**state, "checksum": tensors_checksum(state)}
+    sealed = {**state, "checksum": state_checksum(state)}
     if save_id is not None:
         sealed["save_id"] = int(save_id)
     return sealed
 
 
 def check_rank_checksum(path, state: dict) -> None:
-    """Raise ``CheckpointError`` naming ``path`` when its tensors no longer match the
+    """Raise ``CheckpointError`` naming ``path`` when its values no longer match the
     checksum written with them (a file of an older version, without one, passes)."""
     from ..errors import CheckpointError
 
@@ -103,8 +112,8 @@ def check_rank_checksum(path, state: dict) -> None:
     if saved is None:
         return
     rest = {k: v for k, v in state.items() if k not in ("save_id", "checksum")}
-    if tensors_checksum(rest) != saved:
-        raise CheckpointError(f"{path} is damaged: its tensors do not match the checksum "
+    if state_checksum(rest) != saved:
+        raise CheckpointError(f"{path} is damaged: its values do not match the checksum "
                               f"written with them. {_WAYS_ON}")
 
 

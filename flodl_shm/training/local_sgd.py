@@ -796,9 +796,11 @@ class LocalSGD:
                              f"{state.get('format') if isinstance(state, dict) else state!r})")
         cadence_kept = self._cadence_resumes(state)
         if (state["outer"] is None) != (self.outer is None):
-            raise ValueError("the state was saved with"
-                             f"{'out' if state['outer'] is None else ''} an outer optimizer; "
-                             "build LocalSGD with the same outer argument")
+            raise ValueError(
+                "the state was saved without an outer optimizer: build a plain LocalSGD (no "
+                "outer=, not DiLoCo) to load it" if state["outer"] is None else
+                "the state was saved with an outer optimizer: build LocalSGD with the outer= "
+                "it was saved with (DiLoCo for OuterNesterov) to load it")
         outer = state["outer"]
         if outer is not None and (outer["kind"] == "flodl_shm") != isinstance(
                 self.outer, OuterOptimizer):  # refused before anything is applied
