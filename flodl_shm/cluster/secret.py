@@ -48,9 +48,11 @@ def read_secret_file(path: str | os.PathLike) -> bytes:
     except OSError as e:
         raise ValueError(f"cannot read the session secret file {p}: {e}") from None
     except UnicodeDecodeError:
-        text = "\0"  # (binary data, below)
-    text = text.removeprefix("\ufeff")  # (the byte-order mark some editors write first)
-    if any((c < " " or c == "\x7f") and not c.isspace() for c in text):  # (NUL decodes)
+        text = None
+    if text is not None:
+        text = text.removeprefix("\ufeff")  # (the byte-order mark some editors write first)
+    # (NUL and other control bytes decode as text: binary all the same)
+    if text is None or any((c < " " or c == "\x7f") and not c.isspace() for c in text):
         raise ValueError(f"{p} is not a session secret file (it holds binary data): a secret "
                          f"is {2 * SESSION_SALT_BYTES} hex digits; create one with `python -m "
                          f"flodl_shm controller --new-secret FILE`")
