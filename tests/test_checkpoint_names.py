@@ -138,6 +138,25 @@ def test_the_outer_momentum_sidecar_converts_to_parameter_names(tmp_path):
     assert all(torch.equal(named[n], m) for (n, _), m in zip(model.named_parameters(), momentum))
 
 
+
+def test_an_outer_momentum_file_converted_without_its_names_says_what_it_holds(tmp_path,
+                                                                                capsys):
+    """The note for a consensus without its names advised load_state_dict and
+    consensus_state_dict for a bundle's .outer.fdl too, which holds momentum, not
+    weights."""
+    model = make_model()
+    momentum = [torch.full_like(p, float(i)) for i, p in enumerate(model.parameters())]
+    forge_checkpoint(model, tmp_path / "c.fdl", momentum=momentum)
+    (tmp_path / "c.names.json").unlink()
+    outer = outer_sidecar_path(tmp_path / "c.fdl")
+    assert cli.main(["convert", str(outer), str(tmp_path / "m.pt")]) == 0
+    said = capsys.readouterr().err
+    assert said.startswith(f"note: {outer} has no c.names.json next to it, so "
+                           f"{tmp_path / 'm.pt'} keeps its positional keys (p0, p1, ...: the "
+                           f"outer optimizer's momentum of each parameter"), said
+    assert "load_state_dict" not in said and "consensus_state_dict" not in said
+    assert list(torch.load(tmp_path / "m.pt")) == [f"p{i}" for i in range(len(momentum))]
+
 def test_keep_keys_and_files_without_names(tmp_path, capsys):
     model = make_model()
     forge_checkpoint(model, tmp_path / "c.fdl")

@@ -132,11 +132,18 @@ def _convert(src: str, dst: str, src_fmt: Optional[str], dst_fmt: Optional[str],
     n = convert(src, dst, src_fmt, dst_fmt, names=None if keep_keys else "auto")
     if from_fdl and not keep_keys and not renamed and (dst_fmt or detect_format(dst)) != "fdl" \
             and _positional(src):
-        print(f"note: {src} has no {names_sidecar_path(src).name} next to it, so {dst} keeps "
-              f"its positional keys (p0, p1, ..., b0, ...), which model.load_state_dict does "
-              f"not take: copy the bundle's .names.json next to {src} and convert again, or "
-              f"in Python: flodl_shm.checkpoint.convert.consensus_state_dict({src!r}, model)",
-              file=sys.stderr)
+        side = names_sidecar_path(src).name
+        if _is_outer(src):  # the outer optimizer's momentum, one entry per parameter
+            print(f"note: {src} has no {side} next to it, so {dst} keeps its positional keys "
+                  f"(p0, p1, ...: the outer optimizer's momentum of each parameter, in the "
+                  f"model's order): copy the bundle's .names.json next to {src} and convert "
+                  f"again to key them by parameter name", file=sys.stderr)
+        else:
+            print(f"note: {src} has no {side} next to it, so {dst} keeps its positional keys "
+                  f"(p0, p1, ..., b0, ...), which model.load_state_dict does not take: copy "
+                  f"the bundle's .names.json next to {src} and convert again, or in Python: "
+                  f"flodl_shm.checkpoint.convert.consensus_state_dict({src!r}, model)",
+                  file=sys.stderr)
     how = ""
     if renamed:
         kept = (dst_fmt or detect_format(dst)) == "fdl"
@@ -144,6 +151,11 @@ def _convert(src: str, dst: str, src_fmt: Optional[str], dst_fmt: Optional[str],
                else f" (keys named from {names_sidecar_path(src).name})")
     print(f"wrote {dst}: {plural(n, 'tensor')} from {src}{how}")
     return 0
+
+
+def _is_outer(path: str) -> bool:
+    """Whether ``path`` names a bundle's outer-momentum file (``<stem>.outer.fdl[.gz]``)."""
+    return os.path.basename(path).endswith((".outer.fdl", ".outer.fdl.gz"))
 
 
 def _positional(path: str) -> bool:
