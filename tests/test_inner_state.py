@@ -122,3 +122,22 @@ def test_a_damaged_rank_state_file_is_named_with_the_ways_on(tmp_path):
                                               r"damaged or truncated\. Resume from the bundle "
                                               r"before this one, or delete this file"):
         read_rank_state(path)
+
+
+def test_a_nan_setting_restored_over_a_nan_one_is_no_change(caplog):
+    """A probe's resume named a NaN parameter-group setting as replaced by the same NaN
+    (NaN != NaN): the log line listed a change that was none."""
+    caplog.set_level(logging.WARNING, logger="flodl_shm")
+    opt_state, _ = _saved(sgd())
+    opt_state["param_groups"][0]["floor"] = float("nan")
+    opt_state["param_groups"][0]["window"] = (float("nan"), 0.5)
+    opt, _ = _fresh(sgd())
+    opt.param_groups[0]["floor"] = float("nan")
+    opt.param_groups[0]["window"] = (float("nan"), 0.5)
+    restore_inner(opt, None, opt_state, None, "ck", "...")
+    assert caplog.text == ""
+    opt, _ = _fresh(sgd())
+    opt.param_groups[0]["floor"] = 1.0
+    opt.param_groups[0]["window"] = (float("nan"), 0.25)
+    restore_inner(opt, None, opt_state, None, "ck", "...")
+    assert "floor nan (built now: 1.0), window (nan, 0.5) (built now: (nan, 0.25))" in caplog.text

@@ -23,6 +23,7 @@ is loaded, naming both; torch would load it and fail at the first step.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Optional
 
 logger = logging.getLogger("flodl_shm")
@@ -210,6 +211,12 @@ def check_optimizer_state(optimizer, state: dict, where: str) -> list[str]:
 
 
 def _differs(a: Any, b: Any) -> bool:
+    """Whether a saved setting ``a`` differs from the one built now, ``b`` (a NaN setting
+    is the same as a NaN one, in a tuple such as ``betas`` too)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return a != b and not (math.isnan(a) and math.isnan(b))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) != len(b) or any(_differs(x, y) for x, y in zip(a, b))
     try:
         return bool(a != b)
     except Exception:  # e.g. tensors of another shape: a difference worth naming
