@@ -287,8 +287,11 @@ def test_per_rank_f64_gather():
     with FakeCohort(3) as c:
         for got in c.run(body):
             assert got.dtype == np.float64 and got.tolist() == [3.0, 5.0, 2.0]
-        with pytest.raises(ValueError, match=r"vector len \(2\) must equal world_size \(3\)"):
-            c.comm(0).all_reduce_per_rank_f64([1.0, 2.0])
+        # (a probe passed its own value alone, [x], and was not told how to fix it)
+        with pytest.raises(ValueError, match=r"one slot per rank: 2 values, world_size 3\. "
+                                             r"Pass 3 numbers with this rank's value at "
+                                             r"index 1 and zeros elsewhere"):
+            c.comm(1).all_reduce_per_rank_f64([1.0, 2.0])
 
 
 def test_control_rounds_are_plain_sums():

@@ -815,8 +815,11 @@ class Comm:
                                 f"{values!r:.60}")
             vec = vec.reshape(-1)
             if vec.shape[0] != world:
-                raise ValueError(f"vector len ({vec.shape[0]}) must equal world_size "
-                                 f"({world})")
+                raise ValueError(
+                    f"all_reduce_per_rank_f64 takes one slot per rank: {vec.shape[0]} "
+                    f"values, world_size {world}. Pass {world} numbers with this rank's "
+                    f"value at index {self.rank} and zeros elsewhere (every rank gets the "
+                    f"sum: each rank's value in its slot)")
             src[:] = vec
         if fused and self._fusable(_CONTROL, False):
             # into and out of the float64 staging: one compiled call (``_eager_call``
