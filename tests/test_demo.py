@@ -372,6 +372,14 @@ def test_resume_refuses_what_it_cannot_continue_before_writing_anything(tmp_path
     assert f"{other} does not hold a demo run: its checkpoint ckpt-r00000040.fdl is of another " \
         "model (parameter '0.weight' is [64, 20] in the checkpoint and [128, 64] in the " \
         "model" in err, err
+    # without --resume: the probe was told to continue another model's run with --resume
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        run_demo(parse_args(["--run-dir", str(other), "--no-progress", "--no-plot"]))
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{other} holds the checkpoints of another model, not of a demo run (last: " in err
+    assert "Pass another --run-dir, or --overwrite to delete them" in err and "--resume" not in err
     assert sorted(p.name for p in other.iterdir()) == before, "the refusal wrote into it"
     assert_clean()
 

@@ -723,6 +723,18 @@ def _resume_problems(cfg: DemoConfig, ckpt: Path) -> list[str]:
     return out
 
 
+def _of_another_model(ckpt) -> bool:
+    """Whether the consensus checkpoint ``ckpt`` is of another model than the demo's (a
+    damaged one is not known to be: ``--resume`` names what is wrong with it)."""
+    from flodl_shm import CheckpointError
+    from flodl_shm.training.resume_rules import model_mismatch
+
+    try:
+        return model_mismatch(ckpt, make_model) is not None
+    except (CheckpointError, OSError):
+        return False
+
+
 def _run_demo(cfg: DemoConfig) -> DemoResult:
     from flodl_shm import latest_checkpoint
 
@@ -730,9 +742,14 @@ def _run_demo(cfg: DemoConfig) -> DemoResult:
     last = latest_checkpoint(cfg.save_path)
     problems = []
     if last is not None and not cfg.resume and not cfg.overwrite:
-        problems.append(f"{cfg.run_dir} holds the checkpoints of an earlier run (last: "
-                        f"{last}); they are kept. Continue that run with --resume, start "
-                        f"over with --overwrite (deletes them), or pass another --run-dir")
+        if _of_another_model(last):  # a Trainer's or LocalSGD's own run
+            problems.append(f"{cfg.run_dir} holds the checkpoints of another model, not of "
+                            f"a demo run (last: {last}); they are kept. Pass another "
+                            f"--run-dir, or --overwrite to delete them")
+        else:
+            problems.append(f"{cfg.run_dir} holds the checkpoints of an earlier run (last: "
+                            f"{last}); they are kept. Continue that run with --resume, start "
+                            f"over with --overwrite (deletes them), or pass another --run-dir")
     ckpt = last if cfg.resume else None
     if cfg.resume and ckpt is None:
         problems.append(f"--resume: no complete checkpoint under {cfg.run_dir} (run the demo "
