@@ -12,6 +12,7 @@ import logging
 import os
 import resource
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from flodl_shm.cluster.secret import write_secret_file
 from flodl_shm.frame import DTYPE_BF16, DTYPE_F32, RoundFrame, RoundKind, TensorPayload
 
 from cluster_util import (SALT, HostProcess, join_hosts, join_raw, kill_a_host_mid_run,
-                          quick_average, run_hosts)
+                          loop_forever, quick_average, run_hosts)
 from engine_util import assert_no_leaks
 
 pytestmark = pytest.mark.timeout(240)
@@ -809,3 +810,47 @@ def test_a_bad_salt_leaves_a_secret_file_as_it_was(tmp_path, salt):
     with pytest.raises(ValueError, match=r"session salt must be 16 bytes"):
         write_secret_file(path, salt)
     assert read_secret_file(path) == SALT
+
+
+def test_a_frozen_controller_is_named_not_the_other_hosts_ranks(tmp_path):
+    """A probe SIGSTOPped the controller mid-run: each host's ranks gave up blaming the
+    other host's ranks ("ranks that had not arrived: [2, 3] (alive but silent ...)"),
+    and nothing said the controller had stopped answering. Without its verdict by the
+    ranks' deadline, the stall now names the controller first."""
+    port_file, ready = tmp_path / "port", tmp_path / "ready"
+
+    def controller():
+        ctl = ClusterController.start("127.0.0.1:0", 2, SALT, round_timeout=60.0)
+        port_file.write_text(str(ctl.port))
+        ctl.join()
+
+    ctl_proc = HostProcess(controller, "controller")
+    hosts = []
+    try:
+        deadline = time.monotonic() + 30
+        while not port_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        addr = f"127.0.0.1:{port_file.read_text()}"
+
+        def host(first: int):
+            return spawn(loop_forever, 1, (str(ready),), controller=addr, world_size=2,
+                         first_rank=first, salt=SALT, timeout=2.0)
+
+        hosts = [HostProcess(lambda i=i: host(i), f"host{i}") for i in range(2)]
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), "the hosts never ran their rounds"
+        os.kill(ctl_proc.pid, signal.SIGSTOP)
+        outcomes = join_hosts(hosts, time.monotonic() + 90)
+    finally:
+        for h in hosts:
+            h.kill()
+        ctl_proc.kill()  # (SIGKILL ends a stopped process too)
+    for ok, err in outcomes:
+        assert not ok and isinstance(err, RankFailed), repr(err)
+        text = str(err)
+        assert "no consensus from the controller within the" in text, text
+        assert "The controller is likely not answering (its process stopped" in text, text
+    assert "ranks on other hosts ([1]) did not deliver" in str(outcomes[0][1])
+    assert "ranks on other hosts ([0]) did not deliver" in str(outcomes[1][1])

@@ -202,6 +202,22 @@ class RoundView:
         return [r for r in range(64) if (self.contrib_mask >> r) & 1]
 
 
+def _controller_silent(stall: ReduceStall) -> ReduceStall:
+    """A cluster round's stall when neither the consensus nor the controller's verdict
+    came: an answering controller stalls the round before the ranks' own deadline and
+    names who never delivered, so the likely cause is the controller itself (a probe's
+    SIGSTOPped controller was blamed on the other host's healthy ranks)."""
+    others = list(stall.missing)
+    return ReduceStall(
+        f"round {stall.round} stalled: no consensus from the controller within the "
+        f"{stall.timeout:g} s collective timeout, and no verdict from it "
+        f"{RELAY_VERDICT_S:g} s later (a controller that is answering stalls the round "
+        f"first, naming the ranks that never delivered). The controller is likely not "
+        f"answering (its process stopped or overloaded, or cut off from this host): check it "
+        f"and its output. Otherwise the ranks on other hosts ({others}) did not deliver",
+        round=stall.round, missing=stall.missing, timeout=stall.timeout)
+
+
 class RoundEngine:
     """Drives the control-block protocol for one participant of one arena.
 
@@ -870,7 +886,7 @@ class RoundEngine:
             # ranks that never delivered; its verdict reaches the relay a moment later
             self._await_relay_verdict(rnd)
             if int(ctl[A.G_CONSENSUS]) < rnd:
-                raise e
+                raise _controller_silent(e) from None
         return float(self.arena.ctl_f64[A.G_CONSENSUS_MASS])
 
     def _remote_ranks(self) -> tuple[int, ...]:
