@@ -253,7 +253,10 @@ def test_a_failed_cluster_host_says_how_the_hosts_resume_together(tmp_path, secr
             "host. The hosts resume from one round") in r.stderr, r.stderr
     assert ("copied from another host's --run-dir or from the controller's copy (the "
             "controller writes it under the --run-dir path of the host with rank 0, taken from "
-            "where the controller runs)") in r.stderr, r.stderr
+            "where the controller runs); its ranks then start their inner optimizers fresh. "
+            "Or, when every host holds that older round's checkpoint whole, move the newer "
+            "round's files") in r.stderr, r.stderr  # (a probe: the way that keeps every
+    # rank's optimizer state was not said)
     assert "--outer-state" not in r.stderr  # (plain averaging: the controller holds nothing)
 
 

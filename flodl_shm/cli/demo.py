@@ -1006,7 +1006,11 @@ def _continue_with(cfg: DemoConfig, last, error: Optional[BaseException] = None)
             "host whose newest checkpoint is older than the others' (a host that was lost) "
             "first needs the newer round's .fdl and .meta.json, copied from another host's "
             "--run-dir or from the controller's copy (the controller writes it under the "
-            "--run-dir path of the host with rank 0, taken from where the controller runs).")
+            "--run-dir path of the host with rank 0, taken from where the controller runs); "
+            "its ranks then start their inner optimizers fresh. Or, when every host holds "
+            "that older round's checkpoint whole, move the newer round's files out of the "
+            "other hosts' --run-dir: every rank then resumes exactly, with its own optimizer "
+            "state, and trains the newer round's windows again.")
 
 
 def _elsewhere(cfg: DemoConfig, error: Optional[BaseException] = None) -> str:

@@ -224,8 +224,12 @@ class _RankRun:
         start = None if meta is None else meta.sync_round
         check_same_start(self.comm, start,
                          "resume every host from the same checkpoint round (each host "
-                         "writes its own copy of every bundle; a host that lost its copy "
-                         "can take the controller's .fdl and .meta.json of that round)")
+                         "writes its own copy of every bundle): give a host without the "
+                         "newer round its .fdl and .meta.json (another host's copy or the "
+                         "controller's; its ranks then start their inner optimizers fresh), "
+                         "or, when every host holds the older round whole, move the newer "
+                         "round's files out of the hosts that have it (every rank then "
+                         "resumes exactly, with its own .rank<N>.optim)")
         # the controller steps the outer optimizer: this one, from this round's momentum
         from ..checkpoint.forge import outer_sidecar_path
 
