@@ -60,14 +60,19 @@ class _Outcome:
 
 
 def _failure_error(global_rank: int, out: "_Outcome", msg: tuple | None,
-                   started: bool = True) -> RankFailed:
+                   started: bool = True, timeout: float | None = None) -> RankFailed:
     """The error ``spawn`` raises for rank ``global_rank``'s failure: a ``RankStalled``
-    when the rank gave up waiting on ranks that never came (its own backstop deadline),
-    else a ``RankFailed``; one that exited with Python's error status before it ran
-    ``fn`` (``started`` False) says where its traceback went and the usual cause."""
+    when the rank gave up waiting on ranks that never came (its own backstop deadline,
+    explained from spawn's ``timeout``), else a ``RankFailed``; one that exited with
+    Python's error status before it ran ``fn`` (``started`` False) says where its
+    traceback went and the usual cause."""
     stall = msg[3] if msg is not None and msg[0] == "error" and len(msg) > 3 else None
     if stall and stall["missing"] and all(isinstance(m, int) for m in stall["missing"]):
-        return RankStalled(f"rank {global_rank} gave up waiting: {stall['text']}",
+        # (a probe passed timeout=15 and read of "the 30 s collective timeout")
+        deadline = ("" if timeout is None else
+                    f" (spawn's timeout={timeout:g} s; a rank's own deadline trails it by "
+                    f"{stall_grace(timeout):g} s, in which the launcher gives its own verdict)")
+        return RankStalled(f"rank {global_rank} gave up waiting: {stall['text']}{deadline}",
                            round=int(stall["round"]), missing=tuple(stall["missing"]),
                            timeout=stall["timeout"], signal=None)
     if not started and out.kind == "died" and out.exitcode == 1:
@@ -628,7 +633,8 @@ class SpawnContext:
             err = RankFailed(global_rank, "ReduceStall", "", out.signal, out.exitcode,
                              message=stalled)
         else:
-            err = _failure_error(global_rank, out, msg, started=r in self._running)
+            err = _failure_error(global_rank, out, msg, started=r in self._running,
+                                 timeout=self.timeout)
         if out.exc_type == "StartRefused":
             # every rank refuses at the same point: no death to tolerate, the run stops.
             # The refusal names the cause, so it also replaces a failure this host only
