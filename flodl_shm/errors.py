@@ -33,23 +33,29 @@ class ReduceStall(TimeoutError):
 
     Attributes:
         round: the round number that stalled.
-        missing: the ranks that had not arrived (or finished their part).
+        missing: the ranks that had not arrived (or finished their part): global ranks
+            when ``global_ranks`` (a round across hosts, and ``spawn``'s own errors),
+            else the host's local ranks (a wait inside one host's shared memory).
         timeout: the deadline in seconds.
+        global_ranks: whether ``missing`` holds global ranks.
     """
 
     def __init__(self, message: str, *, round: int = -1, missing: tuple[int, ...] = (),
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, global_ranks: bool = False) -> None:
         super().__init__(message)
         self.round = round
         self.missing = tuple(missing)
         self.timeout = timeout
+        self.global_ranks = bool(global_ranks)
 
     def __reduce__(self):
-        return (_rebuild_reduce_stall, (str(self), self.round, self.missing, self.timeout))
+        return (_rebuild_reduce_stall, (str(self), self.round, self.missing, self.timeout,
+                                        self.global_ranks))
 
 
-def _rebuild_reduce_stall(message, round, missing, timeout):
-    return ReduceStall(message, round=round, missing=missing, timeout=timeout)
+def _rebuild_reduce_stall(message, round, missing, timeout, global_ranks=False):
+    return ReduceStall(message, round=round, missing=missing, timeout=timeout,
+                       global_ranks=global_ranks)
 
 
 class CohortAborted(RuntimeError):
@@ -180,7 +186,8 @@ class RankStalled(ReduceStall, RankFailed):
         #: the message without that suffix: what a command line prints
         self.why = message.removesuffix(said)  # (a pickled copy carries it already)
         message = self.why + said
-        ReduceStall.__init__(self, message, round=round, missing=missing, timeout=timeout)
+        ReduceStall.__init__(self, message, round=round, missing=missing, timeout=timeout,
+                             global_ranks=True)
         self.rank = self.missing[0] if self.missing else -1
         self.exc_type = "ReduceStall"
         self.traceback = ""

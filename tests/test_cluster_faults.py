@@ -857,3 +857,6 @@ def test_a_frozen_controller_is_named_not_the_other_hosts_ranks(tmp_path):
                 "10 s, in which the launcher gives its own verdict)") in text, text
     assert "ranks on other hosts ([1]) did not deliver" in str(outcomes[0][1])
     assert "ranks on other hosts ([0]) did not deliver" in str(outcomes[1][1])
+    # (host 1's error said [0] and carried missing (1,), rank 1: its own rank; the
+    # launcher shifted global ranks as if they were the host's local ones)
+    assert [(err.missing, err.rank) for _, err in outcomes] == [((1,), 1), ((0,), 0)]

@@ -16,6 +16,8 @@ def _errors():
     result = TrainResult({}, [], None, Path("runs/demo/ckpt-r00000003.fdl"), (1,))
     return [
         ReduceStall("round 7 stalled", round=7, missing=(1, 2), timeout=3.0),
+        ReduceStall("round 7 stalled across hosts", round=7, missing=(0,), timeout=3.0,
+                    global_ranks=True),
         RankFailed(1, "ValueError", "Traceback ...\nValueError: bad"),
         RankFailed(2, None, "", "SIGKILL", -9),
         RankStalled("ranks [1] stalled", round=4, missing=(1,), timeout=2.0),
@@ -32,7 +34,7 @@ def test_an_error_pickles_back_with_its_message_and_attributes(err):
     assert type(back) is type(err) and str(back) == str(err)
     for name in ("round", "missing", "timeout", "rank", "exc_type", "traceback", "signal",
                  "exitcode", "summary", "resume_hint", "checkpoint", "dead_ranks", "pid",
-                 "host_ranks", "lock", "holder", "job", "error"):
+                 "host_ranks", "lock", "holder", "job", "error", "global_ranks"):
         assert getattr(back, name, None) == getattr(err, name, None), name
 
 

@@ -922,7 +922,7 @@ class ClusterController:
                                           timeout=timeout))
         self.error = ReduceStall(f"round {rnd} stalled at the controller after {timeout} s; "
                                  f"ranks that never delivered: {missing}", round=rnd,
-                                 missing=tuple(missing), timeout=timeout)
+                                 missing=tuple(missing), timeout=timeout, global_ranks=True)
 
     def _note_rss(self) -> None:
         try:

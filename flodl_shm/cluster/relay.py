@@ -362,7 +362,8 @@ def _verdict(msg: dict) -> BaseException:
         return ReduceStall(
             f"round {msg['round']} stalled at the controller after {msg.get('timeout')} s; "
             f"ranks {msg['missing']} {why}", round=int(msg["round"]),
-            missing=tuple(int(r) for r in msg["missing"]), timeout=msg.get("timeout"))
+            missing=tuple(int(r) for r in msg["missing"]), timeout=msg.get("timeout"),
+            global_ranks=True)
     return ConnectionError(f"the controller ended the cohort: {msg.get('message')}")
 
 

@@ -215,7 +215,7 @@ def _controller_silent(stall: ReduceStall) -> ReduceStall:
         f"first, naming the ranks that never delivered). The controller is likely not "
         f"answering (its process stopped or overloaded, or cut off from this host): check it "
         f"and its output. Otherwise the ranks on other hosts ({others}) did not deliver",
-        round=stall.round, missing=stall.missing, timeout=stall.timeout)
+        round=stall.round, missing=stall.missing, timeout=stall.timeout, global_ranks=True)
 
 
 class RoundEngine:
@@ -914,7 +914,7 @@ class RoundEngine:
         if code == A.RELAY_STALL:
             raise ReduceStall(f"round {info['round']} stalled across hosts: {info['text']}",
                               round=int(info["round"]), missing=tuple(info["missing"]),
-                              timeout=info.get("timeout"))
+                              timeout=info.get("timeout"), global_ranks=True)
         raise ConnectionError(f"round {rnd}: this host lost the cohort: {info['text']}")
 
 
