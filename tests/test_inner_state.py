@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -141,3 +143,45 @@ def test_a_nan_setting_restored_over_a_nan_one_is_no_change(caplog):
     opt.param_groups[0]["window"] = (float("nan"), 0.25)
     restore_inner(opt, None, opt_state, None, "ck", "...")
     assert "floor nan (built now: 1.0), window (nan, 0.5) (built now: (nan, 0.25))" in caplog.text
+
+
+def test_settings_compare_by_value_whatever_holds_them():
+    """A regression probe: a NaN in a tensor, a numpy float32 or a dict (a scheduler's
+    nested state), and equal tensors of several elements, were each named as replaced."""
+    from flodl_shm.training.inner_state import _differs
+
+    nan = float("nan")
+    same = [(torch.tensor(nan), torch.tensor(nan)), (np.float32(nan), np.float32(nan)),
+            ({"a": nan, "b": [1, (nan, 2.0)]}, {"a": nan, "b": [1, (nan, 2.0)]}),
+            ([{"a": nan}], ({"a": nan},)), (torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0])),
+            (torch.tensor([1, 2]), torch.tensor([1, 2])), (1, 1.0), (0.0, -0.0)]
+    for a, b in same:
+        assert not _differs(a, b), (a, b)
+    differ = [(torch.tensor(nan), torch.tensor(1.0)), (np.float32(0.5), 0.25),
+              ({"a": 1.0}, {"a": 2.0}), ({"a": 1.0}, {"b": 1.0}), (torch.tensor([1.0, 2.0]),
+              torch.tensor([1.0, 2.5])), (torch.tensor([1.0]), torch.tensor([1.0, 1.0])),
+              (torch.tensor([1.0]), torch.tensor([1], dtype=torch.int64)), (nan, None),
+              (0.9, 0.9000001), ((0.9, 0.999), (0.9, 0.99))]
+    for a, b in differ:
+        assert _differs(a, b), (a, b)
+
+
+@pytest.mark.parametrize("make", [
+    lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0),
+    lambda opt: torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=2, T_mult=2)],
+    ids=["plateau", "warm-restarts"])
+def test_a_schedule_s_progress_is_not_named_as_a_setting(caplog, make):
+    """A regression probe: restoring a ReduceLROnPlateau built with the same settings
+    logged 'scheduler best 0.5 (built now: inf)' (and CosineAnnealingWarmRestarts its
+    T_cur and T_i): where the schedule was, not a setting."""
+    caplog.set_level(logging.WARNING, logger="flodl_shm")
+    model = torch.nn.Linear(3, 2)
+    opt = sgd()(model.parameters())
+    sched = make(opt)
+    for i in range(7):
+        opt.step()
+        sched.step(1.0 / (i + 1)) if isinstance(
+            sched, torch.optim.lr_scheduler.ReduceLROnPlateau) else sched.step()
+    opt2, sched2 = _fresh(sgd(), make)
+    restore_inner(opt2, sched2, opt.state_dict(), sched.state_dict(), "ck", "...")
+    assert caplog.text == ""

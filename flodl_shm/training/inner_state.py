@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from typing import Any, Optional
 
 logger = logging.getLogger("flodl_shm")
@@ -136,8 +137,10 @@ def check_rank_file(path, meta_path, saved_rank, rank: int, saved_round,
             f"whole (its stem: the newest complete one)")
 
 
-#: scheduler state entries that record progress, not settings
-_PROGRESS = frozenset({"last_epoch", "base_lrs"})
+#: scheduler state entries that record progress, not settings (ReduceLROnPlateau's best
+#: and counters, CosineAnnealingWarmRestarts' place in its cycle)
+_PROGRESS = frozenset({"last_epoch", "base_lrs", "best", "num_bad_epochs",
+                       "cooldown_counter", "T_cur", "T_i"})
 
 
 def restore_inner(optimizer, scheduler, optimizer_state: Optional[dict],
@@ -211,13 +214,25 @@ def check_optimizer_state(optimizer, state: dict, where: str) -> list[str]:
 
 
 def _differs(a: Any, b: Any) -> bool:
-    """Whether a saved setting ``a`` differs from the one built now, ``b`` (a NaN setting
-    is the same as a NaN one, in a tuple such as ``betas`` too)."""
-    if isinstance(a, float) and isinstance(b, float):
+    """Whether a saved setting ``a`` differs from the one built now, ``b``: numbers by
+    value (a NaN is the same as a NaN), sequences, dicts and tensors element by element
+    (a tuple such as ``betas``, a scheduler's nested states, a tensor ``lr``)."""
+    import torch
+
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return True
+        same = a == b
+        if a.is_floating_point() or a.is_complex():
+            same |= a.isnan() & b.isnan()
+        return not bool(same.all())
+    if isinstance(a, numbers.Real) and isinstance(b, numbers.Real):
         return a != b and not (math.isnan(a) and math.isnan(b))
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return len(a) != len(b) or any(_differs(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() != b.keys() or any(_differs(a[k], b[k]) for k in a)
     try:
         return bool(a != b)
-    except Exception:  # e.g. tensors of another shape: a difference worth naming
+    except Exception:  # e.g. an object without a meaning for ==: worth naming
         return True
