@@ -97,6 +97,63 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
     assert not run_lock_path(stem).exists()
 
 
+_LEAVES_AN_HEIR = textwrap.dedent("""
+    import os, sys, time
+    from flodl_shm.checkpoint.run_lock import RunLock
+    lock = RunLock(sys.argv[1])
+    lock.__enter__()
+    child = os.fork()
+    if child == 0:  # inherits the open lock file, as a DataLoader worker does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)  # (the test reads the holder's output to its end)
+        os.dup2(devnull, 2)
+        time.sleep(float(sys.argv[2]))
+        os._exit(0)
+    print(child, flush=True)
+    os._exit(0)  # the holder is gone (killed, say); its child holds the lock on
+""")
+
+
+def _holder_gone_heir_lingers(stem, linger: float) -> int:
+    """The pid of a child that holds the lock of ``stem`` for ``linger`` s after the
+    process that took it exited."""
+    out = subprocess.run([sys.executable, "-c", _LEAVES_AN_HEIR, os.fspath(stem), str(linger)],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout)
+
+
+def test_a_lock_held_on_by_a_gone_holder_s_children_is_waited_for(tmp_path, caplog):
+    """A probe's torchrun restart failed with SeriesInUse naming the killed rank: its
+    DataLoader worker had inherited the open lock file and lived on a few seconds,
+    holding the lock. An acquirer whose holder is gone waits for such processes."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="flodl_shm")
+    stem = tmp_path / "ckpt"
+    heir = _holder_gone_heir_lingers(stem, 1.5)
+    with RunLock(stem):
+        pass
+    assert "held by processes that pid " in caplog.text and f"started ({heir})" in caplog.text
+    assert "waiting up to 30 s for them to exit" in caplog.text
+
+
+def test_a_gone_holder_s_lingering_children_are_named(tmp_path, monkeypatch):
+    from flodl_shm.checkpoint import run_lock
+
+    monkeypatch.setattr(run_lock, "INHERITED_LOCK_WAIT_S", 0.5)
+    stem = tmp_path / "ckpt"
+    heir = _holder_gone_heir_lingers(stem, 60)
+    try:
+        with pytest.raises(SeriesInUse, match=rf"since .*, which is no longer running; "
+                                              rf"processes it started still hold the lock "
+                                              rf"file open \(pids {heir}: a DataLoader worker"):
+            with RunLock(stem):
+                pass
+    finally:
+        os.kill(heir, signal.SIGKILL)
+
+
 def test_trainer_run_on_a_series_in_use_deletes_nothing(tmp_path):
     from trainer_util import make_trainer
 

@@ -21,7 +21,11 @@ process that acquired it:
   folder, then its ``Trainer.run`` takes it again; the holder counts and releases at
   the outermost exit.
 - **Shared with forked children** (the ranks inherit the open file), which never
-  release it: only the acquiring process does (the count is per pid).
+  release it: only the acquiring process does (the count is per pid). A child can
+  outlive the holder for a while (a killed rank's DataLoader worker, until it notices),
+  holding the lock: an acquirer that finds the holder named in the file gone from this
+  host waits up to ``INHERITED_LOCK_WAIT_S`` for such processes to exit, then refuses
+  naming them.
 - **Shared by the hosts of one job.** Hosts of a cluster whose save paths lie on one
   shared file system (NFS) would otherwise refuse each other: a lock taken with a
   ``job`` identity (the Trainer's: a digest of the cluster's session salt; LocalSGD's:
@@ -186,10 +190,16 @@ class RunLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                info = _holder_info(fd)
-                os.close(fd)
-                raise SeriesInUse(os.fspath(self.path), _describe(info),
-                                  info.get("job"), info.get("member")) from None
+                try:
+                    info = _holder_info(fd)
+                    gone = _holder_gone(info)
+                    if not (gone and _outwait_inheritors(fd, self.path, info)):
+                        raise SeriesInUse(os.fspath(self.path),
+                                          _describe(info, fd if gone else None),
+                                          info.get("job"), info.get("member")) from None
+                except BaseException:
+                    os.close(fd)
+                    raise
             except BaseException:
                 os.close(fd)
                 raise
@@ -315,9 +325,82 @@ def _holder_info(fd: int) -> dict:
     return info
 
 
-def _describe(info: dict) -> str:
-    """'pid N on host H since T', or a plainer phrase."""
+def _describe(info: dict, inherited_fd: int | None = None) -> str:
+    """'pid N on host H since T', or a plainer phrase; with ``inherited_fd`` (the lock
+    file, open: its holder is gone), who holds it still."""
     try:
-        return f"pid {info['pid']} on host {info['host']} since {info['started']}"
+        who = f"pid {info['pid']} on host {info['host']} since {info['started']}"
     except KeyError:
         return "a process that has not written its details yet"
+    if inherited_fd is None:
+        return who
+    pids = _processes_holding(inherited_fd)
+    return (f"{who}, which is no longer running; processes it started still hold the lock "
+            f"file open ({'pids ' + ', '.join(map(str, pids)) if pids else 'not found'}: a "
+            f"DataLoader worker, say), and hold the lock with it: stop them")
+
+
+#: how long an acquirer waits for the processes that inherited a lock from a holder that
+#: is gone (a rank killed under torchrun leaves its DataLoader workers for a few seconds:
+#: they hold its lock file open, and the lock with it, until they notice and exit)
+INHERITED_LOCK_WAIT_S = 30.0
+
+
+def _holder_gone(info: dict) -> bool:
+    """Whether the holder named in the lock file is a process of this host that is no
+    longer running (the lock is then held by processes that inherited its open file)."""
+    pid = info.get("pid")
+    if info.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
+
+
+def _outwait_inheritors(fd: int, path: Path, info: dict) -> bool:
+    """Wait up to ``INHERITED_LOCK_WAIT_S`` for the processes that hold the lock of a
+    holder that is gone to exit; True once ``fd`` holds the lock."""
+    logger.warning("the run lock %s is held by processes that pid %s started (%s) and that "
+                   "outlive it; waiting up to %g s for them to exit", path, info.get("pid"),
+                   ", ".join(map(str, _processes_holding(fd))) or "not found",
+                   INHERITED_LOCK_WAIT_S)
+    deadline = time.monotonic() + INHERITED_LOCK_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            continue
+    return False
+
+
+def _processes_holding(fd: int) -> list[int]:
+    """The other processes of this host (that this user may inspect) with the file open
+    on ``fd`` open themselves."""
+    want = os.fstat(fd)
+    me, out = os.getpid(), []
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return out
+    for pid in pids:
+        if pid == me:
+            continue
+        try:
+            links = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for link in links:
+            try:
+                st = os.stat(f"/proc/{pid}/fd/{link}")
+            except OSError:
+                continue
+            if st.st_ino == want.st_ino and st.st_dev == want.st_dev:
+                out.append(pid)
+                break
+    return out
