@@ -9,6 +9,7 @@ and no ``/dev/shm`` segment outlives the ranks.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -597,6 +598,59 @@ def test_a_peer_that_destroyed_its_group_is_named_as_gone_not_dead(tmp_path, lat
             in err or "destroyed its process group and exited" in err), err
     assert res[0]["seconds"] < 10
     _no_segments_of(res)
+
+
+_DIES_UNCAUGHT = """
+import os, sys, time
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+import flodl_shm
+dist.init_process_group("flodl_shm", timeout=timedelta(seconds=30))
+dist.all_reduce(torch.ones(4))
+if dist.get_rank() == 1:
+    raise ValueError("boom in rank 1")
+t0 = time.monotonic()
+try:
+    dist.all_reduce(torch.ones(4))
+    print("no error")
+except RuntimeError as e:
+    print("error:", e)
+print("seconds:", time.monotonic() - t0)
+"""
+
+
+def test_a_peer_that_exits_on_an_uncaught_exception_is_named_dead_not_gone(tmp_path):
+    """An elastic-restart probe: under torchrun, a rank whose script raised (uncaught)
+    was reported to the rank waiting for it as 'already left (it returned from its
+    function, or destroyed its process group) ...: every rank must make the same
+    sequence of collective calls', blaming the call order for a crash: the group's
+    exit-time shutdown left as cleanly as a rank that finished."""
+    import subprocess
+
+    from c10d_driver import free_port
+
+    script = tmp_path / "dies.py"
+    script.write_text(_DIES_UNCAUGHT)
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[1].returncode == 1 and "ValueError: boom in rank 1" in outs[1][1], outs[1]
+    assert procs[0].returncode == 0, outs[0]
+    said = outs[0][0]
+    assert "error: " in said and "rank 1 (pid" in said and "died" in said, said
+    assert "same sequence of collective calls" not in said, said
+    assert float(said.rsplit("seconds:", 1)[1]) < 20, said
 
 
 @pytest.mark.slow

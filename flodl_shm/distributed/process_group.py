@@ -614,9 +614,10 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             raise RuntimeError(f"this flodl_shm process group is unusable: {self._unusable}")
         return self._link
 
-    def shutdown(self) -> None:
+    def shutdown(self, failed: bool = False) -> None:
         """Finish queued collectives, then release this rank's shared-memory mappings
-        (nothing is left in /dev/shm either way)."""
+        (nothing is left in /dev/shm either way). ``failed``: the program is ending on
+        an error, so its peers name this rank as dead, not as one that left early."""
         worker, self._worker = self._worker, None
         if worker is not None and not worker.stop(self._timeout.total_seconds()):
             logger.warning("flodl_shm group rank %d: queued collectives still running after "
@@ -628,7 +629,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         if link is not None:
             # a clean leave only from a usable group: a rank whose collective failed (a
             # timeout, say) exits as a failure, and its peers name the ranks they waited for
-            link.close(leaving=self._unusable is None)
+            link.close(leaving=self._unusable is None and not failed)
 
     def abort(self) -> None:
         self.shutdown()
@@ -1215,10 +1216,16 @@ def _shut_down_at_exit() -> None:
     """Shut down the groups a program left without ``dist.destroy_process_group()``,
     while the interpreter still runs: a multi-host group's gloo group of host leaders,
     left to the interpreter's teardown, aborted the process now and then ('terminate
-    called without an active exception', exit status -6)."""
+    called without an active exception', exit status -6). A program ending on an
+    uncaught exception (the interpreter printed it: ``sys.last_value``) does not leave
+    as one that finished: a peer waiting for it names it dead, where it was told the
+    rank "returned from its function" and to check the order of its collective calls."""
+    import sys
+
+    failed = (getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)) is not None
     for group in list(_live_groups):
         try:
-            group.shutdown()
+            group.shutdown(failed=failed)
         except Exception as e:  # noqa: BLE001 - exiting anyway: say it, shut the others
             logger.warning("flodl_shm: shutting down a process group at exit failed: %s", e)
 
