@@ -579,8 +579,9 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                    for m in e.missing]
         return (f"{what} ({self._me()}) timed out after "
                 f"{self._timeout.total_seconds():g} s: {self._named(missing)} of this host "
-                f"had not arrived (alive but not in this collective: every rank must make "
-                f"the same sequence of collective calls)")
+                f"had not arrived (alive but not in this collective: stuck or slow outside "
+                f"it, e.g. in data loading or a hang, or making another sequence of "
+                f"collective calls than this rank)")
 
     def _gave_up(self) -> None:
         """This rank's wait passed the group's timeout: say so in the host arena, so a
