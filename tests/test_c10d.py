@@ -653,6 +653,69 @@ def test_a_peer_that_exits_on_an_uncaught_exception_is_named_dead_not_gone(tmp_p
     assert float(said.rsplit("seconds:", 1)[1]) < 20, said
 
 
+_SLOW_TO_MAP = """
+import os, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+import flodl_shm
+from flodl_shm.engine import arena
+if os.environ["RANK"] == "1":  # holds the group in formation: the leader keeps its names
+    attach = arena.Arena.attach
+    arena.Arena.attach = lambda handle: (time.sleep(8), attach(handle))[1]
+try:
+    dist.init_process_group("flodl_shm", timeout=timedelta(seconds=60))
+except RuntimeError as e:
+    print("error:", e, flush=True)
+"""
+
+
+def test_a_leader_stopped_by_sigterm_while_the_group_forms_leaves_no_names(tmp_path):
+    """An elastic-restart probe: SIGTERM to the torchrun agent while the ranks were in
+    init_process_group left the leader's 8 arena segments in /dev/shm (the leader holds
+    their names until every host peer mapped them); the others waited on."""
+    import signal
+    import subprocess
+    import time
+
+    from c10d_driver import free_port
+
+    script = tmp_path / "slow.py"
+    script.write_text(_SLOW_TO_MAP)
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    leader = procs[0]
+    try:
+        deadline = time.monotonic() + 60
+        while (not [g for g in list_segments() if g.owner_pid == leader.pid]
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        assert [g for g in list_segments() if g.owner_pid == leader.pid], "no arena made"
+        time.sleep(0.3)
+        leader.send_signal(signal.SIGTERM)
+        leader.wait(30)
+        t0 = time.monotonic()
+        out, _ = procs[1].communicate(timeout=60)
+        waited = time.monotonic() - t0
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        left = [g.name for g in list_segments() if g.owner_pid == leader.pid]
+        for name in left:  # (none to remove, unless the test fails)
+            os.unlink(f"/dev/shm/{name}")
+    assert leader.returncode == -signal.SIGTERM  # it still ends by the signal
+    assert left == []
+    # (the store lived in rank 0's process here, as under env:// without torchrun)
+    assert "error: " in out and "rank 0" in out, out
+    assert waited < 13, waited  # (its own attach sleeps 8 s, then it hears at once)
+
+
 @pytest.mark.slow
 def test_a_dead_host_makes_the_other_hosts_raise_naming_its_leader(tmp_path):
     # rank 2 is alone on host "b" and dies: host "a"'s leader sees the gloo group fail,

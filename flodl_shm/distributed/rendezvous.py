@@ -37,10 +37,13 @@ hosts (``process_group.py``).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
+import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -176,15 +179,48 @@ def rendezvous(store, rank: int, world: int, timeout: timedelta) -> HostLink:
     import torch.distributed as dist
 
     inc = incarnation_store(store, rank, world, timeout, what)
-    try:
-        link = _form(inc, rank, world, timeout)
-    except dist.DistNetworkError as e:  # (no store left to tell the others through)
-        raise store_closed(what, e) from e
-    except BaseException as e:  # the first failure tells the others
-        inc.abandon(f"rank {rank} failed while the group formed: {type(e).__name__}: {e}")
-        raise
+    with _sigterm_unwinds():
+        try:
+            link = _form(inc, rank, world, timeout)
+        except dist.DistNetworkError as e:  # (no store left to tell the others through)
+            raise store_closed(what, e) from e
+        except BaseException as e:  # the first failure tells the others
+            inc.abandon(f"rank {rank} failed while the group formed: {type(e).__name__}: "
+                        f"{e}")
+            raise
     inc.retire(world, _formed_keys(world, len(link.topology.hosts)))
     return link
+
+
+class _Terminated(BaseException):
+    """A SIGTERM while the group formed (``_sigterm_unwinds``)."""
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """While the group forms, a SIGTERM (torchrun's agent stopping its workers, a
+    scheduler) unwinds as an exception: the leader unlinks the arena's names it holds
+    until every host peer mapped them (otherwise left in /dev/shm until a later leader
+    or ``ram --reap`` removes them) and the others hear why; then the process ends by
+    the SIGTERM, as it would have. Only in the main thread, and only where SIGTERM has
+    its default action (a program's own handler runs as it is)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+
+    def unwind(signum, frame):
+        raise _Terminated("stopped by SIGTERM while the group formed")
+
+    signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)  # (ends the process here)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _formed_keys(world: int, hosts: int) -> list[str]:
@@ -226,6 +262,7 @@ def _form(inc: Incarnation, rank: int, world: int, timeout: timedelta) -> HostLi
             try:
                 arena = A.Arena.attach(handle)
             except FileNotFoundError as e:
+                inc.raise_if_abandoned()  # its leader failed (and removed them) meanwhile
                 raise RuntimeError(
                     f"{what}: the group's store names host arena {handle.name('ctl')} of "
                     f"leader pid {handle.owner_pid}, which is gone: its leader removed the "
