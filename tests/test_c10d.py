@@ -600,6 +600,25 @@ def test_a_peer_that_destroyed_its_group_is_named_as_gone_not_dead(tmp_path, lat
     _no_segments_of(res)
 
 
+def _env_ranks(script: Path, text: str, world: int = 2) -> list:
+    """``world`` python processes running ``text`` (written to ``script``) as the ranks
+    of an env:// group on a free port, as torchrun or a scheduler starts them, with
+    their output piped."""
+    import subprocess
+
+    from c10d_driver import free_port
+
+    script.write_text(text)
+    port = free_port()
+    return [subprocess.Popen(
+        [sys.executable, str(script)], text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
+             "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+        for rank in range(world)]
+
+
 _DIES_UNCAUGHT = """
 import os, sys, time
 from datetime import timedelta
@@ -626,20 +645,7 @@ def test_a_peer_that_exits_on_an_uncaught_exception_is_named_dead_not_gone(tmp_p
     function, or destroyed its process group) ...: every rank must make the same
     sequence of collective calls', blaming the call order for a crash: the group's
     exit-time shutdown left as cleanly as a rank that finished."""
-    import subprocess
-
-    from c10d_driver import free_port
-
-    script = tmp_path / "dies.py"
-    script.write_text(_DIES_UNCAUGHT)
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    procs = _env_ranks(tmp_path / "dies.py", _DIES_UNCAUGHT)
     try:
         outs = [p.communicate(timeout=120) for p in procs]
     finally:
@@ -674,21 +680,9 @@ def test_a_leader_stopped_by_sigterm_while_the_group_forms_leaves_no_names(tmp_p
     init_process_group left the leader's 8 arena segments in /dev/shm (the leader holds
     their names until every host peer mapped them); the others waited on."""
     import signal
-    import subprocess
     import time
 
-    from c10d_driver import free_port
-
-    script = tmp_path / "slow.py"
-    script.write_text(_SLOW_TO_MAP)
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    procs = _env_ranks(tmp_path / "slow.py", _SLOW_TO_MAP)
     leader = procs[0]
     try:
         deadline = time.monotonic() + 60
