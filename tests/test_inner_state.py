@@ -154,14 +154,18 @@ def test_settings_compare_by_value_whatever_holds_them():
     same = [(torch.tensor(nan), torch.tensor(nan)), (np.float32(nan), np.float32(nan)),
             ({"a": nan, "b": [1, (nan, 2.0)]}, {"a": nan, "b": [1, (nan, 2.0)]}),
             ([{"a": nan}], ({"a": nan},)), (torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0])),
-            (torch.tensor([1, 2]), torch.tensor([1, 2])), (1, 1.0), (0.0, -0.0)]
+            (torch.tensor([1, 2]), torch.tensor([1, 2])), (1, 1.0), (0.0, -0.0),
+            (torch.tensor(nan), nan), (0.5, torch.tensor(0.5)), (np.ones(3), np.ones(3)),
+            (np.array([nan]), np.array([nan])), (np.array(["a"]), np.array(["a"])),
+            (10 ** 400, 10 ** 400)]
     for a, b in same:
         assert not _differs(a, b), (a, b)
     differ = [(torch.tensor(nan), torch.tensor(1.0)), (np.float32(0.5), 0.25),
               ({"a": 1.0}, {"a": 2.0}), ({"a": 1.0}, {"b": 1.0}), (torch.tensor([1.0, 2.0]),
               torch.tensor([1.0, 2.5])), (torch.tensor([1.0]), torch.tensor([1.0, 1.0])),
               (torch.tensor([1.0]), torch.tensor([1], dtype=torch.int64)), (nan, None),
-              (0.9, 0.9000001), ((0.9, 0.999), (0.9, 0.99))]
+              (0.9, 0.9000001), ((0.9, 0.999), (0.9, 0.99)), (torch.tensor(nan), 1.0),
+              (np.ones(3), np.zeros(3)), (10 ** 400, 1), (np.array(["a"]), np.array(["b"]))]
     for a, b in differ:
         assert _differs(a, b), (a, b)
 
@@ -180,8 +184,10 @@ def test_a_schedule_s_progress_is_not_named_as_a_setting(caplog, make):
     sched = make(opt)
     for i in range(7):
         opt.step()
-        sched.step(1.0 / (i + 1)) if isinstance(
+        # (a plateau: the schedule lowers lr, which the probe saw named as a setting)
+        sched.step(1.0 + i) if isinstance(
             sched, torch.optim.lr_scheduler.ReduceLROnPlateau) else sched.step()
+    assert opt.param_groups[0]["lr"] < 0.1
     opt2, sched2 = _fresh(sgd(), make)
     restore_inner(opt2, sched2, opt.state_dict(), sched.state_dict(), "ck", "...")
     assert caplog.text == ""

@@ -23,7 +23,6 @@ is loaded, naming both; torch would load it and fail at the first step.
 from __future__ import annotations
 
 import logging
-import math
 import numbers
 from typing import Any, Optional
 
@@ -161,7 +160,8 @@ def restore_inner(optimizer, scheduler, optimizer_state: Optional[dict],
     """
     changed = []
     if optimizer is not None and optimizer_state is not None:
-        changed += check_optimizer_state(optimizer, optimizer_state, where)
+        changed += check_optimizer_state(optimizer, optimizer_state, where,
+                                         scheduled=scheduler is not None)
         optimizer.load_state_dict(optimizer_state)
     if scheduler is not None and scheduler_state is not None:
         fresh = scheduler.state_dict()
@@ -176,10 +176,13 @@ def restore_inner(optimizer, scheduler, optimizer_state: Optional[dict],
                        "settings, %s", where, ", ".join(changed), override)
 
 
-def check_optimizer_state(optimizer, state: dict, where: str) -> list[str]:
+def check_optimizer_state(optimizer, state: dict, where: str,
+                          scheduled: bool = False) -> list[str]:
     """The settings of the saved optimizer ``state`` that differ from ``optimizer``'s
     (described for the log); raises ``ValueError`` for a state of another optimizer
-    kind or group layout (call it before changing anything, to refuse a load whole)."""
+    kind or group layout (call it before changing anything, to refuse a load whole).
+    ``scheduled``: an LR scheduler moves ``lr`` (where it was is no setting; one that
+    keeps no ``initial_lr``, ReduceLROnPlateau, leaves nothing to compare it with)."""
     saved, fresh = state.get("param_groups", []), optimizer.param_groups
     kind = type(optimizer).__name__
     if len(saved) != len(fresh):
@@ -189,8 +192,8 @@ def check_optimizer_state(optimizer, state: dict, where: str) -> list[str]:
     out = []
     for i, (s, f) in enumerate(zip(saved, fresh)):
         # under a scheduler, lr is where the schedule was; initial_lr is the setting
-        scheduled = "initial_lr" in s and "initial_lr" in f
-        skip = {"params", "param_names", "lr" if scheduled else "initial_lr"}
+        initial = "initial_lr" in s and "initial_lr" in f
+        skip = {"params", "param_names", "lr" if initial or scheduled else "initial_lr"}
         keys_s, keys_f = set(s) - skip, set(f) - skip
         if keys_s - keys_f and keys_f - keys_s:  # (one-sided: a torch version's new default)
             raise ValueError(
@@ -217,8 +220,17 @@ def _differs(a: Any, b: Any) -> bool:
     """Whether a saved setting ``a`` differs from the one built now, ``b``: numbers by
     value (a NaN is the same as a NaN), sequences, dicts and tensors element by element
     (a tuple such as ``betas``, a scheduler's nested states, a tensor ``lr``)."""
+    import numpy as np
     import torch
 
+    a, b = (x.item() if isinstance(x, torch.Tensor) and x.dim() == 0 and not
+            (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) else x
+            for x in (a, b))  # (a one-value tensor against a number: by value)
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        try:
+            a, b = torch.from_numpy(a), torch.from_numpy(b)
+        except TypeError:  # (strings, objects)
+            return not np.array_equal(a, b)
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         if a.shape != b.shape or a.dtype != b.dtype:
             return True
@@ -226,8 +238,8 @@ def _differs(a: Any, b: Any) -> bool:
         if a.is_floating_point() or a.is_complex():
             same |= a.isnan() & b.isnan()
         return not bool(same.all())
-    if isinstance(a, numbers.Real) and isinstance(b, numbers.Real):
-        return a != b and not (math.isnan(a) and math.isnan(b))
+    if isinstance(a, numbers.Number) and isinstance(b, numbers.Number):
+        return a != b and not (a != a and b != b)  # (NaN: the one value unequal to itself)
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return len(a) != len(b) or any(_differs(x, y) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
