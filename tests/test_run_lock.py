@@ -138,6 +138,27 @@ def test_a_lock_held_on_by_a_gone_holder_s_children_is_waited_for(tmp_path, capl
     assert "waiting up to 30 s for them to exit" in caplog.text
 
 
+def test_a_lock_file_naming_no_possible_pid_is_refused_at_once(tmp_path):
+    """A regression probe wrote a pid past the kernel's range into a held lock file:
+    the check for a gone holder raised OverflowError."""
+    import socket
+    import time
+
+    stem = tmp_path / "ckpt"
+    holder = Holder(stem)
+    try:
+        for pid in (10 ** 20, 2 ** 31):
+            run_lock_path(stem).write_text(json.dumps(
+                {"pid": pid, "host": socket.gethostname(), "started": "then"}) + "\n")
+            t0 = time.monotonic()
+            with pytest.raises(SeriesInUse, match=f"pid {pid} on host"):
+                with RunLock(stem):
+                    pass
+            assert time.monotonic() - t0 < 2
+    finally:
+        holder.release()
+
+
 def test_a_gone_holder_s_lingering_children_are_named(tmp_path, monkeypatch):
     from flodl_shm.checkpoint import run_lock
 

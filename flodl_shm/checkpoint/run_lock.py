@@ -356,7 +356,7 @@ def _holder_gone(info: dict) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    except OSError:  # alive, another user's
+    except (OSError, OverflowError):  # alive, another user's; no pid at all
         return False
     return False
 
