@@ -710,6 +710,50 @@ def test_a_leader_stopped_by_sigterm_while_the_group_forms_leaves_no_names(tmp_p
     assert waited < 13, waited  # (its own attach sleeps 8 s, then it hears at once)
 
 
+_SLOW_GLOO = """
+import os, time
+from datetime import timedelta
+import torch.distributed as dist
+import flodl_shm
+os.environ["FLODL_SHM_HOST"] = "h" + os.environ["RANK"]  # two hosts: a gloo group of leaders
+if os.environ["RANK"] == "1":
+    gloo = dist.ProcessGroupGloo
+    dist.ProcessGroupGloo = lambda *a: (time.sleep(20), gloo(*a))[1]
+dist.init_process_group("flodl_shm", timeout=timedelta(seconds=60))
+"""
+
+
+def test_a_sigterm_while_the_leaders_gloo_group_forms_ends_the_rank_at_once(tmp_path):
+    """A regression probe of the test above's change: a SIGTERM that reached a leader
+    blocked in building the gloo group of host leaders (C++: no Python handler runs)
+    ended it only once the other host's leader came, 20 s later. No name is held by
+    then: SIGTERM has its default action again."""
+    import signal
+    import time
+
+    procs = _env_ranks(tmp_path / "gloo.py", _SLOW_GLOO)
+    leader = procs[0]
+    try:
+        deadline = time.monotonic() + 60
+        while (not [g for g in list_segments() if g.owner_pid == leader.pid]
+               and time.monotonic() < deadline):
+            time.sleep(0.02)
+        while ([g for g in list_segments() if g.owner_pid == leader.pid]
+               and time.monotonic() < deadline):  # (unlinked: on to the gloo group)
+            time.sleep(0.02)
+        time.sleep(1.0)
+        leader.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        leader.wait(30)
+        took = time.monotonic() - t0
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert leader.returncode == -signal.SIGTERM
+    assert took < 5, took
+
+
 @pytest.mark.slow
 def test_a_dead_host_makes_the_other_hosts_raise_naming_its_leader(tmp_path):
     # rank 2 is alone on host "b" and dies: host "a"'s leader sees the gloo group fail,

@@ -198,21 +198,18 @@ class _Terminated(BaseException):
 
 @contextlib.contextmanager
 def _sigterm_unwinds():
-    """While the group forms, a SIGTERM (torchrun's agent stopping its workers, a
-    scheduler) unwinds as an exception: the leader unlinks the arena's names it holds
-    until every host peer mapped them (otherwise left in /dev/shm until a later leader
-    or ``ram --reap`` removes them) and the others hear why; then the process ends by
-    the SIGTERM, as it would have. Only in the main thread, and only where SIGTERM has
-    its default action (a program's own handler runs as it is)."""
+    """While the group forms, until no arena name is held, a SIGTERM (torchrun's agent
+    stopping its workers, a scheduler) unwinds as an exception: the leader unlinks the
+    arena's names it holds until every host peer mapped them (otherwise left in
+    /dev/shm until a later leader or ``ram --reap`` removes them) and the others hear
+    why; then the process ends by the SIGTERM, as it would have. Only in the main
+    thread, and only where SIGTERM has its default action (a program's own handler runs
+    as it is)."""
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
         yield
         return
-
-    def unwind(signum, frame):
-        raise _Terminated("stopped by SIGTERM while the group formed")
-
-    signal.signal(signal.SIGTERM, unwind)
+    signal.signal(signal.SIGTERM, _unwind)
     try:
         yield
     except _Terminated:
@@ -220,6 +217,19 @@ def _sigterm_unwinds():
         os.kill(os.getpid(), signal.SIGTERM)  # (ends the process here)
         raise
     finally:
+        _sigterm_default()
+
+
+def _unwind(signum, frame):
+    raise _Terminated("stopped by SIGTERM while the group formed")
+
+
+def _sigterm_default() -> None:
+    """SIGTERM's default action back, where ``_sigterm_unwinds`` set it (once no name is
+    held: a handler cannot run while the main thread blocks in C++, in the gloo group
+    of host leaders that is built next, and would only delay the end)."""
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is _unwind):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
@@ -283,6 +293,7 @@ def _form(inc: Incarnation, rank: int, world: int, timeout: timedelta) -> HostLi
                 arena.unlink()
             arena.close()
         raise
+    _sigterm_default()  # (no name is held from here on)
     ctl = arena.ctl
 
     def left(r: int) -> bool:
