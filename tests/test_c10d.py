@@ -619,6 +619,19 @@ def _env_ranks(script: Path, text: str, world: int = 2) -> list:
         for rank in range(world)]
 
 
+def _names_of(pid: int, held: bool, timeout: float = 60.0) -> list[str]:
+    """The ``/dev/shm`` names of ``pid``'s segments once there are some (``held``) or
+    none (not ``held``), or at ``timeout``."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        names = [g.name for g in list_segments() if g.owner_pid == pid]
+        if bool(names) == held or time.monotonic() > deadline:
+            return names
+        time.sleep(0.02)
+
+
 _DIES_UNCAUGHT = """
 import os, sys, time
 from datetime import timedelta
@@ -685,11 +698,7 @@ def test_a_leader_stopped_by_sigterm_while_the_group_forms_leaves_no_names(tmp_p
     procs = _env_ranks(tmp_path / "slow.py", _SLOW_TO_MAP)
     leader = procs[0]
     try:
-        deadline = time.monotonic() + 60
-        while (not [g for g in list_segments() if g.owner_pid == leader.pid]
-               and time.monotonic() < deadline):
-            time.sleep(0.05)
-        assert [g for g in list_segments() if g.owner_pid == leader.pid], "no arena made"
+        assert _names_of(leader.pid, held=True), "no arena made"
         time.sleep(0.3)
         leader.send_signal(signal.SIGTERM)
         leader.wait(30)
@@ -718,7 +727,8 @@ import flodl_shm
 os.environ["FLODL_SHM_HOST"] = "h" + os.environ["RANK"]  # two hosts: a gloo group of leaders
 if os.environ["RANK"] == "1":
     gloo = dist.ProcessGroupGloo
-    dist.ProcessGroupGloo = lambda *a: (time.sleep(20), gloo(*a))[1]
+    dist.ProcessGroupGloo = lambda *a: (print("in gloo", flush=True), time.sleep(20),
+                                        gloo(*a))[2]
 dist.init_process_group("flodl_shm", timeout=timedelta(seconds=60))
 """
 
@@ -734,13 +744,8 @@ def test_a_sigterm_while_the_leaders_gloo_group_forms_ends_the_rank_at_once(tmp_
     procs = _env_ranks(tmp_path / "gloo.py", _SLOW_GLOO)
     leader = procs[0]
     try:
-        deadline = time.monotonic() + 60
-        while (not [g for g in list_segments() if g.owner_pid == leader.pid]
-               and time.monotonic() < deadline):
-            time.sleep(0.02)
-        while ([g for g in list_segments() if g.owner_pid == leader.pid]
-               and time.monotonic() < deadline):  # (unlinked: on to the gloo group)
-            time.sleep(0.02)
+        # the other host's leader reached the gloo step: this one has, or is about to
+        assert procs[1].stdout.readline().strip() == "in gloo"
         time.sleep(1.0)
         leader.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
