@@ -380,8 +380,8 @@ def _outwait_inheritors(fd: int, path: Path, info: dict) -> bool:
 
 
 def _processes_holding(fd: int) -> list[int]:
-    """The other processes of this host (that this user may inspect) with the file open
-    on ``fd`` open themselves."""
+    """The other processes of this host (those this user may inspect) that hold the
+    file open on ``fd`` open too."""
     want = os.fstat(fd)
     me, out = os.getpid(), []
     try:

@@ -223,9 +223,10 @@ def _differs(a: Any, b: Any) -> bool:
     import numpy as np
     import torch
 
-    a, b = (x.item() if isinstance(x, torch.Tensor) and x.dim() == 0 and not
-            (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) else x
-            for x in (a, b))  # (a one-value tensor against a number: by value)
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        # a one-value tensor against a number (or anything else): by its value
+        a, b = [x.item() if isinstance(x, torch.Tensor) and x.dim() == 0 else x
+                for x in (a, b)]
     if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
         try:
             a, b = torch.from_numpy(a), torch.from_numpy(b)
