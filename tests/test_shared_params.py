@@ -113,6 +113,13 @@ def test_shared_params_only_where_the_round_is_direct(low_threshold):
                 LocalSGD(make_model(0), sync_every=2, comm=comm, shared_params=True, **kwargs)
         comm.set_outer(None)
         out["default"] = LocalSGD(make_model(0), sync_every=2, comm=comm).shared_params
+        # (a probe was told "tensors [2, 3] of the params round are not float32")
+        half = make_model(0)
+        half[-1].to(torch.bfloat16)
+        with pytest.raises(ValueError, match=r"shared_params=True, but parameter '3\.weight' "
+                                             r"\(bfloat16\), parameter '3\.bias' "
+                                             r"\(bfloat16\) are not float32"):
+            LocalSGD(half, sync_every=2, comm=comm, shared_params=True)
         return out
 
     with FakeCohort(2, direct=True) as cohort:

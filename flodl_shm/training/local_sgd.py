@@ -488,10 +488,12 @@ class LocalSGD:
             return "bf16_wire=True (direct rounds carry a float32 wire)"
         if self._outer_in_reduce:
             return "the outer optimizer steps inside the params round (not a direct round)"
-        bad = [i for i, t in enumerate(tensors) if t.dtype != torch.float32]
-        if bad:
-            return f"tensors {bad} of the params round are not float32"
         names = self._round_names(tensors)
+        bad = [f"{names[i]} ({str(t.dtype).removeprefix('torch.')})"
+               for i, t in enumerate(tensors) if t.dtype != torch.float32]
+        if bad:
+            return (f"{_listed(bad, 'is', 'are')} not float32 (the shared block and its "
+                    f"direct rounds hold float32)")
         strided = [names[i] for i, t in enumerate(tensors) if not t.is_contiguous()]
         if strided:
             return (f"{_listed(strided, 'is', 'are')} not contiguous (channels_last, a "
