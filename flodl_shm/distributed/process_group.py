@@ -756,8 +756,9 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                     f"the exchange between host leaders failed on this host's leader "
                     f"({self._named([topo.local_ranks[0]])}): the leader(s) of the other "
                     f"hosts, {self._named(others)}, did not complete this collective (they "
-                    f"died, left, or are in another collective: every rank must make the same "
-                    f"sequence of calls)")
+                    f"died, left, timed out waiting for a rank of their own host (their "
+                    f"output names it), or are in another collective: every rank must make "
+                    f"the same sequence of calls)")
                 raise RuntimeError(
                     f"flodl_shm: {self._unusable}; the group is unusable, destroy it and "
                     f"restart" + (f". gloo said: {leaders_error}" if leaders_error is not None
