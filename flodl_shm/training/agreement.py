@@ -27,7 +27,8 @@ from ..cluster.control import outer_fields
 from ..errors import StartRefused
 
 __all__ = ["check_controller_outer", "check_controller_steps_none", "check_same_model",
-           "check_same_settings", "check_same_start", "digest24", "outer_settings"]
+           "check_same_settings", "check_same_start", "digest24", "outer_settings",
+           "per_rank_ints"]
 
 
 def digest24(value: Any) -> int:
@@ -53,11 +54,11 @@ def check_same_settings(comm, settings: dict[str, Any], fix: str) -> None:
     """
     if comm.world_size < 2:
         return
-    if _split(comm.rank, _per_rank(comm, digest24(tuple(settings.items())))) is None:
+    if _split(comm.rank, per_rank_ints(comm, digest24(tuple(settings.items())))) is None:
         return
     differ = []
     for name, value in settings.items():
-        if _split(comm.rank, _per_rank(comm, digest24(value))) is not None:
+        if _split(comm.rank, per_rank_ints(comm, digest24(value))) is not None:
             # every rank learns every rank's value (one more round), so every rank (and
             # every host, which a controller then reports once) says the same
             held: dict[str, list[int]] = {}
@@ -116,12 +117,12 @@ def check_same_model(comm, tensors: list[tuple[str, str]], fix: str) -> None:
     """
     if comm.world_size < 2:
         return
-    if _split(comm.rank, _per_rank(comm, digest24(tuple(tensors)))) is None:
+    if _split(comm.rank, per_rank_ints(comm, digest24(tuple(tensors)))) is None:
         return
-    counts = _per_rank(comm, len(tensors) + 1)
+    counts = per_rank_ints(comm, len(tensors) + 1)
     for i in range(max(counts) - 1):
         entry = tensors[i] if i < len(tensors) else None
-        split = _split(comm.rank, _per_rank(comm, digest24(entry)))
+        split = _split(comm.rank, per_rank_ints(comm, digest24(entry)))
         if split is not None:
             same, others = split
             what = (f"tensor {i} is {entry[0]}, {entry[1]}" if entry is not None
@@ -160,7 +161,9 @@ def _also(rank: int, same: list[int]) -> str:
     return "" if same == [rank] else f" (as on ranks {same})"
 
 
-def _per_rank(comm, value: int) -> list[int]:
+def per_rank_ints(comm, value: int) -> list[int]:
+    """Every rank's ``value`` by rank (a collective: one small per-rank round; 0 for a
+    dead rank). The round carries float32: exact for integers of magnitude below 2^24."""
     mine = [0.0] * comm.world_size
     mine[comm.rank] = float(value)
     return [int(round(v)) for v in comm.all_reduce_per_rank_f64(mine)]

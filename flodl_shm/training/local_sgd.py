@@ -85,7 +85,7 @@ from ..checkpoint.meta import (CheckpointBundle, CheckpointMeta, ElCheState, Mod
                                SaveReason, averaged_buffers, checkpoint_path)
 from ..frame import DTYPE_F32, tensors_to_round_frame
 from .agreement import (check_controller_steps_none, check_same_model, check_same_settings,
-                        check_same_start, outer_settings)
+                        check_same_start, outer_settings, per_rank_ints)
 from .convergence import TrendGuard, resumed_guard
 from .cohort_log import log_cohort_decisions_from
 from .el_che import ElChe, check_anchor
@@ -1015,26 +1015,21 @@ class LocalSGD:
         """One small round: the id of this save, the same on every rank (from each rank's
         random draw), written into every rank's state file so that ``load`` can tell a
         file of another save of the same sync round (:meth:`_agree_on_save`)."""
-        mine = [0.0] * self.world_size
-        mine[self.rank] = float(random.SystemRandom().randrange(1, 1 << 52))  # exact in f64
-        drawn = self.comm.all_reduce_per_rank_f64(mine)
-        return sum(int(v) for v in drawn) % ((1 << 52) - 1) + 1
+        drawn = per_rank_ints(self.comm, random.SystemRandom().randrange(1, 1 << 24))
+        return sum(drawn) % ((1 << 24) - 1) + 1  # (exact on the round's float32 wire)
 
     def _agree_on_save(self, bundle, state: dict) -> None:
         """``load()``'s check that every rank's state file comes from the same save (a
         collective, before any rank changes its model): a file copied in from another run
         saved at the same sync round would start its rank from other weights than the
         others, silently. Files written before save ids pass when every rank's is one."""
-        mine = [0.0] * self.world_size
-        mine[self.rank] = float(state["counters"]["sync_round"]) + 1.0
-        if len({v for v in self.comm.all_reduce_per_rank_f64(mine) if v}) > 1:
+        if len({v for v in per_rank_ints(self.comm, state["counters"]["sync_round"] + 1)
+                if v}) > 1:
             return  # bundles of different rounds: the closing check names them
-        mine[self.rank] = float(state.get("save_id") or -1)
-        got = self.comm.all_reduce_per_rank_f64(mine)
         saves: dict[int, list[int]] = {}
-        for r, v in enumerate(got):
+        for r, v in enumerate(per_rank_ints(self.comm, state.get("save_id") or -1)):
             if v:  # (a dead rank reads 0; files written before save ids, -1, go together)
-                saves.setdefault(int(v), []).append(r)
+                saves.setdefault(v, []).append(r)
         if len(saves) > 1:
             groups = "; ".join(f"ranks {ranks}" for ranks in saves.values())
             raise StartRefused(
