@@ -693,12 +693,18 @@ if __name__ == "__main__":
 """
 
 
-def _raise_in_the_launcher(tmp_path, method: str, mode: str) -> tuple[int, list[str], str]:
-    """Run the launcher script: its pid, the lines it printed after it, its stderr."""
+def _raise_in_the_launcher(tmp_path, method: str, mode: str,
+                           cold: bool = False) -> tuple[int, list[str], str]:
+    """Run the launcher script (``cold``: on an empty numba cache, so that the launcher
+    compiles its kernels): its pid, the lines it printed after it, its stderr."""
     script = tmp_path / "launcher.py"
     script.write_text(_RAISED_IN_THE_LAUNCHER)
+    env = None
+    if cold:
+        env = {k: v for k, v in os.environ.items() if k != "FLODL_SHM_NUMBA_CACHE"}
+        env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba-cache")
     done = subprocess.run([sys.executable, str(script), method, mode], text=True,
-                          capture_output=True, timeout=90, cwd=tmp_path)
+                          capture_output=True, timeout=90, cwd=tmp_path, env=env)
     pid, *lines = done.stdout.splitlines()
     assert done.returncode == {"sigterm": -signal.SIGTERM, "sigterm-polling": -signal.SIGTERM,
                                "own-handler": 99}.get(mode, 0), done.stdout + done.stderr
@@ -728,6 +734,18 @@ def test_exceptions_again_and_again_while_the_first_stops_the_ranks_kill_them(tm
     segments unlinked."""
     _, lines, err = _raise_in_the_launcher(tmp_path, method, "storm")
     assert lines == ["alarm ([], [])"], err
+
+
+def test_exceptions_raised_while_the_launcher_compiles_its_kernels_propagate(tmp_path):
+    """On an empty numba cache (CI's first runs), the alarm of the test above rang while
+    the launcher compiled its doorbell kernel in the stop: numba compiles inside LLVM
+    callbacks, so each exception came out as "Exception ignored ... Traceback" on stderr
+    and was lost. The launcher compiles on a helper thread now (as it does every kernel
+    under the "spawn" start method); the main thread waits for it, and what a handler
+    raises there propagates."""
+    _, lines, err = _raise_in_the_launcher(tmp_path, "forkserver", "storm", cold=True)
+    assert lines == ["alarm ([], [])"], err
+
 
 def test_an_unjoined_context_stopped_by_an_exception_counts_as_joined(tmp_path):
     """After an alarm raised into ``ctx.join()`` of a ``spawn(join=False)``, the exit still

@@ -358,3 +358,32 @@ def _warm_kernels(nprocs: int) -> None:
     warm_up(max_sources=max(4, nprocs))
     for module in (signals, rounds, tensorio, outer_step, permutation, cma):
         module.warm_up()
+
+
+class _KernelWarming(threading.Thread):
+    """Compiles (or loads) kernels on a helper thread: every kernel (``_warm_kernels``),
+    or with ``nprocs=None`` only the doorbell's, which the launcher runs itself. A
+    program's signal handler runs on the main thread; an exception it raises while numba
+    compiles there (inside a callback of LLVM's, through ctypes) is printed as "Exception
+    ignored" and lost, a Ctrl-C with it. Raised into the main thread's wait for this
+    thread, or for numba's compiler lock, it propagates."""
+
+    def __init__(self, nprocs: int | None) -> None:
+        super().__init__(daemon=True, name="flodl-shm-kernels")
+        self.nprocs = nprocs
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        from ..kernels import signals
+
+        try:
+            signals.warm_up() if self.nprocs is None else _warm_kernels(self.nprocs)
+        except BaseException as e:  # the waiter raises it
+            self.error = e
+
+    def wait(self) -> None:
+        """Join it; raise what the compile raised."""
+        self.join()
+        if self.error is not None:
+            raise self.error

@@ -30,7 +30,7 @@ from ..engine.segment import fmt_bytes, reap_dead_owner_segments, space_error
 from ..engine.hostcpu import available_cores
 from ..engine.waiting import Doorbell
 from .rank import _RankProcess, _forward_level, _main_file, _rank_main, _recv
-from .rank_server import _RankServer, _ServedRankProcess, _native_threads, _warm_kernels
+from .rank_server import _KernelWarming, _RankServer, _ServedRankProcess, _native_threads
 
 logger = logging.getLogger("flodl_shm")
 
@@ -212,8 +212,14 @@ class SpawnContext:
                interrupts: "_InterruptGate | None") -> None:
         """Create the arena and the tap, start the supervisor, wait for the ranks."""
         reap_dead_owner_segments()
-        if self._process_cls is not _ServedRankProcess:
-            _warm_kernels(nprocs)  # else the rank server loads them, in parallel with us
+        if self._process_cls is _ServedRankProcess:
+            # the rank server loads every kernel, in parallel with us; the doorbell's
+            # are the launcher's own (joined before the run ends: a later spawn forks
+            # its rank server only from a launcher running no other thread)
+            self._warming = _KernelWarming(None)
+        else:
+            self._warming = _KernelWarming(nprocs)
+            self._warming.wait()
         deferred = _signals_deferred()
         try:
             with deferred:  # an interrupt now finds the arena owned by a running context
@@ -457,6 +463,7 @@ class SpawnContext:
             if self._server is not None:
                 self._server.stop()
             self._cleanup()
+            self._warming.join()
             # a finished context holds nothing: no rank pipes, no arena mapping (a sweep
             # may keep many; they used to wait for the garbage collector)
             self._procs = []
