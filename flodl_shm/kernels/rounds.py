@@ -505,6 +505,17 @@ def _eager_single_f32(blk, pl, src, dst, keep_on_empty, scale, rnd, flags, weigh
     slot = eager[base:base + 4 * n].view(np.float32)
     if flags & FLAG_ELIDED:
         pass  # contributes nothing (a broadcast's reader): nobody reads the slot
+    elif root == me and src.ctypes.data != dst.ctypes.data:
+        # a broadcast's root into a fresh result: one pass writes both, bit for bit.
+        # Copied from the slot after the round instead, the result cost twice a memcpy
+        # at 256 KiB: the readers are reading the same lines from another core then
+        sb = src.view(np.uint32)
+        s32 = slot.view(np.uint32)
+        db = dst.view(np.uint32)
+        for i in range(n):
+            v = sb[i]
+            s32[i] = v
+            db[i] = v
     elif scale == 1.0:
         for i in range(n):
             slot[i] = src[i]
@@ -523,8 +534,7 @@ def _eager_single_f32(blk, pl, src, dst, keep_on_empty, scale, rnd, flags, weigh
     if root >= 0:
         if info[I_CONTRIB] != 1 << root:
             return NOT_ROOT  # the caller raises, naming what the ranks disagree on
-        if root != me or src.ctypes.data != dst.ctypes.data:
-            # (an in-place root's tensor holds the slot's bits already: no copy back)
+        if root != me:  # (the root's tensor or result holds the slot's bits already)
             copy_eager_f32(eager, slot_bytes, rnd, root, nwords * 8, n, dst)
         return OK
     m = mass[0]
