@@ -873,7 +873,7 @@ class Comm:
             return res
         plan = eng.plan(_CONTROL, DTYPE_F32, tuple(check_tensors(tensors, broadcast=True)))
         flat = self._codec.flat_result(plan.nelem, None)
-        if local_root is not None and eng.direct.mode(plan, 0) == A.FLAG_DIRECT:
+        if local_root is not None and self._direct_mode(plan, False) == A.FLAG_DIRECT:
             self._direct_call(tensors if is_root else None, plan, 0.0, 1.0, flat,
                               broadcast=local_root)
             return self._codec.views(flat, plan)
@@ -940,7 +940,7 @@ class Comm:
                 return
             plan = eng.plan(_CONTROL, DTYPE_F32, tuple(
                 check_tensors(tensors, in_place=not is_root, broadcast=True)))
-            if eng.direct.mode(plan, 0) == A.FLAG_DIRECT:
+            if self._direct_mode(plan, False) == A.FLAG_DIRECT:
                 self._direct_call(tensors, plan, 0.0, 1.0, None, broadcast=local_root)
                 return
             t = tensors[0]

@@ -97,7 +97,8 @@ failure rules are the ones above: only where the bytes are read from changes.
 A direct broadcast (FLAG_DIRECT | FLAG_BROADCAST, READY only) publishes the same
 table; after the arrival wait rank j delivers slice j: a reader reads it from the
 root's tensors straight into its own destination, the root takes it from its own
-tensors, and either writes it into every other reader's destination. Each rank moves
+tensors, and either writes it into every other rank's destination (the root's too,
+unless the root's destination is its source). Each rank moves
 1/world of the bytes, where a reader that read everything alone would move all of
 them. Every rank then publishes done[j] and leaves once every slice is done, so the
 root's tensors are never changed under a reader. A dead rank's slice is never
@@ -113,7 +114,6 @@ taken over.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import time
 from typing import Callable
@@ -329,10 +329,6 @@ class DirectRounds:
         eng.check_broadcast(rnd, view.accepted_mask, view.contrib_mask, root)
         nt = plan.ntensors
         numels = np.asarray(plan.numels, np.int64)
-        if mine:
-            for t in range(nt):
-                if dsts[t] != srcs[t]:
-                    ctypes.memmove(int(dsts[t]), int(srcs[t]), 4 * plan.numels[t])
         accepted = view.accepted
         pids = np.empty(len(accepted), np.int64)
         all_dsts = np.empty(len(accepted) * nt, np.int64)

@@ -194,30 +194,47 @@ def broadcast_slice_direct(me, root, pids, srcs, dsts, numels, start, stop, iov)
     ``dsts`` (int64, ``len(pids) x ntensors`` destination addresses, row per rank),
     ``numels`` (int64 per tensor). A reader first reads each chunk of the root's
     sources into its own destination (``process_vm_readv``); the root uses its source.
-    Either then writes that chunk into every other reader's destination
-    (``process_vm_writev``), while it is still in cache. The root's own destination is
-    not written here (the root copies its own, or has none: in place). Bits are copied,
-    never computed (a signaling NaN stays signaling). Returns -1 on success, else the
-    index (into ``pids``) of the rank whose memory could not be read or written.
+    Either then writes that chunk into every other rank's destination
+    (``process_vm_writev``; the root's own with a plain copy), while it is still in
+    cache. A root's destination that is its source (an in-place broadcast) is not
+    written. Bits are copied, never computed (a signaling NaN stays signaling). Returns
+    -1 on success, else the index (into ``pids``) of the rank whose memory could not be
+    read or written.
     """
     nr = pids.shape[0]
     nt = numels.shape[0]
     spans = _spans(numels, start, stop)
     for k in range(spans.shape[0]):
         t, a, b = spans[k, 0], spans[k, 1], spans[k, 2]
+        root_dst = dsts[root * nt + t]
         for c0 in range(a, b, CHUNK):
-            m = 4 * (min(c0 + CHUNK, b) - c0)
+            n = min(c0 + CHUNK, b) - c0
             if me == root:
                 local = srcs[t] + 4 * c0
             else:
                 local = dsts[me * nt + t] + 4 * c0
-                if not _transfer(False, pids[root], local, srcs[t] + 4 * c0, m, iov):
+                if not _transfer(False, pids[root], local, srcs[t] + 4 * c0, 4 * n, iov):
                     return root
             for r in range(nr):
-                if r != me and r != root:
-                    if not _transfer(True, pids[r], local, dsts[r * nt + t] + 4 * c0, m, iov):
-                        return r
+                if r == me and r != root:
+                    continue  # (a reader's own: read into it above)
+                remote = dsts[r * nt + t] + 4 * c0
+                if r == root and root_dst == srcs[t]:
+                    continue  # in place: the root's tensor is the source
+                if r == me:  # the root's own result
+                    _copy_bits(local, remote, n)
+                elif not _transfer(True, pids[r], local, remote, 4 * n, iov):
+                    return r
     return -1
+
+
+@njit(inline="always")
+def _copy_bits(src, dst, n):
+    """Copy ``n`` f32 elements from address ``src`` to address ``dst``, bit for bit."""
+    s = f32_at(src, n).view(np.uint32)
+    d = f32_at(dst, n).view(np.uint32)
+    for i in range(n):
+        d[i] = s[i]
 
 
 def warm_up() -> None:
