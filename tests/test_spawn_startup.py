@@ -233,6 +233,39 @@ if __name__ == "__main__":
     elif sys.argv[1] == "second-spawn":
         flodl_shm.spawn(fn, 2)        # loads the kernels here, then forks past OpenBLAS
         time.sleep(0.2)               # its threads' native exits are over
+    elif sys.argv[1].startswith("interrupted-"):
+        import signal
+        from flodl_shm.engine.segment import list_segments
+
+        class Alarm(Exception):
+            pass
+
+        def alarm(signum, frame):
+            signal.signal(signal.SIGALRM, signal.SIG_IGN)  # once
+            raise Alarm()
+
+        def once_the_ranks_start():
+            while not ([g for g in list_segments() if g.owner_pid == os.getpid()]
+                       and multiprocessing.active_children()):
+                time.sleep(0.001)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGALRM)
+
+        import multiprocessing
+        signal.signal(signal.SIGALRM, alarm)
+        ringer = None
+        if sys.argv[1] == "interrupted-compile":  # (on an empty cache: a long compile)
+            signal.setitimer(signal.ITIMER_REAL, 1.0)
+        else:
+            ringer = threading.Thread(target=once_the_ranks_start, daemon=True)
+            ringer.start()
+        try:
+            flodl_shm.spawn(fn, 2, start_method="spawn")
+        except Alarm:
+            pass
+        else:
+            sys.exit("the alarm did not interrupt the first spawn")
+        if ringer is not None:
+            ringer.join()
     print("said once before spawn", end="")  # left in stdout's buffer
     out = flodl_shm.spawn(fn, 2)
     print()
@@ -268,6 +301,24 @@ def test_a_single_threaded_launcher_forks_its_rank_server(tmp_path, start_method
     for not_launcher, parent, reimported in ranks:
         assert not_launcher == "True", "ranks fork from the server, not the launcher"
         assert script in parent and "_rank_server_main" not in parent, parent
+        assert reimported == "False", "a forked rank has the launcher's main module"
+
+
+@pytest.mark.parametrize("start_method", ["default"])
+@pytest.mark.parametrize("mode", ["interrupted-compile", "interrupted-start-up"])
+def test_a_spawn_after_one_an_exception_stopped_forks_its_rank_server(tmp_path, start_method,
+                                                                      mode):
+    """An alarm's exception raised into a ``spawn``'s compile of the kernels (the
+    "spawn" start method, an empty numba cache) or into its wait for the ranks to
+    start: it propagated, but the compile's thread (or the supervisor's, still on its
+    way out) ran on, and the next ``spawn`` found a second thread in the launcher and
+    started a fresh interpreter as its rank server (1.8 s against 0.1). It waits for
+    them now (the compile is one it needs too) and forks the server from the launcher."""
+    env = {"NUMBA_CACHE_DIR": str(tmp_path / "numba")} if mode == "interrupted-compile" else {}
+    first, ranks = _run_forked_script(tmp_path, mode, env)
+    assert first == "said once before spawn"
+    for not_launcher, parent, reimported in ranks:
+        assert not_launcher == "True" and "_rank_server_main" not in parent, parent
         assert reimported == "False", "a forked rank has the launcher's main module"
 
 

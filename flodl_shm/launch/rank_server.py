@@ -7,6 +7,7 @@ fresh interpreter; the package docstring says why and what each costs.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -162,6 +163,7 @@ class _RankServer(forkserver.ForkServer):
         if os.environ.get("FLODL_SHM_FORK_SERVER", "1") == "0":
             logger.debug("rank server: a fresh interpreter (FLODL_SHM_FORK_SERVER=0)")
             return None
+        _KernelWarming.join_earlier()
         if not _fork_safe_soon():
             logger.debug("rank server: a fresh interpreter (the launcher runs %d Python "
                          "threads, %d native threads besides its OpenBLAS workers)",
@@ -365,25 +367,52 @@ class _KernelWarming(threading.Thread):
     or with ``nprocs=None`` only the doorbell's, which the launcher runs itself. A
     program's signal handler runs on the main thread; an exception it raises while numba
     compiles there (inside a callback of LLVM's, through ctypes) is printed as "Exception
-    ignored" and lost, a Ctrl-C with it. Raised into the main thread's wait for this
-    thread, or for numba's compiler lock, it propagates."""
+    ignored" and lost, a Ctrl-C with it. Raised into the main thread's ``wait`` for this
+    thread, or into its wait for numba's compiler lock, it propagates, and the thread
+    compiles on: the next ``spawn`` waits for it (``join_earlier``) before it decides
+    whether the launcher is safe to fork. (The waits are on an event, not ``join``: an
+    exception raised into ``Thread.join`` of Python 3.11 marks a running thread stopped.)
+    """
+
+    #: the threads started so far that may still run (a wait an exception interrupted)
+    _earlier: list["_KernelWarming"] = []
 
     def __init__(self, nprocs: int | None) -> None:
         super().__init__(daemon=True, name="flodl-shm-kernels")
         self.nprocs = nprocs
         self.error: BaseException | None = None
+        self.finished = threading.Event()
+        earlier = _KernelWarming._earlier
+        earlier[:] = [t for t in earlier if not t.finished.is_set()]
+        earlier.append(self)
         self.start()
+
+    @classmethod
+    def join_earlier(cls) -> None:
+        """Wait for what earlier spawns left compiling (it loads what this one needs)."""
+        for t in cls._earlier:
+            t.finished.wait()
+            t.join()  # (a moment: its last step was setting ``finished``)
+        cls._earlier.clear()
 
     def run(self) -> None:
         from ..kernels import signals
 
+        began = time.monotonic()
         try:
             signals.warm_up() if self.nprocs is None else _warm_kernels(self.nprocs)
         except BaseException as e:  # the waiter raises it
             self.error = e
+        finally:
+            if time.monotonic() - began > 0.05:
+                # it compiled or loaded: its cyclic garbage (LLVM objects whose finalizers
+                # call into LLVM) is collected here, not on the main thread, where a
+                # handler's exception in a finalizer is printed as "Exception ignored"
+                gc.collect()
+            self.finished.set()
 
     def wait(self) -> None:
-        """Join it; raise what the compile raised."""
-        self.join()
+        """Wait for it; raise what the compile raised."""
+        self.finished.wait()
         if self.error is not None:
             raise self.error

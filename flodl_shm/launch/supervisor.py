@@ -342,8 +342,12 @@ class SpawnContext:
                     for p in list(self._procs):  # those started so far; the abort flag
                         if p.is_alive():         # stops the start of any more
                             p.kill()
-                if self._done.wait(max(0.0, deadline - time.monotonic())) \
-                        or time.monotonic() >= deadline:
+                if self._done.wait(max(0.0, deadline - time.monotonic())):
+                    # (its last step: a later spawn then finds only the main thread, and
+                    # forks its rank server from there)
+                    self._monitor.join(max(0.0, deadline - time.monotonic()))
+                    break
+                if time.monotonic() >= deadline:
                     break
             except BaseException:
                 killing = True
