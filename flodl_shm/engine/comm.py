@@ -565,6 +565,9 @@ class Comm:
             else:
                 mass = self._fused_round(plan, frame.weight, 0, 1.0, None, 0, False)
                 np.copyto(out, eng.eager_u16[:plan.nelem])
+        elif dtype == DTYPE_F32 and self._direct_mode(plan, False) == A.FLAG_DIRECT:
+            mass = self._direct_call(_payload_tensors(payloads), plan, frame.weight, 1.0,
+                                     torch.from_numpy(out))
         else:
             def write(dst: np.ndarray, plan: RoundPlan) -> None:
                 _write_payloads(payloads, dst, plan, np_dtype)
@@ -1564,6 +1567,19 @@ def _write_payloads(payloads, dst: np.ndarray, plan: RoundPlan, np_dtype) -> Non
         return
     for p, off, n in zip(payloads, plan.offs, plan.numels):
         np.copyto(dst[off:off + n], np.frombuffer(p.data, np_dtype))
+
+
+def _payload_tensors(payloads) -> list[torch.Tensor]:
+    """A float32 frame's payloads as tensors over their data, for a direct round (which
+    only reads them); read-only or unaligned data is copied (every rank must take the
+    direct path alike, whatever its buffers)."""
+    out = []
+    for p in payloads:
+        a = np.frombuffer(p.data, np.float32)
+        if not (a.flags.writeable and a.flags.aligned):
+            a = a.copy()
+        out.append(torch.from_numpy(a))
+    return out
 
 
 def _payload_array(payloads) -> np.ndarray | None:
