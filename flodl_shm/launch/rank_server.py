@@ -382,10 +382,10 @@ class _KernelWarming(threading.Thread):
         self.nprocs = nprocs
         self.error: BaseException | None = None
         self.finished = threading.Event()
+        self.start()  # (listed once started: a thread that never started never finishes)
         earlier = _KernelWarming._earlier
         earlier[:] = [t for t in earlier if not t.finished.is_set()]
         earlier.append(self)
-        self.start()
 
     @classmethod
     def join_earlier(cls) -> None:
