@@ -312,6 +312,7 @@ def test_a_bundle_missing_a_rank_s_state_or_holding_another_s_is_said_or_refused
     with pytest.raises(Exception, match=r"holds sync round 3 but .*marks round 8 complete"):
         make_trainer(sgd_momentum, epochs=2, save_path=stem, checkpoint_every=3).resume(
             stem, nprocs=2)
+    rank1.write_bytes(saved1)  # (else rank 1's refusal may come first, naming its own file)
 
     buffer = torch.load(rank0, weights_only=False)["optimizer"]["state"][0]["momentum_buffer"]
     saved0 = rank0.read_bytes()
@@ -331,7 +332,7 @@ def test_a_bundle_missing_a_rank_s_state_or_holding_another_s_is_said_or_refused
     said = [r for r in caplog.records if "rank 1's inner optimizer" in r.getMessage()]
     assert [r.levelname for r in said] == ["WARNING"], caplog.text
     assert "saved by 2 live ranks and holds none of rank 1's state" in said[0].getMessage()
-    assert "rank 0's inner optimizer" not in caplog.text and saved1
+    assert "rank 0's inner optimizer" not in caplog.text
 
 
 def test_a_cohort_of_another_size_starts_its_inner_state_fresh_in_one_line(tmp_path, caplog):
