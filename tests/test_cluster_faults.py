@@ -860,3 +860,36 @@ def test_a_frozen_controller_is_named_not_the_other_hosts_ranks(tmp_path):
     # (host 1's error said [0] and carried missing (1,), rank 1: its own rank; the
     # launcher shifted global ranks as if they were the host's local ones)
     assert [(err.missing, err.rank) for _, err in outcomes] == [((1,), 1), ((0,), 0)]
+
+
+def test_a_controller_frozen_inside_a_consensus_record_is_named_not_the_closed_link():
+    """The test above failed once: SIGSTOP caught the controller between a consensus
+    record's length prefix and its frame, and the host raised "this host's relay failed:
+    stream ended inside a len-framed RoundFrame body": the relay's own link, closed as
+    the host stopped at its ranks' deadline, ended the read it was blocked in. Here the
+    controller's end freezes there every time."""
+    frozen = threading.Event()
+    release = threading.Event()
+
+    def freeze_inside_the_consensus(link):
+        while True:  # the relay's partial of round 0 (control records may come first)
+            got = link.recv(timeout=60)
+            if got is None or got[0] == Kind.FRAME_UP:
+                break
+        # a consensus record's header and length prefix, then silence
+        link.sock.sendall(link._header(Kind.FRAME_DOWN, 0, 4 + 64, b"\0" * 16)
+                          + (64).to_bytes(4, "little"))
+        frozen.set()
+        release.wait(60)
+
+    ctl_sock, t = _one_link_server(freeze_inside_the_consensus)
+    try:
+        with pytest.raises(RankFailed) as info:
+            spawn(quick_average, 1, controller=f"127.0.0.1:{ctl_sock.getsockname()[1]}",
+                  world_size=1, salt=SALT, timeout=2.0)
+    finally:
+        release.set()
+        t.join(30)
+        ctl_sock.close()
+    assert frozen.is_set()
+    assert "no consensus from the controller within the" in str(info.value), str(info.value)

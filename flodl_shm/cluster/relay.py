@@ -76,6 +76,8 @@ class Relay:
         self._closing = threading.Lock()
         self._closer: threading.Thread | None = None
         self._final_word = False  # a host_stopping message waits in the queue
+        self._closed_here = False  # ``shutdown`` closed the link (what a read then raises
+        #                            is that close, not news from the controller)
         self._upstream: queue.Queue[dict] = queue.Queue()
         self._link = None
         self._enc16 = np.empty(0, np.uint16)
@@ -121,10 +123,12 @@ class Relay:
                 return
         if self._final_word:  # (called from the relay thread itself: say it now)
             self._say_last()
+        self._closed_here = True
         link.close()
 
     def _close_after_word(self, link) -> None:
         self._thread.join(FINAL_WORD_S)  # it flushes its queue on the way out
+        self._closed_here = True
         link.close()
 
     def _say_last(self) -> None:
@@ -204,7 +208,11 @@ class Relay:
                         ranks)
             self._rounds()
         except BaseException as e:  # noqa: BLE001 - recorded; ranks learn it from the arena
-            if self._stop.is_set() and not isinstance(e, (FrameError, TimeoutError)):
+            if self._stop.is_set() and (self._closed_here
+                                        or not isinstance(e, (FrameError, TimeoutError))):
+                # the host stops for its own reason, which ``spawn`` raises; a read this
+                # stop's close ended (even one inside a record a frozen controller began)
+                # is not the news
                 self._say_last()  # why this host stops, if it was told (``shutdown``)
                 return
             if isinstance(e, (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)):
