@@ -100,8 +100,7 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
 _LEAVES_AN_HEIR = textwrap.dedent("""
     import os, sys, time
     from flodl_shm.checkpoint.run_lock import RunLock
-    job = sys.argv[3] if len(sys.argv) > 3 else None
-    lock = RunLock(sys.argv[1], job, int(sys.argv[4]) if len(sys.argv) > 4 else None)
+    lock = RunLock(sys.argv[1])
     lock.__enter__()
     child = os.fork()
     if child == 0:  # inherits the open lock file, as a DataLoader worker does
@@ -115,11 +114,11 @@ _LEAVES_AN_HEIR = textwrap.dedent("""
 """)
 
 
-def _holder_gone_heir_lingers(stem, linger: float, *job_member) -> int:
+def _holder_gone_heir_lingers(stem, linger: float) -> int:
     """The pid of a child that holds the lock of ``stem`` for ``linger`` s after the
-    process that took it (with ``job`` and ``member``, when given) exited."""
-    out = subprocess.run([sys.executable, "-c", _LEAVES_AN_HEIR, os.fspath(stem), str(linger),
-                          *map(str, job_member)], capture_output=True, text=True, timeout=30)
+    process that took it exited."""
+    out = subprocess.run([sys.executable, "-c", _LEAVES_AN_HEIR, os.fspath(stem), str(linger)],
+                         capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     return int(out.stdout)
 
@@ -172,34 +171,6 @@ def test_a_gone_holder_s_lingering_children_are_named(tmp_path, monkeypatch):
                                               rf"file open \(pids {heir}: a DataLoader worker"):
             with RunLock(stem):
                 pass
-    finally:
-        os.kill(heir, signal.SIGKILL)
-
-
-def test_another_host_of_the_job_of_a_gone_holder_goes_on_at_once(tmp_path, monkeypatch):
-    """A host of a cluster whose other host's launcher was gone, its lock held on by a
-    child, waited 30 s for that child, then went on beside the lock as it would have at
-    once beside a live holder. It goes on at once; the same member still waits for the
-    child and is refused."""
-    import time
-
-    from flodl_shm.checkpoint import run_lock
-
-    monkeypatch.setattr(run_lock, "INHERITED_LOCK_WAIT_S", 3.0)
-    stem = tmp_path / "ckpt"
-    heir = _holder_gone_heir_lingers(stem, 60, "cafe", 0)
-    try:
-        t0 = time.monotonic()
-        lock = RunLock(stem, "cafe", 2)
-        with lock:
-            assert lock.shared and (tmp_path / "ckpt.member-2.lock").exists()
-        assert time.monotonic() - t0 < 2.0
-        t0 = time.monotonic()
-        with pytest.raises(SeriesInUse, match=rf"processes it started still hold the lock "
-                                              rf"file open \(pids {heir}"):
-            with RunLock(stem, "cafe", 0):  # the gone holder's own host, relaunched
-                pass
-        assert time.monotonic() - t0 >= 3.0
     finally:
         os.kill(heir, signal.SIGKILL)
 

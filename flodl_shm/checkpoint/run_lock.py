@@ -25,7 +25,7 @@ process that acquired it:
   outlive the holder for a while (a killed rank's DataLoader worker, until it notices),
   holding the lock: an acquirer that finds the holder named in the file gone from this
   host waits up to ``INHERITED_LOCK_WAIT_S`` for such processes to exit, then refuses
-  naming them (unless it shares the lock, as below: it then goes on at once).
+  naming them.
 - **Shared by the hosts of one job.** Hosts of a cluster whose save paths lie on one
   shared file system (NFS) would otherwise refuse each other: a lock taken with a
   ``job`` identity (the Trainer's: a digest of the cluster's session salt; LocalSGD's:
@@ -153,7 +153,8 @@ class RunLock:
             fd = self._acquire()
         except SeriesInUse as e:
             _remove_empty(made)
-            if self._shares_with(e.job, e.member):
+            if self.job is not None and e.job == self.job and (
+                    self.member is None or e.member != self.member):
                 # this job's other host holds it; this host holds its own member's lock
                 self._enter_member()
                 self.shared = True
@@ -164,12 +165,6 @@ class RunLock:
             raise
         _HELD[self._key] = _Held(os.getpid(), fd, 1, made)
         return self
-
-    def _shares_with(self, job, member) -> bool:
-        """Whether a lock held with ``job`` and ``member`` is this job's other host's,
-        which this acquirer goes on beside without holding it (the module doc)."""
-        return self.job is not None and job == self.job and (
-            self.member is None or member != self.member)
 
     def _enter_member(self) -> None:
         if self.member is None:
@@ -197,10 +192,7 @@ class RunLock:
             except BlockingIOError:
                 try:
                     info = _holder_info(fd)
-                    # (the processes a gone holder of this job left are not waited for:
-                    # this acquirer goes on beside the lock, as beside a live holder)
-                    gone = (_holder_gone(info)
-                            and not self._shares_with(info.get("job"), info.get("member")))
+                    gone = _holder_gone(info)
                     if not (gone and _outwait_inheritors(fd, self.path, info)):
                         raise SeriesInUse(os.fspath(self.path),
                                           _describe(info, fd if gone else None),
