@@ -100,7 +100,8 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
 _LEAVES_AN_HEIR = textwrap.dedent("""
     import os, sys, time
     from flodl_shm.checkpoint.run_lock import RunLock
-    lock = RunLock(sys.argv[1])
+    job = sys.argv[3] if len(sys.argv) > 3 else None
+    lock = RunLock(sys.argv[1], job, int(sys.argv[4]) if len(sys.argv) > 4 else None)
     lock.__enter__()
     child = os.fork()
     if child == 0:  # inherits the open lock file, as a DataLoader worker does
@@ -114,11 +115,11 @@ _LEAVES_AN_HEIR = textwrap.dedent("""
 """)
 
 
-def _holder_gone_heir_lingers(stem, linger: float) -> int:
+def _holder_gone_heir_lingers(stem, linger: float, *job_member) -> int:
     """The pid of a child that holds the lock of ``stem`` for ``linger`` s after the
-    process that took it exited."""
-    out = subprocess.run([sys.executable, "-c", _LEAVES_AN_HEIR, os.fspath(stem), str(linger)],
-                         capture_output=True, text=True, timeout=30)
+    process that took it (with ``job`` and ``member``, when given) exited."""
+    out = subprocess.run([sys.executable, "-c", _LEAVES_AN_HEIR, os.fspath(stem), str(linger),
+                          *map(str, job_member)], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     return int(out.stdout)
 
@@ -173,6 +174,50 @@ def test_a_gone_holder_s_lingering_children_are_named(tmp_path, monkeypatch):
                 pass
     finally:
         os.kill(heir, signal.SIGKILL)
+
+
+_ACQUIRER = textwrap.dedent("""
+    import sys
+    from flodl_shm.checkpoint.run_lock import RunLock
+    lock = RunLock(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    with lock:
+        print("shared" if lock.shared else "held", flush=True)
+        sys.stdin.readline()
+""")
+
+
+def test_a_waiter_beaten_to_a_gone_holder_s_lock_decides_on_the_new_holder(tmp_path):
+    """A probe: two hosts of one job waited on a lock that another job's gone holder
+    left to its child. When the child exited, one took the lock; the other polled on for
+    the rest of the 30 s, then was refused naming the gone holder and calling the winner
+    its DataLoader worker. It reads the winner's line now and goes on beside it."""
+    import time
+
+    stem = tmp_path / "ckpt"
+    heir = _holder_gone_heir_lingers(stem, 4.0, "k", 0)
+    other = subprocess.Popen([sys.executable, "-c", _ACQUIRER, os.fspath(stem), "j", "0"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        said = other.stderr.readline()
+        assert "waiting up to 30 s for them to exit" in said, said
+        t0 = time.monotonic()
+        lock = RunLock(stem, "j", 2)  # waits for the child too
+        with lock:
+            mine = "shared" if lock.shared else "held"
+            theirs = other.stdout.readline().strip()
+        took = time.monotonic() - t0
+        other.communicate("\n", timeout=30)
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait(30)
+        try:
+            os.kill(heir, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert sorted([mine, theirs]) == ["held", "shared"], (mine, theirs)
+    assert took < 15, took
 
 
 def test_trainer_run_on_a_series_in_use_deletes_nothing(tmp_path):

@@ -192,8 +192,11 @@ class RunLock:
             except BlockingIOError:
                 try:
                     info = _holder_info(fd)
-                    gone = _holder_gone(info)
-                    if not (gone and _outwait_inheritors(fd, self.path, info)):
+                    held = False
+                    if _holder_gone(info):
+                        held, info = _outwait_inheritors(fd, self.path, info)
+                    gone = _holder_gone(info)  # (another acquirer may hold it by now)
+                    if not held:
                         raise SeriesInUse(os.fspath(self.path),
                                           _describe(info, fd if gone else None),
                                           info.get("job"), info.get("member")) from None
@@ -361,9 +364,12 @@ def _holder_gone(info: dict) -> bool:
     return False
 
 
-def _outwait_inheritors(fd: int, path: Path, info: dict) -> bool:
+def _outwait_inheritors(fd: int, path: Path, info: dict) -> tuple[bool, dict]:
     """Wait up to ``INHERITED_LOCK_WAIT_S`` for the processes that hold the lock of a
-    holder that is gone to exit; True once ``fd`` holds the lock."""
+    holder that is gone to exit. Returns (True, ``info``) once ``fd`` holds the lock, or
+    (False, the holder's line as it is now): when the time is up, or at once when another
+    acquirer, alive, took the lock meanwhile (its line names it: this acquirer then
+    shares it or is refused as with any live holder, not after the rest of the wait)."""
     logger.warning("the run lock %s is held by processes that pid %s started (%s) and that "
                    "outlive it; waiting up to %g s for them to exit", path, info.get("pid"),
                    ", ".join(map(str, _processes_holding(fd))) or "not found",
@@ -373,10 +379,12 @@ def _outwait_inheritors(fd: int, path: Path, info: dict) -> bool:
         time.sleep(0.1)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
+            return True, info
         except BlockingIOError:
-            continue
-    return False
+            now = _read_info(fd)  # (empty while a new holder writes its line)
+            if now and now.get("pid") != info.get("pid") and not _holder_gone(now):
+                return False, now
+    return False, _read_info(fd) or info
 
 
 def _processes_holding(fd: int) -> list[int]:
