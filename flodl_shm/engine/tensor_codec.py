@@ -491,11 +491,14 @@ class TensorCodec:
 
     @staticmethod
     def views(flat: torch.Tensor, plan: RoundPlan) -> list[torch.Tensor]:
-        """The plan's tensors as views of a flat f32 result."""
-        if len(plan.shapes) == 1:
-            return [flat.view(plan.shapes[0])]
-        return [flat[off:off + n].view(s) for s, off, n in zip(plan.shapes, plan.offs,
-                                                                plan.numels)]
+        """The plan's tensors as views of a flat f32 result. (One ``split_with_sizes``
+        and ``view(*shape)`` where a tensor is not 1-D: a slice and ``view(shape)`` per
+        tensor cost ~3 µs each, most of a small multi-tensor broadcast's time.)"""
+        shapes = plan.shapes
+        if len(shapes) == 1:  # (a view, never ``flat`` itself: it may be a reused staging)
+            return [flat.view(shapes[0])]
+        return [p if len(s) == 1 else p.view(*s) if s else p.view(s)
+                for p, s in zip(flat.split_with_sizes(plan.numels), shapes)]
 
     def clear(self) -> None:
         """Drop the staging and pooled result buffers."""
