@@ -402,7 +402,20 @@ def wire_views(flat: np.ndarray, dtype: int, plan: RoundPlan) -> list[torch.Tens
         base = torch.from_numpy(flat)
     else:
         base = torch.from_numpy(flat.view(np.int16)).view(torch.bfloat16)
-    return [base[off:off + n].view(s) for s, off, n in zip(plan.shapes, plan.offs, plan.numels)]
+    return flat_views(base[:plan.nelem], plan)
+
+
+def flat_views(flat: torch.Tensor, plan: RoundPlan) -> list[torch.Tensor]:
+    """The plan's tensors as views of ``flat`` (``plan.nelem`` elements, 1-D): new
+    tensor objects over its memory, ``flat`` itself never (it may be a reused staging
+    buffer). One ``split_with_sizes``, and ``view(*shape)`` where a tensor is not 1-D:
+    a slice and ``view(shape)`` per tensor cost ~3 µs each, most of a small
+    multi-tensor broadcast's time."""
+    shapes = plan.shapes
+    if len(shapes) == 1:
+        return [flat.view(shapes[0])]
+    return [p if len(s) == 1 else p.view(*s) if s else p.view(s)
+            for p, s in zip(flat.split_with_sizes(plan.numels), shapes)]
 
 
 class TensorCodec:
@@ -491,14 +504,8 @@ class TensorCodec:
 
     @staticmethod
     def views(flat: torch.Tensor, plan: RoundPlan) -> list[torch.Tensor]:
-        """The plan's tensors as views of a flat f32 result. (One ``split_with_sizes``
-        and ``view(*shape)`` where a tensor is not 1-D: a slice and ``view(shape)`` per
-        tensor cost ~3 µs each, most of a small multi-tensor broadcast's time.)"""
-        shapes = plan.shapes
-        if len(shapes) == 1:  # (a view, never ``flat`` itself: it may be a reused staging)
-            return [flat.view(shapes[0])]
-        return [p if len(s) == 1 else p.view(*s) if s else p.view(s)
-                for p, s in zip(flat.split_with_sizes(plan.numels), shapes)]
+        """The plan's tensors as views of a flat f32 result (``flat_views``)."""
+        return flat_views(flat, plan)
 
     def clear(self) -> None:
         """Drop the staging and pooled result buffers."""
