@@ -538,7 +538,7 @@ class RoundEngine:
         float32, aligned, writable memory: one compiled type) copied in, the consensus
         reduced into ``dst`` whatever the mass (as the general round does). Returns the
         accepted mass."""
-        code = RK.eager_arrays_f32(self._call, plan.call, src, dst, rnd, weight)
+        code = self._fused.arrays_f32(self._call, plan.call, src, dst, rnd, weight)
         if code == _OK:
             return self._mass_cell[0]
         view = self.settle_eager(code, rnd)

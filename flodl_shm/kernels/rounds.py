@@ -662,13 +662,16 @@ class FusedCalls(NamedTuple):
     50 ns a call beyond the unboxing, a sixth of a whole barrier's compiled work);
     these skip that. So they take arguments of exactly these types and no others: the
     engine's call block and a plan's words (1-D C int64 arrays), Python ints and
-    floats, and, for ``per_rank``, the Comm's own 1-D C float64 staging array.
+    floats, for ``per_rank`` the Comm's own 1-D C float64 staging array, and for
+    ``arrays_f32`` 1-D C float32 arrays, aligned and writable (a frame's payload and its
+    reply's memory).
     """
 
     barrier: Callable        # barrier_round(blk, pl, rnd)
     per_rank: Callable       # per_rank_round(blk, pl, rnd, values)
     inplace_f32: Callable    # eager_inplace_f32(blk, pl, addr, rnd, weight, scale)
     copy_f32: Callable       # eager_copy_f32(blk, pl, addr, out, rnd, flags, weight, scale, root)
+    arrays_f32: Callable     # eager_arrays_f32(blk, pl, src, dst, rnd, weight)
 
 
 @functools.cache
@@ -679,4 +682,6 @@ def fused_calls() -> FusedCalls:
         barrier=barrier_round.compile((words, words, i64)),
         per_rank=per_rank_round.compile((words, words, i64, types.float64[::1])),
         inplace_f32=eager_inplace_f32.compile((words, words, i64, i64, f64, f64)),
-        copy_f32=eager_copy_f32.compile((words, words, i64, i64, i64, i64, f64, f64, i64)))
+        copy_f32=eager_copy_f32.compile((words, words, i64, i64, i64, i64, f64, f64, i64)),
+        arrays_f32=eager_arrays_f32.compile((words, words, types.float32[::1],
+                                             types.float32[::1], i64, f64)))
