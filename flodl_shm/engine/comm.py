@@ -593,6 +593,10 @@ class Comm:
         ``outer=True`` marks the params round of a window: the installed outer
         optimizer (``set_outer``) steps the consensus into the new global before it is
         returned (every rank must pass the same flag)."""
+        if kind is RoundKind.MODEL and not outer:
+            got = self._hot_result(tensors, weight, scale)
+            if got is not None:
+                return [got[0]], got[1]
         kind = _kind(kind)
         if not outer:
             got = self._single_fast(tensors, kind, weight, scale)
@@ -632,6 +636,10 @@ class Comm:
                             ) -> tuple[list[torch.Tensor], float]:
         """Tensors already scaled by the caller; returns (Σ/Σw, accepted mass Σw), as
         float32 tensors (for bfloat16 inputs too: the f32 consensus, not rounded again)."""
+        if kind is RoundKind.MODEL and not outer:
+            got = self._hot_result(tensors, weight, 1.0)
+            if got is not None:
+                return [got[0]], got[1]
         if not outer:
             got = self._single_fast(tensors, _kind(kind), weight, 1.0)
             if got is not None:
@@ -641,10 +649,45 @@ class Comm:
     def all_reduce_tensors(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Equal-weight mean over the accepted ranks, as float32 tensors (for bfloat16
         inputs too: ``.to(torch.bfloat16)`` gives what :meth:`all_reduce_` writes)."""
+        got = self._hot_result(tensors, 1.0, 1.0)
+        if got is not None:
+            return [got[0]]
         got = self._single_fast(tensors, _MODEL, 1.0, 1.0)
         if got is not None:
             return [got[0]]
         return self.all_reduce_scaled(tensors, 1.0, RoundKind.MODEL, 1.0)[0]
+
+    def _hot_result(self, tensors: Sequence[torch.Tensor], weight, scale
+                    ) -> tuple[torch.Tensor, float] | None:
+        """The hot case of the three tensor-returning reduces of a MODEL round without
+        outer step, a training loop's repeated call over one small float32 tensor: the
+        plan ``_hot_plan`` cached, a valid weight and scale, a result below the pooled
+        sizes. ``_single_fast``'s round with its frames inlined (``_single_plan``,
+        ``_single_result``, ``_single_round``, ``_begin``), as in ``all_reduce_``:
+        about 0.9 µs of a 5.6 µs call at 4 KiB. Returns (result, accepted mass), or None:
+        the general path decides, and names a bad argument."""
+        plan = self._hot_plan(tensors)
+        if plan is None or plan.nbytes >= POOL_MIN_BYTES:
+            return None
+        try:  # (free in CPython 3.11 until something raises)
+            w, s = float(weight), float(scale)
+            # (compared as given: text, which float() parses, raises TypeError)
+            if not ((MASS_MIN <= weight <= MASS_MAX or weight == 0.0)
+                    and -_F32_MAX <= scale <= _F32_MAX):
+                return None
+            t = tensors[0]
+            addr = t.data_ptr()  # (an mkldnn tensor has none: the general path names it)
+        except (TypeError, ValueError, ArithmeticError, RuntimeError):
+            return None
+        res = torch.empty_like(t)  # t: contiguous f32; cheaper than numpy + from_numpy
+        rnd = self._round
+        self._round = rnd + 1
+        try:
+            mass = self._engine.inplace_round(rnd, w, addr, plan, s, res.data_ptr())
+        except BaseException as e:
+            self._fail(rnd, e)
+            raise
+        return res, mass
 
     def _single_fast(self, tensors: Sequence[torch.Tensor], kind: int, weight,
                      scale) -> tuple[torch.Tensor, float] | None:
