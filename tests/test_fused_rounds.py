@@ -182,6 +182,74 @@ def test_a_repeated_one_tensor_call_keeps_every_check_of_the_first(tmp_path):
             comm.all_reduce_([t])
 
 
+@pytest.mark.parametrize("api", ["tensors", "weighted", "scaled"])
+def test_a_repeated_one_tensor_result_call_keeps_every_check_of_the_first(api):
+    """The tensor-returning reduces' hot case (``Comm._hot_result``: one small float32
+    tensor whose plan an earlier call cached) skips frames, not checks: after the plan
+    is cached, each of these gets what a first call gets."""
+    from flodl_shm.errors import FrameError
+
+    def call(comm, t, weight=1.0, scale=1.0, kind=RoundKind.MODEL):
+        if api == "tensors":
+            return comm.all_reduce_tensors([t])[0], None
+        if api == "weighted":
+            (r,), mass = comm.all_reduce_weighted([t], kind, weight)
+        else:
+            (r,), mass = comm.all_reduce_scaled([t], scale, kind, weight)
+        return r, mass
+
+    def body(comm):
+        odd = 1.0 + 2.0 ** -20  # not a bfloat16 value
+        t = torch.full((1024,), odd * (comm.rank + 1))
+        first, _ = call(comm, t)
+        kept = first.clone()
+        again, mass = call(comm, t)
+        got = [torch.equal(first, again), first.data_ptr() != again.data_ptr(),
+               torch.equal(first, kept), float(again[0]), mass, again.requires_grad]
+        heavier, mass = call(comm, t, weight=2.0)
+        got += [float(heavier[0]), mass]
+        if api != "tensors":  # a bad weight or scale is named, before the round
+            bad = [({"weight": "x"}, TypeError, "weight must be a number"),
+                   ({"weight": Decimal("NaN")}, FrameError, "weight nan is not"),
+                   ({"weight": 1e39}, FrameError, "outside the masses")]
+            if api == "scaled":
+                bad += [({"scale": b"2"}, TypeError, "got bytes b'2'"),
+                        ({"scale": float("nan")}, FrameError, "not a finite float32")]
+            for kwargs, err, words in bad:
+                with pytest.raises(err, match=words):
+                    call(comm, t, **kwargs)
+            got.append(float(call(comm, t, scale=0.5)[0][0]))  # (weighted: no scale)
+            # a CONTROL round of the same shape sums: not the MODEL round's plan
+            got.append(float(call(comm, t, kind=RoundKind.CONTROL)[0][0]))
+        # a bf16 wire rounds the contribution; a pinned arm is taken by the round
+        comm.set_bf16_wire(True)
+        got.append(float(call(comm, torch.full((1024,), odd))[0][0]))
+        comm.set_bf16_wire(False)
+        comm.set_pinned_decode(True)
+        comm.arm_pinned_decode(0)
+        call(comm, t)
+        got.append(comm._armed)
+        # a requires-grad tensor gives a result without grad, as a first call's
+        got.append(call(comm, t.clone().requires_grad_())[0].requires_grad)
+        return got
+
+    with FakeCohort(2) as cohort:
+        for got in cohort.run(body):
+            mean = (1.0 + 2.0 ** -20) * 1.5
+            assert got[:6] == [True, True, True, mean, None if api == "tensors" else 2.0,
+                               False]
+            if api == "tensors":  # (no weight to give)
+                assert got[6:8] == [mean, None]
+            else:  # each rank's values over the mass 2 + 2; a CONTROL round's sum
+                assert got[6:10] == [mean / 2, 4.0, mean / 2 if api == "scaled" else mean,
+                                     (1.0 + 2.0 ** -20) * 3]
+            assert got[-3:] == [1.0, None, False]
+        comm = cohort.comm(0)
+    comm.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        call(comm, torch.ones(1024))
+
+
 @pytest.mark.parametrize("bf16_wire", [False, True])
 def test_small_zero_copy_runs_in_the_eager_slot(bf16_wire):
     """A small zero-copy frame is filled in the eager slot of the next round's parity:
