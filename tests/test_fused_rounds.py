@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 
+import numpy as np
 import pytest
 import torch
 
@@ -120,7 +121,11 @@ def test_a_repeated_one_tensor_call_keeps_every_check_of_the_first(tmp_path):
                                    ({"weight": Decimal("NaN")}, FrameError, "weight nan is not"),
                                    ({"scale": Decimal("NaN")}, FrameError, "scale nan is not"),
                                    ({"weight": 1e39}, FrameError, "outside the masses"),
-                                   ({"scale": float("nan")}, FrameError, "not a finite float32")):
+                                   ({"scale": float("nan")}, FrameError, "not a finite float32"),
+                                   # (a float16 inf compared as given passed float32's bounds)
+                                   ({"weight": np.float16("inf")}, FrameError, "weight inf is"),
+                                   ({"scale": torch.tensor(float("inf"), dtype=torch.bfloat16)},
+                                    FrameError, "scale inf is not")):
             with pytest.raises(err, match=words):
                 comm.all_reduce_([t], **kwargs)
         # a bf16 wire rounds the contribution; a pinned arm is taken by the round
@@ -211,10 +216,13 @@ def test_a_repeated_one_tensor_result_call_keeps_every_check_of_the_first(api):
         if api != "tensors":  # a bad weight or scale is named, before the round
             bad = [({"weight": "x"}, TypeError, "weight must be a number"),
                    ({"weight": Decimal("NaN")}, FrameError, "weight nan is not"),
-                   ({"weight": 1e39}, FrameError, "outside the masses")]
+                   ({"weight": 1e39}, FrameError, "outside the masses"),
+                   ({"weight": np.float16("inf")}, FrameError, "weight inf is not")]
             if api == "scaled":
                 bad += [({"scale": b"2"}, TypeError, "got bytes b'2'"),
-                        ({"scale": float("nan")}, FrameError, "not a finite float32")]
+                        ({"scale": float("nan")}, FrameError, "not a finite float32"),
+                        ({"scale": torch.tensor(float("inf"), dtype=torch.float16)},
+                         FrameError, "scale inf is not")]
             for kwargs, err, words in bad:
                 with pytest.raises(err, match=words):
                     call(comm, t, **kwargs)

@@ -670,10 +670,11 @@ class Comm:
         if plan is None or plan.nbytes >= POOL_MIN_BYTES:
             return None
         try:  # (free in CPython 3.11 until something raises)
-            w, s = float(weight), float(scale)
-            # (compared as given: text, which float() parses, raises TypeError)
-            if not ((MASS_MIN <= weight <= MASS_MAX or weight == 0.0)
-                    and -_F32_MAX <= scale <= _F32_MAX):
+            # as floats (a float16 inf compared as given passes float32's bounds: its own
+            # precision rounds them to inf); text, which float() parses, raises TypeError
+            w = weight if type(weight) is float else _as_number(weight)
+            s = scale if type(scale) is float else _as_number(scale)
+            if not ((MASS_MIN <= w <= MASS_MAX or w == 0.0) and -_F32_MAX <= s <= _F32_MAX):
                 return None
             t = tensors[0]
             addr = t.data_ptr()  # (an mkldnn tensor has none: the general path names it)
@@ -735,10 +736,10 @@ class Comm:
                 # ``_all_reduce_in_place``'s one-call round with its frames inlined
                 # (``_single_round``, ``_begin``): they cost a fifth of a 4 KiB call
                 try:  # (free in CPython 3.11 until something raises)
-                    w, s = float(weight), float(scale)
-                    # (compared as given: text, which float() parses, raises TypeError)
-                    hot = ((MASS_MIN <= weight <= MASS_MAX or weight == 0.0)
-                           and -_F32_MAX <= scale <= _F32_MAX)
+                    # (as ``_hot_result`` takes them)
+                    w = weight if type(weight) is float else _as_number(weight)
+                    s = scale if type(scale) is float else _as_number(scale)
+                    hot = (MASS_MIN <= w <= MASS_MAX or w == 0.0) and -_F32_MAX <= s <= _F32_MAX
                     addr = tensors[0].data_ptr()
                 except (TypeError, ValueError, ArithmeticError, RuntimeError):
                     hot = False  # the general path names what is wrong (Decimal NaN's too)
