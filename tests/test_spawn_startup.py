@@ -463,3 +463,38 @@ def test_launcher_killed_takes_the_forked_server_and_its_ranks_down(tmp_path, st
             except ProcessLookupError:
                 pass
     assert set(_segments_of(proc.pid)) <= {s.name for s in reap_dead_owner_segments()}
+
+
+@pytest.mark.parametrize("start_method", ["default"])
+def test_a_rank_s_exit_code_read_from_several_threads_at_once_is_the_real_one(start_method):
+    """A full suite failed once on a rank stopped with the cohort that read "failed too
+    (exit code 255)", with a death record. multiprocessing's forkserver ``poll`` reads the
+    exit code from the server's pipe unlocked; the supervisor polls from its monitor and
+    its escalation thread, and the one that found the pipe already read set 255 over the
+    real code (3 threads polling here: 91 of 200 ranks read 255)."""
+    import threading
+
+    from flodl_shm.launch.rank_server import _RankServer, _ServedRankProcess
+
+    server = _RankServer()
+    server.start(1, 1)
+    codes = []
+    try:
+        for _ in range(30):
+            p = _ServedRankProcess(target=time.sleep, args=(0.02,))
+            p._rank_server = server
+            p.start()
+
+            def poll():
+                while p.is_alive():
+                    pass
+
+            pollers = [threading.Thread(target=poll) for _ in range(3)]
+            for t in pollers:
+                t.start()
+            for t in pollers:
+                t.join(30)
+            codes.append(p.exitcode)
+    finally:
+        server.stop()
+    assert codes == [0] * 30, codes

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import traceback
+from multiprocessing import connection as mp_connection
 from multiprocessing import context as mp_context
 from multiprocessing import forkserver, popen_forkserver
 from multiprocessing import spawn as mp_spawn
@@ -315,9 +316,11 @@ class _RankServer(forkserver.ForkServer):
 
 
 class _ServedRankPopen(popen_forkserver.Popen):
-    """multiprocessing's forkserver launch, asking this run's ``_RankServer``."""
+    """multiprocessing's forkserver launch, asking this run's ``_RankServer``; its
+    ``poll`` safe from several threads."""
 
     def _launch(self, process_obj):  # mirrors popen_forkserver.Popen._launch
+        self._poll_lock = threading.Lock()
         buf = _child_data(self, process_obj)
         self.sentinel, w = process_obj._rank_server.connect_to_new_process(self._fds)
         _parent_w = os.dup(w)
@@ -328,6 +331,18 @@ class _ServedRankPopen(popen_forkserver.Popen):
             self.pid = forkserver.read_signed(self.sentinel)
         except EOFError:  # the server died before forking this rank
             raise _server_died(None) from None
+
+    def poll(self, flag=os.WNOHANG):
+        """The exit code, read once. multiprocessing's forkserver ``poll`` reads it from
+        the server's pipe unlocked: two threads that both find it ready read it once
+        between them, and the other, finding the pipe at its end, sets 255 over it (the
+        supervisor polls from its monitor and its escalation thread: a rank stopped
+        with the cohort read as "failed too (exit code 255)"). Blocking waits happen
+        outside the lock."""
+        if self.returncode is None and flag != os.WNOHANG:
+            mp_connection.wait([self.sentinel])
+        with self._poll_lock:
+            return super().poll(os.WNOHANG)
 
 
 def _server_died(exitcode: int | None) -> RuntimeError:
