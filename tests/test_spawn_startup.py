@@ -471,7 +471,7 @@ def test_a_rank_s_exit_code_read_from_several_threads_at_once_is_the_real_one(st
     (exit code 255)", with a death record. multiprocessing's forkserver ``poll`` reads the
     exit code from the server's pipe unlocked; the supervisor polls from its monitor and
     its escalation thread, and the one that found the pipe already read set 255 over the
-    real code (3 threads polling here: 91 of 200 ranks read 255)."""
+    real code (3 threads polling a forkserver process here: 91 of 200 read 255)."""
     import threading
 
     from flodl_shm.launch.rank_server import _RankServer, _ServedRankProcess

@@ -192,10 +192,10 @@ class RunLock:
             except BlockingIOError:
                 try:
                     info = _holder_info(fd)
-                    held = False
-                    if _holder_gone(info):
+                    held, gone = False, _holder_gone(info)
+                    if gone:
                         held, info = _outwait_inheritors(fd, self.path, info)
-                    gone = _holder_gone(info)  # (another acquirer may hold it by now)
+                        gone = _holder_gone(info)  # (another acquirer may hold it by now)
                     if not held:
                         raise SeriesInUse(os.fspath(self.path),
                                           _describe(info, fd if gone else None),
