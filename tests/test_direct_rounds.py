@@ -79,6 +79,15 @@ def _session(comm) -> list:
     ts[1] = ts[1].t()  # staged on every rank, written back on the readers
     comm.broadcast_(ts, root=0)  # in place: the root copies nothing
     out.append(("broadcast_", [t.clone() for t in ts], 0.0, None))
+    # one tensor (rank 1's not contiguous): into the root's own result, copied whole by
+    # the root (20,000 elements) or in slices (100,000), and in place
+    for name, i, n, root in ONE_BROADCASTS:
+        if name.endswith("_"):
+            t = _one(r, i, n)
+            comm.broadcast_([t], root=root % comm.world_size)
+        else:
+            (t,) = comm.broadcast_from_root([_one(r, i, n)], root=root % comm.world_size)
+        out.append((name, [t.clone()], 0.0, None))
     # a frame whose payloads carry w * T, one of them read-only (bytes: copied)
     big, mat, odd = _inputs(r, 15)
     w = 1.0 + r
@@ -94,6 +103,19 @@ def _session(comm) -> list:
     mass = comm.all_reduce_(ts, weight=0.0)
     out.append(("empty", [t.clone() for t in ts], mass, None))
     return out
+
+
+def _one(rank: int, i: int, n: int) -> torch.Tensor:
+    """``n`` random float32s with a signaling NaN (its payload must arrive as it is);
+    rank 1's are a strided view (not contiguous)."""
+    v = torch.randn(n, generator=torch.Generator().manual_seed(100 * rank + i))
+    v.view(torch.int32)[5] = 0x7F800001
+    return v.repeat_interleave(2)[::2] if rank == 1 else v
+
+
+#: (step name, seed, elements, root; -1: the last rank): into a result, then in place
+ONE_BROADCASTS = (("one16", 16, 20_000, 1), ("one16_", 26, 20_000, -1),
+                  ("one17", 17, 100_000, -1), ("one17_", 27, 100_000, 1))
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -128,11 +150,53 @@ def test_direct_rounds_match_the_shared_path_bit_for_bit(low_threshold, world):
             got = next(step for step in direct[rank] if step[0] == name)[1]
             assert [_bits(t) for t in got] == [_bits(root[0]), _bits(root[1].t()),
                                                _bits(root[2])], (name, rank)
+    for name, i, n, root_rank in ONE_BROADCASTS:
+        want = _bits(_one(root_rank % world, i, n))
+        for rank in range(world):
+            got = next(step for step in direct[rank] if step[0] == name)[1]
+            assert _bits(got[0]) == want, (name, rank)
     # nothing realized: every rank kept its own tensors
     for rank in range(world):
         empty = direct[rank][-1]
         assert empty[0] == "empty" and empty[2] == 0.0
         assert torch.equal(empty[1][0], _inputs(rank, 11)[0])
+
+
+def _one_broadcasts(comm) -> list:
+    """One-tensor broadcasts that fit the eager slots (1 MiB here): one compiled direct
+    call on the ranks whose tensor is contiguous float32 (every rank but 1)."""
+    out = []
+    r = comm.rank
+    for name, i, n, root in ONE_BROADCASTS:
+        if name.endswith("_"):
+            t = _one(r, i, n)
+            comm.broadcast_([t], root=root % comm.world_size)
+            out.append(t.clone())
+        else:
+            out.append(comm.broadcast_from_root([_one(r, i, n)],
+                                                root=root % comm.world_size)[0].clone())
+    out.append(comm._engine.direct.state)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_one_tensor_direct_broadcasts_in_one_call_match_the_eager_path(world):
+    """From 64 KiB a broadcast is direct, eager-sized or not; a one-tensor one runs as
+    one compiled call. Bit for bit what the eager slot delivers: every rank holds the
+    root's bits (a signaling NaN's payload included), whether the root copies its own
+    result whole (20,000 elements) or delivers a slice of it (100,000), and a rank
+    whose tensor is not contiguous joins the same round through the general path."""
+    got = {}
+    for direct in (False, True):
+        with FakeCohort(world, direct=direct, eager_bytes=1 << 20) as cohort:
+            got[direct] = cohort.run(_one_broadcasts)
+    assert [rank[-1] for rank in got[True]] == ["ready"] * world
+    assert [rank[-1] for rank in got[False]] == ["unavailable"] * world
+    for k, (name, i, n, root) in enumerate(ONE_BROADCASTS):
+        want = _bits(_one(root % world, i, n))
+        for rank in range(world):
+            assert _bits(got[False][rank][k]) == want, (name, rank)
+            assert _bits(got[True][rank][k]) == want, (name, rank)
 
 
 def test_rounds_below_the_threshold_and_outer_rounds_stay_shared(low_threshold):
@@ -297,6 +361,14 @@ def rounds(ctx, n_rounds):
     b = torch.full((BIG,), float(ctx.rank + 20))
     ctx.comm.broadcast_([b], root=0)
     out.append((float(b[0]), float(b[-1])))
+    # eager-sized broadcasts of one tensor: each one compiled direct call per rank
+    for n in (30_000, 100_000):
+        (c,) = ctx.comm.broadcast_from_root([torch.arange(n, dtype=torch.float32)
+                                             * (ctx.rank + 1)], root=1)
+        d = torch.arange(n, dtype=torch.float32) * (ctx.rank + 3)
+        ctx.comm.broadcast_([d], root=0)
+        out.append((torch.equal(c, torch.arange(n, dtype=torch.float32) * 2),
+                    torch.equal(d, torch.arange(n, dtype=torch.float32) * 3)))
     return out, ctx.comm._engine.direct.state
 
 
@@ -307,6 +379,7 @@ def test_spawn_runs_large_rounds_direct_across_processes():
         assert res[:3] == [(1.5 * (i + 1), 1.5 * (i + 1), 1.5 * 999, 2.0) for i in range(3)]
         assert res[3] == (8.0, 8.0)  # rank 1's tensor, broadcast directly
         assert res[4] == (20.0, 20.0)  # rank 0's, in place
+        assert res[5:] == [(True, True)] * 2
     assert_no_leaks()
 
 

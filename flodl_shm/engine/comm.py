@@ -65,7 +65,8 @@ from ..frame import (
     tensor_array,
 )
 from .checkpoint_tap import TapClient
-from .direct import READY, UNAVAILABLE, UNPROBED, ClosedDirectRounds
+from .direct import (DIRECT_BROADCAST_MIN_BYTES, READY, UNAVAILABLE, UNPROBED,
+                     ClosedDirectRounds)
 from .gathered import GatheredTensors
 from .hostmem import HostMemory
 from .protocol import RoundEngine, RoundPlan
@@ -908,19 +909,25 @@ class Comm:
         if isinstance(tensors, torch.Tensor) or not hasattr(tensors, "__len__"):
             refuse_one_tensor(tensors)  # (None, a bare tensor, a generator: named)
         if len(tensors) == 1 and local_root is not None:
-            plan = self._single_plan(tensors[0], _CONTROL, False)
+            t = tensors[0]
+            plan = self._single_plan(t, _CONTROL, False)
+            if plan is not None and self._broadcast_direct(plan):
+                res = self._result_like(t, plan)
+                self._direct_broadcast_one(plan, t.data_ptr() if is_root else 0,
+                                           res.data_ptr(), local_root)
+                return [res]
             if plan is not None:
                 # the root's copy-in, the round and the copy into a fresh result: one call
                 return [self._single_result(tensors[0], plan, 0.0, 1.0, local_root)[0]]
         plan = self._fused_plan(tensors, _CONTROL, DTYPE_F32, False)
-        if plan is not None:  # never in relay mode
+        if plan is not None and not self._broadcast_direct(plan):  # (never in relay mode)
             res, out, addr = self._codec.fused_result(plan, None)
             self._fused_round(plan, 0.0, len(tensors) if is_root else 0, 1.0, out, addr, False,
                               elided=not is_root, broadcast=local_root)
             return res
         plan = eng.plan(_CONTROL, DTYPE_F32, tuple(check_tensors(tensors, broadcast=True)))
         flat = self._codec.flat_result(plan.nelem, None)
-        if local_root is not None and self._direct_mode(plan, False) == A.FLAG_DIRECT:
+        if local_root is not None and self._broadcast_direct(plan):
             self._direct_call(tensors if is_root else None, plan, 0.0, 1.0, flat,
                               broadcast=local_root)
             return self._codec.views(flat, plan)
@@ -951,9 +958,10 @@ class Comm:
         The in-place form of :meth:`broadcast_from_root`, for tensors the call may
         overwrite: the root makes no copy for itself. Small tensors on one host are one
         compiled call per rank (the readers copy the root's eager slot straight into
-        their tensors); float32 rounds that run as direct rounds (large, one host,
-        ``max_failures=0``: ``Comm.direct_rounds_available``) have each reader copy the
-        root's tensors straight into its own, and the root copy nothing. Otherwise the
+        their tensors); float32 rounds that run as direct rounds (from 64 KiB, one host,
+        ``max_failures=0``: ``Comm.direct_rounds_available``) have the readers copy the
+        root's tensors straight into their own, and the root copy nothing (one tensor:
+        one compiled call per rank too). Otherwise the
         round is :meth:`broadcast_from_root`'s, copied into the readers' tensors. Errors
         as :meth:`broadcast_from_root`'s. Float32 values arrive bit for bit; bfloat16
         ones too, except that a NaN arrives as the canonical bfloat16 NaN (the round
@@ -975,11 +983,15 @@ class Comm:
             if len(tensors) == 1:
                 t = tensors[0]
                 plan = self._single_plan(t, _CONTROL, False)
+                if plan is not None and self._broadcast_direct(plan):
+                    addr = t.data_ptr()
+                    self._direct_broadcast_one(plan, addr, addr, local_root)
+                    return
                 if plan is not None:  # (the root copies nothing back: its tensor holds it)
                     self._single_round(t, plan, 0.0, 1.0, t.data_ptr(), local_root)
                     return
             plan = self._fused_plan(tensors, _CONTROL, DTYPE_F32, False)
-            if plan is not None:
+            if plan is not None and not self._broadcast_direct(plan):
                 self._fused_round(plan, 0.0, len(tensors) if is_root else 0, 1.0, None, 0,
                                   False, elided=not is_root, broadcast=local_root)
                 if not is_root:
@@ -987,7 +999,7 @@ class Comm:
                 return
             plan = eng.plan(_CONTROL, DTYPE_F32, tuple(
                 check_tensors(tensors, in_place=not is_root, broadcast=True)))
-            if self._direct_mode(plan, False) == A.FLAG_DIRECT:
+            if self._broadcast_direct(plan):
                 self._direct_call(tensors, plan, 0.0, 1.0, None, broadcast=local_root)
                 return
             t = tensors[0]
@@ -1308,17 +1320,31 @@ class Comm:
 
     def _single_result(self, t: torch.Tensor, plan: RoundPlan, weight, scale: float,
                        broadcast: int | None = None) -> tuple[torch.Tensor, float]:
-        """A ``_single_round`` into a result the caller keeps, shaped like ``t`` (fresh
-        memory; from the codec's pool at pooled sizes); returns (result, accepted
-        mass)."""
-        if plan.nbytes < POOL_MIN_BYTES:
-            res = torch.empty_like(t)  # t: contiguous f32; cheaper than numpy + from_numpy
-        else:
-            res = torch.from_numpy(self._codec.results.take(plan.nelem, np.float32))
-            if t.dim() != 1:
-                res = res.view(t.shape)
+        """A ``_single_round`` into a result the caller keeps (``_result_like``); returns
+        (result, accepted mass)."""
+        res = self._result_like(t, plan)
         mass = self._single_round(t, plan, weight, scale, res.data_ptr(), broadcast)
         return res, mass
+
+    def _result_like(self, t: torch.Tensor, plan: RoundPlan) -> torch.Tensor:
+        """A result shaped like ``t`` (a contiguous f32 tensor of ``plan``): fresh memory,
+        from the codec's pool at pooled sizes."""
+        if plan.nbytes < POOL_MIN_BYTES:
+            return torch.empty_like(t)  # t: contiguous f32; cheaper than numpy + from_numpy
+        res = torch.from_numpy(self._codec.results.take(plan.nelem, np.float32))
+        return res.view(t.shape) if t.dim() != 1 else res
+
+    def _direct_broadcast_one(self, plan: RoundPlan, src: int, dst: int, root: int) -> None:
+        """A ``_single_plan`` broadcast from local rank ``root`` as a direct round
+        (``DirectRounds.broadcast_one``): the root's tensor at ``src`` (0 elsewhere) into
+        this rank's ``dst`` (the root's ``src`` again when in place)."""
+        rnd = self._round
+        self._round = rnd + 1
+        try:
+            self._engine.direct.broadcast_one(plan, rnd, root, src, dst)
+        except BaseException as e:
+            self._fail(rnd, e)
+            raise
 
     def _eager_call(self, weight, call: Callable[..., float], *args) -> float:
         """An eager round's frame: validate the mass, take the round number, then
@@ -1344,16 +1370,25 @@ class Comm:
             if b > a:
                 decode_into_tensor(cons[a:b], dtype, flat_part(t, a, b))
 
-    def _direct_mode(self, plan: RoundPlan, outer: bool) -> int:
+    def _direct_mode(self, plan: RoundPlan, outer: bool, broadcast: bool = False) -> int:
         """FLAG_DIRECT when a round of ``plan`` runs as a direct round
         (``engine/direct.py``), else 0. Decided from what every rank agrees on, so the
         first eligible round of every rank settles the direct path first, together."""
         flags = ((A.FLAG_OUTER if outer and self._outer_installed else 0)
-                 | (A.FLAG_TAP if plan.kind == _MODEL and self._tap.armed is not None else 0))
+                 | (A.FLAG_TAP if plan.kind == _MODEL and self._tap.armed is not None else 0)
+                 | (A.FLAG_BROADCAST if broadcast else 0))
         direct = self._engine.direct
         if direct.state == UNPROBED and direct.eligible(plan, flags):
             self.settle_direct_rounds()
         return direct.mode(plan, flags)
+
+    def _broadcast_direct(self, plan: RoundPlan) -> bool:
+        """Whether a one-host broadcast of ``plan`` runs as a direct round. Asked first on
+        every path a broadcast may take (a fused eager call included), since the ranks'
+        tensors may send them down different paths and the answer must be the same on
+        all: it depends on the schema alone."""
+        return (plan.nbytes >= DIRECT_BROADCAST_MIN_BYTES
+                and self._direct_mode(plan, False, True) == A.FLAG_DIRECT)
 
     def _direct_call(self, tensors: Sequence[torch.Tensor] | None, plan: RoundPlan, weight,
                      scale: float, out: torch.Tensor | None, broadcast: int | None = None

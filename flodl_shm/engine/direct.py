@@ -29,9 +29,11 @@ Direct rounds need two things the shared path does not:
   the bulk and result regions to its size for the arena's life).
 
 A round is eligible when every rank agrees on it from the round's schema alone: a
-float32 wire, too large for the eager slots and at least ``DIRECT_MIN_BYTES`` of payload, no outer-optimizer step, no
-checkpoint tap, one host (no relay). ``FLAG_DIRECT`` is in the agreed flags, so ranks
-that disagreed would get a ``SchemaMismatchError``, never a torn result.
+float32 wire, no outer-optimizer step, no checkpoint tap, one host (no relay), and a
+payload too large for the eager slots and at least ``DIRECT_MIN_BYTES`` (a reduce) or at
+least ``DIRECT_BROADCAST_MIN_BYTES``, eager-sized or not (a broadcast). ``FLAG_DIRECT``
+is in the agreed flags, so ranks that disagreed would get a ``SchemaMismatchError``,
+never a torn result.
 
 The states of one rank
 ======================
@@ -100,9 +102,14 @@ root's tensors straight into its own destination, the root takes it from its own
 tensors, and either writes it into every other rank's destination (the root's too,
 unless the root's destination is its source). Each rank moves
 1/world of the bytes, where a reader that read everything alone would move all of
-them. Every rank then publishes done[j] and leaves once every slice is done, so the
-root's tensors are never changed under a reader. A dead rank's slice is never
-delivered: the others raise, as in a direct reduce.
+them. A root with a result of its own (``broadcast_from_root``) of at most
+``kernels.cma.ROOT_WHOLE_MAX`` elements copies it whole itself, and the readers share
+the slices. Every rank then publishes done[j] and leaves once every slice is done, so
+the root's tensors are never changed under a reader. A dead rank's slice is never
+delivered: the others raise, as in a direct reduce. The steps after the arrival wait
+are one compiled call (``kernels.cma.deliver_broadcast``), and a broadcast of one
+float32 tensor is one call from its publication on (``direct_broadcast_f32``): done in
+Python, their steps cost about 20 µs a round.
 
 Failure: a peer whose memory cannot be reached mid-round (its process died), or a dead
 reducer whose slice is missing, makes the rank that finds out raise. It first gives the
@@ -125,13 +132,22 @@ from ..errors import CohortAborted
 from ..frame import DTYPE_F32
 from ..kernels import cma as C
 from ..kernels import signals
-from .waiting import WORK_BYTES_PER_S
+from ..kernels.codes import NOT_ROOT, OK, SLICES_PENDING, UNREACHABLE
+from .waiting import WORK_BYTES_PER_S, futex_wake
 
 #: payload bytes from which an eligible round is direct. Measured on 2 ranks (BENCHMARKS.md,
 #: "Eighth session"): from 4 MiB direct rounds win on either kind of page; at 2-3 MiB
 #: they win on huge pages only (on 4 KiB pages the calls' page pinning costs what the
 #: saved shared copies gain)
 DIRECT_MIN_BYTES = int(os.environ.get("FLODL_SHM_DIRECT_MIN_BYTES", 4 << 20))
+
+#: payload bytes from which an eligible broadcast is direct, eager-sized ones included: a
+#: reader then reads the root's tensor once, where the eager slot costs the root a copy
+#: in and the reader one out of lines another core just wrote. On 2 ranks (BENCHMARKS.md,
+#: "Forty-first session") ``broadcast_`` of 64 KiB takes 6.4-9.1 µs direct against 11.3
+#: eager, 256 KiB 9.4-9.7 against 17.5-19.3; at 16 KiB the two are even
+DIRECT_BROADCAST_MIN_BYTES = int(os.environ.get("FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES",
+                                                64 << 10))
 
 UNPROBED, READY, UNAVAILABLE = "unprobed", "ready", "unavailable"
 
@@ -176,11 +192,14 @@ class DirectRounds:
 
     # -- eligibility ---------------------------------------------------------------
     def eligible(self, plan, flags: int) -> bool:
-        """Whether a round of ``plan`` with these agreed ``flags`` (FLAG_OUTER, FLAG_TAP)
-        is one a READY host runs direct (every rank answers the same: the schema alone,
-        whatever the state)."""
-        return not (plan.dtype != DTYPE_F32 or plan.eager_fits
-                    or plan.nbytes < DIRECT_MIN_BYTES or flags & (A.FLAG_OUTER | A.FLAG_TAP)
+        """Whether a round of ``plan`` with these agreed ``flags`` (FLAG_OUTER, FLAG_TAP,
+        FLAG_BROADCAST) is one a READY host runs direct (every rank answers the same: the
+        schema alone, whatever the state)."""
+        if flags & A.FLAG_BROADCAST:
+            small = plan.nbytes < DIRECT_BROADCAST_MIN_BYTES
+        else:
+            small = plan.eager_fits or plan.nbytes < DIRECT_MIN_BYTES
+        return not (plan.dtype != DTYPE_F32 or small or flags & (A.FLAG_OUTER | A.FLAG_TAP)
                     or plan.off + 16 * plan.ntensors > self.eng.arena.eager_bytes)
 
     def mode(self, plan, flags: int) -> int:
@@ -321,36 +340,62 @@ class DirectRounds:
         ``dsts`` whole (none when they are its ``srcs``: an in-place broadcast). Then
         every rank waits for every slice, so the root's tensors stay untouched until
         every reader is done, and a reader's hold every slice when the call returns."""
-        eng = self.eng
-        me = eng.rank
-        mine = me == root
+        mine = self.eng.rank == root
         flags = A.FLAG_DIRECT | A.FLAG_BROADCAST | (0 if mine else A.FLAG_ELIDED)
         view = self._publish(plan, rnd, 0.0, 1.0, flags, srcs if mine else dsts, dsts, hook)
-        eng.check_broadcast(rnd, view.accepted_mask, view.contrib_mask, root)
-        nt = plan.ntensors
-        numels = np.asarray(plan.numels, np.int64)
-        accepted = view.accepted
-        pids = np.empty(len(accepted), np.int64)
-        all_dsts = np.empty(len(accepted) * nt, np.int64)
-        ctl = eng.ctl
-        for i, r in enumerate(accepted):
-            pids[i] = ctl[A.rank_base(r) + A.R_PID]
-            all_dsts[i * nt:(i + 1) * nt] = self._table(r, rnd, plan)[nt:]
-        root_srcs = self._table(root, rnd, plan)[:nt].copy()
-        start, stop = A.slice_bounds(plan.nelem, eng.world, me)
+        self.eng.check_broadcast(rnd, view.accepted_mask, view.contrib_mask, root)
         if hook is not None:
             hook("reduce", rnd)
-        bad = C.broadcast_slice_direct(accepted.index(me), accepted.index(root), pids,
-                                       root_srcs, all_dsts, numels, start, stop, self._iov)
-        if bad >= 0:
-            self._unreachable(rnd, accepted[bad], int(pids[bad]))
-        self._finish(rnd, plan)
+        self._deliver(plan, rnd, root, view.accepted_mask)
+
+    def broadcast_one(self, plan, rnd: int, root: int, src: int, dst: int) -> None:
+        """``broadcast`` of ONE contiguous float32 tensor, as one compiled call in the
+        common case (``kernels.cma.direct_broadcast_f32``): from the root's tensor at
+        address ``src`` (ignored elsewhere) into this rank's destination at ``dst`` (the
+        root's own ``src`` for an in-place broadcast). A late peer, sleepers, a failure:
+        the blocking steps finish the round, as in ``broadcast``."""
+        eng = self.eng
+        flags = A.FLAG_DIRECT | A.FLAG_BROADCAST | (0 if eng.rank == root else A.FLAG_ELIDED)
+        code = C.direct_calls().broadcast_f32(eng.call_block, plan.call, src, dst, rnd, flags,
+                                              root, self._iov)
+        if code == OK:
+            return
+        if code in (UNREACHABLE, SLICES_PENDING):
+            self._delivered(code, rnd, plan)
+            return
+        if code == NOT_ROOT:
+            eng.check_broadcast(rnd, eng.last_accepted, eng.last_contributors(), root)
+        view = eng.settle_eager(code, rnd)
+        eng.check_broadcast(rnd, view.accepted_mask, view.contrib_mask, root)
+        self._deliver(plan, rnd, root, view.accepted_mask)
+
+    def _deliver(self, plan, rnd: int, root: int, accepted: int) -> None:
+        """REDUCED and DONE of a direct broadcast whose arrivals accepted ``accepted``
+        (``kernels.cma.deliver_broadcast``), finished the blocking way when needed."""
+        nt = plan.ntensors
+        code = C.direct_calls().deliver(self.eng.call_block, plan.off, plan.addrs[nt:2 * nt],
+                                        rnd, root, accepted, self._iov)
+        if code != OK:
+            self._delivered(code, rnd, plan)
+
+    def _delivered(self, code: int, rnd: int, plan) -> None:
+        """The end of a delivery that did not finish in its compiled call: raise for an
+        unreachable peer, else wake sleepers and wait for every slice."""
+        eng = self.eng
+        if code == UNREACHABLE:
+            r = eng.culprit
+            self._unreachable(rnd, r, int(eng.ctl[A.rank_base(r) + A.R_PID]))
+        futex_wake(eng.doorbell.addr)
+        self._await_slices(rnd, plan)
 
     def _finish(self, rnd: int, plan) -> None:
         """DONE: publish this rank's done word, then wait for every slice (a dead
         rank's is never delivered: the round raises, naming it)."""
+        self.eng.doorbell.publish(A.rank_base(self.eng.rank) + A.R_DONE, rnd)
+        self._await_slices(rnd, plan)
+
+    def _await_slices(self, rnd: int, plan) -> None:
         eng, me = self.eng, self.eng.rank
-        eng.doorbell.publish(A.rank_base(me) + A.R_DONE, rnd)
         eng.waiter.wait(lambda it: signals.spin_slices(eng.ctl, eng.world, rnd, me, it),
                         what="waiting for the direct round's slices", rnd=rnd,
                         missing_of=lambda: eng.missing_slices(rnd),

@@ -284,6 +284,17 @@ class RoundEngine:
     def last_accepted(self, mask: int) -> None:
         self._info_words[RK.I_ACCEPTED] = int(mask)
 
+    @property
+    def call_block(self) -> np.ndarray:
+        """The compiled calls' block of this engine (``kernels/rounds.py``, C_*): the
+        direct rounds' compiled steps take it too."""
+        return self._call
+
+    @property
+    def culprit(self) -> int:
+        """The rank the last compiled step that failed named (its I_CULPRIT word)."""
+        return self._info_words[RK.I_CULPRIT]
+
     # -- plans ----------------------------------------------------------------------
     def yield_when_waiting(self) -> None:
         """Ranks outnumber this host's cores: a wait that is not over at once gives

@@ -18,9 +18,15 @@ scale, and writes the result into its own destination and, through
 this process has mapped (their shared parameter blocks), with plain loads and stores.
 ``broadcast_slice_direct`` is a direct broadcast's share of one rank: it copies one
 slice of the root's tensors into every reader's, so every rank moves 1/world of the
-bytes (a reader alone would move all of them).
+bytes (a reader alone would move all of them). ``deliver_broadcast`` is a direct
+broadcast's steps after its arrival wait (REDUCED and DONE of ``engine/direct.py``) in
+one call, and ``direct_broadcast_f32`` the whole round of one float32 tensor: its
+Python steps cost about 20 µs a round, more than the copies of a 256 KiB tensor.
 """
 from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
 
 import numpy as np
 from llvmlite import ir
@@ -28,7 +34,14 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .atomics import bind_libc
+from .atomics import bind_libc, fetch_add, load_acquire, store_release
+from .codes import NOT_ROOT, OK, SLICES_PENDING, UNREACHABLE, WAKE
+from .control_block import (G_DOORBELL, G_SLEEPERS, GLOBAL_WORDS, H_SCALE, R_DONE, R_PID,
+                            RANK_WORDS)
+from .rounds import (C_ME, C_SLOT_BYTES, C_SPIN, C_WORLD, C_YIELDS, I_ACCEPTED, I_CONTRIB,
+                     I_CULPRIT, P_KIND, P_NELEM, P_NWORDS, P_SHASH, _call_views, _hdr,
+                     _put_schema, _spin_caught, arrive, publish_round)
+from .signals import spin_slices
 from .tensorio import f32_at
 
 #: whether this platform has cross-memory attach at all
@@ -37,6 +50,12 @@ AVAILABLE = bind_libc("process_vm_readv", "process_vm_writev")
 #: f32 elements per chunk: a chunk and its accumulator stay in L2 between the reads,
 #: the sum and the writes
 CHUNK = 1 << 16
+#: f32 elements up to which a broadcast's root copies its own result (not its tensors:
+#: ``broadcast_from_root``) whole while the readers share the slices, where each rank
+#: would otherwise deliver one (a call fewer per reader): 10.0-10.2 against 11.7-13.3 µs
+#: at 64 KiB, 14.7-15.1 against 15.7 at 256 KiB, but 87-125 against 55-73 µs at 1 MiB,
+#: where the root's whole copy is the round's longest part (2 ranks, BENCHMARKS.md)
+ROOT_WHOLE_MAX = 1 << 16
 #: int64 words of the scratch ``iov`` array: two iovecs (local, remote)
 IOV_WORDS = 4
 
@@ -186,7 +205,7 @@ def reduce_slice_direct(me, pids, srcs, dsts, scales, numels, start, stop, inv, 
 
 
 @njit(cache=True, nogil=True)
-def broadcast_slice_direct(me, root, pids, srcs, dsts, numels, start, stop, iov):
+def broadcast_slice_direct(me, root, pids, srcs, dsts, numels, start, stop, iov, root_whole):
     """Deliver elements [start, stop) of a direct broadcast to every reader.
 
     ``pids`` (int64, one per accepted rank in rank order; ``me`` and ``root`` index it),
@@ -197,7 +216,8 @@ def broadcast_slice_direct(me, root, pids, srcs, dsts, numels, start, stop, iov)
     Either then writes that chunk into every other rank's destination
     (``process_vm_writev``; the root's own with a plain copy), while it is still in
     cache. A root's destination that is its source (an in-place broadcast) is not
-    written. Bits are copied, never computed (a signaling NaN stays signaling). Returns
+    written, nor any root's destination when ``root_whole`` (the root copies it whole
+    itself). Bits are copied, never computed (a signaling NaN stays signaling). Returns
     -1 on success, else the index (into ``pids``) of the rank whose memory could not be
     read or written.
     """
@@ -207,6 +227,7 @@ def broadcast_slice_direct(me, root, pids, srcs, dsts, numels, start, stop, iov)
     for k in range(spans.shape[0]):
         t, a, b = spans[k, 0], spans[k, 1], spans[k, 2]
         root_dst = dsts[root * nt + t]
+        skip_root = root_whole or root_dst == srcs[t]
         for c0 in range(a, b, CHUNK):
             n = min(c0 + CHUNK, b) - c0
             if me == root:
@@ -218,9 +239,9 @@ def broadcast_slice_direct(me, root, pids, srcs, dsts, numels, start, stop, iov)
             for r in range(nr):
                 if r == me and r != root:
                     continue  # (a reader's own: read into it above)
+                if r == root and skip_root:
+                    continue
                 remote = dsts[r * nt + t] + 4 * c0
-                if r == root and root_dst == srcs[t]:
-                    continue  # in place: the root's tensor is the source
                 if r == me:  # the root's own result
                     _copy_bits(local, remote, n)
                 elif not _transfer(True, pids[r], local, remote, 4 * n, iov):
@@ -237,6 +258,151 @@ def _copy_bits(src, dst, n):
         d[i] = s[i]
 
 
+@njit(inline="always")
+def _slice_of(nelem, parts, index):
+    """``arena.slice_bounds(nelem, parts, index)``: slices of whole 16-element (64-byte)
+    lines, the last one taking the remainder."""
+    per = ((nelem + parts * 16 - 1) // (parts * 16)) * 16 if nelem else 0
+    start = min(nelem, index * per)
+    stop = nelem if index == parts - 1 else min(nelem, start + per)
+    return start, stop
+
+
+@njit(inline="always")
+def _deliver(blk, off, numels, rnd, root, accepted, iov):
+    """``deliver_broadcast``'s body (see it)."""
+    ctl, ctl_f64, ctl32, eager, info, mass = _call_views(blk)
+    world = blk[C_WORLD]
+    me = blk[C_ME]
+    slot_bytes = blk[C_SLOT_BYTES]
+    nt = numels.shape[0]
+    par = rnd & 1
+    k = 0
+    for r in range(world):
+        k += (accepted >> r) & 1
+    ranks = np.empty(k, np.int64)
+    pids = np.empty(k, np.int64)
+    dsts = np.empty(k * nt, np.int64)
+    i = 0
+    mine = 0
+    from_root = 0
+    for r in range(world):
+        if not (accepted >> r) & 1:
+            continue
+        ranks[i] = r
+        pids[i] = ctl[GLOBAL_WORDS + r * RANK_WORDS + R_PID]
+        b = (2 * r + par) * slot_bytes + off
+        table = eager[b:b + 16 * nt].view(np.int64)
+        for t in range(nt):
+            dsts[i * nt + t] = table[nt + t]
+        if r == me:
+            mine = i
+        if r == root:
+            from_root = i
+        i += 1
+    b = (2 * root + par) * slot_bytes + off
+    srcs = eager[b:b + 8 * nt].view(np.int64).copy()
+    nelem = 0
+    apart = False  # the root's destinations are not its sources: a result of its own
+    for t in range(nt):
+        nelem += numels[t]
+        apart |= dsts[from_root * nt + t] != srcs[t]
+    root_whole = apart and nelem <= ROOT_WHOLE_MAX
+    if not root_whole:  # every rank delivers a slice (the root's: from its tensors)
+        start, stop = _slice_of(nelem, world, me)
+    elif me == root:  # the root copies its own result whole, the readers share the rest
+        start = stop = 0
+        for t in range(nt):
+            if dsts[mine * nt + t] != srcs[t]:
+                _copy_bits(srcs[t], dsts[mine * nt + t], numels[t])
+    else:
+        start, stop = _slice_of(nelem, world - 1, me if me < root else me - 1)
+    bad = broadcast_slice_direct(mine, from_root, pids, srcs, dsts, numels, start, stop, iov,
+                                 root_whole)
+    if bad >= 0:
+        info[I_CULPRIT] = ranks[bad]
+        return UNREACHABLE
+    store_release(ctl, GLOBAL_WORDS + me * RANK_WORDS + R_DONE, rnd)
+    fetch_add(ctl32, 2 * G_DOORBELL, 1)
+    if load_acquire(ctl, G_SLEEPERS) > 0:
+        return SLICES_PENDING
+    if spin_slices(ctl, world, rnd, me, blk[C_SPIN]) != OK:
+        return SLICES_PENDING
+    return OK
+
+
+@njit(cache=True, nogil=True)
+def deliver_broadcast(blk, off, numels, rnd, root, accepted, iov):
+    """A direct broadcast's REDUCED and DONE (``engine/direct.py``) for the engine's call
+    block ``blk``, after round ``rnd``'s arrival wait accepted the ranks of ``accepted``
+    (a mask; local rank ``root`` among them, its only contributor): read every accepted
+    rank's address table (``off`` bytes into its eager slot of the round's parity: the
+    sources, then the destinations of tensors of ``numels`` elements) and its pid,
+    deliver this rank's slice (``broadcast_slice_direct``), publish done[me] = ``rnd``
+    and spin for every slice. Returns OK (every slice delivered), UNREACHABLE (a peer's
+    memory could not be reached; its rank in ``blk``'s I_CULPRIT word; the done word is
+    not published) or SLICES_PENDING (done published; peers sleep or a slice is still
+    missing: the caller wakes them and waits the blocking way)."""
+    return _deliver(blk, off, numels, rnd, root, accepted, iov)
+
+
+@njit(cache=True, nogil=True)
+def direct_broadcast_f32(blk, pl, src, dst, rnd, flags, root, iov):
+    """A whole direct broadcast of ONE contiguous float32 tensor of plan ``pl`` (the
+    words of ``rounds``) from local rank ``root``, in one call: the plan's schema words
+    in this rank's eager slot when they are not there yet, then its address table (the
+    source at ``src``: the root's tensor, ignored elsewhere; the destination at
+    ``dst``), its scale 1.0 and its header with ``flags`` (FLAG_DIRECT | FLAG_BROADCAST,
+    FLAG_ELIDED on a reader), published; the arrival spin and validation; then
+    ``deliver_broadcast``. Codes: the arrival's as ``rounds.eager_round``'s (this rank
+    published; the caller finishes the wait and delivers), NOT_ROOT when the arrivals
+    name another contributor set than ``root`` (the caller raises), else
+    ``deliver_broadcast``'s."""
+    ctl, ctl_f64, ctl32, eager, info, mass = _call_views(blk)
+    _put_schema(blk, pl, eager, rnd)
+    me = blk[C_ME]
+    nwords = pl[P_NWORDS]
+    n = pl[P_NELEM]
+    b = (2 * me + (rnd & 1)) * blk[C_SLOT_BYTES] + nwords * 8
+    table = eager[b:b + 16].view(np.int64)
+    table[0] = src
+    table[1] = dst
+    ctl_f64[_hdr(me, rnd) + H_SCALE] = 1.0
+    if publish_round(ctl, ctl_f64, ctl32, me, rnd, pl[P_KIND], flags, 0, 0.0, 1, 4 * n, n,
+                     pl[P_SHASH], nwords) > 0:
+        return WAKE
+    code = arrive(ctl, ctl_f64, blk[C_WORLD], rnd, me, blk[C_SPIN], blk[C_YIELDS], info, mass)
+    if code != OK:
+        return code
+    _spin_caught(blk)
+    if info[I_CONTRIB] != 1 << root:
+        return NOT_ROOT
+    numels = np.empty(1, np.int64)
+    numels[0] = n
+    return _deliver(blk, nwords * 8, numels, rnd, root, info[I_ACCEPTED], iov)
+
+
+class DirectCalls(NamedTuple):
+    """The direct broadcast's compiled calls, typed once (``rounds.FusedCalls``' reason:
+    numba's dispatch types every argument of every call). Arguments of exactly these
+    types: 1-D C int64 arrays for the call block, plan words, ``numels`` and ``iov``;
+    Python ints for the rest."""
+
+    deliver: Callable    # deliver_broadcast(blk, off, numels, rnd, root, accepted, iov)
+    broadcast_f32: Callable  # direct_broadcast_f32(blk, pl, src, dst, rnd, flags, root, iov)
+
+
+@functools.cache
+def direct_calls() -> DirectCalls:
+    """The direct broadcast's calls, compiled (or loaded from the cache) once per
+    process."""
+    words, i64 = types.int64[::1], types.int64
+    return DirectCalls(
+        deliver=deliver_broadcast.compile((words, i64, words, i64, i64, i64, words)),
+        broadcast_f32=direct_broadcast_f32.compile((words, words, i64, i64, i64, i64, i64,
+                                                    words)))
+
+
 def warm_up() -> None:
     import os
 
@@ -251,4 +417,6 @@ def warm_up() -> None:
     for mapped in (False, True):
         reduce_slice_direct(0, pids, srcs, dsts, np.ones(2), np.array([8], np.int64), 0, 8,
                             0.5, np.zeros(4, np.float32), np.zeros(4, np.float32), iov, mapped)
-    broadcast_slice_direct(1, 0, pids, srcs[:1], dsts, np.array([8], np.int64), 0, 8, iov)
+    broadcast_slice_direct(1, 0, pids, srcs[:1], dsts, np.array([8], np.int64), 0, 8, iov,
+                           False)
+    direct_calls()

@@ -24,9 +24,14 @@ EXITED = -4       # a rank returned from its function while others wait for it
 OUT_OF_STEP = -5  # a header is for another round (a rank skipped a collective)
 WAKE = -6         # a fused round published but peers sleep: wake them, then wait
 NOT_ROOT = -7     # a fused broadcast completed, but its root is not its only contributor
+# the delivery step of a direct broadcast (``cma.deliver_broadcast``), after its arrivals:
+UNREACHABLE = -8  # a peer's memory could not be read or written (the rank in I_CULPRIT)
+SLICES_PENDING = -9  # this rank's slice is delivered and its done word published, but
+#                      not every slice is yet (or peers sleep): wake them, then wait
 
 NAMES = {OK: "OK", ABORT: "ABORT", MISMATCH: "MISMATCH", EXITED: "EXITED",
-         OUT_OF_STEP: "OUT_OF_STEP", WAKE: "WAKE", NOT_ROOT: "NOT_ROOT"}
+         OUT_OF_STEP: "OUT_OF_STEP", WAKE: "WAKE", NOT_ROOT: "NOT_ROOT",
+         UNREACHABLE: "UNREACHABLE", SLICES_PENDING: "SLICES_PENDING"}
 
 
 def is_terminal(code: int) -> bool:
