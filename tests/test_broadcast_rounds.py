@@ -438,6 +438,8 @@ def test_broadcasts_alone_settle_direct_rounds_and_every_rank_writes_the_root_s_
     writes its slice of the root's result, as of every reader's (the root copied its
     whole result alone, after the round: 1.4x ``Bcast`` at 4 MiB)."""
     monkeypatch.setattr(D, "DIRECT_MIN_BYTES", 256 << 10)
+    # (3 ranks outnumber this machine's cores: the owner would write 1 MiB)
+    monkeypatch.setenv("FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES", str(256 << 10))
     root = 1
 
     def tensors(rank: int, rnd: int) -> list[torch.Tensor]:

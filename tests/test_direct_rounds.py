@@ -29,8 +29,11 @@ EAGER = 64 << 10  # eager slot bytes: rounds above it take the bulk (or direct) 
 
 @pytest.fixture
 def low_threshold(monkeypatch):
-    """Direct rounds from 256 KiB, so thread-rank tests stay small."""
+    """Direct reduces from 256 KiB, so thread-rank tests stay small; broadcasts from
+    64 KiB, at world 3 too (where ranks outnumber this machine's cores, the owner would
+    write 1 MiB)."""
     monkeypatch.setattr(D, "DIRECT_MIN_BYTES", 256 << 10)
+    monkeypatch.setenv("FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES", str(64 << 10))
 
 
 def _inputs(rank: int, i: int) -> list[torch.Tensor]:
@@ -180,7 +183,7 @@ def _one_broadcasts(comm) -> list:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_one_tensor_direct_broadcasts_in_one_call_match_the_eager_path(world):
+def test_one_tensor_direct_broadcasts_in_one_call_match_the_eager_path(low_threshold, world):
     """From 64 KiB a broadcast is direct, eager-sized or not; a one-tensor one runs as
     one compiled call. Bit for bit what the eager slot delivers: every rank holds the
     root's bits (a signaling NaN's payload included), whether the root copies its own
@@ -197,6 +200,27 @@ def test_one_tensor_direct_broadcasts_in_one_call_match_the_eager_path(world):
         for rank in range(world):
             assert _bits(got[False][rank][k]) == want, (name, rank)
             assert _bits(got[True][rank][k]) == want, (name, rank)
+
+
+def test_the_arena_owner_sets_every_rank_s_broadcast_threshold(monkeypatch):
+    """Direct from 64 KiB where each rank has a core, from 1 MiB where ranks outnumber
+    cores (the direct round's second wait costs a scheduling turn there), or what the
+    environment says; decided once by the arena's owner, so every rank agrees."""
+    from flodl_shm.engine import hostcpu
+
+    var = "FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES"
+    monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(hostcpu, "available_cores", lambda root="/": 2)
+    assert A.direct_broadcast_min_bytes(2) == 64 << 10
+    assert A.direct_broadcast_min_bytes(3) == 1 << 20
+    monkeypatch.setenv(var, "4096")
+    assert A.direct_broadcast_min_bytes(3) == 4096
+    monkeypatch.setenv(var, "64k")
+    with pytest.raises(ValueError, match=f"{var}='64k' is not a whole number of bytes"):
+        A.direct_broadcast_min_bytes(2)
+    monkeypatch.setenv(var, "12345")
+    with FakeCohort(2, direct=True) as cohort:
+        assert cohort.run(lambda comm: comm._engine.direct.broadcast_min_bytes) == [12345] * 2
 
 
 def test_rounds_below_the_threshold_and_outer_rounds_stay_shared(low_threshold):

@@ -222,6 +222,7 @@ class Arena:
         c[G_RESULT_CAP] = _PAGE
         c[G_RELAY] = 1 if relay else 0
         c[G_DIRECT] = 1 if direct and not relay and direct_allowed_by_env() else 0
+        c[G_DIRECT_BROADCAST_MIN] = direct_broadcast_min_bytes(world)
         c[G_FIRST_RANK] = first_rank
         c[G_GLOBAL_WORLD] = global_world if global_world is not None else world
         c[G_VERSION] = VERSION
@@ -476,6 +477,38 @@ def direct_allowed_by_env() -> bool:
 
     return os.environ.get("FLODL_SHM_DIRECT", "1").strip().lower() not in ("0", "false", "no",
                                                                          "off")
+
+
+#: payload bytes from which a broadcast is a direct round (``engine/direct.py``) when each
+#: rank has a core: a reader then reads the root's tensor once, where the eager slot costs
+#: the root a copy in and the reader one out of lines another core just wrote. 2 ranks
+#: (BENCHMARKS.md, "Forty-first session"): ``broadcast_`` of 64 KiB 6.4-9.1 µs direct
+#: against 11.3 eager, 256 KiB 9.4-9.7 against 17.5-19.3; at 16 KiB the two are even
+DIRECT_BROADCAST_MIN_BYTES = 64 << 10
+#: the same where ranks outnumber cores: the direct round's second wait (for every slice)
+#: then costs a scheduling turn. 4 ranks on 2 cores: 256 KiB 58-90 µs direct against 49-50
+#: eager, 1 MiB 202-210 against 266-546
+DIRECT_BROADCAST_MIN_BYTES_OVERSUBSCRIBED = 1 << 20
+
+
+def direct_broadcast_min_bytes(world: int) -> int:
+    """The broadcast threshold an arena's owner writes at creation for ``world`` local
+    ranks: ``FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES`` when set, else by whether the ranks
+    outnumber the owner's cores (every rank reads the owner's word: they all agree)."""
+    import os
+
+    from .hostcpu import available_cores
+
+    env = os.environ.get("FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES", "").strip()
+    if env:
+        try:
+            return max(0, int(env))
+        except ValueError:
+            raise ValueError(f"FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES={env!r} is not a whole "
+                             f"number of bytes: set it to e.g. 65536, or unset it") from None
+    if world > available_cores():
+        return DIRECT_BROADCAST_MIN_BYTES_OVERSUBSCRIBED
+    return DIRECT_BROADCAST_MIN_BYTES
 
 
 def slice_bounds(nelem: int, parts: int, index: int, align: int = 16) -> tuple[int, int]:

@@ -65,8 +65,7 @@ from ..frame import (
     tensor_array,
 )
 from .checkpoint_tap import TapClient
-from .direct import (DIRECT_BROADCAST_MIN_BYTES, READY, UNAVAILABLE, UNPROBED,
-                     ClosedDirectRounds)
+from .direct import READY, UNAVAILABLE, UNPROBED, ClosedDirectRounds
 from .gathered import GatheredTensors
 from .hostmem import HostMemory
 from .protocol import RoundEngine, RoundPlan
@@ -958,7 +957,8 @@ class Comm:
         The in-place form of :meth:`broadcast_from_root`, for tensors the call may
         overwrite: the root makes no copy for itself. Small tensors on one host are one
         compiled call per rank (the readers copy the root's eager slot straight into
-        their tensors); float32 rounds that run as direct rounds (from 64 KiB, one host,
+        their tensors); float32 rounds that run as direct rounds (from 64 KiB, or 1 MiB
+        where ranks outnumber cores; one host,
         ``max_failures=0``: ``Comm.direct_rounds_available``) have the readers copy the
         root's tensors straight into their own, and the root copy nothing (one tensor:
         one compiled call per rank too). Otherwise the
@@ -1387,7 +1387,7 @@ class Comm:
         every path a broadcast may take (a fused eager call included), since the ranks'
         tensors may send them down different paths and the answer must be the same on
         all: it depends on the schema alone."""
-        return (plan.nbytes >= DIRECT_BROADCAST_MIN_BYTES
+        return (plan.nbytes >= self._engine.direct.broadcast_min_bytes
                 and self._direct_mode(plan, False, True) == A.FLAG_DIRECT)
 
     def _direct_call(self, tensors: Sequence[torch.Tensor] | None, plan: RoundPlan, weight,

@@ -31,7 +31,8 @@ Direct rounds need two things the shared path does not:
 A round is eligible when every rank agrees on it from the round's schema alone: a
 float32 wire, no outer-optimizer step, no checkpoint tap, one host (no relay), and a
 payload too large for the eager slots and at least ``DIRECT_MIN_BYTES`` (a reduce) or at
-least ``DIRECT_BROADCAST_MIN_BYTES``, eager-sized or not (a broadcast). ``FLAG_DIRECT``
+least the arena's ``G_DIRECT_BROADCAST_MIN`` (64 KiB, or 1 MiB where ranks outnumber cores;
+``arena.direct_broadcast_min_bytes``), eager-sized or not (a broadcast). ``FLAG_DIRECT``
 is in the agreed flags, so ranks that disagreed would get a ``SchemaMismatchError``,
 never a torn result.
 
@@ -141,14 +142,6 @@ from .waiting import WORK_BYTES_PER_S, futex_wake
 #: saved shared copies gain)
 DIRECT_MIN_BYTES = int(os.environ.get("FLODL_SHM_DIRECT_MIN_BYTES", 4 << 20))
 
-#: payload bytes from which an eligible broadcast is direct, eager-sized ones included: a
-#: reader then reads the root's tensor once, where the eager slot costs the root a copy
-#: in and the reader one out of lines another core just wrote. On 2 ranks (BENCHMARKS.md,
-#: "Forty-first session") ``broadcast_`` of 64 KiB takes 6.4-9.1 µs direct against 11.3
-#: eager, 256 KiB 9.4-9.7 against 17.5-19.3; at 16 KiB the two are even
-DIRECT_BROADCAST_MIN_BYTES = int(os.environ.get("FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES",
-                                                64 << 10))
-
 UNPROBED, READY, UNAVAILABLE = "unprobed", "ready", "unavailable"
 
 #: how long a rank that lost a peer mid-round waits for the owner to stop the cohort
@@ -165,6 +158,7 @@ class ClosedDirectRounds:
     collector ran): no round is direct, so a late call reaches the closed Comm's error."""
 
     state = UNAVAILABLE
+    broadcast_min_bytes = 1 << 62  # no broadcast is direct either
 
     @staticmethod
     def mode(plan, flags: int) -> int:
@@ -180,6 +174,9 @@ class DirectRounds:
         allowed = (bool(arena.ctl[A.G_DIRECT]) and C.AVAILABLE and not engine.relay_mode
                    and engine.rank >= 0)
         self.state = UNPROBED if allowed else UNAVAILABLE
+        #: payload bytes from which a broadcast is direct: the arena owner's word
+        #: (``arena.direct_broadcast_min_bytes``), the same for every rank
+        self.broadcast_min_bytes = int(arena.ctl[A.G_DIRECT_BROADCAST_MIN])
         #: direct rounds whose slice this rank reduced through mapped shared parameter
         #: blocks (no cross-memory calls)
         self.mapped_rounds = 0
@@ -196,7 +193,7 @@ class DirectRounds:
         FLAG_BROADCAST) is one a READY host runs direct (every rank answers the same: the
         schema alone, whatever the state)."""
         if flags & A.FLAG_BROADCAST:
-            small = plan.nbytes < DIRECT_BROADCAST_MIN_BYTES
+            small = plan.nbytes < self.broadcast_min_bytes
         else:
             small = plan.eager_fits or plan.nbytes < DIRECT_MIN_BYTES
         return not (plan.dtype != DTYPE_F32 or small or flags & (A.FLAG_OUTER | A.FLAG_TAP)

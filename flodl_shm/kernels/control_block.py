@@ -13,13 +13,14 @@ use it without loading numba.
 from __future__ import annotations
 
 MAGIC = 0x46534D48_41524E41  # "FSMHARNA"
-VERSION = 8  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIRECT*);
+VERSION = 9  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIRECT*);
              # 3: round reports (H_REPORT, H_REPORT_ROUND);
              # 4: shared parameter blocks (p<r> segments, R_PARAMS_BASE, R_PARAMS_BYTES);
              # 5: the controller's outer start (G_CONTROLLER_OUTER);
              # 6: the controller's outer settings (G_CONTROLLER_OUTER_KIND, _LR, _MU);
              # 7: a rank that gave up on a round (G_GAVE_UP);
-             # 8: a spawned rank entered its function (R_ENTERED)
+             # 8: a spawned rank entered its function (R_ENTERED);
+             # 9: the owner's broadcast threshold for direct rounds (G_DIRECT_BROADCAST_MIN)
 
 # -- global words ---------------------------------------------------------------------
 G_MAGIC = 0
@@ -53,6 +54,8 @@ G_DIRECT = 57         # 1: a dead rank stops the cohort (no survivor re-reduces 
 G_GAVE_UP = 58        # c10d: 1 + the local rank that first gave up on a round (its wait
                       # passed the group's timeout): a late peer whose round then completes
                       # raises too, instead of returning a result the others refused
+G_DIRECT_BROADCAST_MIN = 59  # payload bytes from which a broadcast is a direct round
+                      # (written once by the owner at creation, so every rank agrees)
 GLOBAL_WORDS = 64
 
 ABORT_NONE = 0
@@ -145,6 +148,7 @@ __all__ = [
     "G_TAP_ACK",
     "G_DIRECT",
     "G_GAVE_UP",
+    "G_DIRECT_BROADCAST_MIN",
     "GLOBAL_WORDS",
     "ABORT_NONE",
     "ABORT_FAILED",
