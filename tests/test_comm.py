@@ -566,6 +566,23 @@ def test_one_tensor_where_the_list_goes_is_refused_not_reduced_row_by_row(genera
                                                 r"\((3, 4|5,)\): pass \[t\]"):
                 call()
         assert comm.round == 0  # nothing was sent
+        # a tensor of one row reads as a list of one tensor, that row: on the paths of a
+        # one-tensor list (its first call, then a loop's repeated one) as well
+        row = torch.full((1, 4), float(comm.rank + 1))
+        for cached in (False, True):
+            if cached:
+                comm.all_reduce_([row[0].clone()])  # (the plan of one (4,) tensor, cached)
+                comm.broadcast_([row[0].clone()])
+            for call in (lambda: comm.all_reduce_tensors(row),
+                         lambda: comm.all_reduce_weighted(row, weight=1.0),
+                         lambda: comm.all_reduce_scaled(row, 1.0),
+                         lambda: comm.all_reduce_(row),
+                         lambda: comm.broadcast_from_root(row),
+                         lambda: comm.broadcast_(row)):
+                with pytest.raises(TypeError, match=r"a list of tensors, got one tensor of "
+                                                    r"shape \(1, 4\): pass \[t\]"):
+                    call()
+        assert comm.round == 2
         return comm.all_reduce_tensors([t])[0][0, 0].item()
 
     with FakeCohort(2) as c:

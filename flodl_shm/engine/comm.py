@@ -696,6 +696,8 @@ class Comm:
         one float32 tensor on an f32 wire and no pinned result armed, so copy-in, round
         and the reduce into a fresh result are one compiled call; returns (result,
         accepted mass), or None for the general paths."""
+        if isinstance(tensors, torch.Tensor):
+            refuse_one_tensor(tensors)  # (one of one row has a len of 1: named, not reduced)
         try:  # (free in CPython 3.11 until something raises)
             if len(tensors) != 1 or (self._bf16 and kind == _MODEL) or self._armed is not None:
                 return None
@@ -782,6 +784,8 @@ class Comm:
         if self._armed is not None and kind == _MODEL:
             self._armed = None  # this MODEL round's reply is the tensors: nothing staged
         eng = self._engine
+        if isinstance(tensors, torch.Tensor):
+            refuse_one_tensor(tensors)  # (one of one row has a len of 1: named, not reduced)
         try:  # (free in CPython 3.11 until something raises)
             if len(tensors) == 1 and dtype == DTYPE_F32 and drift is None:
                 plan = self._single_plan(tensors[0], kind, outer)
@@ -1286,7 +1290,8 @@ class Comm:
                 or self._tap.armed is not None):
             return None
         try:  # (free in CPython 3.11 until something raises)
-            if len(tensors) != 1:
+            # (a tensor of one row has a len of 1 too: the general path refuses it)
+            if len(tensors) != 1 or type(tensors) is not list and type(tensors) is not tuple:
                 return None
             t = tensors[0]
             plan = fast[2]
