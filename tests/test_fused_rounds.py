@@ -187,6 +187,60 @@ def test_a_repeated_one_tensor_call_keeps_every_check_of_the_first(tmp_path):
             comm.all_reduce_([t])
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["broadcast_", "broadcast_from_root"])
+def test_a_repeated_one_tensor_broadcast_keeps_every_check_of_the_first(in_place):
+    """The small broadcasts' hot case (``Comm._hot_broadcast``: one float32 tensor whose
+    CONTROL plan an earlier call cached) skips frames, not checks: after the plan is
+    cached, each of these gets what a first call gets."""
+    from flodl_shm.errors import SchemaMismatchError
+
+    def call(comm, t, root):
+        if in_place:
+            comm.broadcast_([t], root)
+            return t
+        return comm.broadcast_from_root([t], root)[0]
+
+    def body(comm):
+        r = comm.rank
+        got = [float(call(comm, torch.full((1024,), r + 1.0), 1)[0])]
+        got.append(float(call(comm, torch.full((1024,), r + 1.0), 0)[-1]))
+        for root, words in ((2, "broadcast root 2 is not a rank"),
+                            (-1, "broadcast root -1 is not a rank"),
+                            ("1", "broadcast root '1' is not a rank")):
+            with pytest.raises(ValueError, match=words):
+                call(comm, torch.ones(1024), root)
+        with pytest.raises(TypeError, match=r"got one tensor of shape \(1, 1024\)"):
+            comm.broadcast_(torch.ones(1, 1024), 1) if in_place else \
+                comm.broadcast_from_root(torch.ones(1, 1024), 1)
+        # another dtype, shape or layout of the same size; a MODEL plan in between
+        b = call(comm, torch.full((1024,), r + 1.0, dtype=torch.bfloat16), 1)
+        m = call(comm, torch.full((2, 512), r + 1.0), 1)
+        s = call(comm, torch.full((2048,), r + 1.0)[::2], 1)
+        comm.all_reduce_([torch.ones(1024)])
+        got += [b.dtype, float(b[0]), tuple(m.shape), float(m[1, 511]), float(s[-1]),
+                float(call(comm, torch.full((1024,), r + 1.0), 1)[0])]
+        # a fault hook sees the round
+        phases = []
+        comm.set_fault_hook(lambda phase, rnd: phases.append(phase))
+        call(comm, torch.ones(1024), 0)
+        comm.set_fault_hook(None)
+        got.append("before_copy_in" in phases)
+        # ranks that name different roots are told so, each
+        with pytest.raises(SchemaMismatchError, match="disagree on the broadcast root"):
+            call(comm, torch.ones(1024), r)
+        return got
+
+    with FakeCohort(2) as cohort:
+        for got in cohort.run(body):
+            # (broadcast_from_root's results are float32, as its first call's)
+            assert got == [2.0, 1.0, torch.bfloat16 if in_place else torch.float32, 2.0,
+                           (2, 512), 2.0, 2.0, 2.0, True]
+        comm = cohort.comm(0)
+    comm.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        call(comm, torch.ones(1024), 0)
+
+
 @pytest.mark.parametrize("api", ["tensors", "weighted", "scaled"])
 def test_a_repeated_one_tensor_result_call_keeps_every_check_of_the_first(api):
     """The tensor-returning reduces' hot case (``Comm._hot_result``: one small float32

@@ -907,6 +907,10 @@ class Comm:
                 give the shapes).
             root: the global rank whose tensors every rank receives.
         """
+        plan = self._hot_broadcast(tensors, root)
+        if plan is not None:
+            return [self._single_result(tensors[0], plan, 0.0, 1.0,
+                                        root - self.rank + self.local_rank)[0]]
         is_root, local_root = self._broadcast_root(root)
         eng = self._engine
         if isinstance(tensors, torch.Tensor) or not hasattr(tensors, "__len__"):
@@ -975,8 +979,39 @@ class Comm:
             tensors: float32/bfloat16 CPU tensors of the same shapes on every rank.
             root: the global rank whose values every rank takes.
         """
+        plan = self._hot_broadcast(tensors, root)
+        if plan is not None:  # (the root copies nothing back: its tensor holds it)
+            t = tensors[0]
+            self._single_round(t, plan, 0.0, 1.0, t.data_ptr(),
+                               root - self.rank + self.local_rank)
+            _written(tensors)
+            return
         self._broadcast_in_place(tensors, root)
         _written(tensors)
+
+    def _hot_broadcast(self, tensors: Sequence[torch.Tensor], root) -> RoundPlan | None:
+        """The plan of a loop's repeated small broadcast of one float32 tensor on one host
+        (a one-call eager round: the plan ``_single_plan`` cached for a CONTROL round),
+        checked as ``_broadcast_root``, ``_single_plan`` and ``_broadcast_direct`` check
+        it, in one frame instead of five; else None: the general path decides, and names
+        a bad argument."""
+        fast = self._fast
+        if fast is None or fast[1] != _CONTROL or type(root) is not int:
+            return None
+        eng = self._engine
+        try:  # (free in CPython 3.11 until something raises)
+            t = tensors[0]
+            plan = fast[2]
+            if (len(tensors) == 1 and (type(tensors) is list or type(tensors) is tuple)
+                    and 0 <= root < self.world_size and self._broken is None
+                    and not eng.relay_mode and eng.fault_hook is None
+                    and t.dtype is F32 and t.is_cpu and t.is_contiguous()
+                    and t.shape == fast[0] and plan.eager_fits and plan.nelem
+                    and plan.nbytes < eng.direct.broadcast_min_bytes):
+                return plan
+        except Exception:  # (an empty list, a sparse tensor, ...: the general path names it)
+            pass
+        return None
 
     def _broadcast_in_place(self, tensors: Sequence[torch.Tensor], root: int) -> None:
         is_root, local_root = self._broadcast_root(root)
