@@ -35,12 +35,11 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .atomics import bind_libc, fetch_add, load_acquire, store_release
-from .codes import NOT_ROOT, OK, SLICES_PENDING, UNREACHABLE, WAKE
+from .codes import NOT_ROOT, OK, SLICES_PENDING, UNREACHABLE
 from .control_block import (G_DOORBELL, G_SLEEPERS, GLOBAL_WORDS, H_SCALE, R_DONE, R_PID,
                             RANK_WORDS)
-from .rounds import (C_ME, C_SLOT_BYTES, C_SPIN, C_WORLD, C_YIELDS, I_ACCEPTED, I_CONTRIB,
-                     I_CULPRIT, P_KIND, P_NELEM, P_NWORDS, P_SHASH, _call_views, _hdr,
-                     _put_schema, _spin_caught, arrive, publish_round)
+from .rounds import (C_ME, C_SLOT_BYTES, C_SPIN, C_WORLD, I_ACCEPTED, I_CONTRIB, I_CULPRIT,
+                     P_NELEM, P_NWORDS, _call_views, _hdr, _publish_and_arrive, _put_schema)
 from .signals import spin_slices
 from .tensorio import f32_at
 
@@ -368,13 +367,9 @@ def direct_broadcast_f32(blk, pl, src, dst, rnd, flags, root, iov):
     table[0] = src
     table[1] = dst
     ctl_f64[_hdr(me, rnd) + H_SCALE] = 1.0
-    if publish_round(ctl, ctl_f64, ctl32, me, rnd, pl[P_KIND], flags, 0, 0.0, 1, 4 * n, n,
-                     pl[P_SHASH], nwords) > 0:
-        return WAKE
-    code = arrive(ctl, ctl_f64, blk[C_WORLD], rnd, me, blk[C_SPIN], blk[C_YIELDS], info, mass)
+    code = _publish_and_arrive(blk, pl, rnd, flags, 0.0)
     if code != OK:
         return code
-    _spin_caught(blk)
     if info[I_CONTRIB] != 1 << root:
         return NOT_ROOT
     numels = np.empty(1, np.int64)

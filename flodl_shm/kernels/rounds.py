@@ -443,17 +443,17 @@ def barrier_round(blk, pl, rnd):
     its copy-in and reduce set-up (which cost a barrier about 80 ns of its ~200), and
     with three arguments instead of eleven. Codes as ``eager_round``."""
     _put_schema(blk, pl, _call_views(blk)[3], rnd)
-    return _publish_and_arrive(blk, pl, rnd)
+    return _publish_and_arrive(blk, pl, rnd, 0, 0.0)
 
 
 @njit(inline="always")
-def _publish_and_arrive(blk, pl, rnd):
-    """Publish this rank's CONTROL header of plan ``pl`` for ``rnd`` (weight 0, no
-    flags; its payload, if any, already in the slot), spin for every rank and
+def _publish_and_arrive(blk, pl, rnd, flags, weight):
+    """Publish this rank's header of plan ``pl`` for ``rnd`` with ``flags`` and mass
+    ``weight`` (its payload, if any, already in the slot), spin for every rank and
     validate; a caught round doubles the spin budget. Codes as ``eager_round``."""
     ctl, ctl_f64, ctl32, eager, info, mass = _call_views(blk)
     me = blk[C_ME]
-    if publish_round(ctl, ctl_f64, ctl32, me, rnd, pl[P_KIND], 0, pl[P_DTYPE], 0.0,
+    if publish_round(ctl, ctl_f64, ctl32, me, rnd, pl[P_KIND], flags, pl[P_DTYPE], weight,
                      pl[P_NTENSORS], pl[P_NBYTES], pl[P_NELEM], pl[P_SHASH],
                      pl[P_NWORDS]) > 0:
         return WAKE
@@ -480,7 +480,7 @@ def per_rank_round(blk, pl, rnd, values):
     slot = eager[base:base + 4 * nelem].view(np.float32)
     for i in range(nelem):
         slot[i] = np.float32(values[i])
-    code = _publish_and_arrive(blk, pl, rnd)
+    code = _publish_and_arrive(blk, pl, rnd, 0, 0.0)
     if code != OK:
         return code
     work = f32_at(blk[C_WORK], WORK_WORDS)
@@ -524,13 +524,9 @@ def _eager_single_f32(blk, pl, src, dst, keep_on_empty, scale, rnd, flags, weigh
         for i in range(n):
             slot[i] = src[i] * f
     kind = pl[P_KIND]
-    if publish_round(ctl, ctl_f64, ctl32, me, rnd, kind, flags, 0, weight, 1, 4 * n, n,
-                     pl[P_SHASH], nwords) > 0:
-        return WAKE
-    code = arrive(ctl, ctl_f64, blk[C_WORLD], rnd, me, blk[C_SPIN], blk[C_YIELDS], info, mass)
+    code = _publish_and_arrive(blk, pl, rnd, flags, weight)  # (n is the plan's nelem)
     if code != OK:
         return code
-    _spin_caught(blk)
     if root >= 0:
         if info[I_CONTRIB] != 1 << root:
             return NOT_ROOT  # the caller raises, naming what the ranks disagree on
