@@ -192,7 +192,7 @@ def test_a_repeated_one_tensor_broadcast_keeps_every_check_of_the_first(in_place
     """The small broadcasts' hot case (``Comm._hot_broadcast``: one float32 tensor whose
     CONTROL plan an earlier call cached) skips frames, not checks: after the plan is
     cached, each of these gets what a first call gets."""
-    from flodl_shm.errors import SchemaMismatchError
+    from flodl_shm.errors import FrameError, SchemaMismatchError
 
     def call(comm, t, root):
         if in_place:
@@ -212,6 +212,8 @@ def test_a_repeated_one_tensor_broadcast_keeps_every_check_of_the_first(in_place
         with pytest.raises(TypeError, match=r"got one tensor of shape \(1, 1024\)"):
             comm.broadcast_(torch.ones(1, 1024), 1) if in_place else \
                 comm.broadcast_from_root(torch.ones(1, 1024), 1)
+        with pytest.raises(FrameError, match="is a torch._mkldnn tensor"):
+            call(comm, torch.ones(1024).to_mkldnn(), 1)  # (dense, contiguous, f32, CPU)
         # another dtype, shape or layout of the same size; a MODEL plan in between
         b = call(comm, torch.full((1024,), r + 1.0, dtype=torch.bfloat16), 1)
         m = call(comm, torch.full((2, 512), r + 1.0), 1)

@@ -1005,12 +1005,12 @@ class Comm:
             if (len(tensors) == 1 and (type(tensors) is list or type(tensors) is tuple)
                     and 0 <= root < self.world_size and self._broken is None
                     and not eng.relay_mode and eng.fault_hook is None
-                    and t.dtype is F32 and t.is_cpu and t.is_contiguous()
-                    and t.shape == fast[0] and plan.eager_fits and plan.nelem
-                    and plan.nbytes < eng.direct.broadcast_min_bytes):
+                    and t.dtype is F32 and t.layout is _STRIDED and t.is_cpu
+                    and t.is_contiguous() and t.shape == fast[0] and plan.eager_fits
+                    and plan.nelem and plan.nbytes < eng.direct.broadcast_min_bytes):
                 return plan
         except Exception:  # (an empty list, a sparse tensor, ...: the general path names it)
-            pass
+            pass  # (an mkldnn tensor passes the rest: its layout sends it there too)
         return None
 
     def _broadcast_in_place(self, tensors: Sequence[torch.Tensor], root: int) -> None:
