@@ -966,14 +966,13 @@ class Comm:
         overwrite: the root makes no copy for itself. Small tensors on one host are one
         compiled call per rank (the readers copy the root's eager slot straight into
         their tensors); float32 rounds that run as direct rounds (from 64 KiB, or 1 MiB
-        where ranks outnumber cores; one host,
-        ``max_failures=0``: ``Comm.direct_rounds_available``) have the readers copy the
-        root's tensors straight into their own, and the root copy nothing (one tensor:
-        one compiled call per rank too). Otherwise the
-        round is :meth:`broadcast_from_root`'s, copied into the readers' tensors. Errors
-        as :meth:`broadcast_from_root`'s. Float32 values arrive bit for bit; bfloat16
-        ones too, except that a NaN arrives as the canonical bfloat16 NaN (the round
-        carries float32, and torch rounds it back).
+        where ranks outnumber cores; one host, ``max_failures=0``:
+        ``Comm.direct_rounds_available``) have the readers copy the root's tensors
+        straight into their own, and the root copy nothing (one tensor: one compiled call
+        per rank too). Otherwise the round is :meth:`broadcast_from_root`'s, copied into
+        the readers' tensors. Errors as :meth:`broadcast_from_root`'s. Float32 values
+        arrive bit for bit; bfloat16 ones too, except that a NaN arrives as the canonical
+        bfloat16 NaN (the round carries float32, and torch rounds it back).
 
         Args:
             tensors: float32/bfloat16 CPU tensors of the same shapes on every rank.
