@@ -202,6 +202,33 @@ def test_one_tensor_direct_broadcasts_in_one_call_match_the_eager_path(low_thres
             assert _bits(got[True][rank][k]) == want, (name, rank)
 
 
+def test_a_one_call_direct_broadcast_with_a_late_rank_finishes_the_blocking_way(
+        low_threshold):
+    """The root, then a reader, arrives 50 ms late: the other rank's compiled call runs
+    out of spin and sleeps on the doorbell, and the late one finds sleepers when it
+    publishes (WAKE). Each finishes the round the blocking way and delivers its slice:
+    every rank holds the root's bits, into a result and in place."""
+    def body(comm):
+        out = []
+        for i in range(4):
+            late = i % 2  # rank 0 (the root) late, then rank 1
+            if comm.rank == late:
+                time.sleep(0.05)
+            src = _one(comm.rank, 40 + i, 20_000).contiguous()  # (one call on both)
+            if i < 2:
+                out.append(_bits(comm.broadcast_from_root([src], root=0)[0]))
+            else:
+                comm.broadcast_([src], root=0)
+                out.append(_bits(src))
+        return out, comm._engine.waiter.sleeps
+
+    with FakeCohort(2, direct=True, eager_bytes=1 << 20) as cohort:
+        got = cohort.run(body)
+    for rank in range(2):
+        assert got[rank][0] == [_bits(_one(0, 40 + i, 20_000)) for i in range(4)]
+    assert sum(sleeps for _, sleeps in got) >= 4  # (the waits did sleep)
+
+
 def test_the_arena_owner_sets_every_rank_s_broadcast_threshold(monkeypatch):
     """Direct from 64 KiB where each rank has a core, from 1 MiB where ranks outnumber
     cores (the direct round's second wait costs a scheduling turn there), or what the
