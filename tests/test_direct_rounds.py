@@ -184,7 +184,7 @@ def _one_broadcasts(comm) -> list:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_one_tensor_direct_broadcasts_in_one_call_match_the_eager_path(low_threshold, world):
-    """From 64 KiB a broadcast is direct, eager-sized or not; a one-tensor one runs as
+    """From 32 KiB a broadcast is direct, eager-sized or not; a one-tensor one runs as
     one compiled call. Bit for bit what the eager slot delivers: every rank holds the
     root's bits (a signaling NaN's payload included), whether the root copies its own
     result whole (20,000 elements) or delivers a slice of it (100,000), and a rank
@@ -230,7 +230,7 @@ def test_a_one_call_direct_broadcast_with_a_late_rank_finishes_the_blocking_way(
 
 
 def test_the_arena_owner_sets_every_rank_s_broadcast_threshold(monkeypatch):
-    """Direct from 64 KiB where each rank has a core, from 1 MiB where ranks outnumber
+    """Direct from 32 KiB where each rank has a core, from 1 MiB where ranks outnumber
     cores (the direct round's second wait costs a scheduling turn there), or what the
     environment says; decided once by the arena's owner, so every rank agrees."""
     from flodl_shm.engine import hostcpu
@@ -238,7 +238,7 @@ def test_the_arena_owner_sets_every_rank_s_broadcast_threshold(monkeypatch):
     var = "FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES"
     monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(hostcpu, "available_cores", lambda root="/": 2)
-    assert A.direct_broadcast_min_bytes(2) == 64 << 10
+    assert A.direct_broadcast_min_bytes(2) == 32 << 10
     assert A.direct_broadcast_min_bytes(3) == 1 << 20
     monkeypatch.setenv(var, "4096")
     assert A.direct_broadcast_min_bytes(3) == 4096

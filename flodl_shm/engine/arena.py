@@ -482,9 +482,10 @@ def direct_allowed_by_env() -> bool:
 #: payload bytes from which a broadcast is a direct round (``engine/direct.py``) when each
 #: rank has a core: a reader then reads the root's tensor once, where the eager slot costs
 #: the root a copy in and the reader one out of lines another core just wrote. 2 ranks
-#: (BENCHMARKS.md, "Forty-first session"): ``broadcast_`` of 64 KiB 6.4-9.1 µs direct
-#: against 11.2-11.4 eager, 256 KiB 9.4-9.8 against 17.5-19.3; at 16 KiB the two are even
-DIRECT_BROADCAST_MIN_BYTES = 64 << 10
+#: (BENCHMARKS.md, "Forty-first session"): ``broadcast_`` of 32 KiB 7.0-7.1 µs direct
+#: against 8.8-8.9 eager, 64 KiB 6.4-9.1 against 11.2-11.4, 256 KiB 9.4-9.8 against
+#: 17.5-19.3; at 16 KiB eager is ahead, 5.5-5.8 against 6.5-6.7
+DIRECT_BROADCAST_MIN_BYTES = 32 << 10
 #: the same where ranks outnumber cores: the direct round's second wait (for every slice)
 #: then costs a scheduling turn. 4 ranks on 2 cores: 256 KiB 58-90 µs direct against 49-50
 #: eager, 1 MiB 202-210 against 266-546

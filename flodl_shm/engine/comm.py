@@ -965,7 +965,7 @@ class Comm:
         The in-place form of :meth:`broadcast_from_root`, for tensors the call may
         overwrite: the root makes no copy for itself. Small tensors on one host are one
         compiled call per rank (the readers copy the root's eager slot straight into
-        their tensors); float32 rounds that run as direct rounds (from 64 KiB, or 1 MiB
+        their tensors); float32 rounds that run as direct rounds (from 32 KiB, or 1 MiB
         where ranks outnumber cores; one host, ``max_failures=0``:
         ``Comm.direct_rounds_available``) have the readers copy the root's tensors
         straight into their own, and the root copy nothing (one tensor: one compiled call

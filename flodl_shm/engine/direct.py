@@ -31,7 +31,7 @@ Direct rounds need two things the shared path does not:
 A round is eligible when every rank agrees on it from the round's schema alone: a
 float32 wire, no outer-optimizer step, no checkpoint tap, one host (no relay), and a
 payload too large for the eager slots and at least ``DIRECT_MIN_BYTES`` (a reduce) or at
-least the arena's ``G_DIRECT_BROADCAST_MIN`` (64 KiB, or 1 MiB where ranks outnumber cores;
+least the arena's ``G_DIRECT_BROADCAST_MIN`` (32 KiB, or 1 MiB where ranks outnumber cores;
 ``arena.direct_broadcast_min_bytes``), eager-sized or not (a broadcast). ``FLAG_DIRECT``
 is in the agreed flags, so ranks that disagreed would get a ``SchemaMismatchError``,
 never a torn result.
