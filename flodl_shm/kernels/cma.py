@@ -39,7 +39,7 @@ from .codes import NOT_ROOT, OK, SLICES_PENDING, UNREACHABLE
 from .control_block import (G_DOORBELL, G_SLEEPERS, GLOBAL_WORDS, H_SCALE, R_DONE, R_PID,
                             RANK_WORDS)
 from .rounds import (C_ME, C_SLOT_BYTES, C_SPIN, C_WORLD, I_ACCEPTED, I_CONTRIB, I_CULPRIT,
-                     P_NELEM, P_NWORDS, _call_views, _hdr, _publish_and_arrive, _put_schema)
+                     P_NWORDS, P_WORDS, _call_views, _hdr, _publish_and_arrive, _put_schema)
 from .signals import spin_slices
 from .tensorio import f32_at
 
@@ -300,7 +300,7 @@ def _deliver(blk, off, numels, rnd, root, accepted, iov):
             from_root = i
         i += 1
     b = (2 * root + par) * slot_bytes + off
-    srcs = eager[b:b + 8 * nt].view(np.int64).copy()
+    srcs = eager[b:b + 8 * nt].view(np.int64)  # (rewritten in round rnd + 2 only)
     nelem = 0
     apart = False  # the root's destinations are not its sources: a result of its own
     for t in range(nt):
@@ -361,7 +361,6 @@ def direct_broadcast_f32(blk, pl, src, dst, rnd, flags, root, iov):
     _put_schema(blk, pl, eager, rnd)
     me = blk[C_ME]
     nwords = pl[P_NWORDS]
-    n = pl[P_NELEM]
     b = (2 * me + (rnd & 1)) * blk[C_SLOT_BYTES] + nwords * 8
     table = eager[b:b + 16].view(np.int64)
     table[0] = src
@@ -372,9 +371,9 @@ def direct_broadcast_f32(blk, pl, src, dst, rnd, flags, root, iov):
         return code
     if info[I_CONTRIB] != 1 << root:
         return NOT_ROOT
-    numels = np.empty(1, np.int64)
-    numels[0] = n
-    return _deliver(blk, nwords * 8, numels, rnd, root, info[I_ACCEPTED], iov)
+    # the tensor's element count, from the plan's address table (addresses, counts, ...)
+    counts = P_WORDS + nwords + 1
+    return _deliver(blk, nwords * 8, pl[counts:counts + 1], rnd, root, info[I_ACCEPTED], iov)
 
 
 class DirectCalls(NamedTuple):
