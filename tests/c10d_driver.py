@@ -61,18 +61,20 @@ def rank_input(rank: int, dtype: torch.dtype, n: int = 37, salt: int = 0) -> tor
 
 def run_group(scenario: str, world: int, tmp: Path, *, backend: str = "flodl_shm",
               hosts: list[str] | None = None, timeout: float = 90.0,
-              extra_env: dict | None = None) -> list[dict | None]:
+              extra_env: dict | None = None, rank_env: list[dict] | None = None
+              ) -> list[dict | None]:
     """Run ``scenario`` on ``world`` rank processes; results by rank (None: no result).
 
     The ranks are forked from the test process (``forked.py``: torch and the kernels
     already loaded), each with its own environment and its output in a log.
-    ``hosts[r]`` sets rank r's FLODL_SHM_HOST. Ranks still running at the deadline are
-    killed (then a TimeoutError names them)."""
+    ``hosts[r]`` sets rank r's FLODL_SHM_HOST, ``rank_env[r]`` more of rank r's variables
+    (over ``extra_env``). Ranks still running at the deadline are killed (then a
+    TimeoutError names them)."""
     port = free_port()
     pids = []
     for r in range(world):
         env = {"OMP_NUM_THREADS": "1", "FLODL_SHM_HOST": None if hosts is None else hosts[r],
-               **(extra_env or {})}
+               **(extra_env or {}), **(rank_env[r] if rank_env else {})}
         out = tmp / f"{scenario}_{backend}_{r}.pt"
         pid = os.fork()
         if pid == 0:  # the rank: never returns into the test
@@ -115,9 +117,6 @@ def _forked_rank(scenario: str, rank: int, world: int, port: int, out: str, back
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        from flodl_shm.engine import direct  # read at import: this process imported it
-        direct.DIRECT_MIN_BYTES = int(os.environ.get("FLODL_SHM_DIRECT_MIN_BYTES",
-                                                     direct.DIRECT_MIN_BYTES))
         run_rank(scenario, rank, world, port, out, backend)
         code = 0
     except BaseException:  # noqa: BLE001 - printed to the rank's log
@@ -788,6 +787,23 @@ def sc_device_checkpoints(rank: int, world: int) -> dict:
     return {"pid": os.getpid(), "saved": saved["w"], "broadcast": list(model.state_dict().values()),
             "read": list(read.values()), "source": list(src.state_dict().values()),
             "devices": dist.distributed_c10d._device_capability()}
+
+
+def sc_direct_threshold(rank: int, world: int) -> dict:
+    """A 2 MiB reduce (over the eager slots, under the default direct threshold) and a
+    256 KiB broadcast, whatever each rank's environment says of the direct rounds'
+    thresholds: every rank reads the arena owner's words."""
+    import torch.distributed as dist
+
+    t = torch.full((1 << 19,), float(rank + 1))
+    dist.all_reduce(t)
+    b = torch.full((1 << 16,), float(rank + 1))
+    dist.broadcast(b, src=world - 1)
+    comm = dist.distributed_c10d._get_default_group().comm
+    return {"reduced": t.unique().tolist(), "broadcast": b.unique().tolist(),
+            "min_bytes": comm.direct_min_bytes,
+            "broadcast_min_bytes": comm._engine.direct.broadcast_min_bytes,
+            "direct_state": comm._engine.direct.state}
 
 
 def sc_ddp_peer_dies(rank: int, world: int) -> dict:

@@ -70,7 +70,7 @@ def test_every_in_place_collective_moves_the_version_of_what_it_wrote(size):
 
 
 def test_a_direct_round_moves_the_version_too(monkeypatch):
-    monkeypatch.setattr(D, "DIRECT_MIN_BYTES", 256 << 10)
+    monkeypatch.setenv("FLODL_SHM_DIRECT_MIN_BYTES", str(256 << 10))
 
     def body(comm):
         out = []

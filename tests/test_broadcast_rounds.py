@@ -16,7 +16,6 @@ import torch
 from flodl_shm import RoundFrame, RoundKind, SchemaMismatchError, TensorPayload
 from flodl_shm.errors import PeerDied
 from flodl_shm.engine import arena as A
-from flodl_shm.engine import direct as D
 from flodl_shm.frame import DTYPE_F32
 from flodl_shm.testing import FakeCohort
 
@@ -120,7 +119,7 @@ def test_broadcasts_carry_nan_payloads_bit_for_bit(size, general, monkeypatch):
     the frame, ``engine/direct.py``) has NaNs in both ranks' slices."""
     direct = size == DIRECT_N
     if direct:
-        monkeypatch.setattr(D, "DIRECT_MIN_BYTES", 256 << 10)
+        monkeypatch.setenv("FLODL_SHM_DIRECT_MIN_BYTES", str(256 << 10))
 
     def tensors(rank: int) -> list[torch.Tensor]:
         if rank != 0:
@@ -437,7 +436,7 @@ def test_broadcasts_alone_settle_direct_rounds_and_every_rank_writes_the_root_s_
     2.6x as long). They settle it too now. In a direct ``broadcast_from_root`` every rank
     writes its slice of the root's result, as of every reader's (the root copied its
     whole result alone, after the round: 1.4x ``Bcast`` at 4 MiB)."""
-    monkeypatch.setattr(D, "DIRECT_MIN_BYTES", 256 << 10)
+    monkeypatch.setenv("FLODL_SHM_DIRECT_MIN_BYTES", str(256 << 10))
     # (3 ranks outnumber this machine's cores: the owner would write 1 MiB)
     monkeypatch.setenv("FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES", str(256 << 10))
     root = 1

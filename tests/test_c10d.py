@@ -569,6 +569,20 @@ def test_a_peer_dead_in_a_ddp_backward_makes_the_backward_raise_naming_it(tmp_pa
     _no_segments_of(res)
 
 
+def test_ranks_whose_environments_name_other_direct_thresholds_still_agree(tmp_path):
+    """The direct rounds' thresholds are the arena owner's words (the group's leader,
+    rank 0 here). A rank that read its own ``FLODL_SHM_DIRECT_MIN_BYTES`` took a 2 MiB
+    reduce direct while its peer did not: a schema mismatch neither rank had caused."""
+    res = run_group("direct_threshold", 2, tmp_path, rank_env=[
+        {"FLODL_SHM_DIRECT_MIN_BYTES": None, "FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES": None},
+        {"FLODL_SHM_DIRECT_MIN_BYTES": "64", "FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES": "1"}])
+    assert [r["reduced"] for r in res] == [[3.0], [3.0]]  # (SUM)
+    assert [r["broadcast"] for r in res] == [[2.0], [2.0]]
+    assert [r["min_bytes"] for r in res] == [4 << 20] * 2
+    assert res[0]["broadcast_min_bytes"] == res[1]["broadcast_min_bytes"] >= 32 << 10
+    _no_segments_of(res)
+
+
 @pytest.mark.parametrize("direct", [False, True], ids=["shared", "direct"])
 @pytest.mark.parametrize("victim", [0, 1], ids=["leader_dies", "peer_dies"])
 def test_a_dead_peer_makes_the_others_raise_naming_it(tmp_path, victim, direct):

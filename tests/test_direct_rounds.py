@@ -32,7 +32,7 @@ def low_threshold(monkeypatch):
     """Direct reduces from 256 KiB, so thread-rank tests stay small; broadcasts from
     64 KiB, at world 3 too (where ranks outnumber this machine's cores, the owner would
     write 1 MiB)."""
-    monkeypatch.setattr(D, "DIRECT_MIN_BYTES", 256 << 10)
+    monkeypatch.setenv("FLODL_SHM_DIRECT_MIN_BYTES", str(256 << 10))
     monkeypatch.setenv("FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES", str(64 << 10))
 
 
@@ -248,6 +248,21 @@ def test_the_arena_owner_sets_every_rank_s_broadcast_threshold(monkeypatch):
     monkeypatch.setenv(var, "12345")
     with FakeCohort(2, direct=True) as cohort:
         assert cohort.run(lambda comm: comm._engine.direct.broadcast_min_bytes) == [12345] * 2
+
+
+def test_the_arena_owner_sets_every_rank_s_reduce_threshold(monkeypatch):
+    """4 MiB, or ``FLODL_SHM_DIRECT_MIN_BYTES`` as the arena's owner read it at creation:
+    a rank that reads another value later still uses the owner's."""
+    var = "FLODL_SHM_DIRECT_MIN_BYTES"
+    monkeypatch.delenv(var, raising=False)
+    assert A.direct_min_bytes() == 4 << 20
+    monkeypatch.setenv(var, "4 MiB")
+    with pytest.raises(ValueError, match=f"{var}='4 MiB' is not a whole number of bytes"):
+        A.direct_min_bytes()
+    monkeypatch.setenv(var, str(2 << 20))
+    with FakeCohort(2, direct=True) as cohort:
+        monkeypatch.setenv(var, "64")  # the ranks' Comms are made after this
+        assert cohort.run(lambda comm: comm.direct_min_bytes) == [2 << 20] * 2
 
 
 def test_rounds_below_the_threshold_and_outer_rounds_stay_shared(low_threshold):

@@ -74,7 +74,7 @@ def test_drift_sums_match_the_values_before_and_after_on_every_path(bf16_wire, d
 
 
 def test_drift_sums_of_a_direct_round(monkeypatch):
-    monkeypatch.setattr(D, "DIRECT_MIN_BYTES", 256 << 10)
+    monkeypatch.setenv("FLODL_SHM_DIRECT_MIN_BYTES", str(256 << 10))
 
     def body(comm):
         out = []

@@ -67,7 +67,7 @@ def test_every_rank_reads_every_ranks_report_on_every_path(world, bf16):
 
 
 def test_a_direct_round_carries_reports_too(monkeypatch):
-    monkeypatch.setattr(D, "DIRECT_MIN_BYTES", 256 << 10)
+    monkeypatch.setenv("FLODL_SHM_DIRECT_MIN_BYTES", str(256 << 10))
 
     def body(comm):
         got = []

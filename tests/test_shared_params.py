@@ -14,7 +14,6 @@ import torch
 
 import flodl_shm
 from flodl_shm import LocalSGD, spawn
-from flodl_shm.engine import direct as D
 from flodl_shm.testing import FakeCohort
 
 from engine_util import assert_no_leaks
@@ -27,7 +26,7 @@ EAGER = 64 << 10  # eager slot bytes: the window's round takes the bulk or direc
 @pytest.fixture
 def low_threshold(monkeypatch):
     """Direct rounds (and shared parameters where it pays) from 256 KiB."""
-    monkeypatch.setattr(D, "DIRECT_MIN_BYTES", 256 << 10)
+    monkeypatch.setenv("FLODL_SHM_DIRECT_MIN_BYTES", str(256 << 10))
 
 
 def make_model(rank: int) -> torch.nn.Module:
@@ -177,7 +176,7 @@ def test_layouts_and_shared_memory_the_block_cannot_keep_stay_private(low_thresh
 
 
 def test_a_small_model_is_placed_only_on_request_and_still_averages(monkeypatch):
-    monkeypatch.setattr(D, "DIRECT_MIN_BYTES", 8 << 20)
+    monkeypatch.setenv("FLODL_SHM_DIRECT_MIN_BYTES", str(8 << 20))
 
     def body(comm):
         auto = LocalSGD(make_model(comm.rank), sync_every=1, comm=comm)

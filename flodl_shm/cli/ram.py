@@ -172,7 +172,7 @@ def host_checks(mem: HostMemory, staging_bytes: int, local_ranks: int, *,
             activations, data), added to the RAM check; 0 when not known (the
             check is then a floor and its detail says so).
     """
-    from ..engine.direct import DIRECT_MIN_BYTES
+    from ..engine.arena import direct_min_bytes
 
     ranks = max(1, int(local_ranks))
     nelem = -(-int(staging_bytes) // 4)
@@ -182,7 +182,7 @@ def host_checks(mem: HostMemory, staging_bytes: int, local_ranks: int, *,
     # LocalSGD's shared parameter blocks (a model per rank), where its rounds run direct:
     # its regions then stay empty, so the arena's figure covers the blocks
     shared_blocks = (ranks >= 2 and not wire_bf16 and not relay
-                     and nelem * 4 >= DIRECT_MIN_BYTES)
+                     and nelem * 4 >= direct_min_bytes())
     # the replicas' start broadcast is an f32 frame, in its root's region, whatever the
     # wire (unless it runs direct)
     start = nelem * 4 - frame if wire_bf16 and ranks >= 2 else 0

@@ -223,6 +223,7 @@ class Arena:
         c[G_RELAY] = 1 if relay else 0
         c[G_DIRECT] = 1 if direct and not relay and direct_allowed_by_env() else 0
         c[G_DIRECT_BROADCAST_MIN] = direct_broadcast_min_bytes(world)
+        c[G_DIRECT_MIN] = direct_min_bytes()
         c[G_FIRST_RANK] = first_rank
         c[G_GLOBAL_WORLD] = global_world if global_world is not None else world
         c[G_VERSION] = VERSION
@@ -479,12 +480,17 @@ def direct_allowed_by_env() -> bool:
                                                                          "off")
 
 
-#: payload bytes from which a broadcast is a direct round (``engine/direct.py``) when each
-#: rank has a core: a reader then reads the root's tensor once, where the eager slot costs
-#: the root a copy in and the reader one out of lines another core just wrote. 2 ranks
-#: (BENCHMARKS.md, "Forty-first session"): ``broadcast_`` of 32 KiB 7.0-7.1 µs direct
-#: against 8.8-8.9 eager, 64 KiB 6.4-9.1 against 11.2-11.4, 256 KiB 9.4-9.8 against
-#: 17.5-19.3; at 16 KiB eager is ahead, 5.5-5.8 against 6.5-6.7
+#: payload bytes from which an eligible reduce is a direct round (``engine/direct.py``).
+#: Measured on 2 ranks (BENCHMARKS.md, "Eighth session"): from 4 MiB direct rounds win on
+#: either kind of page; at 2-3 MiB they win on huge pages only (on 4 KiB pages the calls'
+#: page pinning costs what the saved shared copies gain)
+DIRECT_MIN_BYTES = 4 << 20
+#: payload bytes from which a broadcast is a direct round when each rank has a core: a
+#: reader then reads the root's tensor once, where the eager slot costs the root a copy in
+#: and the reader one out of lines another core just wrote. 2 ranks (BENCHMARKS.md,
+#: "Forty-first session"): ``broadcast_`` of 32 KiB 7.0-7.1 µs direct against 8.8-8.9
+#: eager, 64 KiB 6.4-9.1 against 11.2-11.4, 256 KiB 9.4-9.8 against 17.5-19.3; at 16 KiB
+#: eager is ahead, 5.5-5.8 against 6.5-6.7
 DIRECT_BROADCAST_MIN_BYTES = 32 << 10
 #: the same where ranks outnumber cores: the direct round's second wait (for every slice)
 #: then costs a scheduling turn. 4 ranks on 2 cores: 256 KiB 58-90 µs direct against 49-50
@@ -492,21 +498,37 @@ DIRECT_BROADCAST_MIN_BYTES = 32 << 10
 DIRECT_BROADCAST_MIN_BYTES_OVERSUBSCRIBED = 1 << 20
 
 
+def _bytes_from_env(var: str) -> int | None:
+    """A whole number of bytes from environment variable ``var`` (None when unset)."""
+    import os
+
+    env = os.environ.get(var, "").strip()
+    if not env:
+        return None
+    try:
+        return max(0, int(env))
+    except ValueError:
+        raise ValueError(f"{var}={env!r} is not a whole number of bytes: set it to e.g. "
+                         f"65536, or unset it") from None
+
+
+def direct_min_bytes() -> int:
+    """The reduce threshold an arena's owner writes at creation:
+    ``FLODL_SHM_DIRECT_MIN_BYTES`` when set, else ``DIRECT_MIN_BYTES`` (every rank reads
+    the owner's word, so ranks whose environments differ still agree on every round)."""
+    env = _bytes_from_env("FLODL_SHM_DIRECT_MIN_BYTES")
+    return DIRECT_MIN_BYTES if env is None else env
+
+
 def direct_broadcast_min_bytes(world: int) -> int:
     """The broadcast threshold an arena's owner writes at creation for ``world`` local
     ranks: ``FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES`` when set, else by whether the ranks
     outnumber the owner's cores (every rank reads the owner's word: they all agree)."""
-    import os
-
     from .hostcpu import available_cores
 
-    env = os.environ.get("FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES", "").strip()
-    if env:
-        try:
-            return max(0, int(env))
-        except ValueError:
-            raise ValueError(f"FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES={env!r} is not a whole "
-                             f"number of bytes: set it to e.g. 65536, or unset it") from None
+    env = _bytes_from_env("FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES")
+    if env is not None:
+        return env
     if world > available_cores():
         return DIRECT_BROADCAST_MIN_BYTES_OVERSUBSCRIBED
     return DIRECT_BROADCAST_MIN_BYTES

@@ -1105,6 +1105,13 @@ class Comm:
         not permitted to attach to each other, ``FLODL_SHM_DIRECT=0``)."""
         return self._engine.direct.state != UNAVAILABLE
 
+    @property
+    def direct_min_bytes(self) -> int:
+        """Payload bytes from which an eligible reduce runs as a direct round: the arena
+        owner's word (``FLODL_SHM_DIRECT_MIN_BYTES`` where it created the arena, else
+        4 MiB), the same on every rank."""
+        return self._engine.direct.min_bytes
+
     def settle_direct_rounds(self) -> bool:
         """Find out now whether direct rounds may run, and return whether they may (a
         collective: every rank of the host calls it, and every rank gets the same

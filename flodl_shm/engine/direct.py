@@ -30,11 +30,13 @@ Direct rounds need two things the shared path does not:
 
 A round is eligible when every rank agrees on it from the round's schema alone: a
 float32 wire, no outer-optimizer step, no checkpoint tap, one host (no relay), and a
-payload too large for the eager slots and at least ``DIRECT_MIN_BYTES`` (a reduce) or at
-least the arena's ``G_DIRECT_BROADCAST_MIN`` (32 KiB, or 1 MiB where ranks outnumber cores;
-``arena.direct_broadcast_min_bytes``), eager-sized or not (a broadcast). ``FLAG_DIRECT``
-is in the agreed flags, so ranks that disagreed would get a ``SchemaMismatchError``,
-never a torn result.
+payload too large for the eager slots and at least the arena's ``G_DIRECT_MIN`` (4 MiB;
+``arena.direct_min_bytes``) (a reduce), or at least its ``G_DIRECT_BROADCAST_MIN`` (32 KiB,
+or 1 MiB where ranks outnumber cores; ``arena.direct_broadcast_min_bytes``), eager-sized or
+not (a broadcast). The arena's owner writes both words at creation (the environment
+variables ``FLODL_SHM_DIRECT_MIN_BYTES`` and ``FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES`` set
+them), so ranks whose environments differ still agree. ``FLAG_DIRECT`` is in the agreed
+flags, so ranks that disagreed would get a ``SchemaMismatchError``, never a torn result.
 
 The states of one rank
 ======================
@@ -122,7 +124,6 @@ taken over.
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Callable
 
@@ -135,12 +136,6 @@ from ..kernels import cma as C
 from ..kernels import signals
 from ..kernels.codes import NOT_ROOT, OK, SLICES_PENDING, UNREACHABLE
 from .waiting import WORK_BYTES_PER_S, futex_wake
-
-#: payload bytes from which an eligible round is direct. Measured on 2 ranks (BENCHMARKS.md,
-#: "Eighth session"): from 4 MiB direct rounds win on either kind of page; at 2-3 MiB
-#: they win on huge pages only (on 4 KiB pages the calls' page pinning costs what the
-#: saved shared copies gain)
-DIRECT_MIN_BYTES = int(os.environ.get("FLODL_SHM_DIRECT_MIN_BYTES", 4 << 20))
 
 UNPROBED, READY, UNAVAILABLE = "unprobed", "ready", "unavailable"
 
@@ -158,7 +153,7 @@ class ClosedDirectRounds:
     collector ran): no round is direct, so a late call reaches the closed Comm's error."""
 
     state = UNAVAILABLE
-    broadcast_min_bytes = 1 << 62  # no broadcast is direct either
+    min_bytes = broadcast_min_bytes = 1 << 62  # no round is direct
 
     @staticmethod
     def mode(plan, flags: int) -> int:
@@ -174,8 +169,10 @@ class DirectRounds:
         allowed = (bool(arena.ctl[A.G_DIRECT]) and C.AVAILABLE and not engine.relay_mode
                    and engine.rank >= 0)
         self.state = UNPROBED if allowed else UNAVAILABLE
-        #: payload bytes from which a broadcast is direct: the arena owner's word
-        #: (``arena.direct_broadcast_min_bytes``), the same for every rank
+        #: payload bytes from which an eligible reduce, and a broadcast, is direct: the
+        #: arena owner's words (``arena.direct_min_bytes``,
+        #: ``arena.direct_broadcast_min_bytes``), the same for every rank
+        self.min_bytes = int(arena.ctl[A.G_DIRECT_MIN])
         self.broadcast_min_bytes = int(arena.ctl[A.G_DIRECT_BROADCAST_MIN])
         #: direct rounds whose slice this rank reduced through mapped shared parameter
         #: blocks (no cross-memory calls)
@@ -195,7 +192,7 @@ class DirectRounds:
         if flags & A.FLAG_BROADCAST:
             small = plan.nbytes < self.broadcast_min_bytes
         else:
-            small = plan.eager_fits or plan.nbytes < DIRECT_MIN_BYTES
+            small = plan.eager_fits or plan.nbytes < self.min_bytes
         return not (plan.dtype != DTYPE_F32 or small or flags & (A.FLAG_OUTER | A.FLAG_TAP)
                     or plan.off + 16 * plan.ntensors > self.eng.arena.eager_bytes)
 

@@ -13,14 +13,15 @@ use it without loading numba.
 from __future__ import annotations
 
 MAGIC = 0x46534D48_41524E41  # "FSMHARNA"
-VERSION = 9  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIRECT*);
+VERSION = 10  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIRECT*);
              # 3: round reports (H_REPORT, H_REPORT_ROUND);
              # 4: shared parameter blocks (p<r> segments, R_PARAMS_BASE, R_PARAMS_BYTES);
              # 5: the controller's outer start (G_CONTROLLER_OUTER);
              # 6: the controller's outer settings (G_CONTROLLER_OUTER_KIND, _LR, _MU);
              # 7: a rank that gave up on a round (G_GAVE_UP);
              # 8: a spawned rank entered its function (R_ENTERED);
-             # 9: the owner's broadcast threshold for direct rounds (G_DIRECT_BROADCAST_MIN)
+             # 9: the owner's broadcast threshold for direct rounds (G_DIRECT_BROADCAST_MIN);
+             # 10: the owner's reduce threshold for direct rounds (G_DIRECT_MIN)
 
 # -- global words ---------------------------------------------------------------------
 G_MAGIC = 0
@@ -56,6 +57,7 @@ G_GAVE_UP = 58        # c10d: 1 + the local rank that first gave up on a round (
                       # raises too, instead of returning a result the others refused
 G_DIRECT_BROADCAST_MIN = 59  # payload bytes from which a broadcast is a direct round
                       # (written once by the owner at creation, so every rank agrees)
+G_DIRECT_MIN = 60     # payload bytes from which a reduce is a direct round (the same)
 GLOBAL_WORDS = 64
 
 ABORT_NONE = 0
@@ -149,6 +151,7 @@ __all__ = [
     "G_DIRECT",
     "G_GAVE_UP",
     "G_DIRECT_BROADCAST_MIN",
+    "G_DIRECT_MIN",
     "GLOBAL_WORDS",
     "ABORT_NONE",
     "ABORT_FAILED",

@@ -301,7 +301,7 @@ class LocalSGD:
             them in place without copies. ``None`` (default): where it pays, that is
             when the window's round is a direct round (one host, ``spawn`` with
             ``max_failures=0`` or the c10d backend, float32 wire and tensors, no outer
-            step in the round, at least ``DIRECT_MIN_BYTES`` = 4 MiB); ``True``: always
+            step in the round, at least ``Comm.direct_min_bytes``, 4 MiB); ``True``: always
             (a ``ValueError`` says why it cannot); ``False``: never.
     """
 
@@ -474,8 +474,6 @@ class LocalSGD:
     def _not_shareable(self, tensors, explicit: bool) -> Optional[str]:
         """Why the params round cannot run in place in the shared parameter block (None:
         it can)."""
-        from ..engine.direct import DIRECT_MIN_BYTES
-
         comm = self.comm
         if self.world_size < 2:
             return "a single rank has nothing to average"
@@ -505,8 +503,9 @@ class LocalSGD:
                     f"model (a view of it): each gets its own place in the block, so they "
                     f"would stop sharing it")
         nbytes = 4 * sum(t.numel() for t in tensors)
-        if not explicit and nbytes < DIRECT_MIN_BYTES:
-            return f"the params round's {nbytes} bytes are below DIRECT_MIN_BYTES"
+        if not explicit and nbytes < comm.direct_min_bytes:
+            return (f"the params round's {nbytes} bytes are below the direct rounds' "
+                    f"{comm.direct_min_bytes} (FLODL_SHM_DIRECT_MIN_BYTES)")
         return None
 
     def _round_names(self, tensors) -> list[str]:
