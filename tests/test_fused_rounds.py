@@ -471,3 +471,93 @@ def test_gathered_tensors_reduce_as_a_list_and_keep_their_own_plans():
         for out, nplans, big, big_plans in cohort.run(body):
             # plans: MODEL on each wire, CONTROL (the broadcast)
             assert out == [True] * 4 and nplans == 3 and big == 0.5 and big_plans == [False]
+
+
+def test_a_repeated_one_payload_frame_keeps_every_check_of_the_first(tmp_path):
+    """``all_reduce(frame)``'s hot case (``Comm._hot_frame``: one float32 payload whose
+    plan an earlier frame of that kind and shape cached) skips frames, not checks: after
+    the plan is cached, each of these gets what a first frame gets."""
+    from flodl_shm import RoundFrame, TensorPayload
+    from flodl_shm.errors import FrameError
+
+    def frame(values, weight=1.0, kind=RoundKind.MODEL, dtype=0):
+        data = memoryview(np.ascontiguousarray(values).view(np.uint8).reshape(-1))
+        return RoundFrame([TensorPayload(dtype, np.shape(values), data)], weight, kind)
+
+    def body(comm):
+        r = comm.rank
+        mine = np.full(1024, r + 1.0, np.float32)
+        f = frame(mine, weight=r + 1.0)
+        first = comm.all_reduce(f)
+        again = comm.all_reduce(f)  # the hot case: its own fresh reply
+        got = [first.weight, again.weight, float(again.tensors[0].as_array()[0]),
+               again.tensors[0].data.obj is not first.tensors[0].data.obj,
+               again.kind is RoundKind.MODEL, again.tensors[0].shape]
+        # a frame changed after construction is named, before the round
+        for change, err, words in (
+                (lambda g: setattr(g, "weight", float("nan")), FrameError, "frame weight nan"),
+                (lambda g: setattr(g, "weight", -1.0), FrameError, "frame weight -1.0"),
+                (lambda g: setattr(g, "weight", 1e39), FrameError, "outside the masses"),
+                (lambda g: setattr(g, "kind", 99), Exception, "99"),
+                (lambda g: setattr(g.tensors[0], "data", memoryview(bytearray(4092))),
+                 FrameError, "4092"),
+                (lambda g: setattr(g.tensors[0], "dtype", 7), FrameError, "7")):
+            g = frame(mine)
+            comm.all_reduce(g)
+            change(g)
+            with pytest.raises(err, match=words):
+                comm.all_reduce(g)
+        # what the hot case leaves to the general path still reduces
+        ro = frame(mine)
+        ro.tensors[0].data = memoryview(bytes(mine.view(np.uint8)))  # read-only
+        odd = np.zeros(4097, np.uint8)
+        odd[1:] = mine.view(np.uint8)
+        unaligned = frame(mine)
+        unaligned.tensors[0].data = memoryview(odd)[1:]
+        as_int = frame(mine, weight=r + 1)
+        as_tuple = frame(mine)
+        as_tuple.tensors = tuple(as_tuple.tensors)
+        shaped = frame(mine.reshape(2, 512))
+        control = frame(mine, kind=RoundKind.CONTROL)
+        for g in (ro, unaligned, as_int, as_tuple, shaped, control, frame(mine)):
+            out = comm.all_reduce(g)
+            got.append((out.weight, float(out.tensors[0].as_array()[-1]),
+                        out.tensors[0].shape, int(out.kind)))
+        bf = comm.all_reduce(frame(np.full(2048, 0x3F80 * (r + 1) // (r + 1), np.uint16),
+                                   dtype=1))
+        got.append((bf.tensors[0].dtype, bf.tensors[0].shape))
+        # a weight of 0 is a mass like any other (the round realized nothing)
+        got.append(comm.all_reduce(frame(mine, weight=0.0)).weight)
+        # a fault hook sees the round
+        phases = []
+        comm.set_fault_hook(lambda phase, rnd: phases.append(phase))
+        comm.all_reduce(frame(mine))
+        comm.set_fault_hook(None)
+        got.append("before_copy_in" in phases)
+        return got
+
+    with FakeCohort(2) as cohort:
+        for got in cohort.run(body):
+            # the payloads carry w·T: (1 + 2) / 3 with mass 3
+            assert got[:6] == [3.0, 3.0, 1.0, True, True, (1024,)]
+            assert got[6:13] == [(2.0, 1.5, (1024,), 0)] * 2 + [(3.0, 1.0, (1024,), 0)] + \
+                [(2.0, 1.5, (1024,), 0), (2.0, 1.5, (2, 512), 0), (2.0, 3.0, (1024,), 1),
+                 (2.0, 1.5, (1024,), 0)]
+            assert got[13:] == [(1, (2048,)), 0.0, True]
+    # an armed checkpoint captures a MODEL frame's round; a closed Comm refuses it
+    from flodl_shm import ModelSchema
+
+    model = torch.nn.Linear(32, 32, bias=False)
+    with FakeCohort(1) as cohort:
+        comm = cohort.comm(0)
+        w = model.weight.detach().numpy().reshape(-1).copy()
+        f = frame(w.reshape(32, 32))
+        comm.all_reduce(f)
+        comm.all_reduce(f)
+        comm.arm_checkpoint(tmp_path / "hot.fdl", ModelSchema.from_module(model), None)
+        comm.all_reduce(f)
+        assert cohort.flush_checkpoints(60)
+        assert (tmp_path / "hot.fdl").exists()
+        comm.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            comm.all_reduce(f)
