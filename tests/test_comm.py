@@ -282,11 +282,19 @@ def test_per_rank_f64_gather():
     def body(comm):
         v = np.zeros(comm.world_size)
         v[comm.rank] = [3, 5, 2][comm.rank]
-        return comm.all_reduce_per_rank_f64(v)
+        first = comm.all_reduce_per_rank_f64(v)
+        again = comm.all_reduce_per_rank_f64(v)  # a result of its own; v is left as it was
+        as_f32 = comm.all_reduce_per_rank_f64(v.astype(np.float32))
+        strided = comm.all_reduce_per_rank_f64(np.repeat(v, 2)[::2])
+        return first, again is not first, v.tolist(), as_f32, strided
 
     with FakeCohort(3) as c:
-        for got in c.run(body):
+        for rank, (got, fresh, mine, as_f32, strided) in enumerate(c.run(body)):
             assert got.dtype == np.float64 and got.tolist() == [3.0, 5.0, 2.0]
+            assert fresh and mine == [[3.0, 5.0, 2.0][rank] if i == rank else 0.0
+                                      for i in range(3)]
+            assert as_f32.dtype == strided.dtype == np.float64
+            assert as_f32.tolist() == strided.tolist() == [3.0, 5.0, 2.0]
         # (a probe passed its own value alone, [x], and was not told how to fix it)
         with pytest.raises(ValueError, match=r"one slot per rank: 2 values, world_size 3\. "
                                              r"Pass 3 numbers with this rank's value at "

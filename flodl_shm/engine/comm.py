@@ -142,6 +142,7 @@ def _integral(value) -> bool:
 
 
 _F32_MAX = float(np.finfo(np.float32).max)
+_F64 = np.dtype(np.float64)
 
 #: ``_written(tensors)`` (a sequence of tensors): tell autograd that an in-place
 #: collective changed them, as torch's own in-place ops do. Their values are written
@@ -266,12 +267,12 @@ class Comm:
         self._zc_inputs: dict = {}  # (plan, slot parity or "bulk") -> (region, views)
         self._zc_outputs: dict = {}  # plan -> (memory, consensus views)
         self._zc_plan: tuple | None = None  # (wire dtype, shapes, plan) of the last inputs
-        # all_reduce_per_rank_f64's (values in and sums out, its plan, whether it is one
-        # compiled call): one attribute, not three. A Comm keeps to 29 instance attributes:
+        # all_reduce_per_rank_f64's (its plan, whether it is one compiled call): one
+        # attribute, not two. A Comm keeps to 29 instance attributes:
         # a 30th made every fused 4 KiB call ~130 ns slower on CPython 3.11 (its attribute
         # reads lose their fast path); tests/test_perf_guard.py holds the count
         per_rank_plan = self._engine.plan(_CONTROL, DTYPE_F32, ((self.world_size,),))
-        self._per_rank = (np.zeros(max(1, self.world_size), np.float64), per_rank_plan,
+        self._per_rank = (per_rank_plan,
                           per_rank_plan.eager_fits and self.world_size <= PER_RANK_FUSED_MAX)
         self._barrier_plan = self._engine.plan(_CONTROL, DTYPE_F32, ())
         self._outer_installed = False
@@ -899,12 +900,12 @@ class Comm:
         every rank gets the summed vector (dead ranks read 0). Values travel as f32
         (exact for integers up to 2^24), as in flodl."""
         world = self.world_size
-        src, plan, fused = self._per_rank
-        if type(values) is np.ndarray and values.shape == (world,):
-            src[:] = values  # the common case, without asarray's copy
+        plan, fused = self._per_rank
+        if type(values) is np.ndarray and values.shape == (world,) and values.dtype is _F64:
+            vec = values.copy()  # the common case; the copy is the result's memory
         else:
             try:
-                vec = np.asarray(values, dtype=np.float64)
+                vec = np.array(values, dtype=np.float64)  # (a copy, as above)
             except (TypeError, ValueError):
                 vec = None
             if vec is None or vec.ndim == 0:  # (None, a string, one number, a generator)
@@ -918,21 +919,20 @@ class Comm:
                     f"values, world_size {world}. Pass {world} numbers with this rank's "
                     f"value at index {self.rank} and zeros elsewhere (every rank gets the "
                     f"sum: each rank's value in its slot)")
-            src[:] = vec
         if fused and self._fusable(_CONTROL, False):
-            # into and out of the float64 staging: one compiled call (``_eager_call``
-            # inlined, as in ``barrier``; its checks are ``_fusable``'s)
+            # into and out of ``vec``: one compiled call (``_eager_call`` inlined, as in
+            # ``barrier``; its checks are ``_fusable``'s)
             rnd = self._round
             self._round = rnd + 1
             try:
-                self._engine.per_rank_round(rnd, plan, src)
+                self._engine.per_rank_round(rnd, plan, vec)
             except BaseException as e:
                 self._fail(rnd, e)
                 raise
-            return src.copy()
+            return vec
 
         def write(dst: np.ndarray, plan: RoundPlan) -> None:
-            np.copyto(dst[:world], src, casting="same_kind")
+            np.copyto(dst[:world], vec, casting="same_kind")
 
         cons, _ = self._run(plan, 0.0, write)
         return cons[:world].astype(np.float64)
