@@ -186,10 +186,8 @@ def check_same_start(comm, start_round: Optional[int], fix: str,
     """
     # -1: this rank's load failed, 1: from scratch, 2 + round: from a bundle; a dead
     # rank's slot reads 0 (ignored)
-    mine = [0.0] * comm.world_size
-    mine[comm.rank] = (-1.0 if failed is not None else
-                       1.0 if start_round is None else float(start_round + 2))
-    got = [int(round(v)) for v in comm.all_reduce_per_rank_f64(mine)]
+    got = per_rank_ints(comm, -1 if failed is not None else
+                        1 if start_round is None else start_round + 2)
     if failed is not None:
         raise failed
     if len({v for v in got if v}) <= 1:

@@ -1043,9 +1043,7 @@ class LocalSGD:
         could not write ``what``. The rank that failed raises its own error; the others
         raise naming it (a rank that caught its error and went on would otherwise meet
         the others at another collective: a schema error about no disk at all)."""
-        flags = np.zeros(self.world_size)
-        flags[self.rank] = 0.0 if failed is None else 1.0
-        bad = [r for r, f in enumerate(self.comm.all_reduce_per_rank_f64(flags)) if f > 0]
+        bad = [r for r, f in enumerate(per_rank_ints(self.comm, failed is not None)) if f > 0]
         if failed is not None:
             raise failed
         if bad:
@@ -1083,10 +1081,8 @@ class LocalSGD:
         job = None
         if self.comm.spans_hosts:
             # hosts may share one file system: the lock is this job's on all of them
-            token = np.zeros(self.world_size)
-            if self.rank == 0:
-                token[0] = random.SystemRandom().randrange(1, 1 << 24)  # exact as f32
-            job = f"local_sgd-{int(self.comm.all_reduce_per_rank_f64(token)[0])}"
+            token = random.SystemRandom().randrange(1, 1 << 24) if self.rank == 0 else 0
+            job = f"local_sgd-{per_rank_ints(self.comm, token)[0]}"  # (exact as f32)
         base = series_base(path)
         writers = self.comm.last_accepted_ranks()
         verdict = _SERIES_OK
@@ -1103,13 +1099,11 @@ class LocalSGD:
                     verdict = _SERIES_STALE
             except SeriesInUse:
                 verdict = _SERIES_IN_USE
-        votes = np.zeros(self.world_size)
-        votes[self.rank] = verdict
-        votes = self.comm.all_reduce_per_rank_f64(votes)
-        if votes.any():
+        votes = per_rank_ints(self.comm, verdict)
+        if any(votes):
             if key in self._series_locks:
                 self._series_locks.pop(key).__exit__(None, None, None)
-            if (votes == _SERIES_IN_USE).any():
+            if _SERIES_IN_USE in votes:
                 raise SeriesInUse(key, lock_holder(key))
             stale = not_continued(path, self._resumed_from)[1]
             newest = f" (newest: {stale[-1].name})" if stale else ""
@@ -1197,11 +1191,8 @@ class LocalSGD:
         (``_STATE_*``; 0 for a dead rank). The resume is exact only when every rank found
         its own: a rank that starts fresh beside ranks that resume their optimizer and
         scheduler trains at another learning rate, so then every rank starts fresh."""
-        mine = [0.0] * self.world_size
-        mine[self.rank] = float(kind)
         with _as_collective("load()"):
-            got = self.comm.all_reduce_per_rank_f64(mine)
-        return [int(round(v)) for v in got]
+            return per_rank_ints(self.comm, kind)
 
     def _agree_on_start(self, failed: Optional[Exception] = None,
                         start_round: Optional[int] = None) -> None:
@@ -1221,10 +1212,8 @@ class LocalSGD:
         small per-rank round."""
         if self.el_che is None:
             return
-        mine = [0.0] * self.world_size
-        mine[self.rank] = 2.0 if self._cadence_restored else 1.0
-        got = self.comm.all_reduce_per_rank_f64(mine)
-        fresh = [r for r, v in enumerate(got) if v == 1.0]  # (a dead rank's slot reads 0)
+        got = per_rank_ints(self.comm, 2 if self._cadence_restored else 1)
+        fresh = [r for r, v in enumerate(got) if v == 1]  # (a dead rank's slot reads 0)
         if not fresh:
             return
         el_che, guard = copy.deepcopy(self._fresh_cadence)
@@ -1361,7 +1350,7 @@ def _check_inner(optimizer, scheduler, params: list) -> None:
 
 
 #: a host lead's verdict on a series at the first save into it (``_claim_series``)
-_SERIES_OK, _SERIES_IN_USE, _SERIES_STALE = 0.0, 1.0, 2.0
+_SERIES_OK, _SERIES_IN_USE, _SERIES_STALE = 0, 1, 2
 #: how many series' run locks a LocalSGD keeps (those it saved into last)
 SERIES_LOCKS_KEPT = 8
 

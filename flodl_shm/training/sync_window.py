@@ -57,6 +57,7 @@ import torch
 from ..checkpoint.meta import averaged_buffers
 from ..engine.gathered import GatheredTensors
 from ..frame import RoundKind
+from .agreement import per_rank_ints
 from .realized_work import gamma_mass
 
 if TYPE_CHECKING:
@@ -268,10 +269,8 @@ def accepted_across_hosts(comm, accepted_here: Sequence[int]) -> tuple[int, ...]
     every live rank of the window calls it, as every rank sees the same shortfall) puts
     each rank's own answer on every host; a rank that dies during it counts as not
     accepted (its samples are trained again)."""
-    flags = np.zeros(comm.world_size)
-    flags[comm.rank] = 1.0 if comm.rank in accepted_here else 0.0
-    got = comm.all_reduce_per_rank_f64(flags)
-    return tuple(r for r in range(comm.world_size) if got[r] > 0.0)
+    got = per_rank_ints(comm, comm.rank in accepted_here)
+    return tuple(r for r in range(comm.world_size) if got[r] > 0)
 
 
 def params_round_carries_buffers(buffers: str, outer: bool) -> bool:
