@@ -8,6 +8,7 @@ mismatches raised on every rank, deadlines, dead ranks, zero-copy lifetimes.
 from __future__ import annotations
 
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -286,6 +287,11 @@ def test_per_rank_f64_gather():
         again = comm.all_reduce_per_rank_f64(v)  # a result of its own; v is left as it was
         as_f32 = comm.all_reduce_per_rank_f64(v.astype(np.float32))
         strided = comm.all_reduce_per_rank_f64(np.repeat(v, 2)[::2])
+        tensor = torch.from_numpy(v)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (numpy's copy= keyword warned for a tensor)
+            from_tensor = comm.all_reduce_per_rank_f64(tensor)
+        assert from_tensor.tolist() == first.tolist() and tensor.tolist() == v.tolist()
         return first, again is not first, v.tolist(), as_f32, strided
 
     with FakeCohort(3) as c:

@@ -259,6 +259,18 @@ def test_the_arena_owner_sets_every_rank_s_reduce_threshold(monkeypatch):
     monkeypatch.setenv(var, "4 MiB")
     with pytest.raises(ValueError, match=f"{var}='4 MiB' is not a whole number of bytes"):
         A.direct_min_bytes()
+    # refused before the arena makes a segment (its segments were left in /dev/shm)
+    from engine_util import our_segments
+
+    before = set(our_segments())
+    for bad, words in (("4 MiB", "is not a whole number"), (str(1 << 70), "is out of range")):
+        for name in (var, "FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES"):
+            monkeypatch.setenv(var, "1024")
+            monkeypatch.setenv(name, bad)
+            with pytest.raises(ValueError, match=f"{name}='{bad}' {words}"):
+                A.Arena.create(2)
+    monkeypatch.delenv("FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES")
+    assert set(our_segments()) == before
     monkeypatch.setenv(var, str(2 << 20))
     with FakeCohort(2, direct=True) as cohort:
         monkeypatch.setenv(var, "64")  # the ranks' Comms are made after this

@@ -499,6 +499,9 @@ def test_a_repeated_one_payload_frame_keeps_every_check_of_the_first(tmp_path):
                 (lambda g: setattr(g, "weight", -1.0), FrameError, "frame weight -1.0"),
                 (lambda g: setattr(g, "weight", 1e39), FrameError, "outside the masses"),
                 (lambda g: setattr(g, "kind", 99), Exception, "99"),
+                # (equal to the cached kind, but a weight passed where the kind goes?)
+                (lambda g: setattr(g, "kind", 0.0), ValueError, "kind must be a RoundKind"),
+                (lambda g: setattr(g, "kind", False), ValueError, "kind must be a RoundKind"),
                 (lambda g: setattr(g.tensors[0], "data", memoryview(bytearray(4092))),
                  FrameError, "4092"),
                 (lambda g: setattr(g.tensors[0], "dtype", 7), FrameError, "7")):

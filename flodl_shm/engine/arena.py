@@ -176,6 +176,8 @@ class Arena:
         if eager_bytes is None:
             eager_bytes = default_eager_bytes(world)
         eager_bytes = max(_PAGE, -(-int(eager_bytes) // 64) * 64)
+        # the thresholds first: a bad environment value is refused before any segment
+        direct_min, broadcast_min = direct_min_bytes(), direct_broadcast_min_bytes(world)
         need = control_bytes(world, eager_bytes) + (2 * world + 1) * _PAGE
         free = shm_free_bytes()
         if need > free:
@@ -222,8 +224,8 @@ class Arena:
         c[G_RESULT_CAP] = _PAGE
         c[G_RELAY] = 1 if relay else 0
         c[G_DIRECT] = 1 if direct and not relay and direct_allowed_by_env() else 0
-        c[G_DIRECT_BROADCAST_MIN] = direct_broadcast_min_bytes(world)
-        c[G_DIRECT_MIN] = direct_min_bytes()
+        c[G_DIRECT_BROADCAST_MIN] = broadcast_min
+        c[G_DIRECT_MIN] = direct_min
         c[G_FIRST_RANK] = first_rank
         c[G_GLOBAL_WORLD] = global_world if global_world is not None else world
         c[G_VERSION] = VERSION
@@ -506,10 +508,14 @@ def _bytes_from_env(var: str) -> int | None:
     if not env:
         return None
     try:
-        return max(0, int(env))
+        value = int(env)
     except ValueError:
         raise ValueError(f"{var}={env!r} is not a whole number of bytes: set it to e.g. "
                          f"65536, or unset it") from None
+    if not 0 <= value < 1 << 62:
+        raise ValueError(f"{var}={env!r} is out of range: set it to a number of bytes "
+                         f"from 0 to 2^62 - 1, e.g. 65536, or unset it")
+    return value
 
 
 def direct_min_bytes() -> int:

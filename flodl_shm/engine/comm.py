@@ -603,16 +603,18 @@ class Comm:
             payloads = frame.tensors
             kind = frame.kind
             w = frame.weight
+            # (a RoundKind: a float or bool kind equal to the cached one is refused by the
+            # general path's ``_kind``, which every rank reaches whatever it cached)
             if (type(payloads) is not list or len(payloads) != 1 or type(w) is not float
-                    or not (MASS_MIN <= w <= MASS_MAX or w == 0.0) or kind != fast[1]
-                    or kind == _MODEL and self._tap.armed is not None):
+                    or not (MASS_MIN <= w <= MASS_MAX or w == 0.0) or type(kind) is not RoundKind
+                    or kind != fast[1] or kind == _MODEL and self._tap.armed is not None):
                 return None
             p = payloads[0]
             plan = fast[2]
             data = p.data
-            if (p.dtype != DTYPE_F32 or type(data) is not memoryview or data.readonly
-                    or data.nbytes != plan.nbytes or p.shape != fast[0]
-                    or not (plan.eager_fits and plan.nelem)):
+            if (type(p.dtype) is not int or p.dtype != DTYPE_F32 or p.shape != fast[0]
+                    or type(data) is not memoryview or data.readonly
+                    or data.nbytes != plan.nbytes or not (plan.eager_fits and plan.nelem)):
                 return None
             src = np.frombuffer(data, np.float32)
             if not src.flags.aligned:
@@ -905,9 +907,11 @@ class Comm:
             vec = values.copy()  # the common case; the copy is the result's memory
         else:
             try:
-                vec = np.array(values, dtype=np.float64)  # (a copy, as above)
+                vec = np.asarray(values, dtype=np.float64)
             except (TypeError, ValueError):
                 vec = None
+            if vec is not None and (vec is values or vec.base is not None):
+                vec = vec.copy()  # (the input's own memory, or a view of it: the result's own)
             if vec is None or vec.ndim == 0:  # (None, a string, one number, a generator)
                 raise TypeError(f"all_reduce_per_rank_f64 takes one number per rank ({world}), "
                                 f"a list or a 1-d array, got {type(values).__name__} "
