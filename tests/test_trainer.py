@@ -409,6 +409,36 @@ def test_the_controller_keeps_checkpointing_after_rank_0_died(tmp_path):
     assert CheckpointMeta.read_from_file(CheckpointBundle.meta_path(last)).sync_round > 8
 
 
+def test_a_host_interrupted_by_its_operator_is_named_in_the_others_abort(tmp_path):
+    """Host 1's operator pressed Ctrl-C. Host 0 stopped with "1 rank died ([1])", and
+    its log's warning was the only place that said how host 1 had left; its abort now
+    names the rank lost and how its host stopped."""
+    import signal
+
+    from flodl_shm import ClusterController
+    from flodl_shm.errors import TrainingAborted
+
+    from cluster_util import SALT, run_host_processes
+
+    ctl = ClusterController.start("127.0.0.1:0", 2, SALT, round_timeout=60.0)
+
+    def host(i):
+        trainer = make_trainer(save_path=tmp_path / f"host{i}" / "run", checkpoint_every=2,
+                               epochs=20, hooks=[KillAt(rank=1, window=5, target="launcher",
+                                                        signum=signal.SIGINT)])
+        return trainer.run(1, controller=f"127.0.0.1:{ctl.port}", world_size=2,
+                           first_rank=i, salt=SALT)
+
+    _, errors = run_host_processes(ctl, host, 2, join_timeout=120.0)
+    assert set(errors) == {0, 1}, errors
+    assert isinstance(errors[1], KeyboardInterrupt), repr(errors[1])
+    said = str(errors[0])
+    assert isinstance(errors[0], TrainingAborted), repr(errors[0])
+    assert said.startswith("1 rank lost ([1]), more than max_failures=0."), said
+    assert "\nrank 1: host " in said and ("stopped: its launcher was interrupted (Ctrl-C)"
+                                          in said), said
+
+
 def test_hosts_saving_into_one_shared_folder_share_its_run_lock(tmp_path):
     """Hosts of one cluster whose save paths are one shared folder (NFS): both hold the
     job's run lock (a digest of the session salt), so neither is refused; every rank's

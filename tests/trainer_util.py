@@ -85,12 +85,14 @@ class RecordLR(Hook):
 class KillAt(Hook):
     """SIGKILL this rank (``target="self"``) or the launcher (``"launcher"``) when
     ``rank`` reaches batch ``batch`` of window ``window``; with ``wait_for``, first
-    wait (up to 30 s) until that file exists."""
+    wait (up to 30 s) until that file exists. ``signum``: another signal (e.g. SIGINT,
+    an operator's Ctrl-C at the launcher), after which the rank goes on."""
 
     def __init__(self, rank: int, window: int, batch: int = 0, target: str = "self",
-                 wait_for=None) -> None:
+                 wait_for=None, signum: int = signal.SIGKILL) -> None:
         self.rank, self.window, self.batch = rank, window, batch
         self.target = target
+        self.signum = signum
         self.wait_for = None if wait_for is None else os.fspath(wait_for)
         # built in the launcher: its pid (a rank's parent is the rank server by default)
         self.launcher_pid = os.getpid()
@@ -103,8 +105,9 @@ class KillAt(Hook):
             while not os.path.exists(self.wait_for) and time.monotonic() < deadline:
                 time.sleep(0.01)
         pid = self.launcher_pid if self.target == "launcher" else os.getpid()
-        os.kill(pid, signal.SIGKILL)
-        time.sleep(30)  # the launcher's death takes this rank down (PDEATHSIG)
+        os.kill(pid, self.signum)
+        if self.signum == signal.SIGKILL:
+            time.sleep(30)  # the launcher's death takes this rank down (PDEATHSIG)
 
 
 class DieAtWindowEnd(Hook):

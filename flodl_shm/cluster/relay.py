@@ -17,8 +17,8 @@ control messages, so a stall verdict reaches a host whose ranks hang.
 
 Local deaths are forwarded to the controller (``rank_dead``); deaths the
 controller declares anywhere in the cohort (``declare_dead``, including every rank
-of a lost host) go to ``on_dead`` — the launcher counts them against
-``max_failures``. When every local rank has finished the relay says
+of a lost host) go to ``on_dead``, with how their host said it stopped when it did —
+the launcher counts them against ``max_failures``. When every local rank has finished the relay says
 ``host_done``. A stall, a lost or misbehaving
 controller, or a frame that fails its tag ends the host: the relay records the
 error in the arena (ranks raise ``ReduceStall`` or ``ConnectionError`` naming it)
@@ -61,7 +61,8 @@ class Relay:
                  timeout: float | None = None, on_dead=None) -> None:
         self.arena = arena
         self.timeout = timeout   # this host's round deadline, announced to the controller
-        self.on_dead = on_dead   # called with the global ranks the controller declares dead
+        self.on_dead = on_dead   # on_dead(ranks, why): global ranks the controller declares
+                                 # dead, and how their host said it stopped (or None)
         self.addr = addr
         self.salt = salt
         self.world_size = world_size
@@ -352,10 +353,11 @@ class Relay:
         if kind == Ctrl.DECLARE_DEAD:
             ranks = [int(r) for r in msg.get("ranks", [])]
             why = msg.get("why")  # (a host that stopped said how)
+            why = why if isinstance(why, str) else None
             logger.warning("relay %s: the controller declared ranks %s dead%s", self.host, ranks,
-                           f" ({why})" if isinstance(why, str) else "")
+                           f" ({why})" if why else "")
             if self.on_dead is not None:
-                self.on_dead(ranks)
+                self.on_dead(ranks, why)
         elif kind in (Ctrl.STALL, Ctrl.ERROR):
             raise _verdict(msg)
         else:

@@ -147,6 +147,7 @@ class SpawnContext:
                  pinned_decode: bool = True, interrupts: "_InterruptGate | None" = None,
                  survivors_save: bool = False) -> None:
         self.nprocs = nprocs
+        self._born = int(time.time())  # (death records older than this are an earlier run's)
         self.pinned_decode = pinned_decode
         self.world_size = world_size
         self.first_rank = first_rank
@@ -765,13 +766,18 @@ class SpawnContext:
                      and o.exc_type not in ("CohortAborted", "_Terminated")}
             return sorted(local | self._cohort_dead)
 
-    def cohort_deaths(self, ranks: list[int]) -> None:
-        """On a cluster (the relay calls this): the controller declared ``ranks`` dead.
+    def cohort_deaths(self, ranks: list[int], why: str | None = None) -> None:
+        """On a cluster (the relay calls this): the controller declared ``ranks`` dead;
+        ``why``: how their host said it stopped (an operator's Ctrl-C), or None. With a
+        ``save_path``, ``why`` becomes the ranks' death records on this host (where its
+        run's end reads why they left), unless a record of theirs is there already.
         Past ``max_failures`` cohort-wide (with ``survivors_save``: only when none of
         this host's ranks is left), this host stops with ``RankFailed`` naming the dead
         ranks."""
         with self._lock:
             self._cohort_dead.update(int(r) for r in ranks)
+        if why and self.save_path:
+            self._record_remote(ranks, why)
         dead = self.dead_ranks()
         local = self._local(dead)
         remote = [r for r in dead if r not in local]
@@ -794,17 +800,32 @@ class SpawnContext:
                                      f"{plural(len(dead), 'failure')} past max_failures="
                                      f"{self.max_failures}") if first else None)
 
-    def _write_death_record(self, rank: int, err: RankFailed) -> None:
+    def _write_death_record(self, rank: int, err: RankFailed | str,
+                            keep: bool = False) -> None:
+        """Rank ``rank``'s death record next to ``save_path``, saying ``err``; ``keep``:
+        not over one this run wrote already (the rank's own host's, on a shared folder)."""
         try:
             from ..checkpoint.meta import RankDeathRecord
             from ..checkpoint.series import death_record_path
 
-            rec = RankDeathRecord.new(rank, self.world_size, str(err))
             path = death_record_path(self.save_path, rank)
+            if keep and path.exists():
+                try:
+                    if RankDeathRecord.read_from_file(path).unix_time_secs >= self._born:
+                        return
+                except Exception:  # noqa: BLE001 - a torn record: replaced
+                    pass
+            rec = RankDeathRecord.new(rank, self.world_size, str(err))
             path.parent.mkdir(parents=True, exist_ok=True)  # a run that saved nothing yet
             rec.write_to_file(path)
         except Exception as e:  # forensic, best effort
             logger.warning("could not write the death record of rank %d: %s", rank, e)
+
+    def _record_remote(self, ranks: list[int], why: str) -> None:
+        """The death records of other hosts' ``ranks``, saying how their host stopped."""
+        for r in ranks:
+            if not self.first_rank <= int(r) < self.first_rank + self.nprocs:
+                self._write_death_record(int(r), why, keep=True)
 
     def _abort(self, reason: int, failure: tuple[int, str] | None = None) -> None:
         """Raise the abort flag, wake everyone, then escalate on stragglers. ``failure``:

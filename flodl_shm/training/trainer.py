@@ -680,18 +680,25 @@ class Trainer:
         return result
 
     def _abort_message(self, result: TrainResult) -> str:
-        lines = [f"{plural(len(result.dead_ranks), 'rank')} died ({list(result.dead_ranks)}), more "
-                 f"than max_failures={self.max_failures}."]
+        """What ended the run: the ranks lost (they died, or on a cluster their host
+        stopped or was lost), what the survivors saved, and each rank's death record
+        (the ranks of one stopped host share one line)."""
+        lines = [f"{plural(len(result.dead_ranks), 'rank')} lost ({list(result.dead_ranks)}), "
+                 f"more than max_failures={self.max_failures}."]
         if result.checkpoint is not None:
             lines.append(f"The survivors saved {result.checkpoint} (max_failure_exceeded).")
+        said: dict[str, list[int]] = {}
         for r in result.dead_ranks:
             path = death_record_path(self.save_path, r)
             try:
-                error = RankDeathRecord.read_from_file(path).error
+                said.setdefault(RankDeathRecord.read_from_file(path).error, []).append(r)
             except Exception:
                 continue
+        for error, ranks in said.items():
             # (a record of a rank killed holds spawn's whole "rank 1 was killed ..." line)
-            lines.append(error if error.startswith(f"rank {r} ") else f"rank {r}: {error}")
+            lines.append(error if len(ranks) == 1 and error.startswith(f"rank {ranks[0]} ")
+                         else f"rank {ranks[0]}: {error}" if len(ranks) == 1
+                         else f"ranks {ranks}: {error}")
         return "\n".join(lines)
 
 
