@@ -18,8 +18,8 @@ control messages, so a stall verdict reaches a host whose ranks hang.
 Local deaths are forwarded to the controller (``rank_dead``); deaths the
 controller declares anywhere in the cohort (``declare_dead``, including every rank
 of a lost host) go to ``on_dead``, with how their host said it stopped when it did —
-the launcher counts them against ``max_failures``. When every local rank has finished the relay says
-``host_done``. A stall, a lost or misbehaving
+the launcher counts them against ``max_failures``. When every local rank has finished
+the relay says ``host_done``. A stall, a lost or misbehaving
 controller, or a frame that fails its tag ends the host: the relay records the
 error in the arena (ranks raise ``ReduceStall`` or ``ConnectionError`` naming it)
 and raises the abort flag.

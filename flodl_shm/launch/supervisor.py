@@ -770,7 +770,7 @@ class SpawnContext:
         """On a cluster (the relay calls this): the controller declared ``ranks`` dead;
         ``why``: how their host said it stopped (an operator's Ctrl-C), or None. With a
         ``save_path``, ``why`` becomes the ranks' death records on this host (where its
-        run's end reads why they left), unless a record of theirs is there already.
+        run's end reads why they left), unless one this run wrote is there already.
         Past ``max_failures`` cohort-wide (with ``survivors_save``: only when none of
         this host's ranks is left), this host stops with ``RankFailed`` naming the dead
         ranks."""
