@@ -406,3 +406,16 @@ def test_a_run_stopped_after_its_last_window_is_not_told_to_resume(tmp_path):
     assert said.startswith(f"Last checkpoint {last}: continue with --resume on every host. "
                            f"Restart the controller first with --outer nesterov --outer-state "
                            f"{str(last)[:-3]}outer.fdl"), said
+    # a resumed run stopped past max_failures names the bundle its survivors saved, which
+    # loads (a probe read "The newest checkpoint ... could not be loaded" there)
+    from flodl_shm.errors import TrainingAborted
+    from flodl_shm.training.trainer import TrainResult
+
+    resumed = parse_args(["--run-dir", str(run_dir), "--epochs", "2", "--resume"])
+    aborted = TrainingAborted(f"1 rank lost ([1]), more than max_failures=0.\nThe survivors "
+                              f"saved {last} (max_failure_exceeded).",
+                              TrainResult({}, [], None, last, (1,)))
+    assert _continue_with(resumed, last, aborted) == \
+        f"Last checkpoint {last}: continue with --resume."
+    unreadable = ValueError(f"{str(last)[:-3]}meta.json: not JSON")
+    assert "could not be loaded" in _continue_with(resumed, last, unreadable)

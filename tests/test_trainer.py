@@ -439,6 +439,29 @@ def test_a_host_interrupted_by_its_operator_is_named_in_the_others_abort(tmp_pat
                                           in said), said
 
 
+def test_an_abort_names_only_the_death_records_of_its_own_run(tmp_path):
+    """A resumed series holds the death records of the run before: a host's abort named
+    the earlier run's Ctrl-C for ranks its host lost in this one."""
+    import dataclasses
+    import time
+
+    from flodl_shm.checkpoint.meta import RankDeathRecord
+    from flodl_shm.checkpoint.series import death_record_path
+    from flodl_shm.training.trainer import TrainResult
+
+    trainer = make_trainer(save_path=tmp_path / "run")
+    earlier = RankDeathRecord.new(2, 4, "host 'b' stopped: its launcher was interrupted (Ctrl-C)")
+    dataclasses.replace(earlier, unix_time_secs=earlier.unix_time_secs - 3600).write_to_file(
+        death_record_path(trainer.save_path, 2))
+    for r in (1, 3):
+        RankDeathRecord.new(r, 4, "host 'b' was lost (connection closed; that host's output "
+                                  "says why)").write_to_file(death_record_path(trainer.save_path, r))
+    said = trainer._abort_message(TrainResult({}, [], None, None, (1, 2, 3)), time.time() - 60)
+    assert said == ("3 ranks lost ([1, 2, 3]), more than max_failures=0.\n"
+                    "ranks [1, 3]: host 'b' was lost (connection closed; that host's output says "
+                    "why)"), said
+
+
 def test_hosts_saving_into_one_shared_folder_share_its_run_lock(tmp_path):
     """Hosts of one cluster whose save paths are one shared folder (NFS): both hold the
     job's run lock (a digest of the session salt), so neither is refused; every rank's

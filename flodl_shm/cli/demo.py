@@ -1040,7 +1040,12 @@ def _finished(model_path, epochs: int) -> bool:
 
 def _names_bundle(error: BaseException, model_path) -> bool:
     """Whether ``error`` names a file of the bundle whose model file is ``model_path``
-    (every load error names the file it could not read)."""
+    (every load error names the file it could not read; a ``TrainingAborted`` names the
+    bundle the survivors saved, which loads)."""
+    from flodl_shm.errors import TrainingAborted
+
+    if isinstance(error, TrainingAborted):
+        return False
     return os.fspath(model_path)[: -len("fdl")] in str(error)
 
 

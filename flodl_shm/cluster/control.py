@@ -23,8 +23,10 @@ During the run:
 - ``rank_dead`` relay -> controller: ``ranks`` that died on this host.
 - ``declare_dead`` controller -> every relay: ``ranks`` now dead cohort-wide
   (a rank that died anywhere, or every rank of a host whose link was lost). Each
-  host counts them against its ``max_failures``. ``why`` (optional): how they left,
-  when their host said so (``host 'NAME' stopped: REASON``).
+  host counts them against its ``max_failures``. ``why`` (optional; flodl's controller
+  sends none): how they left, one clause (``host 'NAME' stopped: REASON`` when their
+  host said so, ``host 'NAME' was lost (connection closed; ...)``, ``died on host
+  'NAME', whose output says why``); each host writes it as their death records.
 - ``host_done`` relay -> controller: every rank of this host finished.
 - ``host_stopping`` relay -> controller: a failure ends this host's run, before its
   link closes: ``rank`` (the global rank whose failure it is; -1 for none, e.g. a

@@ -629,8 +629,9 @@ class ClusterController:
                          "ranks %s declared dead", h.name, why, h.ranks)
         h.link.close()
         if newly:
-            why = {} if h.stopped is None else {"why": f"host {h.name!r} stopped: {h.stopped}"}
-            self._broadcast_ctrl(ctrl_message(Ctrl.DECLARE_DEAD, ranks=newly, **why))
+            said = (f"host {h.name!r} stopped: {h.stopped}" if h.stopped is not None else
+                    f"host {h.name!r} was lost ({why}; that host's output says why)")
+            self._broadcast_ctrl(ctrl_message(Ctrl.DECLARE_DEAD, ranks=newly, why=said))
 
     @property
     def stopped_early(self) -> bool:
@@ -653,7 +654,9 @@ class ClusterController:
             newly = [int(r) for r in msg.get("ranks", []) if self.dead_ranks.declare_dead(int(r))]
             if newly:
                 logger.warning("controller: ranks %s died on host %r", newly, h.name)
-                self._broadcast_ctrl(ctrl_message(Ctrl.DECLARE_DEAD, ranks=newly))
+                self._broadcast_ctrl(ctrl_message(
+                    Ctrl.DECLARE_DEAD, ranks=newly,
+                    why=f"died on host {h.name!r}, whose output says why"))
         elif kind == Ctrl.HOST_DONE:
             h.done = True
             logger.info("controller: host %r finished", h.name)

@@ -32,6 +32,7 @@ import contextlib
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
@@ -94,6 +95,9 @@ class _Job:
     model_path: Optional[str]
     log_level: Optional[int]
     cluster: Optional["_Cluster"] = None
+    #: when this host's run began (wall clock): the death records it reads at its end
+    #: are those written since (``Trainer._abort_message``)
+    started: float = field(default_factory=time.time)
 
 
 @dataclass(frozen=True)
@@ -656,7 +660,7 @@ class Trainer:
         if result.reason == SaveReason.MAX_FAILURE_EXCEEDED:
             alive = max(result.meta.world_size_at_save, 1)  # resume()'s default nprocs
             raise TrainingAborted(
-                self._abort_message(result), result,
+                self._abort_message(result, job.started), result,
                 f"Continue with trainer.resume({self.save_path!r}) (on the {alive} "
                 f"rank{'' if alive == 1 else 's'} alive at the save), or "
                 f"trainer.resume({self.save_path!r}, nprocs={job.nprocs}) on {job.nprocs} again."
@@ -679,10 +683,11 @@ class Trainer:
                 f"{f' (its last checkpoint: {ckpt})' if ckpt else ''}.\n{why}"))
         return result
 
-    def _abort_message(self, result: TrainResult) -> str:
+    def _abort_message(self, result: TrainResult, since: float) -> str:
         """What ended the run: the ranks lost (they died, or on a cluster their host
         stopped or was lost), what the survivors saved, and each rank's death record
-        (the ranks of one stopped host share one line)."""
+        written since ``since`` (this run's start: a resumed series holds the records of
+        the run before; the ranks of one stopped host share one line)."""
         lines = [f"{plural(len(result.dead_ranks), 'rank')} lost ({list(result.dead_ranks)}), "
                  f"more than max_failures={self.max_failures}."]
         if result.checkpoint is not None:
@@ -691,9 +696,11 @@ class Trainer:
         for r in result.dead_ranks:
             path = death_record_path(self.save_path, r)
             try:
-                said.setdefault(RankDeathRecord.read_from_file(path).error, []).append(r)
+                record = RankDeathRecord.read_from_file(path)
             except Exception:
                 continue
+            if record.unix_time_secs >= int(since):
+                said.setdefault(record.error, []).append(r)
         for error, ranks in said.items():
             # (a record of a rank killed holds spawn's whole "rank 1 was killed ..." line)
             lines.append(error if len(ranks) == 1 and error.startswith(f"rank {ranks[0]} ")
