@@ -229,6 +229,25 @@ def test_resettle_credits_only_the_accepted_ranks_and_re_saves_next_window():
     assert coord.settle(nxt, counts_for(nxt)).save_reason is None
 
 
+def test_a_window_booked_again_logs_its_deaths_once(caplog):
+    """A rank died between a window's count gather and its params round, which another
+    rank's death had already made too many: the second booking (``resettle``) logged
+    "rank(s) [2] left the cohort" and "lost, more than max_failures" a second time."""
+    import logging
+
+    coord = Coordinator(config(world_size=3, max_failures=0, dataset_len=200))
+    drive(coord, windows=1)
+    plan = coord.plan_window()
+    c = counts_for(plan, dead=(2,))
+    with caplog.at_level(logging.WARNING, logger="flodl_shm"):
+        first = coord.settle(plan, c)
+        again = coord.resettle(plan, c, realized=[0])
+    assert first.newly_dead == again.newly_dead == (2,) and again.stop
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("left the cohort" in m for m in said) == 1, said
+    assert sum("more than max_failures" in m for m in said) == 1, said
+
+
 def test_a_settlement_made_on_the_reduces_own_counts_keeps_no_undo_copy():
     """One host: the counts ride in the reduce, so there is nothing to book again; the
     books are not copied, and a resettle is refused rather than undoing the wrong thing."""

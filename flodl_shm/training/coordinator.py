@@ -353,12 +353,15 @@ class Coordinator:
                                "first")
         books, alive = self._undo
         self._books, self.alive = copy.deepcopy(books), list(alive)
-        settled = self._settle(plan, counts, realized)
+        settled = self._settle(plan, counts, realized, again=True)
         self._force_checkpoint = self._force_checkpoint or self._undo_saved
         return settled
 
     def _settle(self, plan: WindowPlan, counts: CohortCounts,
-                realized: Optional[Sequence[int]]) -> Settlement:
+                realized: Optional[Sequence[int]], again: bool = False) -> Settlement:
+        """The booking of :meth:`settle`; ``again``: :meth:`resettle`'s, of a window whose
+        first booking logged what this one would (the same counts; fewer ranks credited),
+        so it logs nothing."""
         cfg = self.config
         b = self._books
         if counts.world_size != cfg.world_size:
@@ -366,9 +369,10 @@ class Coordinator:
                              f"{cfg.world_size}")
         present = counts.present
         newly_dead = tuple([r for r in self.alive if not present[r]])
-        if newly_dead:
+        if newly_dead and not again:
             logger.warning("rank(s) %s left the cohort at window %d; %d of %d ranks remain",
                            list(newly_dead), plan.window, sum(present), cfg.world_size)
+        if newly_dead:
             self.alive = [r for r in self.alive if present[r]]
         batches = counts.batches
         if realized is None:
@@ -383,7 +387,7 @@ class Coordinator:
                 continue
             if r in done:
                 n = min(batches[r], plan.batches[r])
-                if n != plan.batches[r]:
+                if n != plan.batches[r] and not again:
                     logger.warning("rank %d trained %d of its %d planned batches at window %d",
                                    r, n, plan.batches[r], plan.window)
                 pool.mark_completed(r, n * cfg.batch_size)
@@ -396,8 +400,9 @@ class Coordinator:
         stop, reason = False, None
         if dead > cfg.max_failures:
             stop, reason = True, SaveReason.MAX_FAILURE_EXCEEDED
-            logger.error("%s lost, more than max_failures=%d: saving and stopping",
-                         plural(dead, "rank"), cfg.max_failures)
+            if not again:
+                logger.error("%s lost, more than max_failures=%d: saving and stopping",
+                             plural(dead, "rank"), cfg.max_failures)
         elif b.finished or counts.stop:
             stop, reason = True, SaveReason.GRACEFUL_SHUTDOWN
         elif self._force_checkpoint or (cfg.checkpoint_every is not None
