@@ -683,7 +683,7 @@ def test_the_controller_command_fails_when_no_rank_is_left(tmp_path):
     text = log.read_text()
     # the host said why before its link closed (it was "every rank died or its host was
     # lost (see the hosts' output)"): the failure, and why it stops the host
-    assert (f"with no rank left; host '{socket.gethostname()}:0-0' (rank 0) stopped on: "
+    assert (f"with no rank left; host '{socket.gethostname()}:0-0' (rank 0) stopped: "
             f"ValueError: this host's run fails; 1 failure exceeds max_failures=0") in text, text
     assert "stopped (rank 0: ValueError: this host's run fails" in text, text
     assert "cohort finished" not in text, text
@@ -893,3 +893,17 @@ def test_a_controller_frozen_inside_a_consensus_record_is_named_not_the_closed_l
         ctl_sock.close()
     assert frozen.is_set()
     assert "no consensus from the controller within the" in str(info.value), str(info.value)
+
+
+def test_the_controller_s_last_line_says_how_the_lost_ranks_left_once():
+    """A probe read "without ranks [2, 3] (they died, or their host was lost); host 'b'
+    stopped on: its launcher was interrupted (Ctrl-C): the ranks left saved ...": a
+    guess beside what the host said, and a chain of colons."""
+    from flodl_shm.cli.controller import _why_hosts_stopped, _without
+
+    why = _why_hosts_stopped({"b": (-1, "its launcher was interrupted (Ctrl-C)")})
+    assert _without([2, 3], why) == (", without ranks [2, 3]; host 'b' stopped: its launcher "
+                                     "was interrupted (Ctrl-C)")
+    assert _without([2, 3], "") == ", without ranks [2, 3] (they died, or their host was lost)"
+    assert _without([], why) == "; host 'b' stopped: its launcher was interrupted (Ctrl-C)"
+    assert _without([], "") == ""

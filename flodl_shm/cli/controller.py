@@ -199,18 +199,26 @@ def main(argv: list[str] | None = None) -> int:
         path, reason = ctl.last_armed
         wrote = ctl.forge is not None and str(ctl.forge.last_written) == str(path)
         print(f"controller: the cohort stopped early after {ctl.stats.rounds} rounds"
-              + (f", without ranks {dead} (they died, or their host was lost)" if dead else "")
-              + (f"; {why}" if why else "") + f": the ranks left saved {path} ({reason}) "
+              f"{_without(dead, why)}. The ranks left saved {path} ({reason}) "
               f"and stopped, each on its host. Fix the cause, then restart the controller "
               f"and every host with --resume; a host that stopped before that round first "
               f"needs its .fdl and .meta.json in its run folder"
               + (" (this controller wrote a copy at that path)" if wrote else ""),
               file=sys.stderr)
         return 1
-    print(f"controller: cohort finished after {ctl.stats.rounds} rounds"
-          + (f", without ranks {dead} (they died, or their host was lost)" if dead else "")
-          + (f"; {why}" if why else ""), flush=True)
+    print(f"controller: cohort finished after {ctl.stats.rounds} rounds{_without(dead, why)}",
+          flush=True)
     return 0
+
+
+def _without(dead: list[int], why: str) -> str:
+    """The ending line's clause on the ranks lost on the way, ``dead``, and what the
+    hosts that stopped said (``why``, from ``_why_hosts_stopped``): ", without ranks
+    [2, 3]; host 'b' stopped: REASON", or a guess at how they left where no host said."""
+    if not dead:
+        return f"; {why}" if why else ""
+    return f", without ranks {dead}" + (f"; {why}" if why else
+                                        " (they died, or their host was lost)")
 
 
 def _why_hosts_stopped(stopped: dict[str, tuple[int, str]]) -> str:
@@ -221,6 +229,6 @@ def _why_hosts_stopped(stopped: dict[str, tuple[int, str]]) -> str:
     for host, (rank, reason) in stopped.items():
         by_reason.setdefault(reason, []).append(f"{host!r}" + (f" (rank {rank})" if rank >= 0
                                                                 else ""))
-    lines = [f"{'host' if len(hosts) == 1 else 'hosts'} {', '.join(hosts)} stopped on: "
+    lines = [f"{'host' if len(hosts) == 1 else 'hosts'} {', '.join(hosts)} stopped: "
              f"{reason}" for reason, hosts in by_reason.items()]
     return "\n  ".join(lines)
