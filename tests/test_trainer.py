@@ -453,9 +453,9 @@ def test_an_abort_names_only_the_death_records_of_its_own_run(tmp_path):
     earlier = RankDeathRecord.new(2, 4, "host 'b' stopped: its launcher was interrupted (Ctrl-C)")
     dataclasses.replace(earlier, unix_time_secs=earlier.unix_time_secs - 3600).write_to_file(
         death_record_path(trainer.save_path, 2))
+    lost = "host 'b' was lost (connection closed; that host's output says why)"
     for r in (1, 3):
-        RankDeathRecord.new(r, 4, "host 'b' was lost (connection closed; that host's output "
-                                  "says why)").write_to_file(death_record_path(trainer.save_path, r))
+        RankDeathRecord.new(r, 4, lost).write_to_file(death_record_path(trainer.save_path, r))
     said = trainer._abort_message(TrainResult({}, [], None, None, (1, 2, 3)), time.time() - 60)
     assert said == ("3 ranks lost ([1, 2, 3]), more than max_failures=0.\n"
                     "ranks [1, 3]: host 'b' was lost (connection closed; that host's output says "
