@@ -369,10 +369,11 @@ class Coordinator:
                              f"{cfg.world_size}")
         present = counts.present
         newly_dead = tuple([r for r in self.alive if not present[r]])
-        if newly_dead and not again:
-            logger.warning("rank(s) %s left the cohort at window %d; %d of %d ranks remain",
-                           list(newly_dead), plan.window, sum(present), cfg.world_size)
         if newly_dead:
+            if not again:
+                logger.warning("rank(s) %s left the cohort at window %d; %d of %d ranks "
+                               "remain", list(newly_dead), plan.window, sum(present),
+                               cfg.world_size)
             self.alive = [r for r in self.alive if present[r]]
         batches = counts.batches
         if realized is None:

@@ -702,10 +702,12 @@ class Trainer:
             if record.unix_time_secs >= int(since):
                 said.setdefault(record.error, []).append(r)
         for error, ranks in said.items():
-            # (a record of a rank killed holds spawn's whole "rank 1 was killed ..." line)
-            lines.append(error if len(ranks) == 1 and error.startswith(f"rank {ranks[0]} ")
-                         else f"rank {ranks[0]}: {error}" if len(ranks) == 1
-                         else f"ranks {ranks}: {error}")
+            if len(ranks) > 1:
+                lines.append(f"ranks {ranks}: {error}")
+            elif error.startswith(f"rank {ranks[0]} "):
+                lines.append(error)  # (a killed rank's record holds spawn's whole line)
+            else:
+                lines.append(f"rank {ranks[0]}: {error}")
         return "\n".join(lines)
 
 
