@@ -790,9 +790,9 @@ def sc_device_checkpoints(rank: int, world: int) -> dict:
 
 
 def sc_direct_threshold(rank: int, world: int) -> dict:
-    """A 2 MiB reduce (over the eager slots, under the default direct threshold) and a
-    256 KiB broadcast, whatever each rank's environment says of the direct rounds'
-    thresholds: every rank reads the arena owner's words."""
+    """A 2 MiB reduce (over the eager slots) and a 256 KiB broadcast, whatever each
+    rank's environment says of the direct rounds' thresholds: every rank reads the arena
+    owner's words."""
     import torch.distributed as dist
 
     t = torch.full((1 << 19,), float(rank + 1))

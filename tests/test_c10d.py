@@ -71,10 +71,11 @@ def one_host(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def one_host_direct(tmp_path_factory):
-    # every float32 reduce of 64 bytes or more runs as a direct round (engine/direct.py)
-    res = run_group("collectives", 2, tmp_path_factory.mktemp("c10d1d"),
-                    extra_env={"FLODL_SHM_DIRECT_MIN_BYTES": "64"})
+def one_host_shared(tmp_path_factory):
+    # every reduce takes the shared regions (by default those too large for the eager
+    # slots run as direct rounds: engine/direct.py)
+    res = run_group("collectives", 2, tmp_path_factory.mktemp("c10d1s"),
+                    extra_env={"FLODL_SHM_DIRECT_MIN_BYTES": str(1 << 40)})
     _no_segments_of(res)
     return res
 
@@ -172,14 +173,14 @@ def test_every_collective_and_dtype_on_one_host(one_host):
     check_collectives(one_host)
 
 
-def test_every_collective_and_dtype_through_direct_rounds(one_host, one_host_direct):
-    check_collectives(one_host_direct)
-    # the big reduces ran direct (the first settled the direct path): the same bits as the
-    # shared path, which the default threshold (4 MiB) keeps them on in ``one_host``; there
-    # the 3 MiB broadcast settled the path (broadcasts are direct from 64 KiB)
-    assert [r["direct_state"] for r in one_host_direct] == ["ready"] * 2
+def test_every_collective_and_dtype_through_the_shared_regions(one_host, one_host_shared):
+    check_collectives(one_host_shared)
+    # the 3 MiB reduces ran direct in ``one_host`` (the default threshold: past the eager
+    # slots) and through the shared regions here: the same bits. The 3 MiB broadcast
+    # settled the direct path in both (broadcasts are direct from 32 KiB)
+    assert [r["direct_state"] for r in one_host_shared] == ["ready"] * 2
     assert [r["direct_state"] for r in one_host] == ["ready"] * 2
-    for a, b in zip(one_host, one_host_direct):
+    for a, b in zip(one_host, one_host_shared):
         assert same_bits(a["all_reduce_big_avg"], b["all_reduce_big_avg"])
 
 
@@ -407,9 +408,8 @@ def test_ddp_of_a_model_with_a_complex_parameter_matches_gloo(tmp_path):
 
 
 def test_ddp_through_direct_rounds_matches_gloo(tmp_path):
-    # buckets of ~2.4 MiB, past the eager slots; from 1 MiB they go direct (engine/direct.py)
-    shm = run_group("ddp_big", 2, tmp_path,
-                    extra_env={"FLODL_SHM_DIRECT_MIN_BYTES": str(1 << 20)})
+    # buckets of ~2.4 MiB, past the eager slots: direct rounds (engine/direct.py)
+    shm = run_group("ddp_big", 2, tmp_path)
     gloo = run_group("ddp_big", 2, tmp_path, backend="gloo")
     _no_segments_of(shm)
     assert [r["direct_state"] for r in shm] == ["ready"] * 2
@@ -574,12 +574,13 @@ def test_ranks_whose_environments_name_other_direct_thresholds_still_agree(tmp_p
     rank 0 here). A rank that read its own ``FLODL_SHM_DIRECT_MIN_BYTES`` took a 2 MiB
     reduce direct while its peer did not: a schema mismatch neither rank had caused."""
     res = run_group("direct_threshold", 2, tmp_path, rank_env=[
-        {"FLODL_SHM_DIRECT_MIN_BYTES": None, "FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES": None},
-        {"FLODL_SHM_DIRECT_MIN_BYTES": "64", "FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES": "1"}])
+        {"FLODL_SHM_DIRECT_MIN_BYTES": str(8 << 20),
+         "FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES": str(1 << 20)},
+        {"FLODL_SHM_DIRECT_MIN_BYTES": None, "FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES": None}])
     assert [r["reduced"] for r in res] == [[3.0], [3.0]]  # (SUM)
     assert [r["broadcast"] for r in res] == [[2.0], [2.0]]
-    assert [r["min_bytes"] for r in res] == [4 << 20] * 2
-    assert res[0]["broadcast_min_bytes"] == res[1]["broadcast_min_bytes"] >= 32 << 10
+    assert [r["min_bytes"] for r in res] == [8 << 20] * 2
+    assert [r["broadcast_min_bytes"] for r in res] == [1 << 20] * 2
     _no_segments_of(res)
 
 

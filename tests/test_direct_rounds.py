@@ -251,11 +251,12 @@ def test_the_arena_owner_sets_every_rank_s_broadcast_threshold(monkeypatch):
 
 
 def test_the_arena_owner_sets_every_rank_s_reduce_threshold(monkeypatch):
-    """4 MiB, or ``FLODL_SHM_DIRECT_MIN_BYTES`` as the arena's owner read it at creation:
-    a rank that reads another value later still uses the owner's."""
+    """The eager slot's size (every reduce too large for the slots), or
+    ``FLODL_SHM_DIRECT_MIN_BYTES`` as the arena's owner read it at creation: a rank that
+    reads another value later still uses the owner's."""
     var = "FLODL_SHM_DIRECT_MIN_BYTES"
     monkeypatch.delenv(var, raising=False)
-    assert A.direct_min_bytes() == 4 << 20
+    assert A.direct_min_bytes() == A.DIRECT_MIN_BYTES == A.DEFAULT_EAGER_BYTES
     monkeypatch.setenv(var, "4 MiB")
     with pytest.raises(ValueError, match=f"{var}='4 MiB' is not a whole number of bytes"):
         A.direct_min_bytes()

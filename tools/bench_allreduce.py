@@ -54,8 +54,10 @@ from _bench_common import (PAGES, KiB, MiB, append_jsonl, buffer, choices, colle
 from _bench_common import bench_gloo as _bench_gloo
 from flodl_shm.engine.hostcpu import available_cores
 
-SIZES = [4 * KiB, 256 * KiB, 4 * MiB, 64 * MiB, 256 * MiB]
-SCHEDULE = {4 * KiB: (200, 3000), 256 * KiB: (50, 600), 4 * MiB: (10, 100),
+# 1 MiB: the largest reduce the eager slots take (above it, a direct round or the bulk path)
+SIZES = [4 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 64 * MiB, 256 * MiB]
+#: (warm-up, timed) iterations by size; sizes between these are interpolated on a log scale
+SCHEDULE = {4 * KiB: (200, 3000), 256 * KiB: (50, 600), 1 * MiB: (20, 250), 4 * MiB: (10, 100),
             64 * MiB: (3, 25), 256 * MiB: (2, 8)}
 SHM_METHODS = ["shm-copy", "shm-zc", "shm-copy-bf16", "shm-zc-bf16"]
 LABELS = {
@@ -83,7 +85,13 @@ LABELS = {
 
 
 def schedule(nbytes: int, world: int, scale: float) -> tuple[int, int]:
-    warm, iters = SCHEDULE.get(nbytes, (3, 10))
+    if nbytes in SCHEDULE:
+        warm, iters = SCHEDULE[nbytes]
+    else:  # (the table's ends beyond it)
+        sizes = sorted(SCHEDULE)
+        at = math.log2(max(nbytes, 1))
+        warm, iters = (float(np.interp(at, [math.log2(n) for n in sizes],
+                                       [SCHEDULE[n][i] for n in sizes])) for i in (0, 1))
     if world > 2 and nbytes >= 64 * MiB:
         scale *= 0.6
     return max(1, round(warm * scale)), max(3, round(iters * scale))
@@ -586,7 +594,7 @@ def main(argv=None) -> int:
                     default=",".join(map(str, SIZES)),
                     help="comma-separated buffer sizes: bytes (a multiple of 4) or with a "
                          "suffix, KiB/MiB/GiB binary or KB/MB/GB decimal (4KiB,64MiB); "
-                         "default 4KiB,256KiB,4MiB,64MiB,256MiB")
+                         "default 4KiB,256KiB,1MiB,4MiB,64MiB,256MiB")
     ap.add_argument("--worlds", type=comma_list(int_at_least(2, "an all-reduce needs 2 ranks "
                                                           "or more"), "world"), default="2,4",
                     help="comma-separated rank counts, each a cohort of its own (>= 2)")

@@ -482,11 +482,14 @@ def direct_allowed_by_env() -> bool:
                                                                          "off")
 
 
-#: payload bytes from which an eligible reduce is a direct round (``engine/direct.py``).
-#: Measured on 2 ranks (BENCHMARKS.md, "Eighth session"): from 4 MiB direct rounds win on
-#: either kind of page; at 2-3 MiB they win on huge pages only (on 4 KiB pages the calls'
-#: page pinning costs what the saved shared copies gain)
-DIRECT_MIN_BYTES = 4 << 20
+#: payload bytes from which an eligible reduce is a direct round (``engine/direct.py``):
+#: the eager slot's size, so every reduce too large for the eager slots skips the shared
+#: copies. Tensors on 4 KiB pages (BENCHMARKS.md, "Forty-third session"): ``all_reduce_``
+#: of 2 MiB on 2 ranks 302-310 µs direct against 544-590 through the shared regions, on
+#: 4 ranks sharing 2 cores 974-985 against 1,369-2,043; 3 MiB on 4 ranks 1,100-1,207
+#: against 1,877-2,717. (Before the direct kernels were compiled whole, 2-3 MiB on 4 KiB
+#: pages broke even.)
+DIRECT_MIN_BYTES = DEFAULT_EAGER_BYTES
 #: payload bytes from which a broadcast is a direct round when each rank has a core: a
 #: reader then reads the root's tensor once, where the eager slot costs the root a copy in
 #: and the reader one out of lines another core just wrote. 2 ranks (BENCHMARKS.md,

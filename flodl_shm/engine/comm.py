@@ -29,7 +29,9 @@ Buffer lifetimes:
 Reduce paths: a contribution of at most ``eager_bytes`` (schema words included)
 travels through the double-buffered eager slots and every rank reduces it itself
 (one synchronisation point); larger ones use the bulk regions with reduce-scatter
-then all-gather, so no process reads all P inputs. See ``protocol.py``.
+then all-gather, so no process reads all P inputs. See ``protocol.py``. On one host
+with ``max_failures=0``, larger float32 ones are direct rounds instead (``direct.py``):
+each rank reduces its slice straight out of the ranks' tensors, with no shared copies.
 
 Cost: a call whose tensors are small contiguous CPU tensors and whose frame fits the
 eager slot runs as ONE compiled call (copy-in by address, publish, wait, validate,
@@ -1160,7 +1162,7 @@ class Comm:
     def direct_min_bytes(self) -> int:
         """Payload bytes from which an eligible reduce runs as a direct round: the arena
         owner's word (``FLODL_SHM_DIRECT_MIN_BYTES`` where it created the arena, else
-        4 MiB), the same on every rank."""
+        the eager slot's size, 1 MiB), the same on every rank."""
         return self._engine.direct.min_bytes
 
     def settle_direct_rounds(self) -> bool:

@@ -30,8 +30,8 @@ Direct rounds need two things the shared path does not:
 
 A round is eligible when every rank agrees on it from the round's schema alone: a
 float32 wire, no outer-optimizer step, no checkpoint tap, one host (no relay), and a
-payload too large for the eager slots and at least the arena's ``G_DIRECT_MIN`` (4 MiB;
-``arena.direct_min_bytes``) (a reduce), or at least its ``G_DIRECT_BROADCAST_MIN`` (32 KiB,
+payload too large for the eager slots and at least the arena's ``G_DIRECT_MIN`` (by
+default the eager slot's size, so any such payload; ``arena.direct_min_bytes``) (a reduce), or at least its ``G_DIRECT_BROADCAST_MIN`` (32 KiB,
 or 1 MiB where ranks outnumber cores; ``arena.direct_broadcast_min_bytes``), eager-sized or
 not (a broadcast). The arena's owner writes both words at creation (the environment
 variables ``FLODL_SHM_DIRECT_MIN_BYTES`` and ``FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES`` set
