@@ -251,12 +251,11 @@ def test_the_arena_owner_sets_every_rank_s_broadcast_threshold(monkeypatch):
 
 
 def test_the_arena_owner_sets_every_rank_s_reduce_threshold(monkeypatch):
-    """The eager slot's size (every reduce too large for the slots), or
-    ``FLODL_SHM_DIRECT_MIN_BYTES`` as the arena's owner read it at creation: a rank that
-    reads another value later still uses the owner's."""
+    """512 KiB, or ``FLODL_SHM_DIRECT_MIN_BYTES`` as the arena's owner read it at
+    creation: a rank that reads another value later still uses the owner's."""
     var = "FLODL_SHM_DIRECT_MIN_BYTES"
     monkeypatch.delenv(var, raising=False)
-    assert A.direct_min_bytes() == A.DIRECT_MIN_BYTES == A.DEFAULT_EAGER_BYTES
+    assert A.direct_min_bytes() == A.DIRECT_MIN_BYTES == 512 << 10
     monkeypatch.setenv(var, "4 MiB")
     with pytest.raises(ValueError, match=f"{var}='4 MiB' is not a whole number of bytes"):
         A.direct_min_bytes()
@@ -317,6 +316,87 @@ def test_a_failed_probe_keeps_every_rank_on_the_shared_path(low_threshold):
     with FakeCohort(2, direct=True, eager_bytes=EAGER) as cohort:
         res = cohort.run(body)
     assert res[0] == res[1] == [(1.5 * (i + 1), 1.5 * (i + 1), "unavailable") for i in range(3)]
+
+
+def _eager_sized(comm) -> list:
+    """Every reduce call over ~280 KB that fits the eager slots (1 MiB here), each
+    twice (a loop's second call takes the hot paths), with how many direct rounds this
+    rank had run after it (``DirectRounds.run``, counted on its way through)."""
+    from flodl_shm.engine.gathered import GatheredTensors
+
+    direct = comm._engine.direct
+    runs = []
+    real = direct.run
+
+    def counted(*args, **kwargs):
+        runs.append(1)
+        return real(*args, **kwargs)
+
+    direct.run = counted
+    r, out = comm.rank, []
+    gathered = GatheredTensors(_inputs(r, 30))
+    for i in range(2):
+        ts = _inputs(r, 20 + i)
+        one = [ts[0]]
+        mass = comm.all_reduce_(one, weight=1.0 + r, scale=0.5 + r)
+        out.append(("one", [one[0].clone()], mass, len(runs)))
+        mass = comm.all_reduce_(ts, weight=1.0 + r)
+        out.append(("several", [t.clone() for t in ts], mass, len(runs)))
+        mass = comm.all_reduce_(gathered, weight=2.0 + r, scale=0.25)
+        out.append(("gathered", [t.clone() for t in gathered], mass, len(runs)))
+        (res,) = comm.all_reduce_tensors([_inputs(r, 22 + i)[0]])
+        out.append(("tensors", [res.clone()], 1.0, len(runs)))
+        res, mass = comm.all_reduce_weighted(_inputs(r, 24 + i)[:2], weight=3.0 + r)
+        out.append(("weighted", [t.clone() for t in res], mass, len(runs)))
+        res, mass = comm.all_reduce_scaled(_inputs(r, 26 + i)[:1], 0.75, weight=1.0)
+        out.append(("scaled", [t.clone() for t in res], mass, len(runs)))
+        data = _inputs(r, 28 + i)[0].numpy() * (1.0 + r)
+        reply = comm.all_reduce(flodl_shm.RoundFrame(
+            [flodl_shm.TensorPayload(0, (N,), data)], 1.0 + r, flodl_shm.RoundKind.MODEL))
+        out.append(("frame", [torch.from_numpy(np.frombuffer(reply.tensors[0].data,
+                                                             np.float32).copy())],
+                    reply.weight, len(runs)))
+    return out
+
+
+def test_reduces_that_fit_the_eager_slots_run_direct_from_the_threshold(low_threshold):
+    """The threshold holds in the eager slots' sizes too (every rank reading every
+    contribution costs more there than the direct round's slices: BENCHMARKS.md,
+    "Forty-third session"). Each reduce call of ~280 KB, a loop's repeated call
+    included, runs direct over 1 MiB eager slots, with the eager path's bits."""
+    with FakeCohort(2, direct=False) as cohort:
+        eager = cohort.run(_eager_sized)
+    with FakeCohort(2, direct=True) as cohort:
+        direct = cohort.run(_eager_sized)
+    for rank in range(2):
+        assert [step[3] for step in eager[rank]] == [0] * 14
+        assert [step[3] for step in direct[rank]] == list(range(1, 15))
+        for a, b in zip(eager[rank], direct[rank]):
+            assert a[0] == b[0] and a[2] == b[2], (a[0], a[2], b[2])
+            assert [_bits(x) for x in a[1]] == [_bits(y) for y in b[1]], (a[0], rank)
+
+
+def test_a_failed_probe_gives_the_eager_sized_reduces_back_their_one_call(low_threshold):
+    """A plan made while the direct path was unsettled holds its reduces off the fused
+    eager call; once the probe fails, the engine's and a window's plans take it again."""
+    from flodl_shm.engine.gathered import GatheredTensors
+
+    def body(comm):
+        if comm.rank == 1:
+            comm.arena.ctl[A.rank_base(1) + A.R_PROBE] = 8  # the zero page: never mapped
+        gathered = GatheredTensors([torch.full((N,), float(comm.rank + 1))])
+        assert gathered.plan(comm._engine, int(flodl_shm.RoundKind.MODEL), 0) is None
+        t = torch.full((N,), float(comm.rank + 1))
+        comm.all_reduce_([t])  # settles the path: unavailable
+        comm.all_reduce_(gathered)
+        plan = comm._engine.plan(int(flodl_shm.RoundKind.MODEL), 0, ((N,),))
+        return (comm._engine.direct.state, plan.fused, float(t[0]),
+                gathered.plan(comm._engine, int(flodl_shm.RoundKind.MODEL), 0) is not None,
+                float(gathered[0][-1]))
+
+    with FakeCohort(2, direct=True) as cohort:
+        res = cohort.run(body)
+    assert res == [("unavailable", True, 1.5, True, 1.5)] * 2
 
 
 def test_a_large_frame_round_runs_direct(low_threshold):

@@ -466,7 +466,7 @@ def test_gathered_tensors_reduce_as_a_list_and_keep_their_own_plans():
             big = GatheredTensors([torch.full((1 << 20,), float(comm.rank))])
             comm.all_reduce_(big)
             return out, len([p for p in plans.values() if p]), big[0][0].item(), \
-                [p for p in big._plans.values()]
+                [bool(p and p.fused) for p in big._plans.values()]
 
         for out, nplans, big, big_plans in cohort.run(body):
             # plans: MODEL on each wire, CONTROL (the broadcast)

@@ -482,14 +482,15 @@ def direct_allowed_by_env() -> bool:
                                                                          "off")
 
 
-#: payload bytes from which an eligible reduce is a direct round (``engine/direct.py``):
-#: the eager slot's size, so every reduce too large for the eager slots skips the shared
-#: copies. Tensors on 4 KiB pages (BENCHMARKS.md, "Forty-third session"): ``all_reduce_``
-#: of 2 MiB on 2 ranks 302-310 µs direct against 544-590 through the shared regions, on
-#: 4 ranks sharing 2 cores 974-985 against 1,369-2,043; 3 MiB on 4 ranks 1,100-1,207
-#: against 1,877-2,717. (Before the direct kernels were compiled whole, 2-3 MiB on 4 KiB
-#: pages broke even.)
-DIRECT_MIN_BYTES = DEFAULT_EAGER_BYTES
+#: payload bytes from which an eligible reduce is a direct round (``engine/direct.py``),
+#: in the eager slots' sizes too. Tensors on 4 KiB pages, ``all_reduce_`` (BENCHMARKS.md,
+#: "Forty-third session"): 2 MiB on 2 ranks 261-311 µs direct against 505-584 through the
+#: shared regions, on 4 ranks sharing 2 cores 922-985 against 1,347-1,597; 1 MiB on 2 ranks
+#: 139-146 against 221-241 through the eager slots, on 4 ranks 542-568 against 1,084-1,131;
+#: 512 KiB on 4 ranks 329-352 against 507-530. At 128-256 KiB on 4 ranks the eager slots
+#: are ahead. (Before the direct kernels were compiled whole, 2-3 MiB on 4 KiB pages broke
+#: even.)
+DIRECT_MIN_BYTES = 512 << 10
 #: payload bytes from which a broadcast is a direct round when each rank has a core: a
 #: reader then reads the root's tensor once, where the eager slot costs the root a copy in
 #: and the reader one out of lines another core just wrote. 2 ranks (BENCHMARKS.md,

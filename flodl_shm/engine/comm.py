@@ -30,8 +30,9 @@ Reduce paths: a contribution of at most ``eager_bytes`` (schema words included)
 travels through the double-buffered eager slots and every rank reduces it itself
 (one synchronisation point); larger ones use the bulk regions with reduce-scatter
 then all-gather, so no process reads all P inputs. See ``protocol.py``. On one host
-with ``max_failures=0``, larger float32 ones are direct rounds instead (``direct.py``):
-each rank reduces its slice straight out of the ranks' tensors, with no shared copies.
+with ``max_failures=0``, float32 ones from 512 KiB, eager-sized or not, are direct
+rounds instead (``direct.py``): each rank reduces its slice straight out of the ranks'
+tensors, with no shared copies.
 
 Cost: a call whose tensors are small contiguous CPU tensors and whose frame fits the
 eager slot runs as ONE compiled call (copy-in by address, publish, wait, validate,
@@ -558,7 +559,7 @@ class Comm:
         # the reply's payloads are slices of one array the round reduces into, which no
         # earlier reply still references (the codec's result pool)
         out = self._codec.results.take(plan.nelem, np_dtype)
-        fused = plan.eager_fits and self._fusable(kind, False)
+        fused = plan.fused and self._fusable(kind, False)
         src = _payload_array(payloads) if fused and dtype == DTYPE_F32 else None
         if src is not None:
             # copy-in, round and reduce into the reply: one compiled call
@@ -616,7 +617,7 @@ class Comm:
             data = p.data
             if (type(p.dtype) is not int or p.dtype != DTYPE_F32 or p.shape != fast[0]
                     or type(data) is not memoryview or data.readonly
-                    or data.nbytes != plan.nbytes or not (plan.eager_fits and plan.nelem)):
+                    or data.nbytes != plan.nbytes or not (plan.fused and plan.nelem)):
                 return None
             src = np.frombuffer(data, np.float32)
             if not src.flags.aligned:
@@ -970,7 +971,7 @@ class Comm:
             refuse_one_tensor(tensors)  # (None, a bare tensor, a generator: named)
         if len(tensors) == 1 and local_root is not None:
             t = tensors[0]
-            plan = self._single_plan(t, _CONTROL, False)
+            plan = self._single_plan(t, _CONTROL, False, True)
             if plan is not None and self._broadcast_direct(plan):
                 res = self._result_like(t, plan)
                 self._direct_broadcast_one(plan, t.data_ptr() if is_root else 0,
@@ -979,7 +980,7 @@ class Comm:
             if plan is not None:
                 # the root's copy-in, the round and the copy into a fresh result: one call
                 return [self._single_result(tensors[0], plan, 0.0, 1.0, local_root)[0]]
-        plan = self._fused_plan(tensors, _CONTROL, DTYPE_F32, False)
+        plan = self._fused_plan(tensors, _CONTROL, DTYPE_F32, False, True)
         if plan is not None and not self._broadcast_direct(plan):  # (never in relay mode)
             res, out, addr = self._codec.fused_result(plan, None)
             self._fused_round(plan, 0.0, len(tensors) if is_root else 0, 1.0, out, addr, False,
@@ -1073,7 +1074,7 @@ class Comm:
         if local_root is not None:
             if len(tensors) == 1:
                 t = tensors[0]
-                plan = self._single_plan(t, _CONTROL, False)
+                plan = self._single_plan(t, _CONTROL, False, True)
                 if plan is not None and self._broadcast_direct(plan):
                     addr = t.data_ptr()
                     self._direct_broadcast_one(plan, addr, addr, local_root)
@@ -1081,7 +1082,7 @@ class Comm:
                 if plan is not None:  # (the root copies nothing back: its tensor holds it)
                     self._single_round(t, plan, 0.0, 1.0, t.data_ptr(), local_root)
                     return
-            plan = self._fused_plan(tensors, _CONTROL, DTYPE_F32, False)
+            plan = self._fused_plan(tensors, _CONTROL, DTYPE_F32, False, True)
             if plan is not None and not self._broadcast_direct(plan):
                 self._fused_round(plan, 0.0, len(tensors) if is_root else 0, 1.0, None, 0,
                                   False, elided=not is_root, broadcast=local_root)
@@ -1162,7 +1163,7 @@ class Comm:
     def direct_min_bytes(self) -> int:
         """Payload bytes from which an eligible reduce runs as a direct round: the arena
         owner's word (``FLODL_SHM_DIRECT_MIN_BYTES`` where it created the arena, else
-        the eager slot's size, 1 MiB), the same on every rank."""
+        512 KiB), the same on every rank."""
         return self._engine.direct.min_bytes
 
     def settle_direct_rounds(self) -> bool:
@@ -1352,10 +1353,12 @@ class Comm:
         if isinstance(e, CohortAborted) and self._engine.relay_mode:
             self._engine.raise_relay_error(rnd)  # the host relay's failure, if that is why
 
-    def _single_plan(self, t: torch.Tensor, kind: int, outer: bool) -> RoundPlan | None:
+    def _single_plan(self, t: torch.Tensor, kind: int, outer: bool,
+                     broadcast: bool = False) -> RoundPlan | None:
         """The plan of a one-tensor f32-wire round over ``t`` when it can run as one
-        compiled call (a contiguous float32 CPU tensor whose frame fits the eager slot),
-        else None. The last such plan is cached: a training loop repeats it."""
+        compiled call (a contiguous float32 CPU tensor whose frame fits the eager slot;
+        a reduce's, one not sized for a direct round: ``RoundPlan.fused``), else None.
+        The last such plan is cached: a training loop repeats it."""
         try:  # (free in CPython 3.11 until something raises)
             if not (t.dtype is F32 and t.layout is _STRIDED and t.is_cpu and t.is_contiguous()
                     and self._fusable(kind, outer)):
@@ -1369,7 +1372,7 @@ class Comm:
             fast = self._fast = (shape, kind, self._engine.plan(kind, DTYPE_F32, (shape,)))
         plan = fast[2]
         # not for an empty tensor: its address is 0, which the call reads as "in place"
-        return plan if plan.eager_fits and plan.nelem else None
+        return plan if (plan.eager_fits if broadcast else plan.fused) and plan.nelem else None
 
     def _hot_plan(self, tensors: Sequence[torch.Tensor]) -> RoundPlan | None:
         """The plan of ``all_reduce_``'s hot case, a training loop's repeated call over
@@ -1390,7 +1393,7 @@ class Comm:
             t = tensors[0]
             plan = fast[2]
             if (t.dtype is F32 and t.is_cpu and t.is_contiguous() and t.shape == fast[0]
-                    and plan.eager_fits and plan.nelem):
+                    and plan.fused and plan.nelem):
                 return plan
         except Exception:  # (a dict, a sparse CSR tensor, ...: the general path names it)
             pass
@@ -1551,12 +1554,13 @@ class Comm:
                     or (kind == _MODEL and self._tap.armed is not None))
 
     def _fused_plan(self, tensors: Sequence[torch.Tensor], kind: int, dtype: int,
-                    outer: bool) -> RoundPlan | None:
+                    outer: bool, broadcast: bool = False) -> RoundPlan | None:
         """The plan of a fused round over ``tensors`` with their addresses gathered, or
-        None when the general round must run (nothing was published)."""
+        None when the general round must run (nothing was published): a reduce's only
+        when ``RoundPlan.fused``, a broadcast's when its frame fits the eager slot."""
         if type(tensors) is GatheredTensors:  # (a window's: gathered at its first round)
-            return tensors.plan(self._engine, kind, dtype) if self._fusable(kind, outer) \
-                else None
+            return tensors.plan(self._engine, kind, dtype, broadcast) \
+                if self._fusable(kind, outer) else None
         refuse_one_tensor(tensors)
         if not self._fusable(kind, outer):
             return None
@@ -1564,7 +1568,8 @@ class Comm:
             plan = self._engine.plan(kind, dtype, tuple([t.shape for t in tensors]))
         except (AttributeError, TypeError, RuntimeError):
             return None  # the general path names what is wrong
-        if not plan.eager_fits or not TensorCodec.gather(tensors, plan):
+        if not (plan.eager_fits if broadcast else plan.fused) \
+                or not TensorCodec.gather(tensors, plan):
             return None
         return plan
 

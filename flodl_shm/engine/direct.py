@@ -30,8 +30,8 @@ Direct rounds need two things the shared path does not:
 
 A round is eligible when every rank agrees on it from the round's schema alone: a
 float32 wire, no outer-optimizer step, no checkpoint tap, one host (no relay), and a
-payload too large for the eager slots and at least the arena's ``G_DIRECT_MIN`` (by
-default the eager slot's size, so any such payload; ``arena.direct_min_bytes``) (a reduce), or at least its ``G_DIRECT_BROADCAST_MIN`` (32 KiB,
+payload of at least the arena's ``G_DIRECT_MIN`` (512 KiB; ``arena.direct_min_bytes``),
+eager-sized or not (a reduce: such a plan is not ``RoundPlan.fused``), or at least its ``G_DIRECT_BROADCAST_MIN`` (32 KiB,
 or 1 MiB where ranks outnumber cores; ``arena.direct_broadcast_min_bytes``), eager-sized or
 not (a broadcast). The arena's owner writes both words at creation (the environment
 variables ``FLODL_SHM_DIRECT_MIN_BYTES`` and ``FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES`` set
@@ -189,10 +189,8 @@ class DirectRounds:
         """Whether a round of ``plan`` with these agreed ``flags`` (FLAG_OUTER, FLAG_TAP,
         FLAG_BROADCAST) is one a READY host runs direct (every rank answers the same: the
         schema alone, whatever the state)."""
-        if flags & A.FLAG_BROADCAST:
-            small = plan.nbytes < self.broadcast_min_bytes
-        else:
-            small = plan.eager_fits or plan.nbytes < self.min_bytes
+        small = plan.nbytes < (self.broadcast_min_bytes if flags & A.FLAG_BROADCAST
+                               else self.min_bytes)
         return not (plan.dtype != DTYPE_F32 or small or flags & (A.FLAG_OUTER | A.FLAG_TAP)
                     or plan.off + 16 * plan.ntensors > self.eng.arena.eager_bytes)
 
@@ -227,6 +225,8 @@ class DirectRounds:
         ctl = self.eng.ctl
         ok = all(int(ctl[A.rank_base(r) + A.R_DIRECT]) == rnd for r in ranks)
         self.state = READY if ok else UNAVAILABLE
+        if not ok:
+            self.eng.lose_direct_rounds()
 
     # -- READY: one direct round ---------------------------------------------------------
     def _publish(self, plan, rnd: int, weight: float, scale: float, flags: int,

@@ -35,20 +35,22 @@ class GatheredTensors(tuple):
         self._plans = {}
         return self
 
-    def plan(self, engine, kind: int, dtype: int) -> RoundPlan | None:
+    def plan(self, engine, kind: int, dtype: int, broadcast: bool = False) -> RoundPlan | None:
         """This set's plan of a ``kind`` round on ``dtype``'s wire in ``engine``, its
         address table filled; None when the round cannot be one fused call (too large
         for an eager slot, a tensor that is not a contiguous float32/bfloat16 CPU
-        tensor): the general path then runs, as for a plain list."""
+        tensor, a reduce that may run direct, ``RoundPlan.fused``): the general path
+        then runs, as for a plain list."""
         key = (engine, kind, dtype)
         plan = self._plans.get(key)
         if plan is None:
             try:  # (a nested tensor has no sizes, or sizes that are no ints)
-                plan = RoundPlan(kind, dtype, [tuple(int(d) for d in t.shape) for t in self],
-                                 engine.arena.eager_bytes)
+                plan = engine.new_plan(kind, dtype, [t.shape for t in self])
             except (AttributeError, TypeError, RuntimeError):
                 plan = False
-            if plan and not (plan.eager_fits and TensorCodec.gather(self, plan)):
+            # (gathered whether fused or not: a direct-sized plan turns fused when the
+            # direct path turns out unavailable, ``RoundEngine.lose_direct_rounds``)
+            if plan and not TensorCodec.gather(self, plan):
                 plan = False
             self._plans[key] = plan
-        return plan or None
+        return plan if plan and (plan.eager_fits if broadcast else plan.fused) else None

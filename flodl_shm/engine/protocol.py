@@ -69,6 +69,7 @@ import ctypes
 import hashlib
 import itertools
 import math
+import weakref
 from typing import Callable
 
 import numpy as np
@@ -82,7 +83,7 @@ from ..kernels import rounds as RK
 from ..kernels import signals
 from ..kernels import tensorio as TIO
 from ..kernels.codes import is_terminal
-from .direct import DirectRounds
+from .direct import UNAVAILABLE, DirectRounds
 from .waiting import (WORK_BYTES_PER_S, YIELD_BUDGET_S, YIELDS_PER_CALL, Doorbell, Waiter,
                       futex_wake)
 
@@ -136,8 +137,8 @@ class RoundPlan:
     """
 
     __slots__ = ("kind", "dtype", "shapes", "words", "shash", "offs", "numels", "nelem",
-                 "nbytes", "off", "total", "eager_fits", "addrs", "addr_words", "ntensors",
-                 "nwords", "pid", "call", "bf16_sources")
+                 "nbytes", "off", "total", "eager_fits", "fused", "addrs", "addr_words",
+                 "ntensors", "nwords", "pid", "call", "bf16_sources", "__weakref__")
 
     def __init__(self, kind: int, dtype: int, shapes: list[tuple[int, ...]],
                  eager_bytes: int) -> None:
@@ -151,6 +152,10 @@ class RoundPlan:
         self.off = len(self.words) * 8
         self.total = self.off + self.nbytes
         self.eager_fits = self.total <= eager_bytes
+        #: whether a reduce of this plan runs as one fused eager call: it fits the eager
+        #: slot and is not a direct round (``RoundEngine.plan`` decides; a broadcast
+        #: asks ``eager_fits`` and its own threshold)
+        self.fused = self.eager_fits
         self.ntensors = len(shapes)
         self.nwords = len(self.words)
         self.pid = next(_plan_ids)
@@ -273,6 +278,8 @@ class RoundEngine:
         self._eager_payloads: dict = {}   # (plan, parity) -> typed payload view
         #: large rounds through the ranks' private memory, when the arena allows them
         self.direct = DirectRounds(self)
+        #: plans whose reduces would fit the eager slot but may run direct (``new_plan``)
+        self._direct_sized: weakref.WeakSet = weakref.WeakSet()
 
     @property
     def last_accepted(self) -> int:
@@ -312,10 +319,27 @@ class RoundEngine:
         if got is None:
             if len(self._plans) > 64:
                 self._plans.clear()
-            got = RoundPlan(kind, dtype, [tuple(int(d) for d in s) for s in shapes],
-                            self.arena.eager_bytes)
+            got = self.new_plan(kind, dtype, shapes)
             self._plans[key] = got
         return got
+
+    def new_plan(self, kind: int, dtype: int, shapes) -> RoundPlan:
+        """A plan of its own (not the cache's) of a round of ``kind``/``dtype`` over
+        ``shapes``; its reduces are fused eager calls unless they may run direct."""
+        plan = RoundPlan(kind, dtype, [tuple(int(d) for d in s) for s in shapes],
+                         self.arena.eager_bytes)
+        direct = self.direct
+        if plan.eager_fits and direct.state != UNAVAILABLE and direct.eligible(plan, 0):
+            plan.fused = False
+            self._direct_sized.add(plan)
+        return plan
+
+    def lose_direct_rounds(self) -> None:
+        """The direct path turned out unavailable: the plans that were to run direct
+        run as fused eager calls again."""
+        for plan in self._direct_sized:
+            plan.fused = plan.eager_fits
+        self._direct_sized.clear()
 
     def prepare(self, rnd: int, plan: RoundPlan, bulk: bool,
                 payload: bool = True) -> np.ndarray | None:

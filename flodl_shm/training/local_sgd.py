@@ -45,8 +45,7 @@ arithmetic keep the replicas bit-identical); so is an ``OuterNesterov`` on a
 cluster, where the rounds cross hosts through the relay.
 
 **Large models.** Where the window's round is a direct round (one host,
-``max_failures=0``, float32, too large for the eager slots (1 MiB):
-``engine/direct.py``), construction moves
+``max_failures=0``, float32, at least 512 KiB: ``engine/direct.py``), construction moves
 the round's tensors into the rank's shared parameter block (``shared_params``;
 ``param.data`` moves, the parameters keep their identity), and the slice reducers
 read and write every rank's parameters in place with plain loads and stores.
@@ -302,7 +301,7 @@ class LocalSGD:
             them in place without copies. ``None`` (default): where it pays, that is
             when the window's round is a direct round (one host, ``spawn`` with
             ``max_failures=0`` or the c10d backend, float32 wire and tensors, no outer
-            step in the round, at least ``Comm.direct_min_bytes``, 1 MiB); ``True``: always
+            step in the round, at least ``Comm.direct_min_bytes``, 512 KiB); ``True``: always
             (a ``ValueError`` says why it cannot); ``False``: never.
     """
 
