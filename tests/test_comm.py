@@ -431,6 +431,30 @@ def test_zero_copy_inputs_and_views(bf16):
             assert second == 10.0 and aliased
 
 
+@pytest.mark.parametrize("world,eager_up_to", [(2, 256 << 10), (4, 128 << 10)])
+def test_zero_copy_frames_whose_ranks_read_a_mib_together_take_the_bulk_region(
+        world, eager_up_to):
+    """In an eager round every rank reads every rank's frame: from 1 MiB read in all,
+    a zero-copy frame lives in the bulk region instead, whose round reads each frame
+    once (2-3x faster on 4 ranks at 256 KiB-1 MiB). Same bits either way."""
+    sizes = [eager_up_to, 2 * eager_up_to]
+
+    def body(comm):
+        out = []
+        for nbytes in sizes:
+            data = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(comm.rank))
+            (x,) = comm.zero_copy_inputs([(nbytes // 4,)])
+            x.copy_(data)
+            eager = comm._zero_copy[1]
+            (v,), mass = comm.all_reduce_zero_copy()
+            (want,) = comm.all_reduce_tensors([data])
+            out.append((eager, mass, torch.equal(v, want)))
+        return out
+
+    with FakeCohort(world) as c:
+        assert c.run(body) == [[(True, float(world), True), (False, float(world), True)]] * world
+
+
 def test_zero_copy_requires_inputs_first():
     with FakeCohort(1) as c:
         with pytest.raises(RuntimeError, match="zero_copy_inputs"):

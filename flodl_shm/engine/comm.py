@@ -101,6 +101,14 @@ logger = logging.getLogger("flodl_shm")
 _MODEL = int(RoundKind.MODEL)
 _CONTROL = int(RoundKind.CONTROL)
 
+#: a zero-copy frame lives in the eager slot (every rank then reads every rank's frame)
+#: while the ranks' frames together stay under this many bytes; else in the bulk region,
+#: whose round reads each frame once, a slice per rank. Zero-copy rounds on 2 cores
+#: (BENCHMARKS.md, "Forty-third session"), eager against bulk: 2 ranks 256 KiB 20-21 µs
+#: against 29, 512 KiB 46-54 against 33-34, 1 MiB 110-134 against 52-54; 4 ranks 128 KiB
+#: 64-68 against 72-74, 256 KiB 139-143 against 80-81, 1 MiB 604-607 against 209-224
+ZERO_COPY_EAGER_READ_BYTES = 1 << 20
+
 
 def _check_drift(drift, ntensors: int) -> None:
     """ValueError unless ``drift`` is a writable, C-contiguous float64 numpy array of
@@ -1260,9 +1268,11 @@ class Comm:
         Fill them with wᵣ·Tᵣ, then call ``all_reduce_zero_copy(weight)`` as the very
         next collective. Valid until this rank's next collective call.
 
-        A frame that fits the eager slot lives in the slot of the next round's parity
-        (the round then costs what the fused copy round costs); a larger one in this
-        rank's bulk region."""
+        A small frame lives in the eager slot of the next round's parity (the round then
+        costs what the fused copy round costs); a larger one in this rank's bulk region,
+        whose round has each rank reduce a slice. Small means it fits the slot and all
+        the ranks' frames together stay under ``ZERO_COPY_EAGER_READ_BYTES``: in an eager
+        round every rank reads all of them."""
         dtype = DTYPE_BF16 if self._bf16 else DTYPE_F32
         eng = self._engine
         rnd = self._round
@@ -1275,7 +1285,8 @@ class Comm:
             key = _checked_shapes(shapes)
             plan = eng.plan(_MODEL, dtype, key)
             self._zc_plan = (dtype, key, plan)
-        eager = plan.eager_fits and not eng.relay_mode and eng.fault_hook is None
+        eager = (plan.eager_fits and plan.nbytes * eng.world < ZERO_COPY_EAGER_READ_BYTES
+                 and not eng.relay_mode and eng.fault_hook is None)
         region = None if eager else eng.bulk_region(plan.total)
         where = (plan, rnd & 1) if eager else (plan, "bulk")
         cached = self._zc_inputs.get(where)
