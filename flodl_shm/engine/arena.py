@@ -484,8 +484,8 @@ def direct_allowed_by_env() -> bool:
 
 #: payload bytes from which an eligible reduce is a direct round (``engine/direct.py``),
 #: in the eager slots' sizes too. Tensors on 4 KiB pages, ``all_reduce_`` (BENCHMARKS.md,
-#: "Forty-third session"): 2 MiB on 2 ranks 261-311 µs direct against 505-584 through the
-#: shared regions, on 4 ranks sharing 2 cores 922-985 against 1,347-1,597; 1 MiB on 2 ranks
+#: "Forty-third session"): 2 MiB on 2 ranks 261-307 µs direct against 531-538 through the
+#: shared regions, on 4 ranks sharing 2 cores 922-929 against 1,446; 1 MiB on 2 ranks
 #: 139-146 against 221-241 through the eager slots, on 4 ranks 542-568 against 1,084-1,131;
 #: 512 KiB on 4 ranks 329-352 against 507-530. At 128-256 KiB on 4 ranks the eager slots
 #: are ahead. (Before the direct kernels were compiled whole, 2-3 MiB on 4 KiB pages broke
