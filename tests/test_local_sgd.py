@@ -14,6 +14,7 @@ import torch
 import flodl_shm
 from flodl_shm import ElChe, LocalSGD, OuterNesterov
 from flodl_shm.testing import FakeCohort
+from flodl_shm.training.inner_state import seal_rank_state, state_checksum
 from flodl_shm.training.local_sgd import rank_state_path
 
 pytestmark = pytest.mark.timeout(120)
@@ -703,7 +704,7 @@ def test_a_rank_file_of_another_save_of_the_same_round_is_refused_on_every_rank(
     assert _load_two_ranks(other) == [None, None]  # (its own files: whole)
     state = torch.load(rank_state_path(other, 0), weights_only=False)
     del state["save_id"]  # (as a file written before save ids: with others that have one)
-    torch.save(state, rank_state_path(bundle, 0))
+    torch.save(seal_rank_state(state), rank_state_path(bundle, 0))
     assert all(m is not None and "come from 2 different saves" in m
                for m in _load_two_ranks(bundle))
 
@@ -736,6 +737,24 @@ def test_a_rank_file_damaged_on_disk_is_named_not_loaded(tmp_path):
     torch.save(state, path)
     said = _load_two_ranks(bundle)
     assert said[1].startswith(f"CheckpointError: {path} is damaged"), said[1]
+
+
+def test_a_damaged_save_id_is_named_as_damage_and_older_checksums_still_load(tmp_path):
+    """The checksum left the save id out: a file whose id was damaged on disk read as a
+    file of another save (every rank refused, blaming a copy). Files written before the
+    checksum covered the id still load."""
+    bundle = _save_two_ranks(tmp_path, seed=1)
+    path = rank_state_path(bundle, 0)
+    state = torch.load(path, weights_only=False)
+    state["save_id"] ^= 1 << 3
+    torch.save(state, path)
+    said = _load_two_ranks(bundle)
+    assert said[0].startswith(f"CheckpointError: {path} is damaged: its values do not "
+                              f"match the checksum"), said[0]
+    state["save_id"] ^= 1 << 3  # as the versions before wrote it: the id not covered
+    rest = {k: v for k, v in state.items() if k not in ("checksum", "save_id")}
+    torch.save({**rest, "checksum": state_checksum(rest), "save_id": state["save_id"]}, path)
+    assert _load_two_ranks(bundle) == [None, None]
 
 
 def test_a_diverged_consensus_is_not_saved_and_the_finite_bundles_stay(tmp_path):

@@ -97,10 +97,12 @@ def seal_rank_state(state: dict, save_id: Optional[int] = None) -> dict:
     """``state`` with the checksum of its values (:func:`state_checksum`, which the load
     checks: a file damaged on disk is refused instead of loaded) and, for LocalSGD, the
     save it belongs to (``save_id``, the same on every rank of one save: a rank file
-    copied in from another save of the same sync round is refused too)."""
-    sealed = {**state, "checksum": state_checksum(state)}
+    copied in from another save of the same sync round is refused too). The checksum
+    covers the save id: a damaged id would otherwise read as a file of another save."""
+    sealed = {k: v for k, v in state.items() if k != "checksum"}
     if save_id is not None:
         sealed["save_id"] = int(save_id)
+    sealed["checksum"] = state_checksum(sealed)
     return sealed
 
 
@@ -112,8 +114,12 @@ def check_rank_checksum(path, state: dict) -> None:
     saved = state.get("checksum")
     if saved is None:
         return
-    rest = {k: v for k, v in state.items() if k not in ("save_id", "checksum")}
-    if state_checksum(rest) != saved:
+    rest = {k: v for k, v in state.items() if k != "checksum"}
+    if state_checksum(rest) == saved:
+        return
+    # (a file of the versions whose checksum left the save id out)
+    if "save_id" not in rest or state_checksum(
+            {k: v for k, v in rest.items() if k != "save_id"}) != saved:
         raise CheckpointError(f"{path} is damaged: its values do not match the checksum "
                               f"written with them. {_WAYS_ON}")
 
