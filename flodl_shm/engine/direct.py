@@ -33,9 +33,10 @@ float32 wire, no outer-optimizer step, no checkpoint tap, one host (no relay), a
 payload of at least the arena's ``G_DIRECT_MIN`` (512 KiB; ``arena.direct_min_bytes``),
 eager-sized or not (a reduce: such a plan is not ``RoundPlan.fused``), or at least its
 ``G_DIRECT_BROADCAST_MIN`` (32 KiB, or 1 MiB where ranks outnumber cores;
-``arena.direct_broadcast_min_bytes``), eager-sized or not (a broadcast). The arena's owner writes both words at creation (the environment
-variables ``FLODL_SHM_DIRECT_MIN_BYTES`` and ``FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES`` set
-them), so ranks whose environments differ still agree. ``FLAG_DIRECT`` is in the agreed
+``arena.direct_broadcast_min_bytes``), eager-sized or not (a broadcast). The arena's
+owner writes both words at creation (the environment variables
+``FLODL_SHM_DIRECT_MIN_BYTES`` and ``FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES`` set them), so
+ranks whose environments differ still agree. ``FLAG_DIRECT`` is in the agreed
 flags, so ranks that disagreed would get a ``SchemaMismatchError``, never a torn result.
 
 The states of one rank
