@@ -61,6 +61,15 @@ def _session(comm) -> list:
     ts.append(torch.randn(N // 2, generator=torch.Generator().manual_seed(r)).bfloat16())
     mass = comm.all_reduce_(ts)
     out.append(("staged", [t.clone() for t in ts], mass, None))
+    # a bfloat16 tensor scaled by other than a power of two: ``mul(scale)`` rounds it to
+    # bfloat16 once, where the round's float32 scale would not (the direct round scaled
+    # its float32 copy: other bits than the shared path's)
+    ts = _inputs(r, 31)
+    ts[0] = ts[0].bfloat16()
+    mass = comm.all_reduce_(ts, weight=1.0 + r, scale=1.5 + r)
+    out.append(("staged_scaled", [t.clone() for t in ts], mass, None))
+    res, mass = comm.all_reduce_scaled([_inputs(r, 32)[0].bfloat16()], 0.3, weight=2.0)
+    out.append(("scaled_bf16", [t.clone() for t in res], mass, None))
     # a tensor listed twice (a tied weight in a state_dict's values) and overlapping views
     # of one buffer: in place, each rank writes its slice while the others still read
     # theirs, so these go through copies too (they used to average what another slice
@@ -350,6 +359,9 @@ def _eager_sized(comm) -> list:
         out.append(("weighted", [t.clone() for t in res], mass, len(runs)))
         res, mass = comm.all_reduce_scaled(_inputs(r, 26 + i)[:1], 0.75, weight=1.0)
         out.append(("scaled", [t.clone() for t in res], mass, len(runs)))
+        bf = [_inputs(r, 32 + i)[0].bfloat16() if r else _inputs(r, 32 + i)[0]]
+        mass = comm.all_reduce_(bf, weight=1.0 + r, scale=1.5)  # (its own rounding)
+        out.append(("bf16 scaled", [bf[0].clone()], mass, len(runs)))
         data = _inputs(r, 28 + i)[0].numpy() * (1.0 + r)
         reply = comm.all_reduce(flodl_shm.RoundFrame(
             [flodl_shm.TensorPayload(0, (N,), data)], 1.0 + r, flodl_shm.RoundKind.MODEL))
@@ -369,8 +381,8 @@ def test_reduces_that_fit_the_eager_slots_run_direct_from_the_threshold(low_thre
     with FakeCohort(2, direct=True) as cohort:
         direct = cohort.run(_eager_sized)
     for rank in range(2):
-        assert [step[3] for step in eager[rank]] == [0] * 14
-        assert [step[3] for step in direct[rank]] == list(range(1, 15))
+        assert [step[3] for step in eager[rank]] == [0] * 16
+        assert [step[3] for step in direct[rank]] == list(range(1, 17))
         for a, b in zip(eager[rank], direct[rank]):
             assert a[0] == b[0] and a[2] == b[2], (a[0], a[2], b[2])
             assert [_bits(x) for x in a[1]] == [_bits(y) for y in b[1]], (a[0], rank)

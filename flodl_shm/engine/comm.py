@@ -123,11 +123,13 @@ def _check_drift(drift, ntensors: int) -> None:
                          f"it with np.zeros(({ntensors}, 3))")
 
 
-def _staged(t: torch.Tensor, staged: list) -> torch.Tensor:
-    """A contiguous float32 CPU copy of ``t`` for a direct round, noted in ``staged``
-    (pairs written back after an in-place round)."""
-    copy = t.detach().to(device="cpu", dtype=torch.float32, copy=True,
-                         memory_format=torch.contiguous_format)
+def _staged(t: torch.Tensor, staged: list, scale: float = 1.0) -> torch.Tensor:
+    """A contiguous float32 CPU copy of ``t`` (of ``t.mul(scale)``: a bfloat16 tensor
+    scaled with one bfloat16 rounding, as the shared path's copy-in scales it) for a
+    direct round, noted in ``staged`` (pairs written back after an in-place round)."""
+    src = t.detach() if scale == 1.0 else t.detach().mul(scale)
+    copy = src.to(device="cpu", dtype=torch.float32, copy=True,
+                  memory_format=torch.contiguous_format)
     staged.append((t, copy))
     return copy
 
@@ -1522,10 +1524,18 @@ class Comm:
         nt = plan.ntensors
         srcs = np.zeros(nt, np.int64)
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # the round scales in float32, which a bfloat16 tensor's ``mul(scale)`` does not
+        # (one bfloat16 rounding, as the shared path's copy-in): this rank's tensors are
+        # then staged scaled, and its round scales by 1
+        prescale = scale != 1.0 and any(t.dtype is not F32 for t in tensors or ())
         for i, t in enumerate(tensors or ()):
-            if not (t.dtype is F32 and t.is_cpu and t.is_contiguous()):
+            if prescale:
+                t = _staged(t, staged, scale)
+            elif not (t.dtype is F32 and t.is_cpu and t.is_contiguous()):
                 t = _staged(t, staged)
             srcs[i] = t.data_ptr()
+        if prescale:
+            scale = 1.0
         if out is None and nt > 1:
             # in place, each rank writes its slice of every tensor while the others still
             # read theirs: tensors that share memory (a tied weight listed twice,

@@ -48,9 +48,9 @@ class GatheredTensors(tuple):
                 plan = engine.new_plan(kind, dtype, [t.shape for t in self])
             except (AttributeError, TypeError, RuntimeError):
                 plan = False
-            # (gathered whether fused or not: a direct-sized plan turns fused when the
-            # direct path turns out unavailable, ``RoundEngine.lose_direct_rounds``)
-            if plan and not TensorCodec.gather(self, plan):
+            # (an eager-sized plan is gathered even when it may run direct: it turns fused
+            # when the direct path turns out unavailable, ``RoundEngine.lose_direct_rounds``)
+            if plan and not (plan.eager_fits and TensorCodec.gather(self, plan)):
                 plan = False
             self._plans[key] = plan
         return plan if plan and (plan.eager_fits if broadcast else plan.fused) else None

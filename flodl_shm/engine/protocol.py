@@ -329,6 +329,8 @@ class RoundEngine:
         plan = RoundPlan(kind, dtype, [tuple(int(d) for d in s) for s in shapes],
                          self.arena.eager_bytes)
         direct = self.direct
+        # (a round with an outer step or a checkpoint tap is not direct, but not fused
+        # either: ``Comm._fusable`` refuses it, so the plain round's verdict holds)
         if plan.eager_fits and direct.state != UNAVAILABLE and direct.eligible(plan, 0):
             plan.fused = False
             self._direct_sized.add(plan)
