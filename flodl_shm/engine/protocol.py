@@ -153,7 +153,7 @@ class RoundPlan:
         self.total = self.off + self.nbytes
         self.eager_fits = self.total <= eager_bytes
         #: whether a reduce of this plan runs as one fused eager call: it fits the eager
-        #: slot and is not a direct round (``RoundEngine.plan`` decides; a broadcast
+        #: slot and is not a direct round (``RoundEngine.new_plan`` decides; a broadcast
         #: asks ``eager_fits`` and its own threshold)
         self.fused = self.eager_fits
         self.ntensors = len(shapes)
