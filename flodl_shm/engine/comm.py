@@ -981,7 +981,7 @@ class Comm:
             refuse_one_tensor(tensors)  # (None, a bare tensor, a generator: named)
         if len(tensors) == 1 and local_root is not None:
             t = tensors[0]
-            plan = self._single_plan(t, _CONTROL, False, True)
+            plan = self._single_plan(t, _CONTROL, False, broadcast=True)
             if plan is not None and self._broadcast_direct(plan):
                 res = self._result_like(t, plan)
                 self._direct_broadcast_one(plan, t.data_ptr() if is_root else 0,
@@ -990,7 +990,7 @@ class Comm:
             if plan is not None:
                 # the root's copy-in, the round and the copy into a fresh result: one call
                 return [self._single_result(tensors[0], plan, 0.0, 1.0, local_root)[0]]
-        plan = self._fused_plan(tensors, _CONTROL, DTYPE_F32, False, True)
+        plan = self._fused_plan(tensors, _CONTROL, DTYPE_F32, False, broadcast=True)
         if plan is not None and not self._broadcast_direct(plan):  # (never in relay mode)
             res, out, addr = self._codec.fused_result(plan, None)
             self._fused_round(plan, 0.0, len(tensors) if is_root else 0, 1.0, out, addr, False,
@@ -1084,7 +1084,7 @@ class Comm:
         if local_root is not None:
             if len(tensors) == 1:
                 t = tensors[0]
-                plan = self._single_plan(t, _CONTROL, False, True)
+                plan = self._single_plan(t, _CONTROL, False, broadcast=True)
                 if plan is not None and self._broadcast_direct(plan):
                     addr = t.data_ptr()
                     self._direct_broadcast_one(plan, addr, addr, local_root)
@@ -1092,7 +1092,7 @@ class Comm:
                 if plan is not None:  # (the root copies nothing back: its tensor holds it)
                     self._single_round(t, plan, 0.0, 1.0, t.data_ptr(), local_root)
                     return
-            plan = self._fused_plan(tensors, _CONTROL, DTYPE_F32, False, True)
+            plan = self._fused_plan(tensors, _CONTROL, DTYPE_F32, False, broadcast=True)
             if plan is not None and not self._broadcast_direct(plan):
                 self._fused_round(plan, 0.0, len(tensors) if is_root else 0, 1.0, None, 0,
                                   False, elided=not is_root, broadcast=local_root)
