@@ -168,8 +168,9 @@ def test_a_gone_holder_s_lingering_children_are_named(tmp_path, monkeypatch):
     heir = _holder_gone_heir_lingers(stem, 60)
     try:
         with pytest.raises(SeriesInUse, match=rf"since .*, which is no longer running; "
-                                              rf"processes it started still hold the lock "
-                                              rf"file open \(pids {heir}: a DataLoader worker"):
+                                              rf"processes it started \(a DataLoader worker, "
+                                              rf"say\) still hold the lock file open \(pids "
+                                              rf"{heir}\)"):
             with RunLock(stem):
                 pass
     finally:
@@ -321,15 +322,114 @@ def test_a_host_of_the_same_job_waits_for_the_holders_line(tmp_path):
     stem = tmp_path / "ckpt"
     path = run_lock_path(stem)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+
+    def write_line_then_share():
+        line = json.dumps({"pid": 1, "host": "h", "started": "t", "job": "cafe"}) + "\n"
+        os.pwrite(fd, line.encode(), 0)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # as a holder of a job does
+
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # locked, its line not written yet
-        line = json.dumps({"pid": 1, "host": "h", "started": "t", "job": "cafe"}) + "\n"
-        writer = threading.Timer(0.2, os.pwrite, (fd, line.encode(), 0))
+        writer = threading.Timer(0.2, write_line_then_share)
         writer.start()
         lock = RunLock(stem, "cafe")
         with lock:
             assert lock.shared
+            fcntl.flock(fd, fcntl.LOCK_UN)  # the holder lets go: this process holds it on
+            with pytest.raises(BlockingIOError):
+                other = os.open(path, os.O_RDWR)
+                try:
+                    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                finally:
+                    os.close(other)
         writer.join()
+        assert not path.exists()  # the last process to hold it removed it
+    finally:
+        os.close(fd)
+
+
+def test_a_job_s_lock_holds_while_any_of_its_hosts_runs(tmp_path):
+    """A probe: a host of a job went on beside the host that held the series' lock
+    without a lock of its own. When the holder ended first, it removed the lock file,
+    and another job took the series while the host still wrote there. The job's hosts
+    share the lock now; the last to leave removes it."""
+    import time
+
+    stem = tmp_path / "ckpt"
+    first = Holder(stem, job="cafe", member=0)
+    second = Holder(stem, job="cafe", member=2)  # another host of the job, sharing
+    try:
+        first.release()
+        assert run_lock_path(stem).exists()
+        for job in ("beef", None):
+            t0 = time.monotonic()
+            with pytest.raises(SeriesInUse, match="in use by another run \\(the hosts of job "
+                                                  "cafe: the one that took it on host .* has "
+                                                  "ended, others share it"):
+                with RunLock(stem, job):
+                    pass
+            assert time.monotonic() - t0 < 1.5  # (no wait for a gone holder's children)
+        lock = RunLock(stem, "cafe", 4)  # a host of the job may still join
+        with lock:
+            assert lock.shared
+        assert run_lock_path(stem).exists()
+    finally:
+        second.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # the last one removed it
+    with RunLock(stem, "beef"):  # another job's turn
+        pass
+
+
+def test_a_killed_holder_s_job_hosts_hold_the_lock_on(tmp_path, monkeypatch):
+    """The job's first holder is killed (no hand-over of its line): the host sharing the
+    lock holds it on; a host of the job joins at once, another job is refused, naming
+    the processes that hold it, after the wait for a gone holder's children."""
+    import time
+
+    from flodl_shm.checkpoint import run_lock
+
+    monkeypatch.setattr(run_lock, "INHERITED_LOCK_WAIT_S", 0.5)
+    stem = tmp_path / "ckpt"
+    first = Holder(stem, job="cafe", member=0)
+    second = Holder(stem, job="cafe", member=2)
+    try:
+        first.kill()
+        t0 = time.monotonic()
+        lock = RunLock(stem, "cafe", 4)
+        with lock:
+            assert lock.shared
+        assert time.monotonic() - t0 < 1.5
+        with pytest.raises(SeriesInUse, match=rf"which is no longer running; other hosts of "
+                                              rf"its job, or processes it started .* still "
+                                              rf"hold the lock file open \(pids "
+                                              rf"{second.proc.pid}\)"):
+            with RunLock(stem, "beef"):
+                pass
+    finally:
+        second.release()
+    with RunLock(stem, "beef"):  # (the killed holder's file, taken over)
+        pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_host_of_the_job_beside_a_holder_that_does_not_share_goes_on(tmp_path, caplog):
+    """A holder of the job that keeps its lock exclusive (an older version, which never
+    shared it): this host goes on without a lock of its own, as those versions did, and
+    says so."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="flodl_shm")
+    stem = tmp_path / "ckpt"
+    path = run_lock_path(stem)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.pwrite(fd, (json.dumps({"pid": 1, "host": "h", "started": "t", "job": "cafe"})
+                       + "\n").encode(), 0)
+        lock = RunLock(stem, "cafe")
+        with lock:
+            assert lock.shared
+        assert "which does not share it" in caplog.text and path.exists()
     finally:
         os.close(fd)
 

@@ -29,24 +29,32 @@ process that acquired it:
 - **Shared by the hosts of one job.** Hosts of a cluster whose save paths lie on one
   shared file system (NFS) would otherwise refuse each other: a lock taken with a
   ``job`` identity (the Trainer's: a digest of the cluster's session salt; LocalSGD's:
-  a token its rank 0 draws) lets a process of the same job proceed without holding it.
-  With a ``member`` too (the Trainer's: the host's first rank), only another member:
-  the same host launched twice is refused, and one that goes on holds its member's own
-  lock (``<series>.member-<member>.lock``), so a second launch of it is refused even
-  where another host holds the series' lock (the demo's ``--overwrite`` had deleted a
-  running host's checkpoints).
+  a token its rank 0 draws) is held *shared* (``LOCK_SH``) once its holder has written
+  its line, and a process of the same job takes a shared lock on the same file beside
+  it. Every process of the job then holds the series: another job is refused for as
+  long as any of them runs, whichever ends first (a host that went on without a lock of
+  its own let another job take the series while it still wrote there). With a
+  ``member`` too (the Trainer's: the host's first rank), only another member: the same
+  host launched twice is refused, and one that goes on holds its member's own lock
+  (``<series>.member-<member>.lock``), so a second launch of it is refused even where
+  another host took the series' lock (the demo's ``--overwrite`` had deleted a running
+  host's checkpoints).
 - **Released at the end of its process's work** when nothing exited it: ``LocalSGD``'s
   lead rank holds the lock of a series it saves into for the rest of its life, and
   ``release_held`` lets it go when the rank's function returns (``launch/rank.py``)
   or at interpreter exit (``atexit``, e.g. under torchrun).
-- **Removed by its holder, under the lock.** An acquirer that finds the path gone or
-  pointing at another file after its ``flock`` (the holder removed it in between)
-  opens it again, so two runs never hold locks on two different files of one path.
+- **Removed by its last holder, under the lock.** A holder that leaves takes the lock
+  exclusive first (``LOCK_EX``, without waiting): it gets it only when no other process
+  of its job still shares it, and only then removes the file. An acquirer that finds the
+  path gone or pointing at another file after its ``flock`` (the holder removed it in
+  between) opens it again, so two runs never hold locks on two different files of one
+  path.
   Folders the lock created for itself go too when they are empty by then: a run
   refused before it wrote anything leaves no trace.
 
 The file holds one JSON line (pid, host, start time, job, member) for the refusal
-message and the job check.
+message and the job check: the first holder's, which the processes sharing the lock
+leave as it is.
 """
 from __future__ import annotations
 
@@ -70,13 +78,16 @@ logger = logging.getLogger("flodl_shm")
 __all__ = ["RunLock", "cluster_job", "lock_holder", "release_held", "run_lock_path"]
 
 class _Held(NamedTuple):
-    """A lock this process took: who took it, its open file, how deep it is held, and
-    the folders it created (deepest first)."""
+    """A lock this process took: who took it, its open file, how deep it is held, the
+    folders it created (deepest first), and whether it joined another process of its
+    job (``RunLock.shared``)."""
 
     pid: int
     fd: int
     depth: int
     made: tuple[Path, ...]
+    shared: bool = False
+    job: str | None = None
 
 
 #: lock files this process holds, by resolved path
@@ -119,7 +130,8 @@ class RunLock:
 
     Raises ``SeriesInUse`` on entry when another process holds it, unless that process
     took it for the same ``job`` (another host of this job, on a shared file system):
-    then this one goes on without holding it (``shared`` is True).
+    then this one shares it (``shared`` is True), and the series stays locked against
+    other jobs until the last of them leaves.
     """
 
     def __init__(self, save_path: "str | os.PathLike[str]", job: str | None = None,
@@ -133,10 +145,10 @@ class RunLock:
         self._member_lock: RunLock | None = None
 
     def __enter__(self) -> "RunLock":
-        self.shared = False
         held = _HELD.get(self._key)
         if held is not None and held.pid == os.getpid():
             _HELD[self._key] = held._replace(depth=held.depth + 1)
+            self.shared = held.shared
             return self
         made = tuple(d for d in (self.path.parent, *self.path.parent.parents)
                      if not d.exists())  # deepest first
@@ -150,21 +162,26 @@ class RunLock:
                           f"series' checkpoints go; save into a folder this user can "
                           f"write") from e
         try:
-            fd = self._acquire()
-        except SeriesInUse as e:
-            _remove_empty(made)
-            if self.job is not None and e.job == self.job and (
-                    self.member is None or e.member != self.member):
-                # this job's other host holds it; this host holds its own member's lock
-                self._enter_member()
-                self.shared = True
-                return self
-            raise
+            fd, shared = self._acquire()
         except BaseException:
             _remove_empty(made)
             raise
-        _HELD[self._key] = _Held(os.getpid(), fd, 1, made)
+        if shared:
+            made = ()  # (the holder's folders: the last to leave removes them, if empty)
+            try:
+                # this job's other host holds it too; this host holds its member's lock
+                self._enter_member()
+            except BaseException:
+                _release_fd(self._key, fd)
+                raise
+        _HELD[self._key] = _Held(os.getpid(), fd, 1, made, shared, self.job)
+        self.shared = shared
         return self
+
+    def _joins(self, info: dict) -> bool:
+        """Whether the holder whose line is ``info`` is another member of this job."""
+        return self.job is not None and info.get("job") == self.job and (
+            self.member is None or info.get("member") != self.member)
 
     def _enter_member(self) -> None:
         if self.member is None:
@@ -174,8 +191,10 @@ class RunLock:
         lock.__enter__()  # SeriesInUse: this member of the job runs already
         self._member_lock = lock
 
-    def _acquire(self) -> int:
-        """Open and lock the file (see the module doc); returns its descriptor."""
+    def _acquire(self) -> tuple[int, bool]:
+        """Open and lock the file (see the module doc); returns its descriptor and
+        whether the lock is shared with another process of this job (whose line the
+        file holds) rather than taken."""
         while True:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -188,21 +207,7 @@ class RunLock:
                               f"{self.path.parent} writable, or save into another folder "
                               f"(its bundles can be copied there to go on from them)") from e
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                try:
-                    info = _holder_info(fd)
-                    held, gone = False, _holder_gone(info)
-                    if gone:
-                        held, info = _outwait_inheritors(fd, self.path, info)
-                        gone = _holder_gone(info)  # (another acquirer may hold it by now)
-                    if not held:
-                        raise SeriesInUse(os.fspath(self.path),
-                                          _describe(info, fd if gone else None),
-                                          info.get("job"), info.get("member")) from None
-                except BaseException:
-                    os.close(fd)
-                    raise
+                shared = self._lock(fd)
             except BaseException:
                 os.close(fd)
                 raise
@@ -213,6 +218,8 @@ class RunLock:
             if same:
                 break
             os.close(fd)  # its holder removed it after we opened it: take the new one
+        if shared:
+            return fd, True
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
@@ -227,37 +234,124 @@ class RunLock:
             os.close(fd)
             raise OSError(e.errno, f"cannot write the run lock {self.path}: {e.strerror}"
                           f"{disk_full_hint(e)}") from e
-        return fd
+        if self.job is not None:
+            try:  # the line is written: the job's other hosts may share the lock now
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:  # (lost in the conversion: another run took it)
+                info = _holder_info(fd)
+                os.close(fd)
+                raise SeriesInUse(os.fspath(self.path), _describe(info), info.get("job"),
+                                  info.get("member")) from None
+        return fd, False
+
+    def _lock(self, fd: int) -> bool:
+        """Lock the open file ``fd``: exclusively when no one holds it (returns False),
+        shared beside another member of this job (returns True); else raise
+        ``SeriesInUse`` naming the holder."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            pass
+        info = _holder_info(fd)
+        if self._joins(info):
+            _share(fd, self.path, info)
+            return True
+        gone = _holder_gone(info)
+        if gone:
+            held, info = _outwait_inheritors(fd, self.path, info)
+            if held:
+                return False
+            if self._joins(info):  # (a live new holder, of this job)
+                _share(fd, self.path, info)
+                return True
+            gone = _holder_gone(info)  # (another acquirer may hold it by now)
+        raise SeriesInUse(os.fspath(self.path), _describe(info, fd if gone else None),
+                          info.get("job"), info.get("member"))
 
     def __exit__(self, *exc) -> None:
-        if self.shared:
-            lock, self._member_lock = self._member_lock, None
-            if lock is not None:
-                lock.__exit__(*exc)
+        member, self._member_lock = self._member_lock, None
+        try:
+            held = _HELD.get(self._key)
+            if held is None or held.pid != os.getpid():
+                return  # released already (release_held)
+            if held.depth > 1:
+                _HELD[self._key] = held._replace(depth=held.depth - 1)
+                return
+            _release(self._key)
+        finally:
+            if member is not None:
+                member.__exit__(*exc)
+
+
+def _share(fd: int, path: Path, info: dict) -> None:
+    """Take a shared lock on ``fd`` beside the member of this job whose line is ``info``,
+    waiting up to ``HOLDER_LINE_WAIT_S`` for it to turn its exclusive lock into a shared
+    one (it does right after writing its line; it holds it exclusively for a moment
+    while it leaves, too). One that keeps it exclusive for longer (a version of this
+    module that never shared it) leaves this process to go on without a lock of its own,
+    as those versions did, which is said."""
+    deadline = time.monotonic() + HOLDER_LINE_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             return
-        held = _HELD.get(self._key)
-        if held is None or held.pid != os.getpid():
-            return  # released already (release_held)
-        if held.depth > 1:
-            _HELD[self._key] = held._replace(depth=held.depth - 1)
-            return
-        _release(self._key)
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.005)
+    logger.warning("the run lock %s is held exclusively by %s, a host of this job, which "
+                   "does not share it (another flodl_shm version there?): going on without "
+                   "a lock of this host's, so another job could take the series once that "
+                   "host ends while this one still writes there; run one version on every "
+                   "host", path, _describe(info))
 
 
 def _release(key: str) -> None:
-    """Remove the lock file ``key`` while it is still locked (no one else holds that
-    file), then close it, which drops the lock."""
+    """Give up the lock file ``key``: remove it while this process holds it alone (no
+    other process of its job shares it), then close it, which drops the lock."""
     held = _HELD.pop(key)
+    if held.job is not None and not held.shared:
+        _hand_over_line(held.fd)
+    _release_fd(key, held.fd, held.made)
+
+
+def _hand_over_line(fd: int) -> None:
+    """The line of a job's lock whose writer leaves, while it still holds the lock: the
+    job, without a process (others of the job may go on sharing it, which a refusal
+    then names; a process of the job may still join them). Written by the line's writer
+    only, and while it holds the lock: no acquirer writes it meanwhile."""
+    info = _read_info(fd)
+    line = {"pid": None, "host": info.get("host"), "started": info.get("started"),
+            "job": info.get("job"), "member": None}
     try:
-        os.unlink(key)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(line) + "\n").encode(), 0)
+    except OSError:  # (a full disk: the old line names a gone holder, said as such)
+        pass
+
+
+def _release_fd(key: str, fd: int, made: tuple[Path, ...] = ()) -> None:
+    """:func:`_release` of the lock held on ``fd`` (and the folders ``made`` for it)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (already so without a job)
+        # (the path is this file while a lock is held on it; a host that went on without
+        # one, beside a holder that did not share, checks that it still is)
+        last = os.stat(key).st_ino == os.fstat(fd).st_ino
+    except (BlockingIOError, FileNotFoundError):  # the job's others hold it on: theirs
+        last = False
+    try:
+        if last:
+            os.unlink(key)
     except FileNotFoundError:
         pass
     except OSError as e:  # a folder made read-only since: the file stays, the lock goes
         logger.warning("could not remove the run lock %s (%s); it is released, and the "
                        "next run takes it over", key, e)
     finally:
-        os.close(held.fd)
-    _remove_empty(held.made)
+        os.close(fd)
+    if last:
+        _remove_empty(made)
 
 
 def file_in_the_way(folder: "str | os.PathLike[str]") -> "Path | None":
@@ -331,6 +425,9 @@ def _holder_info(fd: int) -> dict:
 def _describe(info: dict, inherited_fd: int | None = None) -> str:
     """'pid N on host H since T', or a plainer phrase; with ``inherited_fd`` (the lock
     file, open: its holder is gone), who holds it still."""
+    if info.get("pid") is None and info.get("job") is not None:  # (_hand_over_line)
+        return (f"the hosts of job {info['job']}: the one that took it on host "
+                f"{info.get('host')} since {info.get('started')} has ended, others share it")
     try:
         who = f"pid {info['pid']} on host {info['host']} since {info['started']}"
     except KeyError:
@@ -338,9 +435,12 @@ def _describe(info: dict, inherited_fd: int | None = None) -> str:
     if inherited_fd is None:
         return who
     pids = _processes_holding(inherited_fd)
-    return (f"{who}, which is no longer running; processes it started still hold the lock "
-            f"file open ({'pids ' + ', '.join(map(str, pids)) if pids else 'not found'}: a "
-            f"DataLoader worker, say), and hold the lock with it: stop them")
+    held_by = ("processes it started (a DataLoader worker, say)" if info.get("job") is None
+               else "other hosts of its job, or processes it started (a DataLoader worker, "
+                    "say)")
+    return (f"{who}, which is no longer running; {held_by} still hold the lock file open "
+            f"({'pids ' + ', '.join(map(str, pids)) if pids else 'not found here'}), and "
+            f"hold the lock with it: stop them")
 
 
 #: how long an acquirer waits for the processes that inherited a lock from a holder that
