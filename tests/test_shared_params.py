@@ -134,6 +134,34 @@ def test_shared_params_only_where_the_round_is_direct(low_threshold):
         assert cohort.run(no_direct) == [False, False]
 
 
+def test_a_model_of_more_tensors_than_a_direct_round_holds_keeps_private_parameters(
+        low_threshold):
+    """A probe: the default moved a model into the shared block by its bytes alone. A
+    model of more tensors than a direct round's address table holds (tens of thousands
+    with the default eager slot; over 2,047 with this test's 64 KiB one) takes the
+    shared path, where the block saves nothing."""
+    def model_of(count: int, size: int) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.ParameterList([torch.nn.Parameter(torch.randn(size))
+                                       for _ in range(count)])
+
+    def window(comm, count: int, size: int):
+        model = model_of(count, size)
+        sgd = LocalSGD(model, sync_every=1, comm=comm)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(comm.rank)
+        sgd.step(samples=1)
+        return (comm.direct_round_holds(list(model.parameters())), sgd.shared_params,
+                float(model[0][0].detach()))
+
+    start = float(model_of(1, 32)[0][0].detach())
+    for count, size, placed in ((2040, 40, True), (2100, 32, False)):  # 319, 262 KiB
+        with FakeCohort(2, direct=True, eager_bytes=EAGER) as cohort:  # (a block per rank)
+            got = cohort.run(lambda comm: window(comm, count, size))
+        assert got == [(placed, placed, pytest.approx(start + 0.5))] * 2, count
+
+
 class _Aliased(torch.nn.Module):
     """A parameter that is a view of another's memory (a user's own tying)."""
 

@@ -1176,6 +1176,13 @@ class Comm:
         512 KiB), the same on every rank."""
         return self._engine.direct.min_bytes
 
+    def direct_round_holds(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether a direct round has room for the address table of a float32 reduce of
+        ``tensors`` (two words a tensor in the rank's eager slot: a round of tens of
+        thousands of tensors takes the shared path, whatever its bytes)."""
+        plan = self._engine.plan(_MODEL, DTYPE_F32, tuple(tuple(t.shape) for t in tensors))
+        return self._engine.direct.holds_addresses(plan)
+
     def settle_direct_rounds(self) -> bool:
         """Find out now whether direct rounds may run, and return whether they may (a
         collective: every rank of the host calls it, and every rank gets the same

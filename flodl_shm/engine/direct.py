@@ -193,7 +193,13 @@ class DirectRounds:
         small = plan.nbytes < (self.broadcast_min_bytes if flags & A.FLAG_BROADCAST
                                else self.min_bytes)
         return not (plan.dtype != DTYPE_F32 or small or flags & (A.FLAG_OUTER | A.FLAG_TAP)
-                    or plan.off + 16 * plan.ntensors > self.eng.arena.eager_bytes)
+                    or not self.holds_addresses(plan))
+
+    def holds_addresses(self, plan) -> bool:
+        """Whether a direct round of ``plan`` has room for its tensors' address table:
+        two words a tensor, after the schema words, in the rank's eager slot (a round of
+        tens of thousands of tensors has not, and takes the shared path)."""
+        return plan.off + 16 * plan.ntensors <= self.eng.arena.eager_bytes
 
     def mode(self, plan, flags: int) -> int:
         """The direct flag a round of ``plan`` with these agreed ``flags`` carries:

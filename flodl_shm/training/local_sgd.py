@@ -301,7 +301,8 @@ class LocalSGD:
             them in place without copies. ``None`` (default): where it pays, that is
             when the window's round is a direct round (one host, ``spawn`` with
             ``max_failures=0`` or the c10d backend, float32 wire and tensors, no outer
-            step in the round, at least ``Comm.direct_min_bytes``, 512 KiB); ``True``: always
+            step in the round, at least ``Comm.direct_min_bytes``, 512 KiB, in few enough
+            tensors for its address table: ``Comm.direct_round_holds``); ``True``: always
             (a ``ValueError`` says why it cannot); ``False``: never.
     """
 
@@ -502,10 +503,15 @@ class LocalSGD:
             return (f"{_listed(shared, 'shares', 'share')} memory with another tensor of the "
                     f"model (a view of it): each gets its own place in the block, so they "
                     f"would stop sharing it")
+        if explicit:
+            return None
         nbytes = 4 * sum(t.numel() for t in tensors)
-        if not explicit and nbytes < comm.direct_min_bytes:
+        if nbytes < comm.direct_min_bytes:
             return (f"the params round's {nbytes} bytes are below the direct rounds' "
                     f"{comm.direct_min_bytes} (FLODL_SHM_DIRECT_MIN_BYTES)")
+        if not comm.direct_round_holds(tensors):
+            return (f"the params round's {len(tensors)} tensors are more than a direct "
+                    f"round's address table holds (the round takes the shared path)")
         return None
 
     def _round_names(self, tensors) -> list[str]:
