@@ -296,7 +296,8 @@ def test_the_same_member_of_a_job_is_refused_wherever_the_lock_is(tmp_path):
         with pytest.raises(SeriesInUse) as err:
             with RunLock(stem, "cafe", 0):  # host A again
                 pass
-        assert err.value.member == 0
+        assert err.value.member == 0 and err.value.lock == os.fspath(run_lock_path(stem))
+        assert "(this job's member 0 runs already: pid " in str(err.value)
         second = Holder(stem, job="cafe", member=2)  # host B goes on, holding its member's
         try:
             assert (tmp_path / "ckpt.member-2.lock").exists()
@@ -363,9 +364,10 @@ def test_a_job_s_lock_holds_while_any_of_its_hosts_runs(tmp_path):
         assert run_lock_path(stem).exists()
         for job in ("beef", None):
             t0 = time.monotonic()
-            with pytest.raises(SeriesInUse, match="in use by another run \\(the hosts of job "
-                                                  "cafe: the one that took it on host .* has "
-                                                  "ended, others share it"):
+            with pytest.raises(SeriesInUse, match="in use by another run \\(the processes of "
+                                                  "another run's job, which took it on host "
+                                                  ".*: the process that took it has ended, "
+                                                  "the others of its job hold it"):
                 with RunLock(stem, job):
                     pass
             assert time.monotonic() - t0 < 1.5  # (no wait for a gone holder's children)
@@ -380,10 +382,80 @@ def test_a_job_s_lock_holds_while_any_of_its_hosts_runs(tmp_path):
         pass
 
 
+@pytest.mark.parametrize("other_job", ["beef", None])
+def test_a_dead_holder_s_line_does_not_let_its_job_join_another_job_s_run(tmp_path,
+                                                                          other_job):
+    """A probe: a holder of job "cafe" was killed, its line left in the file; a run of
+    another job locked the file and, before it wrote its own line, a process of "cafe"
+    read the dead one's, joined, and shared the series with the other job. The line is
+    read again under the lock (or, the lock still exclusive after the wait, before going
+    on without one)."""
+    import socket
+
+    path = run_lock_path(tmp_path / "ckpt")
+    path.write_text(json.dumps({"pid": 2 ** 22 + 1, "host": "elsewhere", "started": "t",
+                                "job": "cafe", "member": 0}) + "\n")  # the dead one's
+    fd = os.open(path, os.O_RDWR)
+
+    def write_line():  # the other run, a moment after its flock
+        os.pwrite(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                   "started": "now", "job": other_job, "member": None})
+                       + "\n").encode().ljust(200), 0)
+        if other_job is not None:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the other run's, line not written
+        writer = threading.Timer(0.2, write_line)
+        writer.start()
+        with pytest.raises(SeriesInUse) as err:
+            with RunLock(tmp_path / "ckpt", "cafe", 2):
+                pass
+        writer.join()
+        assert err.value.job == other_job and f"pid {os.getpid()} on host" in str(err.value)
+    finally:
+        os.close(fd)
+
+
+def test_the_folders_a_job_s_first_holder_made_go_with_its_last_sharer(tmp_path):
+    stem = tmp_path / "new" / "deeper" / "ckpt"
+    first = Holder(stem, job="cafe", member=0)
+    with RunLock(stem, "cafe", 2) as lock:
+        assert lock.shared
+        first.release()
+        assert (tmp_path / "new" / "deeper").is_dir()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_removed_by_a_run_that_ends_is_made_again(tmp_path, monkeypatch):
+    """A probe: a run starting as the run that made the series' folder ended had the
+    folder removed between its mkdir and its open of the lock file, and raised a bare
+    FileNotFoundError."""
+    from flodl_shm.checkpoint import run_lock
+
+    stem = tmp_path / "new" / "ckpt"
+    real_open = os.open
+    removed = []
+
+    def open_after_the_other_run_ended(path, *args, **kwargs):
+        if not removed and os.fspath(path).endswith("ckpt.lock"):
+            (tmp_path / "new").rmdir()  # the ending run removes the folder it made
+            removed.append(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(run_lock.os, "open", open_after_the_other_run_ended)
+    with RunLock(stem):
+        assert removed and run_lock_path(stem).exists()
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_killed_holder_s_job_hosts_hold_the_lock_on(tmp_path, monkeypatch):
     """The job's first holder is killed (no hand-over of its line): the host sharing the
-    lock holds it on; a host of the job joins at once, another job is refused, naming
-    the processes that hold it, after the wait for a gone holder's children."""
+    lock holds it on; a host of the job joins at once, the killed one relaunched too (a
+    probe's waited 30 s, then was told to stop its own job's other host), and another job
+    is refused, naming the processes that hold it, after the wait for a gone holder's
+    children."""
     import time
 
     from flodl_shm.checkpoint import run_lock
@@ -394,15 +466,17 @@ def test_a_killed_holder_s_job_hosts_hold_the_lock_on(tmp_path, monkeypatch):
     second = Holder(stem, job="cafe", member=2)
     try:
         first.kill()
-        t0 = time.monotonic()
-        lock = RunLock(stem, "cafe", 4)
-        with lock:
-            assert lock.shared
-        assert time.monotonic() - t0 < 1.5
-        with pytest.raises(SeriesInUse, match=rf"which is no longer running; other hosts of "
-                                              rf"its job, or processes it started .* still "
-                                              rf"hold the lock file open \(pids "
-                                              rf"{second.proc.pid}\)"):
+        for member in (4, 0):
+            t0 = time.monotonic()
+            lock = RunLock(stem, "cafe", member)
+            with lock:
+                assert lock.shared
+            assert time.monotonic() - t0 < 1.5
+        with pytest.raises(SeriesInUse, match=rf"which is no longer running; the other "
+                                              rf"processes of its job, or processes it "
+                                              rf"started .* hold the lock on \(those holding "
+                                              rf"the lock file open: pids "
+                                              rf"{second.proc.pid}\): wait for them to end"):
             with RunLock(stem, "beef"):
                 pass
     finally:

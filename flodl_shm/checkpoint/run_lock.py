@@ -33,19 +33,23 @@ process that acquired it:
   its line, and a process of the same job takes a shared lock on the same file beside
   it. Every process of the job then holds the series: another job is refused for as
   long as any of them runs, whichever ends first (a host that went on without a lock of
-  its own let another job take the series while it still wrote there). With a
-  ``member`` too (the Trainer's: the host's first rank), only another member: the same
-  host launched twice is refused, and one that goes on holds its member's own lock
-  (``<series>.member-<member>.lock``), so a second launch of it is refused even where
-  another host took the series' lock (the demo's ``--overwrite`` had deleted a running
-  host's checkpoints).
+  its own let another job take the series while it still wrote there). A process that
+  joins reads the line again once it holds the lock: the line it read before may be a
+  dead holder's, left for a run of another job that had locked the file and not yet
+  written its own. With a ``member`` too (the Trainer's: the host's first rank), each
+  process also holds its member's own lock (``<series>.member-<member>.lock``), so the
+  same host launched twice is refused, whoever holds the series' lock (the demo's
+  ``--overwrite`` had deleted a running host's checkpoints), and a host relaunched
+  after its process was killed joins at once.
 - **Released at the end of its process's work** when nothing exited it: ``LocalSGD``'s
   lead rank holds the lock of a series it saves into for the rest of its life, and
   ``release_held`` lets it go when the rank's function returns (``launch/rank.py``)
   or at interpreter exit (``atexit``, e.g. under torchrun).
 - **Removed by its last holder, under the lock.** A holder that leaves takes the lock
   exclusive first (``LOCK_EX``, without waiting): it gets it only when no other process
-  of its job still shares it, and only then removes the file. An acquirer that finds the
+  of its job still shares it, and only then removes the file. A job's first holder that
+  leaves before the others writes the job over its line, with the folders it made, for
+  the refusals to name and for the last one to remove. An acquirer that finds the
   path gone or pointing at another file after its ``flock`` (the holder removed it in
   between) opens it again, so two runs never hold locks on two different files of one
   path.
@@ -150,45 +154,55 @@ class RunLock:
             _HELD[self._key] = held._replace(depth=held.depth + 1)
             self.shared = held.shared
             return self
-        made = tuple(d for d in (self.path.parent, *self.path.parent.parents)
-                     if not d.exists())  # deepest first
         _check_folders(self.path)
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:  # a read-only or virtual filesystem (/proc), no permission
-            _remove_empty(made)
-            raise OSError(e.errno, f"cannot create the folder {self.path.parent} "
-                          f"({e.strerror}), where the run lock {self.path.name} and the "
-                          f"series' checkpoints go; save into a folder this user can "
-                          f"write") from e
-        try:
-            fd, shared = self._acquire()
-        except BaseException:
-            _remove_empty(made)
-            raise
-        if shared:
-            made = ()  # (the holder's folders: the last to leave removes them, if empty)
+        while True:
+            made = tuple(d for d in (self.path.parent, *self.path.parent.parents)
+                         if not d.exists())  # deepest first
             try:
-                # this job's other host holds it too; this host holds its member's lock
-                self._enter_member()
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:  # a read-only or virtual filesystem (/proc), no permission
+                _remove_empty(made)
+                raise OSError(e.errno, f"cannot create the folder {self.path.parent} "
+                              f"({e.strerror}), where the run lock {self.path.name} and the "
+                              f"series' checkpoints go; save into a folder this user can "
+                              f"write") from e
+            try:
+                fd, shared = self._acquire()
+                break
+            except FileNotFoundError:  # a run that ended removed the folder meanwhile
+                continue
             except BaseException:
-                _release_fd(self._key, fd)
+                _remove_empty(made)
                 raise
+        if shared:
+            made = ()  # (the first holder's: the last to leave removes them, if empty)
+        try:
+            self._enter_member()
+        except BaseException:
+            _release_fd(self._key, fd, made)
+            raise
         _HELD[self._key] = _Held(os.getpid(), fd, 1, made, shared, self.job)
         self.shared = shared
         return self
 
     def _joins(self, info: dict) -> bool:
-        """Whether the holder whose line is ``info`` is another member of this job."""
-        return self.job is not None and info.get("job") == self.job and (
-            self.member is None or info.get("member") != self.member)
+        """Whether the lock whose line is ``info`` is this job's (a member launched
+        twice is refused by its member's lock)."""
+        return self.job is not None and info.get("job") == self.job
 
     def _enter_member(self) -> None:
+        """Hold this member's own lock (every member of a job, the series' first holder
+        too): a second launch of it is refused, whoever holds the series' lock."""
         if self.member is None:
             return
         base = _series_base(self._save_path)
         lock = RunLock(base.with_name(f"{base.name}.member-{self.member}"))  # no sharing
-        lock.__enter__()  # SeriesInUse: this member of the job runs already
+        try:
+            lock.__enter__()
+        except SeriesInUse as e:
+            raise SeriesInUse(os.fspath(self.path),
+                              f"this job's member {self.member} runs already: {e.holder}",
+                              self.job, self.member) from None
         self._member_lock = lock
 
     def _acquire(self) -> tuple[int, bool]:
@@ -244,6 +258,41 @@ class RunLock:
                                   info.get("member")) from None
         return fd, False
 
+    def _share(self, fd: int, info: dict) -> tuple[bool, dict]:
+        """Take a shared lock on ``fd`` beside this job's holder, whose line is ``info``
+        (read before any lock), waiting up to ``HOLDER_LINE_WAIT_S`` for it to turn its
+        exclusive lock into a shared one (it does right after writing its line; it holds
+        it exclusively for a moment while it leaves, too). Returns (whether this process
+        joined, the line as it is now). The line is read again once the lock is held:
+        the one read before may have been a dead holder's, left for a run of another job
+        that locked the file and had not yet written its own; then the lock is let go.
+        A live holder of this job that keeps it exclusive for longer (a version of this
+        module that never shared it) leaves this process to go on without a lock of its
+        own, as those versions did, which is said."""
+        deadline = time.monotonic() + HOLDER_LINE_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.005)
+                continue
+            now = _holder_info(fd)  # (written under an exclusive lock: complete)
+            if self._joins(now):
+                return True, now
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False, now
+        now = _holder_info(fd)
+        if not self._joins(now) or _holder_gone(now) or now.get("pid") is None:
+            return False, now
+        logger.warning("the run lock %s is held exclusively by %s, of this job, which does not "
+                       "share it (another flodl_shm version there?): going on without a lock "
+                       "of this process's, so another job could take the series once that "
+                       "one ends while this one still writes there; run one version on every "
+                       "host", self.path, _describe(now))
+        return True, now
+
     def _lock(self, fd: int) -> bool:
         """Lock the open file ``fd``: exclusively when no one holds it (returns False),
         shared beside another member of this job (returns True); else raise
@@ -255,56 +304,34 @@ class RunLock:
             pass
         info = _holder_info(fd)
         if self._joins(info):
-            _share(fd, self.path, info)
-            return True
+            joined, info = self._share(fd, info)
+            if joined:
+                return True
         gone = _holder_gone(info)
         if gone:
             held, info = _outwait_inheritors(fd, self.path, info)
             if held:
                 return False
             if self._joins(info):  # (a live new holder, of this job)
-                _share(fd, self.path, info)
-                return True
+                joined, info = self._share(fd, info)
+                if joined:
+                    return True
             gone = _holder_gone(info)  # (another acquirer may hold it by now)
         raise SeriesInUse(os.fspath(self.path), _describe(info, fd if gone else None),
                           info.get("job"), info.get("member"))
 
     def __exit__(self, *exc) -> None:
         member, self._member_lock = self._member_lock, None
-        try:
-            held = _HELD.get(self._key)
-            if held is None or held.pid != os.getpid():
-                return  # released already (release_held)
-            if held.depth > 1:
-                _HELD[self._key] = held._replace(depth=held.depth - 1)
-                return
-            _release(self._key)
-        finally:
+        try:  # (the member's first: the series' last holder then removes empty folders)
             if member is not None:
                 member.__exit__(*exc)
-
-
-def _share(fd: int, path: Path, info: dict) -> None:
-    """Take a shared lock on ``fd`` beside the member of this job whose line is ``info``,
-    waiting up to ``HOLDER_LINE_WAIT_S`` for it to turn its exclusive lock into a shared
-    one (it does right after writing its line; it holds it exclusively for a moment
-    while it leaves, too). One that keeps it exclusive for longer (a version of this
-    module that never shared it) leaves this process to go on without a lock of its own,
-    as those versions did, which is said."""
-    deadline = time.monotonic() + HOLDER_LINE_WAIT_S
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(0.005)
-    logger.warning("the run lock %s is held exclusively by %s, a host of this job, which "
-                   "does not share it (another flodl_shm version there?): going on without "
-                   "a lock of this host's, so another job could take the series once that "
-                   "host ends while this one still writes there; run one version on every "
-                   "host", path, _describe(info))
+        finally:
+            held = _HELD.get(self._key)
+            if held is not None and held.pid == os.getpid():  # (else: release_held did)
+                if held.depth > 1:
+                    _HELD[self._key] = held._replace(depth=held.depth - 1)
+                else:
+                    _release(self._key)
 
 
 def _release(key: str) -> None:
@@ -312,21 +339,24 @@ def _release(key: str) -> None:
     other process of its job shares it), then close it, which drops the lock."""
     held = _HELD.pop(key)
     if held.job is not None and not held.shared:
-        _hand_over_line(held.fd)
+        _hand_over_line(held.fd, held.made)
     _release_fd(key, held.fd, held.made)
 
 
-def _hand_over_line(fd: int) -> None:
+def _hand_over_line(fd: int, made: tuple[Path, ...]) -> None:
     """The line of a job's lock whose writer leaves, while it still holds the lock: the
-    job, without a process (others of the job may go on sharing it, which a refusal
-    then names; a process of the job may still join them). Written by the line's writer
-    only, and while it holds the lock: no acquirer writes it meanwhile."""
+    job without a process, and the folders the writer made for the lock (others of the
+    job may go on sharing it: a refusal then names them, a process of the job may still
+    join them, and the last to leave removes those folders). Written by the line's
+    writer only, while it holds the lock (no acquirer writes it meanwhile), over the
+    old line, padded, never truncated first: a reader never finds it empty."""
     info = _read_info(fd)
     line = {"pid": None, "host": info.get("host"), "started": info.get("started"),
-            "job": info.get("job"), "member": None}
+            "job": info.get("job"), "member": None, "made": [os.fspath(d) for d in made]}
+    data = (json.dumps(line) + "\n").encode()
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(line) + "\n").encode(), 0)
+        size = os.fstat(fd).st_size
+        os.pwrite(fd, data + b" " * max(0, size - len(data)), 0)
     except OSError:  # (a full disk: the old line names a gone holder, said as such)
         pass
 
@@ -340,6 +370,8 @@ def _release_fd(key: str, fd: int, made: tuple[Path, ...] = ()) -> None:
         last = os.stat(key).st_ino == os.fstat(fd).st_ino
     except (BlockingIOError, FileNotFoundError):  # the job's others hold it on: theirs
         last = False
+    if last and not made:  # (a sharer that leaves last: the first holder's, from its line)
+        made = tuple(Path(d) for d in _read_info(fd).get("made") or ())
     try:
         if last:
             os.unlink(key)
@@ -426,8 +458,9 @@ def _describe(info: dict, inherited_fd: int | None = None) -> str:
     """'pid N on host H since T', or a plainer phrase; with ``inherited_fd`` (the lock
     file, open: its holder is gone), who holds it still."""
     if info.get("pid") is None and info.get("job") is not None:  # (_hand_over_line)
-        return (f"the hosts of job {info['job']}: the one that took it on host "
-                f"{info.get('host')} since {info.get('started')} has ended, others share it")
+        return (f"the processes of another run's job, which took it on host "
+                f"{info.get('host')} since {info.get('started')}: the process that took it "
+                f"has ended, the others of its job hold it until they end")
     try:
         who = f"pid {info['pid']} on host {info['host']} since {info['started']}"
     except KeyError:
@@ -435,12 +468,14 @@ def _describe(info: dict, inherited_fd: int | None = None) -> str:
     if inherited_fd is None:
         return who
     pids = _processes_holding(inherited_fd)
-    held_by = ("processes it started (a DataLoader worker, say)" if info.get("job") is None
-               else "other hosts of its job, or processes it started (a DataLoader worker, "
-                    "say)")
-    return (f"{who}, which is no longer running; {held_by} still hold the lock file open "
-            f"({'pids ' + ', '.join(map(str, pids)) if pids else 'not found here'}), and "
-            f"hold the lock with it: stop them")
+    found = f"pids {', '.join(map(str, pids))}" if pids else "none found on this host"
+    if info.get("job") is not None:
+        return (f"{who}, which is no longer running; the other processes of its job, or "
+                f"processes it started (a DataLoader worker, say), hold the lock on (those "
+                f"holding the lock file open: {found}): wait for them to end")
+    return (f"{who}, which is no longer running; processes it started (a DataLoader worker, "
+            f"say) still hold the lock file open ({found}), and hold the lock with it: stop "
+            f"them")
 
 
 #: how long an acquirer waits for the processes that inherited a lock from a holder that
@@ -470,10 +505,16 @@ def _outwait_inheritors(fd: int, path: Path, info: dict) -> tuple[bool, dict]:
     (False, the holder's line as it is now): when the time is up, or at once when another
     acquirer, alive, took the lock meanwhile (its line names it: this acquirer then
     shares it or is refused as with any live holder, not after the rest of the wait)."""
-    logger.warning("the run lock %s is held by processes that pid %s started (%s) and that "
-                   "outlive it; waiting up to %g s for them to exit", path, info.get("pid"),
-                   ", ".join(map(str, _processes_holding(fd))) or "not found",
-                   INHERITED_LOCK_WAIT_S)
+    pids = ", ".join(map(str, _processes_holding(fd))) or "none found on this host"
+    if info.get("job") is None:
+        logger.warning("the run lock %s is held by processes that pid %s started (%s) and "
+                       "that outlive it; waiting up to %g s for them to exit", path,
+                       info.get("pid"), pids, INHERITED_LOCK_WAIT_S)
+    else:
+        logger.warning("the run lock %s names pid %s, which is no longer running; processes "
+                       "it started or the other processes of its job hold it on (%s); "
+                       "waiting up to %g s for them to exit", path, info.get("pid"), pids,
+                       INHERITED_LOCK_WAIT_S)
     deadline = time.monotonic() + INHERITED_LOCK_WAIT_S
     while time.monotonic() < deadline:
         time.sleep(0.1)
