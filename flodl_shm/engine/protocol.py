@@ -200,11 +200,17 @@ class RoundView:
 
     @property
     def accepted(self) -> list[int]:
-        return [r for r in range(64) if (self.accepted_mask >> r) & 1]
+        return _ranks_of(self.accepted_mask)
 
     @property
     def contributors(self) -> list[int]:
-        return [r for r in range(64) if (self.contrib_mask >> r) & 1]
+        return _ranks_of(self.contrib_mask)
+
+
+def _ranks_of(mask: int) -> list[int]:
+    """The ranks whose bits ``mask`` sets, ascending (up to its highest bit, not 64: a
+    direct round reads them on every call)."""
+    return [r for r in range(mask.bit_length()) if (mask >> r) & 1]
 
 
 def _controller_silent(stall: ReduceStall) -> ReduceStall:
