@@ -238,6 +238,52 @@ def test_a_one_call_direct_broadcast_with_a_late_rank_finishes_the_blocking_way(
     assert sum(sleeps for _, sleeps in got) >= 4  # (the waits did sleep)
 
 
+def _one_reduces(comm) -> list:
+    """One-tensor direct reduces (one compiled call each) down their slow paths: weight 0
+    on every rank (in place: the tensor stays), a tensor in the shared parameter block
+    (PEERS_MAPPED: the slice is reduced through this process's mappings), then a rank
+    50 ms late (the other's call sleeps, the late one finds sleepers: WAKE), into a
+    result and in place; with the counts of sleeps and mapped rounds."""
+    r, out = comm.rank, []
+    for i in range(2):
+        t = torch.randn(N, generator=torch.Generator().manual_seed(50 + r + i))
+        kept = t.clone()
+        comm.barrier()
+        out.append(torch.tensor([comm.all_reduce_([t], weight=0.0)]))
+        assert torch.equal(t, kept)
+    if comm._engine.direct.state == "ready":
+        (t,) = comm.shared_tensors([torch.randn(N, generator=torch.Generator().manual_seed(
+            60 + r))])
+    else:
+        t = torch.randn(N, generator=torch.Generator().manual_seed(60 + r))
+    for i in range(2):
+        comm.barrier()
+        comm.all_reduce_([t], weight=2.0 + r)
+        out.append(t.clone())
+    for i in range(4):
+        if r == i % 2:
+            time.sleep(0.05)
+        t = torch.randn(N, generator=torch.Generator().manual_seed(10 * r + i)) * (r + 1)
+        if i < 2:
+            out.append(comm.all_reduce_tensors([t])[0])
+        else:
+            comm.all_reduce_([t], weight=1.0 + r, scale=0.5 + r)
+            out.append(t)
+    return out, comm._engine.waiter.sleeps, comm._engine.direct.mapped_rounds
+
+
+def test_one_tensor_direct_reduces_in_one_call_finish_their_slow_paths(low_threshold):
+    got = {}
+    for direct in (False, True):
+        with FakeCohort(2, direct=direct, eager_bytes=EAGER) as cohort:
+            got[direct] = cohort.run(_one_reduces)
+    for rank in range(2):
+        assert [_bits(t) for t in got[True][rank][0]] == \
+            [_bits(t) for t in got[False][rank][0]], rank
+    assert sum(sleeps for _, sleeps, _ in got[True]) >= 2  # (the waits did sleep)
+    assert [mapped for _, _, mapped in got[True]] == [2, 2]
+
+
 def test_the_arena_owner_sets_every_rank_s_broadcast_threshold(monkeypatch):
     """Direct from 32 KiB where each rank has a core, from 1 MiB where ranks outnumber
     cores (the direct round's second wait costs a scheduling turn there), or what the
@@ -330,18 +376,20 @@ def test_a_failed_probe_keeps_every_rank_on_the_shared_path(low_threshold):
 def _eager_sized(comm) -> list:
     """Every reduce call over ~280 KB that fits the eager slots (1 MiB here), each
     twice (a loop's second call takes the hot paths), with how many direct rounds this
-    rank had run after it (``DirectRounds.run``, counted on its way through)."""
+    rank had run after it (``DirectRounds.run`` or ``run_one``, counted on their way
+    through)."""
     from flodl_shm.engine.gathered import GatheredTensors
 
     direct = comm._engine.direct
     runs = []
-    real = direct.run
 
-    def counted(*args, **kwargs):
-        runs.append(1)
-        return real(*args, **kwargs)
+    def counted(real):
+        def call(*args, **kwargs):
+            runs.append(1)
+            return real(*args, **kwargs)
+        return call
 
-    direct.run = counted
+    direct.run, direct.run_one = counted(direct.run), counted(direct.run_one)
     r, out = comm.rank, []
     gathered = GatheredTensors(_inputs(r, 30))
     for i in range(2):

@@ -135,7 +135,7 @@ from ..errors import CohortAborted
 from ..frame import DTYPE_F32
 from ..kernels import cma as C
 from ..kernels import signals
-from ..kernels.codes import NOT_ROOT, OK, SLICES_PENDING, UNREACHABLE
+from ..kernels.codes import NOT_ROOT, OK, PEERS_MAPPED, SLICES_PENDING, UNREACHABLE
 from .waiting import WORK_BYTES_PER_S, futex_wake
 
 UNPROBED, READY, UNAVAILABLE = "unprobed", "ready", "unavailable"
@@ -271,9 +271,35 @@ class DirectRounds:
         by the caller until this returns. ``keep_on_empty``: a MODEL round with no
         accepted mass leaves the destinations untouched (else they get the plain sum,
         as the shared path gives). Returns the accepted mass."""
+        view = self._publish(plan, rnd, weight, scale, A.FLAG_DIRECT, srcs, dsts, hook)
+        return self._reduce(plan, rnd, view, keep_on_empty, hook)
+
+    def run_one(self, plan, rnd: int, weight: float, scale: float, src: int, dst: int,
+                keep_on_empty: bool) -> float:
+        """``run`` of ONE contiguous float32 tensor (at address ``src``, into ``dst``: the
+        same address in place), without a fault hook: one compiled call from its
+        publication to its last slice in the common case (``kernels.cma.direct_reduce_f32``).
+        A late peer, sleepers, peers whose tensors lie in their shared blocks, a failure:
+        the Python steps finish the round, as in ``run``."""
+        eng = self.eng
+        acc, tmp = self._buffers()
+        code = C.direct_calls().reduce_f32(eng.call_block, plan.call, src, dst, rnd, weight,
+                                           scale, keep_on_empty, acc, tmp, self._iov)
+        if code == OK:
+            return eng.last_mass
+        if code in (UNREACHABLE, SLICES_PENDING):
+            self._delivered(code, rnd, plan)
+            return eng.last_mass
+        # (PEERS_MAPPED: arrived already, this wait returns at once)
+        view = eng.await_arrivals(rnd) if code == PEERS_MAPPED else eng.settle_eager(code, rnd)
+        eng.last_accepted = view.accepted_mask
+        return self._reduce(plan, rnd, view, keep_on_empty, None)
+
+    def _reduce(self, plan, rnd: int, view, keep_on_empty: bool, hook) -> float:
+        """REDUCED and DONE of ``run`` after its arrival wait (``view``): this rank's
+        slice out of every accepted rank's sources, as their address tables name them."""
         eng = self.eng
         me, nt = eng.rank, plan.ntensors
-        view = self._publish(plan, rnd, weight, scale, A.FLAG_DIRECT, srcs, dsts, hook)
         if keep_on_empty and plan.kind == 0 and not view.mass > 0.0:
             return view.mass
         accepted = view.accepted

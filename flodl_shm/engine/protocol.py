@@ -304,6 +304,11 @@ class RoundEngine:
         return self._call
 
     @property
+    def last_mass(self) -> float:
+        """The accepted mass of the last completed arrival (its call-block word)."""
+        return self._mass_cell[0]
+
+    @property
     def culprit(self) -> int:
         """The rank the last compiled step that failed named (its I_CULPRIT word)."""
         return self._info_words[RK.I_CULPRIT]

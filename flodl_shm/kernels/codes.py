@@ -28,10 +28,14 @@ NOT_ROOT = -7     # a fused broadcast completed, but its root is not its only co
 UNREACHABLE = -8  # a peer's memory could not be read or written (the rank in I_CULPRIT)
 SLICES_PENDING = -9  # this rank's slice is delivered and its done word published, but
 #                      not every slice is yet (or peers sleep): wake them, then wait
+# a direct reduce's one call (``cma.direct_reduce_f32``), after its arrivals:
+PEERS_MAPPED = -10  # every peer's tensor lies in its shared parameter block: the caller
+#                     reduces the slice with plain loads and stores (its mappings)
 
 NAMES = {OK: "OK", ABORT: "ABORT", MISMATCH: "MISMATCH", EXITED: "EXITED",
          OUT_OF_STEP: "OUT_OF_STEP", WAKE: "WAKE", NOT_ROOT: "NOT_ROOT",
-         UNREACHABLE: "UNREACHABLE", SLICES_PENDING: "SLICES_PENDING"}
+         UNREACHABLE: "UNREACHABLE", SLICES_PENDING: "SLICES_PENDING",
+         PEERS_MAPPED: "PEERS_MAPPED"}
 
 
 def is_terminal(code: int) -> bool:
