@@ -284,6 +284,29 @@ def test_one_tensor_direct_reduces_in_one_call_finish_their_slow_paths(low_thres
     assert [mapped for _, _, mapped in got[True]] == [2, 2]
 
 
+def test_a_bfloat16_nan_is_written_back_with_the_shared_path_s_bits(low_threshold):
+    """A probe: +inf on one rank and -inf on the other sum to a NaN, which the direct
+    round wrote back into a bfloat16 tensor through torch's copy_ (0xFFFF) where the
+    shared path writes its codec's NaN (0xFFC0); a transposed one too."""
+    def body(comm):
+        out = []
+        for shape in ((N,), (350, 200)):
+            t = torch.full(shape, 0.5 + comm.rank).bfloat16()
+            t.view(-1)[3] = float("inf") if comm.rank == 0 else -float("inf")
+            t = t if len(shape) == 1 else t.t()
+            comm.all_reduce_([t], weight=1.0)
+            out.append(t.contiguous().view(torch.int16).clone())
+        return out
+
+    got = {}
+    for direct in (False, True):
+        with FakeCohort(2, direct=direct, eager_bytes=EAGER) as cohort:
+            got[direct] = cohort.run(body)
+    for rank in range(2):
+        for shared, direct in zip(got[False][rank], got[True][rank]):
+            assert torch.equal(shared, direct), rank
+
+
 def test_the_arena_owner_sets_every_rank_s_broadcast_threshold(monkeypatch):
     """Direct from 32 KiB where each rank has a core, from 1 MiB where ranks outnumber
     cores (the direct round's second wait costs a scheduling turn there), or what the

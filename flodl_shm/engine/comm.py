@@ -1572,9 +1572,10 @@ class Comm:
             self._fail(rnd, e)
             raise
         if out is None and staged and (plan.kind != _MODEL or mass > 0.0):
-            with torch.no_grad():
-                for t, copy in staged:
-                    t.copy_(copy)
+            # (narrowed as the shared path's write-back narrows: torch's copy_ gives a
+            # NaN other bits)
+            for t, copy in staged:
+                decode_into_tensor(tensor_array(copy.view(-1), np.float32), DTYPE_F32, t)
         return mass
 
     def _fusable(self, kind: int, outer: bool) -> bool:
