@@ -459,6 +459,45 @@ def test_reduces_that_fit_the_eager_slots_run_direct_from_the_threshold(low_thre
             assert [_bits(x) for x in a[1]] == [_bits(y) for y in b[1]], (a[0], rank)
 
 
+def test_a_reduce_of_one_tensor_runs_direct_from_half_the_threshold(monkeypatch):
+    """One tensor's direct round is one compiled call, which pays from half the
+    threshold (256 KiB by default); a round of several tensors of the same bytes, its
+    steps in Python, stays in the eager slots below the threshold."""
+    monkeypatch.delenv("FLODL_SHM_DIRECT_MIN_BYTES", raising=False)
+
+    def body(comm):
+        direct = comm._engine.direct
+        runs = []
+
+        def counted(real):
+            def call(*args, **kwargs):
+                runs.append(1)
+                return real(*args, **kwargs)
+            return call
+
+        direct.run, direct.run_one = counted(direct.run), counted(direct.run_one)
+        out = []
+        for elements in ((64 << 10) - 16, 64 << 10, 75_000, 127_999):  # (256 KiB: 65,536)
+            g = torch.Generator().manual_seed(comm.rank * 10 + elements % 7)
+            one = [torch.randn(elements, generator=g)]
+            comm.all_reduce_(one, weight=1.0 + comm.rank)
+            (res,) = comm.all_reduce_tensors([one[0] * 2])
+            two = [torch.randn(elements // 2, generator=g) for _ in range(2)]
+            comm.all_reduce_(two)
+            out.append(([one[0].clone(), res] + two, len(runs)))
+        return comm.direct_min_bytes, out
+
+    got = {}
+    for direct in (False, True):
+        with FakeCohort(2, direct=direct) as cohort:
+            got[direct] = cohort.run(body)
+    for rank in range(2):
+        assert got[True][rank][0] == 512 << 10
+        assert [runs for _, runs in got[True][rank][1]] == [0, 2, 4, 6]
+        for (a, _), (b, _) in zip(got[False][rank][1], got[True][rank][1]):
+            assert [_bits(x) for x in a] == [_bits(y) for y in b], rank
+
+
 def test_a_failed_probe_gives_the_eager_sized_reduces_back_their_one_call(low_threshold):
     """A plan made while the direct path was unsettled holds its reduces off the fused
     eager call; once the probe fails, the engine's and a window's plans take it again."""

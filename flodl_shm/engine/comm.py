@@ -1173,7 +1173,8 @@ class Comm:
     def direct_min_bytes(self) -> int:
         """Payload bytes from which an eligible reduce runs as a direct round: the arena
         owner's word (``FLODL_SHM_DIRECT_MIN_BYTES`` where it created the arena, else
-        512 KiB), the same on every rank."""
+        512 KiB), the same on every rank; a reduce of one tensor runs direct from half
+        of it."""
         return self._engine.direct.min_bytes
 
     def direct_round_holds(self, tensors: Sequence[torch.Tensor]) -> bool:

@@ -30,7 +30,8 @@ Direct rounds need two things the shared path does not:
 
 A round is eligible when every rank agrees on it from the round's schema alone: a
 float32 wire, no outer-optimizer step, no checkpoint tap, one host (no relay), and a
-payload of at least the arena's ``G_DIRECT_MIN`` (512 KiB; ``arena.direct_min_bytes``),
+payload of at least the arena's ``G_DIRECT_MIN`` (512 KiB; ``arena.direct_min_bytes``;
+half of it for a reduce of one tensor, whose round is one compiled call),
 eager-sized or not (a reduce: such a plan is not ``RoundPlan.fused``), or at least its
 ``G_DIRECT_BROADCAST_MIN`` (32 KiB, or 1 MiB where ranks outnumber cores;
 ``arena.direct_broadcast_min_bytes``), eager-sized or not (a broadcast). The arena's
@@ -115,6 +116,13 @@ are one compiled call (``kernels.cma.deliver_broadcast``), and a broadcast of on
 float32 tensor is one call from its publication on (``direct_broadcast_f32``): done in
 Python, their steps cost about 20 µs a round.
 
+A direct reduce of one contiguous float32 tensor without a fault hook is one compiled
+call too (``kernels.cma.direct_reduce_f32``, ``DirectRounds.run_one``): PUBLISHED
+through DONE, where the Python steps cost about 25 µs of an 84 µs round of 512 KiB on 2
+ranks. What it cannot finish (a late peer, sleepers, a failure, peers whose tensors lie
+in their shared blocks: PEERS_MAPPED, since the mappings are this process's) it hands
+back after its arrival or its done word, and the Python steps finish the round.
+
 Failure: a peer whose memory cannot be reached mid-round (its process died), or a dead
 reducer whose slice is missing, makes the rank that finds out raise. It first gives the
 arena's owner up to ``OWNER_VERDICT_S`` to fence the dead rank and stop the cohort
@@ -190,10 +198,20 @@ class DirectRounds:
         """Whether a round of ``plan`` with these agreed ``flags`` (FLAG_OUTER, FLAG_TAP,
         FLAG_BROADCAST) is one a READY host runs direct (every rank answers the same: the
         schema alone, whatever the state)."""
-        small = plan.nbytes < (self.broadcast_min_bytes if flags & A.FLAG_BROADCAST
-                               else self.min_bytes)
-        return not (plan.dtype != DTYPE_F32 or small or flags & (A.FLAG_OUTER | A.FLAG_TAP)
-                    or not self.holds_addresses(plan))
+        if flags & A.FLAG_BROADCAST:
+            least = self.broadcast_min_bytes
+        else:
+            least = self.reduce_min_bytes(plan.ntensors)
+        return not (plan.dtype != DTYPE_F32 or plan.nbytes < least
+                    or flags & (A.FLAG_OUTER | A.FLAG_TAP) or not self.holds_addresses(plan))
+
+    def reduce_min_bytes(self, ntensors: int) -> int:
+        """Payload bytes from which a reduce of ``ntensors`` tensors is direct: the
+        owner's ``min_bytes``, or half of it for one tensor, whose round is one compiled
+        call (``run_one``): at 256 KiB on 2 ranks 30 µs against the eager slots' 45,
+        where a round of several, its steps in Python, took 60-90 (BENCHMARKS.md,
+        "Forty-fourth session")."""
+        return self.min_bytes // 2 if ntensors == 1 else self.min_bytes
 
     def holds_addresses(self, plan) -> bool:
         """Whether a direct round of ``plan`` has room for its tensors' address table:
