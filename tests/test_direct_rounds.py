@@ -396,15 +396,11 @@ def test_a_failed_probe_keeps_every_rank_on_the_shared_path(low_threshold):
     assert res[0] == res[1] == [(1.5 * (i + 1), 1.5 * (i + 1), "unavailable") for i in range(3)]
 
 
-def _eager_sized(comm) -> list:
-    """Every reduce call over ~280 KB that fits the eager slots (1 MiB here), each
-    twice (a loop's second call takes the hot paths), with how many direct rounds this
-    rank had run after it (``DirectRounds.run`` or ``run_one``, counted on their way
-    through)."""
-    from flodl_shm.engine.gathered import GatheredTensors
-
+def _count_direct_rounds(comm) -> list:
+    """A list that gains an item at each direct round this rank runs from now on
+    (``DirectRounds.run`` or ``run_one``, counted on their way through)."""
     direct = comm._engine.direct
-    runs = []
+    runs: list = []
 
     def counted(real):
         def call(*args, **kwargs):
@@ -413,6 +409,17 @@ def _eager_sized(comm) -> list:
         return call
 
     direct.run, direct.run_one = counted(direct.run), counted(direct.run_one)
+    return runs
+
+
+def _eager_sized(comm) -> list:
+    """Every reduce call over ~280 KB that fits the eager slots (1 MiB here), each
+    twice (a loop's second call takes the hot paths), with how many direct rounds this
+    rank had run after it (``DirectRounds.run`` or ``run_one``, counted on their way
+    through)."""
+    from flodl_shm.engine.gathered import GatheredTensors
+
+    runs = _count_direct_rounds(comm)
     r, out = comm.rank, []
     gathered = GatheredTensors(_inputs(r, 30))
     for i in range(2):
@@ -466,16 +473,7 @@ def test_a_reduce_of_one_tensor_runs_direct_from_half_the_threshold(monkeypatch)
     monkeypatch.delenv("FLODL_SHM_DIRECT_MIN_BYTES", raising=False)
 
     def body(comm):
-        direct = comm._engine.direct
-        runs = []
-
-        def counted(real):
-            def call(*args, **kwargs):
-                runs.append(1)
-                return real(*args, **kwargs)
-            return call
-
-        direct.run, direct.run_one = counted(direct.run), counted(direct.run_one)
+        runs = _count_direct_rounds(comm)
         out = []
         for elements in ((64 << 10) - 16, 64 << 10, 75_000, 127_999):  # (256 KiB: 65,536)
             g = torch.Generator().manual_seed(comm.rank * 10 + elements % 7)
