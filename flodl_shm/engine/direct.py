@@ -208,9 +208,9 @@ class DirectRounds:
     def reduce_min_bytes(self, ntensors: int) -> int:
         """Payload bytes from which a reduce of ``ntensors`` tensors is direct: the
         owner's ``min_bytes``, or half of it for one tensor, whose round is one compiled
-        call (``run_one``): at 256 KiB on 2 ranks 30 µs against the eager slots' 45,
-        where a round of several, its steps in Python, took 60-90 (BENCHMARKS.md,
-        "Forty-fourth session")."""
+        call (``run_one``): at 256 KiB on 2 ranks 30 µs against the eager slots' 45, where
+        the round with its steps in Python (as a round of several tensors still runs)
+        took 60-90 (BENCHMARKS.md, "Forty-fourth session" and "Forty-third session")."""
         return self.min_bytes // 2 if ntensors == 1 else self.min_bytes
 
     def holds_addresses(self, plan) -> bool:
