@@ -260,7 +260,7 @@ class RunLock:
 
     def _share(self, fd: int, info: dict) -> tuple[bool, dict]:
         """Take a shared lock on ``fd`` beside this job's holder, whose line is ``info``
-        (read before any lock), waiting up to ``HOLDER_LINE_WAIT_S`` for it to turn its
+        (read before any lock; another job's, or none: nothing is taken), waiting up to ``HOLDER_LINE_WAIT_S`` for it to turn its
         exclusive lock into a shared one (it does right after writing its line; it holds
         it exclusively for a moment while it leaves, too). Returns (whether this process
         joined, the line as it is now). The line is read again once the lock is held:
@@ -269,6 +269,8 @@ class RunLock:
         A live holder of this job that keeps it exclusive for longer (a version of this
         module that never shared it) leaves this process to go on without a lock of its
         own, as those versions did, which is said."""
+        if not self._joins(info):
+            return False, info
         deadline = time.monotonic() + HOLDER_LINE_WAIT_S
         while True:
             try:
@@ -302,20 +304,17 @@ class RunLock:
             return False
         except BlockingIOError:
             pass
-        info = _holder_info(fd)
-        if self._joins(info):
-            joined, info = self._share(fd, info)
-            if joined:
-                return True
+        joined, info = self._share(fd, _holder_info(fd))
+        if joined:
+            return True
         gone = _holder_gone(info)
         if gone:
             held, info = _outwait_inheritors(fd, self.path, info)
             if held:
                 return False
-            if self._joins(info):  # (a live new holder, of this job)
-                joined, info = self._share(fd, info)
-                if joined:
-                    return True
+            joined, info = self._share(fd, info)  # (a live new holder, of this job?)
+            if joined:
+                return True
             gone = _holder_gone(info)  # (another acquirer may hold it by now)
         raise SeriesInUse(os.fspath(self.path), _describe(info, fd if gone else None),
                           info.get("job"), info.get("member"))

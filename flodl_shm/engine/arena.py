@@ -487,9 +487,10 @@ def direct_allowed_by_env() -> bool:
 #: "Forty-third session"): 2 MiB on 2 ranks 261-307 µs direct against 531-538 through the
 #: shared regions, on 4 ranks sharing 2 cores 922-929 against 1,446; 1 MiB on 2 ranks
 #: 139-146 against 221-241 through the eager slots, on 4 ranks 542-568 against 1,084-1,131;
-#: 512 KiB on 4 ranks 329-352 against 507-530. At 128-256 KiB on 4 ranks the eager slots
-#: are ahead. (Before the direct kernels were compiled whole, 2-3 MiB on 4 KiB pages broke
-#: even.)
+#: 512 KiB on 4 ranks 329-352 against 507-530. A reduce of one tensor, one compiled call,
+#: is direct from half of it (``DirectRounds.reduce_min_bytes``: "Forty-fourth session");
+#: below that the eager slots are ahead. (Before the direct kernels were compiled whole,
+#: 2-3 MiB on 4 KiB pages broke even.)
 DIRECT_MIN_BYTES = 512 << 10
 #: payload bytes from which a broadcast is a direct round when each rank has a core: a
 #: reader then reads the root's tensor once, where the eager slot costs the root a copy in
