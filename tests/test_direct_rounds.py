@@ -284,6 +284,59 @@ def test_one_tensor_direct_reduces_in_one_call_finish_their_slow_paths(low_thres
     assert [mapped for _, _, mapped in got[True]] == [2, 2]
 
 
+def _many(rank: int, i: int) -> list[torch.Tensor]:
+    """310 tensors of 1-999 elements, one of 70,000 among them (~560 KB): a slice's
+    chunks gather more pieces than one cross-memory call takes (``MAX_PIECES``), and the
+    big one straddles chunks."""
+    g = torch.Generator().manual_seed(1000 * rank + i)
+    sizes = [1 + (37 * k) % 999 for k in range(310)]
+    sizes[150] = N
+    return [torch.randn(n, generator=g) * (rank + 1) for n in sizes]
+
+
+def _many_tensors(comm) -> list:
+    """Reduces of many small tensors, in place, into results and in the shared block
+    (mapped), with the count of mapped rounds and of those the compiled call reduced."""
+    direct, r, out = comm._engine.direct, comm.rank, []
+    for i in range(2):
+        ts = _many(r, i)
+        mass = comm.all_reduce_(ts, weight=1.0 + r, scale=0.5 + r)
+        out.append(("inplace", [t.clone() for t in ts], mass))
+        res, mass = comm.all_reduce_weighted(_many(r, 10 + i), weight=2.0 + r)
+        out.append(("weighted", res, mass))
+    placed = (comm.shared_tensors([torch.zeros(t.shape) for t in _many(r, 0)])
+              if direct.state == "ready" else [torch.zeros(t.shape) for t in _many(r, 0)])
+    for i in range(3):
+        with torch.no_grad():
+            for t, v in zip(placed, _many(r, 20 + i)):
+                t.copy_(v)
+        comm.barrier()  # (a late peer sends the call's round to the Python steps)
+        mass = comm.all_reduce_(placed, weight=1.0 + r)
+        out.append(("mapped", [t.clone() for t in placed], mass))
+    return out, direct.mapped_rounds, direct.mapped_rounds - direct._mapped_here
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduces_of_many_tensors_run_in_one_call_with_the_shared_path_s_bits(
+        low_threshold, world):
+    """A direct reduce of several tensors is one compiled call too, mapped shared blocks
+    included (the first mapped round maps them, through the Python steps; the compiled
+    call reduces the next ones through the same mappings), and a chunk of many small
+    tensors moves in one cross-memory call per peer: the results are the shared path's,
+    bit for bit."""
+    got = {}
+    for direct in (False, True):
+        with FakeCohort(world, direct=direct, eager_bytes=EAGER) as cohort:
+            got[direct] = cohort.run(_many_tensors)
+    for rank in range(world):
+        for a, b in zip(got[False][rank][0], got[True][rank][0]):
+            assert a[0] == b[0] and a[2] == b[2], (a[0], a[2], b[2])
+            assert [_bits(x) for x in a[1]] == [_bits(y) for y in b[1]], (a[0], rank)
+    assert [mapped for _, mapped, _ in got[True]] == [3] * world
+    if world == 2:  # (3 ranks on this machine's 2 cores: a rank is often late, every round)
+        assert sum(compiled for _, _, compiled in got[True]) >= 1
+
+
 def test_a_bfloat16_nan_is_written_back_with_the_shared_path_s_bits(low_threshold):
     """A probe: +inf on one rank and -inf on the other sum to a NaN, which the direct
     round wrote back into a bfloat16 tensor through torch's copy_ (0xFFFF) where the
@@ -408,7 +461,7 @@ def _count_direct_rounds(comm) -> list:
             return real(*args, **kwargs)
         return call
 
-    direct.run, direct.run_one = counted(direct.run), counted(direct.run_one)
+    direct.run = counted(direct.run)
     return runs
 
 

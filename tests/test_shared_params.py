@@ -141,8 +141,8 @@ def test_a_model_of_more_tensors_than_a_direct_round_holds_keeps_private_paramet
     with the default eager slot; over 2,047 with this test's 64 KiB one) takes the
     shared path, where the block saves nothing."""
     def model_of(count: int, size: int) -> torch.nn.Module:
-        torch.manual_seed(0)
-        return torch.nn.ParameterList([torch.nn.Parameter(torch.randn(size))
+        g = torch.Generator().manual_seed(0)  # (not the global one: the ranks are threads)
+        return torch.nn.ParameterList([torch.nn.Parameter(torch.randn(size, generator=g))
                                        for _ in range(count)])
 
     def window(comm, count: int, size: int):

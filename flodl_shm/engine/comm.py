@@ -1563,9 +1563,6 @@ class Comm:
                 mass = 0.0
                 eng.direct.broadcast(plan, rnd, broadcast, srcs if tensors else None, dsts,
                                      hook=eng.fault_hook)
-            elif nt == 1 and eng.fault_hook is None:  # (one compiled call)
-                mass = eng.direct.run_one(plan, rnd, weight, scale, int(srcs[0]),
-                                          int(dsts[0]), out is None)
             else:
                 mass = eng.direct.run(plan, rnd, weight, scale, srcs, dsts,
                                       keep_on_empty=out is None, hook=eng.fault_hook)

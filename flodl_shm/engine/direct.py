@@ -116,12 +116,15 @@ are one compiled call (``kernels.cma.deliver_broadcast``), and a broadcast of on
 float32 tensor is one call from its publication on (``direct_broadcast_f32``): done in
 Python, their steps cost about 20 µs a round.
 
-A direct reduce of one contiguous float32 tensor without a fault hook is one compiled
-call too (``kernels.cma.direct_reduce_f32``, ``DirectRounds.run_one``): PUBLISHED
-through DONE, where the Python steps cost about 25 µs of an 84 µs round of 512 KiB on 2
-ranks. What it cannot finish (a late peer, sleepers, a failure, peers whose tensors lie
-in their shared blocks: PEERS_MAPPED, since the mappings are this process's) it hands
-back after its arrival or its done word, and the Python steps finish the round.
+A direct reduce without a fault hook is one compiled call too
+(``kernels.cma.direct_reduce_f32``, ``DirectRounds.run``): PUBLISHED through DONE, where
+the Python steps cost about 25 µs of an 84 µs round of 512 KiB on 2 ranks. It reduces
+through mapped shared blocks as well, with the mappings the Python steps made (their
+addresses and sizes in ``DirectRounds._maps``; the arrays of ``_views`` keep them
+mapped), and gathers the chunk's pieces of many small tensors into one cross-memory
+call per peer and direction. What it cannot finish (a late peer, sleepers, a failure,
+peers whose blocks are not mapped here yet or grew past their mappings: PEERS_MAPPED) it
+hands back after its arrival or its done word, and the Python steps finish the round.
 
 Failure: a peer whose memory cannot be reached mid-round (its process died), or a dead
 reducer whose slice is missing, makes the rank that finds out raise. It first gives the
@@ -151,10 +154,6 @@ UNPROBED, READY, UNAVAILABLE = "unprobed", "ready", "unavailable"
 #: how long a rank that lost a peer mid-round waits for the owner to stop the cohort
 OWNER_VERDICT_S = 2.0
 
-#: f32 elements per chunk of a mapped reduce (no staging copy: the accumulator alone
-#: stays in L1/L2 between the reads and the writes)
-MAPPED_CHUNK = 1 << 14
-
 
 class ClosedDirectRounds:
     """What a closed engine holds in place of its ``DirectRounds``, which references the
@@ -183,9 +182,13 @@ class DirectRounds:
         #: ``arena.direct_broadcast_min_bytes``), the same for every rank
         self.min_bytes = int(arena.ctl[A.G_DIRECT_MIN])
         self.broadcast_min_bytes = int(arena.ctl[A.G_DIRECT_BROADCAST_MIN])
-        #: direct rounds whose slice this rank reduced through mapped shared parameter
-        #: blocks (no cross-memory calls)
-        self.mapped_rounds = 0
+        #: this process's mappings of the ranks' shared parameter blocks, for the
+        #: compiled call: address and bytes of rank r's at 2r and 2r + 1 (0: not mapped
+        #: yet), then the count of rounds it reduced through them; ``_views`` holds the
+        #: mappings those addresses point into
+        self._maps = np.zeros(2 * engine.world + 1, np.int64)
+        self._views: dict[int, np.ndarray] = {}
+        self._mapped_here = 0  # mapped rounds reduced by the Python steps
         self._iov = np.zeros(C.IOV_WORDS, np.int64)
         self._scratch: np.ndarray | None = None
         if engine.rank >= 0:
@@ -208,7 +211,7 @@ class DirectRounds:
     def reduce_min_bytes(self, ntensors: int) -> int:
         """Payload bytes from which a reduce of ``ntensors`` tensors is direct: the
         owner's ``min_bytes``, or half of it for one tensor, whose round is one compiled
-        call (``run_one``): at 256 KiB on 2 ranks 30 µs against the eager slots' 45, where
+        call (``run``): at 256 KiB on 2 ranks 30 µs against the eager slots' 45, where
         the round with its steps in Python (as a round of several tensors still runs)
         took 60-90 (BENCHMARKS.md, "Forty-fourth session" and "Forty-third session")."""
         return self.min_bytes // 2 if ntensors == 1 else self.min_bytes
@@ -280,29 +283,34 @@ class DirectRounds:
         region = self.eng.arena.eager_slot(r, rnd)
         return region[plan.off:plan.off + 16 * plan.ntensors].view(np.int64)
 
+    @property
+    def mapped_rounds(self) -> int:
+        """Direct rounds whose slice this rank reduced through mapped shared parameter
+        blocks (no cross-memory calls)."""
+        return self._mapped_here + int(self._maps[-1])
+
     def run(self, plan, rnd: int, weight: float, scale: float, srcs: np.ndarray,
             dsts: np.ndarray, keep_on_empty: bool,
             hook: Callable[[str, int], None] | None = None) -> float:
         """Round ``rnd`` of ``plan`` as a direct round (the caller took the round number):
-        ``srcs``/``dsts`` are int64 addresses of ``plan.ntensors`` contiguous float32
-        tensors of the plan's shapes (the same array when in place), alive and untouched
-        by the caller until this returns. ``keep_on_empty``: a MODEL round with no
-        accepted mass leaves the destinations untouched (else they get the plain sum,
-        as the shared path gives). Returns the accepted mass."""
-        view = self._publish(plan, rnd, weight, scale, A.FLAG_DIRECT, srcs, dsts, hook)
-        return self._reduce(plan, rnd, view, keep_on_empty, hook)
+        ``srcs``/``dsts`` are int64 arrays of the addresses of ``plan.ntensors``
+        contiguous float32 tensors of the plan's shapes (the same array when in place),
+        alive and untouched by the caller until this returns. ``keep_on_empty``: a MODEL
+        round with no accepted mass leaves the destinations untouched (else they get the
+        plain sum, as the shared path gives). Returns the accepted mass.
 
-    def run_one(self, plan, rnd: int, weight: float, scale: float, src: int, dst: int,
-                keep_on_empty: bool) -> float:
-        """``run`` of ONE contiguous float32 tensor (at address ``src``, into ``dst``: the
-        same address in place), without a fault hook: one compiled call from its
-        publication to its last slice in the common case (``kernels.cma.direct_reduce_f32``).
-        A late peer, sleepers, peers whose tensors lie in their shared blocks, a failure:
-        the Python steps finish the round, as in ``run``."""
+        Without a fault ``hook`` the round is one compiled call from its publication to
+        its last slice in the common case (``kernels.cma.direct_reduce_f32``); a late
+        peer, sleepers, peers' shared blocks not mapped here yet, a failure: the Python
+        steps finish it, as they run the whole round under a hook."""
+        if hook is not None:
+            view = self._publish(plan, rnd, weight, scale, A.FLAG_DIRECT, srcs, dsts, hook)
+            return self._reduce(plan, rnd, view, keep_on_empty, hook)
         eng = self.eng
         acc, tmp = self._buffers()
-        code = C.direct_calls().reduce_f32(eng.call_block, plan.call, src, dst, rnd, weight,
-                                           scale, keep_on_empty, acc, tmp, self._iov)
+        code = C.direct_calls().reduce_f32(eng.call_block, plan.call, srcs, dsts, rnd, weight,
+                                           scale, keep_on_empty, acc, tmp, self._iov,
+                                           self._maps)
         if code == OK:
             return eng.last_mass
         if code in (UNREACHABLE, SLICES_PENDING):
@@ -340,8 +348,8 @@ class DirectRounds:
         numels = np.asarray(plan.numels, np.int64)
         mapped = self._map_peers(accepted, nt, numels, all_srcs, all_dsts)
         if mapped:
-            self.mapped_rounds += 1
-            acc = acc[:MAPPED_CHUNK]
+            self._mapped_here += 1
+            acc = acc[:C.MAPPED_CHUNK]
         bad = C.reduce_slice_direct(accepted.index(me), pids, all_srcs, all_dsts, scales,
                                     numels, start, stop, view.inv, acc, tmp, self._iov, mapped)
         if bad >= 0:
@@ -369,7 +377,11 @@ class DirectRounds:
                     or np.any(srcs[row] + nbytes > base + size)
                     or np.any(dsts[row] + nbytes > base + size)):
                 return False
-            local.append((row, base, self.eng.arena.params_view(r, size).ctypes.data))
+            view = self.eng.arena.params_view(r, size)
+            # (the compiled call reads these from now on; the view keeps the mapping)
+            self._views[r] = view
+            self._maps[2 * r:2 * r + 2] = view.ctypes.data, view.shape[0]
+            local.append((row, base, view.ctypes.data))
         for row, base, mapped in local:
             srcs[row] += mapped - base
             dsts[row] += mapped - base

@@ -22,7 +22,7 @@ bytes (a reader alone would move all of them). ``deliver_broadcast`` is a direct
 broadcast's steps after its arrival wait (REDUCED and DONE of ``engine/direct.py``) in
 one call, and ``direct_broadcast_f32`` the whole round of one float32 tensor: its
 Python steps cost about 20 µs a round, more than the copies of a 256 KiB tensor.
-``direct_reduce_f32`` is the whole direct reduce of one float32 tensor in one call: its
+``direct_reduce_f32`` is the whole direct reduce of float32 tensors in one call: its
 Python steps took about 25 µs of an 84 µs round of 512 KiB on 2 ranks.
 """
 from __future__ import annotations
@@ -52,28 +52,39 @@ AVAILABLE = bind_libc("process_vm_readv", "process_vm_writev")
 #: f32 elements per chunk: a chunk and its accumulator stay in L2 between the reads,
 #: the sum and the writes
 CHUNK = 1 << 16
+#: f32 elements per chunk of a mapped reduce (no staging copy: the accumulator alone
+#: stays in L1/L2 between the reads and the writes)
+MAPPED_CHUNK = 1 << 14
 #: f32 elements up to which a broadcast's root copies its own result (not its tensors:
 #: ``broadcast_from_root``) whole while the readers share the slices, where each rank
 #: would otherwise deliver one (a call fewer per reader): 10.0-10.2 against 11.7-13.3 µs
 #: at 64 KiB, 14.7-15.1 against 15.7 at 256 KiB, but 87-125 against 55-73 µs at 1 MiB,
 #: where the root's whole copy is the round's longest part (2 ranks, BENCHMARKS.md)
 ROOT_WHOLE_MAX = 1 << 16
-#: int64 words of the scratch ``iov`` array: two iovecs (local, remote)
-IOV_WORDS = 4
+#: pieces of tensors one chunk of a direct reduce gathers, so that one call per peer
+#: and direction moves the chunk of a round of many small tensors (a call per tensor
+#: cost about 1.5 µs each: 16 tensors of 16 KiB on 2 ranks, BENCHMARKS.md "Forty-fifth
+#: session")
+MAX_PIECES = 64
+#: int64 words of the scratch ``iov`` array: up to ``MAX_PIECES`` local iovecs (address,
+#: bytes), then as many remote ones
+IOV_WORDS = 4 * MAX_PIECES
+#: byte offset of the remote iovecs in ``iov``
+_REMOTE = 16 * MAX_PIECES
 
 
 def _vm_call(name):
     @intrinsic
-    def call(typingctx, pid, local_iov, remote_iov):
-        sig = types.int64(pid, local_iov, remote_iov)
+    def call(typingctx, pid, local_iov, nlocal, remote_iov, nremote):
+        sig = types.int64(pid, local_iov, nlocal, remote_iov, nremote)
 
         def codegen(context, builder, signature, args):
             i64 = ir.IntType(64)
             fnty = ir.FunctionType(i64, [ir.IntType(32), i64, i64, i64, i64, i64])
             fn = cgutils.get_or_insert_function(builder.module, fnty, name)
-            one = ir.Constant(i64, 1)
             pid32 = builder.trunc(args[0], ir.IntType(32))
-            return builder.call(fn, [pid32, args[1], one, args[2], one, ir.Constant(i64, 0)])
+            return builder.call(fn, [pid32, args[1], args[2], args[3], args[4],
+                                     ir.Constant(i64, 0)])
 
         return sig, codegen
 
@@ -90,14 +101,19 @@ def _transfer(write, pid, local, remote, nbytes, iov):
     True when every byte moved."""
     iov[0] = local
     iov[1] = nbytes
-    iov[2] = remote
-    iov[3] = nbytes
+    iov[2 * MAX_PIECES] = remote
+    iov[2 * MAX_PIECES + 1] = nbytes
+    return _call(write, pid, iov, 1, 1) == nbytes
+
+
+@njit(inline="always")
+def _call(write, pid, iov, nlocal, nremote):
+    """One ``process_vm_writev`` (``write``) or ``process_vm_readv`` of the first
+    ``nlocal`` local and ``nremote`` remote iovecs of ``iov``; the bytes moved."""
     a = iov.ctypes.data
     if write:
-        got = _writev(np.int64(pid), a, a + 16)
-    else:
-        got = _readv(np.int64(pid), a, a + 16)
-    return got == nbytes
+        return _writev(np.int64(pid), a, np.int64(nlocal), a + _REMOTE, np.int64(nremote))
+    return _readv(np.int64(pid), a, np.int64(nlocal), a + _REMOTE, np.int64(nremote))
 
 
 @njit(cache=True, nogil=True)
@@ -176,33 +192,71 @@ def reduce_slice_direct(me, pids, srcs, dsts, scales, numels, start, stop, inv, 
     ch = acc.shape[0]
     f = np.float32(inv)
     spans = _spans(numels, start, stop)
-    for k in range(spans.shape[0]):
-        t, a, b = spans[k, 0], spans[k, 1], spans[k, 2]
-        for c0 in range(a, b, ch):
-            m = min(c0 + ch, b) - c0
-            for r in range(nr):
-                s = np.float32(scales[r])
-                if mapped or r == me:
-                    src = f32_at(srcs[r * nt + t] + 4 * c0, m)
-                else:
-                    if not _transfer(False, pids[r], tmp.ctypes.data, srcs[r * nt + t] + 4 * c0,
-                                     4 * m, iov):
-                        return r
-                    src = tmp
-                _accumulate(acc, src, m, s, r == 0)
+    ns = spans.shape[0]
+    pieces = np.empty((MAX_PIECES, 3), np.int64)  # (tensor, first element, elements)
+    k = 0
+    pos = spans[0, 1] if ns else 0
+    while k < ns:
+        # the next chunk: up to ``ch`` elements in up to MAX_PIECES pieces of tensors,
+        # end to end in ``acc``
+        npc = 0
+        total = 0
+        while k < ns and npc < MAX_PIECES and total < ch:
+            m = min(spans[k, 2] - pos, ch - total)
+            pieces[npc, 0] = spans[k, 0]
+            pieces[npc, 1] = pos
+            pieces[npc, 2] = m
+            npc += 1
+            total += m
+            pos += m
+            if pos == spans[k, 2]:
+                k += 1
+                if k < ns:
+                    pos = spans[k, 1]
+        for r in range(nr):
+            s = np.float32(scales[r])
+            if mapped or r == me:
+                off = 0
+                for p in range(npc):
+                    t, c0, m = pieces[p, 0], pieces[p, 1], pieces[p, 2]
+                    _accumulate(f32_at(acc.ctypes.data + 4 * off, m),
+                                f32_at(srcs[r * nt + t] + 4 * c0, m), m, s, r == 0)
+                    off += m
+            else:  # the chunk's pieces of rank r's sources, end to end into tmp: one call
+                iov[0] = tmp.ctypes.data
+                iov[1] = 4 * total
+                for p in range(npc):
+                    iov[2 * MAX_PIECES + 2 * p] = srcs[r * nt + pieces[p, 0]] + 4 * pieces[p, 1]
+                    iov[2 * MAX_PIECES + 2 * p + 1] = 4 * pieces[p, 2]
+                if _call(False, pids[r], iov, 1, npc) != 4 * total:
+                    return r
+                _accumulate(acc, tmp, total, s, r == 0)
+        off = 0
+        for p in range(npc):
+            t, c0, m = pieces[p, 0], pieces[p, 1], pieces[p, 2]
             out = f32_at(dsts[me * nt + t] + 4 * c0, m)
+            part = f32_at(acc.ctypes.data + 4 * off, m)
             for i in range(m):
-                out[i] = acc[i] * f
-            for r in range(nr):
-                if r == me:
-                    continue
-                if mapped:
+                out[i] = part[i] * f
+            iov[2 * p] = out.ctypes.data  # (this rank's pieces: the writes' local iovecs)
+            iov[2 * p + 1] = 4 * m
+            off += m
+        for r in range(nr):
+            if r == me:
+                continue
+            if mapped:
+                for p in range(npc):
+                    t, c0, m = pieces[p, 0], pieces[p, 1], pieces[p, 2]
+                    out = f32_at(dsts[me * nt + t] + 4 * c0, m)
                     peer = f32_at(dsts[r * nt + t] + 4 * c0, m)
                     for i in range(m):
                         peer[i] = out[i]
-                elif not _transfer(True, pids[r], out.ctypes.data, dsts[r * nt + t] + 4 * c0,
-                                   4 * m, iov):
-                    return r
+                continue
+            for p in range(npc):
+                iov[2 * MAX_PIECES + 2 * p] = dsts[r * nt + pieces[p, 0]] + 4 * pieces[p, 1]
+                iov[2 * MAX_PIECES + 2 * p + 1] = 4 * pieces[p, 2]
+            if _call(True, pids[r], iov, npc, npc) != 4 * total:
+                return r
     return -1
 
 
@@ -389,20 +443,27 @@ def direct_broadcast_f32(blk, pl, src, dst, rnd, flags, root, iov):
 
 
 @njit(cache=True, nogil=True)
-def direct_reduce_f32(blk, pl, src, dst, rnd, weight, scale, keep_on_empty, acc, tmp, iov):
-    """A whole direct reduce of ONE contiguous float32 tensor of plan ``pl`` in one call
+def direct_reduce_f32(blk, pl, srcs_in, dsts_in, rnd, weight, scale, keep_on_empty, acc, tmp,
+                      iov, maps):
+    """A whole direct reduce of the contiguous float32 tensors of plan ``pl`` in one call
     (``engine/direct.py``): the plan's schema words in this rank's eager slot when they
-    are not there yet, its address table (the source at ``src``, the destination at
-    ``dst``: the same address in place), its ``scale`` and its header with FLAG_DIRECT and
-    mass ``weight``, published; the arrival spin and validation; then, unless the round
-    accepted no mass and ``keep_on_empty`` (a MODEL round in place: the tensor stays),
-    this rank's slice reduced out of every accepted rank's source into every accepted
-    rank's destination (``reduce_slice_direct``, the scratch ``acc``/``tmp`` of
-    ``CHUNK`` elements), its done word and the spin for every slice.
+    are not there yet, its address table (the sources at ``srcs_in``, the destinations
+    at ``dsts_in``: the same addresses in place), its ``scale`` and its header with
+    FLAG_DIRECT and mass ``weight``, published; the arrival spin and validation; then,
+    unless the round accepted no mass and ``keep_on_empty`` (a MODEL round in place: the
+    tensors stay), this rank's slice reduced out of every accepted rank's sources into
+    every accepted rank's destinations (``reduce_slice_direct``, the scratch ``acc``/
+    ``tmp`` of ``CHUNK`` elements), its done word and the spin for every slice.
+
+    ``maps`` holds, for each local rank r, this process's mapping of r's shared
+    parameter block: its address (0: not mapped) and bytes at ``2r`` and ``2r + 1``; its
+    last word counts the rounds reduced through them. When every peer's tensors lie in
+    its block and the mappings cover the blocks, the slice is reduced through them with
+    plain loads and stores (``MAPPED_CHUNK`` elements a chunk).
 
     Codes: the arrival's as ``rounds.eager_round``'s (this rank published; the caller
     finishes the wait and the round); PEERS_MAPPED (arrived: every peer's tensors lie in
-    its shared parameter block, which the caller reads through its own mappings);
+    its shared parameter block, which ``maps`` does not cover: the caller maps it);
     UNREACHABLE (a peer's memory could not be reached; its rank in I_CULPRIT; the done
     word is not published), SLICES_PENDING (done published, the slices not all: the
     caller wakes the sleepers and waits), else OK."""
@@ -412,11 +473,13 @@ def direct_reduce_f32(blk, pl, src, dst, rnd, weight, scale, keep_on_empty, acc,
     world = blk[C_WORLD]
     slot_bytes = blk[C_SLOT_BYTES]
     nwords = pl[P_NWORDS]
+    nt = srcs_in.shape[0]
     par = rnd & 1
     b = (2 * me + par) * slot_bytes + nwords * 8
-    table = eager[b:b + 16].view(np.int64)
-    table[0] = src
-    table[1] = dst
+    table = eager[b:b + 16 * nt].view(np.int64)
+    for t in range(nt):
+        table[t] = srcs_in[t]
+        table[nt + t] = dsts_in[t]
     ctl_f64[_hdr(me, rnd) + H_SCALE] = scale
     code = _publish_and_arrive(blk, pl, rnd, FLAG_DIRECT, weight)
     if code != OK:
@@ -435,12 +498,14 @@ def direct_reduce_f32(blk, pl, src, dst, rnd, weight, scale, keep_on_empty, acc,
     ranks = np.empty(k, np.int64)
     pids = np.empty(k, np.int64)
     scales = np.empty(k, np.float64)
-    srcs = np.empty(k, np.int64)
-    dsts = np.empty(k, np.int64)
-    nbytes = 4 * pl[P_NELEM]
+    srcs = np.empty(k * nt, np.int64)
+    dsts = np.empty(k * nt, np.int64)
+    counts = P_WORDS + nwords + nt  # the tensors' element counts, in the plan's table
+    numels = pl[counts:counts + nt]
     i = 0
     mine = 0
     in_blocks = k > 1
+    covered = True
     for r in range(world):
         if not (accepted >> r) & 1:
             continue
@@ -449,22 +514,36 @@ def direct_reduce_f32(blk, pl, src, dst, rnd, weight, scale, keep_on_empty, acc,
         pids[i] = ctl[base_r + R_PID]
         scales[i] = ctl_f64[_hdr(r, rnd) + H_SCALE]
         o = (2 * r + par) * slot_bytes + nwords * 8
-        t = eager[o:o + 16].view(np.int64)
-        srcs[i] = t[0]
-        dsts[i] = t[1]
+        row = eager[o:o + 16 * nt].view(np.int64)
+        for t in range(nt):
+            srcs[i * nt + t] = row[t]
+            dsts[i * nt + t] = row[nt + t]
         if r == me:
             mine = i
-        else:
+        elif in_blocks:
             lo, size = ctl[base_r + R_PARAMS_BASE], ctl[base_r + R_PARAMS_BYTES]
-            in_blocks = in_blocks and size > 0 and lo <= srcs[i] and lo <= dsts[i] \
-                and srcs[i] + nbytes <= lo + size and dsts[i] + nbytes <= lo + size
+            in_blocks = size > 0
+            for t in range(nt):
+                s, d, n = srcs[i * nt + t], dsts[i * nt + t], 4 * numels[t]
+                in_blocks = in_blocks and lo <= s and lo <= d and s + n <= lo + size \
+                    and d + n <= lo + size
+            covered = covered and maps[2 * r] != 0 and size <= maps[2 * r + 1]
         i += 1
     if in_blocks:
-        return PEERS_MAPPED
-    counts = P_WORDS + nwords + 1  # the tensor's element count, in the plan's table
+        if not covered:
+            return PEERS_MAPPED
+        for i in range(k):
+            r = ranks[i]
+            if r != me:
+                shift = maps[2 * r] - ctl[GLOBAL_WORDS + r * RANK_WORDS + R_PARAMS_BASE]
+                for t in range(nt):
+                    srcs[i * nt + t] += shift
+                    dsts[i * nt + t] += shift
+        maps[2 * world] += 1
+        acc = acc[:MAPPED_CHUNK]
     start, stop = _slice_of(pl[P_NELEM], world, me)
-    bad = reduce_slice_direct(mine, pids, srcs, dsts, scales, pl[counts:counts + 1], start,
-                              stop, inv, acc, tmp, iov, False)
+    bad = reduce_slice_direct(mine, pids, srcs, dsts, scales, numels, start, stop, inv, acc,
+                              tmp, iov, in_blocks)
     if bad >= 0:
         info[I_CULPRIT] = ranks[bad]
         return UNREACHABLE
@@ -479,9 +558,9 @@ class DirectCalls(NamedTuple):
 
     deliver: Callable    # deliver_broadcast(blk, off, numels, rnd, root, accepted, iov)
     broadcast_f32: Callable  # direct_broadcast_f32(blk, pl, src, dst, rnd, flags, root, iov)
-    #: direct_reduce_f32(blk, pl, src, dst, rnd, weight, scale, keep_on_empty, acc, tmp,
-    #: iov); ``weight``, ``scale`` Python floats, ``keep_on_empty`` a bool, ``acc``/``tmp``
-    #: 1-D C float32 arrays
+    #: direct_reduce_f32(blk, pl, srcs, dsts, rnd, weight, scale, keep_on_empty, acc, tmp,
+    #: iov, maps); ``srcs``/``dsts``/``maps`` 1-D C int64 arrays, ``weight``, ``scale``
+    #: Python floats, ``keep_on_empty`` a bool, ``acc``/``tmp`` 1-D C float32 arrays
     reduce_f32: Callable
 
 
@@ -494,9 +573,9 @@ def direct_calls() -> DirectCalls:
         deliver=deliver_broadcast.compile((words, i64, words, i64, i64, i64, words)),
         broadcast_f32=direct_broadcast_f32.compile((words, words, i64, i64, i64, i64, i64,
                                                     words)),
-        reduce_f32=direct_reduce_f32.compile((words, words, i64, i64, i64, types.float64,
+        reduce_f32=direct_reduce_f32.compile((words, words, words, words, i64, types.float64,
                                               types.float64, types.boolean, f32s, f32s,
-                                              words)))
+                                              words, words)))
 
 
 def warm_up() -> None:
