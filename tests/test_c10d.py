@@ -72,7 +72,7 @@ def one_host(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_host_shared(tmp_path_factory):
-    # every reduce takes the shared regions (by default those from 512 KiB run as
+    # every reduce takes the shared regions (by default those from 256 KiB run as
     # direct rounds: engine/direct.py)
     res = run_group("collectives", 2, tmp_path_factory.mktemp("c10d1s"),
                     extra_env={"FLODL_SHM_DIRECT_MIN_BYTES": str(1 << 40)})
@@ -175,7 +175,7 @@ def test_every_collective_and_dtype_on_one_host(one_host):
 
 def test_every_collective_and_dtype_through_the_shared_regions(one_host, one_host_shared):
     check_collectives(one_host_shared)
-    # the 3 MiB reduces ran direct in ``one_host`` (the default threshold, 512 KiB) and
+    # the 3 MiB reduces ran direct in ``one_host`` (the default threshold, 256 KiB) and
     # through the shared regions here: the same bits. The 3 MiB broadcast
     # settled the direct path in both (broadcasts are direct from 32 KiB)
     assert [r["direct_state"] for r in one_host_shared] == ["ready"] * 2
@@ -408,7 +408,7 @@ def test_ddp_of_a_model_with_a_complex_parameter_matches_gloo(tmp_path):
 
 
 def test_ddp_through_direct_rounds_matches_gloo(tmp_path):
-    # buckets of ~2.4 MiB: direct rounds (from 512 KiB: engine/direct.py)
+    # buckets of ~2.4 MiB: direct rounds (from 256 KiB: engine/direct.py)
     shm = run_group("ddp_big", 2, tmp_path)
     gloo = run_group("ddp_big", 2, tmp_path, backend="gloo")
     _no_segments_of(shm)

@@ -382,11 +382,11 @@ def test_the_arena_owner_sets_every_rank_s_broadcast_threshold(monkeypatch):
 
 
 def test_the_arena_owner_sets_every_rank_s_reduce_threshold(monkeypatch):
-    """512 KiB, or ``FLODL_SHM_DIRECT_MIN_BYTES`` as the arena's owner read it at
+    """256 KiB, or ``FLODL_SHM_DIRECT_MIN_BYTES`` as the arena's owner read it at
     creation: a rank that reads another value later still uses the owner's."""
     var = "FLODL_SHM_DIRECT_MIN_BYTES"
     monkeypatch.delenv(var, raising=False)
-    assert A.direct_min_bytes() == A.DIRECT_MIN_BYTES == 512 << 10
+    assert A.direct_min_bytes() == A.DIRECT_MIN_BYTES == 256 << 10
     monkeypatch.setenv(var, "4 MiB")
     with pytest.raises(ValueError, match=f"{var}='4 MiB' is not a whole number of bytes"):
         A.direct_min_bytes()
@@ -519,10 +519,10 @@ def test_reduces_that_fit_the_eager_slots_run_direct_from_the_threshold(low_thre
             assert [_bits(x) for x in a[1]] == [_bits(y) for y in b[1]], (a[0], rank)
 
 
-def test_a_reduce_of_one_tensor_runs_direct_from_half_the_threshold(monkeypatch):
-    """One tensor's direct round is one compiled call, which pays from half the
-    threshold (256 KiB by default); a round of several tensors of the same bytes, its
-    steps in Python, stays in the eager slots below the threshold."""
+def test_reduces_of_one_tensor_or_several_run_direct_from_256_kib(monkeypatch):
+    """Every direct reduce is one compiled call, which pays from the default threshold,
+    256 KiB, for one tensor and for several of the same bytes alike (a round of several
+    tensors, its steps in Python, stayed in the eager slots up to twice that)."""
     monkeypatch.delenv("FLODL_SHM_DIRECT_MIN_BYTES", raising=False)
 
     def body(comm):
@@ -543,8 +543,8 @@ def test_a_reduce_of_one_tensor_runs_direct_from_half_the_threshold(monkeypatch)
         with FakeCohort(2, direct=direct) as cohort:
             got[direct] = cohort.run(body)
     for rank in range(2):
-        assert got[True][rank][0] == 512 << 10
-        assert [runs for _, runs in got[True][rank][1]] == [0, 2, 4, 6]
+        assert got[True][rank][0] == 256 << 10
+        assert [runs for _, runs in got[True][rank][1]] == [0, 3, 6, 9]
         for (a, _), (b, _) in zip(got[False][rank][1], got[True][rank][1]):
             assert [_bits(x) for x in a] == [_bits(y) for y in b], rank
 

@@ -305,10 +305,10 @@ def test_dev_shm_counts_what_a_large_local_sgd_places_there(tmp_path, capsys):
                                                 + staging // 2)
     assert ("its shared parameter blocks, 2 × 190.7 MiB, take the place of the regions"
             in check(default, "dev_shm_space")["detail"])
-    # a model under the direct rounds' 512 KiB: no direct rounds, no blocks
-    _, small = run_json(capsys, "--root", root, "--shm-size", "8GiB", "--params", "100K",
+    # a model under the direct rounds' 256 KiB: no direct rounds, no blocks
+    _, small = run_json(capsys, "--root", root, "--shm-size", "8GiB", "--params", "50K",
                         "--local-ranks", "2")
-    assert small["needs"]["arena_shm_bytes"] == shm_need_bytes(2, 400_000)
+    assert small["needs"]["arena_shm_bytes"] == shm_need_bytes(2, 200_000)
     assert "shared parameter blocks" not in check(small, "dev_shm_space")["detail"]
 
 

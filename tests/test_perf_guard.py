@@ -43,6 +43,10 @@ frame, 0.25 us less of a 2.9 us call at world 2, so every other API's ratio rose
 tenth for the same code; four measurements: tensors/weighted/scaled 1.43-1.84x, broadcast
 1.50-1.89x, in-place broadcast 1.06-1.15x, zero-copy 1.51-1.64x, frame 2.17-2.33x, per-rank
 0.66-0.81x, barrier 0.21-0.24x (in-place 2.7-4.5 us). The limits rose by that tenth.
+Forty-fifth session: a row for the same bytes in 16 tensors (``api-inplace-16``, a
+model's parameter list), whose fused call gathers each tensor's shape, dtype and address
+in Python, about 0.6 us a tensor: 3.51-3.61x in three measurements (in-place 3.8-3.9
+us); its limit guards that per-tensor cost.
 
 Ratios, never absolute times: the test runs on loaded 2-core machines. Two real
 processes (``spawn``) run every API in interleaved batches (one batch of each API per
@@ -69,7 +73,7 @@ pytestmark = pytest.mark.timeout(300)
 LIMIT = 1.5  # issue 15's target: the in-place path itself and the barrier
 # the APIs whose ratio depends on how much two ranks' Python interferes (module doc)
 LIMITS = {"api-tensors": 2.0, "api-weighted": 2.0, "api-scaled": 2.0, "api-per-rank": 2.0,
-          "api-broadcast": 2.1, "api-zero-copy": 2.5, "api-frame": 3.3}
+          "api-broadcast": 2.1, "api-zero-copy": 2.5, "api-frame": 3.3, "api-inplace-16": 4.5}
 NBYTES = 4 << 10
 REPS = 25
 BATCH = 40

@@ -16,8 +16,9 @@ flodl_shm variants:
   shm-zc        zero-copy: the data already sits in the rank's shared input region
                 (``zero_copy_inputs``) and the consensus is read as a view
   shm-*-bf16    the same with ``set_bf16_wire(True)`` (half the bytes in shared memory)
-  api-*         one row per public collective (``api_ops``: all_reduce_, _tensors,
-                _weighted, _scaled, all_reduce(frame), zero-copy, broadcast_from_root, broadcast_,
+  api-*         one row per public collective (``api_ops``: all_reduce_ of one tensor
+                and of the same bytes in 16, _tensors, _weighted, _scaled,
+                all_reduce(frame), zero-copy, broadcast_from_root, broadcast_,
                 all_reduce_per_rank_f64, barrier), printed as a second table with each
                 row's ratio to the OpenMPI call doing the same job (``API_PEERS``)
 Peers: torch.distributed gloo (TCP over loopback; gloo has no shared-memory
@@ -72,6 +73,7 @@ LABELS = {
     "mpi-small": "OpenMPI Allreduce of world f64",
     "mpi-barrier": "OpenMPI Barrier",
     "api-inplace": "all_reduce_([t])",
+    "api-inplace-16": "all_reduce_(16 tensors)",
     "api-tensors": "all_reduce_tensors([t])",
     "api-weighted": "all_reduce_weighted([t], weight=1)",
     "api-scaled": "all_reduce_scaled([t], 1.0)",
@@ -206,6 +208,7 @@ def _shm_rows(ctx, comm, nbytes, methods, scale, _smallest, pages):
 #: API rows: name -> the OpenMPI call it is compared with ("mpi-*" methods)
 API_PEERS = {
     "api-inplace": "mpi",        # comm.all_reduce_([t])
+    "api-inplace-16": "mpi",     # comm.all_reduce_(ts): the same bytes in 16 tensors
     "api-tensors": "mpi",        # comm.all_reduce_tensors([t])
     "api-weighted": "mpi",       # comm.all_reduce_weighted([t], weight=w)
     "api-scaled": "mpi",         # comm.all_reduce_scaled([t], scale)
@@ -245,6 +248,12 @@ def api_ops(comm, n: int, rank: int, pages: str = "4k") -> dict:
 
     def inplace():
         comm.all_reduce_([t])
+
+    # the same bytes as 16 tensors, as a model's parameter list comes (n: a multiple of 16)
+    parts = [tensor_buffer(n // 16, val, pages) for _ in range(16)]
+
+    def inplace_16():
+        comm.all_reduce_(parts)
 
     def tensors():
         last.clear()
@@ -301,6 +310,7 @@ def api_ops(comm, n: int, rank: int, pages: str = "4k") -> dict:
     return {
         # in place: the tensor holds the mean after the first call, and stays there
         "api-inplace": (inplace, lambda: same(t, mean)),
+        "api-inplace-16": (inplace_16, lambda: all(same(p, mean) for p in parts)),
         "api-tensors": (tensors, lambda: same(last["t"][0], mean)),
         "api-weighted": (weighted, lambda: same(last["w"][0][0], mean) and last["w"][1] == world),
         "api-scaled": (scaled, lambda: same(last["s"][0][0], mean)),

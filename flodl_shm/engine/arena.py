@@ -487,11 +487,13 @@ def direct_allowed_by_env() -> bool:
 #: "Forty-third session"): 2 MiB on 2 ranks 261-307 µs direct against 531-538 through the
 #: shared regions, on 4 ranks sharing 2 cores 922-929 against 1,446; 1 MiB on 2 ranks
 #: 139-146 against 221-241 through the eager slots, on 4 ranks 542-568 against 1,084-1,131;
-#: 512 KiB on 4 ranks 329-352 against 507-530. A reduce of one tensor, one compiled call,
-#: is direct from half of it (``DirectRounds.reduce_min_bytes``: "Forty-fourth session");
-#: below that the eager slots are ahead. (Before the direct kernels were compiled whole,
-#: 2-3 MiB on 4 KiB pages broke even.)
-DIRECT_MIN_BYTES = 512 << 10
+#: 512 KiB on 4 ranks 329-352 against 507-530. Since every direct reduce is one compiled
+#: call (BENCHMARKS.md, "Forty-fourth session" and "Forty-fifth session"), 256 KiB on 2
+#: ranks: one tensor 29-30 µs against the eager slots' 45, 4 tensors 32-34 against 55-57,
+#: 16 tensors 42-44 against 60-64, 4 tensors in the shared blocks 23-24; at 128 KiB one
+#: tensor on 4 ranks sharing 2 cores lost (127-133 µs against 109-115 into a result).
+#: (Before the direct kernels were compiled whole, 2-3 MiB on 4 KiB pages broke even.)
+DIRECT_MIN_BYTES = 256 << 10
 #: payload bytes from which a broadcast is a direct round when each rank has a core: a
 #: reader then reads the root's tensor once, where the eager slot costs the root a copy in
 #: and the reader one out of lines another core just wrote. 2 ranks (BENCHMARKS.md,

@@ -30,7 +30,7 @@ Reduce paths: a contribution of at most ``eager_bytes`` (schema words included)
 travels through the double-buffered eager slots and every rank reduces it itself
 (one synchronisation point); larger ones use the bulk regions with reduce-scatter
 then all-gather, so no process reads all P inputs. See ``protocol.py``. On one host
-with ``max_failures=0``, float32 ones from 512 KiB, eager-sized or not, are direct
+with ``max_failures=0``, float32 ones from 256 KiB, eager-sized or not, are direct
 rounds instead (``direct.py``): each rank reduces its slice straight out of the ranks'
 tensors, with no shared copies.
 
@@ -54,6 +54,7 @@ import torch
 from . import arena as A
 from ..errors import CohortAborted, FrameError
 from ..kernels.rounds import WORK_CHUNK as PER_RANK_FUSED_MAX
+from ..kernels.tensorio import overlapping_spans
 from ..frame import (
     DTYPE_BF16,
     DTYPE_F32,
@@ -132,19 +133,6 @@ def _staged(t: torch.Tensor, staged: list, scale: float = 1.0) -> torch.Tensor:
                   memory_format=torch.contiguous_format)
     staged.append((t, copy))
     return copy
-
-
-def _overlapping(starts: np.ndarray, numels: Sequence[int]) -> list[int]:
-    """Indices of the float32 spans (``starts[i]``, ``numels[i]`` elements) that overlap
-    another span. Sorted by start, a span overlaps an earlier one when it starts before
-    the furthest end so far, and a later one when it ends after the next start."""
-    ends = starts + 4 * np.asarray(numels, np.int64)
-    order = np.argsort(starts, kind="stable")
-    s, e = starts[order], ends[order]
-    hit = np.zeros(len(order), bool)
-    hit[1:] = s[1:] < np.maximum.accumulate(e)[:-1]
-    hit[:-1] |= e[:-1] > s[1:]
-    return sorted(order[hit].tolist())
 
 
 def _integral(value) -> bool:
@@ -674,11 +662,13 @@ class Comm:
         if plan is not None:
             res, out, addr = self._codec.fused_result(plan, armed)
             return res, self._fused_round(plan, weight, len(tensors), scale, out, addr, True)
-        plan = self._engine.plan(kind, dtype, tuple(check_tensors(tensors)))
-        how = self._direct_mode(plan, outer)
-        if how == A.FLAG_DIRECT:
+        plan = self._direct_gathered(tensors, kind, dtype, outer)
+        gathered = plan is not None  # (every tensor's address gathered, none staged)
+        if not gathered:
+            plan = self._engine.plan(kind, dtype, tuple(check_tensors(tensors)))
+        if gathered or self._direct_mode(plan, outer) == A.FLAG_DIRECT:
             flat = self._codec.flat_result(plan.nelem, armed)
-            mass = self._direct_call(tensors, plan, weight, scale, flat)
+            mass = self._direct_call(tensors, plan, weight, scale, flat, gathered=gathered)
             return self._codec.views(flat, plan), mass
 
         def write(dst: np.ndarray, plan: RoundPlan) -> None:
@@ -872,6 +862,10 @@ class Comm:
                 decode_gathered(eng.eager_f32 if dtype == DTYPE_F32 else eng.eager_u16, dtype,
                                 plan, tensors, drift, floats_done=True)
             return mass
+        if drift is None:
+            plan = self._direct_gathered(tensors, kind, dtype, outer)
+            if plan is not None:  # every tensor's address gathered, none staged
+                return self._direct_call(tensors, plan, weight, scale, None, gathered=True)
         plan = eng.plan(kind, dtype, tuple(check_tensors(tensors, in_place=True)))
         if drift is None:
             return self._all_reduce_planned(tensors, plan, weight, scale, kind, outer, dtype)
@@ -1173,8 +1167,7 @@ class Comm:
     def direct_min_bytes(self) -> int:
         """Payload bytes from which an eligible reduce runs as a direct round: the arena
         owner's word (``FLODL_SHM_DIRECT_MIN_BYTES`` where it created the arena, else
-        512 KiB), the same on every rank; a reduce of one tensor runs direct from half
-        of it."""
+        256 KiB), the same on every rank."""
         return self._engine.direct.min_bytes
 
     def direct_round_holds(self, tensors: Sequence[torch.Tensor]) -> bool:
@@ -1514,41 +1507,47 @@ class Comm:
                 and self._direct_mode(plan, False, True) == A.FLAG_DIRECT)
 
     def _direct_call(self, tensors: Sequence[torch.Tensor] | None, plan: RoundPlan, weight,
-                     scale: float, out: torch.Tensor | None, broadcast: int | None = None
-                     ) -> float:
+                     scale: float, out: torch.Tensor | None, broadcast: int | None = None,
+                     gathered: bool = False) -> float:
         """A direct round over ``tensors`` (checked against ``plan``): in place when
         ``out`` is None (a MODEL round with no accepted mass leaves them untouched),
         else into ``out`` (a flat f32 result of ``plan.nelem``); ``broadcast``: the
         local root of a direct broadcast, into ``out`` (``tensors`` None on the other
         ranks) or, ``out`` None, into every rank's ``tensors`` (the root's stay as they
         are). A tensor that is not a contiguous float32 CPU tensor goes through a
-        contiguous float32 copy."""
+        contiguous float32 copy. ``gathered``: the tensors' addresses are in
+        ``plan.addrs`` already, every one a contiguous float32 CPU tensor's
+        (``_direct_gathered``)."""
         return self._one_at_a_time(self._direct_round, tensors, plan, weight, scale, out,
-                                   broadcast)
+                                   broadcast, gathered)
 
     def _direct_round(self, tensors: Sequence[torch.Tensor] | None, plan: RoundPlan, weight,
-                      scale: float, out: torch.Tensor | None, broadcast: int | None) -> float:
+                      scale: float, out: torch.Tensor | None, broadcast: int | None,
+                      gathered: bool = False) -> float:
         weight = self._begin(weight)
         nt = plan.ntensors
-        srcs = np.zeros(nt, np.int64)
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # the round scales in float32, which a bfloat16 tensor's ``mul(scale)`` does not
-        # (one bfloat16 rounding, as the shared path's copy-in): this rank's tensors are
-        # then staged scaled, and its round scales by 1
-        prescale = scale != 1.0 and any(t.dtype is not F32 for t in tensors or ())
-        for i, t in enumerate(tensors or ()):
+        if gathered:  # (``TensorCodec.gather``: contiguous float32 CPU tensors, every one)
+            srcs = plan.addrs[:nt].copy()
+        else:
+            srcs = np.zeros(nt, np.int64)
+            # the round scales in float32, which a bfloat16 tensor's ``mul(scale)`` does
+            # not (one bfloat16 rounding, as the shared path's copy-in): this rank's
+            # tensors are then staged scaled, and its round scales by 1
+            prescale = scale != 1.0 and any(t.dtype is not F32 for t in tensors or ())
+            for i, t in enumerate(tensors or ()):
+                if prescale:
+                    t = _staged(t, staged, scale)
+                elif not (t.dtype is F32 and t.is_cpu and t.is_contiguous()):
+                    t = _staged(t, staged)
+                srcs[i] = t.data_ptr()
             if prescale:
-                t = _staged(t, staged, scale)
-            elif not (t.dtype is F32 and t.is_cpu and t.is_contiguous()):
-                t = _staged(t, staged)
-            srcs[i] = t.data_ptr()
-        if prescale:
-            scale = 1.0
+                scale = 1.0
         if out is None and nt > 1:
             # in place, each rank writes its slice of every tensor while the others still
             # read theirs: tensors that share memory (a tied weight listed twice,
             # overlapping views) would read what another slice already wrote: copies too
-            for i in _overlapping(srcs, plan.numels):
+            for i in overlapping_spans(srcs, plan.addrs[nt:2 * nt]):
                 srcs[i] = _staged(tensors[i], staged).data_ptr()
         if out is None:
             dsts = srcs
@@ -1600,6 +1599,24 @@ class Comm:
             return None  # the general path names what is wrong
         if not (plan.eager_fits if broadcast else plan.fused) \
                 or not TensorCodec.gather(tensors, plan):
+            return None
+        return plan
+
+    def _direct_gathered(self, tensors: Sequence[torch.Tensor], kind: int, dtype: int,
+                         outer: bool) -> RoundPlan | None:
+        """The plan of a direct round over ``tensors`` (on a float32 wire, ``dtype``) with
+        their addresses gathered (``TensorCodec.gather``: every one a contiguous float32
+        CPU tensor, so none needs a staging copy, nor the general path's checks), or
+        None: the general path runs (it stages what needs it, and names a tensor it
+        cannot reduce)."""
+        if dtype != DTYPE_F32:
+            return None
+        try:  # (a nested tensor has no sizes, or sizes that are no ints)
+            plan = self._engine.plan(kind, DTYPE_F32, tuple([t.shape for t in tensors]))
+        except (AttributeError, TypeError, RuntimeError):
+            return None
+        if (self._direct_mode(plan, outer) != A.FLAG_DIRECT
+                or not TensorCodec.gather(tensors, plan) or plan.bf16_sources):
             return None
         return plan
 

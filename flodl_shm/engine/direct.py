@@ -30,8 +30,7 @@ Direct rounds need two things the shared path does not:
 
 A round is eligible when every rank agrees on it from the round's schema alone: a
 float32 wire, no outer-optimizer step, no checkpoint tap, one host (no relay), and a
-payload of at least the arena's ``G_DIRECT_MIN`` (512 KiB; ``arena.direct_min_bytes``;
-half of it for a reduce of one tensor, whose round is one compiled call),
+payload of at least the arena's ``G_DIRECT_MIN`` (256 KiB; ``arena.direct_min_bytes``),
 eager-sized or not (a reduce: such a plan is not ``RoundPlan.fused``), or at least its
 ``G_DIRECT_BROADCAST_MIN`` (32 KiB, or 1 MiB where ranks outnumber cores;
 ``arena.direct_broadcast_min_bytes``), eager-sized or not (a broadcast). The arena's
@@ -201,20 +200,9 @@ class DirectRounds:
         """Whether a round of ``plan`` with these agreed ``flags`` (FLAG_OUTER, FLAG_TAP,
         FLAG_BROADCAST) is one a READY host runs direct (every rank answers the same: the
         schema alone, whatever the state)."""
-        if flags & A.FLAG_BROADCAST:
-            least = self.broadcast_min_bytes
-        else:
-            least = self.reduce_min_bytes(plan.ntensors)
+        least = self.broadcast_min_bytes if flags & A.FLAG_BROADCAST else self.min_bytes
         return not (plan.dtype != DTYPE_F32 or plan.nbytes < least
                     or flags & (A.FLAG_OUTER | A.FLAG_TAP) or not self.holds_addresses(plan))
-
-    def reduce_min_bytes(self, ntensors: int) -> int:
-        """Payload bytes from which a reduce of ``ntensors`` tensors is direct: the
-        owner's ``min_bytes``, or half of it for one tensor, whose round is one compiled
-        call (``run``): at 256 KiB on 2 ranks 30 µs against the eager slots' 45, where
-        the round with its steps in Python (as a round of several tensors still runs)
-        took 60-90 (BENCHMARKS.md, "Forty-fourth session" and "Forty-third session")."""
-        return self.min_bytes // 2 if ntensors == 1 else self.min_bytes
 
     def holds_addresses(self, plan) -> bool:
         """Whether a direct round of ``plan`` has room for its tensors' address table:

@@ -155,6 +155,35 @@ def decode_scatter(src, addrs, ntensors, sums):
     return skipped
 
 
+@njit(cache=True, nogil=True)
+def overlapping_spans(starts, numels):
+    """Indices, ascending, of the float32 spans (``starts[i]`` bytes, ``numels[i]``
+    elements) that overlap another span. Sorted by start, a span overlaps an earlier one
+    when it starts before the furthest end so far, and a later one when it ends after the
+    next start."""
+    n = starts.shape[0]
+    order = np.argsort(starts, kind="mergesort")
+    hit = np.zeros(n, np.bool_)
+    furthest = starts[order[0]] + 4 * numels[order[0]] if n else 0
+    count = 0
+    for j in range(1, n):
+        a, b = order[j - 1], order[j]
+        if starts[b] < furthest:
+            hit[b] = True
+        if starts[a] + 4 * numels[a] > starts[b]:
+            hit[a] = True
+        furthest = max(furthest, starts[b] + 4 * numels[b])
+    for i in range(n):
+        count += hit[i]
+    out = np.empty(count, np.int64)
+    k = 0
+    for i in range(n):
+        if hit[i]:
+            out[k] = i
+            k += 1
+    return out
+
+
 def warm_up() -> None:
     buf = np.zeros(8, np.float32)
     b16 = np.zeros(8, np.uint16)
@@ -170,6 +199,7 @@ def warm_up() -> None:
     decode_f32_into(np.zeros(8, np.float32), a)
     decode_bf16_into(np.zeros(8, np.uint16), a)
     addrs = np.array([a, 8, 0], np.int64)
+    overlapping_spans(addrs[:1], addrs[1:2])
     for sums in (np.zeros((0, 3)), np.zeros((1, 3))):
         decode_scatter(np.zeros(8, np.float32), addrs, 1, sums)
         decode_scatter(np.zeros(8, np.uint16), addrs, 1, sums)

@@ -45,7 +45,7 @@ arithmetic keep the replicas bit-identical); so is an ``OuterNesterov`` on a
 cluster, where the rounds cross hosts through the relay.
 
 **Large models.** Where the window's round is a direct round (one host,
-``max_failures=0``, float32, at least 512 KiB: ``engine/direct.py``), construction moves
+``max_failures=0``, float32, at least 256 KiB: ``engine/direct.py``), construction moves
 the round's tensors into the rank's shared parameter block (``shared_params``;
 ``param.data`` moves, the parameters keep their identity), and the slice reducers
 read and write every rank's parameters in place with plain loads and stores.
@@ -301,7 +301,7 @@ class LocalSGD:
             them in place without copies. ``None`` (default): where it pays, that is
             when the window's round is a direct round (one host, ``spawn`` with
             ``max_failures=0`` or the c10d backend, float32 wire and tensors, no outer
-            step in the round, at least ``Comm.direct_min_bytes``, 512 KiB, in few enough
+            step in the round, at least ``Comm.direct_min_bytes``, 256 KiB, in few enough
             tensors for its address table: ``Comm.direct_round_holds``); ``True``: always
             (a ``ValueError`` says why it cannot); ``False``: never.
     """
