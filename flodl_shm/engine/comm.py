@@ -572,8 +572,9 @@ class Comm:
                 mass = self._fused_round(plan, frame.weight, 0, 1.0, None, 0, False)
                 np.copyto(out, eng.eager_u16[:plan.nelem])
         elif dtype == DTYPE_F32 and self._direct_mode(plan, False) == A.FLAG_DIRECT:
-            mass = self._direct_call(_payload_tensors(payloads), plan, frame.weight, 1.0,
-                                     torch.from_numpy(out))
+            held = _gather_payloads(payloads, plan)  # (alive until the round is done)
+            mass = self._direct_call(held, plan, frame.weight, 1.0, torch.from_numpy(out),
+                                     gathered=True)
         else:
             def write(dst: np.ndarray, plan: RoundPlan) -> None:
                 _write_payloads(payloads, dst, plan, np_dtype)
@@ -747,21 +748,25 @@ class Comm:
                      scale) -> tuple[torch.Tensor, float] | None:
         """The first case of the tensor-returning reduces, checked once for all three:
         one float32 tensor on an f32 wire and no pinned result armed, so copy-in, round
-        and the reduce into a fresh result are one compiled call; returns (result,
-        accepted mass), or None for the general paths."""
+        and the reduce into a fresh result are one compiled call (a direct round's
+        too); returns (result, accepted mass), or None for the general paths."""
         if isinstance(tensors, torch.Tensor):
             refuse_one_tensor(tensors)  # (one of one row has a len of 1: named, not reduced)
         try:  # (free in CPython 3.11 until something raises)
             if len(tensors) != 1 or (self._bf16 and kind == _MODEL) or self._armed is not None:
                 return None
-            plan = self._single_plan(tensors[0], kind, False)
+            plan = self._single_plan(tensors[0], kind, False, direct=True)
         except (TypeError, AttributeError):
             check_tensors(tensors)  # None, a generator, a list where a tensor goes: named
             raise
         if plan is None:
             return None
         scale = _as_scale(scale)
-        return self._single_result(tensors[0], plan, weight, scale)
+        if plan.fused:
+            return self._single_result(tensors[0], plan, weight, scale)
+        t = tensors[0]
+        res = self._result_like(t, plan)
+        return res, self._direct_one(t, plan, weight, scale, res)
 
     def all_reduce_(self, tensors: Sequence[torch.Tensor], *, weight: float = 1.0,
                     scale: float = 1.0, kind=RoundKind.MODEL, outer: bool = False,
@@ -841,7 +846,9 @@ class Comm:
             refuse_one_tensor(tensors)  # (one of one row has a len of 1: named, not reduced)
         try:  # (free in CPython 3.11 until something raises)
             if len(tensors) == 1 and dtype == DTYPE_F32 and drift is None:
-                plan = self._single_plan(tensors[0], kind, outer)
+                plan = self._single_plan(tensors[0], kind, outer, direct=True)
+                if plan is not None and not plan.fused:  # (a direct round: one call too)
+                    return self._direct_one(tensors[0], plan, weight, scale, None)
                 if plan is not None:
                     # copy-in, round and copy-out are a single compiled call
                     return self._single_round(tensors[0], plan, weight, scale)
@@ -1368,11 +1375,13 @@ class Comm:
             self._engine.raise_relay_error(rnd)  # the host relay's failure, if that is why
 
     def _single_plan(self, t: torch.Tensor, kind: int, outer: bool,
-                     broadcast: bool = False) -> RoundPlan | None:
+                     broadcast: bool = False, direct: bool = False) -> RoundPlan | None:
         """The plan of a one-tensor f32-wire round over ``t`` when it can run as one
         compiled call (a contiguous float32 CPU tensor whose frame fits the eager slot;
         a reduce's, one not sized for a direct round: ``RoundPlan.fused``), else None.
-        The last such plan is cached: a training loop repeats it."""
+        With ``direct``, a reduce's plan that runs as a direct round too (not
+        ``fused``: ``_direct_one``). The last such plan is cached: a training loop
+        repeats it."""
         try:  # (free in CPython 3.11 until something raises)
             if not (t.dtype is F32 and t.layout is _STRIDED and t.is_cpu and t.is_contiguous()
                     and self._fusable(kind, outer)):
@@ -1386,7 +1395,17 @@ class Comm:
             fast = self._fast = (shape, kind, self._engine.plan(kind, DTYPE_F32, (shape,)))
         plan = fast[2]
         # not for an empty tensor: its address is 0, which the call reads as "in place"
-        return plan if (plan.eager_fits if broadcast else plan.fused) and plan.nelem else None
+        if (plan.eager_fits if broadcast else plan.fused) and plan.nelem:
+            return plan
+        return plan if direct and self._direct_mode(plan, outer) == A.FLAG_DIRECT else None
+
+    def _direct_one(self, t: torch.Tensor, plan: RoundPlan, weight, scale: float,
+                    out: torch.Tensor | None) -> float:
+        """A direct round of the contiguous float32 tensor ``t`` (``_single_plan`` with
+        ``direct``), in place or into ``out``: its address gathered here, none of the
+        general path's checks or plan lookups (``_direct_call``)."""
+        plan.addr_words[0] = t.data_ptr()
+        return self._direct_call((t,), plan, weight, scale, out, gathered=True)
 
     def _hot_plan(self, tensors: Sequence[torch.Tensor]) -> RoundPlan | None:
         """The plan of ``all_reduce_``'s hot case, a training loop's repeated call over
@@ -1801,16 +1820,19 @@ def _write_payloads(payloads, dst: np.ndarray, plan: RoundPlan, np_dtype) -> Non
         np.copyto(dst[off:off + n], np.frombuffer(p.data, np_dtype))
 
 
-def _payload_tensors(payloads) -> list[torch.Tensor]:
-    """A float32 frame's payloads as tensors over their data, for a direct round (which
-    only reads them); read-only or unaligned data is copied (every rank must take the
-    direct path alike, whatever its buffers)."""
+def _gather_payloads(payloads, plan: RoundPlan) -> list[np.ndarray]:
+    """A float32 frame's payloads' addresses into ``plan.addrs``, for a direct round into
+    a result (which only reads them); the arrays those addresses are in, for the caller
+    to hold until the round is done. Read-only or unaligned data is copied (every rank
+    must take the direct path alike, whatever its buffers)."""
     out = []
-    for p in payloads:
+    addrs = plan.addr_words
+    for i, p in enumerate(payloads):
         a = np.frombuffer(p.data, np.float32)
         if not (a.flags.writeable and a.flags.aligned):
             a = a.copy()
-        out.append(torch.from_numpy(a))
+        addrs[i] = a.ctypes.data
+        out.append(a)
     return out
 
 
