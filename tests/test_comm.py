@@ -511,7 +511,7 @@ def test_schema_mismatch_raises_on_every_rank_and_comm_stays_in_step(case):
         assert "rank 0" in msg and "rank 1" in msg
         assert after == [0.5, 0.5], "the cohort stays usable after a mismatch"
         if case == "barrier":
-            assert "rank 0: CONTROL round without tensors (as barrier() sends)" in msg, msg
+            assert "rank 0: CONTROL round without tensors (as barrier() sends" in msg, msg
 
 
 def test_bad_dtype_is_refused_before_publishing():

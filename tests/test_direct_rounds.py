@@ -285,12 +285,13 @@ def test_one_tensor_direct_reduces_in_one_call_finish_their_slow_paths(low_thres
 
 
 def _many(rank: int, i: int) -> list[torch.Tensor]:
-    """310 tensors of 1-999 elements, one of 70,000 among them (~560 KB): a slice's
-    chunks gather more pieces than one cross-memory call takes (``MAX_PIECES``), and the
-    big one straddles chunks."""
+    """310 tensors of 1-999 elements, one of 70,000 among them (~560 KB), and an empty one
+    (its address is 0): a slice's chunks gather more pieces than one cross-memory call
+    takes (``MAX_PIECES``), and the big one straddles chunks."""
     g = torch.Generator().manual_seed(1000 * rank + i)
     sizes = [1 + (37 * k) % 999 for k in range(310)]
     sizes[150] = N
+    sizes[7] = 0
     return [torch.randn(n, generator=g) * (rank + 1) for n in sizes]
 
 
@@ -674,6 +675,23 @@ def test_ranks_that_disagree_on_the_direct_path_get_a_schema_error(low_threshold
     with FakeCohort(2, direct=True, eager_bytes=EAGER) as cohort:
         errs = cohort.run(body)
     assert all(e is not None and "direct path" in e for e in errs), errs
+
+
+def test_a_first_round_of_another_size_is_told_from_a_barrier(low_threshold):
+    """A probe: the rank whose first round is direct-sized settles the direct path with
+    two barriers first, which its peer (one element short) met with its reduce; the error
+    named only a barrier, which neither rank had called."""
+    def body(comm):
+        try:
+            comm.all_reduce_([torch.ones(65_536 - comm.rank)])  # (256 KiB on rank 0)
+        except flodl_shm.SchemaMismatchError as e:
+            return str(e)
+        return None
+
+    with FakeCohort(2, direct=True) as cohort:
+        errs = cohort.run(body)
+    assert all(e is not None and "first direct-sized float32 reduce sends two first" in e
+               and "rank 1: MODEL round, 1 tensor f32 shapes [65535]" in e for e in errs), errs
 
 
 # --- real processes ------------------------------------------------------------------------

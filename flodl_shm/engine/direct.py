@@ -353,6 +353,7 @@ class DirectRounds:
         False. This rank's own row is in its own address space already."""
         ctl, me = self.eng.ctl, self.eng.rank
         nbytes = 4 * numels
+        held = nbytes > 0  # (an empty tensor's address is 0: it reads nothing)
         local = []
         for i, r in enumerate(accepted):
             if r == me:
@@ -360,16 +361,16 @@ class DirectRounds:
             b = A.rank_base(r)
             size = int(ctl[b + A.R_PARAMS_BYTES])
             base = int(ctl[b + A.R_PARAMS_BASE])
-            row = slice(i * nt, (i + 1) * nt)
-            if (size <= 0 or np.any(srcs[row] < base) or np.any(dsts[row] < base)
-                    or np.any(srcs[row] + nbytes > base + size)
-                    or np.any(dsts[row] + nbytes > base + size)):
+            s, d = srcs[i * nt:(i + 1) * nt][held], dsts[i * nt:(i + 1) * nt][held]
+            if (size <= 0 or np.any(s < base) or np.any(d < base)
+                    or np.any(s + nbytes[held] > base + size)
+                    or np.any(d + nbytes[held] > base + size)):
                 return False
             view = self.eng.arena.params_view(r, size)
             # (the compiled call reads these from now on; the view keeps the mapping)
             self._views[r] = view
             self._maps[2 * r:2 * r + 2] = view.ctypes.data, view.shape[0]
-            local.append((row, base, view.ctypes.data))
+            local.append((slice(i * nt, (i + 1) * nt), base, view.ctypes.data))
         for row, base, mapped in local:
             srcs[row] += mapped - base
             dsts[row] += mapped - base

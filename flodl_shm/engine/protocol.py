@@ -475,7 +475,9 @@ class RoundEngine:
             pass
         ntensors = int(c[b + A.H_NTENSORS])
         if ntensors == 0:  # what a barrier() sends
-            return f"rank {r}: {kind} round without tensors (as barrier() sends), {path} path"
+            return (f"rank {r}: {kind} round without tensors (as barrier() sends, and as a "
+                    f"rank's first direct-sized float32 reduce sends two first, to settle the "
+                    f"direct path), {path} path")
         return (f"rank {r}: {kind} round, {plural(ntensors, 'tensor')} "
                 f"{dtype_name(int(c[b + A.H_DTYPE]))} shapes {shapes}, "
                 f"{int(c[b + A.H_NBYTES])} bytes, {path} path")

@@ -523,10 +523,10 @@ def direct_reduce_f32(blk, pl, srcs_in, dsts_in, rnd, weight, scale, keep_on_emp
         elif in_blocks:
             lo, size = ctl[base_r + R_PARAMS_BASE], ctl[base_r + R_PARAMS_BYTES]
             in_blocks = size > 0
-            for t in range(nt):
+            for t in range(nt):  # (an empty tensor's address is 0: it reads nothing)
                 s, d, n = srcs[i * nt + t], dsts[i * nt + t], 4 * numels[t]
-                in_blocks = in_blocks and lo <= s and lo <= d and s + n <= lo + size \
-                    and d + n <= lo + size
+                in_blocks = in_blocks and (n == 0 or (lo <= s and lo <= d and s + n <= lo + size
+                                                      and d + n <= lo + size))
             covered = covered and maps[2 * r] != 0 and size <= maps[2 * r + 1]
         i += 1
     if in_blocks:
