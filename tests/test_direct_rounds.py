@@ -297,7 +297,8 @@ def _many(rank: int, i: int) -> list[torch.Tensor]:
 
 def _many_tensors(comm) -> list:
     """Reduces of many small tensors, in place, into results and in the shared block
-    (mapped), with the count of mapped rounds and of those the compiled call reduced."""
+    (mapped), with the count of mapped rounds and of those the compiled call reduced;
+    broadcasts of them, in place and into results."""
     direct, r, out = comm._engine.direct, comm.rank, []
     for i in range(2):
         ts = _many(r, i)
@@ -305,6 +306,10 @@ def _many_tensors(comm) -> list:
         out.append(("inplace", [t.clone() for t in ts], mass))
         res, mass = comm.all_reduce_weighted(_many(r, 10 + i), weight=2.0 + r)
         out.append(("weighted", res, mass))
+        ts = _many(r, 30 + i)
+        comm.broadcast_(ts, root=1)
+        out.append(("broadcast_", [t.clone() for t in ts], 0.0))
+        out.append(("broadcast", comm.broadcast_from_root(_many(r, 40 + i), root=0), 0.0))
     placed = (comm.shared_tensors([torch.zeros(t.shape) for t in _many(r, 0)])
               if direct.state == "ready" else [torch.zeros(t.shape) for t in _many(r, 0)])
     for i in range(3):
@@ -323,8 +328,8 @@ def test_reduces_of_many_tensors_run_in_one_call_with_the_shared_path_s_bits(
     """A direct reduce of several tensors is one compiled call too, mapped shared blocks
     included (the first mapped round maps them, through the Python steps; the compiled
     call reduces the next ones through the same mappings), and a chunk of many small
-    tensors moves in one cross-memory call per peer: the results are the shared path's,
-    bit for bit."""
+    tensors moves in one cross-memory call per peer, a broadcast's too: the results are
+    the shared path's, bit for bit."""
     got = {}
     for direct in (False, True):
         with FakeCohort(world, direct=direct, eager_bytes=EAGER) as cohort:

@@ -997,6 +997,13 @@ class Comm:
             self._fused_round(plan, 0.0, len(tensors) if is_root else 0, 1.0, out, addr, False,
                               elided=not is_root, broadcast=local_root)
             return res
+        if local_root is not None:
+            plan = self._direct_gathered(tensors, _CONTROL, DTYPE_F32, False, True, plan)
+            if plan is not None:  # every tensor's address gathered, none staged
+                flat = self._codec.flat_result(plan.nelem, None)
+                self._direct_call(tensors if is_root else None, plan, 0.0, 1.0, flat,
+                                  broadcast=local_root, gathered=is_root)
+                return self._codec.views(flat, plan)
         plan = eng.plan(_CONTROL, DTYPE_F32, tuple(check_tensors(tensors, broadcast=True)))
         flat = self._codec.flat_result(plan.nelem, None)
         if local_root is not None and self._broadcast_direct(plan):
@@ -1099,6 +1106,11 @@ class Comm:
                                   False, elided=not is_root, broadcast=local_root)
                 if not is_root:
                     decode_gathered(eng.eager_f32, DTYPE_F32, plan, tensors)
+                return
+            plan = self._direct_gathered(tensors, _CONTROL, DTYPE_F32, False, True, plan)
+            if plan is not None:  # every tensor's address gathered, none staged
+                self._direct_call(tensors, plan, 0.0, 1.0, None, broadcast=local_root,
+                                  gathered=True)
                 return
             plan = eng.plan(_CONTROL, DTYPE_F32, tuple(
                 check_tensors(tensors, in_place=not is_root, broadcast=True)))
@@ -1622,22 +1634,25 @@ class Comm:
         return plan
 
     def _direct_gathered(self, tensors: Sequence[torch.Tensor], kind: int, dtype: int,
-                         outer: bool) -> RoundPlan | None:
-        """The plan of a direct round over ``tensors`` (on a float32 wire, ``dtype``) with
-        their addresses gathered (``TensorCodec.gather``: every one a contiguous float32
-        CPU tensor, so none needs a staging copy, nor the general path's checks), or
-        None: the general path runs (it stages what needs it, and names a tensor it
-        cannot reduce)."""
+                         outer: bool, broadcast: bool = False,
+                         plan: RoundPlan | None = None) -> RoundPlan | None:
+        """The plan of a direct round (a ``broadcast``'s or a reduce's) over ``tensors``
+        (on a float32 wire, ``dtype``) with their addresses gathered
+        (``TensorCodec.gather``: every one a contiguous float32 CPU tensor, so none needs
+        a staging copy, nor the general path's checks), or None: the general path runs
+        (it stages what needs it, and names a tensor it cannot reduce). ``plan``: theirs,
+        gathered already (``_fused_plan``'s)."""
         if dtype != DTYPE_F32:
             return None
-        try:  # (a nested tensor has no sizes, or sizes that are no ints)
-            plan = self._engine.plan(kind, DTYPE_F32, tuple([t.shape for t in tensors]))
-        except (AttributeError, TypeError, RuntimeError):
-            return None
-        if (self._direct_mode(plan, outer) != A.FLAG_DIRECT
-                or not TensorCodec.gather(tensors, plan) or plan.bf16_sources):
-            return None
-        return plan
+        if plan is None:
+            try:  # (a nested tensor has no sizes, or sizes that are no ints)
+                plan = self._engine.plan(kind, DTYPE_F32, tuple([t.shape for t in tensors]))
+            except (AttributeError, TypeError, RuntimeError):
+                return None
+            if self._direct_mode(plan, outer, broadcast) != A.FLAG_DIRECT \
+                    or not TensorCodec.gather(tensors, plan):
+                return None
+        return None if plan.bf16_sources else plan
 
     def _fused_round(self, plan: RoundPlan, weight, count: int, scale: float,
                      out: np.ndarray | None, out_addr: int, upcast: bool, *,

@@ -150,6 +150,30 @@ def _spans(numels, start, stop):
 
 
 @njit(inline="always")
+def _next_chunk(spans, k, pos, ch, pieces):
+    """The next chunk of a slice's ``spans`` (``_spans``), from span ``k`` at element
+    ``pos`` of its tensor: up to ``ch`` elements in up to ``MAX_PIECES`` pieces of
+    tensors, written to ``pieces`` as rows of (tensor, first element, elements). Returns
+    the span and element after it, the pieces and their elements."""
+    ns = spans.shape[0]
+    npc = 0
+    total = 0
+    while k < ns and npc < MAX_PIECES and total < ch:
+        m = min(spans[k, 2] - pos, ch - total)
+        pieces[npc, 0] = spans[k, 0]
+        pieces[npc, 1] = pos
+        pieces[npc, 2] = m
+        npc += 1
+        total += m
+        pos += m
+        if pos == spans[k, 2]:
+            k += 1
+            if k < ns:
+                pos = spans[k, 1]
+    return k, pos, npc, total
+
+
+@njit(inline="always")
 def _accumulate(acc, src, m, s, first):
     """``acc[:m] (=|+=) f32(src[:m] * s)``: one rank's chunk into the running sum, in
     rank order (``first``: the first rank of the sum)."""
@@ -192,27 +216,11 @@ def reduce_slice_direct(me, pids, srcs, dsts, scales, numels, start, stop, inv, 
     ch = acc.shape[0]
     f = np.float32(inv)
     spans = _spans(numels, start, stop)
-    ns = spans.shape[0]
-    pieces = np.empty((MAX_PIECES, 3), np.int64)  # (tensor, first element, elements)
+    pieces = np.empty((MAX_PIECES, 3), np.int64)
     k = 0
-    pos = spans[0, 1] if ns else 0
-    while k < ns:
-        # the next chunk: up to ``ch`` elements in up to MAX_PIECES pieces of tensors,
-        # end to end in ``acc``
-        npc = 0
-        total = 0
-        while k < ns and npc < MAX_PIECES and total < ch:
-            m = min(spans[k, 2] - pos, ch - total)
-            pieces[npc, 0] = spans[k, 0]
-            pieces[npc, 1] = pos
-            pieces[npc, 2] = m
-            npc += 1
-            total += m
-            pos += m
-            if pos == spans[k, 2]:
-                k += 1
-                if k < ns:
-                    pos = spans[k, 1]
+    pos = spans[0, 1] if spans.shape[0] else 0
+    while k < spans.shape[0]:  # a chunk at a time, its pieces end to end in ``acc``
+        k, pos, npc, total = _next_chunk(spans, k, pos, ch, pieces)
         for r in range(nr):
             s = np.float32(scales[r])
             if mapped or r == me:
@@ -271,37 +279,52 @@ def broadcast_slice_direct(me, root, pids, srcs, dsts, numels, start, stop, iov,
     sources into its own destination (``process_vm_readv``); the root uses its source.
     Either then writes that chunk into every other rank's destination
     (``process_vm_writev``; the root's own with a plain copy), while it is still in
-    cache. A root's destination that is its source (an in-place broadcast) is not
-    written, nor any root's destination when ``root_whole`` (the root copies it whole
-    itself). Bits are copied, never computed (a signaling NaN stays signaling). Returns
-    -1 on success, else the index (into ``pids``) of the rank whose memory could not be
-    read or written.
+    cache. A chunk gathers the pieces of up to ``MAX_PIECES`` small tensors: one call per
+    peer and direction moves them all. A root's destination that is its source (an
+    in-place broadcast) is not written, nor any root's destination when ``root_whole``
+    (the root copies it whole itself). Bits are copied, never computed (a signaling NaN
+    stays signaling). Returns -1 on success, else the index (into ``pids``) of the rank
+    whose memory could not be read or written.
     """
     nr = pids.shape[0]
     nt = numels.shape[0]
     spans = _spans(numels, start, stop)
-    for k in range(spans.shape[0]):
-        t, a, b = spans[k, 0], spans[k, 1], spans[k, 2]
-        root_dst = dsts[root * nt + t]
-        skip_root = root_whole or root_dst == srcs[t]
-        for c0 in range(a, b, CHUNK):
-            n = min(c0 + CHUNK, b) - c0
-            if me == root:
-                local = srcs[t] + 4 * c0
-            else:
-                local = dsts[me * nt + t] + 4 * c0
-                if not _transfer(False, pids[root], local, srcs[t] + 4 * c0, 4 * n, iov):
-                    return root
-            for r in range(nr):
-                if r == me and r != root:
-                    continue  # (a reader's own: read into it above)
-                if r == root and skip_root:
+    pieces = np.empty((MAX_PIECES, 3), np.int64)
+    local = np.empty(MAX_PIECES, np.int64)  # (the root's source, a reader's destination)
+    k = 0
+    pos = spans[0, 1] if spans.shape[0] else 0
+    while k < spans.shape[0]:
+        k, pos, npc, total = _next_chunk(spans, k, pos, CHUNK, pieces)
+        for p in range(npc):
+            t, c0 = pieces[p, 0], pieces[p, 1]
+            local[p] = (srcs[t] if me == root else dsts[me * nt + t]) + 4 * c0
+        if me != root:  # the chunk's pieces of the root's sources into this reader's own
+            for p in range(npc):
+                iov[2 * p] = local[p]
+                iov[2 * MAX_PIECES + 2 * p] = srcs[pieces[p, 0]] + 4 * pieces[p, 1]
+                iov[2 * p + 1] = iov[2 * MAX_PIECES + 2 * p + 1] = 4 * pieces[p, 2]
+            if _call(False, pids[root], iov, npc, npc) != 4 * total:
+                return root
+        for r in range(nr):
+            if r == me and r != root:
+                continue  # (a reader's own: read into it above)
+            q = 0  # the pieces rank r takes from this rank, and their bytes
+            nbytes = 0
+            for p in range(npc):
+                t, c0, m = pieces[p, 0], pieces[p, 1], pieces[p, 2]
+                if r == root and (root_whole or dsts[root * nt + t] == srcs[t]):
                     continue
                 remote = dsts[r * nt + t] + 4 * c0
                 if r == me:  # the root's own result
-                    _copy_bits(local, remote, n)
-                elif not _transfer(True, pids[r], local, remote, 4 * n, iov):
-                    return r
+                    _copy_bits(local[p], remote, m)
+                    continue
+                iov[2 * q] = local[p]
+                iov[2 * MAX_PIECES + 2 * q] = remote
+                iov[2 * q + 1] = iov[2 * MAX_PIECES + 2 * q + 1] = 4 * m
+                q += 1
+                nbytes += 4 * m
+            if q and _call(True, pids[r], iov, q, q) != nbytes:
+                return r
     return -1
 
 
