@@ -333,7 +333,7 @@ class DirectRounds:
         if hook is not None:
             hook("reduce", rnd)
         acc, tmp = self._buffers()
-        numels = np.asarray(plan.numels, np.int64)
+        numels = plan.addrs[nt:2 * nt]  # (int64, the plan's own words)
         mapped = self._map_peers(accepted, nt, numels, all_srcs, all_dsts)
         if mapped:
             self._mapped_here += 1
@@ -352,8 +352,6 @@ class DirectRounds:
         return True; otherwise leave them as they are (the calls reach them) and return
         False. This rank's own row is in its own address space already."""
         ctl, me = self.eng.ctl, self.eng.rank
-        nbytes = 4 * numels
-        held = nbytes > 0  # (an empty tensor's address is 0: it reads nothing)
         local = []
         for i, r in enumerate(accepted):
             if r == me:
@@ -361,10 +359,7 @@ class DirectRounds:
             b = A.rank_base(r)
             size = int(ctl[b + A.R_PARAMS_BYTES])
             base = int(ctl[b + A.R_PARAMS_BASE])
-            s, d = srcs[i * nt:(i + 1) * nt][held], dsts[i * nt:(i + 1) * nt][held]
-            if (size <= 0 or np.any(s < base) or np.any(d < base)
-                    or np.any(s + nbytes[held] > base + size)
-                    or np.any(d + nbytes[held] > base + size)):
+            if not C.row_in_block(srcs, dsts, i, numels, base, size):
                 return False
             view = self.eng.arena.params_view(r, size)
             # (the compiled call reads these from now on; the view keeps the mapping)

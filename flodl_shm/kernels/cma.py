@@ -150,6 +150,26 @@ def _spans(numels, start, stop):
 
 
 @njit(inline="always")
+def _row_in_block(srcs, dsts, i, numels, lo, size):
+    """Whether row ``i`` of a direct round's address tables (``srcs``/``dsts``, a row of
+    ``numels.shape[0]`` tensors per rank) lies in the ``size`` bytes of a shared
+    parameter block at ``lo``, sources and destinations (an empty tensor's address is 0:
+    it reads nothing, wherever it points)."""
+    nt = numels.shape[0]
+    for t in range(nt):
+        s, d, n = srcs[i * nt + t], dsts[i * nt + t], 4 * numels[t]
+        if n and not (lo <= s and lo <= d and s + n <= lo + size and d + n <= lo + size):
+            return False
+    return size > 0
+
+
+@njit(cache=True, nogil=True)
+def row_in_block(srcs, dsts, i, numels, lo, size):
+    """``_row_in_block`` for the Python steps of a direct round (``DirectRounds``)."""
+    return _row_in_block(srcs, dsts, i, numels, lo, size)
+
+
+@njit(inline="always")
 def _next_chunk(spans, k, pos, ch, pieces):
     """The next chunk of a slice's ``spans`` (``_spans``), from span ``k`` at element
     ``pos`` of its tensor: up to ``ch`` elements in up to ``MAX_PIECES`` pieces of
@@ -545,11 +565,7 @@ def direct_reduce_f32(blk, pl, srcs_in, dsts_in, rnd, weight, scale, keep_on_emp
             mine = i
         elif in_blocks:
             lo, size = ctl[base_r + R_PARAMS_BASE], ctl[base_r + R_PARAMS_BYTES]
-            in_blocks = size > 0
-            for t in range(nt):  # (an empty tensor's address is 0: it reads nothing)
-                s, d, n = srcs[i * nt + t], dsts[i * nt + t], 4 * numels[t]
-                in_blocks = in_blocks and (n == 0 or (lo <= s and lo <= d and s + n <= lo + size
-                                                      and d + n <= lo + size))
+            in_blocks = _row_in_block(srcs, dsts, i, numels, lo, size)
             covered = covered and maps[2 * r] != 0 and size <= maps[2 * r + 1]
         i += 1
     if in_blocks:
@@ -617,4 +633,5 @@ def warm_up() -> None:
                             0.5, np.zeros(4, np.float32), np.zeros(4, np.float32), iov, mapped)
     broadcast_slice_direct(1, 0, pids, srcs[:1], dsts, np.array([8], np.int64), 0, 8, iov,
                            False)
+    row_in_block(srcs, dsts, 1, np.array([8], np.int64), int(x.ctypes.data), 32)
     direct_calls()

@@ -29,8 +29,9 @@ UNREACHABLE = -8  # a peer's memory could not be read or written (the rank in I_
 SLICES_PENDING = -9  # this rank's slice is delivered and its done word published, but
 #                      not every slice is yet (or peers sleep): wake them, then wait
 # a direct reduce's one call (``cma.direct_reduce_f32``), after its arrivals:
-PEERS_MAPPED = -10  # every peer's tensor lies in its shared parameter block: the caller
-#                     reduces the slice with plain loads and stores (its mappings)
+PEERS_MAPPED = -10  # every peer's tensors lie in its shared parameter block, which this
+#                     process has not mapped (or mapped smaller): the caller maps it and
+#                     reduces the slice with plain loads and stores
 
 NAMES = {OK: "OK", ABORT: "ABORT", MISMATCH: "MISMATCH", EXITED: "EXITED",
          OUT_OF_STEP: "OUT_OF_STEP", WAKE: "WAKE", NOT_ROOT: "NOT_ROOT",
