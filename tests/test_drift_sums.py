@@ -138,7 +138,7 @@ def test_a_bad_drift_array_is_refused_by_name(bad):
 
 
 def test_a_small_round_takes_the_sums_without_a_snapshot(monkeypatch):
-    from flodl_shm.engine import comm as C
+    from flodl_shm.engine import comm_reduces as C
 
     snapshots = []
     real = C.drift_snapshot

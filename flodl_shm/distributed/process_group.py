@@ -914,8 +914,9 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         if (link is not None and tensors and not self._topo.multi_host
                 and self._unusable is None and all(t.dtype is _F32 for t in tensors)):
             # the engine's in-place broadcast: one compiled call when small, the root's
-            # tensors read straight into the others' when large (engine/comm.py); float32
-            # only: its bfloat16 path widens and rounds, which canonicalizes NaN payloads
+            # tensors read straight into the others' when large (engine/comm_broadcasts.py);
+            # float32 only: its bfloat16 path widens and rounds, which canonicalizes NaN
+            # payloads
             link.comm.broadcast_(tensors, root)
             return
         offs, total = _layout(tensors)
