@@ -632,7 +632,7 @@ def test_a_rank_that_cannot_write_its_state_fails_the_save_on_every_rank(tmp_pat
     went on used to meet the others at another collective: a schema error). """
     import errno
 
-    import flodl_shm.training.local_sgd as local_sgd
+    import flodl_shm.training.local_sgd_state as local_sgd
     from flodl_shm.checkpoint.series import committed_checkpoints
 
     real = local_sgd.atomic_write
@@ -933,7 +933,7 @@ def test_saving_under_a_stem_per_epoch_keeps_a_bounded_number_of_series_locks(tm
     save into an older series takes its lock again and is not refused for holding this
     run's own bundles."""
     from flodl_shm.checkpoint.run_lock import run_lock_path
-    from flodl_shm.training.local_sgd import SERIES_LOCKS_KEPT
+    from flodl_shm.training.local_sgd_state import SERIES_LOCKS_KEPT
 
     def fds() -> int:  # the descriptors open on this test's lock files
         def target(fd):

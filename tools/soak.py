@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import flodl_shm  # noqa: E402
 from flodl_shm.engine.segment import list_segments  # noqa: E402
-from flodl_shm.training.local_sgd import SERIES_LOCKS_KEPT  # noqa: E402
+from flodl_shm.training.local_sgd_state import SERIES_LOCKS_KEPT  # noqa: E402
 
 COUNTS = ("fds", "maps", "threads")
 
