@@ -632,17 +632,17 @@ def test_a_rank_that_cannot_write_its_state_fails_the_save_on_every_rank(tmp_pat
     went on used to meet the others at another collective: a schema error). """
     import errno
 
-    import flodl_shm.training.local_sgd_state as local_sgd
+    import flodl_shm.training.local_sgd_state as local_sgd_state
     from flodl_shm.checkpoint.series import committed_checkpoints
 
-    real = local_sgd.atomic_write
+    real = local_sgd_state.atomic_write
 
     def full_for_rank_1(path, write):
         if str(path).endswith(".rank1.optim"):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(path, write)
 
-    monkeypatch.setattr(local_sgd, "atomic_write", full_for_rank_1)
+    monkeypatch.setattr(local_sgd_state, "atomic_write", full_for_rank_1)
 
     def body(comm):
         sgd = LocalSGD(make_model(0), sync_every=1, comm=comm)

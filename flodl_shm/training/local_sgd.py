@@ -321,6 +321,7 @@ class LocalSGD(LocalSGDState):
         self.schema = ModelSchema.from_module(model)
         # series lock file -> the RunLock this rank holds (None: its host's lead holds
         # it), the series saved into last at the end; at most SERIES_LOCKS_KEPT
+        # (local_sgd_state.py)
         self._series_locks: dict[str, Any] = {}
         self._series_saved: set[str] = set()  # every series this LocalSGD saved into
         self._resumed_from: Optional[Path] = None  # the bundle load() took
