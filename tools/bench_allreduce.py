@@ -375,7 +375,11 @@ def mpi_available() -> tuple[bool, str]:
     return True, ""
 
 
-def _mpi_worker_main(sizes, scale, pages) -> None:
+def _mpi_worker_main(sizes, scale, pages, ops_max: int = 0) -> None:
+    """OpenMPI's rows (``mpi_expected``); at the sizes up to ``ops_max`` bytes also the
+    peers of the c10d ops ``bench_c10d.py`` times: a plain SUM ``Allreduce``,
+    ``Allgather`` and ``Reduce_scatter_block`` (each rank's input ``nbytes / world`` and
+    ``nbytes``, so the gathered output and the scattered input are ``nbytes``)."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -420,6 +424,8 @@ def _mpi_worker_main(sizes, scale, pages) -> None:
         measure("mpi-bcast", nbytes, bcast, lambda got=got: bool(np.all(got == 1.0)), warm,
                 iters)
         del buf, got
+        if nbytes <= ops_max:
+            _mpi_op_rows(comm, MPI, measure, nbytes, pages, warm, iters)
     # size-independent peers, at the smallest size's schedule
     warm, iters = schedule(min(sizes), world, scale)
     vec = np.zeros(world, np.float64)
@@ -435,27 +441,71 @@ def _mpi_worker_main(sizes, scale, pages) -> None:
     comm.Barrier()
 
 
-def mpi_expected(sizes) -> list[tuple[str, int]]:
+def _mpi_op_rows(comm, MPI, measure, nbytes: int, pages: str, warm: int, iters: int) -> None:
+    """``_mpi_worker_main``'s peers of the c10d ops at ``nbytes`` (its docstring)."""
+    rank, world = comm.Get_rank(), comm.Get_size()
+    n = nbytes // 4
+    total = float(world * (world + 1) // 2)
+    buf = buffer(n, rank + 1, pages)
+
+    def plain_sum():  # (in place: a sum of sums after the first call; the check redoes one)
+        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+    def summed() -> bool:
+        buf.fill(rank + 1)
+        plain_sum()
+        return bool(np.all(buf == total))
+
+    measure("mpi-sum", nbytes, plain_sum, summed, warm, iters)
+    part = buffer(n // world, rank + 1, pages)
+    gathered = buffer(n // world * world, 0.0, pages)
+
+    def allgather():
+        comm.Allgather(part, gathered)
+
+    want = np.repeat(np.arange(1, world + 1, dtype=np.float32), n // world)
+    measure("mpi-allgather", nbytes, allgather,
+            lambda: bool(np.array_equal(gathered, want)), warm, iters)
+    scattered = buffer(n // world, 0.0, pages)
+
+    def reduce_scatter():
+        comm.Reduce_scatter_block(buf, scattered, op=MPI.SUM)
+
+    buf.fill(rank + 1)
+    measure("mpi-reduce-scatter", nbytes, reduce_scatter,
+            lambda: bool(np.all(scattered == total)), warm, iters)
+
+
+#: the rows ``_mpi_op_rows`` adds per size
+MPI_OP_ROWS = ("mpi-sum", "mpi-allgather", "mpi-reduce-scatter")
+
+
+def mpi_expected(sizes, ops_max: int = 0) -> list[tuple[str, int]]:
     """The (method, bytes) rows one ``_mpi_worker_main`` run prints, in its order."""
-    return ([(m, n) for n in sizes for m in ("mpi", "mpi-bcast")]
+    return ([(m, n) for n in sizes
+             for m in ("mpi", "mpi-bcast") + (MPI_OP_ROWS if n <= ops_max else ())]
             + [("mpi-small", min(sizes)), ("mpi-barrier", min(sizes))])
 
 
-def bench_mpi(world, sizes, scale, pages="4k") -> tuple[list[dict], str | None]:
+def bench_mpi(world, sizes, scale, pages="4k", ops_max: int = 0
+              ) -> tuple[list[dict], str | None]:
     """OpenMPI's rows at ``world``, and None, or what went wrong (already said on stderr:
     mpirun's exit status, the rows missing, its stderr's tail): the caller exits non-zero.
 
     mpirun runs in a session of its own (``run_child``): on Ctrl-C it gets one SIGINT and
     time to stop its ranks, which remove their shared-memory segments
-    (``/dev/shm/vader_segment.*``); a SIGKILL would leave them behind."""
+    (``/dev/shm/vader_segment.*``); a SIGKILL would leave them behind. ``ops_max``: the
+    peers of the c10d ops too, up to that many bytes (``_mpi_op_rows``)."""
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np",
            str(world), sys.executable, os.path.abspath(__file__), "--mpi-worker",
            "--sizes", ",".join(map(str, sizes)), "--iter-scale", str(scale), "--pages", pages]
+    if ops_max:
+        cmd += ["--mpi-ops-max", str(ops_max)]
     env = dict(os.environ, OMPI_MCA_btl_vader_single_copy_mechanism="cma")
     proc = run_child(cmd, capture=True, timeout=1800, env=env)
     out = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     got = {(r["method"], r["bytes"]) for r in out}
-    missing = [f"{m} {human(n)}" for m, n in mpi_expected(sizes) if (m, n) not in got]
+    missing = [f"{m} {human(n)}" for m, n in mpi_expected(sizes, ops_max) if (m, n) not in got]
     if proc.returncode == 0 and not missing:
         return out, None
     why = (f"OpenMPI world {world}: mpirun exited with status {proc.returncode}; "
@@ -628,6 +678,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", type=out_file,
                     help="write a bandwidth-vs-size PNG (needs matplotlib)")
     ap.add_argument("--mpi-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mpi-ops-max", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick and args.iter_scale is not None:
         ap.error(f"--quick sets the iteration scale to {QUICK_SCALE}; give --quick or "
@@ -640,7 +691,7 @@ def main(argv=None) -> int:
     sizes = args.sizes
     scale = QUICK_SCALE if args.quick else 1.0 if args.iter_scale is None else args.iter_scale
     if args.mpi_worker:
-        _mpi_worker_main(sizes, scale, args.pages)
+        _mpi_worker_main(sizes, scale, args.pages, args.mpi_ops_max)
         return 0
     worlds = args.worlds
     methods = (["memcpy", *SHM_METHODS, "api", "gloo", "mpi"] if "all" in args.methods

@@ -38,7 +38,14 @@ from bench_allreduce import bench_mpi, mpi_available, schedule  # noqa: E402
 from flodl_shm.engine.hostcpu import available_cores  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_SIZES = [4 << 10, 64 << 10, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
+DEFAULT_SIZES = [4 << 10, 64 << 10, 256 << 10, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB,
+                 256 * MiB]
+#: the c10d ops of the ops table: (row name, its OpenMPI peer's method, the peer's label)
+OPS = (("all_reduce", "mpi-sum", "Allreduce (SUM)"),
+       ("broadcast", "mpi-bcast", "Bcast"),
+       ("all_gather_into_tensor", "mpi-allgather", "Allgather"),
+       ("reduce_scatter_tensor", "mpi-reduce-scatter", "Reduce_scatter_block"),
+       ("barrier", "mpi-barrier", "Barrier"))
 
 
 # --- rank side --------------------------------------------------------------------------
@@ -110,6 +117,13 @@ def _worker(backend: str, rank: int, world: int, port: int, plan: list[tuple[int
             times = _timed(lambda: dist.all_reduce(t), warm, iters, probe)
             rows.append((f"{backend}", nbytes, times, ok))
         t = None  # drop the buffer before the next size's
+    ops_max = next((int(f.split("=")[1]) for f in flags if f.startswith("ops=")), 0)
+    for nbytes, warm, iters in plan:
+        if nbytes <= ops_max:
+            rows += _op_rows(backend, rank, world, nbytes, warm, iters)
+    if ops_max:
+        warm, iters = plan[0][1:]
+        rows.append((f"{backend} barrier", plan[0][0], _timed(dist.barrier, warm, iters), True))
     ddp = None
     if ddp_steps:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -149,6 +163,36 @@ def _worker(backend: str, rank: int, world: int, port: int, plan: list[tuple[int
         json.dump({"rows": rows, "ddp": ddp, "tcp": tcp if probe else None,
                    "sparse": sparse}, f)
     dist.destroy_process_group()
+
+
+def _op_rows(backend: str, rank: int, world: int, nbytes: int, warm: int, iters: int
+             ) -> list[tuple]:
+    """The other c10d ops at ``nbytes``, each with a check of its result: ``broadcast``
+    from rank 0, ``all_gather_into_tensor`` of ``nbytes / world`` a rank into ``nbytes``,
+    ``reduce_scatter_tensor`` (SUM) of ``nbytes`` into ``nbytes / world`` a rank (the
+    OpenMPI peers' shapes, ``bench_allreduce._mpi_op_rows``)."""
+    import torch
+    import torch.distributed as dist
+
+    n = nbytes // 4
+    part = n // world
+    total = float(world * (world + 1) // 2)
+    rows = []
+    got = tensor_buffer(n, 1.0 if rank == 0 else 0.0, "4k")
+    times = _timed(lambda: dist.broadcast(got, src=0), warm, iters)
+    rows.append((f"{backend} broadcast", nbytes, times, bool((got == 1.0).all())))
+    mine = tensor_buffer(part, float(rank + 1), "4k")
+    gathered = tensor_buffer(part * world, 0.0, "4k")
+    times = _timed(lambda: dist.all_gather_into_tensor(gathered, mine), warm, iters)
+    want = torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(part)
+    rows.append((f"{backend} all_gather_into_tensor", nbytes, times,
+                 bool(torch.equal(gathered, want))))
+    whole = tensor_buffer(part * world, float(rank + 1), "4k")
+    scattered = tensor_buffer(part, 0.0, "4k")
+    times = _timed(lambda: dist.reduce_scatter_tensor(scattered, whole), warm, iters)
+    rows.append((f"{backend} reduce_scatter_tensor", nbytes, times,
+                 bool((scattered == total).all())))
+    return rows
 
 
 # --- launcher side ------------------------------------------------------------------------
@@ -209,13 +253,15 @@ def run_ranks(backend: str, world: int, plan: list[tuple[int, int, int]], ddp_st
 
 
 def run_backend(backend: str, world: int, sizes: list[int], scale: float, ddp_steps: int,
-                timeout: float, hosts: int = 1, sparse_calls: int = 0, threads: int = 1
-                ) -> tuple[list[dict], dict | None]:
+                timeout: float, hosts: int = 1, sparse_calls: int = 0, threads: int = 1,
+                ops_max: int = 0) -> tuple[list[dict], dict | None]:
     """One group of ``world`` ranks (``run_ranks``); ``hosts`` > 1 keeps only the
     flodl_shm rows, reported as ``flodl_shm/<hosts>h``. With ``sparse_calls``, the DDP
-    figures (a dict even without DDP) carry the sparse all-reduce's median too."""
+    figures (a dict even without DDP) carry the sparse all-reduce's median too. With
+    ``ops_max``, the other ops' rows (``_op_rows``, a barrier) up to that many bytes."""
     plan = [(n, *schedule(n, world, scale)) for n in sizes]
-    flags = (f"threads={threads}",) + ((f"sparse={sparse_calls}",) if sparse_calls else ())
+    flags = ((f"threads={threads}",) + ((f"sparse={sparse_calls}",) if sparse_calls else ())
+             + ((f"ops={ops_max}",) if ops_max else ()))
     per_rank = run_ranks(backend, world, plan, ddp_steps, timeout, hosts, flags)
     if per_rank is None:
         return [], None
@@ -240,12 +286,46 @@ def run_backend(backend: str, world: int, sizes: list[int], scale: float, ddp_st
 def _cell(r: dict | None, ref: dict | None) -> str:
     if r is None:
         return "—"
-    s = f"{r['median_us']:,.0f} µs"
+    s = f"{r['median_us']:,.0f} µs" if r["median_us"] >= 100 else f"{r['median_us']:,.1f} µs"
     if not r["correct"]:
         s += " (WRONG)"
     if ref is not None and r is not ref:
         s += f" ({r['median_us'] / ref['median_us']:.2f}×)"
     return s
+
+
+def _op_row(results: list[dict], world: int, backend: str, op: str, nbytes: int
+            ) -> dict | None:
+    """The row of ``op`` on ``backend`` (``all_reduce``: the main table's row)."""
+    method = backend if op == "all_reduce" else f"{backend} {op}"
+    return next((r for r in results if r["world"] == world and r["method"] == method
+                 and r["bytes"] == nbytes), None)
+
+
+def ops_report(results: list[dict], worlds: list[int]) -> str:
+    """The ops table of each world: every op of ``OPS`` on flodl_shm and gloo, with the
+    ratio to its OpenMPI peer measured in the same run."""
+    lines = []
+    for world in worlds:
+        rows = [r for r in results if r["world"] == world]
+        if not any(r["method"].startswith("flodl_shm ") for r in rows):
+            continue
+        lines += [f"\n### world {world}: the collectives, float32 (median of max-over-ranks; "
+                  f"× = ratio to the OpenMPI peer in the same run)\n",
+                  "| op | size | flodl_shm | gloo | OpenMPI peer |", "|---|---:|---:|---:|---:|"]
+        for op, peer, label in OPS:
+            sizes = sorted({r["bytes"] for r in rows if r["method"] == f"flodl_shm {op}"}
+                           if op != "all_reduce" else
+                           {r["bytes"] for r in rows if r["method"] == "mpi-sum"})
+            for nbytes in sizes:
+                ref = next((r for r in rows if r["method"] == peer and r["bytes"] == nbytes),
+                           None)
+                cells = [_cell(_op_row(results, world, b, op, nbytes), ref)
+                         for b in ("flodl_shm", "gloo")]
+                peer_cell = "—" if ref is None else f"{ref['median_us']:,.1f} µs {label}"
+                size = "—" if op == "barrier" else human(nbytes)
+                lines.append(f"| `{op}` | {size} | " + " | ".join(cells) + f" | {peer_cell} |")
+    return "\n".join(lines)
 
 
 def report(results: list[dict], ddps: list[dict], worlds: list[int]) -> str:
@@ -312,6 +392,11 @@ def main(argv=None) -> int:
                     help="timed sparse all_reduce calls (0: skip)")
     ap.add_argument("--threads", type=positive_int, default=1,
                     help="torch threads per rank (1: one core's worth each, as torchrun sets)")
+    ap.add_argument("--ops-max-size", type=byte_size, default="4MiB",
+                    help="time the other collectives (broadcast, all_gather_into_tensor, "
+                         "reduce_scatter_tensor, barrier) against their OpenMPI peers at the "
+                         "sizes up to this one")
+    ap.add_argument("--no-ops", action="store_true", help="skip the other collectives")
     ap.add_argument("--no-mpi", action="store_true", help="skip OpenMPI")
     ap.add_argument("--hosts", type=positive_int, default=2,
                     help="also run flodl_shm split into this many simulated hosts (FLODL_SHM_HOST) "
@@ -331,6 +416,7 @@ def main(argv=None) -> int:
     if not sizes:
         ap.error(f"--max-size {human(limit)} is below the smallest size, "
                  f"{human(DEFAULT_SIZES[0])}; give {human(DEFAULT_SIZES[0])} or more")
+    ops_max = 0 if args.no_ops else args.ops_max_size
     mpi_ok, why = (False, "--no-mpi") if args.no_mpi else mpi_available()
     if not mpi_ok:
         print(f"OpenMPI skipped: {why}", file=sys.stderr)
@@ -340,7 +426,7 @@ def main(argv=None) -> int:
             print(f"running {backend}, world {world} ...", file=sys.stderr, flush=True)
             rows, ddp = run_backend(backend, world, sizes, args.iter_scale, args.ddp_steps,
                                     args.timeout, sparse_calls=args.sparse_calls,
-                                    threads=args.threads)
+                                    threads=args.threads, ops_max=ops_max)
             if not rows:
                 failed.append(f"{backend} world {world}")
             results += rows
@@ -353,12 +439,14 @@ def main(argv=None) -> int:
                                    hosts=args.hosts)[0]
         if mpi_ok:
             print(f"running OpenMPI, world {world} ...", file=sys.stderr, flush=True)
-            rows, why = bench_mpi(world, sizes, args.iter_scale)
+            rows, why = bench_mpi(world, sizes, args.iter_scale, ops_max=ops_max)
             results += rows
             if why:
                 failed.append(f"OpenMPI world {world} (rows missing)")
     print(f"cores: {available_cores()}, load average: {os.getloadavg()[0]:.1f}")
     print(report(results, ddps, worlds))
+    if ops_max:
+        print(ops_report(results, worlds))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"allreduce": results, "ddp": ddps}, f, indent=1)
