@@ -452,6 +452,21 @@ def sc_layouts(rank: int, world: int) -> dict:
     out = torch.zeros(3, 2, dtype=torch.int64).t()
     dist.reduce_scatter_tensor(out, (torch.arange(world * 6) + rank).view(world * 2, 3))
     res["reduce_scatter_into_transposed"] = out.clone()
+    # float32 SUM/AVG reduce_scatter_tensor takes the engine's all-reduce, the list form a
+    # byte round reduced in torch ops: the same bits (summed in float32 in rank order),
+    # whatever the values (summation order matters at these magnitudes) and layouts
+    g = torch.Generator().manual_seed(rank)
+    vals = torch.randn(world * 6, generator=g) * torch.tensor([1e-30, 1.0, 3e38] * 2 * world)
+    vals[rank] = -0.0
+    vals[world + rank] = float("inf") if rank == 0 else -0.0
+    vals[2 * world] = float("nan") if rank == 1 else vals[2 * world]
+    for name, op in (("SUM", dist.ReduceOp.SUM), ("AVG", dist.ReduceOp.AVG)):
+        src = vals.view(world, 6).t().contiguous().t() if rank == 2 else vals.view(world, 6)
+        fast = torch.zeros(3, 2).t() if rank == 0 else torch.zeros(2, 3)  # (rank 0: strided)
+        dist.reduce_scatter_tensor(fast, src, op=op)
+        listed = torch.zeros(6)
+        dist.reduce_scatter(listed, [p.clone() for p in vals.chunk(world)], op=op)
+        res[("reduce_scatter_transports", name)] = (fast.reshape(-1).clone(), listed)
     t = torch.zeros(12)[::2]  # every rank strided; reduce clones on the non-roots
     t.copy_(torch.arange(6.) + rank)
     dist.reduce(t, dst=0)
@@ -802,8 +817,61 @@ def sc_direct_threshold(rank: int, world: int) -> dict:
     comm = dist.distributed_c10d._get_default_group().comm
     return {"reduced": t.unique().tolist(), "broadcast": b.unique().tolist(),
             "min_bytes": comm.direct_min_bytes,
-            "broadcast_min_bytes": comm._engine.direct.broadcast_min_bytes,
+            "broadcast_min_bytes": comm.direct_broadcast_min_bytes,
             "direct_state": comm._engine.direct.state}
+
+
+def sc_big_gathers(rank: int, world: int) -> dict:
+    """all_gather_into_tensor of 1 MiB a rank (past the direct broadcasts' threshold, on
+    an oversubscribed host too: each rank's part is broadcast in place, as float32) of
+    raw random bits in several dtypes, into outputs of every layout (one at an offset no
+    float32 view takes, one transposed); and a 1 MiB float32 reduce_scatter_tensor next
+    to the list form's byte round. Every rank's result, and what it should be."""
+    import torch.distributed as dist
+
+    per = 1 << 20
+
+    def bits(r: int, dt) -> torch.Tensor:  # rank r's input: random bytes, read as dt
+        g = torch.Generator().manual_seed(1000 + r)
+        raw = torch.randint(-2 ** 31, 2 ** 31 - 1, (per // 4,), dtype=torch.int32, generator=g)
+        return raw.view(dt)
+
+    out = {}
+    for dt in (torch.float32, torch.bfloat16, torch.int64, torch.uint8):
+        mine = bits(rank, dt)
+        want = torch.cat([bits(r, dt) for r in range(world)])
+        got = torch.empty(want.numel(), dtype=dt)
+        dist.all_gather_into_tensor(got, mine)
+        out[str(dt)] = got.view(torch.uint8).equal(want.view(torch.uint8))
+    mine = bits(rank, torch.bfloat16)
+    shifted = torch.empty(world * mine.numel() + 1, dtype=torch.bfloat16)[1:]  # 2 bytes in
+    dist.all_gather_into_tensor(shifted, mine)
+    want = torch.cat([bits(r, torch.bfloat16) for r in range(world)])
+    out["offset output"] = shifted.view(torch.uint8).equal(want.view(torch.uint8))
+    mine = bits(rank, torch.float32)[::2]  # a strided input, into a transposed output
+    got = torch.empty(mine.numel(), world).t()
+    dist.all_gather_into_tensor(got, mine)
+    want = torch.cat([bits(r, torch.float32)[::2] for r in range(world)]).view(world, -1)
+    out["transposed output"] = got.contiguous().view(torch.int32).equal(want.view(torch.int32))
+    g = torch.Generator().manual_seed(rank)
+    vals = torch.randn(world * (per // 4), generator=g)
+    fast = torch.empty(per // 4)
+    dist.reduce_scatter_tensor(fast, vals)
+    listed = torch.empty(per // 4)
+    dist.reduce_scatter(listed, [p.clone() for p in vals.chunk(world)])
+    out["reduce_scatter"] = fast.view(torch.int32).equal(listed.view(torch.int32))
+    # rank 0's output does not fit: it raises its own error, the others gather, in step
+    got = torch.empty(7 if rank == 0 else world * (per // 4))
+    try:
+        dist.all_gather_into_tensor(got, bits(rank, torch.float32))
+        want = torch.cat([bits(r, torch.float32) for r in range(world)])
+        out["misfit on rank 0"] = rank != 0 and got.view(torch.int32).equal(want.view(torch.int32))
+    except RuntimeError as e:
+        out["misfit on rank 0"] = rank == 0 and "an output of 7 torch.float32" in str(e)
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    out["then in step"] = t.tolist() == [float(world)] * 2
+    return out
 
 
 def sc_ddp_peer_dies(rank: int, world: int) -> dict:

@@ -223,6 +223,9 @@ def test_layouts_half_sums_empty_complex_and_misuse(tmp_path):
                            torch.cat([torch.arange(12.).view(3, 4) + 100 * k for k in range(3)]))
         full = sum(torch.arange(world * 6) + k for k in range(world)).view(world * 2, 3)
         assert torch.equal(r["reduce_scatter_into_transposed"], full.chunk(world)[me])
+        for name in ("SUM", "AVG"):
+            fast, listed = r[("reduce_scatter_transports", name)]
+            assert same_bits(fast, listed), (name, fast, listed)
         assert same_bits(r["all_reduce_mixed_layouts"],
                          reference("SUM", [torch.arange(12.).view(3, 4) + k for k in range(3)]))
         assert r[("half_sums", "torch.bfloat16")] == dict.fromkeys(
@@ -581,6 +584,23 @@ def test_ranks_whose_environments_name_other_direct_thresholds_still_agree(tmp_p
     assert [r["broadcast"] for r in res] == [[2.0], [2.0]]
     assert [r["min_bytes"] for r in res] == [8 << 20] * 2
     assert [r["broadcast_min_bytes"] for r in res] == [1 << 20] * 2
+    _no_segments_of(res)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_large_all_gathers_and_reduce_scatters_keep_every_bit(tmp_path, world):
+    """all_gather_into_tensor from the direct broadcasts' threshold on (32 KiB a rank, or
+    1 MiB where the ranks outnumber the cores, as 3 do here) broadcasts each rank's part in
+    place as float32: raw random bits of any dtype arrive bit for bit (NaN payloads
+    included), into outputs at an odd offset or transposed; a float32 SUM
+    reduce_scatter_tensor, an all-reduce through the engine, gives the list form's bits.
+    One rank's misfit output: it raises, the others gather, and the group stays in step."""
+    res = run_group("big_gathers", world, tmp_path)
+    assert all(r is not None for r in res)
+    checks = ("torch.float32", "torch.bfloat16", "torch.int64", "torch.uint8", "offset output",
+              "transposed output", "reduce_scatter", "misfit on rank 0", "then in step")
+    for r in res:
+        assert {k: r[k] for k in checks} == dict.fromkeys(checks, True), r["log"]
     _no_segments_of(res)
 
 

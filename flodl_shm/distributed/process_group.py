@@ -989,12 +989,60 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                         for o, i in zip(outputs, inputs)
                         if o.dtype != i.dtype or o.numel() != self._size * i.numel()), None)
         dense, copy_back = _dense_outputs(outputs)
-        lists = ([[i] * self._size for i in inputs] if problem else  # not written
-                 [list(o.view(-1).chunk(self._size)) if o.numel() else [o] * self._size
-                  for o in dense])
-        self._allgather(lists, inputs, problem)
+        if len(inputs) == 1 and not self._topo.multi_host:
+            # one tensor on one host (FSDP's parameter all-gather): decided by what every
+            # rank shares, a rank's misfit output included (it gathers into scratch, then
+            # raises), so the ranks run the same rounds
+            self._allgather_one(dense[0], inputs[0], problem)
+        else:
+            lists = ([[i] * self._size for i in inputs] if problem else  # not written
+                     [list(o.view(-1).chunk(self._size)) if o.numel() else [o] * self._size
+                      for o in dense])
+            self._allgather(lists, inputs, problem)
         copy_back()
         return _done(list(outputs))
+
+    def _allgather_one(self, out: torch.Tensor, t: torch.Tensor, problem: str | None) -> None:
+        """``_allgather`` of one input ``t`` into the contiguous ``out`` (rank r's bytes
+        at ``r * nbytes(t)``): from the size where the engine's broadcasts are direct
+        rounds, one in-place broadcast from each rank of its part, read as float32 (bit
+        for bit: the readers copy the root's bytes straight into theirs, one copy where
+        the byte round makes two); else the general path's byte round (the same
+        schema), its bytes copied into the output by numpy. ``problem``: this rank's
+        output does not fit (``out`` is not written), raised once the rounds are done."""
+        n = _nbytes(t)
+        comm = self._live().comm
+        if problem is not None:
+            out = torch.empty(self._size * n, dtype=torch.uint8)
+        if n % 4 == 0 and n >= comm.direct_broadcast_min_bytes:  # (the same on every rank)
+            self._allgather_broadcasts(comm, out, t, n)
+            _refuse(problem)
+            return
+        dst = tensor_array(out.view(-1), np.uint8) if n else None
+
+        def consume(views: list[np.ndarray]) -> None:
+            _refuse(problem)
+            if n:
+                for r, v in enumerate(views):
+                    dst[r * n:(r + 1) * n] = v[:n]
+
+        self._exchange_tensors([t], [0], _aligned(n), consume, _signature("allgather", [t]))
+
+    def _allgather_broadcasts(self, comm, out: torch.Tensor, t: torch.Tensor, n: int) -> None:
+        """``_allgather_one``'s broadcasts: this rank's bytes copied into its part of
+        ``out``, then each rank's part broadcast in place, in rank order, as float32."""
+        flat = out.view(-1).view(torch.uint8)
+        staged = flat.data_ptr() % 4 != 0  # (a view at an odd offset: float32 needs 4)
+        dst = torch.empty(flat.numel(), dtype=torch.uint8) if staged else flat
+        me = self._rank
+        with torch.no_grad():  # (its bytes: a copy first only for a strided input)
+            dst[me * n:(me + 1) * n].copy_(torch.from_numpy(_bytes_of(t)))
+        parts = dst.view(torch.float32).chunk(self._size)
+        for r, part in enumerate(parts):
+            comm.broadcast_([part], r)
+        if staged:
+            with torch.no_grad():
+                flat.copy_(dst)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
         return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
@@ -1041,10 +1089,38 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             if len(lst) != self._size or i.numel() % self._size:
                 raise RuntimeError(f"flodl_shm reduce_scatter_tensor: input of {i.numel()} "
                                    f"elements does not split into {self._size} equal parts")
+        name = op_name(op_type(opts.reduceOp))
+        if (len(inputs) == 1 and name in ("SUM", "AVG") and not self._topo.multi_host
+                and inputs[0].dtype in (torch.float32, torch.bfloat16)):
+            # what every rank shares decides (op, dtype, one host), never a rank's layout:
+            # an all-reduce of the input through the engine, each rank keeping its part
+            self._reduce_scatter_summed(outputs[0], inputs[0], name == "AVG")
+            return _done(list(given))
         dense, copy_back = _dense_outputs(outputs)
         self.reduce_scatter([o.view(-1) for o in dense], lists, opts)
         copy_back()
         return _done(list(given))
+
+    def _reduce_scatter_summed(self, out: torch.Tensor, t: torch.Tensor, avg: bool) -> None:
+        """A float32/bfloat16 SUM (or AVG) reduce-scatter on one host: the engine's
+        all-reduce of ``t`` (as ``allreduce`` sums: in float32, in rank order), this
+        rank's part copied into ``out`` (bfloat16: rounded once). One round in shared
+        memory, where the byte round's reduce in torch ops cost 120 µs at 4 KiB; it
+        moves the whole input, which the direct rounds read straight out of the ranks'
+        tensors from their threshold on."""
+        check_dtype(out, "reduce_scatter_tensor")
+        if out.dtype != t.dtype or out.numel() * self._size != t.numel():
+            problem = (f"flodl_shm reduce_scatter_tensor: an output of {out.numel()} "
+                       f"{out.dtype} elements for an input of {t.numel()} {t.dtype}; pass an "
+                       f"output of {t.numel() // self._size} {t.dtype} elements")
+        else:
+            problem = None
+        (summed,), _ = self._live().comm.all_reduce_scaled(
+            [t.detach().reshape(-1)], 1.0, _MODEL if avg else _CONTROL)
+        _refuse(problem)  # (after the round: the group stays in step)
+        m = out.numel()
+        with torch.no_grad():
+            out.copy_(summed[self._rank * m:(self._rank + 1) * m].view(out.shape))
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts) -> dist.Work:
         return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)

@@ -416,6 +416,13 @@ class Comm(ReduceCalls, BroadcastCalls, ZeroCopyCalls, RoundPaths):
         256 KiB), the same on every rank."""
         return self._engine.direct.min_bytes
 
+    @property
+    def direct_broadcast_min_bytes(self) -> int:
+        """Payload bytes from which a one-host float32 broadcast runs as a direct round
+        (the readers copy the root's tensors straight into their own): 32 KiB, or 1 MiB
+        where the host's ranks outnumber its cores; the same on every rank of a host."""
+        return self._engine.direct.broadcast_min_bytes
+
     def direct_round_holds(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether a direct round has room for the address table of a float32 reduce of
         ``tensors`` (two words a tensor in the rank's eager slot: a round of tens of
