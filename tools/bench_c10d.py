@@ -174,6 +174,10 @@ def _op_rows(backend: str, rank: int, world: int, nbytes: int, warm: int, iters:
     import torch
     import torch.distributed as dist
 
+    # (torch 2.13 names them all_gather_single / reduce_scatter_single, and warns at every
+    # call of the older names)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     n = nbytes // 4
     part = n // world
     total = float(world * (world + 1) // 2)
@@ -183,13 +187,13 @@ def _op_rows(backend: str, rank: int, world: int, nbytes: int, warm: int, iters:
     rows.append((f"{backend} broadcast", nbytes, times, bool((got == 1.0).all())))
     mine = tensor_buffer(part, float(rank + 1), "4k")
     gathered = tensor_buffer(part * world, 0.0, "4k")
-    times = _timed(lambda: dist.all_gather_into_tensor(gathered, mine), warm, iters)
+    times = _timed(lambda: gather(gathered, mine), warm, iters)
     want = torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(part)
     rows.append((f"{backend} all_gather_into_tensor", nbytes, times,
                  bool(torch.equal(gathered, want))))
     whole = tensor_buffer(part * world, float(rank + 1), "4k")
     scattered = tensor_buffer(part, 0.0, "4k")
-    times = _timed(lambda: dist.reduce_scatter_tensor(scattered, whole), warm, iters)
+    times = _timed(lambda: scatter(scattered, whole), warm, iters)
     rows.append((f"{backend} reduce_scatter_tensor", nbytes, times,
                  bool((scattered == total).all())))
     return rows
