@@ -822,11 +822,12 @@ def sc_direct_threshold(rank: int, world: int) -> dict:
 
 
 def sc_big_gathers(rank: int, world: int) -> dict:
-    """all_gather_into_tensor of 1 MiB a rank (past the direct broadcasts' threshold, on
-    an oversubscribed host too: each rank's part is broadcast in place, as float32) of
-    raw random bits in several dtypes, into outputs of every layout (one at an offset no
-    float32 view takes, one transposed); and a 1 MiB float32 reduce_scatter_tensor next
-    to the list form's byte round. Every rank's result, and what it should be."""
+    """all_gather_into_tensor of raw random bits in several dtypes, each rank's part
+    broadcast in place as float32: 1 MiB a rank (direct broadcasts, on an oversubscribed
+    host too), into outputs of every layout (one at an offset no float32 view takes,
+    one transposed), 12 bytes a rank (one compiled call a broadcast) and 3 bytes a rank
+    (no whole float32: the byte round); a 1 MiB float32 reduce_scatter_tensor next to
+    the list form's byte round. Whether every rank got what it should."""
     import torch.distributed as dist
 
     per = 1 << 20
@@ -843,6 +844,12 @@ def sc_big_gathers(rank: int, world: int) -> dict:
         got = torch.empty(want.numel(), dtype=dt)
         dist.all_gather_into_tensor(got, mine)
         out[str(dt)] = got.view(torch.uint8).equal(want.view(torch.uint8))
+    for nbytes in (12, 3):  # (a small part; one of no whole float32)
+        mine = bits(rank, torch.uint8)[:nbytes]
+        got = torch.empty(world * nbytes, dtype=torch.uint8)
+        dist.all_gather_into_tensor(got, mine)
+        out[f"{nbytes} bytes"] = got.equal(torch.cat([bits(r, torch.uint8)[:nbytes]
+                                                      for r in range(world)]))
     mine = bits(rank, torch.bfloat16)
     shifted = torch.empty(world * mine.numel() + 1, dtype=torch.bfloat16)[1:]  # 2 bytes in
     dist.all_gather_into_tensor(shifted, mine)

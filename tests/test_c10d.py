@@ -588,16 +588,18 @@ def test_ranks_whose_environments_name_other_direct_thresholds_still_agree(tmp_p
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_large_all_gathers_and_reduce_scatters_keep_every_bit(tmp_path, world):
-    """all_gather_into_tensor from the direct broadcasts' threshold on (32 KiB a rank, or
-    1 MiB where the ranks outnumber the cores, as 3 do here) broadcasts each rank's part in
-    place as float32: raw random bits of any dtype arrive bit for bit (NaN payloads
-    included), into outputs at an odd offset or transposed; a float32 SUM
-    reduce_scatter_tensor, an all-reduce through the engine, gives the list form's bits.
-    One rank's misfit output: it raises, the others gather, and the group stays in step."""
+def test_all_gathers_and_reduce_scatters_keep_every_bit(tmp_path, world):
+    """all_gather_into_tensor broadcasts each rank's part in place as float32: raw random
+    bits of any dtype arrive bit for bit (NaN payloads included), small or past the direct
+    broadcasts' threshold (1 MiB a rank where the ranks outnumber the cores, as 3 do
+    here), into outputs at an odd offset or transposed; parts of no whole float32 take the
+    byte round. A float32 SUM reduce_scatter_tensor, an all-reduce through the engine,
+    gives the list form's bits. One rank's misfit output: it raises, the others gather,
+    and the group stays in step."""
     res = run_group("big_gathers", world, tmp_path)
     assert all(r is not None for r in res)
-    checks = ("torch.float32", "torch.bfloat16", "torch.int64", "torch.uint8", "offset output",
+    checks = ("torch.float32", "torch.bfloat16", "torch.int64", "torch.uint8", "12 bytes",
+              "3 bytes", "offset output",
               "transposed output", "reduce_scatter", "misfit on rank 0", "then in step")
     for r in res:
         assert {k: r[k] for k in checks} == dict.fromkeys(checks, True), r["log"]
