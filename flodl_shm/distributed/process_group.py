@@ -1085,9 +1085,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             check_layout(t, what)
         given, outputs = outputs, real_views(outputs, opts.reduceOp, what)
         inputs = real_views(inputs, opts.reduceOp, what)
-        lists = [list(i.reshape(-1).chunk(self._size)) for i in inputs]
-        for i, lst in zip(inputs, lists):
-            if len(lst) != self._size or i.numel() % self._size:
+        for i in inputs:
+            if i.numel() % self._size:
                 raise RuntimeError(f"flodl_shm reduce_scatter_tensor: input of {i.numel()} "
                                    f"elements does not split into {self._size} equal parts")
         name = op_name(op_type(opts.reduceOp))
@@ -1097,6 +1096,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             # an all-reduce of the input through the engine, each rank keeping its part
             self._reduce_scatter_summed(outputs[0], inputs[0], name == "AVG")
             return _done(list(given))
+        lists = [list(i.reshape(-1).chunk(self._size)) for i in inputs]
         dense, copy_back = _dense_outputs(outputs)
         self.reduce_scatter([o.view(-1) for o in dense], lists, opts)
         copy_back()
