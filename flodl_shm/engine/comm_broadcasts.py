@@ -36,7 +36,8 @@ from .tensor_codec import (
 class BroadcastCalls:
     """The broadcasts of a ``Comm`` (a part of it: see the module doc)."""
 
-    def broadcast_from_root(self, tensors: Sequence[torch.Tensor], root: int = 0) -> list[torch.Tensor]:
+    def broadcast_from_root(self, tensors: Sequence[torch.Tensor], root: int = 0
+                            ) -> list[torch.Tensor]:
         """Every rank receives ``root``'s tensors (byte-exact, f32), e.g. to align
         initial parameters. Non-root ranks pass tensors of the same shapes.
 
