@@ -878,6 +878,30 @@ def sc_big_gathers(rank: int, world: int) -> dict:
     t = torch.ones(2)
     dist.all_reduce(t)
     out["then in step"] = t.tolist() == [float(world)] * 2
+    # a bfloat16 NaN sum into a strided output: the bits of a contiguous one
+    vals = torch.full((world * 4,), 1.5, dtype=torch.bfloat16)
+    vals[::4] = float("nan") if rank == 0 else 2.0
+    got = [torch.zeros(4, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.bfloat16)[::2]]
+    for o in got:
+        dist.reduce_scatter_tensor(o, vals)
+    out["strided bfloat16 NaN"] = got[0].view(torch.int16).equal(
+        got[1].contiguous().view(torch.int16))
+    # rank 1 passes another dtype of the same bytes (all-gather) or of the engine's path
+    # (reduce-scatter): every rank raises, naming the calls, as the byte rounds made them
+    for what, call in (
+            ("gather int32 among float32", lambda dt: dist.all_gather_into_tensor(
+                torch.zeros(world * 4, dtype=dt), torch.ones(4, dtype=dt))),
+            ("reduce_scatter bfloat16 among float32", lambda dt: dist.reduce_scatter_tensor(
+                torch.zeros(4, dtype=dt), torch.ones(world * 4, dtype=dt)))):
+        dt = (torch.int32 if "int32" in what else torch.bfloat16) if rank == 1 else torch.float32
+        try:
+            call(dt)
+            out[what] = False
+        except RuntimeError as e:
+            out[what] = "made different calls" in str(e)
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    out["then in step again"] = t.tolist() == [float(world)] * 2
     return out
 
 

@@ -594,13 +594,16 @@ def test_all_gathers_and_reduce_scatters_keep_every_bit(tmp_path, world):
     broadcasts' threshold (1 MiB a rank where the ranks outnumber the cores, as 3 do
     here), into outputs at an odd offset or transposed; parts of no whole float32 take the
     byte round. A float32 SUM reduce_scatter_tensor, an all-reduce through the engine,
-    gives the list form's bits. One rank's misfit output: it raises, the others gather,
-    and the group stays in step."""
+    gives the list form's bits, into a strided output too. One rank's misfit output: it
+    raises, the others gather; one rank's other dtype: every rank raises, as the byte
+    rounds' signatures made them; the group stays in step."""
     res = run_group("big_gathers", world, tmp_path)
     assert all(r is not None for r in res)
     checks = ("torch.float32", "torch.bfloat16", "torch.int64", "torch.uint8", "12 bytes",
               "3 bytes", "offset output",
-              "transposed output", "reduce_scatter", "misfit on rank 0", "then in step")
+              "transposed output", "reduce_scatter", "misfit on rank 0", "then in step",
+              "strided bfloat16 NaN", "gather int32 among float32",
+              "reduce_scatter bfloat16 among float32", "then in step again")
     for r in res:
         assert {k: r[k] for k in checks} == dict.fromkeys(checks, True), r["log"]
     _no_segments_of(res)

@@ -65,6 +65,13 @@ _ALIGN = 64  # byte offset alignment of each tensor inside a byte round
 #: how long past their leader's gloo deadlines a multi-host group's other ranks wait for
 #: its verdict (``_across_hosts``)
 LEADER_VERDICT_S = 5.0
+#: a dtype's code in the shapes of the engine rounds that carry it as float32
+#: (``_allgather_broadcasts``, ``_reduce_scatter_summed``): ranks that pass different
+#: dtypes send different shapes, a schema mismatch, as a byte round's signature makes it
+_DTYPE_CODES = {dt: k for k, dt in enumerate((
+    torch.float32, torch.bfloat16, torch.float64, torch.float16, torch.complex64,
+    torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+    torch.bool))}
 
 
 def _collective(method):
@@ -1031,16 +1038,17 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 
     def _allgather_broadcasts(self, comm, out: torch.Tensor, t: torch.Tensor, n: int) -> None:
         """``_allgather_one``'s broadcasts: this rank's bytes copied into its part of
-        ``out``, then each rank's part broadcast in place, in rank order, as float32."""
+        ``out``, then each rank's part broadcast in place, in rank order, as float32,
+        shaped ``(1,) * code + (n // 4,)`` by the dtype's code (``_DTYPE_CODES``)."""
         flat = out.view(-1).view(torch.uint8)
         staged = flat.data_ptr() % 4 != 0  # (a view at an odd offset: float32 needs 4)
         dst = torch.empty(flat.numel(), dtype=torch.uint8) if staged else flat
         me = self._rank
         with torch.no_grad():  # (its bytes: a copy first only for a strided input)
             dst[me * n:(me + 1) * n].copy_(torch.from_numpy(_bytes_of(t)))
-        parts = dst.view(torch.float32).chunk(self._size)
-        for r, part in enumerate(parts):
-            comm.broadcast_([part], r)
+        shape = (1,) * _DTYPE_CODES.get(t.dtype, len(_DTYPE_CODES)) + (n // 4,)
+        for r, part in enumerate(dst.view(torch.float32).chunk(self._size)):
+            comm.broadcast_([part.view(shape)], r)
         if staged:
             with torch.no_grad():
                 flat.copy_(dst)
@@ -1105,10 +1113,13 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     def _reduce_scatter_summed(self, out: torch.Tensor, t: torch.Tensor, avg: bool) -> None:
         """A float32/bfloat16 SUM (or AVG) reduce-scatter on one host: the engine's
         all-reduce of ``t`` (as ``allreduce`` sums: in float32, in rank order), this
-        rank's part copied into ``out`` (bfloat16: rounded once). One round in shared
-        memory, where the byte round's reduce in torch ops cost 120 µs at 4 KiB; it
-        moves the whole input, which the direct rounds read straight out of the ranks'
-        tensors from their threshold on."""
+        rank's part copied into ``out`` (bfloat16: rounded once, through a contiguous
+        stand-in, as the list form writes: torch's strided bfloat16 copy gives a NaN
+        other bits). One round in shared memory, where the byte round's reduce in torch
+        ops cost 120 µs at 4 KiB; it moves the whole input, which the direct rounds read
+        straight out of the ranks' tensors from their threshold on. The input travels
+        shaped by its dtype's code (``_DTYPE_CODES``): a rank that passes bfloat16 among
+        float32 ones mismatches, where the engine would widen it and sum silently."""
         check_dtype(out, "reduce_scatter_tensor")
         if out.dtype != t.dtype or out.numel() * self._size != t.numel():
             problem = (f"flodl_shm reduce_scatter_tensor: an output of {out.numel()} "
@@ -1116,12 +1127,15 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                        f"output of {t.numel() // self._size} {t.dtype} elements")
         else:
             problem = None
+        shape = (1,) * _DTYPE_CODES[t.dtype] + (t.numel(),)
         (summed,), _ = self._live().comm.all_reduce_scaled(
-            [t.detach().reshape(-1)], 1.0, _MODEL if avg else _CONTROL)
+            [t.detach().reshape(shape)], 1.0, _MODEL if avg else _CONTROL)
         _refuse(problem)  # (after the round: the group stays in step)
         m = out.numel()
+        (dense,), copy_back = _dense_outputs([out])
         with torch.no_grad():
-            out.copy_(summed[self._rank * m:(self._rank + 1) * m].view(out.shape))
+            dense.view(-1).copy_(summed.view(-1)[self._rank * m:(self._rank + 1) * m])
+        copy_back()
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts) -> dist.Work:
         return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
