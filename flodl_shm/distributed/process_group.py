@@ -1132,10 +1132,11 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             [t.detach().reshape(shape)], 1.0, _MODEL if avg else _CONTROL)
         _refuse(problem)  # (after the round: the group stays in step)
         m = out.numel()
-        (dense,), copy_back = _dense_outputs([out])
+        dense = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
         with torch.no_grad():
             dense.view(-1).copy_(summed.view(-1)[self._rank * m:(self._rank + 1) * m])
-        copy_back()
+            if dense is not out:
+                out.copy_(dense)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts) -> dist.Work:
         return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
