@@ -1046,9 +1046,9 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         me = self._rank
         with torch.no_grad():  # (its bytes: a copy first only for a strided input)
             dst[me * n:(me + 1) * n].copy_(torch.from_numpy(_bytes_of(t)))
-        shape = (1,) * _DTYPE_CODES.get(t.dtype, len(_DTYPE_CODES)) + (n // 4,)
-        for r, part in enumerate(dst.view(torch.float32).chunk(self._size)):
-            comm.broadcast_([part.view(shape)], r)
+        shape = (self._size,) + (1,) * _DTYPE_CODES.get(t.dtype, len(_DTYPE_CODES)) + (n // 4,)
+        for r, part in enumerate(dst.view(torch.float32).view(shape).unbind(0)):
+            comm.broadcast_([part], r)
         if staged:
             with torch.no_grad():
                 flat.copy_(dst)
