@@ -318,9 +318,9 @@ def ops_report(results: list[dict], worlds: list[int]) -> str:
                   f"× = ratio to the OpenMPI peer in the same run)\n",
                   "| op | size | flodl_shm | gloo | OpenMPI peer |", "|---|---:|---:|---:|---:|"]
         for op, peer, label in OPS:
-            sizes = sorted({r["bytes"] for r in rows if r["method"] == f"flodl_shm {op}"}
-                           if op != "all_reduce" else
-                           {r["bytes"] for r in rows if r["method"] == "mpi-sum"})
+            # (all_reduce: at the sizes of the others, from the main table's rows)
+            mine = "flodl_shm broadcast" if op == "all_reduce" else f"flodl_shm {op}"
+            sizes = sorted({r["bytes"] for r in rows if r["method"] == mine})
             for nbytes in sizes:
                 ref = next((r for r in rows if r["method"] == peer and r["bytes"] == nbytes),
                            None)
