@@ -46,8 +46,8 @@ from ..engine.tensor_codec import elements_share_memory
 from ..errors import FrameError, PeerDied, ReduceStall
 from ..frame import RoundKind, tensor_array
 from .overlap import CollectiveWorker
-from .reduce_ops import (RefusedCall, average_, check_dtype, check_layout, check_op,
-                         float_view, op_label, op_name, op_type, real_views,
+from .reduce_ops import (SUPPORTED_DTYPES, RefusedCall, average_, check_dtype, check_layout,
+                         check_op, float_view, op_label, op_name, op_type, real_views,
                          reduce_in_order)
 from .rendezvous import HostLink, rendezvous
 from .sparse_sum import is_sparse_call, sparse_all_reduce
@@ -68,10 +68,8 @@ LEADER_VERDICT_S = 5.0
 #: a dtype's code in the shapes of the engine rounds that carry it as float32
 #: (``_allgather_broadcasts``, ``_reduce_scatter_summed``): ranks that pass different
 #: dtypes send different shapes, a schema mismatch, as a byte round's signature makes it
-_DTYPE_CODES = {dt: k for k, dt in enumerate((
-    torch.float32, torch.bfloat16, torch.float64, torch.float16, torch.complex64,
-    torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
-    torch.bool))}
+_DTYPE_CODES = {dt: k for k, dt in enumerate(
+    SUPPORTED_DTYPES + (torch.complex64, torch.complex128))}
 
 
 def _collective(method):
@@ -1121,15 +1119,12 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         shaped by its dtype's code (``_DTYPE_CODES``): a rank that passes bfloat16 among
         float32 ones mismatches, where the engine would widen it and sum silently."""
         check_dtype(out, "reduce_scatter_tensor")
-        if out.dtype != t.dtype or out.numel() * self._size != t.numel():
-            problem = (f"flodl_shm reduce_scatter_tensor: an output of {out.numel()} "
-                       f"{out.dtype} elements for an input of {t.numel()} {t.dtype}; pass an "
-                       f"output of {t.numel() // self._size} {t.dtype} elements")
-        else:
-            problem = None
+        flat = t.detach().reshape(-1)
+        problem = (_misfit(out, flat[:flat.numel() // self._size], "reduce_scatter_tensor")
+                   if out.dtype != t.dtype or out.numel() * self._size != t.numel() else None)
         shape = (1,) * _DTYPE_CODES[t.dtype] + (t.numel(),)
         (summed,), _ = self._live().comm.all_reduce_scaled(
-            [t.detach().reshape(shape)], 1.0, _MODEL if avg else _CONTROL)
+            [flat.view(shape)], 1.0, _MODEL if avg else _CONTROL)
         _refuse(problem)  # (after the round: the group stays in step)
         m = out.numel()
         dense = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
