@@ -6,10 +6,12 @@ The deadline bounds them: every rank that outlives it is killed.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
 import socket
+import sys
 import time
 import traceback
 import warnings
@@ -112,6 +114,10 @@ def _forked_rank(scenario: str, rank: int, world: int, port: int, out: str, back
         log = os.open(out + ".log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
+        # a fresh process's streams and logging, not pytest's captures of the parent's
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        logging.root.handlers.clear()
         for key, value in env.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -905,6 +911,56 @@ def sc_big_gathers(rank: int, world: int) -> dict:
     return out
 
 
+def sc_one_sum(rank: int, world: int) -> dict:
+    """One all_reduce of two ones (and a subgroup's: its init must not warn again)."""
+    import torch.distributed as dist
+
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    dist.all_reduce(t, group=dist.new_group(list(range(world))))
+    return {"t": t.tolist()}
+
+
+def _native_threads() -> set[int]:
+    """This process's threads that Python did not start (torch's OpenMP team, say)."""
+    import threading
+
+    python = {t.native_id for t in threading.enumerate()}
+    return {int(tid) for tid in os.listdir("/proc/self/task")} - python
+
+
+def sc_torch_threads(rank: int, world: int) -> dict:
+    """Collectives whose rounds hold torch work on 1 MiB tensors (copies, sums in torch
+    ops), called with torch set to more threads than the host has cores: whether any of
+    them started torch's OpenMP team (new native threads), and torch's count after. The
+    rank has run torch with one thread so far, so no team exists yet."""
+    import torch.distributed as dist
+    from flodl_shm.engine.hostcpu import available_cores
+
+    n = 1 << 18
+    got, mine = torch.empty(world * n), torch.full((n,), float(rank))
+    part, whole, parts = torch.empty(n), torch.ones(world * n), [torch.ones(n)] * world
+    wide = torch.full((n,), float(rank + 1), dtype=torch.float64)
+    half, outs = torch.ones(n, dtype=torch.bfloat16), [torch.empty(n) for _ in range(world)]
+    before = _native_threads()
+    threads = available_cores() + 2
+    torch.set_num_threads(threads)  # (from here on, collectives only)
+    try:
+        dist.all_gather_into_tensor(got, mine)
+        dist.reduce_scatter_tensor(part, whole)
+        dist.reduce_scatter(part, parts)
+        dist.all_reduce(wide, op=dist.ReduceOp.MAX)
+        dist.broadcast(half, src=0)
+        dist.all_gather(outs, mine)
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(1)
+    gathered = got.view(world, n)[:, 0].tolist() == [float(r) for r in range(world)]
+    return {"gathered": gathered, "summed": part.unique().tolist(),
+            "max": wide.unique().tolist(), "threads after": after, "asked": threads,
+            "new native threads": sorted(_native_threads() - before)}
+
+
 def sc_ddp_peer_dies(rank: int, world: int) -> dict:
     """The last rank SIGKILLs itself before a DDP backward: the others' gradient
     all-reduce (queued on the group's worker) fails, and ``backward`` must raise."""
@@ -1110,7 +1166,7 @@ def run_rank(scenario: str, rank: int, world: int, port: int, out: str,
     """Join a ``tcp://127.0.0.1:port`` group as ``rank`` and write the scenario's result
     (a dict, with ``torch.save``) to ``out``."""
     Path(out + ".pid").write_text(str(os.getpid()))
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("C10D_THREADS", "1")))
     import flodl_shm  # noqa: F401 - registers the backend
     import torch.distributed as dist
     from datetime import timedelta

@@ -609,6 +609,36 @@ def test_all_gathers_and_reduce_scatters_keep_every_bit(tmp_path, world):
     _no_segments_of(res)
 
 
+def test_ranks_whose_torch_threads_outnumber_the_cores_are_told_once(tmp_path):
+    """torch's default under ``mp.spawn`` (a thread a core in every rank): the host's first
+    rank says so once, with the fix; one thread a rank (torchrun's) says nothing."""
+    from flodl_shm.engine.hostcpu import available_cores
+
+    many = str(available_cores() + 1)
+    res = run_group("one_sum", 2, tmp_path, rank_env=[{"C10D_THREADS": many}] * 2)
+    assert [r["t"] for r in res] == [[4.0, 4.0]] * 2
+    said = [r["log"].count("each run torch with") for r in res]
+    assert said == [1, 0], [r["log"] for r in res]
+    assert "OMP_NUM_THREADS=" in res[0]["log"]
+    quiet = run_group("one_sum", 2, tmp_path)
+    assert all("each run torch with" not in r["log"] for r in quiet)
+    _no_segments_of(res + quiet)
+
+
+def test_collectives_run_their_torch_work_on_the_ranks_share_of_the_cores(tmp_path):
+    """Ranks whose torch threads outnumber the cores (torch's default under ``mp.spawn``):
+    a collective's own torch work (the all-gather's copy of this rank's bytes, the
+    reduce-scatter's copy of its part, sums in torch ops) must not start torch's OpenMP
+    team, whose threads then wait for the cores the peers spin on (a 256 KiB all-gather
+    took 8 ms instead of 0.09). torch's thread count comes back as the caller set it."""
+    res = run_group("torch_threads", 2, tmp_path)
+    for r in res:
+        assert r["gathered"] and r["summed"] == [2.0] and r["max"] == [2.0], r["log"]
+        assert r["new native threads"] == [], r["log"]
+        assert r["threads after"] == r["asked"]
+    _no_segments_of(res)
+
+
 @pytest.mark.parametrize("direct", [False, True], ids=["shared", "direct"])
 @pytest.mark.parametrize("victim", [0, 1], ids=["leader_dies", "peer_dies"])
 def test_a_dead_peer_makes_the_others_raise_naming_it(tmp_path, victim, direct):

@@ -27,12 +27,12 @@ bytes differ in length and cannot ride a reduce round; two byte rounds of the gr
 The ranks leave the ENTRIES round together and add at once: where their torch threads
 outnumber the cores (two ranks of two threads on two cores), torch's OpenMP teams then
 wait on each other's cores, and a sum that takes 0.2 ms alone took 6-8 ms. So the sums run
-on this rank's share of the cores (``threads``), torch's thread count restored after.
+on this rank's share of the cores, as every collective of the group does (its
+``_collective``), torch's thread count restored after.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -138,24 +138,8 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-@contextlib.contextmanager
-def _threads_at_most(n: int | None) -> Iterator[None]:
-    """torch's intra-op threads capped at ``n`` (None: no cap) for the block, then as
-    they were."""
-    was = torch.get_num_threads()
-    if n is None or was <= n:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(was)
-
-
 def sparse_all_reduce(exchange: Callable, tensors: Sequence[torch.Tensor], op, world: int,
-                      signature: Callable[..., int], what: str = "allreduce",
-                      threads: int | None = None) -> None:
+                      signature: Callable[..., int], what: str = "allreduce") -> None:
     """SUM ``tensors`` (sparse COO, this rank's) over the group, in place (module
     docstring).
 
@@ -166,8 +150,6 @@ def sparse_all_reduce(exchange: Callable, tensors: Sequence[torch.Tensor], op, w
             every rank).
         world: the group's size.
         signature: the process group's ``_signature(what, *parts)``.
-        threads: the most torch threads the sums may use (this rank's share of the
-            host's cores); None: torch's own count.
     Raises:
         RuntimeError: on every rank alike, when the ranks' calls do not describe one sum
         (an op but SUM, tensors of other dtypes or sizes, a rank that could not take
@@ -213,15 +195,14 @@ def sparse_all_reduce(exchange: Callable, tensors: Sequence[torch.Tensor], op, w
             parts.append(torch.sparse_coo_tensor(idx, val, shape, check_invariants=False))
 
     exchange(total, fill, consume, signature(f"{what} sparse entries", total))
-    with _threads_at_most(threads):
-        out = parts[0]
-        try:
-            for part in parts[1:]:
-                out = out + part
-        except (RuntimeError, NotImplementedError) as e:  # (every rank alike)
-            raise RuntimeError(f"flodl_shm {what}: torch cannot add sparse {dtype} tensors "
-                               f"({e}); pass a sparse tensor of another dtype (float32, say), "
-                               f"or t.to_dense()") from e
-        out = out.coalesce()
-        for t in tensors:  # (not under no_grad: a leaf that requires grad raises, as gloo)
-            t.copy_(out)
+    out = parts[0]
+    try:
+        for part in parts[1:]:
+            out = out + part
+    except (RuntimeError, NotImplementedError) as e:  # (every rank alike)
+        raise RuntimeError(f"flodl_shm {what}: torch cannot add sparse {dtype} tensors "
+                           f"({e}); pass a sparse tensor of another dtype (float32, say), "
+                           f"or t.to_dense()") from e
+    out = out.coalesce()
+    for t in tensors:  # (not under no_grad: a leaf that requires grad raises, as gloo)
+        t.copy_(out)
