@@ -66,7 +66,7 @@ _ALIGN = 64  # byte offset alignment of each tensor inside a byte round
 #: its verdict (``_across_hosts``)
 LEADER_VERDICT_S = 5.0
 #: a dtype's code in the shapes of the engine rounds that carry it as float32
-#: (``_allgather_broadcasts``, ``_reduce_scatter_summed``): ranks that pass different
+#: (``_allgather_words``, ``_reduce_scatter_summed``): ranks that pass different
 #: dtypes send different shapes, a schema mismatch, as a byte round's signature makes it
 _DTYPE_CODES = {dt: k for k, dt in enumerate(
     SUPPORTED_DTYPES + (torch.complex64, torch.complex128))}
@@ -1024,11 +1024,11 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 
     def _allgather_one(self, out: torch.Tensor, t: torch.Tensor, problem: str | None) -> None:
         """``_allgather`` of one input ``t`` into the contiguous ``out`` (rank r's bytes
-        at ``r * nbytes(t)``): one in-place broadcast from each rank of its part, read as
-        float32 (bit for bit: a small one is one compiled call a rank, a large one a
-        direct round in which the readers copy the root's bytes straight into theirs),
-        where the byte round copied every part twice through shared memory at 1.5-2x
-        the time (world 2 and 4 on 2 cores, 4 KiB-4 MiB); a part that is no whole
+        at ``r * nbytes(t)``): the engine's all-gather of the parts read as float32 (bit
+        for bit: a small one is one compiled call a rank, a large one a direct round in
+        which each rank reads its peers' inputs straight into its output), where the
+        byte round copied every part twice through shared memory at 1.5-2x the time
+        (world 2 and 4 on 2 cores, 4 KiB-4 MiB); a part that is no whole
         number of 4-byte words (or none) takes the general path's byte round (the same
         schema), its bytes copied into the output by numpy. ``problem``: this rank's
         output does not fit (``out`` is not written), raised once the rounds are done."""
@@ -1036,7 +1036,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         if problem is not None:
             out = torch.empty(self._size * n, dtype=torch.uint8)
         if n and n % 4 == 0:  # (the same on every rank)
-            self._allgather_broadcasts(self._live().comm, out, t, n)
+            self._allgather_words(self._live().comm, out, t, n)
             _refuse(problem)
             return
         dst = tensor_array(out.view(-1), np.uint8) if n else None
@@ -1049,19 +1049,19 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 
         self._exchange_tensors([t], [0], _aligned(n), consume, _signature("allgather", [t]))
 
-    def _allgather_broadcasts(self, comm, out: torch.Tensor, t: torch.Tensor, n: int) -> None:
-        """``_allgather_one``'s broadcasts: this rank's bytes copied into its part of
-        ``out``, then each rank's part broadcast in place, in rank order, as float32,
-        shaped ``(1,) * code + (n // 4,)`` by the dtype's code (``_DTYPE_CODES``)."""
+    def _allgather_words(self, comm, out: torch.Tensor, t: torch.Tensor, n: int) -> None:
+        """``_allgather_one`` of ``n`` bytes a rank, a whole number of 4-byte words: the
+        engine's all-gather of them read as float32 (``Comm.all_gather_into_tensor``),
+        shaped ``(1,) * code + (n // 4,)`` by the dtype's code (``_DTYPE_CODES``). An
+        input or output not at a 4-byte address goes through an aligned copy."""
         flat = out.view(-1).view(torch.uint8)
         staged = flat.data_ptr() % 4 != 0  # (a view at an odd offset: float32 needs 4)
         dst = torch.empty(flat.numel(), dtype=torch.uint8) if staged else flat
-        me = self._rank
-        with torch.no_grad():  # (its bytes: a copy first only for a strided input)
-            dst[me * n:(me + 1) * n].copy_(torch.from_numpy(_bytes_of(t)))
-        shape = (self._size,) + (1,) * _DTYPE_CODES.get(t.dtype, len(_DTYPE_CODES)) + (n // 4,)
-        for r, part in enumerate(dst.view(torch.float32).view(shape).unbind(0)):
-            comm.broadcast_([part], r)
+        mine = t.detach().contiguous().view(-1).view(torch.uint8)
+        if mine.data_ptr() % 4:
+            mine = mine.clone()
+        shape = (1,) * _DTYPE_CODES.get(t.dtype, len(_DTYPE_CODES)) + (n // 4,)
+        comm.all_gather_into_tensor(dst.view(torch.float32), mine.view(torch.float32).view(shape))
         if staged:
             with torch.no_grad():
                 flat.copy_(dst)
@@ -1367,8 +1367,8 @@ def _warn_if_threads_outnumber_cores(pg: ProcessGroupFlodlShm) -> None:
     global _warned_of_threads
     ranks = len(pg.topology.local_ranks)
     threads, cores = torch.get_num_threads(), available_cores()
-    if _warned_of_threads or threads * ranks <= cores or pg.rank() != min(
-            pg.topology.local_ranks):
+    share = max(1, cores // ranks)  # (ranks alone may outnumber the cores: one each then)
+    if _warned_of_threads or threads <= share or pg.rank() != min(pg.topology.local_ranks):
         return
     _warned_of_threads = True
     logger.warning(
@@ -1377,7 +1377,7 @@ def _warn_if_threads_outnumber_cores(pg: ProcessGroupFlodlShm) -> None:
         "collectives slow down many times over). Run %d thread(s) a rank: OMP_NUM_THREADS=%d "
         "in the launcher's environment (torchrun sets 1), or torch.set_num_threads(%d) in "
         "each rank before init_process_group", ranks, threads, threads * ranks, cores,
-        max(1, cores // ranks), max(1, cores // ranks), max(1, cores // ranks))
+        share, share, share)
 
 
 def _device_backends_left_out() -> list[str]:

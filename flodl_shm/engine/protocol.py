@@ -865,6 +865,24 @@ class RoundEngine:
             f"published as root, this rank expects local rank {root} (every rank must pass "
             f"the same root)")
 
+    def check_gather(self, rnd: int, accepted: int, contrib: int) -> None:
+        """Raise unless every rank contributed to all-gather round ``rnd``: a rank that
+        is not accepted died before publishing its part (``PeerDied`` naming it); one
+        that arrived without a part called another collective (SchemaMismatchError)."""
+        every = (1 << self.world) - 1
+        if contrib == every:
+            return
+        missing = [r for r in range(self.world) if not (accepted >> r) & 1]
+        if missing:
+            r = missing[0]
+            rank = int(self.ctl[A.G_FIRST_RANK]) + r
+            pid = int(self.ctl[A.rank_base(r) + A.R_PID])
+            raise PeerDied(f"round {rnd}: rank {rank} (pid {pid}) died before publishing its "
+                           f"part of the all-gather; no rank has every part", rank, pid)
+        raise SchemaMismatchError(
+            f"round {rnd}: local rank(s) {[r for r in range(self.world) if not (contrib >> r) & 1]}"
+            f" published no part of the all-gather (every rank must call it)")
+
     def broadcast_copy(self, view: RoundView, root: int, out: np.ndarray | None) -> None:
         """Bulk broadcast: copy root's payload into ``out`` (flat, wire-typed, private;
         None: the root of an in-place broadcast, which has nothing to copy), then

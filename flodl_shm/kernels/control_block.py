@@ -13,7 +13,7 @@ use it without loading numba.
 from __future__ import annotations
 
 MAGIC = 0x46534D48_41524E41  # "FSMHARNA"
-VERSION = 10  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIRECT*);
+VERSION = 11  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIRECT*);
              # 3: round reports (H_REPORT, H_REPORT_ROUND);
              # 4: shared parameter blocks (p<r> segments, R_PARAMS_BASE, R_PARAMS_BYTES);
              # 5: the controller's outer start (G_CONTROLLER_OUTER);
@@ -21,7 +21,8 @@ VERSION = 10  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIR
              # 7: a rank that gave up on a round (G_GAVE_UP);
              # 8: a spawned rank entered its function (R_ENTERED);
              # 9: the owner's broadcast threshold for direct rounds (G_DIRECT_BROADCAST_MIN);
-             # 10: the owner's reduce threshold for direct rounds (G_DIRECT_MIN)
+             # 10: the owner's reduce threshold for direct rounds (G_DIRECT_MIN);
+             # 11: all-gather rounds (FLAG_GATHER)
 
 # -- global words ---------------------------------------------------------------------
 G_MAGIC = 0
@@ -119,10 +120,12 @@ FLAG_BROADCAST = 32   # a broadcast: the root publishes, the others copy its pay
                       # (one host; on a cluster a broadcast is an elided reduce)
 FLAG_DIRECT = 64      # a direct round: no payload in shared memory; the slice reducers read
                       # the contributors' private tensors and write every rank's result
+FLAG_GATHER = 128     # an all-gather: every rank contributes a part, every rank copies all
+                      # of them out (one host; ``kernels/gather.py``)
 # every rank of a round must agree on these (a zero-copy round meets only zero-copy
 # rounds: its small frames share the eager path with the copy API's)
 FLAGS_AGREED = (FLAG_BULK | FLAG_ZERO_COPY | FLAG_OUTER | FLAG_TAP | FLAG_BROADCAST
-                | FLAG_DIRECT)
+                | FLAG_DIRECT | FLAG_GATHER)
 
 __all__ = [
     "MAGIC",
@@ -197,5 +200,6 @@ __all__ = [
     "FLAG_TAP",
     "FLAG_BROADCAST",
     "FLAG_DIRECT",
+    "FLAG_GATHER",
     "FLAGS_AGREED",
 ]

@@ -1,0 +1,133 @@
+"""``Comm.all_gather_into_tensor``: every rank's part, bit for bit, into every rank's
+output; one compiled call a round on one host (``kernels/gather.py``), parts larger than
+the eager slot in rounds of a slot each, each rank's part broadcast in turn where a fault
+hook runs (as on a cluster).
+
+Ranks are threads over a real arena (``FakeCohort``); dead ranks are fenced the way the
+supervisor fences them.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flodl_shm import RoundKind, SchemaMismatchError
+from flodl_shm.errors import PeerDied
+from flodl_shm.testing import FakeCohort
+
+from engine_util import our_segments
+
+pytestmark = pytest.mark.timeout(120)
+
+SLOT = 64 << 10  # a 64 KiB eager slot: parts from 16K float32 go in several rounds
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_segments():
+    yield
+    assert our_segments() == [], "a FakeCohort left shared-memory segments behind"
+
+
+def _part(rank: int, n: int) -> torch.Tensor:
+    """Rank ``rank``'s part: random bits (NaNs with payloads, signaling ones, -0.0,
+    subnormals among them) read as float32."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (n,), dtype=torch.int32, generator=g)
+    bits[:3] = torch.tensor([0x7F800001, -2 ** 31, 1], dtype=torch.int32)[:n]
+    return bits.view(torch.float32)
+
+
+def _want(world: int, n: int) -> torch.Tensor:
+    return torch.cat([_part(r, n).view(torch.int32) for r in range(world)])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("n", [1, 5, 1000, 40_000, 100_003],
+                         ids=["1", "5", "1000", "two-rounds", "seven-rounds"])
+@pytest.mark.parametrize("hooked", [False, True], ids=["compiled", "broadcasts"])
+def test_every_rank_gets_every_part_bit_for_bit(world, n, hooked):
+    """Into a fresh output and in place (the input is this rank's part of the output, as
+    FSDP passes it), one round or many (a 64 KiB slot), compiled or one broadcast a rank
+    (a fault hook)."""
+    def body(comm):
+        if hooked:
+            comm._engine.fault_hook = lambda where, rnd: None
+        got = torch.full((world * n,), 7.0)
+        comm.all_gather_into_tensor(got, _part(comm.rank, n))
+        inside = torch.zeros(world * n)
+        mine = inside[comm.rank * n:(comm.rank + 1) * n]
+        mine.copy_(_part(comm.rank, n))
+        comm.all_gather_into_tensor(inside, mine)
+        return got.view(torch.int32), inside.view(torch.int32)
+
+    with FakeCohort(world, eager_bytes=SLOT) as c:
+        for got, inside in c.run(body):
+            assert got.equal(_want(world, n)) and inside.equal(_want(world, n))
+
+
+def test_input_shapes_are_the_schema_and_a_mismatch_leaves_every_rank_in_step():
+    """Ranks whose inputs differ in shape (the c10d backend shapes a dtype's code into
+    them), or that call another collective, all raise; the next gather works."""
+    def body(comm):
+        out = torch.zeros(8)
+        with pytest.raises(SchemaMismatchError):
+            comm.all_gather_into_tensor(out, torch.ones((1, 4) if comm.rank else (4,)))
+        with pytest.raises(SchemaMismatchError):
+            if comm.rank == 0:
+                comm.all_gather_into_tensor(out, torch.ones(4))
+            else:  # a broadcast of the same schema is not a gather
+                comm.broadcast_([torch.ones(4)], 0)
+        with pytest.raises(SchemaMismatchError):
+            if comm.rank == 0:
+                comm.all_gather_into_tensor(out, torch.ones(4))
+            else:
+                comm.all_reduce_weighted([torch.ones(4)], RoundKind.CONTROL, 0.0)
+        comm.all_gather_into_tensor(out, torch.full((4,), float(comm.rank)))
+        return out.tolist()
+
+    with FakeCohort(2) as c:
+        assert c.run(body) == [[0.0] * 4 + [1.0] * 4] * 2
+
+
+def test_a_dead_rank_makes_the_others_raise_naming_it():
+    def body(comm):
+        with pytest.raises(PeerDied, match=r"rank 2 \(pid \d+\) died before publishing its "
+                                           r"part of the all-gather"):
+            comm.all_gather_into_tensor(torch.zeros(12), torch.ones(4))
+        return True
+
+    with FakeCohort(3) as c:
+        c.declare_dead(2)
+        assert c.run(body, ranks=[0, 1])[:2] == [True, True]
+
+
+@pytest.mark.parametrize("output, input, match", [
+    (lambda: torch.zeros(7), lambda: torch.ones(4), "output has 7 elements, a world of 2 "
+                                                    "inputs of 4 needs 8"),
+    (lambda: torch.zeros(8, dtype=torch.float64), lambda: torch.ones(4),
+     "output must be a contiguous float32 CPU tensor, got torch.float64"),
+    (lambda: torch.zeros(8), lambda: torch.ones(8)[::2], "input must be a contiguous"),
+    (lambda: torch.zeros(8), lambda: [1.0], "input must be a torch.Tensor, got list"),
+])
+def test_bad_tensors_are_refused_before_any_round(output, input, match):
+    def body(comm):
+        with pytest.raises((ValueError, TypeError), match=match):
+            comm.all_gather_into_tensor(output(), input())
+        out = torch.zeros(8)  # nothing was published: the next call pairs up
+        comm.all_gather_into_tensor(out, torch.full((4,), float(comm.rank)))
+        return out.tolist()
+
+    with FakeCohort(2) as c:
+        assert c.run(body) == [[0.0] * 4 + [1.0] * 4] * 2
+
+
+def test_an_input_overlapping_the_output_elsewhere_is_refused():
+    def body(comm):
+        out = torch.zeros(8)
+        with pytest.raises(ValueError, match="input overlaps output other than as this "
+                                             "rank's part"):
+            comm.all_gather_into_tensor(out, out[1:5])
+        return True
+
+    with FakeCohort(2) as c:
+        assert c.run(body) == [True, True]
