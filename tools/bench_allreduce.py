@@ -19,11 +19,12 @@ flodl_shm variants:
   api-*         one row per public collective (``api_ops``: all_reduce_ of one tensor
                 and of the same bytes in 16, _tensors, _weighted, _scaled,
                 all_reduce(frame), zero-copy, broadcast_from_root, broadcast_,
-                all_reduce_per_rank_f64, barrier), printed as a second table with each
+                all_gather_into_tensor, all_reduce_per_rank_f64, barrier), printed as
+                a second table with each
                 row's ratio to the OpenMPI call doing the same job (``API_PEERS``)
 Peers: torch.distributed gloo (TCP over loopback; gloo has no shared-memory
-transport for CPU tensors), OpenMPI ``Allreduce`` (plus ``Bcast``, ``Barrier`` and a
-world-length ``Allreduce`` for the API table) via mpi4py (run under mpirun; skipped
+transport for CPU tensors), OpenMPI ``Allreduce`` (plus ``Bcast``, ``Allgather``,
+``Barrier`` and a world-length ``Allreduce`` for the API table) via mpi4py (run under mpirun; skipped
 with a note when mpirun or mpi4py is missing: the API table then has no ratios).
 
     python tools/bench_allreduce.py --methods api --sizes 4KiB --worlds 2   # API rows only
@@ -81,6 +82,10 @@ LABELS = {
     "api-zero-copy": "zero_copy_inputs + all_reduce_zero_copy",
     "api-broadcast": "broadcast_from_root([t])",
     "api-broadcast-inplace": "broadcast_([t]) (in place)",
+    "api-all-gather": "all_gather_into_tensor (size / world a rank)",
+    "mpi-allgather": "OpenMPI Allgather",
+    "mpi-sum": "OpenMPI Allreduce (SUM)",
+    "mpi-reduce-scatter": "OpenMPI Reduce_scatter_block",
     "api-per-rank": "all_reduce_per_rank_f64 (world values)",
     "api-barrier": "barrier()",
 }
@@ -216,6 +221,7 @@ API_PEERS = {
     "api-zero-copy": "mpi",      # zero_copy_inputs + all_reduce_zero_copy
     "api-broadcast": "mpi-bcast",  # comm.broadcast_from_root([t])
     "api-broadcast-inplace": "mpi-bcast",  # comm.broadcast_([t])
+    "api-all-gather": "mpi-allgather",  # comm.all_gather_into_tensor(out, part)
     "api-per-rank": "mpi-small",  # comm.all_reduce_per_rank_f64 (world values)
     "api-barrier": "mpi-barrier",  # comm.barrier()
 }
@@ -297,6 +303,15 @@ def api_ops(comm, n: int, rank: int, pages: str = "4k") -> dict:
     vec = np.zeros(world)
     vec[rank] = val
 
+    # every rank's size / world into the size, FSDP's layout (the input is this rank's
+    # part of the output); after the first call the output holds 1, 2, ... by part
+    gathered = tensor_buffer(n // world * world, val, pages)
+    mine = gathered[rank * (n // world):(rank + 1) * (n // world)]
+    parts_want = torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(n // world)
+
+    def all_gather():
+        comm.all_gather_into_tensor(gathered, mine)
+
     def per_rank():
         last.clear()
         last["p"] = comm.all_reduce_per_rank_f64(vec)
@@ -318,6 +333,7 @@ def api_ops(comm, n: int, rank: int, pages: str = "4k") -> dict:
         "api-zero-copy": (zero_copy, lambda: same(last["z"][0][0], mean)),
         "api-broadcast": (broadcast, lambda: same(last["b"][0], 1.0)),
         "api-broadcast-inplace": (broadcast_inplace, lambda: same(dst, 1.0)),
+        "api-all-gather": (all_gather, lambda: bool(torch.equal(gathered, parts_want))),
         "api-per-rank": (per_rank, lambda: last["p"].tolist() == [float(r + 1)
                                                                  for r in range(world)]),
         "api-barrier": (barrier, lambda: True),
@@ -723,7 +739,9 @@ def main(argv=None) -> int:
         if "mpi" in methods:
             if have_mpi:
                 print(f"# OpenMPI, world {world} ...", flush=True)
-                rows, why = bench_mpi(world, sizes, scale, args.pages)
+                # (the all-gather row's peer is among the c10d ops' peers: every size)
+                ops_max = max(sizes) if "api-all-gather" in methods else 0
+                rows, why = bench_mpi(world, sizes, scale, args.pages, ops_max)
                 results += rows
                 if why:
                     failures.append(why)
