@@ -1000,27 +1000,35 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 
     @_collective
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        what = "all_gather_into_tensor"
         for t in (*outputs, *inputs):  # (a layout before any reshape)
-            check_layout(t, "all_gather_into_tensor")
-        inputs = _checked([i.reshape(-1) for i in inputs], "all_gather_into_tensor")
-        problem = next((f"flodl_shm all_gather_into_tensor: an output of {o.numel()} {o.dtype} "
-                        f"elements for a group of {self._size} inputs of {i.numel()} {i.dtype}; "
-                        f"pass an output of {self._size * i.numel()} {i.dtype} elements"
-                        for o, i in zip(outputs, inputs)
+            check_layout(t, what)
+        inputs = _checked([i.reshape(-1) for i in inputs], what)
+        problem = next((self._gather_misfit(o, i) for o, i in zip(outputs, inputs)
                         if o.dtype != i.dtype or o.numel() != self._size * i.numel()), None)
-        dense, copy_back = _dense_outputs(outputs)
         if len(inputs) == 1 and not self._topo.multi_host:
             # one tensor on one host (FSDP's parameter all-gather): decided by what every
             # rank shares, a rank's misfit output included (it gathers into scratch, then
             # raises), so the ranks run the same rounds
-            self._allgather_one(dense[0], inputs[0], problem)
-        else:
-            lists = ([[i] * self._size for i in inputs] if problem else  # not written
-                     [list(o.view(-1).chunk(self._size)) if o.numel() else [o] * self._size
-                      for o in dense])
-            self._allgather(lists, inputs, problem)
+            out = outputs[0]
+            dense = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
+            self._allgather_one(dense, inputs[0], problem)
+            if dense is not out:
+                with torch.no_grad():
+                    out.copy_(dense)
+            return _done(list(outputs))
+        dense, copy_back = _dense_outputs(outputs)
+        lists = ([[i] * self._size for i in inputs] if problem else  # not written
+                 [list(o.view(-1).chunk(self._size)) if o.numel() else [o] * self._size
+                  for o in dense])
+        self._allgather(lists, inputs, problem)
         copy_back()
         return _done(list(outputs))
+
+    def _gather_misfit(self, out: torch.Tensor, t: torch.Tensor) -> str:
+        return (f"flodl_shm all_gather_into_tensor: an output of {out.numel()} {out.dtype} "
+                f"elements for a group of {self._size} inputs of {t.numel()} {t.dtype}; "
+                f"pass an output of {self._size * t.numel()} {t.dtype} elements")
 
     def _allgather_one(self, out: torch.Tensor, t: torch.Tensor, problem: str | None) -> None:
         """``_allgather`` of one input ``t`` into the contiguous ``out`` (rank r's bytes
@@ -1054,6 +1062,9 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         engine's all-gather of them read as float32 (``Comm.all_gather_into_tensor``),
         shaped ``(1,) * code + (n // 4,)`` by the dtype's code (``_DTYPE_CODES``). An
         input or output not at a 4-byte address goes through an aligned copy."""
+        if t.dtype is _F32 and out.dtype is _F32 and t.is_contiguous():  # (FSDP's float32)
+            comm.all_gather_into_tensor(out, t)
+            return
         flat = out.view(-1).view(torch.uint8)
         staged = flat.data_ptr() % 4 != 0  # (a view at an odd offset: float32 needs 4)
         dst = torch.empty(flat.numel(), dtype=torch.uint8) if staged else flat

@@ -29,6 +29,7 @@ import torch.distributed as dist
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8,
                     torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool)
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)  # (a lookup: the tuple's scan cost 0.5 µs a call)
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 _F32_SUMMED = (torch.float32, torch.bfloat16, torch.float16)
 _R = dist.ReduceOp.RedOpType
@@ -65,13 +66,13 @@ def check_dtype(t: torch.Tensor, what: str) -> None:
 def check_device_and_dtype(t: torch.Tensor, what: str) -> None:
     """Raise ``RefusedCall`` unless ``t`` is a CPU tensor of a supported dtype (of any
     layout)."""
-    if t.device.type != "cpu":
+    if not t.is_cpu:  # (t.device builds a device object: 0.3 µs)
         raise RefusedCall(f"flodl_shm {what}: tensor on device {t.device}; the flodl_shm "
                           f"backend handles CPU tensors only: give {t.device.type} tensors a "
                           f"group of their own, e.g. dist.new_group(backend='nccl') for cuda "
                           f"(a 'cpu:flodl_shm,cuda:nccl' group builds no nccl backend: torch "
                           f"gives a Python backend the whole group)")
-    if t.dtype not in SUPPORTED_DTYPES:
+    if t.dtype not in _SUPPORTED:
         raise RefusedCall(f"flodl_shm {what}: dtype {t.dtype} is not supported; supported: "
                           f"{', '.join(str(d).replace('torch.', '') for d in SUPPORTED_DTYPES)}")
 
