@@ -19,12 +19,12 @@ flodl_shm variants:
   api-*         one row per public collective (``api_ops``: all_reduce_ of one tensor
                 and of the same bytes in 16, _tensors, _weighted, _scaled,
                 all_reduce(frame), zero-copy, broadcast_from_root, broadcast_,
-                all_gather_into_tensor, all_reduce_per_rank_f64, barrier), printed as
-                a second table with each
+                all_gather_into_tensor, reduce_scatter_tensor, all_reduce_per_rank_f64,
+                barrier), printed as a second table with each
                 row's ratio to the OpenMPI call doing the same job (``API_PEERS``)
 Peers: torch.distributed gloo (TCP over loopback; gloo has no shared-memory
 transport for CPU tensors), OpenMPI ``Allreduce`` (plus ``Bcast``, ``Allgather``,
-``Barrier`` and a world-length ``Allreduce`` for the API table) via mpi4py (run under mpirun; skipped
+``Reduce_scatter_block``, ``Barrier`` and a world-length ``Allreduce`` for the API table) via mpi4py (run under mpirun; skipped
 with a note when mpirun or mpi4py is missing: the API table then has no ratios).
 
     python tools/bench_allreduce.py --methods api --sizes 4KiB --worlds 2   # API rows only
@@ -83,6 +83,7 @@ LABELS = {
     "api-broadcast": "broadcast_from_root([t])",
     "api-broadcast-inplace": "broadcast_([t]) (in place)",
     "api-all-gather": "all_gather_into_tensor (size / world a rank)",
+    "api-reduce-scatter": "reduce_scatter_tensor (SUM, size / world a rank)",
     "mpi-allgather": "OpenMPI Allgather",
     "mpi-sum": "OpenMPI Allreduce (SUM)",
     "mpi-reduce-scatter": "OpenMPI Reduce_scatter_block",
@@ -222,6 +223,7 @@ API_PEERS = {
     "api-broadcast": "mpi-bcast",  # comm.broadcast_from_root([t])
     "api-broadcast-inplace": "mpi-bcast",  # comm.broadcast_([t])
     "api-all-gather": "mpi-allgather",  # comm.all_gather_into_tensor(out, part)
+    "api-reduce-scatter": "mpi-reduce-scatter",  # comm.reduce_scatter_tensor(part, t)
     "api-per-rank": "mpi-small",  # comm.all_reduce_per_rank_f64 (world values)
     "api-barrier": "mpi-barrier",  # comm.barrier()
 }
@@ -312,6 +314,12 @@ def api_ops(comm, n: int, rank: int, pages: str = "4k") -> dict:
     def all_gather():
         comm.all_gather_into_tensor(gathered, mine)
 
+    scattered = tensor_buffer(n // world, 0.0, pages)  # the sum of every rank's val
+    total = float(world * (world + 1) // 2)
+
+    def reduce_scatter():
+        comm.reduce_scatter_tensor(scattered, src)
+
     def per_rank():
         last.clear()
         last["p"] = comm.all_reduce_per_rank_f64(vec)
@@ -334,6 +342,7 @@ def api_ops(comm, n: int, rank: int, pages: str = "4k") -> dict:
         "api-broadcast": (broadcast, lambda: same(last["b"][0], 1.0)),
         "api-broadcast-inplace": (broadcast_inplace, lambda: same(dst, 1.0)),
         "api-all-gather": (all_gather, lambda: bool(torch.equal(gathered, parts_want))),
+        "api-reduce-scatter": (reduce_scatter, lambda: same(scattered, total)),
         "api-per-rank": (per_rank, lambda: last["p"].tolist() == [float(r + 1)
                                                                  for r in range(world)]),
         "api-barrier": (barrier, lambda: True),
@@ -739,8 +748,10 @@ def main(argv=None) -> int:
         if "mpi" in methods:
             if have_mpi:
                 print(f"# OpenMPI, world {world} ...", flush=True)
-                # (the all-gather row's peer is among the c10d ops' peers: every size)
-                ops_max = max(sizes) if "api-all-gather" in methods else 0
+                # (the all-gather's and reduce-scatter's peers are among the c10d ops'
+                # peers: at every size)
+                ops_max = max(sizes) if {"api-all-gather", "api-reduce-scatter"} & set(
+                    methods) else 0
                 rows, why = bench_mpi(world, sizes, scale, args.pages, ops_max)
                 results += rows
                 if why:

@@ -1135,19 +1135,31 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         return _done(list(given))
 
     def _reduce_scatter_summed(self, out: torch.Tensor, t: torch.Tensor, avg: bool) -> None:
-        """A float32/bfloat16 SUM (or AVG) reduce-scatter on one host: the engine's
-        all-reduce of ``t`` (as ``allreduce`` sums: in float32, in rank order), this
-        rank's part copied into ``out`` (bfloat16: rounded once, through a contiguous
-        stand-in, as the list form writes: torch's strided bfloat16 copy gives a NaN
-        other bits). One round in shared memory, where the byte round's reduce in torch
-        ops cost 120 µs at 4 KiB; it moves the whole input, which the direct rounds read
-        straight out of the ranks' tensors from their threshold on. The input travels
-        shaped by its dtype's code (``_DTYPE_CODES``): a rank that passes bfloat16 among
-        float32 ones mismatches, where the engine would widen it and sum silently."""
+        """A float32/bfloat16 SUM (or AVG) reduce-scatter on one host, summed as
+        ``allreduce`` sums (in float32, in rank order): float32 through the engine's
+        reduce-scatter (``Comm.reduce_scatter_tensor``: each rank sums only its part where
+        the input fits the eager slot, else the engine all-reduces it); bfloat16 through
+        the engine's all-reduce of ``t``, this rank's part copied into ``out`` (rounded
+        once, through a contiguous stand-in, as the list form writes: torch's strided
+        bfloat16 copy gives a NaN other bits). Where the byte round's reduce in torch ops
+        cost 120 µs at 4 KiB. The bfloat16 input travels shaped by its dtype's code
+        (``_DTYPE_CODES``; float32's is none: the reduce-scatter round is its own kind):
+        a rank that passes bfloat16 among float32 ones mismatches, where the engine would
+        widen it and sum silently."""
         check_dtype(out, "reduce_scatter_tensor")
         flat = t.detach().reshape(-1)
         problem = (_misfit(out, flat[:flat.numel() // self._size], "reduce_scatter_tensor")
                    if out.dtype != t.dtype or out.numel() * self._size != t.numel() else None)
+        if t.dtype is _F32:  # each rank sums only its part (where the input fits a slot)
+            part = out if problem is None and out.is_contiguous() else torch.empty(
+                t.numel() // self._size)
+            self._live().comm.reduce_scatter_tensor(part, flat.contiguous(),
+                                                    _MODEL if avg else _CONTROL)
+            _refuse(problem)  # (after the round: the group stays in step)
+            if part is not out:
+                with torch.no_grad():
+                    out.copy_(part.view(out.shape))
+            return
         shape = (1,) * _DTYPE_CODES[t.dtype] + (t.numel(),)
         (summed,), _ = self._live().comm.all_reduce_scaled(
             [flat.view(shape)], 1.0, _MODEL if avg else _CONTROL)

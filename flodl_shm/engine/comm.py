@@ -52,7 +52,7 @@ from ..kernels.rounds import WORK_CHUNK as PER_RANK_FUSED_MAX
 from ..frame import DTYPE_F32
 from .checkpoint_tap import TapClient
 from .comm_broadcasts import BroadcastCalls
-from .comm_gathers import AllGatherCalls
+from .comm_parts import GatherScatterCalls
 from .comm_reduces import ReduceCalls
 from .comm_rounds import _CONTROL, _MODEL, RoundPaths
 from .comm_zero_copy import ZeroCopyCalls
@@ -72,7 +72,7 @@ from .waiting import oversubscribed, spin_iterations
 logger = logging.getLogger("flodl_shm")
 
 
-class Comm(ReduceCalls, BroadcastCalls, AllGatherCalls, ZeroCopyCalls, RoundPaths):
+class Comm(ReduceCalls, BroadcastCalls, GatherScatterCalls, ZeroCopyCalls, RoundPaths):
     """The collectives of one rank on one host arena (and, through the host's relay,
     of the whole cohort). Create through ``spawn`` or ``testing.FakeCohort``.
 

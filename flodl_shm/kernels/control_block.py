@@ -22,7 +22,7 @@ VERSION = 11  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIR
              # 8: a spawned rank entered its function (R_ENTERED);
              # 9: the owner's broadcast threshold for direct rounds (G_DIRECT_BROADCAST_MIN);
              # 10: the owner's reduce threshold for direct rounds (G_DIRECT_MIN);
-             # 11: all-gather rounds (FLAG_GATHER)
+             # 11: all-gather and reduce-scatter rounds (FLAG_GATHER, FLAG_SCATTER)
 
 # -- global words ---------------------------------------------------------------------
 G_MAGIC = 0
@@ -121,11 +121,13 @@ FLAG_BROADCAST = 32   # a broadcast: the root publishes, the others copy its pay
 FLAG_DIRECT = 64      # a direct round: no payload in shared memory; the slice reducers read
                       # the contributors' private tensors and write every rank's result
 FLAG_GATHER = 128     # an all-gather: every rank contributes a part, every rank copies all
-                      # of them out (one host; ``kernels/gather.py``)
+                      # of them out (one host; ``kernels/parts.py``)
+FLAG_SCATTER = 256    # a reduce-scatter: every rank contributes a whole input, each reduces
+                      # only its part of it (one host; ``kernels/parts.py``)
 # every rank of a round must agree on these (a zero-copy round meets only zero-copy
 # rounds: its small frames share the eager path with the copy API's)
 FLAGS_AGREED = (FLAG_BULK | FLAG_ZERO_COPY | FLAG_OUTER | FLAG_TAP | FLAG_BROADCAST
-                | FLAG_DIRECT | FLAG_GATHER)
+                | FLAG_DIRECT | FLAG_GATHER | FLAG_SCATTER)
 
 __all__ = [
     "MAGIC",
@@ -201,5 +203,6 @@ __all__ = [
     "FLAG_BROADCAST",
     "FLAG_DIRECT",
     "FLAG_GATHER",
+    "FLAG_SCATTER",
     "FLAGS_AGREED",
 ]

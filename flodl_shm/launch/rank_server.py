@@ -370,11 +370,11 @@ class _ServedRankProcess(mp_context.ForkServerProcess):
 
 def _warm_kernels(nprocs: int) -> None:
     """Compile (or load) every kernel here, once, so ranks only read numba's cache."""
-    from ..kernels import (cma, gather, outer_step, permutation, rounds, signals, tensorio,
+    from ..kernels import (cma, outer_step, parts, permutation, rounds, signals, tensorio,
                            warm_up)
 
     warm_up(max_sources=max(4, nprocs))
-    for module in (signals, rounds, tensorio, outer_step, permutation, cma, gather):
+    for module in (signals, rounds, tensorio, outer_step, permutation, cma, parts):
         module.warm_up()
 
 

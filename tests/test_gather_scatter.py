@@ -1,7 +1,9 @@
-"""``Comm.all_gather_into_tensor``: every rank's part, bit for bit, into every rank's
-output; one compiled call a round on one host (``kernels/gather.py``), parts larger than
-the eager slot in rounds of a slot each, each rank's part broadcast in turn where a fault
-hook runs (as on a cluster).
+"""The part collectives. ``Comm.all_gather_into_tensor``: every rank's part, bit for bit,
+into every rank's output; one compiled call a round on one host (``kernels/parts.py``),
+parts larger than the eager slot in rounds of a slot each, each rank's part broadcast in
+turn where a fault hook runs (as on a cluster). ``Comm.reduce_scatter_tensor``: each
+rank's part of the sum (or mean), the bits ``all_reduce_`` gives that part, each rank
+summing only its part where the input fits the slot.
 
 Ranks are threads over a real arena (``FakeCohort``); dead ranks are fenced the way the
 supervisor fences them.
@@ -131,3 +133,93 @@ def test_an_input_overlapping_the_output_elsewhere_is_refused():
 
     with FakeCohort(2) as c:
         assert c.run(body) == [True, True]
+
+
+# --- reduce_scatter_tensor -------------------------------------------------------------
+
+def _values(rank: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(n, generator=g) * 1e3
+    x[:4] = torch.tensor([-0.0, float("inf"), 1e-40, float("nan")])[:n]  # -0, inf, subnormal
+    return x
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("m", [1, 7, 1000, 30_000], ids=["1", "7", "1000", "over-the-slot"])
+@pytest.mark.parametrize("kind", [RoundKind.CONTROL, RoundKind.MODEL], ids=["sum", "mean"])
+@pytest.mark.parametrize("hooked", [False, True], ids=["compiled", "all-reduced"])
+def test_each_rank_gets_the_all_reduce_s_bits_of_its_part(world, m, kind, hooked):
+    """Against ``all_reduce_scaled`` of the same inputs, bit for bit: one round that fits
+    the slot (each rank sums its part), an input over a 64 KiB slot or a fault hook (the
+    all-reduce path); into a fresh output and into this rank's part of the input."""
+    def body(comm):
+        if hooked:
+            comm._engine.fault_hook = lambda where, rnd: None
+        x = _values(comm.rank, world * m)
+        (ref,), _ = comm.all_reduce_scaled([x], 1.0, kind)
+        want = ref[comm.rank * m:(comm.rank + 1) * m].view(torch.int32)
+        got = torch.full((m,), 7.0)
+        comm.reduce_scatter_tensor(got, x, kind)
+        inside = x.clone()
+        comm.reduce_scatter_tensor(inside[comm.rank * m:(comm.rank + 1) * m], inside, kind)
+        return (got.view(torch.int32).equal(want),
+                inside[comm.rank * m:(comm.rank + 1) * m].view(torch.int32).equal(want))
+
+    with FakeCohort(world, eager_bytes=SLOT) as c:
+        assert c.run(body) == [(True, True)] * world
+
+
+def test_a_dead_rank_leaves_the_sum_and_mean_of_the_others():
+    """As ``all_reduce_`` does: the survivors' contributions, the mean over their mass;
+    the dead rank's part is nobody's to compute."""
+    def body(comm):
+        x = torch.full((12,), float(comm.rank + 1))
+        s, mean = torch.zeros(4), torch.zeros(4)
+        comm.reduce_scatter_tensor(s, x)
+        comm.reduce_scatter_tensor(mean, x, RoundKind.MODEL)
+        return s.tolist(), mean.tolist()
+
+    with FakeCohort(3) as c:
+        c.declare_dead(2)
+        assert c.run(body, ranks=[0, 1])[:2] == [([3.0] * 4, [1.5] * 4)] * 2
+
+
+def test_a_reduce_scatter_never_pairs_with_an_all_reduce_of_its_schema():
+    def body(comm):
+        x, out = torch.ones(8), torch.zeros(4)
+        with pytest.raises(SchemaMismatchError):
+            if comm.rank == 0:
+                comm.reduce_scatter_tensor(out, x)
+            else:
+                comm.all_reduce_weighted([x], RoundKind.CONTROL, 1.0)
+        with pytest.raises(SchemaMismatchError):  # nor with an all-gather of its sizes
+            if comm.rank == 0:
+                comm.reduce_scatter_tensor(out, x)
+            else:
+                comm.all_gather_into_tensor(torch.zeros(16), x)
+        comm.reduce_scatter_tensor(out, torch.full((8,), float(comm.rank)))
+        return out.tolist()
+
+    with FakeCohort(2) as c:
+        assert c.run(body) == [[1.0] * 4] * 2
+
+
+@pytest.mark.parametrize("output, input, kind, match", [
+    (lambda: torch.zeros(4), lambda: torch.ones(7), RoundKind.CONTROL,
+     "input has 7 elements, a world of 2 parts of the output's 4 needs 8"),
+    (lambda: torch.zeros(4, dtype=torch.bfloat16), lambda: torch.ones(8), RoundKind.CONTROL,
+     "output must be a contiguous float32 CPU tensor, got torch.bfloat16"),
+    (lambda: torch.zeros(4), lambda: torch.ones(16)[::2], RoundKind.CONTROL,
+     "input must be a contiguous"),
+    (lambda: torch.zeros(4), lambda: torch.ones(8), 5, "kind must be RoundKind.CONTROL"),
+])
+def test_bad_reduce_scatter_arguments_are_refused_before_any_round(output, input, kind, match):
+    def body(comm):
+        with pytest.raises(ValueError, match=match):
+            comm.reduce_scatter_tensor(output(), input(), kind)
+        out = torch.zeros(4)  # nothing was published: the next call pairs up
+        comm.reduce_scatter_tensor(out, torch.full((8,), float(comm.rank)))
+        return out.tolist()
+
+    with FakeCohort(2) as c:
+        assert c.run(body) == [[1.0] * 4] * 2

@@ -1,23 +1,27 @@
-"""The all-gather of a ``Comm``: ``all_gather_into_tensor``.
+"""The part collectives of a ``Comm``: ``all_gather_into_tensor`` (every rank's part to
+every rank) and ``reduce_scatter_tensor`` (each rank its part of the sum).
 
-``AllGatherCalls`` is a part of :class:`flodl_shm.engine.comm.Comm`. Every rank's
-part arrives bit for bit (nothing is summed): on one host in eager rounds of at most a
-slot each, one compiled call a rank a round (``kernels/gather.py``); on a cluster, or
-with a fault hook, each rank's part is broadcast in place in turn.
+``GatherScatterCalls`` is a part of :class:`flodl_shm.engine.comm.Comm`. On one host
+both are eager rounds of their own kind, one compiled call a rank a round
+(``kernels/parts.py``): an all-gather's parts arrive bit for bit (nothing is summed), in
+rounds of at most a slot each; a reduce-scatter whose input fits the slot has each rank
+sum only its part. On a cluster, or with a fault hook, an all-gather broadcasts each
+rank's part in place in turn, and a reduce-scatter too large for the slot all-reduces
+the input and keeps its part.
 """
 from __future__ import annotations
 
 import torch
 
-from ..frame import DTYPE_F32
+from ..frame import DTYPE_F32, RoundKind
 from ..kernels.codes import NOT_ROOT, OK
-from ..kernels.gather import gather_calls
+from ..kernels.parts import part_calls
 from .comm_rounds import _CONTROL, _STRIDED, _written
 from .tensor_codec import F32
 
 
-class AllGatherCalls:
-    """The all-gather of a ``Comm`` (a part of it: see the module doc)."""
+class GatherScatterCalls:
+    """The part collectives of a ``Comm`` (a part of it: see the module doc)."""
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Every rank's ``input`` into every rank's ``output``, rank r's at
@@ -74,12 +78,57 @@ class AllGatherCalls:
         for r, part in enumerate(parts):
             self.broadcast_([part], r)
 
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor,
+                              kind: int = RoundKind.CONTROL) -> None:
+        """This rank's part of the sum of every rank's ``input``: ``output`` = the
+        ranks' ``input[r * m:(r + 1) * m]`` summed (``m = output.numel()``, ``r`` this
+        rank), like ``dist.reduce_scatter_tensor``; with ``kind=RoundKind.MODEL`` their
+        mean (the sum times ``1 / ranks``). The bits are those of ``all_reduce_`` of the
+        inputs (float32 sums in rank order).
+
+        On one host an input that fits the eager slot is one compiled call a rank, in
+        which each rank sums only its part; a larger one (or on a cluster) is
+        all-reduced, each rank keeping its part.
+
+        Args:
+            output: a contiguous float32 CPU tensor of ``m`` elements; it may lie in
+                ``input`` (this rank's part of it, say).
+            input: a contiguous float32 CPU tensor of ``world_size * m`` elements, of
+                the same shape on every rank (another shape is a schema mismatch on
+                every rank).
+            kind: ``RoundKind.CONTROL`` sums, ``RoundKind.MODEL`` averages.
+        Raises:
+            ValueError: tensors that are not such.
+        """
+        m, src, dst = self._scatter_args(output, input, kind)
+        eng = self._engine
+        if not eng.relay_mode and eng.fault_hook is None:
+            plan = eng.plan(kind, DTYPE_F32, (input.shape,))
+            if plan.eager_fits:
+                rnd = self._round
+                self._round = rnd + 1
+                try:
+                    calls = part_calls()
+                    code = calls.reduce_scatter(eng.call_block, plan.call, src, dst, rnd, 1.0)
+                    if code != OK:  # (peers asleep, a late rank, a mismatch: raises)
+                        view = eng.settle_eager(code, rnd)
+                        calls.reduce_part(eng.call_block, plan.off, m, dst, rnd, int(kind),
+                                          view.contrib_mask, view.mass)
+                except BaseException as e:
+                    self._fail(rnd, e)
+                    raise
+                _written((output,))
+                return
+        (summed,), _ = self.all_reduce_scaled([input], 1.0, kind)
+        with torch.no_grad():
+            output.view(-1).copy_(summed.view(-1)[self.rank * m:(self.rank + 1) * m])
+
     def _eager_gather(self, plan, rnd: int, src: int, dst: int, stride: int) -> None:
-        """An eager all-gather round (``kernels.gather.eager_gather_f32``) of
+        """An eager all-gather round (``kernels.parts.eager_gather_f32``) of
         ``plan.nelem`` float32 a rank from ``src``, rank r's into ``dst + 4 * stride * r``;
         its end the blocking way when the compiled call could not finish it."""
         eng = self._engine
-        calls = gather_calls()
+        calls = part_calls()
         code = calls.eager(eng.call_block, plan.call, src, dst, stride, rnd)
         if code == OK:
             return
@@ -97,6 +146,30 @@ class AllGatherCalls:
         words = eng.plan(_CONTROL, DTYPE_F32, (lead + (1,),)).off
         return max(16, (eng.arena.eager_bytes - words) // 4 // 16 * 16)
 
+    def _scatter_args(self, output: torch.Tensor, input: torch.Tensor, kind
+                      ) -> tuple[int, int, int]:
+        """(the part's elements, the input's address, the output's), after checking the
+        arguments (``reduce_scatter_tensor``'s Raises)."""
+        if self._broken is not None:
+            raise RuntimeError(f"this Comm is unusable: {self._broken}")
+        try:  # (free in CPython 3.11 until something raises)
+            ok = (input.dtype is F32 and output.dtype is F32 and input.layout is _STRIDED
+                  and output.layout is _STRIDED and input.is_cpu and output.is_cpu
+                  and input.is_contiguous() and output.is_contiguous())
+        except AttributeError:  # (not a tensor: named below)
+            ok = False
+        if not ok:
+            _refuse_part_tensors("reduce_scatter_tensor", output, input)
+        if kind not in (RoundKind.CONTROL, RoundKind.MODEL):
+            raise ValueError(f"reduce_scatter_tensor: kind must be RoundKind.CONTROL (a sum) "
+                             f"or RoundKind.MODEL (a mean), got {kind!r}")
+        m = output.numel()
+        if input.numel() != self.world_size * m:
+            raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements, a "
+                             f"world of {self.world_size} parts of the output's {m} needs "
+                             f"{self.world_size * m}; pass an input of that many")
+        return m, input.data_ptr(), output.data_ptr()
+
     def _gather_args(self, output: torch.Tensor, input: torch.Tensor) -> tuple[int, int, int]:
         """(the part's elements, the input's address, the output's), after checking the
         tensors (``all_gather_into_tensor``'s Raises)."""
@@ -109,7 +182,7 @@ class AllGatherCalls:
         except AttributeError:  # (not a tensor: named below)
             ok = False
         if not ok:
-            _refuse_gather(output, input)
+            _refuse_part_tensors("all_gather_into_tensor", output, input)
         n = input.numel()
         if output.numel() != self.world_size * n:
             raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements, "
@@ -124,15 +197,14 @@ class AllGatherCalls:
         return n, src, dst
 
 
-def _refuse_gather(output, input) -> None:
+def _refuse_part_tensors(what: str, output, input) -> None:
     """Raise for the first of ``output``, ``input`` that is not a contiguous float32 CPU
     tensor, naming what it is."""
     for name, t in (("output", output), ("input", input)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"all_gather_into_tensor: {name} must be a torch.Tensor, got "
-                            f"{type(t).__name__}")
+            raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if not (t.dtype is F32 and t.layout is _STRIDED and t.is_cpu and t.is_contiguous()):
-            raise ValueError(f"all_gather_into_tensor: {name} must be a contiguous float32 "
-                             f"CPU tensor, got {t.dtype} on {t.device} (layout {t.layout}, "
-                             f"contiguous: {t.is_contiguous()}); pass "
-                             f"t.contiguous().view(torch.float32) of its bytes, or a copy")
+            raise ValueError(f"{what}: {name} must be a contiguous float32 CPU tensor, got "
+                             f"{t.dtype} on {t.device} (layout {t.layout}, contiguous: "
+                             f"{t.is_contiguous()}); pass t.contiguous().view(torch.float32) "
+                             f"of its bytes, or a copy")

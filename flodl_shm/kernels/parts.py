@@ -1,6 +1,6 @@
-"""The all-gather round's compiled calls: every rank's part, bit for bit, into every rank.
+"""The compiled calls of the part collectives: all-gather and reduce-scatter rounds.
 
-An all-gather round (``FLAG_GATHER``, one host) is an eager round in which every rank
+**All-gather** (``FLAG_GATHER``, one host): an eager round in which every rank
 contributes a part of the plan's ``nelem`` float32 words (raw bits: the caller may carry
 any dtype's bytes as float32) and every rank leaves with all parts. Nothing is summed,
 so nothing is rounded: a signaling NaN stays signaling.
@@ -20,9 +20,18 @@ against 88 for 1 MiB, 4.6 ms against 4.1 for 16 MiB; on 4 ranks, 4.6 ms against 
 4 MiB parts); it was ahead only at 128 KiB parts, 24.7 µs against 30.7 (a cross-memory
 copy pins every page it touches; the slot's copies stay in cache).
 
-It returns the codes of ``rounds.eager_round`` (this rank published; the caller
-finishes the wait, then calls ``copy_parts``), and NOT_ROOT when a rank that arrived did
-not contribute (the caller raises: a gather needs every part).
+**Reduce-scatter** (``FLAG_SCATTER``, one host): an eager round of the whole input,
+``world`` parts of the output's size, in which each rank reduces only its own part:
+``eager_reduce_scatter_f32`` copies the input into the rank's slot, publishes, spins,
+validates, then sums part ``me`` of every contributor's slot in rank order, times the
+round's ``1 / mass`` (MODEL) or 1 (CONTROL), into its output (``rounds.reduce_eager_f32``:
+the bits ``all_reduce_`` gives that part). An all-reduce of the input reduces every part
+on every rank: ``world`` times the sums.
+
+They return the codes of ``rounds.eager_round`` (this rank published; the caller
+finishes the wait, then calls ``copy_parts`` / ``reduce_part``); the gather also NOT_ROOT
+when a rank that arrived did not contribute (the caller raises: a gather needs every
+part).
 """
 from __future__ import annotations
 
@@ -34,9 +43,10 @@ from numba import njit, types
 
 from .cma import _copy_bits
 from .codes import NOT_ROOT, OK
-from .control_block import FLAG_GATHER
-from .rounds import (C_ME, C_SLOT_BYTES, C_WORLD, I_CONTRIB, P_NELEM, P_NWORDS, _call_views,
-                     _publish_and_arrive, _put_schema)
+from .control_block import FLAG_GATHER, FLAG_SCATTER
+from .rounds import (C_ME, C_SLOT_BYTES, C_WORK, C_WORLD, I_CONTRIB, P_KIND, P_NELEM, P_NWORDS,
+                     WORK_CHUNK, _call_views, _publish_and_arrive, _put_schema,
+                     reduce_eager_f32)
 from .tensorio import f32_at
 
 
@@ -104,23 +114,72 @@ def eager_gather_f32(blk, pl, src, dst, stride, rnd):
     return _copy_parts(blk, off, n, src, dst, stride, rnd, info[I_CONTRIB])
 
 
-class GatherCalls(NamedTuple):
-    """The gather rounds' compiled calls, typed once (``rounds.FusedCalls``' reason:
+@njit(inline="always")
+def _reduce_part(blk, off, m, dst, rnd, kind, contrib, mass):
+    """Part ``me`` (``m`` float32) of every contributor's slot, summed in rank order,
+    times ``1 / mass`` (MODEL with mass) or 1, into the float32 at ``dst``."""
+    eager = _call_views(blk)[3]
+    inv = 1.0
+    if kind == 0 and mass > 0.0:
+        inv = 1.0 / mass
+    reduce_eager_f32(eager, blk[C_SLOT_BYTES], rnd, blk[C_WORLD], contrib,
+                     off + 4 * m * blk[C_ME], m, f32_at(dst, m), inv,
+                     f32_at(blk[C_WORK], WORK_CHUNK))
+
+
+@njit(cache=True, nogil=True)
+def reduce_part(blk, off, m, dst, rnd, kind, contrib, mass):
+    """``eager_reduce_scatter_f32``'s reduce after an arrival wait the caller finished
+    (its contributors' mask ``contrib`` and accepted ``mass``)."""
+    _reduce_part(blk, off, m, dst, rnd, kind, contrib, mass)
+
+
+@njit(cache=True, nogil=True)
+def eager_reduce_scatter_f32(blk, pl, src, dst, rnd, weight):
+    """A whole small reduce-scatter of plan ``pl`` in one call: the input's
+    ``pl[P_NELEM]`` float32 at address ``src`` (``world`` parts) into this rank's eager
+    slot, published with FLAG_SCATTER and mass ``weight``; the arrival spin and
+    validation; then this rank's part of the sum into the float32 at ``dst``
+    (``reduce_part``). Codes as ``rounds.eager_round``'s."""
+    eager, info, mass = _call_views(blk)[3:6]
+    _put_schema(blk, pl, eager, rnd)
+    n = pl[P_NELEM]
+    off = pl[P_NWORDS] * 8
+    base = (2 * blk[C_ME] + (rnd & 1)) * blk[C_SLOT_BYTES] + off
+    slot = eager[base:base + 4 * n].view(np.uint32)
+    whole = _f32_bits(src, n)
+    for i in range(n):
+        slot[i] = whole[i]
+    code = _publish_and_arrive(blk, pl, rnd, FLAG_SCATTER, weight)
+    if code != OK:
+        return code
+    _reduce_part(blk, off, n // blk[C_WORLD], dst, rnd, pl[P_KIND], info[I_CONTRIB], mass[0])
+    return OK
+
+
+class PartCalls(NamedTuple):
+    """The part collectives' compiled calls, typed once (``rounds.FusedCalls``' reason:
     numba's dispatch types every argument of every call). Arguments: 1-D C int64 arrays
     for the call block and the plan words; Python ints for the rest."""
 
     eager: Callable         # eager_gather_f32(blk, pl, src, dst, stride, rnd)
     copy_parts: Callable    # copy_parts(blk, off, n, src, dst, stride, rnd, contrib)
+    #: eager_reduce_scatter_f32(blk, pl, src, dst, rnd, weight); weight a Python float
+    reduce_scatter: Callable
+    #: reduce_part(blk, off, m, dst, rnd, kind, contrib, mass); mass a Python float
+    reduce_part: Callable
 
 
 @functools.cache
-def gather_calls() -> GatherCalls:
-    """The gather rounds' calls, compiled (or loaded from the cache) once per process."""
-    words, i64 = types.int64[::1], types.int64
-    return GatherCalls(
+def part_calls() -> PartCalls:
+    """The part collectives' calls, compiled (or loaded from the cache) once per process."""
+    words, i64, f64 = types.int64[::1], types.int64, types.float64
+    return PartCalls(
         eager=eager_gather_f32.compile((words, words, i64, i64, i64, i64)),
-        copy_parts=copy_parts.compile((words, i64, i64, i64, i64, i64, i64, i64)))
+        copy_parts=copy_parts.compile((words, i64, i64, i64, i64, i64, i64, i64)),
+        reduce_scatter=eager_reduce_scatter_f32.compile((words, words, i64, i64, i64, f64)),
+        reduce_part=reduce_part.compile((words, i64, i64, i64, i64, i64, i64, f64)))
 
 
 def warm_up() -> None:
-    gather_calls()
+    part_calls()
