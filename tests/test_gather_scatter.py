@@ -145,7 +145,7 @@ def _values(rank: int, n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("m", [1, 7, 1000, 30_000], ids=["1", "7", "1000", "over-the-slot"])
+@pytest.mark.parametrize("m", [1, 7, 1000, 30_003], ids=["1", "7", "1000", "over-the-slot"])
 @pytest.mark.parametrize("kind", [RoundKind.CONTROL, RoundKind.MODEL], ids=["sum", "mean"])
 @pytest.mark.parametrize("hooked", [False, True], ids=["compiled", "all-reduced"])
 def test_each_rank_gets_the_all_reduce_s_bits_of_its_part(world, m, kind, hooked):
@@ -222,4 +222,25 @@ def test_bad_reduce_scatter_arguments_are_refused_before_any_round(output, input
         return out.tolist()
 
     with FakeCohort(2) as c:
+        assert c.run(body) == [[1.0] * 4] * 2
+
+
+def test_ranks_whose_chunked_sizes_differ_mismatch_at_the_first_round():
+    """Parts over the slot go in chunk rounds whose first chunks are alike; the schema
+    names the whole part, so every rank raises at once instead of pairing chunk rounds
+    of different calls."""
+    def body(comm):
+        # whole chunks: 2 rounds on rank 0, 3 on rank 1, alike but for the count
+        chunk = comm._slot_words(RoundKind.CONTROL, 2)
+        with pytest.raises(SchemaMismatchError):
+            n = chunk * (2 + comm.rank)
+            comm.all_gather_into_tensor(torch.zeros(2 * n), torch.ones(n))
+        with pytest.raises(SchemaMismatchError):
+            m = chunk // 2 // 16 * 16 * (2 + comm.rank)
+            comm.reduce_scatter_tensor(torch.zeros(m), torch.ones(2 * m))
+        out = torch.zeros(4)
+        comm.reduce_scatter_tensor(out, torch.full((8,), float(comm.rank)))
+        return out.tolist()
+
+    with FakeCohort(2, eager_bytes=SLOT) as c:
         assert c.run(body) == [[1.0] * 4] * 2

@@ -1137,8 +1137,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     def _reduce_scatter_summed(self, out: torch.Tensor, t: torch.Tensor, avg: bool) -> None:
         """A float32/bfloat16 SUM (or AVG) reduce-scatter on one host, summed as
         ``allreduce`` sums (in float32, in rank order): float32 through the engine's
-        reduce-scatter (``Comm.reduce_scatter_tensor``: each rank sums only its part where
-        the input fits the eager slot, else the engine all-reduces it); bfloat16 through
+        reduce-scatter (``Comm.reduce_scatter_tensor``: each rank sums only its part, in
+        rounds of at most the eager slot); bfloat16 through
         the engine's all-reduce of ``t``, this rank's part copied into ``out`` (rounded
         once, through a contiguous stand-in, as the list form writes: torch's strided
         bfloat16 copy gives a NaN other bits). Where the byte round's reduce in torch ops
@@ -1150,7 +1150,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         flat = t.detach().reshape(-1)
         problem = (_misfit(out, flat[:flat.numel() // self._size], "reduce_scatter_tensor")
                    if out.dtype != t.dtype or out.numel() * self._size != t.numel() else None)
-        if t.dtype is _F32:  # each rank sums only its part (where the input fits a slot)
+        if t.dtype is _F32:  # each rank sums only its part
             part = out if problem is None and out.is_contiguous() else torch.empty(
                 t.numel() // self._size)
             self._live().comm.reduce_scatter_tensor(part, flat.contiguous(),

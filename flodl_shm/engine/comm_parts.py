@@ -3,11 +3,12 @@ every rank) and ``reduce_scatter_tensor`` (each rank its part of the sum).
 
 ``GatherScatterCalls`` is a part of :class:`flodl_shm.engine.comm.Comm`. On one host
 both are eager rounds of their own kind, one compiled call a rank a round
-(``kernels/parts.py``): an all-gather's parts arrive bit for bit (nothing is summed), in
-rounds of at most a slot each; a reduce-scatter whose input fits the slot has each rank
-sum only its part. On a cluster, or with a fault hook, an all-gather broadcasts each
-rank's part in place in turn, and a reduce-scatter too large for the slot all-reduces
-the input and keeps its part.
+(``kernels/parts.py``), in rounds of at most a slot each: an all-gather's parts arrive
+bit for bit (nothing is summed); in a reduce-scatter each rank sums only its part. On a
+cluster, or with a fault hook, an all-gather broadcasts each rank's part in place in
+turn, and a reduce-scatter all-reduces the input and keeps its part. A chunk's round
+names the whole part in its schema (an empty tensor shaped like it), so ranks whose
+sizes differ mismatch at the first round.
 """
 from __future__ import annotations
 
@@ -55,15 +56,14 @@ class GatherScatterCalls:
                     raise
                 _written((output,))
                 return
-            shape = tuple(input.shape)
-            k = self._eager_gather_words(shape[:-1])
+            k = self._slot_words(_CONTROL, input.dim() + 1)
             for start in range(0, n, k):  # rounds of at most a slot each
                 m = min(k, n - start)
                 rnd = self._round
                 self._round = rnd + 1
-                try:
-                    self._eager_gather(eng.plan(_CONTROL, DTYPE_F32, (shape[:-1] + (m,),)),
-                                       rnd, src + 4 * start, dst + 4 * start, n)
+                try:  # (the schema: this chunk, and an empty tensor whose shape is the part's)
+                    self._eager_gather(eng.plan(_CONTROL, DTYPE_F32, ((m,), (0,) + tuple(
+                        input.shape))), rnd, src + 4 * start, dst + 4 * start, n)
                 except BaseException as e:
                     self._fail(rnd, e)
                     raise
@@ -86,9 +86,10 @@ class GatherScatterCalls:
         mean (the sum times ``1 / ranks``). The bits are those of ``all_reduce_`` of the
         inputs (float32 sums in rank order).
 
-        On one host an input that fits the eager slot is one compiled call a rank, in
-        which each rank sums only its part; a larger one (or on a cluster) is
-        all-reduced, each rank keeping its part.
+        On one host each rank sums only its part, one compiled call a rank a round: one
+        round for an input that fits the eager slot, else rounds that each carry a
+        chunk of every part. On a cluster the input is all-reduced, each rank keeping
+        its part.
 
         Args:
             output: a contiguous float32 CPU tensor of ``m`` elements; it may lie in
@@ -104,24 +105,38 @@ class GatherScatterCalls:
         eng = self._engine
         if not eng.relay_mode and eng.fault_hook is None:
             plan = eng.plan(kind, DTYPE_F32, (input.shape,))
-            if plan.eager_fits:
+            k = (m if plan.eager_fits
+                 else self._slot_words(kind, 2) // self.world_size // 16 * 16)
+            for start in range(0, m, k) if m else (0,):  # (chunks of every part a round)
+                n = min(k, m - start)
                 rnd = self._round
                 self._round = rnd + 1
                 try:
-                    calls = part_calls()
-                    code = calls.reduce_scatter(eng.call_block, plan.call, src, dst, rnd, 1.0)
-                    if code != OK:  # (peers asleep, a late rank, a mismatch: raises)
-                        view = eng.settle_eager(code, rnd)
-                        calls.reduce_part(eng.call_block, plan.off, m, dst, rnd, int(kind),
-                                          view.contrib_mask, view.mass)
+                    self._eager_reduce_scatter(plan if n == m else eng.plan(
+                        kind, DTYPE_F32, ((self.world_size * n,), (0, m))),
+                        src + 4 * start, m, dst + 4 * start, rnd, kind)
                 except BaseException as e:
                     self._fail(rnd, e)
                     raise
-                _written((output,))
-                return
+            _written((output,))
+            return
         (summed,), _ = self.all_reduce_scaled([input], 1.0, kind)
         with torch.no_grad():
             output.view(-1).copy_(summed.view(-1)[self.rank * m:(self.rank + 1) * m])
+
+    def _eager_reduce_scatter(self, plan, src: int, stride: int, dst: int, rnd: int,
+                              kind: int) -> None:
+        """An eager reduce-scatter round (``kernels.parts.eager_reduce_scatter_f32``) of
+        ``plan.nelem / world`` float32 of every part (rank r's at ``src + 4 * stride *
+        r``) into ``dst``; its end the blocking way when the compiled call could not
+        finish it."""
+        eng = self._engine
+        calls = part_calls()
+        code = calls.reduce_scatter(eng.call_block, plan.call, src, stride, dst, rnd, 1.0)
+        if code != OK:  # (peers asleep, a late rank, a mismatch: raises)
+            view = eng.settle_eager(code, rnd)
+            calls.reduce_part(eng.call_block, plan.off, plan.nelem // self.local_world_size,
+                              dst, rnd, int(kind), view.contrib_mask, view.mass)
 
     def _eager_gather(self, plan, rnd: int, src: int, dst: int, stride: int) -> None:
         """An eager all-gather round (``kernels.parts.eager_gather_f32``) of
@@ -139,11 +154,12 @@ class GatherScatterCalls:
         calls.copy_parts(eng.call_block, plan.off, plan.nelem, src, dst, stride, rnd,
                          view.contrib_mask)
 
-    def _eager_gather_words(self, lead: tuple) -> int:
-        """The most float32 of a part one eager round carries (a multiple of 16: its
-        chunks stay 64-byte aligned), its schema words ``lead + (k,)`` included."""
+    def _slot_words(self, kind: int, ndim: int) -> int:
+        """The most float32 one eager round of a chunk carries (a multiple of 16: its
+        chunks stay 64-byte aligned), after the schema words of a chunk plan: a 1-D
+        chunk and an empty tensor of ``ndim`` dimensions whose shape names the whole."""
         eng = self._engine
-        words = eng.plan(_CONTROL, DTYPE_F32, (lead + (1,),)).off
+        words = eng.plan(kind, DTYPE_F32, ((1,), (0,) * ndim)).off
         return max(16, (eng.arena.eager_bytes - words) // 4 // 16 * 16)
 
     def _scatter_args(self, output: torch.Tensor, input: torch.Tensor, kind

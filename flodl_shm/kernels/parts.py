@@ -26,7 +26,8 @@ copy pins every page it touches; the slot's copies stay in cache).
 validates, then sums part ``me`` of every contributor's slot in rank order, times the
 round's ``1 / mass`` (MODEL) or 1 (CONTROL), into its output (``rounds.reduce_eager_f32``:
 the bits ``all_reduce_`` gives that part). An all-reduce of the input reduces every part
-on every rank: ``world`` times the sums.
+on every rank: ``world`` times the sums. An input larger than the slot goes in rounds
+that each carry a chunk of every part.
 
 They return the codes of ``rounds.eager_round`` (this rank published; the caller
 finishes the wait, then calls ``copy_parts`` / ``reduce_part``); the gather also NOT_ROOT
@@ -135,25 +136,29 @@ def reduce_part(blk, off, m, dst, rnd, kind, contrib, mass):
 
 
 @njit(cache=True, nogil=True)
-def eager_reduce_scatter_f32(blk, pl, src, dst, rnd, weight):
-    """A whole small reduce-scatter of plan ``pl`` in one call: the input's
-    ``pl[P_NELEM]`` float32 at address ``src`` (``world`` parts) into this rank's eager
-    slot, published with FLAG_SCATTER and mass ``weight``; the arrival spin and
-    validation; then this rank's part of the sum into the float32 at ``dst``
-    (``reduce_part``). Codes as ``rounds.eager_round``'s."""
+def eager_reduce_scatter_f32(blk, pl, src, stride, dst, rnd, weight):
+    """A whole small reduce-scatter of plan ``pl`` in one call: ``world`` parts of
+    ``k = pl[P_NELEM] / world`` float32, rank r's at ``src + 4 * stride * r``, into this
+    rank's eager slot, published with FLAG_SCATTER and mass ``weight``; the arrival spin
+    and validation; then this rank's part of the sum into the ``k`` float32 at ``dst``
+    (``reduce_part``). ``stride`` is ``k`` for a whole input; a chunk of a larger one
+    takes the chunk of each part. Codes as ``rounds.eager_round``'s."""
     eager, info, mass = _call_views(blk)[3:6]
     _put_schema(blk, pl, eager, rnd)
-    n = pl[P_NELEM]
+    world = blk[C_WORLD]
+    k = pl[P_NELEM] // world
     off = pl[P_NWORDS] * 8
     base = (2 * blk[C_ME] + (rnd & 1)) * blk[C_SLOT_BYTES] + off
-    slot = eager[base:base + 4 * n].view(np.uint32)
-    whole = _f32_bits(src, n)
-    for i in range(n):
-        slot[i] = whole[i]
+    slot = eager[base:base + 4 * k * world].view(np.uint32)
+    for r in range(world):
+        part = _f32_bits(src + 4 * stride * r, k)
+        into = slot[r * k:(r + 1) * k]
+        for i in range(k):
+            into[i] = part[i]
     code = _publish_and_arrive(blk, pl, rnd, FLAG_SCATTER, weight)
     if code != OK:
         return code
-    _reduce_part(blk, off, n // blk[C_WORLD], dst, rnd, pl[P_KIND], info[I_CONTRIB], mass[0])
+    _reduce_part(blk, off, k, dst, rnd, pl[P_KIND], info[I_CONTRIB], mass[0])
     return OK
 
 
@@ -164,7 +169,7 @@ class PartCalls(NamedTuple):
 
     eager: Callable         # eager_gather_f32(blk, pl, src, dst, stride, rnd)
     copy_parts: Callable    # copy_parts(blk, off, n, src, dst, stride, rnd, contrib)
-    #: eager_reduce_scatter_f32(blk, pl, src, dst, rnd, weight); weight a Python float
+    #: eager_reduce_scatter_f32(blk, pl, src, stride, dst, rnd, weight); weight a float
     reduce_scatter: Callable
     #: reduce_part(blk, off, m, dst, rnd, kind, contrib, mass); mass a Python float
     reduce_part: Callable
@@ -177,7 +182,8 @@ def part_calls() -> PartCalls:
     return PartCalls(
         eager=eager_gather_f32.compile((words, words, i64, i64, i64, i64)),
         copy_parts=copy_parts.compile((words, i64, i64, i64, i64, i64, i64, i64)),
-        reduce_scatter=eager_reduce_scatter_f32.compile((words, words, i64, i64, i64, f64)),
+        reduce_scatter=eager_reduce_scatter_f32.compile((words, words, i64, i64, i64, i64,
+                                                         f64)),
         reduce_part=reduce_part.compile((words, i64, i64, i64, i64, i64, i64, f64)))
 
 
