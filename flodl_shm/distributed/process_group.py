@@ -1121,12 +1121,12 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             if i.numel() % self._size:
                 raise RuntimeError(f"flodl_shm reduce_scatter_tensor: input of {i.numel()} "
                                    f"elements does not split into {self._size} equal parts")
-        name = op_name(op_type(opts.reduceOp))
-        if (len(inputs) == 1 and name in ("SUM", "AVG") and not self._topo.multi_host
+        kind = op_type(opts.reduceOp)  # (compared as it is: its name costs 1.2 µs more)
+        if (len(inputs) == 1 and (kind == _SUM or kind == _AVG) and not self._topo.multi_host
                 and inputs[0].dtype in (torch.float32, torch.bfloat16)):
             # what every rank shares decides (op, dtype, one host), never a rank's layout:
-            # an all-reduce of the input through the engine, each rank keeping its part
-            self._reduce_scatter_summed(outputs[0], inputs[0], name == "AVG")
+            # the engine's reduce-scatter or all-reduce of the input
+            self._reduce_scatter_summed(outputs[0], inputs[0], kind == _AVG)
             return _done(list(given))
         lists = [list(i.reshape(-1).chunk(self._size)) for i in inputs]
         dense, copy_back = _dense_outputs(outputs)
