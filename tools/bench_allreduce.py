@@ -24,8 +24,9 @@ flodl_shm variants:
                 row's ratio to the OpenMPI call doing the same job (``API_PEERS``)
 Peers: torch.distributed gloo (TCP over loopback; gloo has no shared-memory
 transport for CPU tensors), OpenMPI ``Allreduce`` (plus ``Bcast``, ``Allgather``,
-``Reduce_scatter_block``, ``Barrier`` and a world-length ``Allreduce`` for the API table) via mpi4py (run under mpirun; skipped
-with a note when mpirun or mpi4py is missing: the API table then has no ratios).
+``Reduce_scatter_block``, ``Barrier`` and a world-length ``Allreduce`` for the API table)
+via mpi4py (run under mpirun; skipped with a note when mpirun or mpi4py is missing: the
+API table then has no ratios).
 
     python tools/bench_allreduce.py --methods api --sizes 4KiB --worlds 2   # API rows only
     python tools/bench_allreduce.py --pages huge        # every buffer on huge pages
