@@ -908,16 +908,29 @@ def sc_big_gathers(rank: int, world: int) -> dict:
     t = torch.ones(2)
     dist.all_reduce(t)
     out["then in step again"] = t.tolist() == [float(world)] * 2
+    # an input inside the output, off this rank's part (gloo copies inputs first: so do we)
+    buf = torch.arange(world * 4, dtype=torch.float32) + 100 * rank
+    dist.all_gather_into_tensor(buf, buf[1:5])
+    out["input overlapping the output"] = buf.tolist() == [
+        float(i + 100 * r) for r in range(world) for i in range(1, 5)]
+    # one element at stride 2 (contiguous, yet no byte view takes it), of an 8-byte dtype
+    got = torch.zeros(world, dtype=torch.int64)
+    dist.all_gather_into_tensor(got, (torch.arange(2, dtype=torch.int64) + 7 * rank)[::2])
+    out["one strided int64"] = got.tolist() == [7 * r for r in range(world)]
     return out
 
 
 def sc_one_sum(rank: int, world: int) -> dict:
-    """One all_reduce of two ones (and a subgroup's: its init must not warn again)."""
+    """One all_reduce of two ones, then subgroups' (whose inits must not warn again)."""
     import torch.distributed as dist
 
     t = torch.ones(2)
     dist.all_reduce(t)
     dist.all_reduce(t, group=dist.new_group(list(range(world))))
+    last = dist.new_group([world - 1])  # (its one rank is its host's first: no warning)
+    if rank == world - 1:
+        dist.all_reduce(torch.ones(1), group=last)
+    dist.barrier()  # (rank 0 hosts the store: it stays until the last rank's group formed)
     return {"t": t.tolist()}
 
 

@@ -603,7 +603,8 @@ def test_all_gathers_and_reduce_scatters_keep_every_bit(tmp_path, world):
               "3 bytes", "offset output",
               "transposed output", "reduce_scatter", "misfit on rank 0", "then in step",
               "strided bfloat16 NaN", "gather int32 among float32",
-              "reduce_scatter bfloat16 among float32", "then in step again")
+              "reduce_scatter bfloat16 among float32", "then in step again",
+              "input overlapping the output", "one strided int64")
     for r in res:
         assert {k: r[k] for k in checks} == dict.fromkeys(checks, True), r["log"]
     _no_segments_of(res)

@@ -244,3 +244,33 @@ def test_ranks_whose_chunked_sizes_differ_mismatch_at_the_first_round():
 
     with FakeCohort(2, eager_bytes=SLOT) as c:
         assert c.run(body) == [[1.0] * 4] * 2
+
+
+def test_an_output_inside_the_input_off_its_parts_gets_the_right_sum_in_chunk_rounds():
+    """Chunk rounds read the input after earlier rounds wrote the output: an output that
+    lies in the input but not on a part's boundary goes through a stand-in."""
+    m = 20_000  # 2 ranks: 160 KB of input, three chunk rounds of a 64 KiB slot
+
+    def body(comm):
+        x = _values(comm.rank, 2 * m)
+        (ref,), _ = comm.all_reduce_scaled([x.clone()], 1.0, RoundKind.CONTROL)
+        comm.reduce_scatter_tensor(x[m // 2:m // 2 + m], x)  # (half of each of two parts)
+        return x[m // 2:m // 2 + m].view(torch.int32).equal(
+            ref[comm.rank * m:(comm.rank + 1) * m].view(torch.int32))
+
+    with FakeCohort(2, eager_bytes=SLOT) as c:
+        assert c.run(body) == [True, True]
+
+
+def test_reduce_scatter_input_shapes_are_the_schema_in_chunk_rounds_too():
+    def body(comm):
+        m = 20_000
+        x = torch.ones((2, m) if comm.rank else (2 * m,))
+        with pytest.raises(SchemaMismatchError):
+            comm.reduce_scatter_tensor(torch.zeros(m), x)
+        out = torch.zeros(4)
+        comm.reduce_scatter_tensor(out, torch.full((8,), float(comm.rank)))
+        return out.tolist()
+
+    with FakeCohort(2, eager_bytes=SLOT) as c:
+        assert c.run(body) == [[1.0] * 4] * 2

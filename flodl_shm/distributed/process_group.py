@@ -328,6 +328,13 @@ def _its_value(future: torch.futures.Future):
     return future.value()
 
 
+def _apart_or_own(t: torch.Tensor, out: torch.Tensor, n: int, rank: int) -> bool:
+    """Whether the ``n`` bytes of ``t`` lie apart from ``out`` or exactly at ``rank``'s
+    part of it (an all-gather's input the engine takes as it is)."""
+    a, b = t.data_ptr(), out.data_ptr()
+    return a + n <= b or b + out.numel() * out.element_size() <= a or a == b + n * rank
+
+
 def _put_status(dst: np.ndarray, problem: str | None) -> None:
     """The status word in front of a gather's or a scatter's bytes: whether the root's
     list fits, so that every rank refuses one that does not (only the root can check
@@ -1033,8 +1040,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     def _allgather_one(self, out: torch.Tensor, t: torch.Tensor, problem: str | None) -> None:
         """``_allgather`` of one input ``t`` into the contiguous ``out`` (rank r's bytes
         at ``r * nbytes(t)``): the engine's all-gather of the parts read as float32 (bit
-        for bit: a small one is one compiled call a rank, a large one a direct round in
-        which each rank reads its peers' inputs straight into its output), where the
+        for bit; one compiled call a rank a round of at most the eager slot), where the
         byte round copied every part twice through shared memory at 1.5-2x the time
         (world 2 and 4 on 2 cores, 4 KiB-4 MiB); a part that is no whole
         number of 4-byte words (or none) takes the general path's byte round (the same
@@ -1061,15 +1067,23 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         """``_allgather_one`` of ``n`` bytes a rank, a whole number of 4-byte words: the
         engine's all-gather of them read as float32 (``Comm.all_gather_into_tensor``),
         shaped ``(1,) * code + (n // 4,)`` by the dtype's code (``_DTYPE_CODES``). An
-        input or output not at a 4-byte address goes through an aligned copy."""
+        input or output not at a 4-byte address goes through an aligned copy, and an
+        input that overlaps the output other than as this rank's part (which the engine
+        refuses: it writes the output while peers read the input) through a copy too,
+        as gloo copies every input before it writes."""
         if t.dtype is _F32 and out.dtype is _F32 and t.is_contiguous():  # (FSDP's float32)
-            comm.all_gather_into_tensor(out, t)
+            comm.all_gather_into_tensor(out, t if _apart_or_own(
+                t, out, n, self._rank) else t.clone())
             return
         flat = out.view(-1).view(torch.uint8)
         staged = flat.data_ptr() % 4 != 0  # (a view at an odd offset: float32 needs 4)
         dst = torch.empty(flat.numel(), dtype=torch.uint8) if staged else flat
-        mine = t.detach().contiguous().view(-1).view(torch.uint8)
-        if mine.data_ptr() % 4:
+        mine = t.detach()
+        if mine.dim() and mine.stride(-1) != 1 or not mine.is_contiguous():
+            # (one element at stride 2 is contiguous, yet no byte view takes it)
+            mine = mine.clone(memory_format=torch.contiguous_format)
+        mine = mine.view(-1).view(torch.uint8)
+        if mine.data_ptr() % 4 or not _apart_or_own(mine, dst, n, self._rank):
             mine = mine.clone()
         shape = (1,) * _DTYPE_CODES.get(t.dtype, len(_DTYPE_CODES)) + (n // 4,)
         comm.all_gather_into_tensor(dst.view(torch.float32), mine.view(torch.float32).view(shape))
@@ -1380,20 +1394,25 @@ _warned_of_threads = False
 
 
 def _warn_if_threads_outnumber_cores(pg: ProcessGroupFlodlShm) -> None:
-    """Once a process, on the first rank of its host: where the host's ranks run more
-    torch threads together than it has cores (``torch.multiprocessing.spawn`` or a
-    launcher of one's own, with torch's default of a thread a core; torchrun and
-    ``flodl_shm.spawn`` set one thread or the ranks' share), say how to run one a rank.
+    """At the first group of a process (``init_process_group``'s), on the first rank of
+    its host: where the host's ranks run more torch threads together than it has cores
+    (``torch.multiprocessing.spawn`` or a launcher of one's own, with torch's default of
+    a thread a core; torchrun and ``flodl_shm.spawn`` set one thread or the ranks'
+    share), say how to run one a rank.
     Each rank's OpenMP team then waits for cores its peers hold: two ranks of two threads
     on two cores ran a 256x512 by 512x512 matmul in 15.6 ms instead of 1.4 between
     all-reduces (7.2 on gloo)."""
     global _warned_of_threads
+    if _warned_of_threads:
+        return
+    # (this process's first group, init_process_group's: its ranks are all of the host's;
+    # a subgroup's first rank would warn again, naming fewer)
+    _warned_of_threads = True
     ranks = len(pg.topology.local_ranks)
     threads, cores = torch.get_num_threads(), available_cores()
     share = max(1, cores // ranks)  # (ranks alone may outnumber the cores: one each then)
-    if _warned_of_threads or threads <= share or pg.rank() != min(pg.topology.local_ranks):
+    if threads <= share or pg.rank() != min(pg.topology.local_ranks):
         return
-    _warned_of_threads = True
     logger.warning(
         "flodl_shm: the %d ranks on this host each run torch with %d threads, %d in all on %d "
         "cores, so each rank's torch threads wait for cores its peers hold (its matmuls and "

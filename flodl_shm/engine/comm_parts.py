@@ -8,7 +8,7 @@ bit for bit (nothing is summed); in a reduce-scatter each rank sums only its par
 cluster, or with a fault hook, an all-gather broadcasts each rank's part in place in
 turn, and a reduce-scatter all-reduces the input and keeps its part. A chunk's round
 names the whole part in its schema (an empty tensor shaped like it), so ranks whose
-sizes differ mismatch at the first round.
+sizes or shapes differ mismatch at the first round.
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ class GatherScatterCalls:
             input: a contiguous float32 CPU tensor, of the same shape on every rank
                 (another shape is a schema mismatch on every rank).
         Raises:
+            TypeError: an argument that is not a tensor.
             ValueError: tensors that are not such, or that overlap otherwise.
         """
         n, src, dst = self._gather_args(output, input)
@@ -92,32 +93,42 @@ class GatherScatterCalls:
         its part.
 
         Args:
-            output: a contiguous float32 CPU tensor of ``m`` elements; it may lie in
-                ``input`` (this rank's part of it, say).
+            output: a contiguous float32 CPU tensor of ``m`` elements; it may lie
+                anywhere in ``input`` (this rank's part of it, say).
             input: a contiguous float32 CPU tensor of ``world_size * m`` elements, of
                 the same shape on every rank (another shape is a schema mismatch on
                 every rank).
             kind: ``RoundKind.CONTROL`` sums, ``RoundKind.MODEL`` averages.
         Raises:
-            ValueError: tensors that are not such.
+            TypeError: an argument that is not a tensor.
+            ValueError: tensors or a kind that are not such.
         """
         m, src, dst = self._scatter_args(output, input, kind)
         eng = self._engine
         if not eng.relay_mode and eng.fault_hook is None:
             plan = eng.plan(kind, DTYPE_F32, (input.shape,))
-            k = (m if plan.eager_fits
-                 else self._slot_words(kind, 2) // self.world_size // 16 * 16)
+            if plan.eager_fits:  # one round: the whole input is in the slot before the write
+                k, into = m, output
+            else:  # chunk rounds: an output inside the input but off its parts would
+                # overwrite what later rounds read, so it goes through a stand-in
+                k = self._slot_words(kind, input.dim() + 1) // self.world_size // 16 * 16
+                inside = dst < src + 4 * input.numel() and src < dst + 4 * m
+                into = torch.empty(m) if inside and (dst - src) % (4 * m) else output
+            at = into.data_ptr()
             for start in range(0, m, k) if m else (0,):  # (chunks of every part a round)
                 n = min(k, m - start)
                 rnd = self._round
                 self._round = rnd + 1
-                try:
+                try:  # (a chunk's schema: its parts, and an empty tensor shaped as the input)
                     self._eager_reduce_scatter(plan if n == m else eng.plan(
-                        kind, DTYPE_F32, ((self.world_size * n,), (0, m))),
-                        src + 4 * start, m, dst + 4 * start, rnd, kind)
+                        kind, DTYPE_F32, ((self.world_size * n,), (0,) + tuple(input.shape))),
+                        src + 4 * start, m, at + 4 * start, rnd, kind)
                 except BaseException as e:
                     self._fail(rnd, e)
                     raise
+            if into is not output:
+                with torch.no_grad():
+                    output.copy_(into.view(output.shape))
             _written((output,))
             return
         (summed,), _ = self.all_reduce_scaled([input], 1.0, kind)
@@ -219,5 +230,6 @@ def _refuse_part_tensors(what: str, output, input) -> None:
         if not (t.dtype is F32 and t.layout is _STRIDED and t.is_cpu and t.is_contiguous()):
             raise ValueError(f"{what}: {name} must be a contiguous float32 CPU tensor, got "
                              f"{t.dtype} on {t.device} (layout {t.layout}, contiguous: "
-                             f"{t.is_contiguous()}); pass t.contiguous().view(torch.float32) "
-                             f"of its bytes, or a copy")
+                             f"{t.is_contiguous()}); pass a float32 copy, t.float(), or "
+                             f"a float32 view of a contiguous copy's bytes when they are a "
+                             f"multiple of 4 (the all-gather carries any dtype's bits so)")
