@@ -192,7 +192,9 @@ def test_a_reduce_scatter_never_pairs_with_an_all_reduce_of_its_schema():
                 comm.reduce_scatter_tensor(out, x)
             else:
                 comm.all_reduce_weighted([x], RoundKind.CONTROL, 1.0)
-        with pytest.raises(SchemaMismatchError):  # nor with an all-gather of its sizes
+        # nor with an all-gather of its sizes; the message names each rank's collective
+        with pytest.raises(SchemaMismatchError, match=r"(?s)rank 0: .*reduce-scatter, eager "
+                                                      r"path.*rank 1: .*all-gather, eager"):
             if comm.rank == 0:
                 comm.reduce_scatter_tensor(out, x)
             else:

@@ -464,6 +464,10 @@ class RoundEngine:
             path = "direct"
         if flags & A.FLAG_BROADCAST:
             path = f"broadcast, {path}"
+        if flags & A.FLAG_GATHER:
+            path = f"all-gather, {path}"
+        if flags & A.FLAG_SCATTER:
+            path = f"reduce-scatter, {path}"
         shapes = "?"
         try:
             region = self._payload_region(r, rnd, flags, nwords * 8)
