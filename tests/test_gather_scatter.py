@@ -103,26 +103,6 @@ def test_a_dead_rank_makes_the_others_raise_naming_it():
         assert c.run(body, ranks=[0, 1])[:2] == [True, True]
 
 
-@pytest.mark.parametrize("output, input, match", [
-    (lambda: torch.zeros(7), lambda: torch.ones(4), "output has 7 elements, a world of 2 "
-                                                    "inputs of 4 needs 8"),
-    (lambda: torch.zeros(8, dtype=torch.float64), lambda: torch.ones(4),
-     "output must be a contiguous float32 CPU tensor, got torch.float64"),
-    (lambda: torch.zeros(8), lambda: torch.ones(8)[::2], "input must be a contiguous"),
-    (lambda: torch.zeros(8), lambda: [1.0], "input must be a torch.Tensor, got list"),
-])
-def test_bad_tensors_are_refused_before_any_round(output, input, match):
-    def body(comm):
-        with pytest.raises((ValueError, TypeError), match=match):
-            comm.all_gather_into_tensor(output(), input())
-        out = torch.zeros(8)  # nothing was published: the next call pairs up
-        comm.all_gather_into_tensor(out, torch.full((4,), float(comm.rank)))
-        return out.tolist()
-
-    with FakeCohort(2) as c:
-        assert c.run(body) == [[0.0] * 4 + [1.0] * 4] * 2
-
-
 def test_an_input_overlapping_the_output_elsewhere_is_refused():
     def body(comm):
         out = torch.zeros(8)
@@ -206,25 +186,38 @@ def test_a_reduce_scatter_never_pairs_with_an_all_reduce_of_its_schema():
         assert c.run(body) == [[1.0] * 4] * 2
 
 
-@pytest.mark.parametrize("output, input, kind, match", [
-    (lambda: torch.zeros(4), lambda: torch.ones(7), RoundKind.CONTROL,
+_GATHER = lambda comm, out, t: comm.all_gather_into_tensor(out, t)  # noqa: E731
+_SCATTER = lambda kind: lambda comm, out, t: comm.reduce_scatter_tensor(out, t, kind)  # noqa: E731
+
+
+@pytest.mark.parametrize("call, output, input, match", [
+    (_GATHER, lambda: torch.zeros(7), lambda: torch.ones(4),
+     "output has 7 elements, a world of 2 inputs of 4 needs 8"),
+    (_GATHER, lambda: torch.zeros(8, dtype=torch.float64), lambda: torch.ones(4),
+     "output must be a contiguous float32 CPU tensor, got torch.float64"),
+    (_GATHER, lambda: torch.zeros(8), lambda: torch.ones(8)[::2], "input must be a contiguous"),
+    (_GATHER, lambda: torch.zeros(8), lambda: [1.0], "input must be a torch.Tensor, got list"),
+    (_SCATTER(RoundKind.CONTROL), lambda: torch.zeros(4), lambda: torch.ones(7),
      "input has 7 elements, a world of 2 parts of the output's 4 needs 8"),
-    (lambda: torch.zeros(4, dtype=torch.bfloat16), lambda: torch.ones(8), RoundKind.CONTROL,
-     "output must be a contiguous float32 CPU tensor, got torch.bfloat16"),
-    (lambda: torch.zeros(4), lambda: torch.ones(16)[::2], RoundKind.CONTROL,
+    (_SCATTER(RoundKind.CONTROL), lambda: torch.zeros(4, dtype=torch.bfloat16),
+     lambda: torch.ones(8), "output must be a contiguous float32 CPU tensor, got torch.bfloat16"),
+    (_SCATTER(RoundKind.CONTROL), lambda: torch.zeros(4), lambda: torch.ones(16)[::2],
      "input must be a contiguous"),
-    (lambda: torch.zeros(4), lambda: torch.ones(8), 5, "kind must be RoundKind.CONTROL"),
-])
-def test_bad_reduce_scatter_arguments_are_refused_before_any_round(output, input, kind, match):
+    (_SCATTER(5), lambda: torch.zeros(4), lambda: torch.ones(8), "kind must be RoundKind.CONTROL"),
+], ids=["gather-size", "gather-dtype", "gather-strided", "gather-list", "scatter-size",
+        "scatter-dtype", "scatter-strided", "scatter-kind"])
+def test_bad_arguments_are_refused_before_any_round(call, output, input, match):
     def body(comm):
-        with pytest.raises(ValueError, match=match):
-            comm.reduce_scatter_tensor(output(), input(), kind)
-        out = torch.zeros(4)  # nothing was published: the next call pairs up
-        comm.reduce_scatter_tensor(out, torch.full((8,), float(comm.rank)))
-        return out.tolist()
+        with pytest.raises((ValueError, TypeError), match=match):
+            call(comm, output(), input())
+        out = torch.zeros(8)  # nothing was published: the next calls pair up
+        comm.all_gather_into_tensor(out, torch.full((4,), float(comm.rank)))
+        part = torch.zeros(4)
+        comm.reduce_scatter_tensor(part, torch.full((8,), float(comm.rank)))
+        return out.tolist(), part.tolist()
 
     with FakeCohort(2) as c:
-        assert c.run(body) == [[1.0] * 4] * 2
+        assert c.run(body) == [([0.0] * 4 + [1.0] * 4, [1.0] * 4)] * 2
 
 
 def test_ranks_whose_chunked_sizes_differ_mismatch_at_the_first_round():

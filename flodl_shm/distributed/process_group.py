@@ -1150,16 +1150,15 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 
     def _reduce_scatter_summed(self, out: torch.Tensor, t: torch.Tensor, avg: bool) -> None:
         """A float32/bfloat16 SUM (or AVG) reduce-scatter on one host, summed as
-        ``allreduce`` sums (in float32, in rank order): float32 through the engine's
-        reduce-scatter (``Comm.reduce_scatter_tensor``: each rank sums only its part, in
-        rounds of at most the eager slot); bfloat16 through
-        the engine's all-reduce of ``t``, this rank's part copied into ``out`` (rounded
-        once, through a contiguous stand-in, as the list form writes: torch's strided
-        bfloat16 copy gives a NaN other bits). Where the byte round's reduce in torch ops
-        cost 120 µs at 4 KiB. The bfloat16 input travels shaped by its dtype's code
-        (``_DTYPE_CODES``; float32's is none: the reduce-scatter round is its own kind):
-        a rank that passes bfloat16 among float32 ones mismatches, where the engine would
-        widen it and sum silently."""
+        ``allreduce`` sums (in float32, in rank order), where the byte round's reduce in
+        torch ops cost 120 µs at 4 KiB. float32 goes through the engine's reduce-scatter
+        (``Comm.reduce_scatter_tensor``: each rank sums only its part, in rounds of at
+        most the eager slot); bfloat16 through the engine's all-reduce of ``t``, this
+        rank's part copied into ``out`` (rounded once, through a contiguous stand-in, as
+        the list form writes: torch's strided bfloat16 copy gives a NaN other bits). The
+        bfloat16 input travels shaped by its dtype's code (``_DTYPE_CODES``; float32's
+        round is its own kind): a rank that passes bfloat16 among float32 ones
+        mismatches, where the engine would widen it and sum silently."""
         check_dtype(out, "reduce_scatter_tensor")
         flat = t.detach().reshape(-1)
         problem = (_misfit(out, flat[:flat.numel() // self._size], "reduce_scatter_tensor")

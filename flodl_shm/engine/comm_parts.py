@@ -111,7 +111,8 @@ class GatherScatterCalls:
                 k, into = m, output
             else:  # chunk rounds: an output inside the input but off its parts would
                 # overwrite what later rounds read, so it goes through a stand-in
-                k = self._slot_words(kind, input.dim() + 1) // self.world_size // 16 * 16
+                per = self._slot_words(kind, input.dim() + 1) // self.world_size
+                k = per // 16 * 16 or max(1, per)  # (16-aligned, unless the world is huge)
                 inside = dst < src + 4 * input.numel() and src < dst + 4 * m
                 into = torch.empty(m) if inside and (dst - src) % (4 * m) else output
             at = into.data_ptr()
