@@ -514,6 +514,83 @@ def test_schema_mismatch_raises_on_every_rank_and_comm_stays_in_step(case):
             assert "rank 0: CONTROL round without tensors (as barrier() sends" in msg, msg
 
 
+#: one rank's refused call of each collective (what rank 1 passes; rank 0 calls it well)
+_REFUSED_CALLS = {
+    "all_reduce_": lambda comm, bad: comm.all_reduce_(
+        [torch.ones(4, dtype=torch.float64 if bad else torch.float32)]),
+    "all_reduce_tensors": lambda comm, bad: comm.all_reduce_tensors(
+        [torch.ones(4)] if not bad else torch.ones(4)),
+    "all_reduce_weighted": lambda comm, bad: comm.all_reduce_weighted(
+        [torch.ones(4)], RoundKind.MODEL, float("nan") if bad else 1.0),
+    "all_reduce_scaled": lambda comm, bad: comm.all_reduce_scaled(
+        [torch.ones(4)], float("inf") if bad else 2.0),
+    "all_reduce": lambda comm, bad: comm.all_reduce(frame_with([1.0] * 4, -1.0 if bad else 1.0)),
+    "all_reduce_per_rank_f64": lambda comm, bad: comm.all_reduce_per_rank_f64(
+        [1.0] * (3 if bad else comm.world_size)),
+    "broadcast_from_root": lambda comm, bad: comm.broadcast_from_root(
+        [torch.ones(4)], root=7 if bad else 0),
+    "broadcast_": lambda comm, bad: comm.broadcast_([torch.ones(4)], root=-1 if bad else 0),
+    "all_gather_into_tensor": lambda comm, bad: comm.all_gather_into_tensor(
+        torch.empty(8 if not bad else 9), torch.ones(4)),
+    "reduce_scatter_tensor": lambda comm, bad: comm.reduce_scatter_tensor(
+        torch.empty(4), torch.ones(8, dtype=torch.int32 if bad else torch.float32)),
+    "all_reduce_zero_copy": lambda comm, bad: (
+        None if bad else comm.zero_copy_inputs([(4,)])[0].fill_(1.0),
+        comm.all_reduce_zero_copy()),
+}
+
+
+@pytest.mark.parametrize("call", sorted(_REFUSED_CALLS))
+def test_a_call_one_rank_refuses_raises_on_every_rank_and_leaves_them_in_step(call):
+    """A rank that refuses its arguments raised before any round, and its peers' round
+    then paired with its next call (that call's data read as this one's where the
+    schemas agreed, else a mismatch one call late). It now takes part in one refusal
+    round: the peers' collective mismatches it, every rank raises at once (the refusing
+    rank with its own reason first), and the next calls pair as written."""
+    def body(comm):
+        bad = comm.rank == 1
+        try:
+            _REFUSED_CALLS[call](comm, bad)
+        except SchemaMismatchError as e:
+            msg = str(e)
+        else:
+            msg = None
+        after = comm.all_reduce_tensors([torch.full((2,), float(comm.rank))])[0].tolist()
+        return msg, after, comm.round
+
+    with FakeCohort(2) as c:
+        (msg0, after0, rnd0), (msg1, after1, rnd1) = c.run(body)
+    assert msg0 is not None and "rank 1: refused its call before the round" in msg0, msg0
+    assert msg1 is not None and msg1.startswith("rank 1 refused its call before the round ("), msg1
+    assert "rank 1: refused its call before the round" in msg1, msg1
+    assert after0 == after1 == [0.5, 0.5], "the next call paired with the peer's next call"
+    assert rnd0 == rnd1
+
+
+def test_a_call_every_rank_refuses_raises_each_ranks_own_error_and_leaves_them_in_step():
+    """Where every rank refused, the refusal round completes: each raises its own error,
+    of its own type, and the ranks stay in step (a world of one runs no refusal round)."""
+    def body(comm):
+        errors = []
+        for call in (lambda: comm.all_reduce_([torch.ones(4, dtype=torch.float64)]),
+                     lambda: comm.all_reduce_tensors(None),
+                     lambda: comm.broadcast_([torch.ones(2)], root="0")):
+            try:
+                call()
+            except Exception as e:  # noqa: BLE001 - the test names the types
+                errors.append(type(e).__name__)
+        after = comm.all_reduce_tensors([torch.full((2,), float(comm.rank))])[0].tolist()
+        return errors, after, comm.round
+
+    with FakeCohort(2) as c:
+        for errors, after, rnd in c.run(body):
+            assert errors == ["FrameError", "TypeError", "ValueError"]
+            assert after == [0.5, 0.5] and rnd == 4
+    with FakeCohort(1) as c:
+        (errors, after, rnd), = c.run(body)
+        assert errors == ["FrameError", "TypeError", "ValueError"] and rnd == 1
+
+
 def test_bad_dtype_is_refused_before_publishing():
     with FakeCohort(1) as c:
         comm = c.comm(0)
@@ -603,7 +680,8 @@ def test_one_tensor_where_the_list_goes_is_refused_not_reduced_row_by_row(genera
             with pytest.raises(TypeError, match=r"a list of tensors, got one tensor of shape "
                                                 r"\((3, 4|5,)\): pass \[t\]"):
                 call()
-        assert comm.round == 0  # nothing was sent
+        # no tensor was sent: a refusal round each (none for a fault hook's Comm)
+        assert comm.round == (0 if general else 5)
         # a tensor of one row reads as a list of one tensor, that row: on the paths of a
         # one-tensor list (its first call, then a loop's repeated one) as well
         row = torch.full((1, 4), float(comm.rank + 1))
@@ -620,7 +698,7 @@ def test_one_tensor_where_the_list_goes_is_refused_not_reduced_row_by_row(genera
                 with pytest.raises(TypeError, match=r"a list of tensors, got one tensor of "
                                                     r"shape \(1, 4\): pass \[t\]"):
                     call()
-        assert comm.round == 2
+        assert comm.round == (2 if general else 5 + 2 + 12)  # (and 12 refusals)
         return comm.all_reduce_tensors([t])[0][0, 0].item()
 
     with FakeCohort(2) as c:
@@ -780,8 +858,8 @@ def test_a_layout_with_no_address_or_strides_is_named_on_the_one_tensor_paths(wh
         comm.all_reduce_([u])
         return rnd, u[0].item()
 
-    with FakeCohort(2) as c:
-        assert c.run(body) == [(1, 0.5), (1, 0.5)]
+    with FakeCohort(2) as c:  # (each refusal took one round: both ranks refused)
+        assert c.run(body) == [(7, 0.5), (7, 0.5)]
 
 
 @pytest.mark.parametrize("bad, said", [

@@ -796,7 +796,9 @@ class ClusterController:
                 raise FrameError(
                     f"round {rnd}: host {h.name!r} sent a frame of schema {this} but the round's "
                     f"first frame had {schema} (ranks must make the same collective calls with "
-                    f"the same shapes and bf16_wire setting)")
+                    f"the same shapes and bf16_wire setting"
+                    + ("; a CONTROL frame of no tensors is a barrier, or a rank's refused call, "
+                       "whose own error says why)" if () in (this[1], schema[1]) else ")"))
             self._add(frame, offs, first=not got_any)
             got_any = True
             mass += frame.weight

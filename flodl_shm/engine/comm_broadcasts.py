@@ -22,6 +22,7 @@ from .comm_rounds import (
     _CONTROL,
     _STRIDED,
     _integral,
+    said,
     _written,
 )
 from .protocol import RoundPlan
@@ -54,63 +55,67 @@ class BroadcastCalls:
                 give the shapes).
             root: the global rank whose tensors every rank receives.
         """
-        plan = self._hot_broadcast(tensors, root)
-        if plan is not None:
-            return [self._single_result(tensors[0], plan, 0.0, 1.0,
-                                        root - self.rank + self.local_rank)[0]]
-        is_root, local_root = self._broadcast_root(root)
-        eng = self._engine
-        if isinstance(tensors, torch.Tensor) or not hasattr(tensors, "__len__"):
-            refuse_one_tensor(tensors)  # (None, a bare tensor, a generator: named)
-        if len(tensors) == 1 and local_root is not None:
-            t = tensors[0]
-            plan = self._single_plan(t, _CONTROL, False, broadcast=True)
-            if plan is not None and self._broadcast_direct(plan):
-                res = self._result_like(t, plan)
-                self._direct_broadcast_one(plan, t.data_ptr() if is_root else 0,
-                                           res.data_ptr(), local_root)
-                return [res]
+        try:
+            plan = self._hot_broadcast(tensors, root)
             if plan is not None:
-                # the root's copy-in, the round and the copy into a fresh result: one call
-                return [self._single_result(tensors[0], plan, 0.0, 1.0, local_root)[0]]
-        plan = self._fused_plan(tensors, _CONTROL, DTYPE_F32, False, broadcast=True)
-        if plan is not None and not self._broadcast_direct(plan):  # (never in relay mode)
-            res, out, addr = self._codec.fused_result(plan, None)
-            self._fused_round(plan, 0.0, len(tensors) if is_root else 0, 1.0, out, addr, False,
-                              elided=not is_root, broadcast=local_root)
-            return res
-        if local_root is not None:
-            plan = self._direct_gathered(tensors, _CONTROL, DTYPE_F32, False, True, plan)
-            if plan is not None:  # every tensor's address gathered, none staged
-                flat = self._codec.flat_result(plan.nelem, None)
+                return [self._single_result(tensors[0], plan, 0.0, 1.0,
+                                            root - self.rank + self.local_rank)[0]]
+            is_root, local_root = self._broadcast_root(root)
+            eng = self._engine
+            if isinstance(tensors, torch.Tensor) or not hasattr(tensors, "__len__"):
+                refuse_one_tensor(tensors)  # (None, a bare tensor, a generator: named)
+            if len(tensors) == 1 and local_root is not None:
+                t = tensors[0]
+                plan = self._single_plan(t, _CONTROL, False, broadcast=True)
+                if plan is not None and self._broadcast_direct(plan):
+                    res = self._result_like(t, plan)
+                    self._direct_broadcast_one(plan, t.data_ptr() if is_root else 0,
+                                               res.data_ptr(), local_root)
+                    return [res]
+                if plan is not None:
+                    # the root's copy-in, the round and the copy into a fresh result: one call
+                    return [self._single_result(tensors[0], plan, 0.0, 1.0, local_root)[0]]
+            plan = self._fused_plan(tensors, _CONTROL, DTYPE_F32, False, broadcast=True)
+            if plan is not None and not self._broadcast_direct(plan):  # (never in relay mode)
+                res, out, addr = self._codec.fused_result(plan, None)
+                self._fused_round(plan, 0.0, len(tensors) if is_root else 0, 1.0, out, addr, False,
+                                  elided=not is_root, broadcast=local_root)
+                return res
+            if local_root is not None:
+                plan = self._direct_gathered(tensors, _CONTROL, DTYPE_F32, False, True, plan)
+                if plan is not None:  # every tensor's address gathered, none staged
+                    flat = self._codec.flat_result(plan.nelem, None)
+                    self._direct_call(tensors if is_root else None, plan, 0.0, 1.0, flat,
+                                      broadcast=local_root, gathered=is_root)
+                    return self._codec.views(flat, plan)
+            plan = eng.plan(_CONTROL, DTYPE_F32, tuple(check_tensors(tensors, broadcast=True)))
+            flat = self._codec.flat_result(plan.nelem, None)
+            if local_root is not None and self._broadcast_direct(plan):
                 self._direct_call(tensors if is_root else None, plan, 0.0, 1.0, flat,
-                                  broadcast=local_root, gathered=is_root)
+                                  broadcast=local_root)
                 return self._codec.views(flat, plan)
-        plan = eng.plan(_CONTROL, DTYPE_F32, tuple(check_tensors(tensors, broadcast=True)))
-        flat = self._codec.flat_result(plan.nelem, None)
-        if local_root is not None and self._broadcast_direct(plan):
-            self._direct_call(tensors if is_root else None, plan, 0.0, 1.0, flat,
-                              broadcast=local_root)
+
+            def write(dst: np.ndarray, plan: RoundPlan) -> None:
+                self._codec.encode(tensors, dst, plan, DTYPE_F32, 1.0, eng.fault_hook,
+                                   self._round)
+
+            out = tensor_array(flat, np.float32)
+            # on a cluster, a reduce to which only the root contributes, with mass 1: a round
+            # that accepted no mass lost its root (it died before its tensors arrived), and
+            # its sum is zeros, not the root's tensors
+            cons, mass = self._run(plan, 1.0 if is_root else 0.0, write if is_root else None,
+                                   elided=not is_root, out=out, broadcast=local_root)
+            if local_root is None and not mass > 0.0:
+                raise said(RuntimeError(  # (on every rank, after the round)
+                    f"broadcast_from_root: the root, rank {root}, died before its tensors "
+                    f"arrived; no rank received them. Broadcast from a live rank"))
+            if cons is not out:  # a cluster round: the consensus is in the result region
+                np.copyto(out, cons[:plan.nelem])
+            del out
             return self._codec.views(flat, plan)
-
-        def write(dst: np.ndarray, plan: RoundPlan) -> None:
-            self._codec.encode(tensors, dst, plan, DTYPE_F32, 1.0, eng.fault_hook,
-                               self._round)
-
-        out = tensor_array(flat, np.float32)
-        # on a cluster, a reduce to which only the root contributes, with mass 1: a round
-        # that accepted no mass lost its root (it died before its tensors arrived), and
-        # its sum is zeros, not the root's tensors
-        cons, mass = self._run(plan, 1.0 if is_root else 0.0, write if is_root else None,
-                               elided=not is_root, out=out, broadcast=local_root)
-        if local_root is None and not mass > 0.0:
-            raise RuntimeError(
-                f"broadcast_from_root: the root, rank {root}, died before its tensors "
-                f"arrived; no rank received them. Broadcast from a live rank")
-        if cons is not out:  # a cluster round: the consensus is in the result region
-            np.copyto(out, cons[:plan.nelem])
-        del out
-        return self._codec.views(flat, plan)
+        except Exception as e:  # refused before any round: the peers are told
+            self._refused(e)
+            raise
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], root: int = 0) -> None:
         """In place: every rank's ``tensors`` take ``root``'s values, bit for bit (like
@@ -132,15 +137,19 @@ class BroadcastCalls:
             tensors: float32/bfloat16 CPU tensors of the same shapes on every rank.
             root: the global rank whose values every rank takes.
         """
-        plan = self._hot_broadcast(tensors, root)
-        if plan is not None:  # (the root copies nothing back: its tensor holds it)
-            t = tensors[0]
-            self._single_round(t, plan, 0.0, 1.0, t.data_ptr(),
-                               root - self.rank + self.local_rank)
+        try:
+            plan = self._hot_broadcast(tensors, root)
+            if plan is not None:  # (the root copies nothing back: its tensor holds it)
+                t = tensors[0]
+                self._single_round(t, plan, 0.0, 1.0, t.data_ptr(),
+                                   root - self.rank + self.local_rank)
+                _written(tensors)
+                return
+            self._broadcast_in_place(tensors, root)
             _written(tensors)
-            return
-        self._broadcast_in_place(tensors, root)
-        _written(tensors)
+        except Exception as e:  # refused before any round: the peers are told
+            self._refused(e)
+            raise
 
     def _hot_broadcast(self, tensors: Sequence[torch.Tensor], root) -> RoundPlan | None:
         """The plan of a loop's repeated small broadcast of one float32 tensor on one host

@@ -43,41 +43,45 @@ class GatherScatterCalls:
             TypeError: an argument that is not a tensor.
             ValueError: tensors that are not such, or that overlap otherwise.
         """
-        n, src, dst = self._gather_args(output, input)
-        eng = self._engine
-        if n and not eng.relay_mode and eng.fault_hook is None:
-            plan = eng.plan(_CONTROL, DTYPE_F32, (input.shape,))
-            if plan.eager_fits:  # (one round: the loop's few lines cost 0.3 µs at 4 KiB)
-                rnd = self._round
-                self._round = rnd + 1
-                try:
-                    self._eager_gather(plan, rnd, src, dst, n)
-                except BaseException as e:
-                    self._fail(rnd, e)
-                    raise
+        try:
+            n, src, dst = self._gather_args(output, input)
+            eng = self._engine
+            if n and not eng.relay_mode and eng.fault_hook is None:
+                plan = eng.plan(_CONTROL, DTYPE_F32, (input.shape,))
+                if plan.eager_fits:  # (one round: the loop's few lines cost 0.3 µs at 4 KiB)
+                    rnd = self._round
+                    self._round = rnd + 1
+                    try:
+                        self._eager_gather(plan, rnd, src, dst, n)
+                    except BaseException as e:
+                        self._fail(rnd, e)
+                        raise
+                    _written((output,))
+                    return
+                k = self._slot_words(_CONTROL, input.dim() + 1)
+                for start in range(0, n, k):  # rounds of at most a slot each
+                    m = min(k, n - start)
+                    rnd = self._round
+                    self._round = rnd + 1
+                    try:  # (the schema: this chunk, and an empty tensor whose shape is the part's)
+                        self._eager_gather(eng.plan(_CONTROL, DTYPE_F32, ((m,), (0,) + tuple(
+                            input.shape))), rnd, src + 4 * start, dst + 4 * start, n)
+                    except BaseException as e:
+                        self._fail(rnd, e)
+                        raise
                 _written((output,))
                 return
-            k = self._slot_words(_CONTROL, input.dim() + 1)
-            for start in range(0, n, k):  # rounds of at most a slot each
-                m = min(k, n - start)
-                rnd = self._round
-                self._round = rnd + 1
-                try:  # (the schema: this chunk, and an empty tensor whose shape is the part's)
-                    self._eager_gather(eng.plan(_CONTROL, DTYPE_F32, ((m,), (0,) + tuple(
-                        input.shape))), rnd, src + 4 * start, dst + 4 * start, n)
-                except BaseException as e:
-                    self._fail(rnd, e)
-                    raise
-            _written((output,))
-            return
-        # a cluster (a broadcast is a reduce there), a fault hook: each rank's part
-        # broadcast in place in turn
-        parts = output.view((self.world_size,) + tuple(input.shape)).unbind(0)
-        if src != dst + 4 * n * self.rank:
-            with torch.no_grad():
-                parts[self.rank].copy_(input)
-        for r, part in enumerate(parts):
-            self.broadcast_([part], r)
+            # a cluster (a broadcast is a reduce there), a fault hook: each rank's part
+            # broadcast in place in turn
+            parts = output.view((self.world_size,) + tuple(input.shape)).unbind(0)
+            if src != dst + 4 * n * self.rank:
+                with torch.no_grad():
+                    parts[self.rank].copy_(input)
+            for r, part in enumerate(parts):
+                self.broadcast_([part], r)
+        except Exception as e:  # refused before any round: the peers are told
+            self._refused(e)
+            raise
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor,
                               kind: int = RoundKind.CONTROL) -> None:
@@ -103,38 +107,42 @@ class GatherScatterCalls:
             TypeError: an argument that is not a tensor.
             ValueError: tensors or a kind that are not such.
         """
-        m, src, dst = self._scatter_args(output, input, kind)
-        eng = self._engine
-        if not eng.relay_mode and eng.fault_hook is None:
-            plan = eng.plan(kind, DTYPE_F32, (input.shape,))
-            if plan.eager_fits:  # one round: the whole input is in the slot before the write
-                k, into = m, output
-            else:  # chunk rounds: an output inside the input but off its parts would
-                # overwrite what later rounds read, so it goes through a stand-in
-                per = self._slot_words(kind, input.dim() + 1) // self.world_size
-                k = per // 16 * 16 or max(1, per)  # (16-aligned, unless the world is huge)
-                inside = dst < src + 4 * input.numel() and src < dst + 4 * m
-                into = torch.empty(m) if inside and (dst - src) % (4 * m) else output
-            at = into.data_ptr()
-            for start in range(0, m, k) if m else (0,):  # (chunks of every part a round)
-                n = min(k, m - start)
-                rnd = self._round
-                self._round = rnd + 1
-                try:  # (a chunk's schema: its parts, and an empty tensor shaped as the input)
-                    self._eager_reduce_scatter(plan if n == m else eng.plan(
-                        kind, DTYPE_F32, ((self.world_size * n,), (0,) + tuple(input.shape))),
-                        src + 4 * start, m, at + 4 * start, rnd, kind)
-                except BaseException as e:
-                    self._fail(rnd, e)
-                    raise
-            if into is not output:
-                with torch.no_grad():
-                    output.copy_(into.view(output.shape))
-            _written((output,))
-            return
-        (summed,), _ = self.all_reduce_scaled([input], 1.0, kind)
-        with torch.no_grad():
-            output.view(-1).copy_(summed.view(-1)[self.rank * m:(self.rank + 1) * m])
+        try:
+            m, src, dst = self._scatter_args(output, input, kind)
+            eng = self._engine
+            if not eng.relay_mode and eng.fault_hook is None:
+                plan = eng.plan(kind, DTYPE_F32, (input.shape,))
+                if plan.eager_fits:  # one round: the whole input is in the slot before the write
+                    k, into = m, output
+                else:  # chunk rounds: an output inside the input but off its parts would
+                    # overwrite what later rounds read, so it goes through a stand-in
+                    per = self._slot_words(kind, input.dim() + 1) // self.world_size
+                    k = per // 16 * 16 or max(1, per)  # (16-aligned, unless the world is huge)
+                    inside = dst < src + 4 * input.numel() and src < dst + 4 * m
+                    into = torch.empty(m) if inside and (dst - src) % (4 * m) else output
+                at = into.data_ptr()
+                for start in range(0, m, k) if m else (0,):  # (chunks of every part a round)
+                    n = min(k, m - start)
+                    rnd = self._round
+                    self._round = rnd + 1
+                    try:  # (a chunk's schema: its parts, and an empty tensor shaped as the input)
+                        self._eager_reduce_scatter(plan if n == m else eng.plan(
+                            kind, DTYPE_F32, ((self.world_size * n,), (0,) + tuple(input.shape))),
+                            src + 4 * start, m, at + 4 * start, rnd, kind)
+                    except BaseException as e:
+                        self._fail(rnd, e)
+                        raise
+                if into is not output:
+                    with torch.no_grad():
+                        output.copy_(into.view(output.shape))
+                _written((output,))
+                return
+            (summed,), _ = self.all_reduce_scaled([input], 1.0, kind)
+            with torch.no_grad():
+                output.view(-1).copy_(summed.view(-1)[self.rank * m:(self.rank + 1) * m])
+        except Exception as e:  # refused before any round: the peers are told
+            self._refused(e)
+            raise
 
     def _eager_reduce_scatter(self, plan, src: int, stride: int, dst: int, rnd: int,
                               kind: int) -> None:

@@ -126,56 +126,61 @@ class ReduceCalls:
     def all_reduce(self, frame: RoundFrame) -> RoundFrame:
         """Frame-level reduce: the payloads carry wᵣ·Tᵣ and ``frame.weight`` wᵣ; the reply
         carries the consensus (same schema) with ``weight`` = accepted mass."""
-        reply = self._hot_frame(frame)
-        if reply is not None:
-            return reply
-        check_frame(frame)
-        payloads = frame.tensors
-        dtype = payloads[0].dtype if payloads else DTYPE_F32
-        if len(payloads) > 1:
-            for p in payloads:
-                if p.dtype != dtype:
-                    raise FrameError("all tensors of one frame must share a wire dtype, got "
-                                     f"{sorted({q.dtype for q in payloads})} (0 = f32, 1 = bf16)")
-        kind = _kind(frame.kind)  # validated by check_frame
-        eng = self._engine
-        plan = eng.plan(kind, dtype, tuple([p.shape for p in payloads]))
-        np_dtype = np.float32 if dtype == DTYPE_F32 else np.uint16
-        # the reply's payloads are slices of one array the round reduces into, which no
-        # earlier reply still references (the codec's result pool)
-        out = self._codec.results.take(plan.nelem, np_dtype)
-        fused = plan.fused and self._fusable(kind, False)
-        src = _payload_array(payloads) if fused and dtype == DTYPE_F32 else None
-        if src is not None:
-            # copy-in, round and reduce into the reply: one compiled call
-            mass = self._eager_call(frame.weight, eng.arrays_round, plan, src, out)
-            self._fast = (payloads[0].shape, kind, plan)  # (``_hot_frame`` reads it)
-        elif fused:
-            _write_payloads(payloads, eng.eager_payload(self._round, plan), plan, np_dtype)
-            if dtype == DTYPE_F32:  # the payload is in the slot: publish, wait, reduce
-                mass = self._eager_call(frame.weight, lambda rnd, w: eng.eager_round(
-                    plan, rnd, 0, w, out_f32=out))
+        try:
+            reply = self._hot_frame(frame)
+            if reply is not None:
+                return reply
+            check_frame(frame)
+            payloads = frame.tensors
+            dtype = payloads[0].dtype if payloads else DTYPE_F32
+            if len(payloads) > 1:
+                for p in payloads:
+                    if p.dtype != dtype:
+                        raise FrameError(
+                            f"all tensors of one frame must share a wire dtype, got "
+                            f"{sorted({q.dtype for q in payloads})} (0 = f32, 1 = bf16)")
+            kind = _kind(frame.kind)  # validated by check_frame
+            eng = self._engine
+            plan = eng.plan(kind, dtype, tuple([p.shape for p in payloads]))
+            np_dtype = np.float32 if dtype == DTYPE_F32 else np.uint16
+            # the reply's payloads are slices of one array the round reduces into, which no
+            # earlier reply still references (the codec's result pool)
+            out = self._codec.results.take(plan.nelem, np_dtype)
+            fused = plan.fused and self._fusable(kind, False)
+            src = _payload_array(payloads) if fused and dtype == DTYPE_F32 else None
+            if src is not None:
+                # copy-in, round and reduce into the reply: one compiled call
+                mass = self._eager_call(frame.weight, eng.arrays_round, plan, src, out)
+                self._fast = (payloads[0].shape, kind, plan)  # (``_hot_frame`` reads it)
+            elif fused:
+                _write_payloads(payloads, eng.eager_payload(self._round, plan), plan, np_dtype)
+                if dtype == DTYPE_F32:  # the payload is in the slot: publish, wait, reduce
+                    mass = self._eager_call(frame.weight, lambda rnd, w: eng.eager_round(
+                        plan, rnd, 0, w, out_f32=out))
+                else:
+                    mass = self._fused_round(plan, frame.weight, 0, 1.0, None, 0, False)
+                    np.copyto(out, eng.eager_u16[:plan.nelem])
+            elif dtype == DTYPE_F32 and self._direct_mode(plan, False) == A.FLAG_DIRECT:
+                held = _gather_payloads(payloads, plan)  # (alive until the round is done)
+                mass = self._direct_call(held, plan, frame.weight, 1.0, torch.from_numpy(out),
+                                         gathered=True)
             else:
-                mass = self._fused_round(plan, frame.weight, 0, 1.0, None, 0, False)
-                np.copyto(out, eng.eager_u16[:plan.nelem])
-        elif dtype == DTYPE_F32 and self._direct_mode(plan, False) == A.FLAG_DIRECT:
-            held = _gather_payloads(payloads, plan)  # (alive until the round is done)
-            mass = self._direct_call(held, plan, frame.weight, 1.0, torch.from_numpy(out),
-                                     gathered=True)
-        else:
-            def write(dst: np.ndarray, plan: RoundPlan) -> None:
-                _write_payloads(payloads, dst, plan, np_dtype)
+                def write(dst: np.ndarray, plan: RoundPlan) -> None:
+                    _write_payloads(payloads, dst, plan, np_dtype)
 
-            cons, mass = self._run(plan, frame.weight, write, out=out)
-            if cons is not out:
-                np.copyto(out, cons[:plan.nelem])
-        raw = memoryview(out).cast("B")
-        if len(payloads) == 1:
-            return _reply_frame([_reply_payload(dtype, plan.shapes[0], raw)], mass, frame.kind)
-        esize = 4 if dtype == DTYPE_F32 else 2
-        return _reply_frame([_reply_payload(dtype, s, raw[off * esize:(off + n) * esize])
-                             for s, off, n in zip(plan.shapes, plan.offs, plan.numels)],
-                            mass, frame.kind)
+                cons, mass = self._run(plan, frame.weight, write, out=out)
+                if cons is not out:
+                    np.copyto(out, cons[:plan.nelem])
+            raw = memoryview(out).cast("B")
+            if len(payloads) == 1:
+                return _reply_frame([_reply_payload(dtype, plan.shapes[0], raw)], mass, frame.kind)
+            esize = 4 if dtype == DTYPE_F32 else 2
+            return _reply_frame([_reply_payload(dtype, s, raw[off * esize:(off + n) * esize])
+                                 for s, off, n in zip(plan.shapes, plan.offs, plan.numels)],
+                                mass, frame.kind)
+        except Exception as e:  # refused before any round: the peers are told
+            self._refused(e)
+            raise
 
     def _hot_frame(self, frame: RoundFrame) -> RoundFrame | None:
         """``all_reduce``'s hot case, a loop's repeated frame of one small float32 payload
@@ -232,44 +237,48 @@ class ReduceCalls:
         ``outer=True`` marks the params round of a window: the installed outer
         optimizer (``set_outer``) steps the consensus into the new global before it is
         returned (every rank must pass the same flag)."""
-        if kind is RoundKind.MODEL and not outer:
-            got = self._hot_result(tensors, weight, scale)
-            if got is not None:
-                return [got[0]], got[1]
-        kind = _kind(kind)
-        if not outer:
-            got = self._single_fast(tensors, kind, weight, scale)
-            if got is not None:
-                return [got[0]], got[1]
-        dtype = DTYPE_BF16 if (self._bf16 and kind == _MODEL) else DTYPE_F32
-        armed = self._armed if kind == _MODEL else None
-        self._armed = None
-        scale = _as_scale(scale)
-        outer = outer and kind == _MODEL
-        plan = self._fused_plan(tensors, kind, dtype, outer)
-        if plan is not None:
-            res, out, addr = self._codec.fused_result(plan, armed)
-            return res, self._fused_round(plan, weight, len(tensors), scale, out, addr, True)
-        plan = self._direct_gathered(tensors, kind, dtype, outer)
-        gathered = plan is not None  # (every tensor's address gathered, none staged)
-        if not gathered:
-            plan = self._engine.plan(kind, dtype, tuple(check_tensors(tensors)))
-        if gathered or self._direct_mode(plan, outer) == A.FLAG_DIRECT:
+        try:
+            if kind is RoundKind.MODEL and not outer:
+                got = self._hot_result(tensors, weight, scale)
+                if got is not None:
+                    return [got[0]], got[1]
+            kind = _kind(kind)
+            if not outer:
+                got = self._single_fast(tensors, kind, weight, scale)
+                if got is not None:
+                    return [got[0]], got[1]
+            dtype = DTYPE_BF16 if (self._bf16 and kind == _MODEL) else DTYPE_F32
+            armed = self._armed if kind == _MODEL else None
+            self._armed = None
+            scale = _as_scale(scale)
+            outer = outer and kind == _MODEL
+            plan = self._fused_plan(tensors, kind, dtype, outer)
+            if plan is not None:
+                res, out, addr = self._codec.fused_result(plan, armed)
+                return res, self._fused_round(plan, weight, len(tensors), scale, out, addr, True)
+            plan = self._direct_gathered(tensors, kind, dtype, outer)
+            gathered = plan is not None  # (every tensor's address gathered, none staged)
+            if not gathered:
+                plan = self._engine.plan(kind, dtype, tuple(check_tensors(tensors)))
+            if gathered or self._direct_mode(plan, outer) == A.FLAG_DIRECT:
+                flat = self._codec.flat_result(plan.nelem, armed)
+                mass = self._direct_call(tensors, plan, weight, scale, flat, gathered=gathered)
+                return self._codec.views(flat, plan), mass
+
+            def write(dst: np.ndarray, plan: RoundPlan) -> None:
+                self._codec.encode(tensors, dst, plan, dtype, scale, self._engine.fault_hook,
+                                   self._round)
+
+            # the result memory goes to the round: this rank's own slice lands in it while
+            # the reduce still has it in cache, only the other slices are copied after
             flat = self._codec.flat_result(plan.nelem, armed)
-            mass = self._direct_call(tensors, plan, weight, scale, flat, gathered=gathered)
+            out = tensor_array(flat, np.float32)
+            cons, mass = self._run(plan, weight, write, outer=outer, into=out)
+            self._copy_out_except_own(cons, dtype, flat)
             return self._codec.views(flat, plan), mass
-
-        def write(dst: np.ndarray, plan: RoundPlan) -> None:
-            self._codec.encode(tensors, dst, plan, dtype, scale, self._engine.fault_hook,
-                               self._round)
-
-        # the result memory goes to the round: this rank's own slice lands in it while
-        # the reduce still has it in cache, only the other slices are copied after
-        flat = self._codec.flat_result(plan.nelem, armed)
-        out = tensor_array(flat, np.float32)
-        cons, mass = self._run(plan, weight, write, outer=outer, into=out)
-        self._copy_out_except_own(cons, dtype, flat)
-        return self._codec.views(flat, plan), mass
+        except Exception as e:  # refused before any round: the peers are told
+            self._refused(e)
+            raise
 
     def all_reduce_weighted(self, tensors: Sequence[torch.Tensor],
                             kind: RoundKind | int = RoundKind.MODEL,
@@ -277,26 +286,34 @@ class ReduceCalls:
                             ) -> tuple[list[torch.Tensor], float]:
         """Tensors already scaled by the caller; returns (Σ/Σw, accepted mass Σw), as
         float32 tensors (for bfloat16 inputs too: the f32 consensus, not rounded again)."""
-        if kind is RoundKind.MODEL and not outer:
-            got = self._hot_result(tensors, weight, 1.0)
-            if got is not None:
-                return [got[0]], got[1]
-        if not outer:
-            got = self._single_fast(tensors, _kind(kind), weight, 1.0)
-            if got is not None:
-                return [got[0]], got[1]
-        return self.all_reduce_scaled(tensors, 1.0, kind, weight, outer=outer)
+        try:
+            if kind is RoundKind.MODEL and not outer:
+                got = self._hot_result(tensors, weight, 1.0)
+                if got is not None:
+                    return [got[0]], got[1]
+            if not outer:
+                got = self._single_fast(tensors, _kind(kind), weight, 1.0)
+                if got is not None:
+                    return [got[0]], got[1]
+            return self.all_reduce_scaled(tensors, 1.0, kind, weight, outer=outer)
+        except Exception as e:  # refused before any round: the peers are told
+            self._refused(e)
+            raise
 
     def all_reduce_tensors(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Equal-weight mean over the accepted ranks, as float32 tensors (for bfloat16
         inputs too: ``.to(torch.bfloat16)`` gives what :meth:`all_reduce_` writes)."""
-        got = self._hot_result(tensors, 1.0, 1.0)
-        if got is not None:
-            return [got[0]]
-        got = self._single_fast(tensors, _MODEL, 1.0, 1.0)
-        if got is not None:
-            return [got[0]]
-        return self.all_reduce_scaled(tensors, 1.0, RoundKind.MODEL, 1.0)[0]
+        try:
+            got = self._hot_result(tensors, 1.0, 1.0)
+            if got is not None:
+                return [got[0]]
+            got = self._single_fast(tensors, _MODEL, 1.0, 1.0)
+            if got is not None:
+                return [got[0]]
+            return self.all_reduce_scaled(tensors, 1.0, RoundKind.MODEL, 1.0)[0]
+        except Exception as e:  # refused before any round: the peers are told
+            self._refused(e)
+            raise
 
     def _hot_result(self, tensors: Sequence[torch.Tensor], weight, scale
                     ) -> tuple[torch.Tensor, float] | None:
@@ -377,47 +394,51 @@ class ReduceCalls:
         sums while it writes the consensus (no snapshot, no second pass); the others
         snapshot the tensors first.
         """
-        if report is None and drift is None and kind is RoundKind.MODEL and not outer:
-            plan = self._hot_plan(tensors)
-            if plan is not None:
-                # ``_all_reduce_in_place``'s one-call round with its frames inlined
-                # (``_single_round``, ``_begin``): they cost a fifth of a 4 KiB call
-                try:  # (free in CPython 3.11 until something raises)
-                    # (as ``_hot_result`` takes them)
-                    w = weight if type(weight) is float else _as_number(weight)
-                    s = scale if type(scale) is float else _as_number(scale)
-                    hot = (MASS_MIN <= w <= MASS_MAX or w == 0.0) and -_F32_MAX <= s <= _F32_MAX
-                    addr = tensors[0].data_ptr()
-                except (TypeError, ValueError, ArithmeticError, RuntimeError):
-                    hot = False  # the general path names what is wrong (Decimal NaN's too)
-                if hot:
-                    rnd = self._round
-                    self._round = rnd + 1
-                    try:
-                        mass = self._engine.inplace_round(rnd, w, addr, plan, s)
-                    except BaseException as e:
-                        self._fail(rnd, e)
-                        raise
-                    _written(tensors)
-                    return mass
-        if drift is not None and (drift is not self._drift_checked[0]
-                                  or len(tensors) != self._drift_checked[1]):
-            _check_drift(drift, len(tensors))  # once per array: a window reuses its own
-            self._drift_checked = (drift, len(tensors))
-        if report is None:
-            mass = self._all_reduce_in_place(tensors, weight, scale, kind, outer, drift)
+        try:
+            if report is None and drift is None and kind is RoundKind.MODEL and not outer:
+                plan = self._hot_plan(tensors)
+                if plan is not None:
+                    # ``_all_reduce_in_place``'s one-call round with its frames inlined
+                    # (``_single_round``, ``_begin``): they cost a fifth of a 4 KiB call
+                    try:  # (free in CPython 3.11 until something raises)
+                        # (as ``_hot_result`` takes them)
+                        w = weight if type(weight) is float else _as_number(weight)
+                        s = scale if type(scale) is float else _as_number(scale)
+                        hot = (MASS_MIN <= w <= MASS_MAX or w == 0.0) and -_F32_MAX <= s <= _F32_MAX
+                        addr = tensors[0].data_ptr()
+                    except (TypeError, ValueError, ArithmeticError, RuntimeError):
+                        hot = False  # the general path names what is wrong (Decimal NaN's too)
+                    if hot:
+                        rnd = self._round
+                        self._round = rnd + 1
+                        try:
+                            mass = self._engine.inplace_round(rnd, w, addr, plan, s)
+                        except BaseException as e:
+                            self._fail(rnd, e)
+                            raise
+                        _written(tensors)
+                        return mass
+            if drift is not None and (drift is not self._drift_checked[0]
+                                      or len(tensors) != self._drift_checked[1]):
+                _check_drift(drift, len(tensors))  # once per array: a window reuses its own
+                self._drift_checked = (drift, len(tensors))
+            if report is None:
+                mass = self._all_reduce_in_place(tensors, weight, scale, kind, outer, drift)
+                _written(tensors)
+                return mass
+            rnd = self._round
+            self._write_report(report)
+            try:
+                mass = self._all_reduce_in_place(tensors, weight, scale, kind, outer, drift)
+            except BaseException:
+                if self._round == rnd:  # refused before the round: the report went nowhere
+                    self._reported = -1
+                raise
             _written(tensors)
             return mass
-        rnd = self._round
-        self._write_report(report)
-        try:
-            mass = self._all_reduce_in_place(tensors, weight, scale, kind, outer, drift)
-        except BaseException:
-            if self._round == rnd:  # refused before the round: the report went nowhere
-                self._reported = -1
+        except Exception as e:  # refused before any round: the peers are told
+            self._refused(e)
             raise
-        _written(tensors)
-        return mass
 
     def _all_reduce_in_place(self, tensors: Sequence[torch.Tensor], weight: float,
                              scale: float, kind, outer: bool,
@@ -502,42 +523,46 @@ class ReduceCalls:
         """Gather one float64 per rank: each rank fills its own slot (zeros elsewhere);
         every rank gets the summed vector (dead ranks read 0). Values travel as f32
         (exact for integers up to 2^24), as in flodl."""
-        world = self.world_size
-        plan, fused = self._per_rank
-        if type(values) is np.ndarray and values.shape == (world,) and values.dtype is _F64:
-            vec = values.copy()  # the common case; the copy is the result's memory
-        else:
-            try:
-                vec = np.asarray(values, dtype=np.float64)
-            except (TypeError, ValueError):
-                vec = None
-            if vec is not None and (vec is values or vec.base is not None):
-                vec = vec.copy()  # (the input's own memory, or a view of it: the result's own)
-            if vec is None or vec.ndim == 0:  # (None, a string, one number, a generator)
-                raise TypeError(f"all_reduce_per_rank_f64 takes one number per rank ({world}), "
-                                f"a list or a 1-d array, got {type(values).__name__} "
-                                f"{values!r:.60}")
-            vec = vec.reshape(-1)
-            if vec.shape[0] != world:
-                raise ValueError(
-                    f"all_reduce_per_rank_f64 takes one slot per rank: {vec.shape[0]} "
-                    f"values, world_size {world}. Pass {world} numbers with this rank's "
-                    f"value at index {self.rank} and zeros elsewhere (every rank gets the "
-                    f"sum: each rank's value in its slot)")
-        if fused and self._fusable(_CONTROL, False):
-            # into and out of ``vec``: one compiled call (``_eager_call`` inlined, as in
-            # ``barrier``; its checks are ``_fusable``'s)
-            rnd = self._round
-            self._round = rnd + 1
-            try:
-                self._engine.per_rank_round(rnd, plan, vec)
-            except BaseException as e:
-                self._fail(rnd, e)
-                raise
-            return vec
+        try:
+            world = self.world_size
+            plan, fused = self._per_rank
+            if type(values) is np.ndarray and values.shape == (world,) and values.dtype is _F64:
+                vec = values.copy()  # the common case; the copy is the result's memory
+            else:
+                try:
+                    vec = np.asarray(values, dtype=np.float64)
+                except (TypeError, ValueError):
+                    vec = None
+                if vec is not None and (vec is values or vec.base is not None):
+                    vec = vec.copy()  # (the input's own memory, or a view of it: the result's own)
+                if vec is None or vec.ndim == 0:  # (None, a string, one number, a generator)
+                    raise TypeError(f"all_reduce_per_rank_f64 takes one number per rank ({world}), "
+                                    f"a list or a 1-d array, got {type(values).__name__} "
+                                    f"{values!r:.60}")
+                vec = vec.reshape(-1)
+                if vec.shape[0] != world:
+                    raise ValueError(
+                        f"all_reduce_per_rank_f64 takes one slot per rank: {vec.shape[0]} "
+                        f"values, world_size {world}. Pass {world} numbers with this rank's "
+                        f"value at index {self.rank} and zeros elsewhere (every rank gets the "
+                        f"sum: each rank's value in its slot)")
+            if fused and self._fusable(_CONTROL, False):
+                # into and out of ``vec``: one compiled call (``_eager_call`` inlined, as in
+                # ``barrier``; its checks are ``_fusable``'s)
+                rnd = self._round
+                self._round = rnd + 1
+                try:
+                    self._engine.per_rank_round(rnd, plan, vec)
+                except BaseException as e:
+                    self._fail(rnd, e)
+                    raise
+                return vec
 
-        def write(dst: np.ndarray, plan: RoundPlan) -> None:
-            np.copyto(dst[:world], vec, casting="same_kind")
+            def write(dst: np.ndarray, plan: RoundPlan) -> None:
+                np.copyto(dst[:world], vec, casting="same_kind")
 
-        cons, _ = self._run(plan, 0.0, write)
-        return cons[:world].astype(np.float64)
+            cons, _ = self._run(plan, 0.0, write)
+            return cons[:world].astype(np.float64)
+        except Exception as e:  # refused before any round: the peers are told
+            self._refused(e)
+            raise

@@ -43,9 +43,10 @@ import numpy as np
 import torch
 
 from . import arena as A
-from ..errors import CohortAborted, FrameError
+from ..errors import CohortAborted, FrameError, SchemaMismatchError
 from ..kernels.tensorio import overlapping_spans
 from ..frame import (
+    DTYPE_BF16,
     DTYPE_F32,
     MASS_MAX,
     MASS_MIN,
@@ -92,6 +93,25 @@ def _staged(t: torch.Tensor, staged: list, scale: float = 1.0) -> torch.Tensor:
                   memory_format=torch.contiguous_format)
     staged.append((t, copy))
     return copy
+
+
+#: the attribute ``_fail`` and ``_refused`` set on an exception the ranks are done with
+_SAID = "_flodl_shm_said"
+
+
+def said(e: BaseException) -> BaseException:
+    """``e``, marked as an error every rank raises after the round (none of them then
+    runs a refusal round: ``RoundPaths._refused``)."""
+    setattr(e, _SAID, True)
+    return e
+
+
+def refusal_plan(engine):
+    """The plan of a refusal round (``RoundPaths._refused``): a CONTROL round of no
+    tensors on a bfloat16 wire, which no collective sends (a CONTROL round's wire is
+    float32; a barrier is the float32 one), so it meets no call but another refusal.
+    ``RoundEngine._describe`` names it."""
+    return engine.plan(_CONTROL, DTYPE_BF16, ())
 
 
 def _integral(value) -> bool:
@@ -175,12 +195,47 @@ class RoundPaths:
     def _fail(self, rnd: int, e: BaseException) -> None:
         """A round raised ``e`` after publishing (the caller re-raises). A schema
         mismatch leaves the Comm usable (every rank raised at the same point: still in
-        step); anything else breaks it, naming the round."""
+        step); anything else breaks it, naming the round. Either way the ranks are done
+        with the round: no refusal round follows (``_refused``)."""
+        said(e)
         if isinstance(e, FrameError):
             return
         self._broken = f"round {rnd} failed with {type(e).__name__}: {e}"
         if isinstance(e, CohortAborted) and self._engine.relay_mode:
             self._engine.raise_relay_error(rnd)  # the host relay's failure, if that is why
+
+    def _refused(self, e: Exception) -> None:
+        """A public collective of this rank raised ``e``; the caller re-raises it
+        (unless this raises in its stead).
+
+        Raised before any round (an argument this rank refuses: a dtype, a shape, a
+        weight), ``e`` would leave the peers in their round, which would then pair with
+        this rank's next call (its data read as this call's, when the schemas agree).
+        So this rank first takes part in one round of a schema no collective sends
+        (``refusal_plan``), the **refusal round**: where every rank refused, it
+        completes and each raises its own error, in step; where a peer called a
+        collective, it mismatches theirs, and every rank raises ``SchemaMismatchError``
+        (this rank's chained from ``e``, its reason in the text). A wait that fails
+        (a peer left, the timeout) is added to ``e`` as a note.
+
+        Nothing to do for an error a round already took (``_fail`` marked it), a broken
+        Comm (it refuses every call), a world of one, a round in flight in another
+        thread (``_one_at_a_time``'s refusal: that round is this rank's), or a fault
+        hook's Comm (its injected faults stand for a crash)."""
+        if (getattr(e, _SAID, False) or self._broken is not None or self.world_size == 1
+                or self._in_round or self._engine.fault_hook is not None):
+            return
+        said(e)  # (once: a collective built on another re-raises it)
+        try:
+            self._run(refusal_plan(self._engine), 0.0, None)
+        except FrameError as mismatch:
+            err = SchemaMismatchError(f"rank {self.rank} refused its call before the round "
+                                      f"({type(e).__name__}: {e}), while a peer called a "
+                                      f"collective; so every rank raises:\n{mismatch}")
+            raise said(err) from e
+        except Exception as failed:  # noqa: BLE001 - said after this rank's own reason
+            e.add_note(f"(rank {self.rank} then waited in a refusal round, to keep its "
+                       f"peers in step, and that failed: {failed})")
 
     def _single_plan(self, t: torch.Tensor, kind: int, outer: bool,
                      broadcast: bool = False, direct: bool = False) -> RoundPlan | None:

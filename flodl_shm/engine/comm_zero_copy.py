@@ -162,30 +162,34 @@ class ZeroCopyCalls:
         consensus (wire dtype: in the shared result region, or for small frames in
         this rank's private reduce buffer) and the accepted mass. The views are valid
         until this rank's next collective call."""
-        if self._zero_copy is None:
-            raise RuntimeError("call zero_copy_inputs(shapes) and fill the tensors before "
-                               "all_reduce_zero_copy()")
-        plan, eager, rnd = self._zero_copy
-        self._zero_copy = None
-        if eager and rnd != self._round:
-            raise RuntimeError(
-                f"zero_copy_inputs was called for round {rnd} but this is round "
-                f"{self._round}: another collective ran in between and reused the inputs' "
-                f"memory; call all_reduce_zero_copy() right after filling the inputs")
-        kind = _kind(kind)
-        if kind != plan.kind:
-            plan = self._engine.plan(kind, plan.dtype, tuple(plan.shapes))
-        eng = self._engine
-        if eager and self._fusable(kind, False):
-            mass = self._eager_call(weight, eng.zero_copy_round, plan)
-            cons = eng.eager_f32 if plan.dtype == DTYPE_F32 else eng.eager_u16
-        else:
-            cons, mass = self._run(plan, weight, None, zero_copy=True, eager_zero_copy=eager)
-        cached = self._zc_outputs.get(plan)
-        if cached is not None and cached[0] is cons.base:
-            return list(cached[1]), mass
-        out = wire_views(cons[:plan.nelem] if eager else cons, plan.dtype, plan)
-        if len(self._zc_outputs) > 8:
-            self._zc_outputs.clear()
-        self._zc_outputs[plan] = (cons.base, tuple(out))
-        return out, mass
+        try:
+            if self._zero_copy is None:
+                raise RuntimeError("call zero_copy_inputs(shapes) and fill the tensors before "
+                                   "all_reduce_zero_copy()")
+            plan, eager, rnd = self._zero_copy
+            self._zero_copy = None
+            if eager and rnd != self._round:
+                raise RuntimeError(
+                    f"zero_copy_inputs was called for round {rnd} but this is round "
+                    f"{self._round}: another collective ran in between and reused the inputs' "
+                    f"memory; call all_reduce_zero_copy() right after filling the inputs")
+            kind = _kind(kind)
+            if kind != plan.kind:
+                plan = self._engine.plan(kind, plan.dtype, tuple(plan.shapes))
+            eng = self._engine
+            if eager and self._fusable(kind, False):
+                mass = self._eager_call(weight, eng.zero_copy_round, plan)
+                cons = eng.eager_f32 if plan.dtype == DTYPE_F32 else eng.eager_u16
+            else:
+                cons, mass = self._run(plan, weight, None, zero_copy=True, eager_zero_copy=eager)
+            cached = self._zc_outputs.get(plan)
+            if cached is not None and cached[0] is cons.base:
+                return list(cached[1]), mass
+            out = wire_views(cons[:plan.nelem] if eager else cons, plan.dtype, plan)
+            if len(self._zc_outputs) > 8:
+                self._zc_outputs.clear()
+            self._zc_outputs[plan] = (cons.base, tuple(out))
+            return out, mass
+        except Exception as e:  # refused before any round: the peers are told
+            self._refused(e)
+            raise

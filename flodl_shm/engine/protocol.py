@@ -478,6 +478,9 @@ class RoundEngine:
         except Exception:  # a description must never mask the mismatch itself
             pass
         ntensors = int(c[b + A.H_NTENSORS])
+        if ntensors == 0 and int(c[b + A.H_DTYPE]) != DTYPE_F32:  # Comm._refused's round
+            return (f"rank {r}: refused its call before the round (a refusal round: that "
+                    f"rank's own error says why)")
         if ntensors == 0:  # what a barrier() sends
             return (f"rank {r}: {kind} round without tensors (as barrier() sends, and as a "
                     f"rank's first direct-sized float32 reduce sends two first, to settle the "
