@@ -187,6 +187,48 @@ def test_a_repeated_one_tensor_call_keeps_every_check_of_the_first(tmp_path):
             comm.all_reduce_([t])
 
 
+def test_a_repeated_sum_gives_what_the_general_round_gives_and_the_kinds_never_cross():
+    """A repeated CONTROL ``all_reduce_`` (the c10d backend's SUM) takes the hot case too
+    (its plan cached by kind): the same sums and mass as the general round (a fault
+    hook's) for any weight and scale, a MODEL call between switches the plan both ways,
+    and a kind that is only equal to a RoundKind is still refused."""
+    from flodl_shm import RoundKind
+
+    ctrl = RoundKind.CONTROL
+
+    def body(comm):
+        r = comm.rank
+        x = torch.linspace(-3.0, 5.0, 1024) * (r + 1.5)
+        got = []
+        for weight, scale in ((1.0, 1.0), (0.0, 2.0), (3.0, -0.5)):
+            general = x.clone()
+            comm.set_fault_hook(lambda phase, rnd: None)  # no fused or hot round
+            m_general = comm.all_reduce_([general], weight=weight, scale=scale, kind=ctrl)
+            comm.set_fault_hook(None)
+            comm.all_reduce_([x.clone()], kind=ctrl)  # caches the CONTROL plan
+            hot = x.clone()
+            m_hot = comm.all_reduce_([hot], weight=weight, scale=scale, kind=ctrl)
+            got.append((torch.equal(general, hot), m_general == m_hot))
+        t = torch.full((1024,), float(r + 1))
+        comm.all_reduce_([t], kind=ctrl)
+        comm.all_reduce_([t], kind=ctrl)
+        sums = t[0].item()
+        comm.all_reduce_([t])
+        t.fill_(float(r + 1))
+        comm.all_reduce_([t])  # the MODEL plan, cached: the mean
+        mean = t[0].item()
+        t.fill_(float(r + 1))
+        comm.all_reduce_([t], kind=ctrl)  # back to the CONTROL plan: the sum
+        with pytest.raises(ValueError, match="kind must be a RoundKind"):
+            comm.all_reduce_([t], kind=1.0)  # equal to CONTROL, and refused
+        return got, sums, mean, t[0].item()
+
+    with FakeCohort(2) as cohort:
+        for got, sums, mean, summed in cohort.run(body):
+            assert got == [(True, True)] * 3
+            assert (sums, mean, summed) == (6.0, 1.5, 3.0)
+
+
 @pytest.mark.parametrize("in_place", [True, False], ids=["broadcast_", "broadcast_from_root"])
 def test_a_repeated_one_tensor_broadcast_keeps_every_check_of_the_first(in_place):
     """The small broadcasts' hot case (``Comm._hot_broadcast``: one float32 tensor whose

@@ -76,6 +76,7 @@ LABELS = {
     "mpi-barrier": "OpenMPI Barrier",
     "api-inplace": "all_reduce_([t])",
     "api-inplace-16": "all_reduce_(16 tensors)",
+    "api-inplace-sum": "all_reduce_([t], kind=CONTROL) (a sum: c10d's SUM)",
     "api-tensors": "all_reduce_tensors([t])",
     "api-weighted": "all_reduce_weighted([t], weight=1)",
     "api-scaled": "all_reduce_scaled([t], 1.0)",
@@ -216,6 +217,7 @@ def _shm_rows(ctx, comm, nbytes, methods, scale, _smallest, pages):
 API_PEERS = {
     "api-inplace": "mpi",        # comm.all_reduce_([t])
     "api-inplace-16": "mpi",     # comm.all_reduce_(ts): the same bytes in 16 tensors
+    "api-inplace-sum": "mpi-sum",  # comm.all_reduce_([t], kind=CONTROL): c10d's SUM
     "api-tensors": "mpi",        # comm.all_reduce_tensors([t])
     "api-weighted": "mpi",       # comm.all_reduce_weighted([t], weight=w)
     "api-scaled": "mpi",         # comm.all_reduce_scaled([t], scale)
@@ -263,6 +265,13 @@ def api_ops(comm, n: int, rank: int, pages: str = "4k") -> dict:
 
     def inplace_16():
         comm.all_reduce_(parts)
+
+    # a sum in place (the c10d backend's SUM), of every rank's tensor over world: it holds
+    # the mean after the first call and stays there (exactly, for a power-of-two world)
+    summed = tensor_buffer(n, val, pages)
+
+    def inplace_sum():
+        comm.all_reduce_([summed], scale=1.0 / world, kind=RoundKind.CONTROL)
 
     def tensors():
         last.clear()
@@ -335,6 +344,8 @@ def api_ops(comm, n: int, rank: int, pages: str = "4k") -> dict:
         # in place: the tensor holds the mean after the first call, and stays there
         "api-inplace": (inplace, lambda: same(t, mean)),
         "api-inplace-16": (inplace_16, lambda: all(same(p, mean) for p in parts)),
+        "api-inplace-sum": (inplace_sum, lambda: bool(torch.allclose(summed, torch.full_like(
+            summed, mean), rtol=1e-6))),
         "api-tensors": (tensors, lambda: same(last["t"][0], mean)),
         "api-weighted": (weighted, lambda: same(last["w"][0][0], mean) and last["w"][1] == world),
         "api-scaled": (scaled, lambda: same(last["s"][0][0], mean)),
@@ -749,10 +760,10 @@ def main(argv=None) -> int:
         if "mpi" in methods:
             if have_mpi:
                 print(f"# OpenMPI, world {world} ...", flush=True)
-                # (the all-gather's and reduce-scatter's peers are among the c10d ops'
-                # peers: at every size)
-                ops_max = max(sizes) if {"api-all-gather", "api-reduce-scatter"} & set(
-                    methods) else 0
+                # (the sum's, all-gather's and reduce-scatter's peers are among the
+                # c10d ops' peers: at every size)
+                ops_max = max(sizes) if {"api-inplace-sum", "api-all-gather",
+                                         "api-reduce-scatter"} & set(methods) else 0
                 rows, why = bench_mpi(world, sizes, scale, args.pages, ops_max)
                 results += rows
                 if why:

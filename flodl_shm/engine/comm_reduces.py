@@ -48,6 +48,8 @@ from .tensor_codec import (
     refuse_one_tensor,
 )
 
+_MODEL_KIND, _CONTROL_KIND = RoundKind.MODEL, RoundKind.CONTROL  # (one global read each)
+
 _F64 = np.dtype(np.float64)
 
 
@@ -395,8 +397,10 @@ class ReduceCalls:
         snapshot the tensors first.
         """
         try:
-            if report is None and drift is None and kind is RoundKind.MODEL and not outer:
-                plan = self._hot_plan(tensors)
+            # (a RoundKind, not an int or float equal to one: ``_kind`` refuses those)
+            if (report is None and drift is None and not outer
+                    and (kind is _MODEL_KIND or kind is _CONTROL_KIND)):
+                plan = self._hot_plan(tensors, kind)
                 if plan is not None:
                     # ``_all_reduce_in_place``'s one-call round with its frames inlined
                     # (``_single_round``, ``_begin``): they cost a fifth of a 4 KiB call

@@ -270,15 +270,17 @@ class RoundPaths:
         plan.addr_words[0] = t.data_ptr()
         return self._direct_call((t,), plan, weight, scale, out, gathered=True)
 
-    def _hot_plan(self, tensors: Sequence[torch.Tensor]) -> RoundPlan | None:
+    def _hot_plan(self, tensors: Sequence[torch.Tensor], kind: int = _MODEL
+                  ) -> RoundPlan | None:
         """The plan of ``all_reduce_``'s hot case, a training loop's repeated call over
         one float32 tensor, weight and scale aside: the plan ``_single_plan`` cached for
-        a MODEL round without outer step, when ``tensors`` is one tensor it fits and
-        nothing else must run (a pinned result, a bf16 wire). Else None: the general
-        path decides, and names a bad argument."""
+        a round of ``kind`` (MODEL, or CONTROL: the c10d backend's SUM) without outer
+        step, when ``tensors`` is one tensor it fits and nothing else must run (a pinned
+        result, a bf16 wire). Else None: the general path decides, and names a bad
+        argument."""
         fast = self._fast
         eng = self._engine
-        if (fast is None or fast[1] != _MODEL or self._armed is not None or self._bf16
+        if (fast is None or fast[1] != kind or self._armed is not None or self._bf16
                 or self._broken is not None or eng.relay_mode or eng.fault_hook is not None
                 or self._tap.armed is not None):
             return None
