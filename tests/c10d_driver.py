@@ -227,6 +227,8 @@ def sc_collectives(rank: int, world: int) -> dict:
     dist.all_gather_object(objs, {"rank": rank})
     res["all_gather_object"] = objs
     dist.barrier()
+    w = dist.barrier(async_op=True)  # (its result holds no tensor, as gloo's)
+    res["barrier"] = (w.wait(), w.get_future().value())
     errors = _errors_of({
         "band": lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32),
                                         op=dist.ReduceOp.BAND),

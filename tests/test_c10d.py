@@ -146,6 +146,7 @@ def check_collectives(res: list[dict], *, rank_order_sums: bool = True) -> None:
         assert r["async"][0] is True and r["async"][1] is True  # waited, then completed
         assert r["async"][2].tolist() == [float(world)] * 3
         assert r["all_gather_object"] == [{"rank": k} for k in range(world)]
+        assert r["barrier"] == (True, [])  # (gloo's barrier holds no tensor either)
     for me, r in enumerate(res):
         full = reference("SUM", [rank_input(k, torch.float64, n=4 * world) for k in range(world)])
         torch.testing.assert_close(r["reduce_scatter_tensor"], full[4 * me:4 * me + 4])
