@@ -33,6 +33,12 @@ in ``tensor_codec.py``.
 Every path takes the round number with ``_begin``'s checks and hands a failure to
 ``_fail`` (a schema mismatch leaves the Comm usable; anything else breaks it); the
 general and direct rounds run one at a time (``_one_at_a_time``).
+
+Refused
+=======
+A public collective hands an error raised before any round (an argument this rank
+refuses) to ``_refused``, which takes part in one refusal round first, so the peers'
+round meets it now rather than this rank's next call.
 """
 from __future__ import annotations
 
