@@ -1,6 +1,8 @@
 """Shared fixtures."""
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 
@@ -13,6 +15,13 @@ from flodl_shm.cluster import wire
 # suite's spawns take the start-up a user's script gets; the fresh-server start-up keeps its
 # own tests (test_spawn_startup.py). Ranks set their own thread counts.
 torch.set_num_threads(1)
+
+# A suite started in the background of a non-interactive shell (`pytest ... &` in a script,
+# nohup, some CI runners) inherits SIGINT ignored, and so would every command a test starts:
+# the tests that send Ctrl-C to a command then saw it run to its end, exit 0 (a command
+# keeps an ignored SIGINT ignored, as nohup asks). The suite runs as a terminal's would.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
