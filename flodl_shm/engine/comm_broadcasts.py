@@ -113,7 +113,7 @@ class BroadcastCalls:
                 np.copyto(out, cons[:plan.nelem])
             del out
             return self._codec.views(flat, plan)
-        except Exception as e:  # refused before any round: the peers are told
+        except Exception as e:  # (one raised before any round: a refusal round tells the peers)
             self._refused(e)
             raise
 
@@ -147,7 +147,7 @@ class BroadcastCalls:
                 return
             self._broadcast_in_place(tensors, root)
             _written(tensors)
-        except Exception as e:  # refused before any round: the peers are told
+        except Exception as e:  # (one raised before any round: a refusal round tells the peers)
             self._refused(e)
             raise
 

@@ -79,7 +79,7 @@ class GatherScatterCalls:
                     parts[self.rank].copy_(input)
             for r, part in enumerate(parts):
                 self.broadcast_([part], r)
-        except Exception as e:  # refused before any round: the peers are told
+        except Exception as e:  # (one raised before any round: a refusal round tells the peers)
             self._refused(e)
             raise
 
@@ -140,7 +140,7 @@ class GatherScatterCalls:
             (summed,), _ = self.all_reduce_scaled([input], 1.0, kind)
             with torch.no_grad():
                 output.view(-1).copy_(summed.view(-1)[self.rank * m:(self.rank + 1) * m])
-        except Exception as e:  # refused before any round: the peers are told
+        except Exception as e:  # (one raised before any round: a refusal round tells the peers)
             self._refused(e)
             raise
 

@@ -180,7 +180,7 @@ class ReduceCalls:
             return _reply_frame([_reply_payload(dtype, s, raw[off * esize:(off + n) * esize])
                                  for s, off, n in zip(plan.shapes, plan.offs, plan.numels)],
                                 mass, frame.kind)
-        except Exception as e:  # refused before any round: the peers are told
+        except Exception as e:  # (one raised before any round: a refusal round tells the peers)
             self._refused(e)
             raise
 
@@ -278,7 +278,7 @@ class ReduceCalls:
             cons, mass = self._run(plan, weight, write, outer=outer, into=out)
             self._copy_out_except_own(cons, dtype, flat)
             return self._codec.views(flat, plan), mass
-        except Exception as e:  # refused before any round: the peers are told
+        except Exception as e:  # (one raised before any round: a refusal round tells the peers)
             self._refused(e)
             raise
 
@@ -298,7 +298,7 @@ class ReduceCalls:
                 if got is not None:
                     return [got[0]], got[1]
             return self.all_reduce_scaled(tensors, 1.0, kind, weight, outer=outer)
-        except Exception as e:  # refused before any round: the peers are told
+        except Exception as e:  # (one raised before any round: a refusal round tells the peers)
             self._refused(e)
             raise
 
@@ -313,7 +313,7 @@ class ReduceCalls:
             if got is not None:
                 return [got[0]]
             return self.all_reduce_scaled(tensors, 1.0, RoundKind.MODEL, 1.0)[0]
-        except Exception as e:  # refused before any round: the peers are told
+        except Exception as e:  # (one raised before any round: a refusal round tells the peers)
             self._refused(e)
             raise
 
@@ -440,7 +440,7 @@ class ReduceCalls:
                 raise
             _written(tensors)
             return mass
-        except Exception as e:  # refused before any round: the peers are told
+        except Exception as e:  # (one raised before any round: a refusal round tells the peers)
             self._refused(e)
             raise
 
@@ -567,6 +567,6 @@ class ReduceCalls:
 
             cons, _ = self._run(plan, 0.0, write)
             return cons[:world].astype(np.float64)
-        except Exception as e:  # refused before any round: the peers are told
+        except Exception as e:  # (one raised before any round: a refusal round tells the peers)
             self._refused(e)
             raise

@@ -190,6 +190,6 @@ class ZeroCopyCalls:
                 self._zc_outputs.clear()
             self._zc_outputs[plan] = (cons.base, tuple(out))
             return out, mass
-        except Exception as e:  # refused before any round: the peers are told
+        except Exception as e:  # (one raised before any round: a refusal round tells the peers)
             self._refused(e)
             raise
