@@ -364,11 +364,15 @@ class Coordinator:
         so it logs nothing."""
         cfg = self.config
         b = self._books
-        if counts.world_size != cfg.world_size:
-            raise ValueError(f"count gather has {counts.world_size} ranks, expected "
-                             f"{cfg.world_size}")
+        world = cfg.world_size
+        if counts.world_size != world:
+            raise ValueError(f"count gather has {counts.world_size} ranks, expected {world}")
         present = counts.present
-        newly_dead = tuple([r for r in self.alive if not present[r]])
+        # (each test is one C call where every rank is present and trained: a window's
+        # books run right after training, where every Python frame costs several times
+        # its warm cost)
+        everyone = all(present)
+        newly_dead = () if everyone else tuple([r for r in self.alive if not present[r]])
         if newly_dead:
             if not again:
                 logger.warning("rank(s) %s left the cohort at window %d; %d of %d ranks "
@@ -377,13 +381,13 @@ class Coordinator:
             self.alive = [r for r in self.alive if present[r]]
         batches = counts.batches
         if realized is None:
-            done = set(counts.movers())
+            done = set(range(world)) if everyone and all(batches) else set(counts.movers())
         else:
             done = {r for r in realized if present[r]} if counts.total_batches else set()
         credited: list[int] = []
-        forfeited = [0] * cfg.world_size
+        forfeited = [0] * world
         pool = b.pool
-        for r in range(cfg.world_size):
+        for r in range(world):
             if not plan.chunks[r]:
                 continue
             if r in done:
@@ -397,7 +401,7 @@ class Coordinator:
             forfeited[r] = pool.forfeit(r)
         b.sync_round += 1
         self._advance_epochs()
-        dead = cfg.world_size - len(self.alive)
+        dead = world - len(self.alive)
         stop, reason = False, None
         if dead > cfg.max_failures:
             stop, reason = True, SaveReason.MAX_FAILURE_EXCEEDED

@@ -219,17 +219,21 @@ def counts_from_reports(reports) -> CohortCounts:
 
 def _counts(fields: Sequence[Sequence[float]]) -> CohortCounts:
     """:class:`CohortCounts` of ``fields[k][r]``: field k of :func:`count_column` for rank r."""
-    # list comprehensions, not generators: a window builds these right after training
+    # ``map`` over builtins, not comprehensions: a window builds these right after
+    # training, where each Python frame costs several times its warm cost
     return CohortCounts(
-        batches=tuple([int(round(v)) for v in fields[_C_BATCHES]]),
-        compute_ms=tuple(fields[_C_COMPUTE_MS]),
-        loss_sum=tuple(fields[_C_LOSS]),
-        present=tuple([v > 0.5 for v in fields[_C_PRESENT]]),
-        stop=max(fields[_C_STOP]) > 0.5,
-        prev_ack=CohortAck(divergence=tuple(fields[_C_DIVERGENCE]),
-                           reduce_ms=tuple(fields[_C_REDUCE_MS]),
-                           present=tuple([v > 0.5 for v in fields[_C_HAS_ACK]])),
+        tuple(map(round, fields[_C_BATCHES])),  # (round of a float: the nearest int)
+        tuple(fields[_C_COMPUTE_MS]),
+        tuple(fields[_C_LOSS]),
+        tuple(map(_ABOVE_HALF, fields[_C_PRESENT])),
+        max(fields[_C_STOP]) > 0.5,
+        CohortAck(tuple(fields[_C_DIVERGENCE]), tuple(fields[_C_REDUCE_MS]),
+                  tuple(map(_ABOVE_HALF, fields[_C_HAS_ACK]))),
     )
+
+
+#: ``v > 0.5`` of a float ``v``: a flag of a count column
+_ABOVE_HALF = (0.5).__lt__
 
 
 def gather_counts(comm, batches: int, compute_ms: float, loss_sum: float = 0.0,
