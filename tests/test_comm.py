@@ -301,11 +301,18 @@ def test_per_rank_f64_gather():
                                       for i in range(3)]
             assert as_f32.dtype == strided.dtype == np.float64
             assert as_f32.tolist() == strided.tolist() == [3.0, 5.0, 2.0]
-        # (a probe passed its own value alone, [x], and was not told how to fix it)
-        with pytest.raises(ValueError, match=r"one slot per rank: 2 values, world_size 3\. "
-                                             r"Pass 3 numbers with this rank's value at "
-                                             r"index 1 and zeros elsewhere"):
-            c.comm(1).all_reduce_per_rank_f64([1.0, 2.0])
+
+        # (a probe passed its own value alone, [x], and was not told how to fix it; every
+        # rank makes the call: one alone would wait in its refusal round for its peers)
+        def too_short(comm):
+            with pytest.raises(ValueError) as e:
+                comm.all_reduce_per_rank_f64([1.0, 2.0])
+            return str(e.value)
+
+        for rank, text in enumerate(c.run(too_short)):
+            assert re.search(rf"one slot per rank: 2 values, world_size 3\. Pass 3 numbers "
+                            rf"with this rank's value at index {rank} and zeros elsewhere",
+                            text), text
 
 
 def test_control_rounds_are_plain_sums():
