@@ -297,8 +297,9 @@ def _many(rank: int, i: int) -> list[torch.Tensor]:
 
 #: mapped rounds of ``_many_tensors``: the first maps the peers' blocks through the Python
 #: steps, and the test needs one of the others to find every rank in time for the compiled
-#: call (a peer late by a scheduling turn, on a loaded machine, sends a round to the Python
-#: steps: two chances were too few for a CI run beside other work)
+#: call (a peer late past the spin sends a round to the Python steps): seven chances, with
+#: the test's longer spin (on a loaded machine two chances and the default spin failed 3
+#: runs of 5, and so did eight without the longer spin)
 MAPPED_ROUNDS = 8
 
 

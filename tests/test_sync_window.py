@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -192,6 +193,21 @@ def test_expected_mass_counts_present_ranks_only():
     counts = CohortCounts((3, 0, 4), (1.0, 0.0, 1.0), (0.0, 0.0, 0.0), (True, False, True), False)
     assert expected_params_mass(counts, 1.0) == 7.0
     assert expected_params_mass(counts, 0.0) == 2.0
+
+
+def test_counts_read_a_dead_rank_s_zero_column_in_any_float_type():
+    """A dead rank's column is all zeros, whatever float type the table holds: a
+    ``float.__lt__`` flag answered NotImplemented (true) for numpy float32 values, and
+    counted the dead rank present."""
+    from flodl_shm.training.sync_window import count_column, counts_from, counts_from_reports
+
+    rows = (count_column(8, 12.0, 3.0, True), (0.0,) * 8, count_column(3, 5.0))
+    for table in (rows, np.array(rows), np.array(rows, np.float32),
+                  [tuple(np.float32(v) for v in row) for row in rows]):
+        counts = counts_from_reports(table)
+        assert counts.present == (True, False, True) and counts.batches == (8, 0, 3)
+        assert counts.stop and counts.prev_ack.present == (False, False, False)
+        assert counts_from(np.array(table, np.float64).T) == counts
 
 
 # --- one host: the counts ride in the params round ------------------------------------------

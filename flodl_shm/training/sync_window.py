@@ -45,8 +45,10 @@ the params round accepted, which one more gather tells every host
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import operator
 import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
@@ -232,8 +234,9 @@ def _counts(fields: Sequence[Sequence[float]]) -> CohortCounts:
     )
 
 
-#: ``v > 0.5`` of a float ``v``: a flag of a count column
-_ABOVE_HALF = (0.5).__lt__
+#: ``v > 0.5``: a flag of a count column (``operator.lt``, not ``float.__lt__``, which
+#: answers NotImplemented, a true value, for a numpy float32)
+_ABOVE_HALF = functools.partial(operator.lt, 0.5)
 
 
 def gather_counts(comm, batches: int, compute_ms: float, loss_sum: float = 0.0,
