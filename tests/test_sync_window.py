@@ -206,6 +206,7 @@ def test_counts_read_a_dead_rank_s_zero_column_in_any_float_type():
                   [tuple(np.float32(v) for v in row) for row in rows]):
         counts = counts_from_reports(table)
         assert counts.present == (True, False, True) and counts.batches == (8, 0, 3)
+        assert all(type(b) is int for b in counts.batches)
         assert counts.stop and counts.prev_ack.present == (False, False, False)
         assert counts_from(np.array(table, np.float64).T) == counts
 

@@ -221,10 +221,10 @@ def counts_from_reports(reports) -> CohortCounts:
 
 def _counts(fields: Sequence[Sequence[float]]) -> CohortCounts:
     """:class:`CohortCounts` of ``fields[k][r]``: field k of :func:`count_column` for rank r."""
-    # ``map`` over builtins, not comprehensions: a window builds these right after
-    # training, where each Python frame costs several times its warm cost
+    # (positional arguments and ``map`` where a builtin does it: a window builds these
+    # right after training)
     return CohortCounts(
-        tuple(map(round, fields[_C_BATCHES])),  # (round of a float: the nearest int)
+        tuple([int(round(v)) for v in fields[_C_BATCHES]]),  # (numpy 1 rounds a float32 to one)
         tuple(fields[_C_COMPUTE_MS]),
         tuple(fields[_C_LOSS]),
         tuple(map(_ABOVE_HALF, fields[_C_PRESENT])),
