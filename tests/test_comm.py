@@ -574,6 +574,39 @@ def test_a_call_one_rank_refuses_raises_on_every_rank_and_leaves_them_in_step(ca
     assert rnd0 == rnd1
 
 
+def test_a_refused_call_whose_peers_call_late_is_logged_while_it_waits(monkeypatch, caplog):
+    """Rank 1 refuses its call while rank 0 is busy outside the collectives: rank 1's
+    refusal round waits for rank 0's next collective before anyone raises, so its
+    error would show only then (never, with a peer that never calls again). It logs it
+    while it waits; rank 0's late call then mismatches, and both raise."""
+    import time
+
+    monkeypatch.setenv("FLODL_SHM_WAIT_NOTICE_S", "0.2")  # (a refusal's: min of it and 5 s)
+
+    def body(comm):
+        try:
+            if comm.rank == 0:
+                time.sleep(0.8)
+                comm.barrier()
+            else:
+                comm.all_reduce_([torch.ones(3, dtype=torch.int64)])
+        except SchemaMismatchError as e:
+            return str(e)
+
+    with caplog.at_level("WARNING", logger="flodl_shm"), FakeCohort(2) as c:
+        msg0, msg1 = c.run(body)
+    assert "rank 1: refused its call before the round" in msg0, msg0
+    assert msg1.startswith("rank 1 refused its call before the round (FrameError"), msg1
+    said = [r.getMessage() for r in caplog.records]
+    assert 1 <= len(said) <= 3, said  # at 0.2, 0.4 (and 0.8) s
+    for line in said:
+        assert line.startswith("rank 1 refused its call (FrameError: tensor[0] dtype Int64 "
+                               "(torch.int64) not supported"), line
+        assert ("and waits in a refusal round for its peers' next collective, so that every "
+                "rank raises in step: ranks [0] have made no collective for") in line, line
+        assert "The round fails at the 60 s collective timeout" in line, line
+
+
 def test_a_call_every_rank_refuses_raises_each_ranks_own_error_and_leaves_them_in_step():
     """Where every rank refused, the refusal round completes: each raises its own error,
     of its own type, and the ranks stay in step (a world of one runs no refusal round)."""

@@ -109,6 +109,13 @@ def logs_through_a_child_logger(ctx):
     return os.getpid()
 
 
+def waits_for_a_late_rank_0(ctx):
+    if ctx.rank == 0:
+        time.sleep(1.0)  # a long phase without collectives (evaluation, say)
+    ctx.comm.barrier()
+    return ctx.rank
+
+
 def returns_unpicklable(ctx):
     return lambda: None
 
@@ -1047,6 +1054,23 @@ def test_forwarded_rank_records_keep_their_logger_name_rank_and_pid(caplog):
                   if "a line of rank" in r.getMessage())
     assert said == [(k, "flodl_shm.user", pids[k], f"rank {k}: a line of rank {k}")
                     for k in (0, 1)], said
+
+
+def test_a_long_wait_reaches_the_launcher_once_naming_its_rank(monkeypatch, caplog):
+    """Rank 1 waits in a barrier for rank 0, busy outside the collectives, past the
+    wait notice's delay: its warning reaches the launcher, which does not name the
+    rank a second time ("rank 1: rank 1 has waited ...")."""
+    import logging
+
+    monkeypatch.setenv("FLODL_SHM_WAIT_NOTICE_S", "0.3")  # the ranks inherit it
+    with caplog.at_level(logging.WARNING, logger="flodl_shm"):
+        assert spawn(waits_for_a_late_rank_0, 2) == [0, 1]
+    said = [(r.rank, r.getMessage()) for r in caplog.records if "has waited" in r.getMessage()]
+    assert 1 <= len(said) <= 3, said  # at 0.3, 0.6 (and 1.2) s
+    for rank, line in said:
+        assert rank == 1 and line.startswith("rank 1 has waited "), said
+        assert "for ranks [0] in round 0 (waiting for ranks to arrive)" in line, line
+        assert "No collective timeout is set" in line, line
 
 
 def test_unpicklable_result_is_reported():

@@ -1,6 +1,8 @@
 """The bounded wait (engine/waiting.py) on a real doorbell word."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -65,6 +67,8 @@ def test_a_peer_death_names_the_ranks_that_had_not_arrived_either():
 
 _PEER = r"""
 import mmap, os, sys
+import re
+
 import numpy as np
 from flodl_shm.kernels import rounds as RK
 from flodl_shm.kernels import signals
@@ -138,3 +142,97 @@ def test_a_fused_wait_hands_the_core_to_a_runnable_peer(tmp_path):
             peer.wait()
     assert code == OK, f"the wait returned {code} (1: the peer still missing after the yields)"
     assert mass[0] == 2.0
+
+
+def _late_check(after_s):
+    """A wait's check that reports rank 1 missing until ``after_s`` seconds have passed."""
+    import time
+
+    end = time.monotonic() + after_s
+
+    def check(iters):
+        return OK if time.monotonic() >= end else 1
+    return check
+
+
+def test_a_long_wait_says_what_it_waits_for_and_again_each_time_it_doubles(caplog):
+    """Without a timeout a wait on a peer stuck outside the collectives would go on
+    without a word: after ``notice_s`` it names the round, what it waits for, the
+    missing rank (globally: this host's local rank 0 is global rank 4) and that nothing
+    ends it, then again at twice that time; a wait shorter than ``notice_s`` says
+    nothing."""
+    ctl = np.zeros(64, np.int64)
+    waiter = Waiter(Doorbell(ctl), spin_iters=0, timeout=None, liveness=lambda: None)
+    waiter.who, waiter.first_rank, waiter.notice_s = "rank 4", 4, 0.15
+    with caplog.at_level("WARNING", logger="flodl_shm"):
+        assert waiter.wait(_late_check(0.05), what="waiting for ranks to arrive", rnd=9,
+                           missing_of=lambda: (1,)) == OK
+        assert caplog.records == []
+        assert waiter.wait(_late_check(0.5), what="waiting for ranks to arrive", rnd=10,
+                           missing_of=lambda: (1,)) == OK
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said  # at 0.15 and 0.3 s, not at 0.6
+    for line, (low, high) in zip(said, ((0.15, 0.3), (0.3, 0.6))):
+        waited = re.match(r"rank 4 has waited ([\d.]+) s for", line)
+        assert waited and low <= float(waited[1]) < high, line
+        assert ("for ranks [5] in round 10 (waiting for ranks to arrive): alive, not there "
+                "yet. No collective timeout is set") in line, line
+        assert "spawn(timeout=...) bounds every wait" in line, line
+
+
+def test_a_long_wait_with_a_timeout_says_when_it_gives_up(caplog):
+    ctl = np.zeros(64, np.int64)
+    waiter = Waiter(Doorbell(ctl), spin_iters=0, timeout=5.0, liveness=lambda: None)
+    waiter.who, waiter.notice_s = "rank 0", 0.1
+    with caplog.at_level("WARNING", logger="flodl_shm"):
+        waiter.wait(_late_check(0.15), what="waiting for reduce slices", rnd=3,
+                    missing_of=lambda: (1,))
+    line, = [r.getMessage() for r in caplog.records]
+    assert "for ranks [1] in round 3 (waiting for reduce slices)" in line, line
+    assert re.search(r"The round fails at the 5 s collective timeout, 4\.\d+ s from now$",
+                     line), line
+
+
+def test_a_wait_of_a_known_cause_leads_with_it_and_no_notice_when_turned_off(caplog):
+    """A refusal round's wait (``context``) says why it waits, after its own delay; a
+    Waiter with ``notice_s`` 0 (the relay's, or ``FLODL_SHM_WAIT_NOTICE_S=0``) never
+    warns. A missing peer that has a name, not a rank, is named."""
+    ctl = np.zeros(64, np.int64)
+    waiter = Waiter(Doorbell(ctl), spin_iters=0, timeout=None, liveness=lambda: None)
+    waiter.context = ("rank 2 refused its call (ValueError: bad root)", 0.1)
+    with caplog.at_level("WARNING", logger="flodl_shm"):
+        waiter.wait(_late_check(0.15), what="waiting for ranks to arrive", rnd=6,
+                    missing_of=lambda: (0, 1))
+        waiter.context, waiter.notice_s = None, 0.0
+        waiter.wait(_late_check(0.15), what="waiting for ranks to arrive", rnd=7,
+                    missing_of=lambda: (0,))
+        waiter.notice_s = 0.1
+        waiter.wait(_late_check(0.15), what="waiting for the owner", rnd=8,
+                    missing_of=lambda: ("checkpoint owner",))
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said
+    assert said[0].startswith("rank 2 refused its call (ValueError: bad root): ranks [0, 1] "
+                              "have made no collective for 0."), said[0]
+    assert "(round 6)" in said[0] and "No collective timeout is set" in said[0], said[0]
+    assert "for the checkpoint owner in round 8" in said[1], said[1]
+
+
+@pytest.mark.parametrize("value, expected", [("", 60.0), ("0", 0.0), ("2.5", 2.5)])
+def test_the_wait_notice_delay_comes_from_the_environment(monkeypatch, value, expected):
+    from flodl_shm.engine.waiting import WAIT_NOTICE_S, wait_notice_s
+
+    assert WAIT_NOTICE_S == 60.0
+    monkeypatch.setenv("FLODL_SHM_WAIT_NOTICE_S", value)
+    assert wait_notice_s() == expected
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "nan"])
+def test_a_bad_wait_notice_delay_is_refused_with_its_fix(monkeypatch, value):
+    from flodl_shm.engine.waiting import wait_notice_s
+
+    monkeypatch.setenv("FLODL_SHM_WAIT_NOTICE_S", value)
+    with pytest.raises(ValueError) as info:
+        wait_notice_s()
+    assert str(info.value).startswith(f"FLODL_SHM_WAIT_NOTICE_S={value!r} is not a number of "
+                                      f"seconds >= 0: set it to how long"), str(info.value)
+    assert "(0 for never), or unset it for 60 s" in str(info.value)

@@ -99,6 +99,8 @@ class Comm(ReduceCalls, BroadcastCalls, GatherScatterCalls, ZeroCopyCalls, Round
                                    liveness=liveness or (lambda: None))
         if oversubscribed(arena.world):
             self._engine.yield_when_waiting()
+        waiter = self._engine.waiter
+        waiter.who, waiter.first_rank = f"rank {self.rank}", self.rank - local_rank
         self._round = 0
         self._broken: str | None = None
         self._in_round = 0  # thread id of the general/direct round in flight (_one_at_a_time)

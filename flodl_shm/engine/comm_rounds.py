@@ -103,6 +103,9 @@ def _staged(t: torch.Tensor, staged: list, scale: float = 1.0) -> torch.Tensor:
 
 #: the attribute ``_fail`` and ``_refused`` set on an exception the ranks are done with
 _SAID = "_flodl_shm_said"
+#: a refusal round whose peers make no collective this long logs the rank's refused
+#: call (its error would otherwise surface only when they do)
+REFUSAL_NOTICE_S = 5.0
 
 
 def said(e: BaseException) -> BaseException:
@@ -222,7 +225,9 @@ class RoundPaths:
         completes and each raises its own error, in step; where a peer called a
         collective, it mismatches theirs, and every rank raises ``SchemaMismatchError``
         (this rank's chained from ``e``, its reason in the text). A wait that fails
-        (a peer left, the timeout) is added to ``e`` as a note.
+        (a peer left, the timeout) is added to ``e`` as a note. Peers that make no
+        collective for ``REFUSAL_NOTICE_S`` leave this rank waiting: it logs its error
+        then (``Waiter.context``), and again each time the wait doubles.
 
         Nothing to do for an error a round already took (``_fail`` marked it), a broken
         Comm (it refuses every call), a world of one, a round in flight in another
@@ -232,6 +237,12 @@ class RoundPaths:
                 or self._in_round or self._engine.fault_hook is not None):
             return
         said(e)  # (once: a collective built on another re-raises it)
+        waiter = self._engine.waiter
+        if waiter.notice_s > 0:  # peers that call no collective for a while: say why
+            waiter.context = (f"rank {self.rank} refused its call ({type(e).__name__}: "
+                              f"{e}) and waits in a refusal round for its peers' next "
+                              f"collective, so that every rank raises in step",
+                              min(waiter.notice_s, REFUSAL_NOTICE_S))
         try:
             self._run(refusal_plan(self._engine), 0.0, None)
         except FrameError as mismatch:
@@ -242,6 +253,8 @@ class RoundPaths:
         except Exception as failed:  # noqa: BLE001 - said after this rank's own reason
             e.add_note(f"(rank {self.rank} then waited in a refusal round, to keep its "
                        f"peers in step, and that failed: {failed})")
+        finally:
+            waiter.context = None
 
     def _single_plan(self, t: torch.Tensor, kind: int, outer: bool,
                      broadcast: bool = False, direct: bool = False) -> RoundPlan | None:

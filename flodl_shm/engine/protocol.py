@@ -246,6 +246,8 @@ class RoundEngine:
         self.ctl32 = arena.ctl32
         self.doorbell = Doorbell(arena.ctl)
         self.waiter = Waiter(self.doorbell, spin_iters, timeout, liveness)
+        if rank < 0:  # the relay waits for every round, as long as the ranks train
+            self.waiter.notice_s = 0.0
         # scratch of the fused eager round; its first two chunks double as the
         # reduce accumulator and temporary of the other steps (never used at once)
         self._work = np.empty(RK.WORK_WORDS, np.float32)
@@ -952,7 +954,7 @@ class RoundEngine:
         try:
             self.waiter.wait(lambda it: signals.spin_word_ge(ctl, A.G_CONSENSUS, rnd, it),
                              what="waiting for the cluster consensus from the relay", rnd=rnd,
-                             missing_of=self._remote_ranks)
+                             missing_of=self._remote_ranks, global_missing=True)
         except CohortAborted:
             self.raise_relay_error(rnd)
             raise

@@ -23,7 +23,13 @@ late rank needs when ranks outnumber cores (4 ranks on 2 cores made spin-then-
 3. every sleep is a slice of at most ``LIVENESS_SLICE`` seconds, after which the
    waiter checks liveness (the launcher is alive, the cohort is not aborting) and
    the round's deadline, failing with a ``ReduceStall`` naming the round and the
-   missing ranks.
+   missing ranks;
+4. a wait still going after ``WAIT_NOTICE_S`` (60 s; ``FLODL_SHM_WAIT_NOTICE_S``, 0 for
+   never) logs a warning naming the round, what it waits for and the ranks missing,
+   and again each time its length doubles: without a collective timeout (``spawn``'s
+   default) a rank stuck outside the collectives would otherwise leave its peers
+   waiting without a word. A wait with a ``context`` (a refusal round: the rank's
+   error is known, its peers have not called yet) says so after a few seconds.
 
 ``FUTEX_WAIT``/``FUTEX_WAKE`` are plain syscalls through ctypes on the mapped
 address (non-private futexes work across processes on shared mappings). Where the
@@ -32,6 +38,8 @@ syscall is unavailable the waiter falls back to short sleeps.
 from __future__ import annotations
 
 import ctypes
+import logging
+import math
 import os
 import platform
 import time
@@ -64,6 +72,12 @@ MAX_WORK_SPIN_S = 5e-3  # the longest spin a large round's expected work may ask
 #: bytes per second a rank's step of a bulk round moves (copy or slice reduce), at worst:
 #: how long a peer may take before a waiter stops spinning for it (``Waiter.wait``)
 WORK_BYTES_PER_S = 2e9
+
+#: a wait this long logs a warning (``Waiter``), then again at every doubling of its
+#: length; ``FLODL_SHM_WAIT_NOTICE_S`` sets it, 0 turns the warnings off
+WAIT_NOTICE_S = 60.0
+
+logger = logging.getLogger("flodl_shm")
 
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(
     platform.machine().lower())
@@ -138,6 +152,23 @@ def spin_iterations(local_ranks: int, budget_s: float | None = None) -> int:
     return max(0, int(budget_s * 1e9 / relax_ns()))
 
 
+def wait_notice_s() -> float:
+    """How long a wait lasts before it logs a warning: ``FLODL_SHM_WAIT_NOTICE_S``
+    seconds when set (0: never), else ``WAIT_NOTICE_S``."""
+    env = os.environ.get("FLODL_SHM_WAIT_NOTICE_S")
+    if not env:
+        return WAIT_NOTICE_S
+    try:
+        value = float(env)
+    except ValueError:
+        value = math.nan
+    if not value >= 0.0:  # NaN too
+        raise ValueError(f"FLODL_SHM_WAIT_NOTICE_S={env!r} is not a number of seconds >= 0: "
+                         f"set it to how long a collective's wait lasts before it logs a "
+                         f"warning (0 for never), or unset it for {WAIT_NOTICE_S:g} s")
+    return value
+
+
 class Doorbell:
     """Blocking half of the wait: the arena's futex word and its sleeper count."""
 
@@ -195,6 +226,15 @@ class Waiter:
         #: (a few µs per round) from the sleep/wake one (tens of µs and more)
         self.missed = 0
         self.sleeps = 0
+        #: who waits, as the warnings of a long wait name it, and the global rank of
+        #: this host's local rank 0 (a wait's missing local ranks are named globally)
+        self.who = "this rank"
+        self.first_rank = 0
+        #: a long wait's first warning, after this many seconds (0: none)
+        self.notice_s = wait_notice_s()
+        #: ``(text, seconds)`` while the owner runs a wait of a known cause (a refusal
+        #: round): its warning leads with ``text``, and comes after ``seconds``
+        self.context: tuple[str, float] | None = None
 
     def _yield_phase(self, check: Callable[[int], int], work_s: float) -> int:
         end = time.perf_counter() + max(self.yield_budget, min(work_s, MAX_WORK_SPIN_S))
@@ -234,7 +274,8 @@ class Waiter:
 
     def wait(self, check: Callable[[int], int], *, what: str, rnd: int,
              missing_of: Callable[[], tuple[int, ...]],
-             on_missing: Callable[[int], bool] | None = None, work_s: float = 0.0) -> int:
+             on_missing: Callable[[int], bool] | None = None, work_s: float = 0.0,
+             global_missing: bool = False) -> int:
         """Wait until ``check(iters)`` returns ``OK`` (done) or a terminal code.
 
         ``check`` is a compiled spin returning a status of ``kernels/codes.py``: ``OK``
@@ -245,7 +286,9 @@ class Waiter:
         (a bulk round's copy or slice): the spin (when every rank has a core) or the
         yields (when ranks outnumber cores) last at least that long, since a peer that
         far behind is still working, not gone, and sleeping would add a wake-up to
-        every large round. Returns ``OK`` or the terminal code.
+        every large round. ``global_missing``: ``missing_of`` names global ranks (a
+        wait on other hosts), not this host's local ones. Returns ``OK`` or the
+        terminal code.
         """
         iters = self.spin_iters
         if work_s > 0.0 and not self.yield_budget and self.max_spin:
@@ -257,20 +300,25 @@ class Waiter:
         started = time.perf_counter()
         self.missed += 1
         r = self._wait_slow(check, r, what=what, rnd=rnd, missing_of=missing_of,
-                            on_missing=on_missing, work_s=work_s)
+                            on_missing=on_missing, work_s=work_s,
+                            global_missing=global_missing)
         self.note_spin(time.perf_counter() - started <= self.max_spin_s)
         return r
 
     def _wait_slow(self, check: Callable[[int], int], r: int, *, what: str, rnd: int,
                    missing_of: Callable[[], tuple[int, ...]],
-                   on_missing: Callable[[int], bool] | None, work_s: float) -> int:
+                   on_missing: Callable[[int], bool] | None, work_s: float,
+                   global_missing: bool = False) -> int:
         """The part of ``wait`` after the spin missed: yield (for as long as the awaited
         work takes, when it is longer than the yield budget), then sleep in slices."""
         if self.yield_budget and r >= 0:
             r = self._yield_phase(check, work_s)
             if is_finished(r):
                 return r
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        started = time.monotonic()
+        deadline = None if self.timeout is None else started + self.timeout
+        first = self.notice_s if self.context is None else self.context[1]
+        notice = started + first if first > 0 else math.inf
         while True:
             if r == ABORT:
                 self.liveness()
@@ -307,3 +355,36 @@ class Waiter:
                 self.liveness()
             except PeerDied as e:  # name who else had not arrived: maybe why it left
                 raise e.with_missing(missing_of()) from None
+            now = time.monotonic()
+            if now >= notice:
+                missing = missing_of()
+                if self.first_rank and not global_missing:  # (a name stays a name)
+                    missing = tuple(self.first_rank + m if isinstance(m, int) else m
+                                    for m in missing)
+                self._notice(now - started, what, rnd, missing, deadline, now)
+                notice = started + 2 * (notice - started)  # again when the wait doubled
+
+    def _notice(self, waited: float, what: str, rnd: int, missing: tuple[int, ...],
+                deadline: float | None, now: float) -> None:
+        """Warn that this wait has lasted ``waited`` seconds: what it waits for, who is
+        missing, and when (if ever) it gives up."""
+        if deadline is None:
+            ends = ("No collective timeout is set, so the wait goes on: it ends when they "
+                    "call (a peer in evaluation or writing a checkpoint does in time), "
+                    "never if one is stuck or deadlocked outside the collectives "
+                    "(spawn(timeout=...) bounds every wait)")
+        else:
+            ends = (f"The round fails at the {self.timeout:g} s collective timeout, "
+                    f"{max(deadline - now, 0.0):.3g} s from now")
+        if not missing:
+            late = "its peers"
+        elif all(isinstance(m, int) for m in missing):
+            late = f"ranks {list(missing)}"
+        else:  # named, not numbered (the checkpoint tap's owner)
+            late = "the " + ", ".join(map(str, missing))
+        if self.context is not None:
+            logger.warning("%s: %s have made no collective for %.3g s (round %d). %s",
+                           self.context[0], late, waited, rnd, ends)
+        else:
+            logger.warning("%s has waited %.3g s for %s in round %d (%s): alive, not "
+                           "there yet. %s", self.who, waited, late, rnd, what, ends)

@@ -606,9 +606,10 @@ class SpawnContext:
         _, level, text, name, pid = msg
         rank = self.first_rank + r
         # the record's own logger (``flodl_shm.*``): a JSON formatter keeps its name, and
-        # the rank and its pid ride as attributes, not only in the text
-        logging.getLogger(name).log(level, "rank %d: %s", rank, text,
-                                    extra={"rank": rank, "rank_pid": pid})
+        # the rank and its pid ride as attributes, not only in the text (which names the
+        # rank first, unless the rank's own text does: a long wait's warning)
+        fmt = "%s" if text.startswith(f"rank {rank} ") else f"rank {rank}: %s"
+        logging.getLogger(name).log(level, fmt, text, extra={"rank": rank, "rank_pid": pid})
 
     def _record_exit(self, r: int, msg: tuple | None) -> None:
         p = self._procs[r]
