@@ -607,6 +607,28 @@ def test_a_refused_call_whose_peers_call_late_is_logged_while_it_waits(monkeypat
         assert "The round fails at the 60 s collective timeout" in line, line
 
 
+def test_a_long_wait_is_said_once_for_the_ranks_that_wait_together(monkeypatch, caplog):
+    """Ranks 1, 2 and 3 wait in a barrier for rank 0: the lowest of them that is alive
+    says so (rank 2, rank 1 being dead), not each of them."""
+    import time
+
+    monkeypatch.setenv("FLODL_SHM_WAIT_NOTICE_S", "0.2")
+
+    def body(comm):
+        if comm.rank == 0:
+            time.sleep(0.7)
+        comm.barrier()
+
+    with caplog.at_level("WARNING", logger="flodl_shm"), FakeCohort(4) as c:
+        c.declare_dead(1)
+        c.run(body, ranks=[0, 2, 3])
+    said = [r.getMessage() for r in caplog.records]
+    assert 1 <= len(said) <= 2, said  # at 0.2 and 0.4 s
+    for line in said:
+        assert line.startswith("rank 2 has waited "), said
+        assert "for ranks [0] in round 0 (waiting for ranks to arrive)" in line, line
+
+
 def test_a_call_every_rank_refuses_raises_each_ranks_own_error_and_leaves_them_in_step():
     """Where every rank refused, the refusal round completes: each raises its own error,
     of its own type, and the ranks stay in step (a world of one runs no refusal round)."""

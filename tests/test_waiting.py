@@ -193,6 +193,21 @@ def test_a_long_wait_with_a_timeout_says_when_it_gives_up(caplog):
                      line), line
 
 
+def test_a_long_wait_on_other_hosts_names_their_ranks_as_they_are(caplog):
+    """A wait for the cluster's consensus names global ranks already, of hosts this one
+    cannot see: they are not shifted by this host's first rank, nor said to be alive."""
+    ctl = np.zeros(64, np.int64)
+    waiter = Waiter(Doorbell(ctl), spin_iters=0, timeout=None, liveness=lambda: None)
+    waiter.who, waiter.first_rank, waiter.notice_s = "rank 2", 2, 0.1
+    with caplog.at_level("WARNING", logger="flodl_shm"):
+        waiter.wait(_late_check(0.15), what="waiting for the cluster consensus", rnd=4,
+                    missing_of=lambda: (0, 1), global_missing=True)
+    line, = [r.getMessage() for r in caplog.records]
+    assert line.startswith("rank 2 has waited "), line
+    assert ("for ranks [0, 1] in round 4 (waiting for the cluster consensus): on other "
+            "hosts. No collective timeout is set") in line, line
+
+
 def test_a_wait_of_a_known_cause_leads_with_it_and_no_notice_when_turned_off(caplog):
     """A refusal round's wait (``context``) says why it waits, after its own delay; a
     Waiter with ``notice_s`` 0 (the relay's, or ``FLODL_SHM_WAIT_NOTICE_S=0``) never

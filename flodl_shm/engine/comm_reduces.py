@@ -240,7 +240,7 @@ class ReduceCalls:
         optimizer (``set_outer``) steps the consensus into the new global before it is
         returned (every rank must pass the same flag)."""
         try:
-            if kind is RoundKind.MODEL and not outer:
+            if kind is _MODEL_KIND and not outer:
                 got = self._hot_result(tensors, weight, scale)
                 if got is not None:
                     return [got[0]], got[1]
@@ -289,7 +289,7 @@ class ReduceCalls:
         """Tensors already scaled by the caller; returns (Σ/Σw, accepted mass Σw), as
         float32 tensors (for bfloat16 inputs too: the f32 consensus, not rounded again)."""
         try:
-            if kind is RoundKind.MODEL and not outer:
+            if kind is _MODEL_KIND and not outer:
                 got = self._hot_result(tensors, weight, 1.0)
                 if got is not None:
                     return [got[0]], got[1]

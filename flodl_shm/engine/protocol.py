@@ -248,6 +248,8 @@ class RoundEngine:
         self.waiter = Waiter(self.doorbell, spin_iters, timeout, liveness)
         if rank < 0:  # the relay waits for every round, as long as the ranks train
             self.waiter.notice_s = 0.0
+        else:
+            self.waiter.speaks = self._speaks_for_host
         # scratch of the fused eager round; its first two chunks double as the
         # reduce accumulator and temporary of the other steps (never used at once)
         self._work = np.empty(RK.WORK_WORDS, np.float32)
@@ -933,6 +935,17 @@ class RoundEngine:
                          what="waiting for the broadcast's readers to copy the root's tensors",
                          rnd=rnd, missing_of=lambda: self.missing_slices(rnd),
                          on_missing=dead_reader, work_s=view.nbytes / WORK_BYTES_PER_S)
+
+    def _speaks_for_host(self, missing: tuple[int, ...], remote: bool) -> bool:
+        """Whether this rank is the one of its host that logs a long wait for the local
+        ranks ``missing`` (every local rank, when ``remote``: they wait for other hosts),
+        where its peers that wait with it would log the same: the lowest local rank that
+        is neither missing nor dead."""
+        ctl = self.ctl
+        for r in range(self.world):
+            if (remote or r not in missing) and not ctl[A.rank_base(r) + A.R_DEAD]:
+                return r == self.rank
+        return True
 
     def missing_slices(self, rnd: int) -> tuple[int, ...]:
         return tuple(j for j in range(self.world)

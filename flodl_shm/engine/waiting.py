@@ -26,9 +26,9 @@ late rank needs when ranks outnumber cores (4 ranks on 2 cores made spin-then-
    missing ranks;
 4. a wait still going after ``WAIT_NOTICE_S`` (60 s; ``FLODL_SHM_WAIT_NOTICE_S``, 0 for
    never) logs a warning naming the round, what it waits for and the ranks missing,
-   and again each time its length doubles: without a collective timeout (``spawn``'s
-   default) a rank stuck outside the collectives would otherwise leave its peers
-   waiting without a word. A wait with a ``context`` (a refusal round: the rank's
+   and again each time its length doubles (one rank of a host says it for those
+   waiting with it): without a collective timeout (``spawn``'s default) a rank stuck
+   outside the collectives would otherwise leave its peers waiting without a word. A wait with a ``context`` (a refusal round: the rank's
    error is known, its peers have not called yet) says so after a few seconds.
 
 ``FUTEX_WAIT``/``FUTEX_WAKE`` are plain syscalls through ctypes on the mapped
@@ -235,6 +235,10 @@ class Waiter:
         #: ``(text, seconds)`` while the owner runs a wait of a known cause (a refusal
         #: round): its warning leads with ``text``, and comes after ``seconds``
         self.context: tuple[str, float] | None = None
+        #: ``speaks(missing, remote)``: whether this rank logs a long wait for
+        #: ``missing`` (on other hosts when ``remote``), so that a host's waiting ranks
+        #: say it once between them (``RoundEngine``: its lowest live waiting rank)
+        self.speaks: Callable[[tuple, bool], bool] = lambda missing, remote: True
 
     def _yield_phase(self, check: Callable[[int], int], work_s: float) -> int:
         end = time.perf_counter() + max(self.yield_budget, min(work_s, MAX_WORK_SPIN_S))
@@ -358,16 +362,19 @@ class Waiter:
             now = time.monotonic()
             if now >= notice:
                 missing = missing_of()
-                if self.first_rank and not global_missing:  # (a name stays a name)
-                    missing = tuple(self.first_rank + m if isinstance(m, int) else m
-                                    for m in missing)
-                self._notice(now - started, what, rnd, missing, deadline, now)
+                if self.context is not None or self.speaks(missing, global_missing):
+                    if self.first_rank and not global_missing:  # (a name stays a name)
+                        missing = tuple(self.first_rank + m if isinstance(m, int) else m
+                                        for m in missing)
+                    self._notice(now - started, what, rnd, missing, deadline, now,
+                                 "on other hosts" if global_missing
+                                 else "alive, not there yet")
                 notice = started + 2 * (notice - started)  # again when the wait doubled
 
     def _notice(self, waited: float, what: str, rnd: int, missing: tuple[int, ...],
-                deadline: float | None, now: float) -> None:
+                deadline: float | None, now: float, where: str) -> None:
         """Warn that this wait has lasted ``waited`` seconds: what it waits for, who is
-        missing, and when (if ever) it gives up."""
+        missing (``where``: what is known of them), and when (if ever) it gives up."""
         if deadline is None:
             ends = ("No collective timeout is set, so the wait goes on: it ends when they "
                     "call (a peer in evaluation or writing a checkpoint does in time), "
@@ -386,5 +393,5 @@ class Waiter:
             logger.warning("%s: %s have made no collective for %.3g s (round %d). %s",
                            self.context[0], late, waited, rnd, ends)
         else:
-            logger.warning("%s has waited %.3g s for %s in round %d (%s): alive, not "
-                           "there yet. %s", self.who, waited, late, rnd, what, ends)
+            logger.warning("%s has waited %.3g s for %s in round %d (%s): %s. %s",
+                           self.who, waited, late, rnd, what, where, ends)
