@@ -28,8 +28,9 @@ late rank needs when ranks outnumber cores (4 ranks on 2 cores made spin-then-
    never) logs a warning naming the round, what it waits for and the ranks missing,
    and again each time its length doubles (one rank of a host says it for those
    waiting with it): without a collective timeout (``spawn``'s default) a rank stuck
-   outside the collectives would otherwise leave its peers waiting without a word. A wait with a ``context`` (a refusal round: the rank's
-   error is known, its peers have not called yet) says so after a few seconds.
+   outside the collectives would otherwise leave its peers waiting without a word.
+   A wait with a ``context`` (a refusal round: the rank's error is known, its peers
+   have not called yet) says so after a few seconds.
 
 ``FUTEX_WAIT``/``FUTEX_WAKE`` are plain syscalls through ctypes on the mapped
 address (non-private futexes work across processes on shared mappings). Where the
