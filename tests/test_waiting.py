@@ -251,3 +251,12 @@ def test_a_bad_wait_notice_delay_is_refused_with_its_fix(monkeypatch, value):
     assert str(info.value).startswith(f"FLODL_SHM_WAIT_NOTICE_S={value!r} is not a number of "
                                       f"seconds >= 0: set it to how long"), str(info.value)
     assert "(0 for never), or unset it for 60 s" in str(info.value)
+
+
+@pytest.mark.parametrize("s, said", [(0.5031, "0.503"), (1.2, "1.2"), (60.01, "60"),
+                                     (1798.7, "1799"), (3840.2, "3840")])
+def test_a_notice_says_seconds_as_a_person_reads_them(s, said):
+    """(A torchrun probe read "1.8e+03 s from now" of a 1800 s timeout.)"""
+    from flodl_shm.engine.waiting import _seconds
+
+    assert _seconds(s) == said

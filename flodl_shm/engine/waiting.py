@@ -383,7 +383,7 @@ class Waiter:
                     "(spawn(timeout=...) bounds every wait)")
         else:
             ends = (f"The round fails at the {self.timeout:g} s collective timeout, "
-                    f"{max(deadline - now, 0.0):.3g} s from now")
+                    f"{_seconds(deadline - now)} s from now")
         if not missing:
             late = "its peers"
         elif all(isinstance(m, int) for m in missing):
@@ -391,8 +391,13 @@ class Waiter:
         else:  # named, not numbered (the checkpoint tap's owner)
             late = "the " + ", ".join(map(str, missing))
         if self.context is not None:
-            logger.warning("%s: %s have made no collective for %.3g s (round %d). %s",
-                           self.context[0], late, waited, rnd, ends)
+            logger.warning("%s: %s have made no collective for %s s (round %d). %s",
+                           self.context[0], late, _seconds(waited), rnd, ends)
         else:
-            logger.warning("%s has waited %.3g s for %s in round %d (%s): %s. %s",
-                           self.who, waited, late, rnd, what, where, ends)
+            logger.warning("%s has waited %s s for %s in round %d (%s): %s. %s",
+                           self.who, _seconds(waited), late, rnd, what, where, ends)
+
+
+def _seconds(s: float) -> str:
+    """Seconds as a notice says them: 0.503, 60, 1740."""
+    return f"{max(s, 0.0):.0f}" if s >= 100 else f"{max(s, 0.0):.3g}"
