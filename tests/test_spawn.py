@@ -1073,6 +1073,15 @@ def test_a_long_wait_reaches_the_launcher_once_naming_its_rank(monkeypatch, capl
         assert "No collective timeout is set" in line, line
 
 
+def test_a_bad_wait_notice_setting_is_refused_before_any_rank_starts(monkeypatch):
+    """Every rank would have raised the same error at its Comm; spawn refuses it once."""
+    monkeypatch.setenv("FLODL_SHM_WAIT_NOTICE_S", "-5")
+    before = set(psutil.Process().children(recursive=True))
+    with pytest.raises(ValueError, match=r"^FLODL_SHM_WAIT_NOTICE_S='-5' is not a number"):
+        spawn(waits_for_a_late_rank_0, 2)
+    assert set(psutil.Process().children(recursive=True)) == before
+
+
 def test_unpicklable_result_is_reported():
     with pytest.raises(RankFailed) as info:
         spawn(returns_unpicklable, 1)

@@ -28,7 +28,7 @@ from ..engine.checkpoint_tap import TapServer
 from ..engine.hostmem import host_memory
 from ..engine.segment import fmt_bytes, reap_dead_owner_segments, space_error
 from ..engine.hostcpu import available_cores
-from ..engine.waiting import Doorbell
+from ..engine.waiting import Doorbell, wait_notice_s
 from .rank import _RankProcess, _forward_level, _main_file, _rank_main, _recv
 from .rank_server import _KernelWarming, _RankServer, _ServedRankProcess, _native_threads
 
@@ -1023,6 +1023,7 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
                                     and not isinstance(timeout, bool) and timeout > 0):
         raise ValueError(f"spawn: timeout must be a number of seconds > 0 or None, got "
                          f"{timeout!r}")
+    wait_notice_s()  # (its environment variable, refused here once, not by every rank)
     world = nprocs if world_size is None else int(world_size)
     from ..cluster.control import MAX_WORLD_SIZE
 
