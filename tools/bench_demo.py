@@ -481,6 +481,8 @@ def main(argv=None) -> int:
                      "(rank 0)", results["flodl_shm demo"], loop, "window_ms_rank0")
         _print_ratio("  its averaging part alone (end of training to settled books)",
                      results["flodl_shm demo"], loop, "window_ms_rank0", key="averaging_ms")
+        _print_ratio("    of which its round (the params, the counts riding as its report)",
+                     results["flodl_shm demo"], loop, "window_ms_rank0", key="reduce_ms")
     return 0
 
 
