@@ -229,6 +229,21 @@ def _controller_silent(stall: ReduceStall) -> ReduceStall:
         round=stall.round, missing=stall.missing, timeout=stall.timeout, global_ranks=True)
 
 
+def _host_speaker(ctl: np.ndarray, world: int, rank: int) -> Callable[[tuple, bool], bool]:
+    """``Waiter.speaks`` of local rank ``rank``: whether it is the one of its host that
+    logs a long wait for the local ranks ``missing`` (every local rank, when ``remote``:
+    they wait for other hosts), where its peers that wait with it would log the same:
+    the lowest local rank that is neither missing nor dead. (A function of the arena's
+    words, not a method of the engine: the engine's waiter holds it, and a cycle would
+    keep a destroyed group's mappings until the garbage collector's next pass.)"""
+    def speaks(missing: tuple, remote: bool) -> bool:
+        for r in range(world):
+            if (remote or r not in missing) and not ctl[A.rank_base(r) + A.R_DEAD]:
+                return r == rank
+        return True
+    return speaks
+
+
 class RoundEngine:
     """Drives the control-block protocol for one participant of one arena.
 
@@ -249,7 +264,7 @@ class RoundEngine:
         if rank < 0:  # the relay waits for every round, as long as the ranks train
             self.waiter.notice_s = 0.0
         else:
-            self.waiter.speaks = self._speaks_for_host
+            self.waiter.speaks = _host_speaker(arena.ctl, self.world, rank)
         # scratch of the fused eager round; its first two chunks double as the
         # reduce accumulator and temporary of the other steps (never used at once)
         self._work = np.empty(RK.WORK_WORDS, np.float32)
@@ -935,17 +950,6 @@ class RoundEngine:
                          what="waiting for the broadcast's readers to copy the root's tensors",
                          rnd=rnd, missing_of=lambda: self.missing_slices(rnd),
                          on_missing=dead_reader, work_s=view.nbytes / WORK_BYTES_PER_S)
-
-    def _speaks_for_host(self, missing: tuple[int, ...], remote: bool) -> bool:
-        """Whether this rank is the one of its host that logs a long wait for the local
-        ranks ``missing`` (every local rank, when ``remote``: they wait for other hosts),
-        where its peers that wait with it would log the same: the lowest local rank that
-        is neither missing nor dead."""
-        ctl = self.ctl
-        for r in range(self.world):
-            if (remote or r not in missing) and not ctl[A.rank_base(r) + A.R_DEAD]:
-                return r == self.rank
-        return True
 
     def missing_slices(self, rnd: int) -> tuple[int, ...]:
         return tuple(j for j in range(self.world)
