@@ -53,6 +53,12 @@ class ReduceStall(TimeoutError):
                                         self.global_ranks))
 
 
+def shifted_ranks(missing, first_rank: int) -> tuple:
+    """A host's local ranks ``missing`` as global ranks (``first_rank``: the global rank
+    of its local rank 0); an entry that names no rank (the checkpoint owner) stays."""
+    return tuple(first_rank + m if isinstance(m, int) else m for m in missing)
+
+
 def _rebuild_reduce_stall(message, round, missing, timeout, global_ranks=False):
     return ReduceStall(message, round=round, missing=missing, timeout=timeout,
                        global_ranks=global_ranks)

@@ -177,7 +177,7 @@ class TapClient:
         eng = self._engine
         waiter = Waiter(eng.doorbell, eng.waiter.spin_iters, self.ACK_TIMEOUT_S,
                         eng.waiter.liveness)
-        waiter.who = eng.waiter.who
+        waiter.who, waiter.notice_s = eng.waiter.who, eng.waiter.notice_s
         waiter.wait(lambda it: signals.spin_word_ge(ctl, A.G_TAP_ACK, target, it),
                     what="waiting for the owner to take the previous checkpoint frame",
                     rnd=rnd, missing_of=lambda: ("checkpoint owner",))

@@ -48,7 +48,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import CohortAborted, PeerDied, ReduceStall
+from ..errors import CohortAborted, PeerDied, ReduceStall, shifted_ranks
 from ..kernels import signals
 from ..kernels.codes import ABORT, is_finished
 from .hostcpu import available_cores
@@ -364,9 +364,8 @@ class Waiter:
             if now >= notice:
                 missing = missing_of()
                 if self.context is not None or self.speaks(missing, global_missing):
-                    if self.first_rank and not global_missing:  # (a name stays a name)
-                        missing = tuple(self.first_rank + m if isinstance(m, int) else m
-                                        for m in missing)
+                    if not global_missing:
+                        missing = shifted_ranks(missing, self.first_rank)
                     self._notice(now - started, what, rnd, missing, deadline, now,
                                  "on other hosts" if global_missing
                                  else "alive, not there yet")

@@ -25,7 +25,7 @@ from multiprocessing import util as mp_util
 from typing import Any, NoReturn
 
 from ..engine import arena as A
-from ..errors import CohortAborted, ReduceStall
+from ..errors import CohortAborted, ReduceStall, shifted_ranks
 
 
 
@@ -287,8 +287,8 @@ def _error_message(global_rank: int, first_rank: int, e: BaseException) -> tuple
     ``ReduceStall`` also carries its round, missing ranks (global) and timeout."""
     msg = ("error", type(e).__name__, traceback.format_exc())
     if isinstance(e, ReduceStall):
-        missing = (list(e.missing) if e.global_ranks else  # (a round across hosts)
-                   [first_rank + m if isinstance(m, int) else m for m in e.missing])
+        missing = list(e.missing if e.global_ranks  # (a round across hosts)
+                       else shifted_ranks(e.missing, first_rank))
         msg += ({"round": e.round, "missing": missing, "timeout": e.timeout,
                  "text": str(e)},)
     return msg
