@@ -17,6 +17,7 @@ import flodl_shm
 from flodl_shm import RankFailed, spawn
 from flodl_shm.engine import arena as A
 from flodl_shm.engine import direct as D
+from flodl_shm.kernels import cma
 from flodl_shm.testing import FakeCohort
 
 from engine_util import assert_no_leaks, refused_in_flight
@@ -92,8 +93,9 @@ def _session(comm) -> list:
     comm.broadcast_(ts, root=0)  # in place: the root copies nothing
     out.append(("broadcast_", [t.clone() for t in ts], 0.0, None))
     # one tensor (rank 1's not contiguous): into the root's own result, copied whole by
-    # the root (20,000 elements) or in slices (100,000), and in place
-    for name, i, n, root in ONE_BROADCASTS:
+    # the root (which then delivers a lighter slice) or, past cma.ROOT_WHOLE_MAX, in
+    # equal slices, and in place
+    for name, i, n, root in ONE_BROADCASTS + (SLICED_BROADCAST,):
         if name.endswith("_"):
             t = _one(r, i, n)
             comm.broadcast_([t], root=root % comm.world_size)
@@ -128,6 +130,8 @@ def _one(rank: int, i: int, n: int) -> torch.Tensor:
 #: (step name, seed, elements, root; -1: the last rank): into a result, then in place
 ONE_BROADCASTS = (("one16", 16, 20_000, 1), ("one16_", 26, 20_000, -1),
                   ("one17", 17, 100_000, -1), ("one17_", 27, 100_000, 1))
+#: a result too large for its root to copy whole: every rank delivers an equal slice
+SLICED_BROADCAST = ("one18", 18, cma.ROOT_WHOLE_MAX + 1000, -1)
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -162,7 +166,7 @@ def test_direct_rounds_match_the_shared_path_bit_for_bit(low_threshold, world):
             got = next(step for step in direct[rank] if step[0] == name)[1]
             assert [_bits(t) for t in got] == [_bits(root[0]), _bits(root[1].t()),
                                                _bits(root[2])], (name, rank)
-    for name, i, n, root_rank in ONE_BROADCASTS:
+    for name, i, n, root_rank in ONE_BROADCASTS + (SLICED_BROADCAST,):
         want = _bits(_one(root_rank % world, i, n))
         for rank in range(world):
             got = next(step for step in direct[rank] if step[0] == name)[1]

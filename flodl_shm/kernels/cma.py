@@ -56,11 +56,13 @@ CHUNK = 1 << 16
 #: stays in L1/L2 between the reads and the writes)
 MAPPED_CHUNK = 1 << 14
 #: f32 elements up to which a broadcast's root copies its own result (not its tensors:
-#: ``broadcast_from_root``) whole while the readers share the slices, where each rank
-#: would otherwise deliver one (a call fewer per reader): 10.0-10.2 against 11.7-13.3 µs
-#: at 64 KiB, 14.7-15.1 against 15.7 at 256 KiB, but 87-125 against 55-73 µs at 1 MiB,
-#: where the root's whole copy is the round's longest part (2 ranks, BENCHMARKS.md)
-ROOT_WHOLE_MAX = 1 << 16
+#: ``broadcast_from_root``) whole, then delivers a slice half a reader's
+#: (``_root_light_slice``), where each rank would otherwise deliver an equal one and the
+#: readers would write the root's result too. 2 ranks, medians within the ranks
+#: (BENCHMARKS.md, "Fifty-first session"): 256 KiB 27-29 -> 21-22 µs, 1 MiB 97-99 -> 66-68,
+#: 4 MiB 305-335 -> 274, 16 MiB 1,742-1,849 -> 1,647-1,858; at 64 MiB, where every copy
+#: runs at the memory bus's speed, the root's whole copy is slower (8.4-8.8 -> 9.0-9.5 ms)
+ROOT_WHOLE_MAX = 1 << 22
 #: pieces of tensors one chunk of a direct reduce gathers, so that one call per peer
 #: and direction moves the chunk of a round of many small tensors (a call per tensor
 #: cost about 1.5 µs each: 16 tensors of 16 KiB on 2 ranks, BENCHMARKS.md "Forty-fifth
@@ -368,6 +370,22 @@ def _slice_of(nelem, parts, index):
 
 
 @njit(inline="always")
+def _root_light_slice(nelem, world, reader, is_root):
+    """The slice a rank delivers in a broadcast whose root copies its own result whole:
+    ``world`` ranks share ``2 * world - 1`` parts of whole 16-element lines, the root one
+    (the first), each reader two (``reader``: its index among the readers), the last one
+    taking the remainder. The root's whole copy costs about what a cross-memory copy of
+    half its bytes does, so every rank finishes at about the same time."""
+    parts = 2 * world - 1
+    per = ((nelem + parts * 16 - 1) // (parts * 16)) * 16 if nelem else 0
+    if is_root:
+        return 0, min(nelem, per)
+    start = min(nelem, (1 + 2 * reader) * per)
+    stop = nelem if reader == world - 2 else min(nelem, start + 2 * per)
+    return start, stop
+
+
+@njit(inline="always")
 def _done(blk, ctl, ctl32, rnd):
     """DONE of a direct round's compiled call: publish this rank's done word, ring the
     doorbell, and spin for every slice. OK, or SLICES_PENDING (peers sleep, or a slice is
@@ -424,13 +442,13 @@ def _deliver(blk, off, numels, rnd, root, accepted, iov):
     root_whole = apart and nelem <= ROOT_WHOLE_MAX
     if not root_whole:  # every rank delivers a slice (the root's: from its tensors)
         start, stop = _slice_of(nelem, world, me)
-    elif me == root:  # the root copies its own result whole, the readers share the rest
-        start = stop = 0
-        for t in range(nt):
-            if dsts[mine * nt + t] != srcs[t]:
-                _copy_bits(srcs[t], dsts[mine * nt + t], numels[t])
-    else:
-        start, stop = _slice_of(nelem, world - 1, me if me < root else me - 1)
+    else:  # the root copies its own result whole, and delivers a lighter slice
+        if me == root:
+            for t in range(nt):
+                if dsts[mine * nt + t] != srcs[t]:
+                    _copy_bits(srcs[t], dsts[mine * nt + t], numels[t])
+        start, stop = _root_light_slice(nelem, world, me if me < root else me - 1,
+                                        me == root)
     bad = broadcast_slice_direct(mine, from_root, pids, srcs, dsts, numels, start, stop, iov,
                                  root_whole)
     if bad >= 0:
