@@ -59,9 +59,10 @@ MAPPED_CHUNK = 1 << 14
 #: ``broadcast_from_root``) whole, then delivers a slice half a reader's
 #: (``_root_light_slice``), where each rank would otherwise deliver an equal one and the
 #: readers would write the root's result too. 2 ranks, medians within the ranks
-#: (BENCHMARKS.md, "Fifty-first session"): 256 KiB 27-29 -> 21-22 µs, 1 MiB 97-99 -> 66-68,
-#: 4 MiB 305-335 -> 274, 16 MiB 1,742-1,849 -> 1,647-1,858; at 64 MiB, where every copy
-#: runs at the memory bus's speed, the root's whole copy is slower (8.4-8.8 -> 9.0-9.5 ms)
+#: (BENCHMARKS.md, "Fifty-first session"): 256 KiB 27-29 -> 21-22 µs (a quiet stretch),
+#: 1 MiB 97-132 -> 66-92, 4 MiB 305-335 -> 274, 16 MiB 1,742-1,849 -> 1,647-1,858; at
+#: 64 MiB, where every copy runs at the memory bus's speed, the root's whole copy is
+#: slower (8.4-8.8 -> 9.0-9.5 ms)
 ROOT_WHOLE_MAX = 1 << 22
 #: pieces of tensors one chunk of a direct reduce gathers, so that one call per peer
 #: and direction moves the chunk of a round of many small tensors (a call per tensor
@@ -374,8 +375,9 @@ def _root_light_slice(nelem, world, reader, is_root):
     """The slice a rank delivers in a broadcast whose root copies its own result whole:
     ``world`` ranks share ``2 * world - 1`` parts of whole 16-element lines, the root one
     (the first), each reader two (``reader``: its index among the readers), the last one
-    taking the remainder. The root's whole copy costs about what a cross-memory copy of
-    half its bytes does, so every rank finishes at about the same time."""
+    taking the remainder. On 2 ranks the root copies all of its result and writes a
+    third of it to the reader, which reads two thirds: a plain copy costs about a third of
+    a cross-memory copy of the same bytes here, so both finish at about the same time."""
     parts = 2 * world - 1
     per = ((nelem + parts * 16 - 1) // (parts * 16)) * 16 if nelem else 0
     if is_root:
