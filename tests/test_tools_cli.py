@@ -60,6 +60,7 @@ BAD = [
     ("bench_allreduce", ["--worlds", "2x"], ["'2x'", ">= 2"]),
     ("bench_allreduce", ["--iter-scale", "-1"], ["-1", "> 0"]),
     ("bench_allreduce", ["--quick", "--iter-scale", "2"], ["--quick", "--iter-scale 2"]),
+    ("bench_allreduce", ["--rounds", "0"], ["--rounds", "0 is below 1"]),
     # bench_kernels
     ("bench_kernels", ["--only", "bogus"], ["'bogus'", "reduce_f32"]),
     ("bench_kernels", ["--sizes", "0"], ["0", "above 0"]),
@@ -182,6 +183,29 @@ def test_api_header_claims_a_peer_only_where_there_is_one():
     assert "where there is one" in B.api_header(some, 2)
     every = some + [_row("mpi-barrier", 4096, 3.0)]
     assert B.api_header(every, 2) == "Cell = median µs (× the OpenMPI peer measured in this run)"
+
+
+def test_interleaved_rounds_give_each_cell_its_median_and_each_ratio_its_rounds_own():
+    """A round that ran in a slow stretch of the guest (ours 10 µs against the peer's 5)
+    moves neither the cell nor its ratio: the ratio is the median of the rounds' own
+    ratios (1.00×), not the ratio of the medians (6 / 5 = 1.20×)."""
+    import bench_allreduce as B
+
+    ours, peer = (5.0, 10.0, 6.0), (5.0, 5.0, 6.0)
+    rounds = [[_row("api-inplace", 4096, a), _row("mpi", 4096, b)] for a, b in zip(ours, peer)]
+    rounds[1][0]["slow_waits"] = [2.0, 1.0]
+    rows = B.combine_rounds(rounds)
+    cell = next(r for r in rows if r["method"] == "api-inplace")
+    assert cell["median_us"] == 6.0 and cell["round_us"] == list(ours)
+    assert cell["iters"] == 15 and cell["slow_waits"] == [2.0, 1.0]
+    assert cell["algbw_GBps"] == pytest.approx(4096 / 6000.0)
+    text = B.api_table(rows, 2)
+    assert "| `all_reduce_([t])` | OpenMPI Allreduce (mpi4py) | 6.0 µs (1.00×) |" in text, text
+    assert "over 3 interleaved rounds" in B.api_header(rows, 2)
+    # one round: the ratio of the medians, as before
+    single = [_row("api-inplace", 4096, 6.0), _row("mpi", 4096, 5.0)]
+    assert "6.0 µs (1.20×)" in B.api_table(single, 2)
+    assert "interleaved" not in B.api_header(single, 2)
 
 
 def test_slow_waits_small_rates_keep_their_digits():

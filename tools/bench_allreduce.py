@@ -30,6 +30,14 @@ API table then has no ratios).
 
     python tools/bench_allreduce.py --methods api --sizes 4KiB --worlds 2   # API rows only
     python tools/bench_allreduce.py --pages huge        # every buffer on huge pages
+    python tools/bench_allreduce.py --rounds 3          # 3 interleaved rounds a world
+
+With ``--rounds K`` each world is measured K times in turn, every flodl_shm row then its
+peers, and a cell is the median of the K rounds' medians; a ratio to OpenMPI is the
+median of each round's own ratio (ours and the peer measured a minute apart at most).
+This guest runs in stretches of a slow mode (every 4 KiB row, OpenMPI's too, about twice
+as slow for minutes; BENCHMARKS.md): one round's ratios may pair a slow stretch with a
+quick one, the rounds' median rarely does.
 
 Every peer's buffers come from one allocator (``_bench_common.buffer``) on one kind of
 page, ``--pages 4k`` (default: what torch gives a tensor) or ``huge`` (transparent
@@ -45,6 +53,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -53,7 +62,8 @@ import numpy as np
 
 from _bench_common import (PAGES, KiB, MiB, append_jsonl, buffer, choices, collect, comma_list,
                            exit_code, f32_size, human, int_at_least, out_file, parser,
-                           positive_float, run_child, run_main, summarize, tensor_buffer)
+                           positive_float, positive_int, run_child, run_main, summarize,
+                           tensor_buffer)
 from _bench_common import bench_gloo as _bench_gloo
 from flodl_shm.engine.hostcpu import available_cores
 
@@ -576,6 +586,41 @@ def table(results: list[dict], world: int, methods: list[str], memcpy: dict) -> 
     return "\n".join(lines)
 
 
+def combine_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One row per cell (world, method, size) of ``--rounds`` interleaved rounds: the
+    median over the rounds of each round's median time, with the rounds' medians kept in
+    round order (``round_us``, for the ratios: :func:`api_table`); p10 the lowest of the
+    rounds', p90 the highest, slow waits the most of any round."""
+    cells: dict[tuple, list[dict]] = {}
+    for rows in rounds:
+        for r in rows:
+            cells.setdefault((r["world"], r["method"], r["bytes"]), []).append(r)
+    out = []
+    for rows in cells.values():
+        us = [r["median_us"] for r in rows]
+        med = statistics.median(us)
+        row = {**rows[0], "median_us": med, "algbw_GBps": rows[0]["bytes"] / (med * 1e3),
+               "p10_us": min(r["p10_us"] for r in rows),
+               "p90_us": max(r["p90_us"] for r in rows),
+               "min_us": min(r["min_us"] for r in rows),
+               "iters": sum(r["iters"] for r in rows),
+               "correct": all(r["correct"] for r in rows), "round_us": us}
+        waits = [r["slow_waits"] for r in rows if r.get("slow_waits")]
+        if waits:
+            row["slow_waits"] = [max(w[k] for w in waits) for k in range(len(waits[0]))]
+        out.append(row)
+    return out
+
+
+def ratio_to(r: dict, peer: dict) -> float:
+    """``r``'s time over its ``peer``'s: the median of the rounds' own ratios when both
+    come from the same interleaved rounds (:func:`combine_rounds`), else of the medians."""
+    mine, theirs = r.get("round_us"), peer.get("round_us")
+    if mine and theirs and len(mine) == len(theirs):
+        return statistics.median(a / b for a, b in zip(mine, theirs))
+    return r["median_us"] / peer["median_us"]
+
+
 def api_peers(results: list[dict], world: int) -> tuple[int, int]:
     """(API cells with their OpenMPI peer measured in this run, API cells) at ``world``."""
     rows = {(r["method"], r["bytes"]) for r in results if r["world"] == world}
@@ -590,6 +635,11 @@ def api_header(results: list[dict], world: int) -> str:
     peer = ("× the OpenMPI peer measured in this run" if with_peer == cells else
             "× the OpenMPI peer measured in this run, where there is one" if with_peer else
             "no OpenMPI peer measured in this run: no ratio")
+    rounds = max((len(r.get("round_us") or ()) for r in results if r["world"] == world),
+                 default=0)
+    if rounds > 1:
+        return (f"Cell = median µs over {rounds} interleaved rounds ({peer}: the median of "
+                f"the rounds' own ratios)")
     return f"Cell = median µs ({peer})"
 
 
@@ -620,7 +670,7 @@ def api_table(results: list[dict], world: int) -> str:
                 cells.append("—")
                 continue
             peer = get(API_PEERS[m], nbytes)
-            ratio = f" ({r['median_us'] / peer['median_us']:.2f}×)" if peer else ""
+            ratio = f" ({ratio_to(r, peer):.2f}×)" if peer else ""
             flag = "" if r["correct"] else " WRONG"
             cells.append(f"{r['median_us']:,.1f} µs{ratio}{flag}")
         lines.append(f"| `{LABELS[m]}` | {LABELS[API_PEERS[m]]} | " + " | ".join(cells) + " |")
@@ -685,6 +735,36 @@ METHOD_NAMES = ["all", "memcpy", *SHM_METHODS, "gloo", "mpi", "api", *API_METHOD
 QUICK_SCALE = 0.05
 
 
+def _measure_world(world: int, methods: list[str], sizes: list[int], scale: float,
+                   pages: str, have_mpi: bool, why: str, failures: list[str],
+                   which: str) -> list[dict]:
+    """One round of ``world``: flodl_shm's rows (one cohort), then gloo, then OpenMPI;
+    a failed OpenMPI run's reason goes to ``failures``."""
+    results: list[dict] = []
+    shm = [m for m in methods if m in SHM_METHODS or m in API_PEERS]
+    if shm:
+        print(f"# flodl_shm (main-table methods and API rows, one cohort), world {world}"
+              f"{which} ...", flush=True)
+        results += bench_shm(world, sizes, shm, scale, pages)
+    if "gloo" in methods:
+        print(f"# gloo, world {world}{which} ...", flush=True)
+        results += bench_gloo(world, sizes, scale, pages)
+    if "mpi" in methods:
+        if have_mpi:
+            print(f"# OpenMPI, world {world}{which} ...", flush=True)
+            # (the sum's, all-gather's and reduce-scatter's peers are among the
+            # c10d ops' peers: at every size)
+            ops_max = max(sizes) if {"api-inplace-sum", "api-all-gather",
+                                     "api-reduce-scatter"} & set(methods) else 0
+            rows, failed = bench_mpi(world, sizes, scale, pages, ops_max)
+            results += rows
+            if failed:
+                failures.append(failed)
+        else:
+            print(f"# OpenMPI skipped: {why}", flush=True)
+    return results
+
+
 def main(argv=None) -> int:
     ap = parser(__doc__)
     ap.add_argument("--sizes", type=comma_list(f32_size, "size"),
@@ -706,6 +786,9 @@ def main(argv=None) -> int:
                          f"--quick: {QUICK_SCALE}")
     ap.add_argument("--quick", action="store_true",
                     help=f"tiny schedule (smoke test): iteration scale {QUICK_SCALE}")
+    ap.add_argument("--rounds", type=positive_int, default=1,
+                    help="measure each world this many times in turn, flodl_shm's rows then "
+                         "their peers; a cell is the median of the rounds (>= 1)")
     ap.add_argument("--pages", choices=PAGES, default="4k",
                     help="the page kind of every peer's buffers: 4k (torch's default for a "
                          "tensor) or huge (transparent huge pages, as numpy gives large "
@@ -749,27 +832,11 @@ def main(argv=None) -> int:
         results += bench_memcpy(sizes, scale, args.pages)
     have_mpi, why = mpi_available()
     for world in worlds:
-        shm = [m for m in methods if m in SHM_METHODS or m in API_PEERS]
-        if shm:
-            print(f"# flodl_shm (main-table methods and API rows, one cohort), world {world} ...",
-                  flush=True)
-            results += bench_shm(world, sizes, shm, scale, args.pages)
-        if "gloo" in methods:
-            print(f"# gloo, world {world} ...", flush=True)
-            results += bench_gloo(world, sizes, scale, args.pages)
-        if "mpi" in methods:
-            if have_mpi:
-                print(f"# OpenMPI, world {world} ...", flush=True)
-                # (the sum's, all-gather's and reduce-scatter's peers are among the
-                # c10d ops' peers: at every size)
-                ops_max = max(sizes) if {"api-inplace-sum", "api-all-gather",
-                                         "api-reduce-scatter"} & set(methods) else 0
-                rows, why = bench_mpi(world, sizes, scale, args.pages, ops_max)
-                results += rows
-                if why:
-                    failures.append(why)
-            else:
-                print(f"# OpenMPI skipped: {why}", flush=True)
+        rounds = [_measure_world(world, methods, sizes, scale, args.pages, have_mpi, why,
+                                 failures, f" (round {k + 1} of {args.rounds})"
+                                 if args.rounds > 1 else "")
+                  for k in range(args.rounds)]
+        results += combine_rounds(rounds) if args.rounds > 1 else rounds[0]
     memcpy = {r["bytes"]: r["median_us"] for r in results if r["method"] == "memcpy"}
     for world in worlds:
         over = " — OVERSUBSCRIBED (more ranks than cores)" if world > available_cores() else ""
