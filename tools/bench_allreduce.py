@@ -34,10 +34,10 @@ API table then has no ratios).
 
 With ``--rounds K`` each world is measured K times in turn, every flodl_shm row then its
 peers, and a cell is the median of the K rounds' medians; a ratio to OpenMPI is the
-median of each round's own ratio (ours and the peer measured a minute apart at most).
-This guest runs in stretches of a slow mode (every 4 KiB row, OpenMPI's too, about twice
-as slow for minutes; BENCHMARKS.md): one round's ratios may pair a slow stretch with a
-quick one, the rounds' median rarely does.
+median of each round's own ratio (ours and the peer measured in the same round, back to
+back). This guest runs in stretches of a slow mode (every 4 KiB row, OpenMPI's too, about
+twice as slow for minutes; BENCHMARKS.md): one round's ratios may pair a slow stretch
+with a quick one, the rounds' median rarely does.
 
 Every peer's buffers come from one allocator (``_bench_common.buffer``) on one kind of
 page, ``--pages 4k`` (default: what torch gives a tensor) or ``huge`` (transparent
