@@ -111,8 +111,8 @@ them. A root with a result of its own (``broadcast_from_root``) of at most
 half as long as a reader's (the readers share the rest), so that its copy and its
 writes take about as long as a reader's reads. Every rank then publishes done[j] and
 leaves once every slice is done, so the root's tensors are never changed under a
-reader. A dead rank's slice is never
-delivered: the others raise, as in a direct reduce. The steps after the arrival wait
+reader. A dead rank's slice is never delivered: the others raise, as in a direct
+reduce. The steps after the arrival wait
 are one compiled call (``kernels.cma.deliver_broadcast``), and a broadcast of one
 float32 tensor is one call from its publication on (``direct_broadcast_f32``): done in
 Python, their steps cost about 20 µs a round.

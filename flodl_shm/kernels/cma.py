@@ -379,12 +379,10 @@ def _root_light_slice(nelem, world, reader, is_root):
     third of it to the reader, which reads two thirds: a plain copy costs about a third of
     a cross-memory copy of the same bytes here, so both finish at about the same time."""
     parts = 2 * world - 1
-    per = ((nelem + parts * 16 - 1) // (parts * 16)) * 16 if nelem else 0
     if is_root:
-        return 0, min(nelem, per)
-    start = min(nelem, (1 + 2 * reader) * per)
-    stop = nelem if reader == world - 2 else min(nelem, start + 2 * per)
-    return start, stop
+        return _slice_of(nelem, parts, 0)
+    start = _slice_of(nelem, parts, 1 + 2 * reader)[0]
+    return start, _slice_of(nelem, parts, 2 + 2 * reader)[1]
 
 
 @njit(inline="always")
