@@ -92,6 +92,9 @@ BAD = [
     ("bench_cluster", ["--wires", "f16"], ["'f16'", "f32, bf16"]),
     ("bench_cluster", ["--sizes", "4X"], ["'4X'", "KiB"]),
     ("bench_cluster", ["--quick", "--iter-scale", "0.5"], ["--quick", "--iter-scale 0.5"]),
+    # probe_cross_core
+    ("probe_cross_core", ["--sizes", "0"], ["'0'", "above 0"]),
+    ("probe_cross_core", ["--iters", "0"], ["0", ">= 1"]),
 ]
 
 
@@ -399,3 +402,24 @@ def test_the_cluster_benchmark_runs_with_its_phase_timers():
     phases = [line.split("|")[4:-1] for line in done.stdout.splitlines()
               if line.startswith("| 1 | 4 KiB | f32 |")]
     assert len(phases) == 1 and all(cell.strip() for cell in phases[0]), done.stdout
+
+
+def test_the_cross_core_probe_prints_every_step_and_leaves_no_segment():
+    before = {f for f in os.listdir("/dev/shm") if f.startswith("fshm_")}
+    done = run_tool("probe_cross_core.py", "--sizes", "4KiB,64KiB", "--iters", "50")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| step")]
+    assert [r[0].strip() for r in rows] == ["private copy", "into a read slot",
+                                            "into a fresh slot", "peer's slot out"]
+    assert all(float(cell) > 0 for r in rows for cell in r[1:]), done.stdout
+    left = {f for f in os.listdir("/dev/shm") if f.startswith("fshm_")} - before
+    assert not left, left
+
+
+def test_the_cross_core_probe_on_one_core_says_it_needs_two():
+    done = subprocess.run([sys.executable, str(TOOLS / "probe_cross_core.py")],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          preexec_fn=lambda: os.sched_setaffinity(0, {0}))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "may run on 1 core only ([0]); the probe needs two" in done.stderr, done.stderr
