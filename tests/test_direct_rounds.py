@@ -784,6 +784,44 @@ def test_a_rank_killed_inside_a_direct_round_stops_the_cohort_naming_it(at):
     assert_no_leaks()
 
 
+def gathers(ctx, parts: int, victim: int):
+    """``parts`` all-gathers of parts of the direct band, each part's bits distinct per
+    rank and round; rank ``victim`` is SIGKILLed before the last (-1: nobody)."""
+    n = D.GATHER_PART_MIN // 4 + 16
+    got = []
+    for i in range(parts):
+        if ctx.rank == victim and i == parts - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        part = torch.arange(n, dtype=torch.float32) * (i + 1) + 1000 * ctx.rank
+        out = torch.zeros(ctx.world_size * n)
+        ctx.comm.all_gather_into_tensor(out, part)
+        got.append((out.view(torch.int32).clone(), ctx.comm._engine.direct.state))
+    return got
+
+
+def test_an_all_gather_of_the_direct_band_reads_the_peers_processes():
+    """Across processes (not threads): every rank's output holds every part, bit for bit,
+    from the first gather (which settles the direct path) on."""
+    n = D.GATHER_PART_MIN // 4 + 16
+    out = spawn(gathers, 2, (3, -1), timeout=60)
+    for i in range(3):
+        want = torch.cat([torch.arange(n, dtype=torch.float32) * (i + 1) + 1000 * r
+                          for r in range(2)]).view(torch.int32)
+        for rank in range(2):
+            bits, state = out[rank][i]
+            assert state == D.READY and bits.equal(want), (rank, i)
+    assert_no_leaks()
+
+
+def test_a_rank_killed_before_a_direct_all_gather_stops_the_cohort_naming_it():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        spawn(gathers, 2, (2, 1), timeout=30)
+    assert info.value.rank == 1 and info.value.signal == "SIGKILL"
+    assert time.monotonic() - t0 < 60
+    assert_no_leaks()
+
+
 def hung_in_direct_round(ctx, victim):
     if ctx.rank == victim:
         def hook(where, rnd):

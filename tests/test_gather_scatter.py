@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from flodl_shm import RoundKind, SchemaMismatchError
+from flodl_shm.engine.direct import GATHER_PART_MAX, GATHER_PART_MIN
 from flodl_shm.errors import PeerDied
 from flodl_shm.testing import FakeCohort
 
@@ -67,6 +68,56 @@ def test_every_rank_gets_every_part_bit_for_bit(world, n, hooked):
             assert got.equal(_want(world, n)) and inside.equal(_want(world, n))
 
 
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("n", [GATHER_PART_MIN // 4, 40_000, GATHER_PART_MAX // 4],
+                         ids=["least", "mid", "most"])
+def test_parts_of_the_direct_band_are_read_from_the_peers_bit_for_bit(world, n, monkeypatch):
+    """Parts of 64-256 KiB where ranks do not outnumber cores: a direct round, each rank
+    reading its peers' inputs into its output (``kernels.parts.direct_gather_f32``). Into
+    a fresh output, in place (FSDP's layout), and again (the rounds after the first)."""
+    # (the owner's broadcast threshold, 1 MiB where ranks outnumber cores as 3 do on 2)
+    monkeypatch.setenv("FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES", str(32 << 10))
+    direct_rounds = []
+
+    def body(comm):
+        gather = comm._engine.direct.gather
+
+        def counted(*args):
+            direct_rounds.append(comm.rank)
+            return gather(*args)
+
+        comm._engine.direct.gather = counted
+        got = torch.full((world * n,), 7.0)
+        comm.all_gather_into_tensor(got, _part(comm.rank, n))
+        inside = torch.zeros(world * n)
+        mine = inside[comm.rank * n:(comm.rank + 1) * n]
+        mine.copy_(_part(comm.rank, n))
+        comm.all_gather_into_tensor(inside, mine)
+        again = torch.zeros(world * n)
+        comm.all_gather_into_tensor(again, _part(comm.rank, n))
+        return [t.view(torch.int32) for t in (got, inside, again)]
+
+    with FakeCohort(world, direct=True) as c:
+        for outputs in c.run(body):
+            assert all(t.equal(_want(world, n)) for t in outputs)
+    assert sorted(direct_rounds) == sorted(list(range(world)) * 3)
+
+
+@pytest.mark.parametrize("n", [GATHER_PART_MIN // 4 - 16, GATHER_PART_MAX // 4 + 16],
+                         ids=["under", "over"])
+def test_parts_outside_the_direct_band_go_through_the_slots(n):
+    def body(comm):
+        gather = comm._engine.direct.gather
+        comm._engine.direct.gather = lambda *args: pytest.fail("a direct gather") or gather(*args)
+        got = torch.zeros(2 * n)
+        comm.all_gather_into_tensor(got, _part(comm.rank, n))
+        return got.view(torch.int32)
+
+    with FakeCohort(2, direct=True) as c:
+        for got in c.run(body):
+            assert got.equal(_want(2, n))
+
+
 def test_input_shapes_are_the_schema_and_a_mismatch_leaves_every_rank_in_step():
     """Ranks whose inputs differ in shape (the c10d backend shapes a dtype's code into
     them), or that call another collective, all raise; the next gather works."""
@@ -91,14 +142,17 @@ def test_input_shapes_are_the_schema_and_a_mismatch_leaves_every_rank_in_step():
         assert c.run(body) == [[0.0] * 4 + [1.0] * 4] * 2
 
 
-def test_a_dead_rank_makes_the_others_raise_naming_it():
+@pytest.mark.parametrize("n", [4, 40_000], ids=["slot", "direct"])
+def test_a_dead_rank_makes_the_others_raise_naming_it(n, monkeypatch):
+    monkeypatch.setenv("FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES", str(32 << 10))
+
     def body(comm):
         with pytest.raises(PeerDied, match=r"rank 2 \(pid \d+\) died before publishing its "
                                            r"part of the all-gather"):
-            comm.all_gather_into_tensor(torch.zeros(12), torch.ones(4))
+            comm.all_gather_into_tensor(torch.zeros(3 * n), torch.ones(n))
         return True
 
-    with FakeCohort(3) as c:
+    with FakeCohort(3, direct=n > 4) as c:
         c.declare_dead(2)
         assert c.run(body, ranks=[0, 1])[:2] == [True, True]
 

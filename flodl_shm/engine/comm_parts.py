@@ -4,7 +4,10 @@ every rank) and ``reduce_scatter_tensor`` (each rank its part of the sum).
 ``GatherScatterCalls`` is a part of :class:`flodl_shm.engine.comm.Comm`. On one host
 both are eager rounds of their own kind, one compiled call a rank a round
 (``kernels/parts.py``), in rounds of at most a slot each: an all-gather's parts arrive
-bit for bit (nothing is summed); in a reduce-scatter each rank sums only its part. On a
+bit for bit (nothing is summed); in a reduce-scatter each rank sums only its part. An
+all-gather of parts of 64-256 KiB, where direct rounds run and ranks do not outnumber
+cores, is a direct round instead: each rank reads its peers' inputs straight into its
+output (``engine/direct.py``). On a
 cluster, or with a fault hook, an all-gather broadcasts each rank's part in place in
 turn, and a reduce-scatter all-reduces the input and keeps its part. A chunk's round
 names the whole part in its schema (an empty tensor shaped like it), so ranks whose
@@ -30,8 +33,10 @@ class GatherScatterCalls:
         float32 view of another dtype's bytes gathers that dtype's bits.
 
         On one host a part of up to the eager slot is one compiled call a rank, a larger
-        one a call a slot's worth; on a cluster each rank's part is broadcast in place in
-        turn. When the call returns no peer reads ``input`` any more.
+        one a call a slot's worth; a part of 64-256 KiB where direct rounds run, one
+        call that reads the peers' inputs directly; on a cluster each rank's part is
+        broadcast in place in turn. When the call returns no peer reads ``input`` any
+        more.
 
         Args:
             output: a contiguous float32 CPU tensor of ``world_size * input.numel()``
@@ -48,6 +53,16 @@ class GatherScatterCalls:
             eng = self._engine
             if n and not eng.relay_mode and eng.fault_hook is None:
                 plan = eng.plan(_CONTROL, DTYPE_F32, (input.shape,))
+                if self._direct_mode(plan, False, gather=True):
+                    rnd = self._round
+                    self._round = rnd + 1
+                    try:
+                        eng.direct.gather(plan, rnd, src, dst, n)
+                    except BaseException as e:
+                        self._fail(rnd, e)
+                        raise
+                    _written((output,))
+                    return
                 if plan.eager_fits:  # (one round: the loop's few lines cost 0.3 µs at 4 KiB)
                     rnd = self._round
                     self._round = rnd + 1

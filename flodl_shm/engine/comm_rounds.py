@@ -377,13 +377,14 @@ class RoundPaths:
             if b > a:
                 decode_into_tensor(cons[a:b], dtype, flat_part(t, a, b))
 
-    def _direct_mode(self, plan: RoundPlan, outer: bool, broadcast: bool = False) -> int:
+    def _direct_mode(self, plan: RoundPlan, outer: bool, broadcast: bool = False,
+                     gather: bool = False) -> int:
         """FLAG_DIRECT when a round of ``plan`` runs as a direct round
         (``engine/direct.py``), else 0. Decided from what every rank agrees on, so the
         first eligible round of every rank settles the direct path first, together."""
         flags = ((A.FLAG_OUTER if outer and self._outer_installed else 0)
                  | (A.FLAG_TAP if plan.kind == _MODEL and self._tap.armed is not None else 0)
-                 | (A.FLAG_BROADCAST if broadcast else 0))
+                 | (A.FLAG_BROADCAST if broadcast else 0) | (A.FLAG_GATHER if gather else 0))
         direct = self._engine.direct
         if direct.state == UNPROBED and direct.eligible(plan, flags):
             self.settle_direct_rounds()

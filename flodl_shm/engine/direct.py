@@ -117,6 +117,15 @@ are one compiled call (``kernels.cma.deliver_broadcast``), and a broadcast of on
 float32 tensor is one call from its publication on (``direct_broadcast_f32``): done in
 Python, their steps cost about 20 µs a round.
 
+A direct all-gather (FLAG_DIRECT | FLAG_GATHER, READY only, parts of
+``GATHER_PART_MIN``-``GATHER_PART_MAX`` bytes where ranks do not outnumber cores)
+publishes one word: the address of the rank's part. After the arrival wait each rank
+copies its own part into its output and reads every peer's part straight from that
+peer's input into its output, then publishes done[j] and leaves once every rank is
+done, so no input is changed under a reader (``kernels.parts.direct_gather_f32``, one
+call from its publication on). A peer that arrived without a part, or not at all, makes
+the gather raise as the eager one does.
+
 A direct reduce without a fault hook is one compiled call too
 (``kernels.cma.direct_reduce_f32``, ``DirectRounds.run``): PUBLISHED through DONE, where
 the Python steps cost about 25 µs of an 84 µs round of 512 KiB on 2 ranks. It reduces
@@ -148,12 +157,22 @@ from ..frame import DTYPE_F32
 from ..kernels import cma as C
 from ..kernels import signals
 from ..kernels.codes import NOT_ROOT, OK, PEERS_MAPPED, SLICES_PENDING, UNREACHABLE
+from ..kernels.parts import part_calls
 from .waiting import WORK_BYTES_PER_S, futex_wake
 
 UNPROBED, READY, UNAVAILABLE = "unprobed", "ready", "unavailable"
 
 #: how long a rank that lost a peer mid-round waits for the owner to stop the cohort
 OWNER_VERDICT_S = 2.0
+
+#: bytes of one rank's part from which, and up to which, an all-gather is a direct round
+#: (where ranks do not outnumber cores). 2 ranks, four alternations, the max of the
+#: ranks' medians (BENCHMARKS.md, "Fifty-second session"), by the whole output: 128 KiB
+#: (parts of 64 KiB) 15.1 -> 11.9 µs, 256 KiB 25.8 -> 18.5, 512 KiB 43.8 -> 34.1; 64 KiB
+#: even (9.4, 9.2), 1 MiB slower (54-59 -> 60), as is every size on 4 ranks on 2 cores
+#: (1.4-2.1x)
+GATHER_PART_MIN = 64 << 10
+GATHER_PART_MAX = 256 << 10
 
 
 class ClosedDirectRounds:
@@ -202,6 +221,10 @@ class DirectRounds:
         """Whether a round of ``plan`` with these agreed ``flags`` (FLAG_OUTER, FLAG_TAP,
         FLAG_BROADCAST) is one a READY host runs direct (every rank answers the same: the
         schema alone, whatever the state)."""
+        if flags & A.FLAG_GATHER:  # (a plan of one part; the broadcast threshold is
+            # 1 MiB where ranks outnumber cores: no gather runs direct there)
+            return (max(GATHER_PART_MIN, self.broadcast_min_bytes) <= plan.nbytes
+                    <= GATHER_PART_MAX)
         least = self.broadcast_min_bytes if flags & A.FLAG_BROADCAST else self.min_bytes
         return not (plan.dtype != DTYPE_F32 or plan.nbytes < least
                     or flags & (A.FLAG_OUTER | A.FLAG_TAP) or not self.holds_addresses(plan))
@@ -411,6 +434,27 @@ class DirectRounds:
         view = eng.settle_eager(code, rnd)
         eng.check_broadcast(rnd, view.accepted_mask, view.contrib_mask, root)
         self._deliver(plan, rnd, root, view.accepted_mask)
+
+    def gather(self, plan, rnd: int, src: int, dst: int, stride: int) -> None:
+        """Round ``rnd`` as a direct all-gather of ``plan.nelem`` float32 a rank
+        (``kernels.parts.direct_gather_f32``): every rank reads every peer's part at its
+        ``src`` straight into its output, rank r's at ``dst + 4 * stride * r``."""
+        eng = self.eng
+        calls = part_calls()
+        code = calls.direct(eng.call_block, plan.call, src, dst, stride, rnd, self._iov)
+        if code == OK:
+            return
+        if code in (UNREACHABLE, SLICES_PENDING):
+            self._delivered(code, rnd, plan)
+            return
+        if code == NOT_ROOT:  # arrived, a part missing: raises
+            eng.check_gather(rnd, eng.last_accepted, eng.last_contributors())
+        view = eng.settle_eager(code, rnd)
+        eng.check_gather(rnd, view.accepted_mask, view.contrib_mask)
+        code = calls.read_parts(eng.call_block, plan.off, plan.nelem, src, dst, stride, rnd,
+                                view.accepted_mask, self._iov)
+        if code != OK:
+            self._delivered(code, rnd, plan)
 
     def _deliver(self, plan, rnd: int, root: int, accepted: int) -> None:
         """REDUCED and DONE of a direct broadcast whose arrivals accepted ``accepted``

@@ -13,7 +13,7 @@ use it without loading numba.
 from __future__ import annotations
 
 MAGIC = 0x46534D48_41524E41  # "FSMHARNA"
-VERSION = 11  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIRECT*);
+VERSION = 12  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIRECT*);
              # 3: round reports (H_REPORT, H_REPORT_ROUND);
              # 4: shared parameter blocks (p<r> segments, R_PARAMS_BASE, R_PARAMS_BYTES);
              # 5: the controller's outer start (G_CONTROLLER_OUTER);
@@ -22,7 +22,8 @@ VERSION = 11  # 2: direct rounds (G_DIRECT, R_PROBE, R_DIRECT, H_SCALE, FLAG_DIR
              # 8: a spawned rank entered its function (R_ENTERED);
              # 9: the owner's broadcast threshold for direct rounds (G_DIRECT_BROADCAST_MIN);
              # 10: the owner's reduce threshold for direct rounds (G_DIRECT_MIN);
-             # 11: all-gather and reduce-scatter rounds (FLAG_GATHER, FLAG_SCATTER)
+             # 11: all-gather and reduce-scatter rounds (FLAG_GATHER, FLAG_SCATTER);
+             # 12: direct all-gathers (FLAG_GATHER | FLAG_DIRECT)
 
 # -- global words ---------------------------------------------------------------------
 G_MAGIC = 0

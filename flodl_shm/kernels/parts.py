@@ -13,12 +13,18 @@ N + 2 only, after every rank finished N + 1 (``protocol.py``'s double-buffering
 argument), so every read of it is done before. A part larger than the slot goes in
 rounds of a slot each (``Comm.all_gather_into_tensor``).
 
-Through shared memory, not as a direct round (each rank reading its peers' inputs
-straight into its output with ``process_vm_readv``, as direct broadcasts do): the
-direct round took 247 µs where the eager rounds took 187 for 2 MiB parts on 2 ranks (130
-against 88 for 1 MiB, 4.6 ms against 4.1 for 16 MiB; on 4 ranks, 4.6 ms against 3.9 for
-4 MiB parts); it was ahead only at 128 KiB parts, 24.7 µs against 30.7 (a cross-memory
-copy pins every page it touches; the slot's copies stay in cache).
+**A direct all-gather** (``FLAG_GATHER | FLAG_DIRECT``: ``engine/direct.py``): parts of
+64-256 KiB, where ranks do not outnumber cores, skip the slots. ``direct_gather_f32``
+publishes the address of the rank's part instead of the part, then, after the arrival
+spin, copies its own part into its output and reads each peer's straight from that
+peer's input into its output (``process_vm_readv``), publishes its done word and waits
+for every rank's, so no rank leaves while a peer still reads its input. A copy into a
+slot that the peers copied out in an earlier round first takes every line back from
+their caches: 128 KiB took about 21 µs to copy into such a slot, 4 µs into one nobody
+reads (``tools/probe_cross_core.py``). A cross-memory read pins the pages it reads
+instead, so it wins in a band only: on 2 ranks a 256 KiB output took 18.5 µs against
+25.8 through the slots, 1 MiB 60 against 54, and on 4 ranks on 2 cores every size ran
+1.4-2.1 times slower (BENCHMARKS.md, "Fifty-second session").
 
 **Reduce-scatter** (``FLAG_SCATTER``, one host): an eager round of the whole input,
 ``world`` parts of the output's size, in which each rank reduces only its own part:
@@ -42,12 +48,13 @@ from typing import Callable, NamedTuple
 import numpy as np
 from numba import njit, types
 
-from .cma import _copy_bits
-from .codes import NOT_ROOT, OK
-from .control_block import FLAG_GATHER, FLAG_SCATTER
-from .rounds import (C_ME, C_SLOT_BYTES, C_WORK, C_WORLD, I_CONTRIB, P_KIND, P_NELEM, P_NWORDS,
-                     WORK_CHUNK, _call_views, _publish_and_arrive, _put_schema,
-                     reduce_eager_f32)
+from .cma import MAX_PIECES, _call, _copy_bits, _done
+from .codes import NOT_ROOT, OK, UNREACHABLE
+from .control_block import (FLAG_DIRECT, FLAG_GATHER, FLAG_SCATTER, GLOBAL_WORDS, R_PID,
+                            RANK_WORDS)
+from .rounds import (C_ME, C_SLOT_BYTES, C_WORK, C_WORLD, I_ACCEPTED, I_CONTRIB, I_CULPRIT,
+                     P_KIND, P_NELEM, P_NWORDS, WORK_CHUNK, _call_views, _publish_and_arrive,
+                     _put_schema, reduce_eager_f32)
 from .tensorio import f32_at
 
 
@@ -116,6 +123,59 @@ def eager_gather_f32(blk, pl, src, dst, stride, rnd):
 
 
 @njit(inline="always")
+def _read_parts(blk, off, n, src, dst, stride, rnd, accepted, iov):
+    """``direct_gather_f32``'s steps after its arrival wait (see it)."""
+    ctl, ctl_f64, ctl32, eager, info, mass = _call_views(blk)
+    world = blk[C_WORLD]
+    me = blk[C_ME]
+    if accepted != _every_rank(world):
+        return NOT_ROOT
+    own = dst + 4 * stride * me
+    if own != src:
+        _copy_bits(src, own, n)
+    slot_bytes = blk[C_SLOT_BYTES]
+    for k in range(1, world):  # (from the next rank on: the ranks read different peers)
+        r = (me + k) % world
+        b = (2 * r + (rnd & 1)) * slot_bytes + off
+        iov[0] = dst + 4 * stride * r
+        iov[2 * MAX_PIECES] = eager[b:b + 8].view(np.int64)[0]
+        iov[1] = iov[2 * MAX_PIECES + 1] = 4 * n
+        if _call(False, ctl[GLOBAL_WORDS + r * RANK_WORDS + R_PID], iov, 1, 1) != 4 * n:
+            info[I_CULPRIT] = r
+            return UNREACHABLE
+    return _done(blk, ctl, ctl32, rnd)
+
+
+@njit(cache=True, nogil=True)
+def read_parts(blk, off, n, src, dst, stride, rnd, accepted, iov):
+    """``direct_gather_f32``'s steps after an arrival wait the caller finished (every
+    rank of ``accepted`` contributed)."""
+    return _read_parts(blk, off, n, src, dst, stride, rnd, accepted, iov)
+
+
+@njit(cache=True, nogil=True)
+def direct_gather_f32(blk, pl, src, dst, stride, rnd, iov):
+    """A whole direct all-gather of plan ``pl`` in one call: this rank's part's
+    address ``src`` in its eager slot (after the schema words), published with
+    FLAG_GATHER | FLAG_DIRECT; the arrival spin and validation; then this rank's part
+    into its output (rank r's at ``dst + 4 * stride * r``) and every peer's part read
+    from that peer's input (``process_vm_readv``); done[me] published and every rank's
+    done awaited, so no rank leaves while a peer still reads its input. Codes: the
+    arrival's, NOT_ROOT (a rank missing), UNREACHABLE (I_CULPRIT), SLICES_PENDING."""
+    ctl, ctl_f64, ctl32, eager, info, mass = _call_views(blk)
+    _put_schema(blk, pl, eager, rnd)
+    off = pl[P_NWORDS] * 8
+    b = (2 * blk[C_ME] + (rnd & 1)) * blk[C_SLOT_BYTES] + off
+    eager[b:b + 8].view(np.int64)[0] = src
+    code = _publish_and_arrive(blk, pl, rnd, FLAG_GATHER | FLAG_DIRECT, 0.0)
+    if code != OK:
+        return code
+    if info[I_CONTRIB] != _every_rank(blk[C_WORLD]):
+        return NOT_ROOT
+    return _read_parts(blk, off, pl[P_NELEM], src, dst, stride, rnd, info[I_ACCEPTED], iov)
+
+
+@njit(inline="always")
 def _reduce_part(blk, off, m, dst, rnd, kind, contrib, mass):
     """Part ``me`` (``m`` float32) of every contributor's slot, summed in rank order,
     times ``1 / mass`` (MODEL with mass) or 1, into the float32 at ``dst``."""
@@ -173,6 +233,9 @@ class PartCalls(NamedTuple):
     reduce_scatter: Callable
     #: reduce_part(blk, off, m, dst, rnd, kind, contrib, mass); mass a Python float
     reduce_part: Callable
+    direct: Callable        # direct_gather_f32(blk, pl, src, dst, stride, rnd, iov)
+    #: read_parts(blk, off, n, src, dst, stride, rnd, accepted, iov)
+    read_parts: Callable
 
 
 @functools.cache
@@ -184,7 +247,9 @@ def part_calls() -> PartCalls:
         copy_parts=copy_parts.compile((words, i64, i64, i64, i64, i64, i64, i64)),
         reduce_scatter=eager_reduce_scatter_f32.compile((words, words, i64, i64, i64, i64,
                                                          f64)),
-        reduce_part=reduce_part.compile((words, i64, i64, i64, i64, i64, i64, f64)))
+        reduce_part=reduce_part.compile((words, i64, i64, i64, i64, i64, i64, f64)),
+        direct=direct_gather_f32.compile((words, words, i64, i64, i64, i64, words)),
+        read_parts=read_parts.compile((words, i64, i64, i64, i64, i64, i64, i64, words)))
 
 
 def warm_up() -> None:
