@@ -20,7 +20,7 @@ spin, copies its own part into its output and reads each peer's straight from th
 peer's input into its output (``process_vm_readv``), publishes its done word and waits
 for every rank's, so no rank leaves while a peer still reads its input. A copy into a
 slot that the peers copied out in an earlier round first takes every line back from
-their caches: 128 KiB took about 21 µs to copy into such a slot, 4 µs into one nobody
+their caches: 128 KiB took 16-21 µs to copy into such a slot, 3-4 µs into one nobody
 reads (``tools/probe_cross_core.py``). A cross-memory read pins the pages it reads
 instead, so it wins in a band only: on 2 ranks a 256 KiB output took 18.5 µs against
 25.8 through the slots, 1 MiB 60 against 54, and on 4 ranks on 2 cores every size ran
