@@ -116,6 +116,22 @@ def waits_for_a_late_rank_0(ctx):
     return ctx.rank
 
 
+def notices_a_wait_after_the_stop(ctx):
+    """Rank 1 fails; rank 0, once the launcher has stopped the cohort, logs the notice a
+    long wait logs (the moment a probe caught: a peer dead, the abort flag not yet set
+    when the notice was written, the line printed after the launcher's)."""
+    from flodl_shm.engine import arena as A
+
+    if ctx.rank == 1:
+        raise RuntimeError("rank 1 gives up")
+    deadline = time.monotonic() + 30
+    while not ctx.comm.arena.ctl[A.G_ABORT] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ctx.comm._engine.waiter._notice(0.5, "waiting for ranks to arrive", 3, (1,), None, 0.0,
+                                    "alive, not there yet")
+    return 0
+
+
 def returns_unpicklable(ctx):
     return lambda: None
 
@@ -374,7 +390,7 @@ def test_a_rank_in_its_function_gets_a_grace_whatever_the_supervisor_has_read(
 
     def unread_running(conn):
         msg = real_recv(conn)
-        return (("log", logging.DEBUG, "(running, left unread)", "flodl_shm", 0)
+        return (("log", logging.DEBUG, "(running, left unread)", "flodl_shm", 0, False)
                 if msg == ("running",) else msg)
 
     monkeypatch.setattr(sup, "_recv", unread_running)
@@ -1071,6 +1087,20 @@ def test_a_long_wait_reaches_the_launcher_once_naming_its_rank(monkeypatch, capl
         assert rank == 1 and line.startswith("rank 1 has waited "), said
         assert "for ranks [0] in round 0 (waiting for ranks to arrive)" in line, line
         assert "No collective timeout is set" in line, line
+
+
+def test_a_wait_notice_that_reaches_the_launcher_after_it_stopped_the_cohort_is_dropped(
+        caplog):
+    """A probe read "rank 0 has waited ... for ranks [1] ...: alive, not there yet" right
+    after the launcher's "rank 1 failed ...; stopping the cohort"."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="flodl_shm"):
+        with pytest.raises(RankFailed, match="rank 1 raised RuntimeError: rank 1 gives up"):
+            spawn(notices_a_wait_after_the_stop, 2, timeout=60)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("stopping the cohort" in m for m in lines), lines
+    assert not any("has waited" in m for m in lines), lines
 
 
 def test_a_bad_wait_notice_setting_is_refused_before_any_rank_starts(monkeypatch):

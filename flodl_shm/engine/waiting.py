@@ -80,6 +80,9 @@ WAIT_NOTICE_S = 60.0
 
 logger = logging.getLogger("flodl_shm")
 
+#: the ``extra`` of a long wait's notice: its record's ``wait_notice`` attribute is True
+WAIT_NOTICE = {"wait_notice": True}
+
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(
     platform.machine().lower())
 _FUTEX_WAIT = 0
@@ -389,12 +392,16 @@ class Waiter:
             late = f"ranks {list(missing)}"
         else:  # named, not numbered (the checkpoint tap's owner)
             late = "the " + ", ".join(map(str, missing))
+        # (``wait_notice``: a spawned rank's launcher drops the notices that reach it
+        # after it stopped the cohort, as a peer's failure does, ``launch/supervisor.py``)
         if self.context is not None:
             logger.warning("%s: %s have made no collective for %s s (round %d). %s",
-                           self.context[0], late, _seconds(waited), rnd, ends)
+                           self.context[0], late, _seconds(waited), rnd, ends,
+                           extra=WAIT_NOTICE)
         else:
             logger.warning("%s has waited %s s for %s in round %d (%s): %s. %s",
-                           self.who, _seconds(waited), late, rnd, what, where, ends)
+                           self.who, _seconds(waited), late, rnd, what, where, ends,
+                           extra=WAIT_NOTICE)
 
 
 def _seconds(s: float) -> str:

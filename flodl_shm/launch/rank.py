@@ -238,7 +238,8 @@ class _PipeLogHandler(logging.Handler):
         try:
             text = self.format(record)
             with self.send_lock:
-                _send(self.conn, ("log", record.levelno, text, record.name, record.process))
+                _send(self.conn, ("log", record.levelno, text, record.name, record.process,
+                                  getattr(record, "wait_notice", False)))
         except Exception:  # a closed pipe at exit must never raise into the rank
             pass
 

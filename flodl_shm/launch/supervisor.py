@@ -603,7 +603,12 @@ class SpawnContext:
             self._abort(A.ABORT_FAILED)
 
     def _rank_log(self, r: int, msg: tuple) -> None:
-        _, level, text, name, pid = msg
+        _, level, text, name, pid, wait_notice = msg
+        if wait_notice and self.arena is not None and self.arena.ctl[A.G_ABORT]:
+            # a long wait's notice that reaches the launcher after it stopped the cohort:
+            # the wait ends in the stop, and a peer that had just died was named "alive,
+            # not there yet" after this launcher's own line said it failed
+            return
         rank = self.first_rank + r
         # the record's own logger (``flodl_shm.*``): a JSON formatter keeps its name, and
         # the rank and its pid ride as attributes, not only in the text (which names the
