@@ -124,6 +124,30 @@ def _holder_gone_heir_lingers(stem, linger: float, *job_member) -> int:
     return int(out.stdout)
 
 
+def test_a_holder_that_releases_while_its_children_run_gives_the_series_up(tmp_path):
+    """Its children share its open lock file, so its exclusive lock for the removal is
+    granted: the file goes, and the next run takes the series at once (a child still
+    running holds a lock on the removed file only). The module doc said the children
+    held it on."""
+    stem = tmp_path / "ckpt"
+    r, w = os.pipe()
+    with RunLock(stem):
+        child = os.fork()
+        if child == 0:  # inherits the open lock file, as a DataLoader worker does
+            os.close(w)
+            os.read(r, 1)  # until the test is done with it
+            os._exit(0)
+    os.close(r)
+    try:
+        assert not run_lock_path(stem).exists()
+        holder = subprocess.run([sys.executable, "-c", _HOLDER, os.fspath(stem)], input="\n",
+                                capture_output=True, text=True, timeout=30)
+        assert holder.returncode == 0 and holder.stdout.strip() == "held", holder.stderr
+    finally:
+        os.close(w)
+        os.waitpid(child, 0)
+
+
 def test_a_lock_held_on_by_a_gone_holder_s_children_is_waited_for(tmp_path, caplog):
     """A probe's torchrun restart failed with SeriesInUse naming the killed rank: its
     DataLoader worker had inherited the open lock file and lived on a few seconds,

@@ -22,10 +22,14 @@ process that acquired it:
   the outermost exit.
 - **Shared with forked children** (the ranks inherit the open file), which never
   release it: only the acquiring process does (the count is per pid). A child can
-  outlive the holder for a while (a killed rank's DataLoader worker, until it notices),
-  holding the lock: an acquirer that finds the holder named in the file gone from this
-  host waits up to ``INHERITED_LOCK_WAIT_S`` for such processes to exit, then refuses
-  naming them.
+  outlive a holder that died without releasing it (a killed rank's DataLoader worker,
+  until it notices), holding the lock: an acquirer that finds the holder named in the
+  file gone from this host waits up to ``INHERITED_LOCK_WAIT_S`` for such processes to
+  exit, then refuses naming them. A holder that releases it while children still run
+  removes the file all the same (they share its open file, so its exclusive lock is
+  granted): the children then hold a lock on a removed file, which keeps no run out.
+  The holders release after the work that writes the series: the launcher once its
+  ranks were joined, a rank once its function returned.
 - **Shared by the hosts of one job.** Hosts of a cluster whose save paths lie on one
   shared file system (NFS) would otherwise refuse each other: a lock taken with a
   ``job`` identity (the Trainer's: a digest of the cluster's session salt; LocalSGD's:
