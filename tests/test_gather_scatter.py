@@ -44,6 +44,18 @@ def _want(world: int, n: int) -> torch.Tensor:
     return torch.cat([_part(r, n).view(torch.int32) for r in range(world)])
 
 
+def _gather_fresh_and_in_place(comm, world: int, n: int) -> list[torch.Tensor]:
+    """Every rank's part of ``n`` gathered into a fresh output, then in place (the
+    input is this rank's part of the output, as FSDP passes it): both outputs' bits."""
+    got = torch.full((world * n,), 7.0)
+    comm.all_gather_into_tensor(got, _part(comm.rank, n))
+    inside = torch.zeros(world * n)
+    mine = inside[comm.rank * n:(comm.rank + 1) * n]
+    mine.copy_(_part(comm.rank, n))
+    comm.all_gather_into_tensor(inside, mine)
+    return [got.view(torch.int32), inside.view(torch.int32)]
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("n", [1, 5, 1000, 40_000, 100_003],
                          ids=["1", "5", "1000", "two-rounds", "seven-rounds"])
@@ -55,13 +67,7 @@ def test_every_rank_gets_every_part_bit_for_bit(world, n, hooked):
     def body(comm):
         if hooked:
             comm._engine.fault_hook = lambda where, rnd: None
-        got = torch.full((world * n,), 7.0)
-        comm.all_gather_into_tensor(got, _part(comm.rank, n))
-        inside = torch.zeros(world * n)
-        mine = inside[comm.rank * n:(comm.rank + 1) * n]
-        mine.copy_(_part(comm.rank, n))
-        comm.all_gather_into_tensor(inside, mine)
-        return got.view(torch.int32), inside.view(torch.int32)
+        return _gather_fresh_and_in_place(comm, world, n)
 
     with FakeCohort(world, eager_bytes=SLOT) as c:
         for got, inside in c.run(body):
@@ -87,15 +93,10 @@ def test_parts_of_the_direct_band_are_read_from_the_peers_bit_for_bit(world, n, 
             return gather(*args)
 
         comm._engine.direct.gather = counted
-        got = torch.full((world * n,), 7.0)
-        comm.all_gather_into_tensor(got, _part(comm.rank, n))
-        inside = torch.zeros(world * n)
-        mine = inside[comm.rank * n:(comm.rank + 1) * n]
-        mine.copy_(_part(comm.rank, n))
-        comm.all_gather_into_tensor(inside, mine)
         again = torch.zeros(world * n)
+        outputs = _gather_fresh_and_in_place(comm, world, n)
         comm.all_gather_into_tensor(again, _part(comm.rank, n))
-        return [t.view(torch.int32) for t in (got, inside, again)]
+        return [*outputs, again.view(torch.int32)]
 
     with FakeCohort(world, direct=True) as c:
         for outputs in c.run(body):
