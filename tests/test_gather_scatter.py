@@ -10,6 +10,8 @@ supervisor fences them.
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -80,7 +82,8 @@ def test_every_rank_gets_every_part_bit_for_bit(world, n, hooked):
 def test_parts_of_the_direct_band_are_read_from_the_peers_bit_for_bit(world, n, monkeypatch):
     """Parts of 64-256 KiB where ranks do not outnumber cores: a direct round, each rank
     reading its peers' inputs into its output (``kernels.parts.direct_gather_f32``). Into
-    a fresh output, in place (FSDP's layout), and again (the rounds after the first)."""
+    a fresh output, in place (FSDP's layout), and again with rank 0 late (the peers finish
+    the round in ``read_parts``, after their blocking arrival wait)."""
     # (the owner's broadcast threshold, 1 MiB where ranks outnumber cores as 3 do on 2)
     monkeypatch.setenv("FLODL_SHM_DIRECT_BROADCAST_MIN_BYTES", str(32 << 10))
     direct_rounds = []
@@ -95,6 +98,8 @@ def test_parts_of_the_direct_band_are_read_from_the_peers_bit_for_bit(world, n, 
         comm._engine.direct.gather = counted
         again = torch.zeros(world * n)
         outputs = _gather_fresh_and_in_place(comm, world, n)
+        if comm.rank == 0:  # late: its peers' spin misses, they read the parts the slow way
+            time.sleep(0.3)
         comm.all_gather_into_tensor(again, _part(comm.rank, n))
         return [*outputs, again.view(torch.int32)]
 

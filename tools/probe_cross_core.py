@@ -139,7 +139,12 @@ def main(argv=None) -> int:
     print("|---|" + "---:|" * len(args.sizes))
     rows = {s: [] for s in STEPS}
     for n in args.sizes:
-        for step, v in measure(n, args.iters, cores).items():
+        try:
+            medians = measure(n, args.iters, cores)
+        except RuntimeError as e:  # (a probe process failed: its own output says why)
+            print(f"probe_cross_core: {e}", file=sys.stderr)
+            return 1
+        for step, v in medians.items():
             rows[step].append(f"{v:.1f}")
     for step in STEPS:
         print(f"| {step} | " + " | ".join(rows[step]) + " |")

@@ -219,7 +219,7 @@ class DirectRounds:
     # -- eligibility ---------------------------------------------------------------
     def eligible(self, plan, flags: int) -> bool:
         """Whether a round of ``plan`` with these agreed ``flags`` (FLAG_OUTER, FLAG_TAP,
-        FLAG_BROADCAST) is one a READY host runs direct (every rank answers the same: the
+        FLAG_BROADCAST, FLAG_GATHER) is one a READY host runs direct (every rank answers the same: the
         schema alone, whatever the state)."""
         if flags & A.FLAG_GATHER:  # (a plan of one part; the broadcast threshold is
             # 1 MiB where ranks outnumber cores: no gather runs direct there)
@@ -452,7 +452,7 @@ class DirectRounds:
         view = eng.settle_eager(code, rnd)
         eng.check_gather(rnd, view.accepted_mask, view.contrib_mask)
         code = calls.read_parts(eng.call_block, plan.off, plan.nelem, src, dst, stride, rnd,
-                                view.accepted_mask, self._iov)
+                                self._iov)
         if code != OK:
             self._delivered(code, rnd, plan)
 

@@ -52,8 +52,8 @@ from .cma import MAX_PIECES, _call, _copy_bits, _done
 from .codes import NOT_ROOT, OK, UNREACHABLE
 from .control_block import (FLAG_DIRECT, FLAG_GATHER, FLAG_SCATTER, GLOBAL_WORDS, R_PID,
                             RANK_WORDS)
-from .rounds import (C_ME, C_SLOT_BYTES, C_WORK, C_WORLD, I_ACCEPTED, I_CONTRIB, I_CULPRIT,
-                     P_KIND, P_NELEM, P_NWORDS, WORK_CHUNK, _call_views, _publish_and_arrive,
+from .rounds import (C_ME, C_SLOT_BYTES, C_WORK, C_WORLD, I_CONTRIB, I_CULPRIT, P_KIND,
+                     P_NELEM, P_NWORDS, WORK_CHUNK, _call_views, _publish_and_arrive,
                      _put_schema, reduce_eager_f32)
 from .tensorio import f32_at
 
@@ -123,13 +123,12 @@ def eager_gather_f32(blk, pl, src, dst, stride, rnd):
 
 
 @njit(inline="always")
-def _read_parts(blk, off, n, src, dst, stride, rnd, accepted, iov):
-    """``direct_gather_f32``'s steps after its arrival wait (see it)."""
+def _read_parts(blk, off, n, src, dst, stride, rnd, iov):
+    """``direct_gather_f32``'s steps after its arrival wait, every rank a contributor
+    (see it)."""
     ctl, ctl_f64, ctl32, eager, info, mass = _call_views(blk)
     world = blk[C_WORLD]
     me = blk[C_ME]
-    if accepted != _every_rank(world):
-        return NOT_ROOT
     own = dst + 4 * stride * me
     if own != src:
         _copy_bits(src, own, n)
@@ -147,10 +146,10 @@ def _read_parts(blk, off, n, src, dst, stride, rnd, accepted, iov):
 
 
 @njit(cache=True, nogil=True)
-def read_parts(blk, off, n, src, dst, stride, rnd, accepted, iov):
-    """``direct_gather_f32``'s steps after an arrival wait the caller finished (every
-    rank of ``accepted`` contributed)."""
-    return _read_parts(blk, off, n, src, dst, stride, rnd, accepted, iov)
+def read_parts(blk, off, n, src, dst, stride, rnd, iov):
+    """``direct_gather_f32``'s steps after an arrival wait the caller finished, in which
+    every rank contributed (``RoundEngine.check_gather`` raised otherwise)."""
+    return _read_parts(blk, off, n, src, dst, stride, rnd, iov)
 
 
 @njit(cache=True, nogil=True)
@@ -172,7 +171,7 @@ def direct_gather_f32(blk, pl, src, dst, stride, rnd, iov):
         return code
     if info[I_CONTRIB] != _every_rank(blk[C_WORLD]):
         return NOT_ROOT
-    return _read_parts(blk, off, pl[P_NELEM], src, dst, stride, rnd, info[I_ACCEPTED], iov)
+    return _read_parts(blk, off, pl[P_NELEM], src, dst, stride, rnd, iov)
 
 
 @njit(inline="always")
@@ -234,7 +233,7 @@ class PartCalls(NamedTuple):
     #: reduce_part(blk, off, m, dst, rnd, kind, contrib, mass); mass a Python float
     reduce_part: Callable
     direct: Callable        # direct_gather_f32(blk, pl, src, dst, stride, rnd, iov)
-    #: read_parts(blk, off, n, src, dst, stride, rnd, accepted, iov)
+    #: read_parts(blk, off, n, src, dst, stride, rnd, iov)
     read_parts: Callable
 
 
@@ -249,7 +248,7 @@ def part_calls() -> PartCalls:
                                                          f64)),
         reduce_part=reduce_part.compile((words, i64, i64, i64, i64, i64, i64, f64)),
         direct=direct_gather_f32.compile((words, words, i64, i64, i64, i64, words)),
-        read_parts=read_parts.compile((words, i64, i64, i64, i64, i64, i64, i64, words)))
+        read_parts=read_parts.compile((words, i64, i64, i64, i64, i64, i64, words)))
 
 
 def warm_up() -> None:
