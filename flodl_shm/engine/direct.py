@@ -219,8 +219,8 @@ class DirectRounds:
     # -- eligibility ---------------------------------------------------------------
     def eligible(self, plan, flags: int) -> bool:
         """Whether a round of ``plan`` with these agreed ``flags`` (FLAG_OUTER, FLAG_TAP,
-        FLAG_BROADCAST, FLAG_GATHER) is one a READY host runs direct (every rank answers the same: the
-        schema alone, whatever the state)."""
+        FLAG_BROADCAST, FLAG_GATHER) is one a READY host runs direct (every rank answers
+        the same: the schema alone, whatever the state)."""
         if flags & A.FLAG_GATHER:  # (a plan of one part; the broadcast threshold is
             # 1 MiB where ranks outnumber cores: no gather runs direct there)
             return (max(GATHER_PART_MIN, self.broadcast_min_bytes) <= plan.nbytes
