@@ -27,11 +27,22 @@ pytestmark = [pytest.mark.timeout(240),
               pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")]
 
 
-def _launch(args: list[str], out: Path, host: str | None) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1")
+def torchrun_env(out: Path, host: str | None = None) -> dict[str, str]:
+    """The environment of a torchrun launched by a test: this checkout importable, one
+    thread a rank, ``host`` as FLODL_SHM_HOST, and TMPDIR a folder in ``out``: torchrun
+    keeps its logs in a ``torchelastic_*`` folder of the temp dir that it never removes
+    (a suite run left 12 in /tmp)."""
+    temp = out / "torchrun-temp"
+    temp.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1", TMPDIR=str(temp))
     env.pop("FLODL_SHM_HOST", None)
     if host is not None:
         env["FLODL_SHM_HOST"] = host
+    return env
+
+
+def _launch(args: list[str], out: Path, host: str | None) -> subprocess.Popen:
+    env = torchrun_env(out, host)
     return subprocess.Popen([str(TORCHRUN), *args, str(SCRIPT), str(out)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)

@@ -11,7 +11,6 @@ group keyed its store by that count and hung)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from c10d_driver import free_port  # noqa: E402
-from test_c10d_torchrun import _finish  # noqa: E402
+from test_c10d_torchrun import _finish, torchrun_env  # noqa: E402
 
 from flodl_shm.engine.segment import pid_alive  # noqa: E402
 from flodl_shm.engine.segment import list_segments  # noqa: E402
@@ -50,14 +49,6 @@ def test_the_script_runs_the_doc_recipe_verbatim():
     assert _recipe_in_doc().strip() == _recipe_in_script().strip()
 
 
-def _env(host: str | None = None) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1")
-    env.pop("FLODL_SHM_HOST", None)
-    if host is not None:
-        env["FLODL_SHM_HOST"] = host
-    return env
-
-
 def _popen(args: list[str], env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -67,7 +58,7 @@ def _popen(args: list[str], env: dict[str, str]) -> subprocess.Popen:
 def _torchrun(out: Path, kill: int) -> subprocess.Popen:
     out.mkdir()
     return _popen(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-                   str(SCRIPT), str(out), str(STEPS), str(kill)], _env())
+                   str(SCRIPT), str(out), str(STEPS), str(kill)], torchrun_env(out))
 
 
 def _torchrun_two_nodes(out: Path, kill: int) -> list[subprocess.Popen]:
@@ -78,7 +69,8 @@ def _torchrun_two_nodes(out: Path, kill: int) -> list[subprocess.Popen]:
     return [_popen(["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", endpoint, "--rdzv-id", out.name,
                     "--local-addr", "127.0.0.1", "--max-restarts", "1",
-                    str(SCRIPT), str(out), str(STEPS), str(kill)], _env(f"node-{node}"))
+                    str(SCRIPT), str(out), str(STEPS), str(kill)],
+                   torchrun_env(out, f"node-{node}"))
             for node in "ab"]
 
 

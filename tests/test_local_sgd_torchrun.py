@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_c10d_torchrun import TORCHRUN, _finish  # noqa: E402
+from test_c10d_torchrun import TORCHRUN, _finish, torchrun_env  # noqa: E402
 
 from flodl_shm.engine.segment import list_segments  # noqa: E402
 
@@ -28,8 +28,7 @@ def test_local_sgd_on_the_default_process_group_under_torchrun(tmp_path, size):
     the ranks' shared parameter blocks (mapped by every rank at the rendezvous, before
     the segment names are unlinked). ``diloco``: the outer step in the reduce, whose
     state lives in the arena's outer segment (mapped at the rendezvous too)."""
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1")
-    env.pop("FLODL_SHM_HOST", None)
+    env = torchrun_env(tmp_path)
     proc = subprocess.Popen([str(TORCHRUN), "--standalone", "--nproc-per-node", "2",
                              str(HERE / "local_sgd_torchrun_script.py"), str(tmp_path),
                              size],

@@ -1384,16 +1384,26 @@ def _driver_segments(pid):
     return [s.name for s in list_segments() if s.owner_pid == pid]
 
 
+def _start_driver_with_own_temp_dir(tmp_path):
+    """``start_spawn_driver`` with the driver's TMPDIR a folder of its own, returned
+    third: what the launcher leaves in its temp dir is then the driver's alone."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    proc, ranks = start_spawn_driver(tmp_path, env={"TMPDIR": str(temp)})
+    return proc, ranks, temp
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1])
 def test_launcher_signal_stops_every_rank_and_cleans_up(tmp_path, sig):
     """SIGHUP (a closed terminal) and SIGUSR1 (a scheduler's warning) killed the launcher
     by their default action, leaving its segments in /dev/shm."""
-    proc, ranks = start_spawn_driver(tmp_path)
+    proc, ranks, temp = _start_driver_with_own_temp_dir(tmp_path)
     assert _driver_segments(proc.pid)
     proc.send_signal(sig)
     proc.wait(60)
     assert processes_gone(ranks), "ranks outlived the launcher"
     assert _driver_segments(proc.pid) == []
+    assert sorted(os.listdir(temp)) == []
     if sig != signal.SIGINT:
         assert proc.returncode == -sig
     else:
@@ -1401,10 +1411,14 @@ def test_launcher_signal_stops_every_rank_and_cleans_up(tmp_path, sig):
 
 
 def test_launcher_sigkill_takes_ranks_down_and_next_start_reaps(tmp_path):
-    proc, ranks = start_spawn_driver(tmp_path)
+    """... and leaves nothing in its temp dir: the rank server's socket file (in a
+    folder of multiprocessing's, removed only at a normal exit) is gone once every rank
+    is started (a probe's suite run left 51 such folders in /tmp)."""
+    proc, ranks, temp = _start_driver_with_own_temp_dir(tmp_path)
     proc.kill()
     proc.wait(30)
     assert processes_gone(ranks), "ranks survived a SIGKILLed launcher (PDEATHSIG)"
+    assert sorted(os.listdir(temp)) == []
     left = _driver_segments(proc.pid)
     assert left, "expected the dead launcher's segments to still be there"
     reaped = reap_dead_owner_segments()

@@ -151,6 +151,7 @@ class _RankServer(forkserver.ForkServer):
     that thread)."""
 
     _died: str | None = None  # see ``died``
+    _listener_folder: str | None = None  # see ``_open``
 
     @classmethod
     def fork_from_launcher(cls, nprocs: int) -> "_RankServer | None":
@@ -234,31 +235,54 @@ class _RankServer(forkserver.ForkServer):
     def _open(self, start_server: Callable[[int, int, int], int]) -> None:
         """Listen on a fresh socket and make the alive pipe, then start the server with
         ``start_server(listener_fd, alive_r, alive_w) -> pid``; keep the launcher's
-        ends (the server's are closed here)."""
+        ends (the server's are closed here).
+
+        The socket's file lives in a folder of its own (``fshm_rank_server_*`` in the
+        temp dir, only this user's), not in multiprocessing's per-process folder:
+        ``close_listener`` removes both once every rank is started, so a launcher
+        killed while its ranks run (SIGKILL, the OOM killer) leaves nothing there."""
         import socket
-        from multiprocessing import connection, resource_tracker
+        import tempfile
+        from multiprocessing import resource_tracker
 
         resource_tracker.ensure_running()  # a process, not a thread: ranks share it
-        with socket.socket(socket.AF_UNIX) as listener:
-            address = connection.arbitrary_address("AF_UNIX")
-            listener.bind(address)
-            os.chmod(address, 0o600)
-            listener.listen()
-            alive_r, alive_w = os.pipe()
-            try:
-                pid = start_server(listener.fileno(), alive_r, alive_w)
-            except BaseException:
-                os.close(alive_w)
-                raise
-            finally:
-                os.close(alive_r)
+        folder = tempfile.mkdtemp(prefix="fshm_rank_server_")  # mode 0700
+        address = os.path.join(folder, "listener")
+        try:
+            with socket.socket(socket.AF_UNIX) as listener:
+                listener.bind(address)
+                os.chmod(address, 0o600)
+                listener.listen()
+                alive_r, alive_w = os.pipe()
+                try:
+                    pid = start_server(listener.fileno(), alive_r, alive_w)
+                except BaseException:
+                    os.close(alive_w)
+                    raise
+                finally:
+                    os.close(alive_r)
+        except BaseException:
+            _remove_listener(address, folder)
+            raise
         self._forkserver_address = address
+        self._listener_folder = folder
         self._forkserver_alive_fd = alive_w
         self._forkserver_pid = pid
+
+    def close_listener(self) -> None:
+        """Remove the listening socket's file and its folder: the launcher calls this
+        once it has started every rank (each start connects to that file). The server
+        keeps its open socket, but nothing can connect to it any more."""
+        address, self._forkserver_address = self._forkserver_address, None
+        if address:
+            _remove_listener(address, self._listener_folder)
 
     def ensure_running(self) -> None:  # called by connect_to_new_process
         if self._forkserver_pid is None:
             raise RuntimeError("the rank server is not running")
+        if self._forkserver_address is None:
+            raise RuntimeError("the rank server starts no more ranks: its listener is closed "
+                               "once every rank of the run is started")
         pid, status = os.waitpid(self._forkserver_pid, os.WNOHANG)
         if pid:
             self._forkserver_pid = None
@@ -307,12 +331,17 @@ class _RankServer(forkserver.ForkServer):
                 os.waitpid(pid, 0)
             except ChildProcessError:
                 pass
-        if self._forkserver_address:
+        self.close_listener()
+
+
+def _remove_listener(address: str, folder: str | None) -> None:
+    """Unlink the rank server's socket file and remove its folder, as far as they exist."""
+    for remove, path in ((os.unlink, address), (os.rmdir, folder)):
+        if path:
             try:
-                os.unlink(self._forkserver_address)
+                remove(path)
             except OSError:
                 pass
-            self._forkserver_address = None
 
 
 class _ServedRankPopen(popen_forkserver.Popen):

@@ -437,9 +437,12 @@ class SpawnContext:
                     self._procs.append(p)
                     self._pids.append(p.pid)
                     conns[r] = parent_conn
-                if self._server is not None and self._procs:
-                    n = _native_threads(self._server._forkserver_pid)  # done forking now
-                    if n > 1:
+                if self._server is not None:
+                    # every rank is started: a launcher killed from now on leaves no
+                    # socket file behind (_RankServer._open)
+                    self._server.close_listener()
+                    n = _native_threads(self._server._forkserver_pid) if self._procs else 0
+                    if n > 1:  # (done forking now)
                         logger.warning(
                             "the rank server ran %d threads while forking ranks (expected 1: "
                             "a library it preloads started a pool; forking a threaded process "
