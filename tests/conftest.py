@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import signal
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,3 +42,19 @@ def payload_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(wire, "_alloc_payload", recording)
     return sizes
+
+
+def _rank_server_folders() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("fshm_rank_server_*"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_rank_server_folder_left():
+    """After the suite: no rank server's socket folder left in the temp dir. Each
+    ``spawn`` removes its own once every rank has started (``_RankServer.close_listener``);
+    one left names a path that skips that (a launcher killed mid start-up leaves one by
+    design, and no test does that)."""
+    before = _rank_server_folders()
+    yield
+    left = sorted(_rank_server_folders() - before)
+    assert not left, f"the suite left rank-server socket folders behind: {left}"
