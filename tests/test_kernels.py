@@ -393,3 +393,43 @@ def test_a_numba_cache_dir_set_after_numba_stays_in_the_digest_folder(tmp_path: 
         run = subprocess.run([sys.executable, "-c", code, str(preset)], env=env,
                              capture_output=True, text=True, timeout=110)
         assert run.stdout.split() == [str(mine), str(mine)], run
+
+
+@pytest.mark.timeout(120)
+def test_digest_folders_unused_for_a_week_are_removed_beside_the_chosen_one(
+        tmp_path: Path) -> None:
+    """Each version compiles into a digest folder of its own (a checkout's __pycache__
+    held 22 of them, 105 MB, after two days of edits), which nothing removed. A process
+    now marks the folder it chooses as used and removes the digest folders beside it
+    unused for STALE_DIGEST_AGE_S; anything else in the base stays."""
+    import time as _time
+
+    from flodl_shm.kernels._cache import STALE_DIGEST_AGE_S, sources_digest
+
+    def folder(name: str, age_s: float) -> Path:
+        p = tmp_path / name
+        (p / "sub").mkdir(parents=True)
+        (p / "sub" / "x.nbi").write_bytes(b"")
+        t = _time.time() - age_s
+        os.utime(p, (t, t))
+        return p
+
+    week = STALE_DIGEST_AGE_S
+    mine = folder(f"flodl_shm-{sources_digest()}", 2 * week)   # unused long, chosen now
+    folder("flodl_shm-aaaaaaaaaaaa", week + 60)                  # stale: removed
+    folder("flodl_shm-bbbbbbbbbbbb", week - 3600)                # used within the week
+    folder("flodl_shm-cccccccccccc.stale-12345", 0)              # a killed pruner's
+    folder("flodl_shm-notadigest", 2 * week)                     # not ours to judge
+    folder("other", 2 * week)
+    (tmp_path / "flodl_shm-dddddddddddd").symlink_to(tmp_path / "other")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env["FLODL_SHM_NUMBA_CACHE"] = str(tmp_path)
+    run = subprocess.run([sys.executable, "-c", "from flodl_shm.kernels import _cache; "
+                          "print(_cache.cache_dir())"], env=env, capture_output=True,
+                         text=True, timeout=110)
+    assert run.stdout.split() == [str(mine)], run
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([
+        mine.name, "flodl_shm-bbbbbbbbbbbb", "flodl_shm-notadigest", "other",
+        "flodl_shm-dddddddddddd"])
+    assert _time.time() - mine.stat().st_mtime < 60, "the chosen folder is marked used"
+    assert (tmp_path / "other" / "sub" / "x.nbi").exists()

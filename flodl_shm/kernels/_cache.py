@@ -21,18 +21,35 @@ folders tried and the fix.
 
 The base is exported through ``FLODL_SHM_NUMBA_CACHE`` so spawned ranks agree with
 the parent without re-deciding, and the cache lives in a subfolder named by a
-digest of the package's compiled sources (see ``sources_digest``). Concurrent writers are safe: numba writes a unique
-temporary file and renames it over the index, and ``spawn`` warms the kernels in
-the parent before any rank starts, so ranks normally only read.
+digest of the package's compiled sources (see ``sources_digest``). Concurrent writers
+are safe: numba writes a unique temporary file and renames it over the index, and
+``spawn`` warms the kernels in the parent before any rank starts, so ranks normally
+only read.
+
+Every version (every source change, in a checkout) compiles into a digest folder of its
+own, a few MB, so a process marks the folder it chooses as used (its mtime) and removes
+the digest folders beside it that no process chose for ``STALE_DIGEST_AGE_S``
+(``prune_stale_digests``): a version not run for that long compiles once more when it
+runs again.
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
 import tempfile
+import time
 from pathlib import Path
 
 _chosen: Path | None = None
+
+#: A digest folder that no process chose for this long (7 days) is removed by the next
+#: process that chooses another one beside it.
+STALE_DIGEST_AGE_S = 7 * 24 * 3600
+
+_DIGEST_FOLDER = re.compile(r"flodl_shm-[0-9a-f]{12}")
+_BEING_REMOVED = re.compile(r"flodl_shm-[0-9a-f]{12}\.stale-\d+")
 
 
 class NoKernelCache(RuntimeError):
@@ -153,7 +170,46 @@ def configure_numba_cache() -> Path:
     numba.config.reload_config()
     numba.config.CACHE_DIR = str(chosen)
     _chosen = chosen
+    if chosen != base:
+        prune_stale_digests(chosen)
     return _chosen
+
+
+def prune_stale_digests(chosen: Path, max_age_s: float = STALE_DIGEST_AGE_S) -> list[str]:
+    """Mark the digest folder ``chosen`` used now, and remove the digest folders beside
+    it (``flodl_shm-<12 hex digits>``) whose last use is older than ``max_age_s``;
+    nothing else in the base is touched. Returns the names removed.
+
+    A folder is renamed (``<name>.stale-<pid>``) before it is removed: a process that
+    chooses it at that moment then compiles into a fresh folder of that name instead of
+    reading one half removed. A renamed folder that a pruner left (it was killed
+    mid-way) is removed by the next one. Best effort: whatever the file system refuses
+    stays."""
+    try:
+        os.utime(chosen)
+        entries = list(os.scandir(chosen.parent))
+    except OSError:
+        return []
+    now = time.time()
+    removed = []
+    for entry in entries:
+        name = entry.name
+        if _BEING_REMOVED.fullmatch(name):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            continue
+        if name == chosen.name or not _DIGEST_FOLDER.fullmatch(name):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) \
+                    or now - entry.stat(follow_symlinks=False).st_mtime < max_age_s:
+                continue
+            doomed = f"{entry.path}.stale-{os.getpid()}"
+            os.rename(entry.path, doomed)
+        except OSError:
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(name)
+    return removed
 
 
 def cache_dir() -> Path:
