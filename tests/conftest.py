@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import signal
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -45,16 +44,31 @@ def payload_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def _rank_server_folders() -> set[Path]:
-    return set(Path(tempfile.gettempdir()).glob("fshm_rank_server_*"))
+    from flodl_shm.launch.listener_folder import PREFIX, base
+
+    return set(Path(base()).glob(f"{PREFIX}*"))
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _no_rank_server_folder_left():
-    """After the suite: no rank server's socket folder left in the temp dir. Each
+    """After the suite: no rank server's socket folder of this process left behind. Each
     ``spawn`` removes its own once every rank has started (``_RankServer.close_listener``);
-    one left names a path that skips that (a launcher killed mid start-up leaves one by
-    design, and no test does that)."""
+    one left names a path that skips that. The folders of launchers that are gone (a
+    test's launcher killed mid start-up) are the next start's to reap
+    (``listener_folder.reap``): reaped here, as no later start may come."""
+    import os
+    import shutil
+
+    from flodl_shm.engine.segment import pid_alive
+    from flodl_shm.launch.listener_folder import PREFIX
+
     before = _rank_server_folders()
     yield
-    left = sorted(_rank_server_folders() - before)
+    left = []
+    for path in sorted(_rank_server_folders() - before):
+        pid = int(path.name[len(PREFIX):].split("_")[0])
+        if pid != os.getpid() and not pid_alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            left.append(path)
     assert not left, f"the suite left rank-server socket folders behind: {left}"

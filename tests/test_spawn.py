@@ -8,10 +8,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -1384,20 +1386,29 @@ def _driver_segments(pid):
     return [s.name for s in list_segments() if s.owner_pid == pid]
 
 
-def _start_driver_with_own_temp_dir(tmp_path):
-    """``start_spawn_driver`` with the driver's TMPDIR a folder of its own, returned
-    third: what the launcher leaves in its temp dir is then the driver's alone."""
-    temp = tmp_path / "temp"
-    temp.mkdir()
+@pytest.fixture
+def short_temp():
+    """A fresh folder under /tmp, short enough a path for a socket's in it (pytest's
+    tmp_path may not be); removed afterwards."""
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _start_driver_with_own_temp_dir(tmp_path, temp: Path):
+    """``start_spawn_driver`` with the driver's TMPDIR ``temp``: what the launcher leaves
+    in its temp dir is then the driver's alone."""
     proc, ranks = start_spawn_driver(tmp_path, env={"TMPDIR": str(temp)})
     return proc, ranks, temp
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1])
-def test_launcher_signal_stops_every_rank_and_cleans_up(tmp_path, sig):
+def test_launcher_signal_stops_every_rank_and_cleans_up(tmp_path, short_temp, sig):
     """SIGHUP (a closed terminal) and SIGUSR1 (a scheduler's warning) killed the launcher
     by their default action, leaving its segments in /dev/shm."""
-    proc, ranks, temp = _start_driver_with_own_temp_dir(tmp_path)
+    proc, ranks, temp = _start_driver_with_own_temp_dir(tmp_path, short_temp)
     assert _driver_segments(proc.pid)
     proc.send_signal(sig)
     proc.wait(60)
@@ -1410,11 +1421,11 @@ def test_launcher_signal_stops_every_rank_and_cleans_up(tmp_path, sig):
         assert "KeyboardInterrupt" in proc.stderr.read()
 
 
-def test_launcher_sigkill_takes_ranks_down_and_next_start_reaps(tmp_path):
+def test_launcher_sigkill_takes_ranks_down_and_next_start_reaps(tmp_path, short_temp):
     """... and leaves nothing in its temp dir: the rank server's socket file (in a
     folder of multiprocessing's, removed only at a normal exit) is gone once every rank
     is started (a probe's suite run left 51 such folders in /tmp)."""
-    proc, ranks, temp = _start_driver_with_own_temp_dir(tmp_path)
+    proc, ranks, temp = _start_driver_with_own_temp_dir(tmp_path, short_temp)
     proc.kill()
     proc.wait(30)
     assert processes_gone(ranks), "ranks survived a SIGKILLed launcher (PDEATHSIG)"
@@ -1435,6 +1446,61 @@ def test_start_reaps_segments_of_dead_owners():
         assert seg.name not in {s.name for s in list_segments()}
     finally:
         seg.unlink()
+
+
+def test_a_temp_dir_too_long_for_a_socket_path_still_starts_ranks(tmp_path):
+    """A TMPDIR whose path leaves no room for a Unix socket's (108 bytes: a scheduler's
+    per-job folder, say) failed every spawn with "OSError: AF_UNIX path too long" from
+    the rank server's socket: its folder now goes to /tmp there."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    script = tmp_path / "ranks.py"
+    script.write_text("import flodl_shm\n"
+                      "def f(ctx):\n    return ctx.rank\n"
+                      "if __name__ == '__main__':\n    print(flodl_shm.spawn(f, 2))\n")
+    out = subprocess.run([sys.executable, str(script)], env=dict(os.environ, TMPDIR=str(deep)),
+                         capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout) == (0, "[0, 1]\n"), out.stderr
+    assert list(deep.iterdir()) == []
+
+
+def test_start_reaps_the_socket_folders_of_gone_launchers(tmp_path):
+    """A launcher killed while its ranks started (or cut short in its clean-up) leaves
+    its rank server's socket folder: the next start removes the folders whose launcher
+    is gone, and this process's own that no live server holds, and nothing else."""
+    import tempfile
+
+    from flodl_shm.launch import listener_folder
+
+    dead_pid = 2 ** 22 + 12345  # above pid_max's default; never alive
+
+    def folder(base, pid, with_socket=True):
+        path = base / f"fshm_rank_server_{pid}_x1y2"
+        path.mkdir()
+        if with_socket:
+            (path / "listener").write_bytes(b"")
+        return path
+
+    gone, mine = folder(tmp_path, dead_pid), folder(tmp_path, os.getpid(), False)
+    alive = folder(tmp_path, os.getppid())
+    held = tempfile.mkdtemp(prefix=f"fshm_rank_server_{os.getpid()}_", dir=tmp_path)
+    listener_folder._live.add(held)
+    (tmp_path / f"fshm_rank_server_{dead_pid}_link").symlink_to(alive)
+    (tmp_path / f"fshm_rank_server_{dead_pid}").mkdir()  # not a name of ours
+    try:
+        assert sorted(listener_folder.reap(str(tmp_path))) == sorted([str(gone), str(mine)])
+    finally:
+        listener_folder._live.discard(held)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([
+        alive.name, os.path.basename(held), f"fshm_rank_server_{dead_pid}_link",
+        f"fshm_rank_server_{dead_pid}"])
+
+    left = folder(Path(tempfile.gettempdir()), dead_pid)  # where spawn's server listens
+    try:
+        spawn(describe, 1, (4,))
+        assert not left.exists(), "spawn left a gone launcher's socket folder"
+    finally:
+        shutil.rmtree(left, ignore_errors=True)
 
 
 def test_spawn_stays_the_function_after_any_import():

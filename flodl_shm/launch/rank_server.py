@@ -22,6 +22,7 @@ from multiprocessing import spawn as mp_spawn
 from multiprocessing import util as mp_util
 from typing import Callable
 
+from . import listener_folder
 from .rank import _BOOTSTRAP, _child_data, _set_pdeathsig
 
 logger = logging.getLogger("flodl_shm")
@@ -237,17 +238,14 @@ class _RankServer(forkserver.ForkServer):
         ``start_server(listener_fd, alive_r, alive_w) -> pid``; keep the launcher's
         ends (the server's are closed here).
 
-        The socket's file lives in a folder of its own (``fshm_rank_server_*`` in the
-        temp dir, only this user's), not in multiprocessing's per-process folder:
-        ``close_listener`` removes both once every rank is started, so a launcher
-        killed while its ranks run (SIGKILL, the OOM killer) leaves nothing there."""
+        The socket's file lives in a folder of its own (``listener_folder``), which
+        ``close_listener`` removes once every rank is started."""
         import socket
-        import tempfile
         from multiprocessing import resource_tracker
 
         resource_tracker.ensure_running()  # a process, not a thread: ranks share it
-        folder = tempfile.mkdtemp(prefix="fshm_rank_server_")  # mode 0700
-        address = os.path.join(folder, "listener")
+        folder = self._listener_folder = listener_folder.create()
+        address = os.path.join(folder, listener_folder.SOCKET)
         try:
             with socket.socket(socket.AF_UNIX) as listener:
                 listener.bind(address)
@@ -262,10 +260,9 @@ class _RankServer(forkserver.ForkServer):
                 finally:
                     os.close(alive_r)
         except BaseException:
-            _remove_listener(address, folder)
+            self.close_listener()
             raise
         self._forkserver_address = address
-        self._listener_folder = folder
         self._forkserver_alive_fd = alive_w
         self._forkserver_pid = pid
 
@@ -273,9 +270,11 @@ class _RankServer(forkserver.ForkServer):
         """Remove the listening socket's file and its folder: the launcher calls this
         once it has started every rank (each start connects to that file). The server
         keeps its open socket, but nothing can connect to it any more."""
-        address, self._forkserver_address = self._forkserver_address, None
-        if address:
-            _remove_listener(address, self._listener_folder)
+        self._forkserver_address = None
+        folder = self._listener_folder
+        if folder is not None:
+            listener_folder.remove(folder)
+            self._listener_folder = None
 
     def ensure_running(self) -> None:  # called by connect_to_new_process
         if self._forkserver_pid is None:
@@ -332,16 +331,6 @@ class _RankServer(forkserver.ForkServer):
             except ChildProcessError:
                 pass
         self.close_listener()
-
-
-def _remove_listener(address: str, folder: str | None) -> None:
-    """Unlink the rank server's socket file and remove its folder, as far as they exist."""
-    for remove, path in ((os.unlink, address), (os.rmdir, folder)):
-        if path:
-            try:
-                remove(path)
-            except OSError:
-                pass
 
 
 class _ServedRankPopen(popen_forkserver.Popen):
