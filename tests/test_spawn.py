@@ -1224,8 +1224,13 @@ def test_a_rank_forks_children_of_its_own(method):
 
 
 def killed_with_a_dataloader_worker(ctx, folder: str):
-    """Start a persistent DataLoader worker (a fork of this rank), say its pid, die."""
+    """Start a persistent DataLoader worker (a fork of this rank), say its pid, die.
+    (The worker's multiprocessing temp folder goes to ``folder``: killed with the rank,
+    it leaves it, as a killed process of any Python program does.)"""
     import signal as _signal
+    import tempfile
+
+    tempfile.tempdir = folder
 
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -1315,6 +1320,35 @@ def test_a_failed_rank_leaves_no_forkserver_process_behind(tmp_path):
             except ProcessLookupError:
                 pass
         pytest.fail(f"the failed rank's worker and forkserver (pids {pids}) outlived it")
+
+
+def test_ranks_that_used_a_forkserver_of_their_own_leave_no_temp_folder(tmp_path, short_temp):
+    """A probe: a rank that started a process through a forkserver context (a
+    DataLoader's workers with multiprocessing_context="forkserver") left the folder of
+    that forkserver's socket, a pymp-* folder, in the temp dir: one per rank and run,
+    whether the rank returned or raised (its os._exit skips multiprocessing's exit
+    handler). The rank now removes it on its way out."""
+    script = tmp_path / "ranks.py"
+    script.write_text(
+        "import multiprocessing, sys, time, flodl_shm\n"
+        "def f(ctx, fail):\n"
+        "    p = multiprocessing.get_context('forkserver').Process(target=time.sleep,\n"
+        "                                                         args=(0.01,))\n"
+        "    p.start(); p.join()\n"
+        "    if fail and ctx.rank == 1:\n"
+        "        raise ValueError('the step failed')\n"
+        "    return p.exitcode\n"
+        "if __name__ == '__main__':\n"
+        "    try:\n"
+        "        print(flodl_shm.spawn(f, 2, args=(sys.argv[1] == 'fail',)))\n"
+        "    except flodl_shm.RankFailed as e:\n"
+        "        print('RankFailed', e.rank)\n")
+    env = dict(os.environ, TMPDIR=str(short_temp))
+    for how, said in (("ok", "[0, 0]"), ("fail", "RankFailed 1")):
+        out = subprocess.run([sys.executable, str(script), how], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == said, out.stderr
+        assert sorted(os.listdir(short_temp)) == [], how
 
 
 def test_forkserver_off_linux_spawns_ranks(monkeypatch):
