@@ -439,7 +439,7 @@ class SpawnContext:
                     conns[r] = parent_conn
                 if self._server is not None:
                     # every rank is started: a launcher killed from now on leaves no
-                    # socket file behind (_RankServer._open)
+                    # socket file behind (launch/listener_folder.py)
                     self._server.close_listener()
                     n = _native_threads(self._server._forkserver_pid) if self._procs else 0
                     if n > 1:  # (done forking now)
