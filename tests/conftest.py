@@ -60,14 +60,14 @@ def _no_rank_server_folder_left():
     import shutil
 
     from flodl_shm.engine.segment import pid_alive
-    from flodl_shm.launch.listener_folder import PREFIX
+    from flodl_shm.launch.listener_folder import launcher_pid
 
     before = _rank_server_folders()
     yield
     left = []
     for path in sorted(_rank_server_folders() - before):
-        pid = int(path.name[len(PREFIX):].split("_")[0])
-        if pid != os.getpid() and not pid_alive(pid):
+        pid = launcher_pid(path.name)
+        if pid is not None and pid != os.getpid() and not pid_alive(pid):
             shutil.rmtree(path, ignore_errors=True)
         else:
             left.append(path)

@@ -43,6 +43,17 @@ _lock = threading.Lock()  # create and reap one at a time: a reap never sees a n
 _live: set[str] = set()   # this process's folders whose server may still take a rank
 
 
+def _after_fork_in_child() -> None:
+    """A fork's child starts with a fresh lock (a thread of the parent may have held it
+    at the fork) and no live folder (the parent's are the parent's)."""
+    global _lock
+    _lock = threading.Lock()
+    _live.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def base() -> str:
     """Where the socket folders go: the temp dir, or ``/tmp`` where the temp dir's path
     leaves no room for a socket's path."""
@@ -69,6 +80,13 @@ def remove(folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def launcher_pid(name: str) -> int | None:
+    """The pid of the launcher whose socket folder is named ``name``; None for a name
+    that is not a socket folder's."""
+    m = _NAME.fullmatch(name)
+    return None if m is None else int(m[1])
+
+
 def reap(where: str | None = None) -> list[str]:
     """Remove the socket folders in ``where`` (default: ``base()``) of launchers that
     are gone, and this process's own that no live server holds; returns their paths.
@@ -80,10 +98,9 @@ def reap(where: str | None = None) -> list[str]:
         return []
     removed = []
     for entry in entries:
-        m = _NAME.fullmatch(entry.name)
-        if m is None:
+        pid = launcher_pid(entry.name)
+        if pid is None:
             continue
-        pid = int(m[1])
         if (entry.path in _live) if pid == me else pid_alive(pid):
             continue
         try:
