@@ -1423,7 +1423,8 @@ def _driver_segments(pid):
 @pytest.fixture
 def short_temp():
     """A fresh folder under /tmp, short enough a path for a socket's in it (pytest's
-    tmp_path may not be); removed afterwards."""
+    tmp_path may not be), for a launcher's TMPDIR: what it leaves in its temp dir is
+    then its alone; removed afterwards."""
     import tempfile
 
     path = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))
@@ -1431,24 +1432,17 @@ def short_temp():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _start_driver_with_own_temp_dir(tmp_path, temp: Path):
-    """``start_spawn_driver`` with the driver's TMPDIR ``temp``: what the launcher leaves
-    in its temp dir is then the driver's alone."""
-    proc, ranks = start_spawn_driver(tmp_path, env={"TMPDIR": str(temp)})
-    return proc, ranks, temp
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1])
 def test_launcher_signal_stops_every_rank_and_cleans_up(tmp_path, short_temp, sig):
     """SIGHUP (a closed terminal) and SIGUSR1 (a scheduler's warning) killed the launcher
     by their default action, leaving its segments in /dev/shm."""
-    proc, ranks, temp = _start_driver_with_own_temp_dir(tmp_path, short_temp)
+    proc, ranks = start_spawn_driver(tmp_path, env={"TMPDIR": str(short_temp)})
     assert _driver_segments(proc.pid)
     proc.send_signal(sig)
     proc.wait(60)
     assert processes_gone(ranks), "ranks outlived the launcher"
     assert _driver_segments(proc.pid) == []
-    assert sorted(os.listdir(temp)) == []
+    assert sorted(os.listdir(short_temp)) == []
     if sig != signal.SIGINT:
         assert proc.returncode == -sig
     else:
@@ -1459,11 +1453,11 @@ def test_launcher_sigkill_takes_ranks_down_and_next_start_reaps(tmp_path, short_
     """... and leaves nothing in its temp dir: the rank server's socket file (in a
     folder of multiprocessing's, removed only at a normal exit) is gone once every rank
     is started (a probe's suite run left 51 such folders in /tmp)."""
-    proc, ranks, temp = _start_driver_with_own_temp_dir(tmp_path, short_temp)
+    proc, ranks = start_spawn_driver(tmp_path, env={"TMPDIR": str(short_temp)})
     proc.kill()
     proc.wait(30)
     assert processes_gone(ranks), "ranks survived a SIGKILLed launcher (PDEATHSIG)"
-    assert sorted(os.listdir(temp)) == []
+    assert sorted(os.listdir(short_temp)) == []
     left = _driver_segments(proc.pid)
     assert left, "expected the dead launcher's segments to still be there"
     reaped = reap_dead_owner_segments()
