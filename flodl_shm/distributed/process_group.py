@@ -14,14 +14,20 @@ Two transports carry every collective (docs/c10d.md has the op/dtype table):
 - **byte rounds** (``engine/byte_exchange.py``) for everything else: every rank sees
   every rank's bytes and reduces or copies locally, in rank order (bit-identical on
   every rank, any dtype, any op of ``reduce_ops.py``). Across hosts the leaders
-  gather their hosts' bytes, all-gather them through gloo and fan them out.
+  gather their hosts' bytes, all-gather them through gloo and fan them out
+  (``byte_layout.py``: where the tensors sit in a round's bytes).
+
+Every collective is called through ``collective_call.py`` (errors, overlap, threads);
+arguments a rank cannot take still join the round and raise after it
+(``tensor_arguments.py``), so the ranks stay in step.
 
 A collective the caller waits for (``async_op=False``) runs to completion in the
-calling thread; the returned ``Work`` is already completed (``wait()`` returns True at
-once, ``get_future()`` holds the output tensors) and a failure raises from the call
-itself. One issued with ``async_op=True`` (or during a backward pass, or behind queued
-ones) is queued on the group's worker thread (``overlap.py``), as gloo runs it in the
-background: its ``Work`` completes when it ran, and ``wait()`` raises what it raised.
+calling thread; the returned ``Work`` (``work.py``) is already completed (``wait()``
+returns True at once, ``get_future()`` holds the output tensors) and a failure raises
+from the call itself. One issued with ``async_op=True`` (or during a backward pass, or
+behind queued ones) is queued on the group's worker thread (``overlap.py``), as gloo
+runs it in the background: its ``Work`` completes when it ran, and ``wait()`` raises
+what it raised.
 """
 from __future__ import annotations
 
@@ -37,20 +43,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
-
 from ..engine.byte_exchange import exchange_bytes
 from ..engine.hostcpu import available_cores
-from .call_mismatch import describe_call, explain_mismatch
-from ..engine.tensor_codec import elements_share_memory
 from ..errors import FrameError, PeerDied, ReduceStall
 from ..frame import RoundKind, tensor_array
+from .byte_layout import (ALIGN, aligned, apart_or_own, copy_into, nbytes_of, packed_offsets,
+                          put_status, round_signature, tensor_at, write_tensors)
+from .call_mismatch import describe_call, explain_mismatch
+from .collective_call import collective, leave_to_eager, uncompiled
 from .overlap import CollectiveWorker
-from .reduce_ops import (SUPPORTED_DTYPES, RefusedCall, average_, check_dtype, check_layout,
-                         check_op, float_view, op_label, op_name, op_type, real_views,
-                         reduce_in_order)
+from .reduce_ops import (SUPPORTED_DTYPES, average_, check_dtype, check_layout, check_op,
+                         float_view, op_label, op_name, op_type, real_views, reduce_in_order)
 from .rendezvous import HostLink, rendezvous
 from .sparse_sum import is_sparse_call, sparse_all_reduce
+from .tensor_arguments import (checked_inputs, dense_outputs, misfit, nothing_to_refuse,
+                               raise_problem, writable)
+from .work import BARRIER_DONE, done_work
 
 logger = logging.getLogger("flodl_shm")
 
@@ -61,7 +69,6 @@ _SUM = dist.ReduceOp.RedOpType.SUM
 _AVG = dist.ReduceOp.RedOpType.AVG
 _CONTROL = RoundKind.CONTROL
 _MODEL = RoundKind.MODEL
-_ALIGN = 64  # byte offset alignment of each tensor inside a byte round
 #: how long past their leader's gloo deadlines a multi-host group's other ranks wait for
 #: its verdict (``_across_hosts``)
 LEADER_VERDICT_S = 5.0
@@ -70,402 +77,8 @@ LEADER_VERDICT_S = 5.0
 #: dtypes send different shapes, a schema mismatch, as a byte round's signature makes it
 _DTYPE_CODES = {dt: k for k, dt in enumerate(
     SUPPORTED_DTYPES + (torch.complex64, torch.complex128))}
-
-
-def _collective(method):
-    """Every public collective goes through here.
-
-    - Errors: collectives raise ``RuntimeError`` as c10d users expect; the engine's
-      ``FrameError`` (ranks called different collectives or shapes, raised on every
-      rank at the same round, so the group stays usable) becomes one, chained, that
-      lists what each rank called (``call_mismatch.py``: one more round).
-    - Overlap (``overlap.py``): issued with ``async_op=True``, during a backward pass,
-      or while earlier ones are still queued, the collective is queued on the group's
-      worker thread and the returned ``Work`` completes later; otherwise it runs now,
-      in the caller's thread.
-      A collective built on another one must be decorated as a whole (the inner call
-      then runs inline): one that called a decorated collective and returned its own
-      completed ``Work`` would return before a queued round ran, its outputs unwritten
-      and its errors lost.
-    - A collective this rank refuses before any round (``RefusedCall``: a tensor, dtype,
-      layout or op it cannot reduce) still takes part in one round, the **refusal
-      round**: where every rank refused, it completes and each raises its own error;
-      where other ranks called a collective, it mismatches theirs, and every rank
-      raises, told what each rank called (before it, the refusing rank returned at once
-      and the others' next collective paired with its next one).
-    - A wait past the group's timeout raises ``RuntimeError`` (as gloo's does) naming the
-      group ranks that had not arrived (the engine counts ranks per host).
-    - Threads: the collective's own torch work (copies, sums) runs on at most this rank's
-      share of the host's cores (``_threads``), torch's count restored after. Where the
-      ranks' torch threads outnumber the cores (``mp.spawn`` with torch's default: two
-      ranks of two threads on two cores), a torch copy inside a round woke an OpenMP team
-      whose threads waited for cores the peers spun on: a 256 KiB ``all_gather_into_tensor``
-      took 8 ms instead of 0.09.
-    """
-    import functools
-
-    name = method.__name__
-
-    def run(self, args, kwargs):
-        threads = torch.get_num_threads()
-        if threads <= self._threads:
-            return run_on_share(self, args, kwargs)
-        torch.set_num_threads(self._threads)
-        try:
-            return run_on_share(self, args, kwargs)
-        finally:
-            torch.set_num_threads(threads)
-
-    def run_on_share(self, args, kwargs):
-        self._calling = name
-        try:
-            work = method(self, *args, **kwargs)
-        except RefusedCall as e:
-            # before any round: a rank whose peers did not refuse would leave them a call
-            # behind, so every rank that refuses takes part in one round that says so (one:
-            # a collective built on another one sees the inner one's refusal, said already)
-            if e.said:
-                raise
-            e.said = True
-            why = self._refusal_round(name, args, kwargs)
-            if why is None:
-                raise  # every rank refused: in step
-            raise RuntimeError(f"{e}\n{why}") from e
-        except FrameError as e:  # every rank raised it at the same round
-            raise RuntimeError(self._mismatch(name, args, kwargs, e)) from e
-        except ReduceStall as e:
-            raise RuntimeError(f"flodl_shm {self._stalled(name, e)}; the group is unusable, "
-                               f"destroy it") from e
-        self._check_nobody_gave_up(name)
-        return work
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        if _compiler_callback is not None and _compiler_callback() is not None:
-            # a torch.compile'd caller (DDP's forward rebuilding its buckets, syncing its
-            # buffers) reached the collective through torch's C++: its frame evaluation
-            # would trace this Python, where the group is an opaque object to it
-            return _uncompiled(wrapper, self, *args, **kwargs)
-        worker = self._worker
-        if worker is not None and worker.on_worker_thread():
-            return run(self, args, kwargs)  # nested, or a queued item's callback
-        if self._link is None or self._unusable is not None:
-            return run(self, args, kwargs)  # destroyed or unusable: it raises now
-        if (self._overlap and (_graph_task_id() != -1 or _asked_async(args, kwargs))) or (
-                worker is not None and worker.pending()):
-            worker = self._start_worker()
-            fut = worker.submit(lambda: run(self, args, kwargs).get_future().value())
-            return _QueuedWork(fut)
-        with self._engine_lock:
-            return run(self, args, kwargs)
-
-    return wrapper
-
-
-#: the frame-evaluation callback torch.compile has set in this thread (None: no compiled
-#: code runs here); torch's C function, which needs no import of ``torch._dynamo``
-try:
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _compiler_callback
-except ImportError:  # a torch built without it
-    _compiler_callback = None
-
-
-def _uncompiled(collective: Callable, *args, **kwargs):
-    """``collective(*args, **kwargs)`` with torch.compile's frame evaluation off for it and
-    all it calls: a collective runs as the eager code it is (as gloo's C++ does)."""
-    global _untraced
-    if _untraced is None:
-        import torch._dynamo  # loaded: a compiled caller is running
-
-        _untraced = torch._dynamo.disable(lambda fn, *a, **k: fn(*a, **k), recursive=True)
-    return _untraced(collective, *args, **kwargs)
-
-
-_untraced: Callable | None = None
-
-
-def _leave_to_eager(*functions: Callable) -> None:
-    """Tell torch.compile's frame evaluation to run these functions' frames as they are,
-    without tracing them (``torch._dynamo.eval_frame.skip_code``, through torch's C
-    module: importing ``torch._dynamo`` costs a second): a collective's entry, reached by
-    a compiled caller, would otherwise be traced up to its check, with a warning that
-    the check cannot be traced. Without that C API, that is all that happens."""
-    try:
-        from torch._C._dynamo.eval_frame import (_FrameAction, _FrameExecStrategy,
-                                                 set_code_exec_strategy)
-
-        for fn in functions:
-            set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP,
-                                                                    _FrameAction.DEFAULT))
-    except (ImportError, AttributeError, TypeError):
-        pass
-
-
-def _asked_async(args: tuple, kwargs: dict) -> bool:
-    """Whether a collective's caller asked for it to run in the background: its options
-    (every collective's last argument) say ``asyncOp`` (``dist.all_reduce(...,
-    async_op=True)``, a functional collective, torch's own calls with default options).
-    A call that waits at once (``async_op=False``) says no."""
-    opts = kwargs.get("opts", args[-1] if args else None)
-    return getattr(opts, "asyncOp", False) is True
-
-
-def _signature(what: str, *parts) -> int:
-    """A stable 62-bit hash of what a byte round carries (collective, op, dtypes, shapes):
-    ranks that disagree get a schema mismatch instead of misreading each other's bytes."""
-    import hashlib
-
-    def describe(x):
-        if isinstance(x, torch.Tensor):
-            return f"{x.dtype}{tuple(x.shape)}"
-        if isinstance(x, (list, tuple)):
-            return "[" + ",".join(describe(y) for y in x) + "]"
-        return str(x)
-
-    text = what + "|" + "|".join(describe(p) for p in parts)
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
-
-
 #: the signature of the refusal round (``ProcessGroupFlodlShm._refusal_round``)
-_REFUSAL_SIGNATURE = _signature("flodl_shm refusal round")
-
-
-class _DoneWork(dist.Work):
-    """The ``Work`` of a collective that completed in the call: ``wait()`` returns at
-    once and ``get_future()`` holds ``result``, made only when asked for (DDP's comm
-    hooks ask; a plain ``dist.all_reduce`` never does). A third of the cost of wrapping
-    a completed future, which at 4 KiB was half a round."""
-
-    def __init__(self, result) -> None:
-        super().__init__()
-        self._result = result
-        self._future: torch.futures.Future | None = None
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def exception(self):
-        return None
-
-    def synchronize(self) -> None:
-        return None
-
-    def result(self):
-        return self._result
-
-    def get_future(self) -> torch.futures.Future:
-        if self._future is None:
-            self._future = torch.futures.Future()
-            self._future.set_result(self._result)
-        return self._future
-
-
-def _done(result) -> dist.Work:
-    return _DoneWork(result)
-
-
-#: the ``Work`` of every completed barrier, made once: it holds no tensors, as gloo's
-#: (a ``torch.zeros(0)`` and a ``Work`` a call cost 2.3 us of a 5.2 us barrier)
-_BARRIER_DONE = _DoneWork([])
-
-
-class _QueuedWork(dist.Work):
-    """The ``Work`` of a collective queued on the group's worker (``overlap.py``):
-    ``wait()`` blocks until it ran and raises what it raised. (torch's
-    ``_create_work_from_future`` returns a Work whose ``wait()`` swallows the future's
-    exception: a queued collective's errors were lost.)"""
-
-    def __init__(self, future: torch.futures.Future) -> None:
-        super().__init__()
-        self._future = future
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        """Block until the collective ran (raising what it raised), or, with a
-        ``timeout`` (torch's 0 means none), raise ``RuntimeError`` once that passed,
-        as gloo's ``wait(timeout)`` does; the collective stays queued either way."""
-        limit = None if timeout is None else timeout.total_seconds()
-        if limit is not None and limit > 0 and not self._future.done():
-            ran = threading.Event()
-            self._future.add_done_callback(lambda _: ran.set())
-            if not ran.wait(limit):
-                raise RuntimeError(
-                    f"flodl_shm: Work.wait timed out after {limit:g} s: the collective has "
-                    f"not completed (a peer has not joined it yet); it stays queued on the "
-                    f"group, which fails it at the group's own timeout")
-        self._future.wait()  # raises the collective's error
-        return True
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def is_success(self) -> bool:
-        return self._future.done() and self.exception() is None
-
-    def exception(self):
-        try:
-            self._future.value()
-        except Exception as e:
-            return e
-        return None
-
-    def synchronize(self) -> None:
-        return None
-
-    def result(self):
-        return self._future.value()
-
-    def get_future(self) -> torch.futures.Future:
-        # a chained future: torch's DDP reducer waits on it in C++, where a future
-        # failed from Python (set_exception) crashed the process with SIGSEGV; the
-        # chain's callback re-raises under the GIL and fails the future it returns with
-        # a plain C++ error naming the collective's ("Got the following error when
-        # running the callback: PeerDied: ...")
-        return self._future.then(_its_value)
-
-
-def _its_value(future: torch.futures.Future):
-    return future.value()
-
-
-def _apart_or_own(t: torch.Tensor, out: torch.Tensor, n: int, rank: int) -> bool:
-    """Whether the ``n`` bytes of ``t`` lie apart from ``out`` or exactly at ``rank``'s
-    part of it (an all-gather's input the engine takes as it is)."""
-    a, b = t.data_ptr(), out.data_ptr()
-    return a + n <= b or b + out.numel() * out.element_size() <= a or a == b + n * rank
-
-
-def _put_status(dst: np.ndarray, problem: str | None) -> None:
-    """The status word in front of a gather's or a scatter's bytes: whether the root's
-    list fits, so that every rank refuses one that does not (only the root can check
-    it); read by ``_refuse_root_list``."""
-    dst[:8].view(np.int64)[0] = int(problem is not None)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _checked(tensors: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
-    """``tensors`` as a list, each checked (CPU, supported dtype) for collective ``what``."""
-    tensors = list(tensors)
-    for t in tensors:
-        check_dtype(t, what)
-    return tensors
-
-
-def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
-    offs, total = [], 0
-    for t in tensors:
-        offs.append(total)
-        total += _aligned(_nbytes(t))
-    return offs, total
-
-
-def _bytes_of(t: torch.Tensor) -> np.ndarray:
-    """``t``'s bytes as a uint8 array (a copy only for a tensor not at stride 1). Not
-    through ``Tensor.numpy()``, which marks the storage not resizable for good: the
-    caller's ``t.resize_()`` after a collective raised."""
-    flat = t.detach().reshape(-1)
-    if not flat.numel():
-        return np.empty(0, np.uint8)
-    if flat.stride(0) != 1:
-        # torch counts a one-element tensor of any stride as contiguous, but its bytes
-        # can only be viewed at stride 1
-        flat = flat.clone(memory_format=torch.contiguous_format)
-    return tensor_array(flat, np.uint8)
-
-
-def _misfit(out: torch.Tensor, like: torch.Tensor, what: str) -> str | None:
-    """Why ``out`` cannot receive a copy of ``like`` (a sparse, mkldnn or nested tensor
-    on either side, another dtype or element count), or None. A caller raises it on every
-    rank once its round completed (a root's, through its status word): the group stays
-    in step, where a root that failed copying its list alone left the others a call
-    behind."""
-    for t, side in ((out, "output"), (like, "input")):
-        try:
-            check_layout(t, f"{what} ({side})")
-        except RuntimeError as e:
-            return str(e)
-    if out.dtype != like.dtype or out.numel() != like.numel():
-        return (f"flodl_shm {what}: an output of {out.numel()} {out.dtype} elements for "
-                f"{like.numel()} {like.dtype} elements; pass outputs of the inputs' dtype "
-                f"and size")
-    return None
-
-
-def _refuse(problem: str | None) -> None:
-    """Raise ``problem`` (a caller's argument error) inside a byte round's ``consume``:
-    the round completes on every rank, so the group stays usable, and nothing is
-    written."""
-    if problem is not None:
-        raise RuntimeError(problem)
-
-
-def _dense_outputs(outputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Callable]:
-    """Outputs a collective can write through a flat view: each of ``outputs`` itself
-    when contiguous, else a contiguous stand-in; and the function that copies the
-    stand-ins back into the caller's tensors once the collective is done."""
-    dense = [o if o.is_contiguous() else torch.empty(o.shape, dtype=o.dtype) for o in outputs]
-
-    def copy_back() -> None:
-        with torch.no_grad():
-            for o, d in zip(outputs, dense):
-                if d is not o:
-                    o.copy_(d)
-
-    return dense, copy_back
-
-
-def _writable(tensors: list[torch.Tensor], what: str
-              ) -> tuple[list[torch.Tensor], Callable[[], None]]:
-    """The tensors an in-place collective writes its result into: ``tensors``, except
-    that one whose elements share memory (an ``expand()``ed view, which no result can be
-    written into) is replaced by a copy; and the function to call once the round is
-    done, which then raises naming it. The rank still takes part in the round with its
-    values, so a layout only some ranks pass never puts the group out of step."""
-    shared = [i for i, t in enumerate(tensors) if elements_share_memory(t)]
-    if not shared:
-        return tensors, _nothing_to_refuse
-    i = shared[0]
-    t = tensors[i]
-    problem = (f"flodl_shm {what}: tensor[{i}] of shape {tuple(t.shape)} and stride "
-               f"{t.stride()} has elements that share memory (an expand()ed view), so the "
-               f"result cannot be written into it; the collective ran with a copy (the "
-               f"group stays usable): pass t.contiguous() and use that tensor")
-    return ([t.contiguous() if k in shared else t for k, t in enumerate(tensors)],
-            lambda: _refuse(problem))
-
-
-def _nothing_to_refuse() -> None:
-    pass
-
-
-def _write(dst: np.ndarray, tensors: Sequence[torch.Tensor], offs: Sequence[int]) -> None:
-    for t, o in zip(tensors, offs):
-        src = _bytes_of(t)
-        dst[o:o + src.shape[0]] = src
-
-
-def _tensor_at(buf: np.ndarray, off: int, like: torch.Tensor) -> torch.Tensor:
-    """A tensor of ``like``'s dtype and shape reading ``buf[off:]`` (no copy)."""
-    n = _nbytes(like)
-    raw = torch.from_numpy(buf[off:off + n])
-    return raw.view(like.dtype).view(like.shape)
-
-
-def _copy_into(t: torch.Tensor, src: torch.Tensor) -> None:
-    with torch.no_grad():
-        t.copy_(src.view(t.shape))
+_REFUSAL_SIGNATURE = round_signature("flodl_shm refusal round")
 
 
 class ProcessGroupFlodlShm(dist.ProcessGroup):
@@ -489,7 +102,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         # leaders' exchange failed): every later call raises naming it
         self._unusable: str | None = None
         self._calling = "collective"  # the name of the collective running (its errors')
-        # the most torch threads a collective's own work may use (``_collective``): this
+        # the most torch threads a collective's own work may use (``collective``): this
         # rank's share of the host's cores
         self._threads = max(1, available_cores() // len(self._topo.local_ranks))
         # FLODL_SHM_C10D_OVERLAP=0 runs every collective in the caller's thread
@@ -576,7 +189,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 
     def _refusal_round(self, name: str, args, kwargs) -> str | None:
         """This rank refused collective ``name`` before any round: one byte round of a
-        signature of its own (``_collective``). None when every rank refused (the round
+        signature of its own (``collective``). None when every rank refused (the round
         completed); otherwise the text that lists what each rank called, as the other
         ranks raise it too (their collective met this round: a mismatch on every rank)."""
         try:
@@ -817,7 +430,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     def _exchange_tensors(self, tensors: Sequence[torch.Tensor] | None, offs: Sequence[int],
                           total: int, consume: Callable[[list[np.ndarray]], None],
                           signature: int) -> None:
-        fill = None if tensors is None else (lambda dst: _write(dst, tensors, offs))
+        fill = None if tensors is None else (lambda dst: write_tensors(dst, tensors, offs))
         self._exchange(total, fill, consume, signature)
 
     def _sum_f32(self, tensors: list[torch.Tensor], avg: bool) -> None:
@@ -830,8 +443,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             else:
                 link.comm.all_reduce_(tensors, kind=RoundKind.CONTROL)
             return
-        offs, total = _layout(tensors)
-        signature = _signature("sum_f32", avg, tensors)
+        offs, total = packed_offsets(tensors)
+        signature = round_signature("sum_f32", avg, tensors)
 
         one = len(tensors) == 1 and tensors[0].dtype == _F32 and tensors[0].is_contiguous()
 
@@ -847,32 +460,32 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                 with torch.no_grad():
                     for t, p in zip(tensors, flat.split([t.numel() for t in tensors])):
                         t.copy_(p.view(t.shape))
-            return lambda dst: _write(dst, tensors, offs)
+            return lambda dst: write_tensors(dst, tensors, offs)
 
         def take(blob: np.ndarray) -> None:
             if topo.is_leader:
                 return  # combine() left the result in this rank's tensors
             for t, o in zip(tensors, offs):
-                _copy_into(t, _tensor_at(blob, o, t))
+                copy_into(t, tensor_at(blob, o, t))
 
         self._across_hosts(lambda: link.comm.all_reduce_(tensors, kind=RoundKind.CONTROL),
                            signature, combine, total, take)
 
     def _reduce_generic(self, tensors: list[torch.Tensor], op) -> None:
-        offs, total = _layout(tensors)
+        offs, total = packed_offsets(tensors)
 
         def consume(views: list[np.ndarray]) -> None:
             for t, o in zip(tensors, offs):
-                reduce_in_order([_tensor_at(v, o, t) for v in views], op, t)
+                reduce_in_order([tensor_at(v, o, t) for v in views], op, t)
 
         self._exchange_tensors(tensors, offs, total, consume,
-                               _signature("allreduce", op_label(op), tensors))
+                               round_signature("allreduce", op_label(op), tensors))
 
     def _allreduce_list(self, tensors: list[torch.Tensor], op, what: str) -> None:
         for t in tensors:
             check_dtype(t, what)
             check_op(op, t.dtype, what)
-        tensors, refuse = _writable(tensors, what)
+        tensors, refuse = writable(tensors, what)
         self._allreduce_writable(tensors, op)
         refuse()
 
@@ -888,7 +501,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             self._reduce_generic(tensors, op)
 
     # -- collectives ------------------------------------------------------------------------
-    @_collective
+    @collective
     def allreduce(self, tensors, opts=None) -> dist.Work:
         # the hot case first (DDP buckets, model averaging): one contiguous float32 CPU
         # tensor, SUM or AVG, one host, a usable group: straight to the engine
@@ -903,43 +516,43 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                 op = _SUM if opts is None else opts.reduceOp
                 if op == _SUM:
                     link.comm.all_reduce_(tensors, kind=_CONTROL)
-                    return _done(tensors)
+                    return done_work(tensors)
                 if op == _AVG:
                     link.comm.all_reduce_(tensors, kind=_MODEL)
-                    return _done(tensors)
+                    return done_work(tensors)
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
         if is_sparse_call(tensors):  # (DDP's gradients of nn.Embedding(sparse=True))
-            sparse_all_reduce(self._exchange, list(tensors), op, self._size, _signature)
+            sparse_all_reduce(self._exchange, list(tensors), op, self._size)
         else:
             self._allreduce_list(list(tensors), op, "allreduce")
-        return _done(list(tensors))
+        return done_work(list(tensors))
 
-    @_collective
+    @collective
     def allreduce_coalesced(self, tensors, opts=None) -> dist.Work:
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
         self._allreduce_list(list(tensors), op, "allreduce_coalesced")
-        return _done(list(tensors))
+        return done_work(list(tensors))
 
-    @_collective
+    @collective
     def reduce(self, tensors, opts) -> dist.Work:
         root = int(opts.rootRank)
         work = real_views([t if self._rank == root else t.clone() for t in tensors],
                           opts.reduceOp, "reduce")
         self._allreduce_list(work, opts.reduceOp, "reduce")
-        return _done(list(tensors))
+        return done_work(list(tensors))
 
-    @_collective
+    @collective
     def broadcast(self, tensors, opts) -> dist.Work:
         given = list(tensors)
         # complex tensors as their float views (the same bytes): torch's dist.broadcast
         # passes those, but DDP's start-up broadcast (_broadcast_coalesced) does not
-        tensors = _checked([float_view(t) for t in given], "broadcast")
+        tensors = checked_inputs([float_view(t) for t in given], "broadcast")
         root = int(opts.rootRank)
-        work, refuse = ((tensors, _nothing_to_refuse) if self._rank == root  # read only
-                        else _writable(tensors, "broadcast"))
+        work, refuse = ((tensors, nothing_to_refuse) if self._rank == root  # read only
+                        else writable(tensors, "broadcast"))
         self._broadcast(work, root)
         refuse()
-        return _done(given)
+        return done_work(given)
 
     def _broadcast(self, tensors: list[torch.Tensor], root: int) -> None:
         link = self._link
@@ -951,31 +564,31 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             # payloads
             link.comm.broadcast_(tensors, root)
             return
-        offs, total = _layout(tensors)
+        offs, total = packed_offsets(tensors)
 
         def consume(views: list[np.ndarray]) -> None:
             if self._rank != root:
                 for t, o in zip(tensors, offs):
-                    _copy_into(t, _tensor_at(views[root], o, t))
+                    copy_into(t, tensor_at(views[root], o, t))
 
         self._exchange_tensors(tensors if self._rank == root else None, offs, total, consume,
-                               _signature("broadcast", root, tensors))
+                               round_signature("broadcast", root, tensors))
 
     def allgather(self, output_tensors, input_tensors, opts=None) -> dist.Work:
         return self.allgather_coalesced(output_tensors, input_tensors, opts)
 
-    @_collective
+    @collective
     def allgather_coalesced(self, output_lists, input_tensors, opts=None) -> dist.Work:
         """``output_lists[i][r]`` receives rank r's ``input_tensors[i]``."""
-        inputs = _checked(input_tensors, "allgather")
+        inputs = checked_inputs(input_tensors, "allgather")
         problem = self._per_rank_lists("allgather", "output", output_lists, [
             (o, t) for outs, t in zip(output_lists, inputs) for o in outs])
         self._allgather(output_lists, inputs, problem)
-        return _done([t for outs in output_lists for t in outs])
+        return done_work([t for outs in output_lists for t in outs])
 
     def _refuse_root_list(self, views: list[np.ndarray], root: int, what: str, fit: str,
                           t: torch.Tensor) -> None:
-        """Raise, on every rank, when the root's status word (``_put_status``) says its
+        """Raise, on every rank, when the root's status word (``put_status``) says its
         ``<what>_list`` did not fit ``fit`` (one tensor like ``t`` per rank)."""
         if int(views[root][:8].view(np.int64)[0]):
             raise RuntimeError(f"flodl_shm {what}: the root, rank {root}, passed a {what}_list "
@@ -985,37 +598,37 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     def _per_rank_lists(self, what: str, noun: str, lists, pairs) -> str | None:
         """The first argument error of a collective over per-rank ``lists`` of tensors: a
         list that is not one ``noun`` tensor per rank, or an (output, input) of ``pairs``
-        that cannot take the other (``_misfit``); None when they fit."""
+        that cannot take the other (``misfit``); None when they fit."""
         short = next((lst for lst in lists if len(lst) != self._size), None)
         if short is not None:
             return (f"flodl_shm {what}: {len(short)} {noun} tensors for a group of "
                     f"{self._size}; pass one per rank")
-        return next((p for p in (_misfit(o, i, what) for o, i in pairs) if p), None)
+        return next((p for p in (misfit(o, i, what) for o, i in pairs) if p), None)
 
     def _allgather(self, output_lists, inputs, problem: str | None) -> None:
         """The byte round of an all-gather; ``problem``: the caller's argument error, raised
         by every rank that has one once the round completed (the group stays usable)."""
-        offs, total = _layout(inputs)
+        offs, total = packed_offsets(inputs)
 
         def consume(views: list[np.ndarray]) -> None:
-            _refuse(problem)
+            raise_problem(problem)
             for outs, t, o in zip(output_lists, inputs, offs):
                 for r, out in enumerate(outs):
-                    _copy_into(out, _tensor_at(views[r], o, t))
+                    copy_into(out, tensor_at(views[r], o, t))
 
-        self._exchange_tensors(inputs, offs, total, consume, _signature("allgather", inputs))
+        self._exchange_tensors(inputs, offs, total, consume, round_signature("allgather", inputs))
 
     def all_gather_single(self, output, input, opts=None) -> dist.Work:
         return self.allgather_into_tensor_coalesced([output], [input], opts)
 
     _allgather_base = all_gather_single
 
-    @_collective
+    @collective
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
         what = "all_gather_into_tensor"
         for t in (*outputs, *inputs):  # (a layout before any reshape)
             check_layout(t, what)
-        inputs = _checked([i.reshape(-1) for i in inputs], what)
+        inputs = checked_inputs([i.reshape(-1) for i in inputs], what)
         problem = next((self._gather_misfit(o, i) for o, i in zip(outputs, inputs)
                         if o.dtype != i.dtype or o.numel() != self._size * i.numel()), None)
         if len(inputs) == 1 and not self._topo.multi_host:
@@ -1028,14 +641,14 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             if dense is not out:
                 with torch.no_grad():
                     out.copy_(dense)
-            return _done(list(outputs))
-        dense, copy_back = _dense_outputs(outputs)
+            return done_work(list(outputs))
+        dense, copy_back = dense_outputs(outputs)
         lists = ([[i] * self._size for i in inputs] if problem else  # not written
                  [list(o.view(-1).chunk(self._size)) if o.numel() else [o] * self._size
                   for o in dense])
         self._allgather(lists, inputs, problem)
         copy_back()
-        return _done(list(outputs))
+        return done_work(list(outputs))
 
     def _gather_misfit(self, out: torch.Tensor, t: torch.Tensor) -> str:
         return (f"flodl_shm all_gather_into_tensor: an output of {out.numel()} {out.dtype} "
@@ -1051,22 +664,22 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         number of 4-byte words (or none) takes the general path's byte round (the same
         schema), its bytes copied into the output by numpy. ``problem``: this rank's
         output does not fit (``out`` is not written), raised once the rounds are done."""
-        n = _nbytes(t)
+        n = nbytes_of(t)
         if problem is not None:
             out = torch.empty(self._size * n, dtype=torch.uint8)
         if n and n % 4 == 0:  # (the same on every rank)
             self._allgather_words(self._live().comm, out, t, n)
-            _refuse(problem)
+            raise_problem(problem)
             return
         dst = tensor_array(out.view(-1), np.uint8) if n else None
 
         def consume(views: list[np.ndarray]) -> None:
-            _refuse(problem)
+            raise_problem(problem)
             if n:
                 for r, v in enumerate(views):
                     dst[r * n:(r + 1) * n] = v[:n]
 
-        self._exchange_tensors([t], [0], _aligned(n), consume, _signature("allgather", [t]))
+        self._exchange_tensors([t], [0], aligned(n), consume, round_signature("allgather", [t]))
 
     def _allgather_words(self, comm, out: torch.Tensor, t: torch.Tensor, n: int) -> None:
         """``_allgather_one`` of ``n`` bytes a rank, a whole number of 4-byte words: the
@@ -1077,7 +690,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         refuses: it writes the output while peers read the input) through a copy too,
         as gloo copies every input before it writes."""
         if t.dtype is _F32 and out.dtype is _F32 and t.is_contiguous():  # (FSDP's float32)
-            comm.all_gather_into_tensor(out, t if _apart_or_own(
+            comm.all_gather_into_tensor(out, t if apart_or_own(
                 t, out, n, self._rank) else t.clone())
             return
         flat = out.view(-1).view(torch.uint8)
@@ -1088,7 +701,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             # (one element at stride 2 is contiguous, yet no byte view takes it)
             mine = mine.clone(memory_format=torch.contiguous_format)
         mine = mine.view(-1).view(torch.uint8)
-        if mine.data_ptr() % 4 or not _apart_or_own(mine, dst, n, self._rank):
+        if mine.data_ptr() % 4 or not apart_or_own(mine, dst, n, self._rank):
             mine = mine.clone()
         shape = (1,) * _DTYPE_CODES.get(t.dtype, len(_DTYPE_CODES)) + (n // 4,)
         comm.all_gather_into_tensor(dst.view(torch.float32), mine.view(torch.float32).view(shape))
@@ -1099,7 +712,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
         return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
 
-    @_collective
+    @collective
     def reduce_scatter(self, output_tensors, input_lists, opts) -> dist.Work:
         """``output_tensors[i]`` = reduce over ranks of their ``input_lists[i][rank]``."""
         outs = real_views(output_tensors, opts.reduceOp, "reduce_scatter")
@@ -1108,28 +721,28 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         for t in flat_in + outs:
             check_dtype(t, "reduce_scatter")
             check_op(opts.reduceOp, t.dtype, "reduce_scatter")
-        offs, total = _layout(flat_in)
+        offs, total = packed_offsets(flat_in)
         me = self._rank
         problem = self._per_rank_lists("reduce_scatter", "input", input_lists, [
             (out, t) for out, lst in zip(outs, input_lists) for t in lst])
 
         def consume(views: list[np.ndarray]) -> None:
-            _refuse(problem)
+            raise_problem(problem)
             for i, out in enumerate(outs):
                 k = i * self._size + me
                 t, o = flat_in[k], offs[k]
-                reduce_in_order([_tensor_at(v, o, t) for v in views], opts.reduceOp, out)
+                reduce_in_order([tensor_at(v, o, t) for v in views], opts.reduceOp, out)
 
-        self._exchange_tensors(flat_in, offs, total, consume, _signature(
+        self._exchange_tensors(flat_in, offs, total, consume, round_signature(
             "reduce_scatter", op_label(opts.reduceOp), flat_in))
-        return _done(outs)
+        return done_work(outs)
 
     def reduce_scatter_single(self, output, input, opts) -> dist.Work:
         return self.reduce_scatter_tensor_coalesced([output], [input], opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
-    @_collective  # whole: queued, its output copy must follow the round (see _collective)
+    @collective  # whole: queued, its output copy must follow the round (see collective)
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts) -> dist.Work:
         what = "reduce_scatter_tensor"
         for t in (*outputs, *inputs):  # (a layout before any reshape)
@@ -1146,12 +759,12 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             # what every rank shares decides (op, dtype, one host), never a rank's layout:
             # the engine's reduce-scatter or all-reduce of the input
             self._reduce_scatter_summed(outputs[0], inputs[0], kind == _AVG)
-            return _done(list(given))
+            return done_work(list(given))
         lists = [list(i.reshape(-1).chunk(self._size)) for i in inputs]
-        dense, copy_back = _dense_outputs(outputs)
+        dense, copy_back = dense_outputs(outputs)
         self.reduce_scatter([o.view(-1) for o in dense], lists, opts)
         copy_back()
-        return _done(list(given))
+        return done_work(list(given))
 
     def _reduce_scatter_summed(self, out: torch.Tensor, t: torch.Tensor, avg: bool) -> None:
         """A float32/bfloat16 SUM (or AVG) reduce-scatter on one host, summed as
@@ -1166,14 +779,14 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         mismatches, where the engine would widen it and sum silently."""
         check_dtype(out, "reduce_scatter_tensor")
         flat = t.detach().reshape(-1)
-        problem = (_misfit(out, flat[:flat.numel() // self._size], "reduce_scatter_tensor")
+        problem = (misfit(out, flat[:flat.numel() // self._size], "reduce_scatter_tensor")
                    if out.dtype != t.dtype or out.numel() * self._size != t.numel() else None)
         if t.dtype is _F32:  # each rank sums only its part
             part = out if problem is None and out.is_contiguous() else torch.empty(
                 t.numel() // self._size)
             self._live().comm.reduce_scatter_tensor(part, flat.contiguous(),
                                                     _MODEL if avg else _CONTROL)
-            _refuse(problem)  # (after the round: the group stays in step)
+            raise_problem(problem)  # (after the round: the group stays in step)
             if part is not out:
                 with torch.no_grad():
                     out.copy_(part.view(out.shape))
@@ -1181,7 +794,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         shape = (1,) * _DTYPE_CODES[t.dtype] + (t.numel(),)
         (summed,), _ = self._live().comm.all_reduce_scaled(
             [flat.view(shape)], 1.0, _MODEL if avg else _CONTROL)
-        _refuse(problem)  # (after the round: the group stays in step)
+        raise_problem(problem)  # (after the round: the group stays in step)
         m = out.numel()
         dense = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
         with torch.no_grad():
@@ -1192,63 +805,63 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts) -> dist.Work:
         return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
 
-    @_collective
+    @collective
     def gather(self, output_lists, input_tensors, opts) -> dist.Work:
         root = int(opts.rootRank)
         # complex tensors travel as their float views, as torch hands them to the other
         # byte copies (scatter, all_gather, broadcast) but not to gather
-        inputs = _checked([float_view(t) for t in input_tensors], "gather")
-        offs, total = _layout(inputs)
+        inputs = checked_inputs([float_view(t) for t in input_tensors], "gather")
+        offs, total = packed_offsets(inputs)
         problem = None
         if self._rank == root:
             outs = [float_view(o) for o in (output_lists[0] if output_lists else [])]
             problem = self._per_rank_lists("gather", "gather_list", [outs],
                                            [(o, inputs[0]) for o in outs])
-        head = _ALIGN  # every rank's bytes start with a status word (_put_status)
+        head = ALIGN  # every rank's bytes start with a status word (put_status)
 
         def fill(dst: np.ndarray) -> None:
-            _put_status(dst, problem)
-            _write(dst[head:], inputs, offs)
+            put_status(dst, problem)
+            write_tensors(dst[head:], inputs, offs)
 
         def consume(views: list[np.ndarray]) -> None:
-            _refuse(problem)
+            raise_problem(problem)
             self._refuse_root_list(views, root, "gather", "the inputs", inputs[0])
             if self._rank == root:
                 for r, out in enumerate(outs):
-                    _copy_into(out, _tensor_at(views[r], head + offs[0], inputs[0]))
+                    copy_into(out, tensor_at(views[r], head + offs[0], inputs[0]))
 
-        self._exchange(head + total, fill, consume, _signature("gather", root, inputs))
-        return _done([t for lst in output_lists for t in lst] or inputs)
+        self._exchange(head + total, fill, consume, round_signature("gather", root, inputs))
+        return done_work([t for lst in output_lists for t in lst] or inputs)
 
-    @_collective
+    @collective
     def scatter(self, output_tensors, input_lists, opts) -> dist.Work:
         root = int(opts.rootRank)
-        outs = _checked(output_tensors, "scatter")
+        outs = checked_inputs(output_tensors, "scatter")
         chunks = [outs[0]] * self._size  # every rank knows the chunk shape: its output's
-        offs, total = _layout(chunks)
+        offs, total = packed_offsets(chunks)
         me = self._rank
         problem = None
         if me == root:
             mine = list(input_lists[0]) if input_lists else []
             problem = self._per_rank_lists("scatter", "scatter_list", [mine],
                                            [(outs[0], t) for t in mine])
-        head = _ALIGN  # the root's bytes start with a status word (_put_status)
+        head = ALIGN  # the root's bytes start with a status word (put_status)
 
         def fill(dst: np.ndarray) -> None:
-            _put_status(dst, problem)
+            put_status(dst, problem)
             if problem is None:
-                _write(dst[head:], mine, offs)
+                write_tensors(dst[head:], mine, offs)
 
         def consume(views: list[np.ndarray]) -> None:
-            _refuse(problem)
+            raise_problem(problem)
             self._refuse_root_list(views, root, "scatter", "the outputs", outs[0])
-            _copy_into(outs[0], _tensor_at(views[root], head + offs[me], outs[0]))
+            copy_into(outs[0], tensor_at(views[root], head + offs[me], outs[0]))
 
         self._exchange(head + total, fill if me == root else None, consume,
-                       _signature("scatter", root, outs))
-        return _done(outs)
+                       round_signature("scatter", root, outs))
+        return done_work(outs)
 
-    @_collective
+    @collective
     def alltoall(self, output_tensors, input_tensors, opts=None) -> dist.Work:
         """Rank s's ``input_tensors[r]`` lands in rank r's ``output_tensors[s]``."""
         outs, ins = list(output_tensors), list(input_tensors)
@@ -1263,7 +876,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             problem = None
         # phase 1: every rank's exact chunk sizes, sent and expected, so that every rank
         # checks every pair and knows where its chunks sit
-        sizes = np.asarray([_nbytes(t) for t in ins] + [_nbytes(t) for t in outs]
+        sizes = np.asarray([nbytes_of(t) for t in ins] + [nbytes_of(t) for t in outs]
                            + [0] * (n - len(outs)) + [int(problem is not None)], np.int64)
         sent = np.zeros((n, n), np.int64)
         expected = np.zeros((n, n), np.int64)
@@ -1277,8 +890,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                     bad.append(s)
 
         self._exchange(sizes.nbytes, lambda dst: np.copyto(dst, sizes.view(np.uint8)),
-                       read_sizes, _signature("alltoall sizes"))
-        _refuse(problem)
+                       read_sizes, round_signature("alltoall sizes"))
+        raise_problem(problem)
         if bad:
             raise RuntimeError(f"flodl_shm alltoall: rank(s) {bad} passed input/output lists "
                                f"not of one tensor per rank")
@@ -1289,19 +902,19 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                                f"{r}, whose output {s} holds {expected[r, s]}"
                                + (f" ({len(wrong) - 1} more pairs differ)" if len(wrong) > 1
                                   else "") + "; the split sizes must agree")
-        table = (sent + _ALIGN - 1) // _ALIGN * _ALIGN
+        table = (sent + ALIGN - 1) // ALIGN * ALIGN
         total = int(table.sum(axis=1).max()) if n else 0
         offs = [int(x) for x in np.concatenate([[0], np.cumsum(table[me])[:-1]])]
 
         def consume(views: list[np.ndarray]) -> None:
             for s, out in enumerate(outs):
-                _copy_into(out, _tensor_at(views[s], int(table[s, :me].sum()), out))
+                copy_into(out, tensor_at(views[s], int(table[s, :me].sum()), out))
 
         self._exchange_tensors(ins, offs, total, consume,
-                               _signature("alltoall", [str(t.dtype) for t in ins + outs]))
-        return _done(outs)
+                               round_signature("alltoall", [str(t.dtype) for t in ins + outs]))
+        return done_work(outs)
 
-    @_collective  # whole, as reduce_scatter_tensor_coalesced
+    @collective  # whole, as reduce_scatter_tensor_coalesced
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                           opts=None) -> dist.Work:
         def split(t: torch.Tensor, sizes) -> list[torch.Tensor]:
@@ -1316,19 +929,19 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         for t in (output, input):  # (a layout before any split)
             check_layout(t, "all_to_all_single")
         self.alltoall(split(output, output_split_sizes), split(input, input_split_sizes), opts)
-        return _done([output])
+        return done_work([output])
 
     alltoall_base = all_to_all_single
 
-    @_collective
+    @collective
     def barrier(self, opts=None) -> dist.Work:
         link = self._live()
         if not self._topo.multi_host:
             link.comm.barrier()
         else:
-            self._across_hosts(link.comm.barrier, _signature("barrier"),
+            self._across_hosts(link.comm.barrier, round_signature("barrier"),
                                lambda: lambda dst: None, 0, lambda blob: None)
-        return _BARRIER_DONE
+        return BARRIER_DONE
 
     # -- not offered ----------------------------------------------------------------------
     def _unsupported(self, what: str):
@@ -1350,7 +963,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         self._unsupported("recv_anysource")
 
 
-_leave_to_eager(ProcessGroupFlodlShm.allreduce, _uncompiled)  # (every collective's entry)
+leave_to_eager(ProcessGroupFlodlShm.allreduce, uncompiled)  # (every collective's entry)
 
 
 #: the groups of this process not shut down yet (``_shut_down_at_exit``)

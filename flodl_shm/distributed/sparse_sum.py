@@ -28,7 +28,7 @@ The ranks leave the ENTRIES round together and add at once: where their torch th
 outnumber the cores (two ranks of two threads on two cores), torch's OpenMP teams then
 wait on each other's cores, and a sum that takes 0.2 ms alone took 6-8 ms. So the sums run
 on this rank's share of the cores, as every collective of the group does (its
-``_collective``), torch's thread count restored after.
+``collective_call.py``), torch's thread count restored after.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from .byte_layout import round_signature
 from .reduce_ops import SUPPORTED_DTYPES, check_device_and_dtype, op_name, op_type
 
 _ALIGN = 64  # the values start at this alignment after the indices
@@ -139,7 +140,7 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
 
 
 def sparse_all_reduce(exchange: Callable, tensors: Sequence[torch.Tensor], op, world: int,
-                      signature: Callable[..., int], what: str = "allreduce") -> None:
+                      what: str = "allreduce") -> None:
     """SUM ``tensors`` (sparse COO, this rank's) over the group, in place (module
     docstring).
 
@@ -149,7 +150,6 @@ def sparse_all_reduce(exchange: Callable, tensors: Sequence[torch.Tensor], op, w
         op: the call's reduce op (``ReduceOp.SUM`` takes part; any other is refused on
             every rank).
         world: the group's size.
-        signature: the process group's ``_signature(what, *parts)``.
     Raises:
         RuntimeError: on every rank alike, when the ranks' calls do not describe one sum
         (an op but SUM, tensors of other dtypes or sizes, a rank that could not take
@@ -164,7 +164,7 @@ def sparse_all_reduce(exchange: Callable, tensors: Sequence[torch.Tensor], op, w
             records[r] = v.view(np.int64)
 
     exchange(rec.nbytes, lambda dst: np.copyto(dst, rec.view(np.uint8)), read_records,
-             signature(f"{what} sparse describe", rec.shape[0]))
+             round_signature(f"{what} sparse describe", rec.shape[0]))
     if mine is None:
         raise RuntimeError(problem)  # this rank's own reason; the others name this rank
     verdict = _verdict(records, what)
@@ -194,7 +194,7 @@ def sparse_all_reduce(exchange: Callable, tensors: Sequence[torch.Tensor], op, w
             # no invariant to check, and torch warns when the choice is left to it)
             parts.append(torch.sparse_coo_tensor(idx, val, shape, check_invariants=False))
 
-    exchange(total, fill, consume, signature(f"{what} sparse entries", total))
+    exchange(total, fill, consume, round_signature(f"{what} sparse entries", total))
     out = parts[0]
     try:
         for part in parts[1:]:
