@@ -1618,10 +1618,10 @@ def test_ranks_run_omp_num_threads_when_the_launcher_sets_it(monkeypatch, caplog
 
 _TERM_BEFORE_THE_ARENA = """
 import os, signal, sys
-from flodl_shm.launch.supervisor import _InterruptGate, take_stop_signals
+from flodl_shm.launch.stop_signals import InterruptGate, take_stop_signals
 if sys.argv[1] == "handled":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))  # the script's own stop
-gate = _InterruptGate()
+gate = InterruptGate()
 gate._replaced = take_stop_signals(gate._handler)  # as spawn's gate does at its entry
 try:
     os.kill(os.getpid(), signal.SIGTERM)  # before the cohort owns anything

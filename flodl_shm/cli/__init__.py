@@ -28,7 +28,7 @@ def first_stop_signal_only() -> tuple[list, dict]:
     interrupt the shutdown it started (or print a traceback as the interpreter exits).
     Inside ``spawn`` the signal first stops the ranks, then reaches this handler. Returns
     the list the handler appends the signal to, and the handlers it replaced."""
-    from ..launch.supervisor import take_stop_signals
+    from ..launch.stop_signals import take_stop_signals
 
     received: list = []
     replaced: dict = {}

@@ -6,7 +6,11 @@ replace ``flodl_shm.spawn`` by the module once imported.) Its modules:
 - ``supervisor``: ``spawn`` and ``SpawnContext``, the launcher's side (below);
 - ``rank``: a rank process's side, from its bootstrap to its last message;
 - ``rank_server``: the ``"forkserver"`` start method's rank server, and when the
-  launcher is safe to fork it from.
+  launcher is safe to fork it from;
+- ``listener_folder``: the folder of the rank server's socket, and the reaping of those
+  a killed launcher left;
+- ``stop_signals``: Ctrl-C and the terminating signals while ``spawn`` runs (the ranks
+  stop first, then the signal acts).
 
 The calling process becomes the **supervisor**: it owns the host arena (creates and
 unlinks every shared-memory segment), starts the ranks, watches them, fences the

@@ -31,6 +31,7 @@ from ..engine.hostcpu import available_cores
 from ..engine.waiting import Doorbell, wait_notice_s
 from .rank import _RankProcess, _forward_level, _main_file, _rank_main, _recv
 from .rank_server import _KernelWarming, _RankServer, _ServedRankProcess, _native_threads
+from .stop_signals import InterruptGate, signals_deferred
 
 logger = logging.getLogger("flodl_shm")
 
@@ -144,7 +145,7 @@ class SpawnContext:
     def __init__(self, fn, nprocs: int, args: Sequence, *, world_size: int, first_rank: int,
                  max_failures: int, timeout: float | None, save_path: str | None,
                  start_method: str, eager_bytes: int, relay_factory,
-                 pinned_decode: bool = True, interrupts: "_InterruptGate | None" = None,
+                 pinned_decode: bool = True, interrupts: "InterruptGate | None" = None,
                  survivors_save: bool = False) -> None:
         self.nprocs = nprocs
         self._born = int(time.time())  # (death records older than this are an earlier run's)
@@ -185,12 +186,12 @@ class SpawnContext:
         self._cohort_dead: set[int] = set()  # global ranks the controller declared dead
         self._interrupted = False
         self._stopped_why: str | None = None  # what join's KeyboardInterrupt says (_stop)
-        self._gated = False  # an _InterruptGate guards this context's wait now
+        self._gated = False  # an InterruptGate guards this context's wait now
         self._monitor: threading.Thread | None = None  # the supervisor, once started
         self._started = threading.Event()
         self._done = threading.Event()
         self._start_error: BaseException | None = None
-        # reentrant: a signal handler (terminate, via _InterruptGate) runs on the main
+        # reentrant: a signal handler (terminate, via InterruptGate) runs on the main
         # thread, which may hold it at that moment (dead_ranks)
         self._lock = threading.RLock()
         # the _abort escalations, joined once every rank is reaped (then None)
@@ -210,7 +211,7 @@ class SpawnContext:
             raise
 
     def _setup(self, nprocs: int, eager_bytes: int, relay_factory,
-               interrupts: "_InterruptGate | None") -> None:
+               interrupts: "InterruptGate | None") -> None:
         """Create the arena and the tap, start the supervisor, wait for the ranks."""
         reap_dead_owner_segments()
         if self._process_cls is _ServedRankProcess:
@@ -221,7 +222,7 @@ class SpawnContext:
         else:
             self._warming = _KernelWarming(nprocs)
             self._warming.wait()
-        deferred = _signals_deferred()
+        deferred = signals_deferred()
         try:
             with deferred:  # an interrupt now finds the arena owned by a running context
                 self.arena = A.Arena.create(nprocs, eager_bytes=eager_bytes,
@@ -290,7 +291,7 @@ class SpawnContext:
         if self._gated or threading.current_thread() is not threading.main_thread():
             return self._join(timeout)
 
-        def gated(gate: _InterruptGate) -> list[Any] | None:
+        def gated(gate: InterruptGate) -> list[Any] | None:
             results = gate.guard(self)._join(timeout)
             if results is None and gate.received:
                 # a stop signal came while it waited: the stop is seen through (the ranks
@@ -298,7 +299,7 @@ class SpawnContext:
                 results = self._join(None)
             return results
 
-        return _InterruptGate().run(gated)
+        return InterruptGate().run(gated)
 
     def _join(self, timeout: float | None) -> list[Any] | None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -1057,7 +1058,7 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
         from ..cluster.relay import relay_factory as _relay_factory
 
         relay_factory = _relay_factory(controller, salt, world, first_rank, nprocs)
-    def start(interrupts: _InterruptGate | None = None) -> SpawnContext:
+    def start(interrupts: InterruptGate | None = None) -> SpawnContext:
         return SpawnContext(fn, nprocs, args, world_size=world, first_rank=first_rank,
                             max_failures=max_failures, timeout=timeout,
                             save_path=None if save_path is None else os.fspath(save_path),
@@ -1069,7 +1070,7 @@ def spawn(fn: Callable, nprocs: int, args: Sequence = (), *, join: bool = True,
         return _joined_at_exit(start())
     if threading.current_thread() is not threading.main_thread():
         return start().join()
-    return _InterruptGate().run(lambda gate: start(gate)._join(None))
+    return InterruptGate().run(lambda gate: start(gate)._join(None))
 
 
 #: ``spawn(join=False)`` contexts not joined yet (``_join_the_unjoined`` at exit)
@@ -1106,116 +1107,3 @@ def _join_the_unjoined() -> None:
 
 # registered after multiprocessing's own exit hook (imported above), so it runs first
 atexit.register(_join_the_unjoined)
-
-
-#: signals whose default action ends the process: the gate stops the cohort first (its
-#: segments unlinked), then re-delivers them. SIGHUP is a closed terminal or SSH
-#: session, SIGUSR1/SIGUSR2 a scheduler's warning; those three only while their
-#: disposition is the default (a handler of the program's own stays in charge).
-_TERMINATING = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-
-
-def stops_the_process(handler) -> bool:
-    """Whether a signal whose handler is ``handler`` stops the process: its default
-    action, or a command's stop handler (marked ``stops_the_command``, as the CLI's
-    ``first_stop_signal_only`` makes them). Such a signal stops a spawned cohort first,
-    then reaches the process (``_InterruptGate``)."""
-    return handler in (signal.SIG_DFL, None) or getattr(handler, "stops_the_command", False)
-
-
-def take_stop_signals(handler: Callable) -> dict:
-    """Install ``handler`` for SIGINT, SIGTERM and the other ``_TERMINATING`` signals
-    that stop the process (``stops_the_process``); returns the handlers it replaced, by
-    signal."""
-    old = {signal.SIGINT: signal.signal(signal.SIGINT, handler)}
-    for sig in _TERMINATING:
-        if sig == signal.SIGTERM or stops_the_process(signal.getsignal(sig)):
-            old[sig] = signal.signal(sig, handler)
-    return old
-
-
-class _InterruptGate:
-    """``spawn``'s handling of SIGINT and the terminating signals (``_TERMINATING``)
-    on the main thread, from before the arena exists until every rank is reaped.
-
-    Before a ``SpawnContext`` owns an arena the signal acts as it would have (nothing
-    to clean up): a terminating signal of default disposition ends the process at once
-    (raised as ``KeyboardInterrupt`` instead, it could land in a finalizer or a numba
-    callback compiling the kernels, which prints it as "Exception ignored" and goes
-    on), a script's own handler runs, a command's stop handler
-    (``stops_the_process``) gets ``KeyboardInterrupt`` here and the signal again as
-    ``spawn`` returns. From then on it stops the cohort
-    (``terminate``) and ``spawn`` raises ``KeyboardInterrupt`` once every rank is gone.
-    A terminating signal is re-delivered at the end when its disposition was the
-    default (the process then dies of it, as it would have, with nothing left in
-    /dev/shm); when the program has a handler of its own for it, that handler runs then.
-    """
-
-    def __init__(self) -> None:
-        self.ctx: SpawnContext | None = None
-        self.received: list[int] = []
-        self._replaced: dict = {}  # the handlers this gate replaced, by signal
-
-    def _handler(self, signum, frame) -> None:
-        self.received.append(signum)
-        if self.ctx is None:
-            old = self._replaced.get(signum)
-            if signum != signal.SIGINT and old in (signal.SIG_DFL, None):
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)  # its default action, now
-            if callable(old) and not stops_the_process(old):
-                return old(signum, frame)  # the script's own handler, as without spawn
-            raise KeyboardInterrupt
-        how = ("interrupted (Ctrl-C)" if signum == signal.SIGINT
-               else f"stopped by {signal.Signals(signum).name}")
-        self.ctx._stop(A.ABORT_INTERRUPT, f"its launcher was {how}",
-                       said=None if signum == signal.SIGINT else how)
-
-    def guard(self, ctx: SpawnContext) -> SpawnContext:
-        """From now on a signal stops ``ctx``'s cohort (its ``join`` then raises)."""
-        self.ctx = ctx
-        ctx._gated = True
-        return ctx
-
-    def run(self, wait: Callable[["_InterruptGate"], Any]) -> Any:
-        """``wait(self)`` with the stop signals taken; a signal that would have ended
-        the process is delivered again once it returns or raises."""
-        old = self._replaced = take_stop_signals(self._handler)
-        try:
-            return wait(self)
-        finally:
-            if self.ctx is not None:
-                self.ctx._gated = False
-            self.ctx = None  # the run is over (and a raised error's traceback holds self)
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
-            for sig in _TERMINATING:
-                if sig in self.received:  # delivered again, now that the ranks are gone:
-                    handler = old.get(sig, signal.SIG_DFL)
-                    if stops_the_process(handler):
-                        os.kill(os.getpid(), sig)  # its default action, or a command's stop
-                    elif callable(handler):
-                        # the program's own handler; no frame: the one the signal
-                        # interrupted has finished by now
-                        handler(sig, None)
-                    break
-
-
-#: the signals a program may raise from (SIGINT, the terminating ones, an alarm, ...):
-#: all but those a fault raises synchronously, which cannot wait
-_ASYNCHRONOUS = signal.valid_signals() - {
-    signal.SIGKILL, signal.SIGSTOP, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE,
-    signal.SIGILL, signal.SIGTRAP, signal.SIGSYS, signal.SIGABRT}
-
-
-class _signals_deferred:
-    """Block the asynchronous signals for this thread inside the block (they are
-    delivered, and their Python handlers run, right after it): no handler's exception
-    lands half-way through it."""
-
-    def __enter__(self) -> None:
-        #: the thread's mask before the block
-        self.old = signal.pthread_sigmask(signal.SIG_BLOCK, _ASYNCHRONOUS)
-
-    def __exit__(self, *exc) -> None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, self.old)
