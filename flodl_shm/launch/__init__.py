@@ -14,10 +14,10 @@ replace ``flodl_shm.spawn`` by the module once imported.) Its modules:
 
 The calling process becomes the **supervisor**: it owns the host arena (creates and
 unlinks every shared-memory segment), starts the ranks, watches them, fences the
-dead, and — on a cluster — hosts the relay to the controller. A monitor thread does the watching, so ``spawn`` may be called from
-any thread and with ``join=False``; rank processes are started from that thread
-(``PR_SET_PDEATHSIG`` is per thread) and every one is reaped before ``spawn``
-returns or raises.
+dead, and — on a cluster — hosts the relay to the controller. A monitor thread does
+the watching, so ``spawn`` may be called from any thread and with ``join=False``; rank
+processes are started from that thread (``PR_SET_PDEATHSIG`` is per thread) and every
+one is reaped before ``spawn`` returns or raises.
 
 Failure policy:
 
