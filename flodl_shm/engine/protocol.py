@@ -219,13 +219,16 @@ def _controller_silent(stall: ReduceStall) -> ReduceStall:
     names who never delivered, so the likely cause is the controller itself (a probe's
     SIGSTOPped controller was blamed on the other host's healthy ranks)."""
     others = list(stall.missing)
+    # (a host that holds the whole world has no other hosts' ranks to suspect)
+    otherwise = f". Otherwise the ranks on other hosts ({others}) did not deliver" if others \
+        else ""
     return ReduceStall(
         f"round {stall.round} stalled: no consensus from the controller within the "
         f"{stall.timeout:g} s collective timeout, and no verdict from it "
         f"{RELAY_VERDICT_S:g} s later (a controller that is answering stalls the round "
         f"first, naming the ranks that never delivered). The controller is likely not "
         f"answering (its process stopped or overloaded, or cut off from this host): check it "
-        f"and its output. Otherwise the ranks on other hosts ({others}) did not deliver",
+        f"and its output{otherwise}",
         round=stall.round, missing=stall.missing, timeout=stall.timeout, global_ranks=True)
 
 
