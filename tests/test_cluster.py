@@ -536,9 +536,9 @@ def test_the_first_round_waits_for_a_host_still_finishing_its_handshake(monkeypa
     The cohort is complete only once both are, so round 0 takes both frames (and every
     round its own: before, host 0's round-k frame went into round k+1 and both hosts got
     a wrong consensus, silently when the rounds share a schema)."""
-    from flodl_shm.cluster import controller as controller_module
+    from flodl_shm.cluster import admission
 
-    real = controller_module.server_handshake
+    real = admission.server_handshake
     host0_admitted = threading.Event()
 
     def held_handshake(sock, salt, peer, admit, ack=None):
@@ -550,7 +550,7 @@ def test_the_first_round_waits_for_a_host_still_finishing_its_handshake(monkeypa
             host0_admitted.wait(30)
         return link, hello
 
-    monkeypatch.setattr(controller_module, "server_handshake", held_handshake)
+    monkeypatch.setattr(admission, "server_handshake", held_handshake)
     out, errors, ctl = run_hosts(rounds_of_values, [1, 1], join_timeout=60.0, timeout=20.0,
                                  round_timeout=20.0)
     assert not errors, errors
