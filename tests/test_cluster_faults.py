@@ -895,9 +895,14 @@ def test_a_controller_frozen_inside_a_consensus_record_is_named_not_the_closed_l
     text = str(info.value)
     assert "no consensus from the controller within the" in text, text
     # (this host holds the whole world: it read "Otherwise the ranks on other hosts ([])
-    # did not deliver")
+    # did not deliver", and of "the 12 s collective timeout" with no word of spawn's 2 s)
     assert info.value.traceback.rstrip().endswith("check it and its output"), text
     assert "other hosts" not in text, text
+    assert text.startswith("rank 0 gave up waiting: round 0 stalled: "), text
+    assert ("check it and its output (spawn's timeout=2 s; a rank's own deadline trails it "
+            "by 10 s, in which the launcher gives its own verdict) (exc_type=ReduceStall, "
+            "signal=None)") in text, text
+    assert (info.value.rank, info.value.exc_type) == (0, "ReduceStall")
 
 
 def test_the_controller_s_last_line_says_how_the_lost_ranks_left_once():

@@ -68,14 +68,22 @@ def _failure_error(global_rank: int, out: "_Outcome", msg: tuple | None,
     Python's error status before it ran ``fn`` (``started`` False) says where its
     traceback went and the usual cause."""
     stall = msg[3] if msg is not None and msg[0] == "error" and len(msg) > 3 else None
+    # (a probe passed timeout=15 and read of "the 30 s collective timeout")
+    deadline = ("" if not stall or timeout is None else
+                f" (spawn's timeout={timeout:g} s; a rank's own deadline trails it by "
+                f"{stall_grace(timeout):g} s, in which the launcher gives its own verdict)")
     if stall and stall["missing"] and all(isinstance(m, int) for m in stall["missing"]):
-        # (a probe passed timeout=15 and read of "the 30 s collective timeout")
-        deadline = ("" if timeout is None else
-                    f" (spawn's timeout={timeout:g} s; a rank's own deadline trails it by "
-                    f"{stall_grace(timeout):g} s, in which the launcher gives its own verdict)")
         return RankStalled(f"rank {global_rank} gave up waiting: {stall['text']}{deadline}",
                            round=int(stall["round"]), missing=tuple(stall["missing"]),
                            timeout=stall["timeout"], signal=None)
+    if stall and deadline:
+        # a stall that names no rank (a controller that went silent, with no other
+        # host's ranks to suspect): the rank that gave up failed, its deadline explained
+        return RankFailed(global_rank, out.exc_type, out.tb, out.signal, out.exitcode,
+                          message=(f"rank {global_rank} gave up waiting: {stall['text']}"
+                                   f"{deadline} (exc_type={out.exc_type}, signal={out.signal})"
+                                   f"\n\n--- remote traceback of rank {global_rank} ---\n"
+                                   f"{out.tb.rstrip()}"))
     if not started and out.kind == "died" and out.exitcode == 1:
         return RankFailed(global_rank, None, "", None, 1, message=(
             f"rank {global_rank} exited with code 1 while starting, before it ran fn "
