@@ -17,6 +17,7 @@ group's state and asks the group for its error texts through these members:
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -58,8 +59,6 @@ def collective(method):
       whose threads waited for cores the peers spun on: a 256 KiB ``all_gather_into_tensor``
       took 8 ms instead of 0.09.
     """
-    import functools
-
     name = method.__name__
 
     def run(self, args, kwargs):
