@@ -55,6 +55,9 @@ _CLOSED = select.POLLHUP | select.POLLERR | select.POLLNVAL | getattr(select, "P
 
 @dataclass
 class Host:
+    """A member of the cohort: its link, name and ranks (ascending), and what the
+    controller learned of it since it joined."""
+
     link: Link
     name: str
     ranks: list[int]
