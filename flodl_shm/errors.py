@@ -120,11 +120,14 @@ class RankFailed(RuntimeError):
         signal: the signal name (e.g. ``"SIGKILL"``) or ``None``.
         exitcode: the process exit code when known.
         error: the first line of the exception's own message ("" when unknown).
+
+    ``message`` replaces the whole message; ``head`` only what it says before
+    ``(exc_type=..., signal=...)`` and the remote traceback.
     """
 
     def __init__(self, rank: int, exc_type: str | None = None, traceback: str = "",
                  signal: str | None = None, exitcode: int | None = None,
-                 message: str | None = None) -> None:
+                 message: str | None = None, *, head: str | None = None) -> None:
         self.rank = rank
         self.exc_type = exc_type
         self.traceback = traceback
@@ -133,7 +136,9 @@ class RankFailed(RuntimeError):
         #: the first line of the exception's own message ("" when killed or unknown)
         self.error, more = _error_lines(traceback, exc_type) if exc_type else ("", [])
         if message is None:
-            if signal is not None:
+            if head is not None:  # the first line the launcher words itself
+                message = head
+            elif signal is not None:
                 message = (f"rank {rank} was killed by signal {signal}"
                            f" (exit code {exitcode}); no Python traceback is available")
             elif exc_type is not None:

@@ -115,9 +115,6 @@ class ClusterController:
         self._stop = threading.Event()
         self._admission = Admission(sock, world_size, salt, dead_ranks, lock=self._lock,
                                     stop=self._stop, ack_fields=self._ack_fields)
-        # (the admission's own list and event: members join there, under self._lock)
-        self._hosts = self._admission.hosts
-        self._complete = self._admission.complete
         self._done = threading.Event()
         self._acc = np.empty(0, np.float32)
         self._stage: dict[tuple[int, int], np.ndarray] = {}
@@ -185,7 +182,7 @@ class ClusterController:
         self._admission.close()
         self._reduce_thread.join(timeout)
         with self._lock:
-            hosts = list(self._hosts)
+            hosts = list(self._admission.hosts)
         reason = None if stopped is None else f"the controller was {self.stopped_line(stopped)}"
         for h in hosts:
             if reason is not None and h.alive and not h.done:
@@ -226,7 +223,7 @@ class ClusterController:
         """The registered hosts in rank order: (name, global ranks, still running). A
         host that left before the cohort was complete is no longer listed."""
         with self._lock:
-            return [(h.name, list(h.ranks), h.alive and not h.done) for h in self._hosts]
+            return [(h.name, list(h.ranks), h.alive and not h.done) for h in self._admission.hosts]
 
     def load_outer_momentum(self, tensors, *, sync_round: int | None = None) -> None:
         """Restore the outer momentum (in params order) before the first outer round.
@@ -279,12 +276,12 @@ class ClusterController:
 
     def _reduce_main(self) -> None:
         try:
-            while not self._complete.wait(0.2):
+            while not self._admission.complete.wait(0.2):
                 if self._stop.is_set():
                     return
                 self._admission.forget_departed(self._reported_dead)
                 self._admission.tell_unformed()
-            n = len(self._hosts)
+            n = len(self._admission.hosts)
             logger.info("controller: cohort complete (%d host%s); reducing", n,
                         "" if n == 1 else "s")
             early = self.dead_ranks.dead()
@@ -292,7 +289,7 @@ class ClusterController:
                 self._broadcast_ctrl(ctrl_message(Ctrl.DECLARE_DEAD, ranks=early))
             rnd = 0
             while not self._stop.is_set():
-                live = [h for h in self._hosts if h.alive and not h.done]
+                live = [h for h in self._admission.hosts if h.alive and not h.done]
                 if not live:
                     break
                 if not self._round(rnd, live):
@@ -336,7 +333,7 @@ class ClusterController:
         return self.last_armed is not None and self.last_armed[1] in EARLY_STOP_REASONS
 
     def _broadcast_ctrl(self, msg: dict) -> None:
-        for h in self._hosts:
+        for h in self._admission.hosts:
             if h.alive and not h.done:
                 try:
                     h.link.send_ctrl(msg)
@@ -385,7 +382,7 @@ class ClusterController:
 
     def _others_pending(self, h: Host) -> bool:
         """Whether another live host has bytes waiting (it delivered its part)."""
-        return bool(self._pending_hosts([x for x in self._hosts if x is not h]))
+        return bool(self._pending_hosts([x for x in self._admission.hosts if x is not h]))
 
     def _pending_hosts(self, hosts: list[Host]) -> set[int]:
         """ids of the live hosts among ``hosts`` with bytes waiting on their link."""
@@ -438,7 +435,7 @@ class ClusterController:
     def _stall_deadline(self) -> float | None:
         """The round deadline: ``round_timeout`` or the shortest collective timeout a
         host announced (its ranks would give up first), whichever is smaller."""
-        limits = [t for t in [self.round_timeout] + [h.timeout for h in self._hosts]
+        limits = [t for t in [self.round_timeout] + [h.timeout for h in self._admission.hosts]
                   if t is not None]
         return min(limits) if limits else None
 
@@ -500,7 +497,7 @@ class ClusterController:
             h.sent += sum(p.nbytes for p in frame.tensors)
             self.stats.bytes_in += sum(p.nbytes for p in frame.tensors)
         if not got_any:
-            return bool([h for h in self._hosts if h.alive and not h.done])
+            return bool([h for h in self._admission.hosts if h.alive and not h.done])
         kind, shapes = schema[0], [s for _, s in schema[1]]
         dtype = schema[1][0][0] if schema[1] else DTYPE_F32
         out = self._finish(kind, dtype, shapes, offs, mass, flags)

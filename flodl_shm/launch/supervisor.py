@@ -80,10 +80,7 @@ def _failure_error(global_rank: int, out: "_Outcome", msg: tuple | None,
         # a stall that names no rank (a controller that went silent, with no other
         # host's ranks to suspect): the rank that gave up failed, its deadline explained
         return RankFailed(global_rank, out.exc_type, out.tb, out.signal, out.exitcode,
-                          message=(f"rank {global_rank} gave up waiting: {stall['text']}"
-                                   f"{deadline} (exc_type={out.exc_type}, signal={out.signal})"
-                                   f"\n\n--- remote traceback of rank {global_rank} ---\n"
-                                   f"{out.tb.rstrip()}"))
+                          head=f"rank {global_rank} gave up waiting: {stall['text']}{deadline}")
     if not started and out.kind == "died" and out.exitcode == 1:
         return RankFailed(global_rank, None, "", None, 1, message=(
             f"rank {global_rank} exited with code 1 while starting, before it ran fn "
