@@ -17,6 +17,9 @@ Two transports carry every collective (docs/c10d.md has the op/dtype table):
   gather their hosts' bytes, all-gather them through gloo and fan them out
   (``byte_layout.py``: where the tensors sit in a round's bytes).
 
+Across hosts, each collective's host round, the leaders' agreement that every host ran
+the same one, and the fan-out of the result are ``host_tier.py``'s.
+
 Every collective is called through ``collective_call.py`` (errors, overlap, threads);
 arguments a rank cannot take still join the round and raise after it
 (``tensor_arguments.py``), so the ranks stay in step.
@@ -45,12 +48,13 @@ import torch.distributed as dist
 
 from ..engine.byte_exchange import exchange_bytes
 from ..engine.hostcpu import available_cores
-from ..errors import FrameError, PeerDied, ReduceStall
+from ..errors import FrameError, ReduceStall
 from ..frame import RoundKind, tensor_array
 from .byte_layout import (ALIGN, aligned, apart_or_own, copy_into, nbytes_of, packed_offsets,
                           put_status, round_signature, tensor_at, write_tensors)
 from .call_mismatch import describe_call, explain_mismatch
 from .collective_call import collective, leave_to_eager, uncompiled
+from .host_tier import HostTier
 from .overlap import CollectiveWorker
 from .reduce_ops import (SUPPORTED_DTYPES, average_, check_dtype, check_layout, check_op,
                          float_view, op_label, op_name, op_type, real_views, reduce_in_order)
@@ -69,9 +73,6 @@ _SUM = dist.ReduceOp.RedOpType.SUM
 _AVG = dist.ReduceOp.RedOpType.AVG
 _CONTROL = RoundKind.CONTROL
 _MODEL = RoundKind.MODEL
-#: how long past their leader's gloo deadlines a multi-host group's other ranks wait for
-#: its verdict (``_across_hosts``)
-LEADER_VERDICT_S = 5.0
 #: a dtype's code in the shapes of the engine rounds that carry it as float32
 #: (``_allgather_words``, ``_reduce_scatter_summed``): ranks that pass different
 #: dtypes send different shapes, a schema mismatch, as a byte round's signature makes it
@@ -107,6 +108,11 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         self._threads = max(1, available_cores() // len(self._topo.local_ranks))
         # FLODL_SHM_C10D_OVERLAP=0 runs every collective in the caller's thread
         self._overlap = os.environ.get("FLODL_SHM_C10D_OVERLAP", "1") != "0"
+        # how collectives cross hosts (a group on one host has none)
+        self._tier = HostTier(
+            self._link, size, timeout.total_seconds(), self._named, self._mark_unusable,
+            lambda: self._check_nobody_gave_up(self._calling)) \
+            if self._topo.multi_host else None
 
     def _start_worker(self) -> CollectiveWorker:
         if self._worker is None:
@@ -289,143 +295,14 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         """A byte round over the whole group: ``consume`` gets every group rank's bytes
         (uint8 views, group-rank order, valid during the call)."""
         link = self._live()
-        topo = self._topo
-        if not topo.multi_host:
+        if self._tier is None:
             exchange_bytes(link.comm, nbytes, fill, consume, signature)
-            return
-        per_host = max(len(h) for h in topo.hosts)
-        local_n = len(topo.local_ranks)
-        host_blob = np.zeros(per_host * nbytes, np.uint8) if topo.is_leader else None
+        else:
+            self._tier.exchange(nbytes, fill, consume, signature)
 
-        def collect(views: list[np.ndarray]) -> None:
-            if host_blob is not None:
-                for i in range(local_n):
-                    host_blob[i * nbytes:(i + 1) * nbytes] = views[i]
-
-        def combine() -> Callable[[np.ndarray], None]:
-            out = torch.empty(len(topo.hosts) * per_host * nbytes, dtype=torch.uint8)
-            link.leaders.allgather([list(out.chunk(len(topo.hosts)))],
-                                   [torch.from_numpy(host_blob)]).wait()
-
-            def write(dst: np.ndarray) -> None:
-                dst[:] = out.numpy()
-
-            return write
-
-        def fan_out(blob: np.ndarray) -> None:
-            per_rank = [None] * self._size
-            for h, ranks in enumerate(topo.hosts):
-                for i, r in enumerate(ranks):
-                    start = (h * per_host + i) * nbytes
-                    per_rank[r] = blob[start:start + nbytes]
-            consume(per_rank)
-
-        self._across_hosts(lambda: exchange_bytes(link.comm, nbytes, fill, collect, signature),
-                           signature, combine, len(topo.hosts) * per_host * nbytes, fan_out)
-
-    def _across_hosts(self, local_round: Callable[[], None], signature: int,
-                      combine: Callable[[], Callable[[np.ndarray], None]], out_nbytes: int,
-                      take: Callable[[np.ndarray], None]) -> None:
-        """The hierarchical part of a collective on a multi-host group.
-
-        1. ``local_round()`` runs the host's shared-memory round (a schema mismatch
-           there raises on every rank of the host);
-        2. the leaders agree through one small gloo all-reduce (MAX of [failed,
-           signature, -signature, dead]) that every host completed the same collective,
-           and only then ``combine()`` the hosts' partials (gloo; it returns the
-           function that writes the ``out_nbytes`` result into the fan-out); ``dead`` is
-           ``rank << 32 | pid`` of a rank the leader saw die in step 1, else -1;
-        3. the leader fans ``[status word | dead word | result]`` out through a byte
-           round; every rank raises if the status says another host failed, lost a
-           rank or disagreed, else ``take(result)``.
-
-        So a mismatch, a failure or a dead rank on one host makes every rank of every
-        host raise at once (a dead rank: ``RuntimeError`` naming it), instead of leaving
-        the other hosts in a gloo call until the timeout or the dead rank's leader exits."""
-        link, topo = self._live(), self._topo
-        local_error = None
-        try:
-            local_round()
-        except (FrameError, PeerDied) as e:
-            if isinstance(e, PeerDied):
-                self._unusable = f"{e}"
-            if not topo.is_leader:
-                raise  # the leader tells the other hosts, then raises too
-            local_error = e
-        if local_error is None:
-            # a rank of this host gave up on this round before this (late) rank came: it
-            # will not join what follows, where this rank would wait for it in vain
-            self._check_nobody_gave_up(self._calling)
-        status, write, leaders_error, dead = 0, None, None, -1
-        if topo.is_leader:
-            lost = (local_error.rank << 32 | local_error.pid
-                    if isinstance(local_error, PeerDied) else -1)
-            flags = torch.tensor([int(local_error is not None), signature, -signature, lost],
-                                 dtype=torch.int64)
-            opts = dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp.MAX
-            try:
-                link.leaders.allreduce([flags], opts).wait()
-                if local_error is None and not int(flags[0]) and int(flags[1]) == -int(flags[2]):
-                    write = combine()
-            except Exception as e:  # noqa: BLE001 - the leaders' group failed: tell the host
-                leaders_error = e
-            if local_error is not None:
-                raise local_error
-            dead = int(flags[3])
-            if leaders_error is not None:
-                status = 3
-            elif dead >= 0:
-                status = 4
-            elif int(flags[0]):
-                status = 1
-            elif int(flags[1]) != -int(flags[2]):
-                status = 2
-
-        def fill(dst: np.ndarray) -> None:
-            dst[:16].view(np.int64)[:] = (status, dead)
-            if write is not None:
-                write(dst[16:16 + out_nbytes])
-
-        others = [r for r in topo.leaders if r != topo.local_ranks[0]]
-
-        def read(views: list[np.ndarray]) -> None:
-            code, lost = (int(x) for x in views[0][:16].view(np.int64))
-            if code == 4:
-                self._unusable = (
-                    f"rank {lost >> 32} (pid {lost & 0xFFFFFFFF}) died on the host of leader "
-                    f"rank {topo.leaders[topo.host_of(lost >> 32)]}")
-                raise RuntimeError(
-                    f"flodl_shm: {self._unusable}; the collective cannot complete. Destroy the "
-                    f"process group and restart the job (e.g. torchrun --max-restarts) from "
-                    f"the last checkpoint")
-            if code == 3:
-                self._unusable = (
-                    f"the exchange between host leaders failed on this host's leader "
-                    f"({self._named([topo.local_ranks[0]])}): the leader(s) of the other "
-                    f"hosts, {self._named(others)}, did not complete this collective (they "
-                    f"died, left, timed out waiting for a rank of their own host (their "
-                    f"output names it), or are in another collective: every rank must make "
-                    f"the same sequence of calls)")
-                raise RuntimeError(
-                    f"flodl_shm: {self._unusable}; the group is unusable, destroy it and "
-                    f"restart" + (f". gloo said: {leaders_error}" if leaders_error is not None
-                                  else ""))
-            if code:
-                why = ("a rank on another host failed this collective" if code == 1 else
-                       "the hosts called different collectives or shapes")
-                raise FrameError(f"collective across {len(topo.hosts)} hosts: {why}; every "
-                                 f"rank must make the same sequence of collective calls")
-            take(views[0][16:16 + out_nbytes])
-
-        if topo.is_leader:  # it raises here too when the leaders failed
-            exchange_bytes(link.comm, 16 + out_nbytes, fill, read, signature)
-            return
-        # the leader may spend its own timeout in each of the leaders' two gloo steps:
-        # outwait them, so that its verdict (naming the other hosts) arrives first; a
-        # leader that dies is seen at once (liveness), not at the deadline
-        with link.comm.longer_waits(2 * self._timeout.total_seconds() + LEADER_VERDICT_S):
-            exchange_bytes(link.comm, 16 + out_nbytes, None, read, signature)
+    def _mark_unusable(self, reason: str) -> None:
+        """From now on every call raises at once, naming ``reason`` (``_unusable``)."""
+        self._unusable = reason
 
     def _exchange_tensors(self, tensors: Sequence[torch.Tensor] | None, offs: Sequence[int],
                           total: int, consume: Callable[[list[np.ndarray]], None],
@@ -468,8 +345,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
             for t, o in zip(tensors, offs):
                 copy_into(t, tensor_at(blob, o, t))
 
-        self._across_hosts(lambda: link.comm.all_reduce_(tensors, kind=RoundKind.CONTROL),
-                           signature, combine, total, take)
+        self._tier.run(lambda: link.comm.all_reduce_(tensors, kind=RoundKind.CONTROL),
+                       signature, combine, total, take)
 
     def _reduce_generic(self, tensors: list[torch.Tensor], op) -> None:
         offs, total = packed_offsets(tensors)
@@ -939,8 +816,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         if not self._topo.multi_host:
             link.comm.barrier()
         else:
-            self._across_hosts(link.comm.barrier, round_signature("barrier"),
-                               lambda: lambda dst: None, 0, lambda blob: None)
+            self._tier.run(link.comm.barrier, round_signature("barrier"),
+                           lambda: lambda dst: None, 0, lambda blob: None)
         return BARRIER_DONE
 
     # -- not offered ----------------------------------------------------------------------
