@@ -707,6 +707,33 @@ def test_a_scale_that_is_not_finite_is_refused_before_the_round(path, scale):
         assert comm.all_reduce_scaled([torch.ones(2)], 0.5)[0][0].tolist() == [0.5, 0.5]
 
 
+@pytest.mark.parametrize("path", ["single", "fused", "general"])
+@pytest.mark.parametrize("bf16_wire", [False, True])
+def test_a_scaled_nan_keeps_its_sign_and_payload(path, bf16_wire):
+    """all_reduce_scaled is bit-identical to ``t.mul(scale)`` for every value but a NaN: a
+    float32 NaN comes back as float32 arithmetic leaves it (``mul``'s bits on a float32
+    wire, the codec's quiet NaN of its sign on a bfloat16 one), and a bfloat16 NaN stays
+    itself, quieted, where torch's bfloat16 ``mul`` gives NaN bits of its own (0x7FC0 in
+    its scalar loop, 0xFFFF in its vector one, here)."""
+    n = 300_000 if path == "general" else 4
+    words = np.full(n, 0x7FA00001, np.uint32)
+    words[1::2] = 0xFFC00123  # a signalling NaN with a payload, a negative quiet one
+    f32 = torch.from_numpy(words.view(np.float32))
+    f16 = torch.from_numpy(np.full(n, 0xFFA1, np.uint16).view(np.int16)).view(torch.bfloat16)
+    extra = [] if path != "fused" else [torch.ones(3)]
+    with FakeCohort(1) as c:
+        comm = c.comm(0)
+        comm.set_bf16_wire(bf16_wire)
+        (got32, *_), _ = comm.all_reduce_scaled([f32, *extra], 2.0)
+        (got16, *_), _ = comm.all_reduce_scaled([f16, *extra], 2.0)
+    bits32 = got32.numpy().view(np.uint32)
+    want32 = f32.mul(2.0).numpy().view(np.uint32)  # (quieted: 0x7FE00001, 0xFFC00123)
+    if bf16_wire:
+        want32 = ((want32 >> 16) | 0x40).astype(np.uint32) << 16
+    assert np.array_equal(bits32, want32)
+    assert np.all(got16.numpy().view(np.uint32) == np.uint32(0xFFE10000))  # 0xFFA1 quieted
+
+
 def test_the_extreme_masses_float32_carries_still_average_exactly():
     """At float32's smallest normal and at 1e38 the weighted mean is still right."""
     tiny = float(np.finfo(np.float32).tiny)

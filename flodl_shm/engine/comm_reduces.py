@@ -234,7 +234,10 @@ class ReduceCalls:
                           weight: float = 1.0, *, outer: bool = False
                           ) -> tuple[list[torch.Tensor], float]:
         """Send ``tensors · scale`` (scale fused into the copy-in, bit-identical to
-        ``tensor.mul(scale)``) with mass ``weight``; returns (consensus, accepted mass).
+        ``tensor.mul(scale)`` for every value but a NaN) with mass ``weight``; returns
+        (consensus, accepted mass). A NaN stays a NaN of its own sign and payload, quiet,
+        as the bfloat16 codec keeps it, where torch's bfloat16 ``mul`` gives NaN bits of
+        its own.
 
         ``outer=True`` marks the params round of a window: the installed outer
         optimizer (``set_outer``) steps the consensus into the new global before it is
