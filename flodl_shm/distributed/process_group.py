@@ -108,7 +108,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         self._threads = max(1, available_cores() // len(self._topo.local_ranks))
         # FLODL_SHM_C10D_OVERLAP=0 runs every collective in the caller's thread
         self._overlap = os.environ.get("FLODL_SHM_C10D_OVERLAP", "1") != "0"
-        # how collectives cross hosts (a group on one host has none)
+        # how collectives cross hosts (a group on one host has none: ``self._tier is None``
+        # is how the ops ask whether the group spans hosts)
         self._tier = HostTier(
             self._link, size, timeout.total_seconds(), self._named, self._mark_unusable,
             lambda: self._check_nobody_gave_up(self._calling)) \
@@ -314,7 +315,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         """SUM/AVG of float32/bfloat16 tensors through the engine's reduce rounds."""
         link = self._live()
         topo = self._topo
-        if not topo.multi_host:
+        if self._tier is None:
             if avg:
                 link.comm.all_reduce_(tensors, kind=RoundKind.MODEL)
             else:
@@ -372,7 +373,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         # rank's own memory layout: ranks on different transports could not meet
         fast = [t for t in tensors if t.dtype in (torch.float32, torch.bfloat16)]
         if name in ("SUM", "AVG") and len(fast) == len(tensors) and tensors and (
-                not self._topo.multi_host or all(t.dtype is torch.float32 for t in tensors)):
+                self._tier is None or all(t.dtype is torch.float32 for t in tensors)):
             self._sum_f32(tensors, name == "AVG")
         elif tensors:
             self._reduce_generic(tensors, op)
@@ -383,7 +384,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         # the hot case first (DDP buckets, model averaging): one contiguous float32 CPU
         # tensor, SUM or AVG, one host, a usable group: straight to the engine
         link = self._link
-        if link is not None and len(tensors) == 1 and not self._topo.multi_host \
+        if link is not None and len(tensors) == 1 and self._tier is None \
                 and self._unusable is None:
             t = tensors[0]
             # (a sparse, mkldnn or nested tensor goes on to check_dtype, which names it on
@@ -433,7 +434,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 
     def _broadcast(self, tensors: list[torch.Tensor], root: int) -> None:
         link = self._link
-        if (link is not None and tensors and not self._topo.multi_host
+        if (link is not None and tensors and self._tier is None
                 and self._unusable is None and all(t.dtype is _F32 for t in tensors)):
             # the engine's in-place broadcast: one compiled call when small, the root's
             # tensors read straight into the others' when large (engine/comm_broadcasts.py);
@@ -508,7 +509,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         inputs = checked_inputs([i.reshape(-1) for i in inputs], what)
         problem = next((self._gather_misfit(o, i) for o, i in zip(outputs, inputs)
                         if o.dtype != i.dtype or o.numel() != self._size * i.numel()), None)
-        if len(inputs) == 1 and not self._topo.multi_host:
+        if len(inputs) == 1 and self._tier is None:
             # one tensor on one host (FSDP's parameter all-gather): decided by what every
             # rank shares, a rank's misfit output included (it gathers into scratch, then
             # raises), so the ranks run the same rounds
@@ -631,7 +632,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
                 raise RuntimeError(f"flodl_shm reduce_scatter_tensor: input of {i.numel()} "
                                    f"elements does not split into {self._size} equal parts")
         kind = op_type(opts.reduceOp)  # (compared as it is: its name costs 1.2 µs more)
-        if (len(inputs) == 1 and (kind == _SUM or kind == _AVG) and not self._topo.multi_host
+        if (len(inputs) == 1 and (kind == _SUM or kind == _AVG) and self._tier is None
                 and inputs[0].dtype in (torch.float32, torch.bfloat16)):
             # what every rank shares decides (op, dtype, one host), never a rank's layout:
             # the engine's reduce-scatter or all-reduce of the input
@@ -813,7 +814,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
     @collective
     def barrier(self, opts=None) -> dist.Work:
         link = self._live()
-        if not self._topo.multi_host:
+        if self._tier is None:
             link.comm.barrier()
         else:
             self._tier.run(link.comm.barrier, round_signature("barrier"),
