@@ -378,26 +378,34 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         elif tensors:
             self._reduce_generic(tensors, op)
 
+    def _hot_link(self, tensors) -> HostLink | None:
+        """The link, when a call is the ops' hot case (DDP buckets, model averaging, a
+        loop's small broadcasts): ``tensors`` is one contiguous float32 CPU tensor and the
+        group is usable, on one host; the op then hands it straight to the engine. Else
+        None (a sparse, mkldnn or nested tensor goes on to the checks that name it on
+        every rank alike)."""
+        link = self._link
+        if link is None or len(tensors) != 1 or self._tier is not None \
+                or self._unusable is not None:
+            return None
+        t = tensors[0]
+        if (t.dtype is _F32 and t.layout is _STRIDED and not t.is_nested and t.is_cpu
+                and t.is_contiguous()):
+            return link
+        return None
+
     # -- collectives ------------------------------------------------------------------------
     @collective
     def allreduce(self, tensors, opts=None) -> dist.Work:
-        # the hot case first (DDP buckets, model averaging): one contiguous float32 CPU
-        # tensor, SUM or AVG, one host, a usable group: straight to the engine
-        link = self._link
-        if link is not None and len(tensors) == 1 and self._tier is None \
-                and self._unusable is None:
-            t = tensors[0]
-            # (a sparse, mkldnn or nested tensor goes on to check_dtype, which names it on
-            # every rank alike)
-            if (t.dtype is _F32 and t.layout is _STRIDED and not t.is_nested and t.is_cpu
-                    and t.is_contiguous()):
-                op = _SUM if opts is None else opts.reduceOp
-                if op == _SUM:
-                    link.comm.all_reduce_(tensors, kind=_CONTROL)
-                    return done_work(tensors)
-                if op == _AVG:
-                    link.comm.all_reduce_(tensors, kind=_MODEL)
-                    return done_work(tensors)
+        link = self._hot_link(tensors)
+        if link is not None:
+            op = _SUM if opts is None else opts.reduceOp
+            if op == _SUM:
+                link.comm.all_reduce_(tensors, kind=_CONTROL)
+                return done_work(tensors)
+            if op == _AVG:
+                link.comm.all_reduce_(tensors, kind=_MODEL)
+                return done_work(tensors)
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
         if is_sparse_call(tensors):  # (DDP's gradients of nn.Embedding(sparse=True))
             sparse_all_reduce(self._exchange, list(tensors), op, self._size)
@@ -421,6 +429,10 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 
     @collective
     def broadcast(self, tensors, opts) -> dist.Work:
+        link = self._hot_link(tensors)
+        if link is not None:  # (the engine's in-place broadcast, as ``_broadcast``'s)
+            link.comm.broadcast_(tensors, int(opts.rootRank))
+            return done_work(tensors)
         given = list(tensors)
         # complex tensors as their float views (the same bytes): torch's dist.broadcast
         # passes those, but DDP's start-up broadcast (_broadcast_coalesced) does not
