@@ -10,7 +10,9 @@ replace ``flodl_shm.spawn`` by the module once imported.) Its modules:
 - ``listener_folder``: the folder of the rank server's socket, and the reaping of those
   a killed launcher left;
 - ``stop_signals``: Ctrl-C and the terminating signals while ``spawn`` runs (the ranks
-  stop first, then the signal acts).
+  stop first, then the signal acts);
+- ``failure_budget``: the failure policy below as a value: whether the deaths so far
+  stop the cohort, and the reasons the log gives.
 
 The calling process becomes the **supervisor**: it owns the host arena (creates and
 unlinks every shared-memory segment), starts the ranks, watches them, fences the

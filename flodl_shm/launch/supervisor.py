@@ -31,6 +31,7 @@ from ..engine.hostcpu import available_cores
 from ..engine.waiting import Doorbell, wait_notice_s
 from .rank import _RankProcess, _forward_level, _main_file, _rank_main, _recv
 from .rank_server import _KernelWarming, _RankServer, _ServedRankProcess, _native_threads
+from .failure_budget import FailureBudget
 from .stop_signals import InterruptGate, signals_deferred
 
 logger = logging.getLogger("flodl_shm")
@@ -159,8 +160,10 @@ class SpawnContext:
         self.first_rank = first_rank
         self.max_failures = max_failures
         #: past ``max_failures`` the survivors save and stop on their own: the launcher
-        #: stops the cohort only once no rank of this host is left (``_stops``)
+        #: stops the cohort only once no rank of this host is left
         self.survivors_save = survivors_save
+        self._budget = FailureBudget(first_rank, nprocs, world_size, max_failures,
+                                     survivors_save)
         self.timeout = timeout
         # the ranks' own deadline: a backstop behind the supervisor's stall verdict
         self._rank_timeout = None if timeout is None else timeout + stall_grace(timeout)
@@ -590,7 +593,7 @@ class SpawnContext:
         stall = RankStalled(why, round=rnd, missing=missing, timeout=self.timeout)
         dead = self.dead_ranks()
         used = len(dead)
-        fatal = self._stops(dead, len(culprits))
+        fatal = self._budget.stops(dead, len(culprits))
         with self._lock:
             for r in culprits:
                 self._stalled[r] = why
@@ -599,10 +602,10 @@ class SpawnContext:
         if fatal:  # the whole story is the RankStalled that spawn raises: one line here
             logger.error("round %d stalled on rank(s) %s, killed by the launcher; %s: "
                          "stopping the cohort", rnd, list(missing),
-                         self._why_stop(used + len(culprits)))
+                         self._budget.why_stop(used + len(culprits)))
         else:
             logger.warning("%s; fencing them and %s", why,
-                           self._survivors_go_on(used + len(culprits)))
+                           self._budget.survivors_go_on(used + len(culprits)))
         for r in culprits:
             try:
                 os.kill(self._procs[r].pid, signal.SIGKILL)
@@ -677,7 +680,7 @@ class SpawnContext:
                           "stopping the cohort", global_rank,
                           out.exc_type or out.signal or out.exitcode)
             return
-        if self._stops(dead):
+        if self._budget.stops(dead):
             with self._lock:
                 first = self._failure is None
                 # the others' refusal to start says "see their error": this is that error
@@ -692,19 +695,19 @@ class SpawnContext:
                 self._write_death_record(global_rank, err)
             if first:
                 logger.error("rank %d failed (%s); stopping the cohort (%s)", global_rank,
-                             what, self._why_stop(failures))
+                             what, self._budget.why_stop(failures))
             elif cause:
                 logger.error("rank %d failed (%s): the others refused to start for it",
                              global_rank, what)
             else:  # (the cohort is stopping already: not a second "stopping" line)
                 logger.error("rank %d failed too (%s)", global_rank, what)
             self._abort(A.ABORT_FAILED, (global_rank, f"{_host_failure(err)[1]}; "
-                                         f"{self._why_stop(failures)}") if first else None)
+                                         f"{self._budget.why_stop(failures)}") if first else None)
             return
         if stalled is None:
             logger.warning("rank %d failed (%s); %s", global_rank,
                            out.exc_type or out.signal or f"exit code {out.exitcode}",
-                           self._survivors_go_on(failures))
+                           self._budget.survivors_go_on(failures))
         if self._first_death is None:
             self._first_death = err
         if self._relay is not None:  # queued first: a relay that sees the death sends it
@@ -741,37 +744,6 @@ class SpawnContext:
             logger.log(level, msg, *args)
         self._abort(A.ABORT_FAILED, _host_failure(err) if first else None)
 
-    def _local(self, ranks: Sequence[int]) -> list[int]:
-        """The global ranks of ``ranks`` that run on this host."""
-        return [r for r in ranks if self.first_rank <= r < self.first_rank + self.nprocs]
-
-    def _stops(self, dead: Sequence[int], local_more: int = 0) -> bool:
-        """Whether the ``dead`` ranks (cohort-wide) and ``local_more`` ranks of this host
-        about to be killed stop the cohort: past ``max_failures``, or once no rank of the
-        cohort is left (nobody continues: the last failure is the news), or with
-        ``survivors_save`` only once no rank of this host is left (the survivors see the
-        deaths, save and stop themselves)."""
-        if self.survivors_save:
-            return len(self._local(dead)) + local_more >= self.nprocs
-        n = len(dead) + local_more
-        return n > self.max_failures or n >= self.world_size
-
-    def _why_stop(self, failures: int) -> str:
-        """Why ``failures`` failures stop the cohort (``_stops`` said they do), for the log."""
-        if failures > self.max_failures:
-            return (f"{plural(failures, 'failure')} "
-                    f"exceed{'s' if failures == 1 else ''} max_failures={self.max_failures}")
-        return "no rank is left"
-
-    def _survivors_go_on(self, failures: int) -> str:
-        """What the survivors of ``failures`` tolerated failures do, for the log line."""
-        if failures > self.max_failures:  # only with survivors_save (``_stops``)
-            return (f"{plural(failures, 'failure')}, more than max_failures="
-                    f"{self.max_failures}: the "
-                    f"survivors save a checkpoint of the realized work, if any, and stop")
-        return (f"continuing on realized work with the survivors ({failures} of "
-                f"max_failures={self.max_failures} used)")
-
     def dead_ranks(self) -> list[int]:
         """The global ranks dead so far, cohort-wide: this host's failed ranks and, on a
         cluster, every rank the controller declared dead (other hosts' deaths, every
@@ -794,12 +766,12 @@ class SpawnContext:
         if why and self.save_path:
             self._record_remote(ranks, why)
         dead = self.dead_ranks()
-        local = self._local(dead)
+        local = self._budget.local(dead)
         remote = [r for r in dead if r not in local]
-        if not self._stops(dead):
+        if not self._budget.stops(dead):
             if remote:  # (the controller also echoes this host's own deaths, said already)
                 logger.warning("ranks %s of other hosts are dead; %s", remote,
-                               self._survivors_go_on(len(dead)))
+                               self._budget.survivors_go_on(len(dead)))
             return
         err = RankFailed(remote[0] if remote else dead[0], message=(
             f"ranks {dead} of the cohort are dead (ranks {remote} on other hosts, declared by "
