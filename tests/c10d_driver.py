@@ -457,6 +457,13 @@ def sc_layouts(rank: int, world: int) -> dict:
     out = torch.zeros(4, world * 3).t()  # a transposed output
     dist.all_gather_into_tensor(out, torch.arange(12.).view(3, 4) + 100 * rank)
     res["gather_into_transposed"] = out.clone()
+    # the float32 hot case: ranks whose tensors are contiguous hand them straight to the
+    # engine (rank 2's input 2-D), rank 0's transposed output takes the general path;
+    # both must run the same round
+    out = torch.zeros(4, world * 3).t() if rank == 0 else torch.zeros(world * 3, 4)
+    src = torch.arange(12.) + 100 * rank
+    dist.all_gather_into_tensor(out, src.view(3, 4) if rank == 2 else src)
+    res["gather_into_mixed"] = out.clone()
     out = torch.zeros(3, 2, dtype=torch.int64).t()
     dist.reduce_scatter_tensor(out, (torch.arange(world * 6) + rank).view(world * 2, 3))
     res["reduce_scatter_into_transposed"] = out.clone()

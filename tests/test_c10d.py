@@ -222,6 +222,8 @@ def test_layouts_half_sums_empty_complex_and_misuse(tmp_path):
         assert [o.tolist() for o in r["all_to_all"]] == want
         assert torch.equal(r["gather_into_transposed"],
                            torch.cat([torch.arange(12.).view(3, 4) + 100 * k for k in range(3)]))
+        assert torch.equal(r["gather_into_mixed"],
+                           torch.cat([torch.arange(12.).view(3, 4) + 100 * k for k in range(3)]))
         full = sum(torch.arange(world * 6) + k for k in range(world)).view(world * 2, 3)
         assert torch.equal(r["reduce_scatter_into_transposed"], full.chunk(world)[me])
         for name in ("SUM", "AVG"):

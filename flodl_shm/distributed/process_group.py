@@ -378,26 +378,29 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         elif tensors:
             self._reduce_generic(tensors, op)
 
-    def _hot_link(self, tensors) -> HostLink | None:
+    def _hot_link(self, t: torch.Tensor, out: torch.Tensor | None = None) -> HostLink | None:
         """The link, when a call is the ops' hot case (DDP buckets, model averaging, a
-        loop's small broadcasts): ``tensors`` is one contiguous float32 CPU tensor and the
-        group is usable, on one host; the op then hands it straight to the engine. Else
-        None (a sparse, mkldnn or nested tensor goes on to the checks that name it on
-        every rank alike)."""
+        loop's small broadcasts, FSDP's gathers and reduce-scatters): ``t`` (and
+        ``out``, when given) a contiguous float32 CPU tensor, the group usable, on one
+        host; the op then hands them straight to the engine, in the round its general
+        path would run. Else None (a sparse, mkldnn or nested tensor goes on to the
+        checks that name it on every rank alike)."""
         link = self._link
-        if link is None or len(tensors) != 1 or self._tier is not None \
-                or self._unusable is not None:
+        if link is None or self._tier is not None or self._unusable is not None:
             return None
-        t = tensors[0]
-        if (t.dtype is _F32 and t.layout is _STRIDED and not t.is_nested and t.is_cpu
+        if not (t.dtype is _F32 and t.layout is _STRIDED and not t.is_nested and t.is_cpu
                 and t.is_contiguous()):
-            return link
-        return None
+            return None
+        if out is not None and not (out.dtype is _F32 and out.layout is _STRIDED
+                                    and not out.is_nested and out.is_cpu
+                                    and out.is_contiguous()):
+            return None
+        return link
 
     # -- collectives ------------------------------------------------------------------------
     @collective
     def allreduce(self, tensors, opts=None) -> dist.Work:
-        link = self._hot_link(tensors)
+        link = self._hot_link(tensors[0]) if len(tensors) == 1 else None
         if link is not None:
             op = _SUM if opts is None else opts.reduceOp
             if op == _SUM:
@@ -429,7 +432,7 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 
     @collective
     def broadcast(self, tensors, opts) -> dist.Work:
-        link = self._hot_link(tensors)
+        link = self._hot_link(tensors[0]) if len(tensors) == 1 else None
         if link is not None:  # (the engine's in-place broadcast, as ``_broadcast``'s)
             link.comm.broadcast_(tensors, int(opts.rootRank))
             return done_work(tensors)
@@ -515,6 +518,15 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 
     @collective
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        link = self._hot_link(inputs[0], outputs[0]) if len(inputs) == len(outputs) == 1 \
+            else None
+        if link is not None and inputs[0].numel() \
+                and outputs[0].numel() == self._size * inputs[0].numel():
+            # (``_allgather_words``' float32 round, as the general path runs it)
+            t = inputs[0]
+            self._allgather_words(link.comm, outputs[0], t if t.dim() == 1 else t.view(-1),
+                                  4 * t.numel())
+            return done_work(list(outputs))
         what = "all_gather_into_tensor"
         for t in (*outputs, *inputs):  # (a layout before any reshape)
             check_layout(t, what)
@@ -634,6 +646,16 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
 
     @collective  # whole: queued, its output copy must follow the round (see collective)
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts) -> dist.Work:
+        link = self._hot_link(inputs[0], outputs[0]) if len(inputs) == len(outputs) == 1 \
+            else None
+        if link is not None and outputs[0].numel() * self._size == inputs[0].numel():
+            op = opts.reduceOp  # (a PREMUL_SUM is neither: the general path takes it)
+            if op == _SUM or op == _AVG:
+                # (``_reduce_scatter_summed``'s float32 round, as the general path runs it)
+                t = inputs[0]
+                link.comm.reduce_scatter_tensor(outputs[0], t if t.dim() == 1 else t.view(-1),
+                                                _CONTROL if op == _SUM else _MODEL)
+                return done_work(list(outputs))
         what = "reduce_scatter_tensor"
         for t in (*outputs, *inputs):  # (a layout before any reshape)
             check_layout(t, what)
