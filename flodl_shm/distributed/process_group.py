@@ -386,14 +386,8 @@ class ProcessGroupFlodlShm(dist.ProcessGroup):
         path would run. Else None (a sparse, mkldnn or nested tensor goes on to the
         checks that name it on every rank alike)."""
         link = self._link
-        if link is None or self._tier is not None or self._unusable is not None:
-            return None
-        if not (t.dtype is _F32 and t.layout is _STRIDED and not t.is_nested and t.is_cpu
-                and t.is_contiguous()):
-            return None
-        if out is not None and not (out.dtype is _F32 and out.layout is _STRIDED
-                                    and not out.is_nested and out.is_cpu
-                                    and out.is_contiguous()):
+        if (link is None or self._tier is not None or self._unusable is not None
+                or not _plain_f32(t) or out is not None and not _plain_f32(out)):
             return None
         return link
 
@@ -899,6 +893,12 @@ def _shut_down_at_exit() -> None:
             group.shutdown(failed=failed)
         except Exception as e:  # noqa: BLE001 - exiting anyway: say it, shut the others
             logger.warning("flodl_shm: shutting down a process group at exit failed: %s", e)
+
+
+def _plain_f32(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a contiguous float32 CPU tensor (not sparse, mkldnn or nested)."""
+    return (t.dtype is _F32 and t.layout is _STRIDED and not t.is_nested and t.is_cpu
+            and t.is_contiguous())
 
 
 def create_process_group(store, rank: int, size: int, timeout: timedelta) -> ProcessGroupFlodlShm:
