@@ -344,7 +344,7 @@ def test_a_host_stopped_by_a_signal_says_so_to_the_controller(tmp_path):
     said = {name.rsplit(":", 1)[1]: why for name, why in ctl.stopped_hosts.items()}
     assert said["1-1"] == (-1, "its launcher was stopped by SIGTERM"), said
     # (host 0 stops in turn, max_failures=0: it may say so before its link closes)
-    inferred = (-1, "the controller declared ranks [1] dead, 1 failure past max_failures=0")
+    inferred = (-1, "the controller declared ranks [1] dead, 1 failure exceeds max_failures=0")
     assert said.get("0-0", inferred) == inferred, said
 
 
@@ -714,8 +714,9 @@ def test_the_controller_names_why_each_host_stopped():
             assert rank in own and why == f"StartRefused: host of rank {rank} holds another " \
                                           f"checkpoint", said
         else:  # it heard of the other host's refusal from the controller before its own
+            n = len(other)
             assert rank == -1 and why == (f"the controller declared ranks {other} dead, "
-                                          f"{plural(len(other), 'failure')} past "
+                                          f"{plural(n, 'failure')} exceed{'s' * (n == 1)} "
                                           f"max_failures=0"), said
     assert refused >= 1, said
 

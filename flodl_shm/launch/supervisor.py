@@ -23,15 +23,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..engine import arena as A
-from ..errors import RankFailed, RankStalled, ReduceStall, check_flag, check_int, plural
+from ..errors import RankFailed, RankStalled, ReduceStall, check_flag, check_int
 from ..engine.checkpoint_tap import TapServer
 from ..engine.hostmem import host_memory
 from ..engine.segment import fmt_bytes, reap_dead_owner_segments, space_error
 from ..engine.hostcpu import available_cores
 from ..engine.waiting import Doorbell, wait_notice_s
+from .failure_budget import FailureBudget
 from .rank import _RankProcess, _forward_level, _main_file, _rank_main, _recv
 from .rank_server import _KernelWarming, _RankServer, _ServedRankProcess, _native_threads
-from .failure_budget import FailureBudget
 from .stop_signals import InterruptGate, signals_deferred
 
 logger = logging.getLogger("flodl_shm")
@@ -773,10 +773,11 @@ class SpawnContext:
                 logger.warning("ranks %s of other hosts are dead; %s", remote,
                                self._budget.survivors_go_on(len(dead)))
             return
+        why = self._budget.why_stop(len(dead))
         err = RankFailed(remote[0] if remote else dead[0], message=(
             f"ranks {dead} of the cohort are dead (ranks {remote} on other hosts, declared by "
-            f"the controller: a rank died there or the whole host was lost); {len(dead)} "
-            f"failures exceed max_failures={self.max_failures}: stopping this host too"))
+            f"the controller: a rank died there or the whole host was lost); {why}: "
+            f"stopping this host too"))
         with self._lock:
             first = self._failure is None
             if first:
@@ -784,8 +785,7 @@ class SpawnContext:
         logger.error("%s", err)
         # (-1: the cause is no rank of this host)
         self._abort(A.ABORT_FAILED, (-1, f"the controller declared ranks {remote} dead, "
-                                     f"{plural(len(dead), 'failure')} past max_failures="
-                                     f"{self.max_failures}") if first else None)
+                                     f"{why}") if first else None)
 
     def _write_death_record(self, rank: int, err: RankFailed | str,
                             keep: bool = False) -> None:
