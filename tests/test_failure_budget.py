@@ -34,6 +34,7 @@ def test_ranks_of_other_hosts_count_cohort_wide_but_are_not_this_hosts():
     budget = FailureBudget(first_rank=2, nprocs=2, world_size=6, max_failures=2)
     assert budget.local([0, 1, 2, 3, 4, 5]) == [2, 3]
     assert budget.local([5, 3, 0]) == [3]
+    assert [r for r in range(6) if budget.is_local(r)] == [2, 3]
     assert not budget.stops([0, 5])
     assert budget.stops([0, 5, 4])
 

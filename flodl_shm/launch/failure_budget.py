@@ -41,9 +41,13 @@ class FailureBudget:
     max_failures: int
     survivors_save: bool = False
 
+    def is_local(self, rank: int) -> bool:
+        """Whether global rank ``rank`` runs on this host."""
+        return self.first_rank <= rank < self.first_rank + self.nprocs
+
     def local(self, ranks: Sequence[int]) -> list[int]:
         """The global ranks of ``ranks`` that run on this host."""
-        return [r for r in ranks if self.first_rank <= r < self.first_rank + self.nprocs]
+        return [r for r in ranks if self.is_local(r)]
 
     def stops(self, dead: Sequence[int], local_more: int = 0) -> bool:
         """Whether the ``dead`` ranks (cohort-wide) and ``local_more`` ranks of this host

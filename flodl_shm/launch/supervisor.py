@@ -810,9 +810,9 @@ class SpawnContext:
 
     def _record_remote(self, ranks: list[int], why: str) -> None:
         """The death records of other hosts' ``ranks``, saying how their host stopped."""
-        for r in ranks:
-            if not self.first_rank <= int(r) < self.first_rank + self.nprocs:
-                self._write_death_record(int(r), why, keep=True)
+        for r in map(int, ranks):
+            if not self._budget.is_local(r):
+                self._write_death_record(r, why, keep=True)
 
     def _abort(self, reason: int, failure: tuple[int, str] | None = None) -> None:
         """Raise the abort flag, wake everyone, then escalate on stragglers. ``failure``:
