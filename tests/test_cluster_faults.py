@@ -301,15 +301,15 @@ def test_what_a_stopping_host_tells_the_controller_of_a_stalled_rank():
     supervisor thread died on it with an AttributeError traceback, where it was to
     tell the controller why the host stopped."""
     from flodl_shm.errors import RankStalled
-    from flodl_shm.launch.supervisor import _host_failure
+    from flodl_shm.launch.rank_exit import host_failure
 
     err = RankStalled("rank 1 gave up waiting: round 0 stalled at the controller after 9 s; "
                       "ranks [0] never joined the cohort\nmore", round=0, missing=(0,),
                       timeout=9.0, signal=None)
-    assert _host_failure(err) == (0, "rank 1 gave up waiting: round 0 stalled at the "
-                                     "controller after 9 s; ranks [0] never joined the cohort")
-    assert _host_failure(RankFailed(3, "StartRefused", "Traceback ...\nflodl_shm.errors."
-                                    "StartRefused: another checkpoint\n")) == (
+    assert host_failure(err) == (0, "rank 1 gave up waiting: round 0 stalled at the "
+                                    "controller after 9 s; ranks [0] never joined the cohort")
+    assert host_failure(RankFailed(3, "StartRefused", "Traceback ...\nflodl_shm.errors."
+                                   "StartRefused: another checkpoint\n")) == (
         3, "StartRefused: another checkpoint")
 
 

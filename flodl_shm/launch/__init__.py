@@ -12,7 +12,11 @@ replace ``flodl_shm.spawn`` by the module once imported.) Its modules:
 - ``stop_signals``: Ctrl-C and the terminating signals while ``spawn`` runs (the ranks
   stop first, then the signal acts);
 - ``failure_budget``: the failure policy below as a value: whether the deaths so far
-  stop the cohort, and the reasons the log gives.
+  stop the cohort, and the reasons the log gives;
+- ``stall_watch``: the stall verdict below as a value: which live rank leaves the others
+  waiting in a round, and when the launcher names it;
+- ``rank_exit``: what a rank's exit means (ok, an error, a death; a cause or a casualty
+  of a stop under way) and the error ``spawn`` raises for it.
 
 The calling process becomes the **supervisor**: it owns the host arena (creates and
 unlinks every shared-memory segment), starts the ranks, watches them, fences the
@@ -81,8 +85,8 @@ Start methods (``spawn(..., start_method=...)``; docs/runtime.md, "Start-up"):
 from __future__ import annotations
 
 from .rank import RankContext, rank_logs_forwarded
-from .supervisor import (ABORT_GRACE_S, STALL_POLL_S, TERM_GRACE_S, SpawnContext, spawn,
-                         stall_grace)
+from .stall_watch import STALL_POLL_S, stall_grace
+from .supervisor import ABORT_GRACE_S, TERM_GRACE_S, SpawnContext, spawn
 
 __all__ = ["ABORT_GRACE_S", "STALL_POLL_S", "TERM_GRACE_S", "RankContext", "SpawnContext",
            "rank_logs_forwarded", "spawn", "stall_grace"]

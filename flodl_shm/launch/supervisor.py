@@ -19,7 +19,6 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..engine import arena as A
@@ -31,7 +30,9 @@ from ..engine.hostcpu import available_cores
 from ..engine.waiting import Doorbell, wait_notice_s
 from .failure_budget import FailureBudget
 from .rank import _RankProcess, _forward_level, _main_file, _rank_main, _recv
+from .rank_exit import RankExit, failure_error, host_failure, teardown_casualty
 from .rank_server import _KernelWarming, _RankServer, _ServedRankProcess, _native_threads
+from .stall_watch import STALL_POLL_S, Stall, StallWatch, stall_grace
 from .stop_signals import InterruptGate, signals_deferred
 
 logger = logging.getLogger("flodl_shm")
@@ -39,66 +40,6 @@ logger = logging.getLogger("flodl_shm")
 
 ABORT_GRACE_S = 2.0   # voluntary exit after the abort flag, before SIGTERM
 TERM_GRACE_S = 5.0    # after SIGTERM, before SIGKILL
-STALL_POLL_S = 0.5    # the supervisor's longest look-away from the control block
-
-
-def stall_grace(timeout: float) -> float:
-    """Seconds a rank's own collective deadline trails the supervisor's stall verdict
-    (``timeout``): time to notice, kill the culprit and fence it before any waiter
-    gives up by itself. A rank still starting up (not yet in ``fn``: importing torch
-    on a busy host) is given half of it on top of ``timeout`` before it is blamed."""
-    return max(10.0, float(timeout))
-
-
-@dataclass
-class _Outcome:
-    kind: str                     # "ok" | "error" | "died"
-    value: Any = None
-    exc_type: str | None = None
-    tb: str = ""
-    exitcode: int | None = None
-    signal: str | None = None
-    when: float = 0.0
-
-
-def _failure_error(global_rank: int, out: "_Outcome", msg: tuple | None,
-                   started: bool = True, timeout: float | None = None) -> RankFailed:
-    """The error ``spawn`` raises for rank ``global_rank``'s failure: a ``RankStalled``
-    when the rank gave up waiting on ranks that never came (its own backstop deadline,
-    explained from spawn's ``timeout``), else a ``RankFailed``; one that exited with
-    Python's error status before it ran ``fn`` (``started`` False) says where its
-    traceback went and the usual cause."""
-    stall = msg[3] if msg is not None and msg[0] == "error" and len(msg) > 3 else None
-    # (a probe passed timeout=15 and read of "the 30 s collective timeout")
-    deadline = ("" if not stall or timeout is None else
-                f" (spawn's timeout={timeout:g} s; a rank's own deadline trails it by "
-                f"{stall_grace(timeout):g} s, in which the launcher gives its own verdict)")
-    if stall and stall["missing"] and all(isinstance(m, int) for m in stall["missing"]):
-        return RankStalled(f"rank {global_rank} gave up waiting: {stall['text']}{deadline}",
-                           round=int(stall["round"]), missing=tuple(stall["missing"]),
-                           timeout=stall["timeout"], signal=None)
-    if stall and deadline:
-        # a stall that names no rank (a controller that went silent, with no other
-        # host's ranks to suspect): the rank that gave up failed, its deadline explained
-        return RankFailed(global_rank, out.exc_type, out.tb, out.signal, out.exitcode,
-                          head=f"rank {global_rank} gave up waiting: {stall['text']}{deadline}")
-    if not started and out.kind == "died" and out.exitcode == 1:
-        return RankFailed(global_rank, None, "", None, 1, message=(
-            f"rank {global_rank} exited with code 1 while starting, before it ran fn "
-            f"(exc_type=None, signal=None); its Python traceback is on stderr. Each rank "
-            f"imports the launcher's script: code there that runs at import (a spawn call, "
-            f"torch work, reading files by relative path) runs in every rank; put it under "
-            f"`if __name__ == \"__main__\":`"))
-    return RankFailed(global_rank, out.exc_type, out.tb, out.signal, out.exitcode)
-
-
-def _signal_name(exitcode: int | None) -> str | None:
-    if exitcode is None or exitcode >= 0:
-        return None
-    try:
-        return signal.Signals(-exitcode).name
-    except ValueError:
-        return f"signal {-exitcode}"
 
 
 def _check_picklable(fn: Callable, args: Sequence) -> bytes:
@@ -184,8 +125,8 @@ class SpawnContext:
         self._c10d_env = None if relay_factory is not None else _torch_distributed_env()
         self._running: dict[int, float] = {}  # local rank -> when it entered fn
         self._stalled: dict[int, str] = {}   # local culprits killed for a stall -> why
-        self._stall_clock: tuple | None = None  # ((phase, round), first seen) of a wait
-        self._outcomes: dict[int, _Outcome] = {}
+        self._stall_watch = StallWatch(timeout or 0.0)  # (polled only with a timeout)
+        self._outcomes: dict[int, RankExit] = {}
         self._procs: list = []
         self._pids: list[int] = []
         self._failure: RankFailed | None = None
@@ -536,61 +477,25 @@ class SpawnContext:
                 self._check_stall(live)
 
     def _check_stall(self, live: set[int]) -> None:
-        """Find the rank(s) that leave others waiting in a round past ``timeout``.
-
-        A live rank whose arrival word is behind another live rank's is missing from
-        the round that rank waits in (a round cannot complete without a live rank);
-        in a bulk round whose slices are being reduced, a live rank that has not
-        published its slice while another has is missing likewise. The clock of a
-        wait starts when the supervisor first sees it (within ``poll`` of the
-        waiter's own start), so the culprit is named at ``timeout`` plus at most one
-        poll; for a rank that entered ``fn`` after the wait began, from then on. A
-        rank still starting up is named after ``timeout`` + ``stall_grace / 2``. The
-        waiters' own deadline trails by ``stall_grace``."""
+        """The stall check's poll (``stall_watch.py``): the live, unfenced ranks' round
+        words to the watch, its culprits fenced."""
         ctl = self.arena.ctl
         if ctl[A.G_ABORT]:
             return
         alive = [r for r in live if not ctl[A.rank_base(r) + A.R_DEAD] and r not in self._stalled]
-        if len(alive) < 2:
-            self._stall_clock = None
-            return
         arrived = {r: int(ctl[A.rank_base(r) + A.R_ARRIVED]) for r in alive}
-        front = max(arrived.values())
-        behind = [r for r in alive if arrived[r] < front]
-        phase = "arrive"
-        if not behind:
-            done = {r: int(ctl[A.rank_base(r) + A.R_DONE]) for r in alive}
-            if max(done.values()) == front:  # a bulk round's slices are being reduced
-                behind = [r for r in alive if done[r] < front]
-                phase = "reduce"
-        if not behind:
-            self._stall_clock = None
-            return
-        now = time.monotonic()
-        key = (phase, front)
-        if self._stall_clock is None or self._stall_clock[0] != key:
-            self._stall_clock = (key, now)
-            return
-        since = self._stall_clock[1]
-        starting = since + self.timeout + stall_grace(self.timeout) / 2
-        culprits = [r for r in behind
-                    if (r in self._running and now - max(since, self._running[r]) >= self.timeout)
-                    or (r not in self._running and now >= starting)]
-        if culprits:
-            self._fence_stalled(front, phase, culprits, [r for r in alive if r not in behind])
+        done = {r: int(ctl[A.rank_base(r) + A.R_DONE]) for r in alive}  # (read after)
+        self._stall_watch, stall = self._stall_watch.look(arrived, done, self._running,
+                                                          time.monotonic())
+        if stall is not None:
+            self._fence_stalled(stall)
 
-    def _fence_stalled(self, rnd: int, phase: str, culprits: list[int],
-                       waiters: list[int]) -> None:
-        """Kill the ranks that stalled round ``rnd``; they count as failures."""
+    def _fence_stalled(self, stall: Stall) -> None:
+        """Kill the ranks that stalled a round; they count as failures."""
+        culprits = stall.culprits
         missing = tuple(self.first_rank + r for r in culprits)
-        waiting = [self.first_rank + r for r in waiters]
-        what = "arrive at" if phase == "arrive" else "reduce its slice of"
-        why = (f"round {rnd} stalled: rank(s) {list(missing)} did not {what} the round within "
-               f"the {self.timeout:g} s collective timeout while rank(s) {waiting} waited for "
-               f"them; the launcher killed the missing rank(s) (alive but silent: stuck outside "
-               f"the collective, or wedged; if they were only slow, e.g. a long first batch, "
-               f"pass a larger timeout)")
-        stall = RankStalled(why, round=rnd, missing=missing, timeout=self.timeout)
+        why = stall.why(self.first_rank, self.timeout)
+        err = RankStalled(why, round=stall.round, missing=missing, timeout=self.timeout)
         dead = self.dead_ranks()
         used = len(dead)
         fatal = self._budget.stops(dead, len(culprits))
@@ -598,10 +503,10 @@ class SpawnContext:
             for r in culprits:
                 self._stalled[r] = why
             if fatal and self._failure is None:
-                self._failure = stall
+                self._failure = err
         if fatal:  # the whole story is the RankStalled that spawn raises: one line here
             logger.error("round %d stalled on rank(s) %s, killed by the launcher; %s: "
-                         "stopping the cohort", rnd, list(missing),
+                         "stopping the cohort", stall.round, list(missing),
                          self._budget.why_stop(used + len(culprits)))
         else:
             logger.warning("%s; fencing them and %s", why,
@@ -630,25 +535,11 @@ class SpawnContext:
 
     def _record_exit(self, r: int, msg: tuple | None) -> None:
         p = self._procs[r]
-        now = time.monotonic()
-        if msg is not None and msg[0] == "ok" and p.exitcode == 0:
-            self._outcomes[r] = _Outcome("ok", msg[1], exitcode=0, when=now)
+        self._outcomes[r] = out = RankExit.of(msg, p.exitcode)
+        if out.kind == "ok":
             self.arena.mark_exited(r)
             return
-        if msg is not None and msg[0] == "error":
-            out = _Outcome("error", exc_type=msg[1], tb=msg[2], exitcode=p.exitcode, when=now)
-        else:
-            out = _Outcome("died", exitcode=p.exitcode, signal=_signal_name(p.exitcode), when=now)
-        self._outcomes[r] = out
-        reason = int(self.arena.ctl[A.G_ABORT])
-        aborting = bool(reason)
-        if reason == A.ABORT_INTERRUPT and self._interrupted:
-            return  # stopped by the user's interrupt, whatever it was doing
-        if aborting and out.exc_type in ("CohortAborted", "_Terminated"):
-            return  # a casualty of the teardown, not a cause
-        if aborting and out.kind == "died" and out.signal in ("SIGTERM", "SIGKILL"):
-            return
-        if aborting and out.exitcode == 143:
+        if teardown_casualty(out, int(self.arena.ctl[A.G_ABORT]), self._interrupted):
             return
         global_rank = self.first_rank + r
         server_death = (self._server.died() if out.kind == "died" and out.exitcode == 255
@@ -663,7 +554,7 @@ class SpawnContext:
             err = RankFailed(global_rank, "ReduceStall", "", out.signal, out.exitcode,
                              message=stalled)
         else:
-            err = _failure_error(global_rank, out, msg, started=r in self._running,
+            err = failure_error(global_rank, out, msg, started=r in self._running,
                                  timeout=self.timeout)
         if out.exc_type == "StartRefused":
             # every rank refuses at the same point: no death to tolerate, the run stops.
@@ -701,7 +592,7 @@ class SpawnContext:
                              global_rank, what)
             else:  # (the cohort is stopping already: not a second "stopping" line)
                 logger.error("rank %d failed too (%s)", global_rank, what)
-            self._abort(A.ABORT_FAILED, (global_rank, f"{_host_failure(err)[1]}; "
+            self._abort(A.ABORT_FAILED, (global_rank, f"{host_failure(err)[1]}; "
                                          f"{self._budget.why_stop(failures)}") if first else None)
             return
         if stalled is None:
@@ -742,15 +633,14 @@ class SpawnContext:
                 self._failure, self._failure_inferred = err, False
         if first:
             logger.log(level, msg, *args)
-        self._abort(A.ABORT_FAILED, _host_failure(err) if first else None)
+        self._abort(A.ABORT_FAILED, host_failure(err) if first else None)
 
     def dead_ranks(self) -> list[int]:
         """The global ranks dead so far, cohort-wide: this host's failed ranks and, on a
         cluster, every rank the controller declared dead (other hosts' deaths, every
         rank of a lost host). Their count is what ``max_failures`` bounds."""
         with self._lock:
-            local = {self.first_rank + r for r, o in self._outcomes.items() if o.kind != "ok"
-                     and o.exc_type not in ("CohortAborted", "_Terminated")}
+            local = {self.first_rank + r for r, o in self._outcomes.items() if o.failed}
             return sorted(local | self._cohort_dead)
 
     def cohort_deaths(self, ranks: list[int], why: str | None = None) -> None:
@@ -897,18 +787,6 @@ def _out_of_descriptors(nprocs: int) -> OSError:
         f"hold {soft} (`ulimit -n`, RLIMIT_NOFILE), and the cohort takes a few for each "
         f"rank in the launcher (its shared memory, pipes, the rank server's connection); "
         f"raise it (`ulimit -n 4096` before starting the job{ceiling})"))
-
-
-def _host_failure(err: RankFailed) -> tuple[int, str]:
-    """``(rank, one line)`` of a failure that stops this host, for the controller: the
-    rank's error (``StartRefused: ...``), or the failure's own first line (how it died,
-    or, for a ``RankStalled``, which carries no parsed error, what it waited for)."""
-    # (the rank travels on its own: "rank 2 could not start ..." would make the same
-    # refusal on every host a reason of its own at the controller)
-    error = err.error.removeprefix(f"rank {err.rank} ")
-    what = (f"{err.exc_type}: {error}" if error
-            else (err.why if isinstance(err, RankStalled) else str(err)).split("\n", 1)[0])
-    return err.rank, what
 
 
 def rank_threads(nprocs: int) -> int:
