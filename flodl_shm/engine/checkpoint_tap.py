@@ -163,7 +163,7 @@ class TapClient:
             return
         lowest = (eng.last_accepted & -eng.last_accepted).bit_length() - 1
         if lowest == self._local_rank and not eng.relay_mode:
-            momentum = eng.outer_momentum() if outer and eng.outer is not None else None
+            momentum = eng.outer.last_momentum() if outer else None
             frame = head.for_frame(dtype=dtype, shapes=shapes, mass=mass, round=rnd,
                                    momentum_shapes=shapes if momentum is not None else None)
             post(self.arena, eng.doorbell, frame, cons, momentum,

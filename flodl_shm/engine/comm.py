@@ -197,7 +197,7 @@ class Comm(ReduceCalls, BroadcastCalls, GatherScatterCalls, ZeroCopyCalls, Round
         ``outer=True`` a plain reduce.
         """
         stateful = outer is not None and getattr(outer, "has_momentum", False)
-        self._engine.outer = outer if stateful else None
+        self._engine.outer.optimizer = outer if stateful else None
         self._outer_installed = stateful
         self._outer_claims += 1
 
@@ -220,29 +220,18 @@ class Comm(ReduceCalls, BroadcastCalls, GatherScatterCalls, ZeroCopyCalls, Round
                 outer round steps from; ``None``: the consensus itself (a zero first step).
             momentum: the outer momentum to continue from; ``None``: fresh momentum.
         """
-        eng = self._engine
-        eng.outer_prev_loaded = None if prev is None else flat_f32(prev)
-        eng.outer_loaded = None if momentum is None else flat_f32(momentum)
-        eng.outer_steps = 0
+        self._engine.outer.seed(None if prev is None else flat_f32(prev),
+                                None if momentum is None else flat_f32(momentum))
 
     def outer_momentum(self) -> np.ndarray | None:
         """A copy of the outer momentum (flat f32) the next outer round continues from:
         the last outer round's, or the loaded one before the first; None if neither."""
-        return self._outer_vector(self._engine.outer_loaded, RoundEngine.outer_momentum)
+        return self._engine.outer.momentum()
 
     def outer_prev(self) -> np.ndarray | None:
         """A copy of the global the next outer round steps from (flat f32): the last
         outer round's result, or the seeded prev before the first; None if neither."""
-        return self._outer_vector(self._engine.outer_prev_loaded, RoundEngine.outer_prev)
-
-    def _outer_vector(self, seeded: np.ndarray | None,
-                      written: Callable[[RoundEngine], np.ndarray]) -> np.ndarray | None:
-        eng = self._engine
-        if eng.outer is None:
-            return None
-        if eng.outer_steps == 0:
-            return None if seeded is None else seeded.copy()
-        return written(eng).copy()
+        return self._engine.outer.prev()
 
     def controller_outer_round(self) -> int | None:
         """On a cluster whose controller steps a stateful outer optimizer, where its

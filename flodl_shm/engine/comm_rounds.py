@@ -641,8 +641,8 @@ class RoundPaths:
                 eng.await_slices(view)
                 mass = eng.await_consensus(view) if eng.relay_mode else view.mass
                 cons = eng.consensus_array(view)
-                if eng.outer_applies(view):
-                    eng.outer_round_done(view.nelem)
+                if eng.outer.applies(view, eng.relay_mode):
+                    eng.outer.round_done(view.nelem)
             if tap:
                 self._tap.captured(rnd, dtype, plan.shapes, cons, mass, outer)
             return cons, mass

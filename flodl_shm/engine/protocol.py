@@ -84,6 +84,7 @@ from ..kernels import signals
 from ..kernels import tensorio as TIO
 from ..kernels.codes import is_terminal
 from .direct import UNAVAILABLE, DirectRounds
+from .outer_in_reduce import OuterInReduce
 from .waiting import (WORK_BYTES_PER_S, YIELD_BUDGET_S, YIELDS_PER_CALL, Doorbell, Waiter,
                       futex_wake)
 
@@ -294,13 +295,8 @@ class RoundEngine:
         self.relay_mode = bool(arena.ctl[A.G_RELAY])
         #: tests only: ``hook(phase, round)`` called at fault-injection points
         self.fault_hook: Callable[[str, int], None] | None = None
-        # outer optimizer (single host): stepped by each slice reducer on its slice
-        self.outer = None                 # an OuterOptimizer with state, or None
-        self.outer_steps = 0              # realized outer rounds so far (k)
-        self.outer_nelem = 0
-        self.outer_loaded: np.ndarray | None = None  # momentum restored from a checkpoint
-        self.outer_prev_loaded: np.ndarray | None = None  # prev global seeded for step 0
-        self._outer_scratch = np.empty(0, np.float32)
+        #: the outer optimizer (one host), stepped by each slice reducer on its slice
+        self.outer = OuterInReduce(arena)
         self.own_slice: tuple[int, int] | None = None  # written to ``into`` last round
         self._plans: dict[tuple, RoundPlan] = {}
         self._eager_payloads: dict = {}   # (plan, parity) -> typed payload view
@@ -729,8 +725,8 @@ class RoundEngine:
         """
         start, stop = A.slice_bounds(view.nelem, self.world, j)
         out = self.result_array(view)
-        if into is not None and self.fault_hook is None and not self.outer_applies(view) \
-                and not self.relay_mode:
+        outer = self.outer.applies(view, self.relay_mode)
+        if into is not None and self.fault_hook is None and not outer and not self.relay_mode:
             srcs = tuple(self.payload(view, r) for r in view.contributors)
             for c0 in range(start, stop, DIRECT_CHUNK):
                 c1 = min(c0 + DIRECT_CHUNK, stop)
@@ -750,98 +746,9 @@ class RoundEngine:
             self.reduce_into(view, out, start, mid, partial=self.relay_mode)
             self.fault_hook("reduce", view.rnd)
             self.reduce_into(view, out, mid, stop, partial=self.relay_mode)
-        if self.outer_applies(view):
-            self._outer_step_slice(view, out, start, stop)
+        if outer:
+            self.outer.step_slice(view, out, start, stop)
         self.doorbell.publish(A.rank_base(j) + A.R_DONE, view.rnd)
-
-    # -- the outer optimizer, per slice -----------------------------------------------
-    #
-    # State in the ``out`` segment: prev-global P[2][n] and momentum M[2][n] (f32),
-    # double-buffered by step parity: step k reads buffer k%2 and writes (k+1)%2, so
-    # a survivor that re-reduces a dead rank's slice recomputes from inputs nobody
-    # touched. Step 0 (the first window, or the first after a resume) uses the seeded
-    # prev global (``Comm.load_outer_state``) or else the consensus itself (g = 0),
-    # and the momentum restored from the checkpoint or else fresh momentum. Same f32
-    # arithmetic as OuterOptimizer.outer_step.
-
-    def outer_applies(self, view: RoundView) -> bool:
-        return (self.outer is not None and bool(view.flags & A.FLAG_OUTER)
-                and view.kind == RoundKind.MODEL and view.mass > 0.0 and not self.relay_mode)
-
-    def _outer_state(self, n: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        raw = self.arena.extra_view("out", 16 * n)[:16 * n].view(np.float32)
-        return [raw[0:n], raw[n:2 * n]], [raw[2 * n:3 * n], raw[3 * n:4 * n]]
-
-    def outer_step_index(self, n: int) -> int:
-        """The step k an outer round over an ``n``-element params frame takes: the outer
-        rounds realized so far, or 0 when the frame changed size (restart). Every rank
-        computes the same k, whether or not it reduces a slice of the round."""
-        return self.outer_steps if n == self.outer_nelem else 0
-
-    def outer_round_done(self, n: int) -> None:
-        """Every rank, after a round the outer optimizer stepped (``outer_applies``):
-        count the step and drop the seeded state (it served step 0)."""
-        if n != self.outer_nelem:
-            if self.outer_nelem:
-                import logging
-
-                logging.getLogger("flodl_shm").warning(
-                    "outer optimizer: the params frame changed size (%d -> %d elements); "
-                    "restarting the outer state", self.outer_nelem, n)
-            self.outer_nelem = n
-            self.outer_steps = 0
-        self.outer_steps += 1
-        self.outer_prev_loaded = self.outer_loaded = None
-
-    def outer_momentum(self) -> np.ndarray:
-        """The momentum written by the last realized outer step (flat f32)."""
-        _, mom = self._outer_state(self.outer_nelem)
-        return mom[self.outer_steps % 2]
-
-    def outer_prev(self) -> np.ndarray:
-        """The global written by the last realized outer step (flat f32)."""
-        prev, _ = self._outer_state(self.outer_nelem)
-        return prev[self.outer_steps % 2]
-
-    def _outer_step_slice(self, view: RoundView, out: np.ndarray, s: int, e: int) -> None:
-        if e <= s:
-            return
-        n = view.nelem
-        prev_buf, mom_buf = self._outer_state(n)
-        k = self.outer_step_index(n)
-        rd, wr = k % 2, (k + 1) % 2
-        m = e - s
-        if self._outer_scratch.shape[0] < 2 * m:
-            self._outer_scratch = np.empty(2 * m, np.float32)
-        if view.dtype == DTYPE_F32:
-            cons = out[s:e]
-        else:
-            cons = self._outer_scratch[:m]
-            K.bf16_to_f32(out[s:e], cons)
-        new = self._outer_scratch[m:2 * m]
-        mom = mom_buf[wr][s:e]
-        if k == 0:
-            for what, seeded in (("prev global", self.outer_prev_loaded),
-                                 ("momentum", self.outer_loaded)):
-                if seeded is not None and seeded.shape[0] != n:
-                    raise ValueError(
-                        f"the outer {what} loaded with Comm.load_outer_state has "
-                        f"{seeded.shape[0]} elements but the outer round's params frame has "
-                        f"{n}: load the state saved for this model")
-            prev = cons if self.outer_prev_loaded is None else self.outer_prev_loaded[s:e]
-            fresh = self.outer_loaded is None
-            if not fresh:
-                np.copyto(mom, self.outer_loaded[s:e])
-        else:
-            prev = prev_buf[rd][s:e]
-            fresh = False
-            np.copyto(mom, mom_buf[rd][s:e])
-        self.outer.step_flat(prev, cons, mom, fresh, new)
-        np.copyto(prev_buf[wr][s:e], new)
-        if view.dtype == DTYPE_F32:
-            np.copyto(out[s:e], new)
-        else:
-            K.f32_to_bf16(new, out[s:e])
 
     def _take_over(self, view: RoundView, j: int) -> bool:
         """Claim and reduce slice ``j`` if the rank responsible for it is dead."""
