@@ -1183,6 +1183,184 @@ def sc_late(rank: int, world: int) -> dict:
             "again": again, "again_s": again_s}
 
 
+#: the dtypes ``sc_fuzz`` draws, and each one's tolerance against gloo (sums may round in
+#: another order; integers, MAX and MIN must match exactly)
+FUZZ_DTYPES = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2,
+               torch.float16: 2e-3, torch.int32: 0, torch.int64: 0, torch.int8: 0,
+               torch.uint8: 0}
+FUZZ_OPS = ("all_reduce", "all_reduce", "all_reduce", "broadcast", "all_gather",
+            "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "gather",
+            "scatter", "barrier")
+
+
+def fuzz_program(seed: int, world: int, steps: int) -> list[dict]:
+    """``sc_fuzz``'s calls: the same on every rank (drawn from ``seed``)."""
+    import random
+
+    R = torch.distributed.ReduceOp
+    rng = random.Random(seed)
+    program = []
+    for _ in range(steps):
+        op = rng.choice(FUZZ_OPS)
+        dtype = rng.choice(list(FUZZ_DTYPES))
+        if op in ("all_gather_into_tensor", "reduce_scatter_tensor") and rng.random() < 0.6:
+            dtype = torch.float32  # FSDP's dtype, the ops' hot case: drawn more often
+        n = rng.choice((1, 3, 64, 1000, 8192, 70_000 if dtype is torch.float32 else 5000))
+        if op == "reduce_scatter_tensor":  # gloo's reduce-scatter sums only
+            reduce_ops = [R.SUM]
+        else:
+            reduce_ops = [R.SUM, R.MAX, R.MIN] + ([R.PRODUCT] if n <= 64 else [])
+        if dtype.is_floating_point:
+            reduce_ops.append(R.AVG)
+        program.append({
+            "op": op, "dtype": dtype, "n": n, "reduce": rng.choice(reduce_ops),
+            # a layout the hot cases must not take: a transposed or strided view
+            "layout": rng.choice(("flat", "flat", "flat", "2d", "transposed", "strided")),
+            "root": rng.randrange(world), "async": rng.random() < 0.3, "salt": rng.randrange(1 << 20),
+        })
+    return program
+
+
+def _fuzz_layout(rank: int, st: dict, n: int | None = None, rows: int = 1,
+                 contiguous: bool = False) -> torch.Tensor:
+    """Rank ``rank``'s input of step ``st`` in its drawn layout (same values whatever the
+    layout): ``n`` elements, or ``rows`` times ``st["n"]``; ``contiguous``: of the
+    layout's shape, contiguous (gloo's: torch 2.13's gloo reads a strided or transposed
+    tensor as if it were contiguous, silently wrong)."""
+    if contiguous:
+        return _fuzz_layout(rank, st, n, rows).contiguous()
+    n = st["n"] * rows if n is None else n
+    flat = rank_input(rank, st["dtype"], n, salt=st["salt"])
+    if st["dtype"].is_floating_point:
+        flat = (flat.float() / 3).to(st["dtype"])  # |x| ~ 1: products stay in range
+    layout = st["layout"]
+    if layout == "2d" and n % 2 == 0:
+        return flat.view(2, n // 2)
+    if layout == "transposed" and n % 2 == 0:
+        return flat.view(n // 2, 2).t().contiguous().t()  # same values, column-major
+    if layout == "strided":
+        wide = torch.zeros(2 * n, dtype=flat.dtype)
+        wide[::2] = flat
+        return wide[::2]
+    return flat.clone()
+
+
+def _fuzz_call(st: dict, group, rank: int, world: int, gloo: bool) -> list[torch.Tensor]:
+    """Step ``st`` on ``group``; its results (tensors this rank holds after it). On
+    ``gloo``, which has no AVG, an AVG is a SUM divided by the world, and every tensor
+    is contiguous (``_fuzz_layout``)."""
+    import functools
+
+    import torch.distributed as dist
+
+    R = dist.ReduceOp
+    op, n = st["op"], st["n"]
+    a = st["async"]
+    reduce = st["reduce"]
+    avg = reduce == R.AVG and gloo
+    if avg:
+        reduce = R.SUM
+    make = functools.partial(_fuzz_layout, contiguous=gloo)
+
+    def done(work):
+        if work is not None:
+            work.wait()
+
+    if op == "all_reduce":
+        t = make(rank, st)
+        if avg:
+            t = t.double() if t.dtype is torch.float64 else t.float()
+        done(dist.all_reduce(t, op=reduce, group=group, async_op=a))
+        if avg:
+            t = (t / world).to(st["dtype"])
+        return [t]
+    if op == "broadcast":
+        t = make(rank, st)
+        done(dist.broadcast(t, src=st["root"], group=group, async_op=a))
+        return [t]
+    if op == "all_gather":
+        t = make(rank, st)
+        outs = [torch.full_like(t, 7) for _ in range(world)]  # (in t's layout)
+        done(dist.all_gather(outs, t, group=group, async_op=a))
+        return outs
+    if op == "all_gather_into_tensor":
+        out = torch.zeros(world * n, dtype=st["dtype"])
+        done(dist.all_gather_into_tensor(out, make(rank, st).reshape(-1).contiguous(),
+                                         group=group, async_op=a))
+        return [out]
+    if op == "reduce_scatter_tensor":
+        src = make(rank, st, rows=world).reshape(-1).contiguous()
+        if avg:
+            src = src.double() if src.dtype is torch.float64 else src.float()
+        out = torch.zeros(n, dtype=src.dtype)
+        done(dist.reduce_scatter_tensor(out, src, op=reduce, group=group, async_op=a))
+        return [(out / world).to(st["dtype"]) if avg else out]
+    if op == "all_to_all_single":
+        out = torch.zeros(world * n, dtype=st["dtype"])
+        src = make(rank, st, rows=world).reshape(-1).contiguous()
+        done(dist.all_to_all_single(out, src, group=group, async_op=a))
+        return [out]
+    if op == "gather":
+        root = st["root"]
+        outs = ([torch.zeros(n, dtype=st["dtype"]) for _ in range(world)] if rank == root
+                else None)
+        done(dist.gather(make(rank, st).reshape(-1).contiguous(), outs, dst=root,
+                         group=group, async_op=a))
+        return outs or []
+    if op == "scatter":
+        root = st["root"]
+        out = torch.zeros(n, dtype=st["dtype"])
+        ins = ([make(r, st).reshape(-1).contiguous() for r in range(world)]
+               if rank == root else None)
+        done(dist.scatter(out, ins, src=root, group=group, async_op=a))
+        return [out]
+    done(dist.barrier(group=group, async_op=a))
+    return []
+
+
+def sc_fuzz(rank: int, world: int) -> dict:
+    """A random program of torch.distributed calls (``fuzz_program``), each run on the
+    flodl_shm group and on a gloo group of the same ranks: the results compared (exact
+    for integers, MAX and MIN, within the dtype's tolerance for float sums), and a
+    digest of flodl_shm's results per step, to compare across ranks."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    R = dist.ReduceOp
+    seed = int(os.environ.get("C10D_FUZZ_SEED", "1"))
+    steps = int(os.environ.get("C10D_FUZZ_STEPS", "120"))
+    gloo = dist.new_group(backend="gloo")
+    mismatches, digests = [], []
+    for k, st in enumerate(fuzz_program(seed, world, steps)):
+        ours = _fuzz_call(st, None, rank, world, gloo=False)
+        ref = _fuzz_call(st, gloo, rank, world, gloo=True)
+        tol = FUZZ_DTYPES[st["dtype"]]
+        exact = tol == 0 or st["op"] not in ("all_reduce", "reduce_scatter_tensor") \
+            or st["reduce"] in (R.MAX, R.MIN)
+        for i, (a, b) in enumerate(zip(ours, ref)):
+            what = (f"step {k} {st['op']} {st['dtype']} n={st['n']} {st['layout']} "
+                    f"{st['reduce']} async={st['async']} root={st['root']} result {i}")
+            if a.shape != b.shape or a.dtype != b.dtype:
+                mismatches.append(f"{what}: {a.dtype}{list(a.shape)} vs gloo's "
+                                  f"{b.dtype}{list(b.shape)}")
+            elif exact and not torch.equal(a, b):
+                bad = (a != b).nonzero()[:3].flatten().tolist()
+                mismatches.append(f"{what}: differs from gloo at {bad}")
+            elif not exact and not torch.allclose(a.double(), b.double(), rtol=tol,
+                                                  atol=tol * max(1.0, float(b.double().abs()
+                                                                            .max()))):
+                err = float((a.double() - b.double()).abs().max())
+                mismatches.append(f"{what}: max error {err:.3g} against gloo (tol {tol})")
+        if len(ours) != len(ref):
+            mismatches.append(f"step {k} {st['op']}: {len(ours)} results, gloo {len(ref)}")
+        # (a fresh 1-D copy: a (2, 1) tensor of strides (1, 2) counts as contiguous)
+        digests.append(hashlib.sha1(b"".join(
+            torch.empty(t.numel(), dtype=t.dtype).copy_(t.reshape(-1)).view(torch.uint8)
+            .numpy().tobytes() for t in ours)).hexdigest())
+    return {"mismatches": mismatches, "digests": digests}
+
+
 def run_rank(scenario: str, rank: int, world: int, port: int, out: str,
              backend: str = "flodl_shm") -> None:
     """Join a ``tcp://127.0.0.1:port`` group as ``rank`` and write the scenario's result
