@@ -14,7 +14,12 @@ result pool) staying right whatever call came before.
 from __future__ import annotations
 
 import hashlib
+import os
 import random
+import signal
+import threading
+import time
+from typing import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -32,12 +37,20 @@ OPS = ("inplace", "inplace_control", "inplace_report", "tensors", "weighted", "s
        "reduce_scatter", "per_rank", "barrier")
 
 
-def _program(seed: int) -> list[dict]:
-    """The calls every rank makes, in order, with each rank's weight."""
+#: the calls that go on over the survivors once a rank died (an all-gather or a
+#: reduce-scatter needs every rank's part: it raises instead)
+SURVIVABLE = tuple(op for op in OPS if op not in ("all_gather", "reduce_scatter"))
+
+
+def _program(seed: int, victim: int | None = None, death: int | None = None) -> list[dict]:
+    """The calls every rank makes, in order, with each rank's weight; with ``victim``
+    dying before its call ``death``, from then on only ``SURVIVABLE`` calls, and
+    broadcasts from other roots."""
     rng = random.Random(seed)
     steps = []
-    for _ in range(STEPS):
-        op = rng.choice(OPS)
+    for k in range(STEPS):
+        after = victim is not None and k >= death
+        op = rng.choice(SURVIVABLE if after else OPS)
         count = rng.choice((1, 1, 1, 2, 4)) if op in ("inplace", "inplace_report", "tensors",
                                                        "weighted", "scaled", "frame",
                                                        "zero_copy", "broadcast_",
@@ -53,7 +66,8 @@ def _program(seed: int) -> list[dict]:
             "bf16_wire": op in ("inplace", "tensors", "scaled", "zero_copy")
             and rng.random() < 0.25,
             "bf16_tensor": op in ("inplace", "tensors") and rng.random() < 0.2,
-            "root": rng.randrange(WORLD),
+            "root": (rng.choice([r for r in range(WORLD) if r != victim]) if after
+                     else rng.randrange(WORLD)),
             "drift": op == "inplace_report" and rng.random() < 0.5,
         })
     return steps
@@ -76,10 +90,15 @@ def _close(got: np.ndarray, want: np.ndarray, loose: bool, where: str) -> None:
     assert err <= tol, f"{where}: max error {err:.3g} > {tol:.3g}"
 
 
-def _run_program(comm, rank: int, seed: int, program: list[dict]) -> list[str]:
-    """Run ``program`` on this rank, checking each result; returns a digest a step."""
+def _run_program(comm, rank: int, seed: int, program: list[dict],
+                 before_call: Callable[[int], None] | None = None) -> list[str]:
+    """Run ``program`` on this rank, checking each result against the ranks the round
+    accepted; returns a digest a step. ``before_call(k)`` runs before call ``k`` (a
+    rank that kills itself there)."""
     digests = []
     for k, st in enumerate(program):
+        if before_call is not None:
+            before_call(k)
         op, sizes, w = st["op"], st["sizes"], st["weights"]
         where = f"seed {seed} step {k} {op} sizes {sizes} rank {rank}"
         comm.set_bf16_wire(st["bf16_wire"])
@@ -88,12 +107,14 @@ def _run_program(comm, rank: int, seed: int, program: list[dict]) -> list[str]:
         every = [[_data(seed, k, r, i, n) for i, n in enumerate(sizes)] for r in range(WORLD)]
 
         def mean(scaled: bool = True) -> list[np.ndarray]:
-            # Σ wᵣ·xᵣ / Σ wᵣ in float64, from the inputs as they travel
-            total = sum(w)
+            # Σ wᵣ·xᵣ / Σ wᵣ over the accepted ranks in float64, from the inputs as they
+            # travel
+            ranks = comm.last_accepted()
+            total = sum(w[r] for r in ranks)
             out = []
             for i in range(len(sizes)):
                 acc = np.zeros(sizes[i])
-                for r in range(WORLD):
+                for r in ranks:
                     x = every[r][i] * np.float32(w[r]) if scaled else every[r][i]
                     if st["bf16_tensor"]:
                         x = _bf16(every[r][i]) * np.float32(w[r])
@@ -112,16 +133,19 @@ def _run_program(comm, rank: int, seed: int, program: list[dict]) -> list[str]:
             report = (float(rank), float(k), w[rank]) if op == "inplace_report" else None
             mass = comm.all_reduce_(ts, weight=w[rank], scale=w[rank], report=report,
                                     drift=drift)
-            assert mass == pytest.approx(sum(w)), where
+            realized = sum(w[r] for r in comm.last_accepted())
+            assert mass == pytest.approx(realized), where
             got = [t.float().numpy() for t in ts]
-            want = before if sum(w) == 0.0 else mean()
-            if st["bf16_tensor"] and sum(w) > 0:
+            want = before if realized == 0.0 else mean()
+            if st["bf16_tensor"] and realized > 0:
                 want = [_bf16(x.astype(np.float32)) for x in want]
             for g, x in zip(got, want):
                 _close(g, x, loose, where)
             if report is not None:
                 rows = comm.last_report_rows()
-                assert [row[:3] for row in rows] == [(float(r), float(k), w[r])
+                live = comm.last_accepted()  # (a rank not accepted reads as zeros)
+                assert [row[:3] for row in rows] == [(float(r), float(k), w[r]) if r in live
+                                                      else (0.0, 0.0, 0.0)
                                                       for r in range(WORLD)], where
             if drift is not None:
                 for i, (b, g) in enumerate(zip(before, got)):
@@ -133,7 +157,8 @@ def _run_program(comm, rank: int, seed: int, program: list[dict]) -> list[str]:
             t = torch.from_numpy(mine[0].copy())
             comm.all_reduce_([t], kind=RoundKind.CONTROL)
             got = [t.numpy()]
-            _close(got[0], sum(e[0].astype(np.float64) for e in every), False, where)
+            _close(got[0], sum(every[r][0].astype(np.float64) for r in comm.last_accepted()),
+                   False, where)
         elif op in ("tensors", "weighted", "scaled"):
             dtype = torch.bfloat16 if st["bf16_tensor"] else torch.float32
             if op == "tensors":
@@ -142,11 +167,11 @@ def _run_program(comm, rank: int, seed: int, program: list[dict]) -> list[str]:
             elif op == "weighted":
                 res, mass = comm.all_reduce_weighted(
                     [torch.from_numpy(x * np.float32(w[rank])) for x in mine], weight=w[rank])
-                assert mass == pytest.approx(sum(w)), where
+                assert mass == pytest.approx(sum(w[r] for r in comm.last_accepted())), where
             else:
                 res, mass = comm.all_reduce_scaled([torch.from_numpy(x) for x in mine],
                                                    w[rank], weight=w[rank])
-                assert mass == pytest.approx(sum(w)), where
+                assert mass == pytest.approx(sum(w[r] for r in comm.last_accepted())), where
             got = [t.numpy().copy() for t in res]
             for g, x in zip(got, mean()):
                 _close(g, x, loose, where)
@@ -154,7 +179,7 @@ def _run_program(comm, rank: int, seed: int, program: list[dict]) -> list[str]:
             payloads = [TensorPayload(0, (n,), x * np.float32(w[rank]))
                         for n, x in zip(sizes, mine)]
             reply = comm.all_reduce(RoundFrame(payloads, w[rank], RoundKind.MODEL))
-            assert reply.weight == pytest.approx(sum(w)), where
+            assert reply.weight == pytest.approx(sum(w[r] for r in comm.last_accepted())), where
             got = [np.frombuffer(p.data, np.float32).copy() for p in reply.tensors]
             for g, x in zip(got, mean()):
                 _close(g, x, loose, where)
@@ -163,7 +188,7 @@ def _run_program(comm, rank: int, seed: int, program: list[dict]) -> list[str]:
             for b, x in zip(bufs, mine):
                 b.copy_(torch.from_numpy(x * np.float32(w[rank])))
             views, mass = comm.all_reduce_zero_copy(w[rank])
-            assert mass == pytest.approx(sum(w)), where
+            assert mass == pytest.approx(sum(w[r] for r in comm.last_accepted())), where
             got = [v.float().numpy().copy() for v in views]
             for g, x in zip(got, mean()):
                 _close(g, x, loose, where)
@@ -197,7 +222,9 @@ def _run_program(comm, rank: int, seed: int, program: list[dict]) -> list[str]:
             values = [0.0] * WORLD
             values[rank] = float(k * 10 + rank)
             got = [np.asarray(comm.all_reduce_per_rank_f64(values))]
-            assert got[0].tolist() == [float(k * 10 + r) for r in range(WORLD)], where
+            live = comm.last_accepted()  # (a rank not accepted reads 0)
+            assert got[0].tolist() == [float(k * 10 + r) if r in live else 0.0
+                                       for r in range(WORLD)], where
         else:
             comm.barrier()
             got = []
@@ -207,12 +234,13 @@ def _run_program(comm, rank: int, seed: int, program: list[dict]) -> list[str]:
     return digests
 
 
-def _same_bits(seed: int, program: list[dict], digests: list[list[str]]) -> None:
-    """Every rank got the same bits (a result that differs between ranks would fork
-    them), but where each keeps its own by design: its part of a reduce-scatter, its
-    tensors after a round that realized nothing."""
+def _same_bits(seed: int, program: list[dict], digests: list[list[str]],
+               ranks: Sequence[int] = range(WORLD)) -> None:
+    """Every rank of ``ranks`` (``digests``' ranks) got the same bits (a result that
+    differs between ranks would fork them), but where each keeps its own by design: its
+    part of a reduce-scatter, its tensors after a round that realized nothing."""
     for k, st in enumerate(program):
-        if st["op"] == "reduce_scatter" or not any(st["weights"]):
+        if st["op"] == "reduce_scatter" or not any(st["weights"][r] for r in ranks):
             continue
         assert len({d[k] for d in digests}) == 1, (f"seed {seed} step {k} {st['op']}: "
                                                    f"ranks got different bits")
@@ -245,3 +273,41 @@ def test_the_same_on_rank_processes_whose_large_rounds_read_each_other_s_tensors
     seed = 4
     program = _program(seed)
     _same_bits(seed, program, spawn(_rank_program, WORLD, (seed,), timeout=60))
+
+
+def _rank_program_dying(ctx, seed: int, victim: int, death: int, delay: float | None
+                        ) -> list[str]:
+    """``delay`` None: the victim kills itself before call ``death``; else a thread of
+    its kills it ``delay`` seconds after that call started, wherever it is then."""
+    def before_call(k: int) -> None:
+        if k != death:
+            return
+        if delay is None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Thread(target=lambda: (time.sleep(delay), os.kill(os.getpid(),
+                                                                    signal.SIGKILL)),
+                         daemon=True).start()
+
+    return _run_program(ctx.comm, ctx.rank, seed, _program(seed, victim, death),
+                        before_call if ctx.rank == victim else None)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("seed, mid_round", [(5, False), (6, False), (7, True), (8, True)])
+def test_the_survivors_of_a_rank_killed_mid_program_go_on_right(seed, mid_round):
+    """A rank is SIGKILLed (``spawn(max_failures=1)``) before a random call, or a random
+    0-2 ms into it (inside a round, mostly: its copy-in, its slice, its copy-out): the
+    survivors' rounds go on over the ranks each accepted (reports and per-rank values
+    read zeros for the dead), whatever call comes next, every result still checked
+    against numpy, and the same bits on both survivors."""
+    from flodl_shm import spawn
+
+    rng = random.Random(seed)
+    victim, death = rng.randrange(WORLD), rng.randrange(10, STEPS - 40)
+    delay = rng.uniform(0.0, 0.002) if mid_round else None
+    digests = spawn(_rank_program_dying, WORLD, (seed, victim, death, delay), max_failures=1,
+                    timeout=60, eager_bytes=8192)
+    assert digests[victim] is None
+    survivors = [r for r in range(WORLD) if r != victim]
+    _same_bits(seed, _program(seed, victim, death), [digests[r] for r in survivors],
+               survivors)
