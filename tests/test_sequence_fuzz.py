@@ -42,15 +42,20 @@ OPS = ("inplace", "inplace_control", "inplace_report", "tensors", "weighted", "s
 SURVIVABLE = tuple(op for op in OPS if op not in ("all_gather", "reduce_scatter"))
 
 
-def _program(seed: int, victim: int | None = None, death: int | None = None) -> list[dict]:
-    """The calls every rank makes, in order, with each rank's weight; with ``victim``
-    dying before its call ``death``, from then on only ``SURVIVABLE`` calls, and
-    broadcasts from other roots."""
+#: the calls that cross hosts (round reports cover one host's ranks: refused there)
+ACROSS_HOSTS = tuple(op for op in OPS if op != "inplace_report")
+
+
+def _program(seed: int, victim: int | None = None, death: int | None = None,
+             ops: Sequence[str] = OPS) -> list[dict]:
+    """The calls every rank makes, in order, with each rank's weight, drawn from
+    ``ops``; with ``victim`` dying before its call ``death``, from then on only
+    ``SURVIVABLE`` calls, and broadcasts from other roots."""
     rng = random.Random(seed)
     steps = []
     for k in range(STEPS):
         after = victim is not None and k >= death
-        op = rng.choice(SURVIVABLE if after else OPS)
+        op = rng.choice([o for o in ops if o in SURVIVABLE] if after else ops)
         count = rng.choice((1, 1, 1, 2, 4)) if op in ("inplace", "inplace_report", "tensors",
                                                        "weighted", "scaled", "frame",
                                                        "zero_copy", "broadcast_",
@@ -90,6 +95,12 @@ def _close(got: np.ndarray, want: np.ndarray, loose: bool, where: str) -> None:
     assert err <= tol, f"{where}: max error {err:.3g} > {tol:.3g}"
 
 
+def _accepted(comm) -> Sequence[int]:
+    """The ranks the last round accepted: on one host, the engine's word; across hosts
+    (where a Comm knows its own host's only) every rank, as these programs kill none."""
+    return range(WORLD) if comm.spans_hosts else comm.last_accepted()
+
+
 def _run_program(comm, rank: int, seed: int, program: list[dict],
                  before_call: Callable[[int], None] | None = None) -> list[str]:
     """Run ``program`` on this rank, checking each result against the ranks the round
@@ -109,7 +120,7 @@ def _run_program(comm, rank: int, seed: int, program: list[dict],
         def mean(scaled: bool = True) -> list[np.ndarray]:
             # Σ wᵣ·xᵣ / Σ wᵣ over the accepted ranks in float64, from the inputs as they
             # travel
-            ranks = comm.last_accepted()
+            ranks = _accepted(comm)
             total = sum(w[r] for r in ranks)
             out = []
             for i in range(len(sizes)):
@@ -133,7 +144,7 @@ def _run_program(comm, rank: int, seed: int, program: list[dict],
             report = (float(rank), float(k), w[rank]) if op == "inplace_report" else None
             mass = comm.all_reduce_(ts, weight=w[rank], scale=w[rank], report=report,
                                     drift=drift)
-            realized = sum(w[r] for r in comm.last_accepted())
+            realized = sum(w[r] for r in _accepted(comm))
             assert mass == pytest.approx(realized), where
             got = [t.float().numpy() for t in ts]
             want = before if realized == 0.0 else mean()
@@ -143,7 +154,7 @@ def _run_program(comm, rank: int, seed: int, program: list[dict],
                 _close(g, x, loose, where)
             if report is not None:
                 rows = comm.last_report_rows()
-                live = comm.last_accepted()  # (a rank not accepted reads as zeros)
+                live = _accepted(comm)  # (a rank not accepted reads as zeros)
                 assert [row[:3] for row in rows] == [(float(r), float(k), w[r]) if r in live
                                                       else (0.0, 0.0, 0.0)
                                                       for r in range(WORLD)], where
@@ -157,7 +168,7 @@ def _run_program(comm, rank: int, seed: int, program: list[dict],
             t = torch.from_numpy(mine[0].copy())
             comm.all_reduce_([t], kind=RoundKind.CONTROL)
             got = [t.numpy()]
-            _close(got[0], sum(every[r][0].astype(np.float64) for r in comm.last_accepted()),
+            _close(got[0], sum(every[r][0].astype(np.float64) for r in _accepted(comm)),
                    False, where)
         elif op in ("tensors", "weighted", "scaled"):
             dtype = torch.bfloat16 if st["bf16_tensor"] else torch.float32
@@ -167,11 +178,11 @@ def _run_program(comm, rank: int, seed: int, program: list[dict],
             elif op == "weighted":
                 res, mass = comm.all_reduce_weighted(
                     [torch.from_numpy(x * np.float32(w[rank])) for x in mine], weight=w[rank])
-                assert mass == pytest.approx(sum(w[r] for r in comm.last_accepted())), where
+                assert mass == pytest.approx(sum(w[r] for r in _accepted(comm))), where
             else:
                 res, mass = comm.all_reduce_scaled([torch.from_numpy(x) for x in mine],
                                                    w[rank], weight=w[rank])
-                assert mass == pytest.approx(sum(w[r] for r in comm.last_accepted())), where
+                assert mass == pytest.approx(sum(w[r] for r in _accepted(comm))), where
             got = [t.numpy().copy() for t in res]
             for g, x in zip(got, mean()):
                 _close(g, x, loose, where)
@@ -179,7 +190,7 @@ def _run_program(comm, rank: int, seed: int, program: list[dict],
             payloads = [TensorPayload(0, (n,), x * np.float32(w[rank]))
                         for n, x in zip(sizes, mine)]
             reply = comm.all_reduce(RoundFrame(payloads, w[rank], RoundKind.MODEL))
-            assert reply.weight == pytest.approx(sum(w[r] for r in comm.last_accepted())), where
+            assert reply.weight == pytest.approx(sum(w[r] for r in _accepted(comm))), where
             got = [np.frombuffer(p.data, np.float32).copy() for p in reply.tensors]
             for g, x in zip(got, mean()):
                 _close(g, x, loose, where)
@@ -188,7 +199,7 @@ def _run_program(comm, rank: int, seed: int, program: list[dict],
             for b, x in zip(bufs, mine):
                 b.copy_(torch.from_numpy(x * np.float32(w[rank])))
             views, mass = comm.all_reduce_zero_copy(w[rank])
-            assert mass == pytest.approx(sum(w[r] for r in comm.last_accepted())), where
+            assert mass == pytest.approx(sum(w[r] for r in _accepted(comm))), where
             got = [v.float().numpy().copy() for v in views]
             for g, x in zip(got, mean()):
                 _close(g, x, loose, where)
@@ -222,7 +233,7 @@ def _run_program(comm, rank: int, seed: int, program: list[dict],
             values = [0.0] * WORLD
             values[rank] = float(k * 10 + rank)
             got = [np.asarray(comm.all_reduce_per_rank_f64(values))]
-            live = comm.last_accepted()  # (a rank not accepted reads 0)
+            live = _accepted(comm)  # (a rank not accepted reads 0)
             assert got[0].tolist() == [float(k * 10 + r) if r in live else 0.0
                                        for r in range(WORLD)], where
         else:
@@ -311,3 +322,21 @@ def test_the_survivors_of_a_rank_killed_mid_program_go_on_right(seed, mid_round)
     survivors = [r for r in range(WORLD) if r != victim]
     _same_bits(seed, _program(seed, victim, death), [digests[r] for r in survivors],
                survivors)
+
+
+def _rank_program_across_hosts(ctx, seed: int) -> list[str]:
+    return _run_program(ctx.comm, ctx.rank, seed, _program(seed, ops=ACROSS_HOSTS))
+
+
+@pytest.mark.timeout(180)
+def test_the_same_across_two_hosts_through_their_relays_and_the_controller():
+    """Two hosts on loopback (two ranks and one), each host's rounds completed through
+    its relay and the controller: the same program but round reports, the same checks."""
+    from cluster_util import run_hosts
+
+    seed = 9
+    out, errors, ctl = run_hosts(_rank_program_across_hosts, [2, 1], args=(seed,),
+                                 timeout=120)
+    assert not errors, errors
+    assert ctl.error is None
+    _same_bits(seed, _program(seed, ops=ACROSS_HOSTS), [d for host in out for d in host])
