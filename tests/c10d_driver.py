@@ -1245,10 +1245,12 @@ def _fuzz_layout(rank: int, st: dict, n: int | None = None, rows: int = 1,
     return flat.clone()
 
 
-def _fuzz_call(st: dict, group, rank: int, world: int, gloo: bool) -> list[torch.Tensor]:
-    """Step ``st`` on ``group``; its results (tensors this rank holds after it). On
-    ``gloo``, which has no AVG, an AVG is a SUM divided by the world, and every tensor
-    is contiguous (``_fuzz_layout``)."""
+def _fuzz_call(st: dict, group, rank: int, world: int, gloo: bool
+               ) -> Callable[[], list[torch.Tensor]]:
+    """Issue step ``st`` on ``group``; returns a call that waits for it (an async call's
+    work) and gives its results (tensors this rank holds after it). On ``gloo``, which
+    has no AVG, an AVG is a SUM divided by the world, and every tensor is contiguous
+    (``_fuzz_layout``)."""
     import functools
 
     import torch.distributed as dist
@@ -1262,60 +1264,54 @@ def _fuzz_call(st: dict, group, rank: int, world: int, gloo: bool) -> list[torch
         reduce = R.SUM
     make = functools.partial(_fuzz_layout, contiguous=gloo)
 
-    def done(work):
-        if work is not None:
-            work.wait()
+    def later(work, results: Callable[[], list[torch.Tensor]]):
+        def wait() -> list[torch.Tensor]:
+            if work is not None:
+                work.wait()
+            return results()
+        return wait
 
     if op == "all_reduce":
         t = make(rank, st)
         if avg:
             t = t.double() if t.dtype is torch.float64 else t.float()
-        done(dist.all_reduce(t, op=reduce, group=group, async_op=a))
-        if avg:
-            t = (t / world).to(st["dtype"])
-        return [t]
+        return later(dist.all_reduce(t, op=reduce, group=group, async_op=a),
+                     lambda: [(t / world).to(st["dtype"]) if avg else t])
     if op == "broadcast":
         t = make(rank, st)
-        done(dist.broadcast(t, src=st["root"], group=group, async_op=a))
-        return [t]
+        return later(dist.broadcast(t, src=st["root"], group=group, async_op=a), lambda: [t])
     if op == "all_gather":
         t = make(rank, st)
         outs = [torch.full_like(t, 7) for _ in range(world)]  # (in t's layout)
-        done(dist.all_gather(outs, t, group=group, async_op=a))
-        return outs
+        return later(dist.all_gather(outs, t, group=group, async_op=a), lambda: outs)
     if op == "all_gather_into_tensor":
         out = torch.zeros(world * n, dtype=st["dtype"])
-        done(dist.all_gather_into_tensor(out, make(rank, st).reshape(-1).contiguous(),
-                                         group=group, async_op=a))
-        return [out]
+        return later(dist.all_gather_into_tensor(out, make(rank, st).reshape(-1).contiguous(),
+                                                 group=group, async_op=a), lambda: [out])
     if op == "reduce_scatter_tensor":
         src = make(rank, st, rows=world).reshape(-1).contiguous()
         if avg:
             src = src.double() if src.dtype is torch.float64 else src.float()
         out = torch.zeros(n, dtype=src.dtype)
-        done(dist.reduce_scatter_tensor(out, src, op=reduce, group=group, async_op=a))
-        return [(out / world).to(st["dtype"]) if avg else out]
+        return later(dist.reduce_scatter_tensor(out, src, op=reduce, group=group, async_op=a),
+                     lambda: [(out / world).to(st["dtype"]) if avg else out])
     if op == "all_to_all_single":
         out = torch.zeros(world * n, dtype=st["dtype"])
         src = make(rank, st, rows=world).reshape(-1).contiguous()
-        done(dist.all_to_all_single(out, src, group=group, async_op=a))
-        return [out]
+        return later(dist.all_to_all_single(out, src, group=group, async_op=a), lambda: [out])
     if op == "gather":
         root = st["root"]
         outs = ([torch.zeros(n, dtype=st["dtype"]) for _ in range(world)] if rank == root
                 else None)
-        done(dist.gather(make(rank, st).reshape(-1).contiguous(), outs, dst=root,
-                         group=group, async_op=a))
-        return outs or []
+        return later(dist.gather(make(rank, st).reshape(-1).contiguous(), outs, dst=root,
+                                 group=group, async_op=a), lambda: outs or [])
     if op == "scatter":
         root = st["root"]
         out = torch.zeros(n, dtype=st["dtype"])
         ins = ([make(r, st).reshape(-1).contiguous() for r in range(world)]
                if rank == root else None)
-        done(dist.scatter(out, ins, src=root, group=group, async_op=a))
-        return [out]
-    done(dist.barrier(group=group, async_op=a))
-    return []
+        return later(dist.scatter(out, ins, src=root, group=group, async_op=a), lambda: [out])
+    return later(dist.barrier(group=group, async_op=a), lambda: [])
 
 
 def sc_fuzz(rank: int, world: int) -> dict:
@@ -1323,42 +1319,58 @@ def sc_fuzz(rank: int, world: int) -> dict:
     flodl_shm group and on a gloo group of the same ranks: the results compared (exact
     for integers, MAX and MIN, within the dtype's tolerance for float sums), and a
     digest of flodl_shm's results per step, to compare across ranks."""
+    import torch.distributed as dist
+
+    seed = int(os.environ.get("C10D_FUZZ_SEED", "1"))
+    steps = int(os.environ.get("C10D_FUZZ_STEPS", "120"))
+    gloo = dist.new_group(backend="gloo")
+    program = fuzz_program(seed, world, steps)
+    mismatches, digests = [], [""] * steps
+    # an async call's work is waited for up to four calls later (as DDP's buckets are),
+    # while later calls are issued; gloo's at once
+    pending: list[tuple[int, Callable, list[torch.Tensor]]] = []
+    for k, st in enumerate(program):
+        ours = _fuzz_call(st, None, rank, world, gloo=False)
+        ref = _fuzz_call(st, gloo, rank, world, gloo=True)()
+        pending.append((k, ours, ref))
+        if not st["async"] or len(pending) > 4 or k == steps - 1:
+            for j, wait, ref in pending:
+                _fuzz_check(j, program[j], wait(), ref, mismatches, digests)
+            pending = []
+    return {"mismatches": mismatches, "digests": digests}
+
+
+def _fuzz_check(k: int, st: dict, ours: list[torch.Tensor], ref: list[torch.Tensor],
+                mismatches: list[str], digests: list[str]) -> None:
+    """Compare step ``k``'s results with gloo's (into ``mismatches``); its digest."""
     import hashlib
 
     import torch.distributed as dist
 
     R = dist.ReduceOp
-    seed = int(os.environ.get("C10D_FUZZ_SEED", "1"))
-    steps = int(os.environ.get("C10D_FUZZ_STEPS", "120"))
-    gloo = dist.new_group(backend="gloo")
-    mismatches, digests = [], []
-    for k, st in enumerate(fuzz_program(seed, world, steps)):
-        ours = _fuzz_call(st, None, rank, world, gloo=False)
-        ref = _fuzz_call(st, gloo, rank, world, gloo=True)
-        tol = FUZZ_DTYPES[st["dtype"]]
-        exact = tol == 0 or st["op"] not in ("all_reduce", "reduce_scatter_tensor") \
-            or st["reduce"] in (R.MAX, R.MIN)
-        for i, (a, b) in enumerate(zip(ours, ref)):
-            what = (f"step {k} {st['op']} {st['dtype']} n={st['n']} {st['layout']} "
-                    f"{st['reduce']} async={st['async']} root={st['root']} result {i}")
-            if a.shape != b.shape or a.dtype != b.dtype:
-                mismatches.append(f"{what}: {a.dtype}{list(a.shape)} vs gloo's "
-                                  f"{b.dtype}{list(b.shape)}")
-            elif exact and not torch.equal(a, b):
-                bad = (a != b).nonzero()[:3].flatten().tolist()
-                mismatches.append(f"{what}: differs from gloo at {bad}")
-            elif not exact and not torch.allclose(a.double(), b.double(), rtol=tol,
-                                                  atol=tol * max(1.0, float(b.double().abs()
-                                                                            .max()))):
-                err = float((a.double() - b.double()).abs().max())
-                mismatches.append(f"{what}: max error {err:.3g} against gloo (tol {tol})")
-        if len(ours) != len(ref):
-            mismatches.append(f"step {k} {st['op']}: {len(ours)} results, gloo {len(ref)}")
-        # (a fresh 1-D copy: a (2, 1) tensor of strides (1, 2) counts as contiguous)
-        digests.append(hashlib.sha1(b"".join(
-            torch.empty(t.numel(), dtype=t.dtype).copy_(t.reshape(-1)).view(torch.uint8)
-            .numpy().tobytes() for t in ours)).hexdigest())
-    return {"mismatches": mismatches, "digests": digests}
+    tol = FUZZ_DTYPES[st["dtype"]]
+    exact = tol == 0 or st["op"] not in ("all_reduce", "reduce_scatter_tensor") \
+        or st["reduce"] in (R.MAX, R.MIN)
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        what = (f"step {k} {st['op']} {st['dtype']} n={st['n']} {st['layout']} "
+                f"{st['reduce']} async={st['async']} root={st['root']} result {i}")
+        if a.shape != b.shape or a.dtype != b.dtype:
+            mismatches.append(f"{what}: {a.dtype}{list(a.shape)} vs gloo's "
+                              f"{b.dtype}{list(b.shape)}")
+        elif exact and not torch.equal(a, b):
+            bad = (a != b).nonzero()[:3].flatten().tolist()
+            mismatches.append(f"{what}: differs from gloo at {bad}")
+        elif not exact and not torch.allclose(a.double(), b.double(), rtol=tol,
+                                              atol=tol * max(1.0, float(b.double().abs()
+                                                                        .max()))):
+            err = float((a.double() - b.double()).abs().max())
+            mismatches.append(f"{what}: max error {err:.3g} against gloo (tol {tol})")
+    if len(ours) != len(ref):
+        mismatches.append(f"step {k} {st['op']}: {len(ours)} results, gloo {len(ref)}")
+    # (a fresh 1-D copy: a (2, 1) tensor of strides (1, 2) counts as contiguous)
+    digests[k] = hashlib.sha1(b"".join(
+        torch.empty(t.numel(), dtype=t.dtype).copy_(t.reshape(-1)).view(torch.uint8)
+        .numpy().tobytes() for t in ours)).hexdigest()
 
 
 def run_rank(scenario: str, rank: int, world: int, port: int, out: str,
