@@ -1216,7 +1216,8 @@ def fuzz_program(seed: int, world: int, steps: int) -> list[dict]:
             "op": op, "dtype": dtype, "n": n, "reduce": rng.choice(reduce_ops),
             # a layout the hot cases must not take: a transposed or strided view
             "layout": rng.choice(("flat", "flat", "flat", "2d", "transposed", "strided")),
-            "root": rng.randrange(world), "async": rng.random() < 0.3, "salt": rng.randrange(1 << 20),
+            "root": rng.randrange(world), "async": rng.random() < 0.3,
+            "salt": rng.randrange(1 << 20),
         })
     return program
 

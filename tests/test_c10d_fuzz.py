@@ -5,11 +5,11 @@ on a gloo group of the same ranks too, as the reference.
 every op, broadcasts, the all-gathers, reduce-scatters, all-to-all, gather, scatter,
 barriers; eight dtypes; flat, 2-D, transposed and strided tensors (which the backend's
 hot cases must leave to its general path); sizes past the eager slot and direct rounds;
-a third of the calls asynchronous, their works waited for up to four calls later
-(later calls issued meanwhile, as DDP's buckets are). Results must equal gloo's (exact for integers, MIN,
-MAX and the data movers; within the dtype's rounding for float sums, which may add in
-another order), and the ranks must hold the same bits where the call gives every rank
-the same result.
+a third of the calls asynchronous, their works waited for up to four calls later (later
+calls issued meanwhile, as DDP's buckets are). Results must equal gloo's (exact for
+integers, MIN, MAX and the data movers; within the dtype's rounding for float sums,
+which may add in another order), and the ranks must hold the same bits where the call
+gives every rank the same result.
 """
 from __future__ import annotations
 
