@@ -53,6 +53,13 @@ it keeps the default limit (1.00-1.04x in two measurements). The same guest meas
 ``api-inplace-16`` at 4.40-4.52x (in-place 4.7-5.0 us: a slower day than the 3.8-3.9 us
 above), at its limit of 4.5; the limit is 5.5 now, below what doubling the per-tensor
 cost would measure (6.0x from the 3.51x day's figures, 7.8x from this day's).
+Fifty-sixth session: a CI run failed on the reduce-scatter row (1.50-1.53x in all three
+measurements, in-place 4.1-4.2 us), beside the tensor-returning ones at 1.52-1.57x, all-gather
+at 1.34-1.36x and broadcast at 1.50-1.52x: the slow of the guest's two modes for two ranks,
+where every Python-heavy row rises together. Five measurements in the fast mode (in-place
+2.85-2.96 us): reduce-scatter 1.21-1.25x, all-gather 1.09-1.13x, tensors 1.34-1.40x. The two
+part collectives check their arguments in Python as the tensor-returning reduces do, so they
+take those rows' limit, 2.0x.
 
 Ratios, never absolute times: the test runs on loaded 2-core machines. Two real
 processes (``spawn``) run every API in interleaved batches (one batch of each API per
@@ -79,6 +86,7 @@ pytestmark = pytest.mark.timeout(300)
 LIMIT = 1.5  # issue 15's target: the in-place path itself and the barrier
 # the APIs whose ratio depends on how much two ranks' Python interferes (module doc)
 LIMITS = {"api-tensors": 2.0, "api-weighted": 2.0, "api-scaled": 2.0, "api-per-rank": 2.0,
+          "api-all-gather": 2.0, "api-reduce-scatter": 2.0,
           "api-broadcast": 2.1, "api-zero-copy": 2.5, "api-frame": 3.3, "api-inplace-16": 5.5}
 NBYTES = 4 << 10
 REPS = 25
