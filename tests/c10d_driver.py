@@ -1246,12 +1246,12 @@ def _fuzz_layout(rank: int, st: dict, n: int | None = None, rows: int = 1,
     return flat.clone()
 
 
-def _fuzz_call(st: dict, group, rank: int, world: int, gloo: bool
+def _fuzz_call(st: dict, group, rank: int, world: int, reference: bool
                ) -> Callable[[], list[torch.Tensor]]:
     """Issue step ``st`` on ``group``; returns a call that waits for it (an async call's
-    work) and gives its results (tensors this rank holds after it). On ``gloo``, which
-    has no AVG, an AVG is a SUM divided by the world, and every tensor is contiguous
-    (``_fuzz_layout``)."""
+    work) and gives its results (tensors this rank holds after it). With ``reference``
+    (``group`` is gloo, which has no AVG), an AVG is a SUM divided by the world, and
+    every tensor is contiguous (``_fuzz_layout``)."""
     import functools
 
     import torch.distributed as dist
@@ -1260,10 +1260,10 @@ def _fuzz_call(st: dict, group, rank: int, world: int, gloo: bool
     op, n = st["op"], st["n"]
     a = st["async"]
     reduce = st["reduce"]
-    avg = reduce == R.AVG and gloo
+    avg = reduce == R.AVG and reference
     if avg:
         reduce = R.SUM
-    make = functools.partial(_fuzz_layout, contiguous=gloo)
+    make = functools.partial(_fuzz_layout, contiguous=reference)
 
     def later(work, results: Callable[[], list[torch.Tensor]]):
         def wait() -> list[torch.Tensor]:
@@ -1331,8 +1331,8 @@ def sc_fuzz(rank: int, world: int) -> dict:
     # while later calls are issued; gloo's at once
     pending: list[tuple[int, Callable, list[torch.Tensor]]] = []
     for k, st in enumerate(program):
-        ours = _fuzz_call(st, None, rank, world, gloo=False)
-        ref = _fuzz_call(st, gloo, rank, world, gloo=True)()
+        ours = _fuzz_call(st, None, rank, world, reference=False)
+        ref = _fuzz_call(st, gloo, rank, world, reference=True)()
         pending.append((k, ours, ref))
         if not st["async"] or len(pending) > 4 or k == steps - 1:
             for j, wait, ref in pending:

@@ -117,18 +117,17 @@ def _run_program(comm, rank: int, seed: int, program: list[dict],
         mine = [_data(seed, k, rank, i, n) for i, n in enumerate(sizes)]
         every = [[_data(seed, k, r, i, n) for i, n in enumerate(sizes)] for r in range(WORLD)]
 
-        def mean(scaled: bool = True) -> list[np.ndarray]:
+        def mean() -> list[np.ndarray]:
             # Σ wᵣ·xᵣ / Σ wᵣ over the accepted ranks in float64, from the inputs as they
-            # travel
+            # travel (a bfloat16 tensor's values; the products rounded on the bf16 wire)
             ranks = _accepted(comm)
             total = sum(w[r] for r in ranks)
             out = []
             for i in range(len(sizes)):
                 acc = np.zeros(sizes[i])
                 for r in ranks:
-                    x = every[r][i] * np.float32(w[r]) if scaled else every[r][i]
-                    if st["bf16_tensor"]:
-                        x = _bf16(every[r][i]) * np.float32(w[r])
+                    x = every[r][i]
+                    x = (_bf16(x) if st["bf16_tensor"] else x) * np.float32(w[r])
                     if st["bf16_wire"]:
                         x = _bf16(x.astype(np.float32))
                     acc += x
@@ -307,10 +306,11 @@ def _rank_program_dying(ctx, seed: int, victim: int, death: int, delay: float | 
 @pytest.mark.parametrize("seed, mid_round", [(5, False), (6, False), (7, True), (8, True)])
 def test_the_survivors_of_a_rank_killed_mid_program_go_on_right(seed, mid_round):
     """A rank is SIGKILLed (``spawn(max_failures=1)``) before a random call, or a random
-    0-2 ms into it (inside a round, mostly: its copy-in, its slice, its copy-out): the
-    survivors' rounds go on over the ranks each accepted (reports and per-rank values
-    read zeros for the dead), whatever call comes next, every result still checked
-    against numpy, and the same bits on both survivors."""
+    0-2 ms after it began, wherever the rank is then (in that call's round, or a later
+    one's; where it lands is not measured): the survivors' rounds go on over the ranks
+    each accepted (reports and per-rank values read zeros for the dead), whatever call
+    comes next, every result still checked against numpy, and the same bits on both
+    survivors."""
     from flodl_shm import spawn
 
     rng = random.Random(seed)

@@ -96,16 +96,22 @@ class OuterInReduce:
         """The momentum the last realized step wrote (flat float32, a view of the
         segment, valid until the next outer round), or None before any step (or with
         no optimizer installed): what a checkpoint of that round's consensus saves."""
+        return self._written(1)
+
+    def _written(self, which: int) -> np.ndarray | None:
+        """The buffer the last realized step wrote, ``which`` 0 (the global) or 1 (the
+        momentum), as a view; None before any step or with no optimizer installed."""
         if self.optimizer is None or self.steps == 0:
             return None
-        return self._buffers(self.nelem)[1][self.steps % 2]
+        return self._buffers(self.nelem)[which][self.steps % 2]
 
     def _vector(self, seeded: np.ndarray | None, which: int) -> np.ndarray | None:
+        """A copy of ``_written(which)``, or of ``seeded`` before the first step."""
         if self.optimizer is None:
             return None
         if self.steps == 0:
             return None if seeded is None else seeded.copy()
-        return self._buffers(self.nelem)[which][self.steps % 2].copy()
+        return self._written(which).copy()
 
     def _buffers(self, n: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """The segment's ``(P[2], M[2])`` for an ``n``-element frame."""
