@@ -6,7 +6,7 @@ free of torch. After that, ``dist.init_process_group("flodl_shm", ...)`` works w
 ``env://`` (torchrun), ``tcp://``, a store, or ``flodl_shm.spawn``'s environment.
 
 This module imports nothing heavy; the process group itself lives in
-``process_group.py`` and loads when the first group is created.
+``process_group.py`` and loads when the first group is created (``group_lifecycle.py``).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ _registered = False
 
 
 def _create(store, rank, size, timeout):
-    from .process_group import create_process_group
+    from .group_lifecycle import create_process_group
 
     return create_process_group(store, rank, size, timeout)
 
