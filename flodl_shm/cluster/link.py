@@ -34,7 +34,9 @@ travels as a ``frame_parts`` control record followed by several frame records of
 at most the ceiling each (``split_frame``); ``Link.recv`` reassembles it into the
 caller's sink and returns the whole frame, so callers never see the parts. Any failure — a bad tag, a wrong seq, a
 length above the ceiling — is a ``FrameError``: the connection is dropped and its
-host failed; nothing it sent reaches a consensus.
+host failed; nothing it sent reaches a consensus. A connection that ends inside a record
+(the peer killed, the connection cut) is a ``RecordCut``, a ``ConnectionError`` like one
+that ends between records.
 
 A record that has started must be read to its end (a reader that gave up halfway would
 take the rest for the next record), so ``Link.recv``'s ``timeout`` bounds only the wait
@@ -64,8 +66,9 @@ from ..errors import FrameError, HandshakeRejected, plural
 from ..frame import (MAX_ROUND_FRAME_TENSORS, RoundFrame, RoundKind, TensorPayload, dtype_name,
                      elem_size)
 from .control import Ctrl, ctrl_message, ctrl_type
-from .wire import (HEADER_BYTES, TAG_BYTES, check_salt, frame_ceiling, frame_tag, frame_wire_len, read_framed_round_into, write_len_prefix,
-                   write_round_frame)
+from .wire import (HEADER_BYTES, LEN_PREFIX_BYTES, TAG_BYTES, StreamEnded, check_salt,
+                   frame_ceiling, frame_tag, frame_wire_len, read_framed_round_into,
+                   write_len_prefix, write_round_frame)
 
 CHANNEL_MAGIC = 0xF10D17E1   # "CPU-reduce data channel" (flodl's channel-select magic)
 RECORD_MAGIC = 0xF10D17D0
@@ -111,6 +114,19 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
 class RecordStalled(ConnectionError):
     """A peer stopped sending in the middle of a record (module doc): the link is
     broken, as if the peer had gone."""
+
+
+class RecordCut(ConnectionError):
+    """The connection ended in the middle of a record, after ``got`` of its ``length``
+    bytes: the peer exited or was killed, or the connection was cut. The link is
+    broken, as if the peer had gone between records."""
+
+    def __init__(self, peer: str, got: int, length: int) -> None:
+        super().__init__(f"{peer} closed the connection in the middle of a record (after {got} "
+                         f"of its {length} bytes): it exited or was killed, or the connection "
+                         f"was cut")
+        self.got = got
+        self.length = length
 
 
 class _RecordSilence:
@@ -425,7 +441,7 @@ class Link:
             if k == 0:
                 if got == 0:
                     return None
-                raise FrameError(f"record header from {self.peer} ended after {got} bytes")
+                raise RecordCut(self.peer, got, RECORD_HEADER)
             got += k
             first = False
             silence.progressed()
@@ -465,10 +481,13 @@ class Link:
         if length > frame_ceiling() + 4:
             raise FrameError(f"frame record of {length} bytes from {self.peer} exceeds the frame "
                              f"ceiling of {frame_ceiling()} bytes")
-        frame, ftag = read_framed_round_into(self._reader, self.salt, sink)
+        try:
+            frame, ftag = read_framed_round_into(self._reader, self.salt, sink)
+        except StreamEnded as e:  # (inside the length prefix, or inside the frame after it)
+            got = e.got if e.declared is None else LEN_PREFIX_BYTES + e.got
+            raise RecordCut(self.peer, RECORD_HEADER + got, RECORD_HEADER + length) from None
         if frame is None:
-            raise ConnectionError(f"{self.peer} closed the connection in the middle of a "
-                                  f"frame (it exited or was killed)")
+            raise RecordCut(self.peer, RECORD_HEADER, RECORD_HEADER + length)
         if 4 + frame_wire_len(frame) != length:
             raise FrameError(f"frame record from {self.peer} declared {length} bytes, carried "
                              f"{4 + frame_wire_len(frame)}")

@@ -39,7 +39,7 @@ from ..errors import CohortAborted, FrameError, ReduceStall
 from ..frame import DTYPE_F32, RoundFrame, RoundKind, TensorPayload, elem_size
 from ..kernels import codec as K
 from .control import Ctrl, ctrl_message
-from .link import Kind, client_handshake, connect, parse_addr
+from .link import Kind, RecordCut, client_handshake, connect, parse_addr
 from ..engine.protocol import RoundEngine, decode_schema_words
 from .wire import check_salt
 
@@ -216,7 +216,12 @@ class Relay:
                 # is not the news
                 self._say_last()  # why this host stops, if it was told (``shutdown``)
                 return
-            if isinstance(e, (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)):
+            if isinstance(e, RecordCut):  # (nothing after it is readable: no last word)
+                e = ConnectionError(
+                    f"lost the connection to the controller at {peer} in the middle of a record "
+                    f"(after {e.got} of its {e.length} bytes); it stopped or its host is "
+                    f"unreachable")
+            elif isinstance(e, (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)):
                 # a send or receive that found the socket gone: what the controller said
                 # before it closed (a stall verdict: this host was the one it waited for),
                 # else name who went away

@@ -246,6 +246,18 @@ def _alloc_payload(nbytes: int) -> np.ndarray:
     return np.empty(nbytes, dtype=np.uint8)
 
 
+class StreamEnded(FrameError):
+    """The stream ended inside a frame or its length prefix (the sender exited or was
+    killed, or the connection was cut): no bytes of a later frame were read. A
+    ``FrameError`` like every other way a read can fail; ``got`` and ``declared``: the
+    bytes read of the frame's declared length (None where the prefix itself ended)."""
+
+    def __init__(self, message: str, got: int, declared: int | None) -> None:
+        super().__init__(message)
+        self.got = got
+        self.declared = declared
+
+
 class _StreamEnded(Exception):
     """Internal: the stream (or the length budget) ran out inside a read."""
 
@@ -305,6 +317,8 @@ def _read_part(src: _Source, n: int, what: str, framed: bool) -> bytes:
 
 
 def _ended(src: _Source, what: str, e: _StreamEnded, framed: bool) -> FrameError:
+    """The error of a read that ran out: past the declared length (a ``FrameError``:
+    the stream is desynced), or at the stream's end (``StreamEnded``)."""
     if e.budget_exhausted:
         return FrameError(
             f"{what} read failed: the frame is longer than the {src.budget} bytes its length "
@@ -312,11 +326,12 @@ def _ended(src: _Source, what: str, e: _StreamEnded, framed: bool) -> FrameError
             f"wire drift - stream is desynced"
         )
     if framed:
-        return FrameError(
+        return StreamEnded(
             f"stream ended inside a len-framed RoundFrame body ({what} read failed after "
-            f"{src.consumed} of {src.budget} declared bytes; peer died mid-frame)"
-        )
-    return FrameError(f"{what} read failed: stream ended mid-frame after {src.consumed} bytes")
+            f"{src.consumed} of {src.budget} declared bytes; peer died mid-frame)",
+            src.consumed, src.budget)
+    return StreamEnded(f"{what} read failed: stream ended mid-frame after {src.consumed} bytes",
+                       src.consumed, None)
 
 
 def _parse_frame(src: _Source, key: bytes, ceiling: int, framed: bool,
@@ -420,7 +435,8 @@ def read_len_prefix(stream: BinaryIO, ceiling: int | None = None) -> int | None:
     except _StreamEnded as e:
         if e.got == 0:
             return None
-        raise FrameError(f"length prefix read failed: stream ended after {e.got} of 4 bytes") from None
+        raise StreamEnded(f"length prefix read failed: stream ended after {e.got} of 4 bytes",
+                          e.got, None) from None
     (n,) = _U32.unpack(raw)
     if n > limit:
         raise FrameError(

@@ -1,0 +1,95 @@
+"""Faults on the TCP link between one host's relay and the controller, the processes
+real: a reset, a close, a stall and a flipped bit, put on host 0's link by a loopback
+proxy (``link_proxy.py``) while two hosts run rounds. The host whose link broke stops,
+saying why; the other goes on over the survivors within ``max_failures`` with exact
+values; a stall shorter than the collective timeout costs nothing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flodl_shm import ClusterController, RoundKind, spawn
+
+from cluster_util import SALT, run_host_processes
+from link_proxy import LinkProxy
+
+pytestmark = pytest.mark.timeout(120)
+
+ROUNDS = 12
+SIZE = 1000  # float32 a round: a consensus record of about 4 KiB
+# (bytes towards the relay: the handshake, the hello_ack and about five consensus
+# records, so the fault lands mid-run)
+MID_RUN = 24_000
+
+
+def value(rank: int, i: int) -> float:
+    return rank + 1 + 0.25 * i
+
+
+def rounds(ctx):
+    """``ROUNDS`` model rounds, each rank contributing ``value``: (value, mass) of each,
+    after checking every element of the consensus is the same."""
+    out = []
+    for i in range(ROUNDS):
+        (t,), mass = ctx.comm.all_reduce_scaled([torch.full((SIZE,), value(ctx.rank, i))],
+                                               1.0, RoundKind.MODEL, 1.0)
+        assert float(t.min()) == float(t.max())
+        out.append((float(t[0]), mass))
+    return out
+
+
+def run_with_fault(direction: str, at: int, action: str, **fault):
+    """Hosts 0 and 1 (a rank each; host 0 through the faulty proxy), host 1 allowed
+    to lose host 0's rank: (results, errors by host, the controller, the proxy)."""
+    ctl = ClusterController.start("127.0.0.1:0", 2, SALT, round_timeout=30.0)
+    proxy = LinkProxy(ctl.port, direction, at, action, **fault)
+
+    def host(i: int):
+        port = proxy.port if i == 0 else ctl.port
+        return spawn(rounds, 1, controller=f"127.0.0.1:{port}", world_size=2, first_rank=i,
+                     salt=SALT, timeout=20.0, max_failures=i)
+
+    try:
+        results, errors = run_host_processes(ctl, host, 2, join_timeout=90)
+    finally:
+        proxy.close()
+    assert proxy.fired.is_set(), "the run ended before the fault"
+    return results, errors, ctl, proxy
+
+
+def survivor_saw_host_0_leave(result) -> int:
+    """Host 1's rounds: every one exact, over both ranks until host 0 left, then over
+    rank 1 alone (never back); returns how many rounds had both."""
+    both = next((i for i, (_, mass) in enumerate(result) if mass != 2.0), len(result))
+    assert 0 < both < ROUNDS, result
+    for i, (got, mass) in enumerate(result):
+        want = ((value(0, i) + value(1, i)) / 2, 2.0) if i < both else (value(1, i), 1.0)
+        assert (got, mass) == want, (i, result)
+    return both
+
+
+@pytest.mark.parametrize("action", ["reset", "close"])
+def test_a_link_cut_mid_run_stops_that_host_and_the_other_goes_on(action):
+    results, errors, _, _ = run_with_fault("down", MID_RUN, action)
+    assert list(errors) == [0], errors
+    text = str(errors[0])
+    assert isinstance(errors[0], ConnectionError), repr(errors[0])
+    assert "this host's relay failed" in text and "the controller at 127.0.0.1:" in text, text
+    survivor_saw_host_0_leave(results[1][0])
+
+
+def test_a_bit_flipped_on_the_link_is_caught_and_that_host_is_failed():
+    """A relay's frame with one bit flipped in flight: the record's tag catches it at the
+    controller, which fails that host (its partial never reaches a consensus) and says
+    why; the other host goes on, every value exact."""
+    results, errors, _, _ = run_with_fault("up", MID_RUN // 2, "flip", bit=3)
+    assert list(errors) == [0], errors
+    assert isinstance(errors[0], ConnectionError), repr(errors[0])
+    survivor_saw_host_0_leave(results[1][0])
+
+
+def test_a_stall_shorter_than_the_timeout_costs_nothing():
+    results, errors, _, _ = run_with_fault("down", MID_RUN, "stall", seconds=1.5)
+    assert errors == {}, errors
+    want = [((value(0, i) + value(1, i)) / 2, 2.0) for i in range(ROUNDS)]
+    assert results == [[want], [want]]
