@@ -29,7 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from . import kernels
-from .errors import FrameError
+from .errors import FrameError, plural
 
 DTYPE_F32 = 0
 DTYPE_BF16 = 1
@@ -104,6 +104,28 @@ def elem_size(dtype: int) -> int:
 
 def dtype_name(dtype: int) -> str:
     return _DTYPE_NAME.get(dtype, f"tag{dtype}")
+
+
+#: the most shapes ``describe_schema`` lists
+SCHEMA_SHAPES_SHOWN = 8
+
+
+def describe_schema(kind: str, tensors: Sequence[tuple[int, Sequence[int]]]) -> str:
+    """A round's schema as an error shows it: ``kind`` (a ``RoundKind`` name) and each
+    tensor's (wire dtype, shape): "MODEL round, 2 tensors f32 shapes [10], [3,2]", or,
+    where the dtypes differ, "MODEL round, 2 tensors f32 [10], bf16 [3,2]"; at most
+    ``SCHEMA_SHAPES_SHOWN`` shapes, then their count."""
+    if not tensors:
+        return f"{kind} round without tensors"
+    dtypes = {dtype for dtype, _ in tensors}
+    shown = tensors[:SCHEMA_SHAPES_SHOWN]
+    one = len(dtypes) == 1
+    items = ", ".join(("" if one else f"{dtype_name(dtype)} ")
+                      + "[" + ",".join(map(str, shape)) + "]" for dtype, shape in shown)
+    if len(tensors) > len(shown):
+        items += f", ... ({len(tensors)} tensors)"
+    what = f"{dtype_name(next(iter(dtypes)))} shapes " if one else ""
+    return f"{kind} round, {plural(len(tensors), 'tensor')} {what}{items}"
 
 
 def _as_bytes_view(data) -> memoryview:

@@ -608,6 +608,36 @@ def test_an_outer_step_the_controller_cannot_run_is_refused_loudly():
     assert ctl.error is not None and "outer" in str(ctl.error)
 
 
+def shapes_by_host(ctx):
+    """Host 0's rank reduces a float32 [10] and a bfloat16 [3, 2]; host 1's a float32 [12]
+    in their place: one model on each, as two hosts given different models would."""
+    ts = ([torch.ones(10), torch.ones(3, 2, dtype=torch.bfloat16)] if ctx.rank == 0
+          else [torch.ones(12), torch.ones(3, 2, dtype=torch.bfloat16)])
+    return ctx.comm.all_reduce_tensors(ts)
+
+
+def test_hosts_that_reduce_different_shapes_are_told_both_in_words(caplog):
+    """Hosts whose ranks made different calls read "host 'h:1-1' sent a frame of schema
+    (<RoundKind.MODEL: 0>, ((0, (12,)), (0, (3, 2)))) but the round's first frame had
+    ...": Python's repr of the schema, and no word of which host sent the first. The
+    controller's own line said "reduce loop failed"."""
+    caplog.set_level(logging.ERROR, logger="flodl_shm")
+    out, errors, ctl = run_hosts(shapes_by_host, [1, 1], timeout=20.0)
+    assert set(errors) == {0, 1}, out
+    said = str(ctl.error)
+    for e in errors.values():
+        assert said in str(e), (said, str(e))
+    # (which host's frame the controller read first depends on their timing)
+    me = socket.gethostname()  # (a host's name: this machine's and its ranks)
+    lines = {f"host '{me}:0-0': MODEL round, 2 tensors f32 shapes [10], [3,2]",
+             f"host '{me}:1-1': MODEL round, 2 tensors f32 shapes [12], [3,2]"}
+    head, *rest = said.split("\n  ")
+    assert head == ("round 0: the hosts' ranks made different collective calls (every rank "
+                    "must make the same calls, with the same shapes and bf16_wire setting):")
+    assert set(rest) == lines, said
+    assert f"controller: the cohort ended: {said}" in caplog.text
+
+
 def one_outer_round(ctx):
     from flodl_shm import OuterNesterov
 

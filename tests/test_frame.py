@@ -17,7 +17,7 @@ from flodl_shm import (
     round_frame_to_tensors,
     tensors_to_round_frame,
 )
-from flodl_shm.frame import check_frame, payload_to_tensor, tensor_to_payload
+from flodl_shm.frame import check_frame, describe_schema, payload_to_tensor, tensor_to_payload
 from flodl_shm.kernels import scale_payload_bytes
 
 pytestmark = pytest.mark.timeout(60)
@@ -196,3 +196,15 @@ def test_payload_equality_is_by_value() -> None:
     assert RoundFrame([a], 2.0) != RoundFrame([b], 1.0)
     assert RoundFrame([a]) != RoundFrame([b], kind=RoundKind.CONTROL)
     assert a != TensorPayload(DTYPE_F32, (1, 2), a.data)
+
+
+def test_a_schema_in_words_lists_its_shapes_with_their_dtypes_where_they_differ() -> None:
+    """What the mismatch errors of one host and of the controller say of a round."""
+    assert describe_schema("MODEL", [(DTYPE_F32, (10,)), (DTYPE_F32, (3, 2))]) == \
+        "MODEL round, 2 tensors f32 shapes [10], [3,2]"
+    assert describe_schema("MODEL", [(DTYPE_F32, (10,)), (DTYPE_BF16, ())]) == \
+        "MODEL round, 2 tensors f32 [10], bf16 []"
+    assert describe_schema("CONTROL", []) == "CONTROL round without tensors"
+    assert describe_schema("MODEL", [(DTYPE_BF16, (i,)) for i in range(10)]) == (
+        "MODEL round, 10 tensors bf16 shapes [0], [1], [2], [3], [4], [5], [6], [7], ... "
+        "(10 tensors)")

@@ -48,7 +48,8 @@ from ..checkpoint.meta import SaveReason
 from .admission import Admission, Host
 from .dead_ranks import DeadRanks
 from ..errors import FrameError, ReduceStall
-from ..frame import DTYPE_F32, RoundFrame, RoundKind, TensorPayload, elem_size
+from ..frame import (DTYPE_F32, RoundFrame, RoundKind, TensorPayload, describe_schema,
+                     elem_size)
 from .control import MAX_WORLD_SIZE, Ctrl, ctrl_message, outer_fields
 from .link import Kind, OutgoingFrame, parse_addr
 from .wire import check_salt
@@ -297,7 +298,7 @@ class ClusterController:
                 rnd += 1
         except BaseException as e:  # noqa: BLE001 - recorded and reported to the hosts
             self.error = e
-            logger.error("controller: reduce loop failed: %s", e)
+            logger.error("controller: the cohort ended: %s", e)
             self._broadcast_ctrl(ctrl_message(Ctrl.ERROR, message=f"{type(e).__name__}: {e}"))
         finally:
             self._done.set()
@@ -478,19 +479,21 @@ class ClusterController:
                     f"(python -m flodl_shm controller --outer nesterov --outer-lr LR "
                     f"--outer-momentum MU, or ClusterController.start(..., outer=...))")
             if schema is None:
-                schema, flags = this, fl
+                schema, flags, first = this, fl, h
                 offs = list(np.cumsum([0] + [int(np.prod(p.shape, dtype=np.int64))
                                              for p in frame.tensors]))
                 nelem = offs[-1]
                 if self._acc.shape[0] != nelem:
                     self._acc = np.empty(nelem, np.float32)
             elif this != schema:
+                barrier = () in (this[1], schema[1])
                 raise FrameError(
-                    f"round {rnd}: host {h.name!r} sent a frame of schema {this} but the round's "
-                    f"first frame had {schema} (ranks must make the same collective calls with "
-                    f"the same shapes and bf16_wire setting"
-                    + ("; a CONTROL frame of no tensors is a barrier, or a rank's refused call, "
-                       "whose own error says why)" if () in (this[1], schema[1]) else ")"))
+                    f"round {rnd}: the hosts' ranks made different collective calls (every "
+                    f"rank must make the same calls, with the same shapes and bf16_wire setting"
+                    + ("; a CONTROL round without tensors is a barrier, or a rank's refused "
+                       "call, whose own error says why" if barrier else "")
+                    + f"):\n  host {first.name!r}: {describe_schema(schema[0].name, schema[1])}"
+                    f"\n  host {h.name!r}: {describe_schema(this[0].name, this[1])}")
             self._add(frame, offs, first=not got_any)
             got_any = True
             mass += frame.weight

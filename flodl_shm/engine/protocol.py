@@ -76,7 +76,7 @@ import numpy as np
 
 from . import arena as A
 from ..errors import CohortAborted, PeerDied, ReduceStall, SchemaMismatchError, plural
-from ..frame import DTYPE_F32, RoundKind, dtype_name, elem_size
+from ..frame import DTYPE_F32, RoundKind, describe_schema, dtype_name, elem_size
 from ..kernels import codec as K
 from ..kernels import reduce as R
 from ..kernels import rounds as RK
@@ -486,26 +486,22 @@ class RoundEngine:
             path = f"all-gather, {path}"
         if flags & A.FLAG_SCATTER:
             path = f"reduce-scatter, {path}"
-        shapes = "?"
+        ntensors = int(c[b + A.H_NTENSORS])
+        dtype = int(c[b + A.H_DTYPE])
         try:
             region = self._payload_region(r, rnd, flags, nwords * 8)
             _, _, sh = decode_schema_words(region[:nwords * 8].view(np.int64))
-            shapes = ", ".join("[" + ",".join(map(str, s)) + "]" for s in sh[:8])
-            if len(sh) > 8:
-                shapes += f", ... ({len(sh)} tensors)"
+            schema = describe_schema(kind, [(dtype, shape) for shape in sh])
         except Exception:  # a description must never mask the mismatch itself
-            pass
-        ntensors = int(c[b + A.H_NTENSORS])
-        if ntensors == 0 and int(c[b + A.H_DTYPE]) != DTYPE_F32:  # Comm._refused's round
+            schema = f"{kind} round, {plural(ntensors, 'tensor')} {dtype_name(dtype)} shapes ?"
+        if ntensors == 0 and dtype != DTYPE_F32:  # Comm._refused's round
             return (f"rank {r}: refused its call before the round (a refusal round: that "
                     f"rank's own error says why)")
         if ntensors == 0:  # what a barrier() sends
             return (f"rank {r}: {kind} round without tensors (as barrier() sends, and as a "
                     f"rank's first direct-sized float32 reduce sends two first, to settle the "
                     f"direct path), {path} path")
-        return (f"rank {r}: {kind} round, {plural(ntensors, 'tensor')} "
-                f"{dtype_name(int(c[b + A.H_DTYPE]))} shapes {shapes}, "
-                f"{int(c[b + A.H_NBYTES])} bytes, {path} path")
+        return f"rank {r}: {schema}, {int(c[b + A.H_NBYTES])} bytes, {path} path"
 
     def _mismatch(self, rnd: int, accepted: list[int]) -> SchemaMismatchError:
         lines = "\n  ".join(self._describe(r, rnd) for r in accepted)
