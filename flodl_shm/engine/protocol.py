@@ -886,7 +886,15 @@ class RoundEngine:
             # ranks that never delivered; its verdict reaches the relay a moment later
             self._await_relay_verdict(rnd)
             if int(ctl[A.G_CONSENSUS]) < rnd:
-                raise _controller_silent(e) from None
+                silent = _controller_silent(e)
+                # no rank of this host can go on without the controller: recorded as the
+                # host's link failure (the others stop at once, and the launcher stops the
+                # host whatever its max_failures: a rank that gave up on the controller is
+                # no death the cohort goes on without)
+                if not ctl[A.G_RELAY_ERROR]:
+                    self.arena.set_relay_error(A.RELAY_STALL, str(silent), rnd, e.missing,
+                                               e.timeout)
+                raise silent from None
         return float(self.arena.ctl_f64[A.G_CONSENSUS_MASS])
 
     def _remote_ranks(self) -> tuple[int, ...]:
