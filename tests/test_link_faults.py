@@ -5,6 +5,8 @@ saying why; the other goes on over the survivors within ``max_failures`` with ex
 values; a stall shorter than the collective timeout costs nothing."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -26,12 +28,12 @@ def value(rank: int, i: int) -> float:
     return rank + 1 + 0.25 * i
 
 
-def rounds(ctx):
-    """``ROUNDS`` model rounds, each rank contributing ``value``: (value, mass) of each,
-    after checking every element of the consensus is the same."""
+def rounds(ctx, size: int = SIZE):
+    """``ROUNDS`` model rounds of ``size`` float32, each rank contributing ``value``:
+    (value, mass) of each, after checking every element of the consensus is the same."""
     out = []
     for i in range(ROUNDS):
-        (t,), mass = ctx.comm.all_reduce_scaled([torch.full((SIZE,), value(ctx.rank, i))],
+        (t,), mass = ctx.comm.all_reduce_scaled([torch.full((size,), value(ctx.rank, i))],
                                                1.0, RoundKind.MODEL, 1.0)
         assert float(t.min()) == float(t.max())
         out.append((float(t[0]), mass))
@@ -78,13 +80,20 @@ def test_a_link_cut_mid_run_stops_that_host_and_the_other_goes_on(action):
     survivor_saw_host_0_leave(results[1][0])
 
 
-def test_a_bit_flipped_on_the_link_is_caught_and_that_host_is_failed():
+def test_a_bit_flipped_on_the_link_is_caught_and_that_host_is_told(caplog):
     """A relay's frame with one bit flipped in flight: the record's tag catches it at the
-    controller, which fails that host (its partial never reaches a consensus) and says
-    why; the other host goes on, every value exact."""
+    controller, which fails that host (its partial never reaches a consensus) and tells
+    it why; the other host goes on, every value exact."""
+    caplog.set_level(logging.ERROR, logger="flodl_shm")
     results, errors, _, _ = run_with_fault("up", MID_RUN // 2, "flip", bit=3)
     assert list(errors) == [0], errors
     assert isinstance(errors[0], ConnectionError), repr(errors[0])
+    # (it read "the controller at ... closed the connection during round 2", where the
+    # controller's own line said "that host's output says why")
+    assert str(errors[0]).startswith("this host's relay failed: the controller dropped this "
+                                     "host: "), str(errors[0])
+    assert "HMAC verification failed" in str(errors[0])
+    assert "; told it); ranks [0] declared dead" in caplog.text, caplog.text
     survivor_saw_host_0_leave(results[1][0])
 
 
@@ -93,3 +102,27 @@ def test_a_stall_shorter_than_the_timeout_costs_nothing():
     assert errors == {}, errors
     want = [((value(0, i) + value(1, i)) / 2, 2.0) for i in range(ROUNDS)]
     assert results == [[want], [want]]
+
+
+def test_a_host_whose_frame_ceiling_passes_the_controller_s_is_told_the_fix(monkeypatch):
+    """Hosts that raised FLODL_SHM_MAX_FRAME_BYTES where the controller did not: each
+    host's frames (split at its own ceiling) exceed the controller's, which drops it.
+    The host read only "the controller at ... closed the connection during round 0"."""
+    monkeypatch.setenv("FLODL_SHM_MAX_FRAME_BYTES", str(64 << 10))  # the controller's
+    ctl = ClusterController.start("127.0.0.1:0", 2, SALT, round_timeout=30.0)
+
+    def host(i: int):
+        import os
+
+        os.environ["FLODL_SHM_MAX_FRAME_BYTES"] = str(1 << 20)
+        return spawn(rounds, 1, (50_000,), controller=f"127.0.0.1:{ctl.port}",  # 200 KB
+                     world_size=2, first_rank=i, salt=SALT, timeout=20.0, max_failures=i)
+
+    results, errors = run_host_processes(ctl, host, 2, join_timeout=90)
+    assert set(errors) == {0, 1}, results
+    for e in errors.values():
+        text = str(e)
+        assert text.startswith("this host's relay failed: the controller dropped this host: "
+                               "frame record of "), text
+        assert ("bytes here; give the controller and every host the same "
+                "FLODL_SHM_MAX_FRAME_BYTES") in text, text

@@ -41,6 +41,10 @@ During the run:
   ``reason``: why the missing ranks did not deliver (they never joined).
 - ``error`` controller -> every relay: ``message``; the controller's reduce loop
   failed and the cohort ends.
+- ``dropped`` controller -> one relay, before it closes that host's link: ``reason``
+  (one line): a record of that host failed the controller's checks (its tag, its
+  sequence number, the frame ceiling), so the controller fails the host as a lost one
+  and the cohort goes on without its ranks (``declare_dead`` to the others).
 - ``frame_parts`` either way: the next ``parts`` frame records carry one round
   frame split at the frame ceiling: ``kind``, ``weight``, ``dtypes``, ``shapes``
   of the whole frame (``link.Link.send_frame`` / ``Link.recv`` do this
@@ -55,6 +59,9 @@ from ..errors import FrameError
 #: The most ranks a cohort holds, across its hosts: every control round carries a value
 #: per rank, and the controller keeps a ledger entry per rank.
 MAX_WORLD_SIZE = 1 << 16
+#: The longest ``reason`` a ``host_stopping`` or ``dropped`` message carries (a control
+#: record holds far more).
+MAX_REASON_CHARS = 2000
 
 
 class Ctrl(str, enum.Enum):
@@ -70,6 +77,7 @@ class Ctrl(str, enum.Enum):
     ARM = "arm"
     STALL = "stall"
     ERROR = "error"
+    DROPPED = "dropped"
     FRAME_PARTS = "frame_parts"
 
 

@@ -50,7 +50,7 @@ from .dead_ranks import DeadRanks
 from ..errors import FrameError, ReduceStall
 from ..frame import (DTYPE_F32, RoundFrame, RoundKind, TensorPayload, describe_schema,
                      elem_size)
-from .control import MAX_WORLD_SIZE, Ctrl, ctrl_message, outer_fields
+from .control import MAX_REASON_CHARS, MAX_WORLD_SIZE, Ctrl, ctrl_message, outer_fields
 from .link import Kind, OutgoingFrame, parse_addr
 from .wire import check_salt
 
@@ -309,21 +309,30 @@ class ClusterController:
         h.stopped = reason if rank < 0 else f"rank {rank}: {reason}"  # (-1: no rank's)
         self.stopped_hosts[h.name] = (rank, reason)
 
-    def _host_failed(self, h: Host, why: str) -> None:
+    def _host_failed(self, h: Host, why: str, told: bool = False) -> None:
+        """Host ``h`` is out of the cohort: ``why`` its link failed (the host's own output
+        says more), or, ``told``, why this controller drops it (a record of it failed a
+        check: the host is told so, ``Ctrl.DROPPED``, as its link closes)."""
         if not h.alive:
             return
         h.alive = False
         newly = [r for r in h.ranks if self.dead_ranks.declare_dead(r)]
+        where = "told it" if told else "that host's output says why"
+        if told:
+            try:  # (best effort: its link may be gone too)
+                h.link.send_ctrl(ctrl_message(Ctrl.DROPPED, reason=why[:MAX_REASON_CHARS]))
+            except OSError:
+                pass
         if h.stopped is not None:  # it said why before its link closed
             logger.error("controller: host %r stopped (%s); its ranks %s are out of the "
                          "cohort", h.name, h.stopped, h.ranks)
         else:
-            logger.error("controller: host %r failed (%s; that host's output says why); "
-                         "ranks %s declared dead", h.name, why, h.ranks)
+            logger.error("controller: host %r failed (%s; %s); ranks %s declared dead",
+                         h.name, why, where, h.ranks)
         h.link.close()
         if newly:
             said = (f"host {h.name!r} stopped: {h.stopped}" if h.stopped is not None else
-                    f"host {h.name!r} was lost ({why}; that host's output says why)")
+                    f"host {h.name!r} was lost ({why}; {where})")
             self._broadcast_ctrl(ctrl_message(Ctrl.DECLARE_DEAD, ranks=newly, why=said))
 
     @property
@@ -462,7 +471,7 @@ class ClusterController:
             except (FrameError, OSError) as e:
                 if self._stop.is_set():
                     return False
-                self._host_failed(h, str(e))
+                self._host_failed(h, str(e), told=isinstance(e, FrameError))
                 continue
             if res is None:
                 if self._stop.is_set():  # stopped mid-round: no consensus of a part of

@@ -479,8 +479,10 @@ class Link:
             msg["type"] = ctrl_type(msg, self.peer)
             return kind, flags, msg
         if length > frame_ceiling() + 4:
+            # (a sender splits its frames at its own ceiling: the two ends' differ)
             raise FrameError(f"frame record of {length} bytes from {self.peer} exceeds the frame "
-                             f"ceiling of {frame_ceiling()} bytes")
+                             f"ceiling of {frame_ceiling()} bytes here; give the controller "
+                             f"and every host the same FLODL_SHM_MAX_FRAME_BYTES")
         try:
             frame, ftag = read_framed_round_into(self._reader, self.salt, sink)
         except StreamEnded as e:  # (inside the length prefix, or inside the frame after it)

@@ -38,7 +38,7 @@ from ..engine import arena as A
 from ..errors import CohortAborted, FrameError, ReduceStall
 from ..frame import DTYPE_F32, RoundFrame, RoundKind, TensorPayload, elem_size
 from ..kernels import codec as K
-from .control import Ctrl, ctrl_message
+from .control import MAX_REASON_CHARS, Ctrl, ctrl_message
 from .link import Kind, RecordCut, client_handshake, connect, parse_addr
 from ..engine.protocol import RoundEngine, decode_schema_words
 from .wire import check_salt
@@ -47,8 +47,6 @@ from .wire import check_salt
 CONNECT_RETRY_S = 0.5
 #: Seconds a stopping host's relay gets to tell the controller why before its link closes.
 FINAL_WORD_S = 1.0
-#: The longest ``host_stopping`` reason sent (a control record holds far more).
-MAX_REASON_CHARS = 2000
 
 logger = logging.getLogger("flodl_shm")
 
@@ -363,15 +361,21 @@ class Relay:
                            f" ({why})" if why else "")
             if self.on_dead is not None:
                 self.on_dead(ranks, why)
-        elif kind in (Ctrl.STALL, Ctrl.ERROR):
+        elif kind in _VERDICTS:
             raise _verdict(msg)
         else:
             logger.warning("relay %s: ignoring control message %r", self.host, kind)
 
 
+#: the controller's messages that end this host's run (``_verdict``)
+_VERDICTS = (Ctrl.STALL, Ctrl.ERROR, Ctrl.DROPPED)
+
+
 def _verdict(msg: dict) -> BaseException:
-    """The error a controller's stall verdict (``Ctrl.STALL``) or error message
-    (``Ctrl.ERROR``) ends this host's run with."""
+    """The error a controller's stall verdict (``Ctrl.STALL``), error message
+    (``Ctrl.ERROR``) or drop of this host (``Ctrl.DROPPED``) ends this host's run with."""
+    if msg["type"] == Ctrl.DROPPED:
+        return ConnectionError(f"the controller dropped this host: {msg.get('reason')}")
     if msg["type"] == Ctrl.STALL:
         why = msg.get("reason") or "had not delivered"
         return ReduceStall(
@@ -395,7 +399,7 @@ def last_word(link) -> BaseException | None:
             got = link.recv(timeout=0.5)
             if got is None or got[0] != Kind.CTRL:
                 return None
-            if got[2]["type"] in (Ctrl.STALL, Ctrl.ERROR):
+            if got[2]["type"] in _VERDICTS:
                 return _verdict(got[2])
     except (OSError, ValueError):  # nothing readable left
         pass
