@@ -126,3 +126,30 @@ def test_a_host_whose_frame_ceiling_passes_the_controller_s_is_told_the_fix(monk
                                "frame record of "), text
         assert ("bytes here; give the controller and every host the same "
                 "FLODL_SHM_MAX_FRAME_BYTES") in text, text
+
+
+def test_a_host_that_stops_taking_the_consensus_is_failed_and_the_others_get_theirs(caplog):
+    """A host that stopped reading while the controller sent it a large consensus (its
+    link frozen: nothing taken, nothing closed) held the controller's send, so every
+    other host waited for a round that never came, until their own deadlines blamed the
+    controller. The send now gives up after the round's deadline, like a receive."""
+    caplog.set_level(logging.ERROR, logger="flodl_shm")
+    ctl = ClusterController.start("127.0.0.1:0", 2, SALT, round_timeout=2.0)
+    # (the controller's consensus of round 1 is 8 MB: the frozen link takes a few MB of
+    # it into its buffers, then nothing for 5 s)
+    proxy = LinkProxy(ctl.port, "down", 10 << 20, "stall", seconds=5.0)
+
+    def host(i: int):
+        port = proxy.port if i == 0 else ctl.port
+        return spawn(rounds, 1, (2 << 20,), controller=f"127.0.0.1:{port}", world_size=2,
+                     first_rank=i, salt=SALT, timeout=20.0, max_failures=i)
+
+    try:
+        results, errors = run_host_processes(ctl, host, 2, join_timeout=90)
+    finally:
+        proxy.close()
+    assert proxy.fired.is_set()
+    assert list(errors) == [0], errors
+    assert "lost the connection to the controller at 127.0.0.1:" in str(errors[0]), errors[0]
+    survivor_saw_host_0_leave(results[1][0])
+    assert "stopped reading: it took nothing for 2 s" in caplog.text, caplog.text

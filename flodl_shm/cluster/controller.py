@@ -348,7 +348,7 @@ class ClusterController:
                 try:
                     h.link.send_ctrl(msg)
                 except OSError as e:
-                    self._host_failed(h, f"write failed: {e}")
+                    self._host_failed(h, f"sending it a control message failed: {e}")
 
     def _handle_ctrl(self, h: Host, msg: dict) -> None:
         kind = msg["type"]
@@ -452,6 +452,8 @@ class ClusterController:
     def _round(self, rnd: int, live: list[Host]) -> bool:
         t0 = time.monotonic()
         clock = _RoundClock(self._stall_deadline())
+        for h in live:  # a host that takes nothing of a send for as long fails, as a
+            h.link.send_idle = clock.timeout  # silent one does (``Link.send_idle``)
         schema = None
         mass = 0.0
         flags = 0
@@ -550,7 +552,7 @@ class ClusterController:
                 send(i, h)
         for i, h in enumerate(targets):
             if i in errors:
-                self._host_failed(h, f"scatter failed: {errors[i]}")
+                self._host_failed(h, f"sending it the consensus failed: {errors[i]}")
             else:
                 self.stats.bytes_out += out.payload_nbytes()
 

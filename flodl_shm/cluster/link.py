@@ -112,8 +112,9 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
 
 
 class RecordStalled(ConnectionError):
-    """A peer stopped sending in the middle of a record (module doc): the link is
-    broken, as if the peer had gone."""
+    """A peer stopped sending in the middle of a record, or stopped taking what this end
+    sends (``Link.send_idle``; module doc): the link is broken, as if the peer had
+    gone."""
 
 
 class RecordCut(ConnectionError):
@@ -182,11 +183,11 @@ class _SockReader:
 
 
 class _SockWriter:
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+    def __init__(self, link: "Link") -> None:
+        self.link = link
 
     def write(self, data) -> int:
-        self.sock.sendall(data)
+        self.link._sendall(data)
         return len(data)
 
 
@@ -296,7 +297,12 @@ class Link:
         self._send_seq = 0
         self._recv_seq = 0
         self._reader = _SockReader(sock)
-        self._writer = _SockWriter(sock)
+        self._writer = _SockWriter(self)
+        #: the longest a send may wait for the peer to take a byte before the link counts
+        #: as broken (``RecordStalled``); None: as long as it takes. The controller sets
+        #: its round deadline here: a host that stops reading (frozen, its network black-
+        #: holed) must not hold the consensus of every other host.
+        self.send_idle: float | None = None
         sock.settimeout(None)
 
     # -- sending -------------------------------------------------------------------
@@ -312,7 +318,7 @@ class Link:
         if len(payload) > MAX_CTRL_BYTES:
             raise FrameError(f"control message {msg.get('type')!r} of {len(payload)} bytes "
                              f"exceeds the {MAX_CTRL_BYTES}-byte limit of a control record")
-        self.sock.sendall(self._header(Kind.CTRL, 0, len(payload), payload) + payload)
+        self._sendall(self._header(Kind.CTRL, 0, len(payload), payload) + payload)
 
     def send_frame(self, kind: Kind, frame: RoundFrame | OutgoingFrame, *, flags: int = 0,
                    tag: bytes | None = None) -> None:
@@ -325,9 +331,38 @@ class Link:
             self.send_ctrl(out.header)
         for part, ptag in out.parts:
             n = frame_wire_len(part)
-            self.sock.sendall(self._header(kind, flags, 4 + n, ptag))
+            self._sendall(self._header(kind, flags, 4 + n, ptag))
             write_len_prefix(self._writer, n)
             write_round_frame(self._writer, part, self.salt, tag=ptag)
+
+    def _sendall(self, data) -> None:
+        """``sock.sendall``, bounded by ``send_idle`` when set: a peer that takes no byte
+        for that long breaks the link (``RecordStalled``; what it took of the record is
+        unknown, so the link cannot be used again)."""
+        idle = self.send_idle
+        if idle is None:
+            self.sock.sendall(data)
+            return
+        view = memoryview(data).cast("B")
+        sent, last = 0, time.monotonic()
+        self.sock.settimeout(min(_RecordSilence.POLL_S, idle))
+        try:
+            while sent < len(view):
+                try:
+                    sent += self.sock.send(view[sent:])
+                except socket.timeout:
+                    if time.monotonic() - last > idle:
+                        raise RecordStalled(
+                            f"{self.peer} stopped reading: it took nothing for {idle:g} s "
+                            f"(its host stopped or hung, or the network between dropped "
+                            f"everything)") from None
+                    continue
+                last = time.monotonic()
+        finally:
+            try:
+                self.sock.settimeout(None)
+            except OSError:  # closed meanwhile (by another thread)
+                pass
 
     # -- receiving -------------------------------------------------------------------
     def recv(self, sink: Callable | None = None, *, timeout: float | None = None,

@@ -404,10 +404,9 @@ def _parse_frame(src: _Source, key: bytes, ceiling: int, framed: bool,
     except _StreamEnded as e:
         if e.budget_exhausted:
             raise _ended(src, "frame HMAC footer", e, framed) from None
-        raise FrameError(
+        raise StreamEnded(
             "frame HMAC footer read failed: stream truncated mid-frame (or a sender without "
-            "frame tags)"
-        ) from None
+            "frame tags)", src.consumed, src.budget) from None
     want = mac.digest()[:TAG_BYTES]
     if not hmac.compare_digest(tag, want):
         raise FrameError(
