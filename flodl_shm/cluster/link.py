@@ -344,7 +344,13 @@ class Link:
             self.sock.sendall(data)
             return
         view = memoryview(data).cast("B")
-        sent, last = 0, time.monotonic()
+        try:  # (what the socket takes at once needs no timeout: a small record, all of it)
+            sent = self.sock.send(view, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        if sent == len(view):
+            return
+        last = time.monotonic()
         self.sock.settimeout(min(_RecordSilence.POLL_S, idle))
         try:
             while sent < len(view):
