@@ -13,9 +13,17 @@ import torch
 from flodl_shm import ClusterController, RoundKind, spawn
 
 from cluster_util import SALT, run_host_processes
+from engine_util import assert_no_leaks
 from link_proxy import LinkProxy
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks():
+    """After each test: no shared-memory segment of ours and no rank process left."""
+    yield
+    assert_no_leaks(10)
 
 ROUNDS = 12
 SIZE = 1000  # float32 a round: a consensus record of about 4 KiB
@@ -42,7 +50,7 @@ def rounds(ctx, size: int = SIZE):
 
 def run_with_fault(direction: str, at: int, action: str, **fault):
     """Hosts 0 and 1 (a rank each; host 0 through the faulty proxy), host 1 allowed
-    to lose host 0's rank: (results, errors by host, the controller, the proxy)."""
+    to lose host 0's rank: (results, errors by host)."""
     ctl = ClusterController.start("127.0.0.1:0", 2, SALT, round_timeout=30.0)
     proxy = LinkProxy(ctl.port, direction, at, action, **fault)
 
@@ -56,7 +64,7 @@ def run_with_fault(direction: str, at: int, action: str, **fault):
     finally:
         proxy.close()
     assert proxy.fired.is_set(), "the run ended before the fault"
-    return results, errors, ctl, proxy
+    return results, errors
 
 
 def survivor_saw_host_0_leave(result) -> int:
@@ -72,7 +80,7 @@ def survivor_saw_host_0_leave(result) -> int:
 
 @pytest.mark.parametrize("action", ["reset", "close"])
 def test_a_link_cut_mid_run_stops_that_host_and_the_other_goes_on(action):
-    results, errors, _, _ = run_with_fault("down", MID_RUN, action)
+    results, errors = run_with_fault("down", MID_RUN, action)
     assert list(errors) == [0], errors
     text = str(errors[0])
     assert isinstance(errors[0], ConnectionError), repr(errors[0])
@@ -85,7 +93,7 @@ def test_a_bit_flipped_on_the_link_is_caught_and_that_host_is_told(caplog):
     controller, which fails that host (its partial never reaches a consensus) and tells
     it why; the other host goes on, every value exact."""
     caplog.set_level(logging.ERROR, logger="flodl_shm")
-    results, errors, _, _ = run_with_fault("up", MID_RUN // 2, "flip", bit=3)
+    results, errors = run_with_fault("up", MID_RUN // 2, "flip", bit=3)
     assert list(errors) == [0], errors
     assert isinstance(errors[0], ConnectionError), repr(errors[0])
     # (it read "the controller at ... closed the connection during round 2", where the
@@ -98,7 +106,7 @@ def test_a_bit_flipped_on_the_link_is_caught_and_that_host_is_told(caplog):
 
 
 def test_a_stall_shorter_than_the_timeout_costs_nothing():
-    results, errors, _, _ = run_with_fault("down", MID_RUN, "stall", seconds=1.5)
+    results, errors = run_with_fault("down", MID_RUN, "stall", seconds=1.5)
     assert errors == {}, errors
     want = [((value(0, i) + value(1, i)) / 2, 2.0) for i in range(ROUNDS)]
     assert results == [[want], [want]]
@@ -134,10 +142,10 @@ def test_a_host_that_stops_taking_the_consensus_is_failed_and_the_others_get_the
     other host waited for a round that never came, until their own deadlines blamed the
     controller. The send now gives up after the round's deadline, like a receive."""
     caplog.set_level(logging.ERROR, logger="flodl_shm")
-    ctl = ClusterController.start("127.0.0.1:0", 2, SALT, round_timeout=2.0)
+    ctl = ClusterController.start("127.0.0.1:0", 2, SALT, round_timeout=1.5)
     # (the controller's consensus of round 1 is 8 MB: the frozen link takes a few MB of
-    # it into its buffers, then nothing for 5 s)
-    proxy = LinkProxy(ctl.port, "down", 10 << 20, "stall", seconds=5.0)
+    # it into its buffers, then nothing for 3.5 s)
+    proxy = LinkProxy(ctl.port, "down", 10 << 20, "stall", seconds=3.5)
 
     def host(i: int):
         port = proxy.port if i == 0 else ctl.port
@@ -152,4 +160,4 @@ def test_a_host_that_stops_taking_the_consensus_is_failed_and_the_others_get_the
     assert list(errors) == [0], errors
     assert "lost the connection to the controller at 127.0.0.1:" in str(errors[0]), errors[0]
     survivor_saw_host_0_leave(results[1][0])
-    assert "stopped reading: it took nothing for 2 s" in caplog.text, caplog.text
+    assert "stopped reading: it took nothing for 1.5 s" in caplog.text, caplog.text

@@ -64,6 +64,8 @@ DEFAULT_ROUND_TIMEOUT = 300.0
 EARLY_STOP_REASONS = frozenset(r.value for r in (
     SaveReason.MAX_FAILURE_EXCEEDED, SaveReason.SINGLE_SURVIVOR, SaveReason.ALL_RANKS_LOST,
     SaveReason.REDUCE_STALL))
+#: the longest the controller waits for a host it drops to take the reason (``dropped``)
+DROPPED_WORD_S = 1.0
 PARALLEL_SCATTER_BYTES = 1 << 20  # below this, thread start-up costs more than it saves
 ROUND_TIMES_KEPT = 10_000  # ControllerStats.round_s: the last rounds' seconds
 _RSS_EVERY = 64  # rounds between two RSS samples (and after every round of 1 MiB or more)
@@ -319,7 +321,9 @@ class ClusterController:
         newly = [r for r in h.ranks if self.dead_ranks.declare_dead(r)]
         where = "told it" if told else "that host's output says why"
         if told:
-            try:  # (best effort: its link may be gone too)
+            # (best effort, and not waited for long: its link may be gone or full too)
+            h.link.send_idle = min(h.link.send_idle or DROPPED_WORD_S, DROPPED_WORD_S)
+            try:
                 h.link.send_ctrl(ctrl_message(Ctrl.DROPPED, reason=why[:MAX_REASON_CHARS]))
             except OSError:
                 pass
