@@ -250,7 +250,8 @@ class StreamEnded(FrameError):
     """The stream ended inside a frame or its length prefix (the sender exited or was
     killed, or the connection was cut): no bytes of a later frame were read. A
     ``FrameError`` like every other way a read can fail; ``got`` and ``declared``: the
-    bytes read of the frame's declared length (None where the prefix itself ended)."""
+    bytes read of the frame's declared length (None where no length was declared: the
+    length prefix itself ended, or a frame read without one)."""
 
     def __init__(self, message: str, got: int, declared: int | None) -> None:
         super().__init__(message)
