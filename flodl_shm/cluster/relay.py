@@ -214,18 +214,17 @@ class Relay:
                 # is not the news
                 self._say_last()  # why this host stops, if it was told (``shutdown``)
                 return
+            def lost(how: str) -> ConnectionError:
+                return ConnectionError(f"lost the connection to the controller at {peer} "
+                                       f"{how}; it stopped or its host is unreachable")
+
             if isinstance(e, RecordCut):  # (nothing after it is readable: no last word)
-                e = ConnectionError(
-                    f"lost the connection to the controller at {peer} in the middle of a record "
-                    f"(after {e.got} of its {e.length} bytes); it stopped or its host is "
-                    f"unreachable")
+                e = lost(f"in the middle of a record (after {e.got} of its {e.length} bytes)")
             elif isinstance(e, (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)):
                 # a send or receive that found the socket gone: what the controller said
                 # before it closed (a stall verdict: this host was the one it waited for),
                 # else name who went away
-                e = last_word(self._link) or ConnectionError(
-                    f"lost the connection to the controller at {peer} ({type(e).__name__}: "
-                    f"{e}); it stopped or its host is unreachable")
+                e = last_word(self._link) or lost(f"({type(e).__name__}: {e})")
             self.error = e
             # spawn raises it once every rank stopped (``ConnectionError: this host's relay
             # failed: ...``): logged here it would print the same news twice
