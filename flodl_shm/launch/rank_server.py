@@ -386,14 +386,20 @@ class _ServedRankProcess(mp_context.ForkServerProcess):
         return state
 
 
+#: The modules of ``flodl_shm.kernels`` whose ``warm_up`` a rank server runs, beside the
+#: package's own.
+KERNEL_MODULES = ("signals", "rounds", "tensorio", "outer_step", "permutation", "cma", "parts")
+
+
 def _warm_kernels(nprocs: int) -> None:
     """Compile (or load) every kernel here, once, so ranks only read numba's cache."""
-    from ..kernels import (cma, outer_step, parts, permutation, rounds, signals, tensorio,
-                           warm_up)
+    import importlib
 
-    warm_up(max_sources=max(4, nprocs))
-    for module in (signals, rounds, tensorio, outer_step, permutation, cma, parts):
-        module.warm_up()
+    from .. import kernels
+
+    kernels.warm_up(max_sources=max(4, nprocs))
+    for name in KERNEL_MODULES:
+        importlib.import_module(f"{kernels.__name__}.{name}").warm_up()
 
 
 class _KernelWarming(threading.Thread):
