@@ -755,7 +755,7 @@ import flodl_shm
 from flodl_shm.engine import arena
 if os.environ["RANK"] == "1":  # holds the group in formation: the leader keeps its names
     attach = arena.Arena.attach
-    arena.Arena.attach = lambda handle: (time.sleep(8), attach(handle))[1]
+    arena.Arena.attach = lambda handle: (time.sleep(4), attach(handle))[1]
 try:
     dist.init_process_group("flodl_shm", timeout=timedelta(seconds=60))
 except RuntimeError as e:
@@ -791,7 +791,7 @@ def test_a_leader_stopped_by_sigterm_while_the_group_forms_leaves_no_names(tmp_p
     assert left == []
     # (the store lived in rank 0's process here, as under env:// without torchrun)
     assert "error: " in out and "rank 0" in out, out
-    assert waited < 13, waited  # (its own attach sleeps 8 s, then it hears at once)
+    assert waited < 9, waited  # (its own attach sleeps 4 s, then it hears at once)
 
 
 _SLOW_GLOO = """

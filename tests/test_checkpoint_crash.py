@@ -35,7 +35,7 @@ from flodl_shm.checkpoint.fdl import read_fdl, write_fdl_raw, RawEntry, FdlDtype
 
 ENTRIES = 6
 ELEMS = 1 << 20  # 6 x 4 MiB = 24 MiB
-MIN_KILLS = 40
+MIN_KILLS = 20
 MIN_MID_WRITE_KILLS = 10
 MAX_KILLS = 80
 TIME_BUDGET_S = 25.0
