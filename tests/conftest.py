@@ -40,19 +40,18 @@ for name in sys.argv[1].split():
 def _kernels_compiled_once():
     """Before the first test: numba's cache holds every kernel. A fresh checkout (CI's)
     has none; its first tests compiled them one after another, about 50 s of one core,
-    while the other core idled. Here two processes compile half each, at once. Once a
-    cache folder is complete its marker file says so, and later runs skip this."""
+    while the other core idled. Here two processes compile half each, at once, and the
+    folder is marked complete (``kernels.cache_complete``): later runs skip this."""
     import subprocess
     import sys
 
-    from flodl_shm.kernels import cache_dir
+    from flodl_shm.kernels import cache_complete, mark_cache_complete
     from flodl_shm.launch.rank_server import KERNEL_MODULES
 
     grouped = sorted(" ".join(_KERNEL_GROUPS).split())
     assert grouped == sorted(("kernels",) + KERNEL_MODULES), (
         f"_KERNEL_GROUPS lists {grouped}: give each kernel module a group")
-    marker = cache_dir() / "suite-warmed"
-    if marker.exists():
+    if cache_complete():
         yield
         return
     procs = [subprocess.Popen([sys.executable, "-c", _WARM_GROUP, group],
@@ -66,7 +65,7 @@ def _kernels_compiled_once():
             p.wait()
     for group, p, out in zip(_KERNEL_GROUPS, procs, outs):
         assert p.returncode == 0, f"compiling the kernels of {group} failed:\n{out}"
-    marker.touch()
+    mark_cache_complete()
     yield
 
 

@@ -391,6 +391,29 @@ def test_demo_output_to_a_file_has_no_progress_bar_redraws(tmp_path):
     assert "\r" not in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]
     assert "batch/s" not in r.stderr, r.stderr[-2000:]
     assert "window    2 (epoch  1/2)" in r.stdout, r.stdout
+    assert "compiling" not in r.stdout, r.stdout  # (the suite's cache holds every kernel)
+
+
+def test_a_first_demo_says_it_compiles_the_kernels_once(tmp_path):
+    """A newcomer's first demo sat 49 s after its header with nothing said (numba
+    compiling the kernels), where the README promised 20 s in all. A demo that will
+    compile says so first; the ranks' warm-up then marks the folder complete. (The
+    suite's cache, copied without its mark, stands in for a cold one: a real compile
+    takes about a minute.)"""
+    from test_spawn_startup import _cache_without
+
+    from flodl_shm.kernels import cache_dir
+    from flodl_shm.kernels._cache import COMPLETE_MARKER
+
+    base = _cache_without(tmp_path / "numba", COMPLETE_MARKER)
+    folder = tmp_path / "numba" / cache_dir().name
+    r = _flodl(["demo", "--epochs", "1", "--no-progress", "--no-plot"], tmp_path, timeout=150,
+               env={"FLODL_SHM_NUMBA_CACHE": base})
+    assert r.returncode == 0, r.stderr
+    head = r.stdout.splitlines()[:3]
+    assert head[2] == ("  compiling flodl_shm's kernels for this machine, once: about a "
+                       "minute on 2 cores (later runs load them in a second)"), r.stdout
+    assert (folder / COMPLETE_MARKER).exists()
 
 
 def test_new_secret_in_a_missing_folder_is_one_line(tmp_path):

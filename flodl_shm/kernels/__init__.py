@@ -5,7 +5,7 @@ points numba's on-disk cache at a writable directory (see ``_cache``).
 """
 from __future__ import annotations
 
-from ._cache import cache_dir, configure_numba_cache
+from ._cache import cache_complete, cache_dir, configure_numba_cache, mark_cache_complete
 
 configure_numba_cache()
 
@@ -35,6 +35,7 @@ __all__ = [
     "bf16_scaled_copy",
     "bf16_scaled_to_f32",
     "bf16_to_f32",
+    "cache_complete",
     "cache_dir",
     "configure_numba_cache",
     "drift_sums",
@@ -43,6 +44,7 @@ __all__ = [
     "f32_to_bf16_scaled",
     "finalize_bf16",
     "finalize_f32",
+    "mark_cache_complete",
     "reduce_bf16",
     "reduce_bf16_to_f32",
     "reduce_f32",

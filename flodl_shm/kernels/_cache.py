@@ -215,3 +215,24 @@ def prune_stale_digests(chosen: Path, max_age_s: float = STALE_DIGEST_AGE_S) -> 
 def cache_dir() -> Path:
     """The numba cache directory this process uses."""
     return configure_numba_cache()
+
+
+#: The file whose presence in a cache folder says it holds every kernel (written once a
+#: process compiled or loaded them all: ``launch.rank_server``'s warm-up).
+COMPLETE_MARKER = "complete"
+
+
+def cache_complete() -> bool:
+    """Whether this process's cache folder holds every kernel, so a ``spawn`` loads
+    them in about a second instead of compiling them (about a minute of one core on a
+    2-core machine)."""
+    return (cache_dir() / COMPLETE_MARKER).exists()
+
+
+def mark_cache_complete() -> None:
+    """Say that this process's cache folder now holds every kernel (best effort: a
+    folder that refuses the file only keeps ``cache_complete`` False)."""
+    try:
+        (cache_dir() / COMPLETE_MARKER).touch()
+    except OSError:
+        pass

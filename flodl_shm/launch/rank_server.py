@@ -400,6 +400,8 @@ def _warm_kernels(nprocs: int) -> None:
     kernels.warm_up(max_sources=max(4, nprocs))
     for name in KERNEL_MODULES:
         importlib.import_module(f"{kernels.__name__}.{name}").warm_up()
+    if not kernels.cache_complete():
+        kernels.mark_cache_complete()
 
 
 class _KernelWarming(threading.Thread):
