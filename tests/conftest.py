@@ -31,8 +31,9 @@ _KERNEL_GROUPS = ("rounds parts signals", "kernels cma tensorio outer_step permu
 _WARM_GROUP = """
 import sys, importlib
 for name in sys.argv[1].split():
-    module = importlib.import_module("flodl_shm.kernels" + ("" if name == "kernels" else "." + name))
-    module.warm_up()
+    package = importlib.import_module("flodl_shm.kernels")
+    (package if name == "kernels" else importlib.import_module(package.__name__ + "." + name)
+     ).warm_up()
 """
 
 
