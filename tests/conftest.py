@@ -25,48 +25,15 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-# Every kernel module, in two groups of about equal compile time (each about 24 s here on a
-# cold cache): _kernels_compiled_once compiles one group per process.
-_KERNEL_GROUPS = ("rounds parts signals", "kernels cma tensorio outer_step permutation")
-_WARM_GROUP = """
-import sys, importlib
-for name in sys.argv[1].split():
-    package = importlib.import_module("flodl_shm.kernels")
-    (package if name == "kernels" else importlib.import_module(package.__name__ + "." + name)
-     ).warm_up()
-"""
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _kernels_compiled_once():
-    """Before the first test: numba's cache holds every kernel. A fresh checkout (CI's)
-    has none; its first tests compiled them one after another, about 50 s of one core,
-    while the other core idled. Here two processes compile half each, at once, and the
-    folder is marked complete (``kernels.cache_complete``): later runs skip this."""
-    import subprocess
-    import sys
+    """Before the first test: every kernel in numba's cache, as a ``spawn``'s warm-up
+    leaves it. A fresh checkout (CI's) has none: its first tests compiled them one after
+    another, about 50 s of one core; the warm-up compiles half of them in a helper
+    process meanwhile (``kernels.warming``)."""
+    from flodl_shm.kernels.warming import warm_all
 
-    from flodl_shm.kernels import cache_complete, mark_cache_complete
-    from flodl_shm.launch.rank_server import KERNEL_MODULES
-
-    grouped = sorted(" ".join(_KERNEL_GROUPS).split())
-    assert grouped == sorted(("kernels",) + KERNEL_MODULES), (
-        f"_KERNEL_GROUPS lists {grouped}: give each kernel module a group")
-    if cache_complete():
-        yield
-        return
-    procs = [subprocess.Popen([sys.executable, "-c", _WARM_GROUP, group],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for group in _KERNEL_GROUPS]
-    try:
-        outs = [p.communicate(timeout=600)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    for group, p, out in zip(_KERNEL_GROUPS, procs, outs):
-        assert p.returncode == 0, f"compiling the kernels of {group} failed:\n{out}"
-    mark_cache_complete()
+    warm_all()
     yield
 
 

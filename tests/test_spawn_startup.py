@@ -275,14 +275,15 @@ if __name__ == "__main__":
 """
 
 
-def _cache_without(base, prefix: str) -> str:
+def _cache_without(base, *prefixes: str) -> str:
     """A numba cache folder under ``base`` holding a copy of this process's kernel cache
-    without the files that start with ``prefix`` (one kernels module's)."""
+    without the files that start with any of ``prefixes`` (a kernels module's, the
+    folder's ``complete`` mark)."""
     from flodl_shm.kernels._cache import cache_dir
 
     src = cache_dir()
     shutil.copytree(src, base / src.name,
-                    ignore=lambda _, names: [n for n in names if n.startswith(prefix)])
+                    ignore=lambda _, names: [n for n in names if n.startswith(prefixes)])
     return str(base)
 
 

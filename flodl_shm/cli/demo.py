@@ -525,8 +525,8 @@ def _run_demo(cfg: DemoConfig) -> DemoResult:
     from flodl_shm.kernels import cache_complete
 
     if not cache_complete():  # (every host compiles its own: each says so)
-        _out("  compiling flodl_shm's kernels for this machine, once: about a minute on 2 "
-             "cores (later runs load them in a second)")
+        _out("  compiling flodl_shm's kernels for this machine, once: about 40 s on 2 cores "
+             "(later runs load them in a second)")
     t0 = time.perf_counter()
     if cfg.resume:
         result = trainer.resume(nprocs=cfg.nprocs, **cluster)

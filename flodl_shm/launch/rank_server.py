@@ -386,22 +386,12 @@ class _ServedRankProcess(mp_context.ForkServerProcess):
         return state
 
 
-#: The modules of ``flodl_shm.kernels`` whose ``warm_up`` a rank server runs, beside the
-#: package's own.
-KERNEL_MODULES = ("signals", "rounds", "tensorio", "outer_step", "permutation", "cma", "parts")
-
-
 def _warm_kernels(nprocs: int) -> None:
-    """Compile (or load) every kernel here, once, so ranks only read numba's cache."""
-    import importlib
+    """Compile (or load) every kernel here, once, so ranks only read numba's cache (on a
+    cold cache, half of them in a helper process: ``kernels.warming``)."""
+    from ..kernels.warming import warm_all
 
-    from .. import kernels
-
-    kernels.warm_up(max_sources=max(4, nprocs))
-    for name in KERNEL_MODULES:
-        importlib.import_module(f"{kernels.__name__}.{name}").warm_up()
-    if not kernels.cache_complete():
-        kernels.mark_cache_complete()
+    warm_all(max_sources=max(4, nprocs))
 
 
 class _KernelWarming(threading.Thread):

@@ -1,0 +1,117 @@
+"""Compile (or load) every kernel once, before any rank starts: ``spawn``'s warm-up.
+
+Ranks then only read numba's cache (``_cache``): no rank compiles, and none writes a
+cache file another is reading.
+
+**A warm cache** (``cache_complete``) loads every kernel in this process, in about 2 s
+here.
+
+**A cold cache** (a fresh install, a new version) compiles for about 50 s of one core
+on a 2-core machine. On a machine with more than one core, the work is cut in two
+halves of about equal compile time (``HERE``, ``HELPER``):
+
+- a helper process compiles ``HELPER``'s modules while this process compiles
+  ``HERE``'s (about 25 s in all);
+- this process then waits for the helper and loads what it compiled. Whatever the
+  helper did not compile (it failed, or took past ``HELPER_WAIT_S``) is compiled here,
+  as on one core.
+
+Who owns the helper: the thread that started it. The helper dies with that thread
+(``PR_SET_PDEATHSIG``), ignores Ctrl-C (the launcher decides what a Ctrl-C stops) and
+is killed and reaped before ``warm_all`` returns or raises. Its output goes nowhere:
+a compile that fails there fails again here, where it is raised.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import subprocess
+import sys
+from typing import Sequence
+
+from ._cache import cache_complete, cache_dir, mark_cache_complete
+
+logger = logging.getLogger("flodl_shm")
+
+#: The kernel modules compiled here on a cold cache (about 25 s of one core, here).
+HERE = ("rounds", "parts", "signals")
+#: The modules a helper compiles meanwhile (about 24 s): ``""`` is the package's own
+#: ``warm_up`` (the reduces).
+HELPER = ("", "cma", "tensorio", "outer_step", "permutation")
+#: Every module whose ``warm_up`` runs (``""``: the package's own).
+MODULES = HERE + HELPER
+
+#: How long this process waits for the helper once its own half is done, before it
+#: compiles the rest itself.
+HELPER_WAIT_S = 300.0
+
+_HELPER_SCRIPT = """
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)  # its starter is gone already
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+from flodl_shm.kernels import warming
+warming.warm(sys.argv[3:], int(sys.argv[2]))
+"""
+
+
+def warm(modules: Sequence[str], max_sources: int) -> None:
+    """Compile (or load) the kernels of ``modules`` (``""``: the package's own, the
+    reduces for up to ``max_sources`` sources) in this process."""
+    package = importlib.import_module(__package__)
+    for name in modules:
+        if name:
+            importlib.import_module(f"{__package__}.{name}").warm_up()
+        else:
+            package.warm_up(max_sources=max_sources)
+
+
+def warm_all(max_sources: int = 4) -> None:
+    """Compile (or load) every kernel; on a cold cache and more than one core, half of
+    them in a helper process (the module doc). Marks the cache complete."""
+    if cache_complete():
+        warm(MODULES, max_sources)
+        return
+    helper = _start_helper(max_sources)
+    logger.info("compiling the kernels into %s, once: %s", cache_dir(),
+                "all in this process" if helper is None
+                else f"half of them in a helper process (pid {helper.pid})")
+    try:
+        warm(HERE, max_sources)
+        if helper is not None:
+            try:
+                helper.wait(HELPER_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        if helper is not None:
+            helper.kill()
+            helper.wait()
+    warm(HELPER, max_sources)  # loads what the helper compiled; compiles what it did not
+    mark_cache_complete()
+
+
+def _start_helper(max_sources: int) -> "subprocess.Popen | None":
+    """The helper compiling ``HELPER``'s modules, or None on one core (or when no
+    interpreter can be started: this process compiles them all then)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    if cores < 2:
+        return None
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)  # (the cache folder this process chose is exported in it)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-c", _HELPER_SCRIPT, str(os.getpid()), str(max_sources),
+             *HELPER], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, close_fds=True)
+    except OSError:
+        return None
