@@ -396,11 +396,10 @@ def test_demo_output_to_a_file_has_no_progress_bar_redraws(tmp_path):
 
 def test_a_first_demo_says_it_compiles_the_kernels_once(tmp_path):
     """A newcomer's first demo sat 49 s after its header with nothing said (numba
-    compiling the kernels), where the README promised 20 s in all (37 s now: half the
-    kernels compile in a helper process). A demo that will
-    compile says so first; the ranks' warm-up then marks the folder complete. (The
-    suite's cache, copied without its mark, stands in for a cold one: a real compile
-    takes about a minute.)"""
+    compiling the kernels), where the README promised 20 s in all. A demo that will
+    compile says so first (37 s now: half the kernels compile in a helper process); the
+    warm-up then marks the folder complete. (The suite's cache, copied without its mark,
+    stands in for a cold one: a real compile takes 25-50 s.)"""
     from test_spawn_startup import _cache_without
 
     from flodl_shm.kernels import cache_dir

@@ -329,9 +329,9 @@ def test_a_spawn_after_one_an_exception_stopped_forks_its_rank_server(tmp_path, 
     them now (the compile is one it needs too) and forks the server from the launcher."""
     env = {}
     if mode == "interrupted-compile":
-        # the suite's own cache but the kernels loaded last (the part collectives'): the
-        # compile thread loads the others, then compiles those for seconds (4-5 s here;
-        # the cross-memory kernels, which this test left out before, 11-35 s)
+        # the suite's own cache but the part collectives' kernels: the compile thread
+        # compiles those for seconds (4-6 s here; the cross-memory kernels, which this
+        # test left out before, 11-35 s)
         env["NUMBA_CACHE_DIR"] = _cache_without(tmp_path / "numba", "parts.")
     first, ranks = _run_forked_script(tmp_path, mode, env)
     assert first == "said once before spawn"

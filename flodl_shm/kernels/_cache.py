@@ -218,14 +218,13 @@ def cache_dir() -> Path:
 
 
 #: The file whose presence in a cache folder says it holds every kernel (written once a
-#: process compiled or loaded them all: ``launch.rank_server``'s warm-up).
+#: process compiled or loaded them all: ``warming.warm_all``, a ``spawn``'s warm-up).
 COMPLETE_MARKER = "complete"
 
 
 def cache_complete() -> bool:
     """Whether this process's cache folder holds every kernel, so a ``spawn`` loads
-    them in about a second instead of compiling them (about a minute of one core on a
-    2-core machine)."""
+    them in about a second instead of compiling them (about 50 s of one core here)."""
     return (cache_dir() / COMPLETE_MARKER).exists()
 
 
