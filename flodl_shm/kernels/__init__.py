@@ -5,7 +5,7 @@ points numba's on-disk cache at a writable directory (see ``_cache``).
 """
 from __future__ import annotations
 
-from ._cache import cache_complete, cache_dir, configure_numba_cache, mark_cache_complete
+from ._cache import cache_complete, cache_dir, configure_numba_cache
 
 configure_numba_cache()
 
@@ -44,7 +44,6 @@ __all__ = [
     "f32_to_bf16_scaled",
     "finalize_bf16",
     "finalize_f32",
-    "mark_cache_complete",
     "reduce_bf16",
     "reduce_bf16_to_f32",
     "reduce_f32",
