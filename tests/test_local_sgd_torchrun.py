@@ -22,21 +22,33 @@ pytestmark = [pytest.mark.timeout(240),
               pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")]
 
 
-@pytest.mark.parametrize("size", ["small", "big", "diloco"])
-def test_local_sgd_on_the_default_process_group_under_torchrun(tmp_path, size):
-    """``big``: a 9 MiB model, whose parameters the group's direct rounds average in
-    the ranks' shared parameter blocks (mapped by every rank at the rendezvous, before
-    the segment names are unlinked). ``diloco``: the outer step in the reduce, whose
-    state lives in the arena's outer segment (mapped at the rendezvous too)."""
-    env = torchrun_env(tmp_path)
+@pytest.fixture(scope="module")
+def torchrun_runs(tmp_path_factory) -> list[dict]:
+    """One ``torchrun --standalone --nproc-per-node 2`` of the script, whose process group
+    carries its three runs one after another (a torchrun costs about 7 s here): each
+    rank's result by run name."""
+    out = tmp_path_factory.mktemp("local_sgd_torchrun")
+    env = torchrun_env(out)
     proc = subprocess.Popen([str(TORCHRUN), "--standalone", "--nproc-per-node", "2",
-                             str(HERE / "local_sgd_torchrun_script.py"), str(tmp_path),
-                             size],
+                             str(HERE / "local_sgd_torchrun_script.py"), str(out)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     _finish([proc], 150)
-    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    assert [s.name for s in list_segments() if s.owner_pid in {r["pid"] for r in res}] == []
+    res = {name: [torch.load(out / f"rank{r}.{name}.pt", weights_only=False)
+                  for r in range(2)] for name in ("small", "big", "diloco")}
+    pids = {r["pid"] for r in res["small"]}
+    assert [s.name for s in list_segments() if s.owner_pid in pids] == []
+    return res
+
+
+@pytest.mark.parametrize("size", ["small", "big", "diloco"])
+def test_local_sgd_on_the_default_process_group_under_torchrun(torchrun_runs, size):
+    """``big``: a 9 MiB model, whose parameters the group's direct rounds average in
+    the ranks' shared parameter blocks (mapped by every rank at the rendezvous, before
+    the segment names are unlinked). ``diloco``: the outer step in the reduce, whose
+    state lives in the arena's outer segment (mapped at the rendezvous too). The three
+    run one after another on the same process group."""
+    res = torchrun_runs[size]
     w = [2.0 * (3 + r) for r in range(2)]
     for r in res:
         assert r["mass"] == sum(w) and r["accepted"] == (0, 1)
