@@ -1351,6 +1351,51 @@ def test_ranks_that_used_a_forkserver_of_their_own_leave_no_temp_folder(tmp_path
         assert sorted(os.listdir(short_temp)) == [], how
 
 
+_KILLED_WITH_TEMP_FOLDERS = """
+import multiprocessing, os, signal, sys, time
+import torch
+import flodl_shm
+
+
+def f(ctx):
+    # a DataLoader's forked worker sends its batch through a socket of its own (a
+    # resource sharer) and a forkserver context starts a server: each in a temp folder
+    loader = torch.utils.data.DataLoader(torch.arange(8.0), batch_size=4, num_workers=1,
+                                         multiprocessing_context="fork")
+    batches = iter(loader)
+    next(batches)
+    p = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(0.01,))
+    p.start(); p.join()
+    if ctx.rank == int(sys.argv[1]):
+        os.kill(os.getpid(), signal.SIGKILL)  # (its worker still runs)
+    return p.exitcode
+
+
+if __name__ == "__main__":
+    try:
+        print(flodl_shm.spawn(f, 2, timeout=60))
+    except flodl_shm.RankFailed as e:
+        print("RankFailed", e.rank, e.signal)
+"""
+
+
+def test_a_killed_rank_leaves_no_temp_folder(tmp_path, short_temp):
+    """A rank SIGKILLed after its DataLoader worker had sent a batch and a forkserver
+    context had started its server left their socket folders (pymp-*) in the temp dir:
+    a killed rank runs no exit handler, and its worker, killed with it, none either. The
+    rank's folder is also its forks' now, and the launcher removes a killed rank's once
+    it is reaped."""
+    script = tmp_path / "ranks.py"
+    script.write_text(_KILLED_WITH_TEMP_FOLDERS)
+    env = dict(os.environ, TMPDIR=str(short_temp))
+    for killed, said in ((-1, "[0, 0]"), (1, "RankFailed 1 SIGKILL")):
+        out = subprocess.run([sys.executable, str(script), str(killed)], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == said, out.stderr
+        assert "Traceback" not in out.stderr, out.stderr
+        assert sorted(os.listdir(short_temp)) == [], killed
+
+
 def test_forkserver_off_linux_spawns_ranks(monkeypatch):
     """Without the rank server (not Linux), the default start method spawns each rank:
     multiprocessing's own forkserver would make every rank fail its parent check."""

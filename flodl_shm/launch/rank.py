@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 
 from ..engine import arena as A
 from ..errors import CohortAborted, ReduceStall, shifted_ranks
+from . import rank_temp
 
 
 
@@ -204,20 +205,6 @@ def _end_descendants(grace: float = 1.0) -> None:
             pass
 
 
-def _remove_own_mp_temp_dir(inherited: str | None) -> None:
-    """Remove the multiprocessing temp folder (``pymp-*``) the rank made for itself, if
-    any (a forkserver or a resource sharer of its own puts its socket there: a DataLoader
-    with ``multiprocessing_context="forkserver"``, a tensor sent to a spawned worker).
-    multiprocessing removes it in its exit handler, which the rank's ``os._exit`` skips:
-    every such run left one per rank in the temp dir. A folder ``inherited`` from the
-    process the rank was forked from is that process's to remove."""
-    import shutil
-
-    mine = mp_process.current_process()._config.get("tempdir")
-    if mine and mine != inherited:
-        shutil.rmtree(mine, ignore_errors=True)
-
-
 def _send(conn, msg: tuple) -> None:
     """Rank -> launcher message, pickled by value with the standard pickler.
 
@@ -325,7 +312,7 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
     if os.getppid() != parent_pid:  # the launcher died before we could ask to follow it
         os._exit(1)
     rank_pid = os.getpid()  # (a process forked in fn that leaves it has another)
-    inherited_temp = mp_process.current_process()._config.get("tempdir")
+    inherited_temp = rank_temp.name_after_the_rank()
     _children_follow_this_rank()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])  # ignored from now on
@@ -424,7 +411,7 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
     if locks is not None:  # run locks the rank's function took (LocalSGD.save)
         locks.release_held()
     _end_descendants()
-    _remove_own_mp_temp_dir(inherited_temp)  # (its users are gone with the descendants)
+    rank_temp.remove_own(inherited_temp)  # (its users are gone with the descendants)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip interpreter teardown (no atexit surprises in ranks)

@@ -28,6 +28,7 @@ from ..engine.hostmem import host_memory
 from ..engine.segment import fmt_bytes, reap_dead_owner_segments, space_error
 from ..engine.hostcpu import available_cores
 from ..engine.waiting import Doorbell, wait_notice_s
+from . import rank_temp
 from .failure_budget import FailureBudget
 from .rank import _RankProcess, _forward_level, _main_file, _rank_main, _recv
 from .rank_exit import RankExit, failure_error, host_failure, teardown_casualty
@@ -416,6 +417,7 @@ class SpawnContext:
                 escalations, self._escalations = self._escalations, None
             for t in escalations:
                 t.join()
+            rank_temp.remove_left_by(self._pids)  # (a killed rank's: it could not)
             for c in conns.values():
                 c.close()
             if self._server is not None:

@@ -1,0 +1,91 @@
+"""A rank's multiprocessing temp folder (``pymp-*``): who makes it, who removes it.
+
+multiprocessing keeps the sockets of a process's own forkserver and resource sharer (a
+DataLoader with ``multiprocessing_context="forkserver"``, a tensor sent to a spawned
+worker or back from a forked one) in a temp folder it makes on first use
+(``multiprocessing.util.get_temp_dir``) and removes in its exit handler. A rank leaves by
+``os._exit``, which skips that handler, and a process killed by a signal runs nothing at
+all: a rank killed, and its DataLoader worker killed with it, each left its folder.
+
+- **Made on first use, as multiprocessing does** (``name_after_the_rank``): in a rank
+  and in every process it forks, the folder's name carries the rank's pid
+  (``pymp-fshm-rank<pid>-<random>``); a rank that never needs one makes none. A process
+  forked after the rank made its folder shares it (it inherits the choice).
+- **The rank removes its own** on its way out (``remove_own``), once its descendants
+  ended; a forked process that exits normally removes its own (multiprocessing's
+  handler).
+- **The supervisor removes those of a killed rank** (``remove_left_by``): its own and
+  its forks', found by the rank's pid in the name, once the rank is reaped. A folder
+  whose pid runs again (another process now has it) is left alone, and only a folder of
+  this user is touched.
+
+A folder the rank inherited from the process it was forked from (the rank server's, if
+that made one) stays that process's.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from multiprocessing import process as mp_process
+from multiprocessing import util as mp_util
+from pathlib import Path
+from typing import Iterable
+
+#: The name of a rank's folder starts with this, then the rank's pid and a dash.
+PREFIX = "pymp-fshm-rank"
+
+
+def name_after_the_rank() -> str | None:
+    """In a rank, as it starts: from now on multiprocessing makes its temp folder, here
+    and in what this rank forks, under a name that carries this rank's pid (the module
+    doc). Returns the folder the rank has from the process it was forked from, if any:
+    that process's to remove."""
+    rank_pid = os.getpid()
+
+    def get_temp_dir() -> str:  # multiprocessing.util.get_temp_dir, named for the rank
+        config = mp_process.current_process()._config
+        tempdir = config.get("tempdir")
+        if tempdir is None:
+            tempdir = tempfile.mkdtemp(prefix=f"{PREFIX}{rank_pid}-")
+            mp_util.info("created temp directory %s", tempdir)
+            mp_util.Finalize(None, mp_util._remove_temp_dir, args=(shutil.rmtree, tempdir),
+                             exitpriority=-100)
+            config["tempdir"] = tempdir
+        return tempdir
+
+    mp_util.get_temp_dir = get_temp_dir
+    return mp_process.current_process()._config.get("tempdir")
+
+
+def remove_own(inherited: str | None) -> None:
+    """Remove this rank's temp folder (not one ``inherited`` from its parent)."""
+    mine = mp_process.current_process()._config.get("tempdir")
+    if mine and mine != inherited:
+        shutil.rmtree(mine, ignore_errors=True)
+
+
+def remove_left_by(pids: Iterable[int]) -> None:
+    """Remove the temp folders of ranks ``pids`` that ended without removing their own
+    (killed). Call once they are reaped; a pid that runs again is another process's."""
+    from ..engine.segment import pid_alive
+
+    gone = [pid for pid in pids if not pid_alive(pid)]
+    if not gone:
+        return
+    try:
+        names = os.listdir(tempfile.gettempdir())
+    except OSError:
+        return
+    uid = os.getuid()
+    for pid in gone:
+        mark = f"{PREFIX}{pid}-"
+        for name in names:
+            if not name.startswith(mark):
+                continue
+            path = Path(tempfile.gettempdir(), name)
+            try:
+                if path.lstat().st_uid == uid and path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+            except OSError:
+                pass
