@@ -16,6 +16,7 @@ PKG = Path(__file__).resolve().parents[1] / "flodl_shm"
 #: Lower number = lower layer. Keys are the first component under ``flodl_shm``.
 LAYERS = {
     "errors": 0,
+    "lifeline": 0,
     "kernels": 1,
     "frame": 2,
     "checkpoint": 3,

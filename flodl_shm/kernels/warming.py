@@ -16,9 +16,10 @@ halves of about equal compile time (``HERE``, ``HELPER``):
   helper did not compile (it failed, or took past ``HELPER_WAIT_S``) is compiled here,
   as on one core.
 
-Who owns the helper: the thread that started it. The helper dies with that thread
-(``PR_SET_PDEATHSIG``), ignores Ctrl-C (the launcher decides what a Ctrl-C stops) and
-is killed and reaped before ``warm_all`` returns or raises. Its output goes nowhere:
+Who owns the helper: the thread that started it. The helper follows that thread
+(``flodl_shm.lifeline``: it dies with it, and ignores Ctrl-C, which the launcher decides
+on) and is killed and reaped before ``warm_all`` returns or raises. Off Linux, where no
+parent-death signal exists, there is no helper. Its output goes nowhere:
 a compile that fails there fails again here, where it is raised.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ import subprocess
 import sys
 from typing import Sequence
 
+from ..lifeline import follow_starter_code
 from ._cache import cache_complete, cache_dir, mark_cache_complete
 
 logger = logging.getLogger("flodl_shm")
@@ -46,17 +48,10 @@ MODULES = HERE + HELPER
 #: compiles the rest itself.
 HELPER_WAIT_S = 300.0
 
-_HELPER_SCRIPT = """
-import ctypes, os, signal, sys
-try:
-    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-except (OSError, AttributeError):
-    pass
-if os.getppid() != int(sys.argv[1]):
-    sys.exit(1)  # its starter is gone already
-signal.signal(signal.SIGINT, signal.SIG_IGN)
+#: The helper's program, after its first line (``lifeline.follow_starter_code``).
+_HELPER_SCRIPT = """import sys
 from flodl_shm.kernels import warming
-warming.warm(sys.argv[3:], int(sys.argv[2]))
+warming.warm(sys.argv[2:], int(sys.argv[1]))
 """
 
 
@@ -97,11 +92,13 @@ def warm_all(max_sources: int = 4) -> None:
 
 
 def _start_helper(max_sources: int) -> "subprocess.Popen | None":
-    """The helper compiling ``HELPER``'s modules, or None on one core (or when no
-    interpreter can be started: this process compiles them all then)."""
+    """The helper compiling ``HELPER``'s modules, or None off Linux, on one core, or
+    when no interpreter can be started: this process compiles them all then."""
+    if not sys.platform.startswith("linux"):
+        return None  # (no parent-death signal: the helper could outlive a killed starter)
     try:
         cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
+    except OSError:
         cores = os.cpu_count() or 1
     if cores < 2:
         return None
@@ -110,8 +107,8 @@ def _start_helper(max_sources: int) -> "subprocess.Popen | None":
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     try:
         return subprocess.Popen(
-            [sys.executable, "-c", _HELPER_SCRIPT, str(os.getpid()), str(max_sources),
-             *HELPER], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, close_fds=True)
+            [sys.executable, "-c", follow_starter_code(os.getpid()) + _HELPER_SCRIPT,
+             str(max_sources), *HELPER], env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
     except OSError:
         return None

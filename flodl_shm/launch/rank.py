@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 
 from ..engine import arena as A
 from ..errors import CohortAborted, ReduceStall, shifted_ranks
+from ..lifeline import follow, follow_starter_code
 from . import rank_temp
 
 
@@ -56,17 +57,6 @@ def _main_file() -> str | None:
     if not os.path.isabs(path) and mp_process.ORIGINAL_DIR is not None:
         path = os.path.join(mp_process.ORIGINAL_DIR, path)
     return path if os.path.isfile(path) else None
-
-
-def _set_pdeathsig() -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
 
 
 def _children_follow_this_rank() -> None:
@@ -126,9 +116,7 @@ def _children_follow_this_rank() -> None:
             # Pool's terminate() waited for it for good
             signal.pthread_sigmask(signal.SIG_SETMASK, fork.mask)
         if fork.from_main:
-            _set_pdeathsig()
-            if os.getppid() != fork.parent:
-                os._exit(1)  # the parent died before the signal was set: it never comes
+            follow(fork.parent)
 
     os.register_at_fork(before=before, after_in_parent=in_parent, after_in_child=in_child)
 
@@ -308,9 +296,7 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
     spawn): a rank's own children (a DataLoader's workers) start as they would in the
     user's script or under torchrun (forked on Linux: a DataLoader's first batch in
     about 0.05 s, against 2 s per epoch through a fresh forkserver of the rank)."""
-    _set_pdeathsig()
-    if os.getppid() != parent_pid:  # the launcher died before we could ask to follow it
-        os._exit(1)
+    follow(parent_pid)  # (the launcher, or the rank server)
     rank_pid = os.getpid()  # (a process forked in fn that leaves it has another)
     inherited_temp = rank_temp.name_after_the_rank()
     _children_follow_this_rank()
@@ -420,15 +406,6 @@ def _rank_main(handle: A.ArenaHandle, local_rank: int, global_rank: int, world_s
 # --- starting a rank ------------------------------------------------------------------
 
 
-# Runs first in a rank process, before multiprocessing imports the launcher's main module
-# and this package (seconds on a busy host): follow the launcher's death (PDEATHSIG, or
-# exit if it is already gone) and ignore SIGINT, which the forking thread blocked so
-# that a Ctrl-C during the interpreter's own start-up cannot reach it either.
-_BOOTSTRAP = ("import os, signal, ctypes; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-              "ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0); "
-              "os.getppid() == {ppid} or os._exit(1); ")
-
-
 def _child_data(popen, process_obj) -> io.BytesIO:
     """What multiprocessing writes to a new child: its preparation data and the process
     object, pickled with ``popen`` as the spawning popen (fds it duplicates)."""
@@ -448,8 +425,12 @@ def _child_data(popen, process_obj) -> io.BytesIO:
 
 
 class _RankPopen(popen_spawn_posix.Popen):
-    """multiprocessing's spawn launch with ``_BOOTSTRAP`` ahead of its ``spawn_main``
-    (same pipes, same preparation data; only the ``-c`` program gains a prefix)."""
+    """multiprocessing's spawn launch with ``follow_starter_code`` ahead of its
+    ``spawn_main`` (same pipes, same preparation data; only the ``-c`` program gains a
+    prefix): the rank follows the launcher's death before multiprocessing imports the
+    launcher's main module and this package (seconds on a busy host), and ignores SIGINT,
+    which the forking thread blocked so that a Ctrl-C during the interpreter's own
+    start-up cannot reach it either."""
 
     def _launch(self, process_obj):  # mirrors popen_spawn_posix.Popen._launch
         from multiprocessing import resource_tracker
@@ -463,7 +444,7 @@ class _RankPopen(popen_spawn_posix.Popen):
             child_r, parent_w = os.pipe()
             cmd = mp_spawn.get_command_line(tracker_fd=tracker_fd, pipe_handle=child_r)
             i = cmd.index("-c") + 1
-            cmd[i] = _BOOTSTRAP.format(ppid=os.getpid()) + cmd[i]
+            cmd[i] = follow_starter_code(os.getpid()) + cmd[i]
             self._fds.extend([child_r, child_w])
             # the child inherits this mask through exec: SIGINT stays pending until the
             # bootstrap ignores it (blocked here, at the last moment, because starting

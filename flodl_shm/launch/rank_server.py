@@ -23,7 +23,8 @@ from multiprocessing import util as mp_util
 from typing import Callable
 
 from . import listener_folder
-from .rank import _BOOTSTRAP, _child_data, _set_pdeathsig
+from ..lifeline import follow, follow_starter_code
+from .rank import _child_data
 
 logger = logging.getLogger("flodl_shm")
 
@@ -32,7 +33,7 @@ def _rank_server_main(listener_fd: int, alive_r: int, nprocs: int, threads: int)
     """The fresh rank server's program: on its one thread, import torch, numpy, numba
     and what a rank runs, load (or compile once) the kernels, run no torch operation;
     then serve forks (multiprocessing's forkserver loop). Started with SIGINT ignored
-    and blocked, and PDEATHSIG set, by ``_BOOTSTRAP``."""
+    and blocked, and PDEATHSIG set, by ``follow_starter_code``."""
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # before torch/numpy load
     import numpy  # noqa: F401
     import torch  # noqa: F401
@@ -57,9 +58,7 @@ def _serve_ranks(listener_fd: int, alive_r: int, nprocs: int) -> None:
         if not in_server:
             return  # a rank's own fork (a DataLoader worker, a Pool): not a rank
         in_server = False
-        _set_pdeathsig()
-        if os.getppid() != server_pid:
-            os._exit(1)
+        follow(server_pid)
 
     os.register_at_fork(after_in_child=follow_server)
     forkserver.main(listener_fd, alive_r, [], None, None)
@@ -193,9 +192,7 @@ class _RankServer(forkserver.ForkServer):
                     code = 1
                     try:
                         os.close(alive_w)
-                        _set_pdeathsig()
-                        if os.getppid() != launcher:
-                            os._exit(1)
+                        follow(launcher)
                         signal.signal(signal.SIGINT, signal.SIG_IGN)
                         signal.signal(signal.SIGTERM, signal.SIG_DFL)
                         signal.pthread_sigmask(signal.SIG_SETMASK,
@@ -217,7 +214,7 @@ class _RankServer(forkserver.ForkServer):
 
     def start(self, nprocs: int, threads: int) -> None:
         def spawn_server(listener_fd: int, alive_r: int, alive_w: int) -> int:
-            cmd = (_BOOTSTRAP.format(ppid=os.getpid())
+            cmd = (follow_starter_code(os.getpid())
                    + f"import sys; sys.path[:] = {sys.path!r}; "
                    + "from flodl_shm.launch.rank_server import _rank_server_main; "
                    + f"_rank_server_main({listener_fd}, {alive_r}, {nprocs}, {threads})")
