@@ -413,6 +413,7 @@ def test_a_first_demo_says_it_compiles_the_kernels_once(tmp_path):
     head = r.stdout.splitlines()[:3]
     assert head[2] == ("  compiling flodl_shm's kernels for this machine, once: about 40 s on "
                        "2 cores (later runs load them in a second)"), r.stdout
+    assert "compiling" not in r.stderr, r.stderr  # (said once: not the warm-up's warning too)
     assert (folder / COMPLETE_MARKER).exists()
 
 

@@ -58,7 +58,10 @@ def test_a_cold_cache_is_compiled_with_a_helper_on_two_cores_and_marked_complete
     assert proc.returncode == 0, err
     lines = out.splitlines()
     assert lines[0] == "complete before: False" and lines[-1] == "complete after: True", out
-    said = lines[1]
+    assert lines[1] == ("compiling flodl_shm's kernels for this machine, once: about "
+                        f"{'a minute' if cores == 'one-core' else '30 s'} (later runs load "
+                        "them in a second)"), out
+    said = lines[2]
     assert said.startswith(f"compiling the kernels into {base}/flodl_shm-"), out
     pid = _helper_pid(said)
     if cores == "one-core":
@@ -79,6 +82,7 @@ def test_the_helper_dies_with_the_process_that_started_it(tmp_path):
     proc = _warm_all(base, "all")
     try:
         assert proc.stdout.readline() == "complete before: False\n"
+        proc.stdout.readline()  # (the warning: the test above reads it)
         pid = _helper_pid(proc.stdout.readline())
         assert pid is not None
         helper = psutil.Process(pid)
@@ -92,3 +96,37 @@ def test_the_helper_dies_with_the_process_that_started_it(tmp_path):
         proc.kill()
         proc.wait()
     assert not (next(Path(base).iterdir()) / COMPLETE_MARKER).exists()
+
+
+_FIRST_SPAWN = """
+import flodl_shm
+
+
+def f(ctx):
+    return ctx.rank
+
+
+if __name__ == "__main__":
+    print(flodl_shm.spawn(f, 2))
+"""
+
+
+def test_a_script_s_first_spawn_says_it_compiles_once(tmp_path):
+    """A user's own script (no logging set up) spawning on a cold cache sat 30-50 s
+    without a word, as if it hung: only the demo said why. The warm-up's warning now
+    shows where a script's user sees it, once: the next spawn loads the kernels."""
+    base = _cache_without(tmp_path / "numba", COMPLETE_MARKER)
+    script = tmp_path / "first.py"
+    script.write_text(_FIRST_SPAWN)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env["FLODL_SHM_NUMBA_CACHE"] = base
+    said = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                              text=True, timeout=100)
+        assert (done.returncode, done.stdout) == (0, "[0, 1]\n"), done.stderr
+        said.append(done.stderr.splitlines())
+    cores = len(os.sched_getaffinity(0))
+    assert said == [[f"compiling flodl_shm's kernels for this machine, once: about "
+                     f"{'30 s' if cores > 1 else 'a minute'} (later runs load them in a "
+                     f"second)"], []]

@@ -525,6 +525,10 @@ def _run_demo(cfg: DemoConfig) -> DemoResult:
     from flodl_shm.kernels import cache_complete
 
     if not cache_complete():  # (every host compiles its own: each says so)
+        import logging
+
+        # in the demo's words, instead of the warm-up's warning
+        logging.getLogger("flodl_shm.kernels.warming").setLevel(logging.ERROR)
         _out("  compiling flodl_shm's kernels for this machine, once: about 40 s on 2 cores "
              "(later runs load them in a second)")
     t0 = time.perf_counter()

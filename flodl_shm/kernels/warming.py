@@ -34,7 +34,8 @@ from typing import Sequence
 from ..lifeline import follow_starter_code
 from ._cache import cache_complete, cache_dir, mark_cache_complete
 
-logger = logging.getLogger("flodl_shm")
+#: (a child of the "flodl_shm" logger: the demo says its own line instead of the warning)
+logger = logging.getLogger(__name__)
 
 #: The kernel modules compiled here on a cold cache (about 25 s of one core, here).
 HERE = ("rounds", "parts", "signals")
@@ -73,6 +74,10 @@ def warm_all(max_sources: int = 4) -> None:
         warm(MODULES, max_sources)
         return
     helper = _start_helper(max_sources)
+    # said where a script's user sees it (a logger without handlers shows warnings): a
+    # first spawn was silent for 30-50 s, as if it hung
+    logger.warning("compiling flodl_shm's kernels for this machine, once: about %s (later "
+                   "runs load them in a second)", "a minute" if helper is None else "30 s")
     logger.info("compiling the kernels into %s, once: %s", cache_dir(),
                 "all in this process" if helper is None
                 else f"half of them in a helper process (pid {helper.pid})")
