@@ -1396,6 +1396,29 @@ def test_a_killed_rank_leaves_no_temp_folder(tmp_path, short_temp):
         assert sorted(os.listdir(short_temp)) == [], killed
 
 
+def test_a_rank_s_temp_folder_is_named_as_long_as_multiprocessing_s(tmp_path, monkeypatch):
+    """A rank's folder was first named pymp-fshm-rank<pid>-<8 random>, 16 characters longer
+    than multiprocessing's own: in the test above, under a temp dir of 62 characters
+    (/tmp/pytest-of-root/pytest-16/test_a_killed_rank_s_dataloade0), a DataLoader worker's
+    socket path passed the 107 bytes a Unix socket's path holds, and its batch never came
+    (the suite hung there; with pytest-9, one character shorter, it passed). The name is
+    multiprocessing's length now; a plain process's folder never reads as a rank's, and
+    only a dead rank's is removed."""
+    import tempfile
+
+    from flodl_shm.launch import rank_temp
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = 2 ** 22 + 12345  # above any Linux pid: never alive
+    made = [Path(rank_temp._make_folder(pid)) for pid in (dead, os.getpid())]
+    plain = Path(tempfile.mkdtemp(prefix="pymp-"))
+    assert [len(p.name) for p in made] == [len(plain.name)] * 2 == [13, 13]
+    assert made[0].name.startswith(rank_temp.folder_stem(dead))
+    assert not plain.name.startswith(rank_temp.FOLDER_PREFIX)
+    rank_temp.remove_left_by([dead, os.getpid()])
+    assert sorted(tmp_path.iterdir()) == sorted([made[1], plain])
+
+
 def test_forkserver_off_linux_spawns_ranks(monkeypatch):
     """Without the rank server (not Linux), the default start method spawns each rank:
     multiprocessing's own forkserver would make every rank fail its parent check."""

@@ -8,9 +8,13 @@ worker or back from a forked one) in a temp folder it makes on first use
 all: a rank killed, and its DataLoader worker killed with it, each left its folder.
 
 - **Made on first use, as multiprocessing does** (``name_after_the_rank``): in a rank
-  and in every process it forks, the folder's name carries the rank's pid
-  (``pymp-fshm-rank<pid>-<random>``); a rank that never needs one makes none. A process
-  forked after the rank made its folder shares it (it inherits the choice).
+  and in every process it forks, the folder's name carries the rank's pid (``folder_stem``:
+  ``pymp-R``, the pid in five base-36 digits, two random ones); a rank that never needs
+  one makes none. A process forked after the rank made its folder shares it (it inherits
+  the choice). The name is as long as multiprocessing's own (``pymp-`` and 8 random
+  characters), so a socket's path in it is no longer: a Unix socket's path holds at most
+  107 bytes, and a name 16 characters longer failed a DataLoader's batch under a long
+  temp dir. multiprocessing's random names are lowercase, so none reads as a rank's.
 - **The rank removes its own** on its way out (``remove_own``), once its descendants
   ended; a forked process that exits normally removes its own (multiprocessing's
   handler).
@@ -32,8 +36,37 @@ from multiprocessing import util as mp_util
 from pathlib import Path
 from typing import Iterable
 
-#: The name of a rank's folder starts with this, then the rank's pid and a dash.
-PREFIX = "pymp-fshm-rank"
+#: A rank's folder is named ``FOLDER_PREFIX``, the rank's pid in ``PID_DIGITS`` base-36
+#: digits (Linux pids are below 2**22 < 36**5), then ``RANDOM_DIGITS`` random ones.
+FOLDER_PREFIX = "pymp-R"
+PID_DIGITS = 5
+RANDOM_DIGITS = 2
+_DIGITS = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def folder_stem(pid: int) -> str:
+    """The start of the names of rank ``pid``'s folders: ``FOLDER_PREFIX`` and the pid."""
+    digits = ""
+    for _ in range(PID_DIGITS):
+        pid, d = divmod(pid, 36)
+        digits = _DIGITS[d] + digits
+    return FOLDER_PREFIX + digits
+
+
+def _make_folder(rank_pid: int) -> str:
+    """A new folder of this user's only, named for rank ``rank_pid`` (a free name among
+    the 1,296 its random digits give; multiprocessing's own kind of name if none is)."""
+    import random
+
+    stem = os.path.join(tempfile.gettempdir(), folder_stem(rank_pid))
+    for _ in range(64):
+        path = stem + "".join(random.choices(_DIGITS, k=RANDOM_DIGITS))
+        try:
+            os.mkdir(path, 0o700)
+            return path
+        except FileExistsError:
+            continue
+    return tempfile.mkdtemp(prefix="pymp-")
 
 
 def name_after_the_rank() -> str | None:
@@ -47,7 +80,7 @@ def name_after_the_rank() -> str | None:
         config = mp_process.current_process()._config
         tempdir = config.get("tempdir")
         if tempdir is None:
-            tempdir = tempfile.mkdtemp(prefix=f"{PREFIX}{rank_pid}-")
+            tempdir = _make_folder(rank_pid)
             mp_util.info("created temp directory %s", tempdir)
             mp_util.Finalize(None, mp_util._remove_temp_dir, args=(shutil.rmtree, tempdir),
                              exitpriority=-100)
@@ -78,10 +111,11 @@ def remove_left_by(pids: Iterable[int]) -> None:
     except OSError:
         return
     uid = os.getuid()
+    length = len(FOLDER_PREFIX) + PID_DIGITS + RANDOM_DIGITS
     for pid in gone:
-        mark = f"{PREFIX}{pid}-"
+        stem = folder_stem(pid)
         for name in names:
-            if not name.startswith(mark):
+            if len(name) != length or not name.startswith(stem):
                 continue
             path = Path(tempfile.gettempdir(), name)
             try:
