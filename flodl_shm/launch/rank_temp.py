@@ -29,12 +29,15 @@ that made one) stays that process's.
 from __future__ import annotations
 
 import os
+import random
 import shutil
+import stat
 import tempfile
 from multiprocessing import process as mp_process
 from multiprocessing import util as mp_util
-from pathlib import Path
 from typing import Iterable
+
+from ..engine.segment import pid_alive
 
 #: A rank's folder is named ``FOLDER_PREFIX``, the rank's pid in ``PID_DIGITS`` base-36
 #: digits (Linux pids are below 2**22 < 36**5), then ``RANDOM_DIGITS`` random ones.
@@ -56,8 +59,6 @@ def folder_stem(pid: int) -> str:
 def _make_folder(rank_pid: int) -> str:
     """A new folder of this user's only, named for rank ``rank_pid`` (a free name among
     the 1,296 its random digits give; multiprocessing's own kind of name if none is)."""
-    import random
-
     stem = os.path.join(tempfile.gettempdir(), folder_stem(rank_pid))
     for _ in range(64):
         path = stem + "".join(random.choices(_DIGITS, k=RANDOM_DIGITS))
@@ -101,25 +102,23 @@ def remove_own(inherited: str | None) -> None:
 def remove_left_by(pids: Iterable[int]) -> None:
     """Remove the temp folders of ranks ``pids`` that ended without removing their own
     (killed). Call once they are reaped; a pid that runs again is another process's."""
-    from ..engine.segment import pid_alive
-
-    gone = [pid for pid in pids if not pid_alive(pid)]
-    if not gone:
+    stems = {folder_stem(pid) for pid in pids if not pid_alive(pid)}
+    if not stems:
         return
+    base = tempfile.gettempdir()
     try:
-        names = os.listdir(tempfile.gettempdir())
+        names = os.listdir(base)
     except OSError:
         return
     uid = os.getuid()
     length = len(FOLDER_PREFIX) + PID_DIGITS + RANDOM_DIGITS
-    for pid in gone:
-        stem = folder_stem(pid)
-        for name in names:
-            if len(name) != length or not name.startswith(stem):
-                continue
-            path = Path(tempfile.gettempdir(), name)
-            try:
-                if path.lstat().st_uid == uid and path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path, ignore_errors=True)
-            except OSError:
-                pass
+    for name in names:
+        if len(name) != length or name[:-RANDOM_DIGITS] not in stems:
+            continue
+        path = os.path.join(base, name)
+        try:
+            st = os.lstat(path)  # (a symlink is no folder here: never followed)
+        except OSError:
+            continue
+        if st.st_uid == uid and stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(path, ignore_errors=True)
